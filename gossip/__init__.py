@@ -1,0 +1,1 @@
+"""Gossip: libp2p host, wire messages, signing, validation pipeline, peer scoring, rollout pool."""

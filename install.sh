@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Sets up Murmur in ./.venv on a fresh machine: system packages that py-libp2p 0.8.1
+# needs to compile fastecdsa (gcc, libgmp-dev), then the Python environment.
+# Idempotent: a second run with an unchanged pyproject.toml does nothing.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+log() { printf '[install] %s\n' "$*" >&2; }
+
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3.12 python3.13 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; then
+      PY="$cand"; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { log "Python >= 3.11 not found; install it and rerun"; exit 1; }
+
+need_pkgs=()
+command -v gcc >/dev/null 2>&1 || need_pkgs+=(gcc)
+if ! { [ -f /usr/include/gmp.h ] || ls /usr/include/*/gmp.h >/dev/null 2>&1; }; then need_pkgs+=(libgmp-dev); fi
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  if command -v apt-get >/dev/null 2>&1; then
+    log "installing system packages: ${need_pkgs[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" python3-dev >/dev/null
+  else
+    log "missing ${need_pkgs[*]} and no apt-get: install them with your package manager"; exit 1
+  fi
+fi
+
+stamp_src="$(cat pyproject.toml install.sh | sha256sum | cut -c1-16)"
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.murmur-stamp 2>/dev/null)" = "$stamp_src" ]; then
+  exit 0
+fi
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+log "installing Python packages (torch CPU build pinned, then murmur-swarm with test extras)"
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "$stamp_src" > .venv/.murmur-stamp
+log "ready: .venv/bin/murmur"

@@ -1,0 +1,231 @@
+"""Node configuration: TOML decoded strictly into msgspec Structs, plus environment overrides.
+
+One source of truth: the Structs below carry every default and, in `Meta`
+descriptions, the comment written into a new `config.toml`. An unknown key or
+a wrong type is a one-line `ConfigError` naming the file and the key.
+Environment variables `MURMUR_<SECTION>_<KEY>` override the file (values are
+parsed as TOML literals, falling back to plain strings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+import typing
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+from node.errors import ConfigError
+
+CONFIG_FILE = "config.toml"
+
+
+def _d(text: str) -> Meta:
+    return Meta(description=text)
+
+
+class NodeSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    swarm: Annotated[str, _d("swarm name: nodes only talk to nodes of the same swarm")] = "murmur-default"
+    roles: Annotated[list[str], _d("roles to hold (trainer, follower, validator); empty = pick from hardware")] = []
+    hardware: Annotated[str, _d("hardware class: auto, cpu, gpu-small, gpu-large")] = "auto"
+    memory_budget_mb: Annotated[int, _d("upper bound for pools, queues and caches, in MiB")] = 4096
+    log_level: Annotated[str, _d("debug, info, warning or error")] = "info"
+
+
+class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    listen: Annotated[list[str], _d("libp2p listen multiaddrs")] = msgspec.field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4001"])
+    bootstrap: Annotated[list[str], _d("bootstrap peers: full multiaddrs with /p2p/<peer id>")] = []
+    dht: Annotated[bool, _d("use the Kademlia DHT for peer discovery")] = True
+    upload_bytes_per_s: Annotated[int, _d("upload limit for bulk transfers, bytes/s; 0 = unlimited")] = 0
+    download_bytes_per_s: Annotated[int, _d("download limit for bulk transfers, bytes/s; 0 = unlimited")] = 0
+    relay_service: Annotated[bool, _d("offer circuit relay v2 to NATed peers (public nodes only)")] = False
+    relay_max_reservations: Annotated[int, _d("relay: most reservations held at once")] = 16
+    relay_max_circuit_bytes: Annotated[int, _d("relay: bytes per circuit before it is closed")] = 64 * 1024 * 1024
+    relay_max_circuit_s: Annotated[int, _d("relay: seconds per circuit before it is closed")] = 600
+    relays: Annotated[list[str], _d("relay peers to reserve a slot on when not publicly reachable")] = []
+
+
+class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    rate_limit_per_s: Annotated[float, _d("messages per second accepted from one peer")] = 20.0
+    rate_burst: Annotated[int, _d("burst of messages accepted from one peer")] = 40
+    graylist_threshold: Annotated[float, _d("score below which a peer's messages are dropped unread")] = -50.0
+    blacklist_s: Annotated[int, _d("seconds a peer proven to forge stays banned")] = 3600
+    replay_cache: Annotated[int, _d("entries in the replay/duplicate cache")] = 100_000
+    replay_ttl_s: Annotated[int, _d("seconds a message id is remembered")] = 900
+    pool_max_rollouts: Annotated[int, _d("verified rollouts kept in memory")] = 20_000
+
+
+class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    publish_every: Annotated[int, _d("optimizer steps per published version")] = 1
+    anchor_every: Annotated[int, _d("a full anchor every K versions")] = 16
+    chunk_bytes: Annotated[int, _d("patch chunk size in bytes")] = 256 * 1024
+    max_staleness: Annotated[int, _d("versions a rollout's policy may lag the head")] = 4
+    retain_versions: Annotated[int, _d("patches kept on disk per lineage")] = 64
+    stall_timeout_s: Annotated[float, _d("seconds without progress before switching peer")] = 5.0
+    follow: Annotated[list[str], _d("lineage ids (hex) to follow; empty = choose by the capacity rule")] = []
+
+
+class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, _d("murmur-tiny, or a local path to a Hugging Face causal LM")] = "murmur-tiny"
+    engine: Annotated[str, _d("transformers or vllm")] = "transformers"
+    task_set: Annotated[str, _d("builtin, or a task set id (hex) published by a trusted coordinator")] = "builtin"
+    local_rollouts: Annotated[int, _d("I: own rollouts per step")] = 4
+    external_rollouts: Annotated[int, _d("J: verified swarm rollouts per step")] = 4
+    group_size: Annotated[int, _d("completions per prompt (GRPO group)")] = 8
+    lr: Annotated[float, _d("learning rate")] = 3e-4
+    max_new_tokens: Annotated[int, _d("completion length limit")] = 16
+    temperature: Annotated[float, _d("sampling temperature")] = 1.0
+    seed: Annotated[int, _d("random seed")] = 0
+    threads: Annotated[int, _d("torch threads for training and generation")] = 1
+    device: Annotated[str, _d("auto, cpu or cuda")] = "auto"
+
+
+class TrustSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    coordinators: Annotated[list[str], _d("hex ed25519 public keys whose task sets this node accepts")] = []
+
+
+class MetricsSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    port: Annotated[int, _d("Prometheus metrics port on 127.0.0.1; 0 = off")] = 0
+    control_socket: Annotated[str, _d("control socket for `murmur node status`, relative to the home")] = "control.sock"
+
+
+class Config(Struct, forbid_unknown_fields=True, kw_only=True):
+    node: NodeSection = msgspec.field(default_factory=NodeSection)
+    network: NetworkSection = msgspec.field(default_factory=NetworkSection)
+    gossip: GossipSection = msgspec.field(default_factory=GossipSection)
+    sync: SyncSection = msgspec.field(default_factory=SyncSection)
+    training: TrainingSection = msgspec.field(default_factory=TrainingSection)
+    trust: TrustSection = msgspec.field(default_factory=TrustSection)
+    metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
+
+
+SECTIONS: dict[str, type[Struct]] = {
+    "node": NodeSection,
+    "network": NetworkSection,
+    "gossip": GossipSection,
+    "sync": SyncSection,
+    "training": TrainingSection,
+    "trust": TrustSection,
+    "metrics": MetricsSection,
+}
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("MURMUR_HOME") or Path.home() / ".murmur")
+
+
+def _error_path(msg: str) -> str:
+    m = re.search(r"at `\$\.?([^`]*)`", msg)
+    return m.group(1) if m else ""
+
+
+def _convert(raw: dict[str, Any], origin: str) -> Config:
+    try:
+        return msgspec.convert(raw, Config, strict=True)
+    except msgspec.ValidationError as e:
+        text = str(e).replace("\n", " ")
+        field = re.search(r"unknown field `([^`]*)`", text)
+        where = _error_path(text)
+        if field:
+            key = f"{where}.{field.group(1)}" if where else field.group(1)
+            raise ConfigError(f"{origin}: unknown key '{key}'") from None
+        raise ConfigError(f"{origin}: key '{where or '?'}': {text.split(' - at ')[0]}") from None
+
+
+def _parse_env_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_raw(path: Path | None) -> dict[str, Any]:
+    if path is None or not Path(path).exists():
+        return {}
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[tuple[str, str], tuple[str, Any]]:
+    """{(section, key): (variable name, value)} for every MURMUR_<SECTION>_<KEY> that names a field."""
+    environ = dict(os.environ if environ is None else environ)
+    out: dict[tuple[str, str], tuple[str, Any]] = {}
+    for var, text in environ.items():
+        if not var.startswith("MURMUR_") or var == "MURMUR_HOME":
+            continue
+        rest = var[len("MURMUR_"):].lower()
+        section, _, key = rest.partition("_")
+        if section in SECTIONS and key:
+            if key not in SECTIONS[section].__struct_fields__:
+                raise ConfigError(f"environment: {var} names no config key '{section}.{key}'")
+            out[(section, key)] = (var, _parse_env_value(text))
+    return out
+
+
+def load_config(path: Path | None = None, environ: dict[str, str] | None = None) -> Config:
+    return load_config_with_sources(path, environ)[0]
+
+
+def load_config_with_sources(
+    path: Path | None = None, environ: dict[str, str] | None = None
+) -> tuple[Config, dict[str, str]]:
+    """The effective config and, for every `section.key`, where its value came from."""
+    raw = load_raw(path)
+    origin = str(path) if path else "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: top level must be a table")
+    _convert(raw, origin)  # errors in the file are reported against the file
+    sources: dict[str, str] = {}
+    for section, typ in SECTIONS.items():
+        for key in typ.__struct_fields__:
+            in_file = isinstance(raw.get(section), dict) and key in raw[section]
+            sources[f"{section}.{key}"] = origin if in_file else "default"
+    for (section, key), (var, value) in env_overrides(environ).items():
+        raw.setdefault(section, {})[key] = value
+        sources[f"{section}.{key}"] = f"env {var}"
+    return _convert(raw, "environment"), sources
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot render {type(v).__name__} as TOML")
+
+
+def render_default_config(config: Config | None = None) -> str:
+    """A commented config.toml; every key shown with its default and meaning."""
+    config = config or Config()
+    lines = ["# Murmur node configuration. Every key is optional; shown with its default.",
+             "# Override any key with MURMUR_<SECTION>_<KEY>, e.g. MURMUR_NETWORK_UPLOAD_BYTES_PER_S=2097152.", ""]
+    for section, typ in SECTIONS.items():
+        lines.append(f"[{section}]")
+        values = getattr(config, section)
+        hints = typing.get_type_hints(typ, include_extras=True)
+        for key in typ.__struct_fields__:
+            meta = getattr(hints[key], "__metadata__", ())
+            desc = next((m.description for m in meta if isinstance(m, Meta) and m.description), "")
+            if desc:
+                lines.append(f"# {desc}")
+            lines.append(f"{key} = {_toml_value(getattr(values, key))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    return {f"{s}.{k}": getattr(getattr(config, s), k) for s, t in SECTIONS.items() for k in t.__struct_fields__}

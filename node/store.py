@@ -1,0 +1,278 @@
+"""State store: one SQLite database (WAL) in the node home.
+
+Holds what must survive kill -9: peers seen, lineages and their versions,
+task sets, and the rollout ledger (every rollout produced, received, accepted
+or rejected with its reason) that later serves contribution accounting.
+Accepted rollouts keep their signed bytes so a restart loses none of them.
+The schema is versioned (PRAGMA user_version) and migrated forward in order.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from node.errors import StoreError
+
+DB_FILE = "state.db"
+
+MIGRATIONS: list[str] = [
+    # 1: initial schema
+    """
+    CREATE TABLE peers (
+        peer_id TEXT PRIMARY KEY,
+        public_key BLOB,
+        addrs TEXT NOT NULL DEFAULT '[]',
+        first_seen_ms INTEGER NOT NULL,
+        last_seen_ms INTEGER NOT NULL,
+        score REAL NOT NULL DEFAULT 0,
+        banned_until_ms INTEGER NOT NULL DEFAULT 0,
+        announce BLOB
+    );
+    CREATE TABLE lineages (
+        lineage_id BLOB PRIMARY KEY,
+        name TEXT NOT NULL,
+        publisher BLOB NOT NULL,
+        base_model_hash BLOB NOT NULL,
+        relation TEXT NOT NULL CHECK (relation IN ('own', 'follow', 'seen')),
+        created_ms INTEGER NOT NULL
+    );
+    CREATE TABLE versions (
+        lineage_id BLOB NOT NULL REFERENCES lineages(lineage_id),
+        version INTEGER NOT NULL,
+        state_hash BLOB NOT NULL,
+        kind TEXT NOT NULL CHECK (kind IN ('patch', 'anchor', 'union')),
+        base_version INTEGER NOT NULL,
+        manifest BLOB,
+        path TEXT,
+        held INTEGER NOT NULL DEFAULT 0,
+        created_ms INTEGER NOT NULL,
+        PRIMARY KEY (lineage_id, version, kind, base_version)
+    );
+    CREATE TABLE task_sets (
+        task_set_id BLOB PRIMARY KEY,
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        coordinator BLOB NOT NULL,
+        envelope BLOB NOT NULL,
+        received_ms INTEGER NOT NULL
+    );
+    CREATE TABLE rollouts (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        rollout_id BLOB NOT NULL,
+        direction TEXT NOT NULL CHECK (direction IN ('produced', 'received')),
+        status TEXT NOT NULL CHECK (status IN ('produced', 'accepted', 'rejected')),
+        reason TEXT NOT NULL DEFAULT '',
+        producer BLOB,
+        from_peer TEXT NOT NULL DEFAULT '',
+        lineage BLOB,
+        version INTEGER,
+        task_set BLOB,
+        generator TEXT,
+        task_seed INTEGER,
+        reward REAL,
+        tokens INTEGER,
+        ts_ms INTEGER NOT NULL,
+        payload BLOB
+    );
+    CREATE INDEX rollouts_status ON rollouts(status, ts_ms);
+    CREATE INDEX rollouts_id ON rollouts(rollout_id);
+    CREATE TABLE kv (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    );
+    """,
+]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Store:
+    """Thread-safe wrapper around one SQLite connection; every write is one transaction."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{self.path}: cannot open state database: {e}") from None
+        self._lock = threading.RLock()
+        self.migrate()
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def migrate(self) -> None:
+        try:
+            current = self.schema_version
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{self.path}: not a state database: {e}") from None
+        if current > len(MIGRATIONS):
+            raise StoreError(f"{self.path}: schema version {current} is newer than this murmur ({len(MIGRATIONS)})")
+        for number in range(current + 1, len(MIGRATIONS) + 1):
+            with self.tx() as db:
+                db.executescript("SAVEPOINT m;" + MIGRATIONS[number - 1] + f"; PRAGMA user_version={number}; RELEASE m;")
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def query(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ------------------------------------------------------------ kv
+    def get(self, key: str, default: Any = None) -> Any:
+        rows = self.query("SELECT value FROM kv WHERE key=?", (key,))
+        return json.loads(rows[0][0]) if rows else default
+
+    def put(self, key: str, value: Any) -> None:
+        with self.tx() as db:
+            db.execute("INSERT INTO kv(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                       (key, json.dumps(value)))
+
+    # ------------------------------------------------------------ peers
+    def see_peer(self, peer_id: str, public_key: bytes | None = None, addrs: list[str] | None = None,
+                 announce: bytes | None = None) -> None:
+        now = _now_ms()
+        with self.tx() as db:
+            db.execute(
+                """INSERT INTO peers(peer_id, public_key, addrs, first_seen_ms, last_seen_ms, announce)
+                   VALUES(?, ?, ?, ?, ?, ?)
+                   ON CONFLICT(peer_id) DO UPDATE SET last_seen_ms=excluded.last_seen_ms,
+                     public_key=COALESCE(excluded.public_key, peers.public_key),
+                     addrs=CASE WHEN excluded.addrs='[]' THEN peers.addrs ELSE excluded.addrs END,
+                     announce=COALESCE(excluded.announce, peers.announce)""",
+                (peer_id, public_key, json.dumps(addrs or []), now, now, announce),
+            )
+
+    def set_peer_score(self, peer_id: str, score: float, banned_until_ms: int = 0) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE peers SET score=?, banned_until_ms=? WHERE peer_id=?", (score, banned_until_ms, peer_id))
+
+    def peers(self) -> list[dict[str, Any]]:
+        rows = self.query("SELECT peer_id, addrs, last_seen_ms, score, banned_until_ms FROM peers ORDER BY last_seen_ms DESC")
+        return [dict(peer_id=r[0], addrs=json.loads(r[1]), last_seen_ms=r[2], score=r[3], banned_until_ms=r[4]) for r in rows]
+
+    # ------------------------------------------------------------ lineages and versions
+    def add_lineage(self, lineage_id: bytes, name: str, publisher: bytes, base_model_hash: bytes, relation: str) -> None:
+        with self.tx() as db:
+            db.execute(
+                """INSERT INTO lineages VALUES(?, ?, ?, ?, ?, ?)
+                   ON CONFLICT(lineage_id) DO UPDATE SET relation=CASE WHEN lineages.relation='seen'
+                     THEN excluded.relation ELSE lineages.relation END""",
+                (lineage_id, name, publisher, base_model_hash, relation, _now_ms()),
+            )
+
+    def lineages(self) -> list[dict[str, Any]]:
+        rows = self.query("SELECT lineage_id, name, publisher, base_model_hash, relation FROM lineages")
+        return [dict(lineage_id=r[0], name=r[1], publisher=r[2], base_model_hash=r[3], relation=r[4]) for r in rows]
+
+    def add_version(self, lineage_id: bytes, version: int, state_hash: bytes, kind: str, base_version: int,
+                    manifest: bytes | None = None, path: str | None = None, held: bool = False) -> None:
+        with self.tx() as db:
+            db.execute(
+                """INSERT INTO versions VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT DO UPDATE SET held=MAX(versions.held, excluded.held),
+                     path=COALESCE(excluded.path, versions.path),
+                     manifest=COALESCE(excluded.manifest, versions.manifest)""",
+                (lineage_id, version, state_hash, kind, base_version, manifest, path, int(held), _now_ms()),
+            )
+
+    def head_version(self, lineage_id: bytes, held_only: bool = True) -> int | None:
+        sql = "SELECT MAX(version) FROM versions WHERE lineage_id=?" + (" AND held=1" if held_only else "")
+        row = self.query(sql, (lineage_id,))
+        return row[0][0]
+
+    def versions(self, lineage_id: bytes) -> list[dict[str, Any]]:
+        rows = self.query(
+            "SELECT version, state_hash, kind, base_version, manifest, path, held FROM versions WHERE lineage_id=? ORDER BY version, kind",
+            (lineage_id,),
+        )
+        return [dict(version=r[0], state_hash=r[1], kind=r[2], base_version=r[3], manifest=r[4], path=r[5], held=bool(r[6]))
+                for r in rows]
+
+    def forget_versions_before(self, lineage_id: bytes, version: int, keep_anchors: bool = True) -> None:
+        with self.tx() as db:
+            sql = "DELETE FROM versions WHERE lineage_id=? AND version<?" + (" AND kind!='anchor'" if keep_anchors else "")
+            db.execute(sql, (lineage_id, version))
+
+    # ------------------------------------------------------------ task sets
+    def add_task_set(self, task_set_id: bytes, name: str, version: int, coordinator: bytes, envelope: bytes) -> bool:
+        """True when new."""
+        with self.tx() as db:
+            cur = db.execute("INSERT OR IGNORE INTO task_sets VALUES(?, ?, ?, ?, ?, ?)",
+                             (task_set_id, name, version, coordinator, envelope, _now_ms()))
+            return cur.rowcount == 1
+
+    def task_sets(self) -> list[dict[str, Any]]:
+        rows = self.query("SELECT task_set_id, name, version, coordinator, envelope, received_ms FROM task_sets ORDER BY received_ms")
+        return [dict(task_set_id=r[0], name=r[1], version=r[2], coordinator=r[3], envelope=r[4], received_ms=r[5]) for r in rows]
+
+    # ------------------------------------------------------------ rollout ledger
+    def record_rollouts(self, entries: Iterable[dict[str, Any]]) -> int:
+        """Append ledger rows in one transaction. Keys: rollout_id, direction, status, and optional
+        reason, producer, from_peer, lineage, version, task_set, generator, task_seed, reward, tokens, payload."""
+        now = _now_ms()
+        rows = [
+            (e["rollout_id"], e["direction"], e["status"], e.get("reason", ""), e.get("producer"), e.get("from_peer", ""),
+             e.get("lineage"), e.get("version"), e.get("task_set"), e.get("generator"), e.get("task_seed"),
+             e.get("reward"), e.get("tokens"), e.get("ts_ms", now), e.get("payload"))
+            for e in entries
+        ]
+        with self.tx() as db:
+            db.executemany(
+                """INSERT INTO rollouts(rollout_id, direction, status, reason, producer, from_peer, lineage, version,
+                   task_set, generator, task_seed, reward, tokens, ts_ms, payload) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
+                rows,
+            )
+        return len(rows)
+
+    def ledger_counts(self) -> dict[str, int]:
+        rows = self.query("SELECT status, reason, COUNT(*) FROM rollouts GROUP BY status, reason")
+        out: dict[str, int] = {}
+        for status, reason, n in rows:
+            key = f"{status}:{reason}" if reason else status
+            out[key] = out.get(key, 0) + n
+        return out
+
+    def accepted_payloads(self, since_seq: int = 0, limit: int = 100_000) -> list[tuple[int, bytes]]:
+        return self.query(
+            "SELECT seq, payload FROM rollouts WHERE status='accepted' AND payload IS NOT NULL AND seq>? ORDER BY seq LIMIT ?",
+            (since_seq, limit),
+        )
+
+    def contributions(self) -> list[dict[str, Any]]:
+        """Accepted rollouts and tokens per producer: the basis of contribution accounting."""
+        rows = self.query(
+            "SELECT producer, COUNT(*), COALESCE(SUM(tokens), 0) FROM rollouts WHERE status='accepted' GROUP BY producer"
+        )
+        return [dict(producer=r[0], accepted=r[1], tokens=r[2]) for r in rows]
+
+
+def open_store(home: Path) -> Store:
+    return Store(Path(home) / DB_FILE)

@@ -1,0 +1,1 @@
+"""Murmur sync package."""
