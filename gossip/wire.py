@@ -54,7 +54,7 @@ PubKey = Annotated[bytes, Meta(min_length=32, max_length=32)]
 Sig = Annotated[bytes, Meta(min_length=64, max_length=64)]
 Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
 U32 = Annotated[int, Meta(ge=0, lt=2**32)]
-U64 = Annotated[int, Meta(ge=0, lt=2**63)]
+U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Finite = Annotated[float, Meta(ge=-1e30, le=1e30)]
 ConfigValue = int | float | str | bool
 
