@@ -1,0 +1,336 @@
+"""The py-libp2p host behind Murmur's `Transport` interface.
+
+Configured from measured limits of py-libp2p 0.8.1 (docs/gossip.md): TCP
+(+ optional WebSocket), Noise only (no plaintext fallback), yamux only, one
+connection per peer (no 250 ms dial wait), GossipSub with a 1 s heartbeat,
+adaptive gossip, spam protection and IP-diversity grafting off (loopback
+swarms are one IP), strict signing on. Pubsub and GossipSub start before the
+network listens (an early inbound pubsub stream would otherwise crash the
+host). Subscriptions are drained at once into our own bounded channels, and a
+publish that cannot go out raises `PublishError` instead of vanishing.
+
+The libp2p key is the node's ed25519 identity, so `transport.peer_id ==
+Identity.peer_id`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import multiaddr
+import trio
+
+from gossip.transport import MessageChannel, PublishError, Stream, StreamError, StreamHandler
+from node.errors import MurmurError
+from node.identity import Identity
+
+log = logging.getLogger("murmur.gossip.host")
+
+# Largest payload one gossip message may carry. py-libp2p drops >1 MiB silently
+# and closes the pubsub stream of a peer sending an RPC >1 MiB; keep well under.
+MAX_PUBLISH_BYTES = 512 * 1024 + 4096
+# Our per-topic inbox: py-libp2p's own subscription buffer (32) is drained into it at once.
+INBOX_SIZE = 4096
+GOSSIP_D, GOSSIP_D_LOW, GOSSIP_D_HIGH = 6, 4, 12
+HEARTBEAT_S = 1
+
+# Async validator: (forwarder peer id, originator peer id, data) -> accept?
+Validator = Callable[[str, str, bytes], Awaitable[bool]]
+
+
+class ConnectError(MurmurError):
+    """A dial failed or the multiaddr is malformed."""
+
+
+def libp2p_key_pair(identity: Identity) -> Any:
+    """The libp2p Ed25519 key pair of a Murmur identity (same seed, same peer ID)."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    return create_new_key_pair(identity.seed)
+
+
+class _Stream:
+    """Adapts a libp2p net stream to `gossip.transport.Stream`: EOF reads b"", errors are StreamError."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    async def read(self, n: int) -> bytes:
+        from libp2p.network.stream.exceptions import StreamEOF
+        from libp2p.network.stream.exceptions import StreamError as _LErr
+
+        try:
+            return await self._raw.read(n)
+        except StreamEOF:
+            return b""
+        except (_LErr, OSError) as e:
+            raise StreamError(f"stream read failed: {type(e).__name__}: {e}") from None
+        except Exception as e:  # muxer-level exceptions of py-libp2p
+            if "EOF" in type(e).__name__:
+                return b""
+            raise StreamError(f"stream read failed: {type(e).__name__}: {e}") from None
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._raw.write(data)
+        except Exception as e:
+            raise StreamError(f"stream write failed: {type(e).__name__}: {e}") from None
+
+    async def close(self) -> None:
+        try:
+            await self._raw.close()
+        except Exception:  # closing a broken stream is not an error worth raising
+            pass
+
+    async def reset(self) -> None:
+        try:
+            await self._raw.reset()
+        except Exception:
+            pass
+
+
+class _Inbox:
+    """Our own bounded per-topic queue; overflow is counted, never silent."""
+
+    def __init__(self, size: int) -> None:
+        self.send, self.recv = trio.open_memory_channel[tuple[str, bytes]](size)
+        self.dropped = 0
+
+    async def receive(self) -> tuple[str, bytes]:
+        return await self.recv.receive()
+
+
+class Libp2pTransport:
+    """A running py-libp2p host. Create with `open_transport(...)`; use only inside that context."""
+
+    def __init__(self, identity: Identity, host: Any, pubsub: Any, router: Any, nursery: trio.Nursery) -> None:
+        self.identity = identity
+        self.peer_id: str = identity.peer_id
+        self.host = host
+        self.pubsub = pubsub
+        self.router = router
+        self._nursery = nursery
+        self._inboxes: dict[str, list[_Inbox]] = {}
+        self._subs: dict[str, Any] = {}
+        self.counters: dict[str, int] = {"published": 0, "publish_errors": 0, "inbox_dropped": 0}
+
+    # ------------------------------------------------------------ peers
+    def listen_addrs(self) -> list[str]:
+        """Full dialable multiaddrs (with /p2p/<id>)."""
+        out = []
+        for a in self.host.get_addrs():
+            s = str(a)
+            out.append(s if "/p2p/" in s else f"{s}/p2p/{self.peer_id}")
+        return out
+
+    def peers(self) -> list[str]:
+        return [p.to_base58() for p in self.host.get_connected_peers()]
+
+    async def connect(self, addr: str) -> str:
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except Exception as e:
+            raise ConnectError(f"bad multiaddr {addr!r}: {e}") from None
+        if info.peer_id.to_base58() == self.peer_id:
+            raise ConnectError(f"{addr}: that is this node")
+        try:
+            await self.host.connect(info)
+        except Exception as e:
+            raise ConnectError(f"cannot connect to {addr}: {type(e).__name__}: {e}") from None
+        return info.peer_id.to_base58()
+
+    async def disconnect(self, peer_id: str) -> None:
+        from libp2p.peer.id import ID
+
+        try:
+            await self.host.disconnect(ID.from_base58(peer_id))
+        except Exception as e:
+            log.debug("disconnect %s: %s", peer_id, e)
+
+    def peer_addrs(self, peer_id: str) -> list[str]:
+        from libp2p.peer.id import ID
+
+        try:
+            return [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer_id))]
+        except Exception:
+            return []
+
+    # ------------------------------------------------------------ gossip
+    def topic_peers(self, topic: str) -> list[str]:
+        """Connected peers that told us they subscribe to `topic`."""
+        return [p.to_base58() for p in self.pubsub.peer_topics.get(topic, ())]
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        if len(data) > MAX_PUBLISH_BYTES:
+            self.counters["publish_errors"] += 1
+            raise PublishError(f"{len(data)}-byte message exceeds the {MAX_PUBLISH_BYTES}-byte gossip limit; "
+                               "announce it by hash and serve it with gossip.fetch")
+        targets = list(self.pubsub.peer_topics.get(topic, ()))
+        if not targets:
+            self.counters["publish_errors"] += 1
+            raise PublishError(f"no connected peer subscribes to {topic}")
+        full = []
+        for p in targets:
+            q = self.pubsub.peer_queues.get(p)
+            if q is not None and len(q) >= q._queue.max_size:
+                full.append(p.to_base58())
+        if full and len(full) == len(targets):
+            self.counters["publish_errors"] += 1
+            raise PublishError(f"outbound queues full to every subscriber of {topic}: {full}")
+        try:
+            await self.pubsub.publish(topic, data)
+        except Exception as e:
+            self.counters["publish_errors"] += 1
+            raise PublishError(f"publish to {topic} failed: {type(e).__name__}: {e}") from None
+        self.counters["published"] += 1
+
+    async def subscribe(self, topic: str) -> MessageChannel:
+        """A channel of (originator peer id, data) for `topic`; several callers may subscribe."""
+        inbox = _Inbox(INBOX_SIZE)
+        first = topic not in self._subs
+        self._inboxes.setdefault(topic, []).append(inbox)
+        if first:
+            sub = await self.pubsub.subscribe(topic)
+            self._subs[topic] = sub
+            self._nursery.start_soon(self._drain, topic, sub)
+        return inbox
+
+    async def _drain(self, topic: str, sub: Any) -> None:
+        from libp2p.peer.id import ID
+
+        async for msg in sub:
+            origin = ID(msg.from_id).to_base58() if msg.from_id else ""
+            for inbox in self._inboxes.get(topic, ()):
+                try:
+                    inbox.send.send_nowait((origin, bytes(msg.data)))
+                except trio.WouldBlock:
+                    inbox.dropped += 1
+                    self.counters["inbox_dropped"] += 1
+                    log.warning("inbox for %s full: message from %s dropped", topic, origin)
+
+    def set_validator(self, topic: str, validator: Validator) -> None:
+        """Run `validator` on every message of `topic` before it is delivered or forwarded.
+
+        Our own publishes are accepted without calling it (py-libp2p would run it on them too).
+        """
+        from libp2p.peer.id import ID
+
+        me = self.host.get_id()
+
+        async def _v(forwarder: Any, msg: Any) -> bool:
+            if forwarder == me:
+                return True
+            origin = ID(msg.from_id).to_base58() if msg.from_id else ""
+            try:
+                return await validator(forwarder.to_base58(), origin, bytes(msg.data))
+            except Exception:
+                log.exception("validator for %s raised; message rejected", topic)
+                return False
+
+        self.pubsub.set_topic_validator(topic, _v, True)
+
+    def blacklist(self, peer_id: str) -> None:
+        """Stop exchanging pubsub messages with `peer_id` (caller should also disconnect)."""
+        from libp2p.peer.id import ID
+
+        self.pubsub.add_to_blacklist(ID.from_base58(peer_id))
+
+    def unblacklist(self, peer_id: str) -> None:
+        from libp2p.peer.id import ID
+
+        self.pubsub.remove_from_blacklist(ID.from_base58(peer_id))
+
+    # ------------------------------------------------------------ bulk streams
+    async def open_stream(self, peer_id: str, protocol: str) -> Stream:
+        from libp2p.custom_types import TProtocol
+        from libp2p.peer.id import ID
+
+        try:
+            raw = await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
+        except Exception as e:
+            raise StreamError(f"cannot open {protocol} to {peer_id}: {type(e).__name__}: {e}") from None
+        return _Stream(raw)
+
+    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+        from libp2p.custom_types import TProtocol
+
+        async def _h(raw: Any) -> None:
+            remote = raw.muxed_conn.peer_id.to_base58()
+            stream = _Stream(raw)
+            try:
+                await handler(stream, remote)
+            except MurmurError as e:
+                log.info("%s handler for %s: %s", protocol, remote, e)
+                await stream.reset()
+            except Exception:
+                log.exception("%s handler for %s crashed", protocol, remote)
+                await stream.reset()
+
+        self.host.set_stream_handler(TProtocol(protocol), _h)
+
+
+def _build(identity: Identity, websocket: bool, dial_timeout_s: float) -> tuple[Any, Any, Any]:
+    from libp2p import new_host
+    from libp2p.custom_types import TProtocol
+    from libp2p.crypto.x25519 import create_new_key_pair as x25519_pair
+    from libp2p.network.config import ConnectionConfig
+    from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+    from libp2p.pubsub.pubsub import Pubsub
+    from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
+    from libp2p.security.noise.transport import Transport as NoiseTransport
+    from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_ID
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    kp = libp2p_key_pair(identity)
+    host = new_host(
+        key_pair=kp,
+        sec_opt={NOISE_ID: NoiseTransport(kp, noise_privkey=x25519_pair().private_key)},
+        muxer_opt={TProtocol(YAMUX_ID): Yamux},
+        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout_s),
+        enable_websocket=websocket,
+    )
+    router = GossipSub(
+        protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
+        degree=GOSSIP_D,
+        degree_low=GOSSIP_D_LOW,
+        degree_high=GOSSIP_D_HIGH,
+        heartbeat_interval=HEARTBEAT_S,
+        heartbeat_initial_delay=0.1,
+        adaptive_gossip_enabled=False,
+        spam_protection_enabled=False,
+        eclipse_protection_enabled=False,
+        prune_back_off=10,
+    )
+    pubsub = Pubsub(host, router, strict_signing=True)
+    return host, pubsub, router
+
+
+@asynccontextmanager
+async def open_transport(
+    identity: Identity,
+    listen: list[str] | None = None,
+    websocket: bool = False,
+    dial_timeout_s: float = 5.0,
+) -> AsyncIterator[Libp2pTransport]:
+    """Start a host listening on `listen` (default an ephemeral 127.0.0.1 TCP port) and yield it."""
+    from libp2p.tools.anyio_service import background_trio_service
+
+    addrs = [multiaddr.Multiaddr(a) for a in (listen or ["/ip4/127.0.0.1/tcp/0"])]
+    host, pubsub, router = _build(identity, websocket, dial_timeout_s)
+    async with AsyncExitStack() as stack:
+        # Order matters (py-libp2p 0.8.1): pubsub and router run before the network listens.
+        await stack.enter_async_context(background_trio_service(pubsub))
+        await stack.enter_async_context(background_trio_service(router))
+        await stack.enter_async_context(host.run(addrs))
+        await pubsub.wait_until_ready()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        transport = Libp2pTransport(identity, host, pubsub, router, nursery)
+        try:
+            yield transport
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,102 @@
+"""Real py-libp2p hosts on 127.0.0.1: identity, Noise-only, gossip, bulk streams, publish errors."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from gossip.framing import read_frame, write_frame
+from gossip.host import MAX_PUBLISH_BYTES, ConnectError, open_transport
+from gossip.transport import PublishError
+from node.identity import Identity
+
+
+async def wait_until(pred, timeout: float = 5.0, step: float = 0.02) -> None:
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(step)
+
+
+def test_peer_id_is_identity_peer_id() -> None:
+    ident = Identity.from_seed(bytes(range(32)))
+
+    async def main() -> None:
+        async with open_transport(ident) as t:
+            assert t.peer_id == ident.peer_id
+            assert t.host.get_id().to_base58() == ident.peer_id
+            assert all(a.endswith(f"/p2p/{ident.peer_id}") and "/tcp/" in a for a in t.listen_addrs())
+
+    trio.run(main)
+
+
+def test_gossip_stream_and_publish_errors() -> None:
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (1, 2, 3)]
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as a, open_transport(ids[1]) as b, open_transport(ids[2]) as c:
+            assert await b.connect(a.listen_addrs()[0]) == a.peer_id
+            await c.connect(a.listen_addrs()[0])
+            await wait_until(lambda: set(a.peers()) == {b.peer_id, c.peer_id})
+            chans = [await x.subscribe("/murmur/t/rollouts/1") for x in (a, b, c)]
+            await wait_until(lambda: len(a.topic_peers("/murmur/t/rollouts/1")) == 2
+                             and b.topic_peers("/murmur/t/rollouts/1") and c.topic_peers("/murmur/t/rollouts/1"))
+            await b.publish("/murmur/t/rollouts/1", b"hello")
+            with trio.fail_after(5):
+                assert await chans[0].receive() == (b.peer_id, b"hello")
+                assert await chans[2].receive() == (b.peer_id, b"hello")  # relayed by a
+
+            # a validator that refuses stops delivery and forwarding
+            async def refuse(fwd: str, origin: str, data: bytes) -> bool:
+                return data != b"bad"
+            for x in (a, c):
+                x.set_validator("/murmur/t/rollouts/1", refuse)
+            await b.publish("/murmur/t/rollouts/1", b"bad")
+            await b.publish("/murmur/t/rollouts/1", b"good")
+            with trio.fail_after(5):
+                assert await chans[0].receive() == (b.peer_id, b"good")
+                assert await chans[2].receive() == (b.peer_id, b"good")
+
+            with pytest.raises(PublishError, match="gossip limit"):
+                await a.publish("/murmur/t/rollouts/1", b"x" * (MAX_PUBLISH_BYTES + 1))
+            with pytest.raises(PublishError, match="no connected peer"):
+                await a.publish("/murmur/t/nobody/1", b"x")
+
+            async def echo(stream, peer: str) -> None:
+                assert peer == c.peer_id
+                data = await read_frame(stream, 1 << 20)
+                await write_frame(stream, data[::-1])
+                await stream.close()
+
+            a.set_stream_handler("/murmur/test-echo/1", echo)
+            s = await c.open_stream(a.peer_id, "/murmur/test-echo/1")
+            payload = bytes(range(256)) * 1000
+            await write_frame(s, payload)
+            with trio.fail_after(5):
+                assert await read_frame(s, 1 << 20) == payload[::-1]
+            await s.close()
+
+            with pytest.raises(ConnectError):
+                await a.connect("/ip4/127.0.0.1/tcp/1/p2p/" + ids[1].peer_id + "x")
+
+    trio.run(main)
+
+
+def test_plaintext_peer_is_refused() -> None:
+    """A host offering only plaintext cannot connect to ours (py-libp2p's default would accept it)."""
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+    import multiaddr
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x09" * 32)) as a:
+            kp = create_new_key_pair(b"\x0a" * 32)
+            plain = new_host(key_pair=kp, sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(kp)})
+            async with plain.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                with pytest.raises(Exception):
+                    with trio.fail_after(10):
+                        await plain.connect(info_from_p2p_addr(multiaddr.Multiaddr(a.listen_addrs()[0])))
+                assert a.peers() == []
+
+    trio.run(main)
