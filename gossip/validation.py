@@ -1,0 +1,315 @@
+"""The rollout verification pipeline: a sans-IO state machine, cheapest check first.
+
+Stages (docs/gossip.md lists every reason and penalty):
+  admit  (event loop, microseconds): graylist/blacklist -> rate limit -> size ->
+         duplicate bytes -> decode -> signature -> producer == originator ->
+         swarm -> freshness (TTL) -> replay (producer, seq) -> task set known
+  verify (thread: pure CPU, no shared state but a locked task cache):
+         regenerate every task from its reference, recompute every reward
+  commit (event loop): policy version within the staleness bound -> accept
+
+`check()` runs all three in one call (tests, the simulator, benchmarks); the
+I/O layer (`gossip.service`) runs `verify` in `trio.to_thread.run_sync`.
+Dependencies are injected: a clock (unix seconds), a task resolver
+(`TaskRef -> Task`, raising `TaskError`), a reward function
+(`(task, completion_text) -> float`), a head-version oracle per lineage and,
+optionally, a "task set known and trusted" predicate.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossip import wire
+from gossip.ratelimit import TokenBuckets
+from gossip.replay import ReplayCache
+from gossip.scoring import PeerScores, ScoreParams
+from node.errors import DecodeError, MurmurError, SignatureError, TaskError
+from node.identity import peer_id_from_public
+
+
+class Reason(enum.Enum):
+    ACCEPTED = "accepted"
+    BLACKLISTED = "blacklisted"  # sender banned for proven forgery: dropped unread
+    GRAYLISTED = "graylisted"  # sender's score below threshold: dropped unread
+    RATE_LIMITED = "rate_limited"  # over the per-peer token bucket
+    OVERSIZED = "oversized"  # over the kind's byte limit
+    MALFORMED = "malformed"  # not a decodable envelope / rollout batch (garbage, bad fields)
+    BAD_SIGNATURE = "bad_signature"  # envelope signature does not verify: forgery
+    SIGNER_MISMATCH = "signer_mismatch"  # signed by a key other than the gossip originator's
+    WRONG_SWARM = "wrong_swarm"
+    EXPIRED = "expired"  # older than the replay TTL (or from the future): cannot be proven fresh
+    DUPLICATE = "duplicate"  # exact bytes seen before: normal (late-joiner replays), no penalty
+    REPLAY = "replay"  # (producer, seq) seen before with different content: equivocation
+    UNKNOWN_TASK_SET = "unknown_task_set"  # task set not known or not trusted here
+    BAD_TASK = "bad_task"  # task reference does not resolve in a known task set
+    FORGED_REWARD = "forged_reward"  # recomputed reward differs from the claim: forgery
+    STALE_VERSION = "stale_version"  # policy version beyond the staleness bound of its lineage
+
+
+# (penalty, ban): ban only for proven forgery. Soft reasons (that an honest peer can
+# trigger because its view differs from ours) cost little.
+PENALTIES: dict[Reason, tuple[float, bool]] = {
+    Reason.ACCEPTED: (0.0, False),
+    Reason.BLACKLISTED: (0.0, False),
+    Reason.GRAYLISTED: (0.0, False),
+    Reason.RATE_LIMITED: (1.0, False),
+    Reason.OVERSIZED: (10.0, False),
+    Reason.MALFORMED: (10.0, False),
+    Reason.BAD_SIGNATURE: (100.0, True),
+    Reason.SIGNER_MISMATCH: (30.0, False),
+    Reason.WRONG_SWARM: (5.0, False),
+    Reason.EXPIRED: (0.0, False),
+    Reason.DUPLICATE: (0.0, False),
+    Reason.REPLAY: (20.0, False),
+    Reason.UNKNOWN_TASK_SET: (2.0, False),
+    Reason.BAD_TASK: (20.0, False),
+    Reason.FORGED_REWARD: (100.0, True),
+    Reason.STALE_VERSION: (2.0, False),
+}
+
+REWARD_TOLERANCE = 1e-6
+MAX_FUTURE_S = 60.0  # clock skew allowed for created_ms
+TASK_CACHE = 50_000
+
+
+@dataclass
+class PipelineConfig:
+    swarm: str
+    max_staleness: int = 4
+    rate_per_s: float = 20.0
+    burst: int = 40
+    replay_entries: int = 100_000
+    replay_ttl_s: float = 900.0
+    score: ScoreParams = field(default_factory=ScoreParams)
+
+    @classmethod
+    def from_config(cls, swarm: str, gossip: Any, max_staleness: int) -> PipelineConfig:
+        """From `node.config.GossipSection` (+ sync.max_staleness)."""
+        return cls(swarm=swarm, max_staleness=max_staleness, rate_per_s=gossip.rate_limit_per_s,
+                   burst=gossip.rate_burst, replay_entries=gossip.replay_cache, replay_ttl_s=float(gossip.replay_ttl_s),
+                   score=ScoreParams(graylist_threshold=gossip.graylist_threshold, blacklist_s=float(gossip.blacklist_s)))
+
+
+@dataclass
+class Verdict:
+    reason: Reason
+    origin: str
+    data: bytes
+    msg_id: bytes = b""  # content id of the envelope bytes
+    batch: wire.RolloutBatch | None = None
+    detail: str = ""
+    newly_banned: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason is Reason.ACCEPTED
+
+
+@dataclass
+class Pending:
+    """A message past `admit`, awaiting `verify` (CPU) and `commit`."""
+
+    origin: str
+    data: bytes
+    msg_id: bytes
+    batch: wire.RolloutBatch
+    failure: tuple[Reason, str] | None = None
+
+
+def rollout_id(r: wire.Rollout) -> bytes:
+    return wire.content_id(wire.encode(r))
+
+
+def _task_key(ref: wire.TaskRef) -> tuple[bytes, str, int]:
+    return (ref.task_set, ref.generator, ref.seed)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        clock: Callable[[], float],
+        resolve_task: Callable[[wire.TaskRef], Any],
+        reward: Callable[[Any, str], float],
+        head_version: Callable[[bytes], int | None],
+        task_set_trusted: Callable[[bytes], bool] | None = None,
+        scores: PeerScores | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.resolve_task = resolve_task
+        self.reward = reward
+        self.head_version = head_version
+        self.task_set_trusted = task_set_trusted
+        self.scores = scores or PeerScores(config.score)
+        self.buckets = TokenBuckets(config.rate_per_s, config.burst)
+        self.seen = ReplayCache(config.replay_entries, config.replay_ttl_s)  # msg_id -> Reason
+        self.seqs = ReplayCache(config.replay_entries, config.replay_ttl_s)  # (producer, seq) -> msg_id
+        self._inflight: set[bytes] = set()
+        self._tasks: OrderedDict[tuple, Any] = OrderedDict()
+        self._tasks_lock = threading.Lock()
+        self.seen_heads: dict[bytes, int] = {}  # highest accepted version per lineage (fallback oracle)
+        self.counts: Counter[str] = Counter()
+        self.per_peer: dict[str, Counter[str]] = {}
+
+    # ------------------------------------------------------------ public
+    def check(self, data: bytes, origin: str, forwarder: str | None = None) -> Verdict:
+        """All stages in one call (no I/O): what the simulator and unit tests drive."""
+        step = self.admit(data, origin, forwarder)
+        if isinstance(step, Verdict):
+            return step
+        self.verify(step)
+        return self.commit(step)
+
+    def mark_own(self, data: bytes) -> None:
+        """Remember our own publish so its echo is a duplicate, not work."""
+        try:
+            env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
+            batch = wire.decode_body(env)
+        except DecodeError:
+            return
+        now = self.clock()
+        mid = wire.content_id(data)
+        self.seen.put(mid, Reason.ACCEPTED, now)
+        self.seqs.put((batch.producer, batch.seq), mid, now)
+
+    def admit(self, data: bytes, origin: str, forwarder: str | None = None) -> Pending | Verdict:
+        now = self.clock()
+        for who in (origin, forwarder):
+            if who and self.scores.is_blacklisted(who, now):
+                return self._reject(Reason.BLACKLISTED, origin, data, b"", None, f"{who} is banned")
+            if who and self.scores.is_graylisted(who, now):
+                return self._reject(Reason.GRAYLISTED, origin, data, b"", None, f"{who} is graylisted")
+        if not self.buckets.take(origin, now):
+            return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
+                                f"over {self.config.rate_per_s}/s (burst {self.config.burst})")
+        if not isinstance(data, (bytes, bytearray)) or len(data) > wire.KIND_LIMITS[wire.ROLLOUT_BATCH]:
+            return self._reject(Reason.OVERSIZED, origin, b"", b"", None,
+                                f"{len(data)} bytes > {wire.KIND_LIMITS[wire.ROLLOUT_BATCH]}")
+        data = bytes(data)
+        mid = wire.content_id(data)
+        if mid in self._inflight:
+            return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already being verified")
+        prior = self.seen.get(mid, now)
+        if prior is not None:
+            if prior is Reason.ACCEPTED:
+                return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already accepted")
+            return self._reject(prior, origin, data, mid, None, "same bytes rejected before")
+        try:
+            env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
+        except DecodeError as e:
+            return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e), remember=True)
+        try:
+            wire.verify_envelope(env)
+        except SignatureError as e:
+            return self._reject(Reason.BAD_SIGNATURE, origin, data, mid, None, str(e), remember=True)
+        try:
+            batch = wire.decode_body(env)
+        except SignatureError as e:  # body's producer differs from the envelope signer
+            return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, None, str(e), remember=True)
+        except DecodeError as e:
+            return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e), remember=True)
+        if origin and peer_id_from_public(batch.producer) != origin:
+            return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, batch,
+                                "batch producer is not the gossip originator", remember=True)
+        if batch.swarm != self.config.swarm:
+            return self._reject(Reason.WRONG_SWARM, origin, data, mid, batch, f"swarm {batch.swarm!r}", remember=True)
+        age_s = now - batch.created_ms / 1000.0
+        if age_s > self.config.replay_ttl_s or age_s < -MAX_FUTURE_S:
+            return self._reject(Reason.EXPIRED, origin, data, mid, batch, f"created {age_s:.0f} s ago")
+        prev = self.seqs.get((batch.producer, batch.seq), now)
+        if prev is not None and prev != mid:
+            return self._reject(Reason.REPLAY, origin, data, mid, batch,
+                                f"seq {batch.seq} of this producer already seen with other content", remember=True)
+        if self.task_set_trusted is not None:
+            for r in batch.rollouts:
+                if not self.task_set_trusted(r.task.task_set):
+                    return self._reject(Reason.UNKNOWN_TASK_SET, origin, data, mid, batch,
+                                        f"task set {r.task.task_set.hex()[:16]} not known/trusted")
+        self._inflight.add(mid)
+        return Pending(origin, data, mid, batch)
+
+    def verify(self, p: Pending) -> Pending:
+        """CPU-only stage, safe to run in a worker thread: regenerate tasks, recompute rewards."""
+        for i, r in enumerate(p.batch.rollouts):
+            try:
+                task = self._task(r.task)
+            except TaskError as e:
+                reason = Reason.UNKNOWN_TASK_SET if "unknown task set" in str(e).lower() else Reason.BAD_TASK
+                p.failure = (reason, f"rollout {i}: {e}")
+                return p
+            try:
+                got = float(self.reward(task, r.text))
+            except MurmurError as e:
+                p.failure = (Reason.BAD_TASK, f"rollout {i}: verifier: {e}")
+                return p
+            if abs(got - r.reward) > REWARD_TOLERANCE:
+                p.failure = (Reason.FORGED_REWARD, f"rollout {i}: claims {r.reward}, recomputed {got}")
+                return p
+        return p
+
+    def commit(self, p: Pending) -> Verdict:
+        self._inflight.discard(p.msg_id)
+        if p.failure is not None:
+            reason, detail = p.failure
+            return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
+                                remember=reason is not Reason.UNKNOWN_TASK_SET)
+        for r in p.batch.rollouts:
+            head = self.head_version(r.lineage)
+            if head is None:
+                head = self.seen_heads.get(r.lineage)
+            if head is not None and r.version + self.config.max_staleness < head:
+                return self._reject(Reason.STALE_VERSION, p.origin, p.data, p.msg_id, p.batch,
+                                    f"version {r.version} vs head {head} (bound {self.config.max_staleness})")
+        now = self.clock()
+        for r in p.batch.rollouts:
+            if r.version > self.seen_heads.get(r.lineage, -1):
+                self.seen_heads[r.lineage] = r.version
+        self.seen.put(p.msg_id, Reason.ACCEPTED, now)
+        self.seqs.put((p.batch.producer, p.batch.seq), p.msg_id, now)
+        self.scores.reward(p.origin, now)
+        self._count(Reason.ACCEPTED, p.origin)
+        return Verdict(Reason.ACCEPTED, p.origin, p.data, p.msg_id, p.batch)
+
+    def abandon(self, p: Pending) -> None:
+        """The I/O layer was cancelled between stages: forget the in-flight mark."""
+        self._inflight.discard(p.msg_id)
+
+    # ------------------------------------------------------------ internals
+    def _task(self, ref: wire.TaskRef) -> Any:
+        key = _task_key(ref)
+        with self._tasks_lock:
+            hit = self._tasks.get(key)
+            if hit is not None:
+                self._tasks.move_to_end(key)
+                return hit
+        task = self.resolve_task(ref)
+        with self._tasks_lock:
+            self._tasks[key] = task
+            while len(self._tasks) > TASK_CACHE:
+                self._tasks.popitem(last=False)
+        return task
+
+    def _count(self, reason: Reason, peer: str) -> None:
+        self.counts[reason.value] += 1
+        if peer:
+            self.per_peer.setdefault(peer, Counter())[reason.value] += 1
+
+    def _reject(self, reason: Reason, origin: str, data: bytes, mid: bytes, batch: wire.RolloutBatch | None,
+                detail: str, remember: bool = False) -> Verdict:
+        now = self.clock()
+        if remember and mid:
+            self.seen.put(mid, reason, now)
+        self._count(reason, origin)
+        penalty, ban = PENALTIES[reason]
+        newly = False
+        if origin and (penalty or ban):
+            newly = self.scores.penalise(origin, reason.value, penalty, now, ban=ban)
+        return Verdict(reason, origin, data, mid, batch, detail, newly)

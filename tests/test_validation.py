@@ -1,0 +1,147 @@
+"""The sans-IO verification pipeline: every rejection reason, scoring, graylist and blacklist."""
+
+from __future__ import annotations
+
+import pytest
+
+from gossip import wire
+from gossip.bench_gossip import SWARM, make_batch, registry, resign_with
+from gossip.scoring import ScoreParams
+from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
+from node.identity import Identity
+from training.verifiers import score
+
+ALICE = Identity.from_seed(b"\x01" * 32)
+MALLORY = Identity.from_seed(b"\x02" * 32)
+OTHER = Identity.from_seed(b"\x03" * 32)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = wire.now_ms() / 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def reg():
+    return registry()
+
+
+def pipe(reg, heads=None, **cfg) -> tuple[Pipeline, Clock]:
+    clock = Clock()
+    config = PipelineConfig(swarm=SWARM, **cfg)
+    p = Pipeline(config, clock=clock, resolve_task=reg.resolve, reward=score,
+                 head_version=lambda lin: (heads or {}).get(lin), task_set_trusted=reg.__contains__)
+    return p, clock
+
+
+def test_accepts_honest_batch_once(reg) -> None:
+    p, _ = pipe(reg)
+    data = make_batch(ALICE, reg, 1)
+    v = p.check(data, ALICE.peer_id)
+    assert v.accepted and v.batch is not None and len(v.batch.rollouts) == 4
+    again = p.check(data, ALICE.peer_id)
+    assert again.reason is Reason.DUPLICATE
+    assert p.scores.score(ALICE.peer_id, p.clock()) > 0  # duplicates (late-joiner replays) cost nothing
+
+
+@pytest.mark.parametrize("reason", [r for r in Reason if r not in (Reason.ACCEPTED,)])
+def test_every_rejection_reason(reg, reason: Reason) -> None:
+    p, clock = pipe(reg, heads={b"\x4c" * 32: 20}, max_staleness=4)
+    origin = MALLORY.peer_id
+    if reason is Reason.BLACKLISTED:
+        p.scores.penalise(origin, "test", 0, clock(), ban=True)
+        data = make_batch(MALLORY, reg, 1, version=20)
+    elif reason is Reason.GRAYLISTED:
+        p.scores.penalise(origin, "test", 1000, clock())
+        data = make_batch(MALLORY, reg, 1, version=20)
+    elif reason is Reason.RATE_LIMITED:
+        p.buckets = type(p.buckets)(1.0, 1)
+        assert p.check(make_batch(MALLORY, reg, 1, version=20), origin).accepted
+        data = make_batch(MALLORY, reg, 2, version=20)
+    elif reason is Reason.OVERSIZED:
+        data = b"\x00" * (wire.KIND_LIMITS[wire.ROLLOUT_BATCH] + 1)
+    elif reason is Reason.MALFORMED:
+        data = b"\x93garbage that is not msgpack\xc1\xff"
+    elif reason is Reason.BAD_SIGNATURE:
+        data = resign_with(MALLORY, ALICE, make_batch(ALICE, reg, 1, version=20))
+        origin = MALLORY.peer_id
+    elif reason is Reason.SIGNER_MISMATCH:
+        data = make_batch(OTHER, reg, 1, version=20)  # validly signed by another key
+    elif reason is Reason.WRONG_SWARM:
+        data = make_batch(MALLORY, reg, 1, version=20, swarm="elsewhere")
+    elif reason is Reason.EXPIRED:
+        data = make_batch(MALLORY, reg, 1, version=20, created_ms=int((clock() - 10_000) * 1000))
+    elif reason is Reason.DUPLICATE:
+        data = make_batch(MALLORY, reg, 1, version=20)
+        assert p.check(data, origin).accepted
+    elif reason is Reason.REPLAY:
+        assert p.check(make_batch(MALLORY, reg, 1, version=20), origin).accepted
+        data = make_batch(MALLORY, reg, 1, version=21)  # same seq, other content
+    elif reason is Reason.UNKNOWN_TASK_SET:
+        data = make_batch(MALLORY, reg, 1, version=20, task_set=b"\xee" * 32)
+    elif reason is Reason.BAD_TASK:
+        data = make_batch(MALLORY, reg, 1, version=20, generator="no-such-generator")
+    elif reason is Reason.FORGED_REWARD:
+        data = make_batch(MALLORY, reg, 1, version=20, forge=True)
+    elif reason is Reason.STALE_VERSION:
+        data = make_batch(MALLORY, reg, 1, version=15)  # head 20, bound 4
+    else:  # pragma: no cover
+        raise AssertionError(reason)
+    before = p.scores.score(origin, clock())
+    v = p.check(data, origin)
+    assert v.reason is reason, v.detail
+    assert not v.accepted
+    assert p.counts[reason.value] >= 1 and p.per_peer[origin][reason.value] >= 1
+    penalty, ban = PENALTIES[reason]
+    if penalty:
+        assert p.scores.score(origin, clock()) < before
+    assert p.scores.is_blacklisted(origin, clock()) == (ban or reason is Reason.BLACKLISTED)
+
+
+def test_forgery_blacklists_for_configured_time(reg) -> None:
+    p, clock = pipe(reg, score=ScoreParams(blacklist_s=100.0))
+    v = p.check(make_batch(MALLORY, reg, 1, forge=True), MALLORY.peer_id)
+    assert v.reason is Reason.FORGED_REWARD and v.newly_banned
+    assert p.check(make_batch(MALLORY, reg, 2), MALLORY.peer_id).reason is Reason.BLACKLISTED
+    clock.t += 101
+    assert not p.scores.is_blacklisted(MALLORY.peer_id, clock())
+
+
+def test_graylisted_peer_is_dropped_before_decoding(reg) -> None:
+    p, clock = pipe(reg)
+    for i in range(1, 3):  # two signature-by-another-key messages: 2 x 30 > 50
+        assert p.check(make_batch(OTHER, reg, i), MALLORY.peer_id).reason is Reason.SIGNER_MISMATCH
+    assert p.scores.is_graylisted(MALLORY.peer_id, clock())
+    v = p.check(b"anything at all", MALLORY.peer_id)
+    assert v.reason is Reason.GRAYLISTED
+    # a graylisted forwarder's relays are dropped too, while others still get through
+    assert p.check(make_batch(ALICE, reg, 1), ALICE.peer_id, forwarder=MALLORY.peer_id).reason is Reason.GRAYLISTED
+    assert p.check(make_batch(ALICE, reg, 1), ALICE.peer_id).accepted
+
+
+def test_score_decays_back(reg) -> None:
+    p, clock = pipe(reg, score=ScoreParams(half_life_s=10.0))
+    p.check(b"junk", MALLORY.peer_id)
+    s0 = p.scores.score(MALLORY.peer_id, clock())
+    clock.t += 10
+    assert p.scores.score(MALLORY.peer_id, clock()) == pytest.approx(s0 / 2)
+
+
+def test_split_stages_mark_in_flight_duplicates(reg) -> None:
+    p, _ = pipe(reg)
+    data = make_batch(ALICE, reg, 7)
+    pending = p.admit(data, ALICE.peer_id)
+    assert not isinstance(pending, type(p.check(b"x", "z")))
+    assert p.admit(data, ALICE.peer_id).reason is Reason.DUPLICATE  # second copy while the first verifies
+    assert p.commit(p.verify(pending)).accepted
+
+
+def test_rate_limit_refills(reg) -> None:
+    p, clock = pipe(reg, rate_per_s=2.0, burst=2)
+    results = [p.check(make_batch(ALICE, reg, i), ALICE.peer_id).reason for i in range(1, 5)]
+    assert results == [Reason.ACCEPTED, Reason.ACCEPTED, Reason.RATE_LIMITED, Reason.RATE_LIMITED]
+    clock.t += 1.0
+    assert p.check(make_batch(ALICE, reg, 9), ALICE.peer_id).accepted
