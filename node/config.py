@@ -152,6 +152,8 @@ def load_raw(path: Path | None) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 

@@ -123,8 +123,15 @@ class Store:
         if current > len(MIGRATIONS):
             raise StoreError(f"{self.path}: schema version {current} is newer than this murmur ({len(MIGRATIONS)})")
         for number in range(current + 1, len(MIGRATIONS) + 1):
-            with self.tx() as db:
-                db.executescript("SAVEPOINT m;" + MIGRATIONS[number - 1] + f"; PRAGMA user_version={number}; RELEASE m;")
+            with self._lock:
+                try:
+                    self._db.executescript(
+                        "BEGIN IMMEDIATE;" + MIGRATIONS[number - 1] + f";\nPRAGMA user_version={number};\nCOMMIT;"
+                    )
+                except sqlite3.DatabaseError as e:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise StoreError(f"{self.path}: migration {number} failed: {e}") from None
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:

@@ -1,0 +1,186 @@
+"""Wire formats: round trips, signing domains, limits, and fuzzing every decoder."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gossip import wire
+from node.errors import DecodeError, SignatureError
+from tests.samples import bodies, rollout
+
+KINDS = list(wire.BODY_TYPES)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip(identity, kind):
+    body = bodies(identity)[kind]
+    data = wire.seal(identity, kind, body)
+    env, decoded = wire.open_envelope(data, kind)
+    assert env.signer == identity.public
+    assert decoded == body
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_flipped_bit_fails(identity, kind):
+    data = wire.seal(identity, kind, bodies(identity)[kind])
+    for i in range(len(data) * 8):
+        mutated = bytearray(data)
+        mutated[i // 8] ^= 1 << (i % 8)
+        with pytest.raises(DecodeError):
+            wire.open_envelope(bytes(mutated), kind)
+
+
+def test_domain_separation(identity):
+    """A body signed as one kind never verifies as another."""
+    data = wire.seal(identity, wire.ROLLOUT_BATCH, bodies(identity)[wire.ROLLOUT_BATCH])
+    env = wire.decode_envelope(data)
+    for other in KINDS:
+        if other == env.kind:
+            continue
+        forged = wire.encode(wire.Envelope(env.v, other, env.body, env.signer, env.sig))
+        with pytest.raises(DecodeError):
+            wire.open_envelope(forged)
+
+
+def test_signature_by_other_key(identity, other_identity):
+    body = bodies(identity)[wire.ROLLOUT_BATCH]
+    data = wire.seal(other_identity, wire.ROLLOUT_BATCH, body)  # producer field names `identity`
+    with pytest.raises(SignatureError, match="producer"):
+        wire.open_envelope(data)
+    env = wire.decode_envelope(data)
+    swapped = wire.encode(wire.Envelope(env.v, env.kind, env.body, identity.public, env.sig))
+    with pytest.raises(SignatureError):
+        wire.open_envelope(swapped)
+
+
+def test_kind_size_limits(identity):
+    big = wire.RolloutBatch(v=1, swarm="t", producer=identity.public, seq=1, created_ms=1,
+                            rollouts=[rollout(n_tokens=4096) for _ in range(64)])
+    with pytest.raises(ValueError, match="over its limit"):
+        wire.seal(identity, wire.ROLLOUT_BATCH, big)
+    with pytest.raises(DecodeError, match="over the"):
+        wire.decode_envelope(b"\x00" * (wire.MAX_ENVELOPE_BYTES + 1))
+
+
+def test_semantic_checks(identity):
+    bad = rollout()
+    bad.logprobs = bad.logprobs[:-4]
+    batch = wire.RolloutBatch(v=1, swarm="t", producer=identity.public, seq=1, created_ms=1, rollouts=[bad])
+    with pytest.raises(DecodeError, match="logprob bytes"):
+        wire.open_envelope(wire.seal(identity, wire.ROLLOUT_BATCH, batch))
+    m = bodies(identity)[wire.PATCH_MANIFEST]
+    m.total_bytes = 301
+    with pytest.raises(DecodeError, match="add up"):
+        wire.open_envelope(wire.seal(identity, wire.PATCH_MANIFEST, m))
+
+
+def test_wrong_format_version(identity):
+    data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE])
+    env = wire.decode_envelope(data)
+    future = wire.encode(wire.Envelope(2, env.kind, env.body, env.signer, env.sig))
+    with pytest.raises(DecodeError, match="format version"):
+        wire.decode_envelope(future)
+
+
+# ---------------------------------------------------------------- fuzzing
+
+_VALID: dict[str, bytes] = {}
+
+
+def _valid(kind: str) -> bytes:
+    if kind not in _VALID:
+        from node.identity import Identity
+
+        ident = Identity.from_seed(b"\x11" * 32)
+        _VALID[kind] = wire.seal(ident, kind, bodies(ident)[kind])
+    return _VALID[kind]
+
+
+def _mutate(data: bytes, ops: list[tuple[int, int, int]]) -> bytes:
+    buf = bytearray(data)
+    for op, pos, val in ops:
+        if not buf:
+            break
+        p = pos % len(buf)
+        if op == 0:
+            buf[p] = val
+        elif op == 1:
+            del buf[p : p + 1 + val % 8]
+        elif op == 2:
+            buf[p:p] = bytes([val]) * (1 + val % 5)
+        else:
+            buf = buf[:p]
+    return bytes(buf)
+
+
+def _mutations():
+    return st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4)
+
+
+def _inputs(kind: str):
+    return st.one_of(st.binary(max_size=2048), _mutations().map(lambda ops: _mutate(_valid(kind), ops)))
+
+
+def _only_decode_errors(fn, data: bytes) -> None:
+    try:
+        fn(data)
+    except DecodeError:
+        pass
+
+
+# 1,000 examples of 10 byte strings each: 10,000 inputs per decoder at a tenth of hypothesis' per-example cost.
+FUZZ = settings(max_examples=1_000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+BATCH = 10
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fuzz_open_envelope(kind):
+    @FUZZ
+    @given(st.lists(_inputs(kind), min_size=BATCH, max_size=BATCH))
+    def run(batch):
+        for data in batch:
+            _only_decode_errors(lambda d: wire.open_envelope(d, kind), data)
+
+    run()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fuzz_body_decoders(kind):
+    """Bodies fuzzed directly, past the signature check, as a verified-but-malicious signer could send."""
+    body = wire.decode_envelope(_valid(kind)).body
+    signer = wire.decode_envelope(_valid(kind)).signer
+
+    inputs = st.one_of(st.binary(max_size=2048), _mutations().map(lambda ops: _mutate(body, ops)))
+
+    @FUZZ
+    @given(st.lists(inputs, min_size=BATCH, max_size=BATCH))
+    def run(batch):
+        for data in batch:
+            _only_decode_errors(wire.decode_body, wire.Envelope(1, kind, data, signer, b"\x00" * 64))
+
+    run()
+
+
+def test_fuzz_decode_struct():
+    @FUZZ
+    @given(st.lists(st.binary(max_size=4096), min_size=BATCH, max_size=BATCH))
+    def run(batch):
+        for data in batch:
+            _only_decode_errors(lambda d: wire.decode_struct(d, wire.TaskRef, 1024), data)
+
+    run()
+
+
+def test_huge_length_prefix_does_not_allocate():
+    # msgpack bin32 header claiming 4 GiB, array32 claiming 2^32 entries
+    import tracemalloc
+
+    tracemalloc.start()
+    for data in (b"\xc6\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff\x01", b"\x95\x01\xa1x\xc6\xff\xff\xff\xf0"):
+        with pytest.raises(DecodeError):
+            wire.open_envelope(data)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1 << 20
