@@ -224,6 +224,10 @@ _body_decoders = {k: msgspec.msgpack.Decoder(t) for k, t in BODY_TYPES.items()}
 
 T = TypeVar("T", bound=Struct)
 
+# What msgspec may raise on hostile bytes: its own errors, invalid UTF-8 (UnicodeDecodeError
+# is a ValueError), and numeric overflow. Decoders turn all of them into DecodeError.
+_DECODE_FAILURES = (msgspec.MsgspecError, ValueError, OverflowError, RecursionError)
+
 
 def signing_domain(kind: str, version: int = FORMAT_VERSION) -> bytes:
     return f"murmur/{kind}/v{version}\x00".encode()
@@ -260,7 +264,7 @@ def decode_envelope(data: bytes, expect: str | None = None) -> Envelope:
         raise DecodeError(f"message is {len(data)} bytes, over the {MAX_ENVELOPE_BYTES}-byte limit")
     try:
         env = _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _DECODE_FAILURES as e:
         raise DecodeError(f"malformed envelope: {e}") from None
     if env.v != FORMAT_VERSION:
         raise DecodeError(f"unsupported envelope format version {env.v}")
@@ -282,7 +286,7 @@ def decode_body(env: Envelope) -> Struct:
     """Decode the body of an (already verified) envelope into its Struct."""
     try:
         body = _body_decoders[env.kind].decode(env.body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _DECODE_FAILURES as e:
         raise DecodeError(f"malformed {env.kind} body: {e}") from None
     if body.v != FORMAT_VERSION:
         raise DecodeError(f"unsupported {env.kind} format version {body.v}")
@@ -333,5 +337,5 @@ def decode_struct(data: bytes, typ: type[T], limit: int) -> T:
         raise DecodeError(f"{typ.__name__} is {len(data)} bytes, over its limit of {limit}")
     try:
         return msgspec.msgpack.decode(data, type=typ)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except _DECODE_FAILURES as e:
         raise DecodeError(f"malformed {typ.__name__}: {e}") from None
