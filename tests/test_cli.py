@@ -55,3 +55,39 @@ def test_errors_are_one_line(tmp_path):
 def test_version():
     r = run("--version")
     assert r.returncode == 0 and r.stdout.startswith("murmur ")
+
+
+def test_tasks_publish_list_show(tmp_path):
+    home = tmp_path / "h"
+    example = Path(__file__).resolve().parents[1] / "training" / "tasksets" / "example.toml"
+    r = run("tasks", "publish", str(example), "--json", home=home)
+    assert r.returncode == 0, r.stderr
+    pub = json.loads(r.stdout.strip().splitlines()[-1])
+    ident = json.loads(run("id", "--json", home=home).stdout.strip().splitlines()[-1])
+    assert pub["coordinator"] == ident["public_key"] and pub["new"]
+    listed = json.loads(run("tasks", "list", "--json", home=home).stdout.strip().splitlines()[-1])
+    assert {t["task_set_id"] for t in listed} >= {pub["task_set_id"]}
+    assert any(t["origin"] == "built-in" for t in listed)
+    shown = run("tasks", "show", pub["task_set_id"][:10], home=home)
+    assert shown.returncode == 0 and '"example-arith-digits"' in shown.stdout
+    # publishing the same file again signs a new set (new created_ms), never corrupts the old one
+    assert run("tasks", "publish", str(example), home=home).returncode == 0
+
+
+def test_tasks_publish_bad_input(tmp_path):
+    home = tmp_path / "h"
+    cases = {
+        "unknown_verifier.toml": ('name="x"\nversion=1\nverifier="nope"\n[[generators]]\nname="a"\n'
+                                  'generator="arithmetic"\nseed_end=5\n', "unknown verifier"),
+        "unknown_generator.toml": ('name="x"\nversion=1\nverifier="exact"\n[[generators]]\nname="a"\n'
+                                   'generator="nosuch"\nseed_end=5\n', "unknown generator"),
+        "malformed.toml": ("[[[", "not valid TOML"),
+    }
+    for name, (text, needle) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        r = run("tasks", "publish", str(path), home=home)
+        assert r.returncode == 2 and needle in r.stderr and str(path) in r.stderr, (name, r.stderr)
+        assert "Traceback" not in r.stderr
+    r = run("tasks", "show", "ffffffffff", home=home)
+    assert r.returncode == 2 and "no match" in r.stderr

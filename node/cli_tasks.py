@@ -1,0 +1,116 @@
+"""`murmur tasks publish|list|show`: coordinators sign task sets; every node can inspect them.
+
+Publishing signs the set with the node's identity and stores the signed
+envelope in the state database; a running node announces the task sets its
+own key signed on the swarm's announce topic (at start and whenever a new one
+appears), so publishing works the same whether or not the node is up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from node.cli import HomeOpt, console, emit_json, resolve_home, tasks_app
+from node.errors import MurmurError
+
+
+def _known(home: Path) -> list[tuple[bytes, object, bytes, str]]:
+    """(id, manifest, envelope, origin) for the built-in set and every stored one."""
+    from gossip.wire import TASK_SET, content_id, open_envelope
+    from node.home import open_home_store
+    from training.tasksets import builtin_task_set
+
+    out = []
+    env_bytes = builtin_task_set()
+    env, m = open_envelope(env_bytes, TASK_SET)
+    out.append((content_id(env.body), m, env_bytes, "built-in"))
+    if (home / "state.db").exists():
+        store = open_home_store(home)
+        try:
+            for row in store.task_sets():
+                env, m = open_envelope(row["envelope"], TASK_SET)
+                out.append((row["task_set_id"], m, row["envelope"], "stored"))
+        finally:
+            store.close()
+    return out
+
+
+@tasks_app.command("publish")
+def publish(file: Annotated[Path, typer.Argument(help="task set TOML")], home: HomeOpt = None,
+            json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Sign a task set with this node's key, store it, and queue it for announcement."""
+    from gossip.wire import content_id, decode_envelope
+    from node.home import ensure_home, open_home_store
+    from training.tasksets import load_task_set_toml, sign_task_set
+
+    h = resolve_home(home)
+    ident = ensure_home(h)
+    manifest = load_task_set_toml(file)
+    envelope = sign_task_set(ident, manifest)
+    tid = content_id(decode_envelope(envelope).body)
+    store = open_home_store(h)
+    try:
+        new = store.add_task_set(tid, manifest.name, manifest.version, ident.public, envelope)
+    finally:
+        store.close()
+    (h / "tasksets").mkdir(exist_ok=True)
+    path = h / "tasksets" / f"{tid.hex()}.msg"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(envelope)
+    tmp.replace(path)
+    if json_out:
+        emit_json({"task_set_id": tid.hex(), "name": manifest.name, "version": manifest.version,
+                   "coordinator": ident.public.hex(), "new": new, "path": str(path)})
+        return
+    console.print(f"task set    {manifest.name} v{manifest.version} ({len(manifest.generators)} generators)")
+    console.print(f"id          {tid.hex()}")
+    console.print(f"coordinator {ident.public.hex()}")
+    console.print("stored; a running node announces it to the swarm. Nodes accept it only if their "
+                  "config lists this coordinator key under \\[trust] coordinators.")
+
+
+@tasks_app.command("list")
+def list_sets(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Task sets this node knows: the built-in one and every stored one."""
+    rows = _known(resolve_home(home))
+    if json_out:
+        emit_json([{"task_set_id": t.hex(), "name": m.name, "version": m.version, "coordinator": m.coordinator.hex(),
+                    "generators": [g.name for g in m.generators], "origin": o} for t, m, _, o in rows])
+        return
+    table = Table("id", "name", "version", "generators", "coordinator", "origin")
+    for t, m, _, o in rows:
+        table.add_row(t.hex()[:16], m.name, str(m.version), ", ".join(g.name for g in m.generators),
+                      m.coordinator.hex()[:16], o)
+    console.print(table)
+
+
+@tasks_app.command("show")
+def show(task_set_id: Annotated[str, typer.Argument(help="id or unique hex prefix")], home: HomeOpt = None,
+         samples: Annotated[int, typer.Option(help="example tasks to print per generator")] = 2) -> None:
+    """A task set's generators, verifiers and seed ranges, with example tasks."""
+    import msgspec
+
+    from training.tasks import generate
+
+    prefix = task_set_id.lower()
+    matches = [r for r in _known(resolve_home(home)) if r[0].hex().startswith(prefix)]
+    if not prefix or len(matches) != 1:
+        raise MurmurError(f"task set '{task_set_id}': {'no' if not matches else 'more than one'} match")
+    tid, m, _, origin = matches[0]
+    out = msgspec.structs.asdict(m)
+    out["generators"] = [msgspec.structs.asdict(g) for g in m.generators]
+    out["coordinator"] = m.coordinator.hex()
+    out["id"] = tid.hex()
+    out["origin"] = origin
+    out["examples"] = {
+        g.name: [msgspec.structs.asdict(generate(g.generator, g.config, g.seed_start + i,
+                                              verifier=g.verifier or m.verifier, tolerance=m.tolerance))
+                 for i in range(min(samples, g.seed_end - g.seed_start))]
+        for g in m.generators
+    }
+    console.print_json(json.dumps(out, default=str))
