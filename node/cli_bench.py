@@ -1,11 +1,94 @@
-"""`murmur bench ...`: each benchmark lives beside the code it measures; this only wires and prints."""
+"""`murmur bench ...`: each benchmark lives beside the code it measures; this only wires and prints.
+
+Progress goes to stderr; the last line of stdout is always one JSON object.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import os
+from typing import Annotated, Any, Callable
 
 import typer
 
 from node.cli import bench_app, emit_json
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object as the last line (always on)")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="random seed")]
+
+
+def _run(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    emit_json(fn(**kwargs))
+
+
+@bench_app.command("codec")
+def bench_codec(
+    json_out: JsonOpt = True,
+    params: Annotated[int, typer.Option(help="model size to build, parameters")] = 100_000_000,
+    steps: Annotated[int, typer.Option(help="optimizer steps, one version each")] = 50,
+    seed: SeedOpt = 0,
+) -> None:
+    """Sparse patch codec on a ~100M-parameter model trained for real (bytes per changed element, apply time)."""
+    from sync.bench_codec import run
+
+    _run(run, params=params, steps=steps, seed=seed)
+
+
+@bench_app.command("gossip")
+def bench_gossip(
+    json_out: JsonOpt = True,
+    nodes: Annotated[int, typer.Option(help="honest nodes")] = 8,
+    seed: SeedOpt = 0,
+) -> None:
+    """Rollout gossip between real libp2p nodes: delivery, latency, verification rate, adversary."""
+    from gossip.bench_gossip import run
+
+    _run(run, nodes=nodes, seed=seed)
+
+
+@bench_app.command("broadcast")
+def bench_broadcast(
+    json_out: JsonOpt = True,
+    peers: Annotated[int, typer.Option(help="followers")] = 16,
+    sim: Annotated[bool, typer.Option("--sim", help="virtual time instead of real processes")] = False,
+    size: Annotated[int, typer.Option("--bytes", help="patch size S")] = 8 * 2**20,
+    chunk_bytes: Annotated[int, typer.Option(help="chunk size")] = 256 * 2**10,
+    upload: Annotated[int, typer.Option("--upload-bytes-per-s", help="per-node upload cap B")] = 2 * 2**20,
+    seed: SeedOpt = 0,
+) -> None:
+    """Pipelined peer-assisted patch broadcast against the lower bound T*."""
+    from sync.bench_broadcast import run
+
+    _run(run, peers=peers, sim=sim, bytes=size, chunk_bytes=chunk_bytes, upload_bytes_per_s=upload, seed=seed)
+
+
+@bench_app.command("learn")
+def bench_learn(
+    json_out: JsonOpt = True,
+    budget_s: Annotated[float, typer.Option("--budget-s", help="wall-clock budget, warm-up included")] = 300.0,
+    seed: SeedOpt = 0,
+) -> None:
+    """One node, built-in tiny model and tasks: how much RL raises held-out accuracy in a fixed budget."""
+    from training.bench_learn import run
+
+    _run(run, budget_s=budget_s, seed=seed)
+
+
+@bench_app.command("swarm")
+def bench_swarm(
+    json_out: JsonOpt = True,
+    rounds: Annotated[int, typer.Option(help="training rounds per run (0 = the benchmark's default)")] = 0,
+    seed: SeedOpt = 0,
+) -> None:
+    """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style)."""
+    from simulations.bench_swarm import run
+
+    _run(run, **({"rounds": rounds} if rounds else {}), seed=seed)
+
+
+@bench_app.command("reachability")
+def bench_reachability(json_out: JsonOpt = True) -> None:
+    """Direct, relayed, hole-punched and WebRTC paths across emulated NATs."""
+    from gossip.bench_reachability import run
+
+    _run(run)
