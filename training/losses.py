@@ -1,0 +1,149 @@
+"""GRPO-family losses: group advantages, asymmetric PPO clip, the staleness-aware
+decoupled objective with an M2PO mask, and the HACPO-style loss for samples
+from other models.
+
+All token tensors are [B, T] with a 0/1 `mask`; losses are token means over
+the batch (sequence-level losses are means over sequences), returned as a
+scalar to minimise plus a stats dict. The formulas are in
+/work/shared/notes/algorithms.md and docs/training.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EPS_LO = 0.2
+EPS_HI = 0.28
+M2_TAU = 0.04
+HACPO_DELTA = 0.2
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (R_i - mean R) / (std R + eps) for one group (population std)."""
+    r = rewards.float()
+    return (r - r.mean()) / (r.std(unbiased=False) + eps)
+
+
+def is_degenerate(rewards: list[float]) -> bool:
+    """All rewards equal: zero advantage everywhere, so the group teaches nothing and is dropped."""
+    return len(rewards) < 2 or max(rewards) - min(rewards) < 1e-9
+
+
+def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                  eps_lo: float = EPS_LO, eps_hi: float = EPS_HI) -> tuple[torch.Tensor, dict[str, float]]:
+    """-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A), r = exp(logp - old_logp); `adv` is [B] or [B, T]."""
+    a = adv[:, None] if adv.dim() == 1 else adv
+    r = torch.exp(logp - old_logp)
+    obj = torch.minimum(r * a, r.clamp(1 - eps_lo, 1 + eps_hi) * a)
+    clipped = ((r < 1 - eps_lo) & (a < 0)) | ((r > 1 + eps_hi) & (a > 0))
+    return -_token_mean(obj, mask), {"clip_frac": float(_token_mean(clipped.float(), mask))}
+
+
+def m2po_mask(logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, tau: float = M2_TAU,
+              candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask out the tokens with the largest squared log-ratio until the rest has mean <= tau.
+
+    The second moment M2 = mean((logp - b)^2) over the kept tokens. Only
+    `candidates` (default: all masked tokens; the trainer passes the stale
+    ones) can be removed; the mean is over every kept token.
+    """
+    d2 = (logp.detach() - behav_logp).pow(2) * mask
+    keep = mask.clone()
+    n = float(mask.sum())
+    if n == 0:
+        return keep
+    total = float(d2.sum())
+    if total / n <= tau:
+        return keep
+    cand = mask.bool() if candidates is None else (candidates.bool() & mask.bool())
+    flat = torch.where(cand, d2, torch.full_like(d2, -1.0)).flatten()
+    order = torch.argsort(flat, descending=True)
+    vals = flat[order].tolist()
+    removed = 0
+    kept_n = n
+    for v in vals:
+        if v < 0 or total / kept_n <= tau or kept_n <= 1:
+            break
+        total -= v
+        kept_n -= 1
+        removed += 1
+    keep.view(-1)[order[:removed]] = 0.0
+    return keep
+
+
+def decoupled_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor,
+                   mask: torch.Tensor, stale: torch.Tensor | None = None, eps_lo: float = EPS_LO,
+                   eps_hi: float = EPS_HI, tau: float = M2_TAU, behav_cap: float = 2.0
+                   ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL) with an M2PO mask on stale tokens.
+
+    J = exp(p - b) * min(u A, clip(u, 1-eps_lo, 1+eps_hi) A), u = exp(logp - p);
+    the behaviour weight exp(p - b) is detached and truncated at `behav_cap`.
+    `stale` ([B, T] bool) marks tokens produced by an older policy version; only
+    those may be masked by M2PO (tau on the second moment of logp - b).
+    """
+    a = adv[:, None] if adv.dim() == 1 else adv
+    keep = m2po_mask(logp, behav_logp, mask, tau, stale) if tau > 0 else mask
+    w = torch.exp(prox_logp - behav_logp).detach().clamp(max=behav_cap)
+    u = torch.exp(logp - prox_logp.detach())
+    obj = w * torch.minimum(u * a, u.clamp(1 - eps_lo, 1 + eps_hi) * a)
+    n = float(mask.sum()) or 1.0
+    return -_token_mean(obj, keep), {"m2_masked_frac": float((mask - keep).sum()) / n,
+                                     "behav_weight_mean": float(_token_mean(w, mask))}
+
+
+def hacpo_advantages(rewards: torch.Tensor, p_src: torch.Tensor, p_learner: float, eps: float = 1e-6
+                     ) -> torch.Tensor:
+    """A_i = (R_i - b) / (std R + eps), b = mean_j (P_learner / P_src(j)) R_j (capability-weighted)."""
+    r = rewards.float()
+    ratio = p_learner / p_src.float().clamp(min=1e-3)
+    b = (ratio * r).mean()
+    return (r - b) / (r.std(unbiased=False) + eps)
+
+
+def hacpo_coefficient(p_src: torch.Tensor, p_learner: float) -> torch.Tensor:
+    """clip(P_src / P_learner, 0.1, 10): trust a stronger source more, a weaker one less."""
+    return (p_src.float() / max(p_learner, 1e-3)).clamp(0.1, 10.0)
+
+
+def hacpo_loss(logp: torch.Tensor, src_logp_mean: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+               coef: torch.Tensor, delta: float = HACPO_DELTA) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss for re-tokenised samples of another model (sequence level).
+
+    s = exp(mean_t logp_learner - mean_t logp_src), clipped to [1 - delta, 1]
+    (never up-weight another model's sample) and detached; the per-sample
+    objective is coef * s_clip * A * mean_t logp_learner, so the gradient is
+    length-normalised and bounded by coef * |A|.
+    """
+    n_tok = mask.sum(-1).clamp(min=1.0)
+    seq_lp = (logp * mask).sum(-1) / n_tok
+    s = torch.exp(seq_lp.detach() - src_logp_mean)
+    s_clip = s.clamp(1 - delta, 1.0)
+    obj = coef * s_clip * adv * seq_lp
+    valid = (mask.sum(-1) > 0).float()
+    loss = -(obj * valid).sum() / valid.sum().clamp(min=1.0)
+    return loss, {"seq_ratio_mean": float((s * valid).sum() / valid.sum().clamp(min=1.0)),
+                  "seq_ratio_clipped_frac": float((((s < 1 - delta) | (s > 1)).float() * valid).sum()
+                                                  / valid.sum().clamp(min=1.0))}
+
+
+class CapabilityTracker:
+    """Rolling positive-reward rate per source (lineage), for HACPO weights."""
+
+    def __init__(self, decay: float = 0.95, prior: float = 0.5) -> None:
+        self.decay = decay
+        self.prior = prior
+        self.rate: dict[bytes, float] = {}
+
+    def update(self, source: bytes, rewards: list[float]) -> None:
+        p = self.rate.get(source, self.prior)
+        for r in rewards:
+            p = self.decay * p + (1 - self.decay) * (1.0 if r > 0 else 0.0)
+        self.rate[source] = p
+
+    def get(self, source: bytes) -> float:
+        return self.rate.get(source, self.prior)

@@ -1,0 +1,93 @@
+"""Trainer-side rollouts and their conversion to and from `gossip.wire.Rollout`.
+
+On the wire, behaviour log-probs are little-endian float32 bytes and the
+policy version of each token is a list of (first token index, version)
+segments, because a partial rollout may be continued under newer versions.
+A rollout from a model with a different tokenizer (hash mismatch) is
+re-tokenised locally from its text; its own log-probs then only survive as a
+length-normalised mean, which is all the HACPO sequence ratio needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
+from node.errors import DecodeError
+from training.engine import Sampling
+from training.tasks import Task
+
+
+@dataclass
+class RolloutRec:
+    ref: TaskRef
+    task: Task
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str
+    logprobs: list[float]
+    token_versions: list[tuple[int, int]]  # (first token index, version) segments
+    version: int  # version at the first completion token
+    lineage: bytes
+    tokenizer_hash: bytes
+    sampling: Sampling
+    reward: float = 0.0
+    finished: bool = True
+    created_ms: int = field(default_factory=now_ms)
+    # set for rollouts re-tokenised from another tokenizer: mean log-prob under the source
+    src_logp_mean: float | None = None
+    source: bytes = b""  # lineage of the producing policy (HACPO capability key)
+
+    def versions_per_token(self) -> list[int]:
+        return expand_versions(self.token_versions, len(self.ids), self.version)
+
+
+def expand_versions(segments: list[tuple[int, int]], n: int, first: int) -> list[int]:
+    """Per-token versions from (index, version) segments; tokens before the first segment get `first`."""
+    out = [first] * n
+    for k, (idx, ver) in enumerate(segments):
+        end = segments[k + 1][0] if k + 1 < len(segments) else n
+        for i in range(idx, min(end, n)):
+            out[i] = ver
+    return out
+
+
+def logprobs_to_bytes(lps: list[float]) -> bytes:
+    return np.asarray(lps, dtype="<f4").tobytes()
+
+
+def logprobs_from_bytes(data: bytes) -> list[float]:
+    if len(data) % 4:
+        raise DecodeError(f"logprob bytes length {len(data)} is not a multiple of 4")
+    return np.frombuffer(data, dtype="<f4").astype(np.float64).tolist()
+
+
+def to_wire(r: RolloutRec) -> Rollout:
+    s = r.sampling
+    return Rollout(task=r.ref, lineage=r.lineage, version=r.version, completion_ids=list(r.ids), text=r.text,
+                   tokenizer_hash=r.tokenizer_hash, logprobs=logprobs_to_bytes(r.logprobs),
+                   token_versions=[(int(i), int(v)) for i, v in r.token_versions],
+                   sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
+                   reward=float(r.reward), created_ms=r.created_ms)
+
+
+def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes, encode: object) -> RolloutRec:
+    """A received rollout for local training; re-tokenised when its tokenizer differs from ours."""
+    lps = logprobs_from_bytes(w.logprobs)
+    if len(lps) != len(w.completion_ids):
+        raise DecodeError(f"rollout has {len(lps)} log-probs for {len(w.completion_ids)} tokens")
+    sampling = Sampling(temperature=w.sampling.temperature, top_p=w.sampling.top_p,
+                        max_new_tokens=w.sampling.max_new_tokens)
+    rec = RolloutRec(ref=w.task, task=task, prompt_ids=list(prompt_ids), ids=list(w.completion_ids), text=w.text,
+                     logprobs=lps, token_versions=[(int(i), int(v)) for i, v in w.token_versions],
+                     version=int(w.version), lineage=bytes(w.lineage), tokenizer_hash=bytes(w.tokenizer_hash),
+                     sampling=sampling, reward=float(w.reward), created_ms=int(w.created_ms), source=bytes(w.lineage))
+    if bytes(w.tokenizer_hash) != tokenizer_hash:
+        rec.src_logp_mean = float(np.mean(lps)) if lps else 0.0
+        rec.ids = list(encode(w.text))  # type: ignore[operator]
+        rec.logprobs = []
+        rec.token_versions = []
+        rec.tokenizer_hash = tokenizer_hash
+    return rec

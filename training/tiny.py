@@ -1,0 +1,136 @@
+"""murmur-tiny: a built-in policy that needs no download.
+
+A small Qwen2 config with a character-level tokenizer over printable ASCII,
+built locally with `tokenizers` (a BPE model with no merges is exactly a
+character tokenizer, and it saves and reloads offline as a Hugging Face
+tokenizer directory). A short supervised warm-up on the built-in task set
+teaches the answer format and part of the skill, leaving room for RL to add
+the rest; the result is cached in `<home>/models/murmur-tiny/` keyed by the
+recipe and seed, and is bit-for-bit deterministic given the seed (one thread).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from node.errors import MurmurError
+from training.engine_hf import HFEngine, set_threads
+from training.tasks import Task, generate
+from training.tasksets import BUILTIN_TRAIN, builtin_manifest
+
+TINY_NAME: Final = "murmur-tiny"
+RECIPE: Final = "v1"
+SPECIALS: Final = ["<pad>", "<eos>", "<unk>"]
+CHARS: Final = [chr(c) for c in range(32, 127)]
+
+# Warm-up: enough supervised steps to learn "digits then EOS" and some sums.
+WARMUP_STEPS: Final = 60
+WARMUP_BATCH: Final = 64
+WARMUP_LR: Final = 2e-3
+
+
+def build_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   padding_side="left")
+
+
+def build_model(seed: int, vocab: int) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, rope_theta=10000.0, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg)
+
+
+def builtin_train_tasks(start: int, count: int) -> list[Task]:
+    m = builtin_manifest()
+    g = next(x for x in m.generators if x.name == BUILTIN_TRAIN)
+    return [generate(g.generator, g.config, g.seed_start + s, m.verifier, m.tolerance) for s in range(start, start + count)]
+
+
+def warmup(engine: HFEngine, steps: int, seed: int, batch: int = WARMUP_BATCH, lr: float = WARMUP_LR,
+           deadline: float | None = None) -> int:
+    """Supervised steps on prompt -> answer + EOS, loss on the answer only. Returns steps done."""
+    opt = torch.optim.AdamW(engine.model.parameters(), lr=lr, weight_decay=0.0)
+    engine.model.train()
+    rng = random.Random(seed)
+    done = 0
+    for step in range(steps):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        tasks = builtin_train_tasks(rng.randrange(900_000), batch)
+        prompts = [engine.encode(t.prompt) for t in tasks]
+        comps = [engine.encode(t.answer) + [engine.eos_id] for t in tasks]
+        lp, mask = engine.token_logprobs(prompts, comps)
+        loss = -(lp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        done = step + 1
+    engine.model.eval()
+    return done
+
+
+def tiny_dir(home: str | Path) -> Path:
+    return Path(home) / "models" / TINY_NAME
+
+
+def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS, force: bool = False) -> Path:
+    """Build (once) and return the cached murmur-tiny directory under `home`."""
+    d = tiny_dir(home)
+    stamp = {"recipe": RECIPE, "seed": seed, "warmup_steps": warmup_steps}
+    marker = d / "murmur-tiny.json"
+    if not force and marker.is_file():
+        try:
+            if json.loads(marker.read_text()).get("key") == stamp:
+                return d
+        except (OSError, ValueError):
+            pass
+    set_threads(1)
+    t0 = time.monotonic()
+    engine = new_tiny_engine(seed)
+    warmup(engine, warmup_steps, seed)
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    engine.model.save_pretrained(tmp)
+    engine.tokenizer.save_pretrained(tmp)
+    (tmp / "murmur-tiny.json").write_text(json.dumps({"key": stamp, "warmup_s": time.monotonic() - t0}))
+    shutil.rmtree(d, ignore_errors=True)
+    tmp.rename(d)
+    return d
+
+
+def new_tiny_engine(seed: int = 0, memory_budget_mb: int = 1024) -> HFEngine:
+    """A fresh (untrained) murmur-tiny engine, built in memory."""
+    tok = build_tokenizer()
+    model = build_model(seed, len(tok))
+    return HFEngine(model, tok, memory_budget_mb=memory_budget_mb, seed=seed)
+
+
+def load_policy(model: str, home: str | Path, device: str = "auto", seed: int = 0, memory_budget_mb: int = 1024
+                ) -> HFEngine:
+    """`murmur-tiny` (built and cached on first use) or a local Hugging Face causal-LM directory."""
+    if model == TINY_NAME:
+        path = ensure_tiny(home, seed)
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise MurmurError(f"model {model!r}: no such path (use murmur-tiny or a local Hugging Face model directory)")
+    return HFEngine.from_path(path, device=device, memory_budget_mb=memory_budget_mb, seed=seed)
