@@ -53,10 +53,18 @@ DEFAULT_LEVEL: Final = 3
 POS_ALL: Final = 0  # every element changed: no position streams
 POS_GAPS: Final = 1  # gaps (idx[i] - idx[i-1] - 1, first = idx[0]) fixed-width, byte-split
 POS_BITMASK: Final = 2  # one bit per element, little-endian bit order
+POS_GAPS_ESC: Final = 3  # gaps as one byte each, 255 = escape; escaped (gap - 255) fixed-width, byte-split
 # value modes
 VAL_ABS: Final = 0  # the new bit pattern
 VAL_XOR: Final = 1  # new XOR old
 VAL_DELTA: Final = 2  # zigzag(ord(new) - ord(old) mod 2^W), ord = float total order bijection
+# value layouts (bits 2-3 of val_mode; bits 0-1 hold the transform above)
+VAL_PLANES: Final = 0  # byte-split planes
+VAL_ESCAPED: Final = 4  # one byte per value, 255 = escape, escaped (value - 255) in side planes
+VAL_PACKED: Final = 8  # 2-bit codes, four per byte: code = min(value - off, 3); 3 = escape to an escaped side stream
+VAL_LAYOUT: Final = 12
+VAL_SORTED: Final = 16  # flag: values stored in stable order of the base element's float exponent
+_EXP = {"bfloat16": (7, 0xFF), "float16": (10, 0x1F), "float32": (23, 0xFF), "float64": (52, 0x7FF)}
 # stream methods
 RAW: Final = 0
 ZSTD: Final = 1
@@ -71,7 +79,7 @@ class TensorEntry(Struct, array_like=True, forbid_unknown_fields=True):
     shape: Annotated[list[Count], Meta(max_length=MAX_DIMS)]
     count: Count  # changed elements
     pos_mode: U8
-    pos_width: U8  # bytes per gap in POS_GAPS (1, 2, 4, 8), else 0
+    pos_width: U8  # bytes per gap (or escaped gap residual) in POS_GAPS/POS_GAPS_ESC (1, 2, 4, 8), else 0
     val_mode: U8
     streams: Annotated[list[tuple[U8, Count]], Meta(max_length=16)]  # (method, stored length)
 
@@ -149,6 +157,45 @@ def _unplanes(planes: list[bytes], width: int, count: int) -> np.ndarray:
     return m.reshape(-1).view(_UINT[width])
 
 
+def _escaped(a: np.ndarray, width: int) -> list[bytes]:
+    """Escape coding: most symbols fit one byte; the rare large ones go to side planes.
+
+    Huffman (zstd's literal coder) spends at least one bit per byte, so a
+    byte-split plane that is ~all zero still costs ~1 bit per element; a
+    single byte stream with rare escapes avoids that.
+    """
+    main = np.minimum(a, 255).astype(np.uint8)
+    big = a[main == 255] - a.dtype.type(255)
+    return [main.tobytes()] + _planes(big.astype(_UINT[width]))
+
+
+def _unescaped(main: bytes, side: list[bytes], width: int, out_dtype: np.dtype) -> np.ndarray:
+    m = np.frombuffer(main, dtype=np.uint8)
+    out = m.astype(out_dtype)
+    esc = m == 255
+    n_esc = int(np.count_nonzero(esc))
+    out[esc] = _unplanes(side, width, n_esc).astype(out_dtype) + out_dtype.type(255)
+    return out
+
+
+def _packed(v: np.ndarray, off: int) -> list[bytes]:
+    """Four 2-bit codes per byte: Huffman then sees 4 symbols at once and gets under 1 bit each."""
+    r = v - v.dtype.type(off)
+    c = np.minimum(r, 3).astype(np.uint8)
+    pad = (-c.size) % 4
+    if pad:
+        c = np.concatenate([c, np.zeros(pad, np.uint8)])
+    c = c.reshape(-1, 4)
+    main = c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+    side = r[r >= 3] - r.dtype.type(3)
+    return [main.tobytes()] + _escaped(side, v.dtype.itemsize)
+
+
+def _sort_key(old: np.ndarray, dtype: str) -> np.ndarray:
+    shift, mask = _EXP[dtype]
+    return (old >> old.dtype.type(shift)) & old.dtype.type(mask)
+
+
 class _Packer:
     def __init__(self, level: int) -> None:
         self.z = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
@@ -213,6 +260,10 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, 
         gaps = np.diff(idx, prepend=-1) - 1
         pos_width = _gap_width(int(gaps.max()))
         pos_mode, pos_streams = POS_GAPS, packer.pack_all(_planes(gaps.astype(_UINT[pos_width])))
+        if pos_width > 1:
+            esc = packer.pack_all(_escaped(gaps.astype(_UINT[pos_width]), pos_width))
+            if _size(esc) < _size(pos_streams):
+                pos_mode, pos_streams = POS_GAPS_ESC, esc
         if count * 64 > n:  # a bitmask can only win above ~1/64 density
             mask = np.zeros(n, dtype=bool)
             mask[idx] = True
@@ -227,10 +278,21 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, 
         (VAL_ABS, new),
     ]
     val_mode, val_streams = -1, []
+    perm = np.argsort(_sort_key(old, dtype), kind="stable") if dtype in _EXP and count > 1 else None
     for mode, arr in candidates:
-        s = packer.pack_all(_planes(arr))
-        if val_mode < 0 or _size(s) < _size(val_streams):
-            val_mode, val_streams = mode, s
+        tries = [(mode, lambda a=arr: _planes(a))]
+        if arr.dtype.itemsize > 1:
+            tries.append((mode | VAL_ESCAPED, lambda a=arr: _escaped(a, a.dtype.itemsize)))
+            if mode == VAL_DELTA:
+                off = 1
+                tries.append((mode | VAL_PACKED, lambda a=arr: _packed(a, off)))
+                if perm is not None:
+                    tries.append((mode | VAL_PACKED | VAL_SORTED, lambda a=arr: _packed(a[perm], off)))
+                    tries.append((mode | VAL_ESCAPED | VAL_SORTED, lambda a=arr: _escaped(a[perm], a.dtype.itemsize)))
+        for m, make in tries:
+            s = packer.pack_all(make())
+            if val_mode < 0 or _size(s) < _size(val_streams):
+                val_mode, val_streams = m, s
     streams = pos_streams + val_streams
     entry = TensorEntry(name, dtype, list(shape), count, pos_mode, pos_width, val_mode,
                         [(m, len(s)) for m, s in streams])
@@ -281,12 +343,17 @@ class StagedTensor:
 
     def new_values(self, old: np.ndarray) -> np.ndarray:
         """New bit patterns given the base's bit patterns at `idx`."""
-        if self.val_mode == VAL_ABS:
-            return self.vals
-        if self.val_mode == VAL_XOR:
-            return old ^ self.vals
+        vals = self.vals
+        if self.val_mode & VAL_SORTED:
+            vals = np.empty_like(self.vals)
+            vals[np.argsort(_sort_key(old, self.dtype), kind="stable")] = self.vals
+        mode = self.val_mode & 3
+        if mode == VAL_ABS:
+            return vals
+        if mode == VAL_XOR:
+            return old ^ vals
         kind = _order_kind(self.dtype)
-        return _unord(_ord(old, kind) + _unzigzag(self.vals), kind)
+        return _unord(_ord(old, kind) + _unzigzag(vals), kind)
 
 
 def _numel(shape: list[int]) -> int:
@@ -332,7 +399,7 @@ def read_header(payload: bytes | memoryview) -> tuple[PatchHeader, int]:
         raise PatchError("patch header length runs past the payload")
     try:
         header = _header_decoder.decode(mv[8:8 + hlen])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.MsgspecError, ValueError, OverflowError, RecursionError) as e:
         raise PatchError(f"malformed patch header: {e}") from None
     if header.v != FORMAT:
         raise PatchError(f"unsupported patch format version {header.v}")
@@ -375,50 +442,92 @@ def decode_patch(payload: bytes | memoryview,
         if total > max_elements:
             raise PatchError(f"patch changes more than {max_elements} elements")
         width = DTYPES_BY_NAME[e.dtype].itemsize
-        if e.pos_mode == POS_ALL:
-            pos_raw = []
-            if e.count != n:
-                raise PatchError(f"{what}: all-changed mode with {e.count} of {n}")
-        elif e.pos_mode == POS_GAPS:
-            if e.pos_width not in _UINT:
-                raise PatchError(f"{what}: bad gap width {e.pos_width}")
-            pos_raw = [e.count] * e.pos_width
-        elif e.pos_mode == POS_BITMASK:
-            pos_raw = [(n + 7) // 8]
-        else:
-            raise PatchError(f"{what}: unknown position mode {e.pos_mode}")
-        if e.val_mode not in (VAL_ABS, VAL_XOR, VAL_DELTA):
+        reader = _StreamReader(mv, off, end, e.streams, what)
+        idx = _decode_positions(e, n, reader, what)
+        layout_bits = e.val_mode & VAL_LAYOUT
+        if e.val_mode & 3 not in (VAL_ABS, VAL_XOR, VAL_DELTA) or e.val_mode & ~31 or layout_bits == 12:
             raise PatchError(f"{what}: unknown value mode {e.val_mode}")
-        raw_lens = pos_raw + [e.count] * width
-        if len(e.streams) != len(raw_lens):
-            raise PatchError(f"{what}: {len(e.streams)} streams, expected {len(raw_lens)}")
-        raws = []
-        for (method, length), raw_len in zip(e.streams, raw_lens):
-            if off + length > end:
-                raise PatchError(f"{what}: stream runs past the payload (truncated)")
-            raws.append(_unpack(method, bytes(mv[off:off + length]), raw_len, what))
-            off += length
-        npos = len(pos_raw)
-        idx = _decode_positions(e, n, raws[:npos], what)
-        vals = _unplanes(raws[npos:], width, e.count)
+        if e.val_mode & VAL_SORTED and e.dtype not in _EXP:
+            raise PatchError(f"{what}: sorted values for a non-float dtype")
+        udt = np.dtype(_UINT[width])
+        if layout_bits and width == 1:
+            raise PatchError(f"{what}: escaped or packed values for a one-byte dtype")
+        if layout_bits == VAL_ESCAPED:
+            main = reader.take(e.count)
+            vals = _unescaped(main, [reader.take(main.count(255)) for _ in range(width)], width, udt)
+        elif layout_bits == VAL_PACKED:
+            vals = _unpacked(reader, e.count, width, 0 if e.val_mode & 3 == VAL_ABS else 1, udt, what)
+        else:
+            vals = _unplanes([reader.take(e.count) for _ in range(width)], width, e.count)
+        off = reader.finish()
         staged.append(StagedTensor(e.name, e.dtype, shape, idx, e.val_mode, vals))
     if off != end:
         raise PatchError(f"patch payload has {end - off} unexplained bytes")
     return header, staged
 
 
-def _decode_positions(e: TensorEntry, n: int, raws: list[bytes], what: str) -> np.ndarray:
+def _unpacked(reader: _StreamReader, count: int, width: int, off: int, udt: np.dtype, what: str) -> np.ndarray:
+    b = np.frombuffer(reader.take((count + 3) // 4), dtype=np.uint8)
+    codes = np.stack([b & 3, (b >> 2) & 3, (b >> 4) & 3, b >> 6], axis=1).reshape(-1)
+    if codes[count:].any():
+        raise PatchError(f"{what}: packed padding codes set")
+    codes = codes[:count]
+    esc = codes == 3
+    n_esc = int(np.count_nonzero(esc))
+    main = reader.take(n_esc)
+    side = _unescaped(main, [reader.take(main.count(255)) for _ in range(width)], width, udt)
+    vals = codes.astype(udt)
+    vals[esc] = side + udt.type(3)
+    return vals + udt.type(off)
+
+
+class _StreamReader:
+    """Hands out one tensor's streams in order, each checked against the raw length the decoder expects."""
+
+    def __init__(self, mv: memoryview, off: int, end: int, streams: list[tuple[int, int]], what: str) -> None:
+        self.mv, self.off, self.end, self.streams, self.what, self.i = mv, off, end, streams, what, 0
+
+    def take(self, raw_len: int) -> bytes:
+        if self.i >= len(self.streams):
+            raise PatchError(f"{self.what}: fewer streams than its modes need")
+        method, length = self.streams[self.i]
+        self.i += 1
+        if self.off + length > self.end:
+            raise PatchError(f"{self.what}: stream runs past the payload (truncated)")
+        data = _unpack(method, bytes(self.mv[self.off:self.off + length]), raw_len, self.what)
+        self.off += length
+        return data
+
+    def finish(self) -> int:
+        if self.i != len(self.streams):
+            raise PatchError(f"{self.what}: {len(self.streams)} streams, its modes use {self.i}")
+        return self.off
+
+
+def _decode_positions(e: TensorEntry, n: int, reader: _StreamReader, what: str) -> np.ndarray:
     if e.pos_mode == POS_ALL:
+        if e.count != n:
+            raise PatchError(f"{what}: all-changed mode with {e.count} of {n}")
         return np.arange(n, dtype=np.int64)
     if e.pos_mode == POS_BITMASK:
-        packed = np.frombuffer(raws[0], dtype=np.uint8)
+        packed = np.frombuffer(reader.take((n + 7) // 8), dtype=np.uint8)
         if n % 8 and int(packed[-1]) >> (n % 8):
             raise PatchError(f"{what}: bitmask padding bits set")
         idx = np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little"))
         if idx.size != e.count:
             raise PatchError(f"{what}: bitmask has {idx.size} bits set, header says {e.count}")
         return idx.astype(np.int64, copy=False)
-    gaps = _unplanes(raws, e.pos_width, e.count)
+    if e.pos_mode not in (POS_GAPS, POS_GAPS_ESC):
+        raise PatchError(f"{what}: unknown position mode {e.pos_mode}")
+    if e.pos_width not in _UINT:
+        raise PatchError(f"{what}: bad gap width {e.pos_width}")
+    if e.pos_mode == POS_GAPS:
+        gaps = _unplanes([reader.take(e.count) for _ in range(e.pos_width)], e.pos_width, e.count)
+    else:
+        main = reader.take(e.count)
+        n_esc = main.count(255)
+        side = [reader.take(n_esc) for _ in range(e.pos_width)]
+        gaps = _unescaped(main, side, e.pos_width, np.dtype(np.uint64))
     # guard int64 overflow before the exact check: the sum of gaps must stay below n
     if float(gaps.sum(dtype=np.float64)) + e.count > n + 1:
         raise PatchError(f"{what}: positions run past the tensor end")
