@@ -1,0 +1,96 @@
+"""`murmur node start|status`, `murmur doctor`, `murmur demo`: registered on the lead's typer apps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from node.cli import HomeOpt, app, config_path, console, emit_json, node_app, resolve_home
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="config file (default <home>/config.toml)")]
+
+
+@node_app.command("start")
+def node_start(
+    home: HomeOpt = None,
+    config: ConfigOpt = None,
+    bootstrap: Annotated[Optional[list[str]], typer.Option("--bootstrap", help="bootstrap peer multiaddr (repeatable)")] = None,
+    listen: Annotated[Optional[list[str]], typer.Option("--listen", help="listen multiaddr (repeatable)")] = None,
+    no_tui: Annotated[bool, typer.Option("--no-tui", help="JSON log lines on stderr instead of the dashboard")] = False,
+) -> None:
+    """Join a swarm: pick roles for this hardware, train/follow/validate, show a live dashboard."""
+    from node import logs
+    from node.config import load_config
+    from node.home import ensure_home
+    from node.runtime import RunOptions, run_node
+
+    h = resolve_home(home)
+    ensure_home(h)
+    cfg = load_config(config_path(h, config))
+    tui = not no_tui and sys.stdout.isatty()
+    logs.setup(cfg.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log")
+    run_node(cfg, h, RunOptions(tui=tui, listen=list(listen or []), bootstrap=list(bootstrap or [])))
+
+
+@node_app.command("status")
+def node_status(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--json")] = False,
+                timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the node")] = 5.0) -> None:
+    """Read a running node's state over its control socket (does not disturb it)."""
+    import msgspec
+
+    from node import control
+    from node.config import load_config
+    from node.dashboard import node_panel
+
+    h = resolve_home(home)
+    cfg = load_config(config_path(h))
+    s = control.status(h, cfg.metrics.control_socket, timeout)
+    if json_out:
+        emit_json(msgspec.to_builtins(s))
+    else:
+        console.print(node_panel(s))
+
+
+@app.command()
+def doctor(
+    home: HomeOpt = None,
+    config: ConfigOpt = None,
+    bootstrap: Annotated[Optional[list[str]], typer.Option("--bootstrap", help="extra bootstrap peer to test")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="one JSON object as the last line")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds per dial")] = 5.0,
+) -> None:
+    """Check Python, torch, libp2p, ports, bootstrap peers, reachability, disk and memory; each with a fix."""
+    from node.config import load_config
+    from node.doctor import passed, render, run_checks
+
+    h = resolve_home(home)
+    cfg = load_config(config_path(h, config))
+    checks = run_checks(cfg, h, extra_bootstrap=list(bootstrap or []), timeout_s=timeout)
+    if json_out:
+        emit_json({"ok": passed(checks), "checks": [c.to_dict() for c in checks]})
+    else:
+        render(checks, console)
+    if not passed(checks):
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    duration: Annotated[float, typer.Option("--duration", help="seconds of training")] = 180.0,
+    nodes: Annotated[str, typer.Option("--nodes", help="roles of the demo nodes, e.g. trainer,trainer,follower")] =
+    "trainer,trainer+validator,follower+validator",
+    workdir: Annotated[Optional[Path], typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")] = None,
+    no_tui: Annotated[bool, typer.Option("--no-tui", help="plain progress lines instead of the live dashboard")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
+) -> None:
+    """A local swarm on loopback with the built-in model and tasks: watch it learn, then a summary."""
+    from node.demo import run_demo
+
+    summary = run_demo(duration_s=duration, node_roles=[n.split("+") for n in nodes.split(",") if n],
+                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console)
+    if json_out:
+        emit_json(summary)

@@ -1,0 +1,70 @@
+"""Prometheus metrics on 127.0.0.1:`metrics.port`, refreshed from the node's status snapshot.
+
+One private registry per node (tests run several nodes in one process).
+Counters mirror the ledger-backed totals in NodeStatus, so they restart from
+the durable numbers after a restart instead of from zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from node.status import NodeStatus
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.peers = Gauge("murmur_peers", "connected peers", registry=r)
+        self.version = Gauge("murmur_lineage_version", "held version per lineage", ["lineage", "relation"], registry=r)
+        self.lag = Gauge("murmur_lineage_lag", "versions behind the announced head", ["lineage"], registry=r)
+        self.rollouts = Gauge("murmur_rollouts_total", "rollouts by direction/status", ["kind"], registry=r)
+        self.rejected = Gauge("murmur_rollouts_rejected_total", "rejected rollouts by reason", ["reason"], registry=r)
+        self.versions = Gauge("murmur_versions_total", "versions published / applied", ["kind"], registry=r)
+        self.reward = Gauge("murmur_reward", "latest mean reward of local rollouts", registry=r)
+        self.bytes = Gauge("murmur_bytes_total", "patch bytes moved", ["direction"], registry=r)
+        self.memory = Gauge("murmur_memory_rss_bytes", "resident memory of node and worker", registry=r)
+        self.budget = Gauge("murmur_memory_budget_bytes", "configured memory budget", registry=r)
+        self.gen = Gauge("murmur_gen_tokens_per_second", "measured generation throughput", registry=r)
+        self.spot = Gauge("murmur_spot_checks_total", "log-prob spot checks", ["result"], registry=r)
+        self._server: Any = None
+        self.port = 0
+
+    def serve(self, port: int) -> int:
+        """Start the HTTP exporter on 127.0.0.1:port (port 0 picks one); returns the bound port."""
+        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        self._server = server
+        self.port = int(server.server_address[1])
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def update(self, s: NodeStatus) -> None:
+        self.peers.set(len(s.peers))
+        for lin in s.lineages:
+            self.version.labels(lin.lineage[:16], lin.relation).set(lin.held)
+            self.lag.labels(lin.lineage[:16]).set(lin.lag)
+        for kind, n in (("produced", s.rollouts_produced), ("published", s.rollouts_published),
+                        ("received", s.rollouts_received), ("accepted", s.rollouts_accepted),
+                        ("used", s.rollouts_used)):
+            self.rollouts.labels(kind).set(n)
+        for reason, n in s.rejected.items():
+            self.rejected.labels(reason).set(n)
+        self.versions.labels("published").set(s.versions_published)
+        self.versions.labels("applied").set(s.versions_applied)
+        if s.reward_now is not None:
+            self.reward.set(s.reward_now)
+        self.bytes.labels("up").set(s.bytes_up)
+        self.bytes.labels("down").set(s.bytes_down)
+        self.memory.set(s.memory_rss_mb * 2**20)
+        self.budget.set(s.memory_budget_mb * 2**20)
+        self.gen.set(s.gen_tokens_per_s)
+        self.spot.labels("checked").set(s.spot_checked)
+        self.spot.labels("failed").set(s.spot_failed)

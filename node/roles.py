@@ -1,0 +1,207 @@
+"""Role choice and the capacity rule (sans-IO: pure functions of announces and a clock reading).
+
+Roles follow the hardware: a node that can hold a trainable copy of the model
+within its memory budget trains its own lineage; weaker nodes follow a
+stronger node's lineage and generate rollouts for it; GPU nodes also validate.
+
+The capacity rule (docs/architecture.md, after ECHO-2): a trainer needing B
+rollouts per version, a version every T_L seconds, staleness bound S, needs a
+supply `sum(lambda_i) >= (1+m) * B / T_L` from followers whose rollouts arrive
+in time: `1 + ceil((D + G_i) / T_L) <= S` (D: dissemination latency of a
+version, G_i: the follower's rollout latency). Cost-aware activation adds
+followers in order of cost/lambda until the supply holds, skips those whose
+latency breaks the bound, and tells the rest to stand by. A follower picks the
+lineage with the largest unmet demand among those it can serve in time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from node.errors import ConfigError
+
+ROLES = ("trainer", "follower", "validator")
+HARDWARE_CLASSES = ("cpu", "gpu-small", "gpu-large")
+# A trainer holds the model, its fp32 master copy, Adam state and activations: about 4x
+# what a generation-only copy needs. Below this budget a node follows instead.
+TRAINER_MIN_BUDGET_MB = 1536
+GPU_LARGE_BYTES = 40 * 2**30
+DEFAULT_MARGIN = 0.2
+
+
+@dataclass(frozen=True)
+class Hardware:
+    cpu_count: int
+    memory_bytes: int
+    gpu_name: str = ""
+    gpu_memory_bytes: int = 0
+
+    @property
+    def klass(self) -> str:
+        if not self.gpu_name:
+            return "cpu"
+        return "gpu-large" if self.gpu_memory_bytes >= GPU_LARGE_BYTES else "gpu-small"
+
+
+def check_roles(roles: Iterable[str]) -> list[str]:
+    out = list(dict.fromkeys(roles))
+    bad = [r for r in out if r not in ROLES]
+    if bad:
+        raise ConfigError(f"node.roles: unknown role(s) {', '.join(bad)} (choose from {', '.join(ROLES)})")
+    if "trainer" in out and "follower" in out:
+        raise ConfigError("node.roles: a node is either the trainer of its own lineage or a follower of another")
+    return out
+
+
+def choose_roles(configured: Sequence[str], hardware_class: str, memory_budget_mb: int,
+                 memory_available_bytes: int) -> tuple[list[str], str]:
+    """(roles, why). Configured roles win; otherwise the hardware and the memory budget decide."""
+    if configured:
+        return check_roles(configured), "configured"
+    if hardware_class not in HARDWARE_CLASSES:
+        raise ConfigError(f"node.hardware: {hardware_class!r} is not one of auto, {', '.join(HARDWARE_CLASSES)}")
+    usable_mb = min(memory_budget_mb, memory_available_bytes // 2**20)
+    if usable_mb < TRAINER_MIN_BUDGET_MB:
+        return ["follower", "validator"], (f"{usable_mb} MiB usable < {TRAINER_MIN_BUDGET_MB} MiB for training: "
+                                           "follow a stronger node's lineage")
+    if hardware_class.startswith("gpu"):
+        return ["trainer", "validator"], f"{hardware_class}: train own lineage and spot-check rollouts"
+    return ["trainer"], f"cpu with {usable_mb} MiB usable: train own lineage (swarm sampling)"
+
+
+# ---------------------------------------------------------------- capacity rule
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A follower's capacity, from its NodeAnnounce."""
+
+    peer_id: str
+    rollouts_per_s: float  # lambda_i
+    rollout_latency_s: float  # G_i (p95)
+    cost: float = 1.0  # relative cost of activating it (e.g. energy, a paid GPU)
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A trainer's need, from the LineageDemand in its NodeAnnounce (step = one published version)."""
+
+    rollouts_per_step: int  # B
+    step_time_s: float  # T_L
+    max_staleness: int  # S
+    publish_every: int = 1  # kappa, in versions (1: every version is published)
+
+
+def offer_rate(gen_tokens_per_s: float, tokens_per_rollout: float) -> float:
+    """Rollouts per second from measured generation throughput."""
+    return gen_tokens_per_s / max(1.0, tokens_per_rollout)
+
+
+def required_rate(d: Demand, margin: float = DEFAULT_MARGIN) -> float:
+    """(1+m) * B / T_L rollouts per second; 0 when the trainer has not measured a step yet."""
+    if d.step_time_s <= 0 or d.rollouts_per_step <= 0:
+        return 0.0
+    return (1.0 + margin) * d.rollouts_per_step / d.step_time_s
+
+
+def staleness_versions(d: Demand, latency_s: float, dissemination_s: float) -> int:
+    """Versions a rollout lags the head when it arrives: kappa + ceil((D + G) / T_L)."""
+    if d.step_time_s <= 0:
+        return d.publish_every
+    return d.publish_every + math.ceil((dissemination_s + latency_s) / d.step_time_s)
+
+
+def fits_staleness(d: Demand, latency_s: float, dissemination_s: float) -> bool:
+    return staleness_versions(d, latency_s, dissemination_s) <= d.max_staleness
+
+
+@dataclass
+class Activation:
+    need: float  # rollouts/s required
+    supply: float = 0.0  # rollouts/s of the active followers
+    active: list[str] = field(default_factory=list)
+    standby: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def met(self) -> bool:
+        return self.supply >= self.need
+
+
+def activate(d: Demand, offers: Iterable[Offer], dissemination_s: float = 0.0,
+             margin: float = DEFAULT_MARGIN) -> Activation:
+    """Cost-aware activation: cheapest per rollout first until the demand is met; the rest stand by."""
+    act = Activation(need=required_rate(d, margin))
+    ranked = sorted(offers, key=lambda o: (o.cost / o.rollouts_per_s if o.rollouts_per_s > 0 else math.inf, o.peer_id))
+    for o in ranked:
+        if o.rollouts_per_s <= 0:
+            act.rejected[o.peer_id] = "no measured throughput yet"
+            continue
+        if not fits_staleness(d, o.rollout_latency_s, dissemination_s):
+            lag = staleness_versions(d, o.rollout_latency_s, dissemination_s)
+            act.rejected[o.peer_id] = f"latency {o.rollout_latency_s:.1f} s -> {lag} versions stale > bound {d.max_staleness}"
+            continue
+        if act.need > 0 and act.met:
+            act.standby.append(o.peer_id)
+            continue
+        act.active.append(o.peer_id)
+        act.supply += o.rollouts_per_s
+    return act
+
+
+@dataclass(frozen=True)
+class LineageOption:
+    """A lineage a follower could serve, as the follower sees it."""
+
+    lineage: bytes
+    demand: Demand
+    supply_by_others: float  # rollouts/s already served by other followers (from their announces)
+    standby: tuple[str, ...] = ()  # peers its trainer told to stand by
+
+
+@dataclass(frozen=True)
+class Choice:
+    lineage: bytes | None
+    reason: str
+
+
+def choose_lineage(me: Offer, options: Iterable[LineageOption], dissemination_s: float = 0.0,
+                   current: bytes | None = None, margin: float = DEFAULT_MARGIN,
+                   configured: Sequence[bytes] = ()) -> Choice:
+    """Which lineage this follower serves, and why (shown on the dashboard).
+
+    Only lineages it can serve within their staleness bound are eligible, and
+    those whose trainer put it on standby are skipped. Among the eligible, the
+    one with the largest unmet demand wins; staying on `current` wins ties, so
+    followers do not flap. With `configured` lineages, only those are eligible.
+    """
+    opts = [o for o in options if not configured or o.lineage in configured]
+    if not opts:
+        return Choice(None, "no trainer lineage announced yet" if not configured else "configured lineage not announced yet")
+    eligible, why_not = [], []
+    for o in opts:
+        name = o.lineage.hex()[:8]
+        if not fits_staleness(o.demand, me.rollout_latency_s, dissemination_s):
+            lag = staleness_versions(o.demand, me.rollout_latency_s, dissemination_s)
+            why_not.append(f"{name}: my latency would be {lag} versions stale > {o.demand.max_staleness}")
+        elif me.peer_id in o.standby:
+            why_not.append(f"{name}: trainer's demand is met, told to stand by")
+        else:
+            eligible.append(o)
+    if not eligible:
+        return Choice(None, "standby: " + "; ".join(why_not))
+
+    def unmet(o: LineageOption) -> float:
+        return required_rate(o.demand, margin) - o.supply_by_others
+
+    best = max(eligible, key=lambda o: (round(unmet(o), 6), o.lineage == current, o.lineage))
+    gap = unmet(best)
+    if gap > 0:
+        reason = f"largest unmet demand: {gap:.1f} rollouts/s short"
+    else:
+        reason = "every demand met; serving the least over-supplied lineage"
+    if len(eligible) == 1 and len(opts) == 1:
+        reason = "only lineage announced; " + reason
+    return Choice(best.lineage, reason)

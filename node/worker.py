@@ -1,0 +1,439 @@
+"""The training / generation process of a node (torch lives here, never in the network process).
+
+Started by the runtime with multiprocessing *spawn* and one duplex Pipe. A
+reader thread drains the pipe at once into bounded local structures, so the
+network process never blocks on a busy worker; the main thread trains or
+generates. Messages (tuples, both ends ours):
+
+network -> worker
+  ("follow", dict | None)    lineage to serve as follower {id, name, publisher, base} or None (stand by)
+  ("patch", dict)            a patch/anchor is in the lineage store: {lineage, kind, base, target}
+  ("head", dict)             {lineage, head}: newest announced version
+  ("external", bytes)        a verified RolloutBatch envelope (trainer pool, spot checks)
+  ("stop", None)
+worker -> network
+  ("ready", dict)            {lineage?, name?, base, version, tokenizer_hash}
+  ("state", str)             loading | training | generating | standby | catching-up
+  ("rollouts", list[bytes])  encoded wire.Rollout of one group/step, for the network to sign and gossip
+  ("step", dict)             trainer step stats; ("gen", dict) follower group stats
+  ("published", dict)        {version, envelope}: a new version is in the lineage store
+  ("applied", dict)          {lineage, version}; ("apply_failed", dict) {lineage, base, target, error}
+  ("perf", dict)             {gen_tokens_per_s, rollout_latency_s}
+  ("spot", dict)             {ok, producer, lineage, version, diff}
+  ("error", str)             fatal; the worker exits
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import random
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation
+EXTERNAL_GROUPS_MAX = 256  # bounded pool of external groups held by a trainer worker
+FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
+
+
+class Inbox:
+    """What the reader thread collected; everything bounded."""
+
+    def __init__(self, max_groups: int) -> None:
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.wake = threading.Event()
+        self.follow: dict | None | str = "unset"
+        self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
+        self.heads: dict[str, int] = {}
+        self.groups: collections.OrderedDict[tuple, list] = collections.OrderedDict()
+        self.max_groups = max_groups
+        self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
+        self.dropped = 0
+
+
+def _reader(conn: Any, inbox: Inbox) -> None:
+    from gossip import wire
+    from gossip.pool import task_key
+
+    while not inbox.stop.is_set():
+        try:
+            if not conn.poll(0.5):
+                continue
+            kind, body = conn.recv()
+        except (EOFError, OSError):
+            inbox.stop.set()  # the network process is gone: stop too
+            inbox.wake.set()
+            return
+        with inbox.lock:
+            if kind == "stop":
+                inbox.stop.set()
+            elif kind == "follow":
+                inbox.follow = body
+            elif kind == "patch":
+                inbox.patches.append(body)
+            elif kind == "head":
+                inbox.heads[body["lineage"]] = max(inbox.heads.get(body["lineage"], 0), int(body["head"]))
+            elif kind == "external":
+                try:
+                    _, batch = wire.open_envelope(body, wire.ROLLOUT_BATCH)
+                except Exception:
+                    continue
+                inbox.spot.append((bytes(batch.producer), batch))
+                for r in batch.rollouts:
+                    g = inbox.groups.setdefault(task_key(r.task), [])
+                    if len(g) < 64:
+                        g.append(r)
+                while len(inbox.groups) > inbox.max_groups:
+                    inbox.groups.popitem(last=False)
+                    inbox.dropped += 1
+        inbox.wake.set()
+
+
+class Worker:
+    def __init__(self, conn: Any, spec: dict[str, Any]) -> None:
+        self.conn = conn
+        self.spec = spec
+        self.home = Path(spec["home"])
+        self.inbox = Inbox(EXTERNAL_GROUPS_MAX)
+        self.rng = random.Random(spec.get("seed", 0) + 7)
+        self._send_lock = threading.Lock()
+        self.tokens = 0
+        self.gen_s = 0.0
+
+    def send(self, kind: str, body: Any) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send((kind, body))
+            except (OSError, BrokenPipeError):
+                self.inbox.stop.set()
+
+    # ------------------------------------------------------------ setup
+    def load(self) -> None:
+        from node.store import open_store
+        from training.engine_hf import set_threads
+        from training.tasksets import TaskRegistry
+        from training.tiny import load_policy
+
+        set_threads(int(self.spec.get("threads", 1)))
+        import torch
+
+        torch.set_num_threads(int(self.spec.get("threads", 1)))
+        self.send("state", "loading")
+        self.engine = load_policy(self.spec["model"], self.spec.get("model_home") or self.home,
+                                  device=self.spec.get("device", "auto"), seed=int(self.spec.get("model_seed", 0)),
+                                  memory_budget_mb=max(64, int(self.spec["memory_budget_mb"]) // 4))
+        self.registry = TaskRegistry()
+        self.registry.add_builtin()
+        self.task_set = self.registry.builtin_id
+        self.db = open_store(self.home)
+        from sync.hashing import canonical_state, state_hash
+
+        self.base_hash = state_hash(canonical_state(self.engine.model))
+        m = self.registry.get(self.task_set)
+        self.gens = [g for g in m.generators if not g.name.endswith("-eval")]
+
+    # ------------------------------------------------------------ trainer
+    def run_trainer(self) -> None:
+        from sync.lineage import LineagePublisher
+        from node.identity import Identity
+        from training.trainer import Trainer, TrainerConfig
+        from training.rollouts import to_wire
+        from gossip import wire
+
+        ident = Identity.from_seed(bytes.fromhex(self.spec["identity_seed"]))
+        s = self.spec
+        kw = dict(anchor_every=s["anchor_every"], chunk_bytes=s["chunk_bytes"], retain_versions=s["retain_versions"],
+                  db=self.db)
+        own = self.db.get("own_lineage")
+        pub = None
+        if own:
+            try:
+                pub = LineagePublisher.resume(ident, self.home, bytes.fromhex(own), **kw)
+                self.engine.load_state(pub.base)
+            except Exception as e:  # a damaged store must not stop the node: start the lineage afresh
+                self.send("log", f"cannot resume lineage {own[:16]}: {e}; starting a new one")
+                pub = None
+        if pub is None:
+            pub = LineagePublisher(ident, s["lineage_name"], self.engine.model, self.home, **kw)
+            self.db.put("own_lineage", pub.lineage.id.hex())
+        self.pub = pub
+        self.held_lineage = pub.lineage.id
+        self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
+                            "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
+                            "tokenizer_hash": self.engine.tokenizer_hash.hex()})
+        cfg = TrainerConfig(**s["trainer"])
+        trainer = Trainer(self.engine, self.registry, self.task_set, cfg, lineage=pub.lineage.id,
+                          external=self._external)
+        trainer.version = pub.version
+        publish_every = max(1, int(s.get("publish_every", 1)))
+        self.send("state", "training")
+        steps = 0
+        while not self.inbox.stop.is_set():
+            t0 = time.monotonic()
+            res = trainer.step()
+            steps += 1
+            self.tokens += res.tokens
+            if res.rollouts:
+                self.send("rollouts", [wire.encode(to_wire(r)) for r in res.rollouts])
+            published = None
+            if res.version != pub.version and steps % publish_every == 0:
+                bundle = pub.publish(self.engine.model)
+                published = pub.version
+                self.send("published", {"version": pub.version, "envelope": bundle.envelope,
+                                        "bytes": bundle.manifest.total_bytes})
+            trainer.version = pub.version
+            step_s = time.monotonic() - t0
+            self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
+                               "loss": res.loss, "n_external_groups": res.n_external_groups,
+                               "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
+                               "published": published,
+                               "rollouts_per_step": cfg.local_groups * cfg.group_size})
+            self._spot_checks(pub.lineage.id, pub.version)
+
+    def _external(self, max_groups: int, min_version: int) -> list:
+        out: list = []
+        with self.inbox.lock:
+            keys = list(self.inbox.groups)
+            taken = 0
+            for k in reversed(keys):  # newest first
+                if taken >= max_groups:
+                    break
+                g = self.inbox.groups[k]
+                g = [r for r in g if bytes(r.lineage) != self.held_lineage or r.version >= min_version]
+                if len(g) >= 2:
+                    out.extend(g)
+                    taken += 1
+                    del self.inbox.groups[k]
+        return out
+
+    # ------------------------------------------------------------ follower
+    def _checkpoint_dir(self, lineage: bytes) -> Path:
+        return self.home / "follow" / lineage.hex()
+
+    def _save_checkpoint(self, follower: Any) -> None:
+        from safetensors.torch import save
+        from sync.atomic import atomic_write
+
+        d = self._checkpoint_dir(follower.lineage.id)
+        state = {n: t.detach().contiguous().clone() for n, t in follower.live.items()}
+        atomic_write(d / "state.safetensors", save(state))
+        atomic_write(d / "state.json", json.dumps({"version": follower.version,
+                                                   "state_hash": follower.state_hash.hex()}).encode())
+
+    def _open_follower(self, info: dict) -> Any:
+        """A LineageFollower at the last durable version this node holds (checkpoint + stored patches)."""
+        from safetensors.torch import load_file
+        from sync.lineage import Lineage, LineageFollower
+
+        lin = Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"])
+        d = self._checkpoint_dir(lin.id)
+        if (d / "state.json").exists():
+            try:
+                meta = json.loads((d / "state.json").read_text())
+                state = load_file(str(d / "state.safetensors"))
+                self.engine.load_state(state)
+                return LineageFollower(lin, self.engine.model, version=int(meta["version"]),
+                                       expected_hash=bytes.fromhex(meta["state_hash"]), home=self.home, db=self.db,
+                                       keep_patches=False)
+            except Exception as e:
+                self.send("log", f"follower checkpoint unusable ({e}); starting from the base model")
+                from training.tiny import load_policy
+
+                self.engine = load_policy(self.spec["model"], self.spec.get("model_home") or self.home,
+                                          seed=int(self.spec.get("model_seed", 0)))
+        return LineageFollower(lin, self.engine.model, version=0, home=self.home, db=self.db, keep_patches=False)
+
+    def _apply_held(self, follower: Any) -> int:
+        """Apply what the lineage store holds beyond our version (no download), plus announced arrivals."""
+        from sync.catchup import choose
+        from node.errors import PatchError
+
+        applied = 0
+        with self.inbox.lock:
+            self.inbox.patches.clear()
+        store = follower.store
+        for _ in range(10_000):
+            items = store.items()
+            head = max((i.target for i in items), default=follower.version)
+            if head <= follower.version:
+                break
+            try:
+                plan = choose(follower.version, head, items)
+            except PatchError:
+                break  # a gap: the network fetches what is missing
+            progressed = False
+            for step in plan.steps:
+                if self._apply_item(follower, step.kind, step.base, step.target):
+                    applied += 1
+                    progressed = True
+                else:
+                    break
+            if not progressed:
+                break
+        return applied
+
+    def _apply_item(self, follower: Any, kind: str, base: int, target: int) -> bool:
+        from sync import chunks as chunking
+        from sync.patchstore import open_manifest
+        from node.errors import PatchError
+
+        store = follower.store
+        try:
+            env, payload = store.read_anchor(target) if kind == "anchor" else store.read_patch(base, target)
+            m = open_manifest(env)
+            follower.apply(env, chunking.split(payload, m.chunk_bytes))
+        except PatchError as e:
+            self.send("apply_failed", {"lineage": follower.lineage.id.hex(), "base": base, "target": target,
+                                       "error": str(e)})
+            return False
+        self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version})
+        if follower.version % FOLLOW_CHECKPOINT_EVERY == 0:
+            self._save_checkpoint(follower)
+        return True
+
+    def run_follower(self) -> None:
+        from gossip import wire
+        from training.engine import Sampling
+        from training.rollouts import RolloutRec, to_wire
+        from training.verifiers import score
+
+        s = self.spec
+        tcfg = s["trainer"]
+        sampling = Sampling(temperature=tcfg["temperature"], top_p=1.0, max_new_tokens=tcfg["max_new_tokens"])
+        group = int(tcfg["group_size"])
+        max_stale = int(tcfg["max_staleness"])
+        self.send("ready", {"base": self.base_hash.hex(), "tokenizer_hash": self.engine.tokenizer_hash.hex(),
+                            "version": 0})
+        follower = None
+        current: dict | None = None
+        state = ""
+        last_ckpt = -1
+
+        def set_state(x: str) -> None:
+            nonlocal state
+            if x != state:
+                state = x
+                self.send("state", x)
+
+        set_state("standby")
+        while not self.inbox.stop.is_set():
+            with self.inbox.lock:
+                want = self.inbox.follow
+            if want != "unset" and (want or None) != current:
+                if follower is not None and follower.version != last_ckpt:
+                    self._save_checkpoint(follower)
+                current = want or None
+                follower = None
+                if current is not None:
+                    set_state("catching-up")
+                    follower = self._open_follower(current)
+                    self.held_lineage = follower.lineage.id
+                    self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version})
+            if follower is None:
+                set_state("standby")
+                self.inbox.wake.wait(0.5)
+                self.inbox.wake.clear()
+                continue
+            self._apply_held(follower)
+            lid = follower.lineage.id.hex()
+            with self.inbox.lock:
+                head = self.inbox.heads.get(lid, follower.version)
+            if head - follower.version > max_stale:
+                set_state("catching-up")  # beyond the staleness bound: no rollouts until caught up
+                self.inbox.wake.wait(0.5)
+                self.inbox.wake.clear()
+                continue
+            set_state("generating")
+            g = self.rng.choices(self.gens, weights=[x.weight for x in self.gens])[0]
+            ref = wire.TaskRef(self.task_set, g.name, self.rng.randrange(g.seed_start, g.seed_end))
+            task = self.registry.resolve(ref)
+            prompt = self.engine.encode(task.prompt)
+            t0 = time.monotonic()
+            version = follower.version
+            res = self.engine.sample([prompt] * group, sampling)
+            dt = time.monotonic() - t0
+            recs, rewards = [], []
+            for ids, lps, _eos in res:
+                text = self.engine.decode(ids)
+                r = score(task, text)
+                rewards.append(r)
+                recs.append(RolloutRec(ref=ref, task=task, prompt_ids=prompt, ids=list(ids), text=text,
+                                       logprobs=list(lps), token_versions=[(0, version)] if ids else [],
+                                       version=version, lineage=follower.lineage.id,
+                                       tokenizer_hash=self.engine.tokenizer_hash, sampling=sampling, reward=r))
+            ntok = sum(len(x[0]) for x in res)
+            self.tokens += ntok
+            self.gen_s += dt
+            self.send("rollouts", [wire.encode(to_wire(r)) for r in recs])
+            self.send("gen", {"reward_mean": sum(rewards) / len(rewards), "version": version, "tokens": ntok,
+                              "latency_s": dt})
+            self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})
+            self._spot_checks(follower.lineage.id, follower.version)
+        if follower is not None:
+            self._save_checkpoint(follower)
+
+    # ------------------------------------------------------------ validator
+    def _spot_checks(self, lineage: bytes, version: int) -> None:
+        """Recompute log-probs of a sample of received rollouts claimed for (lineage, version) we hold."""
+        if "validator" not in self.spec["roles"]:
+            with self.inbox.lock:
+                self.inbox.spot.clear()
+            return
+        from training.rollouts import logprobs_from_bytes
+
+        rate = float(self.spec.get("spot_rate", 0.25))
+        with self.inbox.lock:
+            batches = list(self.inbox.spot)
+            self.inbox.spot.clear()
+        checked = 0
+        for producer, batch in batches:
+            for r in batch.rollouts:
+                if bytes(r.lineage) != lineage or r.version != version or not r.completion_ids:
+                    continue
+                if bytes(r.tokenizer_hash) != self.engine.tokenizer_hash or self.rng.random() > rate or checked >= 4:
+                    continue
+                task = self.registry.resolve(r.task)
+                prompt = self.engine.encode(task.prompt)
+                got = self.engine.logprobs([(prompt, list(r.completion_ids))], r.sampling.temperature)[0]
+                claim = logprobs_from_bytes(r.logprobs)
+                diff = sum(abs(a - b) for a, b in zip(got, claim)) / max(1, len(got))
+                checked += 1
+                self.send("spot", {"ok": diff <= SPOT_TOLERANCE, "producer": producer.hex(), "diff": diff,
+                                   "lineage": lineage.hex(), "version": version})
+
+    # ------------------------------------------------------------ main
+    def run(self) -> None:
+        reader = threading.Thread(target=_reader, args=(self.conn, self.inbox), name="murmur-worker-ipc", daemon=True)
+        reader.start()
+        try:
+            self.load()
+            if "trainer" in self.spec["roles"]:
+                self.run_trainer()
+            else:
+                self.run_follower()
+            self.send("state", "stopped")
+        except BaseException as e:  # noqa: BLE001 - reported to the network process, then exit
+            self.send("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
+            raise SystemExit(1) from None
+        finally:
+            self.inbox.stop.set()
+
+
+def main(conn: Any, spec: dict[str, Any]) -> None:
+    """Entry point of the spawned worker process."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
+    os.environ.setdefault("MKL_NUM_THREADS", str(spec.get("threads", 1)))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import signal
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the network process decides when we stop
+    Worker(conn, spec).run()
