@@ -171,14 +171,14 @@ class LineagePublisher:
         self.config_json = dict(config_json) if config_json is not None else None
         self.level = level
         self.db = db
+        if db is not None:
+            db.add_lineage(self.lineage.id, name, identity.public, self.lineage.base_model_hash, "own")
         self.store = LineageStore(home, self.lineage.id) if home is not None else None
         if self.store is not None:
             self.store.write_info({"id": self.lineage.id.hex(), "name": name, "publisher": identity.public.hex(),
                                    "base_model_hash": self.lineage.base_model_hash.hex()})
             if self.version % anchor_every == 0 and self.version not in self.store.anchors():
                 self._write_anchor()
-        if db is not None:
-            db.add_lineage(self.lineage.id, name, identity.public, self.lineage.base_model_hash, "own")
 
     @classmethod
     def resume(cls, identity: Identity, home: Path, lineage: bytes, **kw: Any) -> LineagePublisher:

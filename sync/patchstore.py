@@ -174,9 +174,11 @@ class LineageStore:
     def prune(self, retain_versions: int, max_anchors: int = 4) -> list[str]:
         """Drop what catch-up no longer needs; returns the removed file names.
 
-        Kept: patches and unions whose target is within `retain_versions` of
-        the head, the newest anchor at or below the oldest kept base (so that
-        window stays replayable) and every newer anchor, at most `max_anchors`.
+        Kept: the newest anchor at or below `head - retain_versions` (the
+        floor), every newer anchor (at most `max_anchors`, newest first; the
+        floor moves up when that cap bites), and every patch or union whose
+        base is at or after the floor, so every kept version can be replayed
+        from a kept anchor.
         Orphan payloads (no manifest: an interrupted write) are removed too.
         """
         head = self.head()
@@ -201,7 +203,7 @@ class LineageStore:
                 continue
             base, target = int(m.group(1)), int(m.group(2))
             orphan = m.group(3) == "bin" and not p.with_suffix(".env").exists()
-            if orphan or target <= window_start or base < floor:
+            if orphan or base < floor:
                 p.unlink(missing_ok=True)
                 removed.append(f"patches/{p.name}")
         return removed
