@@ -1,0 +1,96 @@
+"""WebRTC-direct fallback (optional extra `murmur[webrtc]`, aiortc), imported lazily.
+
+Why optional: aiortc pulls in av/ffmpeg wheels and runs on asyncio (py-libp2p bridges it to trio in a
+thread); it was measured at 1.4–3.1 MB/s py<->py with one negotiation in six timing out, so it is a
+fallback for UDP-only networks, never the default path. When aiortc is missing everything here
+reports why instead of failing.
+
+`measure_loopback` builds two throwaway hosts with py-libp2p's `/webrtc-direct` transport (listener
+on 127.0.0.1 UDP) and times one bulk stream; the benchmark reports it as `webrtc_mb_s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import time
+from typing import Any
+
+import trio
+
+from node.errors import MurmurError
+
+
+class WebRTCUnavailable(MurmurError):
+    """The WebRTC extra is not installed or the negotiation failed."""
+
+
+def webrtc_unavailable() -> str | None:
+    """None if aiortc can be imported; otherwise the reason (without importing it: it is slow)."""
+    if importlib.util.find_spec("aiortc") is None:
+        return "aiortc is not installed (pip install 'murmur[webrtc]')"
+    return None
+
+
+async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Bulk-stream `n_bytes` between two local hosts over /webrtc-direct; returns mb_s, connect_s, hash_ok."""
+    reason = webrtc_unavailable()
+    if reason:
+        raise WebRTCUnavailable(reason)
+    import multiaddr
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import PeerInfo
+
+    proto = TProtocol("/murmur/bench/webrtc-bulk/1")
+    a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+    b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+    done = trio.Event()
+    result: dict[str, Any] = {}
+
+    async def handler(stream: Any) -> None:
+        h = hashlib.blake2b(digest_size=32)
+        got = 0
+        while got < n_bytes:
+            part = await stream.read(65536)
+            if not part:
+                break
+            h.update(part)
+            got += len(part)
+        result["digest"] = h.digest()
+        result["got"] = got
+        done.set()
+
+    try:
+        with trio.fail_after(timeout_s):
+            async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
+                    a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                b.set_stream_handler(proto, handler)
+                addrs = [x for x in b.get_addrs() if "webrtc-direct" in str(x)]
+                if not addrs:
+                    raise WebRTCUnavailable(f"no /webrtc-direct listen address: {[str(x) for x in b.get_addrs()]}")
+                t = time.perf_counter()
+                await a.connect(PeerInfo(b.get_id(), addrs))
+                connect_s = time.perf_counter() - t
+                s = await a.new_stream(b.get_id(), [proto])
+                block = os.urandom(16384)  # data-channel messages are small
+                h = hashlib.blake2b(digest_size=32)
+                t = time.perf_counter()
+                sent = 0
+                while sent < n_bytes:
+                    c = block[: min(len(block), n_bytes - sent)]
+                    await s.write(c)
+                    h.update(c)
+                    sent += len(c)
+                await done.wait()
+                dt = time.perf_counter() - t
+                return {"mb_s": round(n_bytes / dt / 1e6, 2), "connect_s": round(connect_s, 3),
+                        "hash_ok": result.get("digest") == h.digest(), "addr": str(addrs[0])}
+    except WebRTCUnavailable:
+        raise
+    except trio.TooSlowError:
+        raise WebRTCUnavailable(f"WebRTC-direct loopback transfer did not finish within {timeout_s:.0f} s") from None
+    except Exception as e:
+        raise WebRTCUnavailable(f"WebRTC-direct failed: {type(e).__name__}: {e}"[:300]) from None
