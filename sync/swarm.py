@@ -33,7 +33,7 @@ from typing import Annotated, Final, Union
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, PatchManifest
+from gossip.wire import KIND_LIMITS, MAX_CHUNK_BYTES, MAX_CHUNKS, PATCH_MANIFEST, PatchManifest
 from node.errors import DecodeError
 
 # ---------------------------------------------------------------- frames
@@ -95,7 +95,20 @@ class Leave(Struct, tag=7, array_like=True, forbid_unknown_fields=True):
     pid: PatchId
 
 
-Frame = Union[Have, HaveChunk, Request, Cancel, Reject, Chunk, Leave]
+class ManifestRequest(Struct, tag=8, array_like=True, forbid_unknown_fields=True):
+    """Ask a peer that advertised an unknown patch id for its signed manifest (late joiners)."""
+
+    pid: PatchId
+
+
+class Manifest(Struct, tag=9, array_like=True, forbid_unknown_fields=True):
+    """The signed PatchManifest envelope whose content id is `pid`; checked like a gossiped one."""
+
+    pid: PatchId
+    envelope: Annotated[bytes, Meta(max_length=KIND_LIMITS[PATCH_MANIFEST])]
+
+
+Frame = Union[Have, HaveChunk, Request, Cancel, Reject, Chunk, Leave, ManifestRequest, Manifest]
 _frame_decoder = msgspec.msgpack.Decoder(Frame)
 _encoder = msgspec.msgpack.Encoder()
 

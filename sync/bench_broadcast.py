@@ -1,0 +1,256 @@
+"""`murmur bench broadcast`: one origin, N followers, one patch; measured against the broadcast bounds.
+
+Live mode starts 1 + N real processes with real libp2p hosts on 127.0.0.1,
+every node's upload capped by its token bucket; sim mode runs the same
+`SwarmSession` core in virtual time (`sync.vsim`). Both report completion
+times against T* = (S/B)(1 + floor(log2 N)/M) (docs/broadcast.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
+from node.identity import Identity
+from sync.chunks import refs, split
+
+SIM_FULL_MESH_MAX = 64  # larger simulated swarms use a random overlay of this degree
+SIM_DEGREE = 16
+
+
+def make_patch(identity: Identity, payload: bytes, chunk_bytes: int, version: int = 1) -> tuple[bytes, list[bytes]]:
+    """A signed manifest envelope for an opaque payload, and its chunks (for benchmarks and tests)."""
+    chunks = split(payload, chunk_bytes)
+    lineage = hashlib.blake2b(b"bench" + identity.public, digest_size=32).digest()
+    m = PatchManifest(
+        v=FORMAT_VERSION, lineage=lineage, lineage_name="bench", base_model_hash=b"\0" * 32,
+        publisher=identity.public, base_version=version - 1, target_version=version, base_hash=b"\1" * 32,
+        target_hash=hashlib.blake2b(payload, digest_size=32).digest(), codec="sparse-v1",
+        total_bytes=len(payload), chunk_bytes=chunk_bytes, chunks=refs(chunks), created_ms=now_ms())
+    return seal(identity, PATCH_MANIFEST, m), chunks
+
+
+def lower_bound_s(size: int, upload: float, n: int, m: int) -> float:
+    return (size / upload) * (1 + math.floor(math.log2(max(n, 1))) / m)
+
+
+def _summary(peers: int, size: int, chunk_bytes: int, upload: float, times: list[float], origin_out: int,
+             ok: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    m = -(-size // chunk_bytes)
+    lb = lower_bound_s(size, upload, peers, m)
+    times = sorted(times)
+    p50 = times[len(times) // 2] if times else None
+    mx = times[-1] if len(times) == peers else None
+    out = {
+        "peers": peers, "bytes": size, "chunk_bytes": chunk_bytes, "chunks": m, "upload_bytes_per_s": upload,
+        "completion_s_p50": p50, "completion_s_max": mx, "lower_bound_s": lb,
+        "ratio_to_bound": (mx / lb) if mx is not None else None,
+        "origin_upload_ratio": origin_out / size, "unicast_s": peers * size / upload,
+        "all_hashes_match": ok, "completed": len(times),
+    }
+    out.update(extra)
+    return out
+
+
+def run(peers: int = 16, sim: bool = False, bytes: int = 8 * 2**20, chunk_bytes: int = 256 * 2**10,  # noqa: A002
+        upload_bytes_per_s: int = 2 * 2**20, seed: int = 0, timeout_s: float = 300.0) -> dict[str, Any]:
+    if peers < 1 or bytes < 1 or chunk_bytes < 1 or upload_bytes_per_s <= 0:
+        raise ValueError("peers, bytes, chunk_bytes and upload_bytes_per_s must be positive")
+    if sim:
+        return _run_sim(peers, bytes, chunk_bytes, upload_bytes_per_s, seed)
+    return _run_live(peers, bytes, chunk_bytes, upload_bytes_per_s, seed, timeout_s)
+
+
+def _run_sim(peers: int, size: int, chunk_bytes: int, upload: int, seed: int) -> dict[str, Any]:
+    from sync.vsim import SimLink, VirtualSwarm
+
+    sizes = [min(chunk_bytes, size - o) for o in range(0, size, chunk_bytes)]
+    degree = None if peers <= SIM_FULL_MESH_MAX else SIM_DEGREE
+    sw = VirtualSwarm(peers, sizes, link=SimLink(up_bps=upload, latency_s=0.005), degree=degree, seed=seed)
+    r = sw.run()
+    times = [nd.completed_at for nd in sw.nodes[1:] if nd.completed_at is not None]
+    return _summary(peers, size, chunk_bytes, upload, times, r["origin_bytes_out"], r["all_hashes_match"],
+                    {"mode": "sim", "overlay_degree": degree or peers, "latency_s": 0.005,
+                     "sim_events": r["events"], "sim_wall_s": round(r["sim_wall_s"], 2)})
+
+
+# ---------------------------------------------------------------- live mode
+
+
+def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, timeout_s: float) -> dict[str, Any]:
+    rng = random.Random(seed)
+    payload = rng.randbytes(size)
+    digest = hashlib.blake2b(payload, digest_size=32).hexdigest()
+    wall0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="murmur-bench-bc-") as tmp:
+        (Path(tmp) / "payload").write_bytes(payload)
+        procs = []
+        try:
+            origin = _spawn(tmp, "origin", 0, upload, chunk_bytes, seed)
+            procs.append(origin)
+            oaddr = _expect(origin, "addr", timeout_s)["addrs"][0]
+            followers = [_spawn(tmp, "follower", i + 1, upload, chunk_bytes, seed) for i in range(peers)]
+            procs += followers
+            addrs = [_expect(p, "addr", timeout_s)["addrs"][0] for p in followers]
+            for i, p in enumerate(followers):  # full mesh: each dials the origin and the followers before it
+                _tell(p, {"cmd": "connect", "addrs": [oaddr] + addrs[:i]})
+            for p in followers:
+                _expect(p, "connected", timeout_s)
+            for p in followers:
+                _tell(p, {"cmd": "ready?", "peers": peers})
+            for p in followers:
+                _expect(p, "ready", timeout_s)
+            _tell(origin, {"cmd": "publish", "peers": peers})
+            t0 = _expect(origin, "published", timeout_s)["t0"]
+            done = [_expect(p, "complete", timeout_s) for p in followers]
+            _tell(origin, {"cmd": "stats"})
+            ostats = _expect(origin, "stats", timeout_s)
+        finally:
+            for p in procs:
+                _tell(p, {"cmd": "exit"})
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    times = [d["t"] - t0 for d in done]
+    ok = all(d["digest"] == digest for d in done)
+    return _summary(peers, size, chunk_bytes, upload, times, ostats["bytes_out"], ok,
+                    {"mode": "live", "processes": peers + 1, "cpus": os.cpu_count(),
+                     "wasted_in_bytes": sum(d["wasted_in"] for d in done),
+                     "bench_wall_s": round(time.time() - wall0, 1)})
+
+
+def _spawn(tmp: str, role: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "sync.bench_broadcast", role, tmp, str(idx), str(upload), str(chunk_bytes), str(seed)]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                            cwd=str(Path(__file__).resolve().parent.parent))
+
+
+def _tell(p: subprocess.Popen[str], msg: dict[str, Any]) -> None:
+    try:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(msg) + "\n")
+        p.stdin.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+
+
+def _expect(p: subprocess.Popen[str], event: str, timeout_s: float) -> dict[str, Any]:
+    import selectors
+
+    assert p.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"worker did not report {event!r} within {timeout_s} s")
+            if not sel.select(timeout=left):
+                continue
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker exited (rc={p.poll()}) before reporting {event!r}")
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if msg.get("event") == event:
+                return msg
+            if msg.get("event") == "error":
+                raise RuntimeError(f"worker failed: {msg.get('error')}")
+    finally:
+        sel.close()
+
+
+async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> None:
+    import trio
+
+    from gossip.host import open_transport
+    from sync.broadcast import BroadcastNode
+
+    def say(**kw: Any) -> None:
+        sys.stdout.write(json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
+    identity = Identity.from_seed(hashlib.blake2b(f"bench-{seed}-{idx}".encode(), digest_size=32).digest())
+    partial = Path(tmp) / f"node{idx}"
+    async with open_transport(identity) as t:
+        node = BroadcastNode(t, swarm="bench", upload_bytes_per_s=upload, partial_root=partial, seed=seed + idx)
+        async with trio.open_nursery() as n:
+            await n.start(node.run)
+            say(event="addr", addrs=t.listen_addrs())
+            lines = trio.wrap_file(sys.stdin)
+            pid = None
+            while True:
+                line = await lines.readline()
+                if not line:
+                    break
+                msg = json.loads(line)
+                cmd = msg["cmd"]
+                if cmd == "connect":
+                    for a in msg["addrs"]:
+                        await t.connect(a)
+                    say(event="connected")
+                elif cmd == "ready?":
+                    # the whole mesh is connected and our chunk streams are up
+                    with trio.fail_after(60):
+                        while len(node.conns) < msg["peers"] or not t.topic_peers(node.topic):  # type: ignore[attr-defined]
+                            await trio.sleep(0.05)
+                    n.start_soon(_follow, node, say)
+                    say(event="ready")
+                elif cmd == "publish":
+                    payload = (Path(tmp) / "payload").read_bytes()
+                    envelope, chunks = make_patch(identity, payload, chunk_bytes)
+                    with trio.fail_after(60):
+                        while len(node.conns) < msg["peers"]:
+                            await trio.sleep(0.05)
+                    t0 = time.time()
+                    pid = await node.publish(envelope, chunks)
+                    say(event="published", t0=t0)
+                elif cmd == "stats":
+                    st = node.stats(pid) if pid else {"bytes_out": 0}
+                    say(event="stats", bytes_out=st["bytes_out"])
+                elif cmd == "exit":
+                    break
+            n.cancel_scope.cancel()
+
+
+async def _follow(node: Any, say: Any) -> None:
+    tr = await node.wait_for_transfer(600)
+    await tr.done.wait()
+    digest = hashlib.blake2b(tr.payload(), digest_size=32).hexdigest()
+    say(event="complete", t=tr.completed_wall, digest=digest, wasted_in=tr.session.wasted_in)
+
+
+def _main(argv: list[str]) -> None:
+    import trio
+
+    role, tmp, idx, upload, chunk_bytes, seed = argv
+    try:
+        trio.run(_worker, role, tmp, int(idx), int(upload), int(chunk_bytes), int(seed))
+    except Exception as e:  # report, so the parent fails fast with the reason
+        sys.stdout.write(json.dumps({"event": "error", "error": f"{type(e).__name__}: {e}"}) + "\n")
+        sys.stdout.flush()
+        raise
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("origin", "follower"):
+        _main(sys.argv[1:])
+    else:
+        print(json.dumps(run(peers=int(sys.argv[1]) if len(sys.argv) > 1 else 16,
+                             sim="--sim" in sys.argv)))
