@@ -65,7 +65,7 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
     follower = LineageFollower(publisher.lineage, replica, 0)
     del init
 
-    fractions, sizes, enc_s, app_s, train_s = [], [], [], [], []
+    fractions, sizes, enc_s, app_s, train_s, enc_cpu, app_cpu = [], [], [], [], [], [], []
     pos_modes: Counter[int] = Counter()
     val_modes: Counter[int] = Counter()
     bit_exact = True
@@ -82,11 +82,13 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
         opt.step()
         opt.zero_grad(set_to_none=True)
         new = _bf16(model)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         bundle = publisher.publish(new)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         applied = follower.apply(bundle.envelope, bundle.chunks)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
+        enc_cpu.append(c2 - c1)
+        app_cpu.append(c3 - c2)
         changed = sum(int(i.numel()) for i in applied.changed.values())
         exact = applied.state_hash == publisher.state_hash and state_hash(replica) == state_hash(new)
         bit_exact &= exact
@@ -131,6 +133,11 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
         "encode_s": mean(enc_s),
         "apply_s": mean(app_s),
         "apply_s_per_100m": mean(app_s) * 1e8 / n_params,
+        # CPU seconds of this (single-threaded) process: what wall time is on an idle core,
+        # robust to neighbours on a shared machine
+        "encode_cpu_s": mean(enc_cpu),
+        "apply_cpu_s": mean(app_cpu),
+        "apply_cpu_s_per_100m": mean(app_cpu) * 1e8 / n_params,
         "train_step_s": mean(train_s),
         "union_k": union_k,
         "union_bytes_k8": union_bytes,
