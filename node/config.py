@@ -66,6 +66,8 @@ class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
     chunk_bytes: Annotated[int, _d("patch chunk size in bytes")] = 256 * 1024
     max_staleness: Annotated[int, _d("versions a rollout's policy may lag the head")] = 4
     retain_versions: Annotated[int, _d("patches kept on disk per lineage")] = 64
+    max_anchors: Annotated[int, _d("full anchors kept on disk per lineage")] = 4
+    codec_level: Annotated[int, _d("zstd level of the patch codec (3 is fast; higher is smaller and slower)")] = 3
     stall_timeout_s: Annotated[float, _d("seconds without progress before switching peer")] = 5.0
     follow: Annotated[list[str], _d("lineage ids (hex) to follow; empty = choose by the capacity rule")] = []
 
