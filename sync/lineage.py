@@ -330,6 +330,8 @@ class LineageFollower:
         if m.codec == ANCHOR:
             if m.base_version != m.target_version or m.base_hash:
                 raise PatchError("anchor manifest with a base")
+            if m.target_version < self.version:
+                raise PatchError(f"stale anchor: version {m.target_version} is behind the held {self.version}")
         else:
             if m.codec == SPARSE and m.target_version != m.base_version + 1:
                 raise PatchError("sparse-v1 patch must advance exactly one version")
