@@ -79,8 +79,10 @@ class NodeProc:
 
 def _start(prefix: list[str], name: str, script: dict[str, Any]) -> NodeProc:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_dir = os.environ.get("MURMUR_NODE_LOG_DIR")
+    err = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
     p = subprocess.Popen(prefix + [sys.executable, "-m", "gossip.reachability_node", json.dumps(script)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                          text=True, cwd=str(REPO), env=env)
     node = NodeProc(name, p)
     threading.Thread(target=node._read, daemon=True).start()
@@ -104,7 +106,7 @@ def _stop(nodes: list[NodeProc]) -> None:
 
 
 def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool = False,
-             forward_h2: bool = False, timeout_s: float = 90.0) -> dict[str, NodeProc]:
+             forward_h2: bool = False, timeout_s: float = 240.0) -> dict[str, NodeProc]:
     """Public node + two NATed homes; every node gossips and bulk-transfers to every other. Returns the nodes."""
     sys.path.insert(0, str(REPO))
     from tests.netns import Network
@@ -118,11 +120,12 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
         listen = f"/ip4/0.0.0.0/tcp/{PORT}"
 
         def home_script(me: str, other: str, other_home: Any, seed: int, initiate: bool) -> dict[str, Any]:
+            peer = {"name": other, "id": ids[other],
+                    "addrs": [f"/ip4/{other_home.wan_ip}/tcp/{PORT}/p2p/{ids[other]}",
+                              f"{pub_addr}/p2p-circuit/p2p/{ids[other]}"]}
             return {
                 "name": me, "seed": seed, "listen": listen, "relays": [pub_addr], "bootstrap": [pub_addr],
-                "peers": [{"name": other, "id": ids[other],
-                           "addrs": [f"/ip4/{other_home.wan_ip}/tcp/{PORT}/p2p/{ids[other]}",
-                                     f"{pub_addr}/p2p-circuit/p2p/{ids[other]}"]}],
+                "peers": [peer] if initiate else [], "await_peers": [] if initiate else [peer],
                 "holepunch": holepunch, "initiate_holepunch": initiate, "bulk_bytes": bulk_bytes,
                 "expect_hello": ["pub", other],
             }
@@ -163,7 +166,8 @@ def run(bulk_bytes: int = 8 << 20) -> dict[str, Any]:
         relayed = [e["mb_s"] for name, e in bulks if e["path"] == "relayed" and e["hash_ok"]]
         punched = [e["mb_s"] for name, e in bulks if e["peer"] != "pub" and e["path"] == "direct" and e["hash_ok"]]
         hp = h1.first("holepunch") or {}
-        ttfm = [n.first("first_rollout")["t_ms"] for n in (h1, h2) if n.first("first_rollout")]
+        firsts = [n.first("first_rollout") for n in (h1, h2) if n.first("first_rollout")]
+        ttfm = [f["t_ms"] for f in firsts]
         out.update(
             direct_mb_s=max(direct) if direct else None,
             relayed_mb_s=max(relayed) if relayed else None,
@@ -172,6 +176,7 @@ def run(bulk_bytes: int = 8 << 20) -> dict[str, Any]:
             holepunch_error=hp.get("error") or None,
             holepunched_mb_s=max(punched) if punched else None,
             time_to_first_message_ms=min(ttfm) if ttfm else None,
+            time_to_first_message_after_host_ready_ms=min(f["after_ready_ms"] for f in firsts) if firsts else None,
             reachability={n.name: (n.first("reachability") or {}).get("status") for n in nodes.values()},
             doctor_path={n.name: (n.first("doctor") or {}).get("path") for n in nodes.values()},
             gossip_ok=all((n.first("gossip") or {}).get("ok") for n in nodes.values()),

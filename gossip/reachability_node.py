@@ -153,6 +153,7 @@ async def main(script: dict[str, Any]) -> None:
         rollouts = await t.subscribe(ROLLOUT_TOPIC)
         hellos = await t.subscribe(HELLO_TOPIC)
         emit("ready", name=name, peer_id=t.peer_id, addrs=t.listen_addrs())
+        ready_ms = ms()
         first = trio.Event()
 
         async def watch_rollouts() -> None:
@@ -165,7 +166,7 @@ async def main(script: dict[str, Any]) -> None:
                     continue
                 if not first.is_set():
                     first.set()
-                    emit("first_rollout", origin=origin)
+                    emit("first_rollout", origin=origin, after_ready_ms=round(ms() - ready_ms, 1))
 
         nursery.start_soon(watch_rollouts)
         if script.get("publish_rollouts"):
@@ -191,13 +192,20 @@ async def main(script: dict[str, Any]) -> None:
             emit("reachability", status=reach.status, reason=reach.reason, observed=reach.observed_ips,
                  reachable=reach.reachable_addrs)
             if reach.status != "public" and net.relays:
-                got = await relay.reserve_all(net.relays)
+                got = await relay.reserve_all(net.relays, timeout_s=float(script.get("reserve_timeout_s", 30)))
                 emit("reserved", circuits=[r.circuit_addr for r in got], errors=relay.errors)
 
-        peer_names: dict[str, str] = {}
+        peer_names: dict[str, str] = {pid: "pub" for pid in t.peers()} if script.get("bootstrap") else {}
+        for p in script.get("await_peers", []):  # the other side dials us (one dial per pair: no crossed circuits)
+            with trio.move_on_after(float(script.get("connect_s", 45)) + 30):
+                while p["id"] not in t.peers():
+                    await trio.sleep(0.05)
+            peer_names[p["id"]] = p["name"]
+            emit("connected" if p["id"] in t.peers() else "connect_failed", peer=p["name"],
+                 path=best_path(t, p["id"]), inbound=True)
         for p in script.get("peers", []):
             try:
-                pid, path = await connect_peer(t, relay, p["addrs"], 20.0)
+                pid, path = await connect_peer(t, relay, p["addrs"], float(script.get("connect_s", 45)))
                 peer_names[pid] = p["name"]
                 emit("connected", peer=p["name"], path=path)
             except Exception as e:
@@ -206,7 +214,7 @@ async def main(script: dict[str, Any]) -> None:
         # gossip: publish our hello until we have everyone's (bounded)
         want = set(script.get("expect_hello", []))
         got_hello: set[str] = set()
-        with trio.move_on_after(25):
+        with trio.move_on_after(float(script.get("gossip_s", 60))):
             while not want <= got_hello:
                 try:
                     await t.publish(HELLO_TOPIC, name.encode())
@@ -217,6 +225,15 @@ async def main(script: dict[str, Any]) -> None:
                         _, data = await hellos.receive()
                         got_hello.add(data.decode(errors="replace"))
         emit("gossip", got=sorted(got_hello), ok=want <= got_hello)
+
+        async def keep_greeting() -> None:  # late joiners still get our hello
+            for _ in range(600):
+                try:
+                    await t.publish(HELLO_TOPIC, name.encode())
+                except Exception:
+                    pass
+                await trio.sleep(0.5)
+        nursery.start_soon(keep_greeting)
 
         bulk = int(script.get("bulk_bytes", 0))
         for pid, pname in peer_names.items():
@@ -257,5 +274,6 @@ async def main(script: dict[str, Any]) -> None:
 if __name__ == "__main__":
     import logging
 
-    logging.basicConfig(level=logging.CRITICAL)
+    logging.basicConfig(level=getattr(logging, os.environ.get("MURMUR_NODE_LOG", "CRITICAL")),
+                        format="%(relativeCreated)d %(name)s %(levelname)s %(message)s")
     trio.run(main, json.loads(sys.argv[1]))

@@ -136,13 +136,13 @@ class Relay:
         self.errors.pop(relay_addr, None)
         return res
 
-    async def reserve_all(self, relay_addrs: list[str]) -> list[Reservation]:
+    async def reserve_all(self, relay_addrs: list[str], timeout_s: float = RESERVE_TIMEOUT_S) -> list[Reservation]:
         """Reserve on every relay in the list, concurrently; failures are recorded in `errors`."""
         out: list[Reservation] = []
 
         async def one(a: str) -> None:
             try:
-                out.append(await self.reserve(a))
+                out.append(await self.reserve(a, timeout_s))
             except RelayError as e:
                 log.info("%s", e)
 

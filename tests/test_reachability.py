@@ -1,0 +1,165 @@
+"""Reachability pieces on loopback (no namespaces): dial-back protocol, relay v2 through our attach, doctor logic."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import pytest
+import trio
+
+from gossip.framing import read_exactly, read_frame, write_frame
+from gossip.host import open_transport
+from gossip.reachability import (
+    PRIVATE, PROTOCOL, PUBLIC, UNKNOWN, DialbackRequest, DialbackResponse, DialbackServer, PeerVerdict, ReachabilityError,
+    check_request, check_reachability, decide,
+)
+from gossip.relay import RelayError, attach_relay, circuit_addr, split_circuit
+from node.config import NetworkSection
+from node.doctor_reachability import ReachSnapshot, classify, reachability_checks
+from node.identity import Identity
+
+
+def ids(*seeds: int) -> list[Identity]:
+    return [Identity.from_seed(bytes([s]) * 32) for s in seeds]
+
+
+def test_decide_rules() -> None:
+    ok = PeerVerdict("a", "1.2.3.4:5", ["/ip4/1.2.3.4/tcp/4001"], {})
+    no = PeerVerdict("b", "1.2.3.4:6", [], {"/ip4/1.2.3.4/tcp/4001": "no answer"})
+    err = PeerVerdict("c", "", [], {}, "timeout")
+    assert decide([ok, no]).status == PUBLIC
+    assert decide([no]).status == PRIVATE
+    assert decide([no], min_peers=2).status == UNKNOWN
+    assert decide([err]).status == UNKNOWN
+    assert decide([]).status == UNKNOWN
+    assert decide([no]).observed_ips == ["1.2.3.4"]
+
+
+def test_bad_requests_are_refused() -> None:
+    with pytest.raises(ReachabilityError):
+        check_request(DialbackRequest(1, b"x" * 15, ["/ip4/1.2.3.4/tcp/1"]))
+    with pytest.raises(ReachabilityError):
+        check_request(DialbackRequest(1, b"x" * 16, ["/ip4/1.2.3.4/tcp/1"] * 5))
+    with pytest.raises(ReachabilityError):
+        check_request(DialbackRequest(2, b"x" * 16, ["/ip4/1.2.3.4/tcp/1"]))
+    with pytest.raises(ReachabilityError):
+        check_request(DialbackRequest(1, b"x" * 16, ["/ip4/1.2.3.4/tcp/1" + "0" * 300]))
+
+
+def test_circuit_addresses() -> None:
+    relay = "/ip4/10.0.0.1/tcp/4001/p2p/12D3KooWRelay"
+    c = circuit_addr(relay, "12D3KooWPeer")
+    assert split_circuit(c) == (relay, "12D3KooWPeer")
+    with pytest.raises(RelayError):
+        circuit_addr("/ip4/10.0.0.1/tcp/4001", "x")
+    with pytest.raises(RelayError):
+        split_circuit(relay)
+
+
+def test_dialback_on_loopback_is_public_and_malformed_request_is_reset() -> None:
+    a_id, b_id = ids(41, 42)
+
+    async def main() -> None:
+        async with open_transport(a_id) as a, open_transport(b_id) as b:
+            server = DialbackServer(a)
+            DialbackServer(b)
+            await b.connect(a.listen_addrs()[0])
+            r = await check_reachability(b, [a.peer_id])
+            assert r.status == PUBLIC, r.reason
+            assert r.reachable_addrs and r.observed_ips == ["127.0.0.1"]
+            # a forged/garbage request gets no answer, and the server keeps serving
+            s = await b.open_stream(a.peer_id, PROTOCOL)
+            await write_frame(s, b"\xc1garbage")
+            with trio.fail_after(10), pytest.raises(Exception):
+                await read_frame(s, 1024)
+            r2 = await check_reachability(b, [a.peer_id])
+            assert r2.status == PUBLIC and server.served == 2
+
+    trio.run(main)
+
+
+def test_dialback_does_not_dial_other_ips() -> None:
+    a_id, b_id = ids(43, 44)
+
+    async def main() -> None:
+        async with open_transport(a_id) as a, open_transport(b_id) as b:
+            DialbackServer(a)
+            await b.connect(a.listen_addrs()[0])
+            s = await b.open_stream(a.peer_id, PROTOCOL)
+            await write_frame(s, msgspec.msgpack.encode(DialbackRequest(1, b"n" * 16, ["/ip4/10.9.9.9/tcp/4001"])))
+            with trio.fail_after(10):
+                resp = msgspec.msgpack.decode(await read_frame(s, 8192), type=DialbackResponse)
+            assert [(r.addr, r.ok) for r in resp.results] == [("/ip4/10.9.9.9/tcp/4001", False)]
+            assert "differs from the requester's IP 127.0.0.1" in resp.results[0].error
+
+    trio.run(main)
+
+
+@pytest.mark.slow
+def test_relay_circuit_carries_gossip_and_bulk_with_hash() -> None:
+    r_id, a_id, b_id = ids(51, 52, 53)
+    payload = bytes(range(256)) * 4096 * 4  # 4 MiB
+
+    async def main() -> None:
+        async with open_transport(r_id) as r, open_transport(a_id) as a, open_transport(b_id) as b, \
+                attach_relay(r, NetworkSection(relay_service=True, relay_max_reservations=2)) as rr, \
+                attach_relay(a, NetworkSection()) as ar, attach_relay(b, NetworkSection()) as br:
+            res = await br.reserve(r.listen_addrs()[0], timeout_s=20)
+            assert res.circuit_addr.endswith(f"/p2p-circuit/p2p/{b.peer_id}")
+            assert br.circuit_addrs() == [res.circuit_addr]
+            # a node without relay service refuses reservations
+            with pytest.raises(RelayError):
+                await rr.reserve(a.listen_addrs()[0], timeout_s=20)
+            got = trio.Event()
+            digest: list[bytes] = []
+
+            async def handler(stream, peer) -> None:
+                n = int.from_bytes(await read_exactly(stream, 8), "big")
+                h = hashlib.blake2b(digest_size=32)
+                left = n
+                while left:
+                    part = await stream.read(min(left, 1 << 20))
+                    assert part
+                    h.update(part)
+                    left -= len(part)
+                digest.append(h.digest())
+                got.set()
+            b.set_stream_handler("/test/bulk/1", handler)
+            assert await ar.dial(res.circuit_addr, timeout_s=20) == b.peer_id
+            from gossip.holepunch import best_path
+            assert best_path(a, b.peer_id) == "relayed"
+            s = await a.open_stream(b.peer_id, "/test/bulk/1")
+            await s.write(len(payload).to_bytes(8, "big"))
+            for i in range(0, len(payload), 1 << 20):
+                await s.write(payload[i:i + (1 << 20)])
+            with trio.fail_after(60):
+                await got.wait()
+            assert digest == [hashlib.blake2b(payload, digest_size=32).digest()]
+            assert rr.active_circuits() >= 1
+
+    trio.run(main)
+
+
+def snap(**kw) -> ReachSnapshot:
+    base = dict(status="private", reason="1 peer(s) could not dial", observed_ips=["10.1.0.1"],
+                listen_addrs=["/ip4/10.1.1.2/tcp/4001/p2p/x"], relay_service=False, relays_configured=["r"],
+                reservations=[], relay_errors={})
+    base.update(kw)
+    return ReachSnapshot(**base)
+
+
+def test_doctor_classifies_each_path() -> None:
+    assert classify(snap(status="public", peer_paths={"p": "direct"})) == "direct"
+    relayed = snap(reservations=["/ip4/x/p2p-circuit/p2p/me"], peer_paths={"p": "direct", "q": "relayed"},
+                   holepunch_attempts=1, holepunch_error="no direct connection")
+    assert classify(relayed) == "relayed"
+    checks = reachability_checks(relayed)
+    assert "forward TCP port 4001" in checks[0].fix and "no direct connection" in checks[0].detail
+    assert classify(snap(peer_paths={"q": "direct"}, holepunch_successes=1)) == "hole-punched"
+    off = snap(relays_configured=[], relay_errors={})
+    assert classify(off) == "offline"
+    c = reachability_checks(off)
+    assert not c[0].ok and not c[1].ok and "network.relays" in c[1].fix
+    pub = reachability_checks(snap(status="public", relay_service=False, peer_paths={"p": "direct"}))
+    assert pub[0].ok and "relay_service" in pub[1].fix

@@ -1,0 +1,95 @@
+"""NAT traversal across emulated networks: real subprocess nodes in network namespaces behind iptables NATs.
+
+Needs root, iproute2 and iptables (CI: install.sh installs iptables); skips with the reason otherwise.
+One scenario run (public node + two homes behind separate MASQUERADE routers) is shared by the
+assertions; the namespaces are deleted by `tests.netns.Network` even when a node fails.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.netns import Network, netns_unavailable
+
+REASON = netns_unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    from gossip.bench_reachability import scenario
+
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    got = scenario(bulk_bytes=2 << 20, holepunch=True, timeout_s=300)
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert not {n for n in after - before if n.startswith("m")}, "namespaces left behind"
+    return got
+
+
+def test_reachability_verdicts(nodes) -> None:
+    for home in ("h1", "h2"):
+        ev = nodes[home].first("reachability")
+        assert ev and ev["status"] == "private", ev
+        assert ev["observed"], "the public node reported how it sees the home (its router's WAN IP)"
+
+
+def test_homes_hold_relay_reservations(nodes) -> None:
+    for home in ("h1", "h2"):
+        ev = nodes[home].first("reserved")
+        assert ev and len(ev["circuits"]) == 1 and "/p2p-circuit/p2p/" in ev["circuits"][0], ev
+
+
+def test_gossip_reaches_everyone(nodes) -> None:
+    for name, n in nodes.items():
+        ev = n.first("gossip")
+        assert ev and ev["ok"], (name, ev)
+    for home in ("h1", "h2"):
+        assert nodes[home].first("first_rollout"), "signed rollouts from the public node verified at the home"
+
+
+def test_bulk_with_hash_direct_and_between_homes(nodes) -> None:
+    for home, other in (("h1", "h2"), ("h2", "h1")):
+        bulks = nodes[home].by("bulk")
+        to_pub = [b for b in bulks if b["peer"] == "pub"]
+        assert to_pub and to_pub[0]["hash_ok"] and to_pub[0]["path"] == "direct", nodes[home].events
+        to_other = [b for b in bulks if b["peer"] == other]
+        assert to_other and all(b["hash_ok"] for b in to_other), nodes[home].events
+        assert to_other[0]["path"] in ("relayed", "direct")
+    relayed = [b for h in ("h1", "h2") for b in nodes[h].by("bulk") if b["path"] == "relayed"]
+    assert relayed and all(b["hash_ok"] for b in relayed), "a bulk transfer through the relay completed"
+
+
+def test_doctor_reports_each_case(nodes) -> None:
+    pub = nodes["pub"].first("doctor")
+    assert pub and pub["path"] == "direct", pub
+    for home in ("h1", "h2"):
+        d = nodes[home].first("doctor")
+        hp = nodes[home].first("holepunch")
+        expected = "hole-punched" if hp and hp["ok"] else "relayed"
+        assert d and d["path"] == expected, (d, hp)
+        text = " ".join(c["detail"] for c in d["checks"])
+        assert "behind NAT" in text
+
+
+def test_port_forwarding_makes_a_home_public() -> None:
+    from gossip.bench_reachability import scenario
+
+    got = scenario(bulk_bytes=0, holepunch=False, forward_h2=True, timeout_s=300)
+    assert got["h2"].first("reachability")["status"] == "public", got["h2"].events
+    assert got["h1"].first("reachability")["status"] == "private"
+    assert got["h2"].first("doctor")["path"] == "direct"
+    # h1 reaches h2 directly at its forwarded WAN address, no relay needed
+    conn = got["h1"].first("connected")
+    assert conn and conn["peer"] == "h2" and conn["path"] == "direct", got["h1"].events
+
+
+def test_network_cleanup_on_failure() -> None:
+    name = None
+    with pytest.raises(RuntimeError):
+        with Network() as net:
+            net.add_home()
+            name = net.homes[0].ns
+            raise RuntimeError("boom")
+    assert name and name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
