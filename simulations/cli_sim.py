@@ -1,0 +1,74 @@
+"""`murmur simulate`: run a scenario as real node processes, or in virtual time; write a report."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from node.cli import app, console, emit_json
+from node.errors import MurmurError
+
+
+@app.command("simulate")
+def simulate(
+    scenario_file: Annotated[Optional[Path], typer.Argument(help="scenario TOML file (docs/scenarios.md)")] = None,
+    scenario: Annotated[Optional[str], typer.Option(
+        "--scenario", "-s", help="built-in scenario: default, churn, adversarial, heterogeneous, wan")] = None,
+    virtual: Annotated[bool, typer.Option("--virtual", help="virtual time: protocol cores only, learning modelled")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="report folder (default ./murmur-sim/<name>-<mode>-<time>)")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="override the scenario's seed")] = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", help="override duration_s (seconds)")] = None,
+    rebuild: Annotated[Optional[Path], typer.Option("--rebuild", help="only regenerate the HTML/plots of a report folder")] = None,
+    check: Annotated[bool, typer.Option("--check", help="validate the scenario and print its nodes; run nothing")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
+) -> None:
+    """Run a scenario (real nodes, or --virtual) and write metrics + an HTML report with plots."""
+    import msgspec
+
+    from simulations import scenario as sc_mod
+
+    if rebuild is not None:
+        from simulations.report import rebuild as do_rebuild
+
+        page = do_rebuild(rebuild)
+        console.print(f"report      {page}")
+        return
+    if scenario_file is not None and scenario is not None:
+        raise MurmurError("give a scenario file or --scenario NAME, not both")
+    sc = sc_mod.load(scenario_file) if scenario_file is not None else sc_mod.builtin(scenario or "default")
+    if seed is not None or duration is not None:
+        raw = msgspec.to_builtins(sc)
+        if seed is not None:
+            raw["seed"] = seed
+        if duration is not None:
+            raw["duration_s"] = duration
+        sc = sc_mod.from_dict(raw, "command line")
+    if check:
+        nodes = sc_mod.expand(sc)
+        console.print(f"scenario {sc.name!r}: {len(nodes)} nodes, {sc.duration_s:g} s, seed {sc.seed}")
+        for n in nodes:
+            console.print(f"  {n.index:4d} {n.group:24s} {n.role:9s} up {n.upload_bytes_per_s / 1e6:.2f} MB/s "
+                          f"down {n.download_bytes_per_s / 1e6:.2f} MB/s {n.latency_ms:g} ms loss {n.loss:g} "
+                          f"compute {n.compute:g}")
+        return
+    mode = "virtual" if virtual else "emulate"
+    folder = out or Path("murmur-sim") / f"{sc.name}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if virtual:
+        from simulations.virtual import run_virtual
+
+        summary = run_virtual(sc, folder, progress=not json_out)
+    else:
+        from simulations.emulate import run_emulation
+
+        summary = run_emulation(sc, folder, progress=not json_out)
+    if json_out:
+        emit_json(summary)
+        return
+    for key in ("mode", "nodes", "virtual_s", "wall_s", "swarm_cumulative_reward", "isolated_cumulative_reward",
+                "gain_swarm", "adversarial_accepted", "rejections"):
+        if key in summary:
+            console.print(f"{key:28s}{summary[key]}")
+    console.print(f"report      {folder / 'index.html'}")
