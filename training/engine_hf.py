@@ -12,8 +12,8 @@ exists at once.
 
 from __future__ import annotations
 
-import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,10 @@ import torch
 
 from node.errors import MurmurError
 from training.engine import Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
+
+# transformers 5.24 renamed the cache argument; the old name works until 5.40 (we pin <6 and
+# test the loop), so silence the per-call deprecation notice.
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -51,12 +55,30 @@ def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
     if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise MurmurError(f"model path {str(p)!r} is a {cfg.model_type!r} model, not a causal LM")
     try:
-        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        tok = _load_tokenizer(p)
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
     except Exception as e:
         raise MurmurError(f"model path {str(p)!r}: cannot load: {str(e).splitlines()[0][:200]}") from None
     model.to(pick_device(device))
     return model, tok
+
+
+def _load_tokenizer(p: Path) -> Any:
+    """The directory's own tokenizer. A generic `tokenizer.json` (class TokenizersBackend /
+    PreTrainedTokenizerFast) is loaded as is: AutoTokenizer would rebuild it as the model
+    type's tokenizer class (e.g. byte-level BPE for qwen2), changing the tokenization."""
+    import json  # noqa: PLC0415
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415
+
+    cls = ""
+    try:
+        cls = json.loads((p / "tokenizer_config.json").read_text()).get("tokenizer_class", "")
+    except (OSError, ValueError):
+        pass
+    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (p / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
+    return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
 def set_threads(threads: int) -> None:
@@ -282,7 +304,3 @@ class HFEngine:
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
-
-
-def nats_to_bits(x: float) -> float:
-    return x / math.log(2)

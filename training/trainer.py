@@ -339,7 +339,7 @@ class Trainer:
                     loss.backward()
                     gn = torch.nn.utils.clip_grad_norm_(self.engine.model.parameters(), cfg.grad_clip)
                     self.opt.step()
-                    loss_val = float(loss)
+                    loss_val = float(loss.detach())
                     stats["grad_norm"] = float(gn)
                 self.engine.model.eval()
                 self.version += 1

@@ -1,0 +1,175 @@
+"""Transformers engine, murmur-tiny, rollout wire conversion, and the vLLM engine (opt-in)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossip.wire import ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
+from node.errors import MurmurError
+from node.identity import Identity
+from training.engine import Engine, Sampling, SparseUpdate
+from training.engine_hf import HFEngine, load_causal_lm
+from training.rollouts import expand_versions, from_wire, to_wire
+from training.tasksets import TaskRegistry
+from training.tiny import ensure_tiny, load_policy, new_tiny_engine
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message=".*past_key_values.*")
+
+
+@pytest.fixture(scope="module")
+def engine() -> HFEngine:
+    return new_tiny_engine(seed=1)
+
+
+def test_generate_groups_and_rescoring_match(engine: HFEngine) -> None:
+    assert isinstance(engine, Engine)
+    groups = engine.generate(["3+4=", "12+7="], 4, Sampling(temperature=1.0, max_new_tokens=5))
+    assert [len(g) for g in groups] == [4, 4]
+    flat = [c for g in groups for c in g]
+    for c in flat:
+        assert 1 <= len(c.ids) <= 5 and len(c.logprobs) == len(c.ids)
+        assert all(lp <= 0 for lp in c.logprobs)
+        assert c.finished == (c.ids[-1] == engine.eos_id)
+    again = engine.logprobs([(c.prompt_ids, c.ids) for c in flat])
+    for c, lps in zip(flat, again):
+        assert lps == pytest.approx(c.logprobs, abs=2e-4)  # KV-cache sampling == full forward
+
+
+def test_continuation_from_a_partial_prefix_is_consistent(engine: HFEngine) -> None:
+    prompt = engine.encode("5+5=")
+    first = engine.sample([prompt, engine.encode("1+1=")], Sampling(max_new_tokens=2), max_new=2)
+    ids, lps, _ = first[0]
+    cont = engine.sample([prompt + ids], Sampling(max_new_tokens=3))[0]
+    full = engine.logprobs([(prompt, ids + cont[0])])[0]
+    assert full == pytest.approx(lps + cont[1], abs=2e-4)
+
+
+def test_greedy_is_deterministic(engine: HFEngine) -> None:
+    s = Sampling(temperature=0.0, max_new_tokens=4)
+    assert engine.sample([engine.encode("9+9=")], s) == engine.sample([engine.encode("9+9=")], s)
+
+
+def test_chunked_logprobs_equal_unchunked(engine: HFEngine) -> None:
+    seqs = [(engine.encode(f"{i}+{i}="), engine.encode(str(2 * i)) + [engine.eos_id]) for i in range(6)]
+    full = engine.logprobs(seqs)
+    old = engine.memory_budget_mb
+    engine.memory_budget_mb = 0  # one row per chunk
+    try:
+        assert engine.logprobs(seqs) == [pytest.approx(x, abs=1e-5) for x in full]
+    finally:
+        engine.memory_budget_mb = old
+
+
+def test_in_place_updates(engine: HFEngine) -> None:
+    name, p = next(iter(engine.model.named_parameters()))
+    before = p.detach().clone()
+    engine.apply_patch([SparseUpdate(name, torch.tensor([0, 5]), torch.tensor([1.5, -2.0]))])
+    assert p.view(-1)[0].item() == 1.5 and p.view(-1)[5].item() == -2.0
+    with pytest.raises(MurmurError, match="outside"):
+        engine.apply_patch([SparseUpdate(name, torch.tensor([p.numel()]), torch.tensor([0.0]))])
+    with pytest.raises(MurmurError, match="unknown tensor"):
+        engine.apply_patch([SparseUpdate("nope", torch.tensor([0]), torch.tensor([0.0]))])
+    with pytest.raises(MurmurError, match="shape"):
+        engine.load_state({name: torch.zeros(3)})
+    engine.load_state({name: before})
+    assert torch.equal(p.detach(), before)
+
+
+def test_missing_or_non_causal_model_paths_give_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(MurmurError, match="no such path") as e:
+        load_policy(str(tmp_path / "absent"), tmp_path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(MurmurError, match="not a directory|does not exist"):
+        load_causal_lm(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MurmurError, match="no config.json"):
+        load_causal_lm(tmp_path / "empty")
+    d = tmp_path / "t5"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "clip_text_model"}))
+    with pytest.raises(MurmurError, match="not a causal LM") as e:
+        load_causal_lm(d)
+    assert "\n" not in str(e.value)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(MurmurError, match="unreadable config"):
+        load_causal_lm(d)
+
+
+def test_murmur_tiny_is_cached_deterministic_and_loads_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    a = ensure_tiny(tmp_path / "a", seed=3, warmup_steps=2)
+    b = ensure_tiny(tmp_path / "b", seed=3, warmup_steps=2)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny(tmp_path / "a", seed=3, warmup_steps=2) == a  # cached, not rebuilt
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+    e1 = HFEngine.from_path(a, device="cpu")
+    e2 = new_tiny_engine()
+    assert e1.tokenizer_hash == e2.tokenizer_hash and len(e1.tokenizer_hash) == 32
+    assert e1.encode("12+3=") == e2.encode("12+3=") and e1.decode(e1.encode("sort 1,2=")) == "sort 1,2="
+    assert 300_000 < e1.num_params() < 2_000_000
+
+
+def test_rollout_wire_round_trip_and_retokenisation(engine: HFEngine) -> None:
+    reg = TaskRegistry()
+    reg.add_builtin()
+    from training.trainer import Trainer, TrainerConfig
+
+    tr = Trainer(engine, reg, reg.builtin_id, TrainerConfig(local_groups=1, group_size=4, max_new_tokens=4,
+                                                            external_groups=0, lr=1e-5), lineage=b"\x07" * 32)
+    res = tr.step()
+    assert len(res.rollouts) == 4
+    ident = Identity.from_seed(b"\x09" * 32)
+    wires = [to_wire(r) for r in res.rollouts]
+    env = seal(ident, ROLLOUT_BATCH, RolloutBatch(v=1, swarm="t", producer=ident.public, seq=1, created_ms=1,
+                                                  rollouts=wires))
+    _, batch = open_envelope(env, ROLLOUT_BATCH)
+    for r, w in zip(res.rollouts, batch.rollouts):
+        task = reg.resolve(w.task)
+        back = from_wire(w, task, engine.encode(task.prompt), engine.tokenizer_hash, engine.encode)
+        assert back.ids == r.ids and back.text == r.text and back.src_logp_mean is None
+        assert back.logprobs == pytest.approx(r.logprobs, abs=1e-6)
+        assert back.token_versions == r.token_versions
+        other = from_wire(w, task, [], b"\x01" * 32, engine.encode)
+        assert other.src_logp_mean == pytest.approx(sum(r.logprobs) / len(r.logprobs), abs=1e-5)
+        assert other.ids == engine.encode(w.text)
+
+
+def test_expand_versions() -> None:
+    assert expand_versions([(0, 3), (2, 5)], 4, 3) == [3, 3, 5, 5]
+    assert expand_versions([], 2, 7) == [7, 7]
+
+
+@pytest.mark.vllm
+def test_vllm_engine_generates_and_rescores(tmp_path: Path) -> None:
+    from training.engine_vllm import VLLMEngine, vllm_available
+
+    ok, why = vllm_available()
+    if not ok:
+        pytest.skip(why)
+    path = ensure_tiny(tmp_path, seed=0, warmup_steps=2)
+    eng = VLLMEngine(path, sparse=torch.cuda.is_available(), enforce_eager=True, skip_tokenizer_init=False)
+    groups = eng.generate(["3+4="], 2, Sampling(max_new_tokens=4))
+    c = groups[0][0]
+    assert eng.logprobs([(c.prompt_ids, c.ids)])[0] == pytest.approx(c.logprobs, abs=1e-2)
+
+
+def test_vllm_module_imports_without_vllm() -> None:
+    import training.engine_vllm as ev
+
+    ok, why = ev.vllm_available()
+    assert ok or "not importable" in why
+    if not ok:
+        with pytest.raises(MurmurError, match="not importable"):
+            ev.VLLMEngine("/nonexistent")
+
+
+def test_task_ref_types() -> None:
+    ref = TaskRef(b"\x00" * 32, "add", 1)
+    assert ref.seed == 1

@@ -1,0 +1,143 @@
+"""GRPO-family losses against hand-computed references on small batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from training.losses import (
+    CapabilityTracker,
+    decoupled_loss,
+    group_advantages,
+    hacpo_advantages,
+    hacpo_coefficient,
+    hacpo_loss,
+    is_degenerate,
+    m2po_mask,
+    ppo_clip_loss,
+)
+
+torch.set_num_threads(1)
+
+
+def test_group_advantages_by_hand() -> None:
+    a = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    # mean 0.5, population std 0.5
+    assert torch.allclose(a, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    b = group_advantages(torch.tensor([2.0, 0.0, 1.0]))
+    std = math.sqrt(2 / 3)
+    assert torch.allclose(b, torch.tensor([1 / std, -1 / std, 0.0]), atol=1e-5)
+
+
+def test_degenerate_groups_are_detected() -> None:
+    assert is_degenerate([1.0, 1.0, 1.0]) and is_degenerate([0.0]) and not is_degenerate([0.0, 1.0])
+    assert torch.all(group_advantages(torch.tensor([1.0, 1.0])) == 0)
+
+
+def test_ppo_clip_asymmetric_by_hand() -> None:
+    # ratios 1.5 (A>0, clipped at 1.28), 0.5 (A<0, clipped at 0.8), 1.1 (A>0, unclipped), 0.7 (A>0: min keeps 0.7)
+    r = torch.tensor([[1.5, 0.5], [1.1, 0.7]])
+    old = torch.zeros(2, 2)
+    logp = torch.log(r).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0], [2.0, 1.0]])
+    mask = torch.ones(2, 2)
+    loss, st = ppo_clip_loss(logp, old, adv, mask)
+    expect = -(1.28 * 1 + 0.8 * -1 + 1.1 * 2 + 0.7 * 1) / 4
+    assert loss.item() == pytest.approx(expect, abs=1e-6)
+    assert st["clip_frac"] == pytest.approx(0.5)
+    loss.backward()
+    # clipped tokens give no gradient; unclipped ones give -A*r/4
+    g = logp.grad
+    assert g[0, 0] == 0 and g[0, 1] == 0
+    assert g[1, 0].item() == pytest.approx(-2 * 1.1 / 4, abs=1e-6)
+    assert g[1, 1].item() == pytest.approx(-1 * 0.7 / 4, abs=1e-6)
+
+
+def test_ppo_mask_and_sequence_advantage_broadcast() -> None:
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, _ = ppo_clip_loss(logp, logp, torch.tensor([1.0, -2.0]), mask)
+    assert loss.item() == pytest.approx(-(1 + 1 - 2) / 3)
+
+
+def test_m2po_mask_by_hand() -> None:
+    b = torch.zeros(1, 4)
+    logp = torch.tensor([[0.1, -0.1, 0.6, 0.3]])  # squares .01 .01 .36 .09: mean .1175 > .04
+    mask = torch.ones(1, 4)
+    keep = m2po_mask(logp, b, mask, 0.04)
+    # drop .36 -> mean(.01,.01,.09)=.0367 <= .04: stop
+    assert keep.tolist() == [[1.0, 1.0, 0.0, 1.0]]
+    # only candidates may be removed: with token 2 protected, remove 3 then 0 or 1 ...
+    cand = torch.tensor([[True, True, False, True]])
+    keep2 = m2po_mask(logp, b, mask, 0.04, cand)
+    assert keep2[0, 2] == 1.0 and keep2[0, 3] == 0.0
+    # already below tau: nothing masked
+    assert m2po_mask(torch.full((1, 4), 0.1), b, mask, 0.04).sum() == 4
+
+
+def test_decoupled_loss_by_hand() -> None:
+    behav = torch.log(torch.tensor([[0.5, 0.25]]))
+    prox = torch.log(torch.tensor([[0.6, 0.2]]))
+    theta = torch.log(torch.tensor([[0.9, 0.2]])).requires_grad_(True)
+    adv = torch.tensor([1.0])
+    mask = torch.ones(1, 2)
+    loss, st = decoupled_loss(theta, prox, behav, adv, mask, stale=None, tau=0.0)
+    # token 0: w = .6/.5 = 1.2, u = 1.5 -> clipped 1.28 -> 1.2*1.28; token 1: w = .8, u = 1 -> .8
+    expect = -(1.2 * 1.28 + 0.8 * 1.0) / 2
+    assert loss.item() == pytest.approx(expect, rel=1e-5)
+    assert st["behav_weight_mean"] == pytest.approx(1.0, rel=1e-5)
+    loss.backward()
+    assert theta.grad[0, 0] == 0  # clipped
+    assert theta.grad[0, 1].item() == pytest.approx(-0.8 / 2, rel=1e-5)
+
+
+def test_decoupled_behaviour_weight_is_truncated() -> None:
+    behav = torch.log(torch.tensor([[0.01]]))
+    prox = torch.log(torch.tensor([[0.5]]))
+    loss, _ = decoupled_loss(prox.clone(), prox, behav, torch.tensor([1.0]), torch.ones(1, 1), tau=0.0,
+                             behav_cap=2.0)
+    assert loss.item() == pytest.approx(-2.0)
+
+
+def test_decoupled_applies_m2po_to_stale_tokens() -> None:
+    behav = torch.zeros(1, 3)
+    theta = torch.tensor([[0.0, 0.0, 1.0]])
+    stale = torch.tensor([[False, False, True]])
+    _, st = decoupled_loss(theta, theta, behav, torch.tensor([1.0]), torch.ones(1, 3), stale=stale)
+    assert st["m2_masked_frac"] == pytest.approx(1 / 3)
+
+
+def test_hacpo_advantages_and_coefficient_by_hand() -> None:
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    p_src = torch.tensor([0.5, 0.5, 0.25, 0.25])
+    a = hacpo_advantages(r, p_src, p_learner=0.5)
+    # b = mean(1*1, 1*0, 2*1, 2*0) = 0.75; std = 0.5
+    assert torch.allclose(a, torch.tensor([0.5, -1.5, 0.5, -1.5]), atol=1e-5)
+    c = hacpo_coefficient(torch.tensor([0.01, 0.5, 0.9]), 0.05)
+    assert torch.allclose(c, torch.tensor([0.2, 10.0, 10.0]))
+
+
+def test_hacpo_loss_clips_sequence_ratio_to_at_most_one() -> None:
+    # learner mean log-prob -1 per token; source means -2 (s = e > 1 -> 1) and -0.5 (s = e^-0.5 < 0.8 -> 0.8)
+    logp = torch.full((2, 2), -1.0, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    src = torch.tensor([-2.0, -0.5])
+    adv = torch.tensor([1.0, -1.0])
+    coef = torch.tensor([2.0, 1.0])
+    loss, st = hacpo_loss(logp, src, mask, adv, coef, delta=0.2)
+    expect = -((2.0 * 1.0 * 1.0 * -1.0) + (1.0 * 0.8 * -1.0 * -1.0)) / 2
+    assert loss.item() == pytest.approx(expect, rel=1e-5)
+    assert st["seq_ratio_clipped_frac"] == 1.0
+    loss.backward()
+    # length-normalised: row 0 tokens get -coef*s*A/len/2 = -2*1*1/2/2
+    assert logp.grad[0, 0].item() == pytest.approx(-0.5, rel=1e-5)
+    assert logp.grad[1, 1].item() == 0.0
+
+
+def test_capability_tracker() -> None:
+    t = CapabilityTracker(decay=0.5, prior=0.5)
+    t.update(b"a", [1.0, 1.0])
+    assert t.get(b"a") == pytest.approx(0.875)
+    assert t.get(b"unknown") == 0.5
