@@ -65,6 +65,7 @@ class LineageState:
     base: bytes = b""
     head: int = 0
     held: int = 0
+    need_anchor: bool = False
     activation: roles.Activation | None = None
 
 
@@ -471,6 +472,7 @@ class Node:
                 if int(body["version"]) > lin.held:
                     self.counters["applied"] += int(body["version"]) - lin.held
                 lin.held = int(body["version"])
+                lin.need_anchor = bool(body.get("need_anchor", False))
                 lin.head = max(lin.head, lin.held)
                 if lin.relation == "seen":
                     lin.relation = "follow"
@@ -640,7 +642,7 @@ class Node:
             if lid is not None and lid in self.lineages:
                 lin = self.lineages[lid]
                 local = await trio.to_thread.run_sync(self._local_head, lid)
-                if lin.head > max(lin.held, local):
+                if lin.head > (lin.held if lin.need_anchor else max(lin.held, local)):
                     try:
                         with trio.fail_after(60):
                             await self._fetch(lin)
@@ -675,7 +677,7 @@ class Node:
                 items = [StoredItem(i.kind, i.base, i.target, 0) for i in local] + \
                         [i for i in remote if (i.kind, i.base, i.target) not in have]
                 # without state a node cannot use a patch chain from 0 unless it holds the base model
-                start = lin.held
+                start = None if lin.need_anchor else lin.held
                 try:
                     plan = choose(start, head, items)
                 except PatchError:

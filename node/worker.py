@@ -105,6 +105,8 @@ class Worker:
         self._send_lock = threading.Lock()
         self.tokens = 0
         self.gen_s = 0.0
+        self.need_anchor = False
+        self.held_lineage = b""
 
     def send(self, kind: str, body: Any) -> None:
         with self._send_lock:
@@ -229,6 +231,7 @@ class Worker:
     def _open_follower(self, info: dict) -> Any:
         """A LineageFollower at the last durable version this node holds (checkpoint + stored patches)."""
         from safetensors.torch import load_file
+        from node.errors import PatchError
         from sync.lineage import Lineage, LineageFollower
 
         lin = Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"])
@@ -238,6 +241,7 @@ class Worker:
                 meta = json.loads((d / "state.json").read_text())
                 state = load_file(str(d / "state.safetensors"))
                 self.engine.load_state(state)
+                self.need_anchor = False
                 return LineageFollower(lin, self.engine.model, version=int(meta["version"]),
                                        expected_hash=bytes.fromhex(meta["state_hash"]), home=self.home, db=self.db,
                                        keep_patches=False)
@@ -247,7 +251,14 @@ class Worker:
 
                 self.engine = load_policy(self.spec["model"], self.spec.get("model_home") or self.home,
                                           seed=int(self.spec.get("model_seed", 0)))
-        return LineageFollower(lin, self.engine.model, version=0, home=self.home, db=self.db, keep_patches=False)
+        self.need_anchor = False
+        try:
+            return LineageFollower(lin, self.engine.model, version=0, home=self.home, db=self.db, keep_patches=False)
+        except PatchError:
+            # our base model differs from the publisher's: only an anchor (a full state) can start us
+            self.need_anchor = True
+            return LineageFollower(lin, self.engine.model, version=0, expected_hash=self.base_hash, home=self.home,
+                                   db=self.db, keep_patches=False)
 
     def _apply_held(self, follower: Any) -> int:
         """Apply what the lineage store holds beyond our version (no download), plus announced arrivals."""
@@ -264,7 +275,7 @@ class Worker:
             if head <= follower.version:
                 break
             try:
-                plan = choose(follower.version, head, items)
+                plan = choose(None if self.need_anchor else follower.version, head, items)
             except PatchError:
                 break  # a gap: the network fetches what is missing
             progressed = False
@@ -292,7 +303,10 @@ class Worker:
             self.send("apply_failed", {"lineage": follower.lineage.id.hex(), "base": base, "target": target,
                                        "error": str(e)})
             return False
-        self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version})
+        if kind == "anchor":
+            self.need_anchor = False
+        self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version,
+                              "need_anchor": self.need_anchor})
         if follower.version % FOLLOW_CHECKPOINT_EVERY == 0:
             self._save_checkpoint(follower)
         return True
@@ -334,7 +348,8 @@ class Worker:
                     set_state("catching-up")
                     follower = self._open_follower(current)
                     self.held_lineage = follower.lineage.id
-                    self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version})
+                    self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version,
+                                          "need_anchor": self.need_anchor})
             if follower is None:
                 set_state("standby")
                 self.inbox.wake.wait(0.5)
@@ -344,7 +359,7 @@ class Worker:
             lid = follower.lineage.id.hex()
             with self.inbox.lock:
                 head = self.inbox.heads.get(lid, follower.version)
-            if head - follower.version > max_stale:
+            if self.need_anchor or head - follower.version > max_stale:
                 set_state("catching-up")  # beyond the staleness bound: no rollouts until caught up
                 self.inbox.wake.wait(0.5)
                 self.inbox.wake.clear()

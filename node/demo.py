@@ -1,0 +1,229 @@
+"""`murmur demo`: a local swarm of real nodes on loopback, learning the built-in task set.
+
+Every node is a real `murmur node start` subprocess with its own generated
+home and config; the demo reads their state over their control sockets only,
+shows one swarm dashboard, and ends with a summary table. Nothing leaves
+loopback and nothing is downloaded: murmur-tiny is built locally once and
+shared by every node (same base model, so followers start from patches).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from node import control
+from node.status import NodeStatus
+
+STARTUP_ALLOWANCE_S = 240.0  # process start + model load on a busy 2-core machine, on top of --duration
+STOP_WAIT_S = 10.0
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def node_config(roles: list[str], port: int, model: str, swarm: str = "murmur-demo") -> str:
+    return "\n".join([
+        "[node]", f"swarm = \"{swarm}\"", f"roles = [{', '.join(repr(r).replace(chr(39), chr(34)) for r in roles)}]",
+        "memory_budget_mb = 1536", "",
+        "[network]", f"listen = [\"/ip4/127.0.0.1/tcp/{port}\"]", "dht = false", "",
+        "[sync]", "publish_every = 4", "anchor_every = 8", "retain_versions = 16", "max_staleness = 4", "",
+        "[training]", f"model = \"{model}\"", "threads = 1", "",
+    ])
+
+
+def build_model(cache_home: Path) -> Path:
+    from training.tiny import ensure_tiny
+
+    return ensure_tiny(cache_home)
+
+
+def start_node(home: Path, bootstrap: list[str], env: dict[str, str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
+    for b in bootstrap:
+        cmd += ["--bootstrap", b]
+    err = open(home / "stderr.log", "ab")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+
+
+def poll(homes: list[Path]) -> list[NodeStatus | None]:
+    out: list[NodeStatus | None] = []
+    for h in homes:
+        try:
+            out.append(control.status(h, timeout=3.0))
+        except control.ControlError:
+            out.append(None)
+    return out
+
+
+def wait_listen(home: Path, proc: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"node in {home} exited with {proc.returncode}; see {home / 'stderr.log'}")
+        try:
+            s = control.status(home, timeout=3.0)
+            if s.listen:
+                return s.listen[0]
+        except control.ControlError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"node in {home} did not start within {timeout_s:.0f} s; see {home / 'stderr.log'}")
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, Any]:
+    nodes = []
+    for name, s in zip(names, statuses):
+        if s is None:
+            nodes.append({"node": name, "error": "not answering"})
+            continue
+        own = next((x for x in s.lineages if x.relation == "own"), None)
+        fol = next((x for x in s.lineages if x.lineage == s.serving), None)
+        nodes.append({
+            "node": name, "peer_id": s.peer_id, "roles": s.roles, "reward_start": s.reward_start,
+            "reward_end": s.reward_now, "versions_published": s.versions_published,
+            "versions_applied": s.versions_applied, "held_version": (own or fol).held if (own or fol) else None,
+            "serving": s.serving, "rollouts_produced": s.rollouts_produced, "rollouts_accepted": s.rollouts_accepted,
+            "rollouts_rejected": sum(s.rejected.values()), "rejected": s.rejected, "rollouts_used": s.rollouts_used,
+            "spot_checked": s.spot_checked, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "steps": s.steps,
+        })
+    return {"nodes": nodes}
+
+
+def summary_table(summary: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    from node.dashboard import human_bytes
+
+    t = Table("node", "roles", "reward start → end", "versions pub / applied", "rollouts produced",
+              "accepted", "rejected", "used", "spot checks", "bytes ↑ / ↓", title="murmur demo: summary")
+    for n in summary["nodes"]:
+        if "error" in n:
+            t.add_row(n["node"], "—", n["error"], "", "", "", "", "", "", "")
+            continue
+
+        def f(x: float | None) -> str:
+            return "—" if x is None else f"{x:.2f}"
+
+        t.add_row(n["node"], ",".join(n["roles"]), f"{f(n['reward_start'])} → {f(n['reward_end'])}",
+                  f"{n['versions_published']} / {n['versions_applied']}", str(n["rollouts_produced"]),
+                  str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
+                  str(n["spot_checked"]), f"{human_bytes(n['bytes_up'])} / {human_bytes(n['bytes_down'])}")
+    return t
+
+
+def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = None, workdir: Path | None = None,
+             tui: bool = True, console: Any = None) -> dict[str, Any]:
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from node.dashboard import swarm_table
+    from node.roles import check_roles
+
+    console = console or Console()
+    node_roles = node_roles or [["trainer"], ["trainer", "validator"], ["follower", "validator"]]
+    for r in node_roles:
+        check_roles(r)
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="murmur-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]murmur demo[/]: {len(node_roles)} nodes on loopback, {duration_s:.0f} s of training, "
+                  f"homes in {root}")
+    with console.status("building the built-in model murmur-tiny (once, cached)…"):
+        model = build_model(root)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONUNBUFFERED="1")
+    homes, names, procs = [], [], []
+    try:
+        bootstrap: list[str] = []
+        for i, roles in enumerate(node_roles):
+            name = f"node{i}-{'+'.join(roles)}"
+            home = root / f"node{i}"
+            home.mkdir(parents=True, exist_ok=True)
+            (home / "config.toml").write_text(node_config(roles, free_port(), str(model)))
+            procs.append(start_node(home, bootstrap, env))
+            homes.append(home)
+            names.append(name)
+            if i == 0:
+                with console.status("starting the first node…"):
+                    bootstrap = [wait_listen(home, procs[0], STARTUP_ALLOWANCE_S)]
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                            TimeRemainingColumn())
+        task = progress.add_task("training", total=duration_s)
+        t_start: float | None = None
+        hard_deadline = time.monotonic() + duration_s + STARTUP_ALLOWANCE_S
+        statuses: list[NodeStatus | None] = [None] * len(homes)
+        last_line = 0.0
+
+        def view() -> Any:
+            return Group(swarm_table(list(zip(names, statuses)), title="murmur demo swarm (loopback)"), progress)
+
+        live = Live(view(), console=console, auto_refresh=False) if tui else None
+        if live:
+            live.start()
+        try:
+            for _ in range(int((duration_s + STARTUP_ALLOWANCE_S) * 2) + 10):
+                statuses = poll(homes)
+                now = time.monotonic()
+                busy = [s is not None and s.worker in ("training", "generating") for s in statuses]
+                if t_start is None and any(busy):
+                    t_start = now
+                    progress.update(task, description="training")
+                elapsed = 0.0 if t_start is None else now - t_start
+                progress.update(task, completed=min(duration_s, elapsed),
+                                description="training" if t_start else "loading models")
+                if live:
+                    live.update(view(), refresh=True)
+                elif now - last_line >= 10:
+                    last_line = now
+                    parts = []
+                    for n, s in zip(names, statuses):
+                        if s is None:
+                            parts.append(f"{n}: —")
+                        else:
+                            r = "—" if s.reward_now is None else f"{s.reward_now:.2f}"
+                            parts.append(f"{n}: {s.worker} reward {r} acc {s.rollouts_accepted}")
+                    console.print(f"[{elapsed:5.0f}s] " + " | ".join(parts))
+                if any(p.poll() is not None for p in procs):
+                    bad = [n for n, p in zip(names, procs) if p.poll() is not None]
+                    console.print(f"[red]node(s) exited early: {', '.join(bad)}[/]")
+                    break
+                if (t_start is not None and elapsed >= duration_s) or now >= hard_deadline:
+                    break
+                time.sleep(0.5)
+        finally:
+            if live:
+                live.stop()
+        statuses = poll(homes)
+    finally:
+        stop_all(procs)
+    summary = summarize(names, statuses)
+    summary["duration_s"] = duration_s
+    summary["workdir"] = str(root)
+    console.print(summary_table(summary))
+    return summary
