@@ -1,0 +1,268 @@
+"""Emulation: a scenario as real `murmur node start` processes on this machine.
+
+Each honest node is its own process with its own home (identity, config,
+SQLite store), listening on 127.0.0.1 (or, with namespaces, on its own
+address), bootstrapped to node 0. Links:
+- bandwidth: always, through the node's own bulk-transfer limiter
+  (`MURMUR_NETWORK_UPLOAD_BYTES_PER_S` / `..._DOWNLOAD_...`, see `wan.node_env`);
+- latency, jitter and loss: only with `MURMUR_SIM_NETNS=1`, as root with
+  iproute2: each node then runs in its own network namespace behind a netem
+  veth (`wan.NetnsLab`). Otherwise they are not emulated and the report says so.
+Churn and events stop nodes with SIGTERM and start them again on the same
+home (a restart keeps identity and state). Adversaries run as separate
+processes (`simulations.adversary`) with their own libp2p host.
+Metrics come from each node's control socket (`murmur node status`), polled
+every `report.sample_every_s`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from node.errors import MurmurError
+from simulations.report import MetricsWriter, write_report
+from simulations.scenario import NodeSpec, Scenario, dumps, expand
+from simulations.virtual import identity_for
+from simulations.wan import LinkSpec, NetnsLab, node_env
+
+MAX_REAL_NODES = 32
+STOP_WAIT_S = 8.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Proc:
+    def __init__(self, spec: NodeSpec, home: Path, addr: str, port: int) -> None:
+        self.spec = spec
+        self.home = home
+        self.addr = addr
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.peer_id = ""
+        self.last_rejected: dict[str, int] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Emulation:
+    def __init__(self, sc: Scenario, out_dir: str | Path, progress: bool = False) -> None:
+        self.sc = sc
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.specs = expand(sc)
+        if len(self.specs) > MAX_REAL_NODES:
+            raise MurmurError(f"{sc.name}: {len(self.specs)} nodes is over the emulator's limit of {MAX_REAL_NODES} "
+                              "real processes; use --virtual")
+        self.netns = None
+        if os.environ.get("MURMUR_SIM_NETNS") == "1":
+            self.netns = NetnsLab()
+        self.procs: list[_Proc] = []
+        self.metrics = MetricsWriter(self.out, sc.report.format)
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+        self.t0 = 0.0
+
+    def _row(self, kind: str, **f: Any) -> None:
+        self.rows.setdefault(kind, []).append(f)
+        self.metrics.add(kind, **f)
+
+    # ------------------------------------------------------------ setup
+
+    def _prepare(self) -> None:
+        from node.home import init_home  # noqa: PLC0415
+        from training.tiny import ensure_tiny, tiny_dir  # noqa: PLC0415
+
+        shared = self.out / "shared-model"
+        ensure_tiny(shared, seed=0)
+        for s in self.specs:
+            home = self.out / "nodes" / f"node{s.index:03d}"
+            addr = self.netns.address(s.index) if self.netns else "127.0.0.1"
+            p = _Proc(s, home, addr, 4001 if self.netns else _free_port())
+            if s.role != "adversary":
+                ident = init_home(home, force=True)
+                p.peer_id = ident.peer_id
+                dst = tiny_dir(home)
+                if not dst.exists():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.symlink(tiny_dir(shared).resolve(), dst)
+                self._write_config(p)
+            else:
+                home.mkdir(parents=True, exist_ok=True)
+                p.peer_id = identity_for(self.sc.seed, s.index).peer_id
+            self.procs.append(p)
+        if self.netns:
+            self.netns.up([LinkSpec.of(s) for s in self.specs])
+
+    def _write_config(self, p: _Proc) -> None:
+        tr, s = self.sc.training, p.spec
+        roles = '["trainer"]' if s.role == "trainer" else '["follower"]'
+        text = (f'[node]\nswarm = "{self.sc.swarm}"\nroles = {roles}\nhardware = "cpu"\nmemory_budget_mb = 1024\n\n'
+                f'[network]\ndht = false\n\n'
+                f'[training]\nlocal_rollouts = {tr.local_groups}\nexternal_rollouts = {tr.external_groups}\n'
+                f'group_size = {tr.group_size}\nseed = {self.sc.seed * 1000 + s.index}\nthreads = 1\n\n'
+                f'[sync]\nmax_staleness = {tr.max_staleness}\npublish_every = {self.sc.sync.publish_every}\n'
+                f'chunk_bytes = {self.sc.sync.chunk_bytes}\n\n'
+                f'[gossip]\nrate_limit_per_s = {self.sc.gossip.rate_limit_per_s}\n'
+                f'rate_burst = {self.sc.gossip.rate_burst}\ngraylist_threshold = {self.sc.gossip.graylist_threshold}\n')
+        (p.home / "config.toml").write_text(text)
+
+    def _bootstrap(self, exclude: int) -> list[str]:
+        first = next(p for p in self.procs if p.spec.role != "adversary" and p.spec.index != exclude)
+        return [f"/ip4/{first.addr}/tcp/{first.port}/p2p/{first.peer_id}"]
+
+    def _start(self, p: _Proc) -> None:
+        if p.alive:
+            return
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               **node_env(LinkSpec.of(p.spec))}
+        prefix = self.netns.exec_prefix(p.spec.index) if self.netns else []
+        listen = f"/ip4/{p.addr}/tcp/{p.port}"
+        boot = self._bootstrap(p.spec.index) if p.spec.index != self.procs[0].spec.index else []
+        if p.spec.role == "adversary":
+            cmd = [sys.executable, "-m", "simulations.adversary",
+                   identity_for(self.sc.seed, p.spec.index).seed.hex(), self.sc.swarm, p.spec.behaviour or "",
+                   str(p.spec.rate_per_s), str(self.sc.duration_s), listen, *boot]
+        else:
+            cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(p.home), "--no-tui",
+                   "--listen", listen] + [x for b in boot for x in ("--bootstrap", b)]
+        log = open(p.home / "process.log", "ab")
+        p.proc = subprocess.Popen(prefix + cmd, env=env, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        self._row("event", t=self._t(), node=p.spec.index, action="join")
+
+    def _stop(self, p: _Proc) -> None:
+        if not p.alive:
+            return
+        assert p.proc is not None
+        p.proc.send_signal(signal.SIGTERM)
+        try:
+            p.proc.wait(timeout=STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait(timeout=STOP_WAIT_S)
+        self._row("event", t=self._t(), node=p.spec.index, action="leave")
+
+    def _t(self) -> float:
+        return time.monotonic() - self.t0 if self.t0 else 0.0
+
+    # ------------------------------------------------------------ run
+
+    def _schedule(self) -> list[tuple[float, str, int]]:
+        import random  # noqa: PLC0415
+
+        sc = self.sc
+        ev: list[tuple[float, str, int]] = []
+        for s in self.specs:
+            ev.append((s.join_s, "join", s.index))
+            if s.leave_s is not None:
+                ev.append((s.leave_s, "leave", s.index))
+        for e in sc.events:
+            if e.action == "restart":
+                ev += [(e.at_s, "leave", e.node), (e.at_s + e.down_s, "join", e.node)]
+            else:
+                ev.append((e.at_s, e.action, e.node))
+        if sc.churn.leaves_per_min > 0:
+            rng = random.Random(sc.seed)
+            honest = [i for i in range(sc.honest_nodes) if i not in set(sc.churn.protect) and i != 0]
+            t = sc.churn.start_s
+            for _ in range(10_000):
+                t += rng.expovariate(sc.churn.leaves_per_min / 60.0)
+                if t >= sc.duration_s or not honest:
+                    break
+                i = rng.choice(honest)
+                ev += [(t, "leave", i), (t + sc.churn.down_s, "join", i)]
+        return sorted(ev)
+
+    def _sample(self) -> None:
+        from node import control  # noqa: PLC0415
+
+        t = self._t()
+        for p in self.procs:
+            if p.spec.role == "adversary" or not p.alive:
+                continue
+            try:
+                s = control.status(p.home, "control.sock", 2.0)
+            except MurmurError:
+                continue
+            if s.reward_now is not None:
+                self._row("reward", t=t, node=p.spec.index, reward=s.reward_now, isolated=None,
+                          version=s.versions_published, group=p.spec.group)
+            for lin in s.lineages:
+                if lin.relation == "follow":
+                    self._row("lag", t=t, node=p.spec.index, lag=lin.lag)
+            for reason, n in s.rejected.items():
+                new = n - p.last_rejected.get(reason, 0)
+                for _ in range(max(0, min(new, 1000))):
+                    self._row("rejection", t=t, node=p.spec.index, peer=-1, reason=reason)
+            p.last_rejected = dict(s.rejected)
+            p.last_bytes = (s.bytes_up, s.bytes_down)  # type: ignore[attr-defined]
+
+    def run(self) -> dict[str, Any]:
+        wall = time.monotonic()
+        self._prepare()
+        events = self._schedule()
+        self.t0 = time.monotonic()
+        by_index = {p.spec.index: p for p in self.procs}
+        next_sample = 0.0
+        k = 0
+        try:
+            while self._t() < self.sc.duration_s:
+                now = self._t()
+                while k < len(events) and events[k][0] <= now:
+                    _, action, i = events[k]
+                    (self._start if action == "join" else self._stop)(by_index[i])
+                    k += 1
+                if now >= next_sample:
+                    self._sample()
+                    next_sample = now + self.sc.report.sample_every_s
+                    if self.progress:
+                        print(f"\remulate {self.sc.name}: {now:6.0f}/{self.sc.duration_s:g} s, "
+                              f"{sum(p.alive for p in self.procs)} up", end="", file=sys.stderr, flush=True)
+                wake = min(next_sample, events[k][0] if k < len(events) else self.sc.duration_s, self.sc.duration_s)
+                time.sleep(max(0.05, min(1.0, wake - self._t())))
+        finally:
+            for p in self.procs:
+                self._stop(p)
+            if self.netns:
+                self.netns.down()
+        for p in self.procs:
+            up, down = getattr(p, "last_bytes", (0, 0))
+            self._row("bytes", node=p.spec.index, group=p.spec.group, bytes_up=up, bytes_down=down)
+        rewards = self.rows.get("reward", [])
+        summary = {
+            "title": f"Murmur emulation: {self.sc.name}",
+            "mode": "emulate",
+            "scenario": self.sc.name,
+            "seed": self.sc.seed,
+            "nodes": len(self.specs),
+            "wall_s": round(time.monotonic() - wall, 1),
+            "links": "bandwidth via node limiter; latency/loss via netem namespaces" if self.netns
+            else "bandwidth via node limiter only (latency/jitter/loss not emulated: set MURMUR_SIM_NETNS=1 as root)",
+            "reward_samples": len(rewards),
+            "final_reward_mean": (sum(r["reward"] for r in rewards[-len(self.procs):]) / len(rewards[-len(self.procs):])
+                                  if rewards else None),
+            "rejections": {r: sum(1 for x in self.rows.get("rejection", []) if x["reason"] == r)
+                           for r in {x["reason"] for x in self.rows.get("rejection", [])}},
+            "graylist_threshold": self.sc.gossip.graylist_threshold,
+        }
+        self.metrics.close()
+        write_report(self.out, self.rows, summary, dumps(self.sc), title=summary["title"], notes=summary["links"],
+                     threshold=self.sc.gossip.graylist_threshold, plots=self.sc.report.plots)
+        return summary
+
+
+def run_emulation(sc: Scenario, out_dir: str | Path, progress: bool = False) -> dict[str, Any]:
+    return Emulation(sc, out_dir, progress).run()
