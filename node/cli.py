@@ -134,5 +134,6 @@ def main() -> None:
 
 # Command groups that live in their own modules register themselves on the apps above.
 from node import cli_bench  # noqa: E402,F401
+from simulations import cli_sim  # noqa: E402,F401
 from node import cli_tasks  # noqa: E402,F401
 from node import cli_node  # noqa: E402,F401
