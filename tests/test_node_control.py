@@ -1,0 +1,97 @@
+"""Control socket, status encoding, dashboard rendering and metrics export, in one process."""
+
+from __future__ import annotations
+
+import io
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+
+from node import control
+from node.dashboard import node_panel, sparkline, swarm_table
+from node.metrics import Metrics
+from node.status import LineageView, NodeStatus, PeerView
+
+
+def sample_status() -> NodeStatus:
+    return NodeStatus(peer_id="12D3KooWtest", swarm="s", roles=["follower", "validator"], state="running",
+                      worker="generating", serving="ab" * 32, serving_reason="largest unmet demand",
+                      peers=[PeerView(peer_id="12D3KooWpeer", roles=["trainer"])],
+                      lineages=[LineageView(lineage="ab" * 32, name="l", relation="follow", head=9, held=7, lag=2)],
+                      rollouts_produced=40, rollouts_accepted=12, rejected={"forged_reward": 3},
+                      reward_trend=[0.1, 0.4, 0.8], reward_start=0.1, reward_now=0.8, bytes_down=12345)
+
+
+def _serve_and_query(home: Path, cmd: str) -> dict:
+    out: dict = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(control.serve, home, sample_status)
+            try:
+                out["reply"] = await trio.to_thread.run_sync(control.request, home, cmd)
+            except control.ControlError as e:
+                out["error"] = e
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    if "error" in out:
+        raise out["error"]
+    return out["reply"]
+
+
+def test_status_over_control_socket(tmp_path: Path) -> None:
+    reply = _serve_and_query(tmp_path, "status")
+    assert reply["peer_id"] == "12D3KooWtest"
+    assert reply["lineages"][0]["lag"] == 2
+    assert not (tmp_path / "control.sock").exists()  # removed on exit
+
+
+def test_unknown_command_is_an_error_reply(tmp_path: Path) -> None:
+    with pytest.raises(control.ControlError, match="unknown command"):
+        _serve_and_query(tmp_path, "reboot")
+
+
+def test_deep_home_uses_short_socket_path(tmp_path: Path) -> None:
+    deep = tmp_path / ("x" * 60) / ("y" * 60)
+    deep.mkdir(parents=True)
+    assert len(str(control.socket_path(deep))) <= 100
+    assert _serve_and_query(deep, "status")["swarm"] == "s"
+
+
+def test_no_node_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(control.ControlError, match="no node is running"):
+        control.status(tmp_path, timeout=1.0)
+
+
+def test_garbage_request_gets_error_reply() -> None:
+    assert b"malformed" in control.handle_request(b"\xff\x00garbage\n", sample_status)
+
+
+def test_dashboard_renders_status() -> None:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    con = Console(file=buf, width=160, force_terminal=False)
+    con.print(node_panel(sample_status()))
+    con.print(swarm_table([("n0", sample_status()), ("n1", None)]))
+    text = buf.getvalue()
+    assert "forged_reward 3" in text and "not answering" in text and "0.10 → 0.80" in text
+    assert sparkline([0.0, 1.0]) == "▁█"
+
+
+def test_metrics_exported_over_http() -> None:
+    m = Metrics()
+    port = m.serve(0)
+    try:
+        m.update(sample_status())
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        m.close()
+    assert 'murmur_rollouts_rejected_total{reason="forged_reward"} 3.0' in body
+    assert "murmur_reward 0.8" in body
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()

@@ -1,0 +1,103 @@
+"""Role choice and the capacity rule (sans-IO)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node import roles
+from node.errors import ConfigError
+from node.roles import Demand, LineageOption, Offer, activate, choose_lineage, choose_roles, fits_staleness
+
+GB = 2**30
+
+
+def test_configured_roles_win_and_are_checked() -> None:
+    assert choose_roles(["follower", "validator"], "gpu-large", 65536, 64 * GB)[0] == ["follower", "validator"]
+    with pytest.raises(ConfigError):
+        choose_roles(["trainer", "follower"], "cpu", 4096, 8 * GB)
+    with pytest.raises(ConfigError):
+        choose_roles(["miner"], "cpu", 4096, 8 * GB)
+
+
+def test_roles_follow_hardware() -> None:
+    assert choose_roles([], "cpu", 4096, 16 * GB)[0] == ["trainer"]
+    assert choose_roles([], "gpu-small", 8192, 32 * GB)[0] == ["trainer", "validator"]
+    # a small budget, or little free memory, makes a follower
+    assert choose_roles([], "cpu", 1024, 16 * GB)[0] == ["follower", "validator"]
+    assert choose_roles([], "gpu-large", 8192, 1 * GB)[0] == ["follower", "validator"]
+    with pytest.raises(ConfigError):
+        choose_roles([], "tpu", 4096, 16 * GB)
+
+
+def test_hardware_class() -> None:
+    assert roles.Hardware(8, 16 * GB).klass == "cpu"
+    assert roles.Hardware(8, 16 * GB, "RTX 4090", 24 * GB).klass == "gpu-small"
+    assert roles.Hardware(8, 16 * GB, "H200", 141 * GB).klass == "gpu-large"
+
+
+def test_staleness_inequality() -> None:
+    d = Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=4)
+    # kappa 1 + ceil((D + G) / T_L) <= 4  <=>  D + G <= 6 s
+    assert fits_staleness(d, latency_s=5.0, dissemination_s=1.0)
+    assert not fits_staleness(d, latency_s=5.5, dissemination_s=1.0)
+    assert roles.staleness_versions(d, 0.0, 0.0) == 1
+
+
+def test_activation_cheapest_first_until_met_rest_standby() -> None:
+    d = Demand(rollouts_per_step=20, step_time_s=2.0, max_staleness=4)  # need 1.2 * 10 = 12 rollouts/s
+    offers = [Offer("slow", 2.0, 1.0), Offer("fast", 8.0, 1.0), Offer("mid", 5.0, 1.0), Offer("extra", 4.0, 1.0),
+              Offer("laggy", 50.0, 30.0)]
+    act = activate(d, offers)
+    assert act.need == pytest.approx(12.0)
+    assert act.active == ["fast", "mid"]  # 8 + 5 = 13 >= 12
+    assert act.met
+    assert sorted(act.standby) == ["extra", "slow"]
+    assert "laggy" in act.rejected and "stale" in act.rejected["laggy"]
+
+
+def test_activation_cost_aware() -> None:
+    d = Demand(rollouts_per_step=10, step_time_s=1.0, max_staleness=4)  # need 12/s
+    # an expensive fast GPU loses to two cheap nodes that suffice together
+    act = activate(d, [Offer("gpu", 20.0, 0.5, cost=10.0), Offer("a", 7.0, 0.5), Offer("b", 7.0, 0.5)])
+    assert act.active == ["a", "b"] and act.standby == ["gpu"]
+
+
+def test_activation_unmet_keeps_everyone() -> None:
+    d = Demand(rollouts_per_step=100, step_time_s=1.0, max_staleness=4)
+    act = activate(d, [Offer("a", 3.0, 0.1), Offer("b", 2.0, 0.1)])
+    assert not act.met and act.active == ["a", "b"] and act.standby == []
+
+
+def test_follower_picks_largest_unmet_demand() -> None:
+    me = Offer("me", 5.0, 1.0)
+    a = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=11.0)  # need 12: 1 short
+    b = LineageOption(b"B" * 32, Demand(20, 1.0, 4), supply_by_others=4.0)  # need 24: 20 short
+    c = choose_lineage(me, [a, b])
+    assert c.lineage == b"B" * 32 and "unmet" in c.reason
+
+
+def test_follower_skips_lineage_whose_bound_it_would_break() -> None:
+    me = Offer("me", 5.0, latency_s := 9.0)
+    tight = LineageOption(b"T" * 32, Demand(100, 1.0, 2), supply_by_others=0.0)  # 1 + ceil(9/1) = 10 > 2
+    loose = LineageOption(b"L" * 32, Demand(4, 10.0, 4), supply_by_others=0.0)  # 1 + ceil(9/10) = 2 <= 4
+    assert latency_s == 9.0
+    assert choose_lineage(me, [tight, loose]).lineage == b"L" * 32
+    c = choose_lineage(me, [tight])
+    assert c.lineage is None and "stale" in c.reason
+
+
+def test_follower_on_standby_list_stands_by() -> None:
+    me = Offer("me", 5.0, 1.0)
+    opt = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=20.0, standby=("me",))
+    c = choose_lineage(me, [opt])
+    assert c.lineage is None and "stand by" in c.reason
+
+
+def test_follower_sticks_to_current_on_ties_and_honours_configured() -> None:
+    me = Offer("me", 5.0, 1.0)
+    a = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=0.0)
+    b = LineageOption(b"B" * 32, Demand(10, 1.0, 4), supply_by_others=0.0)
+    assert choose_lineage(me, [a, b], current=b"A" * 32).lineage == b"A" * 32
+    assert choose_lineage(me, [a, b], current=b"B" * 32).lineage == b"B" * 32
+    assert choose_lineage(me, [a, b], configured=[b"B" * 32]).lineage == b"B" * 32
+    assert choose_lineage(me, []).lineage is None
