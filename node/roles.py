@@ -197,6 +197,11 @@ def choose_lineage(me: Offer, options: Iterable[LineageOption], dissemination_s:
         return required_rate(o.demand, margin) - o.supply_by_others
 
     best = max(eligible, key=lambda o: (round(unmet(o), 6), o.lineage == current, o.lineage))
+    cur = next((o for o in eligible if o.lineage == current), None)
+    if cur is not None and best is not cur:
+        # hysteresis: moving costs a catch-up and takes our own supply from `cur`; switch only for a clear gain
+        if unmet(best) <= unmet(cur) + max(me.rollouts_per_s, 0.1 * required_rate(best.demand, margin)):
+            best = cur
     gap = unmet(best)
     if gap > 0:
         reason = f"largest unmet demand: {gap:.1f} rollouts/s short"

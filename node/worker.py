@@ -136,7 +136,10 @@ class Worker:
         self.db = open_store(self.home)
         from sync.hashing import canonical_state, state_hash
 
-        self.base_hash = state_hash(canonical_state(self.engine.model))
+        live = canonical_state(self.engine.model)
+        self.base_hash = state_hash(live)
+        # the base weights, to restart from when this follower moves to another lineage
+        self.base_state = {n: t.detach().clone() for n, t in live.items()}
         m = self.registry.get(self.task_set)
         self.gens = [g for g in m.generators if not g.name.endswith("-eval")]
 
@@ -235,6 +238,7 @@ class Worker:
         from sync.lineage import Lineage, LineageFollower
 
         lin = Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"])
+        self.engine.load_state(self.base_state)  # whatever lineage we held before, start from the base
         d = self._checkpoint_dir(lin.id)
         if (d / "state.json").exists():
             try:

@@ -101,3 +101,12 @@ def test_follower_sticks_to_current_on_ties_and_honours_configured() -> None:
     assert choose_lineage(me, [a, b], current=b"B" * 32).lineage == b"B" * 32
     assert choose_lineage(me, [a, b], configured=[b"B" * 32]).lineage == b"B" * 32
     assert choose_lineage(me, []).lineage is None
+
+
+def test_follower_does_not_flap_for_a_small_gain() -> None:
+    me = Offer("me", 5.0, 1.0)
+    a = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=0.0)  # unmet 12
+    b = LineageOption(b"B" * 32, Demand(11, 1.0, 4), supply_by_others=0.0)  # unmet 13.2: not worth a move
+    assert choose_lineage(me, [a, b], current=b"A" * 32).lineage == b"A" * 32
+    c = LineageOption(b"C" * 32, Demand(30, 1.0, 4), supply_by_others=0.0)  # unmet 36: clearly worth it
+    assert choose_lineage(me, [a, c], current=b"A" * 32).lineage == b"C" * 32
