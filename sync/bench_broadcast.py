@@ -188,7 +188,7 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
 
     identity = Identity.from_seed(hashlib.blake2b(f"bench-{seed}-{idx}".encode(), digest_size=32).digest())
     partial = Path(tmp) / f"node{idx}"
-    async with open_transport(identity) as t:
+    async with open_transport(identity, dial_timeout_s=20.0) as t:
         node = BroadcastNode(t, swarm="bench", upload_bytes_per_s=upload, partial_root=partial, seed=seed + idx)
         async with trio.open_nursery() as n:
             await n.start(node.run)
@@ -202,8 +202,9 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                 msg = json.loads(line)
                 cmd = msg["cmd"]
                 if cmd == "connect":
-                    for a in msg["addrs"]:
-                        await t.connect(a)
+                    async with trio.open_nursery() as cn:
+                        for a in msg["addrs"]:
+                            cn.start_soon(_connect, t, a)
                     say(event="connected")
                 elif cmd == "ready?":
                     # the whole mesh is connected and our chunk streams are up
@@ -229,6 +230,22 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
             n.cancel_scope.cancel()
 
 
+async def _connect(t: Any, addr: str, attempts: int = 5) -> None:
+    """Dial with retries: on a loaded 2-core box a Noise handshake can miss the dial timeout."""
+    import trio
+
+    from node.errors import MurmurError
+
+    for i in range(attempts):
+        try:
+            await t.connect(addr)
+            return
+        except MurmurError:
+            if i == attempts - 1:
+                raise
+            await trio.sleep(0.5 * (i + 1))
+
+
 async def _follow(node: Any, say: Any) -> None:
     tr = await node.wait_for_transfer(600)
     await tr.done.wait()
@@ -242,7 +259,9 @@ def _main(argv: list[str]) -> None:
     role, tmp, idx, upload, chunk_bytes, seed = argv
     try:
         trio.run(_worker, role, tmp, int(idx), int(upload), int(chunk_bytes), int(seed))
-    except Exception as e:  # report, so the parent fails fast with the reason
+    except BaseException as e:  # report, so the parent fails fast with the reason
+        while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+            e = e.exceptions[0]
         sys.stdout.write(json.dumps({"event": "error", "error": f"{type(e).__name__}: {e}"}) + "\n")
         sys.stdout.flush()
         raise

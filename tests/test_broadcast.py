@@ -1,0 +1,236 @@
+"""Live broadcast over real libp2p hosts on 127.0.0.1 (in-process), and the upload token bucket."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from gossip.host import open_transport
+from gossip.wire import decode_envelope, encode
+from node.errors import DecodeError
+from node.identity import Identity
+from sync.bench_broadcast import make_patch
+from sync.broadcast import BroadcastNode, Transfer
+from sync.ratelimit import TokenBucket
+from sync.swarm import SwarmConfig, Verified
+
+CHUNK = 64 * 1024
+
+
+def ident(i: int) -> Identity:
+    return Identity.from_seed(hashlib.blake2b(b"bc-test-%d" % i, digest_size=32).digest())
+
+
+# ---------------------------------------------------------------- token bucket
+
+
+def test_token_bucket_long_run_rate_is_exact() -> None:
+    b = TokenBucket(1000.0, burst_bytes=100, now=0.0)
+    t = 0.0
+    for _ in range(50):
+        t += b.reserve(200, t)  # writer waits as told, then writes
+    # 50*200 bytes at 1000 B/s, minus the 100-byte initial burst
+    assert t == pytest.approx((50 * 200 - 100) / 1000.0)
+    assert b.total == 10_000
+
+
+def test_token_bucket_refund_and_unlimited() -> None:
+    b = TokenBucket(1000.0, burst_bytes=100, now=0.0)
+    assert b.reserve(1100, 0.0) == pytest.approx(1.0)
+    b.refund(1000, 0.0)
+    assert b.reserve(100, 0.0) == pytest.approx(0.1)
+    u = TokenBucket(0)
+    assert u.reserve(10**9, 0.0) == 0.0
+    with pytest.raises(ValueError):
+        TokenBucket(-1)
+
+
+def test_token_bucket_idle_credit_is_capped() -> None:
+    b = TokenBucket(1000.0, burst_bytes=100, now=0.0)
+    assert b.reserve(100, 1000.0) == 0.0  # a long idle period banks only the burst
+    assert b.reserve(1000, 1000.0) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- live helpers
+
+
+class CorruptNode(BroadcastNode):
+    """A real node that stores (and so serves) every chunk it verifies with its bytes flipped."""
+
+    def _apply(self, tr: Transfer, actions: list[Any]) -> None:
+        super()._apply(tr, actions)
+        for a in actions:
+            if isinstance(a, Verified):
+                tr.chunks[a.index] = bytes(x ^ 0xFF for x in a.data)
+
+
+@asynccontextmanager
+async def live_node(i: int, *, upload: int = 0, partial: Path | None = None, cls: type = BroadcastNode,
+                    penalties: list | None = None, cfg: SwarmConfig | None = None):
+    async with open_transport(ident(i)) as t:
+        node = cls(t, swarm="test", upload_bytes_per_s=upload, partial_root=partial, seed=i, config=cfg,
+                   on_penalty=(lambda p, r, a: penalties.append((p, r, a))) if penalties is not None else None)
+        async with trio.open_nursery() as n:
+            await n.start(node.run)
+            yield t, node
+            n.cancel_scope.cancel()
+
+
+async def wait_until(pred, timeout: float) -> None:
+    """Bounded poll for conditions no event signals (libp2p connection set)."""
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.02)
+
+
+async def mesh(nodes: list[tuple[Any, BroadcastNode]]) -> None:
+    for i, (t, _) in enumerate(nodes):
+        for u, _ in nodes[:i]:
+            await t.connect(u.listen_addrs()[0])
+    await wait_until(lambda: all(len(n.conns) == len(nodes) - 1 for _, n in nodes), 20)
+    await wait_until(lambda: all(t.topic_peers(n.topic) for t, n in nodes), 20)
+
+
+def payload(n: int = 12 * CHUNK + 1234, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+# ---------------------------------------------------------------- live tests
+
+
+def test_live_broadcast_reaches_every_follower_with_forwarding() -> None:
+    data = payload()
+    digest = hashlib.blake2b(data, digest_size=32).digest()
+
+    async def main() -> None:
+        async with live_node(0, upload=2 * 2**20) as o, live_node(1) as f1, live_node(2) as f2, live_node(3) as f3:
+            nodes = [o, f1, f2, f3]
+            await mesh(nodes)
+            env, chunks = make_patch(ident(0), data, CHUNK)
+            pid = await o[1].publish(env, chunks)  # the manifest travels by gossip
+            for _, f in nodes[1:]:
+                tr = await f.wait_for_transfer(20, lambda t: t.pid == pid)
+                await f.wait_complete(pid, 30)
+                assert hashlib.blake2b(tr.payload(), digest_size=32).digest() == digest
+            origin_out = o[1].stats(pid)["bytes_out"]
+            follower_out = sum(f.stats(pid)["bytes_out"] for _, f in nodes[1:])
+            assert follower_out > 0, "followers must forward chunks to each other"
+            assert origin_out < 3 * len(data)  # not one copy per follower
+
+    trio.run(main)
+
+
+def test_forged_manifest_is_rejected_before_any_fetch() -> None:
+    data = payload(3 * CHUNK)
+
+    async def main() -> None:
+        async with live_node(10) as f:
+            env, _ = make_patch(ident(11), data, CHUNK)
+            e = decode_envelope(env)
+            forged = encode(msgspec.structs.replace(e, body=e.body[:-1] + bytes([e.body[-1] ^ 1])))
+            with pytest.raises(DecodeError):
+                await f[1].add_manifest(forged)
+            assert not f[1].transfers and f[1].counters["manifests_rejected"] == 1
+
+    trio.run(main)
+
+
+def test_live_corrupt_server_is_banned_and_others_complete() -> None:
+    data = payload(16 * CHUNK)
+    digest = hashlib.blake2b(data, digest_size=32).digest()
+    penalties: list = []
+
+    async def main() -> None:
+        async with live_node(20, upload=1 * 2**20) as o, live_node(21, cls=CorruptNode) as bad, \
+                live_node(22, penalties=penalties) as f2, live_node(23, penalties=penalties) as f3, \
+                live_node(24, penalties=penalties) as f4:
+            nodes = [o, bad, f2, f3, f4]
+            await mesh(nodes)
+            env, chunks = make_patch(ident(20), data, CHUNK)
+            pid = await o[1].publish(env, chunks)
+            for _, f in (f2, f3, f4):
+                await f.wait_for_transfer(20, lambda t: t.pid == pid)
+                tr = await f.wait_complete(pid, 60)
+                assert hashlib.blake2b(tr.payload(), digest_size=32).digest() == digest
+            bad_id = bad[0].peer_id
+            banned_by = [f for _, f in (f2, f3, f4) if bad_id in f.banned]
+            assert banned_by, "the corrupt peer served someone and must be banned"
+            assert any(p == bad_id and a < 0 and "hash" in r for p, r, a in penalties)
+
+    trio.run(main)
+
+
+def test_live_restart_resumes_from_stored_chunks(tmp_path: Path) -> None:
+    data = payload(24 * CHUNK)
+    digest = hashlib.blake2b(data, digest_size=32).digest()
+    part = tmp_path / "partial"
+
+    async def main() -> None:
+        async with live_node(30, upload=512 * 1024) as o:
+            env, chunks = make_patch(ident(30), data, CHUNK)
+            pid = None
+            held = 0
+            async with live_node(31, partial=part) as f:
+                await mesh([o, f])
+                pid = await o[1].publish(env, chunks)
+                tr = await f[1].wait_for_transfer(20, lambda t: t.pid == pid)
+                await wait_until(lambda: tr.session.nhave >= 8, 30)
+                await wait_until(lambda: len(list((part / pid.hex()).glob("*.chunk"))) >= 8, 10)
+                assert not tr.session.complete
+            held = len(list((part / pid.hex()).glob("*.chunk")))
+            assert 8 <= held < len(chunks)
+            async with live_node(31, partial=part) as f:  # same identity, same disk: a restart
+                await f[0].connect(o[0].listen_addrs()[0])
+                # it learns the manifest from the origin's have-map (ManifestRequest), then resumes
+                tr = await f[1].wait_for_transfer(30, lambda t: t.pid == pid)
+                assert tr.session.nhave >= held
+                await f[1].wait_complete(pid, 60)
+                assert hashlib.blake2b(tr.payload(), digest_size=32).digest() == digest
+                assert tr.session.bytes_in <= (len(chunks) - held) * CHUNK
+
+    trio.run(main)
+
+
+@pytest.mark.slow
+def test_live_kill_followers_mid_broadcast_survivors_complete() -> None:
+    data = payload(32 * CHUNK)
+    digest = hashlib.blake2b(data, digest_size=32).digest()
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            nodes: list = []
+            scopes: list[trio.CancelScope] = []
+
+            async def run_node(i: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                with trio.CancelScope() as sc:
+                    async with live_node(i, upload=1 * 2**20 if i == 40 else 0) as nd:
+                        nodes.append(nd)
+                        scopes.append(sc)
+                        task_status.started()
+                        await trio.sleep_forever()
+
+            for i in range(40, 49):  # origin + 8 followers
+                await n.start(run_node, i)
+            await mesh(nodes)
+            o = nodes[0]
+            env, chunks = make_patch(ident(40), data, CHUNK)
+            pid = await o[1].publish(env, chunks)
+            victims = nodes[1:3]
+            tr = await victims[0][1].wait_for_transfer(20, lambda t: t.pid == pid)
+            await wait_until(lambda: tr.session.nhave >= 4, 30)
+            for k in (1, 2):
+                scopes[k].cancel()  # kill two followers mid-broadcast
+            for _, f in nodes[3:]:
+                await f.wait_for_transfer(20, lambda t: t.pid == pid)
+                t2 = await f.wait_complete(pid, 120)
+                assert hashlib.blake2b(t2.payload(), digest_size=32).digest() == digest
+            n.cancel_scope.cancel()
+
+    trio.run(main)
