@@ -174,6 +174,13 @@ class Libp2pTransport:
         if not targets:
             self.counters["publish_errors"] += 1
             raise PublishError(f"no connected peer subscribes to {topic}")
+        await self._top_up_mesh(topic)
+        mesh = self.router.mesh.get(topic)
+        if mesh is not None:  # subscribed: py-libp2p sends only to the mesh
+            targets = [p for p in targets if p in mesh]
+            if not targets:
+                self.counters["publish_errors"] += 1
+                raise PublishError(f"no mesh peer for {topic} yet (subscribers are backing off)")
         full = []
         for p in targets:
             q = self.pubsub.peer_queues.get(p)
@@ -188,6 +195,27 @@ class Libp2pTransport:
             self.counters["publish_errors"] += 1
             raise PublishError(f"publish to {topic} failed: {type(e).__name__}: {e}") from None
         self.counters["published"] += 1
+
+    async def _top_up_mesh(self, topic: str) -> None:
+        """GRAFT subscribed peers now when the mesh is below D_low, as the next heartbeat would.
+
+        py-libp2p sends our own publishes only to mesh peers; a mesh that the heartbeat
+        has not filled yet (a peer that just connected) would swallow the message silently.
+        """
+        mesh = self.router.mesh.get(topic)
+        if mesh is None or len(mesh) >= GOSSIP_D_LOW:
+            return
+        for p in list(self.pubsub.peer_topics.get(topic, ())):
+            if len(mesh) >= GOSSIP_D:
+                break
+            if p in mesh or not self.router._is_gossipsub_peer(p) or self.router._check_back_off(p, topic):
+                continue
+            mesh.add(p)
+            try:
+                self.router._notify_mesh_peer_added(p, topic)
+                await self.router.emit_graft(topic, p)
+            except Exception as e:
+                log.debug("graft %s on %s: %s", p, topic, e)
 
     async def subscribe(self, topic: str) -> MessageChannel:
         """A channel of (originator peer id, data) for `topic`; several callers may subscribe."""
@@ -334,3 +362,11 @@ async def open_transport(
             yield transport
         finally:
             nursery.cancel_scope.cancel()
+            # py-libp2p 0.8.1 leaves connections open on shutdown: peers would keep a dead
+            # pubsub stream to us and never deliver to our restarted self. Close them.
+            with trio.move_on_after(2, shield=True):
+                for p in list(host.get_connected_peers()):
+                    try:
+                        await host.disconnect(p)
+                    except Exception as e:
+                        log.debug("closing connection to %s: %s", p, e)

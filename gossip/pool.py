@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gossip import wire
@@ -154,8 +154,10 @@ class RolloutPool:
                     evicted=self.evicted)
 
     # ------------------------------------------------------------ restart
-    def reload(self, limit: int = 1_000_000) -> int:
-        """Refill from the ledger's accepted signed batches (newest kept when over capacity)."""
+    def reload(self, limit: int = 1_000_000, on_batch: Callable[[bytes], None] | None = None) -> int:
+        """Refill from the ledger's accepted signed batches (newest kept when over capacity).
+
+        `on_batch(signed bytes)` is called per batch: pass `Pipeline.remember` so replays are duplicates."""
         if self.store is None:
             return 0
         n = 0
@@ -165,4 +167,6 @@ class RolloutPool:
             except DecodeError:
                 continue  # a corrupt row must not stop the node from starting
             n += self.add_batch(batch, record=False)
+            if on_batch is not None:
+                on_batch(payload)
         return n

@@ -168,8 +168,9 @@ class Pipeline:
         self.verify(step)
         return self.commit(step)
 
-    def mark_own(self, data: bytes) -> None:
-        """Remember our own publish so its echo is a duplicate, not work."""
+    def remember(self, data: bytes) -> None:
+        """Mark a batch as already accepted: our own publishes, and batches reloaded after a restart,
+        so their echoes and late-joiner replays are duplicates, not work."""
         try:
             env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
             batch = wire.decode_body(env)
@@ -179,6 +180,8 @@ class Pipeline:
         mid = wire.content_id(data)
         self.seen.put(mid, Reason.ACCEPTED, now)
         self.seqs.put((batch.producer, batch.seq), mid, now)
+
+    mark_own = remember
 
     def admit(self, data: bytes, origin: str, forwarder: str | None = None) -> Pending | Verdict:
         now = self.clock()

@@ -1,0 +1,162 @@
+"""The thin trio layer that wires the libp2p host, the verification pipeline and the pool.
+
+Rollout batches are verified inside a py-libp2p topic validator, so a batch
+that fails is neither delivered nor forwarded: the cheap stages run on the
+event loop, task regeneration and reward recomputation in a worker thread
+(`trio.to_thread.run_sync`), so the loop never stalls on CPU work. Accepted
+batches go to the pool and the ledger (signed bytes kept); rejections past
+the cheap gate are recorded with their reason. A peer proven to forge is
+blacklisted in pubsub and disconnected (py-libp2p does not disconnect it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from gossip import topics, wire
+from gossip.pool import RolloutPool
+from gossip.ratelimit import TokenBuckets
+from gossip.transport import PublishError
+from gossip.validation import Pending, Pipeline, Reason, Verdict
+from node.errors import DecodeError
+
+log = logging.getLogger("murmur.gossip.service")
+
+# Cheap-gate rejections are not written to the ledger: a flood must not become disk writes.
+_UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.DUPLICATE}
+ANNOUNCE_KINDS = (wire.TASK_SET, wire.PATCH_MANIFEST, wire.NODE_ANNOUNCE)
+
+AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, body, envelope bytes)
+
+
+class GossipService:
+    def __init__(self, transport: Any, pipeline: Pipeline, pool: RolloutPool, swarm: str,
+                 store: Any | None = None, announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
+        self.transport = transport
+        self.pipeline = pipeline
+        self.pool = pool
+        self.swarm = swarm
+        self.store = store
+        self.rollout_topic = topics.rollouts(swarm)
+        self.announce_topic = topics.announce(swarm)
+        self._handlers: dict[str, list[AnnounceHandler]] = {}
+        self._announce_buckets = TokenBuckets(announce_rate_per_s, announce_burst)
+        self._changed = trio.Event()
+        self.accepted_batches = 0
+        self.on_accept: Callable[[Verdict], None] | None = None  # e.g. latency probes
+
+    # ------------------------------------------------------------ lifecycle
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe, install validators, and drain the topics until cancelled."""
+        self.transport.set_validator(self.rollout_topic, self._validate_rollouts)
+        self.transport.set_validator(self.announce_topic, self._validate_announce)
+        rollouts = await self.transport.subscribe(self.rollout_topic)
+        announces = await self.transport.subscribe(self.announce_topic)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drain_rollouts, rollouts)
+            nursery.start_soon(self._drain_announces, announces)
+            task_status.started()
+
+    def on_announce(self, kind: str, handler: AnnounceHandler) -> None:
+        if kind not in ANNOUNCE_KINDS:
+            raise ValueError(f"{kind!r} is not an announce kind ({', '.join(ANNOUNCE_KINDS)})")
+        self._handlers.setdefault(kind, []).append(handler)
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Wait until `predicate()` holds, re-checked after every accepted batch; TooSlowError on timeout."""
+        with trio.fail_after(timeout):
+            while not predicate():
+                await self._changed.wait()
+
+    # ------------------------------------------------------------ publish
+    async def publish_rollouts(self, data: bytes) -> None:
+        """Publish our own signed RolloutBatch; PublishError when it cannot go out."""
+        env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
+        if env.signer != self.transport.identity.public:
+            raise PublishError("a node publishes only rollout batches it produced and signed itself")
+        self.pipeline.mark_own(data)
+        await self.transport.publish(self.rollout_topic, data)
+
+    async def publish_announce(self, data: bytes) -> None:
+        wire.decode_envelope(data)
+        await self.transport.publish(self.announce_topic, data)
+
+    # ------------------------------------------------------------ rollouts
+    async def _validate_rollouts(self, forwarder: str, origin: str, data: bytes) -> bool:
+        step = self.pipeline.admit(data, origin, forwarder)
+        if isinstance(step, Pending):
+            try:
+                await trio.to_thread.run_sync(self.pipeline.verify, step)
+            except BaseException:
+                self.pipeline.abandon(step)
+                raise
+            verdict = self.pipeline.commit(step)
+        else:
+            verdict = step
+        await self._settle(verdict, forwarder)
+        return verdict.accepted
+
+    async def _settle(self, v: Verdict, forwarder: str) -> None:
+        if v.accepted and v.batch is not None:
+            self.accepted_batches += 1
+            await trio.to_thread.run_sync(self.pool.add_batch, v.batch, v.data, forwarder)
+            if self.on_accept is not None:
+                self.on_accept(v)
+            self._changed.set()
+            self._changed = trio.Event()
+            return
+        if self.store is not None and v.reason not in _UNRECORDED:
+            entry = dict(rollout_id=v.msg_id or wire.content_id(v.data[:4096]), direction="received",
+                         status="rejected", reason=v.reason.value, from_peer=v.origin,
+                         producer=bytes(v.batch.producer) if v.batch is not None else None)
+            await trio.to_thread.run_sync(self.store.record_rollouts, [entry])
+        if v.newly_banned:
+            log.warning("banning %s: %s (%s)", v.origin, v.reason.value, v.detail)
+            try:
+                self.transport.blacklist(v.origin)
+            except Exception as e:  # not connected, or already gone
+                log.debug("blacklist %s: %s", v.origin, e)
+            await self.transport.disconnect(v.origin)
+            if self.store is not None:
+                rec = self.pipeline.scores.record(v.origin)
+                until = int(rec.banned_until * 1000) if rec is not None else 0
+                await trio.to_thread.run_sync(self.store.set_peer_score, v.origin,
+                                              self.pipeline.scores.score(v.origin, self.pipeline.clock()), until)
+
+    async def _drain_rollouts(self, channel: Any) -> None:
+        # Delivery already happened in the validator; draining keeps py-libp2p's 32-slot buffer empty.
+        while True:
+            await channel.receive()
+
+    # ------------------------------------------------------------ announces
+    async def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
+        now = time.monotonic()
+        if self.pipeline.scores.is_blacklisted(origin, self.pipeline.clock()):
+            return False
+        if not self._announce_buckets.take(origin, now):
+            self.pipeline.scores.penalise(origin, "announce_rate_limited", 1.0, self.pipeline.clock())
+            return False
+        try:
+            env, _ = wire.open_envelope(data)
+        except DecodeError:
+            self.pipeline.scores.penalise(origin, "announce_invalid", 10.0, self.pipeline.clock())
+            return False
+        return env.kind in ANNOUNCE_KINDS
+
+    async def _drain_announces(self, channel: Any) -> None:
+        while True:
+            origin, data = await channel.receive()
+            try:
+                env, body = wire.open_envelope(data)
+            except DecodeError:
+                continue
+            for handler in self._handlers.get(env.kind, ()):
+                try:
+                    await handler(origin, body, data)
+                except Exception:
+                    log.exception("announce handler for %s failed", env.kind)
