@@ -12,6 +12,7 @@ recipe and seed, and is bit-for-bit deterministic given the seed (one thread).
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -106,14 +107,17 @@ def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEP
     t0 = time.monotonic()
     engine = new_tiny_engine(seed)
     warmup(engine, warmup_steps, seed)
-    tmp = d.with_name(d.name + ".tmp")
+    tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")  # concurrent builders never share a temp dir
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     engine.model.save_pretrained(tmp)
     engine.tokenizer.save_pretrained(tmp)
     (tmp / "murmur-tiny.json").write_text(json.dumps({"key": stamp, "warmup_s": time.monotonic() - t0}))
     shutil.rmtree(d, ignore_errors=True)
-    tmp.rename(d)
+    try:
+        tmp.rename(d)
+    except OSError:  # another process installed it first; it is the same bytes for the same key
+        shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 
