@@ -98,6 +98,7 @@ class BroadcastNode:
         on_complete: Callable[[Transfer], None] | None = None,
         tick_s: float = 0.05,
         open_grace_s: float = 1.0,
+        write_timeout_s: float = 15.0,
         seed: int | None = None,
     ) -> None:
         self.t = transport
@@ -111,6 +112,7 @@ class BroadcastNode:
         self.on_complete = on_complete
         self.tick_s = tick_s
         self.open_grace_s = open_grace_s
+        self.write_timeout_s = write_timeout_s
         self.seed = seed
         self.transfers: dict[bytes, Transfer] = {}
         self.conns: dict[str, _Conn] = {}
@@ -331,13 +333,20 @@ class BroadcastNode:
         finally:
             if stream in conn.streams:
                 conn.streams.remove(stream)
-            if not conn.streams and self.conns.get(peer) is conn:
-                del self.conns[peer]
-                self._close_conn(conn)
-                now = trio.current_time()
-                for tr in list(self.transfers.values()):
-                    self._apply(tr, tr.session.peer_left(peer, now))
-            await stream.close()
+            if not conn.streams:
+                self._drop_conn(conn)
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await stream.close()
+
+    def _drop_conn(self, conn: _Conn) -> None:
+        """The peer is gone (streams ended or a write stalled): every session forgets it. Idempotent."""
+        if self.conns.get(conn.peer) is not conn:
+            return
+        del self.conns[conn.peer]
+        self._close_conn(conn)
+        now = trio.current_time()
+        for tr in list(self.transfers.values()):
+            self._apply(tr, tr.session.peer_left(conn.peer, now))
 
     def _close_conn(self, conn: _Conn) -> None:
         conn.closed = True
@@ -399,6 +408,12 @@ class BroadcastNode:
         """The only task writing to this peer: control frames, then rate-limited chunk uploads."""
         rr: deque[bytes] = deque()
         try:
+            await self._write_loop(conn, rr)
+        finally:
+            self._drop_conn(conn)  # a writer that gives up takes the connection with it
+
+    async def _write_loop(self, conn: _Conn, rr: deque[bytes]) -> None:
+        try:
             async for _ in conn.kick_recv:
                 while not conn.closed:
                     if not await self._flush_control(conn):
@@ -456,10 +471,18 @@ class BroadcastNode:
     async def _write(self, conn: _Conn, frame: bytes) -> bool:
         if not conn.streams or conn.closed:
             return False
+        stream = conn.streams[-1]
         try:
-            await write_frame(conn.streams[-1], frame)
+            with trio.move_on_after(self.write_timeout_s) as scope:
+                await write_frame(stream, frame)
         except StreamError as e:
             log.debug("write to %s failed: %s", conn.peer, e)
+            return False
+        if scope.cancelled_caught:
+            # a peer that stops reading (dead without a reset, or wedged) must not hold our upload
+            # slot forever: drop the stream; its reader then ends and the sessions forget the peer
+            log.info("write to %s stalled for %.0f s; dropping the stream", conn.peer, self.write_timeout_s)
+            await stream.reset()
             return False
         self.counters["frames_out"] += 1
         return True
