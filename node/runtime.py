@@ -43,10 +43,11 @@ log = logging.getLogger("murmur.node")
 
 ANNOUNCE_EVERY_S = 2.0
 PEER_EXPIRY_S = 30.0
-STOP_GRACE_S = 3.0
-EXIT_DEADLINE_S = 4.5
+STOP_GRACE_S = 2.5
+EXIT_DEADLINE_S = 4.0
 WORKER_QUEUE = 1024
 BATCH_MAX_ROLLOUTS = 64
+SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 
 
 @dataclass
@@ -276,6 +277,8 @@ class Node:
                 pass
         self._load_lineages()
         watchdog_armed = threading.Event()
+        self._stop_requested = False
+        old_handlers = self._install_signals(watchdog_armed)
         listen = self.opts.listen or cfg.network.listen
         event(log, "starting", peer_id=self.ident.peer_id, roles=self.roles, why=self.roles_reason, listen=listen)
         self.worker = await trio.to_thread.run_sync(
@@ -306,13 +309,14 @@ class Node:
                 disc = Discovery(t, bootstrap, self.store, dht=cfg.network.dht and bool(bootstrap))
                 async with trio.open_nursery() as nursery:
                     self._cancel = nursery.cancel_scope
+                    if self._stop_requested:
+                        nursery.cancel_scope.cancel()
                     await nursery.start(self.service.run)
                     await nursery.start(disc.run)
                     await nursery.start(control.serve, self.home, self.snapshot, cfg.metrics.control_socket)
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
-                    nursery.start_soon(self._signals, watchdog_armed)
                     nursery.start_soon(self._worker_loop)
                     nursery.start_soon(self._announce_loop)
                     nursery.start_soon(self._ledger_loop)
@@ -327,21 +331,38 @@ class Node:
             if self.metrics is not None:
                 self.metrics.close()
             self.store.close()
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
             event(log, "stopped", peer_id=self.ident.peer_id)
 
     def request_stop(self) -> None:
         if self._cancel is not None:
             self._cancel.cancel()
 
-    async def _signals(self, armed: threading.Event) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
-            async for sig in sigs:
-                event(log, "signal: shutting down", signal=int(sig))
+    def _install_signals(self, armed: threading.Event) -> dict[int, Any]:
+        """SIGINT/SIGTERM: arm the exit watchdog at once (in the handler itself), then cancel on the loop.
+
+        A plain handler rather than trio's signal receiver, so the 5 s clock starts when the signal
+        arrives, not when a busy event loop gets round to it; installed before anything slow starts.
+        """
+        token = trio.lowlevel.current_trio_token()
+
+        def handler(signum: int, frame: Any) -> None:
+            if not armed.is_set():
                 armed.set()
                 _arm_watchdog()
-                self.state = "stopping"
-                self.request_stop()
-                return
+            try:
+                token.run_sync_soon(self._on_signal, signum)
+            except trio.RunFinishedError:
+                pass
+
+        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _on_signal(self, signum: int) -> None:
+        event(log, "signal: shutting down", signal=int(signum))
+        self.state = "stopping"
+        self._stop_requested = True
+        self.request_stop()
 
     # ------------------------------------------------------------ lineages
     def _load_lineages(self) -> None:
@@ -494,7 +515,7 @@ class Node:
                 self.counters["spot_failed"] += 1
                 peer = peer_id_from_public(bytes.fromhex(body["producer"]))
                 p = self.service.pipeline
-                p.scores.penalise(peer, "spot_check_failed", 50.0, p.clock())
+                p.scores.penalise(peer, "spot_check_failed", SPOT_PENALTY, p.clock())
                 event(log, "spot check failed", producer=peer, diff=body["diff"])
         elif kind == "error":
             self.worker_error = str(body)

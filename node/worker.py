@@ -179,17 +179,23 @@ class Worker:
         publish_every = max(1, int(s.get("publish_every", 1)))
         self.send("state", "training")
         steps = 0
+        at_published = True  # the live weights are exactly a published version
         while not self.inbox.stop.is_set():
             t0 = time.monotonic()
             res = trainer.step()
             steps += 1
             self.tokens += res.tokens
-            if res.rollouts:
+            if res.rollouts and at_published:
+                # Only rollouts sampled from published weights are gossiped: with publish_every > 1 the
+                # others come from weights no peer can reproduce, so their log-probs could not be checked.
                 self.send("rollouts", [wire.encode(to_wire(r)) for r in res.rollouts])
             published = None
+            if res.version != pub.version:
+                at_published = False
             if res.version != pub.version and steps % publish_every == 0:
                 bundle = pub.publish(self.engine.model)
                 published = pub.version
+                at_published = True
                 self.send("published", {"version": pub.version, "envelope": bundle.envelope,
                                         "bytes": bundle.manifest.total_bytes})
             trainer.version = pub.version
