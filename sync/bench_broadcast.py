@@ -208,7 +208,7 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                     say(event="connected")
                 elif cmd == "ready?":
                     # the whole mesh is connected and our chunk streams are up
-                    with trio.fail_after(60):
+                    with trio.fail_after(180):
                         while len(node.conns) < msg["peers"] or not t.topic_peers(node.topic):  # type: ignore[attr-defined]
                             await trio.sleep(0.05)
                     n.start_soon(_follow, node, say)

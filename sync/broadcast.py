@@ -119,6 +119,7 @@ class BroadcastNode:
         self.banned: set[str] = set()
         self._asked: dict[bytes, float] = {}
         self._first_seen: dict[str, float] = {}
+        self._opening: set[str] = set()  # stream opens in progress (one at a time per peer)
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
         self.counters = {"frames_in": 0, "frames_out": 0, "bytes_up": 0, "bad_frames": 0, "manifests_rejected": 0}
@@ -290,7 +291,7 @@ class BroadcastNode:
             now = trio.current_time()
             connected = set(self.t.peers())
             for peer in connected:
-                if peer in self.conns or peer in self.banned:
+                if peer in self.conns or peer in self.banned or peer in self._opening:
                     continue
                 first = self._first_seen.setdefault(peer, now)
                 if self.me < peer or now - first > self.open_grace_s:
@@ -302,13 +303,16 @@ class BroadcastNode:
             await trio.sleep(0.2)
 
     async def _open_to(self, peer: str) -> None:
-        if peer in self.conns:
+        if peer in self.conns or peer in self._opening:
             return
+        self._opening.add(peer)
         try:
             stream = await self.t.open_stream(peer, PROTOCOL)
         except (StreamError, MurmurError) as e:
             log.debug("open %s to %s: %s", PROTOCOL, peer, e)
             return
+        finally:
+            self._opening.discard(peer)
         await self._serve_stream(stream, peer)
 
     async def _on_inbound(self, stream: Stream, peer: str) -> None:
