@@ -1,7 +1,7 @@
 """Gossip benchmark, and the honest/adversarial message factories its tests share.
 
 `run(nodes=8)` starts `nodes` real py-libp2p hosts as separate processes
-(one honest publisher each, plus one adversary) on 127.0.0.1, in a full mesh,
+(nodes-1 honest publishers and one adversary) on 127.0.0.1, in a full mesh,
 publishes paced signed rollout batches and measures delivery and latency
 (publish -> accepted at the last honest node), then measures the verification
 pipeline alone on one core. See docs/gossip.md for why processes and the pacing.
@@ -96,15 +96,194 @@ def verify_throughput(seconds: float = 2.0, tokens: int = 256, batch: int = 16) 
     return dict(verify_per_s_core=n / dt, verify_batches_per_s_core=n / batch / dt)
 
 
-def run(nodes: int = 8, batches_per_node: int = 20, rate_per_node: float = 2.0, rollouts_per_batch: int = 4,
-        tokens: int = 64, adversarial: bool = True, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Multi-process gossip benchmark; returns delivery, latency, adversarial and pipeline figures."""
-    from gossip.bench_swarm import run_swarm
+# ------------------------------------------------------------ multi-process swarm
 
+
+def _bad_messages(mal: Identity, other: Identity, victim: Identity, reg: Any, k: int) -> bytes:
+    """The k-th adversarial message, cycling through every class of bad input."""
+    seq = 10_000 + k
+    kinds = [
+        lambda: b"\x00\xffgarbage" * 8,
+        lambda: make_batch(mal, reg, seq, n=1, tokens=8, version=0, lineage=b"\x5a" * 32),  # stale (head 100)
+        lambda: make_batch(mal, reg, seq, n=1, tokens=8, task_set=b"\xee" * 32),
+        lambda: make_batch(other, reg, seq, n=1, tokens=8),  # signed by another key
+        lambda: make_batch(mal, reg, seq, n=1, tokens=8, forge=True),
+        lambda: resign_with(mal, victim, make_batch(victim, reg, seq, n=1, tokens=8)),
+        lambda: b"\x01" * (600 * 1024),
+    ]
+    return kinds[k % len(kinds)]()
+
+
+async def _child(index: int, role: str, params: dict[str, Any]) -> None:
+    import json
+    import sys
+
+    import trio
+
+    from gossip.host import open_transport
+    from gossip.pool import RolloutPool
+    from gossip.service import GossipService
+    from gossip.validation import Pipeline, PipelineConfig
+    from training.verifiers import score
+
+    reg = registry()
+    ident = Identity.from_seed(bytes([index + 1]) * 32)
+    stdin = trio.wrap_file(sys.stdin)
+
+    def say(*parts: Any) -> None:
+        print(*parts, flush=True)
+
+    cfg = PipelineConfig(swarm=SWARM, rate_per_s=params["rate_limit"], burst=params["burst"])
+    heads = {b"\x5a" * 32: 100}
+    pipeline = Pipeline(cfg, clock=time.time, resolve_task=reg.resolve, reward=score, head_version=heads.get,
+                        task_set_trusted=reg.__contains__)
+    pool = RolloutPool(100_000)
+    accepted: dict[str, float] = {}
+    async with open_transport(ident) as t, trio.open_nursery() as nursery:
+        service = GossipService(t, pipeline, pool, SWARM)
+        service.on_accept = lambda v: accepted.setdefault(f"{v.batch.producer.hex()}:{v.batch.seq}", time.time())
+        await nursery.start(service.run)
+        say("ADDR", t.listen_addrs()[0])
+        peers = (await stdin.readline()).split()[1:]
+        for a in peers:
+            await t.connect(a)
+        say("READY")
+        want = int((await stdin.readline()).split()[1])
+        with trio.fail_after(60):
+            while len(t.topic_peers(service.rollout_topic)) < want:
+                await trio.sleep(0.05)
+            await t._top_up_mesh(service.rollout_topic)
+        say("MESH")
+        start = float((await stdin.readline()).split()[1])
+        sent: dict[str, float] = {}
+        errors = 0
+        await trio.sleep_until(trio.current_time() + max(0.0, start - time.time()))
+        if role == "honest":
+            gap = 1.0 / params["rate_per_node"]
+            await trio.sleep(gap * index / params["nodes"])  # stagger publishers
+            for seq in range(1, params["batches"] + 1):
+                data = make_batch(ident, reg, seq, n=params["rollouts"], tokens=params["tokens"])
+                t_pub = time.time()
+                try:
+                    await service.publish_rollouts(data)
+                    sent[f"{ident.public.hex()}:{seq}"] = t_pub
+                except Exception as e:
+                    print("publish failed:", e, file=sys.stderr)
+                    errors += 1
+                await trio.sleep(gap)
+        else:
+            other, victim = Identity.from_seed(b"\xfe" * 32), Identity.from_seed(b"\x01" * 32)
+            for k in range(params["adversarial"]):
+                with trio.move_on_after(2):
+                    while max((len(q) for q in t.pubsub.peer_queues.values()), default=0) > 8:
+                        await trio.sleep(0.005)
+                try:
+                    await t._top_up_mesh(service.rollout_topic)
+                    await t.pubsub.publish(service.rollout_topic, _bad_messages(ident, other, victim, reg, k))
+                    sent[f"bad:{k}"] = time.time()
+                except Exception:  # banned and disconnected everywhere: nothing left to attack
+                    errors += 1
+                await trio.sleep(params["adv_gap"])
+        expect = params["expect"] if role == "honest" else 0
+        with trio.move_on_after(params["timeout"]):
+            while len(accepted) < expect:
+                await trio.sleep(0.05)
+        await trio.sleep(1.0)  # late arrivals (an adversary's) would show up here
+        mal = Identity.from_seed(bytes([params["nodes"]]) * 32).peer_id
+        say("DONE", json.dumps(dict(sent=sent, accepted=accepted, errors=errors, counts=dict(pipeline.counts),
+                                    mal_score=pipeline.scores.score(mal, time.time()),
+                                    mal_banned=pipeline.scores.is_blacklisted(mal, time.time()))))
+        await stdin.readline()
+        nursery.cancel_scope.cancel()
+
+
+def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_per_batch: int, tokens: int,
+              adversarial: bool, timeout_s: float) -> dict[str, Any]:
+    import json
+    import subprocess
+    import sys
+
+    honest = nodes - 1 if adversarial else nodes
+    params = dict(nodes=nodes, batches=batches_per_node, rate_per_node=rate_per_node, rollouts=rollouts_per_batch,
+                  tokens=tokens, rate_limit=20.0, burst=40, expect=(honest - 1) * batches_per_node,
+                  adversarial=batches_per_node * 7 if adversarial else 0, adv_gap=1.0 / (10 * 20.0),
+                  timeout=timeout_s)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    procs = []
+    try:
+        for i in range(nodes):
+            role = "adversary" if adversarial and i == nodes - 1 else "honest"
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", f"import trio, json; from gossip.bench_gossip import _child; "
+                 f"trio.run(_child, {i}, {role!r}, json.loads({json.dumps(json.dumps(params))}))"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+
+        def expect(p: subprocess.Popen, word: str) -> str:
+            line = p.stdout.readline()
+            if not line.startswith(word):
+                raise RuntimeError(f"bench node said {line!r}, expected {word}")
+            return line[len(word):].strip()
+
+        def send(p: subprocess.Popen, line: str) -> None:
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+        addrs = [expect(p, "ADDR") for p in procs]
+        for i, p in enumerate(procs):
+            send(p, "PEERS " + " ".join(addrs[:i]))
+            expect(p, "READY")
+        for p in procs:
+            send(p, f"WANT {nodes - 1}")
+        for p in procs:
+            expect(p, "MESH")
+        start = time.time() + 0.5
+        for p in procs:
+            send(p, f"START {start}")
+        results = [json.loads(expect(p, "DONE")) for p in procs]  # a crashed node's stderr shows above
+        for p in procs:
+            send(p, "EXIT")
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    hon = results[:honest]
+    sent = {k: v for r in hon for k, v in r["sent"].items()}
+    lat, delivered = [], 0
+    for key, t_pub in sent.items():
+        receivers = [r for r in hon if key not in r["sent"]]
+        got = [r["accepted"].get(key) for r in receivers]
+        if all(g is not None for g in got):
+            delivered += 1
+            lat.append((max(got) - t_pub) * 1000)
+    lat.sort()
+    bad_sent = len(results[-1]["sent"]) if adversarial else 0
+    adv_pub = Identity.from_seed(bytes([nodes]) * 32).public.hex() if adversarial else ""
+    adv_accepted = sum(1 for r in hon for k in r["accepted"] if k.startswith(adv_pub + ":")) if adversarial else 0
+
+    def pct(q: float) -> float:
+        return round(lat[min(len(lat) - 1, int(q * len(lat)))], 1) if lat else float("nan")
+
+    return dict(nodes=nodes, honest_nodes=honest, processes=True, rollouts_sent=len(sent) * rollouts_per_batch,
+                batches_sent=len(sent), delivery_ratio=round(delivered / max(1, len(sent)), 4),
+                p50_ms=pct(0.5), p95_ms=pct(0.95), max_ms=round(lat[-1], 1) if lat else float("nan"),
+                publish_errors=sum(r["errors"] for r in hon), adversarial_sent=bad_sent,
+                adversarial_accepted=adv_accepted,
+                adversary_graylisted_at=sum(1 for r in hon if r["mal_score"] < -50.0),
+                adversary_banned_at=sum(1 for r in hon if r["mal_banned"]),
+                rate_per_node=rate_per_node, rollouts_per_batch=rollouts_per_batch, tokens=tokens)
+
+
+def run(nodes: int = 8, batches_per_node: int = 10, rate_per_node: float = 0.5, rollouts_per_batch: int = 4,
+        tokens: int = 64, adversarial: bool = True, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Multi-process gossip benchmark: `nodes` processes (the last one adversarial), then the pipeline alone."""
+    if nodes < 3:
+        raise ValueError("the gossip benchmark needs at least 3 nodes")
     out = run_swarm(nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node,
                     rollouts_per_batch=rollouts_per_batch, tokens=tokens, adversarial=adversarial,
                     timeout_s=timeout_s)
-    out.update(verify_throughput())
+    out.update({k: round(v, 1) for k, v in verify_throughput().items()})
     return out
 
 

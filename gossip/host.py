@@ -263,15 +263,19 @@ class Libp2pTransport:
         self.pubsub.set_topic_validator(topic, _v, True)
 
     def blacklist(self, peer_id: str) -> None:
-        """Stop exchanging pubsub messages with `peer_id` (caller should also disconnect)."""
+        """Drop pubsub messages from `peer_id` from now on; the caller also disconnects it.
+
+        Not `Pubsub.add_to_blacklist`: in 0.8.1 its teardown task races the dead-peer handler
+        (`del self.peers[peer_id]` KeyError) and the exception kills the whole pubsub service.
+        """
         from libp2p.peer.id import ID
 
-        self.pubsub.add_to_blacklist(ID.from_base58(peer_id))
+        self.pubsub.blacklisted_peers.add(ID.from_base58(peer_id))
 
     def unblacklist(self, peer_id: str) -> None:
         from libp2p.peer.id import ID
 
-        self.pubsub.remove_from_blacklist(ID.from_base58(peer_id))
+        self.pubsub.blacklisted_peers.discard(ID.from_base58(peer_id))
 
     # ------------------------------------------------------------ bulk streams
     async def open_stream(self, peer_id: str, protocol: str) -> Stream:
