@@ -103,7 +103,9 @@ class HolePuncher:
         with trio.move_on_after(timeout_s):
             while best_path(self.transport, peer_id) != "direct":
                 await trio.sleep(0.1)
+            self.successes += 1  # punched from the other side: still a hole-punched path for us
             return True
+        self.last_error = f"no direct connection within {timeout_s:.0f} s"
         return False
 
 

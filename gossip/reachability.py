@@ -12,7 +12,7 @@ addresses whose IP equals the IP it sees the request come from, at most `MAX_ADD
 requests are refused (the observed IP would be the relay's).
 
 Messages (msgspec, one length-prefixed frame each, `gossip.framing`):
-    DialbackRequest  {v: 1, nonce: 16 bytes, addrs: [str ≤ 256 chars] ≤ MAX_ADDRS}
+    DialbackRequest  {v: 1, nonce: 16 bytes, addrs: [str ≤ 256 chars] ≤ MAX_ADDRS (empty: only report `observed`)}
     DialbackResponse {v: 1, nonce, observed: "ip:port" or "", results: [DialResult]}
     DialResult       {addr, ok, error ≤ 200 chars, ms}
 
@@ -86,8 +86,8 @@ def check_request(req: DialbackRequest) -> None:
         raise ReachabilityError(f"unsupported dial-back version {req.v}")
     if len(req.nonce) != 16:
         raise ReachabilityError("nonce must be 16 bytes")
-    if not req.addrs or len(req.addrs) > MAX_ADDRS:
-        raise ReachabilityError(f"1..{MAX_ADDRS} addresses per request, got {len(req.addrs)}")
+    if len(req.addrs) > MAX_ADDRS:  # an empty list asks only "how do you see me?"
+        raise ReachabilityError(f"at most {MAX_ADDRS} addresses per request, got {len(req.addrs)}")
     for a in req.addrs:
         if len(a) > MAX_ADDR_LEN:
             raise ReachabilityError(f"address longer than {MAX_ADDR_LEN} characters")
@@ -262,6 +262,8 @@ def candidate_addrs(transport: Any, observed_ips: list[str] | None = None) -> li
         parts = base.split("/")
         if len(parts) > 4:
             ports.add(parts[4])
+        if addr_ip(base) in ("0.0.0.0", "::"):  # a wildcard listen is not an address anyone can dial
+            continue
         if base not in out:
             out.append(base)
     for ip in observed_ips or []:

@@ -171,12 +171,13 @@ async def main(script: dict[str, Any]) -> None:
         nursery.start_soon(watch_rollouts)
         if script.get("publish_rollouts"):
             async def publish_loop() -> None:
+                # fast while nobody listens (time-to-first-message), then 1/s to keep the CPU for the rest
                 for seq in range(1, 100_000):
                     try:
                         await t.publish(ROLLOUT_TOPIC, sample_batch(ident, seq))
                     except Exception:
                         pass  # no subscriber yet
-                    await trio.sleep(0.05)
+                    await trio.sleep(0.05 if len(t.topic_peers(ROLLOUT_TOPIC)) < 2 else 1.0)
             nursery.start_soon(publish_loop)
 
         reach = None
@@ -227,12 +228,12 @@ async def main(script: dict[str, Any]) -> None:
         emit("gossip", got=sorted(got_hello), ok=want <= got_hello)
 
         async def keep_greeting() -> None:  # late joiners still get our hello
-            for _ in range(600):
+            for _ in range(300):
                 try:
                     await t.publish(HELLO_TOPIC, name.encode())
                 except Exception:
                     pass
-                await trio.sleep(0.5)
+                await trio.sleep(1.0)
         nursery.start_soon(keep_greeting)
 
         bulk = int(script.get("bulk_bytes", 0))
@@ -256,7 +257,11 @@ async def main(script: dict[str, Any]) -> None:
                     except Exception as e:
                         emit("bulk_failed", peer=pname, path=best_path(t, pid), error=f"{type(e).__name__}: {e}"[:300])
 
-        snap = snapshot(t, relay, reach, hp, peers=list(peer_names))
+        if reach is None and t.peers():  # a node without bootstrap peers asks those that connected to it
+            reach = await check_reachability(t, t.peers())
+            emit("reachability", status=reach.status, reason=reach.reason, observed=reach.observed_ips,
+                 reachable=reach.reachable_addrs)
+        snap = snapshot(t, relay, reach, hp, peers=list(peer_names) or t.peers())
         emit("doctor", path=snap.path, checks=[{"name": c.name, "ok": c.ok, "detail": c.detail}
                                                for c in reachability_checks(snap)])
         emit("done")
