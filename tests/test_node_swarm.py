@@ -40,7 +40,8 @@ def _config(roles: list[str], model: Path) -> str:
     return (f'[node]\nswarm = "test-swarm"\nroles = {roles!r}\nmemory_budget_mb = 1536\n'.replace("'", '"')
             + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_free_port()}"]\ndht = false\n'
             + f'[sync]\npublish_every = 2\nanchor_every = 8\nretain_versions = 32\nmax_staleness = {MAX_STALENESS}\n'
-            + f'[training]\nmodel = "{model}"\n')
+            # a demand two followers cannot meet, so neither is put on standby by the capacity rule
+            + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')
 
 
 def _start(home: Path, bootstrap: list[str]) -> subprocess.Popen:
