@@ -304,6 +304,7 @@ class Node:
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
+                self.service.on_announce(wire.TASK_SET, self._on_task_set)
                 t.set_stream_handler(patchfetch.PROTOCOL, self._serve_patch)
                 bootstrap = list(dict.fromkeys(self.opts.bootstrap + cfg.network.bootstrap))
                 disc = Discovery(t, bootstrap, self.store, dht=cfg.network.dht and bool(bootstrap))
@@ -413,6 +414,21 @@ class Node:
             lin.head = m.target_version
             if self.worker and lin.lineage == self.serving:
                 self.worker.send("head", {"lineage": lin.lineage.hex(), "head": lin.head})
+
+    async def _on_task_set(self, origin: str, m: wire.TaskSetManifest, data: bytes) -> None:
+        """A signed task set from a coordinator this node trusts joins the registry and the store."""
+        trusted = {bytes.fromhex(k) for k in self.cfg.trust.coordinators}
+        env = wire.decode_envelope(data)
+        tid = wire.content_id(env.body)
+        if tid in self.registry:
+            return
+        try:
+            self.registry.add(data, trusted)
+        except MurmurError as e:
+            log.debug("task set from %s not accepted: %s", origin, e)
+            return
+        await trio.to_thread.run_sync(self.store.add_task_set, tid, m.name, m.version, bytes(m.coordinator), data)
+        event(log, "task set added", name=m.name, version=m.version, id=tid.hex()[:16])
 
     def _on_accept(self, v: Any) -> None:
         if self.worker is None or v.batch is None:

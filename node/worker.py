@@ -423,7 +423,10 @@ class Worker:
                     continue
                 if bytes(r.tokenizer_hash) != self.engine.tokenizer_hash or self.rng.random() > rate or checked >= 4:
                     continue
-                task = self.registry.resolve(r.task)
+                try:
+                    task = self.registry.resolve(r.task)
+                except Exception:  # a task set this worker does not hold: nothing to check against
+                    continue
                 prompt = self.engine.encode(task.prompt)
                 got = self.engine.logprobs([(prompt, list(r.completion_ids))], r.sampling.temperature)[0]
                 claim = logprobs_from_bytes(r.logprobs)
