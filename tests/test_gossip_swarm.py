@@ -228,5 +228,7 @@ def test_dht_discovers_peers_beyond_bootstrap(tmp_path: Path) -> None:
             with trio.fail_after(30):  # c only knows a; it must find b through a's routing table
                 while b_id.peer_id not in c.transport.peers():
                     await trio.sleep(0.1)
-            assert any(p["peer_id"] == b_id.peer_id for p in c.store.peers())
+            with trio.fail_after(10):  # and records it in its peer table on its next round
+                while not any(p["peer_id"] == b_id.peer_id and p["addrs"] for p in c.store.peers()):
+                    await trio.sleep(0.1)
     trio.run(main)
