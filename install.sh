@@ -20,12 +20,17 @@ fi
 need_pkgs=()
 command -v gcc >/dev/null 2>&1 || need_pkgs+=(gcc)
 if ! { [ -f /usr/include/gmp.h ] || ls /usr/include/*/gmp.h >/dev/null 2>&1; }; then need_pkgs+=(libgmp-dev); fi
+# The emulated-NAT tests build network namespaces with iproute2 and iptables (root only).
+if [ "$(id -u)" = 0 ]; then
+  command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
+  command -v iptables >/dev/null 2>&1 || need_pkgs+=(iptables)
+fi
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   if command -v apt-get >/dev/null 2>&1; then
     log "installing system packages: ${need_pkgs[*]}"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" python3-dev >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
   else
     log "missing ${need_pkgs[*]} and no apt-get: install them with your package manager"; exit 1
   fi
