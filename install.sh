@@ -20,6 +20,8 @@ fi
 need_pkgs=()
 command -v gcc >/dev/null 2>&1 || need_pkgs+=(gcc)
 if ! { [ -f /usr/include/gmp.h ] || ls /usr/include/*/gmp.h >/dev/null 2>&1; }; then need_pkgs+=(libgmp-dev); fi
+"$PY" -c 'import os, sysconfig, sys; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)' \
+  || need_pkgs+=("python3-dev")
 # The emulated-NAT tests build network namespaces with iproute2 and iptables (root only).
 if [ "$(id -u)" = 0 ]; then
   command -v ip >/dev/null 2>&1 || need_pkgs+=(iproute2)
