@@ -108,8 +108,7 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
                 _expect(p, "connected", timeout_s)
             for p in followers:
                 _tell(p, {"cmd": "ready?", "peers": peers})
-            for p in followers:
-                _expect(p, "ready", timeout_s)
+            conns = [_expect(p, "ready", timeout_s)["conns"] for p in followers]
             _tell(origin, {"cmd": "publish", "peers": peers})
             t0 = _expect(origin, "published", timeout_s)["t0"]
             done = [_expect(p, "complete", timeout_s) for p in followers]
@@ -128,7 +127,10 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
     ok = all(d["digest"] == digest for d in done)
     return _summary(peers, size, chunk_bytes, upload, times, ostats["bytes_out"], ok,
                     {"mode": "live", "processes": peers + 1, "cpus": os.cpu_count(),
+                     "min_follower_streams": min(conns), "load_avg_1m": round(os.getloadavg()[0], 1),
                      "wasted_in_bytes": sum(d["wasted_in"] for d in done),
+                     "follower_frames_out": sum(d["frames_out"] for d in done),
+                     "follower_cpu_s_mean": round(sum(d["cpu_s"] for d in done) / max(1, len(done)), 2),
                      "bench_wall_s": round(time.time() - wall0, 1)})
 
 
@@ -207,16 +209,17 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                             cn.start_soon(_connect, t, a)
                     say(event="connected")
                 elif cmd == "ready?":
-                    # the whole mesh is connected and our chunk streams are up
-                    with trio.fail_after(180):
+                    # the whole mesh is connected and our chunk streams are up; on a starved box some
+                    # stream opens time out: go on after 90 s with the mesh we have (reported)
+                    with trio.move_on_after(90):
                         while len(node.conns) < msg["peers"] or not t.topic_peers(node.topic):  # type: ignore[attr-defined]
                             await trio.sleep(0.05)
                     n.start_soon(_follow, node, say)
-                    say(event="ready")
+                    say(event="ready", conns=len(node.conns))
                 elif cmd == "publish":
                     payload = (Path(tmp) / "payload").read_bytes()
                     envelope, chunks = make_patch(identity, payload, chunk_bytes)
-                    with trio.fail_after(60):
+                    with trio.move_on_after(60):
                         while len(node.conns) < msg["peers"]:
                             await trio.sleep(0.05)
                     t0 = time.time()
@@ -250,7 +253,8 @@ async def _follow(node: Any, say: Any) -> None:
     tr = await node.wait_for_transfer(600)
     await tr.done.wait()
     digest = hashlib.blake2b(tr.payload(), digest_size=32).hexdigest()
-    say(event="complete", t=tr.completed_wall, digest=digest, wasted_in=tr.session.wasted_in)
+    say(event="complete", t=tr.completed_wall, digest=digest, wasted_in=tr.session.wasted_in,
+        frames_out=node.counters["frames_out"], cpu_s=time.process_time())
 
 
 def _main(argv: list[str]) -> None:

@@ -94,8 +94,8 @@ async def mesh(nodes: list[tuple[Any, BroadcastNode]]) -> None:
     for i, (t, _) in enumerate(nodes):
         for u, _ in nodes[:i]:
             await t.connect(u.listen_addrs()[0])
-    await wait_until(lambda: all(len(n.conns) == len(nodes) - 1 for _, n in nodes), 20)
-    await wait_until(lambda: all(t.topic_peers(n.topic) for t, n in nodes), 20)
+    await wait_until(lambda: all(len(n.conns) == len(nodes) - 1 for _, n in nodes), 90)
+    await wait_until(lambda: all(t.topic_peers(n.topic) for t, n in nodes), 60)
 
 
 def payload(n: int = 12 * CHUNK + 1234, seed: int = 0) -> bytes:
@@ -216,18 +216,18 @@ def test_live_kill_followers_mid_broadcast_survivors_complete() -> None:
                         task_status.started()
                         await trio.sleep_forever()
 
-            for i in range(40, 49):  # origin + 8 followers
+            for i in range(40, 57):  # origin + 16 followers, full mesh, one process
                 await n.start(run_node, i)
             await mesh(nodes)
             o = nodes[0]
             env, chunks = make_patch(ident(40), data, CHUNK)
             pid = await o[1].publish(env, chunks)
-            victims = nodes[1:3]
+            victims = nodes[1:5]
             tr = await victims[0][1].wait_for_transfer(20, lambda t: t.pid == pid)
             await wait_until(lambda: tr.session.nhave >= 4, 30)
-            for k in (1, 2):
-                scopes[k].cancel()  # kill two followers mid-broadcast
-            for _, f in nodes[3:]:
+            for k in (1, 2, 3, 4):
+                scopes[k].cancel()  # kill 4 of 16 followers mid-broadcast
+            for _, f in nodes[5:]:
                 await f.wait_for_transfer(20, lambda t: t.pid == pid)
                 t2 = await f.wait_complete(pid, 120)
                 assert hashlib.blake2b(t2.payload(), digest_size=32).digest() == digest
