@@ -120,8 +120,10 @@ def summary_table(summary: dict[str, Any]) -> Any:
 
     from node.dashboard import human_bytes
 
-    t = Table("node", "roles", "reward start → end", "versions pub / applied", "rollouts produced",
-              "accepted", "rejected", "used", "spot checks", "bytes ↑ / ↓", title="murmur demo: summary")
+    t = Table("node", "roles", "reward", "versions pub/appl", "produced", "accepted", "rejected", "used", "spot",
+              "bytes ↑/↓", title="murmur demo: summary (reward start → end; rollouts; patch bytes)")
+    t.columns[2].min_width = 9
+    t.columns[9].no_wrap = True
     for n in summary["nodes"]:
         if "error" in n:
             t.add_row(n["node"], "—", n["error"], "", "", "", "", "", "", "")
@@ -130,10 +132,10 @@ def summary_table(summary: dict[str, Any]) -> Any:
         def f(x: float | None) -> str:
             return "—" if x is None else f"{x:.2f}"
 
-        t.add_row(n["node"], ",".join(n["roles"]), f"{f(n['reward_start'])} → {f(n['reward_end'])}",
-                  f"{n['versions_published']} / {n['versions_applied']}", str(n["rollouts_produced"]),
+        t.add_row(n["node"].split("-")[0], ",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
+                  f"{n['versions_published']}/{n['versions_applied']}", str(n["rollouts_produced"]),
                   str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
-                  str(n["spot_checked"]), f"{human_bytes(n['bytes_up'])} / {human_bytes(n['bytes_down'])}")
+                  str(n["spot_checked"]), f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")
     return t
 
 
