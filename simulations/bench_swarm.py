@@ -1,48 +1,166 @@
 """`murmur bench swarm`: does swarm sampling beat training alone, and does it survive an adversary?
 
-Four murmur-tiny trainers, same base checkpoint, same seeds, same task set
-(the built-in one), same number of optimizer steps, in three runs:
+Four murmur-tiny nodes, each a real `training.trainer.Trainer` (the node's
+own code path), same base checkpoint, same seeds, same task set, same number
+of optimizer steps, in three runs (settings: `simulations/scenarios/bench_swarm.toml`):
 
-  (a) isolated: every node trains on 8 local groups per step, shares nothing;
-  (b) swarm:    4 local + 4 external groups per step (SAPO's 4/4);
-  (c) swarm with node 3 adversarial: it trains like the others but every
-      batch it sends has forged rewards, and it also sends batches with
-      invalid signatures.
+  (a) isolated: every node generates 8 local prompt groups per step, shares nothing;
+  (b) swarm:    4 local groups + 4 verified external groups per step (SAPO's 4/4);
+  (c) swarm with one adversarial node: every step it sends garbage bytes,
+      validly signed rollouts whose task does not resolve, its real rollouts
+      with forged rewards, and its real rollouts with a corrupted signature.
+
+Same per-node compute per step: 8 groups of rollouts enter each update (the
+swarm generates only 4 of them). Zero-advantage groups are dropped by the
+trainer in every run; a swarm node takes external groups informative first
+(rewards not all equal), newest first, within the staleness bound, as SAPO's
+filtering does.
 
 Why one process, round-robin: four torch processes on two shared cores
 would measure scheduler noise, not learning. Each round steps node 0..3 in
-turn (identical per-node compute); each step's local rollouts are sealed in a
-`RolloutBatch` with the node's real ed25519 key and handed to every other
-node's own `gossip.validation.Pipeline` (signature, replay, task regeneration,
-reward recomputation, staleness), exactly what a receiving node runs. Only
-accepted rollouts enter a node's inbox; its trainer takes up to J groups from
-it per step, informative groups (rewards not all equal) first, newest first,
-within the staleness bound. The multi-process path is `murmur simulate`.
+turn; each step's local rollouts are sealed in a `RolloutBatch` with the
+node's real ed25519 key and handed to every other node's own
+`gossip.validation.Pipeline` (signature, replay, task regeneration, reward
+recomputation, staleness) with its own task registry, exactly what a
+receiving node runs. Only accepted groups reach a trainer. The
+multi-process path is `murmur simulate`.
 
 Cumulative reward of a run: per node, the sum over steps of the mean reward
-of that step's own (local) rollouts, i.e. how good its current policy is on
-fresh tasks; then averaged over the (honest) nodes, so runs with 3 and 4
-honest nodes compare.
+of that step's own (locally generated) rollouts, i.e. how good its current
+policy is on fresh tasks; then averaged over the honest nodes, so runs with
+3 and 4 honest nodes compare.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import random
 import tempfile
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from gossip import wire
 from gossip.validation import Pipeline, PipelineConfig
+from node.errors import ConfigError
 from node.identity import Identity
 
 SWARM = "murmur-bench-swarm"
-NODES = 4
-ADVERSARY = 3
+COORDINATOR = Identity.from_seed(hashlib.blake2b(b"murmur-bench-swarm/task-set-coordinator", digest_size=32).digest())
+
+
+# ------------------------------------------------------------ scenario
+
+
+class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    lr: float = 3e-4
+    lr_warmup_steps: int = 5
+    group_size: int = 8
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    max_staleness: int = 4
+
+
+class Mix(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    local_groups: int
+    external_groups: int
+
+
+class AdversarySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    node: int = 3
+    garbage: bool = True
+    bad_task: bool = True
+    forged_reward: bool = True
+    bad_signature: bool = True
+
+
+class GenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    generator: str
+    config: dict[str, int | float | str | bool] = {}
+    seed_start: int = 0
+    seed_end: int
+    verifier: str = ""
+    weight: float = 1.0
+
+
+class TaskSetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    verifier: str
+    tolerance: float = 0.0
+    description: str = ""
+    generators: list[GenSection]
+
+
+class BenchScenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str = "bench-swarm"
+    nodes: int = 4
+    rounds: int = 200
+    model_warmup_steps: int = 60
+    inbox_groups: int = 64
+    trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    isolated: Mix = msgspec.field(default_factory=lambda: Mix(local_groups=8, external_groups=0))
+    swarm: Mix = msgspec.field(default_factory=lambda: Mix(local_groups=4, external_groups=4))
+    adversary: AdversarySection = msgspec.field(default_factory=AdversarySection)
+    task_set: TaskSetSection
+
+
+def load_scenario(path: str | Path | None = None) -> tuple[BenchScenario, str]:
+    """The benchmark scenario (default: the packaged `scenarios/bench_swarm.toml`) and its text."""
+    if path is None:
+        text, origin = resources.files("simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8"), \
+            "scenario:bench_swarm"
+    else:
+        try:
+            text, origin = Path(path).read_text("utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read: {e}") from None
+    try:
+        sc = msgspec.convert(tomllib.loads(text), BenchScenario, strict=True)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
+        raise ConfigError(f"{origin}: {e}") from None
+    if sc.nodes < 2 or not 0 <= sc.adversary.node < sc.nodes:
+        raise ConfigError(f"{origin}: need nodes >= 2 and 0 <= adversary.node < nodes")
+    for mix in (sc.isolated, sc.swarm):
+        if mix.local_groups < 1 or mix.external_groups < 0:
+            raise ConfigError(f"{origin}: local_groups must be >= 1 and external_groups >= 0")
+    if sc.trainer.group_size * max(sc.isolated.local_groups, sc.swarm.local_groups) > wire.MAX_ROLLOUTS_PER_BATCH * 16:
+        raise ConfigError(f"{origin}: too many rollouts per step")
+    return sc, text
+
+
+def bench_task_set(sc: BenchScenario) -> bytes:
+    """The scenario's task set, signed by the benchmark's (public, fixed) coordinator key.
+
+    created_ms is fixed so the task-set id, and with it every task reference, is the same in every run."""
+    from training.tasksets import sign_task_set  # noqa: PLC0415
+
+    t = sc.task_set
+    m = wire.TaskSetManifest(
+        v=wire.FORMAT_VERSION, name=t.name, version=1, coordinator=COORDINATOR.public, created_ms=1,
+        verifier=t.verifier, tolerance=t.tolerance, description=t.description,
+        generators=[wire.GeneratorSpec(name=g.name, generator=g.generator, config=g.config, seed_start=g.seed_start,
+                                       seed_end=g.seed_end, verifier=g.verifier, weight=g.weight)
+                    for g in t.generators])
+    return sign_task_set(COORDINATOR, m)
+
+
+# ------------------------------------------------------------ nodes
+
+
+@dataclass
+class _Group:
+    version: int
+    lineage: bytes
+    rollouts: list[wire.Rollout]
+    informative: bool
 
 
 @dataclass
@@ -52,9 +170,13 @@ class _Node:
     lineage: bytes
     trainer: Any
     pipeline: Pipeline
-    inbox: list[tuple[int, list[wire.Rollout], bool]] = field(default_factory=list)  # (version, group, informative)
+    inbox: list[_Group] = field(default_factory=list)
     seq: int = 0
     rewards: list[float] = field(default_factory=list)
+    by_gen: list[dict[str, tuple[float, int]]] = field(default_factory=list)  # per step: generator -> (sum, n)
+    used_groups: int = 0  # informative groups that entered updates (local + external)
+    ext_used: int = 0
+    idle_steps: int = 0  # steps without any informative group: no update
     accepted_from_adversary: int = 0
 
 
@@ -72,63 +194,118 @@ def _seal(node: _Node, rollouts: list[wire.Rollout]) -> list[bytes]:
     return out
 
 
-def _forge(rollouts: list[wire.Rollout]) -> list[wire.Rollout]:
-    """Claim the opposite reward on every rollout: wrong answers 'correct', right ones 'wrong'."""
-    return [wire.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "reward": 1.0 - r.reward})
-            for r in rollouts]
+def _with(r: wire.Rollout, **changes: Any) -> wire.Rollout:
+    return msgspec.structs.replace(r, **changes)
 
 
-def run_one(mode: str, rounds: int, seed: int, model_dir: Path, *, lr: float, group_size: int,
-            max_new_tokens: int, on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+def _adversarial_payloads(node: _Node, rollouts: list[wire.Rollout], adv: AdversarySection,
+                          rng: random.Random) -> list[bytes]:
+    """Everything the adversary sends in one step, cheapest-to-reject first."""
+    out: list[bytes] = []
+    if adv.garbage:
+        out.append(rng.randbytes(256))
+    if adv.bad_task:  # a seed far outside every generator's range: the task cannot be regenerated
+        out += _seal(node, [_with(r, task=_with(r.task, seed=2**62 + i)) for i, r in enumerate(rollouts[:8])])
+    if adv.forged_reward:
+        out += _seal(node, [_with(r, reward=1.0 - r.reward) for r in rollouts])
+    if adv.bad_signature:
+        bad = bytearray(_seal(node, rollouts)[0])
+        bad[-7] ^= 0x55  # inside the signature
+        out.append(bytes(bad))
+    return out
+
+
+def _file(node: _Node, batch: wire.RolloutBatch, keep: int) -> None:
+    """Split an accepted batch into per-task groups in the node's bounded inbox (newest kept)."""
+    groups: dict[tuple[bytes, str, int], list[wire.Rollout]] = {}
+    for r in batch.rollouts:
+        groups.setdefault((bytes(r.task.task_set), r.task.generator, r.task.seed), []).append(r)
+    for g in groups.values():
+        if len(g) >= 2:
+            rw = [r.reward for r in g]
+            node.inbox.append(_Group(g[0].version, bytes(g[0].lineage), g, max(rw) - min(rw) > 1e-9))
+    del node.inbox[:-keep]
+
+
+def _source(node: _Node, heads: dict[bytes, int], max_staleness: int) -> Callable[[int, int], list[wire.Rollout]]:
+    """The trainer's `external` hook: up to J groups, informative first, newest first, within staleness."""
+    def take(groups: int, _min_version: int) -> list[wire.Rollout]:
+        fresh = [g for g in node.inbox if heads.get(g.lineage, g.version) - g.version <= max_staleness]
+        order = sorted(range(len(fresh)), key=lambda k: (not fresh[k].informative, -k))
+        picked = {id(fresh[k]) for k in order[:groups]}
+        out = [r for g in fresh if id(g) in picked for r in g.rollouts]
+        node.inbox = [g for g in fresh if id(g) not in picked]  # used once; stale ones dropped
+        return out
+    return take
+
+
+def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenario,
+            on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """mode: isolated | swarm | adversarial."""
     import torch  # noqa: PLC0415
 
     from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
     from training.rollouts import to_wire  # noqa: PLC0415
-    from training.tasksets import TaskRegistry  # noqa: PLC0415
+    from training.tasksets import TaskRegistry, task_set_id  # noqa: PLC0415
     from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
     from training.verifiers import score  # noqa: PLC0415
 
+    if mode not in ("isolated", "swarm", "adversarial"):
+        raise ValueError(f"unknown mode {mode!r}")
     set_threads(1)
     torch.manual_seed(seed)
-    registry = TaskRegistry()
-    registry.add_builtin()
+    envelope = bench_task_set(sc)
+    ts_id = task_set_id(envelope)
     isolated = mode == "isolated"
+    mix = sc.isolated if isolated else sc.swarm
+    adv_index = sc.adversary.node if mode == "adversarial" else -1
+    t = sc.trainer
     nodes: list[_Node] = []
     heads: dict[bytes, int] = {}
-    for i in range(NODES):
+    for i in range(sc.nodes):
         ident = _ident(seed, i)
         lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
+        registry = TaskRegistry()  # every node verifies against its own registry
+        registry.add(envelope, {COORDINATOR.public})
         engine = HFEngine.from_path(model_dir, device="cpu", seed=seed * 100 + i)
-        cfg = TrainerConfig(local_groups=8 if isolated else 4, external_groups=0 if isolated else 4,
-                            group_size=group_size, lr=lr, max_new_tokens=max_new_tokens, seed=seed * 100 + i)
-        node = _Node(i, ident, lineage, None, Pipeline(  # type: ignore[arg-type]
-            PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1000.0, burst=1000),
+        cfg = TrainerConfig(local_groups=mix.local_groups, external_groups=mix.external_groups,
+                            group_size=t.group_size, lr=t.lr, lr_warmup_steps=t.lr_warmup_steps,
+                            max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                            max_staleness=t.max_staleness, seed=seed * 100 + i)
+        pipeline = Pipeline(
+            PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
             clock=time.time, resolve_task=registry.resolve, reward=score,
-            head_version=lambda lin: heads.get(bytes(lin))))
-        node.trainer = Trainer(engine, registry, registry.builtin_id, cfg, lineage=lineage,
-                               external=None if isolated else _source(node, heads, cfg.max_staleness))
+            head_version=lambda lin: heads.get(bytes(lin)), task_set_trusted=registry.__contains__)
+        node = _Node(i, ident, lineage, None, pipeline)
+        ext = None if isolated or mix.external_groups == 0 else _source(node, heads, t.max_staleness)
+        node.trainer = Trainer(engine, registry, ts_id, cfg, lineage=lineage, external=ext)
         heads[lineage] = 0
         nodes.append(node)
-    bad_sent = 0
-    t0 = time.monotonic()
+    rng = random.Random(seed)
+    adversary_messages = 0
+    t0, c0 = time.monotonic(), time.process_time()
     for rnd in range(rounds):
         for node in nodes:
+            v0 = node.trainer.version
             res = node.trainer.step()
             heads[node.lineage] = node.trainer.version
             node.rewards.append(res.reward_mean)
-            if isolated:
+            gen: dict[str, tuple[float, int]] = {}
+            for r in res.rollouts:
+                s_, n_ = gen.get(r.ref.generator, (0.0, 0))
+                gen[r.ref.generator] = (s_ + r.reward, n_ + 1)
+            node.by_gen.append(gen)
+            used = res.n_local_groups + res.n_external_groups - res.dropped_groups
+            node.used_groups += used
+            node.ext_used += res.n_external_groups
+            node.idle_steps += node.trainer.version == v0
+            if isolated or not res.rollouts:
                 continue
             rollouts = [to_wire(r) for r in res.rollouts]
-            if not rollouts:
-                continue
-            adversary = mode == "adversarial" and node.index == ADVERSARY
+            adversary = node.index == adv_index
             if adversary:
-                payloads = _seal(node, _forge(rollouts))
-                bad = bytearray(_seal(node, rollouts)[0])
-                bad[-7] ^= 0x55  # inside the signature
-                payloads.append(bytes(bad))
-                bad_sent += len(payloads)
+                payloads = _adversarial_payloads(node, rollouts, sc.adversary, rng)
+                adversary_messages += len(payloads)
             else:
                 payloads = _seal(node, rollouts)
             for other in nodes:
@@ -140,74 +317,81 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, *, lr: float, gr
                         continue
                     if adversary:
                         other.accepted_from_adversary += 1
-                    _file(other, v.batch)
+                    _file(other, v.batch, sc.inbox_groups)
         if on_round is not None:
             on_round(mode, rnd + 1)
-    honest = [n for n in nodes if not (mode == "adversarial" and n.index == ADVERSARY)]
+    honest = [n for n in nodes if n.index != adv_index]
     per_node = [sum(n.rewards) for n in honest]
-    rejections: dict[str, int] = {}
+    verdicts: dict[str, int] = {}
     for n in honest:
         for k, c in n.pipeline.counts.items():
-            rejections[k] = rejections.get(k, 0) + c
+            verdicts[k] = verdicts.get(k, 0) + c
+    h = len(honest)
+    blocks = max(1, rounds // 5)
+    curve = [sum(n.rewards[r] for n in honest) / h for r in range(rounds)]
+    def by_generator(lo: int, hi: int) -> dict[str, float]:
+        tot: dict[str, tuple[float, int]] = {}
+        for n in honest:
+            for step in n.by_gen[lo:hi]:
+                for g, (s_, n_) in step.items():
+                    a, b = tot.get(g, (0.0, 0))
+                    tot[g] = (a + s_, b + n_)
+        return {g: round(a / b, 4) for g, (a, b) in sorted(tot.items()) if b}
+
+    edge = max(1, min(20, rounds // 5))
     return {
-        "cumulative_reward": sum(per_node) / len(per_node),
+        "cumulative_reward": sum(per_node) / h,
+        "reward_by_generator": {"first": by_generator(0, edge), "last": by_generator(rounds - edge, rounds)},
         "per_node": [round(x, 3) for x in per_node],
-        "final_reward": sum(sum(n.rewards[-10:]) / max(1, len(n.rewards[-10:])) for n in honest) / len(honest),
-        "curve": [round(sum(n.rewards[r] for n in honest) / len(honest), 4) for r in range(rounds)],
+        "start_reward": sum(curve[:10]) / len(curve[:10]),
+        "final_reward": sum(curve[-10:]) / len(curve[-10:]),
+        "block_means": [round(sum(curve[k:k + blocks]) / len(curve[k:k + blocks]), 4)
+                        for k in range(0, rounds, blocks)],
+        "curve": [round(x, 4) for x in curve],
+        "informative_groups_per_step": round(sum(n.used_groups for n in honest) / (h * rounds), 3),
+        "external_groups_per_step": round(sum(n.ext_used for n in honest) / (h * rounds), 3),
+        "idle_steps": sum(n.idle_steps for n in honest),
         "accepted_from_adversary": sum(n.accepted_from_adversary for n in honest),
-        "adversary_messages": bad_sent,
-        "verdicts": rejections,
+        "adversary_messages": adversary_messages,
+        "verdicts": verdicts,
         "wall_s": round(time.monotonic() - t0, 1),
+        "cpu_s": round(time.process_time() - c0, 1),
     }
 
 
-def _file(node: _Node, batch: wire.RolloutBatch) -> None:
-    groups: dict[tuple[str, int], list[wire.Rollout]] = {}
-    for r in batch.rollouts:
-        groups.setdefault((r.task.generator, r.task.seed), []).append(r)
-    for g in groups.values():
-        if len(g) >= 2:
-            rw = [r.reward for r in g]
-            node.inbox.append((g[0].version, g, max(rw) != min(rw)))
-    del node.inbox[:-64]  # bounded: the newest 64 groups
-
-
-def _source(node: _Node, heads: dict[bytes, int], max_staleness: int) -> Callable[[int, int], list[wire.Rollout]]:
-    def take(groups: int, _min_version: int) -> list[wire.Rollout]:
-        fresh = [e for e in node.inbox if heads.get(bytes(e[1][0].lineage), e[0]) - e[0] <= max_staleness]
-        fresh.sort(key=lambda e: (not e[2], -e[0]))
-        picked = fresh[:groups]
-        ids = {id(e) for e in picked}
-        node.inbox = [e for e in node.inbox if id(e) not in ids and e in fresh]
-        return [r for e in picked for r in e[1]]
-    return take
-
-
-def run(rounds: int = 120, seed: int = 0, warmup_steps: int = 30, lr: float = 1e-3, group_size: int = 8,
-        max_new_tokens: int = 4, home: str | None = None,
+def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str | None = None,
         on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
-    """Run (a) isolated, (b) swarm, (c) swarm with one adversary; return the comparison."""
+    """Run (a) isolated, (b) swarm, (c) swarm with one adversary; return the comparison.
+
+    rounds 0 = the scenario's `rounds`. `scenario`: a TOML path (default: the packaged one)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from training.tiny import ensure_tiny  # noqa: PLC0415
 
+    sc, text = load_scenario(scenario)
+    rounds = rounds or sc.rounds
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
-    t0 = time.monotonic()
+    load_start = os.getloadavg()
+    t0, c0 = time.monotonic(), time.process_time()
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-swarm"
-    model_dir = ensure_tiny(base / f"w{warmup_steps}", seed=seed, warmup_steps=warmup_steps)
-    kw = dict(lr=lr, group_size=group_size, max_new_tokens=max_new_tokens, on_round=on_round)
-    iso = run_one("isolated", rounds, seed, model_dir, **kw)
-    sw = run_one("swarm", rounds, seed, model_dir, **kw)
-    adv = run_one("adversarial", rounds, seed, model_dir, **kw)
+    model_dir = ensure_tiny(base / f"w{sc.model_warmup_steps}", seed=seed, warmup_steps=sc.model_warmup_steps)
+    model_s = time.monotonic() - t0
+    runs = {m: run_one(m, rounds, seed, model_dir, sc, on_round) for m in ("isolated", "swarm", "adversarial")}
+    iso, sw, adv = runs["isolated"], runs["swarm"], runs["adversarial"]
     i, s, a = iso["cumulative_reward"], sw["cumulative_reward"], adv["cumulative_reward"]
     return {
         "rounds": rounds,
         "seed": seed,
-        "nodes": NODES,
-        "model": f"murmur-tiny (warm-up {warmup_steps} steps)",
-        "lr": lr,
-        "group_size": group_size,
+        "nodes": sc.nodes,
+        "scenario": scenario or "simulations/scenarios/bench_swarm.toml",
+        "scenario_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+        "model": f"murmur-tiny (supervised warm-up {sc.model_warmup_steps} steps)",
+        "task_set": f"{sc.task_set.name}: " + ", ".join(f"{g.name}={g.generator}{g.config} x{g.weight}"
+                                                         for g in sc.task_set.generators),
+        "trainer": msgspec.to_builtins(sc.trainer),
+        "mix": {"isolated": [sc.isolated.local_groups, sc.isolated.external_groups],
+                "swarm": [sc.swarm.local_groups, sc.swarm.external_groups]},
         "isolated_cumulative_reward": round(i, 3),
         "swarm_cumulative_reward": round(s, 3),
         "adversarial_cumulative_reward": round(a, 3),
@@ -215,16 +399,27 @@ def run(rounds: int = 120, seed: int = 0, warmup_steps: int = 30, lr: float = 1e
         "gain_adversarial": round(a / i - 1, 4) if i > 0 else None,
         "adversarial_accepted": adv["accepted_from_adversary"],
         "adversary_messages": adv["adversary_messages"],
-        "isolated_final_reward": round(iso["final_reward"], 4),
-        "swarm_final_reward": round(sw["final_reward"], 4),
-        "adversarial_final_reward": round(adv["final_reward"], 4),
+        "per_node_cumulative": {m: r["per_node"] for m, r in runs.items()},
+        "start_reward": {m: round(r["start_reward"], 4) for m, r in runs.items()},
+        "final_reward": {m: round(r["final_reward"], 4) for m, r in runs.items()},
+        "block_means": {m: r["block_means"] for m, r in runs.items()},
+        "reward_by_generator": {m: r["reward_by_generator"] for m, r in runs.items()},
+        "informative_groups_per_step": {m: r["informative_groups_per_step"] for m, r in runs.items()},
+        "external_groups_per_step": {m: r["external_groups_per_step"] for m, r in runs.items()},
+        "idle_steps": {m: r["idle_steps"] for m, r in runs.items()},
         "swarm_verdicts": sw["verdicts"],
         "adversarial_verdicts": adv["verdicts"],
-        "curves": {"isolated": iso["curve"], "swarm": sw["curve"], "adversarial": adv["curve"]},
-        "run_wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"], "adversarial": adv["wall_s"]},
+        "curves": {m: r["curve"] for m, r in runs.items()},
+        "model_s": round(model_s, 1),
+        "run_wall_s": {m: r["wall_s"] for m, r in runs.items()},
+        "run_cpu_s": {m: r["cpu_s"] for m, r in runs.items()},
         "wall_s": round(time.monotonic() - t0, 1),
-        "method": "4 nodes round-robin in one process (same per-node compute); rollouts sealed with real "
-                  "ed25519 keys and checked by each receiver's gossip.validation.Pipeline",
+        "cpu_s": round(time.process_time() - c0, 1),
+        "load_avg_start": [round(x, 1) for x in load_start],
+        "load_avg_end": [round(x, 1) for x in os.getloadavg()],
+        "method": "4 real Trainer instances round-robin in one process (same per-node compute and seeds); "
+                  "rollouts sealed with real ed25519 keys and checked by each receiver's own "
+                  "gossip.validation.Pipeline and task registry",
     }
 
 
@@ -232,5 +427,8 @@ if __name__ == "__main__":  # pragma: no cover - manual runs
     import json
     import sys
 
-    r = int(sys.argv[1]) if len(sys.argv) > 1 else 120
-    print(json.dumps(run(rounds=r, on_round=lambda m, k: print(m, k, file=sys.stderr) if k % 20 == 0 else None)))
+    r = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    s = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    print(json.dumps(run(rounds=r, seed=s,
+                         on_round=lambda m, k: print(m, k, round(time.monotonic()), file=sys.stderr)
+                         if k % 10 == 0 else None)))
