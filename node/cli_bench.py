@@ -37,13 +37,14 @@ def bench_codec(
 @bench_app.command("gossip")
 def bench_gossip(
     json_out: JsonOpt = True,
-    nodes: Annotated[int, typer.Option(help="honest nodes")] = 8,
-    seed: SeedOpt = 0,
+    nodes: Annotated[int, typer.Option(help="node processes, one of them adversarial")] = 8,
+    batches_per_node: Annotated[int, typer.Option(help="batches each honest node publishes")] = 10,
+    rate_per_node: Annotated[float, typer.Option(help="batches per second per honest node")] = 0.5,
 ) -> None:
     """Rollout gossip between real libp2p nodes: delivery, latency, verification rate, adversary."""
     from gossip.bench_gossip import run
 
-    _run(run, nodes=nodes, seed=seed)
+    _run(run, nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node)
 
 
 @bench_app.command("broadcast")
