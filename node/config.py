@@ -128,7 +128,7 @@ def _error_path(msg: str) -> str:
 
 def _convert(raw: dict[str, Any], origin: str) -> Config:
     try:
-        return msgspec.convert(raw, Config, strict=True)
+        return _check_values(msgspec.convert(raw, Config, strict=True), origin)
     except msgspec.ValidationError as e:
         text = str(e).replace("\n", " ")
         field = re.search(r"unknown field `([^`]*)`", text)
@@ -137,6 +137,50 @@ def _convert(raw: dict[str, Any], origin: str) -> Config:
             key = f"{where}.{field.group(1)}" if where else field.group(1)
             raise ConfigError(f"{origin}: unknown key '{key}'") from None
         raise ConfigError(f"{origin}: key '{where or '?'}': {text.split(' - at ')[0]}") from None
+
+
+_CHOICES: dict[str, set[str]] = {
+    "node.hardware": {"auto", "cpu", "gpu-small", "gpu-large"},
+    "node.log_level": {"debug", "info", "warning", "error"},
+    "training.engine": {"transformers", "vllm"},
+    "training.device": {"auto", "cpu", "cuda"},
+}
+_ROLES = {"trainer", "follower", "validator"}
+_HEX32 = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+def _check_values(cfg: Config, origin: str) -> Config:
+    """Rules a type cannot express: closed choices, key formats, positive sizes."""
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{origin}: key '{key}': {why}")
+
+    for key, allowed in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise bad(key, f"{value!r} is not one of {', '.join(sorted(allowed))}")
+    for role in cfg.node.roles:
+        if role not in _ROLES:
+            raise bad("node.roles", f"unknown role {role!r} (trainer, follower, validator)")
+    for key in cfg.trust.coordinators:
+        if not _HEX32.match(key):
+            raise bad("trust.coordinators", f"{key!r} is not a 64-hex-digit ed25519 public key")
+    for lineage in cfg.sync.follow:
+        if not _HEX32.match(lineage):
+            raise bad("sync.follow", f"{lineage!r} is not a 64-hex-digit lineage id")
+    for key in ("network.listen", "network.bootstrap", "network.relays"):
+        section, name = key.split(".")
+        for addr in getattr(getattr(cfg, section), name):
+            if not addr.startswith("/"):
+                raise bad(key, f"{addr!r} is not a multiaddr (starts with /ip4/, /ip6/ or /dns/)")
+    for key in ("sync.chunk_bytes", "sync.publish_every", "sync.anchor_every", "training.group_size",
+                "node.memory_budget_mb"):
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) <= 0:
+            raise bad(key, "must be positive")
+    if cfg.sync.max_staleness < 0:
+        raise bad("sync.max_staleness", "must not be negative")
+    return cfg
 
 
 def _parse_env_value(text: str) -> Any:

@@ -52,3 +52,22 @@ def test_bad_env_override(tmp_path):
         load_config_with_sources(None, {"MURMUR_SYNC_NOPE": "1"})
     with pytest.raises(ConfigError, match="sync.max_staleness"):
         load_config_with_sources(None, {"MURMUR_SYNC_MAX_STALENESS": "'x'"})
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("[trust]\ncoordinators = ['aa']\n", "trust.coordinators"),
+        ("[node]\nroles = ['miner']\n", "node.roles"),
+        ("[node]\nhardware = 'tpu'\n", "node.hardware"),
+        ("[network]\nbootstrap = ['127.0.0.1:4001']\n", "network.bootstrap"),
+        ("[sync]\nchunk_bytes = 0\n", "sync.chunk_bytes"),
+        ("[sync]\nmax_staleness = -1\n", "sync.max_staleness"),
+    ],
+)
+def test_semantic_errors_name_the_key(tmp_path, text, needle):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert needle in str(e.value) and str(path) in str(e.value)
