@@ -9,7 +9,6 @@ parsed as TOML literals, falling back to plain strings).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tomllib
@@ -21,6 +20,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from node.errors import ConfigError
+from node.tomlfile import convert_strict, read_toml, toml_value
 
 CONFIG_FILE = "config.toml"
 
@@ -121,22 +121,8 @@ def default_home() -> Path:
     return Path(os.environ.get("MURMUR_HOME") or Path.home() / ".murmur")
 
 
-def _error_path(msg: str) -> str:
-    m = re.search(r"at `\$\.?([^`]*)`", msg)
-    return m.group(1) if m else ""
-
-
 def _convert(raw: dict[str, Any], origin: str) -> Config:
-    try:
-        return _check_values(msgspec.convert(raw, Config, strict=True), origin)
-    except msgspec.ValidationError as e:
-        text = str(e).replace("\n", " ")
-        field = re.search(r"unknown field `([^`]*)`", text)
-        where = _error_path(text)
-        if field:
-            key = f"{where}.{field.group(1)}" if where else field.group(1)
-            raise ConfigError(f"{origin}: unknown key '{key}'") from None
-        raise ConfigError(f"{origin}: key '{where or '?'}': {text.split(' - at ')[0]}") from None
+    return _check_values(convert_strict(raw, Config, origin), origin)
 
 
 _CHOICES: dict[str, set[str]] = {
@@ -193,15 +179,7 @@ def _parse_env_value(text: str) -> Any:
 def load_raw(path: Path | None) -> dict[str, Any]:
     if path is None or not Path(path).exists():
         return {}
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    return read_toml(path)
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> dict[tuple[str, str], tuple[str, Any]]:
@@ -230,8 +208,6 @@ def load_config_with_sources(
     """The effective config and, for every `section.key`, where its value came from."""
     raw = load_raw(path)
     origin = str(path) if path else "config"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{origin}: top level must be a table")
     _convert(raw, origin)  # errors in the file are reported against the file
     sources: dict[str, str] = {}
     for section, typ in SECTIONS.items():
@@ -242,18 +218,6 @@ def load_config_with_sources(
         raw.setdefault(section, {})[key] = value
         sources[f"{section}.{key}"] = f"env {var}"
     return _convert(raw, "environment"), sources
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot render {type(v).__name__} as TOML")
 
 
 def render_default_config(config: Config | None = None) -> str:
@@ -270,7 +234,7 @@ def render_default_config(config: Config | None = None) -> str:
             desc = next((m.description for m in meta if isinstance(m, Meta) and m.description), "")
             if desc:
                 lines.append(f"# {desc}")
-            lines.append(f"{key} = {_toml_value(getattr(values, key))}")
+            lines.append(f"{key} = {toml_value(getattr(values, key))}")
         lines.append("")
     return "\n".join(lines)
 

@@ -10,8 +10,6 @@ truth for defaults and bounds.
 
 from __future__ import annotations
 
-import re
-import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,6 +18,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from node.errors import ConfigError
+from node.tomlfile import convert_strict, parse_toml, read_toml, toml_value
 
 BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan")
 MAX_NODES = 100_000
@@ -185,11 +184,6 @@ def expand(sc: Scenario) -> list[NodeSpec]:
 # ------------------------------------------------------------------ loading and checks
 
 
-def _path_of(msg: str) -> str:
-    m = re.search(r"at `\$\.?([^`]*)`", msg)
-    return m.group(1) if m else ""
-
-
 def _semantic_checks(sc: Scenario) -> list[tuple[str, str]]:
     """Cross-key rules msgspec cannot express: (key, problem)."""
     bad: list[tuple[str, str]] = []
@@ -256,18 +250,7 @@ def _ranges(xs: list[int]) -> str:
 
 def from_dict(raw: dict[str, Any], origin: str = "scenario") -> Scenario:
     """Strictly convert a parsed TOML table; ConfigError names `origin` and the key."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{origin}: top level must be a table")
-    try:
-        sc = msgspec.convert(raw, Scenario, strict=True)
-    except msgspec.ValidationError as e:
-        text = str(e).replace("\n", " ")
-        where = _path_of(text)
-        unknown = re.search(r"[Oo]bject contains unknown field `([^`]*)`", text)
-        if unknown:
-            key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-            raise ConfigError(f"{origin}: unknown key '{key}'") from None
-        raise ConfigError(f"{origin}: key '{where or '?'}': {text.split(' - at ')[0]}") from None
+    sc = convert_strict(raw, Scenario, origin)
     problems = _semantic_checks(sc)
     if problems:
         key, why = problems[0]
@@ -276,24 +259,11 @@ def from_dict(raw: dict[str, Any], origin: str = "scenario") -> Scenario:
 
 
 def loads(text: str, origin: str = "scenario") -> Scenario:
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{origin}: not valid TOML: {e}") from None
-    return from_dict(raw, origin)
+    return from_dict(parse_toml(text, origin), origin)
 
 
 def load(path: str | Path) -> Scenario:
-    p = Path(path)
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such scenario file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not valid TOML: not UTF-8 text") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
-    return loads(text, str(p))
+    return from_dict(read_toml(path, ConfigError, "scenario file"), str(path))
 
 
 def builtin_text(name: str) -> str:
@@ -319,18 +289,6 @@ def dumps(sc: Scenario) -> str:
     return _to_toml(msgspec.to_builtins(sc))
 
 
-def _toml_scalar(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
-    raise TypeError(f"cannot render {type(v).__name__} as TOML")
-
-
 def _to_toml(d: dict[str, Any]) -> str:
     lines: list[str] = []
     tables, arrays = {}, {}
@@ -342,10 +300,10 @@ def _to_toml(d: dict[str, Any]) -> str:
         elif isinstance(v, list) and v and isinstance(v[0], dict):
             arrays[k] = v
         else:
-            lines.append(f"{k} = {_toml_scalar(v)}")
+            lines.append(f"{k} = {toml_value(v)}")
     for k, v in tables.items():
-        lines += ["", f"[{k}]"] + [f"{kk} = {_toml_scalar(vv)}" for kk, vv in v.items() if vv is not None]
+        lines += ["", f"[{k}]"] + [f"{kk} = {toml_value(vv)}" for kk, vv in v.items() if vv is not None]
     for k, items in arrays.items():
         for item in items:
-            lines += ["", f"[[{k}]]"] + [f"{kk} = {_toml_scalar(vv)}" for kk, vv in item.items() if vv is not None]
+            lines += ["", f"[[{k}]]"] + [f"{kk} = {toml_value(vv)}" for kk, vv in item.items() if vv is not None]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,6 @@ key is public, the registry trusts it for exactly one body: the built-in one.
 from __future__ import annotations
 
 import hashlib
-import tomllib
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,6 +35,7 @@ from gossip.wire import (
 )
 from node.errors import DecodeError, SignatureError, TaskError
 from node.identity import Identity
+from node.tomlfile import convert_strict, read_toml, validation_message
 from training.tasks import Task, check_generator, generate
 from training.verifiers import check_verifier
 
@@ -125,13 +125,6 @@ class _SetToml(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     generators: list[_GenToml]
 
 
-def _where(msg: str) -> str:
-    import re  # noqa: PLC0415
-
-    m = re.search(r"at `\$\.?([^`]*)`", msg)
-    return m.group(1) if m else ""
-
-
 def _wire_path(where: str) -> str:
     """Turn an array-like wire path such as `[7][0][5]` into `generators[0].seed_end`."""
     import re  # noqa: PLC0415
@@ -151,30 +144,8 @@ def _wire_path(where: str) -> str:
 def load_task_set_toml(path: str | Path) -> TaskSetManifest:
     """Strictly parse a task-set TOML file into an (unsigned) manifest; errors name file and key."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise TaskError(f"{path}: no such task-set file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TaskError(f"{path}: cannot read: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TaskError(f"{path}: not valid TOML: {e}") from None
-    try:
-        t = msgspec.convert(raw, _SetToml, strict=True)
-    except msgspec.ValidationError as e:
-        text = str(e).replace("\n", " ")
-        import re  # noqa: PLC0415
-
-        unknown = re.search(r"unknown field `([^`]*)`", text)
-        where = _where(text)
-        if unknown:
-            key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-            raise TaskError(f"{path}: unknown key '{key}'") from None
-        missing = re.search(r"missing required field `([^`]*)`", text)
-        if missing:
-            key = f"{where}.{missing.group(1)}" if where else missing.group(1)
-            raise TaskError(f"{path}: missing key '{key}'") from None
-        raise TaskError(f"{path}: key '{where or '?'}': {text.split(' - at ')[0]}") from None
+    raw = read_toml(path, TaskError, "task-set file")
+    t = convert_strict(raw, _SetToml, str(path), TaskError)
     try:
         m = TaskSetManifest(
             v=FORMAT_VERSION, name=t.name, version=t.version, coordinator=bytes(32), created_ms=t.created_ms,
@@ -186,8 +157,7 @@ def load_task_set_toml(path: str | Path) -> TaskSetManifest:
         # round-trip through the wire decoder: applies every field bound of the protocol
         m = msgspec.msgpack.decode(encode(m), type=TaskSetManifest)
     except msgspec.ValidationError as e:
-        text = str(e).replace("\n", " ")
-        raise TaskError(f"{path}: key '{_wire_path(_where(text)) or '?'}': {text.split(' - at ')[0]}") from None
+        raise TaskError(validation_message(e, str(path), _wire_path)) from None
     names = [g.name for g in m.generators]
     if len(set(names)) != len(names):
         raise TaskError(f"{path}: duplicate generator names")
