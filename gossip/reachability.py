@@ -121,6 +121,7 @@ class PeerVerdict:
     reachable: list[str]  # our addresses it dialled successfully
     failed: dict[str, str]  # address -> error
     error: str = ""  # the request itself failed
+    local_port: int = 0  # our source port of the connection that peer observed (0: unknown)
 
 
 @dataclass
@@ -131,6 +132,24 @@ class Reachability:
     verdicts: list[PeerVerdict] = field(default_factory=list)
     reason: str = ""
     checked_unix: float = 0.0
+    port_preserved: bool | None = None  # our NAT kept the source port (hole punching can predict it)
+
+
+def port_preserved(verdicts: list[PeerVerdict]) -> bool | None:
+    """Did every peer observe our connection at the source port we used? None when nobody could tell.
+
+    Why: DCUtR predicts our public address as observed IP + listen port, which only works through a NAT
+    that keeps ports; a port-randomising ("symmetric") NAT shows up here as a mismatch.
+    """
+    seen = []
+    for v in verdicts:
+        if v.error or not v.observed or not v.local_port:
+            continue
+        try:
+            seen.append(int(v.observed.rsplit(":", 1)[1]) == v.local_port)
+        except (IndexError, ValueError):
+            continue
+    return all(seen) if seen else None
 
 
 def decide(verdicts: list[PeerVerdict], min_peers: int = 1, now: float | None = None) -> Reachability:
@@ -139,16 +158,17 @@ def decide(verdicts: list[PeerVerdict], min_peers: int = 1, now: float | None = 
     reachable = sorted({a for v in answered for a in v.reachable})
     observed = sorted({v.observed.rsplit(":", 1)[0] for v in answered if v.observed})
     ts = time.time() if now is None else now
+    kept = port_preserved(verdicts)
     if reachable:
         who = sum(1 for v in answered if v.reachable)
-        return Reachability(PUBLIC, reachable, observed, verdicts, f"{who} peer(s) dialled back {reachable[0]}", ts)
+        return Reachability(PUBLIC, reachable, observed, verdicts, f"{who} peer(s) dialled back {reachable[0]}", ts, kept)
     if len(answered) >= min_peers and answered:
         errs = sorted({e for v in answered for e in v.failed.values()})
         return Reachability(PRIVATE, [], observed, verdicts,
-                            f"{len(answered)} peer(s) could not dial any announced address ({'; '.join(errs)[:300]})", ts)
+                            f"{len(answered)} peer(s) could not dial any announced address ({'; '.join(errs)[:300]})", ts, kept)
     errs = "; ".join(v.error for v in verdicts if v.error)[:300]
     return Reachability(UNKNOWN, [], observed, verdicts,
-                        f"{len(answered)} of {min_peers} needed peer(s) answered" + (f" ({errs})" if errs else ""), ts)
+                        f"{len(answered)} of {min_peers} needed peer(s) answered" + (f" ({errs})" if errs else ""), ts, kept)
 
 
 # ------------------------------------------------------------------ server
@@ -251,6 +271,29 @@ async def dial_as(peer_id: str, addrs: list[str], timeout_s: float) -> list[Dial
 
 
 # ------------------------------------------------------------------ client
+def local_port(transport: Any, peer: str) -> int:
+    """Our TCP source port of the direct connection to `peer` (0 if relayed or not visible).
+
+    py-libp2p 0.8.1 exposes no local address on a connection; this walks its wrappers down to the
+    trio socket, and gives up quietly if that layout changes.
+    """
+    from libp2p.peer.id import ID
+
+    try:
+        conns = (transport.host.get_network().connections or {}).get(ID.from_base58(peer)) or []
+    except Exception:
+        return 0
+    for c in conns if isinstance(conns, list) else [conns]:
+        try:
+            if any("/p2p-circuit" in str(a) for a in (c.get_transport_addresses() or [])):
+                continue
+            raw = c.muxed_conn.secured_conn.conn.read_writer.read_write_closer
+            return int(raw.stream.stream.socket.getsockname()[1])
+        except Exception:
+            continue
+    return 0
+
+
 def candidate_addrs(transport: Any, observed_ips: list[str] | None = None) -> list[str]:
     """Our direct TCP listen addresses, plus each observed public IP at our listen port (port forwarding)."""
     out: list[str] = []
@@ -299,7 +342,7 @@ async def ask_dialback(transport: Any, peer: str, addrs: list[str], timeout_s: f
     asked = set(req.addrs)
     ok = [r.addr for r in resp.results if r.ok and r.addr in asked]
     failed = {r.addr: r.error for r in resp.results if not r.ok and r.addr in asked}
-    return PeerVerdict(peer, resp.observed[:64], ok, failed)
+    return PeerVerdict(peer, resp.observed[:64], ok, failed, local_port=local_port(transport, peer))
 
 
 async def check_reachability(transport: Any, peers: list[str], min_peers: int = 1,
@@ -333,5 +376,6 @@ async def check_reachability(transport: Any, peers: list[str], min_peers: int = 
             merged.append(v)
         else:
             merged.append(PeerVerdict(v.peer, v.observed or w.observed, v.reachable + w.reachable,
-                                      {**v.failed, **w.failed}, v.error if not w.reachable else ""))
+                                      {**v.failed, **w.failed}, v.error if not w.reachable else "",
+                                      v.local_port or w.local_port))
     return decide(merged, min_peers)

@@ -91,6 +91,7 @@ class Relay:
     _nursery: trio.Nursery | None = None
     reservations: dict[str, Reservation] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # relay addr -> last error
+    configured: list[str] = field(default_factory=list)  # relays we tried to reserve on
 
     def circuit_addrs(self) -> list[str]:
         """Our addresses through every live reservation."""
@@ -139,6 +140,7 @@ class Relay:
     async def reserve_all(self, relay_addrs: list[str], timeout_s: float = RESERVE_TIMEOUT_S) -> list[Reservation]:
         """Reserve on every relay in the list, concurrently; failures are recorded in `errors`."""
         out: list[Reservation] = []
+        self.configured = list(dict.fromkeys(self.configured + relay_addrs[:16]))[:16]
 
         async def one(a: str) -> None:
             try:

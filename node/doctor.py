@@ -237,8 +237,16 @@ def check_memory(ctx: Context) -> list[Check]:
                                     "or close other programs", severity="error" if ok else "warning")]
 
 
+def check_nat(ctx: Context) -> list[Check]:
+    """Which path this node uses and why: a running node's live view, else a dial-back probe through the
+    bootstrap peers (and a relay reservation), else the local guess above (node.doctor_reachability)."""
+    from node.doctor_reachability import doctor_check
+
+    return doctor_check(ctx)
+
+
 CHECKS: list[Callable[[Context], list[Check]]] = [
-    check_python, check_torch, check_libp2p, check_listen_ports, check_bootstrap, check_reachability,
+    check_python, check_torch, check_libp2p, check_listen_ports, check_bootstrap, check_nat,
     check_disk, check_memory,
 ]
 

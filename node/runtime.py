@@ -258,7 +258,8 @@ class Node:
             reward_trend=list(self.rewards), reward_start=start, reward_now=now_r, gen_tokens_per_s=self.gen_tps,
             rollout_latency_s=self.latency, bytes_up=self.counters["bytes_up"], bytes_down=self.counters["bytes_down"],
             memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
-            metrics_port=self.metrics.port if self.metrics else 0)
+            metrics_port=self.metrics.port if self.metrics else 0,
+            **({"reach": self.reach.view()} if getattr(self, "reach", None) else {}))
 
     # ------------------------------------------------------------ main
     async def run(self) -> None:
@@ -317,6 +318,9 @@ class Node:
                         nursery.cancel_scope.cancel()
                     await nursery.start(self.service.run)
                     await nursery.start(disc.run)
+                    from node.reach import start_reachability  # relay, hole punching, dial-back (docs/reachability.md)
+                    self.reach = await start_reachability(
+                        t, cfg, nursery, bootstrap, known=lambda: {p: list(i.announce.addrs) for p, i in self.peers.items()})
                     await nursery.start(control.serve, self.home, self.snapshot, cfg.metrics.control_socket)
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
@@ -658,7 +662,8 @@ class Node:
             upload_bytes_per_s=float(self.cfg.network.upload_bytes_per_s),
             memory_bytes=self.cfg.node.memory_budget_mb * 2**20, roles=self.roles,
             lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
-            owned=[demand] if demand else [], addrs=[a for a in self.transport.listen_addrs()][:16])
+            owned=[demand] if demand else [],
+            addrs=(self.reach.announce_addrs() if getattr(self, "reach", None) else self.transport.listen_addrs())[:16])
         return wire.seal(self.ident, wire.NODE_ANNOUNCE, a)
 
     async def _announce_loop(self) -> None:

@@ -35,6 +35,30 @@ class LineageView(Struct, kw_only=True):
     rejected: dict[str, str] = {}  # follower -> why it does not count (e.g. staleness)
 
 
+class ReachView(Struct, kw_only=True):
+    """How this node is reachable (node.reach / node.doctor_reachability): the path, why, what helps."""
+
+    path: str = "offline"  # direct | hole-punched | relayed | webrtc | offline
+    status: str = "unknown"  # public | private | unknown (peers' dial-back verdict)
+    reason: str = "reachability not checked yet"
+    observed_ips: list[str] = []  # how peers see us
+    port_preserved: bool | None = None  # NAT kept our source port (hole punching can work); None: unknown
+    listen_addrs: list[str] = []
+    announce_addrs: list[str] = []  # what we tell peers (reachable direct addrs, then relay circuits)
+    relay_service: bool = False  # we relay for others
+    relaying: int = 0  # circuits we relay right now
+    relays_configured: list[str] = []
+    reservations: list[str] = []  # our circuit addresses
+    relay_errors: dict[str, str] = {}
+    peer_paths: dict[str, str] = {}  # peer id -> direct | relayed | webrtc | none
+    holepunch_attempts: int = 0
+    holepunch_successes: int = 0
+    holepunch_error: str = ""
+    webrtc_reason: str = ""  # "" when the WebRTC extra is available
+    host_ready_s: float | None = None  # process start -> host listening
+    first_peer_s: float | None = None  # process start -> first connection
+
+
 class NodeStatus(Struct, kw_only=True):
     peer_id: str = ""
     swarm: str = ""
@@ -70,6 +94,7 @@ class NodeStatus(Struct, kw_only=True):
     memory_rss_mb: float = 0.0
     memory_budget_mb: int = 0
     metrics_port: int = 0
+    reach: ReachView = msgspec.field(default_factory=ReachView)
 
 
 def encode_status(s: NodeStatus) -> bytes:

@@ -1,0 +1,255 @@
+"""NAT reachability for a running node: dial-back, relay reservation, relayed dials, hole punching.
+
+Why one place: the node runtime, `murmur doctor` (through the status it serves) and the emulated-network
+benchmark all need the same order of steps (docs/reachability.md, "Node runtime wiring"):
+
+1. attach the circuit relay (accept relayed connections; relay for others with `network.relay_service`),
+   DCUtR, and serve `/murmur/dialback/1`;
+2. once directly connected peers exist (bootstrap), ask them to dial us back: public / private / unknown;
+3. if not public: reserve on `network.relays` (or, when that list is empty, on the bootstrap peers, which
+   refuse unless they relay) and announce the circuit addresses;
+4. for peers learned from announces that we are not connected to: dial a direct address, else a circuit.
+   Only the side with the smaller peer id dials a circuit first (py-libp2p's relay keys circuits by peer:
+   crossed relayed dials broke stream opening); the other side dials after `CROSS_GRACE_S` if still
+   unconnected. The side that dialled the circuit then tries one DCUtR upgrade (bounded).
+
+The verdict is re-checked every `RECHECK_S` (sooner while unknown). `ReachState.view()` is the
+`ReachView` the node serves in its status; `node.doctor_reachability` turns it into checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from gossip.discovery import Backoff
+from node.config import Config
+from node.errors import MurmurError
+from node.status import ReachView
+
+log = logging.getLogger("murmur.node.reach")
+
+FIRST_CHECK_WAIT_S = 20.0  # wait this long for a direct peer before the first dial-back round
+RECHECK_S = 600.0
+RETRY_UNKNOWN_S = 30.0
+DIAL_EVERY_S = 1.0
+CROSS_GRACE_S = 20.0
+MAX_DIALS_PER_ROUND = 4
+MAX_UPGRADE_TRIES = 2
+TARGET_PEERS = 16
+
+
+def process_start() -> float:
+    """Wall-clock time this process started (so startup costs, imports included, are measured honestly)."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return time.time()
+
+
+@dataclass
+class ReachState:
+    """Reachability of one running node. Fields are filled as the steps above complete."""
+
+    transport: Any
+    cfg: Config
+    bootstrap: list[str]
+    known: Callable[[], dict[str, list[str]]]  # peer id -> addresses it announced
+    relay: Any = None
+    holepuncher: Any = None
+    reach: Any = None  # gossip.reachability.Reachability, once checked
+    checked: trio.Event = field(default_factory=trio.Event)  # set after the first verdict
+    started_unix: float = field(default_factory=process_start)
+    host_ready_s: float | None = None
+    first_peer_s: float | None = None
+    circuit_dialled: set[str] = field(default_factory=set)  # peers we reached through a relay
+    relayed_seen: set[str] = field(default_factory=set)  # peers we were ever relayed to
+    upgrade_tries: dict[str, int] = field(default_factory=dict)
+    backoff: Backoff = field(default_factory=lambda: Backoff(min_s=2.0, max_s=60.0))
+    first_seen: dict[str, float] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ views
+    def public(self) -> bool:
+        return getattr(self.reach, "status", "") == "public"
+
+    def announce_addrs(self) -> list[str]:
+        """What peers should dial: verified public addresses, then relay circuits, then listen addresses
+        (reachable on the same LAN). Wildcard addresses are left out."""
+        t = self.transport
+        direct = [f"{a}/p2p/{t.peer_id}" for a in getattr(self.reach, "reachable_addrs", [])]
+        circuits = self.relay.circuit_addrs() if self.relay is not None else []
+        listen = [a for a in t.listen_addrs() if "/ip4/0.0.0.0/" not in a and "/ip6/::/" not in a]
+        return list(dict.fromkeys(direct + circuits + listen))[:16]
+
+    def punched(self) -> int:
+        """Peers once relayed that are now directly connected: hole punches, whichever side drove them."""
+        from gossip.holepunch import best_path
+
+        return sum(1 for p in self.relayed_seen if best_path(self.transport, p) == "direct")
+
+    def view(self) -> ReachView:
+        from node.doctor_reachability import snapshot
+
+        hp = self.holepuncher
+        own = getattr(hp, "successes", 0)
+        v = snapshot(self.transport, self.relay, self.reach, hp, punched_passively=max(0, self.punched() - own))
+        v.announce_addrs = self.announce_addrs()
+        v.host_ready_s = self.host_ready_s
+        v.first_peer_s = self.first_peer_s
+        if self.relay is not None and not v.relays_configured:
+            v.relays_configured = self._relay_candidates()
+        return v
+
+    def _relay_candidates(self) -> list[str]:
+        return list(self.cfg.network.relays or [a for a in self.bootstrap if "/p2p/" in a])
+
+    # ------------------------------------------------------------ steps
+    def _direct_peers(self) -> list[str]:
+        from gossip.holepunch import best_path
+
+        return [p for p in self.transport.peers() if best_path(self.transport, p) == "direct"]
+
+    async def check_once(self) -> None:
+        from gossip.reachability import check_reachability
+
+        peers = self._direct_peers()
+        if not peers:
+            return
+        self.reach = await check_reachability(self.transport, peers)
+        log.info("reachability: %s (%s)", self.reach.status, self.reach.reason)
+        if not self.public():
+            want = [a for a in self._relay_candidates() if a not in self.relay.reservations]
+            if want:
+                got = await self.relay.reserve_all(want)
+                log.info("relay reservations: %s; errors: %s", [r.circuit_addr for r in got], self.relay.errors)
+        self.checked.set()
+
+    async def check_loop(self) -> None:
+        # event-like wait for the first direct peer (bounded): the transport offers no connect event
+        with trio.move_on_after(FIRST_CHECK_WAIT_S):
+            while not self._direct_peers():
+                await trio.sleep(0.1)
+        while True:
+            try:
+                await self.check_once()
+            except MurmurError as e:
+                log.info("reachability check: %s", e)
+            await trio.sleep(RETRY_UNKNOWN_S if getattr(self.reach, "status", "unknown") == "unknown" else RECHECK_S)
+
+    def _should_dial_circuit(self, peer: str, now: float) -> bool:
+        if self.transport.peer_id < peer:
+            return True
+        return now - self.first_seen.get(peer, now) >= CROSS_GRACE_S  # the other side did not dial us
+
+    async def _connect(self, peer: str, addrs: list[str]) -> None:
+        from gossip.relay import is_circuit
+
+        now = trio.current_time()
+        direct = [a for a in addrs if not is_circuit(a) and "/ip4/0.0.0.0/" not in a]
+        circuits = [a for a in addrs if is_circuit(a)]
+        for a in direct[:2]:
+            try:
+                with trio.move_on_after(3.0):
+                    await self.transport.connect(a if "/p2p/" in a else f"{a}/p2p/{peer}")
+                    self.backoff.succeeded(peer)
+                    return
+            except MurmurError:
+                continue
+        if circuits and self._should_dial_circuit(peer, now):
+            for a in circuits[:2]:
+                if peer in self.transport.peers():
+                    return
+                try:
+                    await self.relay.dial(a, timeout_s=10.0)
+                    self.circuit_dialled.add(peer)
+                    self.backoff.succeeded(peer)
+                    log.info("connected to %s through a relay", peer)
+                    return
+                except MurmurError as e:
+                    log.info("%s", e)
+
+    async def _upgrade(self, peer: str) -> None:
+        from gossip.holepunch import HolePunchError
+
+        self.upgrade_tries[peer] = self.upgrade_tries.get(peer, 0) + 1
+        try:
+            ok = await self.holepuncher.upgrade(peer, timeout_s=20.0)
+            log.info("hole punch to %s: %s %s", peer, "direct" if ok else "failed", self.holepuncher.last_error)
+        except HolePunchError as e:
+            log.info("hole punch to %s: %s", peer, e)
+
+    async def dial_loop(self) -> None:
+        from gossip.holepunch import best_path
+
+        async with trio.open_nursery() as n:
+            busy: set[str] = set()
+
+            async def one(peer: str, fn: Any, *args: Any) -> None:
+                try:
+                    await fn(*args)
+                finally:
+                    busy.discard(peer)
+
+            while True:
+                now = trio.current_time()
+                connected = set(self.transport.peers())
+                for p in connected:
+                    if best_path(self.transport, p) == "relayed":
+                        self.relayed_seen.add(p)
+                        if (p in self.circuit_dialled and p not in busy
+                                and self.upgrade_tries.get(p, 0) < MAX_UPGRADE_TRIES):
+                            busy.add(p)
+                            n.start_soon(one, p, self._upgrade, p)
+                started = 0
+                for peer, addrs in list(self.known().items()):
+                    if peer == self.transport.peer_id or peer in connected or peer in busy:
+                        continue
+                    self.first_seen.setdefault(peer, now)
+                    if len(connected) >= TARGET_PEERS or started >= MAX_DIALS_PER_ROUND:
+                        break
+                    if not self.backoff.due(peer, now):
+                        continue
+                    self.backoff.failed(peer, now)  # pessimistic: reset on success
+                    busy.add(peer)
+                    started += 1
+                    n.start_soon(one, peer, self._connect, peer, list(addrs))
+                await trio.sleep(DIAL_EVERY_S)
+
+
+async def _serve(state: ReachState, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    from gossip.holepunch import attach_holepunch
+    from gossip.reachability import DialbackServer
+    from gossip.relay import attach_relay
+
+    t = state.transport
+    async with attach_relay(t, state.cfg.network) as relay, attach_holepunch(t, auto=False) as hp:
+        DialbackServer(t)
+        state.relay, state.holepuncher = relay, hp
+        state.host_ready_s = round(time.time() - state.started_unix, 3)
+        task_status.started()
+        async with trio.open_nursery() as n:
+            n.start_soon(state.check_loop)
+            n.start_soon(state.dial_loop)
+            with trio.move_on_after(120):
+                while not t.peers():
+                    await trio.sleep(0.05)
+                state.first_peer_s = round(time.time() - state.started_unix, 3)
+
+
+async def start_reachability(transport: Any, cfg: Config, nursery: trio.Nursery, bootstrap: list[str] | None = None,
+                             known: Callable[[], dict[str, list[str]]] | None = None) -> ReachState:
+    """Attach relay, hole punching and dial-back to a running transport; run the checks in `nursery`.
+
+    `known` returns the addresses peers announced (peer id -> multiaddrs, circuits included); the node
+    passes its NodeAnnounce table. Returns at once (the services are attached); the verdict follows.
+    """
+    state = ReachState(transport, cfg, list(bootstrap or []), known or (lambda: {}))
+    await nursery.start(_serve, state)
+    return state
