@@ -163,3 +163,117 @@ def test_doctor_classifies_each_path() -> None:
     assert not c[0].ok and not c[1].ok and "network.relays" in c[1].fix
     pub = reachability_checks(snap(status="public", relay_service=False, peer_paths={"p": "direct"}))
     assert pub[0].ok and "relay_service" in pub[1].fix
+
+
+async def _relayed_pair(net: NetworkSection, r, a, b, stack):
+    """Relay r (with `net` limits), b reserves on r, a dials b through r. Returns (relay of r, circuit addr)."""
+    rr = await stack.enter_async_context(attach_relay(r, net))
+    ar = await stack.enter_async_context(attach_relay(a, NetworkSection()))
+    br = await stack.enter_async_context(attach_relay(b, NetworkSection()))
+    res = await br.reserve(r.listen_addrs()[0], timeout_s=20)
+    assert await ar.dial(res.circuit_addr, timeout_s=20) == b.peer_id
+    return rr, res.circuit_addr
+
+
+def _counting_sink(b, got: list[int], closed: trio.Event) -> None:
+    async def handler(stream, peer) -> None:
+        try:
+            while True:
+                part = await stream.read(1 << 16)
+                if not part:
+                    break
+                got[0] += len(part)
+        except Exception:
+            pass  # a reset circuit: what the limit tests expect
+        finally:
+            closed.set()
+    b.set_stream_handler("/test/sink/1", handler)
+
+
+async def _push(a, peer: str, total: int, block: int = 1 << 16) -> tuple[int, str]:
+    """Write up to `total` bytes; returns (bytes written before the first error, the error)."""
+    sent, err = 0, ""
+    try:
+        s = await a.open_stream(peer, "/test/sink/1")
+        while sent < total:
+            await s.write(b"\x00" * block)
+            sent += block
+        await s.close()
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return sent, err
+
+
+@pytest.mark.slow
+def test_relay_closes_a_circuit_over_its_byte_limit() -> None:
+    r_id, a_id, b_id = ids(61, 62, 63)
+    limit = 1 << 20
+
+    async def main() -> None:
+        from contextlib import AsyncExitStack
+
+        from gossip.holepunch import best_path
+
+        async with open_transport(r_id) as r, open_transport(a_id) as a, open_transport(b_id) as b, AsyncExitStack() as st:
+            await _relayed_pair(NetworkSection(relay_service=True, relay_max_circuit_bytes=limit), r, a, b, st)
+            got, closed = [0], trio.Event()
+            _counting_sink(b, got, closed)
+            with trio.fail_after(60):
+                sent, err = await _push(a, b.peer_id, 8 * limit)
+                await closed.wait()
+                while best_path(a, b.peer_id) != "none":  # the relay reset the whole circuit
+                    await trio.sleep(0.05)
+            assert got[0] < limit + (1 << 16), (got[0], sent, err)  # nothing beyond the budget was forwarded
+            assert sent < 8 * limit or err, "the sender noticed the closed circuit"
+
+    trio.run(main)
+
+
+@pytest.mark.slow
+def test_relay_closes_a_circuit_over_its_duration_limit() -> None:
+    r_id, a_id, b_id = ids(64, 65, 66)
+
+    async def main() -> None:
+        from contextlib import AsyncExitStack
+
+        async with open_transport(r_id) as r, open_transport(a_id) as a, open_transport(b_id) as b, AsyncExitStack() as st:
+            await _relayed_pair(NetworkSection(relay_service=True, relay_max_circuit_s=2), r, a, b, st)
+            got, closed = [0], trio.Event()
+            _counting_sink(b, got, closed)
+            t0 = trio.current_time()
+            with trio.fail_after(60):
+                sent, err = await _push(a, b.peer_id, 1 << 40, block=1 << 14)  # would run for hours
+                await closed.wait()
+            dt = trio.current_time() - t0
+            assert err and got[0] > 0, (sent, err)
+            assert 1.5 <= dt < 30, dt  # closed at the limit (2 s), not before and not by the test's timeout
+
+    trio.run(main)
+
+
+def test_start_reachability_on_loopback_serves_view_and_announces() -> None:
+    from node.config import Config
+    from node.reach import start_reachability
+
+    a_id, b_id = ids(71, 72)
+
+    async def main() -> None:
+        cfg_a, cfg_b = Config(), Config()
+        cfg_a.network.relay_service = True
+        async with open_transport(a_id) as a, open_transport(b_id) as b, trio.open_nursery() as n:
+            sa = await start_reachability(a, cfg_a, n)
+            boot = a.listen_addrs()
+            sb = await start_reachability(b, cfg_b, n, boot)
+            await b.connect(boot[0])
+            with trio.fail_after(60):
+                await sb.checked.wait()
+            v = sb.view()
+            assert v.status == "public" and v.path == "direct", v
+            assert v.host_ready_s is not None and v.host_ready_s > 0
+            assert any(x.startswith("/ip4/127.0.0.1/tcp/") for x in sb.announce_addrs())
+            assert sa.view().relay_service and not v.relay_service
+            checks = reachability_checks(v)
+            assert checks[0].ok and "publicly reachable" in checks[0].detail
+            n.cancel_scope.cancel()
+
+    trio.run(main)
