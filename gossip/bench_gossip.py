@@ -10,7 +10,6 @@ pipeline alone on one core. See docs/gossip.md for why processes and the pacing.
 from __future__ import annotations
 
 import os
-import random
 import struct
 import time
 from typing import Any

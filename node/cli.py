@@ -9,7 +9,6 @@ libp2p) happen inside the commands that need them, so `murmur --help` and
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional

@@ -18,7 +18,6 @@ every `report.sample_every_s`.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess

@@ -201,7 +201,7 @@ class LineageStore:
             m = re.match(r"^(\d{12})-(\d{12})\.(bin|env)$", p.name)
             if not m:
                 continue
-            base, target = int(m.group(1)), int(m.group(2))
+            base = int(m.group(1))
             orphan = m.group(3) == "bin" and not p.with_suffix(".env").exists()
             if orphan or base < floor:
                 p.unlink(missing_ok=True)

@@ -7,7 +7,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import trio
 
 from gossip import wire
@@ -220,7 +219,7 @@ def test_dht_discovers_peers_beyond_bootstrap(tmp_path: Path) -> None:
         async with AsyncExitStack() as stack:
             a = await stack.enter_async_context(node(a_id, tmp_path, dht=True))
             boot = a.transport.listen_addrs()
-            b = await stack.enter_async_context(node(b_id, tmp_path, bootstrap=boot, dht=True))
+            await stack.enter_async_context(node(b_id, tmp_path, bootstrap=boot, dht=True))
             with trio.fail_after(10):
                 while b_id.peer_id not in a.transport.peers():
                     await trio.sleep(0.05)

@@ -39,7 +39,7 @@ def pick_device(device: str = "auto") -> torch.device:
 
 def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
     """(model, tokenizer) from a local directory, offline; one-line MurmurError if unusable."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
     p = Path(path)
     if not p.is_dir():
