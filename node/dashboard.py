@@ -54,13 +54,17 @@ def node_panel(s: NodeStatus) -> Panel:
                  "memory", f"{s.memory_rss_mb:.0f} / {s.memory_budget_mb} MiB")
     head.add_row("bytes", f"up {human_bytes(s.bytes_up)}  down {human_bytes(s.bytes_down)}",
                  "gen", f"{s.gen_tokens_per_s:.0f} tok/s, {s.rollout_latency_s:.2f} s/rollout")
+    note = next((lin.admission_note for lin in s.lineages if lin.lineage == s.serving and lin.admission_note), "")
+    if note:
+        head.add_row("staleness", note, "", "")
     if s.worker_error:
         head.add_row("error", Text(s.worker_error, style="red"), "", "")
 
-    lins = Table("lineage", "name", "relation", "held", "head", "lag", "need/s", "supply/s", "active", "standby",
-                 title="lineages", expand=True)
+    lins = Table("lineage", "name", "relation", "held", "head", "lag", "admission", "need/s", "supply/s", "active",
+                 "standby", title="lineages", expand=True)
     for lin in s.lineages:
         lins.add_row(short(lin.lineage), lin.name, lin.relation, str(lin.held), str(lin.head), str(lin.lag),
+                     lin.admission or "",
                      f"{lin.need_rollouts_per_s:.1f}" if lin.relation == "own" else "",
                      f"{lin.supply_rollouts_per_s:.1f}" if lin.relation == "own" else "",
                      ", ".join(short(p) for p in lin.active), ", ".join(short(p) for p in lin.standby))
@@ -91,7 +95,9 @@ def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = 
         fol = next((lin for lin in s.lineages if lin.lineage == s.serving), None)
         lin = own or fol
         where = f"own {short(own.lineage, 8)}" if own else (f"→ {short(s.serving, 8)}" if s.serving else "—")
-        if not own and s.serving_reason:
+        if fol is not None and fol.admission == "stale":
+            where += " (stale: paused, catching up)"
+        elif not own and s.serving_reason:
             where += f" ({s.serving_reason[:40]})"
         t.add_row(name, ",".join(s.roles), s.worker, where, str(lin.held) if lin else "—", str(lin.lag) if lin else "—",
                   f"{_fmt_reward(s.reward_start)}→{_fmt_reward(s.reward_now)}", sparkline(s.reward_trend, 20),

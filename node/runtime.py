@@ -1,4 +1,4 @@
-"""The network process of a node: libp2p host, gossip, patch transfer, roles, control, metrics, dashboard.
+"""The network process of a node: libp2p host, gossip, patch broadcast, roles, control, metrics, dashboard.
 
 Process structure (docs/architecture.md): this process runs trio with
 py-libp2p as its main loop and never runs torch; training and generation run
@@ -32,7 +32,7 @@ from typing import Any
 import trio
 
 from gossip import wire
-from node import control, hardware, patchfetch, roles
+from node import control, hardware, patchsync, roles
 from node.config import Config
 from node.errors import MurmurError, PatchError
 from node.identity import Identity, peer_id_from_public
@@ -47,6 +47,11 @@ STOP_GRACE_S = 2.5
 EXIT_DEADLINE_S = 4.0
 WORKER_QUEUE = 1024
 BATCH_MAX_ROLLOUTS = 64
+CATCH_UP_TIMEOUT_S = 120.0
+IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
+TASK_SET_CHECK_EVERY = 5  # announce rounds between checks of the store for our own new task sets
+PARTIAL_SWEEP_EVERY = 60  # catch-up rounds (~0.5 s each) between sweeps of finished partial downloads
+PARTIAL_KEEP_S = 600.0  # an unfinished download's chunks are kept this long for a restart to resume from
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 
 
@@ -68,6 +73,8 @@ class LineageState:
     held: int = 0
     need_anchor: bool = False
     activation: roles.Activation | None = None
+    admission: str = ""  # staleness state of a served lineage: unknown | fresh | stale
+    admission_note: str = ""  # the last StalenessEvent message
 
 
 @dataclass
@@ -196,10 +203,16 @@ class Node:
         self.fetch_s: deque[float] = deque(maxlen=8)
         self.seq = 0
         self.announce_seq = 0
-        self.fetching: set[bytes] = set()
         self.worker: WorkerLink | None = None
         self.transport: Any = None
         self.service: Any = None
+        self.bcast: Any = None  # sync.broadcast.BroadcastNode
+        self._nursery: trio.Nursery | None = None
+        self.stored: dict[bytes, set[tuple[str, int, int]]] = {}  # lineage -> items in its store (cache)
+        self.announced_task_sets: set[bytes] = set()
+        from sync.staleness import StalenessGuard
+
+        self.guard = StalenessGuard(cfg.sync.max_staleness)
         self.metrics: Any = None
         self._cancel: trio.CancelScope | None = None
         self.pool_max = max(256, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8))
@@ -228,7 +241,8 @@ class Node:
                                     need_rollouts_per_s=act.need if act else 0.0,
                                     supply_rollouts_per_s=act.supply if act else 0.0,
                                     active=list(act.active) if act else [], standby=list(act.standby) if act else [],
-                                    rejected=dict(act.rejected) if act else {}))
+                                    rejected=dict(act.rejected) if act else {},
+                                    admission=lin.admission, admission_note=lin.admission_note))
         led = self.ledger
         rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
         if self.service is not None:
@@ -256,10 +270,20 @@ class Node:
             rollouts_accepted=accepted, rollouts_used=self.counters["used"], rejected=rejected,
             spot_checked=self.counters["spot_checked"], spot_failed=self.counters["spot_failed"],
             reward_trend=list(self.rewards), reward_start=start, reward_now=now_r, gen_tokens_per_s=self.gen_tps,
-            rollout_latency_s=self.latency, bytes_up=self.counters["bytes_up"], bytes_down=self.counters["bytes_down"],
+            rollout_latency_s=self.latency, bytes_up=self._bytes_up(), bytes_down=self._bytes_down(),
             memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
             metrics_port=self.metrics.port if self.metrics else 0,
             **({"reach": self.reach.view()} if getattr(self, "reach", None) else {}))
+
+    def _bytes_up(self) -> int:
+        return int(self.bcast.counters["bytes_up"]) if self.bcast is not None else 0
+
+    def _bytes_down(self) -> int:
+        """Chunk bytes received: completed transfers plus those in flight."""
+        live = 0
+        if self.bcast is not None:
+            live = sum(tr.session.bytes_in for tr in list(self.bcast.transfers.values()) if not tr.session.complete)
+        return self.counters["bytes_down"] + live
 
     # ------------------------------------------------------------ main
     async def run(self) -> None:
@@ -276,7 +300,7 @@ class Node:
         self.registry.add_builtin()
         for ts in self.store.task_sets():
             try:
-                self.registry.add(ts["envelope"], {bytes.fromhex(k) for k in cfg.trust.coordinators})
+                self.registry.add(ts["envelope"], self._trusted())
             except MurmurError:
                 pass
         self._load_lineages()
@@ -309,14 +333,17 @@ class Node:
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
                 self.service.on_announce(wire.TASK_SET, self._on_task_set)
-                t.set_stream_handler(patchfetch.PROTOCOL, self._serve_patch)
+                self.bcast = self._broadcast_node(t)
+                t.set_stream_handler(patchsync.PROTOCOL, self._serve_catalog)
                 bootstrap = list(dict.fromkeys(self.opts.bootstrap + cfg.network.bootstrap))
                 disc = Discovery(t, bootstrap, self.store, dht=cfg.network.dht and bool(bootstrap))
                 async with trio.open_nursery() as nursery:
                     self._cancel = nursery.cancel_scope
                     if self._stop_requested:
                         nursery.cancel_scope.cancel()
+                    self._nursery = nursery
                     await nursery.start(self.service.run)
+                    await nursery.start(self.bcast.run)
                     await nursery.start(disc.run)
                     from node.reach import start_reachability  # relay, hole punching, dial-back (docs/reachability.md)
                     self.reach = await start_reachability(
@@ -328,7 +355,7 @@ class Node:
                     nursery.start_soon(self._worker_loop)
                     nursery.start_soon(self._announce_loop)
                     nursery.start_soon(self._ledger_loop)
-                    nursery.start_soon(self._fetch_loop)
+                    nursery.start_soon(self._catch_up_loop)
                     nursery.start_soon(self._view_loop)
         finally:
             self.state = "stopping"
@@ -410,7 +437,9 @@ class Node:
         for d in body.owned:
             lin = self._lineage(bytes(d.lineage), d.name, bytes(env.signer))
             lin.head = max(lin.head, d.head_version)
+            self._observe_head(lin)
         if prev is None:
+            self.announced_task_sets.clear()  # a new peer: our own task sets go out again
             event(log, "peer announced", peer=body.peer_id, roles=list(body.roles))
             await trio.to_thread.run_sync(lambda: self.store.see_peer(body.peer_id, bytes(env.signer),
                                                                        list(body.addrs), data))
@@ -419,12 +448,11 @@ class Node:
         lin = self._lineage(bytes(m.lineage), m.lineage_name, bytes(m.publisher), bytes(m.base_model_hash))
         if m.target_version > lin.head:
             lin.head = m.target_version
-            if self.worker and lin.lineage == self.serving:
-                self.worker.send("head", {"lineage": lin.lineage.hex(), "head": lin.head})
+            self._observe_head(lin)
 
     async def _on_task_set(self, origin: str, m: wire.TaskSetManifest, data: bytes) -> None:
         """A signed task set from a coordinator this node trusts joins the registry and the store."""
-        trusted = {bytes.fromhex(k) for k in self.cfg.trust.coordinators}
+        trusted = self._trusted()
         env = wire.decode_envelope(data)
         tid = wire.content_id(env.body)
         if tid in self.registry:
@@ -445,10 +473,101 @@ class Node:
         if wanted:
             self.worker.send("external", v.data, droppable=True)
 
-    async def _serve_patch(self, stream: Any, remote: str) -> None:
-        with trio.fail_after(60):
-            await patchfetch.serve(stream, self.home, self.counters)
-        await stream.close()
+    # ------------------------------------------------------------ patches over the broadcast
+    def _broadcast_node(self, t: Any) -> Any:
+        from sync.broadcast import BroadcastNode
+        from sync.swarm import SwarmConfig
+
+        return BroadcastNode(t, swarm=self.cfg.node.swarm, upload_bytes_per_s=self.cfg.network.upload_bytes_per_s,
+                             config=SwarmConfig(stall_timeout_s=self.cfg.sync.stall_timeout_s),
+                             partial_root=self.home / "partial", accept=self._accept_manifest,
+                             on_penalty=self._on_penalty, on_complete=self._on_transfer_complete)
+
+    def _accept_manifest(self, m: wire.PatchManifest) -> bool:
+        lin = self.lineages.get(self.serving) if self.serving is not None else None
+        if lin is None:
+            return False
+        return patchsync.wanted(m, self.serving, lin.publisher, lin.held, lin.need_anchor,
+                                self.stored.get(lin.lineage, set()))
+
+    def _on_penalty(self, peer: str, reason: str, amount: float) -> None:
+        """Broadcast misbehaviour (stalls, bad frames, corrupt chunks) lowers the peer's gossip score."""
+        if self.service is None:
+            return
+        p = self.service.pipeline
+        p.scores.penalise(peer, f"broadcast: {reason}"[:120], abs(amount), p.clock())
+
+    def _on_transfer_complete(self, tr: Any) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self._store_transfer, tr)
+
+    async def _store_transfer(self, tr: Any) -> None:
+        """A completed, chunk-verified patch: store it atomically, then tell the worker."""
+        m = tr.manifest
+        lid = bytes(m.lineage)
+        item = patchsync.item_of(m)
+        have = self.stored.setdefault(lid, set())
+        if (item.kind, item.base, item.target) in have:
+            return
+        try:
+            await trio.to_thread.run_sync(patchsync.store_complete, self.home, m, tr.envelope, tr.payload())
+        except (MurmurError, OSError) as e:
+            log.warning("could not store patch %s: %s", tr.pid.hex()[:12], e)
+            return
+        have.add((item.kind, item.base, item.target))
+        self.counters["bytes_down"] += tr.session.bytes_in
+        if tr.completed_wall is not None:
+            self.fetch_s.append(max(0.0, tr.completed_wall - tr.started))
+        event(log, "patch received", lineage=lid.hex()[:16], kind=item.kind, base=item.base, target=item.target,
+              bytes=m.total_bytes, seconds=round((tr.completed_wall or time.time()) - tr.started, 2))
+        if self.worker is not None:
+            self.worker.send("patch", {"lineage": lid.hex(), "kind": item.kind, "base": item.base,
+                                       "target": item.target})
+
+    async def _publish_version(self, body: dict[str, Any]) -> None:
+        """Our worker stored a new version: seed it on the broadcast (this also gossips the manifest)."""
+        from sync.patchstore import open_manifest
+
+        env = body["envelope"]
+        m = open_manifest(env)
+        item = patchsync.item_of(m)
+        env2, chunks = await trio.to_thread.run_sync(patchsync.read_item, self.home, bytes(m.lineage), item)
+        try:
+            await self.bcast.publish(env2, chunks)
+        except MurmurError as e:  # no gossip peers yet: the chunks are still offered to stream peers
+            log.debug("manifest gossip: %s", e)
+
+    async def _serve_catalog(self, stream: Any, remote: str) -> None:
+        try:
+            with trio.fail_after(30):
+                await patchsync.serve(stream, self.home, self.bcast)
+        except (MurmurError, trio.TooSlowError) as e:
+            log.debug("catalog request from %s: %s", remote, e)
+        with trio.move_on_after(2):
+            await stream.close()
+
+    def _trusted(self) -> set[bytes]:
+        """Coordinators whose task sets this node accepts: the configured ones, and itself."""
+        return {bytes.fromhex(k) for k in self.cfg.trust.coordinators} | {self.ident.public}
+
+    # ------------------------------------------------------------ staleness admission
+    def _staleness(self, lid: bytes, events: list[Any]) -> None:
+        lin = self.lineages.get(lid)
+        for ev in events:
+            event(log, "staleness", lineage=lid.hex()[:16], state=ev.state, message=ev.message)
+            if lin is not None:
+                lin.admission, lin.admission_note = ev.state, ev.message
+        if events:
+            self._send_admit(lid)
+
+    def _send_admit(self, lid: bytes) -> None:
+        """Tell the worker whether it may generate for the lineage it serves (the guard decides)."""
+        if self.worker is not None and lid == self.serving:
+            self.worker.send("admit", {"lineage": lid.hex(), "generate": self.guard.may_generate(lid)})
+
+    def _observe_head(self, lin: LineageState) -> None:
+        if lin.lineage == self.serving:
+            self._staleness(lin.lineage, self.guard.observe_head(lin.lineage, lin.head, time.monotonic()))
 
     # ------------------------------------------------------------ worker
     async def _worker_loop(self) -> None:
@@ -506,10 +625,7 @@ class Node:
             self.counters["published"] = int(body["version"])
             if lin is not None:
                 lin.head = lin.held = int(body["version"])
-            try:
-                await self.service.publish_announce(body["envelope"])
-            except MurmurError as e:
-                log.debug("manifest gossip: %s", e)
+            await self._publish_version(body)
         elif kind == "applied":
             lin = self.lineages.get(bytes.fromhex(body["lineage"]))
             if lin is not None:
@@ -520,10 +636,14 @@ class Node:
                 lin.head = max(lin.head, lin.held)
                 if lin.relation == "seen":
                     lin.relation = "follow"
+                if not lin.need_anchor and lin.lineage == self.serving:
+                    self._staleness(lin.lineage, self.guard.applied(lin.lineage, lin.held, time.monotonic()))
         elif kind == "apply_failed":
             event(log, "patch apply failed", **body)
             lid = bytes.fromhex(body["lineage"])
-            store = patchfetch.held_store(self.home, lid)
+            self.stored.get(lid, set()).discard(("patch" if int(body["target"]) == int(body["base"]) + 1 else "union",
+                                                 int(body["base"]), int(body["target"])))
+            store = patchsync.held_store(self.home, lid)
             if store is not None:  # drop the bad item so it is fetched again (from another peer)
                 for suffix in (".env", ".bin"):
                     p = store.root / "patches" / f"{int(body['base']):012d}-{int(body['target']):012d}{suffix}"
@@ -641,8 +761,9 @@ class Node:
         event(log, "serving", lineage=choice.lineage.hex() if choice.lineage else None, reason=choice.reason)
         if self.worker is not None:
             self.worker.send("follow", info)
-            if info is not None:
-                self.worker.send("head", {"lineage": info["id"], "head": self.lineages[choice.lineage].head})
+        if choice.lineage is not None:
+            self._observe_head(self.lineages[choice.lineage])
+            self._send_admit(choice.lineage)
 
     def _base_for(self, lin: LineageState) -> bytes:
         from sync.hashing import lineage_id
@@ -669,82 +790,125 @@ class Node:
     async def _announce_loop(self) -> None:
         from gossip.transport import PublishError
 
-        while True:
+        for i in range(2**62):
             self._choose_serving()
             try:
                 await self.service.publish_announce(self._announce())
             except PublishError:
                 pass
+            if i % TASK_SET_CHECK_EVERY == 0:
+                await self._announce_task_sets()
             now = time.monotonic()
             for pid in [p for p, info in self.peers.items() if now - info.seen > PEER_EXPIRY_S * 4]:
                 del self.peers[pid]
             await trio.sleep(ANNOUNCE_EVERY_S)
 
-    # ------------------------------------------------------------ patches
-    async def _fetch_loop(self) -> None:
-        while True:
+    async def _announce_task_sets(self) -> None:
+        """Task sets signed by this node's key (`murmur tasks publish` stores them) go out on the announce topic.
+
+        Each is sent once when it appears, and again whenever a new peer shows
+        up (`_on_node_announce` clears the sent set), so late joiners get it too.
+        """
+        from gossip.transport import PublishError
+
+        rows = await trio.to_thread.run_sync(self.store.task_sets)
+        for ts in rows:
+            tid = bytes(ts["task_set_id"])
+            if bytes(ts["coordinator"]) != self.ident.public or tid in self.announced_task_sets:
+                continue
+            if tid not in self.registry:
+                try:
+                    self.registry.add(ts["envelope"], self._trusted())
+                except MurmurError as e:
+                    log.warning("own task set %s unusable: %s", tid.hex()[:16], e)
+                    continue
+            try:
+                await self.service.publish_announce(bytes(ts["envelope"]))
+            except PublishError:
+                return  # no peers yet: try again next round
+            self.announced_task_sets.add(tid)
+            event(log, "task set announced", name=ts["name"], version=ts["version"], id=tid.hex()[:16])
+
+    # ------------------------------------------------------------ catch-up
+    async def _catch_up_loop(self) -> None:
+        for i in range(2**62):
+            if i % PARTIAL_SWEEP_EVERY == 0:
+                trs = list(self.bcast.transfers.values())
+                live = {tr.pid.hex() for tr in trs if not tr.session.complete}
+                done = {tr.pid.hex() for tr in trs if tr.completed_wall and time.time() - tr.completed_wall > 5.0}
+                await trio.to_thread.run_sync(patchsync.sweep_partials, self.home / "partial", live, done,
+                                              PARTIAL_KEEP_S)
             lid = self.serving
             if lid is not None and lid in self.lineages:
-                lin = self.lineages[lid]
-                local = await trio.to_thread.run_sync(self._local_head, lid)
-                if lin.head > (lin.held if lin.need_anchor else max(lin.held, local)):
-                    try:
-                        with trio.fail_after(60):
-                            await self._fetch(lin)
-                    except (MurmurError, trio.TooSlowError) as e:
-                        log.info("fetch %s: %s", lid.hex()[:12], e)
-                        await trio.sleep(1.0)
-            await trio.sleep(0.2)
+                try:
+                    with trio.fail_after(CATCH_UP_TIMEOUT_S):
+                        await self._catch_up(self.lineages[lid])
+                except (MurmurError, trio.TooSlowError) as e:
+                    log.info("catch-up %s: %s", lid.hex()[:12], e)
+                    await trio.sleep(1.0)
+            await trio.sleep(0.5)
 
-    def _local_head(self, lid: bytes) -> int:
-        store = patchfetch.held_store(self.home, lid)
-        return (store.head() or 0) if store else 0
+    async def _catch_up(self, lin: LineageState) -> None:
+        """Get from the held version to the head without downloading anything held or already in flight.
 
-    async def _fetch(self, lin: LineageState) -> None:
+        Steady-state versions arrive by the broadcast on their own; this only
+        acts when what is held plus what is in flight cannot reach the head
+        (joined late, restarted, missed a manifest): it asks the publisher
+        (then peers serving the lineage) for its catalog, plans the cheapest
+        route with `sync.catchup.choose`, and has the peer seed the missing
+        items into the broadcast.
+        """
         from sync.catchup import choose
         from sync.patchstore import StoredItem
 
+        lid = lin.lineage
+        store = patchsync.held_store(self.home, lid)
+        local = await trio.to_thread.run_sync(store.items) if store else []
+        self.stored[lid] = {(i.kind, i.base, i.target) for i in local}
+        if lin.head <= lin.held and not lin.need_anchor:
+            return
+        start = None if lin.need_anchor else lin.held
+        now = time.time()
+        flying = [patchsync.item_of(tr.manifest) for tr in list(self.bcast.transfers.values())
+                  if bytes(tr.manifest.lineage) == lid and (tr.session.complete or now - tr.started < IN_FLIGHT_PATIENCE_S)]
+        free = {(i.kind, i.base, i.target): StoredItem(i.kind, i.base, i.target, 0) for i in local + flying}
+        try:
+            choose(start, lin.head, free.values())
+            return  # everything needed is held or on its way
+        except PatchError:
+            pass
         publisher_peer = peer_id_from_public(lin.publisher)
         sources = [publisher_peer] + [pid for pid, p in self.peers.items()
-                                      if bytes(p.announce.serving) == lin.lineage and pid != publisher_peer]
+                                      if bytes(p.announce.serving) == lid and pid != publisher_peer]
         connected = set(self.transport.peers())
         last: Exception | None = None
         for peer in [s for s in sources if s in connected][:4]:
-            t0 = time.monotonic()
             try:
-                remote = await patchfetch.catalog(self.transport, peer, lin.lineage)
-                store = patchfetch.held_store(self.home, lin.lineage)
-                local = await trio.to_thread.run_sync(store.items) if store else []
-                have = {(i.kind, i.base, i.target) for i in local}
-                head = max((i.target for i in remote), default=0)
-                if head <= lin.held:
-                    return
-                items = [StoredItem(i.kind, i.base, i.target, 0) for i in local] + \
-                        [i for i in remote if (i.kind, i.base, i.target) not in have]
-                # without state a node cannot use a patch chain from 0 unless it holds the base model
-                start = None if lin.need_anchor else lin.held
+                remote = [i for i in await patchsync.catalog(self.transport, peer, lid)
+                          if (i.kind, i.base, i.target) not in free]
+                items = list(free.values()) + remote
+                head = min(lin.head, max((i.target for i in items), default=0))
+                if start is not None and head <= start:
+                    continue
                 try:
                     plan = choose(start, head, items)
-                except PatchError:
+                except PatchError:  # the chain from what we hold was pruned there: an anchor will do
                     plan = choose(None, head, items)
-                got = 0
+                pids = []
                 for step in plan.steps:
-                    if (step.kind, step.base, step.target) in have:
+                    if (step.kind, step.base, step.target) in free:
                         continue
-                    env, payload = await patchfetch.get(self.transport, peer, lin.lineage, step)
-                    await trio.to_thread.run_sync(patchfetch.verify_and_store, self.home, lin.lineage, lin.publisher,
-                                                  step, env, payload)
-                    self.counters["bytes_down"] += len(env) + len(payload)
-                    got += 1
-                    if self.worker is not None:
-                        self.worker.send("patch", {"lineage": lin.lineage.hex(), "kind": step.kind,
-                                                   "base": step.base, "target": step.target})
-                if got:
-                    self.fetch_s.append((time.monotonic() - t0) / got)
+                    env = await patchsync.offer(self.transport, peer, lid, step)
+                    pid = await self.bcast.add_manifest(env)
+                    if pid is not None:
+                        pids.append(pid)
+                event(log, "catching up", lineage=lid.hex()[:16], plan=plan.kind, held=lin.held, head=head,
+                      fetch=len(pids), bytes=plan.total_bytes, source=peer)
+                for pid in pids:
+                    await self.bcast.wait_complete(pid, CATCH_UP_TIMEOUT_S)
                 return
             except MurmurError as e:
                 last = e
-                continue
         if last is not None:
             raise last
 

@@ -33,6 +33,8 @@ class LineageView(Struct, kw_only=True):
     active: list[str] = []  # followers counted towards the demand
     standby: list[str] = []  # followers told to stand by
     rejected: dict[str, str] = {}  # follower -> why it does not count (e.g. staleness)
+    admission: str = ""  # served lineage: unknown | fresh (generating) | stale (paused, catching up)
+    admission_note: str = ""  # the last staleness transition, as logged
 
 
 class ReachView(Struct, kw_only=True):

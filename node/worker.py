@@ -8,7 +8,8 @@ generates. Messages (tuples, both ends ours):
 network -> worker
   ("follow", dict | None)    lineage to serve as follower {id, name, publisher, base} or None (stand by)
   ("patch", dict)            a patch/anchor is in the lineage store: {lineage, kind, base, target}
-  ("head", dict)             {lineage, head}: newest announced version
+  ("admit", dict)            {lineage, generate}: the network's staleness guard (sync.staleness) says
+                             whether this follower may generate for the lineage (within the bound)
   ("external", bytes)        a verified RolloutBatch envelope (trainer pool, spot checks)
   ("stop", None)
 worker -> network
@@ -50,7 +51,7 @@ class Inbox:
         self.wake = threading.Event()
         self.follow: dict | None | str = "unset"
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
-        self.heads: dict[str, int] = {}
+        self.admit: dict[str, bool] = {}
         self.groups: collections.OrderedDict[tuple, list] = collections.OrderedDict()
         self.max_groups = max_groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
@@ -77,8 +78,8 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                 inbox.follow = body
             elif kind == "patch":
                 inbox.patches.append(body)
-            elif kind == "head":
-                inbox.heads[body["lineage"]] = max(inbox.heads.get(body["lineage"], 0), int(body["head"]))
+            elif kind == "admit":
+                inbox.admit[body["lineage"]] = bool(body["generate"])
             elif kind == "external":
                 try:
                     _, batch = wire.open_envelope(body, wire.ROLLOUT_BATCH)
@@ -134,19 +135,22 @@ class Worker:
         self.registry.add_builtin()
         self.task_set = self.registry.builtin_id
         self.db = open_store(self.home)
+        from node.policy import to_published
         from sync.hashing import canonical_state, state_hash
 
-        live = canonical_state(self.engine.model)
-        self.base_hash = state_hash(live)
-        # the base weights, to restart from when this follower moves to another lineage
-        self.base_state = {n: t.detach().clone() for n, t in live.items()}
+        # lineages version the bf16 copy (node/policy.py); the base hash is over those bytes
+        self.base_state = to_published(canonical_state(self.engine.model))
+        self.base_hash = state_hash(self.base_state)
+        self.checker = self.engine  # the engine holding the published weights, for spot checks
         m = self.registry.get(self.task_set)
         self.gens = [g for g in m.generators if not g.name.endswith("-eval")]
 
     # ------------------------------------------------------------ trainer
     def run_trainer(self) -> None:
+        from sync.hashing import canonical_state
         from sync.lineage import LineagePublisher
         from node.identity import Identity
+        from node.policy import MasterEngine, to_published
         from training.trainer import Trainer, TrainerConfig
         from training.rollouts import to_wire
         from gossip import wire
@@ -160,14 +164,19 @@ class Worker:
         if own:
             try:
                 pub = LineagePublisher.resume(ident, self.home, bytes.fromhex(own), **kw)
+                if {n: t.dtype for n, t in pub.base.items()} != {n: t.dtype for n, t in self.base_state.items()}:
+                    raise ValueError("stored lineage is not in the published (bf16) layout")
                 self.engine.load_state(pub.base)
             except Exception as e:  # a damaged store must not stop the node: start the lineage afresh
                 self.send("log", f"cannot resume lineage {own[:16]}: {e}; starting a new one")
                 pub = None
         if pub is None:
-            pub = LineagePublisher(ident, s["lineage_name"], self.engine.model, self.home, **kw)
+            pub = LineagePublisher(ident, s["lineage_name"], self.base_state, self.home, **kw)
             self.db.put("own_lineage", pub.lineage.id.hex())
         self.pub = pub
+        # fp32 master for the optimizer; rollouts are sampled from the published bf16 version
+        self.engine = MasterEngine(self.engine, pub.base, seed=int(s.get("seed", 0)))
+        self.checker = self.engine.gen
         self.held_lineage = pub.lineage.id
         self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
                             "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
@@ -179,23 +188,19 @@ class Worker:
         publish_every = max(1, int(s.get("publish_every", 1)))
         self.send("state", "training")
         steps = 0
-        at_published = True  # the live weights are exactly a published version
         while not self.inbox.stop.is_set():
             t0 = time.monotonic()
             res = trainer.step()
             steps += 1
             self.tokens += res.tokens
-            if res.rollouts and at_published:
-                # Only rollouts sampled from published weights are gossiped: with publish_every > 1 the
-                # others come from weights no peer can reproduce, so their log-probs could not be checked.
+            if res.rollouts:
+                # sampled from the published version pub.version: any peer holding it can spot-check them
                 self.send("rollouts", [wire.encode(to_wire(r)) for r in res.rollouts])
             published = None
-            if res.version != pub.version:
-                at_published = False
             if res.version != pub.version and steps % publish_every == 0:
-                bundle = pub.publish(self.engine.model)
+                bundle = pub.publish(to_published(canonical_state(self.engine.model)))
+                self.engine.set_published(pub.base)
                 published = pub.version
-                at_published = True
                 self.send("published", {"version": pub.version, "envelope": bundle.envelope,
                                         "bytes": bundle.manifest.total_bytes})
             trainer.version = pub.version
@@ -244,30 +249,31 @@ class Worker:
         from sync.lineage import Lineage, LineageFollower
 
         lin = Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"])
-        self.engine.load_state(self.base_state)  # whatever lineage we held before, start from the base
+        # the follower patches a bf16 copy (what versions hash); the fp32 compute model mirrors it exactly
+        live = {n: t.clone() for n, t in self.base_state.items()}  # whatever we held before, start from the base
         d = self._checkpoint_dir(lin.id)
         if (d / "state.json").exists():
             try:
                 meta = json.loads((d / "state.json").read_text())
                 state = load_file(str(d / "state.safetensors"))
-                self.engine.load_state(state)
+                if set(state) != set(live) or any(state[n].dtype != live[n].dtype for n in live):
+                    raise PatchError("checkpoint tensors differ from the published layout")
                 self.need_anchor = False
-                return LineageFollower(lin, self.engine.model, version=int(meta["version"]),
-                                       expected_hash=bytes.fromhex(meta["state_hash"]), home=self.home, db=self.db,
-                                       keep_patches=False)
+                follower = LineageFollower(lin, state, version=int(meta["version"]),
+                                           expected_hash=bytes.fromhex(meta["state_hash"]), home=self.home,
+                                           db=self.db, keep_patches=False)
+                self.engine.load_state(follower.live)
+                return follower
             except Exception as e:
                 self.send("log", f"follower checkpoint unusable ({e}); starting from the base model")
-                from training.tiny import load_policy
-
-                self.engine = load_policy(self.spec["model"], self.spec.get("model_home") or self.home,
-                                          seed=int(self.spec.get("model_seed", 0)))
+        self.engine.load_state(live)
         self.need_anchor = False
         try:
-            return LineageFollower(lin, self.engine.model, version=0, home=self.home, db=self.db, keep_patches=False)
+            return LineageFollower(lin, live, version=0, home=self.home, db=self.db, keep_patches=False)
         except PatchError:
             # our base model differs from the publisher's: only an anchor (a full state) can start us
             self.need_anchor = True
-            return LineageFollower(lin, self.engine.model, version=0, expected_hash=self.base_hash, home=self.home,
+            return LineageFollower(lin, live, version=0, expected_hash=self.base_hash, home=self.home,
                                    db=self.db, keep_patches=False)
 
     def _apply_held(self, follower: Any) -> int:
@@ -302,17 +308,20 @@ class Worker:
     def _apply_item(self, follower: Any, kind: str, base: int, target: int) -> bool:
         from sync import chunks as chunking
         from sync.patchstore import open_manifest
+        from sync.hashing import canonical_state
         from node.errors import PatchError
+        from node.policy import mirror
 
         store = follower.store
         try:
             env, payload = store.read_anchor(target) if kind == "anchor" else store.read_patch(base, target)
             m = open_manifest(env)
-            follower.apply(env, chunking.split(payload, m.chunk_bytes))
+            applied = follower.apply(env, chunking.split(payload, m.chunk_bytes))
         except PatchError as e:
             self.send("apply_failed", {"lineage": follower.lineage.id.hex(), "base": base, "target": target,
                                        "error": str(e)})
             return False
+        mirror(canonical_state(self.engine.model), follower.live, applied.changed)
         if kind == "anchor":
             self.need_anchor = False
         self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version,
@@ -331,7 +340,6 @@ class Worker:
         tcfg = s["trainer"]
         sampling = Sampling(temperature=tcfg["temperature"], top_p=1.0, max_new_tokens=tcfg["max_new_tokens"])
         group = int(tcfg["group_size"])
-        max_stale = int(tcfg["max_staleness"])
         self.send("ready", {"base": self.base_hash.hex(), "tokenizer_hash": self.engine.tokenizer_hash.hex(),
                             "version": 0})
         follower = None
@@ -368,9 +376,9 @@ class Worker:
             self._apply_held(follower)
             lid = follower.lineage.id.hex()
             with self.inbox.lock:
-                head = self.inbox.heads.get(lid, follower.version)
-            if self.need_anchor or head - follower.version > max_stale:
-                set_state("catching-up")  # beyond the staleness bound: no rollouts until caught up
+                admitted = self.inbox.admit.get(lid, False)
+            if self.need_anchor or not admitted:
+                set_state("catching-up")  # beyond the staleness bound (or nothing held): no rollouts until caught up
                 self.inbox.wake.wait(0.5)
                 self.inbox.wake.clear()
                 continue
@@ -427,8 +435,8 @@ class Worker:
                     task = self.registry.resolve(r.task)
                 except Exception:  # a task set this worker does not hold: nothing to check against
                     continue
-                prompt = self.engine.encode(task.prompt)
-                got = self.engine.logprobs([(prompt, list(r.completion_ids))], r.sampling.temperature)[0]
+                prompt = self.checker.encode(task.prompt)
+                got = self.checker.logprobs([(prompt, list(r.completion_ids))], r.sampling.temperature)[0]
                 claim = logprobs_from_bytes(r.logprobs)
                 diff = sum(abs(a - b) for a, b in zip(got, claim)) / max(1, len(got))
                 checked += 1
