@@ -9,9 +9,10 @@ benchmark all need the same order of steps (docs/reachability.md, "Node runtime 
 3. if not public: reserve on `network.relays` (or, when that list is empty, on the bootstrap peers, which
    refuse unless they relay) and announce the circuit addresses;
 4. for peers learned from announces that we are not connected to: dial a direct address, else a circuit.
-   Only the side with the smaller peer id dials a circuit first (py-libp2p's relay keys circuits by peer:
-   crossed relayed dials broke stream opening); the other side dials after `CROSS_GRACE_S` if still
-   unconnected. The side that dialled the circuit then tries one DCUtR upgrade (bounded).
+   Only one side dials a circuit first (py-libp2p's relay keys circuits by peer: crossed relayed dials
+   broke stream opening): never a public node (the NATed side can dial it directly), else the smaller
+   peer id; the other side dials after `CROSS_GRACE_S` if still unconnected. The side that dialled the
+   circuit then tries DCUtR upgrades (bounded).
 
 The verdict is re-checked every `RECHECK_S` (sooner while unknown). `ReachState.view()` is the
 `ReachView` the node serves in its status; `node.doctor_reachability` turns it into checks.
@@ -34,7 +35,6 @@ from node.status import ReachView
 
 log = logging.getLogger("murmur.node.reach")
 
-FIRST_CHECK_WAIT_S = 20.0  # wait this long for a direct peer before the first dial-back round
 RECHECK_S = 600.0
 RETRY_UNKNOWN_S = 30.0
 DIAL_EVERY_S = 1.0
@@ -132,11 +132,11 @@ class ReachState:
         self.checked.set()
 
     async def check_loop(self) -> None:
-        # event-like wait for the first direct peer (bounded): the transport offers no connect event
-        with trio.move_on_after(FIRST_CHECK_WAIT_S):
-            while not self._direct_peers():
-                await trio.sleep(0.1)
         while True:
+            # wait for a directly connected peer to ask (a node without bootstrap peers waits to be dialled);
+            # the transport offers no connect event, so this polls, cheaply
+            while not self._direct_peers():
+                await trio.sleep(0.2)
             try:
                 await self.check_once()
             except MurmurError as e:
@@ -144,9 +144,11 @@ class ReachState:
             await trio.sleep(RETRY_UNKNOWN_S if getattr(self.reach, "status", "unknown") == "unknown" else RECHECK_S)
 
     def _should_dial_circuit(self, peer: str, now: float) -> bool:
-        if self.transport.peer_id < peer:
+        """One side per pair dials through the relay: a public node waits to be dialled directly; of two
+        NATed nodes the smaller peer id dials. Either dials anyway once the other has not for a while."""
+        if now - self.first_seen.get(peer, now) >= CROSS_GRACE_S:
             return True
-        return now - self.first_seen.get(peer, now) >= CROSS_GRACE_S  # the other side did not dial us
+        return not self.public() and self.transport.peer_id < peer
 
     async def _connect(self, peer: str, addrs: list[str]) -> None:
         from gossip.relay import is_circuit

@@ -1,0 +1,194 @@
+"""Real nodes (`murmur node start`) behind emulated NATs: a public relay node and two NATed homes.
+
+h1 (trainer) and h2 (follower) sit behind separate MASQUERADE routers; pub (follower, relay service) is
+public. The homes must find out they are private, reserve on the relay, find each other from the signed
+announces, connect (relayed, or hole-punched), and the swarm must work across: h1's patches reach pub
+and h2, rollouts reach h1. `murmur doctor` must report each case: a running NATed node, a one-shot
+probe from a symmetric-NAT home (relayed, ports not preserved) and from a home with port forwarding
+(direct, public). Needs root, iproute2, iptables; skips with the reason otherwise. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from node import control
+from node.status import NodeStatus
+from tests.netns import Network, netns_unavailable
+
+REASON = netns_unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
+
+REPO = Path(__file__).resolve().parent.parent
+PORT = 4001
+WAIT_S = 360.0
+
+
+def _config(roles: list[str], model: Path, relay_service: bool = False, relays: list[str] | None = None) -> str:
+    return (f'[node]\nswarm = "nat-swarm"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 1536\n'
+            + f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\ndht = false\n'
+            + f'relay_service = {str(relay_service).lower()}\nrelays = {json.dumps(relays or [])}\n'
+            + '[sync]\npublish_every = 4\nanchor_every = 8\nmax_staleness = 16\n'
+            + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def _start(net: Network, ns: str, home: Path, bootstrap: list[str]) -> subprocess.Popen:
+    cmd = net.exec_prefix(ns) + [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
+    for b in bootstrap:
+        cmd += ["--bootstrap", b]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=_env(),
+                            cwd=str(REPO))
+
+
+def _doctor(net: Network, ns: str, home: Path, extra: list[str]) -> dict:
+    cmd = net.exec_prefix(ns) + [sys.executable, "-m", "node", "doctor", "--json", "--home", str(home),
+                                 "--timeout", "5"] + extra
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=str(REPO))
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _status(home: Path) -> NodeStatus | None:
+    try:
+        return control.status(home, timeout=5.0)
+    except control.ControlError:
+        return None
+
+
+def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout * 2) + 1):
+        if pred():
+            return
+        dead = [p.args[-4:] for p in procs if p.poll() is not None]
+        assert not dead, f"node exited while waiting for {what}: {dead}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("model")
+    code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
+    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600,
+                       env=_env(), cwd=str(REPO))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+def _check(out: dict, name: str) -> dict:
+    return next(c for c in out["checks"] if c["name"] == name)
+
+
+def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
+    homes = {n: tmp_path / n for n in ("pub", "h1", "h2", "h3", "h4")}
+    for h in homes.values():
+        h.mkdir()
+    procs: dict[str, subprocess.Popen] = {}
+    with Network() as net:
+        h1, h2 = net.add_home(), net.add_home()
+        h3 = net.add_home(symmetric=True)  # one-shot doctor only
+        h4 = net.add_home()
+        net.forward_port(h4, PORT)  # one-shot doctor only
+        try:
+            (homes["pub"] / "config.toml").write_text(_config(["follower", "validator"], model, relay_service=True))
+            procs["pub"] = _start(net, net.pub_ns, homes["pub"], [])
+            allp = lambda: list(procs.values())  # noqa: E731
+            _wait("pub listening", lambda: bool((_status(homes["pub"]) or NodeStatus()).peer_id), allp())
+            pub_id = _status(homes["pub"]).peer_id
+            pub_addr = f"/ip4/{net.pub_ip}/tcp/{PORT}/p2p/{pub_id}"
+            # h1 lists the relay explicitly; h2 relies on the fallback (its bootstrap peer as relay)
+            (homes["h1"] / "config.toml").write_text(_config(["trainer"], model, relays=[pub_addr]))
+            (homes["h2"] / "config.toml").write_text(_config(["follower", "validator"], model))
+            procs["h1"] = _start(net, h1.ns, homes["h1"], [pub_addr])
+            procs["h2"] = _start(net, h2.ns, homes["h2"], [pub_addr])
+            _wait("h1, h2 up", lambda: all(_status(homes[n]) for n in ("h1", "h2")), allp())
+            ids = {n: _status(homes[n]).peer_id for n in ("pub", "h1", "h2")}
+
+            def reach(n: str):
+                s = _status(homes[n])
+                return s.reach if s else None
+
+            _wait("homes private with a relay reservation",
+                  lambda: all((r := reach(n)) and r.status == "private" and r.reservations for n in ("h1", "h2")),
+                  allp(), 120)
+            _wait("pub public", lambda: (r := reach("pub")) is not None and r.status == "public", allp(), 120)
+
+            def homes_connected() -> bool:
+                r1, r2 = reach("h1"), reach("h2")
+                return bool(r1 and r2 and r1.peer_paths.get(ids["h2"], "none") != "none"
+                            and r2.peer_paths.get(ids["h1"], "none") != "none")
+
+            _wait("h1 and h2 connected to each other (relayed or hole-punched)", homes_connected, allp(), 180)
+
+            def lin(n: str, lineage: str | None = None):
+                s = _status(homes[n])
+                if s is None:
+                    return None
+                if lineage is None:
+                    return next((x for x in s.lineages if x.relation == "own"), None)
+                return next((x for x in s.lineages if x.lineage == lineage), None)
+
+            def swarm_works() -> bool:
+                own = lin("h1")
+                if own is None or own.held < 2:
+                    return False
+                for f in ("pub", "h2"):  # h1's patches verified and applied at both
+                    x = lin(f, own.lineage)
+                    if x is None or x.held < 2:
+                        return False
+                t, s2 = _status(homes["h1"]), _status(homes["h2"])
+                return bool(t and s2 and t.rollouts_accepted > 0 and s2.rollouts_accepted > 0)
+
+            _wait("patches from NATed h1 reach pub and h2; rollouts reach h1", swarm_works, allp())
+            s2 = _status(homes["h2"])
+            assert s2.bytes_down > 0
+            r1, r2, rp = reach("h1"), reach("h2"), reach("pub")
+            assert rp.path == "direct" and rp.relay_service, rp
+            for r in (r1, r2):
+                assert r.path in ("relayed", "hole-punched"), r
+                assert any("/p2p-circuit/p2p/" in a for a in r.announce_addrs), r.announce_addrs
+                assert r.observed_ips, "pub told the home how it sees it (its router's WAN address)"
+            assert r1.port_preserved is True, "MASQUERADE keeps free source ports"
+
+            # doctor on a home with a running node: its live path and why
+            d1 = _doctor(net, h1.ns, homes["h1"], [])
+            c = _check(d1, "reachability")
+            assert c["detail"].startswith("running node: path: ") and "behind NAT" in c["detail"], c
+            assert r1.path in c["detail"] and "forward TCP port 4001" in c["fix"], c
+
+            # one-shot doctor, symmetric NAT: private, reservation on the bootstrap peer, relayed, why
+            (homes["h3"] / "config.toml").write_text(f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\n')
+            d3 = _doctor(net, h3.ns, homes["h3"], ["--bootstrap", pub_addr])
+            c3 = _check(d3, "reachability")
+            assert "path: relayed" in c3["detail"] and "changes source ports" in c3["detail"], c3
+            assert _check(d3, "relay")["ok"] and "1 reservation" in _check(d3, "relay")["detail"], d3
+
+            # one-shot doctor, port forwarded: public, direct
+            (homes["h4"] / "config.toml").write_text(f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\n')
+            d4 = _doctor(net, h4.ns, homes["h4"], ["--bootstrap", pub_addr])
+            c4 = _check(d4, "reachability")
+            assert c4["ok"] and "path: direct" in c4["detail"] and "publicly reachable" in c4["detail"], c4
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs.values():
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
