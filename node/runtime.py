@@ -496,6 +496,7 @@ class Node:
             return
         p = self.service.pipeline
         p.scores.penalise(peer, f"broadcast: {reason}"[:120], abs(amount), p.clock())
+        event(log, "broadcast penalty", peer=peer, reason=reason[:200], amount=abs(amount))
 
     def _on_transfer_complete(self, tr: Any) -> None:
         if self._nursery is not None:
