@@ -210,6 +210,7 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self.stored: dict[bytes, set[tuple[str, int, int]]] = {}  # lineage -> items in its store (cache)
         self.announced_task_sets: set[bytes] = set()
+        self.pace_rate = 0.0  # follower generation cap sent to the worker (rollouts/s; 0 = none)
         from sync.staleness import StalenessGuard
 
         self.guard = StalenessGuard(cfg.sync.max_staleness)
@@ -745,6 +746,7 @@ class Node:
         configured = [bytes.fromhex(x) for x in self.cfg.sync.follow]
         choice = roles.choose_lineage(me, options, self._dissemination_s(), self.serving, configured=configured)
         self.serving_reason = choice.reason
+        self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None))
         if choice.lineage == self.serving:
             return
         if choice.lineage is not None:
@@ -765,6 +767,18 @@ class Node:
         if choice.lineage is not None:
             self._observe_head(self.lineages[choice.lineage])
             self._send_admit(choice.lineage)
+
+    def _pace(self, demand: roles.Demand | None) -> None:
+        """Cap the follower's generation at its trainer's need, so surplus rollouts do not take CPU from trainers.
+
+        The cap is the whole need `(1+m)·B/T_L` (not the unmet part: announced
+        throughputs are capacities, not current rates); 0 means no cap (the
+        trainer has not measured a step yet).
+        """
+        rate = roles.required_rate(demand) if demand is not None else 0.0
+        if self.worker is not None and abs(rate - self.pace_rate) > 0.1 * max(rate, self.pace_rate, 1e-9):
+            self.pace_rate = rate
+            self.worker.send("pace", {"rollouts_per_s": rate})
 
     def _base_for(self, lin: LineageState) -> bytes:
         from sync.hashing import lineage_id

@@ -10,6 +10,7 @@ network -> worker
   ("patch", dict)            a patch/anchor is in the lineage store: {lineage, kind, base, target}
   ("admit", dict)            {lineage, generate}: the network's staleness guard (sync.staleness) says
                              whether this follower may generate for the lineage (within the bound)
+  ("pace", dict)             {rollouts_per_s}: cap on a follower's generation rate (its trainer's need; 0 = none)
   ("external", bytes)        a verified RolloutBatch envelope (trainer pool, spot checks)
   ("stop", None)
 worker -> network
@@ -39,6 +40,7 @@ from typing import Any
 
 SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation
 EXTERNAL_GROUPS_MAX = 256  # bounded pool of external groups held by a trainer worker
+PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
 
 
@@ -52,6 +54,7 @@ class Inbox:
         self.follow: dict | None | str = "unset"
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
+        self.pace = 0.0
         self.groups: collections.OrderedDict[tuple, list] = collections.OrderedDict()
         self.max_groups = max_groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
@@ -78,6 +81,8 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                 inbox.follow = body
             elif kind == "patch":
                 inbox.patches.append(body)
+            elif kind == "pace":
+                inbox.pace = max(0.0, float(body["rollouts_per_s"]))
             elif kind == "admit":
                 inbox.admit[body["lineage"]] = bool(body["generate"])
             elif kind == "external":
@@ -408,8 +413,21 @@ class Worker:
                               "latency_s": dt})
             self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})
             self._spot_checks(follower.lineage.id, follower.version)
+            self._wait_pace(t0, group)
         if follower is not None:
             self._save_checkpoint(follower)
+
+    def _wait_pace(self, t0: float, produced: int) -> None:
+        """Hold the next group until `produced` rollouts fit the pace (a stop ends the wait at once)."""
+        with self.inbox.lock:
+            pace = self.inbox.pace
+        if pace <= 0:
+            return
+        until = t0 + min(PACE_MAX_WAIT_S, produced / pace)
+        for _ in range(int(PACE_MAX_WAIT_S / 0.5) + 2):
+            left = until - time.monotonic()
+            if left <= 0 or self.inbox.stop.wait(min(left, 0.5)):
+                return
 
     # ------------------------------------------------------------ validator
     def _spot_checks(self, lineage: bytes, version: int) -> None:
