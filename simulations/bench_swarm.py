@@ -341,7 +341,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
     edge = max(1, min(20, rounds // 5))
     return {
         "cumulative_reward": sum(per_node) / h,
-        "reward_by_generator": {"first": by_generator(0, edge), "last": by_generator(rounds - edge, rounds)},
+        "reward_by_generator": {"start": by_generator(0, edge), "end": by_generator(rounds - edge, rounds)},
         "per_node": [round(x, 3) for x in per_node],
         "start_reward": sum(curve[:10]) / len(curve[:10]),
         "final_reward": sum(curve[-10:]) / len(curve[-10:]),
