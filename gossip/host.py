@@ -15,6 +15,7 @@ Identity.peer_id`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -52,11 +53,28 @@ def libp2p_key_pair(identity: Identity) -> Any:
     return create_new_key_pair(identity.seed)
 
 
+_conn_keys = itertools.count(1)
+
+
 class _Stream:
-    """Adapts a libp2p net stream to `gossip.transport.Stream`: EOF reads b"", errors are StreamError."""
+    """Adapts a libp2p net stream to `gossip.transport.Stream`: EOF reads b"", errors are StreamError.
+
+    `conn_key` names the libp2p connection the stream runs on (unique per process), so a protocol
+    that keeps per-peer state can tell a second stream on the same connection from a stream on a
+    new connection (the peer restarted or redialled, and forgot everything).
+    """
 
     def __init__(self, raw: Any) -> None:
         self._raw = raw
+        muxed = getattr(raw, "muxed_conn", None)
+        key = getattr(muxed, "_murmur_conn_key", None)
+        if key is None and muxed is not None:
+            key = next(_conn_keys)
+            try:
+                muxed._murmur_conn_key = key
+            except AttributeError:
+                key = id(muxed)
+        self.conn_key: int | None = key
 
     async def read(self, n: int) -> bytes:
         from libp2p.network.stream.exceptions import StreamEOF
@@ -323,7 +341,12 @@ def _build(identity: Identity, websocket: bool, dial_timeout_s: float) -> tuple[
         key_pair=kp,
         sec_opt={NOISE_ID: NoiseTransport(kp, noise_privkey=x25519_pair().private_key)},
         muxer_opt={TProtocol(YAMUX_ID): Yamux},
-        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout_s),
+        # No background auto-dialing (Murmur's discovery decides whom to dial): py-libp2p's
+        # AutoConnector re-dials peerstore entries every 10 s while below min_connections, which
+        # races the application's own dials into duplicate connections that each side trims
+        # differently, and stream negotiations on the loser time out.
+        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout_s,
+                                           min_connections=0, low_watermark=0, auto_connect_interval=3600.0),
         enable_websocket=websocket,
     )
     router = GossipSub(

@@ -92,28 +92,51 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
     payload = rng.randbytes(size)
     digest = hashlib.blake2b(payload, digest_size=32).hexdigest()
     wall0 = time.time()
+    phases: dict[str, float] = {}
+
+    def mark(name: str) -> None:
+        phases[name] = round(time.time() - wall0, 2)
+        print(f"bench broadcast: {name} at {phases[name]} s", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory(prefix="murmur-bench-bc-") as tmp:
         (Path(tmp) / "payload").write_bytes(payload)
         procs = []
+        done: dict[int, dict[str, Any]] = {}
+        stragglers: dict[int, Any] = {}
         try:
+            setup_deadline = time.monotonic() + timeout_s
             origin = _spawn(tmp, "origin", 0, upload, chunk_bytes, seed)
             procs.append(origin)
-            oaddr = _expect(origin, "addr", timeout_s)["addrs"][0]
             followers = [_spawn(tmp, "follower", i + 1, upload, chunk_bytes, seed) for i in range(peers)]
             procs += followers
-            addrs = [_expect(p, "addr", timeout_s)["addrs"][0] for p in followers]
+            oaddr = _expect(origin, "addr", setup_deadline)["addrs"][0]
+            addrs = [_expect(p, "addr", setup_deadline)["addrs"][0] for p in followers]
+            mark("started")
             for i, p in enumerate(followers):  # full mesh: each dials the origin and the followers before it
                 _tell(p, {"cmd": "connect", "addrs": [oaddr] + addrs[:i]})
             for p in followers:
-                _expect(p, "connected", timeout_s)
+                _expect(p, "connected", setup_deadline)
+            mark("connected")
             for p in followers:
                 _tell(p, {"cmd": "ready?", "peers": peers})
-            conns = [_expect(p, "ready", timeout_s)["conns"] for p in followers]
+            conns = [_expect(p, "ready", setup_deadline)["conns"] for p in followers]
+            mark("mesh ready")
             _tell(origin, {"cmd": "publish", "peers": peers})
-            t0 = _expect(origin, "published", timeout_s)["t0"]
-            done = [_expect(p, "complete", timeout_s) for p in followers]
+            t0 = _expect(origin, "published", setup_deadline)["t0"]
+            # a generous, bounded wait for the transfer itself: a follower that never completes is reported
+            deadline = time.monotonic() + timeout_s
+            for i, p in enumerate(followers):
+                try:
+                    done[i] = _expect(p, "complete", deadline)
+                except TimeoutError:
+                    _tell(p, {"cmd": "progress"})
+                    try:
+                        stragglers[i] = _expect(p, "progress", time.monotonic() + 10)
+                    except (TimeoutError, RuntimeError) as e:
+                        stragglers[i] = str(e)
+            mark("transfer done")
             _tell(origin, {"cmd": "stats"})
-            ostats = _expect(origin, "stats", timeout_s)
+            ostats = _expect(origin, "stats", time.monotonic() + 30)
         finally:
             for p in procs:
                 _tell(p, {"cmd": "exit"})
@@ -123,15 +146,21 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-    times = [d["t"] - t0 for d in done]
-    ok = all(d["digest"] == digest for d in done)
-    return _summary(peers, size, chunk_bytes, upload, times, ostats["bytes_out"], ok,
-                    {"mode": "live", "processes": peers + 1, "cpus": os.cpu_count(),
-                     "min_follower_streams": min(conns), "load_avg_1m": round(os.getloadavg()[0], 1),
-                     "wasted_in_bytes": sum(d["wasted_in"] for d in done),
-                     "follower_frames_out": sum(d["frames_out"] for d in done),
-                     "follower_cpu_s_mean": round(sum(d["cpu_s"] for d in done) / max(1, len(done)), 2),
-                     "bench_wall_s": round(time.time() - wall0, 1)})
+    times = [d["t"] - t0 for d in done.values()]
+    ok = len(done) == peers and all(d["digest"] == digest for d in done.values())
+    extra: dict[str, Any] = {
+        "mode": "live", "processes": peers + 1, "cpus": os.cpu_count(),
+        "min_follower_streams": min(conns), "load_avg_1m": round(os.getloadavg()[0], 1),
+        "wasted_in_bytes": sum(d["wasted_in"] for d in done.values()),
+        "follower_frames_out": sum(d["frames_out"] for d in done.values()),
+        "follower_cpu_s_mean": round(sum(d["cpu_s"] for d in done.values()) / max(1, len(done)), 2),
+        "follower_transfer_cpu_s_mean": round(sum(d["cpu_s"] - d["cpu_s_t0"] for d in done.values())
+                                              / max(1, len(done)), 3),
+        "origin_transfer_cpu_s": ostats.get("cpu_s_transfer"),
+        "phases_s": phases, "bench_wall_s": round(time.time() - wall0, 1)}
+    if stragglers:
+        extra["stragglers"] = {str(i + 1): v for i, v in stragglers.items()}
+    return _summary(peers, size, chunk_bytes, upload, times, ostats["bytes_out"], ok, extra)
 
 
 def _spawn(tmp: str, role: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> subprocess.Popen[str]:
@@ -149,18 +178,18 @@ def _tell(p: subprocess.Popen[str], msg: dict[str, Any]) -> None:
         pass
 
 
-def _expect(p: subprocess.Popen[str], event: str, timeout_s: float) -> dict[str, Any]:
+def _expect(p: subprocess.Popen[str], event: str, deadline: float) -> dict[str, Any]:
+    """The worker's next `event` line, waiting until `deadline` (time.monotonic()) at most."""
     import selectors
 
     assert p.stdout is not None
-    deadline = time.monotonic() + timeout_s
     sel = selectors.DefaultSelector()
     sel.register(p.stdout, selectors.EVENT_READ)
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"worker did not report {event!r} within {timeout_s} s")
+                raise TimeoutError(f"worker did not report {event!r} in time")
             if not sel.select(timeout=left):
                 continue
             line = p.stdout.readline()
@@ -190,13 +219,25 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
 
     identity = Identity.from_seed(hashlib.blake2b(f"bench-{seed}-{idx}".encode(), digest_size=32).digest())
     partial = Path(tmp) / f"node{idx}"
+    import logging
+
+    logdir = os.environ.get("MURMUR_BENCH_LOGDIR")  # debugging aid: per-node logs and a status line a second
+    if not logdir:
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its stream-open retries flood stderr
+    else:
+        logging.basicConfig(filename=f"{logdir}/node{idx}.log", level=logging.WARNING,
+                            format="%(relativeCreated)8.0f %(name)s %(levelname)s %(message)s")
+        logging.getLogger("murmur").setLevel(logging.DEBUG)
     async with open_transport(identity, dial_timeout_s=20.0) as t:
         node = BroadcastNode(t, swarm="bench", upload_bytes_per_s=upload, partial_root=partial, seed=seed + idx)
         async with trio.open_nursery() as n:
             await n.start(node.run)
+            if logdir:
+                n.start_soon(_status_loop, node)
             say(event="addr", addrs=t.listen_addrs())
             lines = trio.wrap_file(sys.stdin)
             pid = None
+            cpu_t0 = 0.0
             while True:
                 line = await lines.readline()
                 if not line:
@@ -223,14 +264,34 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                         while len(node.conns) < msg["peers"]:
                             await trio.sleep(0.05)
                     t0 = time.time()
+                    cpu_t0 = time.process_time()
                     pid = await node.publish(envelope, chunks)
                     say(event="published", t0=t0)
                 elif cmd == "stats":
                     st = node.stats(pid) if pid else {"bytes_out": 0}
-                    say(event="stats", bytes_out=st["bytes_out"])
+                    say(event="stats", bytes_out=st["bytes_out"], cpu_s_transfer=round(time.process_time() - cpu_t0, 3))
+                elif cmd == "progress":
+                    say(event="progress", conns=len(node.conns),
+                        transfers=[{k: v for k, v in node.stats(p).items() if k != "peers"} for p in node.transfers])
                 elif cmd == "exit":
                     break
             n.cancel_scope.cancel()
+
+
+async def _status_loop(node: Any) -> None:
+    import logging
+
+    import trio
+
+    log = logging.getLogger("murmur.bench")
+    while True:
+        await trio.sleep(1.0)
+        parts = [f"conns={len(node.conns)} cpu={time.process_time():.1f} {node.counters}"]
+        for tr in node.transfers.values():
+            s = tr.session
+            busy = {p[:16]: (len(q.inflight), len(q.serve)) for p, q in s.peers.items() if q.inflight or q.serve}
+            parts.append(f"have={s.nhave}/{s.n} peers={len(s.peers)} req={len(s.requested)} busy={busy}")
+        log.info(" | ".join(parts))
 
 
 async def _connect(t: Any, addr: str, attempts: int = 5) -> None:
@@ -251,10 +312,11 @@ async def _connect(t: Any, addr: str, attempts: int = 5) -> None:
 
 async def _follow(node: Any, say: Any) -> None:
     tr = await node.wait_for_transfer(600)
+    cpu_t0 = time.process_time()
     await tr.done.wait()
     digest = hashlib.blake2b(tr.payload(), digest_size=32).hexdigest()
     say(event="complete", t=tr.completed_wall, digest=digest, wasted_in=tr.session.wasted_in,
-        frames_out=node.counters["frames_out"], cpu_s=time.process_time())
+        frames_out=node.counters["frames_out"], cpu_s=time.process_time(), cpu_s_t0=cpu_t0)
 
 
 def _main(argv: list[str]) -> None:
@@ -275,5 +337,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in ("origin", "follower"):
         _main(sys.argv[1:])
     else:
-        print(json.dumps(run(peers=int(sys.argv[1]) if len(sys.argv) > 1 else 16,
-                             sim="--sim" in sys.argv)))
+        args = [a for a in sys.argv[1:] if not a.startswith("--")]
+        print(json.dumps(run(peers=int(args[0]) if args else 16, sim="--sim" in sys.argv,
+                             bytes=int(args[1]) if len(args) > 1 else 8 * 2**20)))

@@ -19,29 +19,91 @@ that hears of a patch id it does not know, over the stream
 from __future__ import annotations
 
 import logging
+import random
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from gossip import topics
-from gossip.framing import read_frame, write_frame
 from gossip.transport import Stream, StreamError, Transport
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope, open_envelope
 from node.errors import DecodeError, MurmurError
 from sync.chunks import ChunkAssembly
 from sync.ratelimit import UploadLimiter
-from sync.swarm import (MAX_FRAME_BYTES, Ban, Chunk, Completed, Frame, Have, Manifest, ManifestRequest, Penalise,
-                        Send, ServeReady, SwarmConfig, SwarmSession, Verified, decode_frame, encode_frame)
+from sync.swarm import (MAX_FRAME_BYTES, Ban, Chunk, Completed, Frame, Have, HaveChunk, Manifest, ManifestRequest,
+                        Penalise, Send, ServeReady, SwarmConfig, SwarmSession, Verified, decode_frame)
 
 log = logging.getLogger("murmur.sync.broadcast")
 
 PROTOCOL = "/murmur/chunks/1"
 MAX_TRANSFERS = 64  # patches a node swarms at once; the oldest completed one is dropped beyond this
-MAX_MANIFEST_ASKS = 256  # unknown patch ids we ask peers about, remembered to ask only once
+MAX_MANIFEST_ASKS = 256  # unknown patch ids we ask peers about (and who advertised them)
+READ_SIZE = 1 << 20  # one stream read takes whatever the muxer holds, up to this
+_LEN = struct.Struct(">I")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def frame_bytes(frames: list[Frame]) -> bytearray:
+    """Length-prefixed encodings of `frames`, back to back, for one stream write.
+
+    Coalescing matters on py-libp2p: every write is one yamux frame and one Noise message with
+    a fixed Python cost, so a burst of control frames costs one write, not one each, and a chunk
+    is encoded straight into the write buffer (no extra copy of its bytes).
+    """
+    buf = bytearray()
+    for f in frames:
+        at = len(buf)
+        buf += b"\0\0\0\0"
+        _encoder.encode_into(f, buf, at + 4)
+        _LEN.pack_into(buf, at, len(buf) - at - 4)
+    return buf
+
+
+class FrameReader:
+    """Reads length-prefixed swarm frames through a buffer: one stream read serves many frames.
+
+    Each `stream.read` on py-libp2p costs a lock round and a window update; small control frames
+    arriving together are parsed from one read. The length is checked against the limit before
+    anything is buffered for the frame body.
+    """
+
+    def __init__(self, stream: Stream, max_len: int = MAX_FRAME_BYTES) -> None:
+        self.stream = stream
+        self.max_len = max_len
+        self.buf = bytearray()
+        self.pos = 0
+
+    async def next(self) -> bytes | None:
+        """The next frame's payload; None on a clean end of stream. StreamError on a broken one."""
+        while True:
+            avail = len(self.buf) - self.pos
+            if avail >= 4:
+                (n,) = _LEN.unpack_from(self.buf, self.pos)
+                if n > self.max_len:
+                    raise StreamError(f"frame of {n} bytes exceeds the {self.max_len}-byte limit")
+                if avail >= 4 + n:
+                    start = self.pos + 4
+                    data = bytes(self.buf[start:start + n])
+                    self.pos = start + n
+                    if self.pos == len(self.buf):
+                        self.buf.clear()
+                        self.pos = 0
+                    return data
+            if self.pos:
+                del self.buf[:self.pos]
+                self.pos = 0
+            part = await self.stream.read(READ_SIZE)
+            if not part:
+                if self.buf:
+                    raise StreamError(f"stream closed inside a frame ({len(self.buf)} bytes buffered)")
+                return None
+            self.buf += part
 
 
 class Transfer:
@@ -68,10 +130,13 @@ class Transfer:
 
 
 class _Conn:
-    def __init__(self, peer: str) -> None:
+    """Our side of one peer: its streams (all on one libp2p connection), its writer's queue."""
+
+    def __init__(self, peer: str, key: int | None) -> None:
         self.peer = peer
+        self.key = key  # the libp2p connection the streams run on (Stream.conn_key), if known
         self.streams: list[Stream] = []
-        self.control: deque[bytes] = deque()
+        self.control: list[Frame] = []
         self.kick_send, self.kick_recv = trio.open_memory_channel[None](1)
         self.closed = False
 
@@ -97,9 +162,10 @@ class BroadcastNode:
         on_penalty: Callable[[str, str, float], None] | None = None,
         on_complete: Callable[[Transfer], None] | None = None,
         tick_s: float = 0.05,
-        open_grace_s: float = 1.0,
+        open_grace_s: float = 3.0,
         write_timeout_s: float = 15.0,
         seed: int | None = None,
+        manifest_retry_s: float = 2.0,
     ) -> None:
         self.t = transport
         self.me = transport.peer_id
@@ -114,15 +180,22 @@ class BroadcastNode:
         self.open_grace_s = open_grace_s
         self.write_timeout_s = write_timeout_s
         self.seed = seed
+        self.manifest_retry_s = manifest_retry_s
         self.transfers: dict[bytes, Transfer] = {}
         self.conns: dict[str, _Conn] = {}
         self.banned: set[str] = set()
+        # unknown patch ids seen in peers' have-maps: when we last asked for the manifest, who has it
         self._asked: dict[bytes, float] = {}
+        self._advertisers: dict[bytes, set[str]] = {}
+        self._adding: dict[bytes, trio.Event] = {}  # add_manifest in progress per patch id
         self._first_seen: dict[str, float] = {}
         self._opening: set[str] = set()  # stream opens in progress (one at a time per peer)
+        self._open_backoff: dict[str, tuple[float, float]] = {}  # peer -> (retry at, current backoff)
+        self._rng = random.Random(seed)
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
-        self.counters = {"frames_in": 0, "frames_out": 0, "bytes_up": 0, "bad_frames": 0, "manifests_rejected": 0}
+        self.counters = {"frames_in": 0, "frames_out": 0, "bytes_up": 0, "bad_frames": 0, "manifests_rejected": 0,
+                         "writes": 0}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -153,13 +226,29 @@ class BroadcastNode:
         return pid
 
     async def add_manifest(self, envelope: bytes) -> bytes | None:
-        """Follow a patch announced elsewhere; the signature is checked first. Returns its id, or None if declined."""
+        """Follow a patch announced elsewhere; the signature is checked first. Returns its id, or None if declined.
+
+        Idempotent and safe to call concurrently (gossip and a `Manifest` reply often race): a
+        second caller waits for the first, so there is only ever one `Transfer` per patch id.
+        """
         pid = content_id(envelope)
         if pid in self.transfers:
             return pid
+        pending = self._adding.get(pid)
+        if pending is not None:
+            await pending.wait()
+            return pid if pid in self.transfers else None
         manifest = self._open(envelope)
         if not self.accept(manifest):
             return None
+        done = self._adding[pid] = trio.Event()
+        try:
+            return await self._add_follower(pid, envelope, manifest)
+        finally:
+            del self._adding[pid]
+            done.set()
+
+    async def _add_follower(self, pid: bytes, envelope: bytes, manifest: PatchManifest) -> bytes:
         store = None
         have: list[int] = []
         chunks: list[bytes | None] = [None] * len(manifest.chunks)
@@ -240,6 +329,8 @@ class BroadcastNode:
                 raise MurmurError(f"{MAX_TRANSFERS} patches already in flight")
             del self.transfers[old]
         self.transfers[tr.pid] = tr
+        self._asked.pop(tr.pid, None)
+        self._advertisers.pop(tr.pid, None)
         now = trio.current_time()
         for peer in self.conns:
             self._apply(tr, tr.session.peer_joined(peer, now))
@@ -280,39 +371,48 @@ class BroadcastNode:
         conn = self.conns.get(peer)
         if conn is None or conn.closed:
             return
-        conn.control.append(encode_frame(frame))
-        conn.kick()
+        conn.control.append(frame)
+        if len(conn.control) == 1:
+            conn.kick()
 
     # ------------------------------------------------------------ internals: peers and streams
 
     async def _peer_watch(self) -> None:
-        """Open a stream to every newly connected peer (smaller peer id first) and notice departures."""
+        """Open a stream to every newly connected peer (smaller peer id first) and notice departures.
+
+        A failed open is retried with a backoff (0.5 s doubling to 8 s, jittered): on a loaded
+        host a stream negotiation can time out, and hammering makes it worse.
+        """
         while True:
             now = trio.current_time()
             connected = set(self.t.peers())
             for peer in connected:
                 if peer in self.conns or peer in self.banned or peer in self._opening:
                     continue
+                retry = self._open_backoff.get(peer)
+                if retry is not None and now < retry[0]:
+                    continue
                 first = self._first_seen.setdefault(peer, now)
                 if self.me < peer or now - first > self.open_grace_s:
                     self._first_seen.pop(peer, None)
+                    self._opening.add(peer)
                     self._nursery.start_soon(self._open_to, peer)  # type: ignore[union-attr]
-            for peer in list(self._first_seen):
-                if peer not in connected:
-                    del self._first_seen[peer]
-            await trio.sleep(0.2)
+            for table in (self._first_seen, self._open_backoff):
+                for peer in [p for p in table if p not in connected]:
+                    del table[peer]
+            await trio.sleep(0.25)
 
     async def _open_to(self, peer: str) -> None:
-        if peer in self.conns or peer in self._opening:
-            return
-        self._opening.add(peer)
         try:
             stream = await self.t.open_stream(peer, PROTOCOL)
         except (StreamError, MurmurError) as e:
-            log.debug("open %s to %s: %s", PROTOCOL, peer, e)
+            back = min(8.0, 2 * self._open_backoff.get(peer, (0.0, 0.25))[1])
+            self._open_backoff[peer] = (trio.current_time() + back * (0.5 + self._rng.random()), back)
+            log.debug("open %s to %s failed (retry in ~%.1f s): %s", PROTOCOL, peer, back, e)
             return
         finally:
             self._opening.discard(peer)
+        self._open_backoff.pop(peer, None)
         await self._serve_stream(stream, peer)
 
     async def _on_inbound(self, stream: Stream, peer: str) -> None:
@@ -322,10 +422,17 @@ class BroadcastNode:
         await self._serve_stream(stream, peer)
 
     async def _serve_stream(self, stream: Stream, peer: str) -> None:
+        key = getattr(stream, "conn_key", None)
         conn = self.conns.get(peer)
+        if conn is not None and key is not None and conn.key is not None and conn.key != key:
+            # a stream on a new connection: the peer restarted or redialled and forgot our sessions,
+            # so the old state (its have-maps, our requests to it) goes, and the sessions start over
+            log.info("%s is on a new connection; restarting its sessions", peer)
+            self._drop_conn(conn)
+            conn = None
         fresh = conn is None
         if conn is None:
-            conn = self.conns[peer] = _Conn(peer)
+            conn = self.conns[peer] = _Conn(peer, key)
         conn.streams.append(stream)
         if fresh:
             self._nursery.start_soon(self._writer, conn)  # type: ignore[union-attr]
@@ -361,11 +468,15 @@ class BroadcastNode:
 
     async def _reader(self, conn: _Conn, stream: Stream) -> None:
         peer = conn.peer
+        reader = FrameReader(stream, MAX_FRAME_BYTES)
         while not conn.closed:
             try:
-                data = await read_frame(stream, MAX_FRAME_BYTES)
+                data = await reader.next()
             except StreamError as e:
                 log.debug("stream from %s ended: %s", peer, e)
+                return
+            if data is None:
+                log.debug("stream from %s closed", peer)
                 return
             self.counters["frames_in"] += 1
             try:
@@ -400,13 +511,39 @@ class BroadcastNode:
             return
         tr = self.transfers.get(frame.pid)
         if tr is None:
-            if isinstance(frame, Have) and frame.pid not in self._asked:
-                if len(self._asked) >= MAX_MANIFEST_ASKS:
-                    self._asked.pop(next(iter(self._asked)))
-                self._asked[frame.pid] = now
-                self._send(peer, ManifestRequest(frame.pid))
+            if isinstance(frame, (Have, HaveChunk)) and frame.pid not in self._adding:
+                self._advertised(peer, frame.pid, now)
             return
         self._apply(tr, tr.session.on_frame(peer, frame, now))
+
+    def _advertised(self, peer: str, pid: bytes, now: float) -> None:
+        """`peer` holds a patch we have no manifest for: ask it, unless someone was asked just now.
+
+        The ticker asks another advertiser every `manifest_retry_s` until the manifest arrives, so
+        a request lost with a dying stream cannot leave a follower without the patch forever.
+        """
+        if pid not in self._advertisers:
+            if len(self._advertisers) >= MAX_MANIFEST_ASKS:
+                old = next(iter(self._advertisers))
+                del self._advertisers[old]
+                self._asked.pop(old, None)
+            self._advertisers[pid] = set()
+        self._advertisers[pid].add(peer)
+        if now - self._asked.get(pid, -1e9) >= self.manifest_retry_s:
+            self._asked[pid] = now
+            self._send(peer, ManifestRequest(pid))
+
+    def _retry_manifests(self, now: float) -> None:
+        for pid, peers in list(self._advertisers.items()):
+            if pid in self.transfers or pid in self._adding:
+                continue
+            if now - self._asked.get(pid, -1e9) < self.manifest_retry_s:
+                continue
+            live = [p for p in peers if p in self.conns]
+            peers.intersection_update(live)
+            if live:
+                self._asked[pid] = now
+                self._send(self._rng.choice(sorted(live)), ManifestRequest(pid))
 
     async def _writer(self, conn: _Conn) -> None:
         """The only task writing to this peer: control frames, then rate-limited chunk uploads."""
@@ -416,7 +553,7 @@ class BroadcastNode:
         finally:
             self._drop_conn(conn)  # a writer that gives up takes the connection with it
 
-    async def _write_loop(self, conn: _Conn, rr: deque[bytes]) -> None:
+    async def _write_loop(self, conn: _Conn, rr: deque[bytes]) -> None:  # noqa: C901
         try:
             async for _ in conn.kick_recv:
                 while not conn.closed:
@@ -441,12 +578,14 @@ class BroadcastNode:
                     assert data is not None
                     if len(data) < reserve:
                         self.limiter.refund(reserve - len(data))
-                    if not await self._flush_control(conn):
+                    # pending control frames ride in the same write as the chunk
+                    frames: list[Frame] = conn.control
+                    conn.control = []
+                    frames.append(Chunk(tr.pid, idx, data))
+                    buf = frame_bytes(frames)
+                    if not await self._write(conn, buf, len(frames)):
                         return
-                    frame = encode_frame(Chunk(tr.pid, idx, data))
-                    if not await self._write(conn, frame):
-                        return
-                    self.counters["bytes_up"] += len(frame)
+                    self.counters["bytes_up"] += len(buf)
         except (trio.ClosedResourceError, trio.EndOfChannel):
             return
 
@@ -467,18 +606,21 @@ class BroadcastNode:
         return None
 
     async def _flush_control(self, conn: _Conn) -> bool:
+        """Every queued control frame in one write (frames queued meanwhile go in the next)."""
         while conn.control:
-            if not await self._write(conn, conn.control.popleft()):
+            frames = conn.control
+            conn.control = []
+            if not await self._write(conn, frame_bytes(frames), len(frames)):
                 return False
         return True
 
-    async def _write(self, conn: _Conn, frame: bytes) -> bool:
+    async def _write(self, conn: _Conn, data: bytearray, nframes: int = 1) -> bool:
         if not conn.streams or conn.closed:
             return False
         stream = conn.streams[-1]
         try:
             with trio.move_on_after(self.write_timeout_s) as scope:
-                await write_frame(stream, frame)
+                await stream.write(data)
         except StreamError as e:
             log.debug("write to %s failed: %s", conn.peer, e)
             return False
@@ -488,7 +630,8 @@ class BroadcastNode:
             log.info("write to %s stalled for %.0f s; dropping the stream", conn.peer, self.write_timeout_s)
             await stream.reset()
             return False
-        self.counters["frames_out"] += 1
+        self.counters["frames_out"] += nframes
+        self.counters["writes"] += 1
         return True
 
     # ------------------------------------------------------------ internals: gossip and clock
@@ -509,3 +652,5 @@ class BroadcastNode:
             now = trio.current_time()
             for tr in list(self.transfers.values()):
                 self._apply(tr, tr.session.tick(now))
+            if self._advertisers:
+                self._retry_manifests(now)
