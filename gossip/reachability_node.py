@@ -1,17 +1,18 @@
-"""A scripted Murmur network node for reachability experiments: `python -m gossip.reachability_node '<json>'`.
+"""A measurement node for the reachability benchmark: `python -m gossip.reachability_node '<json>'`.
 
-Why a separate process: each node of an emulated network runs inside its own network namespace
-(`ip netns exec NS python -m gossip.reachability_node ...`), so it must be a real subprocess. It
-uses the production pieces (gossip.host, gossip.relay, gossip.holepunch, gossip.reachability,
-node.doctor_reachability) and reports what happened as JSON lines on stdout (one object per line,
-key "ev"), then waits for "quit" on stdin (bounded) so its peers can finish.
+Why it exists next to the real node: the benchmark needs what a node does not do — a raw bulk stream
+to time MB/s per path, a rollout publisher at a fixed cadence to time the first verified message —
+and JSON events to read them. Everything about reachability is the real node's code: the host
+(`gossip.host.open_transport`) and `node.reach.start_reachability` (dial-back, relay reservation,
+announce-driven direct/circuit dials with the one-side-dials rule, DCUtR upgrade), and the doctor's
+view (`ReachState.view`). The node tests (tests/test_reachability_nodes.py) run `murmur node start`.
+It reports JSON lines on stdout (key "ev"), then waits for "quit" on stdin (bounded).
 
 Script (JSON object; every key optional except name and seed):
     name, seed (int 0..255), listen (multiaddr), relay_service (bool), relays ([addr]),
     bootstrap ([addr]: dial directly, then run the reachability check against them),
-    peers ([{name, id, addrs: [direct or circuit addr, tried in order]}]),
-    holepunch (bool), initiate_holepunch (bool), bulk_bytes (int), publish_rollouts (bool),
-    expect_hello ([names]), linger_s (float)
+    peers ([{name, id, addrs: [direct or circuit addrs, as a NodeAnnounce would carry them]}]),
+    bulk_bytes (int), publish_rollouts (bool), expect_hello ([names]), linger_s (float)
 """
 
 from __future__ import annotations
@@ -104,55 +105,34 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
     return {"path": path, "bytes": n, "s": round(dt, 3), "mb_s": round(n / dt / 1e6, 2), "hash_ok": digest == h.digest()}
 
 
-async def connect_peer(transport: Any, relay: Any, addrs: list[str], deadline_s: float) -> tuple[str, str]:
-    """Try each address (direct ones quickly, circuits with retries until the deadline). (peer id, path)."""
-    from gossip.holepunch import best_path
-    from gossip.relay import is_circuit
-    from node.errors import MurmurError
-
-    errors = []
-    end = trio.current_time() + deadline_s
-    for a in addrs:
-        if not is_circuit(a):
-            with trio.move_on_after(2.0):
-                try:
-                    pid = await transport.connect(a)
-                    return pid, best_path(transport, pid)
-                except MurmurError as e:
-                    errors.append(str(e)[:120])
-            continue
-        for _ in range(40):  # the peer may not hold its reservation yet
-            try:
-                pid = await relay.dial(a, timeout_s=max(1.0, min(10.0, end - trio.current_time())))
-                return pid, best_path(transport, pid)
-            except MurmurError as e:
-                errors.append(str(e)[:120])
-            if trio.current_time() >= end:
-                break
-            await trio.sleep(0.5)
-    raise RuntimeError("; ".join(errors[-3:]) or "no address")
-
-
 async def main(script: dict[str, Any]) -> None:
-    from gossip.holepunch import attach_holepunch, best_path
+    from gossip.holepunch import best_path
     from gossip.host import open_transport
-    from gossip.reachability import DialbackServer, check_reachability
-    from gossip.relay import attach_relay
     from gossip.wire import ROLLOUT_BATCH, open_envelope
-    from node.config import NetworkSection
-    from node.doctor_reachability import reachability_checks, snapshot
+    from node.config import Config
+    from node.doctor_reachability import reachability_checks
     from node.identity import Identity
+    from node.reach import process_start, start_reachability
 
+    imported_ms = ms()
     name = script["name"]
     ident = Identity.from_seed(bytes([int(script["seed"])]) * 32)
-    net = NetworkSection(relay_service=bool(script.get("relay_service")), relays=list(script.get("relays", [])))
+    cfg = Config()
+    cfg.network.relay_service = bool(script.get("relay_service"))
+    cfg.network.relays = list(script.get("relays", []))
+    peers = {p["id"]: p for p in script.get("peers", [])}
+    since_exec_ms = round((time.time() - process_start()) * 1000 - ms(), 1)  # interpreter start before T0
     async with open_transport(ident, listen=[script.get("listen", "/ip4/0.0.0.0/tcp/4001")], dial_timeout_s=3.0) as t, \
-            attach_relay(t, net) as relay, attach_holepunch(t, auto=False) as hp, trio.open_nursery() as nursery:
-        DialbackServer(t)
+            trio.open_nursery() as nursery:
+        host_ms = ms()
         t.set_stream_handler(BULK_PROTOCOL, serve_bulk)
         rollouts = await t.subscribe(ROLLOUT_TOPIC)
         hellos = await t.subscribe(HELLO_TOPIC)
-        emit("ready", name=name, peer_id=t.peer_id, addrs=t.listen_addrs())
+        state = await start_reachability(t, cfg, nursery, list(script.get("bootstrap", [])),
+                                         known=lambda: {k: list(v["addrs"]) for k, v in peers.items()})
+        state.auto_upgrade = False  # time the relay first; the upgrade is driven below, after the relayed bulk
+        emit("ready", name=name, peer_id=t.peer_id, addrs=t.listen_addrs(), imported_ms=imported_ms,
+             before_t0_ms=since_exec_ms)
         ready_ms = ms()
         first = trio.Event()
 
@@ -166,7 +146,11 @@ async def main(script: dict[str, Any]) -> None:
                     continue
                 if not first.is_set():
                     first.set()
-                    emit("first_rollout", origin=origin, after_ready_ms=round(ms() - ready_ms, 1))
+                    emit("first_rollout", origin=origin, after_ready_ms=round(ms() - ready_ms, 1),
+                         breakdown_ms={"before_t0": since_exec_ms, "imports": imported_ms,
+                                       "host": round(host_ms - imported_ms, 1),
+                                       "relay_dcutr_dialback": round(ready_ms - host_ms, 1),
+                                       "connect_and_mesh": round(ms() - ready_ms, 1)})
 
         nursery.start_soon(watch_rollouts)
         if script.get("publish_rollouts"):
@@ -180,7 +164,6 @@ async def main(script: dict[str, Any]) -> None:
                     await trio.sleep(0.05 if len(t.topic_peers(ROLLOUT_TOPIC)) < 2 else 1.0)
             nursery.start_soon(publish_loop)
 
-        reach = None
         for a in script.get("bootstrap", []):
             try:
                 with trio.fail_after(5):
@@ -188,29 +171,24 @@ async def main(script: dict[str, Any]) -> None:
                 emit("bootstrap", addr=a, peer=pid)
             except Exception as e:
                 emit("bootstrap_failed", addr=a, error=str(e)[:200])
+        names: dict[str, str] = {}
         if script.get("bootstrap"):
-            reach = await check_reachability(t, t.peers())
-            emit("reachability", status=reach.status, reason=reach.reason, observed=reach.observed_ips,
-                 reachable=reach.reachable_addrs)
-            if reach.status != "public" and net.relays:
-                got = await relay.reserve_all(net.relays, timeout_s=float(script.get("reserve_timeout_s", 30)))
-                emit("reserved", circuits=[r.circuit_addr for r in got], errors=relay.errors)
-
-        peer_names: dict[str, str] = {pid: "pub" for pid in t.peers()} if script.get("bootstrap") else {}
-        for p in script.get("await_peers", []):  # the other side dials us (one dial per pair: no crossed circuits)
-            with trio.move_on_after(float(script.get("connect_s", 45)) + 30):
-                while p["id"] not in t.peers():
+            with trio.move_on_after(60):
+                await state.checked.wait()
+            r = state.reach
+            emit("reachability", status=getattr(r, "status", "unknown"), reason=getattr(r, "reason", ""),
+                 observed=getattr(r, "observed_ips", []), port_preserved=getattr(r, "port_preserved", None))
+            emit("reserved", circuits=state.relay.circuit_addrs(), errors=state.relay.errors)
+            names.update({p: "pub" for p in t.peers()})
+        # node.reach dials the peers from their announced addresses (one side per pair); wait for it
+        for pid, p in peers.items():
+            t_c = time.perf_counter()
+            with trio.move_on_after(float(script.get("connect_s", 90))):
+                while pid not in t.peers():
                     await trio.sleep(0.05)
-            peer_names[p["id"]] = p["name"]
-            emit("connected" if p["id"] in t.peers() else "connect_failed", peer=p["name"],
-                 path=best_path(t, p["id"]), inbound=True)
-        for p in script.get("peers", []):
-            try:
-                pid, path = await connect_peer(t, relay, p["addrs"], float(script.get("connect_s", 45)))
-                peer_names[pid] = p["name"]
-                emit("connected", peer=p["name"], path=path)
-            except Exception as e:
-                emit("connect_failed", peer=p["name"], error=str(e)[:300])
+            names[pid] = p["name"]
+            emit("connected" if pid in t.peers() else "connect_failed", peer=p["name"], path=best_path(t, pid),
+                 s=round(time.perf_counter() - t_c, 2), dialled=pid in state.circuit_dialled)
 
         # gossip: publish our hello until we have everyone's (bounded)
         want = set(script.get("expect_hello", []))
@@ -237,33 +215,44 @@ async def main(script: dict[str, Any]) -> None:
         nursery.start_soon(keep_greeting)
 
         bulk = int(script.get("bulk_bytes", 0))
-        for pid, pname in peer_names.items():
+        for pid, pname in names.items():
+            first_path = best_path(t, pid)
             if bulk:
                 try:
                     emit("bulk", peer=pname, **await send_bulk(t, pid, bulk))
                 except Exception as e:
                     emit("bulk_failed", peer=pname, path=best_path(t, pid), error=f"{type(e).__name__}: {e}"[:300])
-            if script.get("holepunch") and best_path(t, pid) == "relayed":
+            if first_path == "relayed" and script.get("holepunch", True):
+                # as node.reach does: the side that dialled the circuit drives DCUtR; the other waits (bounded)
                 t_hp = time.perf_counter()
-                if script.get("initiate_holepunch"):
-                    ok = await hp.upgrade(pid, timeout_s=20)
+                if pid in state.circuit_dialled:
+                    await state.upgrade(pid)
                 else:
-                    ok = await hp.wait_direct(pid, 25)
+                    with trio.move_on_after(45):
+                        while best_path(t, pid) != "direct":
+                            await trio.sleep(0.1)
+                ok = best_path(t, pid) == "direct"
                 emit("holepunch", peer=pname, ok=ok, path=best_path(t, pid), s=round(time.perf_counter() - t_hp, 2),
-                     error=hp.last_error)
+                     drove=pid in state.circuit_dialled,
+                     error="" if ok else (state.holepuncher.last_error or "the other side drove the attempt"))
                 if ok and bulk:
                     try:
                         emit("bulk", peer=pname, **await send_bulk(t, pid, bulk))
                     except Exception as e:
                         emit("bulk_failed", peer=pname, path=best_path(t, pid), error=f"{type(e).__name__}: {e}"[:300])
 
-        if reach is None and t.peers():  # a node without bootstrap peers asks those that connected to it
-            reach = await check_reachability(t, t.peers())
-            emit("reachability", status=reach.status, reason=reach.reason, observed=reach.observed_ips,
-                 reachable=reach.reachable_addrs)
-        snap = snapshot(t, relay, reach, hp, peers=list(peer_names) or t.peers())
-        emit("doctor", path=snap.path, checks=[{"name": c.name, "ok": c.ok, "detail": c.detail}
-                                               for c in reachability_checks(snap)])
+        if not script.get("bootstrap"):  # a node without bootstrap peers asks those that dialled it
+            with trio.move_on_after(60):
+                await state.checked.wait()
+            emit("reachability", status=getattr(state.reach, "status", "unknown"),
+                 reason=getattr(state.reach, "reason", ""), observed=getattr(state.reach, "observed_ips", []))
+        view = state.view()
+        view.peer_paths = {p: x for p, x in view.peer_paths.items() if p in names or not names}
+        from node.doctor_reachability import classify
+
+        view.path = classify(view)
+        emit("doctor", path=view.path, port_preserved=view.port_preserved,
+             checks=[{"name": c.name, "ok": c.ok, "detail": c.detail} for c in reachability_checks(view)])
         emit("done")
         with trio.move_on_after(float(script.get("linger_s", 120))):
             stdin = trio.lowlevel.FdStream(os.dup(0))

@@ -11,8 +11,8 @@ benchmark all need the same order of steps (docs/reachability.md, "Node runtime 
 4. for peers learned from announces that we are not connected to: dial a direct address, else a circuit.
    Only one side dials a circuit first (py-libp2p's relay keys circuits by peer: crossed relayed dials
    broke stream opening): never a public node (the NATed side can dial it directly), else the smaller
-   peer id; the other side dials after `CROSS_GRACE_S` if still unconnected. The side that dialled the
-   circuit then tries DCUtR upgrades (bounded).
+   peer id; the other side dials `CROSS_GRACE_S` after its own verdict if still unconnected. The side
+   that dialled the circuit then tries DCUtR upgrades (bounded).
 
 The verdict is re-checked every `RECHECK_S` (sooner while unknown). `ReachState.view()` is the
 `ReachView` the node serves in its status; `node.doctor_reachability` turns it into checks.
@@ -38,7 +38,7 @@ log = logging.getLogger("murmur.node.reach")
 RECHECK_S = 600.0
 RETRY_UNKNOWN_S = 30.0
 DIAL_EVERY_S = 1.0
-CROSS_GRACE_S = 20.0
+CROSS_GRACE_S = 45.0  # after our own verdict: the other side of a pair had time to dial first
 MAX_DIALS_PER_ROUND = 4
 MAX_UPGRADE_TRIES = 2
 TARGET_PEERS = 16
@@ -72,7 +72,9 @@ class ReachState:
     circuit_dialled: set[str] = field(default_factory=set)  # peers we reached through a relay
     relayed_seen: set[str] = field(default_factory=set)  # peers we were ever relayed to
     upgrade_tries: dict[str, int] = field(default_factory=dict)
-    backoff: Backoff = field(default_factory=lambda: Backoff(min_s=2.0, max_s=60.0))
+    backoff: Backoff = field(default_factory=lambda: Backoff(min_s=2.0, max_s=10.0))
+    checked_at: float | None = None  # trio time of the first verdict
+    auto_upgrade: bool = True  # try DCUtR after dialling a circuit (the benchmark times the relay first)
     first_seen: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------ views
@@ -129,6 +131,8 @@ class ReachState:
             if want:
                 got = await self.relay.reserve_all(want)
                 log.info("relay reservations: %s; errors: %s", [r.circuit_addr for r in got], self.relay.errors)
+        if self.checked_at is None:
+            self.checked_at = trio.current_time()
         self.checked.set()
 
     async def check_loop(self) -> None:
@@ -146,7 +150,8 @@ class ReachState:
     def _should_dial_circuit(self, peer: str, now: float) -> bool:
         """One side per pair dials through the relay: a public node waits to be dialled directly; of two
         NATed nodes the smaller peer id dials. Either dials anyway once the other has not for a while."""
-        if now - self.first_seen.get(peer, now) >= CROSS_GRACE_S:
+        since = max(self.first_seen.get(peer, now), self.checked_at if self.checked_at is not None else now)
+        if now - since >= CROSS_GRACE_S:
             return True
         return not self.public() and self.transport.peer_id < peer
 
@@ -177,7 +182,7 @@ class ReachState:
                 except MurmurError as e:
                     log.info("%s", e)
 
-    async def _upgrade(self, peer: str) -> None:
+    async def upgrade(self, peer: str) -> None:
         from gossip.holepunch import HolePunchError
 
         self.upgrade_tries[peer] = self.upgrade_tries.get(peer, 0) + 1
@@ -205,10 +210,10 @@ class ReachState:
                 for p in connected:
                     if best_path(self.transport, p) == "relayed":
                         self.relayed_seen.add(p)
-                        if (p in self.circuit_dialled and p not in busy
+                        if (self.auto_upgrade and p in self.circuit_dialled and p not in busy
                                 and self.upgrade_tries.get(p, 0) < MAX_UPGRADE_TRIES):
                             busy.add(p)
-                            n.start_soon(one, p, self._upgrade, p)
+                            n.start_soon(one, p, self.upgrade, p)
                 started = 0
                 for peer, addrs in list(self.known().items()):
                     if peer == self.transport.peer_id or peer in connected or peer in busy:

@@ -1,8 +1,10 @@
-"""NAT traversal across emulated networks: real subprocess nodes in network namespaces behind iptables NATs.
+"""NAT traversal paths measured by the benchmark harness (gossip.reachability_node: the real host and
+node.reach wiring plus a raw bulk stream), one subprocess per network namespace behind iptables NATs.
 
-Needs root, iproute2 and iptables (CI: install.sh installs iptables); skips with the reason otherwise.
-One scenario run (public node + two homes behind separate MASQUERADE routers) is shared by the
-assertions; the namespaces are deleted by `tests.netns.Network` even when a node fails.
+The real node (`murmur node start`) behind NATs is tested in tests/test_reachability_nodes.py; here:
+bulk transfers with hashes per path (direct, relayed, hole-punched), symmetric NAT staying relayed,
+port forwarding making a home public. Needs root, iproute2 and iptables; skips with the reason otherwise.
+The namespaces are deleted by `tests.netns.Network` even when a node fails.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def nodes():
     from gossip.bench_reachability import scenario
 
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-    got = scenario(bulk_bytes=2 << 20, holepunch=True, timeout_s=300)
+    got = scenario(bulk_bytes=1 << 20, holepunch=True, timeout_s=300)
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert not {n for n in after - before if n.startswith("m")}, "namespaces left behind"
     return got
@@ -80,9 +82,26 @@ def test_port_forwarding_makes_a_home_public() -> None:
     assert got["h2"].first("reachability")["status"] == "public", got["h2"].events
     assert got["h1"].first("reachability")["status"] == "private"
     assert got["h2"].first("doctor")["path"] == "direct"
-    # h1 reaches h2 directly at its forwarded WAN address, no relay needed
+    # h1 reaches h2 directly at its forwarded WAN address (from h2's announced addresses), no relay needed
     conn = got["h1"].first("connected")
     assert conn and conn["peer"] == "h2" and conn["path"] == "direct", got["h1"].events
+
+
+def test_symmetric_nat_stays_relayed_and_says_why() -> None:
+    from gossip.bench_reachability import scenario
+
+    got = scenario(bulk_bytes=1 << 20, holepunch=True, symmetric=True, timeout_s=300)
+    for home, other in (("h1", "h2"), ("h2", "h1")):
+        n = got[home]
+        assert n.first("reachability")["port_preserved"] is False, n.events
+        hp = n.first("holepunch")
+        assert hp and not hp["ok"], n.events
+        d = n.first("doctor")
+        assert d and d["path"] == "relayed", d
+        assert "changes source ports" in d["checks"][0]["detail"], d
+        relayed = [b for b in n.by("bulk") if b["peer"] == other]
+        assert relayed and relayed[0]["path"] == "relayed" and relayed[0]["hash_ok"], \
+            [e for e in n.events if e["ev"] in ("connected", "connect_failed", "bulk", "bulk_failed")]
 
 
 def test_network_cleanup_on_failure() -> None:
