@@ -34,7 +34,7 @@ from msgspec import Meta, Struct
 from gossip import wire
 from gossip.framing import read_frame, write_frame
 from node.errors import DecodeError, PatchError
-from sync.hashing import lineage_id
+from sync.ids import lineage_id
 from sync.patchstore import LineageStore, StoredItem
 
 PROTOCOL = "/murmur/catalog/1"

@@ -781,7 +781,7 @@ class Node:
             self.worker.send("pace", {"rollouts_per_s": rate})
 
     def _base_for(self, lin: LineageState) -> bytes:
-        from sync.hashing import lineage_id
+        from sync.ids import lineage_id
 
         if lin.base:
             return lin.base

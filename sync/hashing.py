@@ -14,7 +14,6 @@ The lineage id and the chunk hashes use blake2b-256, as `gossip.wire` does.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Iterable, Mapping
 
@@ -26,7 +25,6 @@ from node.errors import PatchError
 
 STATE_DOMAIN = b"murmur/state/v1\x00"
 TENSOR_DOMAIN = b"murmur/tensor/v1\x00"
-LINEAGE_DOMAIN = b"murmur/lineage/v1\x00"
 
 # torch dtype <-> the unsigned integer numpy dtype of the same width used to compare bit patterns
 _BITS: dict[torch.dtype, tuple[torch.dtype, np.dtype]] = {
@@ -109,15 +107,6 @@ class StateHasher:
     def commit(self, new_digests: Mapping[str, bytes], state_hash_value: bytes) -> None:
         self.digests.update(new_digests)
         self.hash = state_hash_value
-
-
-def lineage_id(publisher: bytes, base_model_hash: bytes, name: str) -> bytes:
-    """blake2b-256 of (publisher key, base model state hash, lineage name)."""
-    if len(publisher) != 32 or len(base_model_hash) != 32:
-        raise ValueError("publisher key and base model hash must be 32 bytes")
-    nb = name.encode()
-    return hashlib.blake2b(LINEAGE_DOMAIN + publisher + base_model_hash + struct.pack("<H", len(nb)) + nb,
-                           digest_size=32).digest()
 
 
 def canonical_state(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

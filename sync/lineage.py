@@ -40,7 +40,8 @@ from sync import chunks as chunking
 from sync.catchup import Plan, choose
 from sync.codec import (FORMAT, PatchHeader, TensorChange, assemble, check_layout, decode_patch, diff_tensor,
                         encode_tensor, _Packer, DEFAULT_LEVEL)
-from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, lineage_id, state_hash
+from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, state_hash
+from sync.ids import lineage_id
 from sync.patchstore import LineageStore, StoredItem, open_manifest
 
 SPARSE = "sparse-v1"

@@ -24,15 +24,14 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
 from node.errors import DecodeError, PatchError
 from sync.atomic import atomic_write
-from sync.codec import decode_patch
-from sync.hashing import bits_view, state_hash
+
+if TYPE_CHECKING:
+    import torch
 
 ANCHOR_FILE = "model.safetensors"
 _PATCH_RE = re.compile(r"^(\d{12})-(\d{12})\.env$")
@@ -152,7 +151,11 @@ class LineageStore:
         anchors = [a for a in self.anchors() if a <= version]
         if not anchors:
             raise PatchError(f"no anchor at or below version {version}")
-        from safetensors.torch import load_file  # local: heavy import only when replaying
+        # Local imports: the network process stores patches as bytes and never needs torch.
+        from safetensors.torch import load_file
+
+        from sync.codec import decode_patch
+        from sync.hashing import bits_view, state_hash
 
         start = anchors[-1]
         env, _ = self.read_anchor(start)

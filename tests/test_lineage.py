@@ -10,7 +10,8 @@ from gossip.wire import PATCH_MANIFEST, PatchManifest, seal
 from node.errors import PatchError
 from sync.catchup import choose
 from sync.chunks import refs, split
-from sync.hashing import bits_view, lineage_id, state_hash
+from sync.hashing import bits_view, state_hash
+from sync.ids import lineage_id
 from sync.lineage import (ANCHOR, SPARSE, UNION, Lineage, LineageFollower, LineagePublisher, encode_states,
                           make_bundle)
 from sync.patchstore import StoredItem

@@ -1,0 +1,17 @@
+"""Lineage ids: pure hashing with no torch, so the network process can check manifests cheaply."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+LINEAGE_DOMAIN = b"murmur/lineage/v1\x00"
+
+
+def lineage_id(publisher: bytes, base_model_hash: bytes, name: str) -> bytes:
+    """blake2b-256 of (publisher key, base model state hash, lineage name)."""
+    if len(publisher) != 32 or len(base_model_hash) != 32:
+        raise ValueError("publisher key and base model hash must be 32 bytes")
+    nb = name.encode()
+    return hashlib.blake2b(LINEAGE_DOMAIN + publisher + base_model_hash + struct.pack("<H", len(nb)) + nb,
+                           digest_size=32).digest()
