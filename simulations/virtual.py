@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import contextlib
 import math
+import os
 import random
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -49,6 +52,7 @@ from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
 from node.identity import Identity
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
+from simulations.vcache import SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
@@ -97,7 +101,7 @@ class VNode:
 
 class VirtualSim:
     def __init__(self, sc: Scenario, out_dir: str | Path | None = None, *,
-                 progress: bool = False, max_events: int = 20_000_000) -> None:
+                 progress: bool = False, max_events: int = 20_000_000, shared_verify: bool = True) -> None:
         self.sc = sc
         self.out_dir = Path(out_dir) if out_dir else None
         self.progress = progress
@@ -107,6 +111,10 @@ class VirtualSim:
         self.registry = TaskRegistry()
         self.registry.add_builtin()
         self.task_set = self.registry.builtin_id
+        # one memo of the pure verification work per process (simulations/vcache.py says why it is faithful)
+        self.shared = SharedVerification(self.registry.resolve, score) if shared_verify else None
+        self._resolve = self.shared.resolve_task if self.shared else self.registry.resolve
+        self._score = self.shared.reward if self.shared else score
         self.links = LinkModel([LinkSpec.of(s) for s in self.specs], seed=sc.seed)
         self.now = 0.0
         self._heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
@@ -115,6 +123,7 @@ class VirtualSim:
         self.metrics = MetricsWriter(self.out_dir, sc.report.format) if self.out_dir else None
         self.rows: dict[str, list[dict[str, Any]]] = {}
         self.rejections: Counter[str] = Counter()
+        self._groups: dict[bytes, list[Group]] = {}  # accepted batch id -> its groups (read-only, shared)
         self.heads: dict[bytes, int] = {}
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
         self.nodes: list[VNode] = []
@@ -127,14 +136,23 @@ class VirtualSim:
             cfg = PipelineConfig(swarm=sc.swarm, max_staleness=sc.training.max_staleness,
                                  rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
                                  replay_entries=50_000, replay_ttl_s=900.0, score=score_params)
-            pipe = Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score,
-                            head_version=self._head)
+            if self.shared is not None:
+                pipe: Pipeline = SimPipeline(cfg, clock=self._unix, resolve_task=self._resolve, reward=self._score,
+                                             head_version=self._head, shared=self.shared)
+            else:
+                pipe = Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score,
+                                head_version=self._head)
             self.nodes.append(VNode(s, ident, ident.peer_id, pipe, lineage, p0, p0, node_rng))
         for n in self.nodes:
             if n.spec.role == "trainer":
                 self.heads[n.lineage] = 0
                 self.skill_at[n.lineage] = [n.skill]
         self.by_peer = {n.peer_id: n for n in self.nodes}
+        self.trainer_ids = [n.spec.index for n in self.nodes if n.spec.role == "trainer"]
+        self.followers_of: dict[int, list[int]] = {}
+        for n in self.nodes:
+            if n.spec.role == "follower" and n.spec.follow is not None:
+                self.followers_of.setdefault(n.spec.follow, []).append(n.spec.index)
         self._topology()
 
     # ------------------------------------------------------------ plumbing
@@ -190,7 +208,7 @@ class VirtualSim:
     def _group(self, node: VNode, lineage: bytes, version: int, skill: float) -> Group:
         g = self.sc.training.group_size
         ref = wire.TaskRef(self.task_set, BUILTIN_TRAIN, node.rng.randrange(SEED_RANGE))
-        task = self.registry.resolve(ref)
+        task = self._resolve(ref)
         created = int(self._unix() * 1000)
         out = []
         for _ in range(g):
@@ -198,7 +216,7 @@ class VirtualSim:
             ids = [ord(c) % 256 for c in text] + [1]
             out.append(wire.Rollout(task=ref, lineage=lineage, version=version, completion_ids=ids, text=text,
                                     tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
-                                    sampling=wire.SamplingParams(max_new_tokens=8), reward=score(task, text),
+                                    sampling=wire.SamplingParams(max_new_tokens=8), reward=self._score(task, text),
                                     created_ms=created))
         rewards = [r.reward for r in out]
         return Group(out, lineage, version, max(rewards) != min(rewards))
@@ -304,8 +322,9 @@ class VirtualSim:
             for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
                 self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]))
         if n.version % self.sc.sync.publish_every == 0:
-            for f in self.nodes:
-                if f.spec.role == "follower" and f.spec.follow == n.spec.index and f.alive:
+            for fi in self.followers_of.get(n.spec.index, ()):
+                f = self.nodes[fi]
+                if f.alive:
                     self._push(self.now + f.patch_delay, "patch", f.spec.index, n.version, f.inc)
 
     def _follower_step(self, n: VNode) -> None:
@@ -346,14 +365,21 @@ class VirtualSim:
             s.adv_accepted += 1
         if d.spec.role != "trainer" or v.batch is None:
             return
-        by_task: dict[tuple[str, int], list[wire.Rollout]] = {}
-        for r in v.batch.rollouts:
-            by_task.setdefault((r.task.generator, r.task.seed), []).append(r)
-        for rs in by_task.values():
-            if len(rs) < 2:
-                continue
-            rewards = [r.reward for r in rs]
-            d.pool.append(Group(rs, bytes(rs[0].lineage), rs[0].version, max(rewards) != min(rewards)))
+        groups = self._groups.get(v.msg_id)
+        if groups is None:  # a batch's groups depend on its content only: split once per process
+            groups = []
+            by_task: dict[tuple[str, int], list[wire.Rollout]] = {}
+            for r in v.batch.rollouts:
+                by_task.setdefault((r.task.generator, r.task.seed), []).append(r)
+            for rs in by_task.values():
+                if len(rs) < 2:
+                    continue
+                rewards = [r.reward for r in rs]
+                groups.append(Group(rs, bytes(rs[0].lineage), rs[0].version, max(rewards) != min(rewards)))
+            if len(self._groups) >= 200_000:
+                self._groups.clear()
+            self._groups[v.msg_id] = groups
+        d.pool.extend(groups)
 
     # ------------------------------------------------------------ adversaries
 
@@ -380,8 +406,7 @@ class VirtualSim:
                 self._gossip(n, n.sent_batches[0])
             self._gossip(n, data)
         elif b == "stale_spam":
-            victims = [m for m in self.nodes if m.spec.role == "trainer"]
-            lead = victims[n.rng.randrange(len(victims))]
+            lead = self.nodes[self.trainer_ids[n.rng.randrange(len(self.trainer_ids))]]
             self._gossip(n, self._seal(n, self._group(n, lead.lineage, 0, 0.5).rollouts))
         # corrupt_chunks and free_ride act in the broadcasts / by never producing
         if b in ("forged_reward", "invalid_signature", "replay", "stale_spam"):
@@ -480,45 +505,67 @@ class VirtualSim:
 
     def _ev_sample(self) -> None:
         now = self._unix()
-        honest = [n for n in self.nodes if n.spec.role != "adversary" and n.alive]
         for a in self.nodes:
             if a.spec.role != "adversary":
                 continue
-            vals = [h.pipeline.scores.score(a.peer_id, now) for h in honest if a.spec.index in h.neighbours]
+            honest = (self.nodes[j] for j in a.neighbours)  # the graph is symmetric; index order as before
+            vals = [h.pipeline.scores.score(a.peer_id, now) for h in honest if h.spec.role != "adversary" and h.alive]
             if vals:
                 self._row("score", t=self.now, peer=a.spec.index, behaviour=a.spec.behaviour,
                           score=sum(vals) / len(vals))
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> dict[str, Any]:
-        wall = time.perf_counter()
-        broadcasts = self._setup_broadcasts()
-        self._schedule()
+        wall, cpu = time.perf_counter(), time.process_time()
+        shared = self.shared.signatures_shared() if self.shared is not None else contextlib.nullcontext()
+        with shared:
+            self._say(f"virtual: {self.sc.name}: {len(self.nodes)} nodes, measuring "
+                      f"{self.sc.sync.broadcasts} broadcast(s) with the real swarm core")
+            broadcasts = self._setup_broadcasts()
+            self.setup_s = time.perf_counter() - wall
+            self._schedule()
+            self._loop(on_progress)
+        self.cpu_s = time.process_time() - cpu
+        return self._finish(broadcasts, time.perf_counter() - wall)
+
+    def _say(self, line: str) -> None:
+        if self.progress and not sys.stderr.isatty():
+            print(line, file=sys.stderr, flush=True)
+
+    def _loop(self, on_progress: Callable[[float], None] | None) -> None:
+        """Pop events in time order; progress on a terminal as a bar, elsewhere one stderr line per 10 %."""
         progress_ctx = None
-        if self.progress:
+        if self.progress and sys.stderr.isatty():
             from rich.progress import Progress  # noqa: PLC0415
 
             progress_ctx = Progress(transient=True)
             progress_ctx.start()
             task = progress_ctx.add_task(f"virtual: {self.sc.name}", total=self.sc.duration_s)
-        last = 0.0
+        handlers = {k[4:]: getattr(self, k) for k in dir(self) if k.startswith("_ev_")}
+        heap, pop, end = self._heap, heapq.heappop, self.sc.duration_s
+        last, tenth, start = 0.0, end / 10.0, time.perf_counter()
+        next_line = tenth
         try:
-            while self._heap and self.events < self.max_events:
-                t, _, kind, args = heapq.heappop(self._heap)
-                if t > self.sc.duration_s:
+            while heap and self.events < self.max_events:
+                t, _, kind, args = pop(heap)
+                if t > end:
                     break
                 self.now = t
                 self.events += 1
-                getattr(self, "_ev_" + kind)(*args)
+                handlers[kind](*args)
                 if t - last >= 1.0:
                     last = t
                     if progress_ctx is not None:
                         progress_ctx.update(task, completed=t)
+                    elif self.progress and t >= next_line:
+                        next_line += tenth
+                        w = time.perf_counter() - start
+                        self._say(f"virtual: t={t:.0f}/{end:g} s, {self.events} events, wall {w:.1f} s "
+                                  f"({self.events / max(w, 1e-9):.0f} events/s)")
                     if on_progress is not None:
                         on_progress(t)
         finally:
             if progress_ctx is not None:
                 progress_ctx.stop()
-        return self._finish(broadcasts, time.perf_counter() - wall)
 
     def _finish(self, broadcasts: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         for n in self.nodes:
@@ -535,6 +582,9 @@ class VirtualSim:
             "nodes": len(self.nodes),
             "virtual_s": min(self.now, self.sc.duration_s),
             "wall_s": round(wall_s, 2),
+            "cpu_s": round(getattr(self, "cpu_s", 0.0), 2),
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "setup_s": round(getattr(self, "setup_s", 0.0), 2),  # start-up broadcasts through the swarm core
             "events": self.events,
             "steps": sum(n.steps for n in self.nodes),
             "swarm_cumulative_reward": round(swarm, 3),
@@ -551,11 +601,16 @@ class VirtualSim:
             "modelled": "learning (skill curve), compute time, one-hop rollout gossip; "
                         "real: signatures, verification pipeline, scoring, swarm broadcast core",
         }
+        if self.shared is not None:
+            summary["verification"] = self.shared.stats()
         if self.out_dir:
+            self._say(f"virtual: {self.events} events in {wall_s:.1f} s; writing the report to {self.out_dir}")
             self.metrics.close()  # type: ignore[union-attr]
+            t0 = time.perf_counter()
             write_report(self.out_dir, self.rows, summary, dumps(self.sc), title=summary["title"],
                          notes="Virtual time. " + summary["modelled"] + ".",
                          threshold=self.sc.gossip.graylist_threshold, plots=self.sc.report.plots)
+            summary["report_s"] = round(time.perf_counter() - t0, 2)  # not in summary.json: written before
         return summary
 
 
