@@ -50,9 +50,10 @@ def connection_paths(transport: Any, peer_id: str) -> list[str]:
             addrs = [str(a) for a in (conn.get_transport_addresses() or [])]
         except Exception:
             addrs = []
+        muxed = type(getattr(conn, "muxed_conn", None)).__name__
         if any("/p2p-circuit" in a for a in addrs):
             out.append("relayed")
-        elif any("webrtc" in a for a in addrs):
+        elif any("webrtc" in a for a in addrs) or "WebRTC" in muxed:  # inbound ones carry no addresses
             out.append("webrtc")
         else:
             out.append("direct")

@@ -94,3 +94,57 @@ async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> d
         raise WebRTCUnavailable(f"WebRTC-direct loopback transfer did not finish within {timeout_s:.0f} s") from None
     except Exception as e:
         raise WebRTCUnavailable(f"WebRTC-direct failed: {type(e).__name__}: {e}"[:300]) from None
+
+
+def webrtc_listen_for(tcp_addrs: list[str]) -> list[str]:
+    """UDP `/webrtc-direct` listen addresses next to the TCP ones: same IP, same port number (one port to
+    forward), wildcards kept (py-libp2p's listener advertises the interface address for 0.0.0.0)."""
+    out = []
+    for a in tcp_addrs:
+        p = a.split("/")
+        if len(p) > 4 and p[1] in ("ip4", "ip6") and p[3] == "tcp" and "/p2p-circuit" not in a and "/ws" not in a:
+            out.append(f"/{p[1]}/{p[2]}/udp/{p[4]}/webrtc-direct")
+    return list(dict.fromkeys(out))
+
+
+def is_webrtc_addr(addr: str) -> bool:
+    return "/webrtc-direct" in addr
+
+
+async def attach_webrtc(transport: Any, listen: list[str]) -> list[str]:
+    """Add py-libp2p's `/webrtc-direct` transport to a running host and listen on `listen` (UDP).
+
+    Why after the host runs: the node's host is built before its config is looked at here, and the swarm
+    routes dials and listeners by multiaddr, so a transport added later serves both. A UDP port that is
+    taken falls back to an ephemeral one. Returns the advertised addresses (with certhash and /p2p/);
+    raises WebRTCUnavailable with the reason when aiortc is missing or no listener starts.
+    """
+    reason = webrtc_unavailable()
+    if reason:
+        raise WebRTCUnavailable(reason)
+    import multiaddr
+    from libp2p.transport.webrtc.transport import WebRTCDirectTransport
+
+    swarm = transport.host.get_network()
+    tm = swarm.transport_manager
+    if not any(isinstance(x, WebRTCDirectTransport) for x in tm.get_transports()):
+        w = WebRTCDirectTransport(private_key=transport.host.get_private_key())
+        tm.add_transport(w)
+        if swarm.background_nursery is not None and hasattr(w, "set_background_nursery"):
+            w.set_background_nursery(swarm.background_nursery)
+        if hasattr(w, "set_swarm"):
+            w.set_swarm(swarm)
+    errors = []
+    for a in listen:
+        for cand in dict.fromkeys([a, a.replace(a.split("/")[4], "0", 1) if a.split("/")[4] != "0" else a]):
+            try:
+                with trio.fail_after(15):
+                    if await swarm.listen(multiaddr.Multiaddr(cand)):
+                        break
+                errors.append(f"{cand}: listener did not start")
+            except Exception as e:
+                errors.append(f"{cand}: {type(e).__name__}: {e}"[:200])
+    got = [x for x in transport.listen_addrs() if is_webrtc_addr(x)]
+    if not got:
+        raise WebRTCUnavailable("no /webrtc-direct listener: " + "; ".join(errors or ["nothing to listen on"]))
+    return got

@@ -1,0 +1,112 @@
+"""WebRTC-direct as the node's fallback path (node.reach): TCP fails, UDP /webrtc-direct connects, gossip flows.
+
+Loopback only: two real py-libp2p hosts with `start_reachability`; the "blocked" TCP path is a sink that
+accepts connections and never speaks (like a filtering middlebox), so the TCP dial times out. The test
+that needs aiortc skips with the reason without it (CI installs `.[test]` only).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import trio
+
+from gossip.host import open_transport
+from gossip.webrtc import is_webrtc_addr, webrtc_listen_for, webrtc_unavailable
+from node.config import Config
+from node.doctor_reachability import WEBRTC, check_path
+from node.identity import Identity
+from node.reach import start_reachability
+
+
+def test_webrtc_listen_addresses_follow_tcp() -> None:
+    got = webrtc_listen_for(["/ip4/0.0.0.0/tcp/4001", "/ip4/10.0.0.2/tcp/5000/p2p/12D3KooW",
+                             "/ip4/1.2.3.4/tcp/4001/p2p/X/p2p-circuit/p2p/Y", "/ip4/1.2.3.4/tcp/80/ws"])
+    assert got == ["/ip4/0.0.0.0/udp/4001/webrtc-direct", "/ip4/10.0.0.2/udp/5000/webrtc-direct"]
+    assert is_webrtc_addr("/ip4/1.2.3.4/udp/1/webrtc-direct/certhash/uEi/p2p/X") and not is_webrtc_addr(got[0][:-14])
+
+
+def test_webrtc_disabled_in_config_is_reported() -> None:
+    async def main() -> None:
+        cfg = Config()
+        cfg.network.webrtc = False
+        async with open_transport(Identity.from_seed(b"\x51" * 32)) as a, trio.open_nursery() as n:
+            s = await start_reachability(a, cfg, n)
+            with trio.fail_after(10):
+                while not s.webrtc_error:
+                    await trio.sleep(0.05)
+            v = s.view()
+            assert "network.webrtc = false" in v.webrtc_reason
+            assert not any(is_webrtc_addr(x) for x in v.listen_addrs + v.announce_addrs)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+@pytest.mark.slow
+def test_tcp_blocked_peers_connect_over_webrtc_and_gossip() -> None:
+    reason = webrtc_unavailable()
+    if reason:
+        pytest.skip(f"WebRTC extra not installed: {reason}")
+    a_id, b_id = Identity.from_seed(b"\x52" * 32), Identity.from_seed(b"\x53" * 32)
+    known: dict[str, list[str]] = {}
+
+    async def sink(stream: trio.SocketStream) -> None:  # the filtered TCP path: accepts, never answers
+        with trio.move_on_after(30):
+            while await stream.receive_some(4096):
+                pass
+
+    async def main() -> None:
+        async with open_transport(a_id) as a, open_transport(b_id) as b, trio.open_nursery() as n:
+            listeners = await n.start(partial(trio.serve_tcp, sink, 0, host="127.0.0.1"))
+            sink_port = listeners[0].socket.getsockname()[1]
+            sa = await start_reachability(a, Config(), n)
+            sb = await start_reachability(b, Config(), n, known=lambda: known)
+            with trio.fail_after(30):
+                while not (sa.webrtc_addrs and sb.webrtc_addrs):
+                    assert not sa.webrtc_error and not sb.webrtc_error, (sa.webrtc_error, sb.webrtc_error)
+                    await trio.sleep(0.05)
+            announced = sa.announce_addrs()
+            assert any(is_webrtc_addr(x) for x in announced), announced
+            # what B learns of A: a TCP address that goes nowhere, then A's announced WebRTC addresses
+            known[a.peer_id] = [f"/ip4/127.0.0.1/tcp/{sink_port}/p2p/{a.peer_id}"] + [
+                x for x in announced if is_webrtc_addr(x)]
+            inbox = await b.subscribe("murmur/test/webrtc")
+            await a.subscribe("murmur/test/webrtc")
+            t0 = trio.current_time()
+            with trio.fail_after(60):
+                while a.peer_id not in b.peers():
+                    await trio.sleep(0.05)
+            connect_s = trio.current_time() - t0
+            assert connect_s >= 2.5, f"the TCP dial should have been tried (and timed out) first: {connect_s:.2f} s"
+            vb, va = sb.view(), sa.view()
+            assert vb.peer_paths[a.peer_id] == "webrtc" and vb.path == WEBRTC, vb
+            assert va.peer_paths[b.peer_id] == "webrtc", va  # inbound side sees the same path
+            assert a.peer_id in sb.webrtc_dialled
+            assert "WebRTC-direct" in check_path(vb).detail
+            with trio.fail_after(30):
+                while b.peer_id not in a.topic_peers("murmur/test/webrtc"):
+                    await trio.sleep(0.05)
+                sent = b"rollout over webrtc " + bytes(range(200))
+                while True:  # the mesh may take a heartbeat: publish again until delivered, bounded above
+                    try:
+                        await a.publish("murmur/test/webrtc", sent)
+                        break
+                    except Exception:
+                        await trio.sleep(0.2)
+                origin, data = await inbox.receive()
+            assert origin == a.peer_id and data == sent
+            print(f"webrtc fallback: connect {connect_s:.2f} s (3 s of it the TCP timeout)")
+            n.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as e:  # show the failure itself, not nursery nesting
+        raise _first_leaf(e) from None
+
+
+def _first_leaf(e: BaseException) -> BaseException:
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
