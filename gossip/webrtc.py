@@ -1,5 +1,8 @@
 """WebRTC-direct fallback (optional extra `murmur[webrtc]`, aiortc), imported lazily.
 
+`attach_webrtc` adds the `/webrtc-direct` transport to a running node's host (node.reach does, with
+`network.webrtc`); `measure_loopback` is the benchmark's throughput figure.
+
 Why optional: aiortc pulls in av/ffmpeg wheels and runs on asyncio (py-libp2p bridges it to trio in a
 thread); it was measured at 1.4–3.1 MB/s py<->py with one negotiation in six timing out, so it is a
 fallback for UDP-only networks, never the default path. When aiortc is missing everything here
@@ -122,7 +125,13 @@ async def attach_webrtc(transport: Any, listen: list[str]) -> list[str]:
     reason = webrtc_unavailable()
     if reason:
         raise WebRTCUnavailable(reason)
+    import importlib
+
     import multiaddr
+
+    # aiortc's import (~0.4 s at load 17) would stall the event loop, and with it the node's first gossip:
+    # import it in a thread, where the loop keeps running between GIL switches
+    await trio.to_thread.run_sync(importlib.import_module, "aiortc")
     from libp2p.transport.webrtc.transport import WebRTCDirectTransport
 
     swarm = transport.host.get_network()
