@@ -112,15 +112,17 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
             oaddr = _expect(origin, "addr", setup_deadline)["addrs"][0]
             addrs = [_expect(p, "addr", setup_deadline)["addrs"][0] for p in followers]
             mark("started")
-            for i, p in enumerate(followers):  # full mesh: each dials the origin and the followers before it
+            # full mesh: each dials the origin and the followers before it, one follower at a time
+            # (a storm of simultaneous inbound handshakes makes py-libp2p time stream negotiations out)
+            for i, p in enumerate(followers):
                 _tell(p, {"cmd": "connect", "addrs": [oaddr] + addrs[:i]})
-            for p in followers:
                 _expect(p, "connected", setup_deadline)
             mark("connected")
             for p in followers:
                 _tell(p, {"cmd": "ready?", "peers": peers})
             conns = [_expect(p, "ready", setup_deadline)["conns"] for p in followers]
             mark("mesh ready")
+            time.sleep(float(os.environ.get("MURMUR_BENCH_IDLE_S", "0")))  # debugging aid: measure idle CPU
             _tell(origin, {"cmd": "publish", "peers": peers})
             t0 = _expect(origin, "published", setup_deadline)["t0"]
             # a generous, bounded wait for the transfer itself: a follower that never completes is reported
@@ -286,7 +288,7 @@ async def _status_loop(node: Any) -> None:
     log = logging.getLogger("murmur.bench")
     while True:
         await trio.sleep(1.0)
-        parts = [f"conns={len(node.conns)} cpu={time.process_time():.1f} {node.counters}"]
+        parts = [f"conns={len(node.conns)} cpu={time.process_time():.2f} {node.counters} {node.frames_by_type}"]
         for tr in node.transfers.values():
             s = tr.session
             busy = {p[:16]: (len(q.inflight), len(q.serve)) for p, q in s.peers.items() if q.inflight or q.serve}
@@ -323,6 +325,13 @@ def _main(argv: list[str]) -> None:
     import trio
 
     role, tmp, idx, upload, chunk_bytes, seed = argv
+    prof_dir = os.environ.get("MURMUR_BENCH_PROFILE")  # debugging aid: cProfile of every worker
+    prof = None
+    if prof_dir:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     try:
         trio.run(_worker, role, tmp, int(idx), int(upload), int(chunk_bytes), int(seed))
     except BaseException as e:  # report, so the parent fails fast with the reason
@@ -331,6 +340,10 @@ def _main(argv: list[str]) -> None:
         sys.stdout.write(json.dumps({"event": "error", "error": f"{type(e).__name__}: {e}"}) + "\n")
         sys.stdout.flush()
         raise
+    finally:
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(f"{prof_dir}/{role}{idx}.prof")
 
 
 if __name__ == "__main__":

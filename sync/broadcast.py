@@ -31,7 +31,7 @@ import msgspec
 import trio
 
 from gossip import topics
-from gossip.transport import Stream, StreamError, Transport
+from gossip.transport import PublishError, Stream, StreamError, Transport
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope, open_envelope
 from node.errors import DecodeError, MurmurError
 from sync.chunks import ChunkAssembly
@@ -192,6 +192,7 @@ class BroadcastNode:
         self._opening: set[str] = set()  # stream opens in progress (one at a time per peer)
         self._open_backoff: dict[str, tuple[float, float]] = {}  # peer -> (retry at, current backoff)
         self._rng = random.Random(seed)
+        self.frames_by_type: dict[str, int] = {}  # frames received, by type (diagnostics)
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
         self.counters = {"frames_in": 0, "frames_out": 0, "bytes_up": 0, "bad_frames": 0, "manifests_rejected": 0,
@@ -222,7 +223,13 @@ class BroadcastNode:
                                seed=self.seed)
         self._add(Transfer(pid, envelope, manifest, session, list(chunks), None, time.time()))
         if gossip:
-            await self.t.publish(self.topic, envelope)
+            try:
+                await self.t.publish(self.topic, envelope)
+            except PublishError as e:
+                # not fatal: every peer on a chunk stream sees the patch id in our Have and asks for
+                # the manifest (ManifestRequest); gossip only reaches the others sooner
+                log.warning("patch %s: manifest gossip failed (%s); peers learn it over chunk streams",
+                            pid.hex()[:12], e)
         return pid
 
     async def add_manifest(self, envelope: bytes) -> bytes | None:
@@ -488,6 +495,8 @@ class BroadcastNode:
                 return  # a peer that sends garbage loses the stream
             if peer in self.banned:
                 return
+            name = type(frame).__name__
+            self.frames_by_type[name] = self.frames_by_type.get(name, 0) + 1
             await self._dispatch(peer, frame)
 
     async def _dispatch(self, peer: str, frame: Frame) -> None:
