@@ -34,6 +34,7 @@ from gossip import topics
 from gossip.transport import PublishError, Stream, StreamError, Transport
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope, open_envelope
 from node.errors import DecodeError, MurmurError
+from sync.atomic import atomic_write
 from sync.chunks import ChunkAssembly
 from sync.ratelimit import UploadLimiter
 from sync.swarm import (MAX_FRAME_BYTES, Ban, Chunk, Completed, Frame, Have, HaveChunk, Manifest, ManifestRequest,
@@ -120,13 +121,36 @@ class Transfer:
         self.started = started  # wall clock
         self.completed_wall: float | None = time.time() if session.complete else None
         self.done = trio.Event()
+        self._progress = trio.Event()  # set (and replaced) whenever a chunk verifies
         if session.complete:
             self.done.set()
+
+    async def wait_have(self, n: int, timeout_s: float) -> None:
+        """Until at least `n` chunks are held (TooSlowError after `timeout_s`)."""
+        with trio.fail_after(timeout_s):
+            while self.session.nhave < n:
+                await self._progress.wait()
+
+    def _verified(self) -> None:
+        self._progress.set()
+        self._progress = trio.Event()
 
     def payload(self) -> bytes:
         if not self.session.complete:
             raise MurmurError("patch not complete yet")
         return b"".join(self.chunks)  # type: ignore[arg-type]
+
+
+def _store_verified(store: ChunkAssembly, index: int, data: bytes) -> None:
+    """Persist a chunk the session has just hash-checked, without hashing it a second time.
+
+    `ChunkAssembly.put` re-verifies; here the bytes are the very object the session verified, and a
+    reopened assembly re-verifies every file anyway, so a torn write cannot pass as a held chunk.
+    """
+    if index in store._have:
+        return
+    atomic_write(store.dir / f"{index}.chunk", data)
+    store._have.add(index)
 
 
 class _Conn:
@@ -195,6 +219,7 @@ class BroadcastNode:
         self.frames_by_type: dict[str, int] = {}  # frames received, by type (diagnostics)
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
+        self._conns_changed = trio.Event()
         self.counters = {"frames_in": 0, "frames_out": 0, "bytes_up": 0, "bad_frames": 0, "manifests_rejected": 0,
                          "writes": 0}
 
@@ -289,6 +314,16 @@ class BroadcastNode:
                         return tr
                 await self._changed.wait()
 
+    async def wait_conns(self, n: int, timeout_s: float) -> None:
+        """Until chunk streams are up with at least `n` peers (TooSlowError after `timeout_s`)."""
+        with trio.fail_after(timeout_s):
+            while len(self.conns) < n:
+                await self._conns_changed.wait()
+
+    def _conns_change(self) -> None:
+        self._conns_changed.set()
+        self._conns_changed = trio.Event()
+
     def ban(self, peer: str, reason: str) -> None:
         """Node-wide ban: every session drops the peer and the connection is closed."""
         if peer in self.banned:
@@ -302,6 +337,7 @@ class BroadcastNode:
             self._apply(tr, out)
         conn = self.conns.pop(peer, None)
         if conn is not None:
+            self._conns_change()
             self._close_conn(conn)
         blacklist = getattr(self.t, "blacklist", None)
         if blacklist is not None:
@@ -354,6 +390,7 @@ class BroadcastNode:
                     conn.kick()
             elif isinstance(a, Verified):
                 tr.chunks[a.index] = a.data
+                tr._verified()
                 if tr.store is not None and self._nursery is not None:
                     self._nursery.start_soon(self._persist, tr, a.index, a.data)
             elif isinstance(a, Completed):
@@ -370,7 +407,7 @@ class BroadcastNode:
 
     async def _persist(self, tr: Transfer, index: int, data: bytes) -> None:
         try:
-            await trio.to_thread.run_sync(tr.store.put, index, data)  # type: ignore[union-attr]
+            await trio.to_thread.run_sync(_store_verified, tr.store, index, data)
         except (MurmurError, OSError) as e:
             log.warning("could not persist chunk %d of %s: %s", index, tr.pid.hex()[:12], e)
 
@@ -440,6 +477,7 @@ class BroadcastNode:
         fresh = conn is None
         if conn is None:
             conn = self.conns[peer] = _Conn(peer, key)
+            self._conns_change()
         conn.streams.append(stream)
         if fresh:
             self._nursery.start_soon(self._writer, conn)  # type: ignore[union-attr]
@@ -461,6 +499,7 @@ class BroadcastNode:
         if self.conns.get(conn.peer) is not conn:
             return
         del self.conns[conn.peer]
+        self._conns_change()
         self._close_conn(conn)
         now = trio.current_time()
         for tr in list(self.transfers.values()):
