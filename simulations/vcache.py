@@ -27,6 +27,7 @@ the memo and asserts identical summaries.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,8 +38,9 @@ from gossip.validation import Pending, Pipeline
 _MISSING = object()
 
 
-class _Memo(dict):
-    """A dict that forgets everything when it grows past `limit` (bounded memory, no LRU bookkeeping)."""
+class _Memo(OrderedDict):
+    """A dict bounded to `limit` entries, oldest first out (a gossiped batch reaches its receivers within
+    seconds of being sealed, so insertion order is a good enough recency order)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
@@ -48,7 +50,7 @@ class _Memo(dict):
 
     def put(self, key: Any, value: Any) -> None:
         if len(self) >= self.limit:
-            self.clear()
+            self.popitem(last=False)
         self[key] = value
 
 
@@ -63,7 +65,7 @@ class SharedVerification:
         self.failures = _Memo(limit)  # batch content id -> the verify stage's outcome (None = passed)
         self.rewards = _Memo(limit)
         self.tasks = _Memo(limit // 4)
-        self.bodies = _Memo(limit // 10)  # (kind, signer, body bytes) -> decoded body (read-only in the simulator)
+        self.bodies = _Memo(limit // 20)  # (kind, signer, body bytes) -> decoded body (read-only in the simulator)
 
     def verify_signature(self, public: bytes, signature: bytes, message: bytes) -> bool:
         key = hashlib.blake2b(public + signature + message, digest_size=32).digest()

@@ -40,7 +40,7 @@ import os
 import random
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +123,7 @@ class VirtualSim:
         self.metrics = MetricsWriter(self.out_dir, sc.report.format) if self.out_dir else None
         self.rows: dict[str, list[dict[str, Any]]] = {}
         self.rejections: Counter[str] = Counter()
-        self._groups: dict[bytes, list[Group]] = {}  # accepted batch id -> its groups (read-only, shared)
+        self._groups: OrderedDict[bytes, list[Group]] = OrderedDict()  # accepted batch id -> its groups (shared)
         self.heads: dict[bytes, int] = {}
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
         self.nodes: list[VNode] = []
@@ -376,8 +376,8 @@ class VirtualSim:
                     continue
                 rewards = [r.reward for r in rs]
                 groups.append(Group(rs, bytes(rs[0].lineage), rs[0].version, max(rewards) != min(rewards)))
-            if len(self._groups) >= 200_000:
-                self._groups.clear()
+            if len(self._groups) >= 200_000:  # oldest first out
+                self._groups.popitem(last=False)
             self._groups[v.msg_id] = groups
         d.pool.extend(groups)
 

@@ -163,3 +163,14 @@ def test_lower_bound_formula() -> None:
 def test_netem_args() -> None:
     a = netem_args(LinkSpec(up_bps=1e6, down_bps=2e6, latency_s=0.03, jitter_s=0.005, loss=0.01), "up")
     assert a == ["netem", "delay", "30.000ms", "5.000ms", "loss", "1.0000%", "rate", "8000000bit"]
+
+
+def test_learning_defaults_are_the_fit_of_the_bench_isolated_curve() -> None:
+    """docs/researcher.md 'calibration': the [learning] defaults are what simulations.calibrate fits to the
+    isolated block means of `murmur bench swarm` seed 0 (RMSE under 0.01)."""
+    from simulations.calibrate import fit
+
+    got = fit([0.0916, 0.1565, 0.1854, 0.1845, 0.218], 200)
+    d = S.Learning()
+    assert (got["initial"], got["rate"], got["ceiling"]) == (d.initial, d.rate, d.ceiling)
+    assert got["rmse"] < 0.01
