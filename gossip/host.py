@@ -341,12 +341,7 @@ def _build(identity: Identity, websocket: bool, dial_timeout_s: float) -> tuple[
         key_pair=kp,
         sec_opt={NOISE_ID: NoiseTransport(kp, noise_privkey=x25519_pair().private_key)},
         muxer_opt={TProtocol(YAMUX_ID): Yamux},
-        # No background auto-dialing (Murmur's discovery decides whom to dial): py-libp2p's
-        # AutoConnector re-dials peerstore entries every 10 s while below min_connections, which
-        # races the application's own dials into duplicate connections that each side trims
-        # differently, and stream negotiations on the loser time out.
-        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout_s,
-                                           min_connections=0, low_watermark=0, auto_connect_interval=3600.0),
+        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=dial_timeout_s),
         enable_websocket=websocket,
     )
     router = GossipSub(
