@@ -141,7 +141,13 @@ class Pipeline:
         head_version: Callable[[bytes], int | None],
         task_set_trusted: Callable[[bytes], bool] | None = None,
         scores: PeerScores | None = None,
+        verify_envelope: Callable[[wire.Envelope], None] = wire.verify_envelope,
+        decode_body: Callable[[wire.Envelope], Any] = wire.decode_body,
     ) -> None:
+        # verify_envelope/decode_body are injectable so a simulator of many nodes in one
+        # process can share the pure, byte-determined work between them (simulations/vcache.py).
+        self._verify_envelope = verify_envelope
+        self._decode_body = decode_body
         self.config = config
         self.clock = clock
         self.resolve_task = resolve_task
@@ -210,11 +216,11 @@ class Pipeline:
         except DecodeError as e:
             return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e), remember=True)
         try:
-            wire.verify_envelope(env)
+            self._verify_envelope(env)
         except SignatureError as e:
             return self._reject(Reason.BAD_SIGNATURE, origin, data, mid, None, str(e), remember=True)
         try:
-            batch = wire.decode_body(env)
+            batch = self._decode_body(env)
         except SignatureError as e:  # body's producer differs from the envelope signer
             return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, None, str(e), remember=True)
         except DecodeError as e:

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 from gossip import wire
 from gossip.validation import Pending, Pipeline
+from node.errors import SignatureError
+from node.identity import verify
 
 _MISSING = object()
 
@@ -104,33 +105,17 @@ class SharedVerification:
             self.bodies.put(key, hit)
         return hit
 
-    @contextmanager
-    def signatures_shared(self) -> Iterator[None]:
-        """While the simulation runs, each distinct signature is checked and each body decoded once.
-
-        `gossip.wire.verify_envelope` looks `verify` up in `gossip.wire` at call
-        time, and the pipeline calls `wire.decode_body` through the module; both
-        originals are restored on exit, so nothing outside the run is affected.
-        """
-        prev = wire.verify, wire.decode_body
-        wire.verify = self.verify_signature  # type: ignore[assignment]
-        wire.decode_body = self.decode_body  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            wire.verify, wire.decode_body = prev  # type: ignore[assignment]
+    def verify_envelope(self, env: wire.Envelope) -> None:
+        """`gossip.wire.verify_envelope` with the ed25519 check memoised per distinct signature."""
+        if not self.verify_signature(env.signer, env.sig, wire.signing_domain(env.kind, env.v) + env.body):
+            raise SignatureError(f"{env.kind} signature does not verify for its signer")
 
     def stats(self) -> dict[str, int]:
         return {"signature_checks": self.signatures.misses, "signature_memo_hits": self.signatures.hits,
                 "batch_verifications": self.failures.misses, "batch_verify_memo_hits": self.failures.hits}
 
 
-def _real_verify(public: bytes, signature: bytes, message: bytes) -> bool:
-    from node.identity import verify  # noqa: PLC0415  (the original, never the memo)
-
-    return verify(public, signature, message)
-
-
+_real_verify = verify
 _real_decode_body = wire.decode_body
 
 
@@ -138,7 +123,7 @@ class SimPipeline(Pipeline):
     """A node's own pipeline whose pure `verify` stage reads the per-process memo first."""
 
     def __init__(self, *args: Any, shared: SharedVerification, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, verify_envelope=shared.verify_envelope, decode_body=shared.decode_body, **kwargs)
         self.shared = shared
 
     def verify(self, p: Pending) -> Pending:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import contextlib
 import math
 import os
 import random
@@ -516,14 +515,12 @@ class VirtualSim:
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> dict[str, Any]:
         wall, cpu = time.perf_counter(), time.process_time()
-        shared = self.shared.signatures_shared() if self.shared is not None else contextlib.nullcontext()
-        with shared:
-            self._say(f"virtual: {self.sc.name}: {len(self.nodes)} nodes, measuring "
-                      f"{self.sc.sync.broadcasts} broadcast(s) with the real swarm core")
-            broadcasts = self._setup_broadcasts()
-            self.setup_s = time.perf_counter() - wall
-            self._schedule()
-            self._loop(on_progress)
+        self._say(f"virtual: {self.sc.name}: {len(self.nodes)} nodes, measuring "
+                  f"{self.sc.sync.broadcasts} broadcast(s) with the real swarm core")
+        broadcasts = self._setup_broadcasts()
+        self.setup_s = time.perf_counter() - wall
+        self._schedule()
+        self._loop(on_progress)
         self.cpu_s = time.process_time() - cpu
         return self._finish(broadcasts, time.perf_counter() - wall)
 
