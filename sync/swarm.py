@@ -219,7 +219,7 @@ class SwarmConfig(Struct, kw_only=True, frozen=True):
 
 class _Peer:
     __slots__ = ("id", "has", "nhas", "inflight", "serve", "queued", "last_rx", "stalls", "corrupt",
-                 "avoid_until", "bytes_in", "bytes_out", "assigned", "known")
+                 "avoid_until", "bytes_in", "bytes_out", "assigned", "known", "cancelled")
 
     def __init__(self, pid: str, n: int, now: float) -> None:
         self.id = pid
@@ -236,6 +236,7 @@ class _Peer:
         self.bytes_out = 0
         self.assigned: dict[int, float] = {}  # origin: un-sent chunks advertised to this peer -> when
         self.known = False  # its have-map arrived
+        self.cancelled: set[int] = set()  # requests withdrawn after a stall: their chunks may still arrive
 
 
 def _default_check(expected: bytes, size: int, data: bytes) -> bool:
@@ -480,10 +481,16 @@ class SwarmSession:
         p.bytes_in += size
         self.bytes_in += size
         if i not in p.inflight:
-            self.wasted_in += size
-            if not self.have[i]:
-                out.append(Penalise(p.id, f"unrequested chunk {i}", self.cfg.penalty_protocol))
-            return
+            if i in p.cancelled and not self.have[i]:
+                # A slow peer's answer crossed our cancel on the wire: late, not malicious, and still
+                # good data if its hash checks out.
+                p.cancelled.discard(i)
+            else:
+                self.wasted_in += size
+                if not self.have[i]:
+                    out.append(Penalise(p.id, f"unrequested chunk {i}", self.cfg.penalty_protocol))
+                return
+        p.cancelled.discard(i)
         p.last_rx = now
         self._drop_request(p, i)
         if self.have[i]:
@@ -660,6 +667,7 @@ class SwarmSession:
                     p.avoid_until = now + cfg.avoid_s
                     for i in list(p.inflight):
                         self._drop_request(p, i)
+                        p.cancelled.add(i)
                         out.append(Send(p.id, Cancel(self.pid, i)))
                     out.append(Penalise(p.id, f"no progress for {waited:.1f} s", cfg.penalty_stall))
             if self._super:

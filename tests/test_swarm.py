@@ -168,6 +168,20 @@ def test_stall_switches_peer_and_cancels() -> None:
     assert not f.peers["evil"].inflight  # still avoided
 
 
+def test_late_chunk_after_stall_cancel_is_used_not_penalised() -> None:
+    """A slow peer's answer that crosses our cancel on the wire is good data, not a protocol breach."""
+    f, data = _follower_with_peers()
+    slow = set(f.peers["evil"].inflight)
+    f.tick(3.0)  # stall: requests to "evil" cancelled
+    i = next(iter(slow))
+    acts = f.on_frame("evil", Chunk(PID, i, data[i]), 3.2)
+    assert any(isinstance(a, Verified) and a.index == i for a in acts)
+    assert not any(isinstance(a, Penalise) for a in acts)
+    # a second copy of the same chunk is unrequested and the chunk is held: wasted, never penalised either
+    again = f.on_frame("evil", Chunk(PID, i, data[i]), 3.3)
+    assert not any(isinstance(a, (Penalise, Verified)) for a in again)
+
+
 def test_reject_not_held_updates_have_map_and_retries() -> None:
     f, _ = _follower_with_peers()
     i = next(iter(f.peers["evil"].inflight))
