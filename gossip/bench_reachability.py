@@ -109,7 +109,7 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
              forward_h2: bool = False, timeout_s: float = 240.0) -> dict[str, NodeProc]:
     """Public node + two NATed homes; every node gossips and bulk-transfers to every other. Returns the nodes."""
     sys.path.insert(0, str(REPO))
-    from tests.netns import Network
+    from simulations.netns import Network
 
     ids = {k: peer_id_for(s) for k, s in SEEDS.items()}
     with Network() as net:
@@ -151,7 +151,7 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
 def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
     """Measure every path once. Keys: direct_mb_s, relayed_mb_s, holepunched, holepunched_mb_s, webrtc_mb_s,
     time_to_first_message_ms (NATed node, from process start, incl. imports), plus reasons where null."""
-    from tests.netns import netns_unavailable
+    from simulations.netns import netns_unavailable
 
     out: dict[str, Any] = {"bench": "reachability", "bulk_bytes": bulk_bytes}
     reason = netns_unavailable()

@@ -4,7 +4,7 @@ node.reach wiring plus a raw bulk stream), one subprocess per network namespace 
 The real node (`murmur node start`) behind NATs is tested in tests/test_reachability_nodes.py; here:
 bulk transfers with hashes per path (direct, relayed, hole-punched), symmetric NAT staying relayed,
 port forwarding making a home public. Needs root, iproute2 and iptables; skips with the reason otherwise.
-The namespaces are deleted by `tests.netns.Network` even when a node fails.
+The namespaces are deleted by `simulations.netns.Network` even when a node fails.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.netns import Network, netns_unavailable
+from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]

@@ -22,7 +22,7 @@ import pytest
 
 from node import control
 from node.status import NodeStatus
-from tests.netns import Network, netns_unavailable
+from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
