@@ -38,7 +38,6 @@ import os
 import random
 import tempfile
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -51,6 +50,8 @@ from gossip import wire
 from gossip.validation import Pipeline, PipelineConfig
 from node.errors import ConfigError
 from node.identity import Identity
+from node.tomlfile import convert_strict, parse_toml
+from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
 
 SWARM = "murmur-bench-swarm"
 COORDINATOR = Identity.from_seed(hashlib.blake2b(b"murmur-bench-swarm/task-set-coordinator", digest_size=32).digest())
@@ -81,24 +82,6 @@ class AdversarySection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     bad_signature: bool = True
 
 
-class GenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str
-    generator: str
-    config: dict[str, int | float | str | bool] = {}
-    seed_start: int = 0
-    seed_end: int
-    verifier: str = ""
-    weight: float = 1.0
-
-
-class TaskSetSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: str
-    verifier: str
-    tolerance: float = 0.0
-    description: str = ""
-    generators: list[GenSection]
-
-
 class BenchScenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str = "bench-swarm"
     nodes: int = 4
@@ -109,7 +92,7 @@ class BenchScenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     isolated: Mix = msgspec.field(default_factory=lambda: Mix(local_groups=8, external_groups=0))
     swarm: Mix = msgspec.field(default_factory=lambda: Mix(local_groups=4, external_groups=4))
     adversary: AdversarySection = msgspec.field(default_factory=AdversarySection)
-    task_set: TaskSetSection
+    task_set: TaskSetToml
 
 
 def load_scenario(path: str | Path | None = None) -> tuple[BenchScenario, str]:
@@ -122,10 +105,7 @@ def load_scenario(path: str | Path | None = None) -> tuple[BenchScenario, str]:
             text, origin = Path(path).read_text("utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: cannot read: {e}") from None
-    try:
-        sc = msgspec.convert(tomllib.loads(text), BenchScenario, strict=True)
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
-        raise ConfigError(f"{origin}: {e}") from None
+    sc = convert_strict(parse_toml(text, origin), BenchScenario, origin)
     if sc.nodes < 2 or not 0 <= sc.adversary.node < sc.nodes:
         raise ConfigError(f"{origin}: need nodes >= 2 and 0 <= adversary.node < nodes")
     for mix in (sc.isolated, sc.swarm):
@@ -140,16 +120,8 @@ def bench_task_set(sc: BenchScenario) -> bytes:
     """The scenario's task set, signed by the benchmark's (public, fixed) coordinator key.
 
     created_ms is fixed so the task-set id, and with it every task reference, is the same in every run."""
-    from training.tasksets import sign_task_set  # noqa: PLC0415
-
-    t = sc.task_set
-    m = wire.TaskSetManifest(
-        v=wire.FORMAT_VERSION, name=t.name, version=1, coordinator=COORDINATOR.public, created_ms=1,
-        verifier=t.verifier, tolerance=t.tolerance, description=t.description,
-        generators=[wire.GeneratorSpec(name=g.name, generator=g.generator, config=g.config, seed_start=g.seed_start,
-                                       seed_end=g.seed_end, verifier=g.verifier, weight=g.weight)
-                    for g in t.generators])
-    return sign_task_set(COORDINATOR, m)
+    t = msgspec.structs.replace(sc.task_set, created_ms=1)
+    return sign_task_set(COORDINATOR, manifest_from_toml(t, f"bench scenario task set {t.name!r}"))
 
 
 # ------------------------------------------------------------ nodes

@@ -105,7 +105,7 @@ def sign_task_set(identity: Identity, manifest: TaskSetManifest) -> bytes:
 # ------------------------------------------------------------ TOML
 
 
-class _GenToml(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class GeneratorToml(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     generator: str
     config: dict[str, int | float | str | bool] = {}
@@ -115,14 +115,14 @@ class _GenToml(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight: float = 1.0
 
 
-class _SetToml(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TaskSetToml(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     version: int = 1
     verifier: str
     tolerance: float = 0.0
     description: str = ""
     created_ms: int = 0
-    generators: list[_GenToml]
+    generators: list[GeneratorToml]
 
 
 def _wire_path(where: str) -> str:
@@ -145,7 +145,11 @@ def load_task_set_toml(path: str | Path) -> TaskSetManifest:
     """Strictly parse a task-set TOML file into an (unsigned) manifest; errors name file and key."""
     path = Path(path)
     raw = read_toml(path, TaskError, "task-set file")
-    t = convert_strict(raw, _SetToml, str(path), TaskError)
+    return manifest_from_toml(convert_strict(raw, TaskSetToml, str(path), TaskError), str(path))
+
+
+def manifest_from_toml(t: TaskSetToml, origin: str) -> TaskSetManifest:
+    """An unsigned manifest from its TOML form, with every protocol bound and generator checked."""
     try:
         m = TaskSetManifest(
             v=FORMAT_VERSION, name=t.name, version=t.version, coordinator=bytes(32), created_ms=t.created_ms,
@@ -157,14 +161,14 @@ def load_task_set_toml(path: str | Path) -> TaskSetManifest:
         # round-trip through the wire decoder: applies every field bound of the protocol
         m = msgspec.msgpack.decode(encode(m), type=TaskSetManifest)
     except msgspec.ValidationError as e:
-        raise TaskError(validation_message(e, str(path), _wire_path)) from None
+        raise TaskError(validation_message(e, origin, _wire_path)) from None
     names = [g.name for g in m.generators]
     if len(set(names)) != len(names):
-        raise TaskError(f"{path}: duplicate generator names")
+        raise TaskError(f"{origin}: duplicate generator names")
     for i, g in enumerate(m.generators):
         if g.seed_end <= g.seed_start:
-            raise TaskError(f"{path}: key 'generators[{i}].seed_end': must exceed seed_start")
-    check_manifest(m, str(path))
+            raise TaskError(f"{origin}: key 'generators[{i}].seed_end': must exceed seed_start")
+    check_manifest(m, origin)
     return m
 
 
@@ -240,5 +244,6 @@ class TaskRegistry:
 
 __all__ = [
     "BUILTIN_COORDINATOR", "BUILTIN_EVAL", "BUILTIN_NAME", "BUILTIN_TRAIN", "DecodeError", "TaskRegistry",
-    "builtin_manifest", "builtin_task_set", "check_manifest", "load_task_set_toml", "sign_task_set", "task_set_id",
+    "GeneratorToml", "TaskSetToml", "builtin_manifest", "builtin_task_set", "check_manifest", "load_task_set_toml",
+    "manifest_from_toml", "sign_task_set", "task_set_id",
 ]
