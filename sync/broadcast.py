@@ -300,7 +300,10 @@ class BroadcastNode:
         return pid
 
     async def wait_complete(self, pid: bytes, timeout_s: float) -> Transfer:
-        tr = self.transfers[pid]
+        """StreamError when the transfer is not (or no longer) tracked: evicted by the transfer limit."""
+        tr = self.transfers.get(pid)
+        if tr is None:
+            raise StreamError(f"patch {pid.hex()[:12]} is not being transferred (unknown or evicted)")
         with trio.fail_after(timeout_s):
             await tr.done.wait()
         return tr

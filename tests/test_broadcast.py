@@ -321,3 +321,16 @@ def test_concurrent_add_manifest_makes_one_transfer(tmp_path: Path) -> None:
             assert seen[0] is f.transfers[pid], "a waiter must hold the one live Transfer, not a replaced one"
 
     trio.run(main)
+
+
+def test_wait_complete_on_an_unknown_or_evicted_transfer_is_a_clear_error() -> None:
+    """The node's catch-up loop waits on transfers that the 64-transfer limit may evict: that must be an
+    error it can handle, not a KeyError that kills the node."""
+    from gossip.transport import StreamError
+
+    async def main() -> None:
+        async with live_node(0) as (_, node):
+            with pytest.raises(StreamError, match="not being transferred"):
+                await node.wait_complete(b"\x01" * 32, 1.0)
+
+    trio.run(main)
