@@ -196,7 +196,8 @@ class Node:
                                          "spot_checked": 0, "spot_failed": 0, "used": 0, "publish_failed": 0}
         self.ledger: dict[str, int] = {}
         self.steps = 0
-        self.step_times: deque[float] = deque(maxlen=8)
+        self.step_times: deque[float] = deque(maxlen=8)  # seconds per optimizer step
+        self.version_times: deque[float] = deque(maxlen=8)  # seconds between published versions
         self.last_publish = 0.0
         self.gen_tps = 0.0
         self.latency = 0.0
@@ -622,7 +623,7 @@ class Node:
             lin = self.lineages[self.own] if self.own in self.lineages else None
             now = time.monotonic()
             if self.last_publish:
-                self.step_times.append(now - self.last_publish)
+                self.version_times.append(now - self.last_publish)
             self.last_publish = now
             self.counters["published"] = int(body["version"])
             if lin is not None:
@@ -705,8 +706,14 @@ class Node:
             return None
         lin = self.lineages[self.own]
         t = self.cfg.training
-        step_t = sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else 0.0
-        b = t.external_rollouts * t.group_size
+        # The capacity rule counts in published versions (the staleness bound is in versions): one
+        # version spans `publish_every` optimizer steps, and needs that many steps' external rollouts.
+        k = max(1, self.cfg.sync.publish_every)
+        if self.version_times:
+            step_t = sorted(self.version_times)[len(self.version_times) // 2]
+        else:
+            step_t = k * sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else 0.0
+        b = k * t.external_rollouts * t.group_size
         d = roles.Demand(rollouts_per_step=b, step_time_s=step_t, max_staleness=self.cfg.sync.max_staleness)
         offers = []
         prev_standby = set(lin.activation.standby) if lin.activation else set()

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from node import control
 from node.status import NodeStatus
+from tests.nodeproc import status as _status
+from tests.nodeproc import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,32 +53,16 @@ def _start(home: Path, bootstrap: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=env)
 
 
-def _status(home: Path) -> NodeStatus | None:
-    try:
-        return control.status(home, timeout=5.0)
-    except control.ControlError:
-        return None
-
-
-def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout * 2) + 1):
-        if pred():
-            return
-        dead = [p.args for p in procs if p.poll() is not None]
-        assert not dead, f"node exited while waiting for {what}: {dead}"
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _lin(s: NodeStatus | None, relation: str):
     if s is None:
         return None
     if relation == "own":
         return next((x for x in s.lineages if x.relation == "own"), None)
     return next((x for x in s.lineages if x.lineage == s.serving), None)
+
+
+def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float = WAIT_S) -> None:
+    wait_for(what, pred, procs, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from node import control
 from node.status import NodeStatus
+from tests.nodeproc import status as _status
+from tests.nodeproc import wait_for
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
@@ -36,7 +36,10 @@ def _config(roles: list[str], model: Path, relay_service: bool = False, relays: 
     return (f'[node]\nswarm = "nat-swarm"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 1536\n'
             + f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\ndht = false\n'
             + f'relay_service = {str(relay_service).lower()}\nrelays = {json.dumps(relays or [])}\n'
-            + '[sync]\npublish_every = 4\nanchor_every = 8\nmax_staleness = 16\n'
+            # This test is about paths, not staleness (tests/test_node_swarm.py covers that): on a quiet
+            # machine the trainer publishes so fast that followers behind a relay would be 20+ versions
+            # late, and the capacity rule rightly puts them on standby. A wide bound keeps them serving.
+            + '[sync]\npublish_every = 8\nanchor_every = 8\nmax_staleness = 256\n'
             + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')
 
 
@@ -59,24 +62,8 @@ def _doctor(net: Network, ns: str, home: Path, extra: list[str]) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _status(home: Path) -> NodeStatus | None:
-    try:
-        return control.status(home, timeout=5.0)
-    except control.ControlError:
-        return None
-
-
 def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    for _ in range(int(timeout * 2) + 1):
-        if pred():
-            return
-        dead = [p.args[-4:] for p in procs if p.poll() is not None]
-        assert not dead, f"node exited while waiting for {what}: {dead}"
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    wait_for(what, pred, procs, timeout)
 
 
 @pytest.fixture(scope="module")

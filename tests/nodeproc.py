@@ -1,0 +1,33 @@
+"""Helpers for tests that run real `murmur node start` processes and read them over the control socket."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from node import control
+from node.status import NodeStatus
+
+
+def status(home: Path) -> NodeStatus | None:
+    """The node's status, or None while its control socket is not up (or it is busy)."""
+    try:
+        return control.status(home, timeout=5.0)
+    except control.ControlError:
+        return None
+
+
+def wait_for(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float) -> None:
+    """Poll `pred` twice a second until true; fail at once if a node exits, or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    for _ in range(int(timeout * 2) + 1):
+        if pred():
+            return
+        dead = [p.args[-4:] for p in procs if p.poll() is not None]
+        assert not dead, f"node exited while waiting for {what}: {dead}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
