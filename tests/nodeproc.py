@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,3 +32,12 @@ def wait_for(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen],
             break
         time.sleep(0.5)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def build_tiny_model(root: Path, env: dict[str, str]) -> Path:
+    """Build (or reuse) murmur-tiny under `root` in a subprocess, as a node would, and return its folder."""
+    code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
+    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return Path(r.stdout.strip().splitlines()[-1])

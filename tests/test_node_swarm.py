@@ -21,7 +21,7 @@ import pytest
 
 from node.status import NodeStatus
 from tests.nodeproc import status as _status
-from tests.nodeproc import wait_for
+from tests.nodeproc import build_tiny_model, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +67,7 @@ def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], ti
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("model")
-    code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
-    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return Path(r.stdout.strip().splitlines()[-1])
+    return build_tiny_model(tmp_path_factory.mktemp("model"), dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from node.status import NodeStatus
 from tests.nodeproc import status as _status
-from tests.nodeproc import wait_for
+from tests.nodeproc import build_tiny_model, wait_for
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
@@ -68,12 +68,7 @@ def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], ti
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("model")
-    code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
-    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600,
-                       env=_env(), cwd=str(REPO))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return Path(r.stdout.strip().splitlines()[-1])
+    return build_tiny_model(tmp_path_factory.mktemp("model"), _env())
 
 
 def _check(out: dict, name: str) -> dict:
