@@ -8,7 +8,11 @@ benchmark all need the same order of steps (docs/reachability.md, "Node runtime 
 2. once directly connected peers exist (bootstrap), ask them to dial us back: public / private / unknown;
 3. if not public: reserve on `network.relays` (or, when that list is empty, on the bootstrap peers, which
    refuse unless they relay) and announce the circuit addresses;
-4. for peers learned from announces that we are not connected to: dial a direct address, else a circuit.
+4. for peers learned from announces that we are not connected to, by `dial_plan`: a peer that
+   announces relay circuits is private by its own verdict, so its direct addresses are LAN addresses:
+   one quick TCP try (same LAN), then the circuit; WebRTC-direct (`network.webrtc`) is only for peers
+   announcing no circuit (public, or not yet decided), after their TCP addresses. Bootstrap peers that
+   Discovery could not reach over TCP are dialled at their /webrtc-direct addresses (a UDP-only network).
    Only one side dials a circuit first (py-libp2p's relay keys circuits by peer: crossed relayed dials
    broke stream opening): never a public node (the NATed side can dial it directly), else the smaller
    peer id; the other side dials `CROSS_GRACE_S` after its own verdict if still unconnected. The side
@@ -41,6 +45,44 @@ DIAL_EVERY_S = 1.0
 CROSS_GRACE_S = 45.0  # after our own verdict: the other side of a pair had time to dial first
 MAX_DIALS_PER_ROUND = 4
 WEBRTC_DIAL_S = 10.0  # ICE + DTLS + Noise over a data channel; ~0.1-0.3 s on loopback, one in six stalls
+TCP_DIAL_S = 3.0  # a public peer's TCP address: Noise + yamux under load
+LAN_DIAL_S = 1.0  # a private peer's own (LAN) address: answers in milliseconds on the same LAN, or never
+BOOTSTRAP_GRACE_S = 5.0  # Discovery dials bootstrap peers over TCP first; WebRTC-direct only if that failed
+
+
+@dataclass(frozen=True)
+class Dial:
+    """One step of a dial plan: how (tcp / webrtc / circuit), where, and for how long at most."""
+
+    kind: str
+    addr: str
+    timeout_s: float
+
+
+def dial_plan(peer: str, addrs: list[str], webrtc: bool) -> list[Dial]:
+    """The order in which to try a peer's announced addresses; pure, so the rule is testable.
+
+    Why: a peer that announces relay circuits has found out it is not publicly reachable (it reserves
+    only then), so its direct addresses are private LAN addresses. Between two NATed homes they never
+    answer, and WebRTC-direct (which needs the listener reachable on UDP) cannot work either; seconds
+    spent there delayed the circuit and the hole punch behind it. Such a peer gets one short TCP try
+    (peers on the same LAN answer at once) and then its circuits. A peer without circuits (public, or
+    undecided) gets its TCP addresses, then - when our own WebRTC-direct is up - its /webrtc-direct ones.
+    """
+    from gossip.relay import is_circuit
+    from gossip.webrtc import is_webrtc_addr
+
+    def full(a: str) -> str:
+        return a if "/p2p/" in a else f"{a}/p2p/{peer}"
+
+    circuits = [a for a in addrs if is_circuit(a)]
+    rtc = [full(a) for a in addrs if is_webrtc_addr(a) and not is_circuit(a)]
+    tcp = [full(a) for a in addrs if not is_circuit(a) and not is_webrtc_addr(a)
+           and "/ip4/0.0.0.0/" not in a and "/ip6/::/" not in a]
+    if circuits:
+        return [Dial("tcp", a, LAN_DIAL_S) for a in tcp[:1]] + [Dial("circuit", a, 10.0) for a in circuits[:2]]
+    return [Dial("tcp", a, TCP_DIAL_S) for a in tcp[:2]] + ([Dial("webrtc", a, WEBRTC_DIAL_S) for a in rtc[:2]]
+                                                           if webrtc else [])
 MAX_UPGRADE_TRIES = 2
 TARGET_PEERS = 16
 
@@ -113,6 +155,8 @@ class ReachState:
             v.relays_configured = self._relay_candidates()
         if self.webrtc_error:
             v.webrtc_reason = self.webrtc_error
+        if self.reach is None and "webrtc" in v.peer_paths.values() and "direct" not in v.peer_paths.values():
+            v.reason = "not checked: peers reached over WebRTC-direct only (the dial-back needs a TCP peer)"
         return v
 
     def _relay_candidates(self) -> list[str]:
@@ -179,44 +223,51 @@ class ReachState:
             log.info("WebRTC-direct off: %s", e)
 
     async def _connect(self, peer: str, addrs: list[str]) -> None:
-        """Direct TCP, then WebRTC-direct (UDP: works where TCP is filtered), then a relay circuit."""
-        from gossip.relay import is_circuit
-        from gossip.webrtc import is_webrtc_addr
-
+        """Walk `dial_plan`; a circuit only on the side that should dial it (`_should_dial_circuit`)."""
         now = trio.current_time()
-        direct = [a for a in addrs if not is_circuit(a) and not is_webrtc_addr(a) and "/ip4/0.0.0.0/" not in a]
-        webrtc = [a for a in addrs if is_webrtc_addr(a) and not is_circuit(a)] if self.webrtc_addrs else []
-        circuits = [a for a in addrs if is_circuit(a)]
-        for a in direct[:2]:
-            try:
-                with trio.move_on_after(3.0):
-                    await self.transport.connect(a if "/p2p/" in a else f"{a}/p2p/{peer}")
-                    self.backoff.succeeded(peer)
-                    return
-            except MurmurError:
-                continue
-        for a in webrtc[:2]:
-            try:
-                with trio.move_on_after(WEBRTC_DIAL_S):
-                    await self.transport.connect(a if "/p2p/" in a else f"{a}/p2p/{peer}")
-                    self.webrtc_dialled.add(peer)
-                    self.backoff.succeeded(peer)
-                    log.info("connected to %s over WebRTC-direct", peer)
-                    return
-            except MurmurError as e:
-                log.info("WebRTC-direct to %s: %s", peer, e)
-        if circuits and self._should_dial_circuit(peer, now):
-            for a in circuits[:2]:
-                if peer in self.transport.peers():
+        for d in dial_plan(peer, addrs, webrtc=bool(self.webrtc_addrs)):
+            if peer in self.transport.peers():
+                return
+            if d.kind == "circuit":
+                if not self._should_dial_circuit(peer, now):
                     return
                 try:
-                    await self.relay.dial(a, timeout_s=10.0)
+                    await self.relay.dial(d.addr, timeout_s=d.timeout_s)
                     self.circuit_dialled.add(peer)
                     self.backoff.succeeded(peer)
                     log.info("connected to %s through a relay", peer)
                     return
                 except MurmurError as e:
                     log.info("%s", e)
+                continue
+            try:
+                with trio.move_on_after(d.timeout_s):
+                    await self.transport.connect(d.addr)
+                    if d.kind == "webrtc":
+                        self.webrtc_dialled.add(peer)
+                        log.info("connected to %s over WebRTC-direct", peer)
+                    self.backoff.succeeded(peer)
+                    return
+            except MurmurError as e:
+                if d.kind == "webrtc":
+                    log.info("WebRTC-direct to %s: %s", peer, e)
+
+    def _targets(self, now: float) -> dict[str, list[str]]:
+        """Announced peers, plus bootstrap peers still unreached `BOOTSTRAP_GRACE_S` after we first
+        wanted them, at their /webrtc-direct addresses only (Discovery owns their TCP dials)."""
+        from gossip.discovery import peer_of
+        from gossip.webrtc import is_webrtc_addr
+
+        out = {p: list(a) for p, a in self.known().items()}
+        boot: dict[str, list[str]] = {}
+        for a in self.bootstrap:
+            p = peer_of(a)
+            if p and p not in out and is_webrtc_addr(a):
+                boot.setdefault(p, []).append(a)
+        for p, addrs in boot.items():
+            if now - self.first_seen.setdefault(p, now) >= BOOTSTRAP_GRACE_S:
+                out[p] = addrs
+        return out
 
     async def upgrade(self, peer: str) -> None:
         from gossip.holepunch import HolePunchError
@@ -251,7 +302,7 @@ class ReachState:
                             busy.add(p)
                             n.start_soon(one, p, self.upgrade, p)
                 started = 0
-                for peer, addrs in list(self.known().items()):
+                for peer, addrs in list(self._targets(now).items()):
                     if peer == self.transport.peer_id or peer in connected or peer in busy:
                         continue
                     self.first_seen.setdefault(peer, now)

@@ -57,6 +57,25 @@ def test_circuit_addresses() -> None:
         split_circuit(relay)
 
 
+def test_dial_plan_skips_webrtc_and_long_tcp_for_private_peers() -> None:
+    from node.reach import LAN_DIAL_S, TCP_DIAL_S, WEBRTC_DIAL_S, dial_plan
+
+    peer, relay = "12D3KooWPeer", "/ip4/10.0.0.10/tcp/4001/p2p/12D3KooWRelay"
+    rtc = "/ip4/10.1.1.2/udp/4001/webrtc-direct/certhash/uEiAbc/p2p/" + peer
+    # a NATed peer (it announces a circuit): one quick LAN try, then its circuit; never WebRTC
+    private = dial_plan(peer, ["/ip4/10.1.1.2/tcp/4001", "/ip4/192.168.0.5/tcp/4001", rtc,
+                               f"{relay}/p2p-circuit/p2p/{peer}"], webrtc=True)
+    assert [(d.kind, d.timeout_s) for d in private] == [("tcp", LAN_DIAL_S), ("circuit", 10.0)]
+    assert private[0].addr == f"/ip4/10.1.1.2/tcp/4001/p2p/{peer}"
+    assert LAN_DIAL_S < TCP_DIAL_S
+    # a public (or undecided) peer: TCP, then WebRTC-direct when ours is up; wildcards never dialled
+    public = dial_plan(peer, ["/ip4/0.0.0.0/tcp/4001", "/ip4/1.2.3.4/tcp/4001", rtc], webrtc=True)
+    assert [(d.kind, d.timeout_s) for d in public] == [("tcp", TCP_DIAL_S), ("webrtc", WEBRTC_DIAL_S)]
+    assert public[1].addr == rtc
+    assert [d.kind for d in dial_plan(peer, ["/ip4/1.2.3.4/tcp/4001", rtc], webrtc=False)] == ["tcp"]
+    assert dial_plan(peer, [], webrtc=True) == []
+
+
 def test_dialback_on_loopback_is_public_and_malformed_request_is_reset() -> None:
     a_id, b_id = ids(41, 42)
 
