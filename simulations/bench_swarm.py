@@ -67,6 +67,7 @@ class TrainerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_new_tokens: int = 4
     temperature: float = 1.0
     max_staleness: int = 4
+    loss_norm: str = "informative"
 
 
 class Mix(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -243,7 +244,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
         cfg = TrainerConfig(local_groups=mix.local_groups, external_groups=mix.external_groups,
                             group_size=t.group_size, lr=t.lr, lr_warmup_steps=t.lr_warmup_steps,
                             max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                            max_staleness=t.max_staleness, seed=seed * 100 + i)
+                            max_staleness=t.max_staleness, loss_norm=t.loss_norm, seed=seed * 100 + i)
         pipeline = Pipeline(
             PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
             clock=time.time, resolve_task=registry.resolve, reward=score,

@@ -38,7 +38,7 @@ import psutil
 import torch
 
 from gossip.wire import Rollout, TaskRef, now_ms
-from node.errors import MurmurError, TaskError
+from node.errors import ConfigError, MurmurError, TaskError
 from training.engine import Sampling
 from training.engine_hf import HFEngine
 from training.losses import (
@@ -53,6 +53,8 @@ from training.losses import (
 from training.rollouts import RolloutRec, from_wire
 from training.tasksets import TaskRegistry
 from training.verifiers import score
+
+LOSS_NORMS = ("informative", "constant")
 
 ExternalSource = Callable[[int, int], list[Rollout]]  # (max groups wanted, min acceptable version) -> rollouts
 
@@ -75,6 +77,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     hacpo_delta: float = 0.2
     ppo_epochs: int = 1
     grad_clip: float = 1.0
+    # How the loss is normalised over the step's batch (see LOSS_NORMS). "informative": the mean over
+    # the rows of informative groups only, so one informative group gets a full-size step.
+    # "constant": the sum over informative rows divided by the configured batch, (I + J) x group_size
+    # rows (Dr. GRPO's constant normaliser; TRL's GRPO keeps zero-advantage groups in its denominator,
+    # the same thing for a full batch): a step's size follows how much of its batch teaches anything.
+    loss_norm: str = "informative"
     memory_budget_mb: int = 4096
     seed: int = 0
 
@@ -84,7 +92,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
         t = config.training
         return cls(local_groups=t.local_rollouts, external_groups=t.external_rollouts, group_size=t.group_size,
                    lr=t.lr, max_new_tokens=t.max_new_tokens, temperature=t.temperature, seed=t.seed,
-                   max_staleness=config.sync.max_staleness, memory_budget_mb=config.node.memory_budget_mb)
+                   loss_norm=t.loss_norm, max_staleness=config.sync.max_staleness,
+                   memory_budget_mb=config.node.memory_budget_mb)
+
+    def __post_init__(self) -> None:
+        if self.loss_norm not in LOSS_NORMS:
+            raise ConfigError(f"trainer loss_norm {self.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
 
 
 @dataclass
@@ -265,6 +278,8 @@ class Trainer:
             parts.append(loss)
             weights.append(len(ext))
         total = sum(w * p for w, p in zip(weights, parts)) / max(1, sum(weights))
+        total = total * batch_scale(cfg.loss_norm, sum(weights), (cfg.local_groups + cfg.external_groups)
+                                    * cfg.group_size)
         return total, stats  # type: ignore[return-value]
 
     # ------------------------------------------------------------ step
@@ -378,6 +393,17 @@ class Trainer:
         t = threading.Thread(target=body, name="murmur-trainer", daemon=True)
         t.start()
         return t
+
+
+def batch_scale(loss_norm: str, informative_rows: int, batch_rows: int) -> float:
+    """Factor on the mean loss over informative rows that gives the `loss_norm` normalisation.
+
+    "constant" divides the sum over informative rows by the configured batch instead of by the rows
+    left after dropping zero-advantage groups, so a step whose batch is mostly uninformative moves
+    the policy less; never more than 1 (a step larger than its configured batch is not scaled up)."""
+    if loss_norm == "informative" or informative_rows <= 0:
+        return 1.0
+    return min(1.0, informative_rows / max(1, batch_rows))
 
 
 def check_trainable(engine: HFEngine) -> None:

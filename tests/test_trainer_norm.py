@@ -1,0 +1,63 @@
+"""Loss normalisation (`loss_norm`): the scale rule by hand, config checking, and that a real
+trainer step with the constant normaliser is the informative-mean step scaled by the fraction of
+the configured batch that was informative."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from node.config import Config
+from node.errors import ConfigError
+from training.tasksets import TaskRegistry
+from training.tiny import new_tiny_engine, warmup
+from training.trainer import LOSS_NORMS, Trainer, TrainerConfig, batch_scale
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message=".*past_key_values.*")
+
+
+def test_batch_scale_by_hand() -> None:
+    assert batch_scale("informative", 8, 64) == 1.0
+    assert batch_scale("constant", 8, 64) == 0.125
+    assert batch_scale("constant", 64, 64) == 1.0
+    assert batch_scale("constant", 80, 64) == 1.0  # never scaled up past the configured batch
+    assert batch_scale("constant", 0, 64) == 1.0  # nothing informative: no update is made anyway
+
+
+def test_loss_norm_is_checked_and_mapped_from_the_node_config() -> None:
+    assert set(LOSS_NORMS) == {"informative", "constant"}
+    with pytest.raises(ConfigError, match="loss_norm"):
+        TrainerConfig(loss_norm="tokens")
+    c = Config()
+    assert TrainerConfig.from_config(c).loss_norm == c.training.loss_norm == "informative"
+    c.training.loss_norm = "constant"
+    assert TrainerConfig.from_config(c).loss_norm == "constant"
+
+
+def test_constant_normaliser_scales_the_real_step_by_the_informative_fraction() -> None:
+    reg = TaskRegistry()
+    reg.add_builtin()
+    base = new_tiny_engine(seed=0)
+    warmup(base, 40, seed=0)  # some sums right: a mix of informative and all-equal groups
+    small = dict(local_groups=6, external_groups=2, group_size=4, max_new_tokens=4, lr=1e-4, seed=3)
+    checked = 0
+    for _ in range(4):  # bounded: find a step with some but not all groups informative
+        a, b = copy.deepcopy(base), copy.deepcopy(base)
+        ra = Trainer(a, reg, reg.builtin_id, TrainerConfig(**small, loss_norm="informative")).step()
+        rb = Trainer(b, reg, reg.builtin_id, TrainerConfig(**small, loss_norm="constant")).step()
+        assert [r.text for r in ra.rollouts] == [r.text for r in rb.rollouts]  # same samples
+        used = ra.n_local_groups - ra.dropped_groups
+        if used == 0:
+            base.gen.manual_seed(int(base.gen.initial_seed()) + 1)
+            continue
+        want = ra.loss * used * 4 / ((6 + 2) * 4)
+        assert rb.loss == pytest.approx(want, rel=1e-4, abs=1e-7)
+        if ra.loss != 0.0:
+            assert abs(rb.loss) < abs(ra.loss)  # at most 6 of the 8 configured groups exist locally
+        checked += 1
+        break
+    assert checked == 1
