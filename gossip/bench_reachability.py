@@ -23,7 +23,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 4001
-SEEDS = {"pub": 11, "h1": 12, "h2": 13}
+SEEDS = {"pub": 11, "h1": 12, "h2": 13, "udp": 14}
 
 
 def peer_id_for(seed: int) -> str:
@@ -148,6 +148,65 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
     return {n.name: n for n in nodes}
 
 
+def webrtc_scenario(bulk_bytes: int = 1 << 20, timeout_s: float = 180.0) -> dict[str, NodeProc]:
+    """A public node and one home whose router drops all outbound TCP (UDP masqueraded): the home
+    knows the public node's TCP and /webrtc-direct addresses, as its announce carries them; node.reach
+    must try TCP, fail, and connect over WebRTC-direct; then rollouts, hellos and a bulk with hash flow.
+    Needs aiortc in both processes (returns whatever they printed; callers check)."""
+    sys.path.insert(0, str(REPO))
+    from simulations.netns import Network
+
+    ids = {k: peer_id_for(s) for k, s in SEEDS.items()}
+    with Network() as net:
+        home = net.add_home(block_tcp=True)
+        listen = f"/ip4/0.0.0.0/tcp/{PORT}"
+        nodes: list[NodeProc] = []
+        try:
+            pub = _start(net.exec_prefix(net.pub_ns), "pub", {
+                "name": "pub", "seed": SEEDS["pub"], "listen": listen, "publish_rollouts": True,
+                "expect_hello": ["udp"], "wait_webrtc_s": 60, "check_s": 1, "gossip_s": timeout_s})
+            nodes.append(pub)
+            if not pub.wait_for("ready", 90):
+                raise RuntimeError("public node did not start")
+            ready = pub.first("ready") or {}
+            rtc = [a for a in ready.get("webrtc_addrs", []) if f"/ip4/{net.pub_ip}/" in a]
+            if not rtc:
+                raise RuntimeError(f"public node has no /webrtc-direct address: {ready.get('webrtc_error')!r}")
+            tcp = f"/ip4/{net.pub_ip}/tcp/{PORT}/p2p/{ids['pub']}"
+            nodes.append(_start(net.exec_prefix(home.ns), "udp", {
+                "name": "udp", "seed": SEEDS["udp"], "listen": listen, "bulk_bytes": bulk_bytes,
+                "peers": [{"name": "pub", "id": ids["pub"], "addrs": [tcp] + rtc[:1]}],
+                "expect_hello": ["pub"], "holepunch": False, "check_s": 0, "connect_s": 90}))
+            nodes[1].wait_for("done", timeout_s)
+        finally:
+            _stop(nodes)
+    return {n.name: n for n in nodes}
+
+
+def _webrtc_nat(bulk_bytes: int) -> dict[str, Any]:
+    """`webrtc_nat_*` keys: WebRTC-direct through an emulated NAT that lets only UDP out."""
+    from gossip.webrtc import webrtc_unavailable
+
+    reason = webrtc_unavailable()
+    if reason:
+        return {"webrtc_nat_mb_s": None, "webrtc_nat_reason": reason}
+    try:
+        nodes = webrtc_scenario(bulk_bytes=bulk_bytes)
+    except RuntimeError as e:
+        return {"webrtc_nat_mb_s": None, "webrtc_nat_reason": str(e)}
+    h = nodes["udp"]
+    conn = h.first("connected") or {}
+    bulk = [e for e in h.by("bulk") if e["peer"] == "pub"]
+    first = h.first("first_rollout") or {}
+    ok = bool(bulk) and bulk[0]["hash_ok"]
+    return {"webrtc_nat_mb_s": bulk[0]["mb_s"] if ok else None,
+            "webrtc_nat_path": conn.get("path"), "webrtc_nat_connect_s": conn.get("s"),
+            "webrtc_nat_first_rollout_after_ready_ms": first.get("after_ready_ms"),
+            "webrtc_nat_doctor_path": (h.first("doctor") or {}).get("path"),
+            "webrtc_nat_reason": None if ok else "no bulk transfer completed with the right hash: "
+            + json.dumps([e for e in h.events if e.get("ev") in ("connect_failed", "bulk", "bulk_failed")])[:300]}
+
+
 def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
     """Measure every path once. Keys: direct_mb_s, relayed_mb_s, holepunched, holepunched_mb_s, webrtc_mb_s,
     time_to_first_message_ms (NATed node, from process start, incl. imports), plus reasons where null."""
@@ -188,6 +247,8 @@ def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
             gossip_ok=all((n.first("gossip") or {}).get("ok") for n in nodes.values()),
         )
     out.update(_webrtc())
+    if not reason:
+        out.update(_webrtc_nat(min(bulk_bytes, 4 << 20)))
     out["node_runtime_import_s"] = _import_cost("node.runtime")
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     out["cpus"] = os.cpu_count()

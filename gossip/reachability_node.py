@@ -12,7 +12,11 @@ Script (JSON object; every key optional except name and seed):
     name, seed (int 0..255), listen (multiaddr), relay_service (bool), relays ([addr]),
     bootstrap ([addr]: dial directly, then run the reachability check against them),
     peers ([{name, id, addrs: [direct or circuit addrs, as a NodeAnnounce would carry them]}]),
-    bulk_bytes (int), publish_rollouts (bool), expect_hello ([names]), linger_s (float)
+    bulk_bytes (int), publish_rollouts (bool), expect_hello ([names]), linger_s (float),
+    wait_webrtc_s (float: before "ready", wait for our /webrtc-direct listener and report its addresses),
+    check_s (float, default 60: how long a node without bootstrap peers waits for its verdict)
+The config is the defaults plus MURMUR_NETWORK_<KEY> overrides (MURMUR_NETWORK_WEBRTC=false turns
+WebRTC-direct off, as in a node without the extra).
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ async def main(script: dict[str, Any]) -> None:
     from gossip.holepunch import best_path
     from gossip.host import open_transport
     from gossip.wire import ROLLOUT_BATCH, open_envelope
-    from node.config import Config
+    from node.config import load_config
     from node.doctor_reachability import reachability_checks
     from node.identity import Identity
     from node.reach import process_start, start_reachability
@@ -117,7 +121,8 @@ async def main(script: dict[str, Any]) -> None:
     imported_ms = ms()
     name = script["name"]
     ident = Identity.from_seed(bytes([int(script["seed"])]) * 32)
-    cfg = Config()
+    # MURMUR_NODE_LOG* are this harness's own variables, not config keys: only the network section
+    cfg = load_config(None, {k: v for k, v in os.environ.items() if k.startswith("MURMUR_NETWORK_")})
     cfg.network.relay_service = bool(script.get("relay_service"))
     cfg.network.relays = list(script.get("relays", []))
     peers = {p["id"]: p for p in script.get("peers", [])}
@@ -131,8 +136,12 @@ async def main(script: dict[str, Any]) -> None:
         state = await start_reachability(t, cfg, nursery, list(script.get("bootstrap", [])),
                                          known=lambda: {k: list(v["addrs"]) for k, v in peers.items()})
         state.auto_upgrade = False  # time the relay first; the upgrade is driven below, after the relayed bulk
+        if script.get("wait_webrtc_s"):
+            with trio.move_on_after(float(script["wait_webrtc_s"])):
+                while not (state.webrtc_addrs or state.webrtc_error):
+                    await trio.sleep(0.05)
         emit("ready", name=name, peer_id=t.peer_id, addrs=t.listen_addrs(), imported_ms=imported_ms,
-             before_t0_ms=since_exec_ms)
+             before_t0_ms=since_exec_ms, webrtc_addrs=state.webrtc_addrs, webrtc_error=state.webrtc_error)
         ready_ms = ms()
         first = trio.Event()
 
@@ -188,7 +197,8 @@ async def main(script: dict[str, Any]) -> None:
                     await trio.sleep(0.05)
             names[pid] = p["name"]
             emit("connected" if pid in t.peers() else "connect_failed", peer=p["name"], path=best_path(t, pid),
-                 s=round(time.perf_counter() - t_c, 2), dialled=pid in state.circuit_dialled)
+                 s=round(time.perf_counter() - t_c, 2), dialled=pid in state.circuit_dialled,
+                 webrtc_dialled=pid in state.webrtc_dialled)
 
         # gossip: publish our hello until we have everyone's (bounded)
         want = set(script.get("expect_hello", []))
@@ -242,7 +252,7 @@ async def main(script: dict[str, Any]) -> None:
                         emit("bulk_failed", peer=pname, path=best_path(t, pid), error=f"{type(e).__name__}: {e}"[:300])
 
         if not script.get("bootstrap"):  # a node without bootstrap peers asks those that dialled it
-            with trio.move_on_after(60):
+            with trio.move_on_after(float(script.get("check_s", 60))):
                 await state.checked.wait()
             emit("reachability", status=getattr(state.reach, "status", "unknown"),
                  reason=getattr(state.reach, "reason", ""), observed=getattr(state.reach, "observed_ips", []))

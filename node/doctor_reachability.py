@@ -84,7 +84,8 @@ def check_path(s: ReachView) -> Check:
     path = classify(s)
     n_direct = sum(1 for p in s.peer_paths.values() if p == "direct")
     n_relayed = sum(1 for p in s.peer_paths.values() if p == "relayed")
-    detail = f"path: {path}; peers: {n_direct} direct, {n_relayed} relayed"
+    n_webrtc = sum(1 for p in s.peer_paths.values() if p == "webrtc")
+    detail = f"path: {path}; peers: {n_direct} direct, {n_relayed} relayed" + (f", {n_webrtc} webrtc" if n_webrtc else "")
     fwd = f"forward TCP port {_port(s)} on your router to this machine"
     if path == DIRECT and s.status == "public":
         return Check(name="reachability", ok=True, detail=f"{detail}; publicly reachable ({s.reason})")
@@ -103,7 +104,11 @@ def check_path(s: ReachView) -> Check:
                             f"{_nat_kind(s)}; hole punching: {why}",
                      fix=f"{fwd} for direct, faster transfers (relays cap bytes and seconds per circuit)")
     if path == WEBRTC:
-        return Check(name="reachability", ok=True, detail=f"{detail}; using WebRTC-direct (UDP)")
+        # reached when TCP to the peer did not connect (a filter on the way) but UDP did
+        return Check(name="reachability", ok=True, severity="warning",
+                     detail=f"{detail}; using WebRTC-direct (UDP): TCP to those peers did not connect ({s.reason})",
+                     fix="allow outbound TCP (WebRTC-direct is slower and cannot reach NATed peers), "
+                         f"or list relays in network.relays; {fwd} to be reachable")
     return Check(name="reachability", ok=False, severity="warning",
                  detail=f"no usable path: {s.reason}",
                  fix=f"add a reachable relay to network.relays, or {fwd}")

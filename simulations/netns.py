@@ -17,7 +17,9 @@ A home router behaves like a typical consumer NAT: outbound connections are masq
 the source port when it is free: endpoint-independent mapping), inbound packets pass only for
 conntrack-established flows, and unsolicited packets to the router itself are dropped silently (no
 RST). `symmetric=True` uses `--random-fully` port mapping, which defeats port prediction.
-`forward_port` adds a DNAT rule, as a user who configured port forwarding would.
+`forward_port` adds a DNAT rule, as a user who configured port forwarding would. `block_tcp=True`
+makes a router that drops every outbound TCP packet but masquerades UDP (a network where only UDP
+gets out, e.g. a firewall allowing DNS/QUIC-like traffic): the case WebRTC-direct is for.
 
 Requires root, `ip` (iproute2) and `iptables` (nf_tables or legacy backend). `netns_unavailable()`
 says why not, so tests can skip with that reason.
@@ -140,8 +142,9 @@ class Network:
             raise
         return self
 
-    def add_home(self, symmetric: bool = False) -> Home:
-        """A NATed home network; its host reaches the internet through a MASQUERADE router."""
+    def add_home(self, symmetric: bool = False, block_tcp: bool = False) -> Home:
+        """A NATed home network; its host reaches the internet through a MASQUERADE router (with
+        `block_tcp`, a router that silently drops outbound TCP: only UDP gets out)."""
         k = len(self.homes) + 1
         router, host = f"m{self.tag}-r{k}", f"m{self.tag}-h{k}"
         wan_ip, gw, lan_ip = f"10.{self.subnet}.0.{k}", f"10.{self.subnet}.{k}.1", f"10.{self.subnet}.{k}.2"
@@ -158,6 +161,8 @@ class Network:
             _run(["ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
             masq = ["-j", "MASQUERADE"] + (["--random-fully"] if symmetric else [])
             _run(ipt + ["-t", "nat", "-A", "POSTROUTING", "-o", wan_dev] + masq)
+            if block_tcp:  # before the ACCEPT: SYNs vanish (no RST), as behind a filtering firewall
+                _run(ipt + ["-A", "FORWARD", "-i", lan_dev, "-o", wan_dev, "-p", "tcp", "-j", "DROP"])
             _run(ipt + ["-A", "FORWARD", "-i", lan_dev, "-o", wan_dev, "-j", "ACCEPT"])
             _run(ipt + ["-A", "FORWARD", "-i", wan_dev, "-o", lan_dev, "-m", "conntrack",
                         "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "ACCEPT"])

@@ -182,6 +182,10 @@ def test_doctor_classifies_each_path() -> None:
     assert not c[0].ok and not c[1].ok and "network.relays" in c[1].fix
     pub = reachability_checks(snap(status="public", relay_service=False, peer_paths={"p": "direct"}))
     assert pub[0].ok and "relay_service" in pub[1].fix
+    rtc = snap(peer_paths={"p": "webrtc"}, relays_configured=[], reason="not checked: peers reached over WebRTC-direct only")
+    assert classify(rtc) == "webrtc"
+    c = reachability_checks(rtc)[0]
+    assert c.ok and "path: webrtc" in c.detail and "1 webrtc" in c.detail and "TCP" in c.detail and "TCP" in c.fix
 
 
 async def _relayed_pair(net: NetworkSection, r, a, b, stack):

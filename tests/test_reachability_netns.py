@@ -112,3 +112,28 @@ def test_network_cleanup_on_failure() -> None:
             name = net.homes[0].ns
             raise RuntimeError("boom")
     assert name and name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_udp_only_home_reaches_public_node_over_webrtc_direct() -> None:
+    """A home whose router drops all outbound TCP: the node tries the public node's TCP address (times
+    out), then its announced /webrtc-direct address through the NAT (UDP masqueraded); a signed rollout
+    verifies, hellos cross, a bulk keeps its hash, and the doctor says webrtc."""
+    from gossip.webrtc import webrtc_unavailable
+
+    reason = webrtc_unavailable()
+    if reason:
+        pytest.skip(f"WebRTC extra not installed: {reason}")
+    from gossip.bench_reachability import webrtc_scenario
+
+    got = webrtc_scenario(bulk_bytes=1 << 20, timeout_s=240)
+    h, pub = got["udp"], got["pub"]
+    conn = h.first("connected")
+    assert conn and conn["path"] == "webrtc" and conn["webrtc_dialled"], h.events
+    assert conn["s"] >= 2.5, f"the TCP dial should have been tried (and dropped) first: {conn}"
+    assert h.first("first_rollout"), "a signed rollout from the public node verified over WebRTC-direct"
+    assert (h.first("gossip") or {}).get("ok") and (pub.first("gossip") or {}).get("ok"), (h.events, pub.events)
+    bulk = [b for b in h.by("bulk") if b["peer"] == "pub"]
+    assert bulk and bulk[0]["hash_ok"] and bulk[0]["path"] == "webrtc", h.events
+    d = h.first("doctor")
+    assert d and d["path"] == "webrtc" and "WebRTC-direct" in d["checks"][0]["detail"], d
+    assert (pub.first("doctor") or {}).get("path") in ("webrtc", "direct"), pub.events
