@@ -29,6 +29,56 @@ class WebRTCUnavailable(MurmurError):
     """The WebRTC extra is not installed or the negotiation failed."""
 
 
+SEND_QUEUE_HIGH = 256 * 1024  # bytes queued in aiortc's SCTP association before a writer waits
+SEND_DRAIN_POLL_S = 0.005
+SEND_DRAIN_MAX_S = 30.0
+
+
+def send_queue_bytes(sctp: Any) -> int:
+    """Bytes that aiortc's SCTP association holds for data channels and has not handed to SCTP yet."""
+    queue = getattr(sctp, "_data_channel_queue", None) or ()
+    return sum(len(item[2]) for item in queue)
+
+
+def install_backpressure() -> None:
+    """Make writes over py-libp2p's /webrtc-direct wait while the association's send queue is full.
+
+    Why: py-libp2p 0.8.1 completes a stream write as soon as aiortc *queued* it (`RTCDataChannel.send`
+    never blocks), and aiortc sends queued messages in order across all data channels. A node's
+    gossip and chunk streams then pile megabytes into one FIFO, and opening a new stream (its DCEP open
+    and multistream-select travel behind that backlog) timed out after 10 s: measured on loopback, a
+    stream opened during a bulk write took 4-10 s, and real nodes behind a UDP-only NAT never fetched
+    a patch. Waiting (on the aiortc thread, which is what py-libp2p's write awaits) until the queue is
+    under `SEND_QUEUE_HIGH` bounds that backlog to a fraction of a second. aiortc has no event for the
+    association-wide queue, so it is polled, bounded by `SEND_DRAIN_MAX_S`. Idempotent.
+    """
+    from libp2p.transport.webrtc import _aiortc_helpers as helpers
+
+    if getattr(helpers.wire_pc_to_connection, "_murmur_backpressure", False):
+        return
+    original = helpers.wire_pc_to_connection
+
+    def wire_pc_to_connection(pc: Any, conn: Any) -> None:
+        original(pc, conn)
+        send = conn._send_on_channel_cb
+
+        async def send_then_drain(channel_id: int, data: bytes) -> None:
+            import asyncio
+
+            await send(channel_id, data)
+            waited = 0.0
+            while (sctp := pc.sctp) is not None and send_queue_bytes(sctp) > SEND_QUEUE_HIGH:
+                if waited >= SEND_DRAIN_MAX_S or getattr(sctp, "state", "") == "closed":
+                    break
+                await asyncio.sleep(SEND_DRAIN_POLL_S)
+                waited += SEND_DRAIN_POLL_S
+
+        conn._send_on_channel_cb = send_then_drain
+
+    wire_pc_to_connection._murmur_backpressure = True  # type: ignore[attr-defined]
+    helpers.wire_pc_to_connection = wire_pc_to_connection
+
+
 def webrtc_unavailable() -> str | None:
     """None if aiortc can be imported; otherwise the reason (without importing it: it is slow)."""
     if importlib.util.find_spec("aiortc") is None:
@@ -47,6 +97,7 @@ async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> d
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import PeerInfo
 
+    install_backpressure()
     proto = TProtocol("/murmur/bench/webrtc-bulk/1")
     a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
     b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
@@ -133,6 +184,8 @@ async def attach_webrtc(transport: Any, listen: list[str]) -> list[str]:
     # import it in a thread, where the loop keeps running between GIL switches
     await trio.to_thread.run_sync(importlib.import_module, "aiortc")
     from libp2p.transport.webrtc.transport import WebRTCDirectTransport
+
+    install_backpressure()
 
     swarm = transport.host.get_network()
     tm = swarm.transport_manager

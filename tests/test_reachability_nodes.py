@@ -174,3 +174,75 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(10)
+
+
+def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model: Path) -> None:
+    """A home whose router drops all outbound TCP (only UDP gets out): a real follower+validator node
+    there, given the public trainer's TCP and /webrtc-direct addresses as bootstrap, reaches it over
+    WebRTC-direct only; the trainer's patch chunks arrive and verify, the home's signed rollouts are
+    accepted by the trainer, and `murmur doctor` reports the path as webrtc, with why."""
+    from gossip.webrtc import webrtc_unavailable
+
+    reason = webrtc_unavailable()
+    if reason:
+        pytest.skip(f"WebRTC extra not installed: {reason}")
+    homes = {n: tmp_path / n for n in ("pub", "udp")}
+    for h in homes.values():
+        h.mkdir()
+    procs: dict[str, subprocess.Popen] = {}
+    with Network() as net:
+        home = net.add_home(block_tcp=True)
+        try:
+            (homes["pub"] / "config.toml").write_text(_config(["trainer"], model))
+            procs["pub"] = _start(net, net.pub_ns, homes["pub"], [])
+            allp = lambda: list(procs.values())  # noqa: E731
+
+            def pub_rtc() -> list[str]:
+                s = _status(homes["pub"])
+                addrs = s.reach.listen_addrs if s and s.reach else []
+                return [a for a in addrs if "/webrtc-direct/" in a and f"/ip4/{net.pub_ip}/" in a]
+
+            _wait("pub listening on /webrtc-direct", lambda: bool(pub_rtc()), allp())
+            pub_id = _status(homes["pub"]).peer_id
+            pub_tcp = f"/ip4/{net.pub_ip}/tcp/{PORT}/p2p/{pub_id}"
+            (homes["udp"] / "config.toml").write_text(_config(["follower", "validator"], model))
+            procs["udp"] = _start(net, home.ns, homes["udp"], [pub_tcp, pub_rtc()[0]])
+
+            def reach(n: str):
+                s = _status(homes[n])
+                return s.reach if s else None
+
+            _wait("the UDP-only home connected to pub over WebRTC-direct",
+                  lambda: (r := reach("udp")) is not None and r.peer_paths.get(pub_id) == "webrtc", allp(), 180)
+
+            def own_lineage():
+                s = _status(homes["pub"])
+                return next((x for x in s.lineages if x.relation == "own"), None) if s else None
+
+            def swarm_works() -> bool:
+                own, s = own_lineage(), _status(homes["udp"])
+                if own is None or s is None:
+                    return False
+                got = next((x for x in s.lineages if x.lineage == own.lineage), None)
+                t = _status(homes["pub"])
+                return bool(got and got.held >= 2 and t and t.rollouts_accepted > 0)
+
+            _wait("pub's patches verified at the home; the home's rollouts accepted by pub", swarm_works, allp())
+            r = reach("udp")
+            assert r.path == "webrtc" and set(r.peer_paths.values()) == {"webrtc"}, r
+            assert _status(homes["udp"]).bytes_down > 0
+            assert reach("pub").peer_paths.get(_status(homes["udp"]).peer_id) == "webrtc", reach("pub")
+            d = _doctor(net, home.ns, homes["udp"], [])
+            c = _check(d, "reachability")
+            assert c["detail"].startswith("running node: path: webrtc") and "1 webrtc" in c["detail"], c
+            assert "TCP" in c["fix"], c
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs.values():
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)

@@ -110,3 +110,78 @@ def _first_leaf(e: BaseException) -> BaseException:
     while isinstance(e, BaseExceptionGroup):
         e = e.exceptions[0]
     return e
+
+
+@pytest.mark.slow
+def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flood() -> None:
+    """py-libp2p's WebRTC write returns once aiortc queued the bytes; without `install_backpressure`
+    a bulk writer queued 10+ MiB ahead of the wire and a stream opened meanwhile waited behind it past
+    multistream-select's 10 s timeout (how a real node behind a UDP-only NAT failed to fetch patches).
+    With it, the bytes written but not yet received stay bounded and a new stream opens mid-flood."""
+    reason = webrtc_unavailable()
+    if reason:
+        pytest.skip(f"WebRTC extra not installed: {reason}")
+    import os
+
+    import multiaddr
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from gossip.webrtc import SEND_QUEUE_HIGH, install_backpressure
+
+    install_backpressure()
+    sink_p, echo_p = TProtocol("/test/sink/1"), TProtocol("/test/echo/1")
+    got = [0]
+    total = 6 << 20
+
+    async def sink(stream) -> None:
+        while got[0] < total:
+            part = await stream.read(65536)
+            if not part:
+                break
+            got[0] += len(part)
+
+    async def echo(stream) -> None:
+        await stream.write(await stream.read(100))
+        await stream.close()
+
+    async def main() -> None:
+        a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+        b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+        async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
+                a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            b.set_stream_handler(sink_p, sink)
+            a.set_stream_handler(echo_p, echo)
+            b.set_stream_handler(echo_p, echo)
+            with trio.fail_after(60):
+                await a.connect(PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)]))
+                s = await a.new_stream(b.get_id(), [sink_p])
+            block, sent, ahead = os.urandom(16384), 0, []
+            opened = trio.Event()
+
+            async def open_mid_flood() -> None:
+                while sent < total // 3:  # bounded by the flood below, which is bounded by `total`
+                    await trio.sleep(0.01)
+                for src, dst in ((a, b), (b, a)):
+                    e = await src.new_stream(dst.get_id(), [echo_p])
+                    await e.write(b"ping")
+                    assert await e.read(100) == b"ping"
+                opened.set()
+
+            with trio.fail_after(120):
+                async with trio.open_nursery() as n:
+                    n.start_soon(open_mid_flood)
+                    while sent < total:
+                        await s.write(block)
+                        sent += len(block)
+                        ahead.append(sent - got[0])
+                    with trio.fail_after(30):
+                        await opened.wait()
+            assert max(ahead) <= SEND_QUEUE_HIGH + (2 << 20), f"writer ran {max(ahead) >> 10} KiB ahead"
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as e:
+        raise _first_leaf(e) from None
