@@ -40,7 +40,36 @@ def send_queue_bytes(sctp: Any) -> int:
     return sum(len(item[2]) for item in queue)
 
 
-def install_backpressure() -> None:
+def install_workarounds() -> None:
+    """Two fixes to py-libp2p 0.8.1's /webrtc-direct, without which a node's connection stops opening
+    streams; idempotent, applied before any WebRTC connection is made.
+
+    1. Closed streams are forgotten: `WebRTCConnection.remove_stream` exists but nothing calls it, so
+       every stream ever opened counts against `max_concurrent_streams` (256) and the 253rd stream of
+       a connection's life fails at once ("Failed to create stream"). A node opens catalog, chunk and
+       fetch streams all the time; measured: streams 1-252 opened, the rest failed. (SwarmConn also
+       shadows the connection's `remove_stream(channel_id)` with an async hook of another signature.)
+       Now a stream's own cleanup (close, reset) removes it from its connection's registry.
+    2. Backpressure on writes (`_install_backpressure`)."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    if not getattr(WebRTCStream._cleanup, "_murmur_forget", False):
+        cleanup = WebRTCStream._cleanup
+
+        def forget_on_cleanup(self: Any) -> None:
+            cleanup(self)
+            # the class's method: py-libp2p's SwarmConn shadows `remove_stream` on the instance with an
+            # async NetStream hook, which is part of why nothing ever removed a WebRTC stream
+            remove = getattr(type(self.muxed_conn), "remove_stream", None)
+            if remove is not None:
+                remove(self.muxed_conn, self._channel_id)
+
+        forget_on_cleanup._murmur_forget = True  # type: ignore[attr-defined]
+        WebRTCStream._cleanup = forget_on_cleanup  # type: ignore[method-assign]
+    _install_backpressure()
+
+
+def _install_backpressure() -> None:
     """Make writes over py-libp2p's /webrtc-direct wait while the association's send queue is full.
 
     Why: py-libp2p 0.8.1 completes a stream write as soon as aiortc *queued* it (`RTCDataChannel.send`
@@ -97,7 +126,7 @@ async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> d
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import PeerInfo
 
-    install_backpressure()
+    install_workarounds()
     proto = TProtocol("/murmur/bench/webrtc-bulk/1")
     a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
     b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
@@ -185,7 +214,7 @@ async def attach_webrtc(transport: Any, listen: list[str]) -> list[str]:
     await trio.to_thread.run_sync(importlib.import_module, "aiortc")
     from libp2p.transport.webrtc.transport import WebRTCDirectTransport
 
-    install_backpressure()
+    install_workarounds()
 
     swarm = transport.host.get_network()
     tm = swarm.transport_manager

@@ -114,7 +114,7 @@ def _first_leaf(e: BaseException) -> BaseException:
 
 @pytest.mark.slow
 def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flood() -> None:
-    """py-libp2p's WebRTC write returns once aiortc queued the bytes; without `install_backpressure`
+    """py-libp2p's WebRTC write returns once aiortc queued the bytes; without `install_workarounds`
     a bulk writer queued 10+ MiB ahead of the wire and a stream opened meanwhile waited behind it past
     multistream-select's 10 s timeout (how a real node behind a UDP-only NAT failed to fetch patches).
     With it, the bytes written but not yet received stay bounded and a new stream opens mid-flood."""
@@ -129,9 +129,9 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import PeerInfo
 
-    from gossip.webrtc import SEND_QUEUE_HIGH, install_backpressure
+    from gossip.webrtc import SEND_QUEUE_HIGH, install_workarounds
 
-    install_backpressure()
+    install_workarounds()
     sink_p, echo_p = TProtocol("/test/sink/1"), TProtocol("/test/echo/1")
     got = [0]
     total = 6 << 20
