@@ -185,3 +185,63 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
         trio.run(main)
     except BaseExceptionGroup as e:
         raise _first_leaf(e) from None
+
+
+@pytest.mark.slow
+def test_webrtc_connection_outlives_256_streams() -> None:
+    """py-libp2p 0.8.1 never removed closed WebRTC streams from their connection, so its 253rd stream
+    failed at once (the 256-stream limit); `install_workarounds` makes closed streams leave the registry.
+    A stray open fails now and then (about 1 in 200 here, with or without the fix): the node retries."""
+    reason = webrtc_unavailable()
+    if reason:
+        pytest.skip(f"WebRTC extra not installed: {reason}")
+    import os
+
+    import multiaddr
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from gossip.webrtc import install_workarounds
+
+    install_workarounds()
+    echo_p = TProtocol("/test/echo/1")
+
+    async def echo(stream) -> None:
+        await stream.write(await stream.read(100))
+        await stream.close()
+
+    def registered(host) -> int:
+        conns = list(host.get_network().connections.values())
+        flat = [c for x in conns for c in (x if isinstance(x, list) else [x])]
+        return sum(len(getattr(getattr(c, "muxed_conn", c), "_streams", {}) or {}) for c in flat)
+
+    async def main() -> None:
+        a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+        b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+        async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
+                a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            b.set_stream_handler(echo_p, echo)
+            with trio.fail_after(60):
+                await a.connect(PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)]))
+            ok, failed = 0, []
+            for i in range(280):
+                try:
+                    with trio.fail_after(20):
+                        s = await a.new_stream(b.get_id(), [echo_p])
+                        await s.write(b"n%d" % i)
+                        assert await s.read(100) == b"n%d" % i
+                        await s.close()
+                    ok += 1
+                except Exception:
+                    failed.append(i)
+            assert ok >= 265, f"{len(failed)} of 280 opens failed, first at {failed[:1]}"  # without: 252 at most
+            with trio.fail_after(10):
+                while registered(a) or registered(b):
+                    await trio.sleep(0.05)
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as e:
+        raise _first_leaf(e) from None
