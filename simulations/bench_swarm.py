@@ -12,7 +12,8 @@ of optimizer steps, in three runs (settings: `simulations/scenarios/bench_swarm.
 
 Same per-node compute per step: 8 groups of rollouts enter each update (the
 swarm generates only 4 of them). Zero-advantage groups are dropped by the
-trainer in every run; a swarm node takes external groups informative first
+trainer in every run (the loss is normalised as the scenario's
+`trainer.loss_norm` says, the node's `[training] loss_norm`); a swarm node takes external groups informative first
 (rewards not all equal), newest first, within the staleness bound, as SAPO's
 filtering does.
 
@@ -112,6 +113,10 @@ def load_scenario(path: str | Path | None = None) -> tuple[BenchScenario, str]:
     for mix in (sc.isolated, sc.swarm):
         if mix.local_groups < 1 or mix.external_groups < 0:
             raise ConfigError(f"{origin}: local_groups must be >= 1 and external_groups >= 0")
+    from training.trainer import LOSS_NORMS  # noqa: PLC0415 - torch only when a scenario is loaded
+
+    if sc.trainer.loss_norm not in LOSS_NORMS:
+        raise ConfigError(f"{origin}: trainer.loss_norm {sc.trainer.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
     if sc.trainer.group_size * max(sc.isolated.local_groups, sc.swarm.local_groups) > wire.MAX_ROLLOUTS_PER_BATCH * 16:
         raise ConfigError(f"{origin}: too many rollouts per step")
     return sc, text

@@ -21,6 +21,7 @@ def test_packaged_scenario_is_the_issue_setup() -> None:
     assert (sc.swarm.local_groups, sc.swarm.external_groups) == (4, 4)
     # same rollouts per update in both arms: the comparison's fairness rests on this
     assert sc.isolated.local_groups + sc.isolated.external_groups == sc.swarm.local_groups + sc.swarm.external_groups
+    assert sc.trainer.loss_norm == "informative"  # the node's default normalisation (node.config)
     a = sc.adversary
     assert a.forged_reward and a.bad_signature and a.garbage and a.bad_task
 
@@ -46,6 +47,9 @@ def test_scenario_rejects_unknown_keys_and_bad_adversary(tmp_path: Path) -> None
     bad = tmp_path / "bad.toml"
     bad.write_text(text.replace("inbox_groups = 64", "inbox_groups = 64\nturbo = true"))
     with pytest.raises(ConfigError, match="turbo"):
+        bench_swarm.load_scenario(bad)
+    bad.write_text(text.replace('loss_norm = "informative"', 'loss_norm = "tokens"'))
+    with pytest.raises(ConfigError, match="loss_norm"):
         bench_swarm.load_scenario(bad)
     bad.write_text(text.replace("node = 3", "node = 9"))
     with pytest.raises(ConfigError, match="adversary"):
