@@ -11,12 +11,21 @@ publish that cannot go out raises `PublishError` instead of vanishing.
 
 The libp2p key is the node's ed25519 identity, so `transport.peer_id ==
 Identity.peer_id`.
+
+Yamux credit: py-libp2p 0.8.1 by default returns receive-window credit on
+every read (`PY_YAMUX_RELEASE_ON_READ`), so each small control frame read
+sends a WINDOW_UPDATE frame back: one more yamux frame, Noise message and
+socket write per message, in both directions. We default it off, which is
+go-yamux's behaviour (credit returns once half the window is consumed); the
+window still never stalls a reader that keeps reading. Measured on the
+16-follower broadcast benchmark: ~7-10 % less CPU per transfer.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -27,6 +36,8 @@ import trio
 from gossip.transport import MessageChannel, PublishError, Stream, StreamError, StreamHandler
 from node.errors import MurmurError
 from node.identity import Identity
+
+os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # read at call time by libp2p's yamux (see above)
 
 log = logging.getLogger("murmur.gossip.host")
 

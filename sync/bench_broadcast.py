@@ -122,7 +122,11 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
                 _tell(p, {"cmd": "ready?", "peers": peers})
             conns = [_expect(p, "ready", setup_deadline)["conns"] for p in followers]
             mark("mesh ready")
-            time.sleep(float(os.environ.get("MURMUR_BENCH_IDLE_S", "0")))  # debugging aid: measure idle CPU
+            idle_s = float(os.environ.get("MURMUR_BENCH_IDLE_S", "0"))  # debugging aid: CPU of an idle mesh
+            if idle_s > 0:
+                idle_cpu0 = _children_cpu(procs)
+                time.sleep(idle_s)
+                phases["idle_cpu_s_per_s"] = round((_children_cpu(procs) - idle_cpu0) / idle_s, 3)
             _tell(origin, {"cmd": "publish", "peers": peers})
             t0 = _expect(origin, "published", setup_deadline)["t0"]
             # a generous, bounded wait for the transfer itself: a follower that never completes is reported
@@ -163,6 +167,19 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
     if stragglers:
         extra["stragglers"] = {str(i + 1): v for i, v in stragglers.items()}
     return _summary(peers, size, chunk_bytes, upload, times, ostats["bytes_out"], ok, extra)
+
+
+def _children_cpu(procs: list[subprocess.Popen[str]]) -> float:
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            c = psutil.Process(p.pid).cpu_times()
+            total += c.user + c.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def _spawn(tmp: str, role: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> subprocess.Popen[str]:
@@ -315,23 +332,30 @@ async def _connect(t: Any, addr: str, attempts: int = 5) -> None:
 async def _follow(node: Any, say: Any) -> None:
     tr = await node.wait_for_transfer(600)
     cpu_t0 = time.process_time()
+    prof = _PROFILE.get("prof")
+    if prof is not None:  # the transfer only, not start-up and connecting
+        prof.enable()
     await tr.done.wait()
+    if prof is not None:
+        prof.disable()
     digest = hashlib.blake2b(tr.payload(), digest_size=32).hexdigest()
     say(event="complete", t=tr.completed_wall, digest=digest, wasted_in=tr.session.wasted_in,
         frames_out=node.counters["frames_out"], cpu_s=time.process_time(), cpu_s_t0=cpu_t0)
+
+
+_PROFILE: dict[str, Any] = {}
 
 
 def _main(argv: list[str]) -> None:
     import trio
 
     role, tmp, idx, upload, chunk_bytes, seed = argv
-    prof_dir = os.environ.get("MURMUR_BENCH_PROFILE")  # debugging aid: cProfile of every worker
+    prof_dir = os.environ.get("MURMUR_BENCH_PROFILE")  # debugging aid: cProfile of each follower's transfer
     prof = None
-    if prof_dir:
+    if prof_dir and role == "follower":
         import cProfile
 
-        prof = cProfile.Profile()
-        prof.enable()
+        prof = _PROFILE["prof"] = cProfile.Profile()
     try:
         trio.run(_worker, role, tmp, int(idx), int(upload), int(chunk_bytes), int(seed))
     except BaseException as e:  # report, so the parent fails fast with the reason

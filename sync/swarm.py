@@ -205,7 +205,7 @@ class SwarmConfig(Struct, kw_only=True, frozen=True):
     max_queue_total: int = 1  # requests queued here from all peers; more get Reject(busy)
     stall_timeout_s: float = 5.0  # no chunk from a peer for this long while we wait on it: switch
     avoid_s: float = 10.0  # a stalled peer is skipped for this long
-    busy_backoff_s: float = 0.05  # after Reject(busy), wait this long before asking that peer again
+    busy_backoff_s: float = 0.1  # after Reject(busy), wait this long before asking that peer again (~1 chunk time)
     ban_after_corrupt: int = 1  # corrupt chunks that get a peer banned
     seed_window: int = 1  # origin super-seeding: un-sent chunks advertised to each peer at a time
     endgame: bool = True  # near the end, also request in-flight chunks from a second peer
