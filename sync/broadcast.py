@@ -702,6 +702,7 @@ class BroadcastNode:
             await trio.sleep(self.tick_s)
             now = trio.current_time()
             for tr in list(self.transfers.values()):
-                self._apply(tr, tr.session.tick(now))
+                if tr.session.needs_tick:  # a node keeps up to MAX_TRANSFERS finished ones: skip those
+                    self._apply(tr, tr.session.tick(now))
             if self._advertisers:
                 self._retry_manifests(now)

@@ -303,6 +303,11 @@ class SwarmSession:
     def complete(self) -> bool:
         return self.nhave == self.n
 
+    @property
+    def needs_tick(self) -> bool:
+        """False once there is nothing left for `tick` to do: complete, and not super-seeding any more."""
+        return not self.complete or self._super
+
     def missing(self) -> list[int]:
         return [i for i in range(self.n) if not self.have[i]]
 

@@ -110,6 +110,32 @@ def test_origin_advertises_only_unsent_chunks_during_super_seeding() -> None:
     assert offered_b and offered_b[0] != offered[0]
 
 
+def test_needs_tick_until_complete_and_done_super_seeding() -> None:
+    data, hashes, sizes = make_patch(2)
+    origin = SwarmSession(PID, hashes, sizes, have=range(2), origin=True, seed=0)
+    follower = SwarmSession(PID, hashes, sizes, seed=0)
+    assert origin.needs_tick  # complete, but still super-seeding: stalled assignments move on in tick
+    assert follower.needs_tick
+    follower.peer_joined("o", 0.0)
+    to_f = origin.peer_joined("f", 0.0) + origin.on_frame("f", Have(PID, b"\x00"), 0.0)
+    for step in range(10):  # relay frames between the two until nothing is left to say
+        to_o = [a for s in sends(to_f, Have) + sends(to_f, HaveChunk) for a in follower.on_frame("o", s.frame, 0.0)]
+        to_f = []
+        for s in sends(to_o, Request) + sends(to_o, HaveChunk):
+            to_f += origin.on_frame("f", s.frame, 0.0)
+            if isinstance(s.frame, Request):
+                idx, more = origin.take_upload("f", 0.0)
+                to_f += more
+                assert idx is not None
+                to_o_chunk = follower.on_frame("o", Chunk(PID, idx, data[idx]), 0.0)
+                for h in sends(to_o_chunk, HaveChunk) + sends(to_o_chunk, Request):
+                    to_f += origin.on_frame("f", h.frame, 0.0)
+        if not to_f:
+            break
+    assert follower.complete and not follower.needs_tick
+    assert not origin.needs_tick  # every chunk has left once: an ordinary seeder, nothing to time out
+
+
 def _follower_with_peers(n: int = 4) -> tuple[SwarmSession, list[bytes]]:
     data, hashes, sizes = make_patch(n)
     f = SwarmSession(PID, hashes, sizes, seed=3, config=SwarmConfig(max_inflight_total=4, max_inflight_per_peer=2, stall_timeout_s=2.0))
