@@ -176,6 +176,7 @@ def webrtc_scenario(bulk_bytes: int = 1 << 20, timeout_s: float = 180.0) -> dict
             nodes.append(_start(net.exec_prefix(home.ns), "udp", {
                 "name": "udp", "seed": SEEDS["udp"], "listen": listen, "bulk_bytes": bulk_bytes,
                 "peers": [{"name": "pub", "id": ids["pub"], "addrs": [tcp] + rtc[:1]}],
+                "reach_bootstrap": [tcp] + rtc[:1],  # configured, as a volunteer lists a known node
                 "expect_hello": ["pub"], "holepunch": False, "check_s": 0, "connect_s": 90}))
             nodes[1].wait_for("done", timeout_s)
         finally:

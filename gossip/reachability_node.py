@@ -14,7 +14,9 @@ Script (JSON object; every key optional except name and seed):
     peers ([{name, id, addrs: [direct or circuit addrs, as a NodeAnnounce would carry them]}]),
     bulk_bytes (int), publish_rollouts (bool), expect_hello ([names]), linger_s (float),
     wait_webrtc_s (float: before "ready", wait for our /webrtc-direct listener and report its addresses),
-    check_s (float, default 60: how long a node without bootstrap peers waits for its verdict)
+    check_s (float, default 60: how long a node without bootstrap peers waits for its verdict),
+    reach_bootstrap ([addr]: bootstrap addresses node.reach knows (WebRTC-direct is tried to them at once)
+    but this harness does not dial itself)
 The config is the defaults plus MURMUR_NETWORK_<KEY> overrides (MURMUR_NETWORK_WEBRTC=false turns
 WebRTC-direct off, as in a node without the extra).
 """
@@ -133,7 +135,8 @@ async def main(script: dict[str, Any]) -> None:
         t.set_stream_handler(BULK_PROTOCOL, serve_bulk)
         rollouts = await t.subscribe(ROLLOUT_TOPIC)
         hellos = await t.subscribe(HELLO_TOPIC)
-        state = await start_reachability(t, cfg, nursery, list(script.get("bootstrap", [])),
+        state = await start_reachability(t, cfg, nursery, list(script.get("bootstrap", []))
+                                         + list(script.get("reach_bootstrap", [])),
                                          known=lambda: {k: list(v["addrs"]) for k, v in peers.items()})
         state.auto_upgrade = False  # time the relay first; the upgrade is driven below, after the relayed bulk
         if script.get("wait_webrtc_s"):

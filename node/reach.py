@@ -48,6 +48,7 @@ WEBRTC_DIAL_S = 10.0  # ICE + DTLS + Noise over a data channel; ~0.1-0.3 s on lo
 TCP_DIAL_S = 3.0  # a public peer's TCP address: Noise + yamux under load
 LAN_DIAL_S = 1.0  # a private peer's own (LAN) address: answers in milliseconds on the same LAN, or never
 BOOTSTRAP_GRACE_S = 5.0  # Discovery dials bootstrap peers over TCP first; WebRTC-direct only if that failed
+WEBRTC_AFTER_S = 30.0  # an announced peer without circuits this long after we first saw it is not a NATed one
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,17 @@ class ReachState:
     async def _connect(self, peer: str, addrs: list[str]) -> None:
         """Walk `dial_plan`; a circuit only on the side that should dial it (`_should_dial_circuit`)."""
         now = trio.current_time()
-        for d in dial_plan(peer, addrs, webrtc=bool(self.webrtc_addrs)):
+        # A NATed peer announces its LAN addresses until its own verdict and reservation (seconds) add
+        # circuits: WebRTC towards it is futile, and a failed attempt leaves its private /webrtc-direct
+        # address in the peerstore, where later dials (relayed ones included) tried it again (seen with
+        # two NATed homes: circuits timed out while ICE checks to the other home's LAN address ran).
+        # So WebRTC-direct goes to bootstrap peers, and to announced peers still circuit-less after
+        # WEBRTC_AFTER_S.
+        from gossip.discovery import peer_of
+
+        settled = now - self.first_seen.get(peer, now) >= WEBRTC_AFTER_S
+        configured = any(peer_of(a) == peer for a in self.bootstrap)
+        for d in dial_plan(peer, addrs, webrtc=bool(self.webrtc_addrs) and (settled or configured)):
             if peer in self.transport.peers():
                 return
             if d.kind == "circuit":
