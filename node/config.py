@@ -134,6 +134,7 @@ _CHOICES: dict[str, set[str]] = {
     "node.log_level": {"debug", "info", "warning", "error"},
     "training.engine": {"transformers", "vllm"},
     "training.device": {"auto", "cpu", "cuda"},
+    "training.loss_norm": {"informative", "constant"},
 }
 _ROLES = {"trainer", "follower", "validator"}
 _HEX32 = re.compile(r"^[0-9a-fA-F]{64}$")

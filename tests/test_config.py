@@ -60,6 +60,7 @@ def test_bad_env_override(tmp_path):
         ("[trust]\ncoordinators = ['aa']\n", "trust.coordinators"),
         ("[node]\nroles = ['miner']\n", "node.roles"),
         ("[node]\nhardware = 'tpu'\n", "node.hardware"),
+        ("[training]\nloss_norm = 'sum'\n", "training.loss_norm"),
         ("[network]\nbootstrap = ['127.0.0.1:4001']\n", "network.bootstrap"),
         ("[sync]\nchunk_bytes = 0\n", "sync.chunk_bytes"),
         ("[sync]\nmax_staleness = -1\n", "sync.max_staleness"),

@@ -101,6 +101,26 @@ def test_missing_or_non_causal_model_paths_give_one_line_errors(tmp_path: Path) 
         load_causal_lm(d)
 
 
+def test_concurrent_builders_of_one_home_build_once(tmp_path: Path) -> None:
+    """Nodes started together share a home: one builds, the others wait and load the same files."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, json; from training.tiny import ensure_tiny; from training.engine_hf import HFEngine; "
+            "d = ensure_tiny(sys.argv[1], seed=3, warmup_steps=2); HFEngine.from_path(d, device='cpu'); "
+            "print(json.loads((d / 'murmur-tiny.json').read_text())['warmup_s'])")
+    root = Path(__file__).resolve().parent.parent
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    # every process read the marker of one and the same build
+    assert len({o.strip() for o, _ in outs}) == 1
+    assert not list((tmp_path / "models").glob("*.tmp*"))
+
+
 def test_murmur_tiny_is_cached_deterministic_and_loads_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     a = ensure_tiny(tmp_path / "a", seed=3, warmup_steps=2)

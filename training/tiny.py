@@ -92,32 +92,42 @@ def tiny_dir(home: str | Path) -> Path:
     return Path(home) / "models" / TINY_NAME
 
 
+def _cached(d: Path, stamp: dict[str, object]) -> bool:
+    try:
+        return bool(json.loads((d / "murmur-tiny.json").read_text()).get("key") == stamp)
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS, force: bool = False) -> Path:
-    """Build (once) and return the cached murmur-tiny directory under `home`."""
+    """Build (once) and return the cached murmur-tiny directory under `home`.
+
+    Builders of one home take turns on a lock file: nodes started together (the demo, tests) would
+    otherwise each spend the warm-up, and a late one would swap the directory under an early one
+    that is already loading it."""
+    import fcntl  # noqa: PLC0415
+
     d = tiny_dir(home)
     stamp = {"recipe": RECIPE, "seed": seed, "warmup_steps": warmup_steps}
-    marker = d / "murmur-tiny.json"
-    if not force and marker.is_file():
-        try:
-            if json.loads(marker.read_text()).get("key") == stamp:
-                return d
-        except (OSError, ValueError):
-            pass
-    set_threads(1)
-    t0 = time.monotonic()
-    engine = new_tiny_engine(seed)
-    warmup(engine, warmup_steps, seed)
-    tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")  # concurrent builders never share a temp dir
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    engine.model.save_pretrained(tmp)
-    engine.tokenizer.save_pretrained(tmp)
-    (tmp / "murmur-tiny.json").write_text(json.dumps({"key": stamp, "warmup_s": time.monotonic() - t0}))
-    shutil.rmtree(d, ignore_errors=True)
-    try:
-        tmp.rename(d)
-    except OSError:  # another process installed it first; it is the same bytes for the same key
+    if not force and _cached(d, stamp):
+        return d
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with open(d.parent / f".{d.name}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and _cached(d, stamp):  # built by whoever held the lock before us
+            return d
+        set_threads(1)
+        t0 = time.monotonic()
+        engine = new_tiny_engine(seed)
+        warmup(engine, warmup_steps, seed)
+        tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        engine.model.save_pretrained(tmp)
+        engine.tokenizer.save_pretrained(tmp)
+        (tmp / "murmur-tiny.json").write_text(json.dumps({"key": stamp, "warmup_s": time.monotonic() - t0}))
+        shutil.rmtree(d, ignore_errors=True)
+        tmp.rename(d)
     return d
 
 
