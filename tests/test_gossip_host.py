@@ -127,3 +127,53 @@ def test_fetch_big_payload_by_hash() -> None:
                 await fetch(a, b.peer_id, pid)
 
     trio.run(main)
+
+
+def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small reads send no WINDOW_UPDATE (py-libp2p 0.8.1 sent one per read); bulk data still flows."""
+    import struct
+
+    from libp2p.stream_muxer.yamux import yamux as Y
+
+    updates: list[int] = []
+    orig = Y.Yamux._write_frame
+
+    async def counting(self, data: bytes) -> None:  # type: ignore[no-untyped-def]
+        _, typ, flags, sid, increment = struct.unpack(Y.YAMUX_HEADER_FORMAT, data[:Y.HEADER_SIZE])
+        if typ == Y.TYPE_WINDOW_UPDATE and not flags & (Y.FLAG_SYN | Y.FLAG_ACK) and increment > 0:
+            updates.append((sid, increment))  # credit, not a stream opening
+        await orig(self, data)
+
+    monkeypatch.setattr(Y.Yamux, "_write_frame", counting)
+    got = {"n": 0}
+    changed = trio.Event()
+
+    async def sink(stream, peer: str) -> None:
+        nonlocal changed
+        while data := await stream.read(1 << 20):
+            got["n"] += len(data)
+            changed.set()
+            changed = trio.Event()
+
+    async def until(n: int) -> None:
+        with trio.fail_after(30):
+            while got["n"] < n:
+                await changed.wait()
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x21" * 32)) as a, \
+                open_transport(Identity.from_seed(b"\x22" * 32)) as b:
+            b.set_stream_handler("/murmur/test-sink/1", sink)
+            await a.connect(b.listen_addrs()[0] + "/p2p/" + b.peer_id)
+            s = await a.open_stream(b.peer_id, "/murmur/test-sink/1")
+            before = len(updates)
+            for k in range(300):  # 300 control-sized frames, each read on its own: 12 KB < half a window
+                await s.write(b"x" * 40)
+                await until(40 * (k + 1))
+            assert len(updates) == before, updates
+            await s.write(b"y" * (3 * 2**20))  # 3 MiB: twelve initial windows, only possible with credit
+            await until(300 * 40 + 3 * 2**20)
+            assert len(updates) - before >= 1
+            await s.close()
+
+    trio.run(main)
