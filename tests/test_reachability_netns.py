@@ -128,7 +128,8 @@ def test_udp_only_home_reaches_public_node_over_webrtc_direct() -> None:
     got = webrtc_scenario(bulk_bytes=1 << 20, timeout_s=240)
     h, pub = got["udp"], got["pub"]
     conn = h.first("connected")
-    assert conn and conn["path"] == "webrtc" and conn["webrtc_dialled"], h.events
+    # the path, not `webrtc_dialled`: a dial cut off by its 10 s bound can still complete in py-libp2p
+    assert conn and conn["path"] == "webrtc", h.events
     assert conn["s"] >= 2.5, f"the TCP dial should have been tried (and dropped) first: {conn}"
     assert h.first("first_rollout"), "a signed rollout from the public node verified over WebRTC-direct"
     assert (h.first("gossip") or {}).get("ok") and (pub.first("gossip") or {}).get("ok"), (h.events, pub.events)
