@@ -41,3 +41,16 @@ def build_tiny_model(root: Path, env: dict[str, str]) -> Path:
                        env=env, cwd=str(Path(__file__).resolve().parents[1]))
     assert r.returncode == 0, r.stderr[-2000:]
     return Path(r.stdout.strip().splitlines()[-1])
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every node still running, then wait; kill what does not exit within 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)

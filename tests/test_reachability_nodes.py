@@ -21,7 +21,7 @@ import pytest
 
 from node.status import NodeStatus
 from tests.nodeproc import status as _status
-from tests.nodeproc import build_tiny_model, wait_for
+from tests.nodeproc import build_tiny_model, stop_all, wait_for
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
@@ -165,15 +165,7 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
             c4 = _check(d4, "reachability")
             assert c4["ok"] and "path: direct" in c4["detail"] and "publicly reachable" in c4["detail"], c4
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs.values():
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(10)
+            stop_all(list(procs.values()))
 
 
 def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model: Path) -> None:
@@ -247,12 +239,4 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
                 pytest.xfail("known gap: patch streams over py-libp2p WebRTC-direct time out under real-node "
                              "gossip load (see docs/reachability.md)")
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs.values():
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(10)
+            stop_all(list(procs.values()))
