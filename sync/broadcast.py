@@ -220,6 +220,7 @@ class BroadcastNode:
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
         self._conns_changed = trio.Event()
+        self._tick_wake = trio.Event()  # set when the ticker may have work again (it sleeps when idle)
         self.counters = {"frames_in": 0, "frames_out": 0, "bytes_up": 0, "bad_frames": 0, "manifests_rejected": 0,
                          "writes": 0}
 
@@ -382,6 +383,7 @@ class BroadcastNode:
             self._apply(tr, tr.session.peer_joined(peer, now))
         self._changed.set()
         self._changed = trio.Event()
+        self._tick_wake.set()
 
     def _apply(self, tr: Transfer, actions: list[Any]) -> None:
         for a in actions:
@@ -579,6 +581,7 @@ class BroadcastNode:
                 del self._advertisers[old]
                 self._asked.pop(old, None)
             self._advertisers[pid] = set()
+            self._tick_wake.set()
         self._advertisers[pid].add(peer)
         if now - self._asked.get(pid, -1e9) >= self.manifest_retry_s:
             self._asked[pid] = now
@@ -697,8 +700,18 @@ class BroadcastNode:
             except (DecodeError, MurmurError) as e:
                 log.info("patch manifest from gossip rejected: %s", e)
 
+    @property
+    def ticking(self) -> bool:
+        """Whether the ticker has work: a session that needs ticks, or a manifest still asked for."""
+        return bool(self._advertisers) or any(tr.session.needs_tick for tr in self.transfers.values())
+
     async def _ticker(self) -> None:
+        """Every `tick_s` while a session needs it (stalls, back-offs, super-seeding) or a manifest is
+        still being asked for; asleep otherwise: an idle node should not wake 20 times a second."""
         while True:
+            if not self.ticking:
+                self._tick_wake = trio.Event()
+                await self._tick_wake.wait()
             await trio.sleep(self.tick_s)
             now = trio.current_time()
             for tr in list(self.transfers.values()):

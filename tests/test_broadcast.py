@@ -125,6 +125,9 @@ def test_live_broadcast_reaches_every_follower_with_forwarding() -> None:
             follower_out = sum(f.stats(pid)["bytes_out"] for _, f in nodes[1:])
             assert follower_out > 0, "followers must forward chunks to each other"
             assert origin_out < 3 * len(data)  # not one copy per follower
+            # once everyone holds the patch nothing is left to time out: the tickers go to sleep
+            assert not any(f.ticking for _, f in nodes[1:])
+            await wait_until(lambda: not o[1].ticking, 30)  # the origin after its last super-seeding round
 
     trio.run(main)
 
