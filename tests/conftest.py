@@ -30,3 +30,13 @@ def home(tmp_path, monkeypatch):
     h = tmp_path / "home"
     monkeypatch.setenv("MURMUR_HOME", str(h))
     return h
+
+
+@pytest.fixture
+def webrtc_extra() -> None:
+    """Skip, with the reason, where the optional `webrtc` extra (aiortc) is not installed (as in CI)."""
+    from gossip.webrtc import webrtc_unavailable
+
+    reason = webrtc_unavailable()
+    if reason:
+        pytest.skip(f"WebRTC extra not installed: {reason}")

@@ -303,13 +303,10 @@ def test_start_reachability_on_loopback_serves_view_and_announces() -> None:
 
 
 @pytest.mark.slow
-def test_webrtc_direct_loopback_transfer_with_hash() -> None:
+def test_webrtc_direct_loopback_transfer_with_hash(webrtc_extra: None) -> None:
     """The optional WebRTC fallback (extra `webrtc`): skipped with the reason when aiortc is absent (CI)."""
-    from gossip.webrtc import WebRTCUnavailable, measure_loopback, webrtc_unavailable
+    from gossip.webrtc import WebRTCUnavailable, measure_loopback
 
-    reason = webrtc_unavailable()
-    if reason:
-        pytest.skip(f"WebRTC extra not installed: {reason}")
     errors = []
     for _ in range(3):  # py-libp2p's WebRTC negotiation times out about once in six (docs/reachability.md)
         try:

@@ -114,15 +114,10 @@ def test_network_cleanup_on_failure() -> None:
     assert name and name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
-def test_udp_only_home_reaches_public_node_over_webrtc_direct() -> None:
+def test_udp_only_home_reaches_public_node_over_webrtc_direct(webrtc_extra: None) -> None:
     """A home whose router drops all outbound TCP: the node tries the public node's TCP address (times
     out), then its announced /webrtc-direct address through the NAT (UDP masqueraded); a signed rollout
     verifies, hellos cross, a bulk keeps its hash, and the doctor says webrtc."""
-    from gossip.webrtc import webrtc_unavailable
-
-    reason = webrtc_unavailable()
-    if reason:
-        pytest.skip(f"WebRTC extra not installed: {reason}")
     from gossip.bench_reachability import webrtc_scenario
 
     got = webrtc_scenario(bulk_bytes=1 << 20, timeout_s=240)

@@ -168,7 +168,7 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
             stop_all(list(procs.values()))
 
 
-def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model: Path) -> None:
+def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model: Path, webrtc_extra: None) -> None:
     """A home whose router drops all outbound TCP (only UDP gets out): a real follower+validator node
     there, given the public trainer's TCP and /webrtc-direct addresses as bootstrap, reaches it over
     WebRTC-direct only; the home's signed rollouts are verified and accepted by the trainer, the
@@ -179,11 +179,6 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
     multistream-select, so the home does not catch up; the test then xfails with that reason instead
     of passing (the harness test in test_reachability_netns.py moves a bulk stream with its hash over
     the same NAT at light load). docs/reachability.md, "WebRTC-direct: what is real"."""
-    from gossip.webrtc import webrtc_unavailable
-
-    reason = webrtc_unavailable()
-    if reason:
-        pytest.skip(f"WebRTC extra not installed: {reason}")
     homes = {n: tmp_path / n for n in ("pub", "udp")}
     for h in homes.values():
         h.mkdir()

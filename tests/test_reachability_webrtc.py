@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from gossip.host import open_transport
-from gossip.webrtc import is_webrtc_addr, webrtc_listen_for, webrtc_unavailable
+from gossip.webrtc import is_webrtc_addr, webrtc_listen_for
 from node.config import Config
 from node.doctor_reachability import WEBRTC, check_path
 from node.identity import Identity
@@ -45,10 +45,7 @@ def test_webrtc_disabled_in_config_is_reported() -> None:
 
 
 @pytest.mark.slow
-def test_tcp_blocked_peers_connect_over_webrtc_and_gossip() -> None:
-    reason = webrtc_unavailable()
-    if reason:
-        pytest.skip(f"WebRTC extra not installed: {reason}")
+def test_tcp_blocked_peers_connect_over_webrtc_and_gossip(webrtc_extra: None) -> None:
     a_id, b_id = Identity.from_seed(b"\x52" * 32), Identity.from_seed(b"\x53" * 32)
     known: dict[str, list[str]] = {}
 
@@ -113,14 +110,11 @@ def _first_leaf(e: BaseException) -> BaseException:
 
 
 @pytest.mark.slow
-def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flood() -> None:
+def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flood(webrtc_extra: None) -> None:
     """py-libp2p's WebRTC write returns once aiortc queued the bytes; without `install_workarounds`
     a bulk writer queued 10+ MiB ahead of the wire and a stream opened meanwhile waited behind it past
     multistream-select's 10 s timeout (how a real node behind a UDP-only NAT failed to fetch patches).
     With it, the bytes written but not yet received stay bounded and a new stream opens mid-flood."""
-    reason = webrtc_unavailable()
-    if reason:
-        pytest.skip(f"WebRTC extra not installed: {reason}")
     import os
 
     import multiaddr
@@ -188,13 +182,10 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
 
 
 @pytest.mark.slow
-def test_webrtc_connection_outlives_256_streams() -> None:
+def test_webrtc_connection_outlives_256_streams(webrtc_extra: None) -> None:
     """py-libp2p 0.8.1 never removed closed WebRTC streams from their connection, so its 253rd stream
     failed at once (the 256-stream limit); `install_workarounds` makes closed streams leave the registry.
     A stray open fails now and then (about 1 in 200 here, with or without the fix): the node retries."""
-    reason = webrtc_unavailable()
-    if reason:
-        pytest.skip(f"WebRTC extra not installed: {reason}")
     import os
 
     import multiaddr
