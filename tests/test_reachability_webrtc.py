@@ -214,8 +214,13 @@ def test_webrtc_connection_outlives_256_streams(webrtc_extra: None) -> None:
         async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
                 a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
             b.set_stream_handler(echo_p, echo)
-            with trio.fail_after(60):
-                await a.connect(PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)]))
+            target = PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)])
+            for attempt in range(3):  # a WebRTC negotiation stalls now and then (docs/reachability.md)
+                with trio.move_on_after(30):
+                    await a.connect(target)
+                    break
+            else:
+                raise AssertionError("no WebRTC-direct connection in 3 attempts of 30 s")
             ok, failed = 0, []
             for i in range(280):
                 try:
