@@ -38,7 +38,6 @@ from node.errors import MurmurError
 from node.identity import Identity
 
 
-
 def _install_go_yamux_credit() -> None:
     """Replace py-libp2p 0.8.1's per-read credit release with go-yamux's half-window rule (see above)."""
     from libp2p.stream_muxer.yamux.yamux import YamuxStream

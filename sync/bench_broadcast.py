@@ -154,18 +154,18 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
                     p.wait()
     times = [d["t"] - t0 for d in done.values()]
     ok = len(done) == peers and all(d["digest"] == digest for d in done.values())
+    follower_transfer_cpu = sum(d["cpu_s"] - d["cpu_s_t0"] for d in done.values())
     extra: dict[str, Any] = {
         "mode": "live", "processes": peers + 1, "cpus": os.cpu_count(),
         "min_follower_streams": min(conns), "load_avg_1m": round(os.getloadavg()[0], 1),
         "wasted_in_bytes": sum(d["wasted_in"] for d in done.values()),
         "follower_frames_out": sum(d["frames_out"] for d in done.values()),
         "follower_cpu_s_mean": round(sum(d["cpu_s"] for d in done.values()) / max(1, len(done)), 2),
-        "follower_transfer_cpu_s_mean": round(sum(d["cpu_s"] - d["cpu_s_t0"] for d in done.values())
-                                              / max(1, len(done)), 3),
+        "follower_transfer_cpu_s_mean": round(follower_transfer_cpu / max(1, len(done)), 3),
         "origin_transfer_cpu_s": ostats.get("cpu_s_transfer"),
         # the transfer's CPU spread over every core: no run on this machine can finish sooner
-        "cpu_floor_s": round((sum(d["cpu_s"] - d["cpu_s_t0"] for d in done.values())
-                              + (ostats.get("cpu_s_transfer") or 0.0)) / (os.cpu_count() or 1), 2),
+        "cpu_floor_s": round((follower_transfer_cpu + (ostats.get("cpu_s_transfer") or 0.0))
+                             / (os.cpu_count() or 1), 2),
         "phases_s": phases, "bench_wall_s": round(time.time() - wall0, 1)}
     if stragglers:
         extra["stragglers"] = {str(i + 1): v for i, v in stragglers.items()}

@@ -7,7 +7,10 @@ that needs aiortc skips with the reason without it (CI installs `.[test]` only).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import pytest
 import trio
@@ -109,12 +112,15 @@ def _first_leaf(e: BaseException) -> BaseException:
     return e
 
 
-@pytest.mark.slow
-def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flood(webrtc_extra: None) -> None:
-    """py-libp2p's WebRTC write returns once aiortc queued the bytes; without `install_workarounds`
-    a bulk writer queued 10+ MiB ahead of the wire and a stream opened meanwhile waited behind it past
-    multistream-select's 10 s timeout (how a real node behind a UDP-only NAT failed to fetch patches).
-    With it, the bytes written but not yet received stay bounded and a new stream opens mid-flood."""
+async def _echo(stream) -> None:  # type: ignore[no-untyped-def]
+    await stream.write(await stream.read(100))
+    await stream.close()
+
+
+@asynccontextmanager
+async def _raw_webrtc_pair(handlers: dict[str, Any]) -> AsyncIterator[tuple[Any, Any]]:
+    """Two bare py-libp2p hosts, `b` listening on /webrtc-direct only, `a` connected to it; `handlers`
+    (protocol -> handler) on both. The connect is retried: a WebRTC negotiation stalls now and then."""
     import os
 
     import multiaddr
@@ -123,9 +129,38 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import PeerInfo
 
-    from gossip.webrtc import SEND_QUEUE_HIGH, install_workarounds
+    from gossip.webrtc import install_workarounds
 
     install_workarounds()
+    a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+    b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
+    async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
+            a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        for proto, handler in handlers.items():
+            a.set_stream_handler(TProtocol(proto), handler)
+            b.set_stream_handler(TProtocol(proto), handler)
+        target = PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)])
+        for _ in range(3):
+            with trio.move_on_after(30):
+                await a.connect(target)
+                break
+        else:
+            raise AssertionError("no WebRTC-direct connection in 3 attempts of 30 s")
+        yield a, b
+
+
+@pytest.mark.slow
+def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flood(webrtc_extra: None) -> None:
+    """py-libp2p's WebRTC write returns once aiortc queued the bytes; without `install_workarounds`
+    a bulk writer queued 10+ MiB ahead of the wire and a stream opened meanwhile waited behind it past
+    multistream-select's 10 s timeout (how a real node behind a UDP-only NAT failed to fetch patches).
+    With it, the bytes written but not yet received stay bounded and a new stream opens mid-flood."""
+    import os
+
+    from libp2p.custom_types import TProtocol
+
+    from gossip.webrtc import SEND_QUEUE_HIGH
+
     sink_p, echo_p = TProtocol("/test/sink/1"), TProtocol("/test/echo/1")
     got = [0]
     total = 6 << 20
@@ -137,20 +172,9 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
                 break
             got[0] += len(part)
 
-    async def echo(stream) -> None:
-        await stream.write(await stream.read(100))
-        await stream.close()
-
     async def main() -> None:
-        a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
-        b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
-        async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
-                a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-            b.set_stream_handler(sink_p, sink)
-            a.set_stream_handler(echo_p, echo)
-            b.set_stream_handler(echo_p, echo)
+        async with _raw_webrtc_pair({sink_p: sink, echo_p: _echo}) as (a, b):
             with trio.fail_after(60):
-                await a.connect(PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)]))
                 s = await a.new_stream(b.get_id(), [sink_p])
             block, sent, ahead = os.urandom(16384), 0, []
             opened = trio.Event()
@@ -186,22 +210,9 @@ def test_webrtc_connection_outlives_256_streams(webrtc_extra: None) -> None:
     """py-libp2p 0.8.1 never removed closed WebRTC streams from their connection, so its 253rd stream
     failed at once (the 256-stream limit); `install_workarounds` makes closed streams leave the registry.
     A stray open fails now and then (about 1 in 200 here, with or without the fix): the node retries."""
-    import os
-
-    import multiaddr
-    from libp2p import new_host
-    from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.custom_types import TProtocol
-    from libp2p.peer.peerinfo import PeerInfo
 
-    from gossip.webrtc import install_workarounds
-
-    install_workarounds()
     echo_p = TProtocol("/test/echo/1")
-
-    async def echo(stream) -> None:
-        await stream.write(await stream.read(100))
-        await stream.close()
 
     def registered(host) -> int:
         conns = list(host.get_network().connections.values())
@@ -209,18 +220,7 @@ def test_webrtc_connection_outlives_256_streams(webrtc_extra: None) -> None:
         return sum(len(getattr(getattr(c, "muxed_conn", c), "_streams", {}) or {}) for c in flat)
 
     async def main() -> None:
-        a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
-        b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
-        async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
-                a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-            b.set_stream_handler(echo_p, echo)
-            target = PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)])
-            for attempt in range(3):  # a WebRTC negotiation stalls now and then (docs/reachability.md)
-                with trio.move_on_after(30):
-                    await a.connect(target)
-                    break
-            else:
-                raise AssertionError("no WebRTC-direct connection in 3 attempts of 30 s")
+        async with _raw_webrtc_pair({echo_p: _echo}) as (a, b):
             ok, failed = 0, []
             for i in range(280):
                 try:
