@@ -1,4 +1,9 @@
-"""Crash-safe file writes: temp file in the same folder, fsync, rename, fsync the folder."""
+"""Crash-safe file writes: temp file in the same folder, fsync, rename, fsync the folder.
+
+`durable=False` keeps the rename (readers never see a half-written file) but skips both fsyncs:
+for caches whose every file is re-verified when read back, such as a download's chunks, where a
+crash may lose the newest files but cannot make a torn one count.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def atomic_write(path: Path, data: bytes | memoryview | Iterable[bytes]) -> None:
+def atomic_write(path: Path, data: bytes | memoryview | Iterable[bytes], durable: bool = True) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -18,12 +23,15 @@ def atomic_write(path: Path, data: bytes | memoryview | Iterable[bytes]) -> None
             else:
                 for part in data:
                     f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    if not durable:
+        return
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)

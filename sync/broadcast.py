@@ -34,7 +34,6 @@ from gossip import topics
 from gossip.transport import PublishError, Stream, StreamError, Transport
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope, open_envelope
 from node.errors import DecodeError, MurmurError
-from sync.atomic import atomic_write
 from sync.chunks import ChunkAssembly
 from sync.ratelimit import UploadLimiter
 from sync.swarm import (MAX_FRAME_BYTES, Ban, Chunk, Completed, Frame, Have, HaveChunk, Manifest, ManifestRequest,
@@ -139,18 +138,6 @@ class Transfer:
         if not self.session.complete:
             raise MurmurError("patch not complete yet")
         return b"".join(self.chunks)  # type: ignore[arg-type]
-
-
-def _store_verified(store: ChunkAssembly, index: int, data: bytes) -> None:
-    """Persist a chunk the session has just hash-checked, without hashing it a second time.
-
-    `ChunkAssembly.put` re-verifies; here the bytes are the very object the session verified, and a
-    reopened assembly re-verifies every file anyway, so a torn write cannot pass as a held chunk.
-    """
-    if index in store._have:
-        return
-    atomic_write(store.dir / f"{index}.chunk", data)
-    store._have.add(index)
 
 
 class _Conn:
@@ -396,8 +383,8 @@ class BroadcastNode:
             elif isinstance(a, Verified):
                 tr.chunks[a.index] = a.data
                 tr._verified()
-                if tr.store is not None and self._nursery is not None:
-                    self._nursery.start_soon(self._persist, tr, a.index, a.data)
+                if tr.store is not None:
+                    self._persist(tr, a.index, a.data)
             elif isinstance(a, Completed):
                 tr.completed_wall = time.time()
                 tr.done.set()
@@ -410,9 +397,10 @@ class BroadcastNode:
             elif isinstance(a, Ban):
                 self.ban(a.peer, a.reason)
 
-    async def _persist(self, tr: Transfer, index: int, data: bytes) -> None:
+    def _persist(self, tr: Transfer, index: int, data: bytes) -> None:
+        """Keep a verified chunk for a restart to resume from (see `ChunkAssembly.put_verified`)."""
         try:
-            await trio.to_thread.run_sync(_store_verified, tr.store, index, data)
+            tr.store.put_verified(index, data)  # type: ignore[union-attr]
         except (MurmurError, OSError) as e:
             log.warning("could not persist chunk %d of %s: %s", index, tr.pid.hex()[:12], e)
 

@@ -93,9 +93,18 @@ class ChunkAssembly:
     def put(self, index: int, data: bytes) -> bool:
         """Verify and store one chunk; False when it was already held."""
         verify_chunk(self.manifest, index, data)
+        return self.put_verified(index, data)
+
+    def put_verified(self, index: int, data: bytes) -> bool:
+        """Store a chunk the caller has just hash-checked, without hashing it again; False when held.
+
+        Not fsynced: reopening re-verifies every file, so a crash can lose the newest chunks (they
+        are fetched again) but a torn file never counts as held. Cheap enough (~0.25 ms for 256 KiB
+        into the page cache) to run on the event loop instead of a thread per chunk.
+        """
         if index in self._have:
             return False
-        atomic_write(self.dir / f"{index}.chunk", data)
+        atomic_write(self.dir / f"{index}.chunk", data, durable=False)
         self._have.add(index)
         return True
 
