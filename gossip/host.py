@@ -20,6 +20,13 @@ least half of the window has been consumed. A reader that keeps reading never
 stalls a writer (the writer still has the other half when the update leaves).
 Measured on the 16-follower broadcast benchmark: ~230 of ~360 window updates
 per follower per patch were under 1 KB.
+
+TCP reads: py-libp2p 0.8.1 reads each Noise message with two socket reads (its
+2-byte length, then its body), each a `recv` system call, a lock and a trio
+checkpoint. `_install_buffered_tcp_reads` reads up to 256 KiB ahead and serves
+both from that buffer, so a burst of small messages costs one `recv`. The
+connection has a single reader (the muxer's loop, or the handshake before it),
+so the buffer needs no lock of its own.
 """
 
 from __future__ import annotations
@@ -60,6 +67,105 @@ def _install_go_yamux_credit() -> None:
 
 
 _install_go_yamux_credit()
+
+READ_AHEAD_BYTES = 256 * 1024
+
+
+def _install_buffered_tcp_reads() -> None:
+    """Read the TCP socket ahead into a buffer (see the module docstring, "TCP reads")."""
+    from libp2p.io.trio import TrioTCPStream
+
+    if getattr(TrioTCPStream, "_murmur_buffered", False):
+        return
+    unbuffered = TrioTCPStream.read
+
+    async def read(self: Any, n: int | None = None) -> bytes:
+        buf: bytes = getattr(self, "_murmur_buf", b"")
+        if buf:
+            off: int = self._murmur_off
+            end = len(buf) if n is None else min(len(buf), off + n)
+            if end == len(buf):
+                self._murmur_buf = b""
+            else:
+                self._murmur_off = end
+            return buf[off:end]
+        if n == 0:
+            return b""
+        data = await unbuffered(self, READ_AHEAD_BYTES if n is None or n < READ_AHEAD_BYTES else n)
+        if n is None or len(data) <= n:
+            return data
+        self._murmur_buf, self._murmur_off = data, n
+        return data[:n]
+
+    TrioTCPStream.read = read
+    TrioTCPStream._murmur_buffered = True
+    TrioTCPStream._murmur_unbuffered_read = unbuffered  # for A/B measurements
+
+
+_install_buffered_tcp_reads()
+
+
+def _install_lean_yamux_writes() -> None:
+    """Yamux DATA writes without per-frame debug formatting and context-manager objects.
+
+    Same rules as py-libp2p 0.8.1's `YamuxStream.write`: frames of at most 64 KiB within the send
+    window, the stream's writer semaphore held while a frame is cut (not while it is sent), a zero
+    window waited for up to 5 s, then an error. Its header parse, flag-name list and f-string log
+    line per frame were ~10 % of a small message's CPU (measured, docs/broadcast.md).
+    """
+    import struct
+
+    from libp2p.stream_muxer.exceptions import MuxedStreamError
+    from libp2p.stream_muxer.yamux import yamux as ym
+
+    if getattr(ym.YamuxStream, "_murmur_lean", False):
+        return
+    header = struct.Struct(ym.YAMUX_HEADER_FORMAT)
+    max_payload = ym.MAX_MESSAGE_SIZE - ym.HEADER_SIZE
+
+    async def write_frame(self: Any, data: bytes) -> None:
+        async with self._write_lock:
+            await self.secured_conn.write(data)
+        await trio.lowlevel.checkpoint()
+
+    async def write(self: Any, data: bytes) -> None:
+        if self.send_closed:
+            raise MuxedStreamError("Stream is closed for sending")
+        view = memoryview(data)
+        sent, total = 0, len(data)
+        writers = self.rw_lock._writer_lock
+        while sent < total:
+            frame = None
+            await writers.acquire()
+            try:
+                if self.send_closed:
+                    raise MuxedStreamError("Stream is closed for sending")
+                async with self.window_lock:
+                    if self.closed:
+                        raise MuxedStreamError("Stream is closed")
+                    if self.send_window > 0:
+                        n = min(self.send_window, max_payload, total - sent)
+                        self.send_window -= n
+                        frame = header.pack(0, ym.TYPE_DATA, 0, self.stream_id, n) + view[sent:sent + n]
+            finally:
+                writers.release()
+            if frame is None:
+                with trio.move_on_after(5.0) as scope:
+                    while self.send_window <= 0 and not self.closed:
+                        await trio.sleep(0.01)
+                if scope.cancelled_caught:
+                    raise MuxedStreamError("Timed out waiting for window update after 5 seconds.")
+                continue
+            await self.conn._write_frame(frame)
+            sent += len(frame) - ym.HEADER_SIZE
+
+    ym.YamuxStream._murmur_orig = (ym.Yamux._write_frame, ym.YamuxStream.write)  # for A/B measurements
+    ym.Yamux._write_frame = write_frame
+    ym.YamuxStream.write = write
+    ym.YamuxStream._murmur_lean = True
+
+
+_install_lean_yamux_writes()
 
 log = logging.getLogger("murmur.gossip.host")
 
