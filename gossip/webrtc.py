@@ -41,8 +41,8 @@ def send_queue_bytes(sctp: Any) -> int:
 
 
 def install_workarounds() -> None:
-    """Two fixes to py-libp2p 0.8.1's /webrtc-direct, without which a node's connection stops opening
-    streams; idempotent, applied before any WebRTC connection is made.
+    """Three fixes to py-libp2p 0.8.1's /webrtc-direct, without which a node's connection stops opening
+    streams or carrying patch chunks; idempotent, applied before any WebRTC connection is made.
 
     1. Closed streams are forgotten: `WebRTCConnection.remove_stream` exists but nothing calls it, so
        every stream ever opened counts against `max_concurrent_streams` (256) and the 253rd stream of
@@ -50,7 +50,8 @@ def install_workarounds() -> None:
        fetch streams all the time; measured: streams 1-252 opened, the rest failed. (SwarmConn also
        shadows the connection's `remove_stream(channel_id)` with an async hook of another signature.)
        Now a stream's own cleanup (close, reset) removes it from its connection's registry.
-    2. Backpressure on writes (`_install_backpressure`)."""
+    2. Backpressure on writes (`_install_backpressure`).
+    3. bytearray and memoryview writes (`_install_bytes_like_writes`)."""
     from libp2p.transport.webrtc.stream import WebRTCStream
 
     if not getattr(WebRTCStream._cleanup, "_murmur_forget", False):
@@ -67,6 +68,30 @@ def install_workarounds() -> None:
         forget_on_cleanup._murmur_forget = True  # type: ignore[attr-defined]
         WebRTCStream._cleanup = forget_on_cleanup  # type: ignore[method-assign]
     _install_backpressure()
+    _install_bytes_like_writes()
+
+
+def _install_bytes_like_writes() -> None:
+    """Let a WebRTC stream write any bytes-like object, as yamux streams do.
+
+    Why: py-libp2p 0.8.1 wraps each slice of the written data in a protobuf `Message`, whose
+    `message` field takes `bytes` only: a `bytearray` write raised "TypeError: expected bytes,
+    bytearray found". The chunk broadcast writes coalesced frames as one bytearray
+    (`sync.broadcast.frame_bytes`), so over WebRTC-direct every chunk-stream write failed, the stream
+    was dropped and reopened (hundreds of times in a 2-minute real-node run) and not one patch chunk
+    arrived. One copy to `bytes`; nothing changes for callers that already pass bytes. Idempotent.
+    """
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    if getattr(WebRTCStream.write, "_murmur_bytes_like", False):
+        return
+    write = WebRTCStream.write
+
+    async def write_bytes_like(self: Any, data: Any) -> None:
+        await write(self, data if type(data) is bytes else bytes(data))
+
+    write_bytes_like._murmur_bytes_like = True  # type: ignore[attr-defined]
+    WebRTCStream.write = write_bytes_like  # type: ignore[method-assign]
 
 
 def _install_backpressure() -> None:

@@ -47,6 +47,42 @@ def test_webrtc_disabled_in_config_is_reported() -> None:
     trio.run(main)
 
 
+def test_webrtc_stream_takes_bytearray_writes() -> None:
+    """py-libp2p 0.8.1's WebRTC stream rejected a bytearray write ("expected bytes, bytearray found");
+    the chunk broadcast writes its coalesced frames as one bytearray, so over WebRTC-direct no patch
+    chunk ever arrived. With the workaround a bytearray or memoryview write goes out, and the frames,
+    fed to a receiving WebRTCStream, read back as the same bytes. py-libp2p's own stream class; only
+    the wire is a list (no aiortc needed)."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    from gossip.webrtc import _install_bytes_like_writes
+
+    _install_bytes_like_writes()
+    data = bytearray(range(256)) * 200  # 51,200 bytes: four data-channel messages
+
+    async def main() -> None:
+        wire: list[bytes] = []
+        tx = WebRTCStream(connection=object(), channel_id=2, is_initiator=True)
+        rx = WebRTCStream(connection=object(), channel_id=1, is_initiator=False)
+
+        async def send(framed: bytes) -> None:
+            wire.append(framed)
+
+        tx._send_callback = send
+        await tx.write(data)
+        await tx.write(memoryview(b"tail"))
+        assert len(wire) == 5 and all(type(m) is bytes for m in wire)
+        for m in wire:
+            rx.on_data(m)  # inside trio: applied inline
+        got = bytearray()
+        with trio.fail_after(5):
+            while len(got) < len(data) + 4:
+                got += await rx.read(1 << 20)
+        assert bytes(got) == bytes(data) + b"tail"
+
+    trio.run(main)
+
+
 @pytest.mark.slow
 def test_tcp_blocked_peers_connect_over_webrtc_and_gossip(webrtc_extra: None) -> None:
     a_id, b_id = Identity.from_seed(b"\x52" * 32), Identity.from_seed(b"\x53" * 32)
@@ -198,6 +234,48 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
                     with trio.fail_after(30):
                         await opened.wait()
             assert max(ahead) <= SEND_QUEUE_HIGH + (2 << 20), f"writer ran {max(ahead) >> 10} KiB ahead"
+
+    try:
+        trio.run(main)
+    except BaseExceptionGroup as e:
+        raise _first_leaf(e) from None
+
+
+@pytest.mark.slow
+def test_webrtc_carries_broadcast_frames_written_as_a_bytearray(webrtc_extra: None) -> None:
+    """The chunk broadcast's coalesced write (`sync.broadcast.frame_bytes`, a bytearray) over a real
+    WebRTC-direct connection arrives intact: without `install_workarounds` the write raised TypeError."""
+    import hashlib
+    import os
+
+    from libp2p.custom_types import TProtocol
+
+    from sync.broadcast import frame_bytes
+    from sync.swarm import Have
+
+    proto = TProtocol("/test/frames/1")
+    payload = frame_bytes([Have(os.urandom(32), os.urandom(8)) for _ in range(40)])
+    payload += os.urandom(100_000)  # a chunk-sized tail in the same write
+    assert isinstance(payload, bytearray)
+
+    async def digest(stream) -> None:  # type: ignore[no-untyped-def]
+        h, got = hashlib.blake2b(digest_size=32), 0
+        while got < len(payload):
+            part = await stream.read(65536)
+            if not part:
+                break
+            h.update(part)
+            got += len(part)
+        await stream.write(h.digest())
+        await stream.close()
+
+    async def main() -> None:
+        async with _raw_webrtc_pair({proto: digest}) as (a, b):
+            with trio.fail_after(60):
+                s = await a.new_stream(b.get_id(), [proto])
+                await s.write(payload)
+                answer = await s.read(32)
+            assert answer == hashlib.blake2b(bytes(payload), digest_size=32).digest()
 
     try:
         trio.run(main)
