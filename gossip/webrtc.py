@@ -51,7 +51,8 @@ def install_workarounds() -> None:
        shadows the connection's `remove_stream(channel_id)` with an async hook of another signature.)
        Now a stream's own cleanup (close, reset) removes it from its connection's registry.
     2. Backpressure on writes (`_install_backpressure`).
-    3. bytearray and memoryview writes (`_install_bytes_like_writes`)."""
+    3. bytearray and memoryview writes (`_install_bytes_like_writes`).
+    4. A full read queue resets the stream instead of dropping a message (`_install_read_overflow_reset`)."""
     from libp2p.transport.webrtc.stream import WebRTCStream
 
     if not getattr(WebRTCStream._cleanup, "_murmur_forget", False):
@@ -69,6 +70,7 @@ def install_workarounds() -> None:
         WebRTCStream._cleanup = forget_on_cleanup  # type: ignore[method-assign]
     _install_backpressure()
     _install_bytes_like_writes()
+    _install_read_overflow_reset()
 
 
 def _install_bytes_like_writes() -> None:
@@ -92,6 +94,54 @@ def _install_bytes_like_writes() -> None:
 
     write_bytes_like._murmur_bytes_like = True  # type: ignore[attr-defined]
     WebRTCStream.write = write_bytes_like  # type: ignore[method-assign]
+
+
+READ_QUEUE_MESSAGES = 256  # data-channel messages (<= 16 KiB each) queued for a stream's reader
+
+
+class _ResetOnOverflow:
+    """A WebRTC stream's read-queue sender that resets the stream when the queue is full."""
+
+    def __init__(self, inner: Any, stream: Any) -> None:
+        self._inner = inner
+        self._stream = stream
+
+    def send_nowait(self, value: bytes) -> None:
+        try:
+            self._inner.send_nowait(value)
+        except trio.WouldBlock:
+            if value and not getattr(self._stream, "_murmur_overflowed", False):
+                self._stream._murmur_overflowed = True
+                self._stream._reset_on_trio_thread()  # RESET to the peer; our reader gets an error
+            # an empty value is py-libp2p's end-of-stream marker: a full queue needs none
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _install_read_overflow_reset() -> None:
+    """Turn py-libp2p's silent drop of an incoming message into a stream reset.
+
+    Why: py-libp2p 0.8.1 queues at most 64 incoming data-channel messages for a stream's reader and
+    drops the next one with a log line ("read buffer full, dropping message"). The stream then goes
+    on with a hole in it: our length-prefixed frames would decode as garbage, and the honest sender
+    would be penalised for it. Now the queue holds `READ_QUEUE_MESSAGES` (4 MiB at most per stream)
+    and a message that still does not fit resets the stream: the reader gets an error, nothing is
+    lost silently, and the chunk broadcast reopens the stream and asks again. Idempotent.
+    """
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    if getattr(WebRTCStream.__init__, "_murmur_overflow_reset", False):
+        return
+    init = WebRTCStream.__init__
+
+    def init_with_reset_on_overflow(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        send, self._read_recv = trio.open_memory_channel[bytes](READ_QUEUE_MESSAGES)
+        self._read_send = _ResetOnOverflow(send, self)
+
+    init_with_reset_on_overflow._murmur_overflow_reset = True  # type: ignore[attr-defined]
+    WebRTCStream.__init__ = init_with_reset_on_overflow  # type: ignore[method-assign]
 
 
 def _install_backpressure() -> None:

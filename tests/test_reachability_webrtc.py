@@ -83,6 +83,61 @@ def test_webrtc_stream_takes_bytearray_writes() -> None:
     trio.run(main)
 
 
+def test_webrtc_stream_resets_instead_of_dropping_when_its_read_queue_is_full() -> None:
+    """py-libp2p 0.8.1 dropped an incoming message when 64 were queued for the reader and went on with
+    the next ones: a silent hole in the byte stream. With the workaround the queue holds
+    READ_QUEUE_MESSAGES and one more message resets the stream: the reader gets a prefix of what was
+    sent and then an error, never bytes after a gap. No aiortc needed."""
+    from libp2p.transport.webrtc.exceptions import WebRTCStreamError
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    from gossip.webrtc import READ_QUEUE_MESSAGES, _install_read_overflow_reset
+
+    _install_read_overflow_reset()
+    head, tail = READ_QUEUE_MESSAGES + 40, 8
+    sent = [b"m%05d" % i for i in range(head + tail)]
+
+    async def main() -> None:
+        wire: list[bytes] = []
+        tx = WebRTCStream(connection=object(), channel_id=2, is_initiator=True)
+        rx = WebRTCStream(connection=object(), channel_id=1, is_initiator=False)
+
+        async def send(framed: bytes) -> None:
+            wire.append(framed)
+
+        tx._send_callback = send
+        for m in sent:
+            await tx.write(m)
+        await tx.close()
+        assert len(wire) == head + tail + 1  # one data-channel message per write, then FIN
+        got = bytearray()
+        errors = 0
+
+        async def drain() -> None:
+            """Read what is queued (one task, nothing else runs: a read that finds none would wait)."""
+            nonlocal errors
+            try:
+                while True:
+                    with trio.move_on_after(0.3) as idle:
+                        part = await rx.read(1 << 20)
+                    if idle.cancelled_caught or not part:
+                        return
+                    got.extend(part)
+            except WebRTCStreamError:
+                errors += 1
+
+        for m in wire[:head]:
+            rx.on_data(m)  # nobody reads meanwhile: the queue overflows
+        await drain()
+        for m in wire[head:]:
+            rx.on_data(m)  # later messages: without the fix they were delivered after the hole
+        await drain()
+        assert errors >= 1
+        assert bytes(got) == b"".join(sent)[:len(got)], "bytes after a hole"
+
+    trio.run(main)
+
+
 @pytest.mark.slow
 def test_tcp_blocked_peers_connect_over_webrtc_and_gossip(webrtc_extra: None) -> None:
     a_id, b_id = Identity.from_seed(b"\x52" * 32), Identity.from_seed(b"\x53" * 32)
