@@ -47,28 +47,34 @@ def test_webrtc_disabled_in_config_is_reported() -> None:
     trio.run(main)
 
 
+def _stream_pair_on_a_list() -> tuple[Any, Any, list[bytes]]:
+    """Two of py-libp2p's own WebRTC stream objects; what `tx` sends lands in the list (no aiortc)."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    wire: list[bytes] = []
+    tx = WebRTCStream(connection=object(), channel_id=2, is_initiator=True)
+    rx = WebRTCStream(connection=object(), channel_id=1, is_initiator=False)
+
+    async def send(framed: bytes) -> None:
+        wire.append(framed)
+
+    tx._send_callback = send
+    return tx, rx, wire
+
+
 def test_webrtc_stream_takes_bytearray_writes() -> None:
     """py-libp2p 0.8.1's WebRTC stream rejected a bytearray write ("expected bytes, bytearray found");
     the chunk broadcast writes its coalesced frames as one bytearray, so over WebRTC-direct no patch
     chunk ever arrived. With the workaround a bytearray or memoryview write goes out, and the frames,
     fed to a receiving WebRTCStream, read back as the same bytes. py-libp2p's own stream class; only
     the wire is a list (no aiortc needed)."""
-    from libp2p.transport.webrtc.stream import WebRTCStream
-
     from gossip.webrtc import _install_bytes_like_writes
 
     _install_bytes_like_writes()
     data = bytearray(range(256)) * 200  # 51,200 bytes: four data-channel messages
 
     async def main() -> None:
-        wire: list[bytes] = []
-        tx = WebRTCStream(connection=object(), channel_id=2, is_initiator=True)
-        rx = WebRTCStream(connection=object(), channel_id=1, is_initiator=False)
-
-        async def send(framed: bytes) -> None:
-            wire.append(framed)
-
-        tx._send_callback = send
+        tx, rx, wire = _stream_pair_on_a_list()
         await tx.write(data)
         await tx.write(memoryview(b"tail"))
         assert len(wire) == 5 and all(type(m) is bytes for m in wire)
@@ -89,7 +95,6 @@ def test_webrtc_stream_resets_instead_of_dropping_when_its_read_queue_is_full() 
     READ_QUEUE_MESSAGES and one more message resets the stream: the reader gets a prefix of what was
     sent and then an error, never bytes after a gap. No aiortc needed."""
     from libp2p.transport.webrtc.exceptions import WebRTCStreamError
-    from libp2p.transport.webrtc.stream import WebRTCStream
 
     from gossip.webrtc import READ_QUEUE_MESSAGES, _install_read_overflow_reset
 
@@ -98,14 +103,7 @@ def test_webrtc_stream_resets_instead_of_dropping_when_its_read_queue_is_full() 
     sent = [b"m%05d" % i for i in range(head + tail)]
 
     async def main() -> None:
-        wire: list[bytes] = []
-        tx = WebRTCStream(connection=object(), channel_id=2, is_initiator=True)
-        rx = WebRTCStream(connection=object(), channel_id=1, is_initiator=False)
-
-        async def send(framed: bytes) -> None:
-            wire.append(framed)
-
-        tx._send_callback = send
+        tx, rx, wire = _stream_pair_on_a_list()
         for m in sent:
             await tx.write(m)
         await tx.close()
