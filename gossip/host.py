@@ -99,7 +99,6 @@ def _install_buffered_tcp_reads() -> None:
 
     TrioTCPStream.read = read
     TrioTCPStream._murmur_buffered = True
-    TrioTCPStream._murmur_unbuffered_read = unbuffered  # for A/B measurements
 
 
 _install_buffered_tcp_reads()
@@ -110,8 +109,9 @@ def _install_lean_yamux_writes() -> None:
 
     Same rules as py-libp2p 0.8.1's `YamuxStream.write`: frames of at most 64 KiB within the send
     window, the stream's writer semaphore held while a frame is cut (not while it is sent), a zero
-    window waited for up to 5 s, then an error. Its header parse, flag-name list and f-string log
-    line per frame were ~10 % of a small message's CPU (measured, docs/broadcast.md).
+    window waited for up to 5 s, then an error. Its per-frame header parse, flag-name list, f-string
+    log line and context-manager objects are pure overhead when debug logging is off (the
+    measurement of this and the TCP read-ahead together is in docs/gossip.md).
     """
     import struct
 
@@ -159,7 +159,6 @@ def _install_lean_yamux_writes() -> None:
             await self.conn._write_frame(frame)
             sent += len(frame) - ym.HEADER_SIZE
 
-    ym.YamuxStream._murmur_orig = (ym.Yamux._write_frame, ym.YamuxStream.write)  # for A/B measurements
     ym.Yamux._write_frame = write_frame
     ym.YamuxStream.write = write
     ym.YamuxStream._murmur_lean = True
