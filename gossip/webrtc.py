@@ -41,7 +41,7 @@ def send_queue_bytes(sctp: Any) -> int:
 
 
 def install_workarounds() -> None:
-    """Three fixes to py-libp2p 0.8.1's /webrtc-direct, without which a node's connection stops opening
+    """Four fixes to py-libp2p 0.8.1's /webrtc-direct, without which a node's connection stops opening
     streams or carrying patch chunks; idempotent, applied before any WebRTC connection is made.
 
     1. Closed streams are forgotten: `WebRTCConnection.remove_stream` exists but nothing calls it, so

@@ -189,16 +189,18 @@ def test_tcp_blocked_peers_connect_over_webrtc_and_gossip(webrtc_extra: None) ->
             print(f"webrtc fallback: connect {connect_s:.2f} s (3 s of it the TCP timeout)")
             n.cancel_scope.cancel()
 
+    _run_showing_the_failure(main)
+
+
+def _run_showing_the_failure(main: Any) -> None:
+    """trio.run, raising the failure itself rather than the nurseries' nested exception groups."""
     try:
         trio.run(main)
-    except BaseExceptionGroup as e:  # show the failure itself, not nursery nesting
-        raise _first_leaf(e) from None
-
-
-def _first_leaf(e: BaseException) -> BaseException:
-    while isinstance(e, BaseExceptionGroup):
-        e = e.exceptions[0]
-    return e
+    except BaseExceptionGroup as e:
+        leaf: BaseException = e
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise leaf from None
 
 
 async def _echo(stream) -> None:  # type: ignore[no-untyped-def]
@@ -288,10 +290,7 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
                         await opened.wait()
             assert max(ahead) <= SEND_QUEUE_HIGH + (2 << 20), f"writer ran {max(ahead) >> 10} KiB ahead"
 
-    try:
-        trio.run(main)
-    except BaseExceptionGroup as e:
-        raise _first_leaf(e) from None
+    _run_showing_the_failure(main)
 
 
 @pytest.mark.slow
@@ -330,10 +329,7 @@ def test_webrtc_carries_broadcast_frames_written_as_a_bytearray(webrtc_extra: No
                 answer = await s.read(32)
             assert answer == hashlib.blake2b(bytes(payload), digest_size=32).digest()
 
-    try:
-        trio.run(main)
-    except BaseExceptionGroup as e:
-        raise _first_leaf(e) from None
+    _run_showing_the_failure(main)
 
 
 @pytest.mark.slow
@@ -368,7 +364,4 @@ def test_webrtc_connection_outlives_256_streams(webrtc_extra: None) -> None:
                 while registered(a) or registered(b):
                     await trio.sleep(0.05)
 
-    try:
-        trio.run(main)
-    except BaseExceptionGroup as e:
-        raise _first_leaf(e) from None
+    _run_showing_the_failure(main)
