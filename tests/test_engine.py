@@ -16,7 +16,7 @@ from training.engine import Engine, Sampling, SparseUpdate
 from training.engine_hf import HFEngine, load_causal_lm
 from training.rollouts import expand_versions, from_wire, to_wire
 from training.tasksets import TaskRegistry
-from training.tiny import ensure_tiny, load_policy, new_tiny_engine
+from training.tiny import ensure_tiny, load_policy, new_tiny_engine, tiny_dir
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
@@ -119,6 +119,19 @@ def test_concurrent_builders_of_one_home_build_once(tmp_path: Path) -> None:
     # every process read the marker of one and the same build
     assert len({o.strip() for o, _ in outs}) == 1
     assert not list((tmp_path / "models").glob("*.tmp*"))
+
+
+def test_murmur_tiny_builds_of_one_home_do_not_replace_each_other(tmp_path: Path) -> None:
+    """Benchmark seeds run side by side share a home: each must keep loading its own model."""
+    a = ensure_tiny(tmp_path, seed=3, warmup_steps=2)
+    before = (a / "model.safetensors").read_bytes()
+    b = ensure_tiny(tmp_path, seed=4, warmup_steps=2)
+    assert a != b and (b / "model.safetensors").read_bytes() != before
+    assert (a / "model.safetensors").read_bytes() == before  # still seed 3's
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny(tmp_path, seed=3, warmup_steps=2) == a
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
+    assert tiny_dir(tmp_path) == tmp_path / "models" / "murmur-tiny"  # the default build: the node's path
 
 
 def test_murmur_tiny_is_cached_deterministic_and_loads_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,8 +88,13 @@ def warmup(engine: HFEngine, steps: int, seed: int, batch: int = WARMUP_BATCH, l
     return done
 
 
-def tiny_dir(home: str | Path) -> Path:
-    return Path(home) / "models" / TINY_NAME
+def tiny_dir(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS) -> Path:
+    """One directory per build, so that building one (seed, warm-up) never replaces another that a
+    process in the same home is about to load (two benchmark seeds run side by side did exactly that).
+    The default build keeps the plain name that node homes and emulation symlinks use."""
+    if (seed, warmup_steps) == (0, WARMUP_STEPS):
+        return Path(home) / "models" / TINY_NAME
+    return Path(home) / "models" / f"{TINY_NAME}-s{seed}-w{warmup_steps}"
 
 
 def _cached(d: Path, stamp: dict[str, object]) -> bool:
@@ -107,7 +112,7 @@ def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEP
     that is already loading it."""
     import fcntl  # noqa: PLC0415
 
-    d = tiny_dir(home)
+    d = tiny_dir(home, seed, warmup_steps)
     stamp = {"recipe": RECIPE, "seed": seed, "warmup_steps": warmup_steps}
     if not force and _cached(d, stamp):
         return d
