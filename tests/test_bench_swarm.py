@@ -83,3 +83,12 @@ def test_two_rounds_all_arms_through_the_real_pipeline(tmp_path: Path) -> None:
         assert len(out["curves"][m]) == 2
         assert all(0.0 <= x <= 1.0 for x in out["curves"][m])
     assert len(out["per_node_cumulative"]["adversarial"]) == 3  # honest nodes only
+    # (c)'s honest nodes are compared with the same nodes in (a), not with all four
+    iso = out["per_node_cumulative"]["isolated"]
+    same = [r for k, r in enumerate(iso) if k != 3]
+    assert out["isolated_cumulative_reward_honest_nodes"] == pytest.approx(sum(same) / 3, abs=2e-3)
+    base = out["isolated_cumulative_reward_honest_nodes"]
+    if base > 0:  # the inputs are rounded to 3 decimals, hence the relative tolerance
+        assert out["gain_adversarial"] == pytest.approx(out["adversarial_cumulative_reward"] / base - 1, rel=0.02)
+    else:
+        assert out["gain_adversarial"] is None
