@@ -80,11 +80,18 @@ def bench_swarm(
     json_out: JsonOpt = True,
     rounds: Annotated[int, typer.Option(help="training rounds per run (0 = the benchmark's default)")] = 0,
     seed: SeedOpt = 0,
+    seeds: Annotated[int, typer.Option(help="run this many seeds from --seed, one process each (cores at a "
+                                            "time), and report their means")] = 1,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style)."""
-    from simulations.bench_swarm import run
+    from simulations.bench_swarm import run, run_seeds
 
-    _run(run, **({"rounds": rounds} if rounds else {}), seed=seed)
+    if seeds < 1:
+        raise typer.BadParameter("--seeds must be >= 1")
+    if seeds == 1:
+        _run(run, rounds=rounds, seed=seed)
+    else:
+        _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed)
 
 
 @bench_app.command("reachability")

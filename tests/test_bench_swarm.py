@@ -58,12 +58,17 @@ def test_scenario_rejects_unknown_keys_and_bad_adversary(tmp_path: Path) -> None
         bench_swarm.load_scenario(tmp_path / "missing.toml")
 
 
-def test_two_rounds_all_arms_through_the_real_pipeline(tmp_path: Path) -> None:
-    """Small and fast (2-step warm-up, 2 rounds), same code path as the full benchmark."""
+def _small_scenario(tmp_path: Path) -> Path:
+    """Small and fast (2-step warm-up, groups of 4), same code path as the full benchmark."""
     text = bench_swarm.resources.files("simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
     small = tmp_path / "small.toml"
     small.write_text(text.replace("model_warmup_steps = 60", "model_warmup_steps = 2")
                      .replace("group_size = 8", "group_size = 4"))
+    return small
+
+
+def test_two_rounds_all_arms_through_the_real_pipeline(tmp_path: Path) -> None:
+    small = _small_scenario(tmp_path)
     out = bench_swarm.run(rounds=2, seed=0, home=str(tmp_path / "home"), scenario=str(small))
     json.dumps(out)  # the CLI prints it as one JSON line
     for k in REQUIRED:
@@ -92,3 +97,25 @@ def test_two_rounds_all_arms_through_the_real_pipeline(tmp_path: Path) -> None:
         assert out["gain_adversarial"] == pytest.approx(out["adversarial_cumulative_reward"] / base - 1, rel=0.02)
     else:
         assert out["gain_adversarial"] is None
+
+
+def test_seeds_run_in_their_own_processes_and_reproduce_single_runs(tmp_path: Path) -> None:
+    """Two seeds side by side in one model home; each is bit-identical to a run of that seed alone."""
+    small, home = str(_small_scenario(tmp_path)), str(tmp_path / "home")
+    out = bench_swarm.run_seeds(2, rounds=3, seed=5, home=home, scenario=small, workers=2)
+    json.dumps(out)
+    for k in REQUIRED:
+        assert k in out, k
+    assert out["seeds"] == [5, 6] and out["adversarial_accepted"] == 0
+    alone = bench_swarm.run(rounds=3, seed=6, home=home, scenario=small)
+    got = out["per_seed"][1]
+    for k in ("isolated_cumulative_reward", "swarm_cumulative_reward", "adversarial_cumulative_reward"):
+        assert got[k] == alone[k], k  # bit-identical to a run of that seed alone
+        assert out[k] == pytest.approx(sum(r[k] for r in out["per_seed"]) / 2, abs=1e-3)
+    gains = [r["gain_swarm"] for r in out["per_seed"] if r["gain_swarm"] is not None]
+    if gains:
+        assert out["gain_swarm"] == pytest.approx(sum(gains) / len(gains), abs=1e-4)
+    with pytest.raises(ValueError):
+        bench_swarm.run_seeds(0)
+    with pytest.raises(ConfigError):
+        bench_swarm.run_seeds(2, scenario=str(tmp_path / "missing.toml"))

@@ -52,6 +52,11 @@ def test_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "identity.pem" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_swarm_rejects_a_seed_count_below_one():
+    r = run("bench", "swarm", "--seeds", "0")
+    assert r.returncode == 2 and "--seeds" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_version():
     r = run("--version")
     assert r.returncode == 0 and r.stdout.startswith("murmur ")
