@@ -80,14 +80,12 @@ def bench_swarm(
     json_out: JsonOpt = True,
     rounds: Annotated[int, typer.Option(help="training rounds per run (0 = the benchmark's default)")] = 0,
     seed: SeedOpt = 0,
-    seeds: Annotated[int, typer.Option(help="run this many seeds from --seed, one process each (cores at a "
-                                            "time), and report their means")] = 1,
+    seeds: Annotated[int, typer.Option(min=1, help="run this many seeds from --seed, one process each (cores "
+                                                   "at a time), and report their means")] = 1,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style)."""
     from simulations.bench_swarm import run, run_seeds
 
-    if seeds < 1:
-        raise typer.BadParameter("--seeds must be >= 1")
     if seeds == 1:
         _run(run, rounds=rounds, seed=seed)
     else:

@@ -361,8 +361,7 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
     runs = {m: run_one(m, rounds, seed, model_dir, sc, on_round) for m in ("isolated", "swarm", "adversarial")}
     iso, sw, adv = runs["isolated"], runs["swarm"], runs["adversarial"]
     i, s, a = iso["cumulative_reward"], sw["cumulative_reward"], adv["cumulative_reward"]
-    # (c) is scored on its honest nodes, so it is compared with the same nodes in (a): a node's own
-    # seed and identity make its isolated reward differ, and the adversary's slot must not move the base
+    # (c)'s honest nodes against the same nodes isolated (module docstring)
     same = [r for k, r in enumerate(iso["per_node"]) if k != sc.adversary.node]
     i_same = sum(same) / len(same)
     return {
