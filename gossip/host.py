@@ -41,8 +41,8 @@ import multiaddr
 import trio
 
 from gossip.transport import MessageChannel, PublishError, Stream, StreamError, StreamHandler
-from node.errors import MurmurError
-from node.identity import Identity
+from gossip.errors import MurmurError
+from gossip.identity import Identity
 
 
 def _install_go_yamux_credit() -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from gossip import wire
 from gossip.validation import rollout_id
-from node.errors import DecodeError
+from gossip.errors import DecodeError
 
 
 @dataclass

@@ -35,7 +35,7 @@ import trio
 
 from gossip.framing import read_frame, write_frame
 from gossip.transport import Stream, StreamError
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 log = logging.getLogger("murmur.gossip.reachability")
 
@@ -247,7 +247,7 @@ class DialbackServer:
 async def dial_as(peer_id: str, addrs: list[str], timeout_s: float) -> list[DialResult]:
     """Dial each address from a throwaway host, expecting Noise to authenticate `peer_id` there."""
     from gossip.host import open_transport
-    from node.identity import Identity
+    from gossip.identity import Identity
 
     out: list[DialResult] = []
     async with open_transport(Identity.from_seed(os.urandom(32)), listen=[], dial_timeout_s=timeout_s) as probe:

@@ -19,13 +19,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import multiaddr
 import trio
 
-from node.config import NetworkSection
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 log = logging.getLogger("murmur.gossip.relay")
 
@@ -34,6 +33,15 @@ RESERVE_TIMEOUT_S = 10.0
 DIAL_TIMEOUT_S = 10.0
 # Concurrent circuits one reservation may carry (py-libp2p's default; not in the config file).
 MAX_CIRCUITS_PER_PEER = 8
+
+
+class RelaySettings(Protocol):
+    """The relay keys of a node's `[network]` config section (the node's config struct satisfies it)."""
+
+    relay_service: bool
+    relay_max_reservations: int
+    relay_max_circuit_bytes: int
+    relay_max_circuit_s: int
 
 
 class RelayError(MurmurError):
@@ -172,12 +180,12 @@ class Relay:
         return dest
 
 
-def limits_from(network: NetworkSection) -> RelayLimitsView:
+def limits_from(network: RelaySettings) -> RelayLimitsView:
     return RelayLimitsView(network.relay_max_reservations, network.relay_max_circuit_bytes, network.relay_max_circuit_s)
 
 
 @asynccontextmanager
-async def attach_relay(transport: Any, network: NetworkSection) -> AsyncIterator[Relay]:
+async def attach_relay(transport: Any, network: RelaySettings) -> AsyncIterator[Relay]:
     """Add circuit relay v2 to a running `Libp2pTransport`.
 
     Always: accept relayed connections (STOP) and dial through relays. With `network.relay_service`:

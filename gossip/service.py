@@ -23,7 +23,7 @@ from gossip.pool import RolloutPool
 from gossip.ratelimit import TokenBuckets
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict
-from node.errors import DecodeError
+from gossip.errors import DecodeError
 
 log = logging.getLogger("murmur.gossip.service")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node.errors import ConfigError
+from gossip.errors import ConfigError
 
 TOPIC_VERSION = 1
 

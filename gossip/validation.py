@@ -29,8 +29,8 @@ from gossip import wire
 from gossip.ratelimit import TokenBuckets
 from gossip.replay import ReplayCache
 from gossip.scoring import PeerScores, ScoreParams
-from node.errors import DecodeError, MurmurError, SignatureError, TaskError
-from node.identity import peer_id_from_public
+from gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
+from gossip.identity import peer_id_from_public
 
 
 class Reason(enum.Enum):

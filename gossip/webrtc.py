@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 
 class WebRTCUnavailable(MurmurError):

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Final, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
-from node.errors import DecodeError, SignatureError
-from node.identity import Identity, verify
+from gossip.errors import DecodeError, SignatureError
+from gossip.identity import Identity, verify
 
 FORMAT_VERSION: Final = 1
 

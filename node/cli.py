@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from node import __version__
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 app = typer.Typer(
     name="murmur",
@@ -133,6 +133,6 @@ def main() -> None:
 
 # Command groups that live in their own modules register themselves on the apps above.
 from node import cli_bench  # noqa: E402,F401
-from simulations import cli_sim  # noqa: E402,F401
+from node import cli_sim  # noqa: E402,F401
 from node import cli_tasks  # noqa: E402,F401
 from node import cli_node  # noqa: E402,F401

@@ -29,7 +29,7 @@ def bench_codec(
     seed: SeedOpt = 0,
 ) -> None:
     """Sparse patch codec on a ~100M-parameter model trained for real (bytes per changed element, apply time)."""
-    from sync.bench_codec import run
+    from simulations.bench.codec import run
 
     _run(run, params=params, steps=steps, seed=seed)
 
@@ -42,7 +42,7 @@ def bench_gossip(
     rate_per_node: Annotated[float, typer.Option(help="batches per second per honest node")] = 0.5,
 ) -> None:
     """Rollout gossip between real libp2p nodes: delivery, latency, verification rate, adversary."""
-    from gossip.bench_gossip import run
+    from simulations.bench.gossip import run
 
     _run(run, nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node)
 
@@ -58,7 +58,7 @@ def bench_broadcast(
     seed: SeedOpt = 0,
 ) -> None:
     """Pipelined peer-assisted patch broadcast against the lower bound T*."""
-    from sync.bench_broadcast import run
+    from simulations.bench.broadcast import run
 
     _run(run, peers=peers, sim=sim, bytes=size, chunk_bytes=chunk_bytes, upload_bytes_per_s=upload, seed=seed)
 
@@ -95,6 +95,6 @@ def bench_swarm(
 @bench_app.command("reachability")
 def bench_reachability(json_out: JsonOpt = True) -> None:
     """Direct, relayed, hole-punched and WebRTC paths across emulated NATs."""
-    from gossip.bench_reachability import run
+    from simulations.bench.reachability import run
 
     _run(run)

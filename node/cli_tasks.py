@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from node.cli import HomeOpt, console, emit_json, resolve_home, tasks_app
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 
 def _known(home: Path) -> list[tuple[bytes, object, bytes, str]]:

@@ -19,8 +19,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from node.errors import ConfigError
-from node.tomlfile import convert_strict, read_toml, toml_value
+from gossip.errors import ConfigError
+from gossip.tomlfile import convert_strict, read_toml, toml_value
 
 CONFIG_FILE = "config.toml"
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from node.errors import DecodeError, MurmurError
+from gossip.errors import DecodeError, MurmurError
 from node.status import STATUS_LIMIT, NodeStatus, decode_status, encode_status
 
 MAX_REQUEST = 4096

@@ -131,7 +131,7 @@ async def _dial_all(addrs: list[str], timeout_s: float) -> list[tuple[str, bool,
     import trio
 
     from gossip.host import open_transport
-    from node.identity import Identity
+    from gossip.identity import Identity
 
     results: list[tuple[str, bool, str, float]] = []
     async with open_transport(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"], dial_timeout_s=timeout_s) as t:

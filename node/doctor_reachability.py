@@ -198,7 +198,7 @@ async def probe(cfg: Any, bootstrap: list[str], timeout_s: float = 5.0) -> Reach
     from gossip.host import open_transport
     from gossip.reachability import DialbackServer, check_reachability
     from gossip.relay import attach_relay
-    from node.identity import Identity
+    from gossip.identity import Identity
 
     listen = [a for a in cfg.network.listen if _free(a)] or ["/ip4/0.0.0.0/tcp/0"]
     t0 = time.monotonic()

@@ -41,7 +41,7 @@ def hardware_class(configured: str, hw: Hardware | None = None) -> str:
     """`node.hardware` from config, or the detected class when it is `auto`."""
     if configured != "auto":
         if configured not in HARDWARE_CLASSES:
-            from node.errors import ConfigError
+            from gossip.errors import ConfigError
 
             raise ConfigError(f"node.hardware: {configured!r} is not one of auto, {', '.join(HARDWARE_CLASSES)}")
         return configured

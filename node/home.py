@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from node.config import CONFIG_FILE, Config, load_config, render_default_config
-from node.errors import MurmurError
-from node.identity import KEY_FILE, Identity
+from gossip.errors import MurmurError
+from gossip.identity import KEY_FILE, Identity
 from node.store import Store, open_store
 
 

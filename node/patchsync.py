@@ -33,7 +33,7 @@ from msgspec import Meta, Struct
 
 from gossip import wire
 from gossip.framing import read_frame, write_frame
-from node.errors import DecodeError, PatchError
+from gossip.errors import DecodeError, PatchError
 from sync.ids import lineage_id
 from sync.patchstore import LineageStore, StoredItem
 

@@ -34,7 +34,7 @@ import trio
 
 from gossip.discovery import Backoff
 from node.config import Config
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 from node.status import ReachView
 
 log = logging.getLogger("murmur.node.reach")

@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from node.errors import ConfigError
+from gossip.errors import ConfigError
 
 ROLES = ("trainer", "follower", "validator")
 HARDWARE_CLASSES = ("cpu", "gpu-small", "gpu-large")

@@ -34,8 +34,8 @@ import trio
 from gossip import wire
 from node import control, hardware, patchsync, roles
 from node.config import Config
-from node.errors import MurmurError, PatchError
-from node.identity import Identity, peer_id_from_public
+from gossip.errors import MurmurError, PatchError
+from gossip.identity import Identity, peer_id_from_public
 from node.logs import event
 from node.status import LineageView, NodeStatus, PeerView, TREND_POINTS
 

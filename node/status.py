@@ -104,7 +104,7 @@ def encode_status(s: NodeStatus) -> bytes:
 
 
 def decode_status(data: bytes) -> NodeStatus:
-    from node.errors import DecodeError
+    from gossip.errors import DecodeError
 
     if len(data) > STATUS_LIMIT:
         raise DecodeError(f"status reply is {len(data)} bytes, over {STATUS_LIMIT}")

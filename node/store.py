@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from node.errors import StoreError
+from gossip.errors import StoreError
 
 DB_FILE = "state.db"
 

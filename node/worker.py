@@ -154,7 +154,7 @@ class Worker:
     def run_trainer(self) -> None:
         from sync.hashing import canonical_state
         from sync.lineage import LineagePublisher
-        from node.identity import Identity
+        from gossip.identity import Identity
         from node.policy import MasterEngine, to_published
         from training.trainer import Trainer, TrainerConfig
         from training.rollouts import to_wire
@@ -250,7 +250,7 @@ class Worker:
     def _open_follower(self, info: dict) -> Any:
         """A LineageFollower at the last durable version this node holds (checkpoint + stored patches)."""
         from safetensors.torch import load_file
-        from node.errors import PatchError
+        from gossip.errors import PatchError
         from sync.lineage import Lineage, LineageFollower
 
         lin = Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"])
@@ -284,7 +284,7 @@ class Worker:
     def _apply_held(self, follower: Any) -> int:
         """Apply what the lineage store holds beyond our version (no download), plus announced arrivals."""
         from sync.catchup import choose
-        from node.errors import PatchError
+        from gossip.errors import PatchError
 
         applied = 0
         with self.inbox.lock:
@@ -314,7 +314,7 @@ class Worker:
         from sync import chunks as chunking
         from sync.patchstore import open_manifest
         from sync.hashing import canonical_state
-        from node.errors import PatchError
+        from gossip.errors import PatchError
         from node.policy import mirror
 
         store = follower.store

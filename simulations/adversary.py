@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from gossip import wire
-from node.identity import Identity
+from gossip.identity import Identity
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
 

@@ -52,9 +52,9 @@ import msgspec
 
 from gossip import wire
 from gossip.validation import Pipeline, PipelineConfig
-from node.errors import ConfigError
-from node.identity import Identity
-from node.tomlfile import convert_strict, parse_toml
+from gossip.errors import ConfigError
+from gossip.identity import Identity
+from gossip.tomlfile import convert_strict, parse_toml
 from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
 
 SWARM = "murmur-bench-swarm"

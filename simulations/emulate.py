@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.virtual import identity_for

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 KINDS = ("reward", "lag", "staleness", "broadcast", "bytes", "rejection", "score", "event")
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from node.errors import ConfigError
-from node.tomlfile import convert_strict, parse_toml, read_toml, toml_value
+from gossip.errors import ConfigError
+from gossip.tomlfile import convert_strict, parse_toml, read_toml, toml_value
 
 BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan", "large")
 MAX_NODES = 100_000

@@ -4,7 +4,7 @@ Why this is faithful. In the virtual simulator thousands of nodes live in one
 process, and one gossiped batch reaches `degree` receivers, each of which runs
 its own `gossip.validation.Pipeline`. The pipeline's stages split into:
 - pure functions of the message bytes: the ed25519 signature check
-  (`node.identity.verify(public, sig, message)`) and the `verify` stage
+  (`gossip.identity.verify(public, sig, message)`) and the `verify` stage
   (task regeneration + reward recomputation from the decoded batch, through
   the injected `resolve_task` / `reward`, which are the very same objects for
   every simulated node: the built-in task set and `training.verifiers.score`);
@@ -33,8 +33,8 @@ from typing import Any
 
 from gossip import wire
 from gossip.validation import Pending, Pipeline
-from node.errors import SignatureError
-from node.identity import verify
+from gossip.errors import SignatureError
+from gossip.identity import verify
 
 _MISSING = object()
 

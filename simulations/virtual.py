@@ -48,7 +48,7 @@ from typing import Any
 from gossip import wire
 from gossip.scoring import ScoreParams
 from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
-from node.identity import Identity
+from gossip.identity import Identity
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vcache import SharedVerification, SimPipeline

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 DEFAULT_RTO_S = 0.2
 MSS = 1400  # bytes per segment, for the loss model

@@ -33,7 +33,7 @@ import trio
 from gossip import topics
 from gossip.transport import PublishError, Stream, StreamError, Transport
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope, open_envelope
-from node.errors import DecodeError, MurmurError
+from gossip.errors import DecodeError, MurmurError
 from sync.chunks import ChunkAssembly
 from sync.ratelimit import UploadLimiter
 from sync.swarm import (MAX_FRAME_BYTES, Ban, Chunk, Completed, Frame, Have, HaveChunk, Manifest, ManifestRequest,

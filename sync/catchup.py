@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from node.errors import PatchError
+from gossip.errors import PatchError
 from sync.patchstore import StoredItem
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, ChunkRef, PatchManifest
-from node.errors import PatchError
+from gossip.errors import PatchError
 from sync.atomic import atomic_write
 
 DEFAULT_CHUNK_BYTES = 256 * 1024

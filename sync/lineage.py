@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from gossip.wire import PATCH_MANIFEST, PatchManifest, now_ms, seal
-from node.errors import PatchError
-from node.identity import Identity
+from gossip.errors import PatchError
+from gossip.identity import Identity
 from sync import chunks as chunking
 from sync.catchup import Plan, choose
 from sync.codec import (FORMAT, PatchHeader, TensorChange, assemble, check_layout, decode_patch, diff_tensor,

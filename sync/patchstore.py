@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
-from node.errors import DecodeError, PatchError
+from gossip.errors import DecodeError, PatchError
 from sync.atomic import atomic_write
 
 if TYPE_CHECKING:

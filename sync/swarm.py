@@ -34,7 +34,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from gossip.wire import KIND_LIMITS, MAX_CHUNK_BYTES, MAX_CHUNKS, PATCH_MANIFEST, PatchManifest
-from node.errors import DecodeError
+from gossip.errors import DecodeError
 
 # ---------------------------------------------------------------- frames
 

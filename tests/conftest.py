@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from node.identity import Identity  # noqa: E402
+from gossip.identity import Identity  # noqa: E402
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 from gossip import wire
-from node.identity import Identity
+from gossip.identity import Identity
 
 
 def rollout(task_set: bytes = b"\x01" * 32, seed: int = 7, n_tokens: int = 8, reward: float = 1.0) -> wire.Rollout:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node.errors import ConfigError
+from gossip.errors import ConfigError
 from simulations import bench_swarm
 
 REQUIRED = ("rounds", "isolated_cumulative_reward", "swarm_cumulative_reward", "adversarial_cumulative_reward",
@@ -36,7 +36,7 @@ def test_task_set_is_signed_deterministic_and_verifiable() -> None:
     m = reg.add(env, {bench_swarm.COORDINATOR.public})
     assert {g.name for g in m.generators} == {g.name for g in sc.task_set.generators}
     assert task_set_id(env) in reg
-    from node.errors import SignatureError
+    from gossip.errors import SignatureError
 
     with pytest.raises(SignatureError):
         TaskRegistry().add(env, set())  # not trusted without the coordinator

@@ -15,9 +15,9 @@ import trio.testing
 
 from gossip.host import open_transport
 from gossip.wire import decode_envelope, encode
-from node.errors import DecodeError
-from node.identity import Identity
-from sync.bench_broadcast import make_patch
+from gossip.errors import DecodeError
+from gossip.identity import Identity
+from simulations.bench.broadcast import make_patch
 from sync.broadcast import BroadcastNode, Transfer
 from sync.ratelimit import TokenBucket
 from sync.swarm import SwarmConfig, Verified

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.errors import PatchError
+from gossip.errors import PatchError
 from sync.codec import TRAILER_BYTES, decode_patch, encode_patch
 from sync.hashing import bits_view, state_hash
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from node.config import Config, load_config, load_config_with_sources, render_default_config
-from node.errors import ConfigError
+from gossip.errors import ConfigError
 
 
 def test_default_config_round_trips(tmp_path):

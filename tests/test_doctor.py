@@ -11,7 +11,7 @@ from pathlib import Path
 
 from node.config import Config
 from node.doctor import CHECKS, Check, Context, check_listen_ports, passed, run_checks
-from node.identity import Identity
+from gossip.identity import Identity
 
 
 def _free_port() -> int:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gossip.wire import ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
-from node.errors import MurmurError
-from node.identity import Identity
+from gossip.errors import MurmurError
+from gossip.identity import Identity
 from training.engine import Engine, Sampling, SparseUpdate
 from training.engine_hf import HFEngine, load_causal_lm
 from training.rollouts import expand_versions, from_wire, to_wire

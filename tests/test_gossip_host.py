@@ -8,7 +8,7 @@ import trio
 from gossip.framing import read_frame, write_frame
 from gossip.host import MAX_PUBLISH_BYTES, ConnectError, open_transport
 from gossip.transport import PublishError
-from node.identity import Identity
+from gossip.identity import Identity
 
 
 async def wait_until(pred, timeout: float = 5.0, step: float = 0.02) -> None:

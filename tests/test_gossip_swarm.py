@@ -10,13 +10,13 @@ from pathlib import Path
 import trio
 
 from gossip import wire
-from gossip.bench_gossip import SWARM, make_batch, registry, resign_with
+from simulations.bench.gossip import SWARM, make_batch, registry, resign_with
 from gossip.discovery import Discovery
 from gossip.host import Libp2pTransport, open_transport
 from gossip.pool import RolloutPool
 from gossip.service import GossipService
 from gossip.validation import Pipeline, PipelineConfig, Reason
-from node.identity import Identity
+from gossip.identity import Identity
 from node.store import Store
 from training.verifiers import score
 

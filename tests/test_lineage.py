@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gossip.wire import PATCH_MANIFEST, PatchManifest, seal
-from node.errors import PatchError
+from gossip.errors import PatchError
 from sync.catchup import choose
 from sync.chunks import refs, split
 from sync.hashing import bits_view, state_hash

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from node import patchsync
-from node.errors import PatchError
+from gossip.errors import PatchError
 from sync.hashing import canonical_state, state_hash
 from sync.lineage import LineageFollower, LineagePublisher
 from sync.patchstore import LineageStore

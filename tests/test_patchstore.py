@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from node.errors import PatchError
+from gossip.errors import PatchError
 from node.store import open_store
 from sync.chunks import ChunkAssembly
 from sync.hashing import canonical_state, state_hash

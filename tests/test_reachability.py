@@ -17,7 +17,7 @@ from gossip.reachability import (
 from gossip.relay import RelayError, attach_relay, circuit_addr, split_circuit
 from node.config import NetworkSection
 from node.doctor_reachability import ReachSnapshot, classify, reachability_checks
-from node.identity import Identity
+from gossip.identity import Identity
 
 
 def ids(*seeds: int) -> list[Identity]:

@@ -1,4 +1,4 @@
-"""NAT traversal paths measured by the benchmark harness (gossip.reachability_node: the real host and
+"""NAT traversal paths measured by the benchmark harness (simulations.bench.reachability_node: the real host and
 node.reach wiring plus a raw bulk stream), one subprocess per network namespace behind iptables NATs.
 
 The real node (`murmur node start`) behind NATs is tested in tests/test_reachability_nodes.py; here:
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"
 
 @pytest.fixture(scope="module")
 def nodes():
-    from gossip.bench_reachability import scenario
+    from simulations.bench.reachability import scenario
 
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     got = scenario(bulk_bytes=1 << 20, holepunch=True, timeout_s=300)
@@ -76,7 +76,7 @@ def test_doctor_reports_each_case(nodes) -> None:
 
 
 def test_port_forwarding_makes_a_home_public() -> None:
-    from gossip.bench_reachability import scenario
+    from simulations.bench.reachability import scenario
 
     got = scenario(bulk_bytes=0, holepunch=False, forward_h2=True, timeout_s=300)
     assert got["h2"].first("reachability")["status"] == "public", got["h2"].events
@@ -88,7 +88,7 @@ def test_port_forwarding_makes_a_home_public() -> None:
 
 
 def test_symmetric_nat_stays_relayed_and_says_why() -> None:
-    from gossip.bench_reachability import scenario
+    from simulations.bench.reachability import scenario
 
     got = scenario(bulk_bytes=1 << 20, holepunch=True, symmetric=True, timeout_s=300)
     for home, other in (("h1", "h2"), ("h2", "h1")):
@@ -118,7 +118,7 @@ def test_udp_only_home_reaches_public_node_over_webrtc_direct(webrtc_extra: None
     """A home whose router drops all outbound TCP: the node tries the public node's TCP address (times
     out), then its announced /webrtc-direct address through the NAT (UDP masqueraded); a signed rollout
     verifies, hellos cross, a bulk keeps its hash, and the doctor says webrtc."""
-    from gossip.bench_reachability import webrtc_scenario
+    from simulations.bench.reachability import webrtc_scenario
 
     got = webrtc_scenario(bulk_bytes=1 << 20, timeout_s=240)
     h, pub = got["udp"], got["pub"]

@@ -19,7 +19,7 @@ from gossip.host import open_transport
 from gossip.webrtc import is_webrtc_addr, webrtc_listen_for
 from node.config import Config
 from node.doctor_reachability import WEBRTC, check_path
-from node.identity import Identity
+from gossip.identity import Identity
 from node.reach import start_reachability
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 from simulations.report import MetricsWriter, load_metrics, rebuild, write_report
 
 

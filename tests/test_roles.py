@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from node import roles
-from node.errors import ConfigError
+from gossip.errors import ConfigError
 from node.roles import Demand, LineageOption, Offer, activate, choose_lineage, choose_roles, fits_staleness
 
 GB = 2**30

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from node.errors import ConfigError
+from gossip.errors import ConfigError
 from simulations import scenario as S
 
 

@@ -4,7 +4,7 @@ import sqlite3
 
 import pytest
 
-from node.errors import StoreError
+from gossip.errors import StoreError
 from node.store import MIGRATIONS, Store
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.errors import DecodeError
+from gossip.errors import DecodeError
 from sync.swarm import (MAX_BITFIELD_BYTES, Ban, Cancel, Chunk, Completed, Have, HaveChunk, Penalise, Reject,
                         Request, Send, ServeReady, SwarmConfig, SwarmSession, Verified, bits_from_indices,
                         chunk_hash, decode_frame, encode_frame, indices_from_bits)

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from gossip.wire import TASK_SET, Envelope, TaskRef, decode_envelope, encode, open_envelope, seal
-from node.errors import DecodeError, SignatureError, TaskError
-from node.identity import Identity
+from gossip.errors import DecodeError, SignatureError, TaskError
+from gossip.identity import Identity
 from training.tasks import BUILTIN_GENERATORS, generate
 from training.tasksets import (
     BUILTIN_COORDINATOR,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from node.config import Config
-from node.errors import ConfigError
+from gossip.errors import ConfigError
 from training.tasksets import TaskRegistry
 from training.tiny import new_tiny_engine, warmup
 from training.trainer import LOSS_NORMS, Trainer, TrainerConfig, batch_scale

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from gossip import wire
-from gossip.bench_gossip import SWARM, make_batch, registry, resign_with
+from simulations.bench.gossip import SWARM, make_batch, registry, resign_with
 from gossip.scoring import ScoreParams
 from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
-from node.identity import Identity
+from gossip.identity import Identity
 from training.verifiers import score
 
 ALICE = Identity.from_seed(b"\x01" * 32)

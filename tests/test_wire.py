@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossip import wire
-from node.errors import DecodeError, SignatureError
+from gossip.errors import DecodeError, SignatureError
 from tests.samples import bodies, rollout
 
 KINDS = list(wire.BODY_TYPES)
@@ -91,7 +91,7 @@ _VALID: dict[str, bytes] = {}
 
 def _valid(kind: str) -> bytes:
     if kind not in _VALID:
-        from node.identity import Identity
+        from gossip.identity import Identity
 
         ident = Identity.from_seed(b"\x11" * 32)
         _VALID[kind] = wire.seal(ident, kind, bodies(ident)[kind])

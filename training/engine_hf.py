@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 from training.engine import Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
 
 # transformers 5.24 renamed the cache argument; the old name works until 5.40 (we pin <6 and

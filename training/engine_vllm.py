@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 from training.engine import Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
 
 

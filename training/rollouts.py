@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
-from node.errors import DecodeError
+from gossip.errors import DecodeError
 from training.engine import Sampling
 from training.tasks import Task
 

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import msgspec
 
-from node.errors import TaskError
+from gossip.errors import TaskError
 
 ConfigValue = int | float | str | bool
 

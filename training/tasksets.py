@@ -33,9 +33,9 @@ from gossip.wire import (
     open_envelope,
     seal,
 )
-from node.errors import DecodeError, SignatureError, TaskError
-from node.identity import Identity
-from node.tomlfile import convert_strict, read_toml, validation_message
+from gossip.errors import DecodeError, SignatureError, TaskError
+from gossip.identity import Identity
+from gossip.tomlfile import convert_strict, read_toml, validation_message
 from training.tasks import Task, check_generator, generate
 from training.verifiers import check_verifier
 

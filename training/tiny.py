@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import torch
 
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 from training.engine_hf import HFEngine, set_threads
 from training.tasks import Task, generate
 from training.tasksets import BUILTIN_TRAIN, builtin_manifest

@@ -38,7 +38,7 @@ import psutil
 import torch
 
 from gossip.wire import Rollout, TaskRef, now_ms
-from node.errors import ConfigError, MurmurError, TaskError
+from gossip.errors import ConfigError, MurmurError, TaskError
 from training.engine import Sampling
 from training.engine_hf import HFEngine
 from training.losses import (

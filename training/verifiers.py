@@ -24,7 +24,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Final
 
-from node.errors import TaskError
+from gossip.errors import TaskError
 from training.tasks import Task, rg_entry
 
 MAX_COMPLETION_CHARS: Final = 8192

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from gossip import wire
-from node.identity import Identity
+from gossip.identity import Identity
 
 SWARM = "bench"
 LINEAGE = b"\x4c" * 32
@@ -213,7 +213,7 @@ def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_
         for i in range(nodes):
             role = "adversary" if adversarial and i == nodes - 1 else "honest"
             procs.append(subprocess.Popen(
-                [sys.executable, "-c", f"import trio, json; from gossip.bench_gossip import _child; "
+                [sys.executable, "-c", f"import trio, json; from simulations.bench.gossip import _child; "
                  f"trio.run(_child, {i}, {role!r}, json.loads({json.dumps(json.dumps(params))}))"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from node.identity import Identity
+from gossip.identity import Identity
 from sync.codec import read_header
 from sync.hashing import state_hash
 from sync.lineage import LineageFollower, LineagePublisher, encode_states
@@ -149,7 +149,7 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
     }
 
 
-if __name__ == "__main__":  # python -m sync.bench_codec [params] [steps]
+if __name__ == "__main__":  # python -m simulations.bench.codec [params] [steps]
     import json
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
-from node.identity import Identity
+from gossip.identity import Identity
 from sync.chunks import refs, split
 
 SIM_FULL_MESH_MAX = 64  # larger simulated swarms use a random overlay of this degree
@@ -186,7 +186,7 @@ def _children_cpu(procs: list[subprocess.Popen[str]]) -> float:
 
 
 def _spawn(tmp: str, role: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "sync.bench_broadcast", role, tmp, str(idx), str(upload), str(chunk_bytes), str(seed)]
+    cmd = [sys.executable, "-m", "simulations.bench.broadcast", role, tmp, str(idx), str(upload), str(chunk_bytes), str(seed)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                             cwd=str(Path(__file__).resolve().parent.parent))
 
@@ -320,7 +320,7 @@ async def _connect(t: Any, addr: str, attempts: int = 5) -> None:
     """Dial with retries: on a loaded 2-core box a Noise handshake can miss the dial timeout."""
     import trio
 
-    from node.errors import MurmurError
+    from gossip.errors import MurmurError
 
     for i in range(attempts):
         try:

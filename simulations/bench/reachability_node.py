@@ -1,4 +1,4 @@
-"""A measurement node for the reachability benchmark: `python -m gossip.reachability_node '<json>'`.
+"""A measurement node for the reachability benchmark: `python -m simulations.bench.reachability_node '<json>'`.
 
 Why it exists next to the real node: the benchmark needs what a node does not do — a raw bulk stream
 to time MB/s per path, a rollout publisher at a fixed cadence to time the first verified message —
@@ -117,7 +117,7 @@ async def main(script: dict[str, Any]) -> None:
     from gossip.wire import ROLLOUT_BATCH, open_envelope
     from node.config import load_config
     from node.doctor_reachability import reachability_checks
-    from node.identity import Identity
+    from gossip.identity import Identity
     from node.reach import process_start, start_reachability
 
     imported_ms = ms()

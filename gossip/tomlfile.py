@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from node.errors import ConfigError, MurmurError
+from gossip.errors import ConfigError, MurmurError
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """Benchmark and scenario harness: one public node and NATed homes in emulated networks (network namespaces).
 
 `run()` builds: a public node (relay service + dial-back), home 1 and home 2 behind separate iptables
-MASQUERADE routers; each node is a real subprocess in its namespace (`gossip.reachability_node`). It
+MASQUERADE routers; each node is a real subprocess in its namespace (`simulations.bench.reachability_node`). It
 measures bulk MB/s direct (home -> public), relayed (home 1 -> home 2 through the public relay), after
 hole punching (if it succeeds), WebRTC-direct on loopback, and the NATed node's time from process
 start to its first verified rollout. Needs root, iproute2 and iptables; otherwise returns the reason.
@@ -27,7 +27,7 @@ SEEDS = {"pub": 11, "h1": 12, "h2": 13, "udp": 14}
 
 
 def peer_id_for(seed: int) -> str:
-    from node.identity import Identity
+    from gossip.identity import Identity
 
     return Identity.from_seed(bytes([seed]) * 32).peer_id
 
@@ -81,7 +81,7 @@ def _start(prefix: list[str], name: str, script: dict[str, Any]) -> NodeProc:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_dir = os.environ.get("MURMUR_NODE_LOG_DIR")
     err = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
-    p = subprocess.Popen(prefix + [sys.executable, "-m", "gossip.reachability_node", json.dumps(script)],
+    p = subprocess.Popen(prefix + [sys.executable, "-m", "simulations.bench.reachability_node", json.dumps(script)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                          text=True, cwd=str(REPO), env=env)
     node = NodeProc(name, p)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from node.cli import app, console, emit_json
-from node.errors import MurmurError
+from gossip.errors import MurmurError
 
 
 @app.command("simulate")
