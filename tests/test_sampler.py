@@ -109,3 +109,46 @@ def test_take_rollouts_is_the_trainer_hook_shape() -> None:
     s.add_rollouts(group(1) + group(2, (0.0, 1.0, 1.0)))
     out = s.take_rollouts(4, 0)
     assert [(r.task.seed, r.reward) for r in out] == [(1, 1.0), (1, 0.0), (2, 0.0), (2, 1.0), (2, 1.0)]
+
+
+def test_the_worker_and_the_swarm_benchmark_share_this_sampler() -> None:
+    from node import worker
+    from simulations import bench_swarm
+
+    assert worker.Sampler is Sampler and bench_swarm.Sampler is Sampler
+
+
+def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them(tmp_path) -> None:
+    """The worker's real reader thread on a real pipe; the trainer hook then takes from the same sampler."""
+    import multiprocessing
+    import threading
+    import time
+
+    from gossip.identity import Identity
+    from node import worker
+
+    net, end = multiprocessing.Pipe()
+    w = worker.Worker(end, {"home": str(tmp_path), "trainer": {"max_staleness": 4}})
+    reader = threading.Thread(target=worker._reader, args=(end, w.inbox), daemon=True)
+    reader.start()
+    ident = Identity.generate()
+    own = b"\x0c" * 32
+    rollouts = group(1, lineage=own, version=1) + group(2, lineage=LIN_B) + group(3, (0.0, 0.0))
+    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
+                              rollouts=rollouts)
+    net.send(("external", wire.seal(ident, wire.ROLLOUT_BATCH, batch)))
+    net.send(("external", b"not an envelope"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with w.inbox.lock:
+            if w.inbox.sampler.counts["added"] + w.inbox.sampler.counts["uninformative"] >= 3:
+                break
+        time.sleep(0.01)
+    w._observe_own_head(own, 9)  # our own lineage moved on: its version-1 group is beyond the bound
+    got = w._external(4, 5)
+    assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
+    assert w.inbox.sampler.counts == {"added": 2, "too_small": 0, "uninformative": 1, "evicted": 0, "stale": 1,
+                                      "taken": 1}
+    net.send(("stop", None))
+    reader.join(5)
+    assert not reader.is_alive()
