@@ -94,7 +94,8 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
         "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
         "chunk_bytes": cfg.sync.chunk_bytes, "retain_versions": cfg.sync.retain_versions,
         "publish_every": cfg.sync.publish_every, "spot_rate": 0.25,
-        # the trainer's sampler holds groups of group_size verified rollouts (training/sampler.py)
+        # the trainer's sampler (training/sampler.py): groups of ~group_size verified rollouts
+        "sampler_max_rollouts": max(64, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)),
         "sampler_max_groups": max(16, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)
                                   // max(1, t.group_size)),
         "trainer": {"local_groups": t.local_rollouts, "external_groups": t.external_rollouts,

@@ -49,7 +49,7 @@ FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one a
 class Inbox:
     """What the reader thread collected; everything bounded."""
 
-    def __init__(self, max_groups: int, max_staleness: int) -> None:
+    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None) -> None:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -57,7 +57,7 @@ class Inbox:
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
         self.pace = 0.0
-        self.sampler = Sampler(max_groups, max_staleness)  # the trainer's external groups
+        self.sampler = Sampler(max_groups, max_staleness, max_rollouts)  # the trainer's external groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
 
 
@@ -99,8 +99,10 @@ class Worker:
         self.conn = conn
         self.spec = spec
         self.home = Path(spec["home"])
+        max_rollouts = spec.get("sampler_max_rollouts")
         self.inbox = Inbox(int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
-                           int(spec.get("trainer", {}).get("max_staleness", 4)))
+                           int(spec.get("trainer", {}).get("max_staleness", 4)),
+                           None if max_rollouts is None else int(max_rollouts))
         self.rng = random.Random(spec.get("seed", 0) + 7)
         self._send_lock = threading.Lock()
         self.tokens = 0

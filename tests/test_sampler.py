@@ -152,3 +152,17 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     net.send(("stop", None))
     reader.join(5)
     assert not reader.is_alive()
+
+
+def test_rollout_budget_holds_whatever_group_sizes_peers_send() -> None:
+    """Attack: a peer sends batches of one 64-completion group each to fill a trainer's memory."""
+    s = Sampler(max_groups=1000, max_rollouts=100)
+    for k in range(10):
+        s.add_rollouts(group(k, rewards=(1.0, 0.0) * 32))
+        assert s._rollouts <= 100
+    assert len(s) == 1 and s.counts["evicted"] == 9
+    s.add_rollouts(group(20) + group(21, (0.0, 1.0, 1.0)))
+    assert s._rollouts == 64 + 5
+    assert seeds(s.take(1)) == [21] and s._rollouts == 64 + 2
+    with pytest.raises(ValueError):
+        Sampler(max_rollouts=1)

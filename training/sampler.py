@@ -13,9 +13,10 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
   (zero advantage, nothing to learn), is dropped at once. Rewards are the
   batch's claims, which the validation pipeline has already recomputed and
   matched, so no reward is trusted that was not checked.
-- **Pool**: groups in arrival order, at most `max_groups` (the oldest goes
-  first when full). Memory is bounded by `max_groups` times the largest batch
-  the wire allows.
+- **Pool**: groups in arrival order, at most `max_groups` groups and, if set,
+  `max_rollouts` rollouts (the oldest group goes first when either is
+  exceeded). A group holds at most one batch's rollouts (the wire bounds a
+  batch), so memory stays within both bounds whatever peers send.
 - **Staleness**: a group is usable while `head - version <= max_staleness`,
   where `head` is the newest version its owner reported for the group's
   lineage (`observe_head`: a trainer reports its own lineage every step, and
@@ -89,13 +90,17 @@ def split(rollouts: Iterable[wire.Rollout]) -> tuple[list[Group], dict[str, int]
 class Sampler:
     """A trainer's pool of verified external groups and the rule that picks J of them per step."""
 
-    def __init__(self, max_groups: int = 256, max_staleness: int = 4) -> None:
+    def __init__(self, max_groups: int = 256, max_staleness: int = 4, max_rollouts: int | None = None) -> None:
         if not 1 <= max_groups <= MAX_GROUPS_LIMIT:
             raise ValueError(f"max_groups must be in 1..{MAX_GROUPS_LIMIT}")
+        if max_rollouts is not None and max_rollouts < 2:
+            raise ValueError("max_rollouts must be >= 2 (a group has at least two)")
         if max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         self.max_groups = max_groups
         self.max_staleness = max_staleness
+        self.max_rollouts = max_rollouts
+        self._rollouts = 0  # in the pool
         self._pool: collections.deque[Group] = collections.deque()
         self._heads: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "taken": 0}
@@ -108,9 +113,11 @@ class Sampler:
         n = 0
         for g in groups:
             self._pool.append(g)
+            self._rollouts += len(g.rollouts)
             n += 1
-            if len(self._pool) > self.max_groups:
-                self._pool.popleft()
+            while len(self._pool) > self.max_groups or (
+                    self.max_rollouts is not None and self._rollouts > self.max_rollouts):
+                self._rollouts -= len(self._pool.popleft().rollouts)
                 self.counts["evicted"] += 1
         self.counts["added"] += n
         return n
@@ -151,6 +158,7 @@ class Sampler:
                 keep.append(g)
         keep.reverse()
         self._pool = collections.deque(keep)
+        self._rollouts = sum(len(g.rollouts) for g in keep)
         picked.reverse()
         self.counts["taken"] += len(picked)
         return picked
