@@ -85,8 +85,9 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     max_new_tokens: Annotated[int, _d("completion length limit")] = 16
     temperature: Annotated[float, _d("sampling temperature")] = 1.0
     seed: Annotated[int, _d("random seed")] = 0
-    loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (mean over informative groups' rows) or "
-                                 "constant (sum over them / the configured batch, Dr. GRPO / TRL style)")] = "informative"
+    loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (token mean over informative groups' rows) "
+                                 "or constant (Dr. GRPO / TRL dr_grpo: token sum over batch rows x "
+                                 "max_new_tokens, zero-advantage rows counted)")] = "informative"
     threads: Annotated[int, _d("torch threads for training and generation")] = 1
     device: Annotated[str, _d("auto, cpu or cuda")] = "auto"
 

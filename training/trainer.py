@@ -77,11 +77,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     hacpo_delta: float = 0.2
     ppo_epochs: int = 1
     grad_clip: float = 1.0
-    # How the loss is normalised over the step's batch (see LOSS_NORMS). "informative": the mean over
-    # the rows of informative groups only, so one informative group gets a full-size step.
-    # "constant": the sum over informative rows divided by the configured batch, (I + J) x group_size
-    # rows (Dr. GRPO's constant normaliser; TRL's GRPO keeps zero-advantage groups in its denominator,
-    # the same thing for a full batch): a step's size follows how much of its batch teaches anything.
+    # How the loss is normalised over the step's batch (see LOSS_NORMS and `loss_denominator`).
+    # "informative": the row-weighted mean over the rows of informative groups only, so one informative
+    # group gets a full-size step. "constant": Dr. GRPO's constant normaliser (TRL loss_type="dr_grpo"):
+    # the sum of the own-lineage token losses over rows x max_new_tokens, plus the sum of the
+    # other-model sequence losses over rows, where rows counts the whole batch (zero-advantage groups
+    # included, never fewer than the configured (I + J) x group_size): a step's size follows how much
+    # of its batch teaches anything.
     loss_norm: str = "informative"
     memory_budget_mb: int = 4096
     seed: int = 0
@@ -249,8 +251,10 @@ class Trainer:
         return rows, torch.cat(advs) if advs else torch.zeros(0)
 
     def _loss(self, own: list[RolloutRec], own_adv: torch.Tensor, ext: list[RolloutRec], ext_adv: torch.Tensor,
-              ext_coef: torch.Tensor, prox: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+              ext_coef: torch.Tensor, prox: torch.Tensor | None, batch_rows: int
+              ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
+        rows = loss_denominator(cfg, batch_rows)
         stats: dict[str, float] = {}
         parts, weights = [], []
         if own:
@@ -265,7 +269,8 @@ class Trainer:
                 too_old = (self.version - vers) > cfg.max_staleness
                 mask[i, :n] = mask[i, :n] * (~too_old).float()
             p = prox if prox is not None else logp.detach()
-            loss, st = decoupled_loss(logp, p, behav, own_adv, mask, stale, cfg.eps_lo, cfg.eps_hi, cfg.m2_tau)
+            loss, st = decoupled_loss(logp, p, behav, own_adv, mask, stale, eps_lo=cfg.eps_lo, eps_hi=cfg.eps_hi,
+                                      tau=cfg.m2_tau, denom=None if rows is None else rows * cfg.max_new_tokens)
             stats.update(st)
             stats["stale_token_frac"] = float((stale.float() * mask).sum() / mask.sum().clamp(min=1))
             parts.append(loss)
@@ -273,13 +278,14 @@ class Trainer:
         if ext:
             logp, mask = eng.token_logprobs([r.prompt_ids for r in ext], [r.ids for r in ext], cfg.temperature)
             src = torch.tensor([r.src_logp_mean or 0.0 for r in ext])
-            loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, cfg.hacpo_delta)
+            loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, delta=cfg.hacpo_delta, denom=rows)
             stats.update(st)
             parts.append(loss)
             weights.append(len(ext))
-        total = sum(w * p for w, p in zip(weights, parts)) / max(1, sum(weights))
-        total = total * batch_scale(cfg.loss_norm, sum(weights), (cfg.local_groups + cfg.external_groups)
-                                    * cfg.group_size)
+        if rows is None:
+            total = sum(w * p for w, p in zip(weights, parts)) / max(1, sum(weights))
+        else:  # each part is already a sum over the constant denominator
+            total = sum(parts)
         return total, stats  # type: ignore[return-value]
 
     # ------------------------------------------------------------ step
@@ -316,6 +322,7 @@ class Trainer:
                     own_groups.append(g)
                 else:
                     other_groups.append(g)
+            batch_rows = sum(len(g) for g in local) + sum(len(g) for g in ext_groups)
             own, own_adv = self._own_batch(own_groups)
             ext, ext_adv_l, ext_coef_l = [], [], []
             p_l = self.capability.get(self.lineage)
@@ -349,7 +356,7 @@ class Trainer:
                         prox, _ = self.engine.token_logprobs([r.prompt_ids for r in own], [r.ids for r in own],
                                                              cfg.temperature)
                 for _ in range(max(1, cfg.ppo_epochs)):
-                    loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox)
+                    loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows)
                     self.opt.zero_grad(set_to_none=True)
                     loss.backward()
                     gn = torch.nn.utils.clip_grad_norm_(self.engine.model.parameters(), cfg.grad_clip)
@@ -395,15 +402,15 @@ class Trainer:
         return t
 
 
-def batch_scale(loss_norm: str, informative_rows: int, batch_rows: int) -> float:
-    """Factor on the mean loss over informative rows that gives the `loss_norm` normalisation.
+def loss_denominator(cfg: TrainerConfig, batch_rows: int) -> int | None:
+    """Rows the "constant" normaliser divides by (None for "informative": a mean over informative rows).
 
-    "constant" divides the sum over informative rows by the configured batch instead of by the rows
-    left after dropping zero-advantage groups, so a step whose batch is mostly uninformative moves
-    the policy less; never more than 1 (a step larger than its configured batch is not scaled up)."""
-    if loss_norm == "informative" or informative_rows <= 0:
-        return 1.0
-    return min(1.0, informative_rows / max(1, batch_rows))
+    TRL's dr_grpo divides by the rows of its batch, zero-advantage groups included; ours is the rows
+    collected this step (informative or not), never fewer than the configured (I + J) x group_size, so
+    a step that found fewer groups than configured moves the policy less, never more."""
+    if cfg.loss_norm == "informative":
+        return None
+    return max(batch_rows, (cfg.local_groups + cfg.external_groups) * cfg.group_size)
 
 
 def check_trainable(engine: HFEngine) -> None:
