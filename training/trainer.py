@@ -37,7 +37,7 @@ import msgspec
 import psutil
 import torch
 
-from gossip.wire import Rollout, TaskRef, now_ms
+from gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
 from gossip.errors import ConfigError, MurmurError, TaskError
 from training.engine import Sampling
 from training.engine_hf import HFEngine
@@ -51,7 +51,7 @@ from training.losses import (
     is_degenerate,
 )
 from training.rollouts import RolloutRec, from_wire
-from training.tasksets import TaskRegistry
+from training.tasksets import TaskRegistry, is_eval
 from training.verifiers import score
 
 LOSS_NORMS = ("informative", "constant")
@@ -136,6 +136,8 @@ class StepResult:
     step_s: float
     stats: dict[str, float]
     rollouts: list[RolloutRec]  # this step's local rollouts (convertible with rollouts.to_wire)
+    used_by_set: dict[bytes, int] = field(default_factory=dict)  # rows that entered the loss, per task set
+    external_by_set: dict[bytes, int] = field(default_factory=dict)  # of them, external rows
 
 
 class Trainer:
@@ -149,12 +151,8 @@ class Trainer:
         self.lineage = lineage
         self.external = external
         self.on_step = on_step
-        m = registry.get(task_set)
-        gens = [g for g in m.generators if (g.name in generators if generators else not g.name.endswith("-eval"))]
-        if not gens:
-            raise TaskError(f"task set {task_set.hex()[:16]} has no training generators")
-        self._gens = gens
-        self._weights = [g.weight for g in gens]
+        self._only = generators
+        self.set_mixture([(task_set, 1.0)])
         self.rng = random.Random(config.seed)
         self.version = 0
         self.step_no = 0
@@ -166,11 +164,33 @@ class Trainer:
         self.engine.memory_budget_mb = max(64, config.memory_budget_mb // 4)
         self._lock = threading.Lock()
 
+    # ------------------------------------------------------------ task sets
+
+    def set_mixture(self, mixture: list[tuple[bytes, float]]) -> None:
+        """Train on these (task-set id, weight) pairs from the next new prompt group on; the model, the
+        optimizer, the lineage and the groups already in flight are kept. A set is picked by weight,
+        then one of its training generators (never a held-out "-eval" one) by the generators' weights."""
+        sets: list[tuple[bytes, list[GeneratorSpec]]] = []
+        weights: list[float] = []
+        for tid, w in mixture:
+            m = self.registry.get(tid)
+            gens = [g for g in m.generators if (g.name in self._only if self._only else not is_eval(g))]
+            if not gens:
+                raise TaskError(f"task set {m.name!r} ({tid.hex()[:16]}) has no training generators")
+            sets.append((tid, gens))
+            weights.append(w)
+        if not sets or min(weights) <= 0:
+            raise TaskError("a training mixture needs at least one task set, every weight positive")
+        self._sets, self._set_weights = sets, weights
+        self.task_set = sets[0][0]
+        self.mixture = list(mixture)
+
     # ------------------------------------------------------------ rollouts
 
     def _new_ref(self) -> TaskRef:
-        g = self.rng.choices(self._gens, weights=self._weights)[0]
-        return TaskRef(self.task_set, g.name, self.rng.randrange(g.seed_start, g.seed_end))
+        tid, gens = self._sets[0] if len(self._sets) == 1 else self.rng.choices(self._sets, self._set_weights)[0]
+        g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
+        return TaskRef(tid, g.name, self.rng.randrange(g.seed_start, g.seed_end))
 
     def _over_budget(self) -> bool:
         return psutil.Process().memory_info().rss > self.cfg.memory_budget_mb * 2**20
@@ -366,11 +386,21 @@ class Trainer:
                 self.engine.model.eval()
                 self.version += 1
             self.step_no += 1
+            used: dict[bytes, int] = {}
+            ext_used: dict[bytes, int] = {}
+            local_ids = {id(r) for g in local for r in g}
+            if own or ext:
+                for r in own + ext:
+                    tid = bytes(r.ref.task_set)
+                    used[tid] = used.get(tid, 0) + 1
+                    if id(r) not in local_ids:
+                        ext_used[tid] = ext_used.get(tid, 0) + 1
             res = StepResult(step=self.step_no, version=self.version, loss=loss_val,
                              reward_mean=sum(local_rewards) / len(local_rewards) if local_rewards else float("nan"),
                              n_local_groups=len(local), n_external_groups=len(ext_groups), dropped_groups=dropped,
                              pending_groups=len(self.pending), tokens=sum(len(r.ids) for r in own + ext),
-                             step_s=time.monotonic() - t0, stats=stats, rollouts=[r for g in local for r in g])
+                             step_s=time.monotonic() - t0, stats=stats, rollouts=[r for g in local for r in g],
+                             used_by_set=used, external_by_set=ext_used)
         if self.on_step is not None:
             self.on_step(res)
         return res
