@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from gossip import wire
@@ -94,6 +95,7 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
         "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
         "chunk_bytes": cfg.sync.chunk_bytes, "retain_versions": cfg.sync.retain_versions,
         "publish_every": cfg.sync.publish_every, "spot_rate": 0.25,
+        "task_sets": msgspec.to_builtins(t.task_sets), "trusted": list(cfg.trust.coordinators),
         "trainer": {"local_groups": t.local_rollouts, "external_groups": t.external_rollouts,
                     "group_size": t.group_size, "lr": t.lr, "max_new_tokens": t.max_new_tokens,
                     "temperature": t.temperature, "seed": t.seed, "max_staleness": cfg.sync.max_staleness,

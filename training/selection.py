@@ -38,10 +38,15 @@ class Resolution(msgspec.Struct, frozen=True):
     waiting: list[str]  # entries that match no set held yet
 
 
-def normalise(entries: Iterable[str | TaskSetChoice], where: str = "training.task_sets") -> list[TaskSetChoice]:
+def normalise(entries: Iterable[str | TaskSetChoice | dict], where: str = "training.task_sets") -> list[TaskSetChoice]:
     """Entries as choices, each checked: a one-line ConfigError naming the bad entry."""
     out = []
     for e in entries:
+        if isinstance(e, dict):  # the plain-data form a worker spec carries
+            try:
+                e = msgspec.convert(e, TaskSetChoice)
+            except msgspec.ValidationError as err:
+                raise ConfigError(f"{where}: {err}") from None
         c = TaskSetChoice(set=e) if isinstance(e, str) else e
         name = c.set.strip()
         if not name or len(name) > MAX_NAME:
