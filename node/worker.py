@@ -274,6 +274,8 @@ class Worker:
                                "published": published,
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
             self._spot_checks(pub.lineage.id, pub.version)
+        self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
+        self.tasks.save()
 
     def _external(self, max_groups: int, min_version: int) -> list:
         out: list = []
