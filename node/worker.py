@@ -218,6 +218,8 @@ class Worker:
             self._spot_checks(pub.lineage.id, pub.version)
 
     def _external(self, max_groups: int, min_version: int) -> list:
+        from training.tokencheck import consistent
+
         out: list = []
         with self.inbox.lock:
             keys = list(self.inbox.groups)
@@ -226,7 +228,8 @@ class Worker:
                 if taken >= max_groups:
                     break
                 g = self.inbox.groups[k]
-                g = [r for r in g if bytes(r.lineage) != self.held_lineage or r.version >= min_version]
+                g = [r for r in g if (bytes(r.lineage) != self.held_lineage or r.version >= min_version)
+                     and consistent(r, self.engine)]  # ids in the vocabulary, decoding to the verified text
                 if len(g) >= 2:
                     out.extend(g)
                     taken += 1
@@ -437,6 +440,7 @@ class Worker:
                 self.inbox.spot.clear()
             return
         from training.rollouts import logprobs_from_bytes
+        from training.tokencheck import consistent
 
         rate = float(self.spec.get("spot_rate", 0.25))
         with self.inbox.lock:
@@ -448,6 +452,8 @@ class Worker:
                 if bytes(r.lineage) != lineage or r.version != version or not r.completion_ids:
                     continue
                 if bytes(r.tokenizer_hash) != self.engine.tokenizer_hash or self.rng.random() > rate or checked >= 4:
+                    continue
+                if not consistent(r, self.checker):  # never feed a model ids outside its vocabulary
                     continue
                 try:
                     task = self.registry.resolve(r.task)
@@ -490,4 +496,7 @@ def main(conn: Any, spec: dict[str, Any]) -> None:
 
     warnings.filterwarnings("ignore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the network process decides when we stop
+    from gossip import wire
+
+    wire.bind_swarm(spec.get("swarm", wire.DEFAULT_SWARM))
     Worker(conn, spec).run()

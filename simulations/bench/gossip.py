@@ -54,7 +54,7 @@ def make_rollout(reg: Any, seed: int, tokens: int = 256, version: int = 0, linea
 def make_batch(ident: Identity, reg: Any, seq: int, n: int = 4, tokens: int = 64, swarm: str = SWARM,
                version: int = 0, created_ms: int | None = None, **kw: Any) -> bytes:
     seeds = [(seq * 1009 + i * 7) % 1_000_000 for i in range(n)]
-    batch = wire.RolloutBatch(v=1, swarm=swarm, producer=ident.public, seq=seq,
+    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=swarm, producer=ident.public, seq=seq,
                               created_ms=wire.now_ms() if created_ms is None else created_ms,
                               rollouts=[make_rollout(reg, s, tokens, version, **kw) for s in seeds])
     return wire.seal(ident, wire.ROLLOUT_BATCH, batch)
@@ -63,8 +63,8 @@ def make_batch(ident: Identity, reg: Any, seq: int, n: int = 4, tokens: int = 64
 def resign_with(signer: Identity, claimed: Identity, data: bytes) -> bytes:
     """The same body, claiming `claimed` as signer but signed by `signer`: a bad signature."""
     env = wire.decode_envelope(data)
-    sig = signer.sign(wire.signing_domain(env.kind) + env.body)
-    return wire.encode(wire.Envelope(env.v, env.kind, env.body, claimed.public, sig))
+    sig = signer.sign(wire.signing_domain(env.kind, env.v, env.swarm) + env.body)
+    return wire.encode(wire.Envelope(env.v, env.kind, env.swarm, env.body, claimed.public, sig))
 
 
 # ------------------------------------------------------------ pipeline throughput
