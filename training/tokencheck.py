@@ -32,10 +32,17 @@ class TokenCheck:
         # The model's embedding rows (config.json vocab_size) when known: ids past them crash a lookup.
         self.vocab = int(vocab) if vocab else len(tokenizer)
         self.eos_id = tokenizer.eos_token_id
+        # Without clean-up, transformers' decode is the backend's decode behind per-id type
+        # checks that cost more than the decoding; with it, only the full call is exact.
+        self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else tokenizer.backend_tokenizer
 
     def decode(self, ids: list[int]) -> str:
         """Exactly what training.engine_hf.HFEngine.decode makes of `ids` (the producer's text)."""
-        return self.tokenizer.decode([i for i in ids if i != self.eos_id], skip_special_tokens=True)
+        if self.eos_id in ids:
+            ids = [i for i in ids if i != self.eos_id]
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def __call__(self, r: wire.Rollout) -> tuple[Reason, str] | None:
         if bytes(r.tokenizer_hash) != self.hash:
