@@ -21,7 +21,7 @@ from typing import Any, Final
 
 HEADROOM: Final = 2.0  # an honest rate varies; twice the announced rate is provably above it
 BURST_WINDOW_S: Final = 60.0  # a minute of the allowed rate may arrive at once
-MAX_BATCHES_PER_S: Final = 200.0  # whatever a peer announces, no more is admitted
+MAX_BATCHES_PER_S: Final = 50.0  # whatever a peer announces, no more is admitted (a Sybil bound is per key anyway)
 METER_WINDOW_S: Final = 60.0
 
 
