@@ -28,7 +28,7 @@ from gossip.errors import DecodeError
 log = logging.getLogger("murmur.gossip.service")
 
 # Cheap-gate rejections are not written to the ledger: a flood must not become disk writes.
-_UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.DUPLICATE}
+_UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.OVER_ANNOUNCED_RATE, Reason.DUPLICATE}
 VERIFY_THREADS = 2  # threads waiting on the verifier pool at once
 ANNOUNCE_KINDS = (wire.TASK_SET, wire.PATCH_MANIFEST, wire.NODE_ANNOUNCE)
 

@@ -1,14 +1,15 @@
 """The rollout verification pipeline: a sans-IO state machine, cheapest check first.
 
 Stages (docs/gossip.md lists every reason and penalty):
-  admit  (event loop, microseconds): graylist/blacklist -> rate limit -> size ->
+  admit  (event loop, microseconds): graylist/blacklist -> size -> rate limit ->
          decode envelope -> signer == originator -> verdict cache -> signature ->
          body -> swarm -> freshness (TTL) -> replay (producer, seq) -> task set known
+         -> staleness
   verify (thread: pure CPU, no shared state but a locked task cache):
          token ids against the tokenizer (vocabulary, text == decode(ids)),
          regenerate every task from its reference, recompute every reward
          (through an injected, time-limited verifier pool in a node)
-  commit (event loop): policy version within the staleness bound -> accept
+  commit (event loop): staleness again (heads move during verify) -> accept
 
 Who pays: a penalty lands only on a peer that provably committed the fault.
 The gossip originator is authenticated by libp2p, so bytes whose envelope
@@ -293,6 +294,9 @@ class Pipeline:
                 if not self.task_set_trusted(r.task.task_set):
                     return self._reject(Reason.UNKNOWN_TASK_SET, origin, data, mid, batch,
                                         f"task set {r.task.task_set.hex()[:16]} not known/trusted")
+        stale = self._stale(batch)  # before the expensive stage; again at commit (heads move meanwhile)
+        if stale is not None:
+            return self._reject(Reason.STALE_VERSION, origin, data, mid, batch, stale)
         self._inflight.add(mid)
         return Pending(origin, data, mid, batch)
 
@@ -311,11 +315,9 @@ class Pipeline:
             reason, detail = p.failure
             return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
                                 remember=reason is not Reason.UNKNOWN_TASK_SET)
-        for r in p.batch.rollouts:
-            head = self.head_version(r.lineage)
-            if head is not None and r.version + self.config.max_staleness < head:
-                return self._reject(Reason.STALE_VERSION, p.origin, p.data, p.msg_id, p.batch,
-                                    f"version {r.version} vs head {head} (bound {self.config.max_staleness})")
+        stale = self._stale(p.batch)
+        if stale is not None:
+            return self._reject(Reason.STALE_VERSION, p.origin, p.data, p.msg_id, p.batch, stale)
         now = self.clock()
         self.seen.put(p.msg_id, (Reason.ACCEPTED, p.origin), now)
         self.seqs.put((p.batch.producer, p.batch.seq), p.msg_id, now)
@@ -343,6 +345,14 @@ class Pipeline:
             return None
         return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
                             f"over {self.config.rate_per_s}/s (burst {self.config.burst})")
+
+    def _stale(self, batch: wire.RolloutBatch) -> str | None:
+        """Judged against the publisher-signed head only: a claimed version never moves a head."""
+        for r in batch.rollouts:
+            head = self.head_version(r.lineage)
+            if head is not None and r.version + self.config.max_staleness < head:
+                return f"version {r.version} vs head {head} (bound {self.config.max_staleness})"
+        return None
 
     def _verify(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:
         if self.check_tokens is not None:

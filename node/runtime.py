@@ -251,7 +251,7 @@ class Node:
         led = self.ledger
         rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
         if self.service is not None:
-            for reason in ("graylisted", "blacklisted", "rate_limited"):
+            for reason in ("graylisted", "blacklisted", "rate_limited", "over_announced_rate"):
                 n = self.service.pipeline.counts.get(reason, 0)
                 if n:
                     rejected[reason] = rejected.get(reason, 0) + n
