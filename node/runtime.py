@@ -37,6 +37,7 @@ from node import control, hardware, patchsync, roles
 from node.config import Config
 from gossip.errors import MurmurError, PatchError
 from gossip.identity import Identity, peer_id_from_public
+from gossip.ratelimit import RateMeter
 from node.logs import event
 from node.status import LineageView, NodeStatus, PeerView, TREND_POINTS
 
@@ -89,7 +90,7 @@ class RunOptions:
 def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str], opts: RunOptions) -> dict[str, Any]:
     t = cfg.training
     return {
-        "home": str(home), "roles": node_roles, "model": t.model, "model_home": opts.model_home or str(home),
+        "home": str(home), "swarm": cfg.node.swarm, "roles": node_roles, "model": t.model, "model_home": opts.model_home or str(home),
         "device": t.device, "model_seed": 0, "seed": t.seed, "threads": t.threads,
         "memory_budget_mb": cfg.node.memory_budget_mb, "identity_seed": ident.seed.hex(),
         "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
@@ -201,6 +202,8 @@ class Node:
         self.counters: dict[str, int] = {"bytes_up": 0, "bytes_down": 0, "published": 0, "applied": 0,
                                          "spot_checked": 0, "spot_failed": 0, "used": 0, "publish_failed": 0}
         self.ledger: dict[str, int] = {}
+        self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
+        self.publish_meter = RateMeter()  # batches/s we publish, announced (gossip.ratelimit)
         self.steps = 0
         self.step_times: deque[float] = deque(maxlen=8)  # seconds per optimizer step
         self.version_times: deque[float] = deque(maxlen=8)  # seconds between published versions
@@ -253,7 +256,7 @@ class Node:
         led = self.ledger
         rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
         if self.service is not None:
-            for reason in ("graylisted", "blacklisted", "rate_limited"):
+            for reason in ("graylisted", "blacklisted", "rate_limited", "over_announced_rate"):
                 n = self.service.pipeline.counts.get(reason, 0)
                 if n:
                     rejected[reason] = rejected.get(reason, 0) + n
@@ -299,9 +302,11 @@ class Node:
         from gossip.service import GossipService
         from gossip.validation import Pipeline, PipelineConfig
         from training.tasksets import TaskRegistry
-        from training.verifiers import score
+        from training.tokencheck import for_model
+        from training.verifiers import VerifierPool, score
 
         cfg = self.cfg
+        wire.bind_swarm(cfg.node.swarm)  # every envelope signed or accepted here names this swarm
         self.registry = TaskRegistry()
         self.registry.add_builtin()
         for ts in self.store.task_sets():
@@ -329,9 +334,12 @@ class Node:
         try:
             async with open_transport(self.ident, listen) as t:
                 self.transport = t
+                self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
+                check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
                 pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness),
                                     clock=time.time, resolve_task=self.registry.resolve, reward=score,
-                                    head_version=self._head_of, task_set_trusted=lambda ts: ts in self.registry)
+                                    head_version=self._head_of, task_set_trusted=lambda ts: ts in self.registry,
+                                    reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
                 self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
@@ -369,6 +377,8 @@ class Node:
                 await trio.to_thread.run_sync(self.worker.stop, STOP_GRACE_S)
             if self.metrics is not None:
                 self.metrics.close()
+            if self.verifiers is not None:
+                self.verifiers.close()
             self.store.close()
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
@@ -438,6 +448,7 @@ class Node:
         if prev is not None and prev.announce.seq >= body.seq:
             return
         self.peers[body.peer_id] = PeerInfo(body, bytes(env.signer), time.monotonic())
+        self.service.pipeline.announced(body.peer_id, body)
         for d in body.owned:
             lin = self._lineage(bytes(d.lineage), d.name, bytes(env.signer))
             lin.head = max(lin.head, d.head_version)
@@ -697,6 +708,7 @@ class Node:
             await trio.to_thread.run_sync(self.store.record_rollouts, entries)
             try:
                 await self.service.publish_rollouts(data)
+                self.publish_meter.tick(time.time())
                 self.counters["rollouts_published"] = self.counters.get("rollouts_published", 0) + len(part)
             except PublishError as e:
                 self.counters["publish_failed"] += 1
@@ -808,7 +820,8 @@ class Node:
             memory_bytes=self.cfg.node.memory_budget_mb * 2**20, roles=self.roles,
             lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
             owned=[demand] if demand else [],
-            addrs=(self.reach.announce_addrs() if getattr(self, "reach", None) else self.transport.listen_addrs())[:16])
+            addrs=(self.reach.announce_addrs() if getattr(self, "reach", None) else self.transport.listen_addrs())[:16],
+            publish_batches_per_s=self.publish_meter.rate(time.time()))
         return wire.seal(self.ident, wire.NODE_ANNOUNCE, a)
 
     async def _announce_loop(self) -> None:

@@ -279,9 +279,13 @@ class Worker:
         self.tasks.save()
 
     def _external(self, max_groups: int, min_version: int) -> list:
-        """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py)."""
+        """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py), each
+        rollout's ids in the vocabulary and decoding to the text that was verified."""
+        from training.tokencheck import consistent
+
         with self.inbox.lock:
-            return self.inbox.sampler.take_rollouts(max_groups, min_version)
+            taken = self.inbox.sampler.take_rollouts(max_groups, min_version)
+        return [r for r in taken if consistent(r, self.engine)]
 
     def _observe_own_head(self, lineage: bytes, version: int) -> None:
         # this worker publishes its lineage, so its own version is that lineage's head
@@ -501,6 +505,7 @@ class Worker:
                 self.inbox.spot.clear()
             return
         from training.rollouts import logprobs_from_bytes
+        from training.tokencheck import consistent
 
         rate = float(self.spec.get("spot_rate", 0.25))
         with self.inbox.lock:
@@ -512,6 +517,8 @@ class Worker:
                 if bytes(r.lineage) != lineage or r.version != version or not r.completion_ids:
                     continue
                 if bytes(r.tokenizer_hash) != self.engine.tokenizer_hash or self.rng.random() > rate or checked >= 4:
+                    continue
+                if not consistent(r, self.checker):  # never feed a model ids outside its vocabulary
                     continue
                 try:
                     task = self.registry.resolve(r.task)
@@ -554,4 +561,7 @@ def main(conn: Any, spec: dict[str, Any]) -> None:
 
     warnings.filterwarnings("ignore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the network process decides when we stop
+    from gossip import wire
+
+    wire.bind_swarm(spec.get("swarm", wire.DEFAULT_SWARM))
     Worker(conn, spec).run()
