@@ -117,6 +117,7 @@ class Worker:
         self.gen_s = 0.0
         self.need_anchor = False
         self.held_lineage = b""
+        self.engine: Any = None  # loaded in run(); until then nothing is trained on
 
     def send(self, kind: str, body: Any) -> None:
         with self._send_lock:
@@ -285,7 +286,7 @@ class Worker:
 
         with self.inbox.lock:
             taken = self.inbox.sampler.take_rollouts(max_groups, min_version)
-        return [r for r in taken if consistent(r, self.engine)]
+        return [r for r in taken if self.engine is None or consistent(r, self.engine)]
 
     def _observe_own_head(self, lineage: bytes, version: int) -> None:
         # this worker publishes its lineage, so its own version is that lineage's head
