@@ -49,7 +49,7 @@ class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
     relay_max_circuit_s: Annotated[int, _d("relay: seconds per circuit before it is closed")] = 600
     relays: Annotated[list[str], _d("relay peers to reserve a slot on when not publicly reachable")] = []
     webrtc: Annotated[bool, _d("also listen on UDP /webrtc-direct (same port number as TCP) and dial it when TCP fails; "
-                               "needs the optional aiortc extra (pip install 'murmur[webrtc]'), ignored without it")] = True
+                               "needs aiortc (a default dependency of murmur-swarm: bash install.sh), ignored without it")] = True
 
 
 class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
