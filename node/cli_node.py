@@ -32,7 +32,8 @@ def node_start(
     ensure_home(h)
     cfg = load_config(config_path(h, config))
     tui = not no_tui and sys.stdout.isatty()
-    logs.setup(cfg.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log")
+    logs.setup(cfg.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log",
+               max_bytes=cfg.disk.logs_max_mb * 2**20)
     run_node(cfg, h, RunOptions(tui=tui, listen=list(listen or []), bootstrap=list(bootstrap or [])))
 
 

@@ -175,7 +175,7 @@ class Node:
         self.home = Path(home)
         self.ident = ident
         self.opts = opts
-        self.store = open_store(self.home)
+        self.store = open_store(self.home, cfg.disk.ledger_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
@@ -518,6 +518,7 @@ class Node:
             log.warning("could not store patch %s: %s", tr.pid.hex()[:12], e)
             return
         have.add((item.kind, item.base, item.target))
+        await trio.to_thread.run_sync(patchsync.held_store(self.home, lid).prune, self.cfg.sync.retain_versions)
         self.counters["bytes_down"] += tr.session.bytes_in
         if tr.completed_wall is not None:
             self.fetch_s.append(max(0.0, tr.completed_wall - tr.started))
