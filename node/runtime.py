@@ -37,7 +37,7 @@ from node.config import Config
 from gossip.errors import MurmurError, PatchError
 from gossip.identity import Identity, peer_id_from_public
 from node.logs import event
-from node.status import LineageView, NodeStatus, PeerView, TREND_POINTS
+from node.status import DiskMeter, Drops, LineageView, NodeStatus, PeerView, TREND_POINTS
 
 log = logging.getLogger("murmur.node")
 
@@ -195,6 +195,7 @@ class Node:
         self.counters: dict[str, int] = {"bytes_up": 0, "bytes_down": 0, "published": 0, "applied": 0,
                                          "spot_checked": 0, "spot_failed": 0, "used": 0, "publish_failed": 0}
         self.ledger: dict[str, int] = {}
+        self.drops, self.disk = Drops(), DiskMeter(home, cfg)
         self.steps = 0
         self.step_times: deque[float] = deque(maxlen=8)  # seconds per optimizer step
         self.version_times: deque[float] = deque(maxlen=8)  # seconds between published versions
@@ -275,6 +276,7 @@ class Node:
             rollout_latency_s=self.latency, bytes_up=self._bytes_up(), bytes_down=self._bytes_down(),
             memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
             metrics_port=self.metrics.port if self.metrics else 0,
+            dropped=self.drops.view(self.worker.dropped if self.worker else 0), disk=self.disk.views(now),
             **({"reach": self.reach.view()} if getattr(self, "reach", None) else {}))
 
     def _bytes_up(self) -> int:
@@ -462,6 +464,7 @@ class Node:
         try:
             self.registry.add(data, trusted)
         except MurmurError as e:
+            self.drops.add("task_set_refused")
             log.debug("task set from %s not accepted: %s", origin, e)
             return
         await trio.to_thread.run_sync(self.store.add_task_set, tid, m.name, m.version, bytes(m.coordinator), data)
@@ -616,6 +619,7 @@ class Node:
             self._reward(body["reward_mean"])
             self.counters["used"] += int(body.get("n_external_groups", 0)) * self.cfg.training.group_size
             self.step_times.append(float(body["step_s"]))
+            self.drops.from_worker(body.get("dropped"))
             event(log, "step", **{k: body[k] for k in ("step", "version", "reward_mean", "loss",
                                                        "n_external_groups", "step_s")})
         elif kind == "gen":
@@ -818,7 +822,7 @@ class Node:
             try:
                 await self.service.publish_announce(self._announce())
             except PublishError:
-                pass
+                self.drops.add("announce_unpublished")
             if i % TASK_SET_CHECK_EVERY == 0:
                 await self._announce_task_sets()
             now = time.monotonic()
@@ -848,6 +852,7 @@ class Node:
             try:
                 await self.service.publish_announce(bytes(ts["envelope"]))
             except PublishError:
+                self.drops.add("task_set_unpublished")
                 return  # no peers yet: try again next round
             self.announced_task_sets.add(tid)
             event(log, "task set announced", name=ts["name"], version=ts["version"], id=tid.hex()[:16])

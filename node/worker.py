@@ -59,6 +59,7 @@ class Inbox:
         self.max_groups = max_groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
         self.dropped = 0
+        self.stale = 0  # external rollouts below the trainer's minimum version
 
 
 def _reader(conn: Any, inbox: Inbox) -> None:
@@ -213,7 +214,8 @@ class Worker:
             self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
                                "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
-                               "published": published,
+                               "published": published, "dropped": {**trainer.drops, "worker_inbox_full":
+                               self.inbox.dropped, "below_min_version": self.inbox.stale},
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
             self._spot_checks(pub.lineage.id, pub.version)
 
@@ -226,7 +228,8 @@ class Worker:
                 if taken >= max_groups:
                     break
                 g = self.inbox.groups[k]
-                g = [r for r in g if bytes(r.lineage) != self.held_lineage or r.version >= min_version]
+                kept = [r for r in g if bytes(r.lineage) != self.held_lineage or r.version >= min_version]
+                self.inbox.stale, g = self.inbox.stale + len(g) - len(kept), kept
                 if len(g) >= 2:
                     out.extend(g)
                     taken += 1

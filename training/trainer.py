@@ -147,6 +147,7 @@ class Trainer:
         self.lineage = lineage
         self.external = external
         self.on_step = on_step
+        self.drops: dict[str, int] = {}  # what this trainer let go, by reason (node.status.DROP_REASONS)
         m = registry.get(task_set)
         gens = [g for g in m.generators if (g.name in generators if generators else not g.name.endswith("-eval"))]
         if not gens:
@@ -226,6 +227,7 @@ class Trainer:
             try:
                 task = self.registry.resolve(w.task)
             except TaskError:
+                self.drops["task_set_unused"] = self.drops.get("task_set_unused", 0) + 1
                 continue  # not a task set we hold: unusable here, not an error of ours
             rec = from_wire(w, task, self.engine.encode(task.prompt), self.engine.tokenizer_hash, self.engine.encode)
             if rec.src_logp_mean is not None or rec.lineage != self.lineage:
