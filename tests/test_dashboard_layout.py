@@ -98,3 +98,15 @@ def test_drop_reasons_in_status_and_metrics() -> None:
     assert 'murmur_dropped_total{reason="worker_inbox_full"} 5.0' in body
     assert all(f'murmur_dropped_total{{reason="{r}"}}' in body for r in DROP_REASONS)
     assert 'murmur_disk_bytes{budget="ledger"} 2.097152e+06' in body
+
+
+def test_every_drop_reason_and_disk_key_is_documented() -> None:
+    from pathlib import Path
+
+    from node.config import DiskSection
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "volunteer.md").read_text()
+    for reason in DROP_REASONS:
+        assert f"`{reason}`" in doc, reason
+    for key in DiskSection.__struct_fields__:
+        assert f"`disk.{key}`" in doc, key

@@ -42,6 +42,16 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     return d, build_qwen2(d)
 
 
+def _free_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
 def _cfg(model: Path, budget: int, roles: list[str] | None = None, lr: float = 3e-4) -> Config:
     return Config(node=NodeSection(memory_budget_mb=budget, roles=roles or []),
                   training=TrainingSection(model=str(model), lr=lr))
@@ -114,3 +124,46 @@ def test_node_start_refuses_a_model_over_budget(qwen: tuple[Path, int], tmp_path
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "needs about" in r.stderr and "MiB as trainer" in r.stderr
+
+
+@pytest.mark.slow
+def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path) -> None:
+    """A trainer and a follower+validator, both with the Qwen2-shaped model by path and no lr set: the trainer
+    steps with the size's learning rate and publishes, the follower applies its versions, nothing errors."""
+    import json
+
+    from tests.nodeproc import status, stop_all, wait_for
+
+    d, _ = qwen
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    homes, procs = [], []
+    try:
+        bootstrap: list[str] = []
+        for i, roles in enumerate((["trainer"], ["follower", "validator"])):
+            home = tmp_path / f"n{i}"
+            home.mkdir()
+            (home / "config.toml").write_text(
+                f'[node]\nswarm = "byo"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 4096\n'
+                f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_free_port()}"]\ndht = false\n'
+                '[sync]\npublish_every = 1\nanchor_every = 8\n'
+                f'[training]\nmodel = "{d}"\nmax_new_tokens = 4\nlocal_rollouts = 4\n')
+            cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
+            for b in bootstrap:
+                cmd += ["--bootstrap", b]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"),
+                                          env=env))
+            homes.append(home)
+            if i == 0:
+                wait_for("trainer listening", lambda: bool((s := status(home)) and s.listen), procs, 300)
+                bootstrap = [status(home).listen[0]]
+        wait_for("trainer steps and follower applies", lambda: bool(
+            (a := status(homes[0])) and (b := status(homes[1])) and a.steps >= 3 and b.versions_applied >= 2),
+            procs, 600)
+    finally:
+        stop_all(procs)
+    log = (homes[0] / "stderr.log").read_text()
+    assert f"training.lr {modelplan.MODEL_LR:g}" in log
+    for h in homes:
+        lines = [json.loads(x) for x in (h / "stderr.log").read_text().splitlines() if x.startswith("{")]
+        assert not [x for x in lines if x.get("level") == "error"], h
