@@ -325,7 +325,7 @@ class Libp2pTransport:
         if len(data) > MAX_PUBLISH_BYTES:
             self.counters["publish_errors"] += 1
             raise PublishError(f"{len(data)}-byte message exceeds the {MAX_PUBLISH_BYTES}-byte gossip limit; "
-                               "announce it by hash and serve it with gossip.fetch")
+                               "bulk data moves over the broadcast's chunk streams")
         targets = list(self.pubsub.peer_topics.get(topic, ()))
         if not targets:
             self.counters["publish_errors"] += 1

@@ -94,6 +94,17 @@ def bench_swarm(
         _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed, nodes=nodes)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    json_out: JsonOpt = True,
+    minutes: Annotated[float, typer.Option(help="minutes of running after the first node starts working", min=0.5)] = 60.0,
+) -> None:
+    """A local swarm (trainer, follower+validator, trainer) for N minutes: memory, disk, errors, drops, progress."""
+    from simulations.bench.soak import run
+
+    _run(run, minutes=minutes)
+
+
 @bench_app.command("reachability")
 def bench_reachability(json_out: JsonOpt = True) -> None:
     """Direct, relayed, hole-punched and WebRTC paths across emulated NATs."""

@@ -39,7 +39,7 @@ from gossip.errors import MurmurError, PatchError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.ratelimit import RateMeter
 from node.logs import event
-from node.status import LineageView, NodeStatus, PeerView, TREND_POINTS
+from node.status import DiskMeter, Drops, LineageView, NodeStatus, PeerView, TREND_POINTS
 
 log = logging.getLogger("murmur.node")
 
@@ -182,7 +182,7 @@ class Node:
         self.home = Path(home)
         self.ident = ident
         self.opts = opts
-        self.store = open_store(self.home)
+        self.store = open_store(self.home, cfg.disk.ledger_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
@@ -204,6 +204,7 @@ class Node:
         self.ledger: dict[str, int] = {}
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
         self.publish_meter = RateMeter()  # batches/s we publish, announced (gossip.ratelimit)
+        self.drops, self.disk = Drops(), DiskMeter(home, cfg)
         self.steps = 0
         self.step_times: deque[float] = deque(maxlen=8)  # seconds per optimizer step
         self.version_times: deque[float] = deque(maxlen=8)  # seconds between published versions
@@ -283,6 +284,7 @@ class Node:
             rollout_latency_s=self.latency, bytes_up=self._bytes_up(), bytes_down=self._bytes_down(),
             memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
             metrics_port=self.metrics.port if self.metrics else 0,
+            dropped=self.drops.view(self.worker.dropped if self.worker else 0), disk=self.disk.views(now),
             **({"reach": self.reach.view()} if getattr(self, "reach", None) else {}))
 
     def _bytes_up(self) -> int:
@@ -475,6 +477,7 @@ class Node:
         try:
             self.registry.add(data, trusted)
         except MurmurError as e:
+            self.drops.add("task_set_refused")
             log.debug("task set from %s not accepted: %s", origin, e)
             return
         await trio.to_thread.run_sync(self.store.add_task_set, tid, m.name, m.version, bytes(m.coordinator), data)
@@ -531,6 +534,7 @@ class Node:
             log.warning("could not store patch %s: %s", tr.pid.hex()[:12], e)
             return
         have.add((item.kind, item.base, item.target))
+        await trio.to_thread.run_sync(patchsync.held_store(self.home, lid).prune, self.cfg.sync.retain_versions)
         self.counters["bytes_down"] += tr.session.bytes_in
         if tr.completed_wall is not None:
             self.fetch_s.append(max(0.0, tr.completed_wall - tr.started))
@@ -628,6 +632,7 @@ class Node:
             self._reward(body["reward_mean"])
             self.counters["used"] += int(body.get("n_external_groups", 0)) * self.cfg.training.group_size
             self.step_times.append(float(body["step_s"]))
+            self.drops.from_worker(body.get("dropped"))
             event(log, "step", **{k: body[k] for k in ("step", "version", "reward_mean", "loss",
                                                        "n_external_groups", "step_s")})
         elif kind == "gen":
@@ -832,7 +837,7 @@ class Node:
             try:
                 await self.service.publish_announce(self._announce())
             except PublishError:
-                pass
+                self.drops.add("announce_unpublished")
             if i % TASK_SET_CHECK_EVERY == 0:
                 await self._announce_task_sets()
             now = time.monotonic()
@@ -862,6 +867,7 @@ class Node:
             try:
                 await self.service.publish_announce(bytes(ts["envelope"]))
             except PublishError:
+                self.drops.add("task_set_unpublished")
                 return  # no peers yet: try again next round
             self.announced_task_sets.add(tid)
             event(log, "task set announced", name=ts["name"], version=ts["version"], id=tid.hex()[:16])

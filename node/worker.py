@@ -274,6 +274,8 @@ class Worker:
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
                                "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
                                "published": published, "sampler": sampler_counts,
+                               "dropped": {**trainer.drops, "worker_inbox_full": sampler_counts["evicted"],
+                                           "below_min_version": sampler_counts["stale"]},
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
             self._spot_checks(pub.lineage.id, pub.version)
         self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary

@@ -102,33 +102,6 @@ def test_plaintext_peer_is_refused() -> None:
     trio.run(main)
 
 
-def test_fetch_big_payload_by_hash() -> None:
-    from gossip.fetch import PayloadStore, fetch, payload_id, serve
-    from gossip.transport import StreamError
-
-    async def main() -> None:
-        async with open_transport(Identity.from_seed(b"\x11" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x12" * 32)) as b:
-            await b.connect(a.listen_addrs()[0])
-            store = PayloadStore()
-            big = bytes(range(256)) * 8192  # 2 MiB: too big for gossip
-            pid = store.put(big)
-            serve(a, store)
-            assert await fetch(b, a.peer_id, pid) == big
-            assert await fetch(b, a.peer_id, payload_id(b"absent")) is None
-
-            # a server that lies about the content is caught by the hash check
-            async def liar(stream, peer: str) -> None:
-                await read_frame(stream, 32)
-                await write_frame(stream, b"\x00" + b"not it")
-                await stream.close()
-            b.set_stream_handler("/murmur/fetch/1", liar)
-            with pytest.raises(StreamError, match="do not match"):
-                await fetch(a, b.peer_id, pid)
-
-    trio.run(main)
-
-
 def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small reads send no WINDOW_UPDATE (py-libp2p 0.8.1 sent one per read); bulk data still flows."""
     import struct
