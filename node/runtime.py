@@ -34,7 +34,8 @@ import trio
 from gossip import wire
 from node import control, hardware, patchsync, roles
 from node.config import Config
-from gossip.errors import MurmurError, PatchError
+from gossip.errors import DecodeError, MurmurError, PatchError
+from gossip.transport import FrameError
 from gossip.identity import Identity, peer_id_from_public
 from node.logs import event
 from node.status import LineageView, NodeStatus, PeerView, TREND_POINTS
@@ -51,6 +52,7 @@ CATCH_UP_TIMEOUT_S = 120.0
 IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
 TASK_SET_CHECK_EVERY = 5  # announce rounds between checks of the store for our own new task sets
 PARTIAL_SWEEP_EVERY = 60  # catch-up rounds (~0.5 s each) between sweeps of finished partial downloads
+STREAM_FAULT_PENALTY = 20.0  # bytes that break a stream protocol: three such faults graylist the sender
 PARTIAL_KEEP_S = 600.0  # an unfinished download's chunks are kept this long for a restart to resume from
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 
@@ -331,6 +333,7 @@ class Node:
                 pool = RolloutPool(self.pool_max, self.store)
                 self.pool = pool
                 self.service = GossipService(t, pipeline, pool, cfg.node.swarm, self.store)
+                t.faults.on_fault = self._on_stream_fault
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
@@ -500,6 +503,12 @@ class Node:
         p.scores.penalise(peer, f"broadcast: {reason}"[:120], abs(amount), p.clock())
         event(log, "broadcast penalty", peer=peer, reason=reason[:200], amount=abs(amount))
 
+    def _on_stream_fault(self, peer: str, protocol: str, error: str) -> None:
+        """Bytes that break a stream protocol (ours or py-libp2p's) lower the sender's gossip score."""
+        p = self.service.pipeline
+        p.scores.penalise(peer, f"stream: {protocol}"[:120], STREAM_FAULT_PENALTY, p.clock())
+        event(log, "stream fault", peer=peer, protocol=protocol, error=error[:200])
+
     def _on_transfer_complete(self, tr: Any) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(self._store_transfer, tr)
@@ -544,6 +553,8 @@ class Node:
         try:
             with trio.fail_after(30):
                 await patchsync.serve(stream, self.home, self.bcast)
+        except (DecodeError, FrameError):
+            raise  # a malformed request: the host's stream guard scores the asker
         except (MurmurError, trio.TooSlowError) as e:
             log.debug("catalog request from %s: %s", remote, e)
         with trio.move_on_after(2):
