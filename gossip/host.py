@@ -235,6 +235,15 @@ class StreamFaults:
                 await disconnect(peer)
 
 
+# py-libp2p handlers that return without closing their stream: pubsub's reader when a peer's RPC is
+# cut short by EOF, the circuit relay HOP handler after answering MALFORMED_MESSAGE. The guard closes
+# the stream, or it would stay half-open in the connection's table for as long as the connection
+# lives. Not for every protocol: the relay STOP handler hands its stream over to the relayed
+# connection it carries.
+_CLOSE_AFTER_HANDLER = frozenset({"/libp2p/circuit/relay/0.2.0/hop", "/meshsub/1.0.0", "/meshsub/1.1.0",
+                                  "/meshsub/1.2.0"})
+
+
 def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
     """Route every inbound stream of `host` through a handler that no exception escapes."""
     inner = host._swarm_stream_handler
@@ -242,6 +251,12 @@ def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
     async def guard_stream(net_stream: Any) -> None:
         try:
             await inner(net_stream)
+            if net_stream.get_protocol() in _CLOSE_AFTER_HANDLER:
+                with trio.move_on_after(RESET_TIMEOUT_S):
+                    try:
+                        await net_stream.close()
+                    except Exception:
+                        pass
         except Exception as e:  # trio.Cancelled is a BaseException and passes through
             try:
                 peer = net_stream.muxed_conn.peer_id.to_base58()
