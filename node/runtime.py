@@ -32,7 +32,8 @@ from typing import Any
 import trio
 
 from gossip import wire
-from node import control, hardware, patchsync, roles
+from node import control, hardware, patchsync, roles, stall
+from node.stall import StallMeter
 from node.config import Config
 from gossip.errors import DecodeError, MurmurError, PatchError
 from gossip.transport import FrameError
@@ -52,6 +53,7 @@ CATCH_UP_TIMEOUT_S = 120.0
 IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
 TASK_SET_CHECK_EVERY = 5  # announce rounds between checks of the store for our own new task sets
 PARTIAL_SWEEP_EVERY = 60  # catch-up rounds (~0.5 s each) between sweeps of finished partial downloads
+MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
 STREAM_FAULT_PENALTY = 20.0  # bytes that break a stream protocol: three such faults graylist the sender
 PARTIAL_KEEP_S = 600.0  # an unfinished download's chunks are kept this long for a restart to resume from
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
@@ -218,6 +220,7 @@ class Node:
 
         self.guard = StalenessGuard(cfg.sync.max_staleness)
         self.metrics: Any = None
+        self.stall = StallMeter()
         self._cancel: trio.CancelScope | None = None
         self.pool_max = max(256, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8))
         self.tokens_per_rollout = float(cfg.training.max_new_tokens)
@@ -277,7 +280,17 @@ class Node:
             rollout_latency_s=self.latency, bytes_up=self._bytes_up(), bytes_down=self._bytes_down(),
             memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
             metrics_port=self.metrics.port if self.metrics else 0,
+            loop_stall_max_ms=round(self.stall.max_ms, 1),
+            loop_stall_recent_ms=round(self.stall.recent_ms(trio.current_time()), 1) if self._nursery else 0.0,
+            stream_faults=dict(self.transport.faults.counts) if self.transport is not None else {},
+            peer_scores=self._peer_scores(),
             **({"reach": self.reach.view()} if getattr(self, "reach", None) else {}))
+
+    def _peer_scores(self) -> dict[str, float]:
+        if self.service is None:
+            return {}
+        p = self.service.pipeline
+        return {peer: round(v["score"], 3) for peer, v in list(p.scores.snapshot(p.clock()).items())[:MAX_SCORES_SHOWN]}
 
     def _bytes_up(self) -> int:
         return int(self.bcast.counters["bytes_up"]) if self.bcast is not None else 0
@@ -357,6 +370,7 @@ class Node:
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
+                    nursery.start_soon(stall.run, self.stall)
                     nursery.start_soon(self._worker_loop)
                     nursery.start_soon(self._announce_loop)
                     nursery.start_soon(self._ledger_loop)
