@@ -111,3 +111,15 @@ def bench_reachability(json_out: JsonOpt = True) -> None:
     from simulations.bench.reachability import run
 
     _run(run)
+
+
+@bench_app.command("attacks")
+def bench_attacks(
+    json_out: JsonOpt = True,
+    window_s: Annotated[float, typer.Option("--window-s", min=10.0, help="seconds measured without, then with, "
+                                                                         "the attack catalogue")] = 60.0,
+) -> None:
+    """Live trainer + follower/validator: honest progress with and without hostile peers running the catalogue."""
+    from simulations.bench.attacks import run
+
+    _run(run, window_s=window_s)
