@@ -161,13 +161,14 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
 
 
 def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, seq: int | None = None) -> bytes:
-    return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
-        v=1, swarm=swarm or a.swarm, producer=a.ident.public, seq=seq if seq is not None else a.sent + 1,
-        created_ms=wire.now_ms(), rollouts=rollouts))
+    with wire.swarm_bound(swarm or a.swarm):  # the envelope is signed for the swarm it names
+        return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
+            v=wire.FORMAT_VERSION, swarm=swarm or a.swarm, producer=a.ident.public,
+            seq=seq if seq is not None else a.sent + 1, created_ms=wire.now_ms(), rollouts=rollouts))
 
 
 def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
-    base: dict[str, Any] = dict(v=1, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
+    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
                                 gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
                                 memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
     base.update(kw)
@@ -178,7 +179,7 @@ def _manifest(a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, tar
               chunks: int = 1, chunk_bytes: int = 1024) -> bytes:
     refs = [wire.ChunkRef(os.urandom(32), chunk_bytes) for _ in range(chunks)]
     return wire.seal(a.ident, wire.PATCH_MANIFEST, wire.PatchManifest(
-        v=1, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
+        v=wire.FORMAT_VERSION, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
         base_version=base, target_version=target, base_hash=b"\x00" * 32, target_hash=os.urandom(32),
         codec="sparse-v1", total_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes, chunks=refs,
         created_ms=wire.now_ms()))
@@ -422,6 +423,7 @@ async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rou
 
     k = Knowledge()
     out: dict[str, dict[str, Any]] = {}
+    wire.bind_swarm(swarm)  # this process speaks for the attacked swarm (the envelope names it)
     async with open_transport(Identity.from_seed(b"\xa7" * 32)) as obs, trio.open_nursery() as n:
         await n.start(observe, obs, k, swarm)
         await _connect_all(obs, addrs)
