@@ -647,8 +647,12 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
             "attacks_run": len(results),
             "attack_classes": sorted(results),
             "honest_nodes_alive": alive,
-            "honest_worker_restarts": sum(int(getattr(s, "worker_restarts", 0) or 0)
-                                          for s in statuses.values() if s is not None),
+            # None where the node's status does not report restarts (no supervision to count them)
+            "honest_worker_restarts": (sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
+                                       if all(hasattr(s, "worker_restarts") for s in statuses.values()
+                                              if s is not None) else None),
+            "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
+                               if s is not None},
             "honest_penalties": round(lost, 3),
             "attacker_graylisted": bool(worst) and all(v < GRAYLIST for v in worst.values()),
             "attackers_seen": len(worst),
