@@ -201,7 +201,7 @@ async def stream_garbage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     for peer in targets:
         for proto in ("/meshsub/1.1.0", "/meshsub/1.2.0"):
             await a.raw(peer, proto, bytes.fromhex("03ffffff"))
-        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1", "/murmur/fetch/1",
+        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1",
                       "/ipfs/id/push/1.0.0", "/libp2p/circuit/relay/0.2.0/hop", "/libp2p/dcutr"):
             await a.raw(peer, proto, rng.randbytes(64) + b"\xff" * 8)
 
