@@ -1,6 +1,6 @@
 """The attack catalogue of issue 15, run by hostile libp2p peers against live nodes, and `murmur bench attacks`.
 
-Each attack is a function `async (Attacker, Knowledge, targets) -> int` (messages or streams sent)
+Each attack is a function `async (Attacker, Knowledge, targets)` (the Attacker counts what it sent)
 that a real libp2p host with a valid key runs against live `murmur node start` processes, using
 today's wire formats. Each class gets its own fresh key (attackers hold many keys), so an early
 attack that gets its key graylisted does not mask the later ones, and the score each key lost on
@@ -385,38 +385,53 @@ async def observe(transport: Any, k: Knowledge, swarm: str, *, task_status: Any 
         task_status.started()
 
 
-async def _connect_all(t: Any, addrs: list[str]) -> None:
-    for addr in addrs:
-        try:
-            await t.connect(addr)
-        except Exception:
-            pass
+async def _connect_all(t: Any, addrs: list[str], timeout_s: float = 5.0) -> None:
+    """Dial every target at once, each bounded: a frozen target must not hold up the others."""
+
+    async def one(addr: str) -> None:
+        with trio.move_on_after(timeout_s):
+            try:
+                await t.connect(addr)
+            except Exception:
+                pass
+
+    async with trio.open_nursery() as n:
+        for addr in addrs:
+            n.start_soon(one, addr)
 
 
-async def run_one(name: str, k: Knowledge, addrs: list[str], targets: list[str], swarm: str,
-                  round_: int = 0, settle_s: float = 1.5) -> dict[str, Any]:
-    """Run one attack class from its own fresh host and key; what it sent."""
+async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any],
+                  round_: int = 0, settle_s: float = 1.5) -> None:
+    """Run one attack class from its own fresh host and key; `res` says what it sent and how far it got."""
     from gossip.host import open_transport
 
     ident = attack_key(name, round_)
+    res.update(attacker=ident.peer_id, sent=0, errors=0, phase="start")
     print(f"attack {name} (round {round_}) from {ident.peer_id}", file=sys.stderr, flush=True)
     async with open_transport(ident) as t:
         a = Attacker(t, ident, swarm, {x.rsplit("/p2p/", 1)[-1]: x for x in addrs})
         await t.subscribe(topics.announce(swarm))
         await t.subscribe(topics.rollouts(swarm))
+        res["phase"] = "connect"
         await _connect_all(t, addrs)
+        res["phase"] = "mesh"
         with trio.move_on_after(5):  # gossip needs a mesh: wait (bounded) until a target subscribes
             while not t.topic_peers(topics.announce(swarm)):
                 await trio.sleep(0.1)
         await trio.sleep(0.5)
-        with trio.move_on_after(ATTACK_TIMEOUT_S):
-            await CATALOGUE[name](a, k, targets)
+        res["phase"] = "attack"
+        try:
+            with trio.move_on_after(ATTACK_TIMEOUT_S):
+                await CATALOGUE[name](a, k, [x.rsplit("/p2p/", 1)[-1] for x in addrs])
+        finally:
+            res.update(sent=a.sent, errors=a.errors)
+        res["phase"] = "settle"
         await trio.sleep(settle_s)  # let the messages land before the host goes
-        return {"attacker": ident.peer_id, "sent": a.sent, "errors": a.errors}
+        res["phase"] = "done"
 
 
-async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rounds: int = 1,
-                        observe_s: float = 5.0, stop: Callable[[], bool] = lambda: False,
+async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observe_s: float = 5.0,
+                        stop: Callable[[], bool] = lambda: False,
                         names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Observe the swarm, then run every attack class (`rounds` times, or until `stop()`); per-class results."""
     from gossip.host import open_transport
@@ -434,12 +449,14 @@ async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rou
             for name in names or list(CATALOGUE):
                 if stop():
                     break
-                res = {"attacker": attack_key(name, r).peer_id, "sent": 0, "errors": 1}
+                res: dict[str, Any] = {}
                 with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
-                    res = await run_one(name, k, addrs, targets, swarm, r)
-                prev = out.get(name, {"attackers": [], "sent": 0, "errors": 0})
-                out[name] = {"attackers": sorted(set(prev["attackers"]) | {res["attacker"]}),
-                             "sent": prev["sent"] + res["sent"], "errors": prev["errors"] + res["errors"]}
+                    await run_one(name, k, addrs, swarm, res, r)
+                prev = out.setdefault(name, {"attackers": [], "sent": 0, "errors": 0, "phases": []})
+                prev["attackers"] = sorted(set(prev["attackers"]) | {res["attacker"]})
+                prev["sent"] += res["sent"]
+                prev["errors"] += res["errors"]
+                prev["phases"].append(res["phase"])  # "done", or where a timeout stopped it
             if stop():
                 break
         n.cancel_scope.cancel()
@@ -622,13 +639,13 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         honest = set(sw.peer_ids())
         print(f"baseline window {window_s:.0f} s", file=sys.stderr)
         base = measure(sw, window_s)
-        addrs, targets = sw.addrs(), sw.peer_ids()
+        addrs = sw.addrs()
         results: dict[str, dict[str, Any]] = {}
         attacked: list[Window] = []
 
         def attack_thread() -> None:
             deadline = time.monotonic() + window_s
-            results.update(trio.run(lambda: run_catalogue(addrs, targets, SWARM, rounds=100,
+            results.update(trio.run(lambda: run_catalogue(addrs, SWARM, rounds=100,
                                                           stop=lambda: time.monotonic() > deadline)))
 
         print(f"attack window {window_s:.0f} s", file=sys.stderr)
