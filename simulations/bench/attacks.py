@@ -362,6 +362,15 @@ CATALOGUE: dict[str, Attack] = {
 }
 
 
+# Classes whose messages are provable faults of their sender (a signature, a frame, a recomputed
+# reward, decoded ids, a lineage id that does not derive from the signer's key, a rate the sender
+# exceeded): each must cost its key score. The others are refused or ignored without proof against
+# the sender (a version from the future, a replay, a name with markup, a costly but honest payload).
+PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_head", "freeze_demand_head",
+                      "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
+                      "forged_reward", "flood_announces", "bad_signature"})
+
+
 def attack_key(name: str, round_: int = 0) -> Identity:
     """The fresh key one attack class uses (deterministic, so a report can name it)."""
     import hashlib
