@@ -51,6 +51,7 @@ class Knowledge:
     manifests: list[tuple[wire.PatchManifest, bytes]] = field(default_factory=list)
     batches: list[tuple[wire.RolloutBatch, bytes]] = field(default_factory=list)
     task_sets: list[bytes] = field(default_factory=list)
+    tokenizer_hash: bytes = b"\x54" * 32  # the public model's tokenizer (attackers know the models)
 
     def lineage(self) -> wire.PatchManifest | None:
         """The newest honest manifest: names a lineage, its publisher, base model and head."""
@@ -139,7 +140,8 @@ Attack = Callable[[Attacker, Knowledge, list[str]], Awaitable[None]]
 
 
 def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None = None, text: str | None = None,
-                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True) -> wire.Rollout:
+                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True,
+                  tokenizer: bytes = b"\x54" * 32) -> wire.Rollout:
     """A rollout on the built-in task set that passes today's reward check (the text answers the task)."""
     from training.tasksets import BUILTIN_TRAIN, TaskRegistry
     from training.verifiers import score
@@ -154,7 +156,7 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
     return wire.Rollout(
         task=ref, lineage=lineage if lineage is not None else (bytes(tpl.lineage) if tpl else b"\x4c" * 32),
         version=version if version is not None else (tpl.version if tpl else 0), completion_ids=ids, text=text,
-        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else b"\x54" * 32,
+        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else tokenizer,
         logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, tpl.version if tpl else 0)],
         sampling=wire.SamplingParams(max_new_tokens=max(1, min(n, wire.MAX_COMPLETION_TOKENS))),
         reward=score(task, text) if honest_reward else 1.0 - score(task, text), created_ms=wire.now_ms())
@@ -239,7 +241,8 @@ async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
-    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)]) for i in range(8)]
+    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash)
+          for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -248,7 +251,8 @@ async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> 
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
     rng = random.Random(2)
-    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)]) for i in range(8)]
+    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)],
+                        tokenizer=k.tokenizer_hash) for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -440,12 +444,17 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
 
 
 async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observe_s: float = 5.0,
-                        stop: Callable[[], bool] = lambda: False,
-                        names: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Observe the swarm, then run every attack class (`rounds` times, or until `stop()`); per-class results."""
+                        stop: Callable[[], bool] = lambda: False, names: list[str] | None = None,
+                        tokenizer_hash: bytes | None = None) -> dict[str, dict[str, Any]]:
+    """Observe the swarm, then run every attack class (`rounds` times, or until `stop()`); per-class results.
+
+    `tokenizer_hash` is that of the model the swarm runs (public knowledge), for forged rollouts when
+    no honest rollout was seen to copy it from."""
     from gossip.host import open_transport
 
     k = Knowledge()
+    if tokenizer_hash is not None:
+        k.tokenizer_hash = tokenizer_hash
     out: dict[str, dict[str, Any]] = {}
     wire.bind_swarm(swarm)  # this process speaks for the attacked swarm (the envelope names it)
     async with open_transport(Identity.from_seed(b"\xa7" * 32)) as obs, trio.open_nursery() as n:
@@ -517,6 +526,13 @@ def wait_until(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen
             raise RuntimeError(f"node exited while waiting for {what}: {dead}")
         time.sleep(0.5)
     raise RuntimeError(f"timed out waiting for {what}")
+
+
+def model_tokenizer_hash(model: Path) -> bytes | None:
+    from training.tokencheck import for_model
+
+    check = for_model(str(model))
+    return check.hash if check is not None else None
 
 
 def build_model(root: Path) -> Path:
@@ -649,12 +665,13 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         print(f"baseline window {window_s:.0f} s", file=sys.stderr)
         base = measure(sw, window_s)
         addrs = sw.addrs()
+        tok = model_tokenizer_hash(model)
         results: dict[str, dict[str, Any]] = {}
         attacked: list[Window] = []
 
         def attack_thread() -> None:
             deadline = time.monotonic() + window_s
-            results.update(trio.run(lambda: run_catalogue(addrs, SWARM, rounds=100,
+            results.update(trio.run(lambda: run_catalogue(addrs, SWARM, rounds=100, tokenizer_hash=tok,
                                                           stop=lambda: time.monotonic() > deadline)))
 
         print(f"attack window {window_s:.0f} s", file=sys.stderr)
