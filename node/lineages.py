@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gossip import wire
 from node import patchsync, roles
 from sync.ids import lineage_id
 
-MIN_STEP_S = 0.05  # a claimed version interval below this is not a measurement
+MIN_STEP_S = 0.5  # a claimed version interval below this is not a measurement
 MAX_ROLLOUTS_PER_STEP = 16384
 MAX_STALENESS = 1024
 MAX_AHEAD = 1024  # versions a signed head may move past the last signed head heard in this run
@@ -57,6 +57,7 @@ class LineageState:
     standby: tuple[str, ...] = ()
     demand_at: float = -math.inf
     active: float = 0.0  # last time a signed message about it arrived
+    since: float = 0.0  # when this node first heard of it
     advances: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=8))
 
 
@@ -189,17 +190,30 @@ class LineageTable:
         if len(lin.advances) >= 2:
             (t0, v0), (t1, v1) = lin.advances[0], lin.advances[-1]
             step = max(step, (t1 - t0) / max(1, v1 - v0))
-        if lin.advances:
-            step = max(step, now - lin.advances[-1][0])
+        step = max(step, now - (lin.advances[-1][0] if lin.advances else lin.since))
         return roles.Demand(d.rollouts_per_step, min(step, 1e6), d.max_staleness)
 
-    def followable(self, now: float) -> Iterator[tuple[LineageState, roles.Demand]]:
+    def followable(self, now: float, configured: tuple[bytes, ...] = ()) -> list[tuple[LineageState, roles.Demand]]:
+        """Lineages a follower may serve, with the demand it may believe.
+
+        A lineage whose publisher this node has seen advance (two signed heads
+        in this run) is *proven*; while any is, unproven ones are not offered,
+        so a fresh announce with a large claimed demand cannot pull followers
+        away from a lineage that demonstrably trains. Configured lineages are
+        offered whether proven or not.
+        """
+        out, proven = [], []
         for lin in self.rows.values():
             if lin.relation == "own" or not lin.publisher or not lin.base:
                 continue
             d = self.effective_demand(lin, now)
             if d is not None:
-                yield lin, d
+                out.append((lin, d))
+                if len(lin.advances) >= 2:
+                    proven.append((lin, d))
+        if configured:
+            return [x for x in out if x[0].lineage in configured]
+        return proven or out
 
     # ------------------------------------------------------------ the memory budget
     def _insert(self, lid: bytes, name: str, relation: str) -> LineageState | None:
@@ -210,7 +224,8 @@ class LineageTable:
                 return None
             del self.rows[min(victims, key=lambda r: r.active).lineage]
             self.evicted += 1
-        lin = self.rows[lid] = LineageState(lid, name, relation, active=self.clock())
+        now = self.clock()
+        lin = self.rows[lid] = LineageState(lid, name, relation, active=now, since=now)
         return lin
 
 
