@@ -167,6 +167,7 @@ Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | PeerGone | FromWor
 class Publish:
     topic: str  # announce | rollouts
     data: bytes
+    count: int = 0  # rollouts in a rollout batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -774,7 +775,7 @@ class NodeCore:
                      generator=r.task.generator, task_seed=r.task.seed, reward=r.reward,
                      tokens=len(r.completion_ids), payload=data if j == 0 else None)
                 for j, r in enumerate(part))))
-            out.append(Publish("rollouts", data))
+            out.append(Publish("rollouts", data, len(part)))
 
     def external_wanted(self, lineages: set[bytes]) -> bool:
         """Whether an accepted rollout batch goes to our worker (a trainer learns; a validator spot-checks)."""

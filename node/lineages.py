@@ -151,8 +151,10 @@ class LineageTable:
         return None
 
     def on_manifest(self, m: wire.PatchManifest) -> tuple[LineageState | None, str]:
-        why = self.check_manifest(m)
         lid = bytes(m.lineage)
+        if lid == self.own:
+            return None, ""  # our own manifests, relayed back to us: our worker is the authority
+        why = self.check_manifest(m)
         lin = self.rows.get(lid)
         if not why and lin is None:
             lin = self._insert(lid, m.lineage_name, "seen")

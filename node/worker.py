@@ -146,6 +146,8 @@ class Worker:
         # lineages version the bf16 copy (node/policy.py); the base hash is over those bytes
         self.base_state = to_published(canonical_state(self.engine.model))
         self.base_hash = state_hash(self.base_state)
+        # the network process bounds a lineage's manifests by this size
+        self.model_bytes = sum(t.numel() * t.element_size() for t in self.base_state.values())
         self.checker = self.engine  # the engine holding the published weights, for spot checks
         m = self.registry.get(self.task_set)
         self.gens = [g for g in m.generators if not g.name.endswith("-eval")]
@@ -185,6 +187,7 @@ class Worker:
         self.held_lineage = pub.lineage.id
         self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
                             "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
+                            "model_bytes": self.model_bytes,
                             "tokenizer_hash": self.engine.tokenizer_hash.hex()})
         cfg = TrainerConfig(**s["trainer"])
         trainer = Trainer(self.engine, self.registry, self.task_set, cfg, lineage=pub.lineage.id,
@@ -345,7 +348,8 @@ class Worker:
         tcfg = s["trainer"]
         sampling = Sampling(temperature=tcfg["temperature"], top_p=1.0, max_new_tokens=tcfg["max_new_tokens"])
         group = int(tcfg["group_size"])
-        self.send("ready", {"base": self.base_hash.hex(), "tokenizer_hash": self.engine.tokenizer_hash.hex(),
+        self.send("ready", {"base": self.base_hash.hex(), "model_bytes": self.model_bytes,
+                            "tokenizer_hash": self.engine.tokenizer_hash.hex(),
                             "version": 0})
         follower = None
         current: dict | None = None
