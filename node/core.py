@@ -34,7 +34,7 @@ from typing import Any
 from gossip import wire
 from gossip.errors import DecodeError, PatchError
 from gossip.identity import Identity, peer_id_from_public
-from node import patchsync, roles
+from node import patchsync, pipe, roles
 from node.lineages import LineageState, LineageTable
 from sync.catchup import choose
 from sync.patchstore import StoredItem
@@ -114,8 +114,7 @@ class PeerGone:
 
 @dataclass(frozen=True, slots=True)
 class FromWorker:
-    kind: str
-    body: Any
+    msg: pipe.FromWorker  # decoded and checked once, by node.pipe
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +171,7 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class ToWorker:
-    kind: str
-    body: Any
-    droppable: bool = False
+    msg: pipe.ToWorker
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +316,7 @@ class NodeCore:
         self.next_catch_up = 0.0
         self.new_peer = False  # a peer appeared since the runtime last re-sent our task sets
         self.tokens_per_rollout = float(max(1, settings.max_new_tokens))
-        self.follow_info: dict[str, str] | None = None
+        self.follow_info: pipe.FollowInfo | None = None
         self.admitted: bool | None = None
 
     # ------------------------------------------------------------ queries
@@ -360,7 +357,7 @@ class NodeCore:
         elif isinstance(ev, ManifestHeard):
             self._on_manifest(ev.body, out)
         elif isinstance(ev, FromWorker):
-            self._on_worker(ev.kind, ev.body, out)
+            self._on_worker(ev.msg, out)
         elif isinstance(ev, WorkerExited):
             self._on_worker_exit(ev.code, out)
         elif isinstance(ev, ListenAddrs):
@@ -448,7 +445,7 @@ class NodeCore:
         """Tell the worker whether it may generate for the lineage it serves (the guard decides)."""
         if lid == self.serving:
             self.admitted = self.guard.may_generate(lid)
-            out.append(ToWorker("admit", {"lineage": lid.hex(), "generate": self.admitted}))
+            out.append(ToWorker(pipe.Admit(lid.hex(), self.admitted)))
 
     # ------------------------------------------------------------ roles and the capacity rule
     def _demand(self) -> wire.LineageDemand | None:
@@ -500,7 +497,7 @@ class NodeCore:
         if choice.lineage is not None:
             lin = self.table.rows[choice.lineage]
             lin.relation = "follow"
-            info = {"id": lin.lineage.hex(), "name": lin.name, "publisher": lin.publisher.hex(), "base": lin.base.hex()}
+            info = pipe.FollowInfo(lin.lineage.hex(), lin.name, lin.publisher.hex(), lin.base.hex())
             out.append(LoadStored(lin.lineage))
         self.serving = choice.lineage
         self.table.serving = choice.lineage
@@ -508,7 +505,7 @@ class NodeCore:
         self.follow_info = info
         out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
                                    "reason": choice.reason}))
-        out.append(ToWorker("follow", info))
+        out.append(ToWorker(pipe.Follow(info)))
         if choice.lineage is not None:
             self._observe_head(self.table.rows[choice.lineage], out)
             self._send_admit(choice.lineage, out)
@@ -523,7 +520,7 @@ class NodeCore:
         rate = roles.required_rate(demand) if demand is not None else 0.0
         if abs(rate - self.pace_rate) > 0.1 * max(rate, self.pace_rate, 1e-9):
             self.pace_rate = rate
-            out.append(ToWorker("pace", {"rollouts_per_s": rate}))
+            out.append(ToWorker(pipe.Pace(rate)))
 
     def _announce(self) -> bytes:
         self.announce_seq += 1
@@ -637,7 +634,7 @@ class NodeCore:
         out.append(Log("patch received", {"lineage": lid.hex()[:16], "kind": it.kind, "base": it.base,
                                           "target": it.target, "bytes": m.total_bytes,
                                           "seconds": round(_finite(ev.seconds), 2)}))
-        out.append(ToWorker("patch", {"lineage": lid.hex(), "kind": it.kind, "base": it.base, "target": it.target}))
+        out.append(ToWorker(pipe.Patch(lid.hex(), it.kind, it.base, it.target)))
 
     # ------------------------------------------------------------ worker
     def _on_worker_exit(self, code: int | None, out: list[Action]) -> None:
@@ -663,82 +660,80 @@ class NodeCore:
         self.worker_started = self.clock()
         self.worker_state = "starting"
 
-    def _on_worker(self, kind: str, body: Any, out: list[Action]) -> None:  # noqa: C901 - one branch per kind
-        if kind == "state":
-            self.worker_state = str(body)[:32]
+    def _on_worker(self, m: pipe.FromWorker, out: list[Action]) -> None:  # noqa: C901 - one branch per kind
+        if isinstance(m, pipe.State):
+            self.worker_state = m.state[:32]
             out.append(Log("worker state", {"state": self.worker_state}))
-        elif kind == "ready":
-            self._on_ready(body, out)
-        elif kind == "rollouts":
-            self._seal_rollouts(body, out)
-        elif kind == "step":
+        elif isinstance(m, pipe.Ready):
+            self._on_ready(m, out)
+        elif isinstance(m, pipe.Rollouts):
+            self._seal_rollouts(m.items, out)
+        elif isinstance(m, pipe.Step):
             self.steps += 1
-            self._reward(body.get("reward_mean"))
-            self.counters["used"] += int(body.get("n_external_groups", 0)) * self.s.group_size
-            self.step_times.append(max(0.0, _finite(body.get("step_s"))))
-            out.append(Log("step", {k: body.get(k) for k in ("step", "version", "reward_mean", "loss",
-                                                             "n_external_groups", "step_s")}))
-        elif kind == "gen":
-            self._reward(body.get("reward_mean"))
-        elif kind == "published":
+            self._reward(m.reward_mean)
+            self.counters["used"] += max(0, m.n_external_groups) * self.s.group_size
+            self.step_times.append(max(0.0, _finite(m.step_s)))
+            out.append(Log("step", {"step": m.step, "version": m.version, "reward_mean": m.reward_mean,
+                                    "loss": m.loss, "n_external_groups": m.n_external_groups, "step_s": m.step_s}))
+        elif isinstance(m, pipe.Gen):
+            self._reward(m.reward_mean)
+        elif isinstance(m, pipe.Published):
             now = self.clock()
             if self.last_publish:
                 self.version_times.append(now - self.last_publish)
             self.last_publish = now
-            v = int(body["version"])
-            self.counters["published"] = v
+            self.counters["published"] = m.version
             lin = self.table.rows.get(self.own) if self.own is not None else None
             if lin is not None:
-                lin.head = lin.held = lin.signed_head = v
-            out.append(SeedVersion(bytes(body["envelope"])))
-        elif kind == "applied":
-            self._on_applied(body, out)
-        elif kind == "apply_failed":
-            out.append(Log("patch apply failed", dict(body)))
-            lid = bytes.fromhex(body["lineage"])
-            base, target = int(body["base"]), int(body["target"])
-            self.stored.get(lid, set()).discard(("patch" if target == base + 1 else "union", base, target))
-            out.append(DropItem(lid, base, target))  # fetched again (from another peer)
-        elif kind == "perf":
+                lin.head = lin.held = lin.signed_head = m.version
+            out.append(SeedVersion(m.envelope))
+        elif isinstance(m, pipe.Applied):
+            self._on_applied(m, out)
+        elif isinstance(m, pipe.ApplyFailed):
+            out.append(Log("patch apply failed", {"lineage": m.lineage[:16], "base": m.base, "target": m.target,
+                                                  "error": m.error[:300]}))
+            lid = bytes.fromhex(m.lineage)
+            self.stored.get(lid, set()).discard(("patch" if m.target == m.base + 1 else "union", m.base, m.target))
+            out.append(DropItem(lid, m.base, m.target))  # fetched again (from another peer)
+        elif isinstance(m, pipe.Perf):
             a = 0.3
-            tps, lat = max(0.0, _finite(body.get("gen_tokens_per_s"))), max(0.0, _finite(body.get("rollout_latency_s")))
+            tps, lat = max(0.0, _finite(m.gen_tokens_per_s)), max(0.0, _finite(m.rollout_latency_s))
             self.gen_tps = tps if not self.gen_tps else (1 - a) * self.gen_tps + a * tps
             self.latency = lat if not self.latency else (1 - a) * self.latency + a * lat
-        elif kind == "spot":
+        elif isinstance(m, pipe.Spot):
             self.counters["spot_checked"] += 1
-            if not body["ok"]:
+            if not m.ok:
                 self.counters["spot_failed"] += 1
-                peer = peer_id_from_public(bytes.fromhex(body["producer"]))
+                peer = peer_id_from_public(bytes.fromhex(m.producer))
                 out.append(Penalise(peer, "spot_check_failed", SPOT_PENALTY))
-                out.append(Log("spot check failed", {"producer": peer, "diff": body.get("diff")}))
-        elif kind == "error":
-            self.worker_error = str(body)[:4000]
+                out.append(Log("spot check failed", {"producer": peer, "diff": m.diff}))
+        elif isinstance(m, pipe.Error):
+            self.worker_error = m.message[:4000]
             out.append(Log("worker failed", {"error": self.worker_error[:300]}))
-        elif kind == "log":
-            out.append(Log("worker", {"message": str(body)[:500]}))
+        elif isinstance(m, pipe.Log):
+            out.append(Log("worker", {"message": m.message[:500]}))
 
-    def _on_ready(self, body: dict[str, Any], out: list[Action]) -> None:
-        base = bytes.fromhex(body["base"])
-        self.table.set_my_base(base, int(body.get("model_bytes", 0)))
-        if "lineage" in body:
-            lin = self.table.set_own(bytes.fromhex(body["lineage"]), body["name"], self.ident.public, base,
-                                     int(body["version"]))
+    def _on_ready(self, m: pipe.Ready, out: list[Action]) -> None:
+        base = bytes.fromhex(m.base)
+        self.table.set_my_base(base, m.model_bytes)
+        if m.lineage:
+            lin = self.table.set_own(bytes.fromhex(m.lineage), m.name, self.ident.public, base, m.version)
             self.counters["published"] = lin.held
-        out.append(Log("worker ready", {k: v for k, v in body.items() if k != "tokenizer_hash"}))
+        out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
+                                        **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
         self.worker_state = "ready"
         if self.serving is not None and self.follow_info is not None:  # a restarted worker resumes where we are
-            out.append(ToWorker("follow", self.follow_info))
+            out.append(ToWorker(pipe.Follow(self.follow_info)))
             self._send_admit(self.serving, out)
 
-    def _on_applied(self, body: dict[str, Any], out: list[Action]) -> None:
-        lin = self.table.rows.get(bytes.fromhex(body["lineage"]))
+    def _on_applied(self, m: pipe.Applied, out: list[Action]) -> None:
+        lin = self.table.rows.get(bytes.fromhex(m.lineage))
         if lin is None:
             return
-        v = int(body["version"])
-        if v > lin.held:
-            self.counters["applied"] += v - lin.held
-        lin.held = v
-        lin.need_anchor = bool(body.get("need_anchor", False))
+        if m.version > lin.held:
+            self.counters["applied"] += m.version - lin.held
+        lin.held = m.version
+        lin.need_anchor = m.need_anchor
         lin.head = max(lin.head, lin.held)
         if lin.relation == "seen":
             lin.relation = "follow"

@@ -47,7 +47,8 @@ def _fmt_reward(x: float | None) -> str:
 def node_panel(s: NodeStatus) -> Panel:
     head = Table.grid(padding=(0, 2))
     head.add_row("peer", s.peer_id, "roles", ", ".join(s.roles) or "—")
-    head.add_row("state", f"{s.state} / worker {s.worker}", "uptime", f"{s.uptime_s:.0f} s")
+    restarts = f" (restarted {s.worker_restarts}×)" if s.worker_restarts else ""
+    head.add_row("state", f"{s.state} / worker {s.worker}{restarts}", "uptime", f"{s.uptime_s:.0f} s")
     serving = short(s.serving) if s.serving else "—"
     head.add_row("serving", f"{serving}  ({s.serving_reason})" if s.serving_reason else serving, "hardware", s.hardware)
     head.add_row("reward", f"{_fmt_reward(s.reward_start)} → {_fmt_reward(s.reward_now)}  {sparkline(s.reward_trend)}",

@@ -1,19 +1,11 @@
 """The network process of a node: the trio shell around `node.core.NodeCore`.
 
-Every decision (peers, lineages and heads, roles, staleness admission,
-catch-up plans, the patch accept rule, rollout batching, worker restarts) is
-made by the sans-IO core; this module turns I/O into core events (gossip
-messages, worker messages, timer ticks, finished transfers, catalog replies)
-and carries out the actions the core returns (publish, send to the worker,
-store, ask a peer, penalise, log).
-
-Process structure (docs/architecture.md): this process runs trio with
-py-libp2p as its main loop and never runs torch; training and generation run
-in a spawned worker process (`node.worker`) that talks to it over one Pipe,
-and patches travel between them as files in the node home. Blocking work
-(SQLite, file reads, pipe I/O) goes to `trio.to_thread`. A worker that dies
-is restarted with backoff (the core decides when); sends to a dead or slow
-worker are dropped and counted, never waited on.
+Every decision is made by the sans-IO core (docs/architecture.md); this
+module turns I/O into core events (gossip messages, worker messages, timer
+ticks, finished transfers, catalog replies) and carries out the actions the
+core returns. It never runs torch: training and generation run in a spawned
+worker process (`node.workerlink`), restarted with backoff when it dies.
+Blocking work (SQLite, file reads, pipe I/O) goes to `trio.to_thread`.
 
 Shutdown (SIGINT/SIGTERM or `Node.request_stop`): the worker is told to stop
 (it writes its follower checkpoint), the tasks are cancelled, and a watchdog
@@ -24,6 +16,7 @@ kill -9 at any moment loses nothing accepted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -39,7 +32,7 @@ import trio
 from gossip import wire
 from gossip.errors import MurmurError
 from gossip.identity import Identity
-from node import control, core as C, hardware, patchsync, roles, views
+from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, views
 from node.workerlink import WorkerLink, worker_spec
 from node.config import Config
 from node.logs import event
@@ -100,39 +93,7 @@ class Node:
 
     # ------------------------------------------------------------ status
     def snapshot(self) -> NodeStatus:
-        c, led, now = self.core, self.ledger, time.monotonic()
-        rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
-        if self.service is not None:
-            for reason in ("graylisted", "blacklisted", "rate_limited"):
-                n = self.service.pipeline.counts.get(reason, 0)
-                if n:
-                    rejected[reason] = rejected.get(reason, 0) + n
-        if c.counters["spot_failed"]:
-            rejected["spot_check_failed"] = c.counters["spot_failed"]
-        accepted = led.get("accepted", 0)
-        start, now_r = views.reward_window(c)
-        pids = [self.worker.proc.pid] if self.worker and self.worker.proc.pid else []
-        live = sum(tr.session.bytes_in for tr in list(self.bcast.transfers.values())
-                   if not tr.session.complete) if self.bcast is not None else 0
-        return NodeStatus(
-            peer_id=self.ident.peer_id, swarm=self.cfg.node.swarm, roles=self.roles, hardware=self.hw_class,
-            listen=self.transport.listen_addrs() if self.transport else [], state=self.state,
-            uptime_s=now - self.started, worker=c.worker_state, worker_error=c.worker_error[:2000],
-            worker_restarts=c.counters["worker_restarts"], worker_pid=pids[0] if pids else 0,
-            peers=views.peer_views(c, now), lineages=views.lineage_views(c),
-            serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason, steps=c.steps,
-            versions_published=c.counters["published"], versions_applied=c.counters["applied"],
-            rollouts_produced=led.get("produced", 0), rollouts_published=c.counters["rollouts_published"],
-            rollouts_received=accepted + sum(v for k2, v in led.items() if k2.startswith("rejected")),
-            rollouts_accepted=accepted, rollouts_used=c.counters["used"], rejected=rejected,
-            spot_checked=c.counters["spot_checked"], spot_failed=c.counters["spot_failed"],
-            reward_trend=list(c.rewards), reward_start=start, reward_now=now_r, gen_tokens_per_s=c.gen_tps,
-            rollout_latency_s=c.latency,
-            bytes_up=int(self.bcast.counters["bytes_up"]) if self.bcast is not None else 0,
-            bytes_down=c.counters["bytes_down"] + live,
-            memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
-            metrics_port=self.metrics.port if self.metrics else 0,
-            **({"reach": self.reach.view()} if self.reach is not None else {}))
+        return views.node_status(self)
 
     # ------------------------------------------------------------ main
     async def run(self) -> None:
@@ -148,12 +109,10 @@ class Node:
         self.registry = TaskRegistry()
         self.registry.add_builtin()
         for ts in self.store.task_sets():
-            try:
+            with contextlib.suppress(MurmurError):
                 self.registry.add(ts["envelope"], self._trusted())
-            except MurmurError:
-                pass
         watchdog_armed = threading.Event()
-        old_handlers = self._install_signals(watchdog_armed)
+        old_handlers = lifecycle.install_signals(watchdog_armed, self._on_signal, EXIT_DEADLINE_S)
         listen = self.opts.listen or cfg.network.listen
         event(log, "starting", peer_id=self.ident.peer_id, roles=self.roles, why=self.roles_reason, listen=listen)
         await self._start_worker()
@@ -203,7 +162,7 @@ class Node:
         finally:
             self.state = "stopping"
             if not watchdog_armed.is_set():
-                _arm_watchdog()
+                lifecycle.arm_watchdog(EXIT_DEADLINE_S)
             if self.worker is not None:
                 await trio.to_thread.run_sync(self.worker.stop, STOP_GRACE_S)
             if self.metrics is not None:
@@ -216,25 +175,6 @@ class Node:
     def request_stop(self) -> None:
         if self._cancel is not None:
             self._cancel.cancel()
-
-    def _install_signals(self, armed: threading.Event) -> dict[int, Any]:
-        """SIGINT/SIGTERM: arm the exit watchdog at once (in the handler itself), then cancel on the loop.
-
-        A plain handler rather than trio's signal receiver, so the 5 s clock starts when the signal
-        arrives, not when a busy event loop gets round to it; installed before anything slow starts.
-        """
-        token = trio.lowlevel.current_trio_token()
-
-        def handler(signum: int, frame: Any) -> None:
-            if not armed.is_set():
-                armed.set()
-                _arm_watchdog()
-            try:
-                token.run_sync_soon(self._on_signal, signum)
-            except trio.RunFinishedError:
-                pass
-
-        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _on_signal(self, signum: int) -> None:
         event(log, "signal: shutting down", signal=int(signum))
@@ -320,7 +260,7 @@ class Node:
     def _on_accept(self, v: Any) -> None:
         if self.worker is not None and v.batch is not None:
             if self.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
-                self.worker.send("external", v.data)
+                self.worker.send(pipe.External(v.data))
 
     def _trusted(self) -> set[bytes]:
         """Coordinators whose task sets this node accepts: the configured ones, and itself."""
@@ -366,7 +306,7 @@ class Node:
                 event(log, a.msg, **a.fields)
             elif isinstance(a, C.ToWorker):
                 if self.worker is not None:
-                    self.worker.send(a.kind, a.body)
+                    self.worker.send(a.msg)
             elif isinstance(a, C.Publish):
                 try:
                     if a.topic == "announce":
@@ -428,7 +368,7 @@ class Node:
         try:
             with trio.fail_after(CATALOG_TIMEOUT_S):
                 items = await patchsync.catalog(self.transport, peer, lineage)
-        except (MurmurError, trio.TooSlowError, OSError, Exception) as e:  # noqa: BLE001 - any dial failure
+        except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
             await self.feed(C.CatalogFailed(peer, lineage, f"{type(e).__name__}: {e}"))
             return
         await self.feed(C.CatalogReceived(peer, lineage, tuple(items)))
@@ -438,7 +378,7 @@ class Node:
             with trio.fail_after(CATALOG_TIMEOUT_S):
                 env = await patchsync.offer(self.transport, a.peer, a.lineage, a.item)
                 await self.bcast.add_manifest(env)
-        except (MurmurError, trio.TooSlowError, OSError, Exception) as e:  # noqa: BLE001 - any dial failure
+        except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
             log.info("catch-up offer %s from %s: %s", a.item, a.peer[-8:], e)
 
     # ------------------------------------------------------------ worker
@@ -456,21 +396,23 @@ class Node:
         event(log, "worker restarted", restarts=self.core.counters["worker_restarts"])
 
     async def _worker_loop(self) -> None:
+        from gossip.errors import DecodeError
+
         while True:
             w = self.worker
-            msg = await trio.to_thread.run_sync(w.recv, 0.5, abandon_on_cancel=True) if w is not None else None
+            try:
+                msg = await trio.to_thread.run_sync(w.recv, 0.5, abandon_on_cancel=True) if w is not None else None
+            except DecodeError as e:
+                log.warning("worker message: %s", e)
+                continue
             if msg is None:
                 continue
-            kind, body = msg
-            if kind == "exited":
+            if msg is False:
                 if w is self.worker:
                     await self.feed(C.WorkerExited(w.proc.exitcode))
                 await trio.sleep(0.5)
                 continue
-            try:
-                await self.feed(C.FromWorker(kind, body))
-            except (MurmurError, KeyError, TypeError, ValueError) as e:
-                log.warning("worker message %s: %s", kind, e)
+            await self.feed(C.FromWorker(msg))
 
     # ------------------------------------------------------------ views
     async def _view_loop(self) -> None:
@@ -493,27 +435,8 @@ class Node:
                 self.metrics.update(s)
             if time.monotonic() - last_log >= 5.0:
                 last_log = time.monotonic()
-                own = next((x for x in s.lineages if x.relation == "own"), None)
-                fol = next((x for x in s.lineages if x.lineage == s.serving), None)
-                event(log, "status", peers=len(s.peers), worker=s.worker, steps=s.steps,
-                      version=(own or fol).held if (own or fol) else None, lag=fol.lag if fol else None,
-                      serving=s.serving[:16], reward=s.reward_now, produced=s.rollouts_produced,
-                      accepted=s.rollouts_accepted, rejected=s.rejected, bytes_up=s.bytes_up,
-                      bytes_down=s.bytes_down, rss_mb=round(s.memory_rss_mb), worker_restarts=s.worker_restarts)
+                event(log, "status", **views.status_fields(s))
             await trio.sleep(1.0)
-
-
-def _arm_watchdog() -> None:
-    """Whatever hangs during shutdown (a libp2p close, a stuck thread), the process exits 0 in time."""
-
-    def fire() -> None:
-        logging.getLogger("murmur.node").warning("shutdown watchdog: exiting")
-        logging.shutdown()
-        os._exit(0)
-
-    t = threading.Timer(EXIT_DEADLINE_S, fire)
-    t.daemon = True
-    t.start()
 
 
 def run_node(cfg: Config, home: Path, opts: RunOptions) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gossip.identity import Identity
+from node import pipe
 from node.config import Config
 
 if TYPE_CHECKING:
@@ -55,19 +56,19 @@ class WorkerLink:
         self.proc = ctx.Process(target=worker.main, args=(child, spec), name="murmur-worker", daemon=True)
         self.proc.start()
         child.close()
-        self.out: queue.Queue[tuple[str, Any]] = queue.Queue(WORKER_QUEUE)
+        self.out: queue.Queue[bytes] = queue.Queue(WORKER_QUEUE)
         self.dropped = 0
         self.closed = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="murmur-worker-send", daemon=True)
         self._sender.start()
 
-    def send(self, kind: str, body: Any) -> None:
+    def send(self, msg: pipe.ToWorker) -> None:
         """Queue a message; when the worker is dead or the queue is full it is dropped (and counted)."""
         if self.closed.is_set():
             self.dropped += 1
             return
         try:
-            self.out.put_nowait((kind, body))
+            self.out.put_nowait(pipe.encode_struct(msg))
         except queue.Full:
             self.dropped += 1
 
@@ -78,26 +79,27 @@ class WorkerLink:
             except queue.Empty:
                 continue
             try:
-                self.conn.send(msg)
+                self.conn.send_bytes(msg)
             except (OSError, BrokenPipeError, ValueError):
                 self.closed.set()
                 return
 
-    def recv(self, timeout: float = 0.5) -> tuple[str, Any] | None:
+    def recv(self, timeout: float = 0.5) -> pipe.FromWorker | None | bool:
+        """A message from the worker; None when there was none in time; False when the worker is gone."""
         try:
             if self.conn.poll(timeout):
-                return self.conn.recv()
-        except (EOFError, OSError, ValueError):
+                return pipe.decode(self.conn.recv_bytes(pipe.MAX_MESSAGE))  # type: ignore[return-value]
+        except (EOFError, OSError):
             self.closed.set()
-            return ("exited", None)
+            return False
         if not self.proc.is_alive():
             self.closed.set()
-            return ("exited", None)
+            return False
         return None
 
     def stop(self, grace: float) -> None:
         try:
-            self.conn.send(("stop", None))
+            self.conn.send_bytes(pipe.encode_struct(pipe.Stop()))
         except (OSError, BrokenPipeError, ValueError):
             pass
         self.proc.join(grace)

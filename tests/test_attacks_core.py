@@ -17,7 +17,7 @@ from node.lineages import MAX_AHEAD
 from sync.catchup import choose
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
-from tests.test_core import BASE, MODEL_BYTES, announce, demand, key, make_core, manifest, of
+from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, key, make_core, manifest, of
 
 
 def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
@@ -126,8 +126,9 @@ def test_tables_stay_bounded_under_a_flood_of_keys() -> None:
 
 def test_out_of_range_worker_numbers_do_not_poison_the_announce() -> None:
     core, clock = make_core()
-    core.handle(C.FromWorker("perf", {"gen_tokens_per_s": float("inf"), "rollout_latency_s": float("nan")}))
-    core.handle(C.FromWorker("step", {"reward_mean": float("nan"), "step_s": float("inf")}))
+    core.handle(W("perf", {"gen_tokens_per_s": float("inf"), "rollout_latency_s": float("nan")}))
+    core.handle(W("step", {"step": 1, "version": 0, "reward_mean": float("nan"), "loss": None, "n_external_groups": 0,
+                         "step_s": float("inf")}))
     acts = core.handle(C.Tick())
     assert of(acts, C.Publish)  # the announce still seals within the wire's ranges
 

@@ -8,6 +8,7 @@ import hashlib
 from gossip import wire
 from gossip.identity import Identity
 from node import core as C
+from node import pipe
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
 
@@ -23,6 +24,15 @@ class Clock:
         return self.t
 
 
+def W(kind: str, body: object) -> C.FromWorker:
+    """A worker message as the network process receives it: encoded and decoded by node.pipe."""
+    return C.FromWorker(pipe.decode(pipe.encode(kind, body)))
+
+
+def to_worker(actions, cls):
+    return [a.msg for a in actions if isinstance(a, C.ToWorker) and isinstance(a.msg, cls)]
+
+
 def key(i: int) -> Identity:
     return Identity.from_seed(bytes([i]) * 32)
 
@@ -30,7 +40,7 @@ def key(i: int) -> Identity:
 def make_core(roles=("follower", "validator"), seed: int = 1, **kw) -> tuple[C.NodeCore, Clock]:
     clock = Clock()
     core = C.NodeCore(C.CoreSettings(swarm="t", roles=tuple(roles), **kw), key(seed), clock)
-    core.handle(C.FromWorker("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
+    core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     return core, clock
 
 
@@ -78,10 +88,10 @@ def test_follower_serves_the_announced_lineage_and_tells_the_worker() -> None:
     core.handle(announce(trainer, 1, [demand(lid, "lin", 3)]))
     acts = core.handle(C.Tick())
     assert core.serving == lid
-    follow = [a for a in of(acts, C.ToWorker) if a.kind == "follow"]
-    assert follow and follow[0].body["publisher"] == trainer.public.hex() and follow[0].body["base"] == BASE.hex()
+    follow = to_worker(acts, pipe.Follow)
+    assert follow and follow[0].info.publisher == trainer.public.hex() and follow[0].info.base == BASE.hex()
     assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
-    assert [a for a in of(acts, C.ToWorker) if a.kind == "admit"][0].body["generate"] is False  # holds nothing yet
+    assert to_worker(acts, pipe.Admit)[0].generate is False  # holds nothing yet
     assert of(acts, C.Publish)[0].topic == "announce"
 
 
@@ -89,13 +99,13 @@ def test_staleness_admission_pauses_and_resumes_generation() -> None:
     core, clock = make_core()
     trainer = key(9)
     lid = follow_trainer(core, clock, trainer, head=3)
-    acts = core.handle(C.FromWorker("applied", {"lineage": lid.hex(), "version": 3}))
-    assert [a.body["generate"] for a in of(acts, C.ToWorker) if a.kind == "admit"] == [True]
+    acts = core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
     acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))  # 6 behind > bound 4
-    assert [a.body["generate"] for a in of(acts, C.ToWorker) if a.kind == "admit"] == [False]
+    assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
     assert core.lineages[lid].admission == "stale"
-    acts = core.handle(C.FromWorker("applied", {"lineage": lid.hex(), "version": 9}))
-    assert [a.body["generate"] for a in of(acts, C.ToWorker) if a.kind == "admit"] == [True]
+    acts = core.handle(W("applied", {"lineage": lid.hex(), "version": 9}))
+    assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
 
 
 def test_patch_accept_rule_takes_only_new_items_of_the_served_lineage() -> None:
@@ -103,14 +113,14 @@ def test_patch_accept_rule_takes_only_new_items_of_the_served_lineage() -> None:
     trainer, other = key(9), key(10)
     lid = follow_trainer(core, clock, trainer, head=3)
     core.handle(C.StoredItems(lid, (StoredItem("patch", 2, 3, 10),)))
-    core.handle(C.FromWorker("applied", {"lineage": lid.hex(), "version": 3}))
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
     assert core.wants_manifest(manifest(trainer, "lin", 3, 4))
     assert not core.wants_manifest(manifest(trainer, "lin", 2, 3))  # held already
     assert not core.wants_manifest(manifest(other, "other", 3, 4))  # another lineage
     done = manifest(trainer, "lin", 3, 4)
     assert core.handle(C.TransferDone(b"p" * 32, done)) == [C.StorePatch(b"p" * 32)]
     acts = core.handle(C.PatchStored(done, 1000, 0.5))
-    assert [a.body for a in of(acts, C.ToWorker)] == [{"lineage": lid.hex(), "kind": "patch", "base": 3, "target": 4}]
+    assert to_worker(acts, pipe.Patch) == [pipe.Patch(lid.hex(), "patch", 3, 4)]
     assert core.handle(C.TransferDone(b"p" * 32, done)) == []  # stored: not stored twice
 
 
@@ -135,7 +145,7 @@ def test_catch_up_does_nothing_when_held_plus_in_flight_reach_the_head() -> None
     core, clock = make_core()
     trainer = key(9)
     lid = follow_trainer(core, clock, trainer, head=4)
-    core.handle(C.FromWorker("applied", {"lineage": lid.hex(), "version": 3}))
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
     assert core.wants_manifest(manifest(trainer, "lin", 3, 4))
     clock.t += 1
     assert of(core.handle(C.Tick()), C.FetchCatalog) == []
@@ -145,7 +155,7 @@ def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     core, clock = make_core(roles=("trainer",))
     me = key(1)
     lid = lineage_id(me.public, BASE, "mine")
-    core.handle(C.FromWorker("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
     acts = core.handle(C.Tick())
     env = wire.decode_envelope(of(acts, C.Publish)[0].data)
     a = wire.decode_struct(env.body, wire.NodeAnnounce, 1 << 16)
@@ -153,7 +163,7 @@ def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     r = wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
                      completion_ids=[2], text="x", tokenizer_hash=bytes(32), logprobs=bytes(4), token_versions=[(0, 2)],
                      sampling=wire.SamplingParams(), reward=1.0, created_ms=1)
-    acts = core.handle(C.FromWorker("rollouts", [wire.encode(r)] * 70))
+    acts = core.handle(W("rollouts", [wire.encode(r)] * 70))
     pubs = of(acts, C.Publish)
     assert len(pubs) == 2 and len(of(acts, C.RecordRollouts)) == 2
     assert acts.index(of(acts, C.RecordRollouts)[0]) < acts.index(pubs[0])  # recorded before it is sent
@@ -163,8 +173,8 @@ def test_published_version_is_seeded_and_moves_the_own_head() -> None:
     core, clock = make_core(roles=("trainer",))
     me = key(1)
     lid = lineage_id(me.public, BASE, "mine")
-    core.handle(C.FromWorker("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0}))
-    acts = core.handle(C.FromWorker("published", {"version": 1, "envelope": b"env"}))
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0}))
+    acts = core.handle(W("published", {"version": 1, "envelope": b"env"}))
     assert acts == [C.SeedVersion(b"env")]
     assert core.head_of(lid) == 1
 
@@ -172,7 +182,7 @@ def test_published_version_is_seeded_and_moves_the_own_head() -> None:
 def test_spot_check_failure_penalises_the_producer() -> None:
     core, clock = make_core()
     bad = key(7)
-    acts = core.handle(C.FromWorker("spot", {"ok": False, "producer": bad.public.hex(), "diff": 3.0}))
+    acts = core.handle(W("spot", {"ok": False, "producer": bad.public.hex(), "diff": 3.0}))
     assert of(acts, C.Penalise) == [C.Penalise(bad.peer_id, "spot_check_failed", C.SPOT_PENALTY)]
 
 
@@ -188,8 +198,8 @@ def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> No
         core.worker_started_now()
     assert delays == sorted(delays) and delays[0] < delays[-1]
     assert core.counters["worker_restarts"] == 3
-    acts = core.handle(C.FromWorker("ready", {"base": BASE.hex(), "version": 0}))
-    assert [a.body["id"] for a in of(acts, C.ToWorker) if a.kind == "follow"] == [lid.hex()]
+    acts = core.handle(W("ready", {"base": BASE.hex(), "version": 0}))
+    assert [a.info.id for a in to_worker(acts, pipe.Follow)] == [lid.hex()]
     clock.t += C.WORKER_STABLE_S + 1
     acts = core.handle(C.WorkerExited(1))
     assert of(acts, C.RestartWorker) == [C.RestartWorker(C.RESTART_BACKOFF_S[0])]  # a stable run resets it
