@@ -34,6 +34,7 @@ from typing import Any
 from gossip import wire
 from gossip.errors import DecodeError, PatchError
 from gossip.identity import Identity, peer_id_from_public
+from gossip.ratelimit import RateMeter
 from node import patchsync, pipe, roles
 from node.lineages import LineageState, LineageTable
 from sync.catchup import choose
@@ -312,6 +313,7 @@ class NodeCore:
         self.pace_rate = 0.0
         self.announce_seq = 0
         self.rollout_seq = 0
+        self.publish_meter = RateMeter()  # rollout batches/s we publish, stated in our announce
         self.next_announce = 0.0
         self.next_catch_up = 0.0
         self.new_peer = False  # a peer appeared since the runtime last re-sent our task sets
@@ -531,7 +533,8 @@ class NodeCore:
             rollout_latency_s=min(self.latency, 1e6), upload_bytes_per_s=min(self.s.upload_bytes_per_s, 1e12),
             memory_bytes=self.s.memory_budget_mb * 2**20, roles=self.roles,
             lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
-            owned=[demand] if demand else [], addrs=list(self.addrs))
+            owned=[demand] if demand else [], addrs=list(self.addrs),
+            publish_batches_per_s=min(self.publish_meter.rate(self.clock()), 1e6))
         return wire.seal(self.ident, wire.NODE_ANNOUNCE, a)
 
     # ------------------------------------------------------------ catch-up
@@ -770,6 +773,7 @@ class NodeCore:
                      generator=r.task.generator, task_seed=r.task.seed, reward=r.reward,
                      tokens=len(r.completion_ids), payload=data if j == 0 else None)
                 for j, r in enumerate(part))))
+            self.publish_meter.tick(self.clock())
             out.append(Publish("rollouts", data, len(part)))
 
     def external_wanted(self, lineages: set[bytes]) -> bool:

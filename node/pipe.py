@@ -86,6 +86,7 @@ class Step(Struct, tag="step", forbid_unknown_fields=True):
     used: int = 0
     published: int | None = None  # the version published after this step, if any
     rollouts_per_step: int = 0
+    sampler: dict[str, int] = {}  # training.sampler.Sampler counters
 
 
 class Gen(Struct, tag="gen", forbid_unknown_fields=True):

@@ -31,7 +31,7 @@ import trio
 
 from gossip import wire
 from gossip.errors import MurmurError
-from gossip.identity import Identity
+from gossip.identity import Identity, peer_id_from_public
 from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, views
 from node.workerlink import WorkerLink, worker_spec
 from node.config import Config
@@ -89,7 +89,7 @@ class Node:
         self._cancel: trio.CancelScope | None = None
         self._stop_requested = False
         self.announced_task_sets: set[bytes] = set()
-        self.pool_max = max(256, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8))
+        self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
 
     # ------------------------------------------------------------ status
     def snapshot(self) -> NodeStatus:
@@ -99,13 +99,14 @@ class Node:
     async def run(self) -> None:
         from gossip.discovery import Discovery
         from gossip.host import open_transport
-        from gossip.pool import RolloutPool
         from gossip.service import GossipService
         from gossip.validation import Pipeline, PipelineConfig
         from training.tasksets import TaskRegistry
-        from training.verifiers import score
+        from training.tokencheck import for_model
+        from training.verifiers import VerifierPool, score
 
         cfg = self.cfg
+        wire.bind_swarm(cfg.node.swarm)  # every envelope signed or accepted here names this swarm
         self.registry = TaskRegistry()
         self.registry.add_builtin()
         for ts in self.store.task_sets():
@@ -128,11 +129,13 @@ class Node:
         try:
             async with open_transport(self.ident, listen) as t:
                 self.transport = t
+                self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
+                check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
                 pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness),
                                     clock=time.time, resolve_task=self.registry.resolve, reward=score,
-                                    head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry)
-                self.pool = RolloutPool(self.pool_max, self.store)
-                self.service = GossipService(t, pipeline, self.pool, cfg.node.swarm, self.store)
+                                    head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
+                                    reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
+                self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
@@ -167,6 +170,8 @@ class Node:
                 await trio.to_thread.run_sync(self.worker.stop, STOP_GRACE_S)
             if self.metrics is not None:
                 self.metrics.close()
+            if self.verifiers is not None:
+                self.verifiers.close()
             self.store.close()
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
@@ -217,7 +222,10 @@ class Node:
             await trio.sleep(1.0)
 
     async def _on_node_announce(self, origin: str, body: wire.NodeAnnounce, data: bytes) -> None:
-        await self.feed(C.AnnounceHeard(bytes(wire.decode_envelope(data).signer), body, data))
+        signer = bytes(wire.decode_envelope(data).signer)
+        if peer_id_from_public(signer) == body.peer_id:
+            self.service.pipeline.announced(body.peer_id, body)  # the rate it states bounds what we accept
+        await self.feed(C.AnnounceHeard(signer, body, data))
 
     async def _on_manifest(self, origin: str, m: wire.PatchManifest, data: bytes) -> None:
         await self.feed(C.ManifestHeard(m))

@@ -50,7 +50,7 @@ def node_status(node: Any) -> NodeStatus:
     c, led, now = node.core, node.ledger, time.monotonic()
     rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
     if node.service is not None:
-        for reason in ("graylisted", "blacklisted", "rate_limited"):
+        for reason in ("graylisted", "blacklisted", "rate_limited", "over_announced_rate"):
             n = node.service.pipeline.counts.get(reason, 0)
             if n:
                 rejected[reason] = rejected.get(reason, 0) + n
