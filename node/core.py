@@ -50,6 +50,7 @@ IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer c
 BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 CATALOG_SOURCES = 4
+MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadcast holds state for)
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
 WORKER_STABLE_S = 120.0  # a worker that ran this long resets the restart backoff
 
@@ -344,6 +345,8 @@ class NodeCore:
             return False
         if not patchsync.wanted(m, self.serving, lin.publisher, lin.held, lin.need_anchor,
                                 self.stored.get(lin.lineage, set())):
+            return False
+        if len(self.in_flight) >= MAX_IN_FLIGHT:
             return False
         it = patchsync.item_of(m)
         self.in_flight[(lin.lineage, it.kind, it.base, it.target)] = self.clock()

@@ -161,3 +161,14 @@ def test_any_well_signed_numbers_leave_the_core_alive_and_fast(ds, heads, total)
     assert time.perf_counter() - t0 < 1.0
     for lin in core.lineages.values():
         assert lin.head <= max([0] + heads + [d.head_version for d in ds])
+
+
+def test_a_publisher_spamming_distinct_manifests_gets_a_bounded_number_of_transfers() -> None:
+    core, clock = make_core()
+    honest = key(9)
+    lid = lineage_id(honest.public, BASE, "lin")
+    core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
+    core.handle(C.Tick())
+    accepted = sum(core.wants_manifest(manifest(honest, "lin", b, b + 1 + (i % 7)))
+                   for i, b in enumerate(range(3, 3 + 1000)))
+    assert accepted == C.MAX_IN_FLIGHT and len(core.in_flight) == C.MAX_IN_FLIGHT
