@@ -7,7 +7,7 @@ API (the live runtime, the virtual-time simulator and the tests all drive it the
     core.wants_manifest(manifest)                   # the broadcast's synchronous accept query (records in flight)
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
 
-Events (all in this module): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
+Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
 `ManifestHeard` (a gossip message whose envelope signature the pipeline already checked),
 `PeerGone`, `FromWorker` (a message from the worker process), `WorkerExited`, `StoredItems`,
 `TransferDone`, `PatchStored`, `CatalogReceived`/`CatalogFailed` (catch-up replies), `ListenAddrs`.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gossip import wire
@@ -36,6 +36,10 @@ from gossip.errors import DecodeError, PatchError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.ratelimit import RateMeter
 from node import patchsync, pipe, roles
+from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
+                         StoredItems, TransferDone, PatchStored, CatalogReceived, CatalogFailed, Publish, ToWorker,
+                         RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
+                         RequestOffer, Penalise, SeePeer, Log, Event, Action)  # noqa: F401 - part of the core's API
 from node.lineages import LineageState, LineageTable
 from sync.catchup import choose
 from sync.patchstore import StoredItem
@@ -82,168 +86,6 @@ class CoreSettings:
                    upload_bytes_per_s=float(cfg.network.upload_bytes_per_s),
                    memory_budget_mb=cfg.node.memory_budget_mb,
                    follow=tuple(bytes.fromhex(x) for x in cfg.sync.follow))
-
-
-# ---------------------------------------------------------------- events
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class ListenAddrs:
-    addrs: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AnnounceHeard:
-    signer: bytes  # the envelope's verified signer
-    body: wire.NodeAnnounce
-    data: bytes  # the envelope, to persist for discovery
-
-
-@dataclass(frozen=True, slots=True)
-class ManifestHeard:
-    body: wire.PatchManifest  # wire checked publisher == envelope signer
-
-
-@dataclass(frozen=True, slots=True)
-class PeerGone:
-    peer_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class FromWorker:
-    msg: pipe.FromWorker  # decoded and checked once, by node.pipe
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerExited:
-    code: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class StoredItems:
-    lineage: bytes
-    items: tuple[StoredItem, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TransferDone:
-    pid: bytes
-    manifest: wire.PatchManifest
-
-
-@dataclass(frozen=True, slots=True)
-class PatchStored:
-    manifest: wire.PatchManifest
-    bytes_in: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogReceived:
-    peer: str
-    lineage: bytes
-    items: tuple[StoredItem, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogFailed:
-    peer: str
-    lineage: bytes
-    error: str
-
-
-Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | PeerGone | FromWorker | WorkerExited | StoredItems
-         | TransferDone | PatchStored | CatalogReceived | CatalogFailed)
-
-
-# ---------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True, slots=True)
-class Publish:
-    topic: str  # announce | rollouts
-    data: bytes
-    count: int = 0  # rollouts in a rollout batch
-
-
-@dataclass(frozen=True, slots=True)
-class ToWorker:
-    msg: pipe.ToWorker
-
-
-@dataclass(frozen=True, slots=True)
-class RestartWorker:
-    delay_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class RecordRollouts:
-    entries: tuple[dict[str, Any], ...]  # node.store.record_rollouts rows
-
-
-@dataclass(frozen=True, slots=True)
-class SeedVersion:
-    envelope: bytes  # our worker's new version: seed it on the broadcast
-
-
-@dataclass(frozen=True, slots=True)
-class StorePatch:
-    pid: bytes  # the completed transfer to store in the lineage store
-
-
-@dataclass(frozen=True, slots=True)
-class DropItem:
-    lineage: bytes
-    base: int
-    target: int
-
-
-@dataclass(frozen=True, slots=True)
-class LoadStored:
-    lineage: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class FetchCatalog:
-    peer: str
-    lineage: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOffer:
-    peer: str
-    lineage: bytes
-    item: StoredItem
-
-
-@dataclass(frozen=True, slots=True)
-class Penalise:
-    peer: str
-    reason: str
-    amount: float
-
-
-@dataclass(frozen=True, slots=True)
-class SeePeer:
-    peer_id: str
-    public: bytes
-    addrs: tuple[str, ...]
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Log:
-    msg: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-Action = (Publish | ToWorker | RestartWorker | RecordRollouts | SeedVersion | StorePatch | DropItem | LoadStored
-          | FetchCatalog | RequestOffer | Penalise | SeePeer | Log)
 
 
 # ---------------------------------------------------------------- state
