@@ -87,6 +87,7 @@ class Step(Struct, tag="step", forbid_unknown_fields=True):
     published: int | None = None  # the version published after this step, if any
     rollouts_per_step: int = 0
     sampler: dict[str, int] = {}  # training.sampler.Sampler counters
+    dropped: dict[str, int] = {}  # running totals by node.status.DROP_REASONS
 
 
 class Gen(Struct, tag="gen", forbid_unknown_fields=True):

@@ -30,13 +30,15 @@ from typing import Any
 import trio
 
 from gossip import wire
-from gossip.errors import MurmurError
+from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity, peer_id_from_public
-from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, views
+from gossip.transport import FrameError
+from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, stall, views
 from node.workerlink import WorkerLink, worker_spec
 from node.config import Config
 from node.logs import event
-from node.status import NodeStatus
+from node.stall import StallMeter
+from node.status import DiskMeter, Drops, NodeStatus
 
 log = logging.getLogger("murmur.node")
 
@@ -46,6 +48,7 @@ EXIT_DEADLINE_S = 4.0
 CATALOG_TIMEOUT_S = 30.0
 TASK_SET_CHECK_S = 10.0  # between checks of the store for our own new task sets
 PARTIAL_SWEEP_S = 30.0  # between sweeps of finished partial downloads
+STREAM_FAULT_PENALTY = 20.0  # bytes that break a stream protocol: three such faults graylist the sender
 PARTIAL_KEEP_S = 600.0  # an unfinished download's chunks are kept this long for a restart to resume from
 
 
@@ -65,7 +68,7 @@ class Node:
         self.home = Path(home)
         self.ident = ident
         self.opts = opts
-        self.store = open_store(self.home)
+        self.store = open_store(self.home, cfg.disk.ledger_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
@@ -90,10 +93,12 @@ class Node:
         self._stop_requested = False
         self.announced_task_sets: set[bytes] = set()
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
+        self.drops, self.disk = Drops(), DiskMeter(home, cfg)
+        self.stall = StallMeter()
 
     # ------------------------------------------------------------ status
     def snapshot(self) -> NodeStatus:
-        return views.node_status(self)
+        return views.node_status(self, trio.current_time() if self._nursery is not None else None)
 
     # ------------------------------------------------------------ main
     async def run(self) -> None:
@@ -136,6 +141,7 @@ class Node:
                                     head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
                                     reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
                 self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
+                t.faults.on_fault = self._on_stream_fault
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
@@ -160,6 +166,7 @@ class Node:
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
+                    nursery.start_soon(stall.run, self.stall)
                     for loop in (self._worker_loop, self._tick_loop, self._slow_loop, self._view_loop):
                         nursery.start_soon(loop)
         finally:
@@ -238,6 +245,7 @@ class Node:
         try:
             self.registry.add(data, self._trusted())
         except MurmurError as e:
+            self.drops.add("task_set_refused")
             log.debug("task set from %s not accepted: %s", origin, e)
             return
         await trio.to_thread.run_sync(self.store.add_task_set, tid, m.name, m.version, bytes(m.coordinator), data)
@@ -261,6 +269,7 @@ class Node:
             try:
                 await self.service.publish_announce(bytes(ts["envelope"]))
             except PublishError:
+                self.drops.add("task_set_unpublished")
                 return  # no peers yet: try again next round
             self.announced_task_sets.add(tid)
             event(log, "task set announced", name=ts["name"], version=ts["version"], id=tid.hex()[:16])
@@ -292,6 +301,10 @@ class Node:
             p.scores.penalise(peer, reason[:120], abs(amount), p.clock())
             event(log, "penalty", peer=peer, reason=reason[:200], amount=abs(amount))
 
+    def _on_stream_fault(self, peer: str, protocol: str, error: str) -> None:
+        """Bytes that break a stream protocol (ours or py-libp2p's) lower the sender's gossip score."""
+        self._penalise(peer, f"stream: {protocol}", STREAM_FAULT_PENALTY)
+
     def _on_transfer_complete(self, tr: Any) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(self.feed, C.TransferDone(tr.pid, tr.manifest))
@@ -300,6 +313,8 @@ class Node:
         try:
             with trio.fail_after(30):
                 await patchsync.serve(stream, self.home, self.bcast)
+        except (DecodeError, FrameError):
+            raise  # a malformed request: the host's stream guard scores the asker
         except (MurmurError, trio.TooSlowError) as e:
             log.debug("catalog request from %s: %s", remote, e)
         with trio.move_on_after(2):
@@ -323,6 +338,8 @@ class Node:
                         await self.service.publish_rollouts(a.data)
                         self.core.counters["rollouts_published"] += a.count
                 except PublishError as e:
+                    if a.topic == "announce":
+                        self.drops.add("announce_unpublished")
                     log.debug("publish %s: %s", a.topic, e)
             elif isinstance(a, C.RecordRollouts):
                 await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
@@ -366,6 +383,8 @@ class Node:
             return
         try:
             await trio.to_thread.run_sync(patchsync.store_complete, self.home, tr.manifest, tr.envelope, tr.payload())
+            await trio.to_thread.run_sync(patchsync.held_store(self.home, bytes(tr.manifest.lineage)).prune,
+                                          self.cfg.sync.retain_versions)
         except (MurmurError, OSError) as e:
             log.warning("could not store patch %s: %s", pid.hex()[:12], e)
             return
@@ -404,8 +423,6 @@ class Node:
         event(log, "worker restarted", restarts=self.core.counters["worker_restarts"])
 
     async def _worker_loop(self) -> None:
-        from gossip.errors import DecodeError
-
         while True:
             w = self.worker
             try:
@@ -420,6 +437,8 @@ class Node:
                     await self.feed(C.WorkerExited(w.proc.exitcode))
                 await trio.sleep(0.5)
                 continue
+            if isinstance(msg, pipe.Step):
+                self.drops.from_worker(msg.dropped)
             await self.feed(C.FromWorker(msg))
 
     # ------------------------------------------------------------ views

@@ -45,7 +45,7 @@ def reward_window(core: NodeCore, k: int = 5) -> tuple[float | None, float | Non
     return (sum(first) / len(first) if first else None, sum(recent) / len(recent) if recent else None)
 
 
-def node_status(node: Any) -> NodeStatus:
+def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     """The status of a running `node.runtime.Node`: its core's views plus what only the shell knows."""
     c, led, now = node.core, node.ledger, time.monotonic()
     rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
@@ -79,6 +79,11 @@ def node_status(node: Any) -> NodeStatus:
         bytes_down=c.counters["bytes_down"] + live,
         memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=node.cfg.node.memory_budget_mb,
         metrics_port=node.metrics.port if node.metrics else 0,
+        dropped=node.drops.view(node.worker.dropped if node.worker else 0), disk=node.disk.views(now),
+        loop_stall_max_ms=round(node.stall.max_ms, 1),
+        loop_stall_recent_ms=round(node.stall.recent_ms(loop_now), 1) if loop_now is not None else 0.0,
+        stream_faults=dict(node.transport.faults.counts) if node.transport is not None else {},
+        peer_scores=peer_scores(node.service.pipeline) if node.service is not None else {},
         **({"reach": node.reach.view()} if node.reach is not None else {}))
 
 
@@ -90,3 +95,11 @@ def status_fields(s: NodeStatus) -> dict[str, Any]:
                 lag=fol.lag if fol else None, serving=s.serving[:16], reward=s.reward_now, produced=s.rollouts_produced,
                 accepted=s.rollouts_accepted, rejected=s.rejected, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
                 rss_mb=round(s.memory_rss_mb), worker_restarts=s.worker_restarts)
+
+
+MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
+
+
+def peer_scores(pipeline: Any) -> dict[str, float]:
+    snap = pipeline.scores.snapshot(pipeline.clock())
+    return {peer: round(v["score"], 3) for peer, v in list(snap.items())[:MAX_SCORES_SHOWN]}
