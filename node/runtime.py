@@ -16,7 +16,6 @@ kill -9 at any moment loses nothing accepted.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ from node.workerlink import WorkerLink, worker_spec
 from node.config import Config
 from node.logs import event
 from node.stall import StallMeter
+from node.tasksync import TaskSetGossip
 from node.status import DiskMeter, Drops, NodeStatus
 
 log = logging.getLogger("murmur.node")
@@ -91,7 +91,6 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self._cancel: trio.CancelScope | None = None
         self._stop_requested = False
-        self.announced_task_sets: set[bytes] = set()
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
         self.drops, self.disk = Drops(), DiskMeter(home, cfg)
         self.stall = StallMeter()
@@ -106,17 +105,13 @@ class Node:
         from gossip.host import open_transport
         from gossip.service import GossipService
         from gossip.validation import Pipeline, PipelineConfig
-        from training.tasksets import TaskRegistry
         from training.tokencheck import for_model
         from training.verifiers import VerifierPool, score
 
         cfg = self.cfg
         wire.bind_swarm(cfg.node.swarm)  # every envelope signed or accepted here names this swarm
-        self.registry = TaskRegistry()
-        self.registry.add_builtin()
-        for ts in self.store.task_sets():
-            with contextlib.suppress(MurmurError):
-                self.registry.add(ts["envelope"], self._trusted())
+        self.tasks = TaskSetGossip(self.store, self.ident.public, cfg.trust.coordinators, self.drops)
+        self.registry = self.tasks.registry
         watchdog_armed = threading.Event()
         old_handlers = lifecycle.install_signals(watchdog_armed, self._on_signal, EXIT_DEADLINE_S)
         listen = self.opts.listen or cfg.network.listen
@@ -145,7 +140,7 @@ class Node:
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
-                self.service.on_announce(wire.TASK_SET, self._on_task_set)
+                self.service.on_announce(wire.TASK_SET, self.tasks.on_task_set)
                 self.bcast = self._broadcast_node(t)
                 t.set_stream_handler(patchsync.PROTOCOL, self._serve_catalog)
                 bootstrap = list(dict.fromkeys(self.opts.bootstrap + cfg.network.bootstrap))
@@ -214,11 +209,11 @@ class Node:
             now = time.monotonic()
             if self.core.new_peer:  # a new peer: our own task sets go out again
                 self.core.new_peer = False
-                self.announced_task_sets.clear()
+                self.tasks.sent.clear()
                 last_ts = -1e9
             if now - last_ts >= TASK_SET_CHECK_S:
                 last_ts = now
-                await self._announce_task_sets()
+                await self.tasks.announce_own(self.service)
             if now - last_sweep >= PARTIAL_SWEEP_S:
                 last_sweep = now
                 trs = list(self.bcast.transfers.values())
@@ -237,51 +232,10 @@ class Node:
     async def _on_manifest(self, origin: str, m: wire.PatchManifest, data: bytes) -> None:
         await self.feed(C.ManifestHeard(m))
 
-    async def _on_task_set(self, origin: str, m: wire.TaskSetManifest, data: bytes) -> None:
-        """A signed task set from a coordinator this node trusts joins the registry and the store."""
-        tid = wire.content_id(wire.decode_envelope(data).body)
-        if tid in self.registry:
-            return
-        try:
-            self.registry.add(data, self._trusted())
-        except MurmurError as e:
-            self.drops.add("task_set_refused")
-            log.debug("task set from %s not accepted: %s", origin, e)
-            return
-        await trio.to_thread.run_sync(self.store.add_task_set, tid, m.name, m.version, bytes(m.coordinator), data)
-        event(log, "task set added", name=m.name, version=m.version, id=tid.hex()[:16])
-
-    async def _announce_task_sets(self) -> None:
-        """Task sets signed by this node's key (`murmur tasks publish` stores them) go out on the announce topic,
-        once when they appear and again whenever a new peer shows up, so late joiners get them too."""
-        from gossip.transport import PublishError
-
-        for ts in await trio.to_thread.run_sync(self.store.task_sets):
-            tid = bytes(ts["task_set_id"])
-            if bytes(ts["coordinator"]) != self.ident.public or tid in self.announced_task_sets:
-                continue
-            if tid not in self.registry:
-                try:
-                    self.registry.add(ts["envelope"], self._trusted())
-                except MurmurError as e:
-                    log.warning("own task set %s unusable: %s", tid.hex()[:16], e)
-                    continue
-            try:
-                await self.service.publish_announce(bytes(ts["envelope"]))
-            except PublishError:
-                self.drops.add("task_set_unpublished")
-                return  # no peers yet: try again next round
-            self.announced_task_sets.add(tid)
-            event(log, "task set announced", name=ts["name"], version=ts["version"], id=tid.hex()[:16])
-
     def _on_accept(self, v: Any) -> None:
         if self.worker is not None and v.batch is not None:
             if self.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
                 self.worker.send(pipe.External(v.data))
-
-    def _trusted(self) -> set[bytes]:
-        """Coordinators whose task sets this node accepts: the configured ones, and itself."""
-        return {bytes.fromhex(k) for k in self.cfg.trust.coordinators} | {self.ident.public}
 
     # ------------------------------------------------------------ the broadcast
     def _broadcast_node(self, t: Any) -> Any:
