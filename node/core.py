@@ -40,7 +40,7 @@ from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGo
                          StoredItems, TransferDone, PatchStored, CatalogReceived, CatalogFailed, Publish, ToWorker,
                          RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
                          RequestOffer, Penalise, SeePeer, Log, Event, Action)  # noqa: F401 - part of the core's API
-from node.lineages import LineageState, LineageTable
+from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from sync.catchup import choose
 from sync.patchstore import StoredItem
 from sync.staleness import StalenessGuard
@@ -52,6 +52,7 @@ CATCH_UP_EVERY_S = 0.5
 CATCH_UP_PATIENCE_S = 120.0  # a catch-up attempt with no progress after this is retried from scratch
 IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
 BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
+CLAIM_PENALTY = 10.0  # a provably false signed claim about a lineage (node.lineages.Refusal)
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 CATALOG_SOURCES = 4
 MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadcast holds state for)
@@ -259,8 +260,8 @@ class NodeCore:
         self.peers[body.peer_id] = PeerInfo(body, bytes(ev.signer), now)
         for d in body.owned:
             lin, why = self.table.on_demand(bytes(ev.signer), d)
-            if why:
-                out.append(Log("lineage claim refused", {"peer": body.peer_id, "why": why}))
+            if why is not None:
+                self._refused(body.peer_id, "lineage claim refused", why, out)
             elif lin is not None:
                 self._observe_head(lin, out)
         if prev is None:
@@ -270,10 +271,15 @@ class NodeCore:
 
     def _on_manifest(self, m: wire.PatchManifest, out: list[Action]) -> None:
         lin, why = self.table.on_manifest(m)
-        if why:
-            out.append(Log("manifest refused", {"lineage": bytes(m.lineage).hex()[:16], "why": why}))
+        if why is not None:
+            self._refused(peer_id_from_public(bytes(m.publisher)), "manifest refused", why, out)
         elif lin is not None:
             self._observe_head(lin, out)
+
+    def _refused(self, signer: str, msg: str, why: Refusal, out: list[Action]) -> None:
+        out.append(Log(msg, {"peer": signer, "why": why.reason[:200], "fault": why.fault}))
+        if why.fault:
+            out.append(Penalise(signer, f"lineage: {why.reason}"[:120], CLAIM_PENALTY))
 
     # ------------------------------------------------------------ staleness admission
     def _observe_head(self, lin: LineageState, out: list[Action]) -> None:
@@ -303,7 +309,7 @@ class NodeCore:
         # version spans `publish_every` optimizer steps, and needs that many steps' external rollouts.
         k = self.s.publish_every
         step_t = _median(self.version_times) if self.version_times else k * _median(self.step_times)
-        step_t = min(max(step_t, 0.0), 1e6)
+        step_t = min(max(step_t, MIN_STEP_S if step_t > 0 else 0.0), 1e6)
         b = k * self.s.external_rollouts * self.s.group_size
         d = roles.Demand(rollouts_per_step=b, step_time_s=step_t, max_staleness=self.s.max_staleness)
         offers = []

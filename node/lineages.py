@@ -9,13 +9,18 @@ nothing ("capture" is impossible), and only the publisher's signature moves a
 head. Everything else a peer says about a lineage is refused and logged.
 
 Numbers from the network are range-checked here before any rule uses them:
-a demand's step time is 0 (not measured yet) or at least `MIN_STEP_S`, its
-batch at most `MAX_ROLLOUTS_PER_STEP`; a head may jump at most `MAX_AHEAD`
+a demand's step time is 0 (not measured yet) or at least `MIN_STEP_S`; a head may jump at most `MAX_AHEAD`
 versions past the signed head this node last heard; a manifest may list at
 most `SIZE_FACTOR` times the base model's bytes. The demand a follower acts
 on is bounded by what the publisher demonstrably does: its step time counts
 as no shorter than the interval between the signed versions this node saw,
 nor than the time since the last one.
+
+A refusal names its reason and whether the claim is provably false (then it
+costs the signer a penalty): a manifest whose id does not derive from its own
+fields, a demand for a lineage whose publisher is proven by another key,
+numbers out of range, a version far past the signed head. A claim this node
+merely cannot check (a lineage on a base model it has not seen) costs nothing.
 """
 
 from __future__ import annotations
@@ -29,13 +34,26 @@ from gossip import wire
 from node import patchsync, roles
 from sync.ids import lineage_id
 
-MIN_STEP_S = 0.5  # a claimed version interval below this is not a measurement
-MAX_ROLLOUTS_PER_STEP = 16384
+MIN_STEP_S = 0.001  # a claimed version interval below this is not a measurement (and would overflow the rule)
+MAX_ROLLOUTS_PER_STEP = 1_000_000
 MAX_STALENESS = 1024
 MAX_AHEAD = 1024  # versions a signed head may move past the last signed head heard in this run
 SIZE_FACTOR = 3.0  # a patch, union or anchor lists at most this many times the base model's bytes
 SIZE_SLACK = 1 << 20
 DEMAND_FRESH_S = 30.0  # a demand not re-announced this long is not acted on
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a signed claim about a lineage was not acted on; `fault`: the claim is provably false, so it
+    costs its signer (a claim this node merely cannot check, e.g. on an unknown base model, does not)."""
+
+    reason: str
+    fault: bool = False
+
+    @classmethod
+    def provable(cls, reason: str) -> Refusal | None:
+        return cls(reason, True) if reason else None
 
 
 @dataclass(slots=True)
@@ -96,81 +114,87 @@ class LineageTable:
                 self.own = lid
 
     # ------------------------------------------------------------ network
-    def on_demand(self, signer: bytes, d: wire.LineageDemand) -> tuple[LineageState | None, str]:
+    def on_demand(self, signer: bytes, d: wire.LineageDemand) -> tuple[LineageState | None, Refusal | None]:
         """A LineageDemand in a NodeAnnounce signed by `signer`: (the row it moved, why it was refused)."""
         lid = bytes(d.lineage)
-        why = demand_error(d)
-        if not why and lid == self.own:
-            why = "names this node's own lineage"
         lin = self.rows.get(lid)
-        if not why:
-            bases = [b for b in (lin.base if lin else b"", self.my_base) if b]
-            if not any(lineage_id(signer, b, d.name) == lid for b in bases):
-                why = "lineage id does not derive from the signer's key, a known base model and the name"
-        if not why and lin is not None and lin.publisher and lin.publisher != signer:
-            why = "signer is not the lineage's publisher"
-        if not why:
+        why = Refusal.provable(demand_error(d))
+        if why is None and lid == self.own:
+            why = Refusal("signer is not the lineage's publisher (this node is)", True)
+        elif why is None and lin is not None and lin.publisher:
+            # the row's publisher and base are proven: anything else from another key is provably false
+            if signer != lin.publisher:
+                why = Refusal("signer is not the lineage's publisher", True)
+            elif lineage_id(signer, lin.base, d.name) != lid:
+                why = Refusal("lineage name does not derive the lineage id", True)
+        elif why is None and not (self.my_base and lineage_id(signer, self.my_base, d.name) == lid):
+            # not provably false: the lineage may grow from a base model this node has not seen
+            why = Refusal("lineage id does not derive from the signer's key, a known base model and the name")
+        if why is None and lin is None:
+            lin = self._insert(lid, d.name, "seen")
             if lin is None:
-                lin = self._insert(lid, d.name, "seen")
-                if lin is None:
-                    why = "lineage table full"
-            if lin is not None and not lin.publisher:
-                lin.publisher, lin.base = signer, self.my_base
-        if why:
-            self.refused[why] = self.refused.get(why, 0) + 1
-            return None, why
+                why = Refusal("lineage table full")
+        if why is not None:
+            return None, self._count(why)
         assert lin is not None
+        if not lin.publisher:
+            lin.publisher, lin.base = signer, self.my_base
         why = self._advance(lin, d.head_version)
-        now = self.clock()
         lin.claimed = roles.Demand(d.rollouts_per_step, d.step_time_s, d.max_staleness)
         lin.standby = tuple(d.standby)
-        lin.demand_at = lin.active = now
-        if why:
-            self.refused[why] = self.refused.get(why, 0) + 1
-        return lin, why
+        lin.demand_at = lin.active = self.clock()
+        return lin, self._count(why)
 
-    def check_manifest(self, m: wire.PatchManifest) -> str | None:
+    def check_manifest(self, m: wire.PatchManifest) -> Refusal | None:
         """Why a manifest (signature checked, publisher == signer) must not be acted on; None when it may."""
         lid = bytes(m.lineage)
         if lineage_id(bytes(m.publisher), bytes(m.base_model_hash), m.lineage_name) != lid:
-            return "lineage id does not derive from the publisher, base model and name"
+            return Refusal("lineage id does not derive from the publisher, base model and name", True)
         if lid == self.own:
-            return "names this node's own lineage"
+            return Refusal("names this node's own lineage", True)
         if m.codec not in patchsync.CODEC_KIND:
-            return f"unknown codec {m.codec[:32]!r}"
+            return Refusal(f"unknown codec {m.codec[:32]!r}", True)
         if m.base_version > m.target_version or (m.codec == "anchor-v1") != (m.base_version == m.target_version):
-            return "versions do not fit the codec"
+            return Refusal("versions do not fit the codec", True)
         if sum(c.size for c in m.chunks) != m.total_bytes:
-            return "chunk sizes do not add up to the total"
-        size = self.model_bytes.get(bytes(m.base_model_hash)) or self.model_bytes.get(self.my_base, 0)
+            return Refusal("chunk sizes do not add up to the total", True)
+        known = self.model_bytes.get(bytes(m.base_model_hash), 0)
+        size = known or self.model_bytes.get(self.my_base, 0)
         if size and m.total_bytes > SIZE_FACTOR * size + SIZE_SLACK:
-            return f"{m.total_bytes} bytes is out of proportion to a {size}-byte base model"
+            # provable only against the manifest's own base model, whose size this node knows
+            return Refusal(f"{m.total_bytes} bytes is out of proportion to a {size}-byte base model", bool(known))
         lin = self.rows.get(lid)
         if lin is not None and lin.live and m.target_version > lin.signed_head + MAX_AHEAD:
-            return f"version {m.target_version} is far ahead of the signed head {lin.signed_head}"
+            return Refusal(f"version {m.target_version} is far ahead of the signed head {lin.signed_head}", True)
         return None
 
-    def on_manifest(self, m: wire.PatchManifest) -> tuple[LineageState | None, str]:
+    def on_manifest(self, m: wire.PatchManifest) -> tuple[LineageState | None, Refusal | None]:
         lid = bytes(m.lineage)
         if lid == self.own:
-            return None, ""  # our own manifests, relayed back to us: our worker is the authority
+            return None, None  # our own manifests, relayed back to us: our worker is the authority
         why = self.check_manifest(m)
         lin = self.rows.get(lid)
-        if not why and lin is None:
+        if why is None and lin is None:
             lin = self._insert(lid, m.lineage_name, "seen")
             if lin is None:
-                why = "lineage table full"
-        if why:
-            self.refused[why] = self.refused.get(why, 0) + 1
-            return None, why
+                why = Refusal("lineage table full")
+        if why is not None:
+            return None, self._count(why)
         assert lin is not None
         lin.publisher, lin.base = bytes(m.publisher), bytes(m.base_model_hash)
         lin.active = self.clock()
-        return lin, self._advance(lin, m.target_version)
+        return lin, self._count(self._advance(lin, m.target_version))
 
-    def _advance(self, lin: LineageState, version: int) -> str:
+    def _count(self, why: Refusal | None) -> Refusal | None:
+        if why is not None:
+            key = why.reason.split(" (")[0][:80]
+            if key in self.refused or len(self.refused) < 64:
+                self.refused[key] = self.refused.get(key, 0) + 1
+        return why
+
+    def _advance(self, lin: LineageState, version: int) -> Refusal | None:
         if lin.live and version > lin.signed_head + MAX_AHEAD:
-            return f"version {version} is far ahead of the signed head {lin.signed_head}"
+            return Refusal(f"version {version} is far ahead of the signed head {lin.signed_head}", True)
         now = self.clock()
         if version > lin.signed_head or not lin.live:
             if version > lin.signed_head:
@@ -178,7 +202,7 @@ class LineageTable:
             lin.signed_head = max(lin.signed_head, version)
             lin.live = True
         lin.head = max(lin.head, lin.signed_head)
-        return ""
+        return None
 
     # ------------------------------------------------------------ what a follower may serve
     def effective_demand(self, lin: LineageState, now: float) -> roles.Demand | None:
