@@ -123,3 +123,30 @@ def test_selection_entries_are_checked() -> None:
     m = builtin_manifest()
     r = resolve(normalise(["f" * 64]), [(b"\x01" * 32, m)], b"\x01" * 32, BUILTIN_COORDINATOR.public)
     assert r.mixture == [] and r.waiting == ["f" * 64]
+
+
+@pytest.mark.parametrize("body,msg", [
+    ('[training]\ntask_sets = ["mine"]\n', "key 'training.task_sets': 'mine' can only come from a trusted coordinator"),
+    ('[training]\ntask_sets = []\n', "key 'training.task_sets': empty"),
+    ('[training]\ntask_sets = [{ set = "builtin", weight = 0.0 }]\n', "weight 0.0 of 'builtin'"),
+    ('[training]\ntask_set = "builtin"\n', "unknown key 'training.task_set'"),
+])
+def test_bad_task_set_config_is_a_one_line_error(tmp_path: Path, body: str, msg: str) -> None:
+    from node.config import load_config
+
+    f = tmp_path / "config.toml"
+    f.write_text(body)
+    with pytest.raises(ConfigError, match=msg) as e:
+        load_config(f)
+    assert "\n" not in str(e.value) and str(f) in str(e.value)
+
+
+def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None:
+    from node.config import flatten, load_config
+
+    f = tmp_path / "config.toml"
+    f.write_text(f'[training]\ntask_sets = ["builtin", {{ set = "trusted", weight = 2.0 }}]\n'
+                 f'[trust]\ncoordinators = ["{COORD.public.hex()}"]\n')
+    cfg = load_config(f)
+    assert normalise(cfg.training.task_sets) == [TaskSetChoice(set="builtin"), TaskSetChoice(set="trusted", weight=2.0)]
+    assert flatten(cfg)["training.task_sets"] == ["builtin", {"set": "trusted", "weight": 2.0}]
