@@ -30,8 +30,8 @@ def signed(ident: Identity, name: str, version: int, eval_overlaps: bool = False
                                                                                   "split": "train"}}]
     gens.append({"name": "sort-eval", "generator": "sorting", "seed_end": 1000,
                  "config": {"length": 5, "min_length": 4, "split": "eval"}})
-    if eval_overlaps:  # held out from its own set, but murmur-tiny's warm-up trains on these sums
-        gens.append({"name": "sums-eval", "generator": "arithmetic", "seed_end": 1000, "config": {"digits": 2}})
+    if eval_overlaps:  # held out from its own set, but murmur-tiny's warm-up trains on these look-ups
+        gens.append({"name": "max-eval", "generator": "digits", "seed_end": 1000, "config": {"ops": "max"}})
     t = msgspec.convert({"name": name, "version": version, "verifier": "exact", "generators": gens, "created_ms": 1},
                         TaskSetToml)
     return sign_task_set(ident, manifest_from_toml(t, name))
@@ -88,28 +88,28 @@ def test_a_set_whose_eval_overlaps_the_warmup_is_refused_with_the_reason(tmp_pat
     store_set(db, signed(COORD, "bad", 1, eval_overlaps=True))
     tm.refresh(force=True)
     assert tm.mixture == [] and tm.resolution.waiting == ["bad"]
-    assert "'sums-eval' overlaps training generator 'add'" in tm.describe_waiting()
+    assert "'max-eval' overlaps training generator 'lookup'" in tm.describe_waiting()
 
 
 def test_counters_and_status(tmp_path: Path) -> None:
     tm, db, clock = mix(tmp_path, ["builtin"])
     tm.refresh(force=True)
     bid = tm.registry.builtin_id
-    task = tm.registry.resolve(TaskRef(bid, "add", 3))
-    recs = [RolloutRec(ref=TaskRef(bid, "add", 3), task=task, prompt_ids=[], ids=[], text="", logprobs=[],
+    task = tm.registry.resolve(TaskRef(bid, "rev", 3))
+    recs = [RolloutRec(ref=TaskRef(bid, "rev", 3), task=task, prompt_ids=[], ids=[], text="", logprobs=[],
                        token_versions=[], version=0, lineage=bytes(32), tokenizer_hash=bytes(32), sampling=None,
                        reward=r) for r in (1.0, 0.0, 1.0, 1.0)]
     tm.produced(recs)
     tm.accepted({bid: 5, b"\xee" * 32: 7})  # a set not held here is not counted
     tm.used({bid: 6})
-    tm.record_eval(bid, 0, {"add": 0.25, "all": 0.25})
-    tm.record_eval(bid, 25, {"add": 0.5, "all": 0.5})
+    tm.record_eval(bid, 0, {"rev": 0.25, "all": 0.25})
+    tm.record_eval(bid, 25, {"rev": 0.5, "all": 0.5})
     tm.save()
     st = db.get(STATUS_KEY)
     (row,) = st["sets"]
     assert (row["produced"], row["accepted"], row["used"], row["training"]) == (4, 5, 6, True)
-    assert row["reward_by_generator"] == {"add": 0.75}
-    assert row["eval"]["start"]["accuracy"]["add"] == 0.25 and row["eval"]["last"]["step"] == 25
+    assert row["reward_by_generator"] == {"rev": 0.75}
+    assert row["eval"]["start"]["accuracy"]["rev"] == 0.25 and row["eval"]["last"]["step"] == 25
     assert st["waiting"] == [] and st["choices"] == [{"set": "builtin", "weight": 1.0}]
 
 
