@@ -150,3 +150,32 @@ def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None
     cfg = load_config(f)
     assert normalise(cfg.training.task_sets) == [TaskSetChoice(set="builtin"), TaskSetChoice(set="trusted", weight=2.0)]
     assert flatten(cfg)["training.task_sets"] == ["builtin", {"set": "trusted", "weight": 2.0}]
+
+
+def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tmp_path: Path) -> None:
+    from node.config import load_config
+    from node.demo import DemoTaskSet, node_config, run_demo
+    from gossip.errors import TaskError
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'
+                   'seed_end = 100\nconfig = { ops = "max" }\n[[generators]]\nname = "s"\ngenerator = "sorting"\n'
+                   'seed_end = 100\nconfig = { length = 6, min_length = 5 }\n')
+    with pytest.raises(TaskError, match="'max-eval' overlaps training generator 'lookup'"):
+        run_demo(duration_s=1, workdir=tmp_path / "demo", tui=False, task_set=bad)
+    assert not (tmp_path / "demo").exists()  # refused before anything was created or started
+    good = tmp_path / "good.toml"
+    good.write_text(bad.read_text().replace('ops = "max"', 'ops = "count"'))
+    ds = DemoTaskSet(good)
+    assert ds.max_new_tokens == 12  # the longest answer, six sorted digits "0,1,2,3,4,5", plus EOS
+    home = tmp_path / "h"
+    home.mkdir()
+    ds.install(home)
+    (home / "config.toml").write_text(node_config(["trainer"], 4001, "murmur-tiny", task_set=ds.manifest.name,
+                                                  coordinator=ds.coordinator.public.hex(),
+                                                  max_new_tokens=ds.max_new_tokens))
+    cfg = load_config(home / "config.toml")
+    assert cfg.training.task_sets == ["b"] and cfg.trust.coordinators == [ds.coordinator.public.hex()]
+    tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public})
+    tm.refresh(force=True)
+    assert tm.mixture == [(ds.id, 1.0)]
