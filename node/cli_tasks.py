@@ -21,10 +21,11 @@ from gossip.errors import MurmurError
 
 def _known(home: Path) -> list[tuple[bytes, object, bytes, str]]:
     """(id, manifest, envelope, origin) for the built-in set and every stored one."""
-    from gossip.wire import TASK_SET, content_id, open_envelope
-    from node.home import open_home_store
+    from gossip.wire import TASK_SET, bind_swarm, content_id, open_envelope
+    from node.home import load_home_config, open_home_store
     from training.tasksets import builtin_task_set
 
+    bind_swarm(load_home_config(home).node.swarm)  # stored envelopes were signed for it
     out = []
     env_bytes = builtin_task_set()
     env, m = open_envelope(env_bytes, TASK_SET)
@@ -48,8 +49,12 @@ def publish(file: Annotated[Path, typer.Argument(help="task set TOML")], home: H
     from node.home import ensure_home, open_home_store
     from training.tasksets import load_task_set_toml, sign_task_set
 
+    from gossip.wire import bind_swarm
+    from node.home import load_home_config
+
     h = resolve_home(home)
     ident = ensure_home(h)
+    bind_swarm(load_home_config(h).node.swarm)  # signed for the swarm the home's node talks to
     manifest = load_task_set_toml(file)
     envelope = sign_task_set(ident, manifest)
     tid = content_id(decode_envelope(envelope).body)

@@ -152,7 +152,7 @@ def test_untrusted_and_forged_task_sets_are_refused() -> None:
     with pytest.raises(SignatureError, match="untrusted"):
         TaskRegistry().add(env, {other.public})
     e = decode_envelope(env)
-    tampered = encode(Envelope(e.v, e.kind, e.body[:-1] + bytes([e.body[-1] ^ 1]), e.signer, e.sig))
+    tampered = encode(Envelope(e.v, e.kind, e.swarm, e.body[:-1] + bytes([e.body[-1] ^ 1]), e.signer, e.sig))
     with pytest.raises(SignatureError):
         TaskRegistry().add(tampered, {ident.public})
     with pytest.raises(DecodeError):
