@@ -271,4 +271,5 @@ def render_default_config(config: Config | None = None) -> str:
 
 
 def flatten(config: Config) -> dict[str, Any]:
-    return {f"{s}.{k}": getattr(getattr(config, s), k) for s, t in SECTIONS.items() for k in t.__struct_fields__}
+    return {f"{s}.{k}": msgspec.to_builtins(getattr(getattr(config, s), k))
+            for s, t in SECTIONS.items() for k in t.__struct_fields__}
