@@ -17,7 +17,7 @@ TREND_POINTS = 60
 DROP_REASONS: dict[str, str] = {
     "worker_queue_full": "accepted rollout batches not handed to the worker: the link's queue was full",
     "worker_inbox_full": "rollout groups evicted (oldest first) from the worker's inbox before a step took them",
-    "below_min_version": "external rollouts older than the staleness bound when the trainer took them",
+    "below_min_version": "external rollout groups past the staleness bound of the heads the trainer knows",
     "task_set_unused": "external rollouts of a task set this trainer does not hold",
     "task_set_refused": "task sets not added: unsigned by a trusted coordinator key, or invalid",
     "announce_unpublished": "node announces that could not be published (no peer on the topic)",
@@ -200,6 +200,11 @@ class NodeStatus(Struct, kw_only=True):
     metrics_port: int = 0
     dropped: dict[str, int] = {}  # reason (DROP_REASONS) -> count since start
     disk: list[DiskView] = []
+    # robustness (node.stall, gossip.host.StreamFaults, gossip.scoring): see docs/security.md
+    loop_stall_max_ms: float = 0.0  # worst event-loop lateness since start
+    loop_stall_recent_ms: float = 0.0  # worst over the last 5 s
+    stream_faults: dict[str, int] = {}  # protocol -> streams that broke it (peer scored, stream closed)
+    peer_scores: dict[str, float] = {}  # peer id -> current gossip score, for peers with a record
     reach: ReachView = msgspec.field(default_factory=ReachView)
 
 
