@@ -32,15 +32,18 @@ What is modelled:
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import heapq
 import math
 import os
 import random
+import resource
 import sys
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,9 +68,11 @@ def identity_for(seed: int, index: int) -> Identity:
     return Identity.from_seed(hashlib.blake2b(f"murmur-sim/{seed}/{index}".encode(), digest_size=32).digest())
 
 
-@dataclass
+@dataclass(slots=True, frozen=True)
 class Group:
-    rollouts: list[wire.Rollout]
+    """What a trainer's pool keeps of a verified group: the learning model needs no more, and a pool of
+    these (shared between the receivers of a batch) costs a few pointers per group, not the rollouts."""
+
     lineage: bytes
     version: int
     informative: bool
@@ -111,7 +116,7 @@ class VirtualSim:
         self.registry.add_builtin()
         self.task_set = self.registry.builtin_id
         # one memo of the pure verification work per process (simulations/vcache.py says why it is faithful)
-        self.shared = SharedVerification(self.registry.resolve, score) if shared_verify else None
+        self.shared = SharedVerification(self.registry.resolve, score, clock=self._unix) if shared_verify else None
         self._resolve = self.shared.resolve_task if self.shared else self.registry.resolve
         self._score = self.shared.reward if self.shared else score
         self.links = LinkModel([LinkSpec.of(s) for s in self.specs], seed=sc.seed)
@@ -120,7 +125,7 @@ class VirtualSim:
         self._seq = 0
         self.events = 0
         self.metrics = MetricsWriter(self.out_dir, sc.report.format) if self.out_dir else None
-        self.rows: dict[str, list[dict[str, Any]]] = {}
+        self.rows: dict[str, list[dict[str, Any]]] = self.metrics.rows if self.metrics else {}
         self.rejections: Counter[str] = Counter()
         self._groups: OrderedDict[bytes, list[Group]] = OrderedDict()  # accepted batch id -> its groups (shared)
         self.heads: dict[bytes, int] = {}
@@ -137,10 +142,10 @@ class VirtualSim:
                                  replay_entries=50_000, replay_ttl_s=900.0, score=score_params)
             if self.shared is not None:
                 pipe: Pipeline = SimPipeline(cfg, clock=self._unix, resolve_task=self._resolve, reward=self._score,
-                                             head_version=self._head, shared=self.shared)
+                                             head_version=self.heads.get, shared=self.shared)
             else:
                 pipe = Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score,
-                                head_version=self._head)
+                                head_version=self.heads.get)
             self.nodes.append(VNode(s, ident, ident.peer_id, pipe, lineage, p0, p0, node_rng))
         for n in self.nodes:
             if n.spec.role == "trainer":
@@ -159,18 +164,15 @@ class VirtualSim:
     def _unix(self) -> float:
         return EPOCH + self.now
 
-    def _head(self, lineage: bytes) -> int | None:
-        """What a receiver knows of a lineage's head: signed manifests gossip fast, so the true head."""
-        return self.heads.get(bytes(lineage))
-
     def _push(self, t: float, kind: str, *args: Any) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, args))
 
     def _row(self, kind: str, **fields: Any) -> None:
-        self.rows.setdefault(kind, []).append(fields)
-        if self.metrics:
+        if self.metrics:  # it keeps the rows for the report: one copy
             self.metrics.add(kind, **fields)
+        else:
+            self.rows.setdefault(kind, []).append(fields)
 
     def _topology(self) -> None:
         n = len(self.nodes)
@@ -204,7 +206,7 @@ class VirtualSim:
         except ValueError:
             return answer + "?"
 
-    def _group(self, node: VNode, lineage: bytes, version: int, skill: float) -> Group:
+    def _group(self, node: VNode, lineage: bytes, version: int, skill: float) -> list[wire.Rollout]:
         g = self.sc.training.group_size
         ref = wire.TaskRef(self.task_set, BUILTIN_TRAIN, node.rng.randrange(SEED_RANGE))
         task = self._resolve(ref)
@@ -217,8 +219,12 @@ class VirtualSim:
                                     tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
                                     sampling=wire.SamplingParams(max_new_tokens=8), reward=self._score(task, text),
                                     created_ms=created))
-        rewards = [r.reward for r in out]
-        return Group(out, lineage, version, max(rewards) != min(rewards))
+        return out
+
+    @staticmethod
+    def _informative(rollouts: list[wire.Rollout]) -> bool:
+        rewards = [r.reward for r in rollouts]
+        return max(rewards) != min(rewards)
 
     def _seal(self, node: VNode, rollouts: list[wire.Rollout], seq: int | None = None) -> bytes:
         if seq is None:
@@ -297,10 +303,10 @@ class VirtualSim:
             else:
                 keep.append(g)
         n.pool = keep
-        u_local = sum(g.informative for g in local)
+        u_local = sum(self._informative(g) for g in local)
         u_ext = sum(g.informative for g in ext)
         n.consumed_ext += len(ext)
-        reward = sum(r.reward for g in local for r in g.rollouts) / max(1, sum(len(g.rollouts) for g in local))
+        reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
         n.skill += lr.rate * (lr.ceiling - n.skill) * (u_local + lr.external_weight * u_ext) / 8.0
         n.skill = min(lr.ceiling, max(0.0, n.skill))
         # isolated twin: I + J local groups, same rule, own draws
@@ -317,7 +323,7 @@ class VirtualSim:
         self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=iso_reward, version=n.version,
                   group=n.spec.group)
         if local:
-            rollouts = [r for g in local for r in g.rollouts]
+            rollouts = [r for g in local for r in g]
             for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
                 self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]))
         if n.version % self.sc.sync.publish_every == 0:
@@ -336,10 +342,10 @@ class VirtualSim:
         skills = self.skill_at[lead.lineage]
         skill = skills[min(n.version, len(skills) - 1)]
         local = [self._group(n, lead.lineage, n.version, skill) for _ in range(self.sc.training.local_groups)]
-        reward = sum(r.reward for g in local for r in g.rollouts) / max(1, sum(len(g.rollouts) for g in local))
+        reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
         self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=None, version=n.version,
                   group=n.spec.group)
-        rollouts = [r for g in local for r in g.rollouts]
+        rollouts = [r for g in local for r in g]
         for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
             self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]))
 
@@ -373,8 +379,7 @@ class VirtualSim:
             for rs in by_task.values():
                 if len(rs) < 2:
                     continue
-                rewards = [r.reward for r in rs]
-                groups.append(Group(rs, bytes(rs[0].lineage), rs[0].version, max(rewards) != min(rewards)))
+                groups.append(Group(bytes(rs[0].lineage), rs[0].version, self._informative(rs)))
             if len(self._groups) >= 200_000:  # oldest first out
                 self._groups.popitem(last=False)
             self._groups[v.msg_id] = groups
@@ -390,23 +395,23 @@ class VirtualSim:
         if b == "forged_reward":
             g = self._group(n, n.lineage, 0, 0.0)  # all wrong ...
             forged = [wire.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "reward": 1.0})
-                      for r in g.rollouts]  # ... each claiming full reward
+                      for r in g]  # ... each claiming full reward
             self._gossip(n, self._seal(n, forged))
         elif b == "invalid_signature":
-            data = bytearray(self._seal(n, self._group(n, n.lineage, 0, 0.5).rollouts))
+            data = bytearray(self._seal(n, self._group(n, n.lineage, 0, 0.5)))
             data[-5] ^= 0xFF  # inside the signature, the envelope's last field
             self._gossip(n, bytes(data))
         elif b == "replay":
             if not n.sent_batches:
-                data = self._seal(n, self._group(n, n.lineage, 0, 0.5).rollouts)
+                data = self._seal(n, self._group(n, n.lineage, 0, 0.5))
                 n.sent_batches.append(data)
             else:  # the same seq again with other content (equivocation), and the old bytes again
-                data = self._seal(n, self._group(n, n.lineage, 0, 0.5).rollouts, seq=n.seq)
+                data = self._seal(n, self._group(n, n.lineage, 0, 0.5), seq=n.seq)
                 self._gossip(n, n.sent_batches[0])
             self._gossip(n, data)
         elif b == "stale_spam":
             lead = self.nodes[self.trainer_ids[n.rng.randrange(len(self.trainer_ids))]]
-            self._gossip(n, self._seal(n, self._group(n, lead.lineage, 0, 0.5).rollouts))
+            self._gossip(n, self._seal(n, self._group(n, lead.lineage, 0, 0.5)))
         # corrupt_chunks and free_ride act in the broadcasts / by never producing
         if b in ("forged_reward", "invalid_signature", "replay", "stale_spam"):
             self._push(self.now + 1.0 / n.spec.rate_per_s, "adv", i, inc)
@@ -520,7 +525,8 @@ class VirtualSim:
         broadcasts = self._setup_broadcasts()
         self.setup_s = time.perf_counter() - wall
         self._schedule()
-        self._loop(on_progress)
+        with _few_collections():
+            self._loop(on_progress)
         self.cpu_s = time.process_time() - cpu
         return self._finish(broadcasts, time.perf_counter() - wall)
 
@@ -582,6 +588,7 @@ class VirtualSim:
             "cpu_s": round(getattr(self, "cpu_s", 0.0), 2),
             "load_avg": [round(x, 2) for x in os.getloadavg()],
             "setup_s": round(getattr(self, "setup_s", 0.0), 2),  # start-up broadcasts through the swarm core
+            "peak_rss_mb": peak_rss_mb(),
             "events": self.events,
             "steps": sum(n.steps for n in self.nodes),
             "swarm_cumulative_reward": round(swarm, 3),
@@ -609,6 +616,29 @@ class VirtualSim:
                          threshold=self.sc.gossip.graylist_threshold, plots=self.sc.report.plots)
             summary["report_s"] = round(time.perf_counter() - t0, 2)  # not in summary.json: written before
         return summary
+
+
+@contextmanager
+def _few_collections() -> Iterator[None]:
+    """A full pass of the cyclic collector scans every live object, and a big run holds millions of them
+    (pools, memos, report rows), nearly all acyclic, so default thresholds make collection work grow with
+    the heap on every pass. Freeze what set-up built and collect young generations rarely: collection
+    work follows what the loop allocates, and cyclic garbage still goes in the young passes."""
+    old = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 1000)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far, in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(rss / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def run_virtual(sc: Scenario, out_dir: str | Path | None = None, progress: bool = False) -> dict[str, Any]:
