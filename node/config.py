@@ -59,7 +59,8 @@ class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
     blacklist_s: Annotated[int, _d("seconds a peer proven to forge stays banned")] = 3600
     replay_cache: Annotated[int, _d("entries in the replay/duplicate cache")] = 100_000
     replay_ttl_s: Annotated[int, _d("seconds a message id is remembered")] = 900
-    pool_max_rollouts: Annotated[int, _d("verified rollouts kept in memory")] = 20_000
+    pool_max_rollouts: Annotated[int, _d("verified external rollouts a trainer keeps to sample from (bounded "
+                                         "also by node.memory_budget_mb)")] = 20_000
 
 
 class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -11,7 +11,7 @@ network -> worker
   ("admit", dict)            {lineage, generate}: the network's staleness guard (sync.staleness) says
                              whether this follower may generate for the lineage (within the bound)
   ("pace", dict)             {rollouts_per_s}: cap on a follower's generation rate (its trainer's need; 0 = none)
-  ("external", bytes)        a verified RolloutBatch envelope (trainer pool, spot checks)
+  ("external", bytes)        a verified RolloutBatch envelope (the trainer's training.sampler.Sampler, spot checks)
   ("stop", None)
 worker -> network
   ("ready", dict)            {lineage?, name?, base, version, tokenizer_hash}
@@ -38,8 +38,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from training.sampler import Sampler
+
 SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation
-EXTERNAL_GROUPS_MAX = 256  # bounded pool of external groups held by a trainer worker
+EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
 
@@ -47,7 +49,7 @@ FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one a
 class Inbox:
     """What the reader thread collected; everything bounded."""
 
-    def __init__(self, max_groups: int) -> None:
+    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None) -> None:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -55,15 +57,12 @@ class Inbox:
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
         self.pace = 0.0
-        self.groups: collections.OrderedDict[tuple, list] = collections.OrderedDict()
-        self.max_groups = max_groups
+        self.sampler = Sampler(max_groups, max_staleness, max_rollouts)  # the trainer's external groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
-        self.dropped = 0
 
 
 def _reader(conn: Any, inbox: Inbox) -> None:
     from gossip import wire
-    from gossip.pool import task_key
 
     while not inbox.stop.is_set():
         try:
@@ -91,13 +90,7 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                 except Exception:
                     continue
                 inbox.spot.append((bytes(batch.producer), batch))
-                for r in batch.rollouts:
-                    g = inbox.groups.setdefault(task_key(r.task), [])
-                    if len(g) < 64:
-                        g.append(r)
-                while len(inbox.groups) > inbox.max_groups:
-                    inbox.groups.popitem(last=False)
-                    inbox.dropped += 1
+                inbox.sampler.add_rollouts(batch.rollouts)
         inbox.wake.set()
 
 
@@ -106,7 +99,10 @@ class Worker:
         self.conn = conn
         self.spec = spec
         self.home = Path(spec["home"])
-        self.inbox = Inbox(EXTERNAL_GROUPS_MAX)
+        max_rollouts = spec.get("sampler_max_rollouts")
+        self.inbox = Inbox(int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
+                           int(spec.get("trainer", {}).get("max_staleness", 4)),
+                           None if max_rollouts is None else int(max_rollouts))
         self.rng = random.Random(spec.get("seed", 0) + 7)
         self._send_lock = threading.Lock()
         self.tokens = 0
@@ -190,6 +186,7 @@ class Worker:
         trainer = Trainer(self.engine, self.registry, self.task_set, cfg, lineage=pub.lineage.id,
                           external=self._external)
         trainer.version = pub.version
+        self._observe_own_head(pub.lineage.id, pub.version)
         publish_every = max(1, int(s.get("publish_every", 1)))
         self.send("state", "training")
         steps = 0
@@ -209,29 +206,26 @@ class Worker:
                 self.send("published", {"version": pub.version, "envelope": bundle.envelope,
                                         "bytes": bundle.manifest.total_bytes})
             trainer.version = pub.version
+            self._observe_own_head(pub.lineage.id, pub.version)
+            with self.inbox.lock:
+                sampler_counts = dict(self.inbox.sampler.counts)
             step_s = time.monotonic() - t0
             self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
                                "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
-                               "published": published,
+                               "published": published, "sampler": sampler_counts,
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
             self._spot_checks(pub.lineage.id, pub.version)
 
     def _external(self, max_groups: int, min_version: int) -> list:
-        out: list = []
+        """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py)."""
         with self.inbox.lock:
-            keys = list(self.inbox.groups)
-            taken = 0
-            for k in reversed(keys):  # newest first
-                if taken >= max_groups:
-                    break
-                g = self.inbox.groups[k]
-                g = [r for r in g if bytes(r.lineage) != self.held_lineage or r.version >= min_version]
-                if len(g) >= 2:
-                    out.extend(g)
-                    taken += 1
-                    del self.inbox.groups[k]
-        return out
+            return self.inbox.sampler.take_rollouts(max_groups, min_version)
+
+    def _observe_own_head(self, lineage: bytes, version: int) -> None:
+        # this worker publishes its lineage, so its own version is that lineage's head
+        with self.inbox.lock:
+            self.inbox.sampler.observe_head(lineage, version)
 
     # ------------------------------------------------------------ follower
     def _checkpoint_dir(self, lineage: bytes) -> Path:
