@@ -39,7 +39,7 @@ from gossip.identity import verify
 _MISSING = object()
 
 
-class _Memo(OrderedDict):
+class Memo(OrderedDict):
     """A dict bounded to `limit` entries and, given a clock, to entries put in the last `horizon_s` seconds,
     oldest first out. A gossiped batch reaches its receivers within seconds of being sealed, so the
     per-message tables need only the messages still in flight: their size follows the swarm's message
@@ -79,11 +79,11 @@ class SharedVerification:
         self._reward = reward
         # per-message tables keep what is in flight (decoded batches are large: a table of them as long as
         # the run would hold most of the simulator's memory); task and reward tables are small per entry and bounded by count
-        self.signatures = _Memo(limit, clock, horizon_s)
-        self.failures = _Memo(limit, clock, horizon_s)  # batch content id -> the verify stage's outcome (None = passed)
-        self.bodies = _Memo(limit, clock, horizon_s)  # (kind, signer, body bytes) -> decoded body (read-only here)
-        self.rewards = _Memo(limit // 4)
-        self.tasks = _Memo(limit // 8)
+        self.signatures = Memo(limit, clock, horizon_s)
+        self.failures = Memo(limit, clock, horizon_s)  # batch content id -> the verify stage's outcome (None = passed)
+        self.bodies = Memo(limit, clock, horizon_s)  # (kind, signer, body bytes) -> decoded body (read-only here)
+        self.rewards = Memo(limit // 4)
+        self.tasks = Memo(limit // 8)
 
     def verify_signature(self, public: bytes, signature: bytes, message: bytes) -> bool:
         key = hashlib.blake2b(public + signature + message, digest_size=32).digest()

@@ -41,7 +41,7 @@ import random
 import resource
 import sys
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -54,28 +54,21 @@ from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
 from gossip.identity import Identity
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
-from simulations.vcache import SharedVerification, SimPipeline
+from simulations.vcache import Memo, SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
+from training.sampler import MAX_HEADS, Sampler, split
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
 
 EPOCH = 1_700_000_000.0  # virtual t = 0 as unix time (pipeline freshness checks use unix seconds)
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
 SEED_RANGE = 1_000_000
+POOL_GROUPS = 256  # a trainer's sampler holds the newest this many informative groups
+MEMO_HORIZON_S = 5.0  # virtual seconds a per-message memo entry is kept: a batch reaches its receivers sooner
 
 
 def identity_for(seed: int, index: int) -> Identity:
     return Identity.from_seed(hashlib.blake2b(f"murmur-sim/{seed}/{index}".encode(), digest_size=32).digest())
-
-
-@dataclass(slots=True, frozen=True)
-class Group:
-    """What a trainer's pool keeps of a verified group: the learning model needs no more, and a pool of
-    these (shared between the receivers of a batch) costs a few pointers per group, not the rollouts."""
-
-    lineage: bytes
-    version: int
-    informative: bool
 
 
 @dataclass
@@ -84,6 +77,8 @@ class VNode:
     ident: Identity
     peer_id: str
     pipeline: Pipeline
+    heads: dict[bytes, int]  # lineage -> newest version this node heard its publisher announce
+    sampler: Sampler | None  # trainers: the node worker's external-rollout sampler
     lineage: bytes
     skill: float
     iso_skill: float
@@ -94,7 +89,6 @@ class VNode:
     seq: int = 0
     steps: int = 0
     neighbours: list[int] = field(default_factory=list)
-    pool: deque[Group] = field(default_factory=lambda: deque(maxlen=256))
     reward_sum: float = 0.0
     iso_sum: float = 0.0
     consumed_ext: int = 0
@@ -116,7 +110,8 @@ class VirtualSim:
         self.registry.add_builtin()
         self.task_set = self.registry.builtin_id
         # one memo of the pure verification work per process (simulations/vcache.py says why it is faithful)
-        self.shared = SharedVerification(self.registry.resolve, score, clock=self._unix) if shared_verify else None
+        self.shared = (SharedVerification(self.registry.resolve, score, clock=self._unix, horizon_s=MEMO_HORIZON_S)
+                       if shared_verify else None)
         self._resolve = self.shared.resolve_task if self.shared else self.registry.resolve
         self._score = self.shared.reward if self.shared else score
         self.links = LinkModel([LinkSpec.of(s) for s in self.specs], seed=sc.seed)
@@ -127,8 +122,8 @@ class VirtualSim:
         self.metrics = MetricsWriter(self.out_dir, sc.report.format) if self.out_dir else None
         self.rows: dict[str, list[dict[str, Any]]] = self.metrics.rows if self.metrics else {}
         self.rejections: Counter[str] = Counter()
-        self._groups: OrderedDict[bytes, list[Group]] = OrderedDict()  # accepted batch id -> its groups (shared)
-        self.heads: dict[bytes, int] = {}
+        # accepted batch id -> its split, for the receivers still to come (in flight only, like the memos)
+        self._groups = Memo(1_000_000, self._unix, MEMO_HORIZON_S)
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
         self.nodes: list[VNode] = []
         score_params = ScoreParams(graylist_threshold=sc.gossip.graylist_threshold, blacklist_s=sc.gossip.blacklist_s)
@@ -140,16 +135,19 @@ class VirtualSim:
             cfg = PipelineConfig(swarm=sc.swarm, max_staleness=sc.training.max_staleness,
                                  rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
                                  replay_entries=50_000, replay_ttl_s=900.0, score=score_params)
+            heads: dict[bytes, int] = {}
             if self.shared is not None:
                 pipe: Pipeline = SimPipeline(cfg, clock=self._unix, resolve_task=self._resolve, reward=self._score,
-                                             head_version=self.heads.get, shared=self.shared)
+                                             head_version=heads.get, shared=self.shared)
             else:
                 pipe = Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score,
-                                head_version=self.heads.get)
-            self.nodes.append(VNode(s, ident, ident.peer_id, pipe, lineage, p0, p0, node_rng))
+                                head_version=heads.get)
+            sampler = Sampler(POOL_GROUPS, sc.training.max_staleness) if s.role == "trainer" else None
+            self.nodes.append(VNode(s, ident, ident.peer_id, pipe, heads, sampler, lineage, p0, p0, node_rng))
         for n in self.nodes:
             if n.spec.role == "trainer":
-                self.heads[n.lineage] = 0
+                n.heads[n.lineage] = 0
+                n.sampler.observe_head(n.lineage, 0)  # type: ignore[union-attr]
                 self.skill_at[n.lineage] = [n.skill]
         self.by_peer = {n.peer_id: n for n in self.nodes}
         self.trainer_ids = [n.spec.index for n in self.nodes if n.spec.role == "trainer"]
@@ -234,13 +232,13 @@ class VirtualSim:
                                   created_ms=int(self._unix() * 1000), rollouts=rollouts)
         return wire.seal(node.ident, wire.ROLLOUT_BATCH, batch)
 
-    def _gossip(self, node: VNode, data: bytes) -> None:
+    def _gossip(self, node: VNode, data: bytes, head: tuple[bytes, int] | None = None) -> None:
         for j in node.neighbours:
             dst = self.nodes[j]
             if not dst.alive:
                 continue
             at = self.links.send(node.spec.index, j, len(data), self.now)
-            self._push(at, "deliver", j, node.spec.index, data, dst.inc)
+            self._push(at, "deliver", j, node.spec.index, data, dst.inc, head)
 
     # ------------------------------------------------------------ events
 
@@ -252,10 +250,8 @@ class VirtualSim:
         n.inc += 1
         self.links.reset(i, self.now)
         self._row("event", t=self.now, node=i, action="join")
-        if n.spec.role == "follower" and n.spec.follow is not None:
-            lead = self.nodes[n.spec.follow]
-            if self.heads.get(lead.lineage, 0) > n.version:  # catch up: one patch delay to the head
-                self._push(self.now + n.patch_delay, "patch", i, self.heads[lead.lineage], n.inc)
+        if n.spec.role == "follower" and n.spec.follow is not None:  # ask the publisher where its head is
+            self._push(self.now + self._latency(i, n.spec.follow), "catalog", n.spec.follow, i, n.inc)
         if n.spec.role == "adversary":
             self._push(self.now + n.rng.uniform(0, 1.0 / n.spec.rate_per_s), "adv", i, n.inc)
         else:
@@ -289,22 +285,14 @@ class VirtualSim:
     def _train_step(self, n: VNode) -> None:
         tr, lr = self.sc.training, self.sc.learning
         local = [self._group(n, n.lineage, n.version, n.skill) for _ in range(tr.local_groups)]
-        # external: informative groups first, newest first, within the staleness bound at consumption
-        ext: list[Group] = []
-        keep: deque[Group] = deque(maxlen=n.pool.maxlen)
-        cands = sorted(n.pool, key=lambda g: (not g.informative, -g.version))
-        for g in cands:
-            head = self.heads.get(g.lineage, g.version)
-            if head - g.version > tr.max_staleness:
-                continue  # too stale now: dropped
-            if len(ext) < tr.external_groups:
-                ext.append(g)
-                self._row("staleness", t=self.now, node=n.spec.index, staleness=head - g.version)
-            else:
-                keep.append(g)
-        n.pool = keep
+        sampler = n.sampler
+        assert sampler is not None
+        ext = sampler.take(tr.external_groups)  # the node's rule: informative only, newest first, within the bound
+        for g in ext:
+            self._row("staleness", t=self.now, node=n.spec.index,
+                      staleness=max(0, (sampler.head(g.lineage) or g.version) - g.version))
         u_local = sum(self._informative(g) for g in local)
-        u_ext = sum(g.informative for g in ext)
+        u_ext = len(ext)
         n.consumed_ext += len(ext)
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
         n.skill += lr.rate * (lr.ceiling - n.skill) * (u_local + lr.external_weight * u_ext) / 8.0
@@ -318,23 +306,26 @@ class VirtualSim:
         n.reward_sum += reward
         n.iso_sum += iso_reward
         n.version += 1
-        self.heads[n.lineage] = n.version
+        n.heads[n.lineage] = n.version
+        sampler.observe_head(n.lineage, n.version)
         self.skill_at[n.lineage].append(n.skill)
         self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=iso_reward, version=n.version,
                   group=n.spec.group)
         if local:
             rollouts = [r for g in local for r in g]
+            head = (n.lineage, n.version)  # the node's announce of its new head travels with its batch
             for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
-                self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]))
+                self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]), head)
         if n.version % self.sc.sync.publish_every == 0:
             for fi in self.followers_of.get(n.spec.index, ()):
                 f = self.nodes[fi]
-                if f.alive:
+                if f.alive:  # the signed manifest reaches the follower first, the patch one broadcast later
+                    self._push(self.now + self._latency(n.spec.index, fi), "head", fi, n.lineage, n.version, f.inc)
                     self._push(self.now + f.patch_delay, "patch", f.spec.index, n.version, f.inc)
 
     def _follower_step(self, n: VNode) -> None:
         lead = self.nodes[n.spec.follow]  # type: ignore[index]
-        head = self.heads.get(lead.lineage, 0)
+        head = n.heads.get(lead.lineage, n.version)  # what it heard from the publisher
         lag = head - n.version
         self._row("lag", t=self.now, node=n.spec.index, lag=lag)
         if lag > self.sc.training.max_staleness:
@@ -354,11 +345,40 @@ class VirtualSim:
         if n.alive and n.inc == inc and version > n.version:
             n.version = version
 
-    def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int) -> None:
+    def _ev_head(self, i: int, lineage: bytes, version: int, inc: int) -> None:
+        """A head announced by the lineage's publisher reaches node i."""
+        n = self.nodes[i]
+        if n.alive and n.inc == inc:
+            self._learn_head(n, lineage, version)
+
+    def _ev_catalog(self, lead: int, i: int, inc: int) -> None:
+        """A (re)joined follower's catalog request reaches the publisher: the reply carries the publisher's
+        head, and the catch-up patch follows one broadcast delay later."""
+        p, n = self.nodes[lead], self.nodes[i]
+        if not p.alive or n.inc != inc:
+            return
+        self._push(self.now + self._latency(lead, i), "head", i, p.lineage, p.version, inc)
+        if p.version > n.version:
+            self._push(self.now + self._latency(lead, i) + n.patch_delay, "patch", i, p.version, inc)
+
+    def _learn_head(self, n: VNode, lineage: bytes, version: int) -> None:
+        if version > n.heads.get(lineage, -1):
+            if len(n.heads) >= MAX_HEADS and lineage not in n.heads:
+                n.heads.pop(next(iter(n.heads)))  # the longest-known lineage goes first: bounded per node
+            n.heads[lineage] = version
+        if n.sampler is not None:
+            n.sampler.observe_head(lineage, version)
+
+    def _latency(self, a: int, b: int) -> float:
+        return self.links.links[a].latency_s + self.links.links[b].latency_s
+
+    def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int, head: tuple[bytes, int] | None) -> None:
         d = self.nodes[dst]
         if not d.alive or d.inc != inc:
             return
         s = self.nodes[src]
+        if head is not None:
+            self._learn_head(d, *head)
         v = d.pipeline.check(data, s.peer_id)
         if not v.accepted:
             self.rejections[v.reason.value] += 1
@@ -368,22 +388,16 @@ class VirtualSim:
             return
         if s.spec.role == "adversary":
             s.adv_accepted += 1
-        if d.spec.role != "trainer" or v.batch is None:
+        if d.sampler is None or v.batch is None:
             return
-        groups = self._groups.get(v.msg_id)
-        if groups is None:  # a batch's groups depend on its content only: split once per process
-            groups = []
-            by_task: dict[tuple[str, int], list[wire.Rollout]] = {}
-            for r in v.batch.rollouts:
-                by_task.setdefault((r.task.generator, r.task.seed), []).append(r)
-            for rs in by_task.values():
-                if len(rs) < 2:
-                    continue
-                groups.append(Group(bytes(rs[0].lineage), rs[0].version, self._informative(rs)))
-            if len(self._groups) >= 200_000:  # oldest first out
-                self._groups.popitem(last=False)
-            self._groups[v.msg_id] = groups
-        d.pool.extend(groups)
+        cut = self._groups.get(v.msg_id)
+        if cut is None:  # a batch's groups depend on its content only: split once per process (Groups are frozen)
+            cut = split(v.batch.rollouts)
+            self._groups.put(v.msg_id, cut)
+        groups, dropped = cut
+        for k, c in dropped.items():  # what `Sampler.add_rollouts` counts, per receiver
+            d.sampler.counts[k] += c
+        d.sampler.add(groups)
 
     # ------------------------------------------------------------ adversaries
 
@@ -597,6 +611,8 @@ class VirtualSim:
             "final_skill_mean": round(sum(n.skill for n in trainers) / max(1, len(trainers)), 4),
             "final_isolated_skill_mean": round(sum(n.iso_skill for n in trainers) / max(1, len(trainers)), 4),
             "external_groups_consumed": sum(n.consumed_ext for n in trainers),
+            "sampler": {k: sum(n.sampler.counts[k] for n in trainers if n.sampler is not None)
+                        for k in (trainers[0].sampler.counts if trainers and trainers[0].sampler else {})},
             "adversarial_accepted": sum(n.adv_accepted for n in self.nodes
                                         if n.spec.behaviour in ("forged_reward", "invalid_signature")),
             "rejections": dict(self.rejections),
