@@ -7,9 +7,18 @@ What runs for real (the same code the nodes run):
   regeneration from the built-in task set, reward recomputation with the real
   verifier, staleness bound) with its own `gossip.scoring.PeerScores`
   (graylist, blacklist) and rate limiter, on the virtual clock;
+- each trainer picks its external groups with its own `training.sampler.Sampler`,
+  the sampler a node's worker runs (informative groups only, newest first,
+  each used once, staleness against the heads the node has heard);
 - patch broadcasts run `sync.swarm.SwarmSession` through `sync.vsim`
   (rarest-first, super-seeding, pipelining, corrupt-chunk bans) over the
   scenario's links.
+
+Heads are learned from messages: a trainer's announce of its new head travels
+with its rollout batch to its neighbours, a publisher's manifest reaches its
+followers one link latency after the version, and a (re)joining follower asks
+the publisher; each node's pipeline and sampler judge staleness by the heads
+that node heard (at most `training.sampler.MAX_HEADS` lineages per node).
 
 What is modelled:
 - learning: a node's policy is one number, its skill p = probability that a
@@ -17,8 +26,8 @@ What is modelled:
   writes correct or wrong answer text, and scores it with the real verifier.
   A group is informative when its rewards are not all equal (GRPO drops the
   others). After a step, p += rate * (ceiling - p) * (u_local + w * u_ext),
-  with u the informative groups used (local, and external ones the node chose
-  from its verified pool, informative first). The isolated twin of each node
+  with u the informative groups used (local, and the external ones its
+  sampler gave). The isolated twin of each node
   trains on I + J local groups with the same rule and its own draws.
 - compute: a step takes `step_s / compute` virtual seconds;
 - rollout gossip is one hop: a batch goes to the producer's `degree`
@@ -28,6 +37,14 @@ What is modelled:
 - followers receive each version one patch-broadcast delay after it is
   published; the delay per follower comes from a broadcast of the
   scenario's patch size run through the real swarm core at start-up.
+
+Also modelled here rather than run from the node's code: roles (fixed by the
+scenario), rollout batching and sealing, announces and catch-up.
+
+Memory follows the swarm's size and message rate, not the run's length: the
+per-process memos keep only messages in flight (`MEMO_HORIZON_S` of virtual
+time), a node's state is what it heard (pipeline caches, scores, heads,
+sampler), and report rows are kept once.
 """
 
 from __future__ import annotations
@@ -618,8 +635,9 @@ class VirtualSim:
             "rejections": dict(self.rejections),
             "broadcasts": broadcasts,
             "graylist_threshold": self.sc.gossip.graylist_threshold,
-            "modelled": "learning (skill curve), compute time, one-hop rollout gossip; "
-                        "real: signatures, verification pipeline, scoring, swarm broadcast core",
+            "modelled": "learning (skill curve), compute time, one-hop rollout gossip, fixed roles; "
+                        "real: signatures, verification pipeline, scoring, the node's sampler, "
+                        "heads learned from messages, swarm broadcast core",
         }
         if self.shared is not None:
             summary["verification"] = self.shared.stats()
