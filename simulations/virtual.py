@@ -10,6 +10,9 @@ What runs for real (the same code the nodes run):
 - each trainer picks its external groups with its own `training.sampler.Sampler`,
   the sampler a node's worker runs (informative groups only, newest first,
   each used once, staleness against the heads the node has heard);
+- each follower pauses and resumes generating by `sync.staleness.StalenessGuard`,
+  the node's staleness admission (fed the heads it heard and the versions it
+  applied);
 - patch broadcasts run `sync.swarm.SwarmSession` through `sync.vsim`
   (rarest-first, super-seeding, pipelining, corrupt-chunk bans) over the
   scenario's links.
@@ -73,6 +76,7 @@ from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vcache import Memo, SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
+from sync.staleness import StalenessGuard
 from training.sampler import MAX_HEADS, Sampler, split
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
@@ -96,6 +100,7 @@ class VNode:
     pipeline: Pipeline
     heads: dict[bytes, int]  # lineage -> newest version this node heard its publisher announce
     sampler: Sampler | None  # trainers: the node worker's external-rollout sampler
+    guard: StalenessGuard | None  # followers: the node's staleness admission for the lineage it follows
     lineage: bytes
     skill: float
     iso_skill: float
@@ -160,12 +165,16 @@ class VirtualSim:
                 pipe = Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score,
                                 head_version=heads.get)
             sampler = Sampler(POOL_GROUPS, sc.training.max_staleness) if s.role == "trainer" else None
-            self.nodes.append(VNode(s, ident, ident.peer_id, pipe, heads, sampler, lineage, p0, p0, node_rng))
+            guard = StalenessGuard(sc.training.max_staleness) if s.role == "follower" else None
+            self.nodes.append(VNode(s, ident, ident.peer_id, pipe, heads, sampler, guard, lineage, p0, p0, node_rng))
         for n in self.nodes:
             if n.spec.role == "trainer":
                 n.heads[n.lineage] = 0
                 n.sampler.observe_head(n.lineage, 0)  # type: ignore[union-attr]
                 self.skill_at[n.lineage] = [n.skill]
+        for n in self.nodes:
+            if n.guard is not None:  # a follower starts holding the base (version 0) of the lineage it follows
+                n.guard.applied(self.nodes[n.spec.follow].lineage, 0, 0.0)  # type: ignore[index]
         self.by_peer = {n.peer_id: n for n in self.nodes}
         self.trainer_ids = [n.spec.index for n in self.nodes if n.spec.role == "trainer"]
         self.followers_of: dict[int, list[int]] = {}
@@ -342,10 +351,10 @@ class VirtualSim:
 
     def _follower_step(self, n: VNode) -> None:
         lead = self.nodes[n.spec.follow]  # type: ignore[index]
-        head = n.heads.get(lead.lineage, n.version)  # what it heard from the publisher
-        lag = head - n.version
-        self._row("lag", t=self.now, node=n.spec.index, lag=lag)
-        if lag > self.sc.training.max_staleness:
+        guard = n.guard
+        assert guard is not None
+        self._row("lag", t=self.now, node=n.spec.index, lag=guard.lag(lead.lineage) or 0)
+        if not guard.may_generate(lead.lineage):
             return  # beyond the bound: stop producing, wait for the catch-up patch
         skills = self.skill_at[lead.lineage]
         skill = skills[min(n.version, len(skills) - 1)]
@@ -361,6 +370,8 @@ class VirtualSim:
         n = self.nodes[i]
         if n.alive and n.inc == inc and version > n.version:
             n.version = version
+            if n.guard is not None:
+                n.guard.applied(self.nodes[n.spec.follow].lineage, version, self.now)  # type: ignore[index]
 
     def _ev_head(self, i: int, lineage: bytes, version: int, inc: int) -> None:
         """A head announced by the lineage's publisher reaches node i."""
@@ -385,6 +396,8 @@ class VirtualSim:
             n.heads[lineage] = version
         if n.sampler is not None:
             n.sampler.observe_head(lineage, version)
+        if n.guard is not None and n.spec.follow is not None and lineage == self.nodes[n.spec.follow].lineage:
+            n.guard.observe_head(lineage, version, self.now)
 
     def _latency(self, a: int, b: int) -> float:
         return self.links.links[a].latency_s + self.links.links[b].latency_s

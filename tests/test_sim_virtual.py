@@ -179,14 +179,24 @@ def test_learning_defaults_are_the_fit_of_the_bench_isolated_curve() -> None:
     assert got["rmse"] < 0.01
 
 
-def test_simulator_and_node_share_the_sampler() -> None:
-    """The simulator's trainers pick external rollouts with the very sampler a node's worker runs."""
+def test_simulator_and_node_share_the_sampler_and_the_staleness_rule() -> None:
+    """The simulator's trainers pick external rollouts with the very sampler a node's worker runs, and its
+    followers pause by the node's own staleness guard."""
+    import ast
+    from pathlib import Path
+
     import node.worker
     import simulations.virtual
+    import sync.staleness
     import training.sampler
 
     assert simulations.virtual.Sampler is node.worker.Sampler is training.sampler.Sampler
     assert simulations.virtual.split is training.sampler.split
+    assert simulations.virtual.StalenessGuard is sync.staleness.StalenessGuard
+    node_dir = Path(node.worker.__file__).parent  # the live node takes its guard from the same module
+    node_imports = {(n.module, a.name) for f in node_dir.glob("*.py") for n in ast.walk(ast.parse(f.read_text()))
+                    if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("sync.staleness", "StalenessGuard") in node_imports
 
 
 def test_heads_are_learned_from_messages() -> None:
