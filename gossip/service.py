@@ -28,7 +28,8 @@ from gossip.errors import DecodeError
 log = logging.getLogger("murmur.gossip.service")
 
 # Cheap-gate rejections are not written to the ledger: a flood must not become disk writes.
-_UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.DUPLICATE}
+_UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.OVER_ANNOUNCED_RATE, Reason.DUPLICATE}
+VERIFY_THREADS = 2  # threads waiting on the verifier pool at once
 ANNOUNCE_KINDS = (wire.TASK_SET, wire.PATCH_MANIFEST, wire.NODE_ANNOUNCE)
 
 AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, body, envelope bytes)
@@ -45,6 +46,9 @@ class GossipService:
         self.announce_topic = topics.announce(swarm)
         self._handlers: dict[str, list[AnnounceHandler]] = {}
         self._announce_buckets = TokenBuckets(announce_rate_per_s, announce_burst)
+        # Verification threads have their own limiter, so a flood waiting on the verifier pool
+        # never holds the tokens of trio's default one (ledger writes, the worker link).
+        self._verify_limiter = trio.CapacityLimiter(VERIFY_THREADS)
         self._changed = trio.Event()
         self.accepted_batches = 0
         self.on_accept: Callable[[Verdict], None] | None = None  # e.g. latency probes
@@ -90,7 +94,7 @@ class GossipService:
         step = self.pipeline.admit(data, origin, forwarder)
         if isinstance(step, Pending):
             try:
-                await trio.to_thread.run_sync(self.pipeline.verify, step)
+                await trio.to_thread.run_sync(self.pipeline.verify, step, limiter=self._verify_limiter)
             except BaseException:
                 self.pipeline.abandon(step)
                 raise
@@ -143,6 +147,9 @@ class GossipService:
             return False
         try:
             env, _ = wire.open_envelope(data)
+        except wire.WrongSwarm:  # signed for another swarm: replayed here
+            self.pipeline.scores.penalise(origin, "announce_wrong_swarm", 5.0, self.pipeline.clock())
+            return False
         except DecodeError:
             self.pipeline.scores.penalise(origin, "announce_invalid", 10.0, self.pipeline.clock())
             return False
