@@ -242,8 +242,8 @@ async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
-    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash)
-          for i in range(8)]
+    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash,
+                        lineage=None if tpl else _honest_lineage(k)[0]) for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -253,7 +253,8 @@ async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> 
     n = len(tpl.completion_ids) if tpl else 8
     rng = random.Random(2)
     rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)],
-                        tokenizer=k.tokenizer_hash) for i in range(8)]
+                        tokenizer=k.tokenizer_hash, lineage=None if tpl else _honest_lineage(k)[0])
+          for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -682,8 +683,9 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         def attack_thread() -> None:
             deadline = time.monotonic() + window_s
             try:
-                results.update(trio.run(lambda: run_catalogue(addrs, SWARM, rounds=100, tokenizer_hash=tok,
-                                                              stop=lambda: time.monotonic() > deadline)))
+                results.update(trio.run(lambda: run_catalogue(
+                    addrs, SWARM, rounds=100, tokenizer_hash=tok, observe_s=20,
+                    stop=lambda: time.monotonic() > deadline)))
             finally:
                 finished.set()
 
