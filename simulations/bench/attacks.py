@@ -171,8 +171,8 @@ def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, 
 
 
 def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
-    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
-                                gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
+    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(),
+                                hardware="cpu", gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
                                 memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
     base.update(kw)
     return wire.seal(a.ident, wire.NODE_ANNOUNCE, wire.NodeAnnounce(**base))
