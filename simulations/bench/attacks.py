@@ -242,8 +242,9 @@ async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
+    lid, _, _, head = _honest_lineage(k)
     rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash,
-                        lineage=None if tpl else _honest_lineage(k)[0]) for i in range(8)]
+                        lineage=None if tpl else lid, version=None if tpl else head) for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -252,8 +253,9 @@ async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> 
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
     rng = random.Random(2)
+    lid, _, _, head = _honest_lineage(k)
     rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)],
-                        tokenizer=k.tokenizer_hash, lineage=None if tpl else _honest_lineage(k)[0])
+                        tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
           for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
