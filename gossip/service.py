@@ -1,10 +1,11 @@
-"""The thin trio layer that wires the libp2p host, the verification pipeline and the pool.
+"""The thin trio layer that wires the libp2p host and the verification pipeline.
 
 Rollout batches are verified inside a py-libp2p topic validator, so a batch
 that fails is neither delivered nor forwarded: the cheap stages run on the
 event loop, task regeneration and reward recomputation in a worker thread
 (`trio.to_thread.run_sync`), so the loop never stalls on CPU work. Accepted
-batches go to the pool and the ledger (signed bytes kept); rejections past
+batches go to the ledger (signed bytes kept) and to `on_accept` (the node hands
+them to its trainer's sampler, `training/sampler.py`); rejections past
 the cheap gate are recorded with their reason. A peer proven to forge is
 blacklisted in pubsub and disconnected (py-libp2p does not disconnect it).
 """
@@ -19,10 +20,9 @@ from typing import Any
 import trio
 
 from gossip import topics, wire
-from gossip.pool import RolloutPool
 from gossip.ratelimit import TokenBuckets
 from gossip.transport import PublishError
-from gossip.validation import Pending, Pipeline, Reason, Verdict
+from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
 from gossip.errors import DecodeError
 
 log = logging.getLogger("murmur.gossip.service")
@@ -36,11 +36,10 @@ AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, b
 
 
 class GossipService:
-    def __init__(self, transport: Any, pipeline: Pipeline, pool: RolloutPool, swarm: str,
-                 store: Any | None = None, announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
+    def __init__(self, transport: Any, pipeline: Pipeline, swarm: str, store: Any | None = None,
+                 announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
         self.transport = transport
         self.pipeline = pipeline
-        self.pool = pool
         self.swarm = swarm
         self.store = store
         self.rollout_topic = topics.rollouts(swarm)
@@ -108,7 +107,8 @@ class GossipService:
     async def _settle(self, v: Verdict, forwarder: str) -> None:
         if v.accepted and v.batch is not None:
             self.accepted_batches += 1
-            await trio.to_thread.run_sync(self.pool.add_batch, v.batch, v.data, forwarder)
+            if self.store is not None:
+                await trio.to_thread.run_sync(self.store.record_rollouts, _accepted_entries(v.batch, v.data, forwarder))
             if self.on_accept is not None:
                 self.on_accept(v)
             self._changed.set()
@@ -167,3 +167,12 @@ class GossipService:
                     await handler(origin, body, data)
                 except Exception:
                     log.exception("announce handler for %s failed", env.kind)
+
+
+def _accepted_entries(batch: wire.RolloutBatch, data: bytes, forwarder: str) -> list[dict[str, Any]]:
+    """Ledger rows of an accepted batch, its signed bytes on the first row."""
+    return [dict(rollout_id=rollout_id(r), direction="received", status="accepted", producer=bytes(batch.producer),
+                 from_peer=forwarder, lineage=bytes(r.lineage), version=r.version, task_set=bytes(r.task.task_set),
+                 generator=r.task.generator, task_seed=r.task.seed, reward=r.reward, tokens=len(r.completion_ids),
+                 payload=data if i == 0 else None)
+            for i, r in enumerate(batch.rollouts)]

@@ -82,14 +82,16 @@ def bench_swarm(
     seed: SeedOpt = 0,
     seeds: Annotated[int, typer.Option(min=1, help="run this many seeds from --seed, one process each (cores "
                                                    "at a time), and report their means")] = 1,
+    nodes: Annotated[int, typer.Option(min=0, max=64, help="nodes in the swarm (0 = the benchmark's 4); "
+                                                           "same per-node compute at every size")] = 0,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style)."""
     from simulations.bench_swarm import run, run_seeds
 
     if seeds == 1:
-        _run(run, rounds=rounds, seed=seed)
+        _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:
-        _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed)
+        _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed, nodes=nodes)
 
 
 @bench_app.command("reachability")

@@ -86,11 +86,14 @@ def demo(
     workdir: Annotated[Optional[Path], typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")] = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="plain progress lines instead of the live dashboard")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
+    task_set: Annotated[Optional[Path], typer.Option(
+        "--task-set", help="a coordinator's task-set TOML to train on instead of the built-in set")] = None,
 ) -> None:
-    """A local swarm on loopback with the built-in model and tasks: watch it learn, then a summary."""
+    """A local swarm on loopback with the built-in model and tasks (or --task-set FILE.toml): watch it learn,
+    then a summary with reward and held-out accuracy per task family."""
     from node.demo import run_demo
 
     summary = run_demo(duration_s=duration, node_roles=[n.split("+") for n in nodes.split(",") if n],
-                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console)
+                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console, task_set=task_set)
     if json_out:
         emit_json(summary)

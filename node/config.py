@@ -21,6 +21,7 @@ from msgspec import Meta, Struct
 
 from gossip.errors import ConfigError
 from gossip.tomlfile import convert_strict, read_toml, toml_value
+from training.selection import TaskSetChoice, needs_trust, normalise
 
 CONFIG_FILE = "config.toml"
 
@@ -59,7 +60,8 @@ class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
     blacklist_s: Annotated[int, _d("seconds a peer proven to forge stays banned")] = 3600
     replay_cache: Annotated[int, _d("entries in the replay/duplicate cache")] = 100_000
     replay_ttl_s: Annotated[int, _d("seconds a message id is remembered")] = 900
-    pool_max_rollouts: Annotated[int, _d("verified rollouts kept in memory")] = 20_000
+    pool_max_rollouts: Annotated[int, _d("verified external rollouts a trainer keeps to sample from (bounded "
+                                         "also by node.memory_budget_mb)")] = 20_000
 
 
 class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -77,7 +79,10 @@ class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
 class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[str, _d("murmur-tiny, or a local path to a Hugging Face causal LM")] = "murmur-tiny"
     engine: Annotated[str, _d("transformers or vllm")] = "transformers"
-    task_set: Annotated[str, _d("builtin, or a task set id (hex) published by a trusted coordinator")] = "builtin"
+    task_sets: Annotated[list[str | TaskSetChoice], _d(
+        "task sets to train on, mixed by weight: \"builtin\", \"trusted\" (every set from a trusted coordinator), "
+        "a set name (its newest version) or a 64-hex set id; a string (weight 1) or { set = \"...\", weight = 2.0 }. "
+        "A set not received yet is waited for")] = msgspec.field(default_factory=lambda: ["builtin"])
     local_rollouts: Annotated[int, _d("I: own rollouts per step")] = 4
     external_rollouts: Annotated[int, _d("J: verified swarm rollouts per step")] = 4
     group_size: Annotated[int, _d("completions per prompt (GRPO group)")] = 8
@@ -85,8 +90,9 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     max_new_tokens: Annotated[int, _d("completion length limit")] = 16
     temperature: Annotated[float, _d("sampling temperature")] = 1.0
     seed: Annotated[int, _d("random seed")] = 0
-    loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (mean over informative groups' rows) or "
-                                 "constant (sum over them / the configured batch, Dr. GRPO / TRL style)")] = "informative"
+    loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (token mean over informative groups' rows) "
+                                 "or constant (Dr. GRPO / TRL dr_grpo: token sum over batch rows x "
+                                 "max_new_tokens, zero-advantage rows counted)")] = "informative"
     threads: Annotated[int, _d("torch threads for training and generation")] = 1
     device: Annotated[str, _d("auto, cpu or cuda")] = "auto"
 
@@ -171,6 +177,11 @@ def _check_values(cfg: Config, origin: str) -> Config:
             raise bad(key, "must be positive")
     if cfg.sync.max_staleness < 0:
         raise bad("sync.max_staleness", "must not be negative")
+    choices = normalise(cfg.training.task_sets, f"{origin}: key 'training.task_sets'")
+    untrusted = needs_trust(choices, "murmur-builtin")
+    if untrusted and not cfg.trust.coordinators:
+        raise bad("training.task_sets", f"{untrusted[0]!r} can only come from a trusted coordinator and "
+                                        "[trust] coordinators is empty (use \"builtin\" or add the coordinator's key)")
     return cfg
 
 

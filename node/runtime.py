@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from gossip import wire
@@ -95,6 +96,11 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
         "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
         "chunk_bytes": cfg.sync.chunk_bytes, "retain_versions": cfg.sync.retain_versions,
         "publish_every": cfg.sync.publish_every, "spot_rate": 0.25,
+        # the trainer's sampler (training/sampler.py): groups of ~group_size verified rollouts
+        "sampler_max_rollouts": max(64, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)),
+        "sampler_max_groups": max(16, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)
+                                  // max(1, t.group_size)),
+        "task_sets": msgspec.to_builtins(t.task_sets), "trusted": list(cfg.trust.coordinators),
         "trainer": {"local_groups": t.local_rollouts, "external_groups": t.external_rollouts,
                     "group_size": t.group_size, "lr": t.lr, "max_new_tokens": t.max_new_tokens,
                     "temperature": t.temperature, "seed": t.seed, "max_staleness": cfg.sync.max_staleness,
@@ -220,7 +226,6 @@ class Node:
         self.guard = StalenessGuard(cfg.sync.max_staleness)
         self.metrics: Any = None
         self._cancel: trio.CancelScope | None = None
-        self.pool_max = max(256, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8))
         self.tokens_per_rollout = float(cfg.training.max_new_tokens)
 
     # ------------------------------------------------------------ status
@@ -294,7 +299,6 @@ class Node:
     async def run(self) -> None:
         from gossip.discovery import Discovery
         from gossip.host import open_transport
-        from gossip.pool import RolloutPool
         from gossip.service import GossipService
         from gossip.validation import Pipeline, PipelineConfig
         from training.tasksets import TaskRegistry
@@ -336,9 +340,7 @@ class Node:
                                     clock=time.time, resolve_task=self.registry.resolve, reward=score,
                                     head_version=self._head_of, task_set_trusted=lambda ts: ts in self.registry,
                                     reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
-                pool = RolloutPool(self.pool_max, self.store)
-                self.pool = pool
-                self.service = GossipService(t, pipeline, pool, cfg.node.swarm, self.store)
+                self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)

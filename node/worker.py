@@ -11,7 +11,7 @@ network -> worker
   ("admit", dict)            {lineage, generate}: the network's staleness guard (sync.staleness) says
                              whether this follower may generate for the lineage (within the bound)
   ("pace", dict)             {rollouts_per_s}: cap on a follower's generation rate (its trainer's need; 0 = none)
-  ("external", bytes)        a verified RolloutBatch envelope (trainer pool, spot checks)
+  ("external", bytes)        a verified RolloutBatch envelope (the trainer's training.sampler.Sampler, spot checks)
   ("stop", None)
 worker -> network
   ("ready", dict)            {lineage?, name?, base, version, tokenizer_hash}
@@ -38,16 +38,21 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from training.sampler import Sampler
+
 SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation
-EXTERNAL_GROUPS_MAX = 256  # bounded pool of external groups held by a trainer worker
+EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
+ACCEPTED_SETS_MAX = 256  # task sets counted in the accepted-rollouts tally between two takes
+EVAL_EVERY_STEPS = 25  # a trainer measures held-out accuracy every this many steps (and at its first)
+TASKS_WAIT_S = 2.0  # poll interval while waiting for a chosen task set to arrive
 
 
 class Inbox:
     """What the reader thread collected; everything bounded."""
 
-    def __init__(self, max_groups: int) -> None:
+    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None) -> None:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -55,15 +60,13 @@ class Inbox:
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
         self.pace = 0.0
-        self.groups: collections.OrderedDict[tuple, list] = collections.OrderedDict()
-        self.max_groups = max_groups
+        self.sampler = Sampler(max_groups, max_staleness, max_rollouts)  # the trainer's external groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
-        self.dropped = 0
+        self.accepted: dict[bytes, int] = {}  # verified swarm rollouts received per task set, since last taken
 
 
 def _reader(conn: Any, inbox: Inbox) -> None:
     from gossip import wire
-    from gossip.pool import task_key
 
     while not inbox.stop.is_set():
         try:
@@ -92,12 +95,10 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                     continue
                 inbox.spot.append((bytes(batch.producer), batch))
                 for r in batch.rollouts:
-                    g = inbox.groups.setdefault(task_key(r.task), [])
-                    if len(g) < 64:
-                        g.append(r)
-                while len(inbox.groups) > inbox.max_groups:
-                    inbox.groups.popitem(last=False)
-                    inbox.dropped += 1
+                    tid = bytes(r.task.task_set)
+                    if tid in inbox.accepted or len(inbox.accepted) < ACCEPTED_SETS_MAX:
+                        inbox.accepted[tid] = inbox.accepted.get(tid, 0) + 1
+                inbox.sampler.add_rollouts(batch.rollouts)
         inbox.wake.set()
 
 
@@ -106,7 +107,10 @@ class Worker:
         self.conn = conn
         self.spec = spec
         self.home = Path(spec["home"])
-        self.inbox = Inbox(EXTERNAL_GROUPS_MAX)
+        max_rollouts = spec.get("sampler_max_rollouts")
+        self.inbox = Inbox(int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
+                           int(spec.get("trainer", {}).get("max_staleness", 4)),
+                           None if max_rollouts is None else int(max_rollouts))
         self.rng = random.Random(spec.get("seed", 0) + 7)
         self._send_lock = threading.Lock()
         self.tokens = 0
@@ -138,8 +142,14 @@ class Worker:
                                   memory_budget_mb=max(64, int(self.spec["memory_budget_mb"]) // 4))
         self.registry = TaskRegistry()
         self.registry.add_builtin()
-        self.task_set = self.registry.builtin_id
         self.db = open_store(self.home)
+        from node.taskmix import TaskMix
+        from training.tiny import TINY_NAME, warmup_generators
+
+        self.tasks = TaskMix(self.registry, self.db, self.spec.get("task_sets") or ["builtin"],
+                             {bytes.fromhex(k) for k in self.spec.get("trusted", [])},
+                             warmup_generators() if self.spec["model"] == TINY_NAME else [])
+        self.tasks.refresh(force=True)
         from node.policy import to_published
         from sync.hashing import canonical_state, state_hash
 
@@ -147,8 +157,37 @@ class Worker:
         self.base_state = to_published(canonical_state(self.engine.model))
         self.base_hash = state_hash(self.base_state)
         self.checker = self.engine  # the engine holding the published weights, for spot checks
-        m = self.registry.get(self.task_set)
-        self.gens = [g for g in m.generators if not g.name.endswith("-eval")]
+
+    # ------------------------------------------------------------ task sets
+    def _wait_for_tasks(self) -> bool:
+        """Block (a stop ends it) until the chosen task sets resolve to something; never fall back."""
+        said = ""
+        while not self.inbox.stop.is_set():
+            self.tasks.refresh()
+            if self.tasks.mixture:
+                return True
+            msg = self.tasks.describe_waiting()
+            if msg != said:
+                self.send("state", "waiting-for-tasks")
+                self.send("log", msg)
+                self.tasks.save()
+                said = msg
+            self.inbox.stop.wait(TASKS_WAIT_S)
+        return False
+
+    def _take_accepted(self) -> None:
+        with self.inbox.lock:
+            got, self.inbox.accepted = self.inbox.accepted, {}
+        self.tasks.accepted(got)
+
+    def _evaluate(self, step: int) -> None:
+        from training.evaluation import accuracy_by_family
+
+        max_new = int(self.spec["trainer"]["max_new_tokens"])
+        for tid, _ in self.tasks.mixture:
+            tasks = self.tasks.eval_tasks(tid)
+            if tasks:
+                self.tasks.record_eval(tid, step, accuracy_by_family(self.checker, tasks, max_new))
 
     # ------------------------------------------------------------ trainer
     def run_trainer(self) -> None:
@@ -187,17 +226,34 @@ class Worker:
                             "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
                             "tokenizer_hash": self.engine.tokenizer_hash.hex()})
         cfg = TrainerConfig(**s["trainer"])
-        trainer = Trainer(self.engine, self.registry, self.task_set, cfg, lineage=pub.lineage.id,
+        if not self._wait_for_tasks():
+            return
+        trainer = Trainer(self.engine, self.registry, self.tasks.mixture[0][0], cfg, lineage=pub.lineage.id,
                           external=self._external)
+        trainer.set_mixture(self.tasks.mixture)
+        self.send("log", "training on " + ", ".join(f"{self.registry.get(t).name} v{self.registry.get(t).version} "
+                                                    f"x{w:g}" for t, w in self.tasks.mixture))
         trainer.version = pub.version
+        self._observe_own_head(pub.lineage.id, pub.version)
         publish_every = max(1, int(s.get("publish_every", 1)))
         self.send("state", "training")
         steps = 0
         while not self.inbox.stop.is_set():
+            if self.tasks.refresh():  # a new version of a followed set, or a chosen set arrived
+                trainer.set_mixture(self.tasks.mixture)
+                self.send("log", "task sets now " + ", ".join(
+                    f"{self.registry.get(t).name} v{self.registry.get(t).version} x{w:g}"
+                    for t, w in self.tasks.mixture))
+            if steps % EVAL_EVERY_STEPS == 0:
+                self._evaluate(steps)
             t0 = time.monotonic()
             res = trainer.step()
             steps += 1
             self.tokens += res.tokens
+            self.tasks.produced(res.rollouts)
+            self.tasks.used(res.used_by_set)
+            self._take_accepted()
+            self.tasks.save()
             if res.rollouts:
                 # sampled from the published version pub.version: any peer holding it can spot-check them
                 self.send("rollouts", [wire.encode(to_wire(r)) for r in res.rollouts])
@@ -209,32 +265,32 @@ class Worker:
                 self.send("published", {"version": pub.version, "envelope": bundle.envelope,
                                         "bytes": bundle.manifest.total_bytes})
             trainer.version = pub.version
+            self._observe_own_head(pub.lineage.id, pub.version)
+            with self.inbox.lock:
+                sampler_counts = dict(self.inbox.sampler.counts)
             step_s = time.monotonic() - t0
             self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
                                "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
-                               "published": published,
+                               "published": published, "sampler": sampler_counts,
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
             self._spot_checks(pub.lineage.id, pub.version)
+        self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
+        self.tasks.save()
 
     def _external(self, max_groups: int, min_version: int) -> list:
+        """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py)."""
         from training.tokencheck import consistent
 
-        out: list = []
         with self.inbox.lock:
-            keys = list(self.inbox.groups)
-            taken = 0
-            for k in reversed(keys):  # newest first
-                if taken >= max_groups:
-                    break
-                g = self.inbox.groups[k]
-                g = [r for r in g if (bytes(r.lineage) != self.held_lineage or r.version >= min_version)
-                     and consistent(r, self.engine)]  # ids in the vocabulary, decoding to the verified text
-                if len(g) >= 2:
-                    out.extend(g)
-                    taken += 1
-                    del self.inbox.groups[k]
-        return out
+            got = self.inbox.sampler.take_rollouts(max_groups, min_version)
+        engine = getattr(self, "engine", None)  # loaded before any step; absent only in a bare test worker
+        return [r for r in got if consistent(r, engine)]  # ids in the vocabulary, decoding to the verified text
+
+    def _observe_own_head(self, lineage: bytes, version: int) -> None:
+        # this worker publishes its lineage, so its own version is that lineage's head
+        with self.inbox.lock:
+            self.inbox.sampler.observe_head(lineage, version)
 
     # ------------------------------------------------------------ follower
     def _checkpoint_dir(self, lineage: bytes) -> Path:
@@ -342,6 +398,7 @@ class Worker:
         from gossip import wire
         from training.engine import Sampling
         from training.rollouts import RolloutRec, to_wire
+        from training.tasksets import is_eval
         from training.verifiers import score
 
         s = self.spec
@@ -361,8 +418,12 @@ class Worker:
                 state = x
                 self.send("state", x)
 
+        if not self._wait_for_tasks():
+            return
         set_state("standby")
         while not self.inbox.stop.is_set():
+            self.tasks.refresh()
+            self._take_accepted()
             with self.inbox.lock:
                 want = self.inbox.follow
             if want != "unset" and (want or None) != current:
@@ -391,8 +452,10 @@ class Worker:
                 self.inbox.wake.clear()
                 continue
             set_state("generating")
-            g = self.rng.choices(self.gens, weights=[x.weight for x in self.gens])[0]
-            ref = wire.TaskRef(self.task_set, g.name, self.rng.randrange(g.seed_start, g.seed_end))
+            tid = self.rng.choices([t for t, _ in self.tasks.mixture], [w for _, w in self.tasks.mixture])[0]
+            gens = [x for x in self.registry.get(tid).generators if not is_eval(x)]
+            g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
+            ref = wire.TaskRef(tid, g.name, self.rng.randrange(g.seed_start, g.seed_end))
             task = self.registry.resolve(ref)
             prompt = self.engine.encode(task.prompt)
             t0 = time.monotonic()
@@ -412,6 +475,8 @@ class Worker:
             self.tokens += ntok
             self.gen_s += dt
             self.send("rollouts", [wire.encode(to_wire(r)) for r in recs])
+            self.tasks.produced(recs)
+            self.tasks.save()
             self.send("gen", {"reward_mean": sum(rewards) / len(rewards), "version": version, "tokens": ntok,
                               "latency_s": dt})
             self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})

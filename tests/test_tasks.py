@@ -114,7 +114,7 @@ def test_builtin_task_set_is_identical_everywhere_and_resolves() -> None:
     reg = TaskRegistry()
     m = reg.add_builtin()
     assert reg.builtin_id == task_set_id(a)
-    assert {g.name for g in m.generators} == {BUILTIN_TRAIN, BUILTIN_EVAL}
+    assert {BUILTIN_TRAIN, BUILTIN_EVAL} <= {g.name for g in m.generators}
     t = reg.resolve(TaskRef(reg.builtin_id, BUILTIN_TRAIN, 7))
     assert t.prompt.endswith("=") and score(t, t.answer) == 1.0
     with pytest.raises(TaskError, match="seed out of range"):

@@ -216,7 +216,6 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
     import trio
 
     from gossip.host import open_transport
-    from gossip.pool import RolloutPool
     from gossip.service import GossipService
     from gossip.validation import Pipeline, PipelineConfig
     from training.verifiers import score
@@ -232,10 +231,9 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
     heads = {b"\x5a" * 32: 100}
     pipeline = Pipeline(cfg, clock=time.time, resolve_task=reg.resolve, reward=score, head_version=heads.get,
                         task_set_trusted=reg.__contains__)
-    pool = RolloutPool(100_000)
     accepted: dict[str, float] = {}
     async with open_transport(ident) as t, trio.open_nursery() as nursery:
-        service = GossipService(t, pipeline, pool, SWARM)
+        service = GossipService(t, pipeline, SWARM)
         service.on_accept = lambda v: accepted.setdefault(f"{v.batch.producer.hex()}:{v.batch.seq}", time.time())
         await nursery.start(service.run)
         say("ADDR", t.listen_addrs()[0])
