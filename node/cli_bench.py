@@ -94,9 +94,32 @@ def bench_swarm(
         _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed, nodes=nodes)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    json_out: JsonOpt = True,
+    minutes: Annotated[float, typer.Option(help="minutes of running after the first node starts working", min=0.5)] = 60.0,
+) -> None:
+    """A local swarm (trainer, follower+validator, trainer) for N minutes: memory, disk, errors, drops, progress."""
+    from simulations.bench.soak import run
+
+    _run(run, minutes=minutes)
+
+
 @bench_app.command("reachability")
 def bench_reachability(json_out: JsonOpt = True) -> None:
     """Direct, relayed, hole-punched and WebRTC paths across emulated NATs."""
     from simulations.bench.reachability import run
 
     _run(run)
+
+
+@bench_app.command("attacks")
+def bench_attacks(
+    json_out: JsonOpt = True,
+    window_s: Annotated[float, typer.Option("--window-s", min=10.0, help="seconds measured without, then with, "
+                                                                         "the attack catalogue")] = 60.0,
+) -> None:
+    """Live trainer + follower/validator: honest progress with and without hostile peers running the catalogue."""
+    from simulations.bench.attacks import run
+
+    _run(run, window_s=window_s)

@@ -50,7 +50,7 @@ class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
     relay_max_circuit_s: Annotated[int, _d("relay: seconds per circuit before it is closed")] = 600
     relays: Annotated[list[str], _d("relay peers to reserve a slot on when not publicly reachable")] = []
     webrtc: Annotated[bool, _d("also listen on UDP /webrtc-direct (same port number as TCP) and dial it when TCP fails; "
-                               "needs the optional aiortc extra (pip install 'murmur[webrtc]'), ignored without it")] = True
+                               "needs aiortc (a default dependency of murmur-swarm: bash install.sh), ignored without it")] = True
 
 
 class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -97,6 +97,19 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     device: Annotated[str, _d("auto, cpu or cuda")] = "auto"
 
 
+class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    ledger_max_rows: Annotated[int, _d("rollout ledger rows kept (oldest deleted first; totals are kept)")] = 200_000
+    ledger_payload_rows: Annotated[int, _d("newest ledger rows that keep the rollout's signed bytes")] = 2_000
+    ledger_max_age_h: Annotated[float, _d("ledger rows older than this many hours are deleted")] = 168.0
+    logs_max_mb: Annotated[int, _d("node.log plus its one rotated copy, in MiB")] = 64
+
+    def ledger_budget(self) -> Any:
+        from node.store import LedgerBudget
+
+        return LedgerBudget(max_rows=self.ledger_max_rows, payload_rows=self.ledger_payload_rows,
+                            max_age_s=self.ledger_max_age_h * 3600.0)
+
+
 class TrustSection(Struct, forbid_unknown_fields=True, kw_only=True):
     coordinators: Annotated[list[str], _d("hex ed25519 public keys whose task sets this node accepts")] = []
 
@@ -112,6 +125,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     gossip: GossipSection = msgspec.field(default_factory=GossipSection)
     sync: SyncSection = msgspec.field(default_factory=SyncSection)
     training: TrainingSection = msgspec.field(default_factory=TrainingSection)
+    disk: DiskSection = msgspec.field(default_factory=DiskSection)
     trust: TrustSection = msgspec.field(default_factory=TrustSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
@@ -122,6 +136,7 @@ SECTIONS: dict[str, type[Struct]] = {
     "gossip": GossipSection,
     "sync": SyncSection,
     "training": TrainingSection,
+    "disk": DiskSection,
     "trust": TrustSection,
     "metrics": MetricsSection,
 }
@@ -171,10 +186,12 @@ def _check_values(cfg: Config, origin: str) -> Config:
             if not addr.startswith("/"):
                 raise bad(key, f"{addr!r} is not a multiaddr (starts with /ip4/, /ip6/ or /dns/)")
     for key in ("sync.chunk_bytes", "sync.publish_every", "sync.anchor_every", "training.group_size",
-                "node.memory_budget_mb"):
+                "node.memory_budget_mb", "disk.ledger_max_rows", "disk.ledger_max_age_h", "disk.logs_max_mb"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) <= 0:
             raise bad(key, "must be positive")
+    if cfg.disk.ledger_payload_rows < 0:
+        raise bad("disk.ledger_payload_rows", "must not be negative")
     if cfg.sync.max_staleness < 0:
         raise bad("sync.max_staleness", "must not be negative")
     choices = normalise(cfg.training.task_sets, f"{origin}: key 'training.task_sets'")

@@ -199,26 +199,36 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
 
 
 def summary_table(summary: dict[str, Any]) -> Any:
+    """One column per node, one row per measure: fits 80 columns (a pipe, a CI log) without cutting cells."""
     from rich.table import Table
+    from rich.text import Text
 
     from node.dashboard import human_bytes
 
-    t = Table("node", "roles", "reward", "versions pub/appl", "produced", "accepted", "rejected", "used", "spot",
-              "bytes ↑/↓", title="murmur demo: summary (reward start → end; rollouts; patch bytes)")
-    t.columns[2].min_width = 9
-    t.columns[9].no_wrap = True
+    def f(x: float | None) -> str:
+        return "—" if x is None else f"{x:.2f}"
+
+    t = Table(title="murmur demo: summary",
+              caption="rollouts are counts; accepted/rejected: peers' rollouts this node verified; "
+                      "used: external rollouts trained on; spot checks: log-prob re-computations")
+    t.add_column("", style="bold", no_wrap=True)
+    rows: dict[str, list[str]] = {k: [] for k in ("roles", "reward start→end", "versions published",
+                                                  "versions applied", "rollouts produced", "accepted", "rejected",
+                                                  "used", "spot checks", "patch bytes ↑/↓")}
     for n in summary["nodes"]:
+        t.add_column(Text(n["node"].replace("-", " ")), overflow="fold")
         if "error" in n:
-            t.add_row(n["node"], "—", n["error"], "", "", "", "", "", "", "")
+            for i, k in enumerate(rows):
+                rows[k].append(n["error"] if i == 0 else "—")
             continue
-
-        def f(x: float | None) -> str:
-            return "—" if x is None else f"{x:.2f}"
-
-        t.add_row(n["node"].split("-")[0], ",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
-                  f"{n['versions_published']}/{n['versions_applied']}", str(n["rollouts_produced"]),
-                  str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
-                  str(n["spot_checked"]), f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")
+        for k, v in zip(rows, (",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
+                               str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_produced"]),
+                               str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
+                               str(n["spot_checked"]),
+                               f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")):
+            rows[k].append(v)
+    for label, cells in rows.items():
+        t.add_row(label, *cells)
     return t
 
 
@@ -319,7 +329,7 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                             parts.append(f"{n}: —")
                         else:
                             r = "—" if s.reward_now is None else f"{s.reward_now:.2f}"
-                            parts.append(f"{n}: {s.worker} reward {r} acc {s.rollouts_accepted}")
+                            parts.append(f"{n}: {s.worker}, reward {r}, {s.rollouts_accepted} rollouts accepted")
                     console.print(f"[{elapsed:5.0f}s] " + " | ".join(parts))
                 if any(p.poll() is not None for p in procs):
                     bad = [n for n, p in zip(names, procs) if p.poll() is not None]

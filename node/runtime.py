@@ -33,13 +33,15 @@ import msgspec
 import trio
 
 from gossip import wire
-from node import control, hardware, patchsync, roles
+from node import control, hardware, patchsync, roles, stall
+from node.stall import StallMeter
 from node.config import Config
-from gossip.errors import MurmurError, PatchError
+from gossip.errors import DecodeError, MurmurError, PatchError
+from gossip.transport import FrameError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.ratelimit import RateMeter
 from node.logs import event
-from node.status import LineageView, NodeStatus, PeerView, TREND_POINTS
+from node.status import DiskMeter, Drops, LineageView, NodeStatus, PeerView, TREND_POINTS
 
 log = logging.getLogger("murmur.node")
 
@@ -53,6 +55,8 @@ CATCH_UP_TIMEOUT_S = 120.0
 IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
 TASK_SET_CHECK_EVERY = 5  # announce rounds between checks of the store for our own new task sets
 PARTIAL_SWEEP_EVERY = 60  # catch-up rounds (~0.5 s each) between sweeps of finished partial downloads
+MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
+STREAM_FAULT_PENALTY = 20.0  # bytes that break a stream protocol: three such faults graylist the sender
 PARTIAL_KEEP_S = 600.0  # an unfinished download's chunks are kept this long for a restart to resume from
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 
@@ -182,7 +186,7 @@ class Node:
         self.home = Path(home)
         self.ident = ident
         self.opts = opts
-        self.store = open_store(self.home)
+        self.store = open_store(self.home, cfg.disk.ledger_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
@@ -204,6 +208,7 @@ class Node:
         self.ledger: dict[str, int] = {}
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
         self.publish_meter = RateMeter()  # batches/s we publish, announced (gossip.ratelimit)
+        self.drops, self.disk = Drops(), DiskMeter(home, cfg)
         self.steps = 0
         self.step_times: deque[float] = deque(maxlen=8)  # seconds per optimizer step
         self.version_times: deque[float] = deque(maxlen=8)  # seconds between published versions
@@ -225,6 +230,7 @@ class Node:
 
         self.guard = StalenessGuard(cfg.sync.max_staleness)
         self.metrics: Any = None
+        self.stall = StallMeter()
         self._cancel: trio.CancelScope | None = None
         self.tokens_per_rollout = float(cfg.training.max_new_tokens)
 
@@ -283,7 +289,18 @@ class Node:
             rollout_latency_s=self.latency, bytes_up=self._bytes_up(), bytes_down=self._bytes_down(),
             memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
             metrics_port=self.metrics.port if self.metrics else 0,
+            dropped=self.drops.view(self.worker.dropped if self.worker else 0), disk=self.disk.views(now),
+            loop_stall_max_ms=round(self.stall.max_ms, 1),
+            loop_stall_recent_ms=round(self.stall.recent_ms(trio.current_time()), 1) if self._nursery else 0.0,
+            stream_faults=dict(self.transport.faults.counts) if self.transport is not None else {},
+            peer_scores=self._peer_scores(),
             **({"reach": self.reach.view()} if getattr(self, "reach", None) else {}))
+
+    def _peer_scores(self) -> dict[str, float]:
+        if self.service is None:
+            return {}
+        p = self.service.pipeline
+        return {peer: round(v["score"], 3) for peer, v in list(p.scores.snapshot(p.clock()).items())[:MAX_SCORES_SHOWN]}
 
     def _bytes_up(self) -> int:
         return int(self.bcast.counters["bytes_up"]) if self.bcast is not None else 0
@@ -341,6 +358,7 @@ class Node:
                                     head_version=self._head_of, task_set_trusted=lambda ts: ts in self.registry,
                                     reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
                 self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
+                t.faults.on_fault = self._on_stream_fault
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
@@ -364,6 +382,7 @@ class Node:
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
+                    nursery.start_soon(stall.run, self.stall)
                     nursery.start_soon(self._worker_loop)
                     nursery.start_soon(self._announce_loop)
                     nursery.start_soon(self._ledger_loop)
@@ -475,6 +494,7 @@ class Node:
         try:
             self.registry.add(data, trusted)
         except MurmurError as e:
+            self.drops.add("task_set_refused")
             log.debug("task set from %s not accepted: %s", origin, e)
             return
         await trio.to_thread.run_sync(self.store.add_task_set, tid, m.name, m.version, bytes(m.coordinator), data)
@@ -513,6 +533,12 @@ class Node:
         p.scores.penalise(peer, f"broadcast: {reason}"[:120], abs(amount), p.clock())
         event(log, "broadcast penalty", peer=peer, reason=reason[:200], amount=abs(amount))
 
+    def _on_stream_fault(self, peer: str, protocol: str, error: str) -> None:
+        """Bytes that break a stream protocol (ours or py-libp2p's) lower the sender's gossip score."""
+        p = self.service.pipeline
+        p.scores.penalise(peer, f"stream: {protocol}"[:120], STREAM_FAULT_PENALTY, p.clock())
+        event(log, "stream fault", peer=peer, protocol=protocol, error=error[:200])
+
     def _on_transfer_complete(self, tr: Any) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(self._store_transfer, tr)
@@ -531,6 +557,7 @@ class Node:
             log.warning("could not store patch %s: %s", tr.pid.hex()[:12], e)
             return
         have.add((item.kind, item.base, item.target))
+        await trio.to_thread.run_sync(patchsync.held_store(self.home, lid).prune, self.cfg.sync.retain_versions)
         self.counters["bytes_down"] += tr.session.bytes_in
         if tr.completed_wall is not None:
             self.fetch_s.append(max(0.0, tr.completed_wall - tr.started))
@@ -557,6 +584,8 @@ class Node:
         try:
             with trio.fail_after(30):
                 await patchsync.serve(stream, self.home, self.bcast)
+        except (DecodeError, FrameError):
+            raise  # a malformed request: the host's stream guard scores the asker
         except (MurmurError, trio.TooSlowError) as e:
             log.debug("catalog request from %s: %s", remote, e)
         with trio.move_on_after(2):
@@ -628,6 +657,7 @@ class Node:
             self._reward(body["reward_mean"])
             self.counters["used"] += int(body.get("n_external_groups", 0)) * self.cfg.training.group_size
             self.step_times.append(float(body["step_s"]))
+            self.drops.from_worker(body.get("dropped"))
             event(log, "step", **{k: body[k] for k in ("step", "version", "reward_mean", "loss",
                                                        "n_external_groups", "step_s")})
         elif kind == "gen":
@@ -832,7 +862,7 @@ class Node:
             try:
                 await self.service.publish_announce(self._announce())
             except PublishError:
-                pass
+                self.drops.add("announce_unpublished")
             if i % TASK_SET_CHECK_EVERY == 0:
                 await self._announce_task_sets()
             now = time.monotonic()
@@ -862,6 +892,7 @@ class Node:
             try:
                 await self.service.publish_announce(bytes(ts["envelope"]))
             except PublishError:
+                self.drops.add("task_set_unpublished")
                 return  # no peers yet: try again next round
             self.announced_task_sets.add(tid)
             event(log, "task set announced", name=ts["name"], version=ts["version"], id=tid.hex()[:16])

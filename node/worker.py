@@ -117,6 +117,7 @@ class Worker:
         self.gen_s = 0.0
         self.need_anchor = False
         self.held_lineage = b""
+        self.engine: Any = None  # loaded in run(); until then nothing is trained on
 
     def send(self, kind: str, body: Any) -> None:
         with self._send_lock:
@@ -273,19 +274,21 @@ class Worker:
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
                                "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
                                "published": published, "sampler": sampler_counts,
+                               "dropped": {**trainer.drops, "worker_inbox_full": sampler_counts["evicted"],
+                                           "below_min_version": sampler_counts["stale"]},
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
             self._spot_checks(pub.lineage.id, pub.version)
         self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
         self.tasks.save()
 
     def _external(self, max_groups: int, min_version: int) -> list:
-        """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py)."""
+        """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py), each
+        rollout's ids in the vocabulary and decoding to the text that was verified."""
         from training.tokencheck import consistent
 
         with self.inbox.lock:
-            got = self.inbox.sampler.take_rollouts(max_groups, min_version)
-        engine = getattr(self, "engine", None)  # loaded before any step; absent only in a bare test worker
-        return [r for r in got if consistent(r, engine)]  # ids in the vocabulary, decoding to the verified text
+            taken = self.inbox.sampler.take_rollouts(max_groups, min_version)
+        return [r for r in taken if self.engine is None or consistent(r, self.engine)]
 
     def _observe_own_head(self, lineage: bytes, version: int) -> None:
         # this worker publishes its lineage, so its own version is that lineage's head

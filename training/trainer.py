@@ -151,6 +151,7 @@ class Trainer:
         self.lineage = lineage
         self.external = external
         self.on_step = on_step
+        self.drops: dict[str, int] = {}  # what this trainer let go, by reason (node.status.DROP_REASONS)
         self._only = generators
         self.set_mixture([(task_set, 1.0)])
         self.rng = random.Random(config.seed)
@@ -248,6 +249,7 @@ class Trainer:
             try:
                 task = self.registry.resolve(w.task)
             except TaskError:
+                self.drops["task_set_unused"] = self.drops.get("task_set_unused", 0) + 1
                 continue  # not a task set we hold: unusable here, not an error of ours
             rec = from_wire(w, task, self.engine.encode(task.prompt), self.engine.tokenizer_hash, self.engine.encode)
             if rec.src_logp_mean is not None or rec.lineage != self.lineage:
