@@ -389,10 +389,12 @@ class VerifierPool:
     """`workers` processes, each judging one batch at a time under `time_limit_s`.
 
     `score_batch` blocks its calling thread until a worker is free (the caller bounds how
-    many threads wait: gossip.service uses its own limiter); a batch past the limit kills
-    its worker (replaced at the next call) and raises VerifierTimeout, a worker's exception
-    is a VerifierError (TaskError for a task the verifier refuses). `cpu_s` sums the
-    workers' CPU time (benchmarks count it)."""
+    many threads wait: gossip.service uses its own limiter). A batch whose judging uses more
+    than `time_limit_s` of the worker's CPU kills that worker (replaced at the next call) and
+    raises VerifierTimeout; one still unjudged after `wall_factor` times the limit in wall time
+    raises VerifierUnavailable (this machine, not the input, is slow); a worker's exception is
+    a VerifierError (TaskError for a task the verifier refuses). `cpu_s` sums the workers' CPU
+    time (benchmarks count it)."""
 
     def __init__(self, workers: int = 1, time_limit_s: float = TIME_LIMIT_S, cache_entries: int = VERDICT_CACHE,
                  wall_factor: float = WALL_FACTOR) -> None:
