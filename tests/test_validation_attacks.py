@@ -15,7 +15,7 @@ from gossip.ratelimit import HEADROOM, RateMeter
 from gossip.validation import Pipeline, PipelineConfig, Reason
 from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
 from training import tokencheck
-from training.tasksets import sign_task_set
+from training.tasksets import BUILTIN_TRAIN, sign_task_set
 from training.verifiers import VerifierPool, score
 
 ALICE = Identity.from_seed(b"\x01" * 32)
@@ -37,7 +37,7 @@ def reg():
     r = registry()
     m = wire.TaskSetManifest(
         v=wire.FORMAT_VERSION, name="mv", version=1, coordinator=COORD.public, created_ms=1, verifier="math_verify",
-        tolerance=0.0, generators=[wire.GeneratorSpec(name="add", generator="arithmetic",
+        tolerance=0.0, generators=[wire.GeneratorSpec(name=BUILTIN_TRAIN, generator="arithmetic",
                                                       config={"digits": 1, "ops": "+"}, seed_start=0, seed_end=10**6)])
     r.mv_id = wire.content_id(wire.decode_envelope(env := sign_task_set(COORD, m)).body)
     r.add(env, {COORD.public})
@@ -176,7 +176,7 @@ def test_worker_check_before_training(reg, tiny) -> None:
 def slow_batch(reg, ident: Identity, seq: int) -> bytes:
     r = make_rollout(reg, 3, tokens=4, task_set=reg.mv_id)
     slow = msgspec.structs.replace(r, text="reasoning...\n" + SLOW_ANSWER, reward=0.0)
-    return seal(ident, [msgspec.structs.replace(slow, task=wire.TaskRef(task_set=reg.mv_id, generator="add",
+    return seal(ident, [msgspec.structs.replace(slow, task=wire.TaskRef(task_set=reg.mv_id, generator=BUILTIN_TRAIN,
                                                                         seed=3 + 2 * i)) for i in range(16)], seq)
 
 

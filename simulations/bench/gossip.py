@@ -16,6 +16,7 @@ from typing import Any
 
 from gossip import wire
 from gossip.identity import Identity
+from training.tasksets import BUILTIN_TRAIN
 
 SWARM = "bench"
 LINEAGE = b"\x4c" * 32
@@ -31,13 +32,10 @@ def registry() -> Any:
 
 
 def make_rollout(reg: Any, seed: int, tokens: int = 256, version: int = 0, lineage: bytes = LINEAGE,
-                 forge: bool = False, task_set: bytes | None = None, generator: str | None = None) -> wire.Rollout:
+                 forge: bool = False, task_set: bytes | None = None, generator: str = BUILTIN_TRAIN) -> wire.Rollout:
     """A rollout on the built-in task set whose claimed reward is the true one (unless `forge`)."""
-    from training.tasksets import BUILTIN_TRAIN
     from training.verifiers import score
 
-    if generator is None:  # the built-in set's first family, or "add" in a set of ours
-        generator = BUILTIN_TRAIN if task_set is None or task_set == reg.builtin_id else "add"
     ref = wire.TaskRef(task_set=task_set if task_set is not None else reg.builtin_id, generator=generator, seed=seed)
     try:
         task = reg.resolve(ref)
@@ -80,14 +78,15 @@ _COORDINATOR = Identity.from_seed(b"\x0b" * 32)
 
 
 def verify_registry() -> tuple[Any, dict[str, bytes]]:
-    """One trusted task set per verifier kind (arithmetic for numeric and math_verify)."""
+    """The built-in set plus one task set per verifier kind, trusted."""
     from training.tasksets import sign_task_set
 
     reg = registry()
     ids: dict[str, bytes] = {}
-    arith = wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
-                               seed_start=0, seed_end=2**40)
-    gens = {"numeric": arith, "math_verify": arith,
+    gens = {"numeric": wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
+                                          seed_start=0, seed_end=2**40),
+            "math_verify": wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
+                                              seed_start=0, seed_end=2**40),
             "rg_score": wire.GeneratorSpec(name="arith", generator="rg:basic_arithmetic",
                                            config={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
                                            seed_start=0, seed_end=2**40)}
