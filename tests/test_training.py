@@ -1,9 +1,8 @@
 """Trainer loop: partial rollouts with per-token versions, swarm sampling (own lineage and other
-models), threading and the step callback; and (slow) that RL raises the reward."""
+models) and the step callback; and (slow) that RL raises the reward."""
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import msgspec
@@ -91,21 +90,6 @@ def test_swarm_sampling_mixes_external_groups_with_both_losses(warm_engine, regi
     assert asked and asked[0][0] == 4
     assert got_ext and hacpo
     assert b"\x02" * 32 in tr.capability.rate  # the foreign source's capability is being tracked
-
-
-def test_trainer_runs_in_a_thread_and_stops(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
-    stop = threading.Event()
-    steps = threading.Semaphore(0)
-
-    def on_step(r: StepResult) -> None:
-        steps.release()
-
-    tr = Trainer(warm_engine, registry, registry.builtin_id, TrainerConfig(**SMALL), on_step=on_step)
-    t = tr.start(stop)
-    assert steps.acquire(timeout=120) and steps.acquire(timeout=120)
-    stop.set()
-    t.join(timeout=120)
-    assert not t.is_alive() and tr.error is None and tr.step_no >= 2
 
 
 def test_config_mapping() -> None:
