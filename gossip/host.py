@@ -671,6 +671,15 @@ async def open_transport(
             # py-libp2p 0.8.1 leaves connections open on shutdown: peers would keep a dead
             # pubsub stream to us and never deliver to our restarted self. Close them.
             with trio.move_on_after(2, shield=True):
+                # py-libp2p 0.8.1 closes its listeners in the swarm's shutdown path, but that path
+                # runs cancelled and stops at its first await: the listening socket stayed open, and
+                # peers that knew the address kept dialling a host whose swarm no longer ran. Close
+                # them first, so no one redials in while the connections go.
+                for listener in list(host.get_network().listeners.values()):
+                    try:
+                        await listener.close()
+                    except Exception as e:
+                        log.debug("closing listener: %s", e)
                 for p in list(host.get_connected_peers()):
                     try:
                         await host.disconnect(p)

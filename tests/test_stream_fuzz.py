@@ -1,7 +1,7 @@
 """Stream fuzzer: a connected real libp2p peer sends random and mutated frames on every protocol the node serves.
 
 The victim is assembled in-process the way `node.runtime` wires a node (gossip topics with a validator,
-the chunk broadcast, the catalog, fetch, dial-back, circuit relay with HOP, DCUtR, Kademlia, and what
+the chunk broadcast, the catalog, dial-back, circuit relay with HOP, DCUtR, Kademlia, and what
 py-libp2p serves by itself: identify, ping, ...); the protocol list is read from the host's multistream
 table, so a protocol added later is fuzzed too. For each protocol the attacker opens streams, writes
 seeded random bytes, length-prefixed random frames, oversized length prefixes and bit-flipped valid
@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import trio
 
-from gossip import fetch, topics, wire
+from gossip import topics, wire
 from gossip.framing import read_frame, write_frame
 from gossip.host import open_transport
 from gossip.identity import Identity
@@ -81,8 +81,6 @@ def _valid_frames(protocol: str, attacker: Identity) -> list[bytes]:
     if protocol == patchsync.PROTOCOL:
         req = wire.encode(patchsync.CatalogRequest("catalog", b"\x33" * 32))
         return [len(req).to_bytes(4, "big") + req]
-    if protocol == fetch.PROTOCOL:
-        return [(32).to_bytes(4, "big") + b"\x44" * 32]
     if protocol == "/murmur/dialback/1":
         from gossip.reachability import DialbackRequest
 
@@ -200,7 +198,6 @@ def test_every_protocol_survives_random_and_mutated_frames(tmp_path: Path) -> No
                                                                                                 abs(amt), now()))
             v.set_stream_handler(patchsync.PROTOCOL,
                                  lambda s, r: _serve_catalog(tmp_path, bcast, s, r))
-            fetch.serve(v, fetch.PayloadStore())
             async with trio.open_nursery() as n:
                 await n.start(bcast.run)
                 await n.start(Discovery(v, [], None, dht=True).run)
@@ -237,7 +234,7 @@ def test_every_protocol_survives_random_and_mutated_frames(tmp_path: Path) -> No
     # every protocol the node serves was fuzzed, py-libp2p's and ours
     for must in ("/meshsub/1.1.0", "/meshsub/1.2.0", "/ipfs/id/1.0.0", "/ipfs/ping/1.0.0", "/ipfs/kad/1.0.0",
                  "/libp2p/circuit/relay/0.2.0/hop", "/libp2p/circuit/relay/0.2.0/stop", "/libp2p/dcutr",
-                 "/murmur/chunks/1", patchsync.PROTOCOL, fetch.PROTOCOL, "/murmur/dialback/1"):
+                 "/murmur/chunks/1", patchsync.PROTOCOL, "/murmur/dialback/1"):
         assert must in served, (must, served)
     # the node ended every stream (no stream left hanging after we closed our side, none flooded us)
     hanging = {p: [o for o in outs if o[1] in ("open", "flooded")] for p, outs in outcomes.items()}
@@ -248,7 +245,7 @@ def test_every_protocol_survives_random_and_mutated_frames(tmp_path: Path) -> No
     reasons = set(rec.rejections)
     assert "stream: /meshsub/1.1.0" in reasons and "stream: /meshsub/1.2.0" in reasons, reasons
     assert any(r.startswith("broadcast: ") for r in reasons), reasons  # /murmur/chunks/1
-    for own in (patchsync.PROTOCOL, fetch.PROTOCOL, "/murmur/dialback/1"):
+    for own in (patchsync.PROTOCOL, "/murmur/dialback/1"):
         assert f"stream: {own}" in reasons, (own, reasons)
     assert faults.get("/meshsub/1.1.0", 0) >= 1
     assert scores.record(honest_id.peer_id) is None  # the honest peer lost nothing

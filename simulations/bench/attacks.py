@@ -1,6 +1,6 @@
 """The attack catalogue of issue 15, run by hostile libp2p peers against live nodes, and `murmur bench attacks`.
 
-Each attack is a function `async (Attacker, Knowledge, targets) -> int` (messages or streams sent)
+Each attack is a function `async (Attacker, Knowledge, targets)` (the Attacker counts what it sent)
 that a real libp2p host with a valid key runs against live `murmur node start` processes, using
 today's wire formats. Each class gets its own fresh key (attackers hold many keys), so an early
 attack that gets its key graylisted does not mask the later ones, and the score each key lost on
@@ -161,13 +161,14 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
 
 
 def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, seq: int | None = None) -> bytes:
-    return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
-        v=1, swarm=swarm or a.swarm, producer=a.ident.public, seq=seq if seq is not None else a.sent + 1,
-        created_ms=wire.now_ms(), rollouts=rollouts))
+    with wire.swarm_bound(swarm or a.swarm):  # the envelope is signed for the swarm it names
+        return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
+            v=wire.FORMAT_VERSION, swarm=swarm or a.swarm, producer=a.ident.public,
+            seq=seq if seq is not None else a.sent + 1, created_ms=wire.now_ms(), rollouts=rollouts))
 
 
 def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
-    base: dict[str, Any] = dict(v=1, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
+    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
                                 gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
                                 memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
     base.update(kw)
@@ -178,7 +179,7 @@ def _manifest(a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, tar
               chunks: int = 1, chunk_bytes: int = 1024) -> bytes:
     refs = [wire.ChunkRef(os.urandom(32), chunk_bytes) for _ in range(chunks)]
     return wire.seal(a.ident, wire.PATCH_MANIFEST, wire.PatchManifest(
-        v=1, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
+        v=wire.FORMAT_VERSION, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
         base_version=base, target_version=target, base_hash=b"\x00" * 32, target_hash=os.urandom(32),
         codec="sparse-v1", total_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes, chunks=refs,
         created_ms=wire.now_ms()))
@@ -200,7 +201,7 @@ async def stream_garbage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     for peer in targets:
         for proto in ("/meshsub/1.1.0", "/meshsub/1.2.0"):
             await a.raw(peer, proto, bytes.fromhex("03ffffff"))
-        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1", "/murmur/fetch/1",
+        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1",
                       "/ipfs/id/push/1.0.0", "/libp2p/circuit/relay/0.2.0/hop", "/libp2p/dcutr"):
             await a.raw(peer, proto, rng.randbytes(64) + b"\xff" * 8)
 
@@ -361,6 +362,15 @@ CATALOGUE: dict[str, Attack] = {
 }
 
 
+# Classes whose messages are provable faults of their sender (a signature, a frame, a recomputed
+# reward, decoded ids, a lineage id that does not derive from the signer's key, a rate the sender
+# exceeded): each must cost its key score. The others are refused or ignored without proof against
+# the sender (a version from the future, a replay, a name with markup, a costly but honest payload).
+PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_head", "freeze_demand_head",
+                      "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
+                      "forged_reward", "flood_announces", "bad_signature"})
+
+
 def attack_key(name: str, round_: int = 0) -> Identity:
     """The fresh key one attack class uses (deterministic, so a report can name it)."""
     import hashlib
@@ -384,44 +394,60 @@ async def observe(transport: Any, k: Knowledge, swarm: str, *, task_status: Any 
         task_status.started()
 
 
-async def _connect_all(t: Any, addrs: list[str]) -> None:
-    for addr in addrs:
-        try:
-            await t.connect(addr)
-        except Exception:
-            pass
+async def _connect_all(t: Any, addrs: list[str], timeout_s: float = 5.0) -> None:
+    """Dial every target at once, each bounded: a frozen target must not hold up the others."""
+
+    async def one(addr: str) -> None:
+        with trio.move_on_after(timeout_s):
+            try:
+                await t.connect(addr)
+            except Exception:
+                pass
+
+    async with trio.open_nursery() as n:
+        for addr in addrs:
+            n.start_soon(one, addr)
 
 
-async def run_one(name: str, k: Knowledge, addrs: list[str], targets: list[str], swarm: str,
-                  round_: int = 0, settle_s: float = 1.5) -> dict[str, Any]:
-    """Run one attack class from its own fresh host and key; what it sent."""
+async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any],
+                  round_: int = 0, settle_s: float = 1.5) -> None:
+    """Run one attack class from its own fresh host and key; `res` says what it sent and how far it got."""
     from gossip.host import open_transport
 
     ident = attack_key(name, round_)
+    res.update(attacker=ident.peer_id, sent=0, errors=0, phase="start")
     print(f"attack {name} (round {round_}) from {ident.peer_id}", file=sys.stderr, flush=True)
     async with open_transport(ident) as t:
         a = Attacker(t, ident, swarm, {x.rsplit("/p2p/", 1)[-1]: x for x in addrs})
         await t.subscribe(topics.announce(swarm))
         await t.subscribe(topics.rollouts(swarm))
+        res["phase"] = "connect"
         await _connect_all(t, addrs)
+        res["phase"] = "mesh"
         with trio.move_on_after(5):  # gossip needs a mesh: wait (bounded) until a target subscribes
             while not t.topic_peers(topics.announce(swarm)):
                 await trio.sleep(0.1)
         await trio.sleep(0.5)
-        with trio.move_on_after(ATTACK_TIMEOUT_S):
-            await CATALOGUE[name](a, k, targets)
+        res["phase"] = "attack"
+        try:
+            with trio.move_on_after(ATTACK_TIMEOUT_S):
+                await CATALOGUE[name](a, k, [x.rsplit("/p2p/", 1)[-1] for x in addrs])
+        finally:
+            res.update(sent=a.sent, errors=a.errors)
+        res["phase"] = "settle"
         await trio.sleep(settle_s)  # let the messages land before the host goes
-        return {"attacker": ident.peer_id, "sent": a.sent, "errors": a.errors}
+        res["phase"] = "done"
 
 
-async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rounds: int = 1,
-                        observe_s: float = 5.0, stop: Callable[[], bool] = lambda: False,
+async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observe_s: float = 5.0,
+                        stop: Callable[[], bool] = lambda: False,
                         names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Observe the swarm, then run every attack class (`rounds` times, or until `stop()`); per-class results."""
     from gossip.host import open_transport
 
     k = Knowledge()
     out: dict[str, dict[str, Any]] = {}
+    wire.bind_swarm(swarm)  # this process speaks for the attacked swarm (the envelope names it)
     async with open_transport(Identity.from_seed(b"\xa7" * 32)) as obs, trio.open_nursery() as n:
         await n.start(observe, obs, k, swarm)
         await _connect_all(obs, addrs)
@@ -432,12 +458,14 @@ async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rou
             for name in names or list(CATALOGUE):
                 if stop():
                     break
-                res = {"attacker": attack_key(name, r).peer_id, "sent": 0, "errors": 1}
+                res: dict[str, Any] = {}
                 with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
-                    res = await run_one(name, k, addrs, targets, swarm, r)
-                prev = out.get(name, {"attackers": [], "sent": 0, "errors": 0})
-                out[name] = {"attackers": sorted(set(prev["attackers"]) | {res["attacker"]}),
-                             "sent": prev["sent"] + res["sent"], "errors": prev["errors"] + res["errors"]}
+                    await run_one(name, k, addrs, swarm, res, r)
+                prev = out.setdefault(name, {"attackers": [], "sent": 0, "errors": 0, "phases": []})
+                prev["attackers"] = sorted(set(prev["attackers"]) | {res["attacker"]})
+                prev["sent"] += res["sent"]
+                prev["errors"] += res["errors"]
+                prev["phases"].append(res["phase"])  # "done", or where a timeout stopped it
             if stop():
                 break
         n.cancel_scope.cancel()
@@ -620,13 +648,13 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         honest = set(sw.peer_ids())
         print(f"baseline window {window_s:.0f} s", file=sys.stderr)
         base = measure(sw, window_s)
-        addrs, targets = sw.addrs(), sw.peer_ids()
+        addrs = sw.addrs()
         results: dict[str, dict[str, Any]] = {}
         attacked: list[Window] = []
 
         def attack_thread() -> None:
             deadline = time.monotonic() + window_s
-            results.update(trio.run(lambda: run_catalogue(addrs, targets, SWARM, rounds=100,
+            results.update(trio.run(lambda: run_catalogue(addrs, SWARM, rounds=100,
                                                           stop=lambda: time.monotonic() > deadline)))
 
         print(f"attack window {window_s:.0f} s", file=sys.stderr)
@@ -645,8 +673,12 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
             "attacks_run": len(results),
             "attack_classes": sorted(results),
             "honest_nodes_alive": alive,
-            "honest_worker_restarts": sum(int(getattr(s, "worker_restarts", 0) or 0)
-                                          for s in statuses.values() if s is not None),
+            # None where the node's status does not report restarts (no supervision to count them)
+            "honest_worker_restarts": (sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
+                                       if all(hasattr(s, "worker_restarts") for s in statuses.values()
+                                              if s is not None) else None),
+            "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
+                               if s is not None},
             "honest_penalties": round(lost, 3),
             "attacker_graylisted": bool(worst) and all(v < GRAYLIST for v in worst.values()),
             "attackers_seen": len(worst),
