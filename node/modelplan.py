@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 BYTES_PER_PARAM = {"trainer": 24, "follower": 8, "validator": 6}
 RUNTIME_MB = 700  # interpreter, torch, transformers, tokenizer, libp2p and pools: both processes, model excluded
-ACTIVATION_SHARE = 0.25  # activations and KV caches, as a share of the weights' bytes
+ACTIVATION_SHARE = 0.6  # activations, KV caches and allocator slack, as a share of the weights' bytes
 TINY_PARAMS = 5_000_000  # up to here the murmur-tiny learning rate applies
 TINY_LR = 3e-4
 MODEL_LR = 1e-6  # real models: larger steps change most bf16 elements per version (dense patches)
