@@ -358,9 +358,15 @@ class Node:
         try:
             with trio.fail_after(CATALOG_TIMEOUT_S):
                 env = await patchsync.offer(self.transport, a.peer, a.lineage, a.item)
-                await self.bcast.add_manifest(env)
+                pid = await self.bcast.add_manifest(env)
         except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
             log.info("catch-up offer %s from %s: %s", a.item, a.peer[-8:], e)
+            return
+        tr = self.bcast.transfers.get(pid) if pid is not None else None
+        if tr is not None and tr.session.complete:
+            # The broadcast finished this patch earlier, but the store lost it (a failed write, or dropped
+            # after a failed apply): a completed transfer never completes again, so hand it to the core anew.
+            await self.feed(C.TransferDone(tr.pid, tr.manifest))
 
     # ------------------------------------------------------------ worker
     async def _start_worker(self) -> None:

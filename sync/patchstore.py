@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
 ANCHOR_FILE = "model.safetensors"
+WRITE_GRACE_S = 120.0  # a temp file or manifest-less payload younger than this may be a write in progress
 _PATCH_RE = re.compile(r"^(\d{12})-(\d{12})\.env$")
 
 
@@ -182,8 +183,14 @@ class LineageStore:
         floor moves up when that cap bites), and every patch or union whose
         base is at or after the floor, so every kept version can be replayed
         from a kept anchor.
-        Orphan payloads (no manifest: an interrupted write) are removed too.
+        Orphan payloads (no manifest: an interrupted write) and temp files are
+        removed too once older than `WRITE_GRACE_S`: a younger one may be a
+        store in progress in another thread or process (the live node stores
+        completed transfers concurrently).
         """
+        import time
+
+        now = time.time()
         head = self.head()
         removed: list[str] = []
         if head is None:
@@ -200,14 +207,23 @@ class LineageStore:
                 removed.append(f"anchors/{a:012d}")
         for p in sorted((self.root / "patches").iterdir()):
             if p.name.startswith("."):
-                p.unlink(missing_ok=True)
+                if _older_than(p, now, WRITE_GRACE_S):
+                    p.unlink(missing_ok=True)
                 continue
             m = re.match(r"^(\d{12})-(\d{12})\.(bin|env)$", p.name)
             if not m:
                 continue
             base = int(m.group(1))
-            orphan = m.group(3) == "bin" and not p.with_suffix(".env").exists()
+            orphan = (m.group(3) == "bin" and not p.with_suffix(".env").exists()
+                      and _older_than(p, now, WRITE_GRACE_S))
             if orphan or base < floor:
                 p.unlink(missing_ok=True)
                 removed.append(f"patches/{p.name}")
         return removed
+
+
+def _older_than(p: Path, now: float, seconds: float) -> bool:
+    try:
+        return now - p.stat().st_mtime > seconds
+    except FileNotFoundError:
+        return False

@@ -106,3 +106,28 @@ def test_disk_meter_measures_each_budget_and_caches(tmp_path: Path) -> None:
     (tmp_path / "state.db").write_bytes(b"x" * 2**21)
     assert {v.name: v.used_mb for v in meter.views(now=110.0)}["ledger"] == 1.0  # cached: no walk per second
     assert {v.name: v.used_mb for v in meter.views(now=131.0)}["ledger"] == 2.0
+
+
+def test_prune_spares_a_store_in_progress(identity, tmp_path: Path) -> None:
+    """The live node stores completed transfers concurrently: a prune between a payload's temp write and its
+    rename (or between payload and manifest) must not delete it, or the patch is lost for good."""
+    import os
+    import time
+
+    from sync import patchstore
+
+    pub = _publish(identity, tmp_path / "pub", 12)
+    store = _copy_as_follower(pub, tmp_path / "fol", anchors=True)
+    d = store.root / "patches"
+    tmp = d / ".000000000012-000000000013.env.4242.tmp"  # another thread's atomic_write, not renamed yet
+    tmp.write_bytes(b"x")
+    orphan = d / "000000000012-000000000013.bin"  # payload written, manifest not yet
+    orphan.write_bytes(b"y")
+    store.prune(retain_versions=8)
+    assert tmp.exists() and orphan.exists()
+    old = time.time() - patchstore.WRITE_GRACE_S - 10  # an interrupted write from long ago is cleaned up
+    for p in (tmp, orphan):
+        os.utime(p, (old, old))
+    removed = store.prune(retain_versions=8)
+    assert not tmp.exists() and not orphan.exists()
+    assert f"patches/{orphan.name}" in removed
