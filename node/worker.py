@@ -358,22 +358,16 @@ class Worker:
 
     def _apply_held(self, follower: Any) -> int:
         """Apply what the lineage store holds beyond our version (no download), plus announced arrivals."""
-        from sync.catchup import choose
-        from gossip.errors import PatchError
+        from sync.catchup import local_plan
 
         applied = 0
         with self.inbox.lock:
             self.inbox.patches.clear()
         store = follower.store
         for _ in range(10_000):
-            items = store.items()
-            head = max((i.target for i in items), default=follower.version)
-            if head <= follower.version:
-                break
-            try:
-                plan = choose(None if self.need_anchor else follower.version, head, items)
-            except PatchError:
-                break  # a gap: the network fetches what is missing
+            plan = local_plan(None if self.need_anchor else follower.version, store.items())
+            if plan is None:
+                break  # nothing newer, or a gap no stored anchor bridges: the network fetches what is missing
             progressed = False
             for step in plan.steps:
                 if self._apply_item(follower, step.kind, step.base, step.target):

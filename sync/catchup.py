@@ -86,3 +86,24 @@ def choose(have: int | None, head: int, items: Iterable[StoredItem]) -> Plan:
         v = step.base
     steps.reverse()
     return Plan(tuple(steps), int(best[head][0]))
+
+
+def local_plan(have: int | None, items: Iterable[StoredItem]) -> Plan | None:
+    """What a node applies from its own store: the cheapest route from `have` (None: no usable state) to the
+    newest stored version, else, when the chain from `have` has a gap, a route that starts at a stored anchor
+    ahead of `have` (patches behind an anchor are useless once the chain broke). None when nothing applies.
+    """
+    items = list(items)
+    head = max((i.target for i in items), default=-1)
+    if have is not None and head <= have:
+        return None
+    try:
+        return choose(have, head, items)
+    except PatchError:
+        if have is None:
+            return None
+    ahead = [i for i in items if i.kind != "anchor" or i.target > have]
+    try:
+        return choose(None, head, ahead)
+    except PatchError:
+        return None

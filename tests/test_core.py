@@ -203,3 +203,27 @@ def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> No
     clock.t += C.WORKER_STABLE_S + 1
     acts = core.handle(C.WorkerExited(1))
     assert of(acts, C.RestartWorker) == [C.RestartWorker(C.RESTART_BACKOFF_S[0])]  # a stable run resets it
+
+
+def test_a_patch_lost_after_its_transfer_completed_is_offered_and_stored_again() -> None:
+    """A completed transfer whose stored copy is lost (apply failed and it was dropped, or the write failed)
+    leaves a gap the broadcast will not fill by itself: catch-up offers exactly that item, and the same
+    completed transfer handed in again (`node.runtime` re-feeds it after the offer) is stored anew."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    core.handle(C.StoredItems(lid, (StoredItem("patch", 1, 2, 10), StoredItem("patch", 2, 3, 10))))
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 1}))
+    clock.t += 1
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == []  # held items reach the head
+    acts = core.handle(W("apply_failed", {"lineage": lid.hex(), "base": 1, "target": 2, "error": "no stored patch"}))
+    assert of(acts, C.DropItem) == [C.DropItem(lid, 1, 2)]
+    clock.t += 1
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, (StoredItem("patch", 1, 2, 10),
+                                                                StoredItem("patch", 2, 3, 10))))
+    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [("patch", 1, 2)]
+    lost = manifest(trainer, "lin", 1, 2)
+    assert core.handle(C.TransferDone(b"q" * 32, lost)) == [C.StorePatch(b"q" * 32)]
+    acts = core.handle(C.PatchStored(lost, 1000, 0.5))
+    assert to_worker(acts, pipe.Patch) == [pipe.Patch(lid.hex(), "patch", 1, 2)]
