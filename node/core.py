@@ -51,6 +51,7 @@ PEER_FORGET_S = 120.0  # ... and this long is dropped from the table
 CATCH_UP_EVERY_S = 0.5
 CATCH_UP_PATIENCE_S = 120.0  # a catch-up attempt with no progress after this is retried from scratch
 IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
+RESYNC_AFTER_S = 10.0  # held versions that reach the head but do not apply for this long: re-read the store
 BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
 CLAIM_PENALTY = 10.0  # a provably false signed claim about a lineage (node.lineages.Refusal)
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
@@ -160,6 +161,8 @@ class NodeCore:
         self.publish_meter = RateMeter()  # rollout batches/s we publish, stated in our announce
         self.next_announce = 0.0
         self.next_catch_up = 0.0
+        self.progress = (-1, 0.0)  # (held version of the served lineage, when it last changed)
+        self.last_resync = -math.inf
         self.new_peer = False  # a peer appeared since the runtime last re-sent our task sets
         self.tokens_per_rollout = float(max(1, settings.max_new_tokens))
         self.follow_info: pipe.FollowInfo | None = None
@@ -411,10 +414,17 @@ class NodeCore:
         if lin is None or (lin.head <= lin.held and not lin.need_anchor):
             self.catching = None
             return
+        if lin.held != self.progress[0]:
+            self.progress = (lin.held, now)
         try:
             choose(None if lin.need_anchor else lin.held, lin.head, self._free_items(lid, now).values())
             self.catching = None
-            return  # everything needed is held or on its way
+            # Everything needed is held or on its way. If the worker still does not move, what the store
+            # holds differs from our cache (a payload lost after it was stored): re-read the store.
+            if now - self.progress[1] >= RESYNC_AFTER_S and now - self.last_resync >= RESYNC_AFTER_S:
+                self.last_resync = now
+                out.append(LoadStored(lid))
+            return
         except PatchError:
             pass
         if self.catching is not None and now - self.catching.started < CATCH_UP_PATIENCE_S:

@@ -227,3 +227,22 @@ def test_a_patch_lost_after_its_transfer_completed_is_offered_and_stored_again()
     assert core.handle(C.TransferDone(b"q" * 32, lost)) == [C.StorePatch(b"q" * 32)]
     acts = core.handle(C.PatchStored(lost, 1000, 0.5))
     assert to_worker(acts, pipe.Patch) == [pipe.Patch(lid.hex(), "patch", 1, 2)]
+
+
+def test_a_stored_chain_that_does_not_apply_is_re_read_from_the_store_then_fetched() -> None:
+    """The cache of stored items says the chain reaches the head, but the worker does not move (a payload
+    lost after it was stored): the core re-reads the store, sees the gap, and catches up over the network."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    core.handle(C.StoredItems(lid, (StoredItem("patch", 1, 2, 10), StoredItem("patch", 2, 3, 10))))
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 1}))
+    clock.t += 1
+    acts = core.handle(C.Tick())
+    assert of(acts, C.FetchCatalog) == [] and of(acts, C.LoadStored) == []  # the worker may still be applying
+    clock.t += C.RESYNC_AFTER_S
+    acts = core.handle(C.Tick())
+    assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
+    core.handle(C.StoredItems(lid, (StoredItem("patch", 2, 3, 10),)))  # 1->2 is gone
+    clock.t += 1
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
