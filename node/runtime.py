@@ -86,6 +86,7 @@ class Node:
         self.transport: Any = None
         self.service: Any = None
         self.bcast: Any = None  # sync.broadcast.BroadcastNode
+        self._storing: set[bytes] = set()  # patch ids being written to the store (one writer per patch)
         self.reach: Any = None
         self.metrics: Any = None
         self._nursery: trio.Nursery | None = None
@@ -333,8 +334,9 @@ class Node:
     async def _store_patch(self, pid: bytes) -> None:
         """A completed, chunk-verified patch: store it atomically, then tell the core (which tells the worker)."""
         tr = self.bcast.transfers.get(pid)
-        if tr is None:
+        if tr is None or pid in self._storing:  # a second completion notice while the first is written
             return
+        self._storing.add(pid)
         try:
             await trio.to_thread.run_sync(patchsync.store_complete, self.home, tr.manifest, tr.envelope, tr.payload())
             await trio.to_thread.run_sync(patchsync.held_store(self.home, bytes(tr.manifest.lineage)).prune,
@@ -342,6 +344,8 @@ class Node:
         except (MurmurError, OSError) as e:
             log.warning("could not store patch %s: %s", pid.hex()[:12], e)
             return
+        finally:
+            self._storing.discard(pid)
         seconds = (tr.completed_wall or time.time()) - tr.started
         await self.feed(C.PatchStored(tr.manifest, tr.session.bytes_in, seconds))
 
