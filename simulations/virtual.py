@@ -353,7 +353,7 @@ class VirtualSim:
         lead = self.nodes[n.spec.follow]  # type: ignore[index]
         guard = n.guard
         assert guard is not None
-        self._row("lag", t=self.now, node=n.spec.index, lag=guard.lag(lead.lineage) or 0)
+        self._row("lag", t=self.now, node=n.spec.index, lag=max(0, n.heads.get(lead.lineage, n.version) - n.version))
         if not guard.may_generate(lead.lineage):
             return  # beyond the bound: stop producing, wait for the catch-up patch
         skills = self.skill_at[lead.lineage]

@@ -92,6 +92,13 @@ class StalenessGuard:
         t = self._t.get(lineage)
         return t is not None and t.state == FRESH
 
+    def lag(self, lineage: bytes) -> int | None:
+        """Versions between the head heard and the one held (None until both are known)."""
+        t = self._t.get(lineage)
+        if t is None or t.local is None or t.head is None:
+            return None
+        return t.head - t.local
+
     def state(self, lineage: bytes) -> str:
         t = self._t.get(lineage)
         return t.state if t else UNKNOWN

@@ -33,7 +33,9 @@ def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:
     try:
         honest = set(sw.peer_ids())
         assert len(honest) == 2
-        results = trio.run(lambda: attacks.run_catalogue(sw.addrs(), attacks.SWARM, rounds=1, observe_s=20))
+        tok = attacks.model_tokenizer_hash(model)
+        results = trio.run(lambda: attacks.run_catalogue(sw.addrs(), attacks.SWARM, rounds=1, observe_s=20,
+                                                         tokenizer_hash=tok))
         assert sorted(results) == sorted(attacks.CATALOGUE)
         assert all(r["sent"] > 0 for r in results.values()), results  # every attack reached the wire
         assert sw.alive(), {n: p.poll() for n, p in sw.procs.items()}

@@ -156,6 +156,7 @@ def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tm
     from node.config import load_config
     from node.demo import DemoTaskSet, node_config, run_demo
     from gossip.errors import TaskError
+    from gossip.wire import swarm_bound
 
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'
@@ -176,6 +177,7 @@ def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tm
                                                   max_new_tokens=ds.max_new_tokens))
     cfg = load_config(home / "config.toml")
     assert cfg.training.task_sets == ["b"] and cfg.trust.coordinators == [ds.coordinator.public.hex()]
-    tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public})
-    tm.refresh(force=True)
-    assert tm.mixture == [(ds.id, 1.0)]
+    with swarm_bound(cfg.node.swarm):  # as the demo node's worker verifies it
+        tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public})
+        tm.refresh(force=True)
+    assert tm.mixture == [(ds.id, 1.0)] and not tm.refused

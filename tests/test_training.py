@@ -105,8 +105,10 @@ def test_rl_raises_the_reward() -> None:
 
     out = run(budget_s=150, seed=0)
     assert out["rl_steps"] > 10
-    assert out["eval_end"] > out["eval_start"] + 0.1, out
-    assert out["reward_end"] > out["reward_start"], out
+    assert out["eval_problems"] >= 200 and out["eval_overlap"] == 0, out
+    assert out["reward_end"] > out["reward_start"] + 0.1, out
+    # held-out accuracy rises more slowly than the sampled reward (docs/training.md), but it rises
+    assert out["eval_end"] > out["eval_start"], out
 
 
 def _other_set(registry: TaskRegistry) -> bytes:

@@ -23,6 +23,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class Knowledge:
     manifests: list[tuple[wire.PatchManifest, bytes]] = field(default_factory=list)
     batches: list[tuple[wire.RolloutBatch, bytes]] = field(default_factory=list)
     task_sets: list[bytes] = field(default_factory=list)
+    tokenizer_hash: bytes = b"\x54" * 32  # the public model's tokenizer (attackers know the models)
 
     def lineage(self) -> wire.PatchManifest | None:
         """The newest honest manifest: names a lineage, its publisher, base model and head."""
@@ -139,7 +141,8 @@ Attack = Callable[[Attacker, Knowledge, list[str]], Awaitable[None]]
 
 
 def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None = None, text: str | None = None,
-                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True) -> wire.Rollout:
+                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True,
+                  tokenizer: bytes = b"\x54" * 32) -> wire.Rollout:
     """A rollout on the built-in task set that passes today's reward check (the text answers the task)."""
     from training.tasksets import BUILTIN_TRAIN, TaskRegistry
     from training.verifiers import score
@@ -154,7 +157,7 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
     return wire.Rollout(
         task=ref, lineage=lineage if lineage is not None else (bytes(tpl.lineage) if tpl else b"\x4c" * 32),
         version=version if version is not None else (tpl.version if tpl else 0), completion_ids=ids, text=text,
-        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else b"\x54" * 32,
+        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else tokenizer,
         logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, tpl.version if tpl else 0)],
         sampling=wire.SamplingParams(max_new_tokens=max(1, min(n, wire.MAX_COMPLETION_TOKENS))),
         reward=score(task, text) if honest_reward else 1.0 - score(task, text), created_ms=wire.now_ms())
@@ -168,8 +171,8 @@ def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, 
 
 
 def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
-    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
-                                gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
+    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(),
+                                hardware="cpu", gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
                                 memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
     base.update(kw)
     return wire.seal(a.ident, wire.NODE_ANNOUNCE, wire.NodeAnnounce(**base))
@@ -239,7 +242,9 @@ async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
-    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)]) for i in range(8)]
+    lid, _, _, head = _honest_lineage(k)
+    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash,
+                        lineage=None if tpl else lid, version=None if tpl else head) for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -248,7 +253,10 @@ async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> 
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
     rng = random.Random(2)
-    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)]) for i in range(8)]
+    lid, _, _, head = _honest_lineage(k)
+    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)],
+                        tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
+          for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -440,12 +448,17 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
 
 
 async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observe_s: float = 5.0,
-                        stop: Callable[[], bool] = lambda: False,
-                        names: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Observe the swarm, then run every attack class (`rounds` times, or until `stop()`); per-class results."""
+                        stop: Callable[[], bool] = lambda: False, names: list[str] | None = None,
+                        tokenizer_hash: bytes | None = None) -> dict[str, dict[str, Any]]:
+    """Observe the swarm, then run every attack class `rounds` times (after the first, until `stop()`).
+
+    `tokenizer_hash` is that of the model the swarm runs (public knowledge), for forged rollouts when
+    no honest rollout was seen to copy it from."""
     from gossip.host import open_transport
 
     k = Knowledge()
+    if tokenizer_hash is not None:
+        k.tokenizer_hash = tokenizer_hash
     out: dict[str, dict[str, Any]] = {}
     wire.bind_swarm(swarm)  # this process speaks for the attacked swarm (the envelope names it)
     async with open_transport(Identity.from_seed(b"\xa7" * 32)) as obs, trio.open_nursery() as n:
@@ -456,7 +469,7 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
                 await trio.sleep(0.25)
         for r in range(rounds):
             for name in names or list(CATALOGUE):
-                if stop():
+                if r > 0 and stop():  # the first round always runs the whole catalogue
                     break
                 res: dict[str, Any] = {}
                 with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
@@ -517,6 +530,13 @@ def wait_until(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen
             raise RuntimeError(f"node exited while waiting for {what}: {dead}")
         time.sleep(0.5)
     raise RuntimeError(f"timed out waiting for {what}")
+
+
+def model_tokenizer_hash(model: Path) -> bytes | None:
+    from training.tokencheck import for_model
+
+    check = for_model(str(model))
+    return check.hash if check is not None else None
 
 
 def build_model(root: Path) -> Path:
@@ -594,14 +614,22 @@ class Window:
     versions_applied: int = 0
     max_stall_ms: float = 0.0
     alive: bool = True
+    seconds: float = 0.0
+
+    def rate(self, what: str) -> float:
+        return getattr(self, what) / self.seconds if self.seconds > 0 else 0.0
 
 
-def measure(sw: LiveSwarm, seconds: float, during: Callable[[], None] | None = None) -> Window:
-    """Poll both nodes once a second for `seconds`; progress is the difference between the ends."""
+MAX_WINDOW_S = 1800.0
+
+
+def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: True) -> Window:
+    """Poll both nodes once a second for at least `seconds` and until `until()` (at most MAX_WINDOW_S);
+    progress is the difference between the ends."""
     t0, f0 = sw.status("trainer"), sw.status("follower")
     w = Window()
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    start = time.monotonic()
+    while time.monotonic() < start + MAX_WINDOW_S and (time.monotonic() < start + seconds or not until()):
         for n in sw.homes:
             s = sw.status(n)
             if s is not None:
@@ -610,6 +638,7 @@ def measure(sw: LiveSwarm, seconds: float, during: Callable[[], None] | None = N
             w.alive = False
             break
         time.sleep(1.0)
+    w.seconds = time.monotonic() - start
     t1, f1 = sw.status("trainer"), sw.status("follower")
     if None in (t0, f0, t1, f1):
         w.alive = w.alive and None not in (t1, f1)
@@ -649,29 +678,35 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         print(f"baseline window {window_s:.0f} s", file=sys.stderr)
         base = measure(sw, window_s)
         addrs = sw.addrs()
+        tok = model_tokenizer_hash(model)
         results: dict[str, dict[str, Any]] = {}
-        attacked: list[Window] = []
+        finished = threading.Event()
 
         def attack_thread() -> None:
             deadline = time.monotonic() + window_s
-            results.update(trio.run(lambda: run_catalogue(addrs, SWARM, rounds=100,
-                                                          stop=lambda: time.monotonic() > deadline)))
+            try:
+                results.update(trio.run(lambda: run_catalogue(
+                    addrs, SWARM, rounds=100, tokenizer_hash=tok, observe_s=20,
+                    stop=lambda: time.monotonic() > deadline)))
+            finally:
+                finished.set()
 
-        print(f"attack window {window_s:.0f} s", file=sys.stderr)
-        import threading
-
+        print(f"attack window: at least {window_s:.0f} s and the whole catalogue once", file=sys.stderr)
         th = threading.Thread(target=attack_thread, daemon=True)
         th.start()
-        attacked.append(measure(sw, window_s))
+        under = measure(sw, window_s, until=finished.is_set)
         th.join(120)
-        under = attacked[0]
         attackers = {p for r in results.values() for p in r.get("attackers", [])}
         lost, worst = penalties(sw, honest, attackers)
         statuses = {n: sw.status(n) for n in sw.homes}
         alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
         return {
             "attacks_run": len(results),
-            "attack_classes": sorted(results),
+            # per class: messages or streams sent, and the lowest score its keys have on an honest node
+            # (None: no honest node holds a record of them, i.e. not charged)
+            "attacks": {name: {"sent": r["sent"], "score": min((worst[p] for p in r["attackers"] if p in worst),
+                                                                default=None),
+                               "provable": name in PROVABLE} for name, r in sorted(results.items())},
             "honest_nodes_alive": alive,
             # None where the node's status does not report restarts (no supervision to count them)
             "honest_worker_restarts": (sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
@@ -686,15 +721,18 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
             "attackers_total": len(attackers),
             "train_steps_without": base.train_steps,
             "train_steps_under_attack": under.train_steps,
-            "train_steps_ratio": round(under.train_steps / base.train_steps, 3) if base.train_steps else None,
+            # progress per second under attack / without (the attack window lasts as long as the catalogue)
+            "train_steps_ratio": (round(under.rate("train_steps") / base.rate("train_steps"), 3)
+                                  if base.train_steps else None),
             "versions_applied_without": base.versions_applied,
             "versions_applied_under_attack": under.versions_applied,
-            "versions_applied_ratio": (round(under.versions_applied / base.versions_applied, 3)
+            "versions_applied_ratio": (round(under.rate("versions_applied") / base.rate("versions_applied"), 3)
                                        if base.versions_applied else None),
             "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
             "max_event_loop_stall_ms_without": round(base.max_stall_ms, 1),
             "stream_faults": {n: dict(s.stream_faults) for n, s in statuses.items() if s is not None},
-            "window_s": window_s,
+            "window_s": round(base.seconds, 1),
+            "attack_window_s": round(under.seconds, 1),
         }
     finally:
         sw.stop()

@@ -32,11 +32,14 @@ def registry() -> Any:
 
 
 def make_rollout(reg: Any, seed: int, tokens: int = 256, version: int = 0, lineage: bytes = LINEAGE,
-                 forge: bool = False, task_set: bytes | None = None, generator: str = BUILTIN_TRAIN) -> wire.Rollout:
+                 forge: bool = False, task_set: bytes | None = None, generator: str | None = None) -> wire.Rollout:
     """A rollout on the built-in task set whose claimed reward is the true one (unless `forge`)."""
     from training.verifiers import score
 
-    ref = wire.TaskRef(task_set=task_set if task_set is not None else reg.builtin_id, generator=generator, seed=seed)
+    task_set = task_set if task_set is not None else reg.builtin_id
+    if generator is None:  # the set's first training generator (the built-in set's: BUILTIN_TRAIN)
+        generator = reg.get(task_set).generators[0].name if task_set in reg else BUILTIN_TRAIN
+    ref = wire.TaskRef(task_set=task_set, generator=generator, seed=seed)
     try:
         task = reg.resolve(ref)
         text = task.answer if seed % 2 == 0 else "no idea"
