@@ -88,7 +88,8 @@ class RunOptions:
 def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str], opts: RunOptions) -> dict[str, Any]:
     t = cfg.training
     return {
-        "home": str(home), "roles": node_roles, "model": t.model, "model_home": opts.model_home or str(home),
+        "home": str(home), "roles": node_roles, "model": t.model, "engine": t.engine,
+        "model_home": opts.model_home or str(home),
         "device": t.device, "model_seed": 0, "seed": t.seed, "threads": t.threads,
         "memory_budget_mb": cfg.node.memory_budget_mb, "identity_seed": ident.seed.hex(),
         "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
@@ -109,11 +110,19 @@ class WorkerLink:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
         from node import worker
 
+        python = worker.worker_python(spec)  # MurmurError at start when the engine asked for cannot run
+        self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=worker.main, args=(child, spec), name="murmur-worker", daemon=True)
-        self.proc.start()
+        from multiprocessing import spawn as mp_spawn
+
+        before = mp_spawn.get_executable()
+        ctx.set_executable(python)  # the vLLM environment's interpreter when engine = "vllm"
+        try:
+            self.proc.start()
+        finally:
+            ctx.set_executable(before)
         child.close()
         self.out: queue.Queue[tuple[str, Any]] = queue.Queue(WORKER_QUEUE)
         self.dropped = 0
@@ -184,6 +193,7 @@ class Node:
         self.state = "starting"
         self.worker_state = "starting"
         self.worker_error = ""
+        self.engine = f"{cfg.training.engine} (starting)"  # what the worker runs; "<asked> unavailable: why"
         self.peers: dict[str, PeerInfo] = {}
         self.lineages: dict[bytes, LineageState] = {}
         self.own: bytes | None = None
@@ -264,6 +274,7 @@ class Node:
             peer_id=self.ident.peer_id, swarm=self.cfg.node.swarm, roles=self.roles, hardware=self.hw_class,
             listen=self.transport.listen_addrs() if self.transport else [], state=self.state,
             uptime_s=now - self.started, worker=self.worker_state, worker_error=self.worker_error[:2000],
+            engine=self.engine,
             peers=peers, lineages=lins, serving=self.serving.hex() if self.serving else "",
             serving_reason=self.serving_reason, steps=self.steps, versions_published=self.counters["published"],
             versions_applied=self.counters["applied"], rollouts_produced=led.get("produced", 0),
@@ -663,6 +674,9 @@ class Node:
                 p = self.service.pipeline
                 p.scores.penalise(peer, "spot_check_failed", SPOT_PENALTY, p.clock())
                 event(log, "spot check failed", producer=peer, diff=body["diff"])
+        elif kind == "engine":
+            self.engine = body["mode"] or f"{body['requested']} unavailable: {body['error']}"
+            event(log, "worker engine", engine=self.engine)
         elif kind == "error":
             self.worker_error = str(body)
             log.error("worker failed: %s", body)

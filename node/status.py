@@ -71,6 +71,7 @@ class NodeStatus(Struct, kw_only=True):
     uptime_s: float = 0.0
     worker: str = "starting"  # worker process state: loading | training | generating | standby | catching-up | stopped
     worker_error: str = ""
+    engine: str = ""  # transformers | vllm (sparse in place) | vllm (dense reload) | "vllm unavailable: <why>"
     peers: list[PeerView] = []
     lineages: list[LineageView] = []
     serving: str = ""  # lineage id hex this node generates rollouts for ("" when none)
