@@ -55,6 +55,7 @@ def node_panel(s: NodeStatus) -> Panel:
     head.add_row("bytes", f"up {human_bytes(s.bytes_up)}  down {human_bytes(s.bytes_down)}",
                  "gen", f"{s.gen_tokens_per_s:.0f} tok/s, {s.rollout_latency_s:.2f} s/rollout")
     head.add_row("reach", f"{s.reach.path} ({s.reach.status}): {s.reach.reason}", "", "")
+    head.add_row("engine", s.engine or "—", "", "")
     note = next((lin.admission_note for lin in s.lineages if lin.lineage == s.serving and lin.admission_note), "")
     if note:
         head.add_row("staleness", note, "", "")

@@ -75,13 +75,19 @@ def worker_python(spec: dict[str, Any]) -> str:
     """The interpreter the worker process runs under, checked now so that a node asked for vLLM fails at
     start with the reason (not installed, not importable, no GPU and no CPU build, unsupported
     architecture) instead of falling back to transformers. The check imports vLLM in a subprocess."""
+    return engine_check(spec)[0]
+
+
+def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
+    """(worker interpreter, engine mode) for the spec's engine and model; MurmurError saying why not."""
     import subprocess
 
     from gossip.errors import MurmurError
+    from training.engine import MODE_TRANSFORMERS
     from training.tiny import TINY_ARCHS, TINY_NAME
 
     if spec.get("engine", "transformers") != "vllm":
-        return sys.executable
+        return sys.executable, MODE_TRANSFORMERS
     py = vllm_python()
     if not py or not Path(py).exists():
         raise MurmurError(f"[training] engine = \"vllm\" but no vLLM environment was found ({py or VLLM_ENV_DIR}); "
@@ -101,7 +107,7 @@ def worker_python(spec: dict[str, Any]) -> str:
         raise MurmurError(f"vLLM check under {py} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}") from None
     if "error" in res:
         raise MurmurError(f"[training] engine = \"vllm\" cannot be used: {res['error']}")
-    return py
+    return py, str(res["mode"])
 
 
 def _own_environment() -> None:
