@@ -242,6 +242,8 @@ class Worker:
             self.send("engine", {"requested": kind, "mode": "", "error": str(e)})
             raise
         self.send("engine", {"requested": kind, "mode": self.engine.mode, "error": ""})
+        if self.engine is not self.master and "trainer" not in self.spec["roles"]:
+            self.master = None  # a vLLM follower generates and checks with vLLM only: free the torch copy
         self.checker = self.engine  # the engine holding the published weights, for spot checks
         m = self.registry.get(self.task_set)
         self.gens = [g for g in m.generators if not g.name.endswith("-eval")]
