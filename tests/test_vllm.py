@@ -134,7 +134,9 @@ def test_vllm_engine_generates_rescores_and_takes_patches(vllm_py: str, model: P
 def _config(roles: list[str], model: Path, engine: str, port: int) -> str:
     return (f'[node]\nswarm = "vllm-swarm"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 1536\n'
             + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{port}"]\ndht = false\n'
-            + '[sync]\npublish_every = 2\nanchor_every = 8\nretain_versions = 32\nmax_staleness = 4\n'
+            # a version every ~10 steps: the tiny trainer steps far faster than a CPU vLLM follower's round
+            # trip (generate, gossip, verify), which would otherwise be put on standby as too stale
+            + '[sync]\npublish_every = 10\nanchor_every = 8\nretain_versions = 32\nmax_staleness = 8\n'
             + f'[training]\nmodel = "{model}"\nengine = "{engine}"\nexternal_rollouts = 64\n')
 
 
@@ -200,8 +202,12 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
                     and t.spot_checked > 0  # ... and transformers re-scored some of them
                     and f.spot_checked > 0)  # vLLM re-scored some of the trainer's rollouts
 
-        wait_for("rollouts accepted and spot-checked across engines", checked_both_ways, allp(), WAIT_S)
-        t, f = _status(homes["trainer"]), _status(homes["follower"])
+        try:
+            wait_for("rollouts accepted and spot-checked across engines", checked_both_ways, allp(), WAIT_S)
+        finally:
+            t, f = _status(homes["trainer"]), _status(homes["follower"])
+            print("trainer", t and (t.rollouts_accepted, t.rollouts_used, t.spot_checked, t.spot_failed, t.rejected),
+                  "follower", f and (f.rollouts_produced, f.spot_checked, f.spot_failed, f.serving_reason))
         assert t.spot_failed == 0 and f.spot_failed == 0, (t.spot_failed, f.spot_failed)
         assert f.worker_error == "" and t.worker_error == ""
         lid = _lin(f, "follow").lineage
