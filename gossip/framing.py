@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-from gossip.transport import Stream, StreamError
+from gossip.transport import FrameError, Stream, StreamError
 
 _LEN = struct.Struct(">I")
 
@@ -26,7 +26,7 @@ async def read_exactly(stream: Stream, n: int) -> bytes:
 async def read_frame(stream: Stream, max_len: int) -> bytes:
     (n,) = _LEN.unpack(await read_exactly(stream, 4))
     if n > max_len:
-        raise StreamError(f"frame of {n} bytes exceeds the {max_len}-byte limit")
+        raise FrameError(f"frame of {n} bytes exceeds the {max_len}-byte limit")
     return await read_exactly(stream, n) if n else b""
 
 

@@ -40,8 +40,8 @@ from typing import Any
 import multiaddr
 import trio
 
-from gossip.transport import MessageChannel, PublishError, Stream, StreamError, StreamHandler
-from gossip.errors import MurmurError
+from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
+from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity
 
 
@@ -109,7 +109,13 @@ def _install_lean_yamux_writes() -> None:
 
     Same rules as py-libp2p 0.8.1's `YamuxStream.write`: frames of at most 64 KiB within the send
     window, the stream's writer semaphore held while a frame is cut (not while it is sent), a zero
-    window waited for up to 5 s, then an error. Its per-frame header parse, flag-name list, f-string
+    window waited for up to 5 s, then an error. One difference: a whole `write` holds the stream's
+    message lock, so two writers on one stream never interleave their frames. py-libp2p's
+    `write` cuts frames one at a time and lets other writers cut theirs in between; its pubsub
+    writes to a peer's stream from its queue task and, concurrently, from the recent-message replay
+    and pending flush, so an honest RPC split over several frames (over 64 KiB, or a send window
+    partly used) reached the peer with another RPC's bytes inside it, and the peer's reader failed
+    with a protobuf DecodeError. Its per-frame header parse, flag-name list, f-string
     log line and context-manager objects are pure overhead when debug logging is off (the
     measurement of this and the TCP read-ahead together is in docs/gossip.md).
     """
@@ -129,6 +135,13 @@ def _install_lean_yamux_writes() -> None:
         await trio.lowlevel.checkpoint()
 
     async def write(self: Any, data: bytes) -> None:
+        lock = self.__dict__.get("_murmur_message_lock")
+        if lock is None:
+            lock = self._murmur_message_lock = trio.Lock()
+        async with lock:
+            await write_message(self, data)
+
+    async def write_message(self: Any, data: bytes) -> None:
         if self.send_closed:
             raise MuxedStreamError("Stream is closed for sending")
         view = memoryview(data)
@@ -167,6 +180,129 @@ def _install_lean_yamux_writes() -> None:
 _install_lean_yamux_writes()
 
 log = logging.getLogger("murmur.gossip.host")
+
+# Peers disconnected for a stream fault waiting for the transport's task; more are counted and dropped.
+FAULT_QUEUE = 256
+# A stream whose handler failed is reset within this long, or abandoned (its connection is closed anyway).
+RESET_TIMEOUT_S = 2.0
+
+
+class StreamFaults:
+    """Exceptions that escaped a py-libp2p handler of a peer's stream or message, counted per protocol.
+
+    Everything py-libp2p runs for a remote peer (multistream negotiation, then the handler of
+    pubsub, identify, Kademlia, circuit relay, DCUtR, ping, ... and our own protocols) is called
+    through `guard_stream`, and pubsub's per-message task through the `push_msg` guard: an
+    exception there would otherwise reach the host's service nursery and end the process. The
+    bytes came over a Noise session, so the peer is who sent them: its stream is reset, the
+    connection closed (the protocol's state for that peer may be half-updated) and `on_fault`
+    (set by the node: a score penalty) is told.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.total = 0
+        self.dropped = 0
+        self.on_fault: Callable[[str, str, str], None] | None = None  # (peer id, protocol, error)
+        self.to_close, self._pending = trio.open_memory_channel[str](FAULT_QUEUE)
+
+    def count(self, key: str) -> None:
+        self.total += 1
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def record(self, peer: str, protocol: str, error: BaseException, close: bool = True) -> None:
+        """A fault of `peer` on `protocol`: counted, reported to `on_fault`, and (`close`) its connection closed."""
+        self.count(protocol)
+        what = f"{type(error).__name__}: {error}"[:300]
+        log.info("stream fault from %s on %s: %s", peer, protocol, what)
+        log.debug("stream fault traceback", exc_info=error)
+        if self.on_fault is not None:
+            try:
+                self.on_fault(peer, protocol, what)
+            except Exception:
+                log.exception("stream fault callback failed")
+        if not close:
+            return
+        try:
+            self.to_close.send_nowait(peer)
+        except trio.WouldBlock:
+            self.dropped += 1
+
+    async def closer(self, disconnect: Callable[[str], Awaitable[None]]) -> None:
+        """Close the connections of faulty peers (run in the transport's nursery, not the failed handler's)."""
+        async for peer in self._pending:
+            with trio.move_on_after(RESET_TIMEOUT_S * 2):
+                await disconnect(peer)
+
+
+# py-libp2p handlers that return without closing their stream: pubsub's reader when a peer's RPC is
+# cut short by EOF, the circuit relay HOP handler after answering MALFORMED_MESSAGE. The guard closes
+# the stream, or it would stay half-open in the connection's table for as long as the connection
+# lives. Not for every protocol: the relay STOP handler hands its stream over to the relayed
+# connection it carries.
+_CLOSE_AFTER_HANDLER = frozenset({"/libp2p/circuit/relay/0.2.0/hop", "/meshsub/1.0.0", "/meshsub/1.1.0",
+                                  "/meshsub/1.2.0"})
+
+
+def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
+    """Route every inbound stream of `host` through a handler that no exception escapes."""
+    inner = host._swarm_stream_handler
+
+    async def guard_stream(net_stream: Any) -> None:
+        try:
+            await inner(net_stream)
+            if net_stream.get_protocol() in _CLOSE_AFTER_HANDLER:
+                with trio.move_on_after(RESET_TIMEOUT_S):
+                    try:
+                        await net_stream.close()
+                    except Exception:
+                        pass
+        except Exception as e:  # trio.Cancelled is a BaseException and passes through
+            try:
+                peer = net_stream.muxed_conn.peer_id.to_base58()
+            except Exception:
+                peer = "?"
+            protocol = str(net_stream.get_protocol() or "multistream")
+            with trio.move_on_after(RESET_TIMEOUT_S):
+                try:
+                    await net_stream.reset()
+                except Exception:
+                    pass
+            faults.record(peer, protocol, e)
+
+    host._murmur_faults = faults
+    host.get_network().set_stream_handler(guard_stream)
+
+
+def _install_pubsub_message_guard() -> None:
+    """Pubsub runs each received message in its own service task; one that raises ends the service.
+
+    The guard catches it, counts it against the forwarder (see `StreamFaults`) and drops the message.
+    """
+    from libp2p.pubsub.pubsub import Pubsub
+
+    if getattr(Pubsub, "_murmur_guarded", False):
+        return
+    unguarded = Pubsub.push_msg
+
+    async def push_msg(self: Any, msg_forwarder: Any, msg: Any) -> None:
+        try:
+            await unguarded(self, msg_forwarder, msg)
+        except Exception as e:
+            faults = getattr(self.host, "_murmur_faults", None)
+            if faults is None:
+                raise
+            try:
+                peer = msg_forwarder.to_base58()
+            except Exception:
+                peer = "?"
+            faults.record(peer, "pubsub-message", e)
+
+    Pubsub.push_msg = push_msg
+    Pubsub._murmur_guarded = True
+
+
+_install_pubsub_message_guard()
 
 # Largest payload one gossip message may carry. py-libp2p drops >1 MiB silently
 # and closes the pubsub stream of a peer sending an RPC >1 MiB; keep well under.
@@ -262,8 +398,10 @@ class _Inbox:
 class Libp2pTransport:
     """A running py-libp2p host. Create with `open_transport(...)`; use only inside that context."""
 
-    def __init__(self, identity: Identity, host: Any, pubsub: Any, router: Any, nursery: trio.Nursery) -> None:
+    def __init__(self, identity: Identity, host: Any, pubsub: Any, router: Any, nursery: trio.Nursery,
+                 faults: StreamFaults | None = None) -> None:
         self.identity = identity
+        self.faults = faults or StreamFaults()
         self.peer_id: str = identity.peer_id
         self.host = host
         self.pubsub = pubsub
@@ -325,7 +463,7 @@ class Libp2pTransport:
         if len(data) > MAX_PUBLISH_BYTES:
             self.counters["publish_errors"] += 1
             raise PublishError(f"{len(data)}-byte message exceeds the {MAX_PUBLISH_BYTES}-byte gossip limit; "
-                               "announce it by hash and serve it with gossip.fetch")
+                               "bulk data moves over the broadcast's chunk streams")
         targets = list(self.pubsub.peer_topics.get(topic, ()))
         if not targets:
             self.counters["publish_errors"] += 1
@@ -452,17 +590,22 @@ class Libp2pTransport:
             stream = _Stream(raw)
             try:
                 await handler(stream, remote)
-            except MurmurError as e:
-                log.info("%s handler for %s: %s", protocol, remote, e)
+            except (DecodeError, FrameError) as e:  # the peer broke our protocol: its fault, scored
+                await stream.reset()
+                self.faults.record(remote, protocol, e, close=False)
+            except (MurmurError, trio.TooSlowError) as e:  # refused, timed out, or the peer went away
+                log.info("%s handler for %s: %s: %s", protocol, remote, type(e).__name__, e)
                 await stream.reset()
             except Exception:
+                # a bug of ours that this peer's input reached: counted, not held against the peer
                 log.exception("%s handler for %s crashed", protocol, remote)
+                self.faults.count(protocol + " (handler bug)")
                 await stream.reset()
 
         self.host.set_stream_handler(TProtocol(protocol), _h)
 
 
-def _build(identity: Identity, websocket: bool, dial_timeout_s: float) -> tuple[Any, Any, Any]:
+def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: StreamFaults) -> tuple[Any, Any, Any]:
     from libp2p import new_host
     from libp2p.custom_types import TProtocol
     from libp2p.crypto.x25519 import create_new_key_pair as x25519_pair
@@ -495,6 +638,7 @@ def _build(identity: Identity, websocket: bool, dial_timeout_s: float) -> tuple[
         prune_back_off=10,
     )
     pubsub = Pubsub(host, router, strict_signing=True)
+    _guard_stream_handlers(host, faults)
     return host, pubsub, router
 
 
@@ -509,7 +653,8 @@ async def open_transport(
     from libp2p.tools.anyio_service import background_trio_service
 
     addrs = [multiaddr.Multiaddr(a) for a in (listen or ["/ip4/127.0.0.1/tcp/0"])]
-    host, pubsub, router = _build(identity, websocket, dial_timeout_s)
+    faults = StreamFaults()
+    host, pubsub, router = _build(identity, websocket, dial_timeout_s, faults)
     async with AsyncExitStack() as stack:
         # Order matters (py-libp2p 0.8.1): pubsub and router run before the network listens.
         await stack.enter_async_context(background_trio_service(pubsub))
@@ -517,7 +662,8 @@ async def open_transport(
         await stack.enter_async_context(host.run(addrs))
         await pubsub.wait_until_ready()
         nursery = await stack.enter_async_context(trio.open_nursery())
-        transport = Libp2pTransport(identity, host, pubsub, router, nursery)
+        transport = Libp2pTransport(identity, host, pubsub, router, nursery, faults)
+        nursery.start_soon(faults.closer, transport.disconnect)
         try:
             yield transport
         finally:

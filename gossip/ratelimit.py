@@ -1,36 +1,119 @@
 """Per-peer token buckets with an injected clock (sans-IO).
 
-py-libp2p's own spam protection drops silently and is turned off; this one
-lets the pipeline name the rejection (RATE_LIMITED) and penalise the sender.
-The table of buckets is bounded: idle peers' full buckets are forgotten first.
+py-libp2p's own spam protection drops silently and is turned off; these let
+the pipeline name the rejection and charge the sender only when the limit is
+the sender's own promise:
+- `TokenBuckets`: the default bucket for a peer that announced no rate. Its
+  drops cost nothing, since the peer never promised to stay under it.
+- `AnnouncedRates`: a peer's NodeAnnounce states how many rollout batches per
+  second it has been publishing (`RateMeter` measures that at the sender). Its
+  bucket allows `HEADROOM` times that rate with a `BURST_WINDOW_S` burst, never
+  less than the default bucket and never more than `MAX_BATCHES_PER_S`; only
+  publishing above that is charged.
+Every table is bounded: idle peers are forgotten first.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
+from typing import Any, Final
+
+HEADROOM: Final = 2.0  # an honest rate varies; twice the announced rate is provably above it
+BURST_WINDOW_S: Final = 60.0  # a minute of the allowed rate may arrive at once
+MAX_BATCHES_PER_S: Final = 50.0  # whatever a peer announces, no more is admitted (a Sybil bound is per key anyway)
+METER_WINDOW_S: Final = 60.0
+
+
+class Bucket:
+    __slots__ = ("rate", "burst", "tokens", "last")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst, self.tokens, self.last = float(rate), float(burst), float(burst), now
+
+    def take(self, now: float, cost: float = 1.0) -> bool:
+        """Spend `cost` tokens; False (and nothing spent) when the bucket lacks them."""
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.last) * self.rate)
+        self.last = max(self.last, now)
+        if self.tokens >= cost:
+            self.tokens -= cost
+            return True
+        return False
 
 
 class TokenBuckets:
     def __init__(self, rate_per_s: float, burst: float, max_peers: int = 10_000) -> None:
-        if rate_per_s <= 0 or burst < 1:
-            raise ValueError("token bucket needs rate_per_s > 0 and burst >= 1")
+        if not (rate_per_s > 0 and burst >= 1 and math.isfinite(rate_per_s) and math.isfinite(burst)):
+            raise ValueError("token bucket needs finite rate_per_s > 0 and burst >= 1")
         self.rate = float(rate_per_s)
         self.burst = float(burst)
         self.max_peers = max_peers
-        self._b: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, last)
+        self._b: OrderedDict[str, Bucket] = OrderedDict()
 
     def tokens(self, peer: str, now: float) -> float:
-        tokens, last = self._b.get(peer, (self.burst, now))
-        return min(self.burst, tokens + max(0.0, now - last) * self.rate)
+        b = self._b.get(peer)
+        return self.burst if b is None else min(self.burst, b.tokens + max(0.0, now - b.last) * self.rate)
 
     def take(self, peer: str, now: float, cost: float = 1.0) -> bool:
         """Spend `cost` tokens of `peer`'s bucket; False (and nothing spent) when it lacks them."""
-        tokens = self.tokens(peer, now)
-        ok = tokens >= cost
-        if ok:
-            tokens -= cost
-        self._b[peer] = (tokens, now)
+        b = self._b.get(peer)
+        if b is None:
+            b = self._b[peer] = Bucket(self.rate, self.burst, now)
         self._b.move_to_end(peer)
         while len(self._b) > self.max_peers:
             self._b.popitem(last=False)
-        return ok
+        return b.take(now, cost)
+
+
+class AnnouncedRates:
+    """Buckets for peers that announced their publishing rate (batches per second)."""
+
+    def __init__(self, floor_rate: float = 20.0, floor_burst: float = 40.0, max_peers: int = 10_000) -> None:
+        self.floor_rate = floor_rate
+        self.floor_burst = floor_burst
+        self.max_peers = max_peers
+        self._b: OrderedDict[str, Bucket] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._b)
+
+    def limits(self, announced: float) -> tuple[float, float]:
+        """(rate, burst) allowed to a peer that announced `announced` batches/s."""
+        rate = min(MAX_BATCHES_PER_S, max(self.floor_rate, HEADROOM * announced))
+        return rate, max(self.floor_burst, min(MAX_BATCHES_PER_S, HEADROOM * announced) * BURST_WINDOW_S)
+
+    def update(self, peer: str, announce: Any, now: float) -> None:
+        announced = float(getattr(announce, "publish_batches_per_s", 0.0))
+        if not (announced > 0 and math.isfinite(announced)):
+            self._b.pop(peer, None)  # no promise: the default (uncharged) bucket applies
+            return
+        rate, burst = self.limits(announced)
+        b = self._b.get(peer)
+        if b is None:
+            self._b[peer] = Bucket(rate, burst, now)
+        else:
+            b.take(now, 0.0)  # settle the refill at the old rate first
+            b.rate, b.burst, b.tokens = rate, burst, min(burst, b.tokens)
+        self._b.move_to_end(peer)
+        while len(self._b) > self.max_peers:
+            self._b.popitem(last=False)
+
+    def bucket(self, peer: str, now: float) -> Bucket | None:
+        return self._b.get(peer)
+
+
+class RateMeter:
+    """The sender's side: how many batches it published per second over the last minute, which
+    is what it announces (a bounded deque of timestamps)."""
+
+    def __init__(self, window_s: float = METER_WINDOW_S, max_events: int = 100_000) -> None:
+        self.window_s = window_s
+        self._t: deque[float] = deque(maxlen=max_events)
+
+    def tick(self, now: float) -> None:
+        self._t.append(now)
+
+    def rate(self, now: float) -> float:
+        while self._t and self._t[0] <= now - self.window_s:
+            self._t.popleft()
+        return len(self._t) / self.window_s

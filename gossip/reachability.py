@@ -35,7 +35,7 @@ import trio
 
 from gossip.framing import read_frame, write_frame
 from gossip.transport import Stream, StreamError
-from gossip.errors import MurmurError
+from gossip.errors import DecodeError, MurmurError
 
 log = logging.getLogger("murmur.gossip.reachability")
 
@@ -74,23 +74,27 @@ class DialbackResponse(msgspec.Struct, forbid_unknown_fields=True):
     results: list[DialResult]
 
 
+class MalformedDialback(ReachabilityError, DecodeError):
+    """A dial-back message that breaks the protocol: a fault of its sender (scored by the host)."""
+
+
 def _decode(data: bytes, typ: type[Any]) -> Any:
     try:
         return msgspec.msgpack.decode(data, type=typ)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise ReachabilityError(f"malformed {typ.__name__}: {e}") from None
+        raise MalformedDialback(f"malformed {typ.__name__}: {e}") from None
 
 
 def check_request(req: DialbackRequest) -> None:
     if req.v != 1:
-        raise ReachabilityError(f"unsupported dial-back version {req.v}")
+        raise ReachabilityError(f"unsupported dial-back version {req.v}")  # a newer peer, not a fault
     if len(req.nonce) != 16:
-        raise ReachabilityError("nonce must be 16 bytes")
+        raise MalformedDialback("nonce must be 16 bytes")
     if len(req.addrs) > MAX_ADDRS:  # an empty list asks only "how do you see me?"
-        raise ReachabilityError(f"at most {MAX_ADDRS} addresses per request, got {len(req.addrs)}")
+        raise MalformedDialback(f"at most {MAX_ADDRS} addresses per request, got {len(req.addrs)}")
     for a in req.addrs:
         if len(a) > MAX_ADDR_LEN:
-            raise ReachabilityError(f"address longer than {MAX_ADDR_LEN} characters")
+            raise MalformedDialback(f"address longer than {MAX_ADDR_LEN} characters")
 
 
 def addr_ip(addr: str) -> str | None:

@@ -1,10 +1,11 @@
-"""The thin trio layer that wires the libp2p host, the verification pipeline and the pool.
+"""The thin trio layer that wires the libp2p host and the verification pipeline.
 
 Rollout batches are verified inside a py-libp2p topic validator, so a batch
 that fails is neither delivered nor forwarded: the cheap stages run on the
 event loop, task regeneration and reward recomputation in a worker thread
 (`trio.to_thread.run_sync`), so the loop never stalls on CPU work. Accepted
-batches go to the pool and the ledger (signed bytes kept); rejections past
+batches go to the ledger (signed bytes kept) and to `on_accept` (the node hands
+them to its trainer's sampler, `training/sampler.py`); rejections past
 the cheap gate are recorded with their reason. A peer proven to forge is
 blacklisted in pubsub and disconnected (py-libp2p does not disconnect it).
 """
@@ -19,33 +20,35 @@ from typing import Any
 import trio
 
 from gossip import topics, wire
-from gossip.pool import RolloutPool
 from gossip.ratelimit import TokenBuckets
 from gossip.transport import PublishError
-from gossip.validation import Pending, Pipeline, Reason, Verdict
+from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
 from gossip.errors import DecodeError
 
 log = logging.getLogger("murmur.gossip.service")
 
 # Cheap-gate rejections are not written to the ledger: a flood must not become disk writes.
-_UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.DUPLICATE}
+_UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.OVER_ANNOUNCED_RATE, Reason.DUPLICATE}
+VERIFY_THREADS = 2  # threads waiting on the verifier pool at once
 ANNOUNCE_KINDS = (wire.TASK_SET, wire.PATCH_MANIFEST, wire.NODE_ANNOUNCE)
 
 AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, body, envelope bytes)
 
 
 class GossipService:
-    def __init__(self, transport: Any, pipeline: Pipeline, pool: RolloutPool, swarm: str,
-                 store: Any | None = None, announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
+    def __init__(self, transport: Any, pipeline: Pipeline, swarm: str, store: Any | None = None,
+                 announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
         self.transport = transport
         self.pipeline = pipeline
-        self.pool = pool
         self.swarm = swarm
         self.store = store
         self.rollout_topic = topics.rollouts(swarm)
         self.announce_topic = topics.announce(swarm)
         self._handlers: dict[str, list[AnnounceHandler]] = {}
         self._announce_buckets = TokenBuckets(announce_rate_per_s, announce_burst)
+        # Verification threads have their own limiter, so a flood waiting on the verifier pool
+        # never holds the tokens of trio's default one (ledger writes, the worker link).
+        self._verify_limiter = trio.CapacityLimiter(VERIFY_THREADS)
         self._changed = trio.Event()
         self.accepted_batches = 0
         self.on_accept: Callable[[Verdict], None] | None = None  # e.g. latency probes
@@ -91,7 +94,7 @@ class GossipService:
         step = self.pipeline.admit(data, origin, forwarder)
         if isinstance(step, Pending):
             try:
-                await trio.to_thread.run_sync(self.pipeline.verify, step)
+                await trio.to_thread.run_sync(self.pipeline.verify, step, limiter=self._verify_limiter)
             except BaseException:
                 self.pipeline.abandon(step)
                 raise
@@ -104,7 +107,8 @@ class GossipService:
     async def _settle(self, v: Verdict, forwarder: str) -> None:
         if v.accepted and v.batch is not None:
             self.accepted_batches += 1
-            await trio.to_thread.run_sync(self.pool.add_batch, v.batch, v.data, forwarder)
+            if self.store is not None:
+                await trio.to_thread.run_sync(self.store.record_rollouts, _accepted_entries(v.batch, v.data, forwarder))
             if self.on_accept is not None:
                 self.on_accept(v)
             self._changed.set()
@@ -143,6 +147,9 @@ class GossipService:
             return False
         try:
             env, _ = wire.open_envelope(data)
+        except wire.WrongSwarm:  # signed for another swarm: replayed here
+            self.pipeline.scores.penalise(origin, "announce_wrong_swarm", 5.0, self.pipeline.clock())
+            return False
         except DecodeError:
             self.pipeline.scores.penalise(origin, "announce_invalid", 10.0, self.pipeline.clock())
             return False
@@ -160,3 +167,12 @@ class GossipService:
                     await handler(origin, body, data)
                 except Exception:
                     log.exception("announce handler for %s failed", env.kind)
+
+
+def _accepted_entries(batch: wire.RolloutBatch, data: bytes, forwarder: str) -> list[dict[str, Any]]:
+    """Ledger rows of an accepted batch, its signed bytes on the first row."""
+    return [dict(rollout_id=rollout_id(r), direction="received", status="accepted", producer=bytes(batch.producer),
+                 from_peer=forwarder, lineage=bytes(r.lineage), version=r.version, task_set=bytes(r.task.task_set),
+                 generator=r.task.generator, task_seed=r.task.seed, reward=r.reward, tokens=len(r.completion_ids),
+                 payload=data if i == 0 else None)
+            for i, r in enumerate(batch.rollouts)]

@@ -20,6 +20,10 @@ class StreamError(MurmurError):
     """A bulk stream broke, was reset, or sent a malformed frame."""
 
 
+class FrameError(StreamError):
+    """A peer sent a frame that breaks the protocol (over the size limit): a fault of that peer."""
+
+
 class Stream(Protocol):
     async def read(self, n: int) -> bytes: ...
     async def write(self, data: bytes) -> None: ...

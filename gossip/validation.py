@@ -1,12 +1,24 @@
 """The rollout verification pipeline: a sans-IO state machine, cheapest check first.
 
 Stages (docs/gossip.md lists every reason and penalty):
-  admit  (event loop, microseconds): graylist/blacklist -> rate limit -> size ->
-         duplicate bytes -> decode -> signature -> producer == originator ->
-         swarm -> freshness (TTL) -> replay (producer, seq) -> task set known
+  admit  (event loop, microseconds): graylist/blacklist -> size -> rate limit ->
+         decode envelope -> signer == originator -> verdict cache -> signature ->
+         body -> swarm -> freshness (TTL) -> replay (producer, seq) -> task set known
+         -> staleness
   verify (thread: pure CPU, no shared state but a locked task cache):
+         token ids against the tokenizer (vocabulary, text == decode(ids)),
          regenerate every task from its reference, recompute every reward
-  commit (event loop): policy version within the staleness bound -> accept
+         (through an injected, time-limited verifier pool in a node)
+  commit (event loop): staleness again (heads move during verify) -> accept
+
+Who pays: a penalty lands only on a peer that provably committed the fault.
+The gossip originator is authenticated by libp2p, so bytes whose envelope
+signer is not the originator cost the originator (it published someone else's
+bytes as its own) and are never cached by content: a relay cannot poison the
+verdict of someone else's message. Every other cached verdict is a function of
+bytes the signer signed, so replaying it costs only that signer. Rejections
+that follow from this node's own view (unknown task set, stale version, a
+rate limit the sender never announced) cost nothing.
 
 `check()` runs all three in one call (tests, the simulator, benchmarks); the
 I/O layer (`gossip.service`) runs `verify` in `trio.to_thread.run_sync`.
@@ -26,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossip import wire
-from gossip.ratelimit import TokenBuckets
+from gossip.ratelimit import AnnouncedRates, TokenBuckets
 from gossip.replay import ReplayCache
 from gossip.scoring import PeerScores, ScoreParams
 from gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
@@ -37,7 +49,8 @@ class Reason(enum.Enum):
     ACCEPTED = "accepted"
     BLACKLISTED = "blacklisted"  # sender banned for proven forgery: dropped unread
     GRAYLISTED = "graylisted"  # sender's score below threshold: dropped unread
-    RATE_LIMITED = "rate_limited"  # over the per-peer token bucket
+    RATE_LIMITED = "rate_limited"  # over the default per-peer bucket (no announcement known): no penalty
+    OVER_ANNOUNCED_RATE = "over_announced_rate"  # above the rate the peer itself announced
     OVERSIZED = "oversized"  # over the kind's byte limit
     MALFORMED = "malformed"  # not a decodable envelope / rollout batch (garbage, bad fields)
     BAD_SIGNATURE = "bad_signature"  # envelope signature does not verify: forgery
@@ -49,16 +62,22 @@ class Reason(enum.Enum):
     UNKNOWN_TASK_SET = "unknown_task_set"  # task set not known or not trusted here
     BAD_TASK = "bad_task"  # task reference does not resolve in a known task set
     FORGED_REWARD = "forged_reward"  # recomputed reward differs from the claim: forgery
+    BAD_TOKENS = "bad_tokens"  # completion ids outside the vocabulary of the tokenizer it names
+    TEXT_MISMATCH = "text_mismatch"  # text is not what its completion ids decode to: forgery
+    VERIFIER_TIMEOUT = "verifier_timeout"  # the answer verifier ran past its time limit
+    VERIFIER_ERROR = "verifier_error"  # the answer verifier raised on this completion
     STALE_VERSION = "stale_version"  # policy version beyond the staleness bound of its lineage
 
 
-# (penalty, ban): ban only for proven forgery. Soft reasons (that an honest peer can
-# trigger because its view differs from ours) cost little.
+# (penalty, ban): ban only for proven forgery. Reasons an honest peer can trigger because
+# its view differs from ours (stale version, unknown task set, a rate it never announced)
+# cost nothing: they are counted, never charged.
 PENALTIES: dict[Reason, tuple[float, bool]] = {
     Reason.ACCEPTED: (0.0, False),
     Reason.BLACKLISTED: (0.0, False),
     Reason.GRAYLISTED: (0.0, False),
-    Reason.RATE_LIMITED: (1.0, False),
+    Reason.RATE_LIMITED: (0.0, False),
+    Reason.OVER_ANNOUNCED_RATE: (1.0, False),
     Reason.OVERSIZED: (10.0, False),
     Reason.MALFORMED: (10.0, False),
     Reason.BAD_SIGNATURE: (100.0, True),
@@ -67,10 +86,14 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
     Reason.EXPIRED: (0.0, False),
     Reason.DUPLICATE: (0.0, False),
     Reason.REPLAY: (20.0, False),
-    Reason.UNKNOWN_TASK_SET: (2.0, False),
+    Reason.UNKNOWN_TASK_SET: (0.0, False),
     Reason.BAD_TASK: (20.0, False),
     Reason.FORGED_REWARD: (100.0, True),
-    Reason.STALE_VERSION: (2.0, False),
+    Reason.BAD_TOKENS: (100.0, True),
+    Reason.TEXT_MISMATCH: (100.0, True),
+    Reason.VERIFIER_TIMEOUT: (20.0, False),
+    Reason.VERIFIER_ERROR: (20.0, False),
+    Reason.STALE_VERSION: (0.0, False),
 }
 
 REWARD_TOLERANCE = 1e-6
@@ -130,6 +153,15 @@ def _task_key(ref: wire.TaskRef) -> tuple[bytes, str, int]:
     return (ref.task_set, ref.generator, ref.seed)
 
 
+# What a verify stage may be given: per-rollout token checks and a batch scorer.
+TokenCheck = Callable[[wire.Rollout], "tuple[Reason, str] | None"]
+BatchReward = Callable[[list[tuple[Any, str]]], list[float]]
+
+
+class VerifierTimeout(MurmurError):
+    """A verifier call ran past its time limit (raised by a batch scorer)."""
+
+
 class Pipeline:
     def __init__(
         self,
@@ -143,6 +175,8 @@ class Pipeline:
         scores: PeerScores | None = None,
         verify_envelope: Callable[[wire.Envelope], None] = wire.verify_envelope,
         decode_body: Callable[[wire.Envelope], Any] = wire.decode_body,
+        reward_batch: BatchReward | None = None,
+        check_tokens: TokenCheck | None = None,
     ) -> None:
         # verify_envelope/decode_body are injectable so a simulator of many nodes in one
         # process can share the pure, byte-determined work between them (simulations/vcache.py).
@@ -152,16 +186,22 @@ class Pipeline:
         self.clock = clock
         self.resolve_task = resolve_task
         self.reward = reward
+        # A node passes a time-limited pool (training.verifiers.VerifierPool.score_batch);
+        # without one the rewards are computed inline (tests, simulator, benchmarks of the inline cost).
+        self.reward_batch = reward_batch
+        self.check_tokens = check_tokens
         self.head_version = head_version
         self.task_set_trusted = task_set_trusted
         self.scores = scores or PeerScores(config.score)
         self.buckets = TokenBuckets(config.rate_per_s, config.burst)
-        self.seen = ReplayCache(config.replay_entries, config.replay_ttl_s)  # msg_id -> Reason
+        self.announced_rates = AnnouncedRates(config.rate_per_s, config.burst)
+        # msg_id -> (Reason, signer peer id or "" when no signer could be read); only bytes
+        # whose signer is their originator (or that name no signer) are ever cached here.
+        self.seen = ReplayCache(config.replay_entries, config.replay_ttl_s)
         self.seqs = ReplayCache(config.replay_entries, config.replay_ttl_s)  # (producer, seq) -> msg_id
         self._inflight: set[bytes] = set()
         self._tasks: OrderedDict[tuple, Any] = OrderedDict()
         self._tasks_lock = threading.Lock()
-        self.seen_heads: dict[bytes, int] = {}  # highest accepted version per lineage (fallback oracle)
         self.counts: Counter[str] = Counter()
         self.per_peer: dict[str, Counter[str]] = {}
 
@@ -184,10 +224,16 @@ class Pipeline:
             return
         now = self.clock()
         mid = wire.content_id(data)
-        self.seen.put(mid, Reason.ACCEPTED, now)
+        self.seen.put(mid, (Reason.ACCEPTED, peer_id_from_public(env.signer)), now)
         self.seqs.put((batch.producer, batch.seq), mid, now)
 
     mark_own = remember
+
+    def announced(self, peer: str, announce: wire.NodeAnnounce) -> None:
+        """A verified NodeAnnounce from `peer`: its own statement of how fast it produces
+        bounds its bucket from now on (gossip.ratelimit.AnnouncedRates)."""
+        if announce.peer_id == peer:
+            self.announced_rates.update(peer, announce, self.clock())
 
     def admit(self, data: bytes, origin: str, forwarder: str | None = None) -> Pending | Verdict:
         now = self.clock()
@@ -196,38 +242,44 @@ class Pipeline:
                 return self._reject(Reason.BLACKLISTED, origin, data, b"", None, f"{who} is banned")
             if who and self.scores.is_graylisted(who, now):
                 return self._reject(Reason.GRAYLISTED, origin, data, b"", None, f"{who} is graylisted")
-        if not self.buckets.take(origin, now):
-            return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
-                                f"over {self.config.rate_per_s}/s (burst {self.config.burst})")
         if not isinstance(data, (bytes, bytearray)) or len(data) > wire.KIND_LIMITS[wire.ROLLOUT_BATCH]:
             return self._reject(Reason.OVERSIZED, origin, b"", b"", None,
                                 f"{len(data)} bytes > {wire.KIND_LIMITS[wire.ROLLOUT_BATCH]}")
         data = bytes(data)
+        limited = self._rate_limit(origin, data, now)
+        if limited is not None:
+            return limited
         mid = wire.content_id(data)
         if mid in self._inflight:
             return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already being verified")
-        prior = self.seen.get(mid, now)
-        if prior is not None:
-            if prior is Reason.ACCEPTED:
-                return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already accepted")
-            return self._reject(prior, origin, data, mid, None, "same bytes rejected before")
         try:
             env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
+        except wire.WrongSwarm as e:  # signed for another swarm: a replay across swarms
+            return self._reject(Reason.WRONG_SWARM, origin, data, mid, None, str(e))
         except DecodeError as e:
             return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e), remember=True)
+        # Before any cache lookup: bytes signed by another key cost their originator, and are
+        # never cached by content, so a relay cannot change the verdict on the signer's copy.
+        signer = peer_id_from_public(env.signer)
+        if origin and signer != origin:
+            return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, None,
+                                "envelope signer is not the gossip originator")
+        prior = self.seen.get(mid, now)
+        if prior is not None:
+            reason, _ = prior
+            if reason is Reason.ACCEPTED:
+                return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already accepted")
+            return self._reject(reason, origin, data, mid, None, "same bytes rejected before")
         try:
             self._verify_envelope(env)
         except SignatureError as e:
             return self._reject(Reason.BAD_SIGNATURE, origin, data, mid, None, str(e), remember=True)
         try:
             batch = self._decode_body(env)
-        except SignatureError as e:  # body's producer differs from the envelope signer
+        except SignatureError as e:  # body's producer differs from the envelope signer it was signed by
             return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, None, str(e), remember=True)
         except DecodeError as e:
             return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e), remember=True)
-        if origin and peer_id_from_public(batch.producer) != origin:
-            return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, batch,
-                                "batch producer is not the gossip originator", remember=True)
         if batch.swarm != self.config.swarm:
             return self._reject(Reason.WRONG_SWARM, origin, data, mid, batch, f"swarm {batch.swarm!r}", remember=True)
         age_s = now - batch.created_ms / 1000.0
@@ -242,26 +294,19 @@ class Pipeline:
                 if not self.task_set_trusted(r.task.task_set):
                     return self._reject(Reason.UNKNOWN_TASK_SET, origin, data, mid, batch,
                                         f"task set {r.task.task_set.hex()[:16]} not known/trusted")
+        stale = self._stale(batch)  # before the expensive stage; again at commit (heads move meanwhile)
+        if stale is not None:
+            return self._reject(Reason.STALE_VERSION, origin, data, mid, batch, stale)
         self._inflight.add(mid)
         return Pending(origin, data, mid, batch)
 
     def verify(self, p: Pending) -> Pending:
-        """CPU-only stage, safe to run in a worker thread: regenerate tasks, recompute rewards."""
-        for i, r in enumerate(p.batch.rollouts):
-            try:
-                task = self._task(r.task)
-            except TaskError as e:
-                reason = Reason.UNKNOWN_TASK_SET if "unknown task set" in str(e).lower() else Reason.BAD_TASK
-                p.failure = (reason, f"rollout {i}: {e}")
-                return p
-            try:
-                got = float(self.reward(task, r.text))
-            except MurmurError as e:
-                p.failure = (Reason.BAD_TASK, f"rollout {i}: verifier: {e}")
-                return p
-            if abs(got - r.reward) > REWARD_TOLERANCE:
-                p.failure = (Reason.FORGED_REWARD, f"rollout {i}: claims {r.reward}, recomputed {got}")
-                return p
+        """CPU-only stage, safe to run in a worker thread: check token ids, regenerate tasks,
+        recompute rewards. Never raises: every failure is a named rejection in `p.failure`."""
+        try:
+            p.failure = self._verify(p.batch)
+        except Exception as e:  # a bug or hostile input we did not foresee: named, charged, cached
+            p.failure = (Reason.VERIFIER_ERROR, f"{type(e).__name__}: {str(e)[:200]}")
         return p
 
     def commit(self, p: Pending) -> Verdict:
@@ -270,18 +315,11 @@ class Pipeline:
             reason, detail = p.failure
             return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
                                 remember=reason is not Reason.UNKNOWN_TASK_SET)
-        for r in p.batch.rollouts:
-            head = self.head_version(r.lineage)
-            if head is None:
-                head = self.seen_heads.get(r.lineage)
-            if head is not None and r.version + self.config.max_staleness < head:
-                return self._reject(Reason.STALE_VERSION, p.origin, p.data, p.msg_id, p.batch,
-                                    f"version {r.version} vs head {head} (bound {self.config.max_staleness})")
+        stale = self._stale(p.batch)
+        if stale is not None:
+            return self._reject(Reason.STALE_VERSION, p.origin, p.data, p.msg_id, p.batch, stale)
         now = self.clock()
-        for r in p.batch.rollouts:
-            if r.version > self.seen_heads.get(r.lineage, -1):
-                self.seen_heads[r.lineage] = r.version
-        self.seen.put(p.msg_id, Reason.ACCEPTED, now)
+        self.seen.put(p.msg_id, (Reason.ACCEPTED, p.origin), now)
         self.seqs.put((p.batch.producer, p.batch.seq), p.msg_id, now)
         self.scores.reward(p.origin, now)
         self._count(Reason.ACCEPTED, p.origin)
@@ -292,6 +330,60 @@ class Pipeline:
         self._inflight.discard(p.msg_id)
 
     # ------------------------------------------------------------ internals
+    def _rate_limit(self, origin: str, data: bytes, now: float) -> Verdict | None:
+        """A peer that announced its rate is held to it (and charged when above it); any other
+        peer gets the default bucket, whose drops cost nothing: it never promised a rate."""
+        if not origin:
+            return None
+        bucket = self.announced_rates.bucket(origin, now)
+        if bucket is not None:
+            if bucket.take(now, 1.0):
+                return None
+            return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", None,
+                                f"above its announced {bucket.rate:.2f} batches/s (burst {bucket.burst:.0f})")
+        if self.buckets.take(origin, now):
+            return None
+        return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
+                            f"over {self.config.rate_per_s}/s (burst {self.config.burst})")
+
+    def _stale(self, batch: wire.RolloutBatch) -> str | None:
+        """Judged against the publisher-signed head only: a claimed version never moves a head."""
+        for r in batch.rollouts:
+            head = self.head_version(r.lineage)
+            if head is not None and r.version + self.config.max_staleness < head:
+                return f"version {r.version} vs head {head} (bound {self.config.max_staleness})"
+        return None
+
+    def _verify(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:
+        if self.check_tokens is not None:
+            for i, r in enumerate(batch.rollouts):
+                bad = self.check_tokens(r)
+                if bad is not None:
+                    return bad[0], f"rollout {i}: {bad[1]}"
+        tasks = []
+        for i, r in enumerate(batch.rollouts):
+            try:
+                tasks.append(self._task(r.task))
+            except TaskError as e:
+                reason = Reason.UNKNOWN_TASK_SET if "unknown task set" in str(e).lower() else Reason.BAD_TASK
+                return reason, f"rollout {i}: {e}"
+        items = [(t, r.text) for t, r in zip(tasks, batch.rollouts)]
+        try:
+            if self.reward_batch is not None:
+                got = self.reward_batch(items)
+            else:
+                got = [self.reward(t, text) for t, text in items]
+        except VerifierTimeout as e:
+            return Reason.VERIFIER_TIMEOUT, str(e)
+        except TaskError as e:
+            return Reason.BAD_TASK, f"verifier: {e}"
+        except MurmurError as e:
+            return Reason.VERIFIER_ERROR, str(e)
+        for i, (r, value) in enumerate(zip(batch.rollouts, got)):
+            if not abs(float(value) - r.reward) <= REWARD_TOLERANCE:
+                return Reason.FORGED_REWARD, f"rollout {i}: claims {r.reward}, recomputed {value}"
+        return None
+
     def _task(self, ref: wire.TaskRef) -> Any:
         key = _task_key(ref)
         with self._tasks_lock:
@@ -310,12 +402,14 @@ class Pipeline:
         self.counts[reason.value] += 1
         if peer:
             self.per_peer.setdefault(peer, Counter())[reason.value] += 1
+            while len(self.per_peer) > self.scores.max_peers:  # bounded like the score table
+                self.per_peer.pop(next(iter(self.per_peer)))
 
     def _reject(self, reason: Reason, origin: str, data: bytes, mid: bytes, batch: wire.RolloutBatch | None,
                 detail: str, remember: bool = False) -> Verdict:
         now = self.clock()
         if remember and mid:
-            self.seen.put(mid, reason, now)
+            self.seen.put(mid, (reason, origin), now)
         self._count(reason, origin)
         penalty, ban = PENALTIES[reason]
         newly = False

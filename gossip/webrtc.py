@@ -1,9 +1,9 @@
-"""WebRTC-direct fallback (optional extra `murmur[webrtc]`, aiortc), imported lazily.
+"""WebRTC-direct fallback (aiortc, a default dependency), imported lazily.
 
 `attach_webrtc` adds the `/webrtc-direct` transport to a running node's host (node.reach does, with
 `network.webrtc`); `measure_loopback` is the benchmark's throughput figure.
 
-Why optional: aiortc pulls in av/ffmpeg wheels and runs on asyncio (py-libp2p bridges it to trio in a
+Why a fallback only: aiortc pulls in av/ffmpeg wheels and runs on asyncio (py-libp2p bridges it to trio in a
 thread); it was measured at 1.4–3.1 MB/s py<->py with one negotiation in six timing out, so it is a
 fallback for UDP-only networks, never the default path. When aiortc is missing everything here
 reports why instead of failing.
@@ -186,7 +186,7 @@ def _install_backpressure() -> None:
 def webrtc_unavailable() -> str | None:
     """None if aiortc can be imported; otherwise the reason (without importing it: it is slow)."""
     if importlib.util.find_spec("aiortc") is None:
-        return "aiortc is not installed (pip install 'murmur[webrtc]')"
+        return "aiortc is not installed (rerun `bash install.sh`, or .venv/bin/pip install -e .)"
     return None
 
 

@@ -2,8 +2,12 @@
 
 Every message travels inside a signed `Envelope`. The signature covers the
 exact body bytes that are sent, prefixed with a signing domain that names the
-kind and format version, so a body signed as one kind never verifies as
-another. Every kind has a hard size limit, checked before anything is decoded,
+kind, the format version and the swarm, so a body signed as one kind never
+verifies as another, and a message signed in one swarm never verifies in
+another. A process talks to one swarm: `bind_swarm` names it once (the node
+at start, its worker, a simulator), `seal` signs under it, and
+`decode_envelope` refuses any other swarm's envelope with `WrongSwarm`, so no
+receive path can forget the check. Every kind has a hard size limit, checked before anything is decoded,
 and every variable-length field has a bound, so no input can make a decoder
 allocate without limit. Decoding raises only `DecodeError` (or its subclass
 `SignatureError`). `docs/protocol.md` documents every field and limit here.
@@ -11,8 +15,11 @@ allocate without limit. Decoding raises only `DecodeError` (or its subclass
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import struct
 import time
+from collections.abc import Iterator
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
@@ -21,7 +28,9 @@ from msgspec import Meta, Struct
 from gossip.errors import DecodeError, SignatureError
 from gossip.identity import Identity, verify
 
-FORMAT_VERSION: Final = 1
+# v2: the envelope names its swarm (signed), NodeAnnounce states its publishing rate.
+FORMAT_VERSION: Final = 2
+DEFAULT_SWARM: Final = "murmur-default"  # node.config's default swarm name
 
 # Global cap checked before any decode; per-kind caps below are tighter.
 MAX_ENVELOPE_BYTES: Final = 900 * 1024
@@ -64,10 +73,11 @@ def now_ms() -> int:
 
 
 class Envelope(Struct, array_like=True, forbid_unknown_fields=True):
-    """Signed container: `sig` = ed25519(signer, domain(kind, v) || body)."""
+    """Signed container: `sig` = ed25519(signer, domain(kind, v, swarm) || body)."""
 
     v: U32
     kind: Name
+    swarm: Name
     body: Annotated[bytes, Meta(max_length=MAX_ENVELOPE_BYTES)]
     signer: PubKey
     sig: Sig
@@ -203,6 +213,9 @@ class NodeAnnounce(Struct, array_like=True, forbid_unknown_fields=True):
     serving: Annotated[bytes, Meta(max_length=32)] = b""  # lineage served as follower, b"" if none
     owned: Annotated[list[LineageDemand], Meta(max_length=16)] = []
     addrs: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=16)] = []
+    # rollout batches per second it published over the last minute: receivers hold it to
+    # (a multiple of) this rate and charge it only above (gossip.ratelimit); 0 = not stated
+    publish_batches_per_s: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
 
 
 BODY_TYPES: Final[dict[str, type[Struct]]] = {
@@ -229,8 +242,40 @@ T = TypeVar("T", bound=Struct)
 _DECODE_FAILURES = (msgspec.MsgspecError, ValueError, OverflowError, RecursionError)
 
 
-def signing_domain(kind: str, version: int = FORMAT_VERSION) -> bytes:
-    return f"murmur/{kind}/v{version}\x00".encode()
+class WrongSwarm(DecodeError):
+    """A well-formed envelope signed for another swarm than this process's."""
+
+
+_swarm: str = DEFAULT_SWARM
+
+
+def bind_swarm(name: str) -> None:
+    """Name the swarm this process signs for and accepts messages from."""
+    global _swarm
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
+        raise ValueError(f"swarm name must be 1..{MAX_NAME} characters")
+    _swarm = name
+
+
+def bound_swarm() -> str:
+    return _swarm
+
+
+@contextlib.contextmanager
+def swarm_bound(name: str) -> Iterator[None]:
+    """Temporarily bind another swarm (tests, tools that talk to two swarms in turn)."""
+    prev = _swarm
+    bind_swarm(name)
+    try:
+        yield
+    finally:
+        bind_swarm(prev)
+
+
+def signing_domain(kind: str, version: int = FORMAT_VERSION, swarm: str | None = None) -> bytes:
+    # The swarm is length-prefixed so no (swarm, body) split can be re-read as another.
+    sw = (_swarm if swarm is None else swarm).encode()
+    return f"murmur/{kind}/v{version}\x00".encode() + struct.pack(">H", len(sw)) + sw
 
 
 def encode(obj: Any) -> bytes:
@@ -249,15 +294,15 @@ def seal(identity: Identity, kind: str, body: Struct) -> bytes:
     if not isinstance(body, BODY_TYPES[kind]):
         raise TypeError(f"{kind} body must be {BODY_TYPES[kind].__name__}")
     raw = encode(body)
-    sig = identity.sign(signing_domain(kind) + raw)
-    data = encode(Envelope(FORMAT_VERSION, kind, raw, identity.public, sig))
+    sig = identity.sign(signing_domain(kind, FORMAT_VERSION, _swarm) + raw)
+    data = encode(Envelope(FORMAT_VERSION, kind, _swarm, raw, identity.public, sig))
     if len(data) > KIND_LIMITS[kind]:
         raise ValueError(f"{kind} message is {len(data)} bytes, over its limit of {KIND_LIMITS[kind]}")
     return data
 
 
 def decode_envelope(data: bytes, expect: str | None = None) -> Envelope:
-    """Size limit and structure only; the cheap first stages of validation."""
+    """Size limit, structure and swarm; the cheap first stages of validation."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError("message is not bytes")
     if len(data) > MAX_ENVELOPE_BYTES:
@@ -274,11 +319,13 @@ def decode_envelope(data: bytes, expect: str | None = None) -> Envelope:
         raise DecodeError(f"expected a {expect} message, got {env.kind}")
     if len(data) > KIND_LIMITS[env.kind]:
         raise DecodeError(f"{env.kind} message is {len(data)} bytes, over its limit of {KIND_LIMITS[env.kind]}")
+    if env.swarm != _swarm:
+        raise WrongSwarm(f"{env.kind} signed for swarm {env.swarm[:64]!r}, not {_swarm!r}")
     return env
 
 
 def verify_envelope(env: Envelope) -> None:
-    if not verify(env.signer, env.sig, signing_domain(env.kind, env.v) + env.body):
+    if not verify(env.signer, env.sig, signing_domain(env.kind, env.v, env.swarm) + env.body):
         raise SignatureError(f"{env.kind} signature does not verify for its signer")
 
 

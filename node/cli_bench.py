@@ -82,14 +82,27 @@ def bench_swarm(
     seed: SeedOpt = 0,
     seeds: Annotated[int, typer.Option(min=1, help="run this many seeds from --seed, one process each (cores "
                                                    "at a time), and report their means")] = 1,
+    nodes: Annotated[int, typer.Option(min=0, max=64, help="nodes in the swarm (0 = the benchmark's 4); "
+                                                           "same per-node compute at every size")] = 0,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style)."""
     from simulations.bench_swarm import run, run_seeds
 
     if seeds == 1:
-        _run(run, rounds=rounds, seed=seed)
+        _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:
-        _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed)
+        _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed, nodes=nodes)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    json_out: JsonOpt = True,
+    minutes: Annotated[float, typer.Option(help="minutes of running after the first node starts working", min=0.5)] = 60.0,
+) -> None:
+    """A local swarm (trainer, follower+validator, trainer) for N minutes: memory, disk, errors, drops, progress."""
+    from simulations.bench.soak import run
+
+    _run(run, minutes=minutes)
 
 
 @bench_app.command("reachability")
@@ -98,6 +111,18 @@ def bench_reachability(json_out: JsonOpt = True) -> None:
     from simulations.bench.reachability import run
 
     _run(run)
+
+
+@bench_app.command("attacks")
+def bench_attacks(
+    json_out: JsonOpt = True,
+    window_s: Annotated[float, typer.Option("--window-s", min=10.0, help="seconds measured without, then with, "
+                                                                         "the attack catalogue")] = 60.0,
+) -> None:
+    """Live trainer + follower/validator: honest progress with and without hostile peers running the catalogue."""
+    from simulations.bench.attacks import run
+
+    _run(run, window_s=window_s)
 
 
 @bench_app.command("engines")

@@ -23,16 +23,22 @@ def node_start(
     no_tui: Annotated[bool, typer.Option("--no-tui", help="JSON log lines on stderr instead of the dashboard")] = False,
 ) -> None:
     """Join a swarm: pick roles for this hardware, train/follow/validate, show a live dashboard."""
-    from node import logs
-    from node.config import load_config
+    import logging
+
+    from node import logs, modelplan
+    from node.config import load_config_with_sources
     from node.home import ensure_home
     from node.runtime import RunOptions, run_node
 
     h = resolve_home(home)
     ensure_home(h)
-    cfg = load_config(config_path(h, config))
+    cfg, sources = load_config_with_sources(config_path(h, config))
     tui = not no_tui and sys.stdout.isatty()
-    logs.setup(cfg.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log")
+    logs.setup(cfg.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log",
+               max_bytes=cfg.disk.logs_max_mb * 2**20)
+    cfg, notes = modelplan.apply(cfg, lr_is_default=sources["training.lr"] == "default")
+    for note in notes:
+        logging.getLogger("murmur.node").info(note)
     run_node(cfg, h, RunOptions(tui=tui, listen=list(listen or []), bootstrap=list(bootstrap or [])))
 
 
@@ -86,11 +92,14 @@ def demo(
     workdir: Annotated[Optional[Path], typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")] = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="plain progress lines instead of the live dashboard")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
+    task_set: Annotated[Optional[Path], typer.Option(
+        "--task-set", help="a coordinator's task-set TOML to train on instead of the built-in set")] = None,
 ) -> None:
-    """A local swarm on loopback with the built-in model and tasks: watch it learn, then a summary."""
+    """A local swarm on loopback with the built-in model and tasks (or --task-set FILE.toml): watch it learn,
+    then a summary with reward and held-out accuracy per task family."""
     from node.demo import run_demo
 
     summary = run_demo(duration_s=duration, node_roles=[n.split("+") for n in nodes.split(",") if n],
-                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console)
+                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console, task_set=task_set)
     if json_out:
         emit_json(summary)

@@ -21,10 +21,11 @@ from gossip.errors import MurmurError
 
 def _known(home: Path) -> list[tuple[bytes, object, bytes, str]]:
     """(id, manifest, envelope, origin) for the built-in set and every stored one."""
-    from gossip.wire import TASK_SET, content_id, open_envelope
-    from node.home import open_home_store
+    from gossip.wire import TASK_SET, bind_swarm, content_id, open_envelope
+    from node.home import load_home_config, open_home_store
     from training.tasksets import builtin_task_set
 
+    bind_swarm(load_home_config(home).node.swarm)  # stored envelopes were signed for it
     out = []
     env_bytes = builtin_task_set()
     env, m = open_envelope(env_bytes, TASK_SET)
@@ -48,8 +49,12 @@ def publish(file: Annotated[Path, typer.Argument(help="task set TOML")], home: H
     from node.home import ensure_home, open_home_store
     from training.tasksets import load_task_set_toml, sign_task_set
 
+    from gossip.wire import bind_swarm
+    from node.home import load_home_config
+
     h = resolve_home(home)
     ident = ensure_home(h)
+    bind_swarm(load_home_config(h).node.swarm)  # signed for the swarm the home's node talks to
     manifest = load_task_set_toml(file)
     envelope = sign_task_set(ident, manifest)
     tid = content_id(decode_envelope(envelope).body)
@@ -74,19 +79,50 @@ def publish(file: Annotated[Path, typer.Argument(help="task set TOML")], home: H
                   "config lists this coordinator key under \\[trust] coordinators.")
 
 
+def _status(home: Path) -> dict:
+    """What the node's worker last wrote: the sets it trains on, waits for, and per-set counters."""
+    from node.home import open_home_store
+    from node.taskmix import STATUS_KEY
+
+    if not (home / "state.db").exists():
+        return {}
+    store = open_home_store(home)
+    try:
+        return store.get(STATUS_KEY, {}) or {}
+    finally:
+        store.close()
+
+
 @tasks_app.command("list")
 def list_sets(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Task sets this node knows: the built-in one and every stored one."""
-    rows = _known(resolve_home(home))
+    """Task sets this node knows (built-in and stored), which it trains on, and per set the rollouts it
+    produced, accepted from the swarm and used in its loss (as of the node's last step)."""
+    h = resolve_home(home)
+    rows = _known(h)
+    status = _status(h)
+    live = {x["task_set_id"]: x for x in status.get("sets", [])}
+    zero = {"training": False, "weight": 0.0, "produced": 0, "accepted": 0, "used": 0}
     if json_out:
-        emit_json([{"task_set_id": t.hex(), "name": m.name, "version": m.version, "coordinator": m.coordinator.hex(),
-                    "generators": [g.name for g in m.generators], "origin": o} for t, m, _, o in rows])
+        emit_json({"sets": [{"task_set_id": t.hex(), "name": m.name, "version": m.version,
+                             "coordinator": m.coordinator.hex(), "generators": [g.name for g in m.generators],
+                             "origin": o, **{k: live.get(t.hex(), zero).get(k, v) for k, v in zero.items()}}
+                            for t, m, _, o in rows],
+                   "waiting": status.get("waiting", []), "refused": status.get("refused", {})})
         return
-    table = Table("id", "name", "version", "generators", "coordinator", "origin")
+    table = Table("id", "name", "version", "generators", "coordinator", "origin", "trains", "produced", "accepted",
+                  "used")
     for t, m, _, o in rows:
+        x = {**zero, **live.get(t.hex(), {})}
         table.add_row(t.hex()[:16], m.name, str(m.version), ", ".join(g.name for g in m.generators),
-                      m.coordinator.hex()[:16], o)
+                      m.coordinator.hex()[:16], o, f"x{x['weight']:g}" if x["training"] else "-", str(x["produced"]),
+                      str(x["accepted"]), str(x["used"]))
     console.print(table)
+    if not status:
+        console.print("no training status yet: the node has not run (or not reached its first step) in this home")
+    for w in status.get("waiting", []):
+        console.print(f"waiting for {w}: not received from a trusted coordinator yet")
+    for t, why in status.get("refused", {}).items():
+        console.print(f"refused {t[:16]}: {why}")
 
 
 @tasks_app.command("show")

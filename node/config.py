@@ -21,6 +21,7 @@ from msgspec import Meta, Struct
 
 from gossip.errors import ConfigError
 from gossip.tomlfile import convert_strict, read_toml, toml_value
+from training.selection import TaskSetChoice, needs_trust, normalise
 
 CONFIG_FILE = "config.toml"
 
@@ -49,7 +50,7 @@ class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
     relay_max_circuit_s: Annotated[int, _d("relay: seconds per circuit before it is closed")] = 600
     relays: Annotated[list[str], _d("relay peers to reserve a slot on when not publicly reachable")] = []
     webrtc: Annotated[bool, _d("also listen on UDP /webrtc-direct (same port number as TCP) and dial it when TCP fails; "
-                               "needs the optional aiortc extra (pip install 'murmur[webrtc]'), ignored without it")] = True
+                               "needs aiortc (a default dependency of murmur-swarm: bash install.sh), ignored without it")] = True
 
 
 class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -59,7 +60,8 @@ class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
     blacklist_s: Annotated[int, _d("seconds a peer proven to forge stays banned")] = 3600
     replay_cache: Annotated[int, _d("entries in the replay/duplicate cache")] = 100_000
     replay_ttl_s: Annotated[int, _d("seconds a message id is remembered")] = 900
-    pool_max_rollouts: Annotated[int, _d("verified rollouts kept in memory")] = 20_000
+    pool_max_rollouts: Annotated[int, _d("verified external rollouts a trainer keeps to sample from (bounded "
+                                         "also by node.memory_budget_mb)")] = 20_000
 
 
 class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -77,7 +79,10 @@ class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
 class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[str, _d("murmur-tiny, or a local path to a Hugging Face causal LM")] = "murmur-tiny"
     engine: Annotated[str, _d("transformers or vllm")] = "transformers"
-    task_set: Annotated[str, _d("builtin, or a task set id (hex) published by a trusted coordinator")] = "builtin"
+    task_sets: Annotated[list[str | TaskSetChoice], _d(
+        "task sets to train on, mixed by weight: \"builtin\", \"trusted\" (every set from a trusted coordinator), "
+        "a set name (its newest version) or a 64-hex set id; a string (weight 1) or { set = \"...\", weight = 2.0 }. "
+        "A set not received yet is waited for")] = msgspec.field(default_factory=lambda: ["builtin"])
     local_rollouts: Annotated[int, _d("I: own rollouts per step")] = 4
     external_rollouts: Annotated[int, _d("J: verified swarm rollouts per step")] = 4
     group_size: Annotated[int, _d("completions per prompt (GRPO group)")] = 8
@@ -85,10 +90,24 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     max_new_tokens: Annotated[int, _d("completion length limit")] = 16
     temperature: Annotated[float, _d("sampling temperature")] = 1.0
     seed: Annotated[int, _d("random seed")] = 0
-    loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (mean over informative groups' rows) or "
-                                 "constant (sum over them / the configured batch, Dr. GRPO / TRL style)")] = "informative"
+    loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (token mean over informative groups' rows) "
+                                 "or constant (Dr. GRPO / TRL dr_grpo: token sum over batch rows x "
+                                 "max_new_tokens, zero-advantage rows counted)")] = "informative"
     threads: Annotated[int, _d("torch threads for training and generation")] = 1
     device: Annotated[str, _d("auto, cpu or cuda")] = "auto"
+
+
+class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):
+    ledger_max_rows: Annotated[int, _d("rollout ledger rows kept (oldest deleted first; totals are kept)")] = 200_000
+    ledger_payload_rows: Annotated[int, _d("newest ledger rows that keep the rollout's signed bytes")] = 2_000
+    ledger_max_age_h: Annotated[float, _d("ledger rows older than this many hours are deleted")] = 168.0
+    logs_max_mb: Annotated[int, _d("node.log plus its one rotated copy, in MiB")] = 64
+
+    def ledger_budget(self) -> Any:
+        from node.store import LedgerBudget
+
+        return LedgerBudget(max_rows=self.ledger_max_rows, payload_rows=self.ledger_payload_rows,
+                            max_age_s=self.ledger_max_age_h * 3600.0)
 
 
 class TrustSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -106,6 +125,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     gossip: GossipSection = msgspec.field(default_factory=GossipSection)
     sync: SyncSection = msgspec.field(default_factory=SyncSection)
     training: TrainingSection = msgspec.field(default_factory=TrainingSection)
+    disk: DiskSection = msgspec.field(default_factory=DiskSection)
     trust: TrustSection = msgspec.field(default_factory=TrustSection)
     metrics: MetricsSection = msgspec.field(default_factory=MetricsSection)
 
@@ -116,6 +136,7 @@ SECTIONS: dict[str, type[Struct]] = {
     "gossip": GossipSection,
     "sync": SyncSection,
     "training": TrainingSection,
+    "disk": DiskSection,
     "trust": TrustSection,
     "metrics": MetricsSection,
 }
@@ -165,12 +186,19 @@ def _check_values(cfg: Config, origin: str) -> Config:
             if not addr.startswith("/"):
                 raise bad(key, f"{addr!r} is not a multiaddr (starts with /ip4/, /ip6/ or /dns/)")
     for key in ("sync.chunk_bytes", "sync.publish_every", "sync.anchor_every", "training.group_size",
-                "node.memory_budget_mb"):
+                "node.memory_budget_mb", "disk.ledger_max_rows", "disk.ledger_max_age_h", "disk.logs_max_mb"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) <= 0:
             raise bad(key, "must be positive")
+    if cfg.disk.ledger_payload_rows < 0:
+        raise bad("disk.ledger_payload_rows", "must not be negative")
     if cfg.sync.max_staleness < 0:
         raise bad("sync.max_staleness", "must not be negative")
+    choices = normalise(cfg.training.task_sets, f"{origin}: key 'training.task_sets'")
+    untrusted = needs_trust(choices, "murmur-builtin")
+    if untrusted and not cfg.trust.coordinators:
+        raise bad("training.task_sets", f"{untrusted[0]!r} can only come from a trusted coordinator and "
+                                        "[trust] coordinators is empty (use \"builtin\" or add the coordinator's key)")
     return cfg
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import tempfile
@@ -19,10 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from gossip.errors import DecodeError, MurmurError
 from node.status import STATUS_LIMIT, NodeStatus, decode_status, encode_status
 
 MAX_REQUEST = 4096
+MAX_CLIENTS = 8  # requests served at once; more wait in the listen backlog
+CLIENT_TIMEOUT_S = 5.0
+log = logging.getLogger("murmur.node.control")
 ADDR_FILE = "control.addr"
 _MAX_UNIX_PATH = 100
 
@@ -95,18 +101,37 @@ def status(home: Path, name: str = "control.sock", timeout: float = 5.0) -> Node
         raise ControlError(str(e)) from None
 
 
+class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """One request line: `{"cmd": "status"}`."""
+
+    cmd: str
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
 def handle_request(raw: bytes, snapshot: Callable[[], NodeStatus]) -> bytes:
-    """Sans-IO request handler: bytes in, reply bytes out (errors are replies, never exceptions)."""
+    """Sans-IO request handler: bytes in, reply bytes out (errors are replies, never exceptions).
+
+    Anything a local client sends is answered: a line over `MAX_REQUEST` bytes, bytes that are not
+    UTF-8 JSON, JSON nested past msgspec's depth limit, or a value of the wrong shape gets an error
+    reply; the decoder's work is bounded by the line length.
+    """
+    line = raw.split(b"\n", 1)[0]
+    if len(line) > MAX_REQUEST:
+        return _error(f"request line over {MAX_REQUEST} bytes")
     try:
-        req = json.loads(raw.split(b"\n", 1)[0] or b"{}")
-        cmd = req.get("cmd") if isinstance(req, dict) else None
-    except ValueError:
-        return json.dumps({"error": "malformed request: not JSON"}).encode()
+        cmd = msgspec.json.decode(line, type=ControlRequest).cmd if line.strip() else "status"
+    except msgspec.ValidationError as e:
+        return _error(f"malformed request: {str(e)[:200]}")
+    except msgspec.DecodeError:
+        return _error("malformed request: not a JSON object on one line")
     if cmd == "status":
         return encode_status(snapshot())
     if cmd == "ping":
         return b'{"ok": true}'
-    return json.dumps({"error": f"unknown command {cmd!r} (status, ping)"}).encode()
+    return _error(f"unknown command {cmd[:64]!r} (status, ping)")
 
 
 async def serve(home: Path, snapshot: Callable[[], NodeStatus], name: str = "control.sock",
@@ -131,21 +156,25 @@ async def serve(home: Path, snapshot: Callable[[], NodeStatus], name: str = "con
         addr_file.write_text(str(path))
     listener = trio.SocketListener(sock)
 
+    limiter = trio.CapacityLimiter(MAX_CLIENTS)
+
     async def one(stream: trio.SocketStream) -> None:
-        async with stream:
-            buf = bytearray()
-            with trio.move_on_after(5):
-                while b"\n" not in buf and len(buf) < MAX_REQUEST:
-                    part = await stream.receive_some(MAX_REQUEST)
-                    if not part:
-                        break
-                    buf += part
-            reply = handle_request(bytes(buf[:MAX_REQUEST]), snapshot)
+        async with limiter, stream:
             try:
-                with trio.move_on_after(5):
+                buf = bytearray()
+                with trio.move_on_after(CLIENT_TIMEOUT_S):
+                    while b"\n" not in buf and len(buf) <= MAX_REQUEST:
+                        part = await stream.receive_some(MAX_REQUEST)
+                        if not part:
+                            break
+                        buf += part
+                reply = handle_request(bytes(buf), snapshot)
+                with trio.move_on_after(CLIENT_TIMEOUT_S):
                     await stream.send_all(reply)
-            except trio.BrokenResourceError:
-                pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass  # the client went away
+            except Exception:  # never let one client end the node
+                log.exception("control request failed")
 
     try:
         if task_status is not None:

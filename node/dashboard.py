@@ -1,20 +1,23 @@
 """Terminal dashboards rendered from NodeStatus snapshots (rich): one node, or a whole demo swarm.
 
 Rendering is a pure function of the snapshot, so what the dashboard shows is
-exactly what `murmur node status` and the metrics report.
+exactly what `murmur node status` and the metrics report. Every string a peer
+chose (hardware, lineage names, errors) is put in as `Text`, never parsed as
+rich markup. Layouts fit 80 columns: key/value blocks, per-node columns, and
+wide tables only where the console is wide enough (`Adaptive`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from rich.console import Group
+from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from node.status import NodeStatus
+from node.status import NodeStatus, PeerView
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -44,54 +47,132 @@ def _fmt_reward(x: float | None) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
 
-def node_panel(s: NodeStatus) -> Panel:
-    head = Table.grid(padding=(0, 2))
-    head.add_row("peer", s.peer_id, "roles", ", ".join(s.roles) or "—")
-    head.add_row("state", f"{s.state} / worker {s.worker}", "uptime", f"{s.uptime_s:.0f} s")
-    serving = short(s.serving) if s.serving else "—"
-    head.add_row("serving", f"{serving}  ({s.serving_reason})" if s.serving_reason else serving, "hardware", s.hardware)
-    head.add_row("reward", f"{_fmt_reward(s.reward_start)} → {_fmt_reward(s.reward_now)}  {sparkline(s.reward_trend)}",
-                 "memory", f"{s.memory_rss_mb:.0f} / {s.memory_budget_mb} MiB")
-    head.add_row("bytes", f"up {human_bytes(s.bytes_up)}  down {human_bytes(s.bytes_down)}",
-                 "gen", f"{s.gen_tokens_per_s:.0f} tok/s, {s.rollout_latency_s:.2f} s/rollout")
-    head.add_row("reach", f"{s.reach.path} ({s.reach.status}): {s.reach.reason}", "", "")
-    head.add_row("engine", s.engine or "—", "", "")
-    note = next((lin.admission_note for lin in s.lineages if lin.lineage == s.serving and lin.admission_note), "")
-    if note:
-        head.add_row("staleness", note, "", "")
-    if s.worker_error:
-        head.add_row("error", Text(s.worker_error, style="red"), "", "")
+WIDE = 120  # columns from which the lineage and peer tables are shown as tables rather than stacked
 
+
+class Adaptive:
+    """A renderable that picks its layout from the width it is given (a pipe or CI log gets 80)."""
+
+    def __init__(self, wide: Callable[[], RenderableType], narrow: Callable[[], RenderableType],
+                 min_wide: int = WIDE) -> None:
+        self.wide, self.narrow, self.min_wide = wide, narrow, min_wide
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[RenderableType]:
+        yield self.wide() if options.max_width >= self.min_wide else self.narrow()
+
+
+def _kv(rows: Sequence[tuple[str, str | Text]]) -> Table:
+    """Label/value lines: fits any width, values wrap instead of being cut."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    for label, value in rows:
+        t.add_row(label, value if isinstance(value, Text) else Text(value))
+    return t
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "0"
+
+
+def _lineage_lines(s: NodeStatus) -> RenderableType:
+    rows = []
+    for lin in s.lineages:
+        parts = [lin.relation, f"held {lin.held} of head {lin.head} (lag {lin.lag})"]
+        if lin.admission:
+            parts.append(f"admission {lin.admission}")
+        if lin.relation == "own":
+            parts.append(f"need {lin.need_rollouts_per_s:.1f}/s, supply {lin.supply_rollouts_per_s:.1f}/s")
+            parts.append(f"active {', '.join(short(p) for p in lin.active) or '—'}")
+            if lin.standby:
+                parts.append(f"standby {', '.join(short(p) for p in lin.standby)}")
+        rows.append((short(lin.lineage), Text(f"{lin.name}: " + " · ".join(parts))))
+    return _kv(rows or [("—", "no lineage yet")])
+
+
+def _lineage_table(s: NodeStatus) -> Table:
     lins = Table("lineage", "name", "relation", "held", "head", "lag", "admission", "need/s", "supply/s", "active",
                  "standby", title="lineages", expand=True)
     for lin in s.lineages:
-        lins.add_row(short(lin.lineage), lin.name, lin.relation, str(lin.held), str(lin.head), str(lin.lag),
+        lins.add_row(short(lin.lineage), Text(lin.name), lin.relation, str(lin.held), str(lin.head), str(lin.lag),
                      lin.admission or "",
                      f"{lin.need_rollouts_per_s:.1f}" if lin.relation == "own" else "",
                      f"{lin.supply_rollouts_per_s:.1f}" if lin.relation == "own" else "",
                      ", ".join(short(p) for p in lin.active), ", ".join(short(p) for p in lin.standby))
+    return lins
 
-    roll = Table("produced", "published", "received", "accepted", "used", "rejected (by reason)", "spot checks",
-                 title="rollouts", expand=True)
-    rej = ", ".join(f"{k} {v}" for k, v in sorted(s.rejected.items())) or "0"
-    roll.add_row(str(s.rollouts_produced), str(s.rollouts_published), str(s.rollouts_received),
-                 str(s.rollouts_accepted), str(s.rollouts_used), rej, f"{s.spot_checked} ({s.spot_failed} failed)")
 
+def _peer_cells(p: PeerView) -> list[str | Text]:
+    return [short(p.peer_id), Text(", ".join(p.roles)), Text(p.hardware), f"{p.gen_tokens_per_s:.0f}",
+            f"{p.rollout_latency_s:.2f} s", short(p.serving) if p.serving else "—", f"{p.last_seen_s:.0f} s ago"]
+
+
+def _peer_lines(s: NodeStatus) -> RenderableType:
+    rows = []
+    for p in s.peers[:16]:
+        c = _peer_cells(p)
+        rows.append((str(c[0]), Text(f"{c[1]} · {c[2]} · {c[3]} tok/s · {c[4]}/rollout · serves {c[5]} · seen {c[6]}")))
+    return _kv(rows or [("—", "no peers")])
+
+
+def _peer_table(s: NodeStatus) -> Table:
     peers = Table("peer", "roles", "hardware", "tok/s", "latency", "serves", "seen", title=f"peers ({len(s.peers)})",
                   expand=True)
     for p in s.peers[:16]:
-        peers.add_row(short(p.peer_id), ", ".join(p.roles), p.hardware, f"{p.gen_tokens_per_s:.0f}",
-                      f"{p.rollout_latency_s:.2f} s", short(p.serving) if p.serving else "—", f"{p.last_seen_s:.0f} s ago")
-    return Panel(Group(head, lins, roll, peers), title=f"murmur node · {s.swarm}", border_style="cyan")
+        peers.add_row(*_peer_cells(p))
+    return peers
+
+
+def node_panel(s: NodeStatus) -> Panel:
+    serving = short(s.serving) if s.serving else "—"
+    rows: list[tuple[str, str | Text]] = [
+        ("peer", s.peer_id), ("roles", ", ".join(s.roles) or "—"),
+        ("state", f"{s.state} / worker {s.worker}, up {s.uptime_s:.0f} s"),
+        ("serving", Text(f"{serving}  ({s.serving_reason})" if s.serving_reason else serving)),
+        ("hardware", Text(s.hardware)),
+        ("reward", f"{_fmt_reward(s.reward_start)} → {_fmt_reward(s.reward_now)}  {sparkline(s.reward_trend)}"),
+        ("memory", f"{s.memory_rss_mb:.0f} of {s.memory_budget_mb} MiB"),
+        ("gen", f"{s.gen_tokens_per_s:.0f} tok/s, {s.rollout_latency_s:.2f} s per rollout"),
+        ("patch bytes", f"up {human_bytes(s.bytes_up)}, down {human_bytes(s.bytes_down)}"),
+        ("reach", Text(f"{s.reach.path} ({s.reach.status}): {s.reach.reason}")),
+    ]
+    note = next((lin.admission_note for lin in s.lineages if lin.lineage == s.serving and lin.admission_note), "")
+    if note:
+        rows.append(("staleness", Text(note)))
+    if s.worker_error:
+        rows.append(("error", Text(s.worker_error, style="red")))
+    rows += [
+        ("rollouts", f"produced {s.rollouts_produced}, published {s.rollouts_published}, received "
+                     f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}"),
+        ("rejected", Text(_counts(s.rejected))),
+        ("spot checks", f"{s.spot_checked} ({s.spot_failed} failed)"),
+        ("dropped", Text(_counts(s.dropped))),
+        ("disk", "; ".join(f"{d.name} {d.used_mb:.1f}" + (f" of {d.limit_mb:.0f}" if d.limit_mb else "") + " MiB"
+                           for d in s.disk) or "—"),
+    ]
+    body = Group(_kv(rows), Text(""), Text("lineages", style="bold"),
+                 Adaptive(lambda: _lineage_table(s), lambda: _lineage_lines(s)),
+                 Text(f"peers ({len(s.peers)})", style="bold"), Adaptive(lambda: _peer_table(s), lambda: _peer_lines(s)))
+    return Panel(body, title=Text(f"murmur node · {s.swarm}"), border_style="cyan")
+
+
+SWARM_LEGEND = ("version: held version (lag behind the announced head); rollouts: counts, not rates; "
+                "accepted/rejected: peers' rollouts this node verified; patches: bytes up/down")
 
 
 def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = "swarm") -> Table:
-    """One row per node: the demo's live view."""
-    t = Table("node", "roles", "worker", "lineage / serving", "version", "lag", "reward", "trend", "produced",
-              "accepted", "rejected", "patch bytes ↑/↓", title=title, expand=True)
-    for name, s in statuses:
+    """The demo's live view: one column per node, one row per measure, so it fits 80 columns for a few nodes."""
+    t = Table(title=title, caption=SWARM_LEGEND, show_lines=False)
+    t.add_column("", style="bold", no_wrap=True)
+    for name, _ in statuses:
+        t.add_column(Text(name.replace("-", " ")), overflow="fold")
+    cells: dict[str, list[str | Text]] = {k: [] for k in ("roles", "worker", "lineage", "version", "reward", "trend",
+                                                          "rollouts made", "accepted", "rejected", "dropped",
+                                                          "patches ↑/↓")}
+    for _name, s in statuses:
         if s is None:
-            t.add_row(name, "—", "not answering", "", "", "", "", "", "", "", "", "")
+            for k in cells:
+                cells[k].append("not answering" if k == "worker" else "—")
             continue
         own = next((lin for lin in s.lineages if lin.relation == "own"), None)
         fol = next((lin for lin in s.lineages if lin.lineage == s.serving), None)
@@ -101,8 +182,17 @@ def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = 
             where += " (stale: paused, catching up)"
         elif not own and s.serving_reason:
             where += f" ({s.serving_reason[:40]})"
-        t.add_row(name, ",".join(s.roles), s.worker, where, str(lin.held) if lin else "—", str(lin.lag) if lin else "—",
-                  f"{_fmt_reward(s.reward_start)}→{_fmt_reward(s.reward_now)}", sparkline(s.reward_trend, 20),
-                  str(s.rollouts_produced), str(s.rollouts_accepted), str(sum(s.rejected.values())),
-                  f"{human_bytes(s.bytes_up)}/{human_bytes(s.bytes_down)}")
+        cells["roles"].append(",".join(s.roles))
+        cells["worker"].append(s.worker)
+        cells["lineage"].append(Text(where))
+        cells["version"].append(f"{lin.held} (lag {lin.lag})" if lin else "—")
+        cells["reward"].append(f"{_fmt_reward(s.reward_start)}→{_fmt_reward(s.reward_now)}")
+        cells["trend"].append(sparkline(s.reward_trend, 16))
+        cells["rollouts made"].append(str(s.rollouts_produced))
+        cells["accepted"].append(str(s.rollouts_accepted))
+        cells["rejected"].append(str(sum(s.rejected.values())))
+        cells["dropped"].append(str(sum(s.dropped.values())))
+        cells["patches ↑/↓"].append(f"{human_bytes(s.bytes_up)}/{human_bytes(s.bytes_down)}")
+    for label, row in cells.items():
+        t.add_row(label, *row)
     return t

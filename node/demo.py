@@ -1,4 +1,5 @@
-"""`murmur demo`: a local swarm of real nodes on loopback, learning the built-in task set.
+"""`murmur demo`: a local swarm of real nodes on loopback, learning the built-in task set (or, with
+`--task-set FILE.toml`, a coordinator's set: try it locally before publishing it).
 
 Every node is a real `murmur node start` subprocess with its own generated
 home and config; the demo reads their state over their control sockets only,
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gossip.tomlfile import toml_value
 from node import control
 from node.status import NodeStatus
 
@@ -34,18 +36,91 @@ def free_port() -> int:
     return port
 
 
-def node_config(roles: list[str], port: int, model: str, swarm: str = "murmur-demo") -> str:
+def node_config(roles: list[str], port: int, model: str, swarm: str = "murmur-demo", task_set: str = "builtin",
+                coordinator: str = "", max_new_tokens: int = 6) -> str:
     return "\n".join([
         "[node]", f"swarm = \"{swarm}\"", f"roles = [{', '.join(repr(r).replace(chr(39), chr(34)) for r in roles)}]",
         "memory_budget_mb = 1536", "",
         "[network]", f"listen = [\"/ip4/127.0.0.1/tcp/{port}\"]", "dht = false", "",
         # a version every 2 steps: with K = 4 a follower may lag ~8 optimizer steps (several seconds on 2 busy cores)
         "[sync]", "publish_every = 2", "anchor_every = 16", "retain_versions = 32", "max_staleness = 4", "",
-        # `murmur bench learn` settings: answers fit in 4 tokens, and 16 own groups per step. With 4 groups a
-        # trainer whose only external rollouts come from another lineage (HACPO) does not learn within a demo
-        # (measured: 60 steps, greedy eval 0.36 -> 0.35 alone, 0.36 -> 0.365 with 4 HACPO groups)
-        "[training]", f"model = \"{model}\"", "threads = 1", "max_new_tokens = 4", "local_rollouts = 16", "",
+        # `murmur bench learn` settings: the built-in answers fit in 6 tokens, and 16 own groups per step. With 4
+        # groups a trainer whose only external rollouts come from another lineage (HACPO) does not learn within a
+        # demo (measured on one-digit sums: 60 steps, greedy eval 0.36 -> 0.35 alone, 0.36 -> 0.365 with 4 HACPO
+        # groups)
+        "[training]", f"model = \"{model}\"", "threads = 1", f"max_new_tokens = {max_new_tokens}",
+        "local_rollouts = 16", f"task_sets = [{toml_value(task_set)}]", "",
+        "[trust]", "coordinators = [" + (f"\"{coordinator}\"" if coordinator else "") + "]", "",
     ])
+
+
+class DemoTaskSet:
+    """A coordinator's task-set file, checked and signed by a throwaway demo coordinator key, stored in
+    every node home before the node starts, so the nodes train on it exactly as on a published set."""
+
+    def __init__(self, path: Path) -> None:
+        from gossip.identity import Identity
+        from gossip.wire import content_id, decode_envelope
+        from training.evaluation import check_evaluation
+        from training.tasksets import load_task_set_toml, sign_task_set
+        from training.tiny import warmup_generators
+
+        self.manifest = load_task_set_toml(path)  # one-line TaskError on any bad key, generator or overlap
+        check_evaluation([self.manifest], warmup_generators())  # eval held out from murmur-tiny's warm-up too
+        self.coordinator = Identity.generate()
+        self.envelope = sign_task_set(self.coordinator, self.manifest)
+        self.id = content_id(decode_envelope(self.envelope).body)
+        self.max_new_tokens = answer_tokens(self.manifest)
+
+    def install(self, home: Path) -> None:
+        from node.store import open_store
+
+        store = open_store(home)
+        try:
+            store.add_task_set(self.id, self.manifest.name, self.manifest.version, self.coordinator.public,
+                               self.envelope)
+        finally:
+            store.close()
+
+
+def answer_tokens(m: Any, samples: int = 64, cap: int = 32) -> int:
+    """Completion budget for murmur-tiny (one token per character): the longest sampled answer plus EOS."""
+    from training.tasks import generate
+
+    longest = max(len(generate(g.generator, g.config, s).answer) for g in m.generators
+                  for s in range(g.seed_start, min(g.seed_end, g.seed_start + samples)))
+    return max(2, min(cap, longest + 1))
+
+
+def family_results(homes: list[Path], names: list[str]) -> list[dict[str, Any]]:
+    """Per trainer node and task family: recent local reward and held-out accuracy (first and last eval),
+    from the status the node's worker keeps in its state database."""
+    from node.store import open_store
+    from node.taskmix import STATUS_KEY
+    from training.evaluation import family_of
+
+    out = []
+    for name, home in zip(names, homes):
+        if not (home / "state.db").exists():
+            continue
+        store = open_store(home)
+        try:
+            st = store.get(STATUS_KEY, {}) or {}
+        finally:
+            store.close()
+        for ts in st.get("sets", []):
+            if not ts.get("training"):
+                continue
+            ev = ts.get("eval", {})
+            first = ev.get("start", {}).get("accuracy", {})
+            last = ev.get("last", {}).get("accuracy", {})
+            fams = sorted({family_of(g) for g in ts.get("reward_by_generator", {})} | set(first) - {"all"})
+            for f in fams:
+                out.append({"node": name, "task_set": f"{ts['name']} v{ts['version']}", "family": f,
+                            "reward": ts.get("reward_by_generator", {}).get(f), "eval_start": first.get(f),
+                            "eval_end": last.get(f), "eval_steps": [ev.get("start", {}).get("step"),
+                                                                    ev.get("last", {}).get("step")]})
+    return out
 
 
 def build_model(cache_home: Path) -> Path:
@@ -120,31 +195,57 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
 
 
 def summary_table(summary: dict[str, Any]) -> Any:
+    """One column per node, one row per measure: fits 80 columns (a pipe, a CI log) without cutting cells."""
     from rich.table import Table
+    from rich.text import Text
 
     from node.dashboard import human_bytes
 
-    t = Table("node", "roles", "reward", "versions pub/appl", "produced", "accepted", "rejected", "used", "spot",
-              "bytes ↑/↓", title="murmur demo: summary (reward start → end; rollouts; patch bytes)")
-    t.columns[2].min_width = 9
-    t.columns[9].no_wrap = True
+    def f(x: float | None) -> str:
+        return "—" if x is None else f"{x:.2f}"
+
+    t = Table(title="murmur demo: summary",
+              caption="rollouts are counts; accepted/rejected: peers' rollouts this node verified; "
+                      "used: external rollouts trained on; spot checks: log-prob re-computations")
+    t.add_column("", style="bold", no_wrap=True)
+    rows: dict[str, list[str]] = {k: [] for k in ("roles", "reward start→end", "versions published",
+                                                  "versions applied", "rollouts produced", "accepted", "rejected",
+                                                  "used", "spot checks", "patch bytes ↑/↓")}
     for n in summary["nodes"]:
+        t.add_column(Text(n["node"].replace("-", " ")), overflow="fold")
         if "error" in n:
-            t.add_row(n["node"], "—", n["error"], "", "", "", "", "", "", "")
+            for i, k in enumerate(rows):
+                rows[k].append(n["error"] if i == 0 else "—")
             continue
+        for k, v in zip(rows, (",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
+                               str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_produced"]),
+                               str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
+                               str(n["spot_checked"]),
+                               f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")):
+            rows[k].append(v)
+    for label, cells in rows.items():
+        t.add_row(label, *cells)
+    return t
 
-        def f(x: float | None) -> str:
-            return "—" if x is None else f"{x:.2f}"
 
-        t.add_row(n["node"].split("-")[0], ",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
-                  f"{n['versions_published']}/{n['versions_applied']}", str(n["rollouts_produced"]),
-                  str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
-                  str(n["spot_checked"]), f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")
+def family_table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    t = Table("node", "task set", "family", "reward (recent)", "held-out accuracy", "eval at steps",
+              title="per task family: local reward and greedy accuracy on held-out problems (first → last eval)")
+
+    def f(x: float | None) -> str:
+        return "—" if x is None else f"{x:.2f}"
+
+    for r in rows:
+        t.add_row(r["node"].split("-")[0], r["task_set"], r["family"], f(r["reward"]),
+                  f"{f(r['eval_start'])}→{f(r['eval_end'])}", "→".join("—" if x is None else str(x)
+                                                                      for x in r["eval_steps"]))
     return t
 
 
 def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = None, workdir: Path | None = None,
-             tui: bool = True, console: Any = None) -> dict[str, Any]:
+             tui: bool = True, console: Any = None, task_set: Path | None = None) -> dict[str, Any]:
     from rich.console import Console, Group
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -156,10 +257,15 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
     node_roles = node_roles or [["trainer"], ["trainer", "validator"], ["follower", "validator"]]
     for r in node_roles:
         check_roles(r)
+    demo_set = DemoTaskSet(task_set) if task_set is not None else None  # bad file: one-line error, nothing started
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="murmur-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]murmur demo[/]: {len(node_roles)} nodes on loopback, {duration_s:.0f} s of training, "
                   f"homes in {root}")
+    if demo_set is not None:
+        console.print(f"task set {demo_set.manifest.name} v{demo_set.manifest.version} from {task_set} "
+                      f"({len(demo_set.manifest.generators)} generators, completions up to "
+                      f"{demo_set.max_new_tokens} tokens)")
     with console.status("building the built-in model murmur-tiny (once, cached)…"):
         model = build_model(root)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -171,7 +277,13 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
             name = f"node{i}-{'+'.join(roles)}"
             home = root / f"node{i}"
             home.mkdir(parents=True, exist_ok=True)
-            (home / "config.toml").write_text(node_config(roles, free_port(), str(model)))
+            if demo_set is None:
+                cfg = node_config(roles, free_port(), str(model))
+            else:
+                demo_set.install(home)
+                cfg = node_config(roles, free_port(), str(model), task_set=demo_set.manifest.name,
+                                  coordinator=demo_set.coordinator.public.hex(), max_new_tokens=demo_set.max_new_tokens)
+            (home / "config.toml").write_text(cfg)
             procs.append(start_node(home, bootstrap, env))
             homes.append(home)
             names.append(name)
@@ -213,7 +325,7 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                             parts.append(f"{n}: —")
                         else:
                             r = "—" if s.reward_now is None else f"{s.reward_now:.2f}"
-                            parts.append(f"{n}: {s.worker} reward {r} acc {s.rollouts_accepted}")
+                            parts.append(f"{n}: {s.worker}, reward {r}, {s.rollouts_accepted} rollouts accepted")
                     console.print(f"[{elapsed:5.0f}s] " + " | ".join(parts))
                 if any(p.poll() is not None for p in procs):
                     bad = [n for n, p in zip(names, procs) if p.poll() is not None]
@@ -231,5 +343,8 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
     summary = summarize(names, statuses)
     summary["duration_s"] = duration_s
     summary["workdir"] = str(root)
+    summary["families"] = family_results(homes, names)
     console.print(summary_table(summary))
+    if summary["families"]:
+        console.print(family_table(summary["families"]))
     return summary

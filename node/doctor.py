@@ -252,6 +252,40 @@ def check_memory(ctx: Context) -> list[Check]:
                                     "or close other programs", severity="error" if ok else "warning")]
 
 
+def check_model(ctx: Context) -> list[Check]:
+    """Which roles this machine can take for `[training] model`: the plan's estimate against the budget and RAM."""
+    import msgspec.structs
+
+    from gossip.errors import MurmurError
+    from node.modelplan import plan
+
+    cfg = ctx.cfg
+    try:
+        p = plan(cfg.training.model, cfg.node.memory_budget_mb)
+    except MurmurError as e:
+        return [Check(name="model", ok=False, detail=str(e), fix="set training.model to murmur-tiny or a local "
+                      "Hugging Face causal-LM directory (config.json, weights, tokenizer)")]
+    if p is None:
+        return [Check(name="model", ok=True, detail="murmur-tiny (built locally): any role fits")]
+    usable = min(cfg.node.memory_budget_mb, psutil.virtual_memory().available // 2**20)
+    p = msgspec.structs.replace(p, budget_mb=usable)
+    need = ", ".join(f"{r} {n} MiB" for r, n in p.need_mb.items())
+    fit = p.roles_that_fit()
+    lr = f"; training.lr {p.lr:g} suits this size" if cfg.training.lr != p.lr else ""
+    detail = (f"{p.model}: {p.params / 1e6:.1f}M parameters, needs about {need}; with {usable} MiB usable this "
+              f"machine can take: {' or '.join('+'.join(r) for r in fit) or 'no role'}{lr}")
+    if not fit:
+        return [Check(name="model", ok=False, detail=detail,
+                      fix=f"raise node.memory_budget_mb to at least {p.need_mb['validator']} (and free that much RAM), "
+                          "or pick a smaller model")]
+    if cfg.node.roles and not p.fits(list(cfg.node.roles)):
+        return [Check(name="model", ok=False, detail=detail,
+                      fix=f"configured roles {'+'.join(cfg.node.roles)} need about {p.need_for(list(cfg.node.roles))}"
+                          f" MiB: raise node.memory_budget_mb or set node.roles to one that fits")]
+    return [Check(name="model", ok=True, detail=detail, severity="warning" if ["trainer"] not in fit else "error",
+                  fix="" if ["trainer"] in fit else "too little memory to train this model: the node will follow")]
+
+
 def check_nat(ctx: Context) -> list[Check]:
     """Which path this node uses and why: a running node's live view, else a dial-back probe through the
     bootstrap peers (and a relay reservation), else the local guess above (node.doctor_reachability)."""
@@ -262,7 +296,7 @@ def check_nat(ctx: Context) -> list[Check]:
 
 CHECKS: list[Callable[[Context], list[Check]]] = [
     check_python, check_torch, check_engine, check_libp2p, check_listen_ports, check_bootstrap, check_nat,
-    check_disk, check_memory,
+    check_disk, check_memory, check_model,
 ]
 
 
@@ -285,9 +319,11 @@ def passed(checks: list[Check]) -> bool:
 
 def render(checks: list[Check], console: Any) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     t = Table("", "check", "result", "fix", title="murmur doctor")
     for c in checks:
         mark = "[green]pass[/]" if c.ok else ("[yellow]warn[/]" if c.severity == "warning" else "[red]FAIL[/]")
-        t.add_row(mark, c.name, c.detail, c.fix)
+        # details carry paths, addresses and peers' words: text, never markup
+        t.add_row(mark, Text(c.name), Text(c.detail), Text(c.fix))
     console.print(t)

@@ -137,7 +137,7 @@ def check_relays(s: ReachView) -> Check:
 def check_webrtc(s: ReachView) -> Check:
     if s.webrtc_reason:
         return Check(name="webrtc", ok=True, severity="warning", detail=f"WebRTC fallback unavailable: {s.webrtc_reason}",
-                     fix="pip install 'murmur[webrtc]' (aiortc) to enable the WebRTC fallback")
+                     fix="aiortc is a default dependency of murmur-swarm: rerun `bash install.sh` (or .venv/bin/pip install -e .)")
     return Check(name="webrtc", ok=True, detail="WebRTC fallback available (aiortc installed)")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
 from pathlib import Path
@@ -26,8 +27,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, sort_keys=False)
 
 
-def setup(level: str = "info", stream: TextIO | None = None, logfile: Path | None = None) -> None:
-    """JSON lines to `stream` (None: none) and to `logfile` (None: none); noisy libraries held at warning."""
+def setup(level: str = "info", stream: TextIO | None = None, logfile: Path | None = None,
+          max_bytes: int = 64 * 2**20) -> None:
+    """JSON lines to `stream` (None: none) and to `logfile` (None: none); noisy libraries held at warning.
+
+    The log file rotates at half of `max_bytes` with one older copy kept, so the two stay within it.
+    """
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -39,7 +44,7 @@ def setup(level: str = "info", stream: TextIO | None = None, logfile: Path | Non
         root.addHandler(h)
     if logfile is not None:
         logfile.parent.mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(logfile)
+        fh = logging.handlers.RotatingFileHandler(logfile, maxBytes=max(1, max_bytes // 2), backupCount=1)
         fh.setFormatter(fmt)
         root.addHandler(fh)
     for noisy in ("libp2p", "multiaddr", "async_service", "trio-websocket", "aioquic", "zeroconf", "urllib3",

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from node.status import NodeStatus
+from node.status import DROP_REASONS, NodeStatus
 
 
 class Metrics:
@@ -30,6 +30,11 @@ class Metrics:
         self.budget = Gauge("murmur_memory_budget_bytes", "configured memory budget", registry=r)
         self.gen = Gauge("murmur_gen_tokens_per_second", "measured generation throughput", registry=r)
         self.spot = Gauge("murmur_spot_checks_total", "log-prob spot checks", ["result"], registry=r)
+        self.dropped = Gauge("murmur_dropped_total", "items the node let go, by reason (node.status.DROP_REASONS)",
+                             ["reason"], registry=r)
+        self.disk = Gauge("murmur_disk_bytes", "disk used per budget", ["budget"], registry=r)
+        self.disk_limit = Gauge("murmur_disk_limit_bytes", "configured byte limit per budget (where it is in bytes)",
+                                ["budget"], registry=r)
         self._server: Any = None
         self.port = 0
 
@@ -68,3 +73,9 @@ class Metrics:
         self.gen.set(s.gen_tokens_per_s)
         self.spot.labels("checked").set(s.spot_checked)
         self.spot.labels("failed").set(s.spot_failed)
+        for reason in DROP_REASONS:  # every reason exported, zeros included, so a dashboard can alert on any
+            self.dropped.labels(reason).set(s.dropped.get(reason, 0))
+        for d in s.disk:
+            self.disk.labels(d.name).set(d.used_mb * 2**20)
+            if d.limit_mb:
+                self.disk_limit.labels(d.name).set(d.limit_mb * 2**20)

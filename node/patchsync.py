@@ -150,7 +150,7 @@ async def serve(stream: Any, home: Path, bcast: Any) -> None:
         req = wire.decode_struct(raw, CatalogRequest, MAX_REQUEST)
     except DecodeError as e:
         await write_frame(stream, wire.encode(CatalogReply(False, f"bad request: {e}"[:500])))
-        return
+        raise  # the asker broke the protocol: the host scores it
     lineage = bytes(req.lineage)
     store = held_store(home, lineage)
     if store is None:

@@ -29,15 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from gossip import wire
-from node import control, hardware, patchsync, roles
+from node import control, hardware, patchsync, roles, stall
+from node.stall import StallMeter
 from node.config import Config
-from gossip.errors import MurmurError, PatchError
+from gossip.errors import DecodeError, MurmurError, PatchError
+from gossip.transport import FrameError
 from gossip.identity import Identity, peer_id_from_public
+from gossip.ratelimit import RateMeter
 from node.logs import event
-from node.status import LineageView, NodeStatus, PeerView, TREND_POINTS
+from node.status import DiskMeter, Drops, LineageView, NodeStatus, PeerView, TREND_POINTS
 
 log = logging.getLogger("murmur.node")
 
@@ -51,6 +55,8 @@ CATCH_UP_TIMEOUT_S = 120.0
 IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
 TASK_SET_CHECK_EVERY = 5  # announce rounds between checks of the store for our own new task sets
 PARTIAL_SWEEP_EVERY = 60  # catch-up rounds (~0.5 s each) between sweeps of finished partial downloads
+MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
+STREAM_FAULT_PENALTY = 20.0  # bytes that break a stream protocol: three such faults graylist the sender
 PARTIAL_KEEP_S = 600.0  # an unfinished download's chunks are kept this long for a restart to resume from
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 
@@ -88,13 +94,18 @@ class RunOptions:
 def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str], opts: RunOptions) -> dict[str, Any]:
     t = cfg.training
     return {
-        "home": str(home), "roles": node_roles, "model": t.model, "engine": t.engine,
+        "home": str(home), "swarm": cfg.node.swarm, "roles": node_roles, "model": t.model, "engine": t.engine,
         "model_home": opts.model_home or str(home),
         "device": t.device, "model_seed": 0, "seed": t.seed, "threads": t.threads,
         "memory_budget_mb": cfg.node.memory_budget_mb, "identity_seed": ident.seed.hex(),
         "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
         "chunk_bytes": cfg.sync.chunk_bytes, "retain_versions": cfg.sync.retain_versions,
         "publish_every": cfg.sync.publish_every, "spot_rate": 0.25,
+        # the trainer's sampler (training/sampler.py): groups of ~group_size verified rollouts
+        "sampler_max_rollouts": max(64, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)),
+        "sampler_max_groups": max(16, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)
+                                  // max(1, t.group_size)),
+        "task_sets": msgspec.to_builtins(t.task_sets), "trusted": list(cfg.trust.coordinators),
         "trainer": {"local_groups": t.local_rollouts, "external_groups": t.external_rollouts,
                     "group_size": t.group_size, "lr": t.lr, "max_new_tokens": t.max_new_tokens,
                     "temperature": t.temperature, "seed": t.seed, "max_staleness": cfg.sync.max_staleness,
@@ -184,7 +195,7 @@ class Node:
         self.home = Path(home)
         self.ident = ident
         self.opts = opts
-        self.store = open_store(self.home)
+        self.store = open_store(self.home, cfg.disk.ledger_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
@@ -205,6 +216,9 @@ class Node:
         self.counters: dict[str, int] = {"bytes_up": 0, "bytes_down": 0, "published": 0, "applied": 0,
                                          "spot_checked": 0, "spot_failed": 0, "used": 0, "publish_failed": 0}
         self.ledger: dict[str, int] = {}
+        self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
+        self.publish_meter = RateMeter()  # batches/s we publish, announced (gossip.ratelimit)
+        self.drops, self.disk = Drops(), DiskMeter(home, cfg)
         self.steps = 0
         self.step_times: deque[float] = deque(maxlen=8)  # seconds per optimizer step
         self.version_times: deque[float] = deque(maxlen=8)  # seconds between published versions
@@ -226,8 +240,8 @@ class Node:
 
         self.guard = StalenessGuard(cfg.sync.max_staleness)
         self.metrics: Any = None
+        self.stall = StallMeter()
         self._cancel: trio.CancelScope | None = None
-        self.pool_max = max(256, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8))
         self.tokens_per_rollout = float(cfg.training.max_new_tokens)
 
     # ------------------------------------------------------------ status
@@ -258,7 +272,7 @@ class Node:
         led = self.ledger
         rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
         if self.service is not None:
-            for reason in ("graylisted", "blacklisted", "rate_limited"):
+            for reason in ("graylisted", "blacklisted", "rate_limited", "over_announced_rate"):
                 n = self.service.pipeline.counts.get(reason, 0)
                 if n:
                     rejected[reason] = rejected.get(reason, 0) + n
@@ -286,7 +300,18 @@ class Node:
             rollout_latency_s=self.latency, bytes_up=self._bytes_up(), bytes_down=self._bytes_down(),
             memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=self.cfg.node.memory_budget_mb,
             metrics_port=self.metrics.port if self.metrics else 0,
+            dropped=self.drops.view(self.worker.dropped if self.worker else 0), disk=self.disk.views(now),
+            loop_stall_max_ms=round(self.stall.max_ms, 1),
+            loop_stall_recent_ms=round(self.stall.recent_ms(trio.current_time()), 1) if self._nursery else 0.0,
+            stream_faults=dict(self.transport.faults.counts) if self.transport is not None else {},
+            peer_scores=self._peer_scores(),
             **({"reach": self.reach.view()} if getattr(self, "reach", None) else {}))
+
+    def _peer_scores(self) -> dict[str, float]:
+        if self.service is None:
+            return {}
+        p = self.service.pipeline
+        return {peer: round(v["score"], 3) for peer, v in list(p.scores.snapshot(p.clock()).items())[:MAX_SCORES_SHOWN]}
 
     def _bytes_up(self) -> int:
         return int(self.bcast.counters["bytes_up"]) if self.bcast is not None else 0
@@ -302,13 +327,14 @@ class Node:
     async def run(self) -> None:
         from gossip.discovery import Discovery
         from gossip.host import open_transport
-        from gossip.pool import RolloutPool
         from gossip.service import GossipService
         from gossip.validation import Pipeline, PipelineConfig
         from training.tasksets import TaskRegistry
-        from training.verifiers import score
+        from training.tokencheck import for_model
+        from training.verifiers import VerifierPool, score
 
         cfg = self.cfg
+        wire.bind_swarm(cfg.node.swarm)  # every envelope signed or accepted here names this swarm
         self.registry = TaskRegistry()
         self.registry.add_builtin()
         for ts in self.store.task_sets():
@@ -336,12 +362,14 @@ class Node:
         try:
             async with open_transport(self.ident, listen) as t:
                 self.transport = t
+                self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
+                check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
                 pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness),
                                     clock=time.time, resolve_task=self.registry.resolve, reward=score,
-                                    head_version=self._head_of, task_set_trusted=lambda ts: ts in self.registry)
-                pool = RolloutPool(self.pool_max, self.store)
-                self.pool = pool
-                self.service = GossipService(t, pipeline, pool, cfg.node.swarm, self.store)
+                                    head_version=self._head_of, task_set_trusted=lambda ts: ts in self.registry,
+                                    reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
+                self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
+                t.faults.on_fault = self._on_stream_fault
                 self.service.on_accept = self._on_accept
                 self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
                 self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
@@ -365,6 +393,7 @@ class Node:
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
+                    nursery.start_soon(stall.run, self.stall)
                     nursery.start_soon(self._worker_loop)
                     nursery.start_soon(self._announce_loop)
                     nursery.start_soon(self._ledger_loop)
@@ -378,6 +407,8 @@ class Node:
                 await trio.to_thread.run_sync(self.worker.stop, STOP_GRACE_S)
             if self.metrics is not None:
                 self.metrics.close()
+            if self.verifiers is not None:
+                self.verifiers.close()
             self.store.close()
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
@@ -447,6 +478,7 @@ class Node:
         if prev is not None and prev.announce.seq >= body.seq:
             return
         self.peers[body.peer_id] = PeerInfo(body, bytes(env.signer), time.monotonic())
+        self.service.pipeline.announced(body.peer_id, body)
         for d in body.owned:
             lin = self._lineage(bytes(d.lineage), d.name, bytes(env.signer))
             lin.head = max(lin.head, d.head_version)
@@ -473,6 +505,7 @@ class Node:
         try:
             self.registry.add(data, trusted)
         except MurmurError as e:
+            self.drops.add("task_set_refused")
             log.debug("task set from %s not accepted: %s", origin, e)
             return
         await trio.to_thread.run_sync(self.store.add_task_set, tid, m.name, m.version, bytes(m.coordinator), data)
@@ -511,6 +544,12 @@ class Node:
         p.scores.penalise(peer, f"broadcast: {reason}"[:120], abs(amount), p.clock())
         event(log, "broadcast penalty", peer=peer, reason=reason[:200], amount=abs(amount))
 
+    def _on_stream_fault(self, peer: str, protocol: str, error: str) -> None:
+        """Bytes that break a stream protocol (ours or py-libp2p's) lower the sender's gossip score."""
+        p = self.service.pipeline
+        p.scores.penalise(peer, f"stream: {protocol}"[:120], STREAM_FAULT_PENALTY, p.clock())
+        event(log, "stream fault", peer=peer, protocol=protocol, error=error[:200])
+
     def _on_transfer_complete(self, tr: Any) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(self._store_transfer, tr)
@@ -529,6 +568,7 @@ class Node:
             log.warning("could not store patch %s: %s", tr.pid.hex()[:12], e)
             return
         have.add((item.kind, item.base, item.target))
+        await trio.to_thread.run_sync(patchsync.held_store(self.home, lid).prune, self.cfg.sync.retain_versions)
         self.counters["bytes_down"] += tr.session.bytes_in
         if tr.completed_wall is not None:
             self.fetch_s.append(max(0.0, tr.completed_wall - tr.started))
@@ -555,6 +595,8 @@ class Node:
         try:
             with trio.fail_after(30):
                 await patchsync.serve(stream, self.home, self.bcast)
+        except (DecodeError, FrameError):
+            raise  # a malformed request: the host's stream guard scores the asker
         except (MurmurError, trio.TooSlowError) as e:
             log.debug("catalog request from %s: %s", remote, e)
         with trio.move_on_after(2):
@@ -626,6 +668,7 @@ class Node:
             self._reward(body["reward_mean"])
             self.counters["used"] += int(body.get("n_external_groups", 0)) * self.cfg.training.group_size
             self.step_times.append(float(body["step_s"]))
+            self.drops.from_worker(body.get("dropped"))
             event(log, "step", **{k: body[k] for k in ("step", "version", "reward_mean", "loss",
                                                        "n_external_groups", "step_s")})
         elif kind == "gen":
@@ -709,6 +752,7 @@ class Node:
             await trio.to_thread.run_sync(self.store.record_rollouts, entries)
             try:
                 await self.service.publish_rollouts(data)
+                self.publish_meter.tick(time.time())
                 self.counters["rollouts_published"] = self.counters.get("rollouts_published", 0) + len(part)
             except PublishError as e:
                 self.counters["publish_failed"] += 1
@@ -820,7 +864,8 @@ class Node:
             memory_bytes=self.cfg.node.memory_budget_mb * 2**20, roles=self.roles,
             lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
             owned=[demand] if demand else [],
-            addrs=(self.reach.announce_addrs() if getattr(self, "reach", None) else self.transport.listen_addrs())[:16])
+            addrs=(self.reach.announce_addrs() if getattr(self, "reach", None) else self.transport.listen_addrs())[:16],
+            publish_batches_per_s=self.publish_meter.rate(time.time()))
         return wire.seal(self.ident, wire.NODE_ANNOUNCE, a)
 
     async def _announce_loop(self) -> None:
@@ -831,7 +876,7 @@ class Node:
             try:
                 await self.service.publish_announce(self._announce())
             except PublishError:
-                pass
+                self.drops.add("announce_unpublished")
             if i % TASK_SET_CHECK_EVERY == 0:
                 await self._announce_task_sets()
             now = time.monotonic()
@@ -861,6 +906,7 @@ class Node:
             try:
                 await self.service.publish_announce(bytes(ts["envelope"]))
             except PublishError:
+                self.drops.add("task_set_unpublished")
                 return  # no peers yet: try again next round
             self.announced_task_sets.add(tid)
             event(log, "task set announced", name=ts["name"], version=ts["version"], id=tid.hex()[:16])

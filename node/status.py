@@ -3,11 +3,113 @@ metrics and demo read, so every view of a node shows the same numbers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
 import msgspec
 from msgspec import Struct
 
 STATUS_LIMIT = 4 * 1024 * 1024  # bytes of one status reply on the control socket
 TREND_POINTS = 60
+
+# Every reason a node lets something go without it being a verdict on a peer (those are `rejected`).
+# One registry: status, dashboard, metrics and docs/volunteer.md all list these names.
+DROP_REASONS: dict[str, str] = {
+    "worker_queue_full": "accepted rollout batches not handed to the worker: the link's queue was full",
+    "worker_inbox_full": "rollout groups evicted (oldest first) from the worker's inbox before a step took them",
+    "below_min_version": "external rollout groups past the staleness bound of the heads the trainer knows",
+    "task_set_unused": "external rollouts of a task set this trainer does not hold",
+    "task_set_refused": "task sets not added: unsigned by a trusted coordinator key, or invalid",
+    "announce_unpublished": "node announces that could not be published (no peer on the topic)",
+    "task_set_unpublished": "own task-set announces that could not be published (retried next round)",
+}
+
+
+class Drops:
+    """Counters of what the node dropped, by a reason named in `DROP_REASONS` (an unknown name is a bug)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.worker: dict[str, int] = {}  # the worker's own totals, as last reported
+
+    def add(self, reason: str, n: int = 1) -> None:
+        if reason not in DROP_REASONS:
+            raise KeyError(f"unregistered drop reason {reason!r}")
+        self.counts[reason] = self.counts.get(reason, 0) + n
+
+    def from_worker(self, totals: Mapping[str, int] | None) -> None:
+        """The worker process reports running totals; the newest report wins (a restarted worker starts at 0)."""
+        for reason, n in (totals or {}).items():
+            if reason in DROP_REASONS and isinstance(n, int) and n >= 0:
+                self.worker[reason] = n
+
+    def view(self, worker_queue_full: int = 0) -> dict[str, int]:
+        out = dict(self.counts)
+        for reason, n in self.worker.items():
+            out[reason] = out.get(reason, 0) + n
+        if worker_queue_full:
+            out["worker_queue_full"] = out.get("worker_queue_full", 0) + worker_queue_full
+        return {k: v for k, v in sorted(out.items()) if v}
+
+
+class DiskView(Struct, kw_only=True):
+    """One disk budget: what is used now and the configured limit (0: the limit is not in bytes, see `rule`)."""
+
+    name: str  # ledger | patches | partial | logs
+    used_mb: float = 0.0
+    limit_mb: float = 0.0
+    rule: str = ""  # how it is enforced, e.g. "newest 200000 rows, 168 h"
+
+
+def dir_mb(path: Path, prefix: str = "") -> float:
+    """MiB under `path` (files whose names start with `prefix` when it is a file prefix in `path`)."""
+    import os
+
+    total = 0
+    if prefix:
+        for p in Path(path).glob(prefix + "*"):
+            try:
+                total += p.stat().st_size
+            except OSError:
+                pass
+        return total / 2**20
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total / 2**20
+
+
+class DiskMeter:
+    """Disk use per budget of one node home, re-measured at most every `every_s` (a walk is not free)."""
+
+    def __init__(self, home: Path, cfg: object, every_s: float = 30.0) -> None:
+        self.home = Path(home)
+        self.cfg = cfg  # node.config.Config (typed loosely: status sits below config)
+        self.every_s = every_s
+        self._at = -1e18
+        self._views: list[DiskView] = []
+
+    def views(self, now: float) -> list[DiskView]:
+        if now - self._at < self.every_s:
+            return self._views
+        self._at = now
+        c = self.cfg
+        d, s = c.disk, c.sync  # type: ignore[attr-defined]
+        self._views = [
+            DiskView(name="ledger", used_mb=round(dir_mb(self.home, "state.db"), 2),
+                     rule=f"newest {d.ledger_max_rows} rows (signed bytes on {d.ledger_payload_rows}), "
+                          f"{d.ledger_max_age_h:g} h"),
+            DiskView(name="patches", used_mb=round(dir_mb(self.home / "lineages"), 2),
+                     rule=f"{s.retain_versions} versions + {s.max_anchors} anchors per lineage"),
+            DiskView(name="partial", used_mb=round(dir_mb(self.home / "partial"), 2),
+                     rule="unfinished downloads, swept when done or abandoned"),
+            DiskView(name="logs", used_mb=round(dir_mb(self.home, "node.log"), 2), limit_mb=float(d.logs_max_mb),
+                     rule="node.log + 1 rotated copy"),
+        ]
+        return self._views
 
 
 class PeerView(Struct, kw_only=True):
@@ -97,6 +199,13 @@ class NodeStatus(Struct, kw_only=True):
     memory_rss_mb: float = 0.0
     memory_budget_mb: int = 0
     metrics_port: int = 0
+    dropped: dict[str, int] = {}  # reason (DROP_REASONS) -> count since start
+    disk: list[DiskView] = []
+    # robustness (node.stall, gossip.host.StreamFaults, gossip.scoring): see docs/security.md
+    loop_stall_max_ms: float = 0.0  # worst event-loop lateness since start
+    loop_stall_recent_ms: float = 0.0  # worst over the last 5 s
+    stream_faults: dict[str, int] = {}  # protocol -> streams that broke it (peer scored, stream closed)
+    peer_scores: dict[str, float] = {}  # peer id -> current gossip score, for peers with a record
     reach: ReachView = msgspec.field(default_factory=ReachView)
 
 

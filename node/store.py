@@ -3,7 +3,12 @@
 Holds what must survive kill -9: peers seen, lineages and their versions,
 task sets, and the rollout ledger (every rollout produced, received, accepted
 or rejected with its reason) that later serves contribution accounting.
-Accepted rollouts keep their signed bytes so a restart loses none of them.
+
+The ledger has a budget (`LedgerBudget`): the newest rows are kept, older ones
+are deleted, and only the newest accepted rows keep their signed bytes. Totals
+per status/reason and per producer live in their own small tables, updated in
+the same transaction as each insert, so counts survive pruning and reading them
+never scans the ledger. Pruning works in bounded batches from the oldest row.
 The schema is versioned (PRAGMA user_version) and migrated forward in order.
 """
 
@@ -17,6 +22,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from gossip.errors import StoreError
 
@@ -88,7 +95,37 @@ MIGRATIONS: list[str] = [
         value TEXT NOT NULL
     );
     """,
+    # 2: ledger totals kept beside the (pruned) ledger
+    """
+    CREATE TABLE ledger_totals (
+        status TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        n INTEGER NOT NULL,
+        PRIMARY KEY (status, reason)
+    );
+    INSERT INTO ledger_totals SELECT status, reason, COUNT(*) FROM rollouts GROUP BY status, reason;
+    CREATE TABLE producer_totals (
+        producer BLOB PRIMARY KEY,
+        accepted INTEGER NOT NULL,
+        tokens INTEGER NOT NULL
+    );
+    INSERT INTO producer_totals SELECT COALESCE(producer, x''), COUNT(*), COALESCE(SUM(tokens), 0)
+        FROM rollouts WHERE status='accepted' GROUP BY COALESCE(producer, x'');
+    """,
 ]
+
+# Two subqueries so SQLite answers each from the primary key's ends (MIN and MAX together would scan).
+_SEQ_RANGE = "SELECT (SELECT MIN(seq) FROM rollouts), (SELECT MAX(seq) FROM rollouts)"
+PRUNE_EVERY = 256  # inserted rows between budget checks
+PRUNE_BATCH = 5000  # rows deleted (or stripped of payload) per check: bounded work per call
+
+
+class LedgerBudget(msgspec.Struct, frozen=True, kw_only=True):
+    """How much of the rollout ledger stays on disk (totals are kept regardless)."""
+
+    max_rows: int = 200_000  # newest ledger rows kept
+    payload_rows: int = 2_000  # newest rows that keep their signed bytes
+    max_age_s: float = 7 * 86400.0  # rows older than this are deleted
 
 
 def _now_ms() -> int:
@@ -98,8 +135,12 @@ def _now_ms() -> int:
 class Store:
     """Thread-safe wrapper around one SQLite connection; every write is one transaction."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, budget: LedgerBudget | None = None) -> None:
         self.path = Path(path)
+        self.budget = budget or LedgerBudget()
+        self.pruned = 0  # ledger rows deleted by the budget since open
+        self._since_prune = 0
+        self._payload_floor = 0  # rows at or below this seq have had their payload stripped
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -251,16 +292,72 @@ class Store:
              e.get("reward"), e.get("tokens"), e.get("ts_ms", now), e.get("payload"))
             for e in entries
         ]
+        totals: dict[tuple[str, str], int] = {}
+        producers: dict[bytes, list[int]] = {}
+        for r in rows:
+            totals[(r[2], r[3])] = totals.get((r[2], r[3]), 0) + 1
+            if r[2] == "accepted":
+                acc = producers.setdefault(bytes(r[4] or b""), [0, 0])
+                acc[0] += 1
+                acc[1] += int(r[12] or 0)
         with self.tx() as db:
             db.executemany(
                 """INSERT INTO rollouts(rollout_id, direction, status, reason, producer, from_peer, lineage, version,
                    task_set, generator, task_seed, reward, tokens, ts_ms, payload) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
                 rows,
             )
+            db.executemany("""INSERT INTO ledger_totals VALUES(?, ?, ?)
+                              ON CONFLICT DO UPDATE SET n = n + excluded.n""",
+                           [(st, rs, n) for (st, rs), n in totals.items()])
+            db.executemany("""INSERT INTO producer_totals VALUES(?, ?, ?) ON CONFLICT DO UPDATE SET
+                              accepted = accepted + excluded.accepted, tokens = tokens + excluded.tokens""",
+                           [(p, a, t) for p, (a, t) in producers.items()])
+        self._since_prune += len(rows)
+        if self._since_prune >= PRUNE_EVERY:
+            self._since_prune = 0
+            self.prune_ledger()
         return len(rows)
 
+    def prune_ledger(self, now_ms: int | None = None) -> int:
+        """Enforce the ledger budget on the oldest rows, at most `PRUNE_BATCH` of each kind; returns rows deleted."""
+        b = self.budget
+        now_ms = _now_ms() if now_ms is None else now_ms
+        with self.tx() as db:
+            lo, top = db.execute(_SEQ_RANGE).fetchone()
+            if top is None:
+                return 0
+            # Sequence numbers are dense and ts_ms grows with them: both cuts walk the primary key from the oldest row.
+            cut = min(top - b.max_rows, lo + PRUNE_BATCH - 1)
+            aged = db.execute("SELECT MAX(seq) FROM (SELECT seq FROM rollouts WHERE seq < ? AND ts_ms < ? ORDER BY seq)",
+                              (lo + PRUNE_BATCH, now_ms - int(b.max_age_s * 1000))).fetchone()[0]
+            cut = max(cut, aged or 0)
+            deleted = db.execute("DELETE FROM rollouts WHERE seq <= ?", (cut,)).rowcount if cut >= lo else 0
+            base = max(self._payload_floor, cut, lo - 1)
+            strip_to = min(top - b.payload_rows, base + PRUNE_BATCH)
+            if strip_to > base:
+                db.execute("UPDATE rollouts SET payload=NULL WHERE seq > ? AND seq <= ? AND payload IS NOT NULL",
+                           (base, strip_to))
+                self._payload_floor = strip_to
+        self.pruned += deleted
+        return deleted
+
+    def ledger_rows(self) -> int:
+        """Rows in the ledger now (MAX-MIN on the primary key: no scan)."""
+        lo, hi = self.query(_SEQ_RANGE)[0]
+        return 0 if lo is None else int(hi - lo + 1)
+
+    def disk_bytes(self) -> int:
+        """The database with its write-ahead log."""
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                total += Path(str(self.path) + suffix).stat().st_size
+            except OSError:
+                pass
+        return total
+
     def ledger_counts(self) -> dict[str, int]:
-        rows = self.query("SELECT status, reason, COUNT(*) FROM rollouts GROUP BY status, reason")
+        rows = self.query("SELECT status, reason, n FROM ledger_totals")
         out: dict[str, int] = {}
         for status, reason, n in rows:
             key = f"{status}:{reason}" if reason else status
@@ -275,11 +372,9 @@ class Store:
 
     def contributions(self) -> list[dict[str, Any]]:
         """Accepted rollouts and tokens per producer: the basis of contribution accounting."""
-        rows = self.query(
-            "SELECT producer, COUNT(*), COALESCE(SUM(tokens), 0) FROM rollouts WHERE status='accepted' GROUP BY producer"
-        )
-        return [dict(producer=r[0], accepted=r[1], tokens=r[2]) for r in rows]
+        rows = self.query("SELECT producer, accepted, tokens FROM producer_totals")
+        return [dict(producer=r[0] or None, accepted=r[1], tokens=r[2]) for r in rows]
 
 
-def open_store(home: Path) -> Store:
-    return Store(Path(home) / DB_FILE)
+def open_store(home: Path, budget: LedgerBudget | None = None) -> Store:
+    return Store(Path(home) / DB_FILE, budget)

@@ -11,7 +11,7 @@ network -> worker
   ("admit", dict)            {lineage, generate}: the network's staleness guard (sync.staleness) says
                              whether this follower may generate for the lineage (within the bound)
   ("pace", dict)             {rollouts_per_s}: cap on a follower's generation rate (its trainer's need; 0 = none)
-  ("external", bytes)        a verified RolloutBatch envelope (trainer pool, spot checks)
+  ("external", bytes)        a verified RolloutBatch envelope (the trainer's training.sampler.Sampler, spot checks)
   ("stop", None)
 worker -> network
   ("ready", dict)            {lineage?, name?, base, version, tokenizer_hash}
@@ -39,10 +39,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from training.sampler import Sampler
+
 SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation (docs/training.md)
-EXTERNAL_GROUPS_MAX = 256  # bounded pool of external groups held by a trainer worker
+EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
+ACCEPTED_SETS_MAX = 256  # task sets counted in the accepted-rollouts tally between two takes
+EVAL_EVERY_STEPS = 25  # a trainer measures held-out accuracy every this many steps (and at its first)
+TASKS_WAIT_S = 2.0  # poll interval while waiting for a chosen task set to arrive
 VLLM_PYTHON_VAR = "MURMUR_VLLM_PYTHON"  # the vLLM environment's interpreter, when not the default below
 VLLM_ENV_DIR = ".venv-vllm"  # built by `install.sh --vllm cpu|gpu` next to the package
 ENGINE_PROBE_TIMEOUT_S = 180.0
@@ -110,25 +115,10 @@ def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
     return py, str(res["mode"])
 
 
-def _own_environment() -> None:
-    """Under another interpreter (the vLLM environment), spawn hands the child the network process's
-    sys.path: swap the other environment's site-packages for this interpreter's own."""
-    import site
-    import sysconfig
-
-    own = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
-    foreign = [p for p in sys.path if ("site-packages" in p or "dist-packages" in p) and p not in own]
-    if not foreign:
-        return
-    sys.path[:] = [p for p in sys.path if p not in foreign]
-    for p in dict.fromkeys(own):
-        site.addsitedir(p)
-
-
 class Inbox:
     """What the reader thread collected; everything bounded."""
 
-    def __init__(self, max_groups: int) -> None:
+    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None) -> None:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -136,15 +126,13 @@ class Inbox:
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
         self.pace = 0.0
-        self.groups: collections.OrderedDict[tuple, list] = collections.OrderedDict()
-        self.max_groups = max_groups
+        self.sampler = Sampler(max_groups, max_staleness, max_rollouts)  # the trainer's external groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
-        self.dropped = 0
+        self.accepted: dict[bytes, int] = {}  # verified swarm rollouts received per task set, since last taken
 
 
 def _reader(conn: Any, inbox: Inbox) -> None:
     from gossip import wire
-    from gossip.pool import task_key
 
     while not inbox.stop.is_set():
         try:
@@ -173,12 +161,10 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                     continue
                 inbox.spot.append((bytes(batch.producer), batch))
                 for r in batch.rollouts:
-                    g = inbox.groups.setdefault(task_key(r.task), [])
-                    if len(g) < 64:
-                        g.append(r)
-                while len(inbox.groups) > inbox.max_groups:
-                    inbox.groups.popitem(last=False)
-                    inbox.dropped += 1
+                    tid = bytes(r.task.task_set)
+                    if tid in inbox.accepted or len(inbox.accepted) < ACCEPTED_SETS_MAX:
+                        inbox.accepted[tid] = inbox.accepted.get(tid, 0) + 1
+                inbox.sampler.add_rollouts(batch.rollouts)
         inbox.wake.set()
 
 
@@ -187,13 +173,17 @@ class Worker:
         self.conn = conn
         self.spec = spec
         self.home = Path(spec["home"])
-        self.inbox = Inbox(EXTERNAL_GROUPS_MAX)
+        max_rollouts = spec.get("sampler_max_rollouts")
+        self.inbox = Inbox(int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
+                           int(spec.get("trainer", {}).get("max_staleness", 4)),
+                           None if max_rollouts is None else int(max_rollouts))
         self.rng = random.Random(spec.get("seed", 0) + 7)
         self._send_lock = threading.Lock()
         self.tokens = 0
         self.gen_s = 0.0
         self.need_anchor = False
         self.held_lineage = b""
+        self.engine: Any = None  # loaded in run(); until then nothing is trained on
 
     def send(self, kind: str, body: Any) -> None:
         with self._send_lock:
@@ -223,8 +213,14 @@ class Worker:
         self.master = self.engine
         self.registry = TaskRegistry()
         self.registry.add_builtin()
-        self.task_set = self.registry.builtin_id
         self.db = open_store(self.home)
+        from node.taskmix import TaskMix
+        from training.tiny import TINY_NAME, warmup_generators
+
+        self.tasks = TaskMix(self.registry, self.db, self.spec.get("task_sets") or ["builtin"],
+                             {bytes.fromhex(k) for k in self.spec.get("trusted", [])},
+                             warmup_generators() if self.spec["model"] == TINY_NAME else [])
+        self.tasks.refresh(force=True)
         from node.policy import to_published
         from sync.hashing import canonical_state, state_hash
 
@@ -245,8 +241,37 @@ class Worker:
         if self.engine is not self.master and "trainer" not in self.spec["roles"]:
             self.master = None  # a vLLM follower generates and checks with vLLM only: free the torch copy
         self.checker = self.engine  # the engine holding the published weights, for spot checks
-        m = self.registry.get(self.task_set)
-        self.gens = [g for g in m.generators if not g.name.endswith("-eval")]
+
+    # ------------------------------------------------------------ task sets
+    def _wait_for_tasks(self) -> bool:
+        """Block (a stop ends it) until the chosen task sets resolve to something; never fall back."""
+        said = ""
+        while not self.inbox.stop.is_set():
+            self.tasks.refresh()
+            if self.tasks.mixture:
+                return True
+            msg = self.tasks.describe_waiting()
+            if msg != said:
+                self.send("state", "waiting-for-tasks")
+                self.send("log", msg)
+                self.tasks.save()
+                said = msg
+            self.inbox.stop.wait(TASKS_WAIT_S)
+        return False
+
+    def _take_accepted(self) -> None:
+        with self.inbox.lock:
+            got, self.inbox.accepted = self.inbox.accepted, {}
+        self.tasks.accepted(got)
+
+    def _evaluate(self, step: int) -> None:
+        from training.evaluation import accuracy_by_family
+
+        max_new = int(self.spec["trainer"]["max_new_tokens"])
+        for tid, _ in self.tasks.mixture:
+            tasks = self.tasks.eval_tasks(tid)
+            if tasks:
+                self.tasks.record_eval(tid, step, accuracy_by_family(self.checker, tasks, max_new))
 
     # ------------------------------------------------------------ trainer
     def run_trainer(self) -> None:
@@ -287,17 +312,34 @@ class Worker:
                             "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
                             "tokenizer_hash": self.engine.tokenizer_hash.hex()})
         cfg = TrainerConfig(**s["trainer"])
-        trainer = Trainer(self.engine, self.registry, self.task_set, cfg, lineage=pub.lineage.id,
+        if not self._wait_for_tasks():
+            return
+        trainer = Trainer(self.engine, self.registry, self.tasks.mixture[0][0], cfg, lineage=pub.lineage.id,
                           external=self._external)
+        trainer.set_mixture(self.tasks.mixture)
+        self.send("log", "training on " + ", ".join(f"{self.registry.get(t).name} v{self.registry.get(t).version} "
+                                                    f"x{w:g}" for t, w in self.tasks.mixture))
         trainer.version = pub.version
+        self._observe_own_head(pub.lineage.id, pub.version)
         publish_every = max(1, int(s.get("publish_every", 1)))
         self.send("state", "training")
         steps = 0
         while not self.inbox.stop.is_set():
+            if self.tasks.refresh():  # a new version of a followed set, or a chosen set arrived
+                trainer.set_mixture(self.tasks.mixture)
+                self.send("log", "task sets now " + ", ".join(
+                    f"{self.registry.get(t).name} v{self.registry.get(t).version} x{w:g}"
+                    for t, w in self.tasks.mixture))
+            if steps % EVAL_EVERY_STEPS == 0:
+                self._evaluate(steps)
             t0 = time.monotonic()
             res = trainer.step()
             steps += 1
             self.tokens += res.tokens
+            self.tasks.produced(res.rollouts)
+            self.tasks.used(res.used_by_set)
+            self._take_accepted()
+            self.tasks.save()
             if res.rollouts:
                 # sampled from the published version pub.version: any peer holding it can spot-check them
                 self.send("rollouts", [wire.encode(to_wire(r)) for r in res.rollouts])
@@ -309,29 +351,34 @@ class Worker:
                 self.send("published", {"version": pub.version, "envelope": bundle.envelope,
                                         "bytes": bundle.manifest.total_bytes})
             trainer.version = pub.version
+            self._observe_own_head(pub.lineage.id, pub.version)
+            with self.inbox.lock:
+                sampler_counts = dict(self.inbox.sampler.counts)
             step_s = time.monotonic() - t0
             self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
                                "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
-                               "published": published,
+                               "published": published, "sampler": sampler_counts,
+                               "dropped": {**trainer.drops, "worker_inbox_full": sampler_counts["evicted"],
+                                           "below_min_version": sampler_counts["stale"]},
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
             self._spot_checks(pub.lineage.id, pub.version)
+        self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
+        self.tasks.save()
 
     def _external(self, max_groups: int, min_version: int) -> list:
-        out: list = []
+        """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py), each
+        rollout's ids in the vocabulary and decoding to the text that was verified."""
+        from training.tokencheck import consistent
+
         with self.inbox.lock:
-            keys = list(self.inbox.groups)
-            taken = 0
-            for k in reversed(keys):  # newest first
-                if taken >= max_groups:
-                    break
-                g = self.inbox.groups[k]
-                g = [r for r in g if bytes(r.lineage) != self.held_lineage or r.version >= min_version]
-                if len(g) >= 2:
-                    out.extend(g)
-                    taken += 1
-                    del self.inbox.groups[k]
-        return out
+            taken = self.inbox.sampler.take_rollouts(max_groups, min_version)
+        return [r for r in taken if self.engine is None or consistent(r, self.engine)]
+
+    def _observe_own_head(self, lineage: bytes, version: int) -> None:
+        # this worker publishes its lineage, so its own version is that lineage's head
+        with self.inbox.lock:
+            self.inbox.sampler.observe_head(lineage, version)
 
     # ------------------------------------------------------------ follower
     def _checkpoint_dir(self, lineage: bytes) -> Path:
@@ -437,6 +484,7 @@ class Worker:
         from gossip import wire
         from training.engine import Sampling
         from training.rollouts import RolloutRec, to_wire
+        from training.tasksets import is_eval
         from training.verifiers import score
 
         s = self.spec
@@ -456,8 +504,12 @@ class Worker:
                 state = x
                 self.send("state", x)
 
+        if not self._wait_for_tasks():
+            return
         set_state("standby")
         while not self.inbox.stop.is_set():
+            self.tasks.refresh()
+            self._take_accepted()
             with self.inbox.lock:
                 want = self.inbox.follow
             if want != "unset" and (want or None) != current:
@@ -486,8 +538,10 @@ class Worker:
                 self.inbox.wake.clear()
                 continue
             set_state("generating")
-            g = self.rng.choices(self.gens, weights=[x.weight for x in self.gens])[0]
-            ref = wire.TaskRef(self.task_set, g.name, self.rng.randrange(g.seed_start, g.seed_end))
+            tid = self.rng.choices([t for t, _ in self.tasks.mixture], [w for _, w in self.tasks.mixture])[0]
+            gens = [x for x in self.registry.get(tid).generators if not is_eval(x)]
+            g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
+            ref = wire.TaskRef(tid, g.name, self.rng.randrange(g.seed_start, g.seed_end))
             task = self.registry.resolve(ref)
             prompt = self.engine.encode(task.prompt)
             t0 = time.monotonic()
@@ -507,6 +561,8 @@ class Worker:
             self.tokens += ntok
             self.gen_s += dt
             self.send("rollouts", [wire.encode(to_wire(r)) for r in recs])
+            self.tasks.produced(recs)
+            self.tasks.save()
             self.send("gen", {"reward_mean": sum(rewards) / len(rewards), "version": version, "tokens": ntok,
                               "latency_s": dt})
             self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})
@@ -535,6 +591,7 @@ class Worker:
                 self.inbox.spot.clear()
             return
         from training.rollouts import logprobs_from_bytes
+        from training.tokencheck import consistent
 
         rate = float(self.spec.get("spot_rate", 0.25))
         with self.inbox.lock:
@@ -546,6 +603,8 @@ class Worker:
                 if bytes(r.lineage) != lineage or r.version != version or not r.completion_ids:
                     continue
                 if bytes(r.tokenizer_hash) != self.engine.tokenizer_hash or self.rng.random() > rate or checked >= 4:
+                    continue
+                if not consistent(r, self.checker):  # never feed a model ids outside its vocabulary
                     continue
                 try:
                     task = self.registry.resolve(r.task)
@@ -579,7 +638,6 @@ class Worker:
 
 def main(conn: Any, spec: dict[str, Any]) -> None:
     """Entry point of the spawned worker process."""
-    _own_environment()
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.get("threads", 1)))
     os.environ.setdefault("MKL_NUM_THREADS", str(spec.get("threads", 1)))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -589,4 +647,7 @@ def main(conn: Any, spec: dict[str, Any]) -> None:
 
     warnings.filterwarnings("ignore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the network process decides when we stop
+    from gossip import wire
+
+    wire.bind_swarm(spec.get("swarm", wire.DEFAULT_SWARM))
     Worker(conn, spec).run()

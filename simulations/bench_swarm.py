@@ -1,8 +1,9 @@
 """`murmur bench swarm`: does swarm sampling beat training alone, and does it survive an adversary?
 
-Four murmur-tiny nodes, each a real `training.trainer.Trainer` (the node's
-own code path), same base checkpoint, same seeds, same task set, same number
-of optimizer steps, in three runs (settings: `simulations/scenarios/bench_swarm.toml`):
+N murmur-tiny nodes (the scenario's 4, or `--nodes N`), each a real
+`training.trainer.Trainer` (the node's own code path), same base checkpoint,
+same seeds, same task set, same number of optimizer steps, in three runs
+(settings: `simulations/scenarios/bench_swarm.toml`):
 
   (a) isolated: every node generates 8 local prompt groups per step, shares nothing;
   (b) swarm:    4 local groups + 4 verified external groups per step (SAPO's 4/4);
@@ -13,12 +14,13 @@ of optimizer steps, in three runs (settings: `simulations/scenarios/bench_swarm.
 Same per-node compute per step: 8 groups of rollouts enter each update (the
 swarm generates only 4 of them). Zero-advantage groups are dropped by the
 trainer in every run (the loss is normalised as the scenario's
-`trainer.loss_norm` says, the node's `[training] loss_norm`); a swarm node takes external groups informative first
-(rewards not all equal), newest first, within the staleness bound, as SAPO's
-filtering does.
+`trainer.loss_norm` says, the node's `[training] loss_norm`); a swarm node's
+external groups come from its own `training.sampler.Sampler`, the node
+worker's sampler: informative groups only (SAPO's filtering), newest first,
+within the staleness bound against the heads its peers announce.
 
-Why one process, round-robin: four torch processes on two shared cores
-would measure scheduler noise, not learning. Each round steps node 0..3 in
+Why one process, round-robin: N torch processes on two shared cores
+would measure scheduler noise, not learning. Each round steps node 0..N-1 in
 turn; each step's local rollouts are sealed in a `RolloutBatch` with the
 node's real ed25519 key and handed to every other node's own
 `gossip.validation.Pipeline` (signature, replay, task regeneration, reward
@@ -29,7 +31,7 @@ multi-process path is `murmur simulate`.
 Cumulative reward of a run: per node, the sum over steps of the mean reward
 of that step's own (locally generated) rollouts, i.e. how good its current
 policy is on fresh tasks; then averaged over the honest nodes, so runs with
-3 and 4 honest nodes compare. `gain_adversarial` compares (c)'s honest nodes
+N - 1 and N honest nodes compare. `gain_adversarial` compares (c)'s honest nodes
 with the same nodes in (a): a node's identity and seed make its own isolated
 reward differ a lot (17.2 to 29.9 within seed 2), so a base that included the
 adversary's slot would measure which node was picked, not the adversary.
@@ -55,6 +57,7 @@ from gossip.validation import Pipeline, PipelineConfig
 from gossip.errors import ConfigError
 from gossip.identity import Identity
 from gossip.tomlfile import convert_strict, parse_toml
+from training.sampler import Sampler
 from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
 
 SWARM = "murmur-bench-swarm"
@@ -100,8 +103,14 @@ class BenchScenario(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     task_set: TaskSetToml
 
 
-def load_scenario(path: str | Path | None = None) -> tuple[BenchScenario, str]:
-    """The benchmark scenario (default: the packaged `scenarios/bench_swarm.toml`) and its text."""
+MAX_NODES = 64
+
+
+def load_scenario(path: str | Path | None = None, nodes: int = 0) -> tuple[BenchScenario, str]:
+    """The benchmark scenario (default: the packaged `scenarios/bench_swarm.toml`) and its text.
+
+    `nodes` > 0 replaces the scenario's node count (`--nodes`); the adversary keeps its slot, or takes
+    the last one when the swarm is smaller than that."""
     if path is None:
         text, origin = resources.files("simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8"), \
             "scenario:bench_swarm"
@@ -111,6 +120,13 @@ def load_scenario(path: str | Path | None = None) -> tuple[BenchScenario, str]:
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: cannot read: {e}") from None
     sc = convert_strict(parse_toml(text, origin), BenchScenario, origin)
+    if nodes:
+        if not 2 <= nodes <= MAX_NODES:
+            raise ConfigError(f"nodes must be in 2..{MAX_NODES}, not {nodes}")
+        sc = msgspec.structs.replace(sc, nodes=nodes, adversary=msgspec.structs.replace(
+            sc.adversary, node=min(sc.adversary.node, nodes - 1)))
+    if sc.nodes > MAX_NODES:
+        raise ConfigError(f"{origin}: at most {MAX_NODES} nodes")
     if sc.nodes < 2 or not 0 <= sc.adversary.node < sc.nodes:
         raise ConfigError(f"{origin}: need nodes >= 2 and 0 <= adversary.node < nodes")
     for mix in (sc.isolated, sc.swarm):
@@ -137,21 +153,13 @@ def bench_task_set(sc: BenchScenario) -> bytes:
 
 
 @dataclass
-class _Group:
-    version: int
-    lineage: bytes
-    rollouts: list[wire.Rollout]
-    informative: bool
-
-
-@dataclass
 class _Node:
     index: int
     ident: Identity
     lineage: bytes
     trainer: Any
     pipeline: Pipeline
-    inbox: list[_Group] = field(default_factory=list)
+    sampler: Sampler
     seq: int = 0
     rewards: list[float] = field(default_factory=list)
     by_gen: list[dict[str, tuple[float, int]]] = field(default_factory=list)  # per step: generator -> (sum, n)
@@ -196,30 +204,6 @@ def _adversarial_payloads(node: _Node, rollouts: list[wire.Rollout], adv: Advers
     return out
 
 
-def _file(node: _Node, batch: wire.RolloutBatch, keep: int) -> None:
-    """Split an accepted batch into per-task groups in the node's bounded inbox (newest kept)."""
-    groups: dict[tuple[bytes, str, int], list[wire.Rollout]] = {}
-    for r in batch.rollouts:
-        groups.setdefault((bytes(r.task.task_set), r.task.generator, r.task.seed), []).append(r)
-    for g in groups.values():
-        if len(g) >= 2:
-            rw = [r.reward for r in g]
-            node.inbox.append(_Group(g[0].version, bytes(g[0].lineage), g, max(rw) - min(rw) > 1e-9))
-    del node.inbox[:-keep]
-
-
-def _source(node: _Node, heads: dict[bytes, int], max_staleness: int) -> Callable[[int, int], list[wire.Rollout]]:
-    """The trainer's `external` hook: up to J groups, informative first, newest first, within staleness."""
-    def take(groups: int, _min_version: int) -> list[wire.Rollout]:
-        fresh = [g for g in node.inbox if heads.get(g.lineage, g.version) - g.version <= max_staleness]
-        order = sorted(range(len(fresh)), key=lambda k: (not fresh[k].informative, -k))
-        picked = {id(fresh[k]) for k in order[:groups]}
-        out = [r for g in fresh if id(g) in picked for r in g.rollouts]
-        node.inbox = [g for g in fresh if id(g) not in picked]  # used once; stale ones dropped
-        return out
-    return take
-
-
 def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenario,
             on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """mode: isolated | swarm | adversarial."""
@@ -257,8 +241,8 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
             PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
             clock=time.time, resolve_task=registry.resolve, reward=score,
             head_version=lambda lin: heads.get(bytes(lin)), task_set_trusted=registry.__contains__)
-        node = _Node(i, ident, lineage, None, pipeline)
-        ext = None if isolated or mix.external_groups == 0 else _source(node, heads, t.max_staleness)
+        node = _Node(i, ident, lineage, None, pipeline, Sampler(sc.inbox_groups, t.max_staleness))
+        ext = None if isolated or mix.external_groups == 0 else node.sampler.take_rollouts
         node.trainer = Trainer(engine, registry, ts_id, cfg, lineage=lineage, external=ext)
         heads[lineage] = 0
         nodes.append(node)
@@ -270,6 +254,8 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
             v0 = node.trainer.version
             res = node.trainer.step()
             heads[node.lineage] = node.trainer.version
+            for other in nodes:  # the head a node announces in its signed manifest
+                other.sampler.observe_head(node.lineage, node.trainer.version)
             node.rewards.append(res.reward_mean)
             gen: dict[str, tuple[float, int]] = {}
             for r in res.rollouts:
@@ -298,15 +284,18 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
                         continue
                     if adversary:
                         other.accepted_from_adversary += 1
-                    _file(other, v.batch, sc.inbox_groups)
+                    other.sampler.add_rollouts(v.batch.rollouts)
         if on_round is not None:
             on_round(mode, rnd + 1)
     honest = [n for n in nodes if n.index != adv_index]
     per_node = [sum(n.rewards) for n in honest]
     verdicts: dict[str, int] = {}
+    sampler: dict[str, int] = {}
     for n in honest:
         for k, c in n.pipeline.counts.items():
             verdicts[k] = verdicts.get(k, 0) + c
+        for k, c in n.sampler.counts.items():
+            sampler[k] = sampler.get(k, 0) + c
     h = len(honest)
     blocks = max(1, rounds // 5)
     curve = [sum(n.rewards[r] for n in honest) / h for r in range(rounds)]
@@ -335,21 +324,23 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
         "accepted_from_adversary": sum(n.accepted_from_adversary for n in honest),
         "adversary_messages": adversary_messages,
         "verdicts": verdicts,
+        "sampler": sampler,
         "wall_s": round(time.monotonic() - t0, 1),
         "cpu_s": round(time.process_time() - c0, 1),
     }
 
 
 def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str | None = None,
-        on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+        on_round: Callable[[str, int], None] | None = None, nodes: int = 0) -> dict[str, Any]:
     """Run (a) isolated, (b) swarm, (c) swarm with one adversary; return the comparison.
 
-    rounds 0 = the scenario's `rounds`. `scenario`: a TOML path (default: the packaged one)."""
+    rounds 0 = the scenario's `rounds`; nodes 0 = the scenario's `nodes`. `scenario`: a TOML path
+    (default: the packaged one)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from training.tiny import ensure_tiny  # noqa: PLC0415
 
-    sc, text = load_scenario(scenario)
+    sc, text = load_scenario(scenario, nodes)
     rounds = rounds or sc.rounds
     if rounds < 1:
         raise ValueError("rounds must be >= 1")
@@ -368,6 +359,7 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
         "rounds": rounds,
         "seed": seed,
         "nodes": sc.nodes,
+        "adversary_node": sc.adversary.node,
         "scenario": scenario or "simulations/scenarios/bench_swarm.toml",
         "scenario_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
         "model": f"murmur-tiny (supervised warm-up {sc.model_warmup_steps} steps)",
@@ -393,6 +385,7 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
         "external_groups_per_step": {m: r["external_groups_per_step"] for m, r in runs.items()},
         "idle_steps": {m: r["idle_steps"] for m, r in runs.items()},
         "swarm_verdicts": sw["verdicts"],
+        "sampler": {m: r["sampler"] for m, r in runs.items()},
         "adversarial_verdicts": adv["verdicts"],
         "curves": {m: r["curve"] for m, r in runs.items()},
         "model_s": round(model_s, 1),
@@ -402,19 +395,19 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
         "cpu_s": round(time.process_time() - c0, 1),
         "load_avg_start": [round(x, 1) for x in load_start],
         "load_avg_end": [round(x, 1) for x in os.getloadavg()],
-        "method": "4 real Trainer instances round-robin in one process (same per-node compute and seeds); "
+        "method": f"{sc.nodes} real Trainer instances round-robin in one process (same per-node compute and seeds); "
                   "rollouts sealed with real ed25519 keys and checked by each receiver's own "
                   "gossip.validation.Pipeline and task registry",
     }
 
 
-def _run_seed(args: tuple[int, int, str | None, str | None]) -> dict[str, Any]:
-    rounds, seed, home, scenario = args
-    return run(rounds=rounds, seed=seed, home=home, scenario=scenario)
+def _run_seed(args: tuple[int, int, str | None, str | None, int]) -> dict[str, Any]:
+    rounds, seed, home, scenario, nodes = args
+    return run(rounds=rounds, seed=seed, home=home, scenario=scenario, nodes=nodes)
 
 
 def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str | None = None,
-              workers: int = 0) -> dict[str, Any]:
+              workers: int = 0, nodes: int = 0) -> dict[str, Any]:
     """`seeds` consecutive seeds from `seed`, each `run` in its own process (`workers` at a time, 0 = one
     per core), and their means: one seed's gain moves by ±0.2 with the warm-up alone (0.14 to 0.52 on
     seeds 0-3), so a claim needs several. Per-seed results are bit-identical to `run` with that seed."""
@@ -423,9 +416,9 @@ def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = Non
 
     if seeds < 1:
         raise ValueError("seeds must be >= 1")
-    load_scenario(scenario)  # a bad file fails here, once, not in every worker
+    load_scenario(scenario, nodes)  # a bad file fails here, once, not in every worker
     t0 = time.monotonic()
-    todo = [(rounds, seed + k, home, scenario) for k in range(seeds)]
+    todo = [(rounds, seed + k, home, scenario, nodes) for k in range(seeds)]
     n = workers or min(seeds, os.cpu_count() or 1)
     # spawn: each worker imports torch after run() has pinned it to one thread
     with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -441,6 +434,7 @@ def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = Non
     iso, iso_h = sums["isolated_cumulative_reward"], sums["isolated_cumulative_reward_honest_nodes"]
     return {
         "rounds": per[0]["rounds"],
+        "nodes": per[0]["nodes"],
         "seeds": [r["seed"] for r in per],
         "scenario": per[0]["scenario"],
         "scenario_sha256": per[0]["scenario_sha256"],
@@ -451,7 +445,7 @@ def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = Non
         "gain_adversarial_pooled": round(sums["adversarial_cumulative_reward"] / iso_h - 1, 4) if iso_h > 0 else None,
         "adversarial_accepted": sum(r["adversarial_accepted"] for r in per),
         "per_seed": [{k: r[k] for k in ("seed", "gain_swarm", "gain_adversarial", "adversarial_accepted", *keys,
-                                        "wall_s")} for r in per],
+                                        "informative_groups_per_step", "idle_steps", "wall_s")} for r in per],
         "workers": n,
         "wall_s": round(time.monotonic() - t0, 1),
         "method": per[0]["method"] + "; one process per seed; gains: mean of the per-seed gains "

@@ -107,7 +107,7 @@ class SharedVerification:
 
     def verify_envelope(self, env: wire.Envelope) -> None:
         """`gossip.wire.verify_envelope` with the ed25519 check memoised per distinct signature."""
-        if not self.verify_signature(env.signer, env.sig, wire.signing_domain(env.kind, env.v) + env.body):
+        if not self.verify_signature(env.signer, env.sig, wire.signing_domain(env.kind, env.v, env.swarm) + env.body):
             raise SignatureError(f"{env.kind} signature does not verify for its signer")
 
     def stats(self) -> dict[str, int]:

@@ -31,7 +31,7 @@ import msgspec
 import trio
 
 from gossip import topics
-from gossip.transport import PublishError, Stream, StreamError, Transport
+from gossip.transport import FrameError, PublishError, Stream, StreamError, Transport
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope, open_envelope
 from gossip.errors import DecodeError, MurmurError
 from sync.chunks import ChunkAssembly
@@ -86,7 +86,7 @@ class FrameReader:
             if avail >= 4:
                 (n,) = _LEN.unpack_from(self.buf, self.pos)
                 if n > self.max_len:
-                    raise StreamError(f"frame of {n} bytes exceeds the {self.max_len}-byte limit")
+                    raise FrameError(f"frame of {n} bytes exceeds the {self.max_len}-byte limit")
                 if avail >= 4 + n:
                     start = self.pos + 4
                     data = bytes(self.buf[start:start + n])
@@ -511,6 +511,11 @@ class BroadcastNode:
         while not conn.closed:
             try:
                 data = await reader.next()
+            except FrameError as e:
+                self.counters["bad_frames"] += 1
+                if self.on_penalty:
+                    self.on_penalty(peer, str(e), self.cfg.penalty_protocol)
+                return  # a peer that breaks the framing loses the stream
             except StreamError as e:
                 log.debug("stream from %s ended: %s", peer, e)
                 return

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from gossip.wire import PATCH_MANIFEST, PatchManifest, now_ms, seal
+from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
 from gossip.errors import PatchError
 from gossip.identity import Identity
 from sync import chunks as chunking
@@ -97,7 +97,7 @@ def make_bundle(identity: Identity, lineage: Lineage, codec: str, base_version: 
     cb = chunking.effective_chunk_bytes(len(payload), chunk_bytes)
     parts = chunking.split(payload, cb)
     manifest = PatchManifest(
-        v=1, lineage=lineage.id, lineage_name=lineage.name, base_model_hash=lineage.base_model_hash,
+        v=FORMAT_VERSION, lineage=lineage.id, lineage_name=lineage.name, base_model_hash=lineage.base_model_hash,
         publisher=lineage.publisher, base_version=base_version, target_version=target_version,
         base_hash=base_hash, target_hash=target_hash, codec=codec, total_bytes=len(payload),
         chunk_bytes=cb, chunks=chunking.refs(parts), created_ms=now_ms(),

@@ -190,7 +190,8 @@ class LineageStore:
             return removed
         window_start = max(0, head - retain_versions)
         anchors = self.anchors()
-        floor = max([a for a in anchors if a <= window_start], default=anchors[0] if anchors else 0)
+        # Without any anchor nothing can be replayed from here: only the window serves peers' catch-up.
+        floor = max([a for a in anchors if a <= window_start], default=anchors[0] if anchors else window_start)
         keep_anchors = [a for a in anchors if a >= floor][-max(1, max_anchors):]
         floor = keep_anchors[0] if keep_anchors else floor
         for a in anchors:

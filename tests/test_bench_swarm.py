@@ -83,7 +83,11 @@ def test_two_rounds_all_arms_through_the_real_pipeline(tmp_path: Path) -> None:
     # honest traffic got through: 2 rounds x 4 senders x 3 receivers, one batch each
     assert out["swarm_verdicts"] == {"accepted": 24}
     assert out["external_groups_per_step"]["isolated"] == 0
-    assert out["external_groups_per_step"]["swarm"] > 0
+    # every accepted group reached a receiver's sampler (24 batches x 4 tasks), kept or dropped with a count
+    sw = out["sampler"]["swarm"]
+    assert sw["added"] + sw["uninformative"] + sw["too_small"] == 24 * 4
+    assert out["external_groups_per_step"]["swarm"] == round(sw["taken"] / (4 * 2), 3)
+    assert out["sampler"]["isolated"]["added"] == 0
     for m in ("isolated", "swarm", "adversarial"):
         assert len(out["curves"][m]) == 2
         assert all(0.0 <= x <= 1.0 for x in out["curves"][m])
@@ -119,3 +123,19 @@ def test_seeds_run_in_their_own_processes_and_reproduce_single_runs(tmp_path: Pa
         bench_swarm.run_seeds(0)
     with pytest.raises(ConfigError):
         bench_swarm.run_seeds(2, scenario=str(tmp_path / "missing.toml"))
+
+
+def test_nodes_override_keeps_per_node_compute_and_the_adversary_slot(tmp_path: Path) -> None:
+    base, _ = bench_swarm.load_scenario()
+    for n, adv in ((2, 1), (4, 3), (8, 3)):
+        sc, _ = bench_swarm.load_scenario(nodes=n)
+        assert sc.nodes == n and sc.adversary.node == adv
+        assert (sc.trainer, sc.isolated, sc.swarm, sc.rounds) == (base.trainer, base.isolated, base.swarm, base.rounds)
+    for bad in (1, bench_swarm.MAX_NODES + 1):
+        with pytest.raises(ConfigError, match="nodes"):
+            bench_swarm.load_scenario(nodes=bad)
+    out = bench_swarm.run(rounds=1, seed=0, home=str(tmp_path / "home"), scenario=str(_small_scenario(tmp_path)),
+                          nodes=2)
+    assert out["nodes"] == 2 and out["adversary_node"] == 1
+    assert out["swarm_verdicts"] == {"accepted": 2}  # one batch each way
+    assert len(out["per_node_cumulative"]["adversarial"]) == 1 and out["adversarial_accepted"] == 0

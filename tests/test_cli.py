@@ -71,8 +71,8 @@ def test_tasks_publish_list_show(tmp_path):
     ident = json.loads(run("id", "--json", home=home).stdout.strip().splitlines()[-1])
     assert pub["coordinator"] == ident["public_key"] and pub["new"]
     listed = json.loads(run("tasks", "list", "--json", home=home).stdout.strip().splitlines()[-1])
-    assert {t["task_set_id"] for t in listed} >= {pub["task_set_id"]}
-    assert any(t["origin"] == "built-in" for t in listed)
+    assert {t["task_set_id"] for t in listed["sets"]} >= {pub["task_set_id"]}
+    assert any(t["origin"] == "built-in" for t in listed["sets"])
     shown = run("tasks", "show", pub["task_set_id"][:10], home=home)
     assert shown.returncode == 0 and '"example-arith-digits"' in shown.stdout
     # publishing the same file again signs a new set (new created_ms), never corrupts the old one

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.wire import ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
+from gossip.wire import FORMAT_VERSION, ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
 from gossip.errors import MurmurError
 from gossip.identity import Identity
 from training.engine import Engine, Sampling, SparseUpdate
@@ -160,7 +160,7 @@ def test_rollout_wire_round_trip_and_retokenisation(engine: HFEngine) -> None:
     assert len(res.rollouts) == 4
     ident = Identity.from_seed(b"\x09" * 32)
     wires = [to_wire(r) for r in res.rollouts]
-    env = seal(ident, ROLLOUT_BATCH, RolloutBatch(v=1, swarm="t", producer=ident.public, seq=1, created_ms=1,
+    env = seal(ident, ROLLOUT_BATCH, RolloutBatch(v=FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
                                                   rollouts=wires))
     _, batch = open_envelope(env, ROLLOUT_BATCH)
     for r, w in zip(res.rollouts, batch.rollouts):

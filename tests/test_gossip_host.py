@@ -102,33 +102,6 @@ def test_plaintext_peer_is_refused() -> None:
     trio.run(main)
 
 
-def test_fetch_big_payload_by_hash() -> None:
-    from gossip.fetch import PayloadStore, fetch, payload_id, serve
-    from gossip.transport import StreamError
-
-    async def main() -> None:
-        async with open_transport(Identity.from_seed(b"\x11" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x12" * 32)) as b:
-            await b.connect(a.listen_addrs()[0])
-            store = PayloadStore()
-            big = bytes(range(256)) * 8192  # 2 MiB: too big for gossip
-            pid = store.put(big)
-            serve(a, store)
-            assert await fetch(b, a.peer_id, pid) == big
-            assert await fetch(b, a.peer_id, payload_id(b"absent")) is None
-
-            # a server that lies about the content is caught by the hash check
-            async def liar(stream, peer: str) -> None:
-                await read_frame(stream, 32)
-                await write_frame(stream, b"\x00" + b"not it")
-                await stream.close()
-            b.set_stream_handler("/murmur/fetch/1", liar)
-            with pytest.raises(StreamError, match="do not match"):
-                await fetch(a, b.peer_id, pid)
-
-    trio.run(main)
-
-
 def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small reads send no WINDOW_UPDATE (py-libp2p 0.8.1 sent one per read); bulk data still flows."""
     import struct
@@ -177,3 +150,71 @@ def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytes
             await s.close()
 
     trio.run(main)
+
+
+def test_garbage_on_a_pubsub_stream_costs_the_sender_not_the_host() -> None:
+    """Four bytes that are not a protobuf RPC on /meshsub/1.1.0 used to end the receiving process."""
+    from libp2p.peer.id import ID
+
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (41, 42, 43)]
+    faults: list[tuple[str, str]] = []
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as victim, open_transport(ids[1]) as hostile, \
+                open_transport(ids[2]) as honest:
+            victim.faults.on_fault = lambda peer, proto, err: faults.append((peer, proto))
+            await hostile.connect(victim.listen_addrs()[0])
+            raw = await hostile.host.new_stream(ID.from_base58(victim.peer_id), ["/meshsub/1.1.0"])
+            await raw.write(bytes.fromhex("03ffffff"))
+            await wait_until(lambda: faults, timeout=10)
+            assert faults == [(hostile.peer_id, "/meshsub/1.1.0")]
+            assert victim.faults.counts == {"/meshsub/1.1.0": 1}
+            await wait_until(lambda: hostile.peer_id not in victim.peers(), timeout=10)  # connection closed
+            # the host still works: an honest peer connects and gossips to it
+            chan = await victim.subscribe("/murmur/t/rollouts/1")
+            await honest.subscribe("/murmur/t/rollouts/1")
+            await honest.connect(victim.listen_addrs()[0])
+            await wait_until(lambda: honest.topic_peers("/murmur/t/rollouts/1")
+                             and victim.topic_peers("/murmur/t/rollouts/1"), timeout=10)
+            await wait_until(lambda: honest.router.mesh.get("/murmur/t/rollouts/1"), timeout=10)
+            await honest.publish("/murmur/t/rollouts/1", b"still here")
+            with trio.fail_after(10):
+                assert await chan.receive() == (honest.peer_id, b"still here")
+
+    trio.run(main)
+
+
+def test_concurrent_writes_on_one_stream_arrive_whole() -> None:
+    """Two writers on one stream (py-libp2p pubsub's queue task and its recent-message replay do this)
+    must not interleave their frames: before the per-stream message lock, a write split over several
+    yamux frames let the other writer's bytes in, and the reader parsed garbage (protobuf DecodeError
+    on honest gossip)."""
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (44, 45)]
+    got: list[bytes] = []
+    errors: list[str] = []
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as a, open_transport(ids[1]) as b:
+            done = trio.Event()
+
+            async def handler(stream, remote: str) -> None:
+                try:
+                    for _ in range(8):
+                        got.append(await read_frame(stream, 1 << 22))
+                except Exception as e:
+                    errors.append(repr(e))
+                done.set()
+
+            a.set_stream_handler("/murmur/test-interleave/1", handler)
+            await b.connect(a.listen_addrs()[0])
+            s = await b.open_stream(a.peer_id, "/murmur/test-interleave/1")
+            async with trio.open_nursery() as n:
+                for k in range(8):  # 150 KB each: three yamux frames, so the writers contend
+                    n.start_soon(write_frame, s, bytes([k]) * 150_000)
+            with trio.fail_after(20):
+                await done.wait()
+
+    trio.run(main)
+    assert errors == []
+    assert sorted(m[0] for m in got) == list(range(8))
+    assert all(m == bytes([m[0]]) * 150_000 for m in got)

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from training.losses import (
+    EPS_HI,
+    EPS_LO,
     CapabilityTracker,
     decoupled_loss,
     group_advantages,
@@ -141,3 +143,99 @@ def test_capability_tracker() -> None:
     t.update(b"a", [1.0, 1.0])
     assert t.get(b"a") == pytest.approx(0.875)
     assert t.get(b"unknown") == 0.5
+
+
+# ------------------------------------------------------------ the asymmetric clip, one side at a time
+
+
+@pytest.mark.parametrize("ratio,adv,want,clipped", [
+    (1.25, 1.0, 1.25, False),   # inside 1 + 0.28: unclipped (swapped bounds would clip it at 1.2)
+    (1.30, 1.0, 1.28, True),    # above 1 + 0.28: clipped at 1.28
+    (0.75, -1.0, -0.80, True),  # below 1 - 0.2: clipped at 0.8 (swapped bounds would keep 0.75)
+    (0.78, 1.0, 0.78, False),   # A > 0 below the floor: min keeps the ratio, gradient flows
+    (1.25, -1.0, -1.25, False), # A < 0 above: min keeps the ratio
+])
+def test_each_clip_bound_alone(ratio: float, adv: float, want: float, clipped: bool) -> None:
+    assert (EPS_LO, EPS_HI) == (0.2, 0.28)
+    for fn in ("ppo", "decoupled"):
+        logp = torch.log(torch.tensor([[ratio]])).requires_grad_(True)
+        old = torch.zeros(1, 1)
+        a, mask = torch.tensor([adv]), torch.ones(1, 1)
+        if fn == "ppo":
+            loss, _ = ppo_clip_loss(logp, old, a, mask)
+        else:  # on-policy proximal = behaviour: the behaviour weight is 1
+            loss, _ = decoupled_loss(logp, old, old, a, mask, stale=None)
+        assert loss.item() == pytest.approx(-want, abs=1e-6), fn
+        loss.backward()
+        assert (logp.grad.item() == 0.0) == clipped, fn
+        if not clipped:
+            assert logp.grad.item() == pytest.approx(-adv * ratio, rel=1e-5)
+
+
+def test_decoupled_without_stale_tokens_masks_nothing() -> None:
+    behav = torch.zeros(1, 3)
+    theta = torch.tensor([[0.0, 0.0, 1.0]])  # M2 = 1/3 >> tau: M2PO would act on stale tokens
+    loss, st = decoupled_loss(theta, theta, behav, torch.tensor([1.0]), torch.ones(1, 3), stale=None)
+    assert st["m2_masked_frac"] == 0.0
+    full, _ = decoupled_loss(theta, theta, behav, torch.tensor([1.0]), torch.ones(1, 3),
+                             stale=torch.zeros(1, 3, dtype=torch.bool))
+    assert loss.item() == pytest.approx(full.item())
+
+
+# ------------------------------------------------------------ against TRL's GRPO loss definitions
+
+def _trl_per_token_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_low: float,
+                        eps_high: float) -> torch.Tensor:
+    """TRL GRPOTrainer._compute_loss, beta = 0: coef_1 = exp(logp - old), coef_2 = clamp(coef_1, 1-eps_low,
+    1+eps_high), per-token loss -min(coef_1 A, coef_2 A) (written from its published definition)."""
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    return -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two groups of 3 with different lengths; the second group's rewards are all equal (zero advantage)."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(6, 5, generator=g) * 2
+    logp = old + (torch.rand(6, 5, generator=g) - 0.5) * 0.8  # ratios on both sides of both bounds
+    mask = torch.zeros(6, 5)
+    for i, n in enumerate([5, 2, 3, 1, 1, 2]):
+        mask[i, :n] = 1
+    adv = torch.cat([group_advantages(torch.tensor([1.0, 0.0, 1.0])), group_advantages(torch.ones(3))])
+    return logp, old, adv, mask
+
+
+def test_constant_normaliser_equals_trl_dr_grpo_value_and_gradient() -> None:
+    logp, old, adv, mask = _batch()
+    max_len = 5
+    a = logp.clone().requires_grad_(True)
+    ref = (_trl_per_token_loss(a, old, adv, 0.2, 0.28) * mask).sum() / (a.size(0) * max_len)
+    ref.backward()
+    # ours: the zero-advantage group is dropped before the loss, the denominator keeps the whole batch
+    b = logp[:3].clone().requires_grad_(True)
+    ours, _ = decoupled_loss(b, old[:3], old[:3], adv[:3], mask[:3], stale=None, denom=6 * max_len)
+    ours.backward()
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(b.grad, a.grad[:3], rtol=1e-6, atol=1e-9)
+    assert torch.all(a.grad[3:] == 0)  # what we drop contributes nothing in TRL either
+
+
+def test_informative_mean_equals_trl_bnpo_only_on_the_informative_rows() -> None:
+    logp, old, adv, mask = _batch()
+    ours, _ = decoupled_loss(logp[:3], old[:3], old[:3], adv[:3], mask[:3], stale=None)
+    ptl = _trl_per_token_loss(logp, old, adv, 0.2, 0.28)
+    bnpo_inf = (ptl[:3] * mask[:3]).sum() / mask[:3].sum()
+    bnpo_all = (ptl * mask).sum() / mask.sum()
+    assert ours.item() == pytest.approx(bnpo_inf.item(), rel=1e-6)
+    # with unequal lengths, scaling the informative mean by the informative row fraction is not TRL's
+    # bnpo (nor dr_grpo): the reason "constant" is defined as dr_grpo's sum over a constant
+    assert ours.item() * 3 / 6 != pytest.approx(bnpo_all.item(), rel=1e-3)
+
+
+def test_hacpo_loss_with_a_denominator_is_the_sum_over_it() -> None:
+    logp = -torch.rand(4, 3, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 3)
+    src, adv, coef = logp.mean(-1), torch.tensor([1.0, -1.0, 0.5, 0.0]), torch.ones(4)
+    mean, _ = hacpo_loss(logp, src, mask, adv, coef)
+    summed, _ = hacpo_loss(logp, src, mask, adv, coef, denom=10)
+    assert summed.item() == pytest.approx(mean.item() * 4 / 10, rel=1e-6)

@@ -95,3 +95,54 @@ def test_metrics_exported_over_http() -> None:
     assert "murmur_reward 0.8" in body
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+HOSTILE_REQUESTS = [
+    b"[" * 4000 + b"\n",  # nested past the JSON decoder's depth limit (RecursionError in the stdlib json)
+    b'{"cmd":' * 500 + b"1" + b"}" * 500 + b"\n",
+    b"\xff\xfe\x00garbage\n",  # not UTF-8
+    b'{"cmd": "\xff"}\n',
+    b'{"cmd": 5}\n',  # wrong types
+    b'{"cmd": ["status"]}\n',
+    b"[1, 2]\n",
+    b"null\n",
+    b'{"cmd": "' + b"x" * 6000 + b'"}\n',  # a line over the limit
+    b'{"cmd": "status", "extra": {"a": [[[1]]]}}\n',
+]
+
+
+def test_control_socket_answers_hostile_input_with_errors(tmp_path: Path) -> None:
+    replies: list[bytes] = []
+
+    def ask(raw: bytes) -> bytes:
+        path = control.socket_path(tmp_path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(path))
+            try:
+                s.sendall(raw)
+            except BrokenPipeError:  # the node answered and closed before reading all of a huge line
+                pass
+            buf = b""
+            while True:
+                part = s.recv(65536)
+                if not part:
+                    return buf
+                buf += part
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(control.serve, tmp_path, sample_status)
+            for raw in HOSTILE_REQUESTS:
+                replies.append(await trio.to_thread.run_sync(ask, raw))
+            try:  # a megabyte without a newline: read up to the limit, answered, the rest reset
+                await trio.to_thread.run_sync(ask, b"x" * 1_000_000)
+            except ConnectionResetError:
+                pass
+            replies.append(await trio.to_thread.run_sync(ask, b'{"cmd": "ping"}\n'))
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    for raw, reply in zip(HOSTILE_REQUESTS, replies):
+        assert b'"error"' in reply, (raw[:40], reply[:200])
+    assert replies[-1] == b'{"ok": true}'  # the server outlived all of them

@@ -2,7 +2,7 @@
 
 Loopback only: two real py-libp2p hosts with `start_reachability`; the "blocked" TCP path is a sink that
 accepts connections and never speaks (like a filtering middlebox), so the TCP dial times out. The test
-that needs aiortc skips with the reason without it (CI installs `.[test]` only).
+that needs aiortc skips with the reason without it (aiortc is a default dependency, so CI runs them).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Loss normalisation (`loss_norm`): the scale rule by hand, config checking, and that a real
-trainer step with the constant normaliser is the informative-mean step scaled by the fraction of
-the configured batch that was informative."""
+"""Loss normalisation (`loss_norm`): the denominator rule by hand, config checking, and that a real
+trainer step with the constant normaliser (Dr. GRPO's) is the sum of the informative rows' token
+losses over batch rows x max_new_tokens, where the informative one is their token mean."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ from node.config import Config
 from gossip.errors import ConfigError
 from training.tasksets import TaskRegistry
 from training.tiny import new_tiny_engine, warmup
-from training.trainer import LOSS_NORMS, Trainer, TrainerConfig, batch_scale
+from training.trainer import LOSS_NORMS, Trainer, TrainerConfig, loss_denominator
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
 
-def test_batch_scale_by_hand() -> None:
-    assert batch_scale("informative", 8, 64) == 1.0
-    assert batch_scale("constant", 8, 64) == 0.125
-    assert batch_scale("constant", 64, 64) == 1.0
-    assert batch_scale("constant", 80, 64) == 1.0  # never scaled up past the configured batch
-    assert batch_scale("constant", 0, 64) == 1.0  # nothing informative: no update is made anyway
+def test_loss_denominator_by_hand() -> None:
+    cfg = TrainerConfig(local_groups=6, external_groups=2, group_size=4, loss_norm="constant")
+    assert loss_denominator(cfg, 8) == 32  # never fewer rows than configured: a thin step moves less
+    assert loss_denominator(cfg, 40) == 40  # more rows collected than configured: all of them count
+    assert loss_denominator(TrainerConfig(loss_norm="informative"), 8) is None
 
 
 def test_loss_norm_is_checked_and_mapped_from_the_node_config() -> None:
@@ -54,10 +53,15 @@ def test_constant_normaliser_scales_the_real_step_by_the_informative_fraction() 
         if used == 0:
             base.gen.manual_seed(int(base.gen.initial_seed()) + 1)
             continue
-        want = ra.loss * used * 4 / ((6 + 2) * 4)
+        groups: dict[int, list] = {}
+        for r in ra.rollouts:
+            groups.setdefault(r.ref.seed, []).append(r)
+        tokens = sum(len(r.ids) for g in groups.values() if len({x.reward for x in g}) > 1 for r in g)
+        rows = max(len(ra.rollouts), (6 + 2) * 4)
+        want = ra.loss * tokens / (rows * 4)  # token mean -> token sum over rows x max_new_tokens
         assert rb.loss == pytest.approx(want, rel=1e-4, abs=1e-7)
         if ra.loss != 0.0:
-            assert abs(rb.loss) < abs(ra.loss)  # at most 6 of the 8 configured groups exist locally
+            assert abs(rb.loss) < abs(ra.loss)
         checked += 1
         break
     assert checked == 1

@@ -42,7 +42,9 @@ def test_partial_rollouts_record_versions_and_feed_stale_tokens(warm_engine, reg
     seen: list[StepResult] = []
     tr = Trainer(warm_engine, registry, registry.builtin_id, cfg, on_step=seen.append)
     multi, stale = 0, 0.0
-    for _ in range(12):
+    for _ in range(40):  # bounded: until a stale token reached the loss (needs an informative group)
+        if len(seen) >= 12 and multi and stale:
+            break
         r = tr.step()
         for ro in r.rollouts:
             assert [v for _, v in ro.token_versions] == sorted({v for _, v in ro.token_versions})
@@ -51,7 +53,7 @@ def test_partial_rollouts_record_versions_and_feed_stale_tokens(warm_engine, reg
             assert len(ro.logprobs) == len(ro.ids) <= 4
         stale = max(stale, r.stats.get("stale_token_frac", 0.0))
         assert r.pending_groups <= 4
-    assert len(seen) == 12 and seen[-1].step == 12
+    assert seen[-1].step == len(seen) >= 12
     assert multi > 0  # some completions were continued under a newer version
     assert stale > 0  # ... and the loss saw their stale tokens
     assert tr.version == seen[-1].version > 0

@@ -39,7 +39,7 @@ def test_domain_separation(identity):
     for other in KINDS:
         if other == env.kind:
             continue
-        forged = wire.encode(wire.Envelope(env.v, other, env.body, env.signer, env.sig))
+        forged = wire.encode(wire.Envelope(env.v, other, env.swarm, env.body, env.signer, env.sig))
         with pytest.raises(DecodeError):
             wire.open_envelope(forged)
 
@@ -50,13 +50,13 @@ def test_signature_by_other_key(identity, other_identity):
     with pytest.raises(SignatureError, match="producer"):
         wire.open_envelope(data)
     env = wire.decode_envelope(data)
-    swapped = wire.encode(wire.Envelope(env.v, env.kind, env.body, identity.public, env.sig))
+    swapped = wire.encode(wire.Envelope(env.v, env.kind, env.swarm, env.body, identity.public, env.sig))
     with pytest.raises(SignatureError):
         wire.open_envelope(swapped)
 
 
 def test_kind_size_limits(identity):
-    big = wire.RolloutBatch(v=1, swarm="t", producer=identity.public, seq=1, created_ms=1,
+    big = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=identity.public, seq=1, created_ms=1,
                             rollouts=[rollout(n_tokens=4096) for _ in range(64)])
     with pytest.raises(ValueError, match="over its limit"):
         wire.seal(identity, wire.ROLLOUT_BATCH, big)
@@ -67,7 +67,7 @@ def test_kind_size_limits(identity):
 def test_semantic_checks(identity):
     bad = rollout()
     bad.logprobs = bad.logprobs[:-4]
-    batch = wire.RolloutBatch(v=1, swarm="t", producer=identity.public, seq=1, created_ms=1, rollouts=[bad])
+    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=identity.public, seq=1, created_ms=1, rollouts=[bad])
     with pytest.raises(DecodeError, match="logprob bytes"):
         wire.open_envelope(wire.seal(identity, wire.ROLLOUT_BATCH, batch))
     m = bodies(identity)[wire.PATCH_MANIFEST]
@@ -76,10 +76,28 @@ def test_semantic_checks(identity):
         wire.open_envelope(wire.seal(identity, wire.PATCH_MANIFEST, m))
 
 
+def test_swarm_is_signed_and_checked(identity):
+    """An envelope signed in one swarm is refused in another, and relabelling it breaks the signature."""
+    with wire.swarm_bound("swarm-a"):
+        data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE])
+        env, _ = wire.open_envelope(data)
+        assert env.swarm == "swarm-a" and env.v == 2
+    with wire.swarm_bound("swarm-b"):
+        with pytest.raises(wire.WrongSwarm):
+            wire.open_envelope(data)
+        relabelled = wire.encode(wire.Envelope(env.v, env.kind, "swarm-b", env.body, env.signer, env.sig))
+        with pytest.raises(SignatureError):
+            wire.open_envelope(relabelled)
+    # the swarm is length-prefixed in the signing domain: no (swarm, body) re-split verifies
+    assert wire.signing_domain("k", 2, "a\x00b") != wire.signing_domain("k", 2, "a") + b"b"
+    with pytest.raises(ValueError):
+        wire.bind_swarm("")
+
+
 def test_wrong_format_version(identity):
     data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE])
     env = wire.decode_envelope(data)
-    future = wire.encode(wire.Envelope(2, env.kind, env.body, env.signer, env.sig))
+    future = wire.encode(wire.Envelope(wire.FORMAT_VERSION + 1, env.kind, env.swarm, env.body, env.signer, env.sig))
     with pytest.raises(DecodeError, match="format version"):
         wire.decode_envelope(future)
 
@@ -158,7 +176,7 @@ def test_fuzz_body_decoders(kind):
     @given(st.lists(inputs, min_size=BATCH, max_size=BATCH))
     def run(batch):
         for data in batch:
-            _only_decode_errors(wire.decode_body, wire.Envelope(1, kind, data, signer, b"\x00" * 64))
+            _only_decode_errors(wire.decode_body, wire.Envelope(wire.FORMAT_VERSION, kind, "t", data, signer, b"\x00" * 64))
 
     run()
 

@@ -1,9 +1,12 @@
-"""`murmur bench learn`: does RL visibly raise the reward on one node, within a wall-clock budget?
+"""`murmur bench learn`: does RL visibly raise held-out accuracy on one node, within a wall-clock budget?
 
-One node, the built-in tiny model and task set, fixed seed: build murmur-tiny
+One node, murmur-tiny and the built-in task set, fixed seed: build murmur-tiny
 from scratch (supervised warm-up included in the budget), measure greedy
-accuracy on held-out tasks (the task set's `add-eval` seeds), run GRPO until
-the budget is spent (keeping time for the final eval), measure again.
+accuracy on the held-out eval generators (the eval side of every family's
+problem space: no eval problem can be drawn in training or in the warm-up,
+checked at start), run GRPO until the budget is spent (keeping time for the
+final eval), measure again. `eval_overlap` counts the eval problems that did
+occur among the warm-up's and the RL rollouts' prompts: it must be 0.
 """
 
 from __future__ import annotations
@@ -14,55 +17,54 @@ import time
 import warnings
 from typing import Any
 
-from training.engine import Sampling
 from training.engine_hf import HFEngine, set_threads
-from training.tasksets import BUILTIN_EVAL, TaskRegistry
-from training.trainer import Trainer, TrainerConfig
+from training.evaluation import accuracy_by_family, check_evaluation, held_out_tasks
+from training.tasksets import TaskRegistry
+from training.trainer import StepResult, Trainer, TrainerConfig
 
-EVAL_TASKS = 300
-BENCH_CONFIG = dict(local_groups=16, external_groups=0, group_size=8, lr=3e-4, max_new_tokens=4)
-
-
-def greedy_accuracy(engine: HFEngine, registry: TaskRegistry, task_set: bytes, n: int = EVAL_TASKS) -> float:
-    """Greedy accuracy on the first `n` seeds of the held-out eval generator."""
-    from gossip.wire import TaskRef  # noqa: PLC0415
-    from training.verifiers import score  # noqa: PLC0415
-
-    g = next(x for x in registry.get(task_set).generators if x.name == BUILTIN_EVAL)
-    tasks = [registry.resolve(TaskRef(task_set, g.name, g.seed_start + s)) for s in range(n)]
-    res = engine.sample([engine.encode(t.prompt) for t in tasks], Sampling(temperature=0.0, max_new_tokens=4))
-    return sum(score(t, engine.decode(ids)) for t, (ids, _, _) in zip(tasks, res)) / n
+EVAL_PER_FAMILY = 100
+BENCH_CONFIG = dict(local_groups=16, external_groups=0, group_size=8, lr=3e-4, max_new_tokens=6)
 
 
 def run(budget_s: float = 300, seed: int = 0, threads: int = 1) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     set_threads(threads)
     t_start = time.monotonic()
-    from training.tiny import WARMUP_STEPS, ensure_tiny  # noqa: PLC0415
+    from training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts  # noqa: PLC0415
 
+    reg = TaskRegistry()
+    m = reg.add_builtin()
+    check_evaluation([m], warmup_generators())  # a clear error, before any work, if eval is not held out
+    tasks = held_out_tasks(m, EVAL_PER_FAMILY)
+    max_new = int(BENCH_CONFIG["max_new_tokens"])
     with tempfile.TemporaryDirectory(prefix="murmur-bench-learn-") as home:
         path = ensure_tiny(home, seed)
         warmup_s = time.monotonic() - t_start
         engine = HFEngine.from_path(path, device="cpu", seed=seed)
-    reg = TaskRegistry()
-    reg.add_builtin()
-    eval_start = greedy_accuracy(engine, reg, reg.builtin_id)
-    rewards: list[float] = []
-    tr = Trainer(engine, reg, reg.builtin_id, TrainerConfig(seed=seed, **BENCH_CONFIG),
-                 on_step=lambda r: rewards.append(r.reward_mean))
     t_eval = time.monotonic()
-    greedy_accuracy(engine, reg, reg.builtin_id, 50)
-    eval_cost = (time.monotonic() - t_eval) * EVAL_TASKS / 50
-    rl_budget = max(0.0, budget_s - (time.monotonic() - t_start) - 2 * eval_cost - 1.0)
+    eval_start = accuracy_by_family(engine, tasks, max_new)
+    eval_cost = time.monotonic() - t_eval
+    rewards: list[float] = []
+    seen: set[str] = set()
+
+    def on_step(r: StepResult) -> None:
+        rewards.append(r.reward_mean)
+        seen.update(x.task.prompt for x in r.rollouts)
+
+    tr = Trainer(engine, reg, reg.builtin_id, TrainerConfig(seed=seed, **BENCH_CONFIG), on_step=on_step)
+    rl_budget = max(0.0, budget_s - (time.monotonic() - t_start) - eval_cost - 1.0)
     t_rl = time.monotonic()
     steps = tr.run(budget_s=rl_budget)
     rl_s = time.monotonic() - t_rl
-    eval_end = greedy_accuracy(engine, reg, reg.builtin_id)
+    eval_end = accuracy_by_family(engine, tasks, max_new)
+    eval_prompts = {t.task.prompt for t in tasks}
+    overlap = eval_prompts & (seen | warmup_prompts(seed))
     k = max(1, min(10, len(rewards) // 4 or 1))
     return {
         "bench": "learn",
         "model": "murmur-tiny",
         "model_params": engine.num_params(),
+        "task_set": f"{m.name} v{m.version}",
         "seed": seed,
         "threads": threads,
         "budget_s": budget_s,
@@ -73,10 +75,15 @@ def run(budget_s: float = 300, seed: int = 0, threads: int = 1) -> dict[str, Any
         "rollouts_per_step": BENCH_CONFIG["local_groups"] * BENCH_CONFIG["group_size"],
         "reward_start": round(sum(rewards[:k]) / k, 4) if rewards else None,
         "reward_end": round(sum(rewards[-k:]) / k, 4) if rewards else None,
-        "eval_tasks": EVAL_TASKS,
-        "eval_start": round(eval_start, 4),
-        "eval_end": round(eval_end, 4),
-        "eval_gain": round(eval_end - eval_start, 4),
+        "eval_tasks": len(tasks),
+        "eval_problems": len(eval_prompts),
+        "eval_overlap": len(overlap),
+        "train_prompts_seen": len(seen),
+        "eval_start": round(eval_start["all"], 4),
+        "eval_end": round(eval_end["all"], 4),
+        "eval_gain": round(eval_end["all"] - eval_start["all"], 4),
+        "eval_by_family": {f: {"start": round(eval_start[f], 4), "end": round(eval_end[f], 4)}
+                           for f in eval_start if f != "all"},
         "total_s": round(time.monotonic() - t_start, 2),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }

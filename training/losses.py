@@ -3,9 +3,10 @@ decoupled objective with an M2PO mask, and the HACPO-style loss for samples
 from other models.
 
 All token tensors are [B, T] with a 0/1 `mask`; losses are token means over
-the batch (sequence-level losses are means over sequences), returned as a
-scalar to minimise plus a stats dict. The formulas are in
-/work/shared/notes/algorithms.md and docs/training.md.
+the batch (sequence-level losses are means over sequences) unless a `denom` is
+given, in which case they are sums divided by it (Dr. GRPO's constant
+normaliser, which the trainer computes); each returns a scalar to minimise
+plus a stats dict. The formulas are in docs/training.md.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def is_degenerate(rewards: list[float]) -> bool:
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _reduce(x: torch.Tensor, mask: torch.Tensor, denom: float | None) -> torch.Tensor:
+    """Token mean over `mask`, or the masked sum over `denom` when one is given."""
+    return _token_mean(x, mask) if denom is None else (x * mask).sum() / max(float(denom), 1.0)
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
@@ -77,22 +83,24 @@ def m2po_mask(logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, 
 
 def decoupled_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor,
                    mask: torch.Tensor, stale: torch.Tensor | None = None, eps_lo: float = EPS_LO,
-                   eps_hi: float = EPS_HI, tau: float = M2_TAU, behav_cap: float = 2.0
-                   ) -> tuple[torch.Tensor, dict[str, float]]:
+                   eps_hi: float = EPS_HI, tau: float = M2_TAU, behav_cap: float = 2.0,
+                   denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO (AReaL) with an M2PO mask on stale tokens.
 
     J = exp(p - b) * min(u A, clip(u, 1-eps_lo, 1+eps_hi) A), u = exp(logp - p);
     the behaviour weight exp(p - b) is detached and truncated at `behav_cap`.
     `stale` ([B, T] bool) marks tokens produced by an older policy version; only
-    those may be masked by M2PO (tau on the second moment of logp - b).
+    those may be masked by M2PO (tau on the second moment of logp - b), so with
+    `stale=None` (every token fresh) nothing is masked. The loss is the token mean
+    over the kept tokens, or their sum over `denom` when one is given.
     """
     a = adv[:, None] if adv.dim() == 1 else adv
-    keep = m2po_mask(logp, behav_logp, mask, tau, stale) if tau > 0 else mask
+    keep = m2po_mask(logp, behav_logp, mask, tau, stale) if tau > 0 and stale is not None else mask
     w = torch.exp(prox_logp - behav_logp).detach().clamp(max=behav_cap)
     u = torch.exp(logp - prox_logp.detach())
     obj = w * torch.minimum(u * a, u.clamp(1 - eps_lo, 1 + eps_hi) * a)
     n = float(mask.sum()) or 1.0
-    return -_token_mean(obj, keep), {"m2_masked_frac": float((mask - keep).sum()) / n,
+    return -_reduce(obj, keep, denom), {"m2_masked_frac": float((mask - keep).sum()) / n,
                                      "behav_weight_mean": float(_token_mean(w, mask))}
 
 
@@ -111,13 +119,15 @@ def hacpo_coefficient(p_src: torch.Tensor, p_learner: float) -> torch.Tensor:
 
 
 def hacpo_loss(logp: torch.Tensor, src_logp_mean: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
-               coef: torch.Tensor, delta: float = HACPO_DELTA) -> tuple[torch.Tensor, dict[str, float]]:
+               coef: torch.Tensor, delta: float = HACPO_DELTA, denom: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss for re-tokenised samples of another model (sequence level).
 
     s = exp(mean_t logp_learner - mean_t logp_src), clipped to [1 - delta, 1]
     (never up-weight another model's sample) and detached; the per-sample
     objective is coef * s_clip * A * mean_t logp_learner, so the gradient is
-    length-normalised and bounded by coef * |A|.
+    length-normalised and bounded by coef * |A|. The loss is the mean over
+    sequences, or their sum over `denom` when one is given.
     """
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
@@ -125,7 +135,7 @@ def hacpo_loss(logp: torch.Tensor, src_logp_mean: torch.Tensor, mask: torch.Tens
     s_clip = s.clamp(1 - delta, 1.0)
     obj = coef * s_clip * adv * seq_lp
     valid = (mask.sum(-1) > 0).float()
-    loss = -(obj * valid).sum() / valid.sum().clamp(min=1.0)
+    loss = -(obj * valid).sum() / (valid.sum().clamp(min=1.0) if denom is None else max(float(denom), 1.0))
     return loss, {"seq_ratio_mean": float((s * valid).sum() / valid.sum().clamp(min=1.0)),
                   "seq_ratio_clipped_frac": float((((s < 1 - delta) | (s > 1)).float() * valid).sum()
                                                   / valid.sum().clamp(min=1.0))}

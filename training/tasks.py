@@ -6,6 +6,12 @@ depend on anything but its arguments: each generator draws from a
 `random.Random` seeded by a string made of the generator name and the seed
 (string seeds hash with SHA-512, identical on every platform and run).
 
+Every built-in generator also takes `split` ("all", "train" or "eval") and
+`holdout` (K): a problem is on the eval side when a hash of its prompt is 0
+mod K, and a generator with a split draws (deterministically, from the same
+stream) until it meets a problem of its side. So the "train" and "eval" sides
+of any built-in problem space are disjoint by construction, whatever the seeds.
+
 Generators are a closed list. `rg:<dataset>` delegates to reasoning-gym,
 whose datasets are deterministic functions of (config, seed, index); we build
 a one-entry dataset per seed and cache the objects, because constructing one
@@ -14,6 +20,7 @@ is cheap (~80 us) but importing reasoning-gym is not (~1.3 s, done lazily).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections import OrderedDict
@@ -81,6 +88,22 @@ def _resolve_config(gen: str, params: Mapping[str, _Param], config: Mapping[str,
     return out
 
 
+# ------------------------------------------------------------ held-out split
+
+SPLITS: Final = ("all", "train", "eval")
+SPLIT_DRAWS: Final = 256  # draws per task before a split side is declared empty (0.8**256 ~ 1e-25)
+_SPLIT_PARAMS: Final = {
+    "split": _Param(str, "all", choices=SPLITS),
+    "holdout": _Param(int, 5, 2, 1000),  # K: one problem in K is on the eval side
+}
+
+
+def eval_side(prompt: str, holdout: int) -> bool:
+    """Whether a built-in problem belongs to the eval side of a split with this `holdout` (K)."""
+    h = hashlib.blake2b(prompt.encode(), digest_size=8, person=b"murmur-holdout").digest()
+    return int.from_bytes(h, "big") % holdout == 0
+
+
 # ------------------------------------------------------------ built-in generators
 
 _ARITH_PARAMS: Final = {
@@ -91,13 +114,12 @@ _ARITH_PARAMS: Final = {
 }
 
 
-def _arithmetic(cfg: dict[str, Any], seed: int) -> tuple[str, str]:
+def _arithmetic(cfg: dict[str, Any], r: random.Random) -> tuple[str, str]:
     ops = cfg["ops"]
     if not ops or any(c not in "+-*" for c in ops):
         raise TaskError(f"generator 'arithmetic': config 'ops'={ops!r} must be a non-empty string of + - *")
     if cfg["min_digits"] > cfg["digits"]:
         raise TaskError("generator 'arithmetic': config 'min_digits' exceeds 'digits'")
-    r = _rng("arithmetic", seed)
     op = ops[r.randrange(len(ops))]
 
     def operand() -> int:
@@ -119,13 +141,12 @@ _DIGITS_PARAMS: Final = {
 }
 
 
-def _digits(cfg: dict[str, Any], seed: int) -> tuple[str, str]:
+def _digits(cfg: dict[str, Any], r: random.Random) -> tuple[str, str]:
     ops = [o.strip() for o in cfg["ops"].split(",") if o.strip()]
     if not ops or any(o not in _DIGITS_OPS for o in ops):
         raise TaskError(f"generator 'digits': config 'ops'={cfg['ops']!r}: use a comma list of {', '.join(_DIGITS_OPS)}")
     if cfg["min_length"] > cfg["length"]:
         raise TaskError("generator 'digits': config 'min_length' exceeds 'length'")
-    r = _rng("digits", seed)
     op = ops[r.randrange(len(ops))]
     n = r.randint(cfg["min_length"], cfg["length"])
     ds = "".join(str(r.randrange(10)) for _ in range(n))
@@ -153,10 +174,9 @@ _SORT_PARAMS: Final = {
 }
 
 
-def _sorting(cfg: dict[str, Any], seed: int) -> tuple[str, str]:
+def _sorting(cfg: dict[str, Any], r: random.Random) -> tuple[str, str]:
     if cfg["min_length"] > cfg["length"]:
         raise TaskError("generator 'sorting': config 'min_length' exceeds 'length'")
-    r = _rng("sorting", seed)
     n = r.randint(cfg["min_length"], cfg["length"])
     xs = [r.randint(0, cfg["max_value"]) for _ in range(n)]
     word = "dsort" if cfg["descending"] else "sort"
@@ -166,14 +186,14 @@ def _sorting(cfg: dict[str, Any], seed: int) -> tuple[str, str]:
 
 class _Builtin(msgspec.Struct, frozen=True):
     params: dict[str, _Param]
-    fn: Callable[[dict[str, Any], int], tuple[str, str]]
+    fn: Callable[[dict[str, Any], random.Random], tuple[str, str]]
     verifier: str  # natural default
 
 
 BUILTIN_GENERATORS: Final[dict[str, _Builtin]] = {
-    "arithmetic": _Builtin(_ARITH_PARAMS, _arithmetic, "numeric"),
-    "digits": _Builtin(_DIGITS_PARAMS, _digits, "exact"),
-    "sorting": _Builtin(_SORT_PARAMS, _sorting, "exact"),
+    "arithmetic": _Builtin({**_ARITH_PARAMS, **_SPLIT_PARAMS}, _arithmetic, "numeric"),
+    "digits": _Builtin({**_DIGITS_PARAMS, **_SPLIT_PARAMS}, _digits, "exact"),
+    "sorting": _Builtin({**_SORT_PARAMS, **_SPLIT_PARAMS}, _sorting, "exact"),
 }
 
 
@@ -239,6 +259,25 @@ def _json_default(o: Any) -> Any:
 # ------------------------------------------------------------ entry points
 
 
+def builtin_config(generator: str, config: Mapping[str, ConfigValue]) -> dict[str, Any]:
+    """A built-in generator's config with defaults filled and every value checked."""
+    b = BUILTIN_GENERATORS.get(generator)
+    if b is None:
+        raise TaskError(f"{generator!r} is not a built-in generator")
+    return _resolve_config(generator, b.params, config)
+
+
+def _builtin_problem(generator: str, b: _Builtin, cfg: dict[str, Any], seed: int) -> tuple[str, str]:
+    r = _rng(generator, seed)
+    split = cfg["split"]
+    for _ in range(SPLIT_DRAWS):
+        prompt, answer = b.fn(cfg, r)
+        if split == "all" or eval_side(prompt, cfg["holdout"]) == (split == "eval"):
+            return prompt, answer
+    raise TaskError(f"generator {generator!r}: no {split!r} problem in {SPLIT_DRAWS} draws for seed {seed}; "
+                    f"the {split} side of this problem space is (nearly) empty: widen it or change 'holdout'")
+
+
 def known_generator(generator: str) -> bool:
     if generator in BUILTIN_GENERATORS:
         return True
@@ -269,7 +308,7 @@ def generate(
     cfg_json = canonical_config(config)
     b = BUILTIN_GENERATORS.get(generator)
     if b is not None:
-        prompt, answer = b.fn(_resolve_config(generator, b.params, config), seed)
+        prompt, answer = _builtin_problem(generator, b, _resolve_config(generator, b.params, config), seed)
         return Task(prompt=prompt, answer=answer, verifier=verifier or b.verifier, tolerance=tolerance,
                     generator=generator, config_json=cfg_json, seed=seed)
     if generator.startswith(RG_PREFIX):

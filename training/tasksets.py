@@ -36,35 +36,46 @@ from gossip.wire import (
 from gossip.errors import DecodeError, SignatureError, TaskError
 from gossip.identity import Identity
 from gossip.tomlfile import convert_strict, read_toml, validation_message
-from training.tasks import Task, check_generator, generate
+from training.tasks import RG_PREFIX, Task, builtin_config, check_generator, generate
 from training.verifiers import check_verifier
 
 BUILTIN_COORDINATOR: Final = Identity.from_seed(hashlib.blake2b(b"murmur/builtin-task-set/v1", digest_size=32).digest())
 
-# The tiny model's curriculum: single-digit sums with "<a>+<b>=" prompts. Seeds
-# below EVAL_SEED_START are for training; the eval generator holds the rest out.
+# The tiny model's curriculum: three families it learns on 2 CPU cores in minutes (one- and two-digit
+# sums, digit look-ups, sorting three digits). Each family's "-eval" generator is the held-out side of
+# the same problem space (`split`, training/tasks.py): no eval problem can be drawn in training or in
+# murmur-tiny's warm-up, which draws from the training generators only.
 BUILTIN_NAME: Final = "murmur-builtin"
-BUILTIN_TRAIN: Final = "add"
+BUILTIN_VERSION: Final = 2
+BUILTIN_TRAIN: Final = "add"  # the first family (external tools that need one generator name use it)
 BUILTIN_EVAL: Final = "add-eval"
+EVAL_SUFFIX: Final = "-eval"
+BUILTIN_FAMILIES: Final[tuple[tuple[str, str, dict[str, Any], str], ...]] = (
+    ("add", "arithmetic", {"digits": 2, "min_digits": 1, "ops": "+"}, "numeric"),
+    ("lookup", "digits", {"length": 6, "min_length": 3, "ops": "first,last,max,min"}, "exact"),
+    ("sort", "sorting", {"length": 3, "min_length": 2, "max_value": 9}, "exact"),
+)
 
 
 def builtin_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
     pub = coordinator if coordinator is not None else BUILTIN_COORDINATOR.public
-    cfg: dict[str, Any] = {"digits": 1, "ops": "+"}
+    gens = []
+    for name, generator, cfg, verifier in BUILTIN_FAMILIES:
+        for split, gname in (("train", name), ("eval", name + EVAL_SUFFIX)):
+            gens.append(GeneratorSpec(name=gname, generator=generator, config={**cfg, "split": split},
+                                      seed_start=0, seed_end=1_000_000, verifier=verifier))
     return TaskSetManifest(
         v=FORMAT_VERSION,
         name=BUILTIN_NAME,
-        version=1,
+        version=BUILTIN_VERSION,
         coordinator=pub,
         created_ms=0,
-        verifier="numeric",
+        verifier="exact",
         tolerance=0.0,
-        generators=[
-            GeneratorSpec(name=BUILTIN_TRAIN, generator="arithmetic", config=cfg, seed_start=0, seed_end=1_000_000),
-            GeneratorSpec(name=BUILTIN_EVAL, generator="arithmetic", config=cfg, seed_start=1_000_000,
-                          seed_end=1_010_000),
-        ],
-        description="Built-in curriculum for murmur-tiny: one-digit addition; 'add-eval' is held out by seed.",
+        generators=gens,
+        description="Built-in curriculum for murmur-tiny: sums of numbers below 100, digit look-ups "
+                    "(first, last, max, min), sorting two or three digits; each '-eval' generator is the "
+                    "held-out side of its family's problem space.",
     )
 
 
@@ -80,15 +91,89 @@ def task_set_id(envelope_bytes: bytes) -> bytes:
 
 
 def check_manifest(m: TaskSetManifest, origin: str = "task set") -> None:
-    """Every generator/verifier known and every config accepted (one task generated each)."""
+    """Every generator/verifier known, every config accepted (one task generated each), and every
+    eval generator held out from the set's training generators."""
     try:
         check_verifier(m.verifier)
         for g in m.generators:
             if g.verifier:
                 check_verifier(g.verifier)
             check_generator(g.generator, g.config, g.seed_start)
+        check_held_out(eval_generators(m), train_generators(m))
     except TaskError as e:
         raise TaskError(f"{origin}: {e}") from None
+
+
+# ------------------------------------------------------------ held-out evaluation
+
+
+def is_eval(g: GeneratorSpec) -> bool:
+    """Generators named `<family>-eval` are held out: trainers never sample them."""
+    return g.name.endswith(EVAL_SUFFIX)
+
+
+def train_generators(m: TaskSetManifest) -> list[GeneratorSpec]:
+    return [g for g in m.generators if not is_eval(g)]
+
+
+def eval_generators(m: TaskSetManifest) -> list[GeneratorSpec]:
+    return [g for g in m.generators if is_eval(g)]
+
+
+def _span(cfg: dict[str, Any], lo: str, hi: str) -> tuple[int, int]:
+    return int(cfg[lo]), int(cfg[hi])
+
+
+def _disjoint_spans(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[1] < b[0] or b[1] < a[0]
+
+
+def overlap(e: GeneratorSpec, t: GeneratorSpec) -> str | None:
+    """Why eval generator `e` can produce a problem that training generator `t` can, or None when
+    their problem spaces are disjoint by construction.
+
+    Built-in generators: disjoint seeds are not enough (their spaces are small and seeds collide);
+    disjoint means the eval and train sides of one split (same `holdout`), or different generators
+    (their prompts differ in syntax), or operations, modulus, operand or list lengths never shared.
+    reasoning-gym datasets: different datasets, or disjoint seed ranges of the same one (its datasets
+    are large enough that such collisions are negligible; tests/test_tasks.py counts them)."""
+    e_rg, t_rg = e.generator.startswith(RG_PREFIX), t.generator.startswith(RG_PREFIX)
+    if e_rg or t_rg:
+        if e.generator != t.generator:
+            return None
+        if e.seed_end <= t.seed_start or t.seed_end <= e.seed_start:
+            return None
+        return "the same reasoning-gym dataset with overlapping seed ranges"
+    if e.generator != t.generator:
+        return None
+    ce, ct = builtin_config(e.generator, e.config), builtin_config(t.generator, t.config)
+    if ce["split"] == "eval" and ct["split"] == "train" and ce["holdout"] == ct["holdout"]:
+        return None
+    if e.generator == "arithmetic":
+        if not set(ce["ops"]) & set(ct["ops"]) or ce["mod"] != ct["mod"] or _disjoint_spans(
+                _span(ce, "min_digits", "digits"), _span(ct, "min_digits", "digits")):
+            return None
+    elif e.generator == "digits":
+        ops = [{o.strip() for o in c["ops"].split(",") if o.strip()} for c in (ce, ct)]
+        if not ops[0] & ops[1] or _disjoint_spans(_span(ce, "min_length", "length"),
+                                                  _span(ct, "min_length", "length")):
+            return None
+    elif e.generator == "sorting":
+        if ce["descending"] != ct["descending"] or _disjoint_spans(_span(ce, "min_length", "length"),
+                                                                   _span(ct, "min_length", "length")):
+            return None
+    return ("the same built-in problem space (disjoint seeds are not enough for built-in generators: "
+            "give the pair split = \"eval\" / \"train\" with one holdout, or operations or operand "
+            "ranges never trained on)")
+
+
+def check_held_out(evals: list[GeneratorSpec], trains: list[GeneratorSpec], where: str = "") -> None:
+    """TaskError naming the first eval generator that overlaps a training (or warm-up) generator."""
+    for e in evals:
+        for t in trains:
+            why = overlap(e, t)
+            if why is not None:
+                raise TaskError(f"eval generator {e.name!r} overlaps training generator {t.name!r}{where}: {why}")
 
 
 def sign_task_set(identity: Identity, manifest: TaskSetManifest) -> bytes:
@@ -243,7 +328,8 @@ class TaskRegistry:
 
 
 __all__ = [
-    "BUILTIN_COORDINATOR", "BUILTIN_EVAL", "BUILTIN_NAME", "BUILTIN_TRAIN", "DecodeError", "TaskRegistry",
+    "BUILTIN_COORDINATOR", "BUILTIN_EVAL", "BUILTIN_FAMILIES", "BUILTIN_NAME", "BUILTIN_TRAIN", "DecodeError",
+    "EVAL_SUFFIX", "TaskRegistry", "check_held_out", "eval_generators", "is_eval", "overlap", "train_generators",
     "GeneratorToml", "TaskSetToml", "builtin_manifest", "builtin_task_set", "check_manifest", "load_task_set_toml",
     "manifest_from_toml", "sign_task_set", "task_set_id",
 ]

@@ -24,15 +24,16 @@ import torch
 from gossip.errors import MurmurError
 from training.engine_hf import HFEngine, set_threads
 from training.tasks import Task, generate
-from training.tasksets import BUILTIN_TRAIN, builtin_manifest
+from gossip.wire import GeneratorSpec
+from training.tasksets import builtin_manifest, train_generators
 
 TINY_NAME: Final = "murmur-tiny"
 TINY_ARCHS: Final = ["Qwen2ForCausalLM"]  # what build_model makes (an engine can check support before it exists)
-RECIPE: Final = "v1"
+RECIPE: Final = "v2"  # v2: warm-up on the three-family built-in set
 SPECIALS: Final = ["<pad>", "<eos>", "<unk>"]
 CHARS: Final = [chr(c) for c in range(32, 127)]
 
-# Warm-up: enough supervised steps to learn "digits then EOS" and some sums.
+# Warm-up: enough supervised steps to learn the answer formats and part of each family.
 WARMUP_STEPS: Final = 60
 WARMUP_BATCH: Final = 64
 WARMUP_LR: Final = 2e-3
@@ -60,10 +61,27 @@ def build_model(seed: int, vocab: int) -> Any:
     return Qwen2ForCausalLM(cfg)
 
 
-def builtin_train_tasks(start: int, count: int) -> list[Task]:
+def warmup_generators() -> list[GeneratorSpec]:
+    """What the warm-up draws from: the built-in set's training generators (never its eval ones)."""
+    return train_generators(builtin_manifest())
+
+
+def warmup_batch(rng: random.Random, count: int) -> list[Task]:
+    """One warm-up batch: generators by weight, seeds uniform in their ranges."""
     m = builtin_manifest()
-    g = next(x for x in m.generators if x.name == BUILTIN_TRAIN)
-    return [generate(g.generator, g.config, g.seed_start + s, m.verifier, m.tolerance) for s in range(start, start + count)]
+    gens = warmup_generators()
+    out = []
+    for _ in range(count):
+        g = rng.choices(gens, weights=[x.weight for x in gens])[0]
+        out.append(generate(g.generator, g.config, rng.randrange(g.seed_start, g.seed_end), g.verifier or m.verifier,
+                            m.tolerance))
+    return out
+
+
+def warmup_prompts(seed: int, steps: int = WARMUP_STEPS, batch: int = WARMUP_BATCH) -> set[str]:
+    """Every prompt the warm-up of (seed, steps) trains on (it is deterministic), for overlap counts."""
+    rng = random.Random(seed)
+    return {t.prompt for _ in range(steps) for t in warmup_batch(rng, batch)}
 
 
 def warmup(engine: HFEngine, steps: int, seed: int, batch: int = WARMUP_BATCH, lr: float = WARMUP_LR,
@@ -76,7 +94,7 @@ def warmup(engine: HFEngine, steps: int, seed: int, batch: int = WARMUP_BATCH, l
     for step in range(steps):
         if deadline is not None and time.monotonic() > deadline:
             break
-        tasks = builtin_train_tasks(rng.randrange(900_000), batch)
+        tasks = warmup_batch(rng, batch)
         prompts = [engine.encode(t.prompt) for t in tasks]
         comps = [engine.encode(t.answer) + [engine.eos_id] for t in tasks]
         lp, mask = engine.token_logprobs(prompts, comps)

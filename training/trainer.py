@@ -37,7 +37,7 @@ import msgspec
 import psutil
 import torch
 
-from gossip.wire import Rollout, TaskRef, now_ms
+from gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
 from gossip.errors import ConfigError, MurmurError, TaskError
 from training.engine import Sampling
 from training.engine_hf import HFEngine
@@ -51,7 +51,7 @@ from training.losses import (
     is_degenerate,
 )
 from training.rollouts import RolloutRec, from_wire
-from training.tasksets import TaskRegistry
+from training.tasksets import TaskRegistry, is_eval
 from training.verifiers import score
 
 LOSS_NORMS = ("informative", "constant")
@@ -77,11 +77,13 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     hacpo_delta: float = 0.2
     ppo_epochs: int = 1
     grad_clip: float = 1.0
-    # How the loss is normalised over the step's batch (see LOSS_NORMS). "informative": the mean over
-    # the rows of informative groups only, so one informative group gets a full-size step.
-    # "constant": the sum over informative rows divided by the configured batch, (I + J) x group_size
-    # rows (Dr. GRPO's constant normaliser; TRL's GRPO keeps zero-advantage groups in its denominator,
-    # the same thing for a full batch): a step's size follows how much of its batch teaches anything.
+    # How the loss is normalised over the step's batch (see LOSS_NORMS and `loss_denominator`).
+    # "informative": the row-weighted mean over the rows of informative groups only, so one informative
+    # group gets a full-size step. "constant": Dr. GRPO's constant normaliser (TRL loss_type="dr_grpo"):
+    # the sum of the own-lineage token losses over rows x max_new_tokens, plus the sum of the
+    # other-model sequence losses over rows, where rows counts the whole batch (zero-advantage groups
+    # included, never fewer than the configured (I + J) x group_size): a step's size follows how much
+    # of its batch teaches anything.
     loss_norm: str = "informative"
     memory_budget_mb: int = 4096
     seed: int = 0
@@ -134,6 +136,8 @@ class StepResult:
     step_s: float
     stats: dict[str, float]
     rollouts: list[RolloutRec]  # this step's local rollouts (convertible with rollouts.to_wire)
+    used_by_set: dict[bytes, int] = field(default_factory=dict)  # rows that entered the loss, per task set
+    external_by_set: dict[bytes, int] = field(default_factory=dict)  # of them, external rows
 
 
 class Trainer:
@@ -147,12 +151,9 @@ class Trainer:
         self.lineage = lineage
         self.external = external
         self.on_step = on_step
-        m = registry.get(task_set)
-        gens = [g for g in m.generators if (g.name in generators if generators else not g.name.endswith("-eval"))]
-        if not gens:
-            raise TaskError(f"task set {task_set.hex()[:16]} has no training generators")
-        self._gens = gens
-        self._weights = [g.weight for g in gens]
+        self.drops: dict[str, int] = {}  # what this trainer let go, by reason (node.status.DROP_REASONS)
+        self._only = generators
+        self.set_mixture([(task_set, 1.0)])
         self.rng = random.Random(config.seed)
         self.version = 0
         self.step_no = 0
@@ -164,11 +165,33 @@ class Trainer:
         self.engine.memory_budget_mb = max(64, config.memory_budget_mb // 4)
         self._lock = threading.Lock()
 
+    # ------------------------------------------------------------ task sets
+
+    def set_mixture(self, mixture: list[tuple[bytes, float]]) -> None:
+        """Train on these (task-set id, weight) pairs from the next new prompt group on; the model, the
+        optimizer, the lineage and the groups already in flight are kept. A set is picked by weight,
+        then one of its training generators (never a held-out "-eval" one) by the generators' weights."""
+        sets: list[tuple[bytes, list[GeneratorSpec]]] = []
+        weights: list[float] = []
+        for tid, w in mixture:
+            m = self.registry.get(tid)
+            gens = [g for g in m.generators if (g.name in self._only if self._only else not is_eval(g))]
+            if not gens:
+                raise TaskError(f"task set {m.name!r} ({tid.hex()[:16]}) has no training generators")
+            sets.append((tid, gens))
+            weights.append(w)
+        if not sets or min(weights) <= 0:
+            raise TaskError("a training mixture needs at least one task set, every weight positive")
+        self._sets, self._set_weights = sets, weights
+        self.task_set = sets[0][0]
+        self.mixture = list(mixture)
+
     # ------------------------------------------------------------ rollouts
 
     def _new_ref(self) -> TaskRef:
-        g = self.rng.choices(self._gens, weights=self._weights)[0]
-        return TaskRef(self.task_set, g.name, self.rng.randrange(g.seed_start, g.seed_end))
+        tid, gens = self._sets[0] if len(self._sets) == 1 else self.rng.choices(self._sets, self._set_weights)[0]
+        g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
+        return TaskRef(tid, g.name, self.rng.randrange(g.seed_start, g.seed_end))
 
     def _over_budget(self) -> bool:
         return psutil.Process().memory_info().rss > self.cfg.memory_budget_mb * 2**20
@@ -226,6 +249,7 @@ class Trainer:
             try:
                 task = self.registry.resolve(w.task)
             except TaskError:
+                self.drops["task_set_unused"] = self.drops.get("task_set_unused", 0) + 1
                 continue  # not a task set we hold: unusable here, not an error of ours
             rec = from_wire(w, task, self.engine.encode(task.prompt), self.engine.tokenizer_hash, self.engine.encode)
             if rec.src_logp_mean is not None or rec.lineage != self.lineage:
@@ -249,8 +273,10 @@ class Trainer:
         return rows, torch.cat(advs) if advs else torch.zeros(0)
 
     def _loss(self, own: list[RolloutRec], own_adv: torch.Tensor, ext: list[RolloutRec], ext_adv: torch.Tensor,
-              ext_coef: torch.Tensor, prox: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+              ext_coef: torch.Tensor, prox: torch.Tensor | None, batch_rows: int
+              ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
+        rows = loss_denominator(cfg, batch_rows)
         stats: dict[str, float] = {}
         parts, weights = [], []
         if own:
@@ -265,7 +291,8 @@ class Trainer:
                 too_old = (self.version - vers) > cfg.max_staleness
                 mask[i, :n] = mask[i, :n] * (~too_old).float()
             p = prox if prox is not None else logp.detach()
-            loss, st = decoupled_loss(logp, p, behav, own_adv, mask, stale, cfg.eps_lo, cfg.eps_hi, cfg.m2_tau)
+            loss, st = decoupled_loss(logp, p, behav, own_adv, mask, stale, eps_lo=cfg.eps_lo, eps_hi=cfg.eps_hi,
+                                      tau=cfg.m2_tau, denom=None if rows is None else rows * cfg.max_new_tokens)
             stats.update(st)
             stats["stale_token_frac"] = float((stale.float() * mask).sum() / mask.sum().clamp(min=1))
             parts.append(loss)
@@ -273,13 +300,14 @@ class Trainer:
         if ext:
             logp, mask = eng.token_logprobs([r.prompt_ids for r in ext], [r.ids for r in ext], cfg.temperature)
             src = torch.tensor([r.src_logp_mean or 0.0 for r in ext])
-            loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, cfg.hacpo_delta)
+            loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, delta=cfg.hacpo_delta, denom=rows)
             stats.update(st)
             parts.append(loss)
             weights.append(len(ext))
-        total = sum(w * p for w, p in zip(weights, parts)) / max(1, sum(weights))
-        total = total * batch_scale(cfg.loss_norm, sum(weights), (cfg.local_groups + cfg.external_groups)
-                                    * cfg.group_size)
+        if rows is None:
+            total = sum(w * p for w, p in zip(weights, parts)) / max(1, sum(weights))
+        else:  # each part is already a sum over the constant denominator
+            total = sum(parts)
         return total, stats  # type: ignore[return-value]
 
     # ------------------------------------------------------------ step
@@ -316,6 +344,7 @@ class Trainer:
                     own_groups.append(g)
                 else:
                     other_groups.append(g)
+            batch_rows = sum(len(g) for g in local) + sum(len(g) for g in ext_groups)
             own, own_adv = self._own_batch(own_groups)
             ext, ext_adv_l, ext_coef_l = [], [], []
             p_l = self.capability.get(self.lineage)
@@ -349,7 +378,7 @@ class Trainer:
                         prox, _ = self.engine.token_logprobs([r.prompt_ids for r in own], [r.ids for r in own],
                                                              cfg.temperature)
                 for _ in range(max(1, cfg.ppo_epochs)):
-                    loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox)
+                    loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows)
                     self.opt.zero_grad(set_to_none=True)
                     loss.backward()
                     gn = torch.nn.utils.clip_grad_norm_(self.engine.model.parameters(), cfg.grad_clip)
@@ -359,11 +388,21 @@ class Trainer:
                 self.engine.model.eval()
                 self.version += 1
             self.step_no += 1
+            used: dict[bytes, int] = {}
+            ext_used: dict[bytes, int] = {}
+            local_ids = {id(r) for g in local for r in g}
+            if own or ext:
+                for r in own + ext:
+                    tid = bytes(r.ref.task_set)
+                    used[tid] = used.get(tid, 0) + 1
+                    if id(r) not in local_ids:
+                        ext_used[tid] = ext_used.get(tid, 0) + 1
             res = StepResult(step=self.step_no, version=self.version, loss=loss_val,
                              reward_mean=sum(local_rewards) / len(local_rewards) if local_rewards else float("nan"),
                              n_local_groups=len(local), n_external_groups=len(ext_groups), dropped_groups=dropped,
                              pending_groups=len(self.pending), tokens=sum(len(r.ids) for r in own + ext),
-                             step_s=time.monotonic() - t0, stats=stats, rollouts=[r for g in local for r in g])
+                             step_s=time.monotonic() - t0, stats=stats, rollouts=[r for g in local for r in g],
+                             used_by_set=used, external_by_set=ext_used)
         if self.on_step is not None:
             self.on_step(res)
         return res
@@ -395,15 +434,15 @@ class Trainer:
         return t
 
 
-def batch_scale(loss_norm: str, informative_rows: int, batch_rows: int) -> float:
-    """Factor on the mean loss over informative rows that gives the `loss_norm` normalisation.
+def loss_denominator(cfg: TrainerConfig, batch_rows: int) -> int | None:
+    """Rows the "constant" normaliser divides by (None for "informative": a mean over informative rows).
 
-    "constant" divides the sum over informative rows by the configured batch instead of by the rows
-    left after dropping zero-advantage groups, so a step whose batch is mostly uninformative moves
-    the policy less; never more than 1 (a step larger than its configured batch is not scaled up)."""
-    if loss_norm == "informative" or informative_rows <= 0:
-        return 1.0
-    return min(1.0, informative_rows / max(1, batch_rows))
+    TRL's dr_grpo divides by the rows of its batch, zero-advantage groups included; ours is the rows
+    collected this step (informative or not), never fewer than the configured (I + J) x group_size, so
+    a step that found fewer groups than configured moves the policy less, never more."""
+    if cfg.loss_norm == "informative":
+        return None
+    return max(batch_rows, (cfg.local_groups + cfg.external_groups) * cfg.group_size)
 
 
 def check_trainable(engine: HFEngine) -> None:

@@ -14,17 +14,29 @@ worst-case cost of `math_verify`'s parser.
 `math_verify` tries a fast normalised numeric/fraction comparison first and
 only calls the `math-verify` package (sympy-based, ~2 ms) when that is
 inconclusive; without the package the fast comparison is the whole verifier.
+
+Every verifier is a function of (task, extracted answer): `score` extracts
+once and `score_answer` judges. A producer scores its own completions inline
+(`score`); a receiver scores other peers' completions through a
+`VerifierPool`: worker processes that each judge one batch at a time under a
+time limit (a worker past its limit is killed and replaced), with a bounded
+verdict cache per (task, answer), so hostile text can neither hang the node
+nor hold its threads.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Final
+from typing import Any, Final
 
-from gossip.errors import TaskError
+from gossip.errors import MurmurError, TaskError
+from gossip.validation import VerifierTimeout
 from training.tasks import Task, rg_entry
 
 MAX_COMPLETION_CHARS: Final = 8192
@@ -114,16 +126,15 @@ def _close(x: Fraction, y: Fraction, tolerance: float) -> bool:
 # ------------------------------------------------------------ verifiers
 
 
-def score_exact(task: Task, completion: str) -> float:
-    return 1.0 if normalise(extract_answer(completion)) == normalise(task.answer) else 0.0
+def score_exact(task: Task, ans: str) -> float:
+    return 1.0 if normalise(ans) == normalise(task.answer) else 0.0
 
 
-def score_numeric(task: Task, completion: str) -> float:
+def score_numeric(task: Task, ans: str) -> float:
     """Numeric match within `tolerance` (relative above 1, absolute below); exact when 0."""
     gold = parse_number(task.answer)
     if gold is None:
-        return score_exact(task, completion)
-    ans = extract_answer(completion)
+        return score_exact(task, ans)
     got = parse_number(ans)
     if got is None:
         got = _last_number(ans)
@@ -151,10 +162,71 @@ def _math_verify_pkg(gold: str, answer: str) -> bool | None:
         return False
 
 
-def score_math_verify(task: Task, completion: str) -> float:
-    ans = extract_answer(completion)
+_ASSIGN = re.compile(r"^[A-Za-z]\s*=\s*")
+_ARITH = re.compile(r"[\d+\-*/(). ]+")
+_ARITH_TOKEN = re.compile(r"\d+(?:\.\d+)?|[-+*/()]")
+MAX_ARITH_CHARS: Final = 64
+
+
+def arith_value(text: str) -> Fraction | None:
+    """Exact value of a short expression of numbers, + - * / and parentheses (an optional
+    "x =" and $...$ around it, \\cdot or \\times for *), else None. No powers, at most
+    64 characters: the value and the work stay small whatever the input."""
+    t = text.strip().strip("$").strip()
+    t = _ASSIGN.sub("", t).replace("\\cdot", "*").replace("\\times", "*").replace("\\left", "").replace("\\right", "")
+    if not t or len(t) > MAX_ARITH_CHARS or not _ARITH.fullmatch(t):
+        return None
+    tokens = _ARITH_TOKEN.findall(t)
+    if "".join(tokens) != t.replace(" ", ""):
+        return None
+    pos = 0
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take() -> str:
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def atom() -> Fraction:
+        tok = take() if peek() is not None else ""
+        if tok == "(":
+            v = expr()
+            if take() != ")":
+                raise ValueError
+            return v
+        if tok in ("-", "+"):
+            v = atom()
+            return -v if tok == "-" else v
+        return Fraction(tok)
+
+    def term() -> Fraction:
+        v = atom()
+        while peek() in ("*", "/"):
+            op, rhs = take(), atom()
+            v = v * rhs if op == "*" else v / rhs
+        return v
+
+    def expr() -> Fraction:
+        v = term()
+        while peek() in ("+", "-"):
+            op, rhs = take(), term()
+            v = v + rhs if op == "+" else v - rhs
+        return v
+
+    try:
+        value = expr()
+    except (ValueError, ZeroDivisionError, IndexError, RecursionError):
+        return None
+    return value if pos == len(tokens) else None
+
+
+def score_math_verify(task: Task, ans: str) -> float:
     gold = parse_number(task.answer)
     got = parse_number(ans)
+    if got is None:  # "x = 12", "$2 \\cdot 6$", "24/2 + 0": settled exactly without sympy
+        got = arith_value(ans)
     if gold is not None and got is not None:
         return 1.0 if _close(got, gold, task.tolerance) else 0.0
     if normalise(ans) == normalise(task.answer):
@@ -165,7 +237,7 @@ def score_math_verify(task: Task, completion: str) -> float:
     return 1.0 if ok else 0.0
 
 
-def score_rg(task: Task, completion: str) -> float:
+def score_rg(task: Task, ans: str) -> float:
     """The reasoning-gym dataset's own scorer, on the regenerated entry."""
     import json  # noqa: PLC0415
 
@@ -178,7 +250,7 @@ def score_rg(task: Task, completion: str) -> float:
     ds = rg_dataset(name, cfg, task.seed)
     entry = rg_entry(name, cfg, task.seed)
     try:
-        s = ds.score_answer(extract_answer(completion), entry)
+        s = ds.score_answer(ans, entry)
     except Exception:
         return 0.0
     try:
@@ -201,9 +273,182 @@ def check_verifier(name: str) -> None:
         raise TaskError(f"unknown verifier {name!r} (known: {', '.join(VERIFIERS)})")
 
 
-def score(task: Task, completion_text: str) -> float:
-    """Reward in [0, 1] of `completion_text` for `task`, by the task's verifier."""
+def score_answer(task: Task, answer: str) -> float:
+    """Reward in [0, 1] of an extracted `answer` for `task`, by the task's verifier."""
     fn = VERIFIERS.get(task.verifier)
     if fn is None:
         raise TaskError(f"unknown verifier {task.verifier!r} (known: {', '.join(VERIFIERS)})")
-    return fn(task, completion_text)
+    return fn(task, answer)
+
+
+def score(task: Task, completion_text: str) -> float:
+    """Reward in [0, 1] of `completion_text` for `task`, by the task's verifier."""
+    return score_answer(task, extract_answer(completion_text))
+
+
+# ------------------------------------------------------------ bounded pool
+
+TIME_LIMIT_S: Final = 2.0  # per batch (up to 64 completions) in one pool worker
+START_LIMIT_S: Final = 60.0  # a fresh worker imports the verifiers (reasoning-gym is slow to import)
+VERDICT_CACHE: Final = 65_536  # (task, extracted answer) -> reward, per worker
+
+
+class VerifierError(MurmurError):
+    """A verifier raised or its worker died on this input."""
+
+
+class Verdicts:
+    """Bounded (task, extracted answer) -> reward cache: a verdict depends on nothing else."""
+
+    def __init__(self, entries: int = VERDICT_CACHE) -> None:
+        self.entries = entries
+        self._d: OrderedDict[tuple[Task, str], float] = OrderedDict()
+
+    def score(self, task: Task, completion: str) -> float:
+        key = (task, extract_answer(completion))
+        hit = self._d.get(key)
+        if hit is not None:
+            self._d.move_to_end(key)
+            return hit
+        value = score_answer(task, key[1])
+        self._d[key] = value
+        if len(self._d) > self.entries:
+            self._d.popitem(last=False)
+        return value
+
+
+def _warm_up() -> None:
+    """Imports and first-call setup happen before a worker says ready, so they never count
+    against an honest batch's time limit."""
+    from training.tasks import _rg_module  # noqa: PLC0415
+
+    _math_verify_pkg("$1$", "$x+1$")
+    try:
+        _rg_module()
+    except Exception:  # reasoning-gym missing: rg tasks fail to resolve before they reach a verifier
+        pass
+
+
+def _pool_worker(conn: Any, entries: int) -> None:
+    """One pool process: judge batches until the pipe closes. Replies (ok, rewards | error, cpu_s)."""
+    import signal  # noqa: PLC0415
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    verdicts = Verdicts(entries)
+    _warm_up()
+    conn.send(("ready", None, 0.0))
+    while True:
+        t0 = time.process_time()  # waiting costs no CPU; unpickling the batch does, and counts
+        try:
+            items = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            out: Any = [verdicts.score(task, text) for task, text in items]
+            ok = True
+        except TaskError as e:
+            out, ok = ("task", str(e)), False
+        except Exception as e:  # hostile input we did not foresee: a named rejection upstream
+            out, ok = ("error", f"{type(e).__name__}: {str(e)[:200]}"), False
+        conn.send((ok, out, time.process_time() - t0))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, entries: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_pool_worker, args=(child, entries), daemon=True, name="murmur-verifier")
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(START_LIMIT_S):
+            self.kill()
+            raise VerifierError("verifier worker did not start")
+        self.conn.recv()
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.join(5)
+        finally:
+            self.conn.close()
+
+
+class VerifierPool:
+    """`workers` processes, each judging one batch at a time under `time_limit_s`.
+
+    `score_batch` blocks its calling thread until a worker is free (the caller bounds how
+    many threads wait: gossip.service uses its own limiter); a batch past the limit kills
+    its worker (replaced at the next call) and raises VerifierTimeout, a worker's exception
+    is a VerifierError (TaskError for a task the verifier refuses). `cpu_s` sums the
+    workers' CPU time (benchmarks count it)."""
+
+    def __init__(self, workers: int = 1, time_limit_s: float = TIME_LIMIT_S, cache_entries: int = VERDICT_CACHE) -> None:
+        if workers < 1 or not time_limit_s > 0:
+            raise ValueError("a verifier pool needs workers >= 1 and time_limit_s > 0")
+        self.workers = workers
+        self.time_limit_s = time_limit_s
+        self.cache_entries = cache_entries
+        self._ctx = multiprocessing.get_context("spawn")  # no fork of a threaded (trio) parent
+        self._slots = threading.BoundedSemaphore(workers)
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.cpu_s = 0.0
+        self.timeouts = 0
+        self.started = 0
+
+    def score_batch(self, items: list[tuple[Task, str]]) -> list[float]:
+        with self._slots:
+            w = self._take()
+            try:
+                w.conn.send(items)
+                if not w.conn.poll(self.time_limit_s):
+                    self.timeouts += 1
+                    w.kill()
+                    w = None
+                    raise VerifierTimeout(f"{len(items)} completions not judged within {self.time_limit_s} s")
+                ok, out, cpu = w.conn.recv()
+            except (EOFError, OSError, BrokenPipeError) as e:
+                if w is not None:
+                    w.kill()
+                w = None
+                raise VerifierError(f"verifier worker died: {type(e).__name__}") from None
+            finally:
+                if w is not None:
+                    self._give(w)
+            with self._lock:
+                self.cpu_s += cpu
+        if not ok:
+            kind, msg = out
+            raise (TaskError if kind == "task" else VerifierError)(msg)
+        return out
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise VerifierError("verifier pool is closed")
+            if self._idle:
+                return self._idle.pop()
+        w = _Worker(self._ctx, self.cache_entries)
+        with self._lock:
+            self.started += 1
+        return w
+
+    def _give(self, w: _Worker) -> None:
+        with self._lock:
+            if self._closed:
+                w.kill()
+            else:
+                self._idle.append(w)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for w in idle:
+            w.kill()
+
+    def __enter__(self) -> VerifierPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -64,7 +64,7 @@ def sample_batch(identity: Any, seq: int) -> bytes:
         sampling=wire.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=16), reward=1.0,
         created_ms=wire.now_ms(),
     )
-    body = wire.RolloutBatch(v=1, swarm="bench", producer=identity.public, seq=seq, created_ms=wire.now_ms(), rollouts=[r])
+    body = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="bench", producer=identity.public, seq=seq, created_ms=wire.now_ms(), rollouts=[r])
     return wire.seal(identity, wire.ROLLOUT_BATCH, body)
 
 

@@ -1,0 +1,668 @@
+"""The attack catalogue of issue 15, run by hostile libp2p peers against live nodes, and `murmur bench attacks`.
+
+Each attack is a function `async (Attacker, Knowledge, targets) -> int` (messages or streams sent)
+that a real libp2p host with a valid key runs against live `murmur node start` processes, using
+today's wire formats. Each class gets its own fresh key (attackers hold many keys), so an early
+attack that gets its key graylisted does not mask the later ones, and the score each key lost on
+the honest nodes says whether that class was noticed. An observer host (also hostile, but quiet)
+listens to public gossip first: honest announces, manifests and rollout batches are what the
+attacks forge against, relay or replay.
+
+`run()` starts a live swarm (a trainer and a follower+validator), measures it for a window without
+attack and for the same window with the whole catalogue running in a loop, and returns the JSON
+object `murmur bench attacks --json` prints. `tests/test_attacks_live.py` runs the catalogue once
+against live nodes and asserts the goals.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from gossip import topics, wire
+from gossip.identity import Identity
+
+SWARM = "attack-swarm"
+GRAYLIST = -50.0
+ATTACK_TIMEOUT_S = 30.0  # node.config's default graylist threshold
+U64_MAX = 2**63 - 1
+
+
+# ------------------------------------------------------------------ what the hostile side knows
+
+
+@dataclass
+class Knowledge:
+    """Public traffic the observer saw: the raw material of forgeries, relays and replays."""
+
+    announces: dict[str, tuple[wire.NodeAnnounce, bytes]] = field(default_factory=dict)  # peer id -> newest
+    manifests: list[tuple[wire.PatchManifest, bytes]] = field(default_factory=list)
+    batches: list[tuple[wire.RolloutBatch, bytes]] = field(default_factory=list)
+    task_sets: list[bytes] = field(default_factory=list)
+
+    def lineage(self) -> wire.PatchManifest | None:
+        """The newest honest manifest: names a lineage, its publisher, base model and head."""
+        return max((m for m, _ in self.manifests), key=lambda m: m.target_version, default=None)
+
+    def rollout(self) -> wire.Rollout | None:
+        """An honest rollout to use as a template (tokenizer hash, lineage, version, lengths)."""
+        for b, _ in reversed(self.batches):
+            if b.rollouts:
+                return b.rollouts[0]
+        return None
+
+    def take(self, data: bytes) -> None:
+        try:
+            env, body = wire.open_envelope(data)
+        except Exception:
+            return
+        if isinstance(body, wire.NodeAnnounce):
+            self.announces[body.peer_id] = (body, data)
+        elif isinstance(body, wire.PatchManifest):
+            self.manifests = (self.manifests + [(body, data)])[-64:]
+        elif isinstance(body, wire.RolloutBatch):
+            self.batches = (self.batches + [(body, data)])[-64:]
+        elif isinstance(body, wire.TaskSetManifest):
+            self.task_sets = (self.task_sets + [data])[-8:]
+
+
+class Attacker:
+    """A real libp2p host with its own valid key, connected to the targets and subscribed to the swarm."""
+
+    def __init__(self, transport: Any, ident: Identity, swarm: str, addrs: dict[str, str] | None = None) -> None:
+        self.t = transport
+        self.addrs = addrs or {}  # peer id -> multiaddr, to redial a target that closed our connection
+        self.ident = ident
+        self.swarm = swarm
+        self.sent = 0
+        self.errors = 0
+
+    async def gossip(self, topic: str, data: bytes) -> None:
+        try:
+            await self.t.publish(topic, data)
+            self.sent += 1
+        except Exception:
+            self.errors += 1
+
+    async def announce(self, data: bytes) -> None:
+        await self.gossip(topics.announce(self.swarm), data)
+
+    async def rollouts(self, data: bytes) -> None:
+        await self.gossip(topics.rollouts(self.swarm), data)
+
+    async def raw(self, peer: str, protocol: str, payload: bytes, linger_s: float = 0.5) -> None:
+        """Open `protocol` to `peer`, write `payload` before any signature, reset; redials a closed connection."""
+        from libp2p.peer.id import ID
+
+        s = None
+        for attempt in range(2):
+            try:
+                with trio.fail_after(5):
+                    if attempt or peer not in self.t.peers():
+                        if attempt:
+                            await self.t.disconnect(peer)
+                        if peer in self.addrs:
+                            await self.t.connect(self.addrs[peer])
+                    s = await self.t.host.new_stream(ID.from_base58(peer), [protocol])
+                break
+            except Exception:
+                s = None
+        if s is None:
+            self.errors += 1
+            return
+        try:
+            await s.write(payload)
+            self.sent += 1
+            with trio.move_on_after(linger_s):
+                await s.read(65536)
+        except Exception:
+            pass
+        try:
+            await s.reset()
+        except Exception:
+            pass
+
+
+Attack = Callable[[Attacker, Knowledge, list[str]], Awaitable[None]]
+
+
+def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None = None, text: str | None = None,
+                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True) -> wire.Rollout:
+    """A rollout on the built-in task set that passes today's reward check (the text answers the task)."""
+    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
+    from training.verifiers import score
+
+    reg = TaskRegistry()
+    reg.add_builtin()
+    ref = wire.TaskRef(task_set=reg.builtin_id, generator=BUILTIN_TRAIN, seed=seed)
+    task = reg.resolve(ref)
+    text = task.answer if text is None else text
+    n = len(ids) if ids is not None else (len(tpl.completion_ids) if tpl else 8)
+    ids = ids if ids is not None else (list(tpl.completion_ids) if tpl else [1] * n)
+    return wire.Rollout(
+        task=ref, lineage=lineage if lineage is not None else (bytes(tpl.lineage) if tpl else b"\x4c" * 32),
+        version=version if version is not None else (tpl.version if tpl else 0), completion_ids=ids, text=text,
+        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else b"\x54" * 32,
+        logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, tpl.version if tpl else 0)],
+        sampling=wire.SamplingParams(max_new_tokens=max(1, min(n, wire.MAX_COMPLETION_TOKENS))),
+        reward=score(task, text) if honest_reward else 1.0 - score(task, text), created_ms=wire.now_ms())
+
+
+def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, seq: int | None = None) -> bytes:
+    return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
+        v=1, swarm=swarm or a.swarm, producer=a.ident.public, seq=seq if seq is not None else a.sent + 1,
+        created_ms=wire.now_ms(), rollouts=rollouts))
+
+
+def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
+    base: dict[str, Any] = dict(v=1, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
+                                gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
+                                memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
+    base.update(kw)
+    return wire.seal(a.ident, wire.NODE_ANNOUNCE, wire.NodeAnnounce(**base))
+
+
+def _manifest(a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, target: int,
+              chunks: int = 1, chunk_bytes: int = 1024) -> bytes:
+    refs = [wire.ChunkRef(os.urandom(32), chunk_bytes) for _ in range(chunks)]
+    return wire.seal(a.ident, wire.PATCH_MANIFEST, wire.PatchManifest(
+        v=1, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
+        base_version=base, target_version=target, base_hash=b"\x00" * 32, target_hash=os.urandom(32),
+        codec="sparse-v1", total_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes, chunks=refs,
+        created_ms=wire.now_ms()))
+
+
+def _honest_lineage(k: Knowledge) -> tuple[bytes, str, bytes, int]:
+    m = k.lineage()
+    if m is None:
+        return b"\x4c" * 32, "unknown", b"\x00" * 32, 0
+    return bytes(m.lineage), m.lineage_name, bytes(m.base_model_hash), m.target_version
+
+
+# ------------------------------------------------------------------ the catalogue
+
+
+async def stream_garbage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Kill before any signature: 03ffffff on pubsub, random bytes on every protocol of ours."""
+    rng = random.Random(1)
+    for peer in targets:
+        for proto in ("/meshsub/1.1.0", "/meshsub/1.2.0"):
+            await a.raw(peer, proto, bytes.fromhex("03ffffff"))
+        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1", "/murmur/fetch/1",
+                      "/ipfs/id/push/1.0.0", "/libp2p/circuit/relay/0.2.0/hop", "/libp2p/dcutr"):
+            await a.raw(peer, proto, rng.randbytes(64) + b"\xff" * 8)
+
+
+async def oversized_frames(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Length prefixes far past every limit, and a pubsub RPC over 1 MiB."""
+    for peer in targets:
+        await a.raw(peer, "/murmur/chunks/1", b"\xff\xff\xff\xff" + b"\x00" * 64)
+        await a.raw(peer, "/murmur/catalog/1", b"\x7f\xff\xff\xff")
+        await a.raw(peer, "/meshsub/1.1.0", b"\x80\x80\x80\x01" + b"\x00" * 4096)  # varint 2 MiB
+
+
+async def freeze_manifest_head(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """A manifest signed by us naming the honest lineage with a huge target_version."""
+    lid, name, bmh, _ = _honest_lineage(k)
+    await a.announce(_manifest(a, lid, name, bmh, U64_MAX - 1, U64_MAX))
+
+
+async def freeze_demand_head(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """A NodeAnnounce demand naming the honest lineage with a huge head_version."""
+    lid, name, _, _ = _honest_lineage(k)
+    demand = wire.LineageDemand(lineage=lid, name=name, head_version=U64_MAX, rollouts_per_step=8,
+                                step_time_s=1.0, max_staleness=4)
+    await a.announce(_announce(a, 1, owned=[demand]))
+
+
+async def crash_step_time(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """LineageDemand.step_time_s = 5e-324 (math.ceil overflow in the capacity rule)."""
+    demand = wire.LineageDemand(lineage=os.urandom(32), name="tiny-step", head_version=1, rollouts_per_step=8,
+                                step_time_s=5e-324, max_staleness=4)
+    await a.announce(_announce(a, 1, owned=[demand]))
+
+
+async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
+    tpl = k.rollout()
+    n = len(tpl.completion_ids) if tpl else 8
+    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)]) for i in range(8)]
+    await a.rollouts(_batch(a, rs))
+
+
+async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """The correct answer text attached to arbitrary (in-vocabulary) token ids: reward 1 for noise."""
+    tpl = k.rollout()
+    n = len(tpl.completion_ids) if tpl else 8
+    rng = random.Random(2)
+    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)]) for i in range(8)]
+    await a.rollouts(_batch(a, rs))
+
+
+async def punish_the_honest(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Relay honest producers' batches first, under our own pubsub origin."""
+    for _, data in list(k.batches)[-8:]:
+        await a.rollouts(data)
+
+
+async def capture_lineage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Claim the honest lineage: a plausible next version signed by us, and our announce owning it."""
+    lid, name, bmh, head = _honest_lineage(k)
+    await a.announce(_manifest(a, lid, name, bmh, head, head + 1))
+    demand = wire.LineageDemand(lineage=lid, name=name, head_version=head + 1, rollouts_per_step=64,
+                                step_time_s=1.0, max_staleness=4)
+    await a.announce(_announce(a, 2, owned=[demand]))
+
+
+async def capture_inflated_demand(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Our own lineage with a demand no one can meet (pulls followers), and manifests of 64 GiB."""
+    lid = os.urandom(32)
+    await a.announce(_manifest(a, lid, "bait", b"\x00" * 32, 0, 1, chunks=wire.MAX_CHUNKS,
+                               chunk_bytes=wire.MAX_CHUNK_BYTES))
+    demand = wire.LineageDemand(lineage=lid, name="bait", head_version=1, rollouts_per_step=1_000_000,
+                                step_time_s=0.001, max_staleness=1_000_000)
+    await a.announce(_announce(a, 3, owned=[demand]))
+
+
+async def starve_verifier(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Verifier-expensive payloads: batches of rollouts whose texts are 32 K characters of numbers."""
+    tpl = k.rollout()
+    text = " ".join(str(i) for i in range(6000))[: wire.MAX_TEXT_CHARS - 8]
+    for j in range(4):
+        rs = [_rollout_like(tpl, seed=3000 + 20 * j + i, text=text, honest_reward=True) for i in range(12)]
+        await a.rollouts(_batch(a, rs, seq=10 + j))
+
+
+async def forged_reward(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """The classic: claimed reward 1 where the recomputed one is 0."""
+    tpl = k.rollout()
+    for j in range(3):
+        rs = [_rollout_like(tpl, seed=4000 + 10 * j + i, honest_reward=False) for i in range(4)]
+        await a.rollouts(_batch(a, rs, seq=20 + j))
+
+
+async def future_version(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Rollouts claiming a policy version far past the lineage's head (staleness bound from the future)."""
+    tpl = k.rollout()
+    rs = [_rollout_like(tpl, seed=5000 + i, version=U64_MAX) for i in range(4)]
+    await a.rollouts(_batch(a, rs))
+
+
+async def flood_announces(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Exhaust: announces, manifests of ever-new lineages and task sets, far past any rate limit."""
+    from training.tasksets import builtin_manifest
+
+    for i in range(60):
+        await a.announce(_announce(a, 100 + i))
+        await a.announce(_manifest(a, os.urandom(32), f"flood-{i}", b"\x00" * 32, 0, 1))
+        await trio.sleep(0.02)  # py-libp2p's outbound queue holds 32 RPCs: a flood it drops is no flood
+    m = builtin_manifest(a.ident.public)
+    for i in range(20):
+        m2 = wire.TaskSetManifest(**{**{f: getattr(m, f) for f in m.__struct_fields__}, "version": 2 + i})
+        await a.announce(wire.seal(a.ident, wire.TASK_SET, m2))
+        await trio.sleep(0.02)
+
+
+async def replay_other_swarm(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Replays: a batch signed for another swarm, and honest announces and manifests sent again verbatim."""
+    tpl = k.rollout()
+    await a.rollouts(_batch(a, [_rollout_like(tpl, seed=6000)], swarm="another-swarm"))
+    for _, data in list(k.announces.values())[:4]:
+        await a.announce(data)
+    for _, data in k.manifests[-4:]:
+        await a.announce(data)
+
+
+async def markup_strings(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Rich console markup in peer-supplied names: `[/]` in the hardware string and a lineage name."""
+    demand = wire.LineageDemand(lineage=os.urandom(32), name="[/]", head_version=1, rollouts_per_step=1,
+                                step_time_s=1.0, max_staleness=4)
+    await a.announce(_announce(a, 1, hardware="[/]", roles=["[bold red]x[/]"], owned=[demand]))
+    await a.announce(_manifest(a, os.urandom(32), "[/][link=x]", b"\x00" * 32, 0, 1))
+
+
+async def bad_signature(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """A rollout batch whose envelope signature does not verify."""
+    data = bytearray(_batch(a, [_rollout_like(k.rollout(), seed=7000)]))
+    data[-5] ^= 0xFF
+    await a.rollouts(bytes(data))
+
+
+CATALOGUE: dict[str, Attack] = {
+    "stream_garbage": stream_garbage,
+    "oversized_frames": oversized_frames,
+    "freeze_manifest_head": freeze_manifest_head,
+    "freeze_demand_head": freeze_demand_head,
+    "crash_step_time": crash_step_time,
+    "crash_vocab": crash_vocab,
+    "mislead_ids_vs_text": mislead_ids_vs_text,
+    "punish_the_honest": punish_the_honest,
+    "capture_lineage": capture_lineage,
+    "capture_inflated_demand": capture_inflated_demand,
+    "starve_verifier": starve_verifier,
+    "forged_reward": forged_reward,
+    "future_version": future_version,
+    "flood_announces": flood_announces,
+    "replay_other_swarm": replay_other_swarm,
+    "markup_strings": markup_strings,
+    "bad_signature": bad_signature,
+}
+
+
+def attack_key(name: str, round_: int = 0) -> Identity:
+    """The fresh key one attack class uses (deterministic, so a report can name it)."""
+    import hashlib
+
+    return Identity.from_seed(hashlib.blake2b(f"attack/{name}/{round_}".encode(), digest_size=32).digest())
+
+
+async def observe(transport: Any, k: Knowledge, swarm: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Collect public gossip into `k` until cancelled."""
+    ann = await transport.subscribe(topics.announce(swarm))
+    rol = await transport.subscribe(topics.rollouts(swarm))
+
+    async def drain(ch: Any) -> None:
+        while True:
+            _, data = await ch.receive()
+            k.take(data)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(drain, ann)
+        n.start_soon(drain, rol)
+        task_status.started()
+
+
+async def _connect_all(t: Any, addrs: list[str]) -> None:
+    for addr in addrs:
+        try:
+            await t.connect(addr)
+        except Exception:
+            pass
+
+
+async def run_one(name: str, k: Knowledge, addrs: list[str], targets: list[str], swarm: str,
+                  round_: int = 0, settle_s: float = 1.5) -> dict[str, Any]:
+    """Run one attack class from its own fresh host and key; what it sent."""
+    from gossip.host import open_transport
+
+    ident = attack_key(name, round_)
+    print(f"attack {name} (round {round_}) from {ident.peer_id}", file=sys.stderr, flush=True)
+    async with open_transport(ident) as t:
+        a = Attacker(t, ident, swarm, {x.rsplit("/p2p/", 1)[-1]: x for x in addrs})
+        await t.subscribe(topics.announce(swarm))
+        await t.subscribe(topics.rollouts(swarm))
+        await _connect_all(t, addrs)
+        with trio.move_on_after(5):  # gossip needs a mesh: wait (bounded) until a target subscribes
+            while not t.topic_peers(topics.announce(swarm)):
+                await trio.sleep(0.1)
+        await trio.sleep(0.5)
+        with trio.move_on_after(ATTACK_TIMEOUT_S):
+            await CATALOGUE[name](a, k, targets)
+        await trio.sleep(settle_s)  # let the messages land before the host goes
+        return {"attacker": ident.peer_id, "sent": a.sent, "errors": a.errors}
+
+
+async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rounds: int = 1,
+                        observe_s: float = 5.0, stop: Callable[[], bool] = lambda: False,
+                        names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Observe the swarm, then run every attack class (`rounds` times, or until `stop()`); per-class results."""
+    from gossip.host import open_transport
+
+    k = Knowledge()
+    out: dict[str, dict[str, Any]] = {}
+    async with open_transport(Identity.from_seed(b"\xa7" * 32)) as obs, trio.open_nursery() as n:
+        await n.start(observe, obs, k, swarm)
+        await _connect_all(obs, addrs)
+        with trio.move_on_after(observe_s):  # honest manifests and batches to forge against
+            while not (k.manifests and k.batches):
+                await trio.sleep(0.25)
+        for r in range(rounds):
+            for name in names or list(CATALOGUE):
+                if stop():
+                    break
+                res = {"attacker": attack_key(name, r).peer_id, "sent": 0, "errors": 1}
+                with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
+                    res = await run_one(name, k, addrs, targets, swarm, r)
+                prev = out.get(name, {"attackers": [], "sent": 0, "errors": 0})
+                out[name] = {"attackers": sorted(set(prev["attackers"]) | {res["attacker"]}),
+                             "sent": prev["sent"] + res["sent"], "errors": prev["errors"] + res["errors"]}
+            if stop():
+                break
+        n.cancel_scope.cancel()
+    return out
+
+
+# ------------------------------------------------------------------ live swarm (benchmark and slow test)
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def node_config(roles: list[str], model: Path, swarm: str = SWARM) -> str:
+    return (f'[node]\nswarm = "{swarm}"\nroles = {roles!r}\nmemory_budget_mb = 1536\n'.replace("'", '"')
+            + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\ndht = false\n'
+            + '[sync]\npublish_every = 2\nanchor_every = 8\nretain_versions = 32\nmax_staleness = 4\n'
+            + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')
+
+
+def start_node(home: Path, bootstrap: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
+    for b in bootstrap:
+        cmd += ["--bootstrap", b]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=env)
+
+
+def status(home: Path) -> Any:
+    from node import control
+
+    try:
+        return control.status(home, timeout=5.0)
+    except control.ControlError:
+        return None
+
+
+def wait_until(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        dead = [p.args[-4:] for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"node exited while waiting for {what}: {dead}")
+        time.sleep(0.5)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def build_model(root: Path) -> Path:
+    code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
+    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=str(Path(__file__).resolve().parents[2]))
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class LiveSwarm:
+    """A trainer and a follower+validator as `murmur node start` processes on 127.0.0.1."""
+
+    homes: dict[str, Path]
+    procs: dict[str, subprocess.Popen]
+
+    def status(self, name: str) -> Any:
+        return status(self.homes[name])
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def addrs(self) -> list[str]:
+        out = []
+        for n in self.homes:
+            s = self.status(n)
+            if s is not None and s.listen:
+                out.append(s.listen[0])
+        return out
+
+    def peer_ids(self) -> list[str]:
+        return [s.peer_id for s in (self.status(n) for n in self.homes) if s is not None]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+def start_swarm(root: Path, model: Path, swarm: str = SWARM, timeout: float = 300.0) -> LiveSwarm:
+    """Start the trainer, then the follower+validator bootstrapped to it; return once patches flow."""
+    homes = {"trainer": root / "trainer", "follower": root / "follower"}
+    for n, h in homes.items():
+        h.mkdir(parents=True, exist_ok=True)
+        (h / "config.toml").write_text(node_config(["trainer"] if n == "trainer" else ["follower", "validator"],
+                                                   model, swarm))
+    sw = LiveSwarm(homes, {})
+    try:
+        sw.procs["trainer"] = start_node(homes["trainer"], [])
+        wait_until("trainer listening", lambda: bool(getattr(sw.status("trainer"), "listen", None)),
+                   list(sw.procs.values()), timeout)
+        sw.procs["follower"] = start_node(homes["follower"], [sw.status("trainer").listen[0]])
+        wait_until("follower applying the trainer's patches",
+                   lambda: (getattr(sw.status("follower"), "versions_applied", 0) or 0) >= 2,
+                   list(sw.procs.values()), timeout)
+    except BaseException:
+        sw.stop()
+        raise
+    return sw
+
+
+@dataclass
+class Window:
+    """Honest progress over one measurement window."""
+
+    train_steps: int = 0
+    versions_applied: int = 0
+    max_stall_ms: float = 0.0
+    alive: bool = True
+
+
+def measure(sw: LiveSwarm, seconds: float, during: Callable[[], None] | None = None) -> Window:
+    """Poll both nodes once a second for `seconds`; progress is the difference between the ends."""
+    t0, f0 = sw.status("trainer"), sw.status("follower")
+    w = Window()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for n in sw.homes:
+            s = sw.status(n)
+            if s is not None:
+                w.max_stall_ms = max(w.max_stall_ms, s.loop_stall_recent_ms)
+        if not sw.alive():
+            w.alive = False
+            break
+        time.sleep(1.0)
+    t1, f1 = sw.status("trainer"), sw.status("follower")
+    if None in (t0, f0, t1, f1):
+        w.alive = w.alive and None not in (t1, f1)
+        return w
+    w.train_steps = t1.steps - t0.steps
+    w.versions_applied = f1.versions_applied - f0.versions_applied
+    return w
+
+
+def penalties(sw: LiveSwarm, honest: set[str], attackers: set[str]) -> tuple[float, dict[str, float]]:
+    """Score lost by honest peers (summed over what the honest nodes think of each other), and each
+    attacker's lowest score on any honest node."""
+    lost = 0.0
+    worst: dict[str, float] = {}
+    for n in sw.homes:
+        s = sw.status(n)
+        if s is None:
+            continue
+        for peer, score in s.peer_scores.items():
+            if peer in honest:
+                lost += max(0.0, -score)
+            elif peer in attackers:
+                worst[peer] = min(worst.get(peer, 0.0), score)
+    return lost, worst
+
+
+def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
+    """`murmur bench attacks`: the same window with and without the catalogue running."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="murmur-attacks-")) if root is None else root
+    model = build_model(tmp / "model")
+    print("starting the live swarm", file=sys.stderr)
+    sw = start_swarm(tmp / "swarm", model)
+    try:
+        honest = set(sw.peer_ids())
+        print(f"baseline window {window_s:.0f} s", file=sys.stderr)
+        base = measure(sw, window_s)
+        addrs, targets = sw.addrs(), sw.peer_ids()
+        results: dict[str, dict[str, Any]] = {}
+        attacked: list[Window] = []
+
+        def attack_thread() -> None:
+            deadline = time.monotonic() + window_s
+            results.update(trio.run(lambda: run_catalogue(addrs, targets, SWARM, rounds=100,
+                                                          stop=lambda: time.monotonic() > deadline)))
+
+        print(f"attack window {window_s:.0f} s", file=sys.stderr)
+        import threading
+
+        th = threading.Thread(target=attack_thread, daemon=True)
+        th.start()
+        attacked.append(measure(sw, window_s))
+        th.join(120)
+        under = attacked[0]
+        attackers = {p for r in results.values() for p in r.get("attackers", [])}
+        lost, worst = penalties(sw, honest, attackers)
+        statuses = {n: sw.status(n) for n in sw.homes}
+        alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
+        return {
+            "attacks_run": len(results),
+            "attack_classes": sorted(results),
+            "honest_nodes_alive": alive,
+            "honest_worker_restarts": sum(int(getattr(s, "worker_restarts", 0) or 0)
+                                          for s in statuses.values() if s is not None),
+            "honest_penalties": round(lost, 3),
+            "attacker_graylisted": bool(worst) and all(v < GRAYLIST for v in worst.values()),
+            "attackers_seen": len(worst),
+            "attackers_graylisted": sum(1 for v in worst.values() if v < GRAYLIST),
+            "attackers_total": len(attackers),
+            "train_steps_without": base.train_steps,
+            "train_steps_under_attack": under.train_steps,
+            "train_steps_ratio": round(under.train_steps / base.train_steps, 3) if base.train_steps else None,
+            "versions_applied_without": base.versions_applied,
+            "versions_applied_under_attack": under.versions_applied,
+            "versions_applied_ratio": (round(under.versions_applied / base.versions_applied, 3)
+                                       if base.versions_applied else None),
+            "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
+            "max_event_loop_stall_ms_without": round(base.max_stall_ms, 1),
+            "stream_faults": {n: dict(s.stream_faults) for n, s in statuses.items() if s is not None},
+            "window_s": window_s,
+        }
+    finally:
+        sw.stop()

@@ -1,0 +1,89 @@
+"""Disk budgets on real files: a follower's patch store is pruned like a publisher's, logs rotate within budget."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from node import logs
+from node.config import Config, load_config
+from node.patchsync import store_complete
+from sync.lineage import LineagePublisher
+from sync.patchstore import LineageStore, open_manifest
+
+torch.set_num_threads(1)
+
+
+def _publish(identity, home: Path, n: int) -> LineagePublisher:
+    g = torch.Generator().manual_seed(3)
+    s = {"w": (torch.randn(32, 32, generator=g) * 0.02).to(torch.bfloat16)}
+    pub = LineagePublisher(identity, "budget", s, home, anchor_every=8, retain_versions=10**6, max_anchors=100,
+                             chunk_bytes=4096)
+    for _ in range(n):
+        s = {"w": s["w"].clone()}
+        mask = torch.rand(s["w"].shape, generator=g) < 0.05
+        s["w"][mask] = (s["w"][mask].float() * 1.01).to(torch.bfloat16)
+        pub.publish(s)
+    return pub
+
+
+def _copy_as_follower(pub: LineagePublisher, home: Path, anchors: bool) -> LineageStore:
+    """Every stored item goes into a follower's home the way completed transfers do (store_complete)."""
+    src = pub.store
+    for it in src.items():
+        if it.kind == "anchor" and not anchors:
+            continue
+        env, payload = src.read_anchor(it.target) if it.kind == "anchor" else src.read_patch(it.base, it.target)
+        store_complete(home, open_manifest(env), env, payload)
+    return LineageStore(home, pub.lineage.id)
+
+
+def test_follower_store_without_anchors_is_pruned_to_the_window(identity, tmp_path: Path) -> None:
+    pub = _publish(identity, tmp_path / "pub", 40)
+    store = _copy_as_follower(pub, tmp_path / "fol", anchors=False)
+    assert len([i for i in store.items() if i.kind == "patch"]) == 40  # the issue: everything kept
+    store.prune(retain_versions=8)
+    patches = [i for i in store.items() if i.kind == "patch"]
+    assert max(i.target for i in patches) == 40
+    assert min(i.base for i in patches) >= 40 - 8
+    assert len(list((store.root / "patches").iterdir())) <= 2 * 9
+
+
+def test_follower_store_with_anchors_stays_replayable(identity, tmp_path: Path) -> None:
+    pub = _publish(identity, tmp_path / "pub", 40)
+    store = _copy_as_follower(pub, tmp_path / "fol", anchors=True)
+    store.prune(retain_versions=8, max_anchors=2)
+    patches = [i for i in store.items() if i.kind == "patch"]
+    assert min(i.base for i in patches) in store.anchors()
+    assert len(patches) <= 8 + 8
+    from sync.hashing import state_hash
+    assert state_hash(store.load_state(40)) == pub.state_hash
+
+
+def test_log_file_rotates_within_its_budget(tmp_path: Path) -> None:
+    logfile = tmp_path / "node.log"
+    logs.setup("info", stream=None, logfile=logfile, max_bytes=64 * 1024)
+    try:
+        log = logging.getLogger("murmur.test")
+        for i in range(3000):
+            logs.event(log, "status", i=i, pad="x" * 60)
+        files = list(tmp_path.glob("node.log*"))
+        assert sum(f.stat().st_size for f in files) <= 64 * 1024 + 512
+        assert len(files) == 2
+        last = logfile.read_text().splitlines()[-1]
+        assert json.loads(last)["i"] == 2999
+    finally:
+        logs.setup("info", stream=None, logfile=None)
+
+
+def test_disk_section_in_config(tmp_path: Path) -> None:
+    p = tmp_path / "config.toml"
+    p.write_text("[disk]\nledger_max_rows = 500\nlogs_max_mb = 8\n")
+    cfg = load_config(p, environ={})
+    assert cfg.disk.ledger_budget().max_rows == 500 and cfg.disk.logs_max_mb == 8
+    assert Config().disk.ledger_budget().payload_rows == 2000
+    shutil.rmtree(tmp_path / "nothing", ignore_errors=True)

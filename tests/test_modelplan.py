@@ -1,0 +1,169 @@
+"""Bring your own model: a locally built Qwen2-shaped model by path is planned, refused or adjusted, and checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossip.errors import ConfigError
+from node import modelplan
+from node.config import Config, NodeSection, TrainingSection
+from node.doctor import Context, check_model
+
+torch.set_num_threads(1)
+
+
+def build_qwen2(d: Path, hidden: int = 320, layers: int = 5) -> int:
+    """A Qwen2-shaped causal LM with random weights and murmur-tiny's tokenizer, saved like a downloaded one."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from training.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    d = tmp_path_factory.mktemp("qwen2")
+    return d, build_qwen2(d)
+
+
+def _free_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _cfg(model: Path, budget: int, roles: list[str] | None = None, lr: float = 3e-4) -> Config:
+    return Config(node=NodeSection(memory_budget_mb=budget, roles=roles or []),
+                  training=TrainingSection(model=str(model), lr=lr))
+
+
+def test_params_counted_without_loading_weights(qwen: tuple[Path, int], tmp_path: Path) -> None:
+    d, n = qwen
+    assert modelplan.count_params(d) == n
+    (tmp_path / "config.json").write_bytes((d / "config.json").read_bytes())  # no weights: meta device
+    assert modelplan.count_params(tmp_path) == n
+    p = modelplan.plan(str(d), 4096)
+    assert p is not None and p.params == n and p.lr == modelplan.MODEL_LR
+    assert p.need_mb["trainer"] > p.need_mb["follower"] > p.need_mb["validator"] > modelplan.RUNTIME_MB
+    assert modelplan.plan("murmur-tiny", 4096) is None
+
+
+def test_configured_trainer_that_does_not_fit_is_refused_with_the_figure(qwen: tuple[Path, int]) -> None:
+    d, _ = qwen
+    p = modelplan.plan(str(d), 1)
+    need = p.need_for(["trainer"])
+    budget = need - 1
+    with pytest.raises(ConfigError, match=f"needs about {need} MiB as trainer, over node.memory_budget_mb = {budget}"):
+        modelplan.apply(_cfg(d, budget, ["trainer"]), lr_is_default=True)
+    cfg, _ = modelplan.apply(_cfg(d, need, ["trainer"]), lr_is_default=True)
+    assert cfg.node.roles == ["trainer"]
+
+
+def test_unset_roles_follow_when_training_does_not_fit(qwen: tuple[Path, int]) -> None:
+    d, _ = qwen
+    p = modelplan.plan(str(d), 1)
+    cfg, notes = modelplan.apply(_cfg(d, p.need_for(["follower", "validator"])), lr_is_default=True)
+    assert cfg.node.roles == ["follower", "validator"]
+    assert any("this node follows" in n for n in notes)
+    with pytest.raises(ConfigError, match="needs about"):
+        modelplan.apply(_cfg(d, modelplan.RUNTIME_MB), lr_is_default=True)
+
+
+def test_learning_rate_default_fits_the_model_size(qwen: tuple[Path, int]) -> None:
+    d, _ = qwen
+    cfg, notes = modelplan.apply(_cfg(d, 8192), lr_is_default=True)
+    assert cfg.training.lr == modelplan.MODEL_LR and any("training.lr" in n for n in notes)
+    cfg, _ = modelplan.apply(_cfg(d, 8192, lr=5e-5), lr_is_default=False)
+    assert cfg.training.lr == 5e-5  # the user's choice stands
+    cfg, notes = modelplan.apply(Config(), lr_is_default=True)
+    assert cfg.training.lr == 3e-4 and notes == []  # murmur-tiny keeps its own
+
+
+def test_doctor_says_which_roles_fit(qwen: tuple[Path, int], tmp_path: Path) -> None:
+    d, _ = qwen
+    p = modelplan.plan(str(d), 1)
+    big = check_model(Context(_cfg(d, 10**6), tmp_path, 1.0, []))[0]
+    assert "can take: trainer+validator" in big.detail and "M parameters" in big.detail
+    small = check_model(Context(_cfg(d, p.need_for(["follower"])), tmp_path, 1.0, []))[0]
+    assert small.ok and "trainer" not in small.detail.split("can take:")[1] and small.severity == "warning"
+    none = check_model(Context(_cfg(d, 100), tmp_path, 1.0, []))[0]
+    assert not none.ok and "no role" in none.detail
+    missing = check_model(Context(_cfg(tmp_path / "nope", 4096), tmp_path, 1.0, []))[0]
+    assert not missing.ok and "no such directory" in missing.detail
+
+
+def test_node_start_refuses_a_model_over_budget(qwen: tuple[Path, int], tmp_path: Path) -> None:
+    """The real command: exit 2 and one line naming the memory needed, before any model is loaded."""
+    d, _ = qwen
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'[node]\nroles = ["trainer"]\nmemory_budget_mb = 600\n'
+                                      f'[training]\nmodel = "{d}"\n')
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "needs about" in r.stderr and "MiB as trainer" in r.stderr
+
+
+@pytest.mark.slow
+def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path) -> None:
+    """A trainer and a follower+validator, both with the Qwen2-shaped model by path and no lr set: the trainer
+    steps with the size's learning rate and publishes, the follower applies its versions, nothing errors."""
+    import json
+
+    from tests.nodeproc import status, stop_all, wait_for
+
+    d, _ = qwen
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    homes, procs = [], []
+    try:
+        bootstrap: list[str] = []
+        for i, roles in enumerate((["trainer"], ["follower", "validator"])):
+            home = tmp_path / f"n{i}"
+            home.mkdir()
+            (home / "config.toml").write_text(
+                f'[node]\nswarm = "byo"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 4096\n'
+                f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_free_port()}"]\ndht = false\n'
+                '[sync]\npublish_every = 1\nanchor_every = 8\n'
+                f'[training]\nmodel = "{d}"\nmax_new_tokens = 4\nlocal_rollouts = 4\n')
+            cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
+            for b in bootstrap:
+                cmd += ["--bootstrap", b]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"),
+                                          env=env))
+            homes.append(home)
+            if i == 0:
+                wait_for("trainer listening", lambda: bool((s := status(home)) and s.listen), procs, 300)
+                bootstrap = [status(home).listen[0]]
+        wait_for("trainer steps and follower applies", lambda: bool(
+            (a := status(homes[0])) and (b := status(homes[1])) and a.steps >= 3 and b.versions_applied >= 2),
+            procs, 600)
+    finally:
+        stop_all(procs)
+    log = (homes[0] / "stderr.log").read_text()
+    assert f"training.lr {modelplan.MODEL_LR:g}" in log
+    for h in homes:
+        lines = [json.loads(x) for x in (h / "stderr.log").read_text().splitlines() if x.startswith("{")]
+        assert not [x for x in lines if x.get("level") == "error"], h

@@ -1,0 +1,99 @@
+"""A real node trains on the task set its config names: it waits (and says so) until the set arrives,
+trains on it, follows the coordinator's new version by name without a new lineage, and `murmur tasks
+list` shows the per-set counters. One `murmur node start` process; the coordinator is the node's own key
+(`murmur tasks publish` stores the set in the home, as a set received from the swarm is stored)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.home import ensure_home
+from node.store import open_store
+from node.taskmix import STATUS_KEY
+from tests.nodeproc import build_tiny_model, status, stop_all, wait_for
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def _set_file(tmp: Path, version: int) -> Path:
+    f = tmp / f"e2e-v{version}.toml"
+    f.write_text(f'name = "e2e"\nversion = {version}\nverifier = "exact"\n'
+                 '[[generators]]\nname = "sort"\ngenerator = "sorting"\nseed_end = 100000\n'
+                 'config = { length = 3, min_length = 2, split = "train" }\n'
+                 '[[generators]]\nname = "sort-eval"\ngenerator = "sorting"\nseed_end = 100000\n'
+                 'config = { length = 3, min_length = 2, split = "eval" }\n')
+    return f
+
+
+def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "node", *args, "--home", str(home)], capture_output=True, text=True,
+                          timeout=300, env=ENV, cwd=str(ROOT))
+
+
+def _status(home: Path) -> dict:
+    db = open_store(home)
+    try:
+        return db.get(STATUS_KEY, {}) or {}
+    finally:
+        db.close()
+
+
+def _training(home: Path, version: int) -> bool:
+    return any(s["name"] == "e2e" and s["version"] == version and s["training"] and s["produced"] > 0
+               for s in _status(home).get("sets", []))
+
+
+def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "model", ENV)
+    home = tmp_path / "node"
+    key = ensure_home(home).public.hex()
+    (home / "config.toml").write_text(
+        f'[node]\nroles = ["trainer"]\nmemory_budget_mb = 1536\n'
+        f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_port()}"]\ndht = false\n'
+        f'[training]\nmodel = "{model}"\nlocal_rollouts = 2\ngroup_size = 4\nmax_new_tokens = 6\n'
+        f'task_sets = ["e2e"]\n[trust]\ncoordinators = ["{key}"]\n')
+    proc = subprocess.Popen([sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"],
+                            stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=ENV, cwd=str(ROOT))
+    try:
+        wait_for("the worker to wait for 'e2e'", lambda: _status(home).get("waiting") == ["e2e"], [proc], 300)
+        s = status(home)
+        assert s is None or s.worker == "waiting-for-tasks"
+        assert not any(x["produced"] for x in _status(home).get("sets", []))  # nothing trained meanwhile
+        assert _cli("tasks", "publish", str(_set_file(tmp_path, 1)), home=home).returncode == 0
+        wait_for("training on e2e v1", lambda: _training(home, 1), [proc], 300)
+        db = open_store(home)
+        lineage = db.get("own_lineage")
+        db.close()
+        assert _cli("tasks", "publish", str(_set_file(tmp_path, 2)), home=home).returncode == 0
+        wait_for("training on e2e v2", lambda: _training(home, 2), [proc], 300)
+        db = open_store(home)
+        assert db.get("own_lineage") == lineage  # a new task-set version is not a new lineage
+        db.close()
+        r = _cli("tasks", "list", "--json", home=home)
+        listed = json.loads(r.stdout.strip().splitlines()[-1])
+        rows = {(x["name"], x["version"]): x for x in listed["sets"]}
+        assert rows[("e2e", 2)]["training"] and rows[("e2e", 2)]["produced"] > 0
+        assert not rows[("e2e", 1)]["training"] and rows[("e2e", 1)]["produced"] > 0
+        assert not rows[("murmur-builtin", 2)]["training"] and rows[("murmur-builtin", 2)]["produced"] == 0
+        assert listed["waiting"] == []
+    finally:
+        stop_all([proc])
+    log = (home / "stderr.log").read_text()
+    assert "waiting for task set(s) e2e" in log

@@ -1,0 +1,168 @@
+"""The external-rollout sampler (training/sampler.py): intake, staleness, the take rule, bounds; plain calls."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gossip import wire
+from tests import samples
+from training import sampler as sampling
+from training.sampler import Sampler, split
+
+LIN_A, LIN_B = b"\x0a" * 32, b"\x0b" * 32
+
+
+def group(seed: int, rewards: tuple[float, ...] = (1.0, 0.0), lineage: bytes = LIN_A, version: int = 3,
+          generator: str = "add") -> list[wire.Rollout]:
+    r = samples.rollout(seed=seed)
+    return [msgspec.structs.replace(r, lineage=lineage, version=version, reward=x,
+                                    task=msgspec.structs.replace(r.task, generator=generator)) for x in rewards]
+
+
+def seeds(groups: list[sampling.Group]) -> list[int]:
+    return [g.key[2] for g in groups]
+
+
+def test_split_keeps_informative_groups_per_task_and_lineage() -> None:
+    batch = (group(1) + group(2, (1.0, 1.0, 1.0)) + group(3, (0.0,)) + group(4, lineage=LIN_A)
+             + group(4, lineage=LIN_B) + group(5, generator="sub"))
+    got, dropped = split(batch)
+    assert dropped == {"too_small": 1, "uninformative": 1}
+    assert [(g.key[1], g.key[2], g.lineage) for g in got] == [
+        ("add", 1, LIN_A), ("add", 4, LIN_A), ("add", 4, LIN_B), ("sub", 5, LIN_A)]
+    assert all(len(g.rollouts) == 2 for g in got)
+    mixed, _ = split(group(6, version=7)[:1] + group(6, version=5)[1:])
+    assert mixed[0].version == 5  # a group is as old as its oldest rollout
+
+
+def test_take_newest_first_each_group_once_in_arrival_order() -> None:
+    s = Sampler(max_groups=16)
+    for k in range(6):
+        assert s.add_rollouts(group(k)) == 1
+    first = s.take(4)
+    assert seeds(first) == [2, 3, 4, 5]  # the newest four, oldest of them first
+    assert seeds(s.take(4)) == [0, 1]  # what is left; nothing is handed out twice
+    assert s.take(4) == [] and len(s) == 0
+    assert s.counts["taken"] == 6 and s.counts["added"] == 6
+    assert s.take(0) == []
+
+
+def test_uninformative_groups_never_reach_the_trainer() -> None:
+    s = Sampler()
+    s.add_rollouts(group(1, (0.0, 0.0)) + group(2, (1.0, 1.0)) + group(3, (0.0,)))
+    assert len(s) == 0 and s.take(4) == []
+    assert s.counts["uninformative"] == 2 and s.counts["too_small"] == 1
+
+
+def test_staleness_against_reported_heads() -> None:
+    s = Sampler(max_staleness=4)
+    s.add_rollouts(group(1, version=3) + group(2, version=5, lineage=LIN_B))
+    s.add_rollouts(group(3, version=6))
+    s.observe_head(LIN_A, 8)  # LIN_A's publisher announced version 8: version 3 is 5 behind
+    s.observe_head(LIN_A, 2)  # an older announcement never lowers the head
+    assert s.head(LIN_A) == 8 and s.head(LIN_B) is None
+    got = s.take(4)
+    assert seeds(got) == [2, 3]  # LIN_B has no reported head: admitted by the pipeline, usable
+    assert s.counts["stale"] == 1 and len(s) == 0
+    s.add_rollouts(group(4, version=4))
+    assert seeds(s.take(1)) == [4]  # exactly max_staleness behind is still usable
+
+
+def test_a_claimed_version_does_not_age_other_groups_out() -> None:
+    """Attack: a peer claims a far-future version for an honest lineage, hoping to make its groups stale."""
+    s = Sampler(max_staleness=4)
+    s.add_rollouts(group(1, version=3))
+    s.add_rollouts(group(2, version=2**40))  # verified (the reward is real), but no head is announced
+    assert s.head(LIN_A) is None
+    assert seeds(s.take(4)) == [1, 2] and s.counts["stale"] == 0
+
+
+def test_pool_is_bounded_oldest_evicted_and_heads_table_too() -> None:
+    s = Sampler(max_groups=3)
+    for k in range(5):
+        s.add_rollouts(group(k))
+    assert len(s) == 3 and s.counts["evicted"] == 2
+    assert seeds(s.take(10)) == [2, 3, 4]
+    for k in range(sampling.MAX_HEADS + 10):
+        s.observe_head(k.to_bytes(32, "big"), k)
+    assert len(s._heads) == sampling.MAX_HEADS
+    assert s.head((0).to_bytes(32, "big")) is None  # least recently reported forgotten first
+    with pytest.raises(ValueError):
+        Sampler(max_groups=0)
+    with pytest.raises(ValueError):
+        Sampler(max_staleness=-1)
+
+
+def test_groups_are_shareable_between_receivers() -> None:
+    """The simulator splits a message once and hands the same Groups to every receiver."""
+    groups, _ = split(group(1) + group(2))
+    a, b = Sampler(), Sampler()
+    a.add(groups)
+    b.add(groups)
+    assert seeds(a.take(1)) == [2]
+    assert seeds(b.take(4)) == [1, 2]  # a's take did not touch b's pool
+
+
+def test_take_rollouts_is_the_trainer_hook_shape() -> None:
+    s = Sampler()
+    s.add_rollouts(group(1) + group(2, (0.0, 1.0, 1.0)))
+    out = s.take_rollouts(4, 0)
+    assert [(r.task.seed, r.reward) for r in out] == [(1, 1.0), (1, 0.0), (2, 0.0), (2, 1.0), (2, 1.0)]
+
+
+def test_the_worker_and_the_swarm_benchmark_share_this_sampler() -> None:
+    from node import worker
+    from simulations import bench_swarm
+
+    assert worker.Sampler is Sampler and bench_swarm.Sampler is Sampler
+
+
+def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them(tmp_path) -> None:
+    """The worker's real reader thread on a real pipe; the trainer hook then takes from the same sampler."""
+    import multiprocessing
+    import threading
+    import time
+
+    from gossip.identity import Identity
+    from node import worker
+
+    net, end = multiprocessing.Pipe()
+    w = worker.Worker(end, {"home": str(tmp_path), "trainer": {"max_staleness": 4}})
+    reader = threading.Thread(target=worker._reader, args=(end, w.inbox), daemon=True)
+    reader.start()
+    ident = Identity.generate()
+    own = b"\x0c" * 32
+    rollouts = group(1, lineage=own, version=1) + group(2, lineage=LIN_B) + group(3, (0.0, 0.0))
+    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
+                              rollouts=rollouts)
+    net.send(("external", wire.seal(ident, wire.ROLLOUT_BATCH, batch)))
+    net.send(("external", b"not an envelope"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with w.inbox.lock:
+            if w.inbox.sampler.counts["added"] + w.inbox.sampler.counts["uninformative"] >= 3:
+                break
+        time.sleep(0.01)
+    w._observe_own_head(own, 9)  # our own lineage moved on: its version-1 group is beyond the bound
+    got = w._external(4, 5)
+    assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
+    assert w.inbox.sampler.counts == {"added": 2, "too_small": 0, "uninformative": 1, "evicted": 0, "stale": 1,
+                                      "taken": 1}
+    net.send(("stop", None))
+    reader.join(5)
+    assert not reader.is_alive()
+
+
+def test_rollout_budget_holds_whatever_group_sizes_peers_send() -> None:
+    """Attack: a peer sends batches of one 64-completion group each to fill a trainer's memory."""
+    s = Sampler(max_groups=1000, max_rollouts=100)
+    for k in range(10):
+        s.add_rollouts(group(k, rewards=(1.0, 0.0) * 32))
+        assert s._rollouts <= 100
+    assert len(s) == 1 and s.counts["evicted"] == 9
+    s.add_rollouts(group(20) + group(21, (0.0, 1.0, 1.0)))
+    assert s._rollouts == 64 + 5
+    assert seeds(s.take(1)) == [21] and s._rollouts == 64 + 2
+    with pytest.raises(ValueError):
+        Sampler(max_rollouts=1)

@@ -1,0 +1,37 @@
+"""The event-loop stall meter: its sans-IO window, and a real blocked trio loop measured by the task."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from node.stall import StallMeter, run
+
+
+def test_meter_keeps_the_worst_since_start_and_over_the_recent_window() -> None:
+    m = StallMeter(recent_s=5.0)
+    m.record(0.0, 300.0)
+    m.record(1.0, 20.0)
+    m.record(2.0, -3.0)  # early wake-ups count as 0
+    assert m.max_ms == 300.0 and m.recent_ms(2.0) == 300.0
+    assert m.recent_ms(5.5) == 20.0  # the 300 ms sample left the window
+    assert m.recent_ms(7.0) == 0.0
+    assert m.max_ms == 300.0
+
+
+def test_a_blocked_loop_is_measured() -> None:
+    m = StallMeter()
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(run, m, 0.01)
+            await trio.sleep(0.05)
+            time.sleep(0.3)  # the attack's effect: synchronous work on the event loop
+            with trio.fail_after(5):
+                while m.max_ms < 250:
+                    await trio.sleep(0.01)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert 250 <= m.max_ms < 5000

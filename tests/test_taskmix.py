@@ -1,0 +1,125 @@
+"""Task-set selection at a node (node/taskmix.py) on a real SQLite store and real signed sets: a chosen
+set not held yet is waited for (never replaced by the built-in one), a coordinator's new version
+replaces the old one, "trusted" and weights, a set whose evaluation overlaps training is refused
+with a reason, and the per-set counters and status that `murmur tasks list` shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gossip.identity import Identity
+from gossip.wire import TaskRef, content_id, decode_envelope
+from node.store import open_store
+from node.taskmix import STATUS_KEY, TaskMix
+from training.rollouts import RolloutRec
+from training.selection import TaskSetChoice, normalise, resolve
+from training.tasksets import BUILTIN_COORDINATOR, TaskRegistry, builtin_manifest, manifest_from_toml, sign_task_set
+from training.tasksets import TaskSetToml
+from training.tiny import warmup_generators
+from gossip.errors import ConfigError
+
+COORD = Identity.from_seed(b"\x07" * 32)
+OTHER = Identity.from_seed(b"\x08" * 32)
+
+
+def signed(ident: Identity, name: str, version: int, eval_overlaps: bool = False) -> bytes:
+    gens = [{"name": "sort", "generator": "sorting", "seed_end": 1000, "config": {"length": 5, "min_length": 4,
+                                                                                  "split": "train"}}]
+    gens.append({"name": "sort-eval", "generator": "sorting", "seed_end": 1000,
+                 "config": {"length": 5, "min_length": 4, "split": "eval"}})
+    if eval_overlaps:  # held out from its own set, but murmur-tiny's warm-up trains on these sums
+        gens.append({"name": "sums-eval", "generator": "arithmetic", "seed_end": 1000, "config": {"digits": 2}})
+    t = msgspec.convert({"name": name, "version": version, "verifier": "exact", "generators": gens, "created_ms": 1},
+                        TaskSetToml)
+    return sign_task_set(ident, manifest_from_toml(t, name))
+
+
+def store_set(db, env: bytes) -> bytes:  # type: ignore[no-untyped-def]
+    tid = content_id(decode_envelope(env).body)
+    m = msgspec.msgpack.decode(decode_envelope(env).body)
+    db.add_task_set(tid, m[1], m[2], bytes(m[3]), env)
+    return tid
+
+
+def mix(tmp_path: Path, entries: list, trusted: set[bytes] | None = None):  # type: ignore[no-untyped-def]
+    reg = TaskRegistry()
+    reg.add_builtin()
+    db = open_store(tmp_path)
+    clock = [0.0]
+    tm = TaskMix(reg, db, entries, {COORD.public} if trusted is None else trusted, warmup_generators(),
+                 clock=lambda: clock[0])
+    return tm, db, clock
+
+
+def test_a_chosen_set_is_waited_for_then_its_newest_version_trained_on(tmp_path: Path) -> None:
+    tm, db, clock = mix(tmp_path, ["coord-sort"])
+    tm.refresh(force=True)
+    assert tm.mixture == [] and tm.resolution.waiting == ["coord-sort"]  # no silent fallback to the built-in set
+    assert "waiting for task set(s) coord-sort" in tm.describe_waiting()
+    v1 = store_set(db, signed(COORD, "coord-sort", 1))
+    assert not tm.refresh()  # polled at most every REFRESH_S
+    clock[0] += 5
+    assert tm.refresh() and tm.mixture == [(v1, 1.0)]
+    v2 = store_set(db, signed(COORD, "coord-sort", 2))
+    clock[0] += 5
+    assert tm.refresh() and tm.mixture == [(v2, 1.0)]  # the new version replaces the old one
+    store_set(db, signed(OTHER, "coord-sort", 9))  # an untrusted coordinator's set is refused, not followed
+    clock[0] += 5
+    assert not tm.refresh() and tm.mixture == [(v2, 1.0)]
+    assert any("untrusted coordinator" in why for why in tm.refused.values())
+
+
+def test_builtin_trusted_and_weights(tmp_path: Path) -> None:
+    tm, db, clock = mix(tmp_path, ["builtin", {"set": "trusted", "weight": 3.0}])
+    tm.refresh(force=True)
+    assert tm.mixture == [(tm.registry.builtin_id, 1.0)] and tm.resolution.waiting == ["trusted"]
+    a = store_set(db, signed(COORD, "a", 1))
+    b = store_set(db, signed(COORD, "b", 1))
+    clock[0] += 5
+    assert tm.refresh()
+    assert tm.mixture[0] == (tm.registry.builtin_id, 1.0) and sorted(tm.mixture[1:]) == sorted([(a, 3.0), (b, 3.0)])
+
+
+def test_a_set_whose_eval_overlaps_the_warmup_is_refused_with_the_reason(tmp_path: Path) -> None:
+    tm, db, clock = mix(tmp_path, ["bad"])
+    store_set(db, signed(COORD, "bad", 1, eval_overlaps=True))
+    tm.refresh(force=True)
+    assert tm.mixture == [] and tm.resolution.waiting == ["bad"]
+    assert "'sums-eval' overlaps training generator 'add'" in tm.describe_waiting()
+
+
+def test_counters_and_status(tmp_path: Path) -> None:
+    tm, db, clock = mix(tmp_path, ["builtin"])
+    tm.refresh(force=True)
+    bid = tm.registry.builtin_id
+    task = tm.registry.resolve(TaskRef(bid, "add", 3))
+    recs = [RolloutRec(ref=TaskRef(bid, "add", 3), task=task, prompt_ids=[], ids=[], text="", logprobs=[],
+                       token_versions=[], version=0, lineage=bytes(32), tokenizer_hash=bytes(32), sampling=None,
+                       reward=r) for r in (1.0, 0.0, 1.0, 1.0)]
+    tm.produced(recs)
+    tm.accepted({bid: 5, b"\xee" * 32: 7})  # a set not held here is not counted
+    tm.used({bid: 6})
+    tm.record_eval(bid, 0, {"add": 0.25, "all": 0.25})
+    tm.record_eval(bid, 25, {"add": 0.5, "all": 0.5})
+    tm.save()
+    st = db.get(STATUS_KEY)
+    (row,) = st["sets"]
+    assert (row["produced"], row["accepted"], row["used"], row["training"]) == (4, 5, 6, True)
+    assert row["reward_by_generator"] == {"add": 0.75}
+    assert row["eval"]["start"]["accuracy"]["add"] == 0.25 and row["eval"]["last"]["step"] == 25
+    assert st["waiting"] == [] and st["choices"] == [{"set": "builtin", "weight": 1.0}]
+
+
+def test_selection_entries_are_checked() -> None:
+    assert normalise(["builtin", {"set": "AB" * 32, "weight": 2}]) == [
+        TaskSetChoice(set="builtin"), TaskSetChoice(set="ab" * 32, weight=2.0)]
+    for bad, msg in (([], "empty"), ([{"set": "a", "weight": 0}], "weight"), ([{"sett": "a"}], "sett"),
+                     (["a" * 200], "not a task-set name")):
+        with pytest.raises(ConfigError, match=msg):
+            normalise(bad)
+    m = builtin_manifest()
+    r = resolve(normalise(["f" * 64]), [(b"\x01" * 32, m)], b"\x01" * 32, BUILTIN_COORDINATOR.public)
+    assert r.mixture == [] and r.waiting == ["f" * 64]

@@ -1,0 +1,269 @@
+"""Attacks on the rollout verification pipeline by peers that hold valid keys (issue 15).
+
+Each test is the attack first, then what the defence must guarantee: the fault
+costs only the peer that provably committed it, and honest peers keep their score.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gossip import wire
+from gossip.identity import Identity
+from gossip.ratelimit import HEADROOM, RateMeter
+from gossip.validation import Pipeline, PipelineConfig, Reason
+from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
+from training import tokencheck
+from training.tasksets import sign_task_set
+from training.verifiers import VerifierPool, score
+
+ALICE = Identity.from_seed(b"\x01" * 32)
+MALLORY = Identity.from_seed(b"\x02" * 32)
+COORD = Identity.from_seed(b"\x0c" * 32)
+SLOW_ANSWER = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's sympy works on this for seconds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = wire.now_ms() / 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def reg():
+    r = registry()
+    m = wire.TaskSetManifest(
+        v=wire.FORMAT_VERSION, name="mv", version=1, coordinator=COORD.public, created_ms=1, verifier="math_verify",
+        tolerance=0.0, generators=[wire.GeneratorSpec(name="add", generator="arithmetic",
+                                                      config={"digits": 1, "ops": "+"}, seed_start=0, seed_end=10**6)])
+    r.mv_id = wire.content_id(wire.decode_envelope(env := sign_task_set(COORD, m)).body)
+    r.add(env, {COORD.public})
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    check = tokencheck.for_model("murmur-tiny")
+    assert check is not None
+    return check
+
+
+def pipe(reg, **kw) -> tuple[Pipeline, Clock]:
+    clock = Clock()
+    deps = dict(clock=clock, resolve_task=reg.resolve, reward=score, head_version=lambda lin: None,
+                task_set_trusted=reg.__contains__)
+    deps.update({k: kw.pop(k) for k in ("reward", "reward_batch", "check_tokens", "head_version") if k in kw})
+    return Pipeline(PipelineConfig(swarm=SWARM, **kw), **deps), clock
+
+
+def seal(ident: Identity, rollouts: list[wire.Rollout], seq: int) -> bytes:
+    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=ident.public, seq=seq,
+                              created_ms=wire.now_ms(), rollouts=rollouts)
+    return wire.seal(ident, wire.ROLLOUT_BATCH, batch)
+
+
+# ------------------------------------------------------------ penalties land on the sender of the fault
+
+
+def test_front_running_relay_cannot_get_the_producer_punished(reg) -> None:
+    p, clock = pipe(reg)
+    for seq in (1, 2, 3):
+        data = make_batch(ALICE, reg, seq)
+        # Mallory publishes Alice's batch first, under its own origin (graylisted after two) ...
+        assert p.check(data, MALLORY.peer_id).reason in (Reason.SIGNER_MISMATCH, Reason.GRAYLISTED)
+        # ... and the honest copy still gets in, at no cost to Alice
+        assert p.check(data, ALICE.peer_id).accepted
+    assert p.scores.record(ALICE.peer_id).rejections == {}
+    assert p.scores.score(ALICE.peer_id, clock()) > 0
+    assert p.scores.is_graylisted(MALLORY.peer_id, clock())
+
+
+def test_relay_of_a_signed_fault_costs_the_relay_not_the_verdict(reg) -> None:
+    """Bytes rejected for their signer's fault are charged to that signer on every copy it sends,
+    while a relay republishing them under its own origin is charged for the mismatch only."""
+    p, clock = pipe(reg)
+    forged = make_batch(MALLORY, reg, 1, forge=True)
+    assert p.check(forged, MALLORY.peer_id).reason is Reason.FORGED_REWARD
+    other = Identity.from_seed(b"\x05" * 32)
+    assert p.check(forged, other.peer_id).reason is Reason.SIGNER_MISMATCH
+    assert "forged_reward" not in p.scores.record(other.peer_id).rejections
+
+
+def test_claimed_versions_do_not_move_anyones_head(reg) -> None:
+    """Staleness is judged against the publisher-signed head only: a huge claimed version of
+    someone else's lineage, accepted or not, never makes honest rollouts stale."""
+    p, _ = pipe(reg)
+    assert p.check(make_batch(MALLORY, reg, 1, version=10**12), MALLORY.peer_id).accepted
+    assert p.check(make_batch(ALICE, reg, 1, version=0), ALICE.peer_id).accepted
+
+
+def test_soft_rejections_cost_nothing(reg) -> None:
+    """What follows from this node's own view (a lagging version, a task set it does not hold)
+    is counted, never charged."""
+    p, clock = pipe(reg, head_version=lambda lin: 100, max_staleness=4)
+    assert p.check(make_batch(ALICE, reg, 1, version=10), ALICE.peer_id).reason is Reason.STALE_VERSION
+    assert p.check(make_batch(ALICE, reg, 2, task_set=b"\xee" * 32), ALICE.peer_id).reason is Reason.UNKNOWN_TASK_SET
+    assert p.scores.score(ALICE.peer_id, clock()) == 0.0
+    assert p.counts["stale_version"] == 1 and p.counts["unknown_task_set"] == 1
+
+
+# ------------------------------------------------------------ what is learned is what was verified
+
+
+def tiny_rollout(reg, check: tokencheck.TokenCheck, seed: int, ids: list[int] | None = None) -> wire.Rollout:
+    """A correct answer to a built-in task, as murmur-tiny would send it (or with other `ids`)."""
+    r = make_rollout(reg, seed * 2, tokens=1)  # even seeds: the text is the right answer, reward 1
+    true_ids = check.tokenizer.encode(r.text, add_special_tokens=False)
+    ids = true_ids if ids is None else ids
+    assert r.reward == 1.0
+    return msgspec.structs.replace(r, completion_ids=ids, tokenizer_hash=check.hash,
+                                   logprobs=b"\x00\x00\x80\xbe" * len(ids), token_versions=[(0, 0)])
+
+
+def test_tiny_check_is_the_engines_tokenizer(tiny, tmp_path) -> None:
+    """The check's hash and decoding are the worker's (built in memory or reloaded from disk)."""
+    from transformers import AutoTokenizer
+
+    from training.tiny import new_tiny_engine
+
+    engine = new_tiny_engine()
+    assert engine.tokenizer_hash == tiny.hash and engine.vocab == tiny.vocab
+    engine.tokenizer.save_pretrained(tmp_path)
+    reloaded = tokencheck.TokenCheck(AutoTokenizer.from_pretrained(tmp_path))
+    assert reloaded.hash == tiny.hash
+    ids = [(i * 37) % tiny.vocab for i in range(300)]
+    assert tiny.decode(ids) == engine.decode(ids)
+
+
+def test_forged_token_ids_with_a_correct_text_are_rejected(reg, tiny) -> None:
+    p, clock = pipe(reg, check_tokens=tiny)
+    honest = [tiny_rollout(reg, tiny, s) for s in range(4)]
+    assert p.check(seal(ALICE, honest, 1), ALICE.peer_id).accepted
+    # 24 rollouts whose text is the right answer but whose ids say something else
+    forged = [tiny_rollout(reg, tiny, s, ids=[tiny.vocab - 1] * 3) for s in range(24)]
+    verdicts = [p.check(seal(MALLORY, forged[i:i + 4], 1 + i), MALLORY.peer_id) for i in range(0, 24, 4)]
+    assert not any(v.accepted for v in verdicts)
+    assert verdicts[0].reason is Reason.TEXT_MISMATCH and verdicts[0].newly_banned
+    assert all(v.reason is Reason.BLACKLISTED for v in verdicts[1:])
+    assert p.scores.score(MALLORY.peer_id, clock()) < 0
+    assert p.scores.score(ALICE.peer_id, clock()) > 0
+
+
+def test_ids_outside_the_vocabulary_never_reach_a_model(reg, tiny) -> None:
+    p, _ = pipe(reg, check_tokens=tiny)
+    bad = [tiny_rollout(reg, tiny, 0, ids=[5, tiny.vocab + 1000])]
+    v = p.check(seal(MALLORY, bad, 1), MALLORY.peer_id)
+    assert v.reason is Reason.BAD_TOKENS and v.newly_banned
+
+
+def test_worker_check_before_training(reg, tiny) -> None:
+    from training.tiny import new_tiny_engine
+
+    engine = new_tiny_engine()
+    assert tokencheck.consistent(tiny_rollout(reg, tiny, 1), engine)
+    assert not tokencheck.consistent(tiny_rollout(reg, tiny, 1, ids=[10, 11]), engine)
+    assert not tokencheck.consistent(tiny_rollout(reg, tiny, 1, ids=[engine.vocab + 5]), engine)
+    other = msgspec.structs.replace(tiny_rollout(reg, tiny, 1, ids=[10**6]), tokenizer_hash=b"\x01" * 32)
+    assert tokencheck.consistent(other, engine)  # another tokenizer: its text is re-tokenised, ids unused
+
+
+# ------------------------------------------------------------ verifiers are bounded
+
+
+def slow_batch(reg, ident: Identity, seq: int) -> bytes:
+    r = make_rollout(reg, 3, tokens=4, task_set=reg.mv_id)
+    return seal(ident, [msgspec.structs.replace(r, text="reasoning...\n" + SLOW_ANSWER, reward=0.0)], seq)
+
+
+def test_a_hostile_completion_cannot_hold_the_verifier(reg) -> None:
+    with VerifierPool(workers=1, time_limit_s=0.5) as pool:
+        p, clock = pipe(reg, reward_batch=pool.score_batch)
+        assert p.check(make_batch(ALICE, reg, 1, task_set=reg.mv_id), ALICE.peer_id).accepted
+        data = slow_batch(reg, MALLORY, 1)
+        v = p.check(data, MALLORY.peer_id)
+        assert v.reason is Reason.VERIFIER_TIMEOUT and pool.timeouts == 1
+        # the verdict is cached: the same bytes again are charged without a second try
+        before = p.scores.score(MALLORY.peer_id, clock())
+        assert p.check(data, MALLORY.peer_id).reason is Reason.VERIFIER_TIMEOUT
+        assert pool.timeouts == 1 and p.scores.score(MALLORY.peer_id, clock()) < before
+        # the killed worker was replaced: honest work goes on
+        assert p.check(make_batch(ALICE, reg, 2, task_set=reg.mv_id), ALICE.peer_id).accepted
+        assert p.scores.score(ALICE.peer_id, clock()) > 0
+
+
+def test_pool_scores_equal_inline_scores(reg) -> None:
+    items = []
+    for seed in range(40):
+        for ts in (reg.builtin_id, reg.mv_id):
+            r = make_rollout(reg, seed, tokens=1, task_set=ts)
+            task = reg.resolve(r.task)
+            for text in (r.text, f"so the sum is\n<answer>{task.answer}</answer>", "\\boxed{\\frac{1}{2}}", ""):
+                items.append((task, text))
+    with VerifierPool(workers=1, time_limit_s=30) as pool:
+        assert pool.score_batch(items) == [score(t, x) for t, x in items]
+        assert pool.cpu_s > 0
+
+
+def test_an_exception_in_verification_is_a_charged_cached_rejection(reg) -> None:
+    calls = []
+
+    def broken(task, text):  # stands for any verifier bug that hostile text could reach
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    p, clock = pipe(reg, reward=broken)
+    data = make_batch(MALLORY, reg, 1)
+    v = p.check(data, MALLORY.peer_id)
+    assert v.reason is Reason.VERIFIER_ERROR and "boom" in v.detail
+    assert p.check(data, MALLORY.peer_id).reason is Reason.VERIFIER_ERROR
+    assert len(calls) == 1 and p.scores.record(MALLORY.peer_id).rejections["verifier_error"] == 2
+
+
+# ------------------------------------------------------------ rate limits from announcements
+
+
+def announce(ident: Identity, rate: float) -> wire.NodeAnnounce:
+    return wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=1, created_ms=wire.now_ms(),
+                             hardware="cpu", gen_tokens_per_s=0.0, rollout_latency_s=0.0, upload_bytes_per_s=0.0,
+                             memory_bytes=0, roles=["trainer"], lineages_followed=[], publish_batches_per_s=rate)
+
+
+def test_honest_rate_is_never_throttled_and_excess_is_charged(reg) -> None:
+    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
+    p.announced(ALICE.peer_id, announce(ALICE, 5.0))
+    p.announced(MALLORY.peer_id, announce(MALLORY, 0.5))
+    seq = 0
+    for _ in range(60 * 5):  # a minute at Alice's announced 5 batches/s: all accepted
+        seq += 1
+        clock.t += 0.2
+        assert p.check(make_batch(ALICE, reg, seq, n=1, tokens=4), ALICE.peer_id).accepted
+    reasons = []
+    for i in range(200):  # Mallory announced 0.5/s and sends 20/s
+        clock.t += 0.05
+        reasons.append(p.check(make_batch(MALLORY, reg, 1 + i, n=1, tokens=4), MALLORY.peer_id).reason)
+    assert Reason.OVER_ANNOUNCED_RATE in reasons
+    assert p.scores.record(MALLORY.peer_id).rejections["over_announced_rate"] >= 50
+    assert reasons[-1] is Reason.GRAYLISTED  # charged until its score fell below the threshold
+    assert p.scores.record(ALICE.peer_id).rejections == {}
+
+
+def test_unannounced_peers_are_limited_without_charge(reg) -> None:
+    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
+    reasons = [p.check(make_batch(ALICE, reg, i, n=1, tokens=4), ALICE.peer_id).reason for i in range(1, 6)]
+    assert reasons.count(Reason.RATE_LIMITED) == 3
+    assert p.scores.score(ALICE.peer_id, clock()) > 0 and "rate_limited" not in p.scores.record(ALICE.peer_id).rejections
+    # an announce for someone else's peer id changes nothing
+    p.announced(MALLORY.peer_id, announce(ALICE, 100.0))
+    assert p.announced_rates.bucket(MALLORY.peer_id, clock()) is None
+
+
+def test_rate_meter_measures_what_is_announced() -> None:
+    meter = RateMeter(window_s=60.0)
+    for i in range(120):
+        meter.tick(1000.0 + i * 0.5)
+    assert meter.rate(1060.0) == pytest.approx(2.0, rel=0.02)
+    assert meter.rate(2000.0) == 0.0
+    assert HEADROOM >= 1.0

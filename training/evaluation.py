@@ -1,0 +1,90 @@
+"""Held-out evaluation: greedy accuracy per task family on a task set's eval generators.
+
+A family is an eval generator's name without its "-eval" suffix. The tasks are
+the first seeds of each eval generator, so every run evaluates on the same
+problems; `check_held_out` (training/tasksets.py) has already proved that none
+of them can be drawn by a training generator or by murmur-tiny's warm-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from gossip.errors import TaskError
+from gossip.wire import GeneratorSpec, TaskSetManifest
+from training.engine import Sampling
+from training.engine_hf import HFEngine
+from training.tasks import RG_PREFIX, Task, generate
+from training.tasksets import EVAL_SUFFIX, check_held_out, eval_generators, train_generators
+from training.verifiers import score
+
+
+class EvalTask(msgspec.Struct, frozen=True):
+    family: str
+    task: Task
+
+
+def family_of(generator_name: str) -> str:
+    return generator_name[: -len(EVAL_SUFFIX)] if generator_name.endswith(EVAL_SUFFIX) else generator_name
+
+
+RG_PROBE_EVAL = 128  # eval problems drawn per (eval, training) pair of one reasoning-gym dataset
+RG_PROBE_TRAIN = 512  # training problems they are looked up in
+
+
+def rg_collisions(e: GeneratorSpec, t: GeneratorSpec, n_eval: int = RG_PROBE_EVAL,
+                  n_train: int = RG_PROBE_TRAIN) -> int:
+    """How many of the first `n_eval` problems of `e` also occur among the first `n_train` of `t`:
+    disjoint seed ranges of one reasoning-gym dataset are held out only if its space is large."""
+    train = {generate(t.generator, t.config, s).prompt for s in range(t.seed_start, min(t.seed_end, t.seed_start + n_train))}
+    return sum(generate(e.generator, e.config, s).prompt in train
+               for s in range(e.seed_start, min(e.seed_end, e.seed_start + n_eval)))
+
+
+def check_evaluation(sets: Iterable[TaskSetManifest], warmup: list[GeneratorSpec]) -> None:
+    """TaskError unless every eval generator of `sets` is held out from every training generator of
+    `sets` and from the warm-up's generators: by construction (`check_held_out`), and, for one
+    reasoning-gym dataset on both sides, by a probe that finds no shared problem."""
+    sets = list(sets)
+    trains = [g for m in sets for g in train_generators(m)] + list(warmup)
+    for m in sets:
+        where = f" (task set {m.name!r})"
+        check_held_out(eval_generators(m), trains, where=where)
+        for e in eval_generators(m):
+            for t in trains:
+                if e.generator == t.generator and e.generator.startswith(RG_PREFIX):
+                    n = rg_collisions(e, t)
+                    if n:
+                        raise TaskError(f"eval generator {e.name!r} overlaps training generator {t.name!r}{where}: "
+                                        f"{n} of its first {RG_PROBE_EVAL} problems occur in the first "
+                                        f"{RG_PROBE_TRAIN} training ones (the dataset's problem space is too "
+                                        "small for disjoint seeds to hold it out: widen its config)")
+
+
+def held_out_tasks(m: TaskSetManifest, per_family: int) -> list[EvalTask]:
+    """The first `per_family` seeds of each eval generator of `m`."""
+    gens = eval_generators(m)
+    if not gens:
+        raise TaskError(f"task set {m.name!r} names no eval generator (a '<family>-eval' generator)")
+    out = []
+    for g in gens:
+        for s in range(g.seed_start, min(g.seed_end, g.seed_start + per_family)):
+            out.append(EvalTask(family_of(g.name), generate(g.generator, g.config, s, g.verifier or m.verifier,
+                                                             m.tolerance)))
+    return out
+
+
+def accuracy_by_family(engine: HFEngine, tasks: list[EvalTask], max_new_tokens: int) -> dict[str, float]:
+    """Greedy accuracy per family (and "all": over every task)."""
+    if not tasks:
+        return {}
+    res = engine.sample([engine.encode(t.task.prompt) for t in tasks],
+                        Sampling(temperature=0.0, max_new_tokens=max_new_tokens))
+    hits: dict[str, list[float]] = {}
+    for t, (ids, _, _) in zip(tasks, res):
+        hits.setdefault(t.family, []).append(score(t.task, engine.decode(ids)))
+    out = {f: sum(v) / len(v) for f, v in sorted(hits.items())}
+    out["all"] = sum(sum(v) for v in hits.values()) / len(tasks)
+    return out

@@ -1,0 +1,171 @@
+"""The external-rollout sampler: which verified swarm rollouts a trainer learns from (sans-IO, bounded).
+
+One rule, used by the node's worker (`node/worker.py`), `murmur bench swarm`
+(`simulations/bench_swarm.py`) and the virtual-time simulator
+(`simulations/virtual.py`), so a benchmark or a simulation samples exactly as
+a node does. Swarm sampling (SAPO): each step mixes I local and J external
+prompt groups (`[training] local_rollouts` / `external_rollouts`, default
+4 / 4); this module supplies the J.
+
+- **Intake** (`split`, then `add`): a verified batch is cut into groups, one per
+  (task reference, lineage): the completions one producer sampled for one
+  task. A group of fewer than two rollouts, or whose rewards are all equal
+  (zero advantage, nothing to learn), is dropped at once. Rewards are the
+  batch's claims, which the validation pipeline has already recomputed and
+  matched, so no reward is trusted that was not checked.
+- **Pool**: groups in arrival order, at most `max_groups` groups and, if set,
+  `max_rollouts` rollouts (the oldest group goes first when either is
+  exceeded). A group holds at most one batch's rollouts (the wire bounds a
+  batch), so memory stays within both bounds whatever peers send.
+- **Staleness**: a group is usable while `head - version <= max_staleness`,
+  where `head` is the newest version its owner reported for the group's
+  lineage (`observe_head`: a trainer reports its own lineage every step, and
+  heads it learns from verified manifests). Only a lineage's publisher
+  advances its head, so a rollout's claimed version never does: a peer
+  claiming version 10**9 for someone's lineage cannot age that lineage's
+  other groups out. A lineage with no reported head was checked against the
+  heads the validation pipeline knew when it was admitted. Stale groups are
+  dropped when met, never sampled.
+- **Take** (`take(J)`): the newest J usable groups, each used once; returned
+  oldest first (arrival order).
+
+Counters (`counts`): `added`, `uninformative` and `too_small` (dropped at
+intake), `evicted` (pool full), `stale` (dropped at take), `taken`.
+
+Usage (the simulator, per receiving node)::
+
+    groups = sampler.split(batch.rollouts)   # once per verified message; Groups are immutable, shareable
+    node_sampler.add(groups)                 # per receiver
+    node_sampler.observe_head(lineage, v)    # whenever the node learns a head (its own: every step)
+    picked = node_sampler.take(4)            # list[Group]: .rollouts, .lineage, .version, .key
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gossip import wire
+
+TaskKey = tuple[bytes, str, int]  # (task set id, generator, seed)
+
+MAX_GROUPS_LIMIT = 1 << 20
+MAX_HEADS = 4096  # lineages whose reported head is remembered (least recently reported forgotten first)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Completions of one task by one lineage, from one verified batch."""
+
+    key: TaskKey
+    lineage: bytes
+    version: int  # the oldest policy version among its rollouts
+    rollouts: tuple[wire.Rollout, ...]
+
+
+def task_key(ref: wire.TaskRef) -> TaskKey:
+    return (bytes(ref.task_set), ref.generator, int(ref.seed))
+
+
+def split(rollouts: Iterable[wire.Rollout]) -> tuple[list[Group], dict[str, int]]:
+    """Cut a verified batch into groups; returns (informative groups, counts of the dropped ones)."""
+    by: dict[tuple[TaskKey, bytes], list[wire.Rollout]] = {}
+    for r in rollouts:
+        by.setdefault((task_key(r.task), bytes(r.lineage)), []).append(r)
+    out: list[Group] = []
+    dropped = {"too_small": 0, "uninformative": 0}
+    for (key, lineage), rs in by.items():
+        if len(rs) < 2:
+            dropped["too_small"] += 1
+            continue
+        rewards = [r.reward for r in rs]
+        if max(rewards) - min(rewards) <= 1e-9:
+            dropped["uninformative"] += 1
+            continue
+        out.append(Group(key, lineage, min(r.version for r in rs), tuple(rs)))
+    return out, dropped
+
+
+class Sampler:
+    """A trainer's pool of verified external groups and the rule that picks J of them per step."""
+
+    def __init__(self, max_groups: int = 256, max_staleness: int = 4, max_rollouts: int | None = None) -> None:
+        if not 1 <= max_groups <= MAX_GROUPS_LIMIT:
+            raise ValueError(f"max_groups must be in 1..{MAX_GROUPS_LIMIT}")
+        if max_rollouts is not None and max_rollouts < 2:
+            raise ValueError("max_rollouts must be >= 2 (a group has at least two)")
+        if max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        self.max_groups = max_groups
+        self.max_staleness = max_staleness
+        self.max_rollouts = max_rollouts
+        self._rollouts = 0  # in the pool
+        self._pool: collections.deque[Group] = collections.deque()
+        self._heads: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "taken": 0}
+
+    def __len__(self) -> int:
+        return len(self._pool)
+
+    def add(self, groups: Iterable[Group]) -> int:
+        """Pool already-split groups (see `split`); returns how many were added."""
+        n = 0
+        for g in groups:
+            self._pool.append(g)
+            self._rollouts += len(g.rollouts)
+            n += 1
+            while len(self._pool) > self.max_groups or (
+                    self.max_rollouts is not None and self._rollouts > self.max_rollouts):
+                self._rollouts -= len(self._pool.popleft().rollouts)
+                self.counts["evicted"] += 1
+        self.counts["added"] += n
+        return n
+
+    def add_rollouts(self, rollouts: Iterable[wire.Rollout]) -> int:
+        """Split a verified batch's rollouts and pool its informative groups; returns groups added."""
+        groups, dropped = split(rollouts)
+        for k, v in dropped.items():
+            self.counts[k] += v
+        return self.add(groups)
+
+    def observe_head(self, lineage: bytes, version: int) -> None:
+        """The newest version of `lineage` its publisher announced (never lowers what was known)."""
+        lineage = bytes(lineage)
+        old = self._heads.pop(lineage, None)
+        self._heads[lineage] = version if old is None else max(old, version)
+        while len(self._heads) > MAX_HEADS:
+            self._heads.popitem(last=False)
+
+    def head(self, lineage: bytes) -> int | None:
+        """Newest reported version of `lineage` (None: none reported)."""
+        return self._heads.get(bytes(lineage))
+
+    def take(self, groups: int) -> list[Group]:
+        """Up to `groups` usable groups, newest first, each used once; stale ones are dropped on the way.
+
+        Returned in arrival order (oldest first)."""
+        if groups <= 0 or not self._pool:
+            return []
+        keep: list[Group] = []
+        picked: list[Group] = []
+        for g in reversed(self._pool):  # newest first
+            if self._heads.get(g.lineage, g.version) - g.version > self.max_staleness:
+                self.counts["stale"] += 1
+            elif len(picked) < groups:
+                picked.append(g)
+            else:
+                keep.append(g)
+        keep.reverse()
+        self._pool = collections.deque(keep)
+        self._rollouts = sum(len(g.rollouts) for g in keep)
+        picked.reverse()
+        self.counts["taken"] += len(picked)
+        return picked
+
+    def take_rollouts(self, groups: int, _min_version: int = 0) -> list[wire.Rollout]:
+        """`take` flattened: the shape of `training.trainer.Trainer`'s `external` hook.
+
+        The trainer's version floor is not needed: the owner reports its own head with
+        `observe_head`, and the staleness rule above applies to every lineage alike."""
+        return [r for g in self.take(groups) for r in g.rollouts]
