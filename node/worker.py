@@ -22,6 +22,7 @@ worker -> network
   ("applied", dict)          {lineage, version}; ("apply_failed", dict) {lineage, base, target, error}
   ("perf", dict)             {gen_tokens_per_s, rollout_latency_s}
   ("spot", dict)             {ok, producer, lineage, version, diff}
+  ("engine", dict)           {requested, mode, error}: the engine it opened (training.engine MODE_*) or why not
   ("error", str)             fatal; the worker exits
 """
 

@@ -129,6 +129,7 @@ def test_vllm_engine_generates_rescores_and_takes_patches(vllm_py: str, model: P
     # after each patch-sized update (fused parts and the tied embedding among the tensors) it still agrees
     assert len(out["patched_max_diff"]) == 3 and max(out["patched_max_diff"]) < CROSS_TOL, out
     assert out["updates"] == 4  # the initial load + 3 updates, each a reload
+    assert out["past_context_sample"] == [] and out["past_context_nan"]
 
 
 def _config(roles: list[str], model: Path, engine: str, port: int) -> str:

@@ -62,6 +62,11 @@ def main(model_dir: str) -> dict:
         seqs = [(p, eng.encode("46") + [eng.eos_id]) for p in prompts]
         diffs.append(max(abs(x - y) for u, v in zip(hf.logprobs(seqs), eng.logprobs(seqs)) for x, y in zip(u, v)))
     out["patched_max_diff"] = diffs
+    # hostile lengths: past the model's context nothing is generated and re-scoring gives NaN (a failed check)
+    long = [5] * eng.max_len
+    out["past_context_sample"] = eng.sample([long], Sampling(max_new_tokens=4))[0][0]
+    scored = eng.logprobs([(long, [5, 6])])[0]
+    out["past_context_nan"] = len(scored) == 2 and all(x != x for x in scored)
     out["updates"] = eng.version_updates
     return out
 

@@ -201,6 +201,10 @@ class VLLMEngine:
             raise MurmurError(f"vLLM could not start on {model_path}: {type(e).__name__}: {first}") from None
         self.device = getattr(platform, "device_type", "")
         self.version_updates = 0
+        try:
+            self.max_len = int(self.llm.llm_engine.model_config.max_model_len)
+        except (AttributeError, TypeError, ValueError):
+            self.max_len = int(cfg.get("max_position_embeddings") or 2048)
 
     # ------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:
@@ -227,14 +231,19 @@ class VLLMEngine:
         max_new = sampling.max_new_tokens if max_new is None else max_new
         if max_new <= 0:
             return [([], [], False) for _ in prefixes]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prefixes],
-                                 self._params(sampling, max_new), use_tqdm=False)
-        res = []
-        for o in outs:
+        # vLLM refuses a request past the model's context: such a prefix gets nothing (as if cut)
+        room = [min(max_new, self.max_len - len(p)) for p in prefixes]
+        todo = [i for i, r in enumerate(room) if r > 0 and prefixes[i]]
+        res: list[tuple[list[int], list[float], bool]] = [([], [], False) for _ in prefixes]
+        if not todo:
+            return res
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prefixes[i])) for i in todo],
+                                 [self._params(sampling, room[i]) for i in todo], use_tqdm=False)
+        for i, o in zip(todo, outs):
             c = o.outputs[0]
             ids = list(c.token_ids)
             lps = [float(d[t].logprob) if d and t in d else float("nan") for t, d in zip(ids, c.logprobs or [])]
-            res.append((ids, lps, bool(ids) and ids[-1] == self.eos_id))
+            res[i] = (ids, lps, bool(ids) and ids[-1] == self.eos_id)
         return res
 
     def generate(self, prompts: list[str], n: int, sampling: Sampling) -> list[list[Completion]]:
@@ -260,8 +269,11 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
         seqs = [(list(p), list(c)) for p, c in sequences]
-        todo = [i for i, (p, c) in enumerate(seqs) if p and c]
-        res: list[list[float]] = [[] for _ in seqs]
+        # longer than the model's context: unscorable here, NaN (a spot check then fails, as a claim
+        # this model could not have produced should)
+        res: list[list[float]] = [[float("nan")] * len(c) if len(p) + len(c) > self.max_len else []
+                                  for p, c in seqs]
+        todo = [i for i, (p, c) in enumerate(seqs) if p and c and len(p) + len(c) <= self.max_len]
         if not todo:
             return res
         temp = temperature if temperature > 0 else 1.0
