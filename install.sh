@@ -59,11 +59,13 @@ else
     log "creating .venv with $PY"
     "$PY" -m venv .venv
   fi
-  log "installing Python packages (torch CPU build pinned, then murmur-swarm with test extras)"
+  log "installing Python packages (torch CPU build pinned, then murmur-swarm with test extras, aiortc included)"
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test]"
+  # murmur-swarm with everything it is built on (aiortc for the WebRTC fallback included)
+  .venv/bin/python -m pip install -q -e ".[test]" \
+    || { log "pip could not install murmur-swarm's dependencies (error above); where no binary wheel exists, aiortc's PyAV builds from source and needs: apt-get install pkg-config libavformat-dev libavcodec-dev libavdevice-dev libavfilter-dev libswscale-dev libswresample-dev libopus-dev libvpx-dev libsrtp2-dev, then rerun bash install.sh"; exit 1; }
   echo "$stamp_src" > .venv/.murmur-stamp
   log "ready: .venv/bin/murmur"
 fi

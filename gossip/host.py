@@ -193,9 +193,10 @@ class StreamFaults:
     Everything py-libp2p runs for a remote peer (multistream negotiation, then the handler of
     pubsub, identify, Kademlia, circuit relay, DCUtR, ping, ... and our own protocols) is called
     through `guard_stream`, and pubsub's per-message task through the `push_msg` guard: an
-    exception there would otherwise reach the host's service nursery and end the process. The
-    bytes came over a Noise session, so the peer is who sent them: its stream is reset, the
-    connection closed (the protocol's state for that peer may be half-updated) and `on_fault`
+    exception there would otherwise reach the host's service nursery and end the process. Every
+    such exception is counted per protocol and its stream reset. When it proves malformed input
+    (`_is_peer_fault`), the bytes came over a Noise session, so the peer is who sent them: the
+    connection is closed (the protocol's state for that peer may be half-updated) and `on_fault`
     (set by the node: a score penalty) is told.
     """
 
@@ -235,6 +236,21 @@ class StreamFaults:
                 await disconnect(peer)
 
 
+def _is_peer_fault(error: BaseException) -> bool:
+    """Whether `error` proves the peer sent bytes that break the protocol (then it is charged).
+
+    Malformed input only: undecodable protobuf or varints, a length over the limit, our own
+    decode and frame errors. Anything else (a local OSError, a py-libp2p bug, a peer that went
+    away mid-message) is counted and the stream reset, but no one is charged for it.
+    """
+    from google.protobuf.message import DecodeError as ProtobufDecodeError
+    from libp2p.exceptions import ParseError
+    from libp2p.io.exceptions import MessageTooLarge
+
+    return isinstance(error, (ProtobufDecodeError, ParseError, MessageTooLarge, DecodeError, FrameError,
+                              UnicodeDecodeError))
+
+
 # py-libp2p handlers that return without closing their stream: pubsub's reader when a peer's RPC is
 # cut short by EOF, the circuit relay HOP handler after answering MALFORMED_MESSAGE. The guard closes
 # the stream, or it would stay half-open in the connection's table for as long as the connection
@@ -268,7 +284,11 @@ def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
                     await net_stream.reset()
                 except Exception:
                     pass
-            faults.record(peer, protocol, e)
+            if _is_peer_fault(e):
+                faults.record(peer, protocol, e)
+            else:
+                log.warning("%s handler for %s failed: %s: %s", protocol, peer, type(e).__name__, e)
+                faults.count(f"{protocol} (error)")
 
     host._murmur_faults = faults
     host.get_network().set_stream_handler(guard_stream)
@@ -277,7 +297,9 @@ def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
 def _install_pubsub_message_guard() -> None:
     """Pubsub runs each received message in its own service task; one that raises ends the service.
 
-    The guard catches it, counts it against the forwarder (see `StreamFaults`) and drops the message.
+    The guard catches it, counts it and drops the message. The message passed strict signing and our
+    validators (which never raise) before it could fail, so what fails here is local (a closed
+    verifier pool at shutdown raised OSError) and no one is charged.
     """
     from libp2p.pubsub.pubsub import Pubsub
 
@@ -292,11 +314,8 @@ def _install_pubsub_message_guard() -> None:
             faults = getattr(self.host, "_murmur_faults", None)
             if faults is None:
                 raise
-            try:
-                peer = msg_forwarder.to_base58()
-            except Exception:
-                peer = "?"
-            faults.record(peer, "pubsub-message", e)
+            log.warning("pubsub message from %s dropped: %s: %s", msg_forwarder, type(e).__name__, e)
+            faults.count("pubsub-message (error)")
 
     Pubsub.push_msg = push_msg
     Pubsub._murmur_guarded = True
@@ -671,6 +690,15 @@ async def open_transport(
             # py-libp2p 0.8.1 leaves connections open on shutdown: peers would keep a dead
             # pubsub stream to us and never deliver to our restarted self. Close them.
             with trio.move_on_after(2, shield=True):
+                # py-libp2p 0.8.1 closes its listeners in the swarm's shutdown path, but that path
+                # runs cancelled and stops at its first await: the listening socket stayed open, and
+                # peers that knew the address kept dialling a host whose swarm no longer ran. Close
+                # them first, so no one redials in while the connections go.
+                for listener in list(host.get_network().listeners.values()):
+                    try:
+                        await listener.close()
+                    except Exception as e:
+                        log.debug("closing listener: %s", e)
                 for p in list(host.get_connected_peers()):
                     try:
                         await host.disconnect(p)

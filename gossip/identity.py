@@ -7,6 +7,7 @@ base58btc) so that commands like `murmur id` need not import py-libp2p.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from dataclasses import dataclass
@@ -34,6 +35,17 @@ def b58encode(data: bytes) -> str:
 
 def peer_id_from_public(public: bytes) -> str:
     """libp2p peer ID of an ed25519 public key (32 raw bytes)."""
+    if type(public) is bytes:  # hashable: a bounded memo, since base58 in pure Python is slow and runs per message
+        return _peer_id_memo(public)
+    return _peer_id(bytes(public))
+
+
+@functools.lru_cache(maxsize=16_384)
+def _peer_id_memo(public: bytes) -> str:
+    return _peer_id(public)
+
+
+def _peer_id(public: bytes) -> str:
     if len(public) != 32:
         raise IdentityError(f"ed25519 public key must be 32 bytes, got {len(public)}")
     # protobuf PublicKey{Type=Ed25519(1), Data=public}: 08 01 12 20 <32 bytes>

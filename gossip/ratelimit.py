@@ -50,10 +50,6 @@ class TokenBuckets:
         self.max_peers = max_peers
         self._b: OrderedDict[str, Bucket] = OrderedDict()
 
-    def tokens(self, peer: str, now: float) -> float:
-        b = self._b.get(peer)
-        return self.burst if b is None else min(self.burst, b.tokens + max(0.0, now - b.last) * self.rate)
-
     def take(self, peer: str, now: float, cost: float = 1.0) -> bool:
         """Spend `cost` tokens of `peer`'s bucket; False (and nothing spent) when it lacks them."""
         b = self._b.get(peer)
@@ -73,9 +69,6 @@ class AnnouncedRates:
         self.floor_burst = floor_burst
         self.max_peers = max_peers
         self._b: OrderedDict[str, Bucket] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._b)
 
     def limits(self, announced: float) -> tuple[float, float]:
         """(rate, burst) allowed to a peer that announced `announced` batches/s."""
@@ -98,7 +91,7 @@ class AnnouncedRates:
         while len(self._b) > self.max_peers:
             self._b.popitem(last=False)
 
-    def bucket(self, peer: str, now: float) -> Bucket | None:
+    def bucket(self, peer: str) -> Bucket | None:
         return self._b.get(peer)
 
 

@@ -66,6 +66,7 @@ class Reason(enum.Enum):
     TEXT_MISMATCH = "text_mismatch"  # text is not what its completion ids decode to: forgery
     VERIFIER_TIMEOUT = "verifier_timeout"  # the answer verifier ran past its time limit
     VERIFIER_ERROR = "verifier_error"  # the answer verifier raised on this completion
+    VERIFIER_UNAVAILABLE = "verifier_unavailable"  # our verifier could not run: dropped unjudged, no penalty
     STALE_VERSION = "stale_version"  # policy version beyond the staleness bound of its lineage
 
 
@@ -93,6 +94,7 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
     Reason.TEXT_MISMATCH: (100.0, True),
     Reason.VERIFIER_TIMEOUT: (20.0, False),
     Reason.VERIFIER_ERROR: (20.0, False),
+    Reason.VERIFIER_UNAVAILABLE: (0.0, False),
     Reason.STALE_VERSION: (0.0, False),
 }
 
@@ -162,6 +164,11 @@ class VerifierTimeout(MurmurError):
     """A verifier call ran past its time limit (raised by a batch scorer)."""
 
 
+class VerifierUnavailable(MurmurError):
+    """This node could not run its verifier (it did not start, or the machine is overloaded):
+    the batch is dropped unjudged, at no cost to its sender, and not cached."""
+
+
 class Pipeline:
     def __init__(
         self,
@@ -195,8 +202,8 @@ class Pipeline:
         self.scores = scores or PeerScores(config.score)
         self.buckets = TokenBuckets(config.rate_per_s, config.burst)
         self.announced_rates = AnnouncedRates(config.rate_per_s, config.burst)
-        # msg_id -> (Reason, signer peer id or "" when no signer could be read); only bytes
-        # whose signer is their originator (or that name no signer) are ever cached here.
+        # msg_id -> Reason; only bytes whose signer is their originator (or that name no
+        # signer at all) are ever cached here, so every entry is a verdict on its signer.
         self.seen = ReplayCache(config.replay_entries, config.replay_ttl_s)
         self.seqs = ReplayCache(config.replay_entries, config.replay_ttl_s)  # (producer, seq) -> msg_id
         self._inflight: set[bytes] = set()
@@ -224,7 +231,7 @@ class Pipeline:
             return
         now = self.clock()
         mid = wire.content_id(data)
-        self.seen.put(mid, (Reason.ACCEPTED, peer_id_from_public(env.signer)), now)
+        self.seen.put(mid, Reason.ACCEPTED, now)
         self.seqs.put((batch.producer, batch.seq), mid, now)
 
     mark_own = remember
@@ -266,10 +273,9 @@ class Pipeline:
                                 "envelope signer is not the gossip originator")
         prior = self.seen.get(mid, now)
         if prior is not None:
-            reason, _ = prior
-            if reason is Reason.ACCEPTED:
+            if prior is Reason.ACCEPTED:
                 return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already accepted")
-            return self._reject(reason, origin, data, mid, None, "same bytes rejected before")
+            return self._reject(prior, origin, data, mid, None, "same bytes rejected before")
         try:
             self._verify_envelope(env)
         except SignatureError as e:
@@ -314,12 +320,12 @@ class Pipeline:
         if p.failure is not None:
             reason, detail = p.failure
             return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
-                                remember=reason is not Reason.UNKNOWN_TASK_SET)
+                                remember=reason not in (Reason.UNKNOWN_TASK_SET, Reason.VERIFIER_UNAVAILABLE))
         stale = self._stale(p.batch)
         if stale is not None:
             return self._reject(Reason.STALE_VERSION, p.origin, p.data, p.msg_id, p.batch, stale)
         now = self.clock()
-        self.seen.put(p.msg_id, (Reason.ACCEPTED, p.origin), now)
+        self.seen.put(p.msg_id, Reason.ACCEPTED, now)
         self.seqs.put((p.batch.producer, p.batch.seq), p.msg_id, now)
         self.scores.reward(p.origin, now)
         self._count(Reason.ACCEPTED, p.origin)
@@ -335,7 +341,7 @@ class Pipeline:
         peer gets the default bucket, whose drops cost nothing: it never promised a rate."""
         if not origin:
             return None
-        bucket = self.announced_rates.bucket(origin, now)
+        bucket = self.announced_rates.bucket(origin)
         if bucket is not None:
             if bucket.take(now, 1.0):
                 return None
@@ -375,6 +381,8 @@ class Pipeline:
                 got = [self.reward(t, text) for t, text in items]
         except VerifierTimeout as e:
             return Reason.VERIFIER_TIMEOUT, str(e)
+        except VerifierUnavailable as e:
+            return Reason.VERIFIER_UNAVAILABLE, str(e)
         except TaskError as e:
             return Reason.BAD_TASK, f"verifier: {e}"
         except MurmurError as e:
@@ -409,7 +417,7 @@ class Pipeline:
                 detail: str, remember: bool = False) -> Verdict:
         now = self.clock()
         if remember and mid:
-            self.seen.put(mid, (reason, origin), now)
+            self.seen.put(mid, reason, now)
         self._count(reason, origin)
         penalty, ban = PENALTIES[reason]
         newly = False

@@ -34,6 +34,18 @@ def bench_codec(
     _run(run, params=params, steps=steps, seed=seed)
 
 
+@bench_app.command("core")
+def bench_core(
+    json_out: JsonOpt = True,
+    cores: Annotated[int, typer.Option(help="node cores built in this process", min=1)] = 2000,
+    peers: Annotated[int, typer.Option(help="trainers (one lineage each) every core hears", min=1)] = 8,
+) -> None:
+    """Memory and time of many node cores (the state machine the simulator runs per node) in one process."""
+    from simulations.bench.core import run
+
+    _run(run, cores=cores, peers=peers)
+
+
 @bench_app.command("gossip")
 def bench_gossip(
     json_out: JsonOpt = True,

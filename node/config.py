@@ -43,7 +43,6 @@ class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
     bootstrap: Annotated[list[str], _d("bootstrap peers: full multiaddrs with /p2p/<peer id>")] = []
     dht: Annotated[bool, _d("use the Kademlia DHT for peer discovery")] = True
     upload_bytes_per_s: Annotated[int, _d("upload limit for bulk transfers, bytes/s; 0 = unlimited")] = 0
-    download_bytes_per_s: Annotated[int, _d("download limit for bulk transfers, bytes/s; 0 = unlimited")] = 0
     relay_service: Annotated[bool, _d("offer circuit relay v2 to NATed peers (public nodes only)")] = False
     relay_max_reservations: Annotated[int, _d("relay: most reservations held at once")] = 16
     relay_max_circuit_bytes: Annotated[int, _d("relay: bytes per circuit before it is closed")] = 64 * 1024 * 1024
@@ -71,7 +70,6 @@ class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
     max_staleness: Annotated[int, _d("versions a rollout's policy may lag the head")] = 4
     retain_versions: Annotated[int, _d("patches kept on disk per lineage")] = 64
     max_anchors: Annotated[int, _d("full anchors kept on disk per lineage")] = 4
-    codec_level: Annotated[int, _d("zstd level of the patch codec (3 is fast; higher is smaller and slower)")] = 3
     stall_timeout_s: Annotated[float, _d("seconds without progress before switching peer")] = 5.0
     follow: Annotated[list[str], _d("lineage ids (hex) to follow; empty = choose by the capacity rule")] = []
 
@@ -273,4 +271,5 @@ def render_default_config(config: Config | None = None) -> str:
 
 
 def flatten(config: Config) -> dict[str, Any]:
-    return {f"{s}.{k}": getattr(getattr(config, s), k) for s, t in SECTIONS.items() for k in t.__struct_fields__}
+    return {f"{s}.{k}": msgspec.to_builtins(getattr(getattr(config, s), k))
+            for s, t in SECTIONS.items() for k in t.__struct_fields__}

@@ -127,7 +127,8 @@ def node_panel(s: NodeStatus) -> Panel:
     serving = short(s.serving) if s.serving else "—"
     rows: list[tuple[str, str | Text]] = [
         ("peer", s.peer_id), ("roles", ", ".join(s.roles) or "—"),
-        ("state", f"{s.state} / worker {s.worker}, up {s.uptime_s:.0f} s"),
+        ("state", f"{s.state} / worker {s.worker}"
+                  + (f" (restarted {s.worker_restarts}×)" if s.worker_restarts else "") + f", up {s.uptime_s:.0f} s"),
         ("serving", Text(f"{serving}  ({s.serving_reason})" if s.serving_reason else serving)),
         ("hardware", Text(s.hardware)),
         ("reward", f"{_fmt_reward(s.reward_start)} → {_fmt_reward(s.reward_now)}  {sparkline(s.reward_trend)}"),

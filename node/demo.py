@@ -36,7 +36,10 @@ def free_port() -> int:
     return port
 
 
-def node_config(roles: list[str], port: int, model: str, swarm: str = "murmur-demo", task_set: str = "builtin",
+DEMO_SWARM = "murmur-demo"
+
+
+def node_config(roles: list[str], port: int, model: str, swarm: str = DEMO_SWARM, task_set: str = "builtin",
                 coordinator: str = "", max_new_tokens: int = 6) -> str:
     return "\n".join([
         "[node]", f"swarm = \"{swarm}\"", f"roles = [{', '.join(repr(r).replace(chr(39), chr(34)) for r in roles)}]",
@@ -60,7 +63,7 @@ class DemoTaskSet:
 
     def __init__(self, path: Path) -> None:
         from gossip.identity import Identity
-        from gossip.wire import content_id, decode_envelope
+        from gossip.wire import content_id, decode_envelope, swarm_bound
         from training.evaluation import check_evaluation
         from training.tasksets import load_task_set_toml, sign_task_set
         from training.tiny import warmup_generators
@@ -68,8 +71,9 @@ class DemoTaskSet:
         self.manifest = load_task_set_toml(path)  # one-line TaskError on any bad key, generator or overlap
         check_evaluation([self.manifest], warmup_generators())  # eval held out from murmur-tiny's warm-up too
         self.coordinator = Identity.generate()
-        self.envelope = sign_task_set(self.coordinator, self.manifest)
-        self.id = content_id(decode_envelope(self.envelope).body)
+        with swarm_bound(DEMO_SWARM):  # signed for the swarm the demo's nodes talk to
+            self.envelope = sign_task_set(self.coordinator, self.manifest)
+            self.id = content_id(decode_envelope(self.envelope).body)
         self.max_new_tokens = answer_tokens(self.manifest)
 
     def install(self, home: Path) -> None:

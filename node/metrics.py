@@ -30,6 +30,7 @@ class Metrics:
         self.budget = Gauge("murmur_memory_budget_bytes", "configured memory budget", registry=r)
         self.gen = Gauge("murmur_gen_tokens_per_second", "measured generation throughput", registry=r)
         self.spot = Gauge("murmur_spot_checks_total", "log-prob spot checks", ["result"], registry=r)
+        self.restarts = Gauge("murmur_worker_restarts_total", "worker process restarts after it died", registry=r)
         self.dropped = Gauge("murmur_dropped_total", "items the node let go, by reason (node.status.DROP_REASONS)",
                              ["reason"], registry=r)
         self.disk = Gauge("murmur_disk_bytes", "disk used per budget", ["budget"], registry=r)
@@ -73,6 +74,7 @@ class Metrics:
         self.gen.set(s.gen_tokens_per_s)
         self.spot.labels("checked").set(s.spot_checked)
         self.spot.labels("failed").set(s.spot_failed)
+        self.restarts.set(s.worker_restarts)
         for reason in DROP_REASONS:  # every reason exported, zeros included, so a dashboard can alert on any
             self.dropped.labels(reason).set(s.dropped.get(reason, 0))
         for d in s.disk:

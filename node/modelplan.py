@@ -20,14 +20,18 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from gossip.errors import MurmurError
 
+if TYPE_CHECKING:
+    from node.config import Config
+
 BYTES_PER_PARAM = {"trainer": 24, "follower": 8, "validator": 6}
 RUNTIME_MB = 700  # interpreter, torch, transformers, tokenizer, libp2p and pools: both processes, model excluded
-ACTIVATION_SHARE = 0.25  # activations and KV caches, as a share of the weights' bytes
+ACTIVATION_SHARE = 0.6  # activations, KV caches and allocator slack, as a share of the weights' bytes
 TINY_PARAMS = 5_000_000  # up to here the murmur-tiny learning rate applies
 TINY_LR = 3e-4
 MODEL_LR = 1e-6  # real models: larger steps change most bf16 elements per version (dense patches)
@@ -123,7 +127,7 @@ def refusal(p: ModelPlan, roles: list[str]) -> str | None:
             f"{'+'.join(roles)}, over node.memory_budget_mb = {p.budget_mb} MiB: raise the budget{alt}")
 
 
-def apply(cfg: "Config", lr_is_default: bool) -> tuple["Config", list[str]]:  # noqa: F821 (node.config, lazily)
+def apply(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
     """The config a node starts with for its model: roles that fit the budget and a learning rate for its size.
 
     Raises `ConfigError` naming the needed memory when configured roles do not fit. Roles left

@@ -102,6 +102,14 @@ def store_complete(home: Path, m: wire.PatchManifest, envelope: bytes, payload: 
     return item_of(m)
 
 
+def drop_item(home: Path, lineage: bytes, base: int, target: int) -> None:
+    """Remove a stored patch the worker could not apply, so that it is fetched again (from another peer)."""
+    store = held_store(home, lineage)
+    if store is not None:
+        for suffix in (".env", ".bin"):
+            (store.root / "patches" / f"{base:012d}-{target:012d}{suffix}").unlink(missing_ok=True)
+
+
 def sweep_partials(root: Path, in_flight: set[str], done: set[str], keep_s: float) -> list[str]:
     """Remove chunk directories of finished downloads (`done`) and of ones abandoned more than `keep_s` ago.
 

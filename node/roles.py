@@ -101,16 +101,21 @@ def offer_rate(gen_tokens_per_s: float, tokens_per_rollout: float) -> float:
 
 def required_rate(d: Demand, margin: float = DEFAULT_MARGIN) -> float:
     """(1+m) * B / T_L rollouts per second; 0 when the trainer has not measured a step yet."""
-    if d.step_time_s <= 0 or d.rollouts_per_step <= 0:
+    if not d.step_time_s > 0 or d.rollouts_per_step <= 0:
         return 0.0
-    return (1.0 + margin) * d.rollouts_per_step / d.step_time_s
+    rate = (1.0 + margin) * d.rollouts_per_step / d.step_time_s
+    return rate if math.isfinite(rate) else 0.0
 
 
 def staleness_versions(d: Demand, latency_s: float, dissemination_s: float) -> int:
     """Versions a rollout lags the head when it arrives: kappa + ceil((D + G) / T_L)."""
     if d.step_time_s <= 0:
         return d.publish_every
-    return d.publish_every + math.ceil((dissemination_s + latency_s) / d.step_time_s)
+    lag = (dissemination_s + latency_s) / d.step_time_s
+    # a tiny or non-finite step time from the network must not overflow ceil: any lag past 2^31 is "too stale"
+    if not lag < 2**31:
+        return 2**31
+    return d.publish_every + math.ceil(lag)
 
 
 def fits_staleness(d: Demand, latency_s: float, dissemination_s: float) -> bool:

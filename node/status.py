@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 from msgspec import Struct
+
+if TYPE_CHECKING:
+    from node.config import Config
 
 STATUS_LIMIT = 4 * 1024 * 1024  # bytes of one status reply on the control socket
 TREND_POINTS = 60
@@ -85,9 +89,9 @@ def dir_mb(path: Path, prefix: str = "") -> float:
 class DiskMeter:
     """Disk use per budget of one node home, re-measured at most every `every_s` (a walk is not free)."""
 
-    def __init__(self, home: Path, cfg: object, every_s: float = 30.0) -> None:
+    def __init__(self, home: Path, cfg: Config, every_s: float = 30.0) -> None:
         self.home = Path(home)
-        self.cfg = cfg  # node.config.Config (typed loosely: status sits below config)
+        self.cfg = cfg
         self.every_s = every_s
         self._at = -1e18
         self._views: list[DiskView] = []
@@ -97,7 +101,7 @@ class DiskMeter:
             return self._views
         self._at = now
         c = self.cfg
-        d, s = c.disk, c.sync  # type: ignore[attr-defined]
+        d, s = c.disk, c.sync
         self._views = [
             DiskView(name="ledger", used_mb=round(dir_mb(self.home, "state.db"), 2),
                      rule=f"newest {d.ledger_max_rows} rows (signed bytes on {d.ledger_payload_rows}), "
@@ -174,6 +178,8 @@ class NodeStatus(Struct, kw_only=True):
     worker: str = "starting"  # worker process state: loading | training | generating | standby | catching-up | stopped
     worker_error: str = ""
     engine: str = ""  # transformers | vllm (sparse in place) | vllm (dense reload) | "vllm unavailable: <why>"
+    worker_restarts: int = 0  # times the worker process was restarted after it died
+    worker_pid: int = 0
     peers: list[PeerView] = []
     lineages: list[LineageView] = []
     serving: str = ""  # lineage id hex this node generates rollouts for ("" when none)

@@ -116,6 +116,7 @@ MIGRATIONS: list[str] = [
 
 # Two subqueries so SQLite answers each from the primary key's ends (MIN and MAX together would scan).
 _SEQ_RANGE = "SELECT (SELECT MIN(seq) FROM rollouts), (SELECT MAX(seq) FROM rollouts)"
+VERSIONS_KEPT = 4096  # version rows kept per lineage (far beyond any retained patch window)
 PRUNE_EVERY = 256  # inserted rows between budget checks
 PRUNE_BATCH = 5000  # rows deleted (or stripped of payload) per check: bounded work per call
 
@@ -250,6 +251,8 @@ class Store:
                      manifest=COALESCE(excluded.manifest, versions.manifest)""",
                 (lineage_id, version, state_hash, kind, base_version, manifest, path, int(held), _now_ms()),
             )
+            if version % 256 == 0:  # the primary key's range: bounded work, a bounded table per lineage
+                db.execute("DELETE FROM versions WHERE lineage_id=? AND version<?", (lineage_id, version - VERSIONS_KEPT))
 
     def head_version(self, lineage_id: bytes, held_only: bool = True) -> int | None:
         sql = "SELECT MAX(version) FROM versions WHERE lineage_id=?" + (" AND held=1" if held_only else "")

@@ -3,27 +3,28 @@
 Started by the runtime with multiprocessing *spawn* and one duplex Pipe. A
 reader thread drains the pipe at once into bounded local structures, so the
 network process never blocks on a busy worker; the main thread trains or
-generates. Messages (tuples, both ends ours):
+generates. Messages are the msgspec Structs of `node.pipe` (msgpack bytes,
+checked on both ends); `send(kind, body)` builds one from a kind and a mapping.
 
 network -> worker
-  ("follow", dict | None)    lineage to serve as follower {id, name, publisher, base} or None (stand by)
-  ("patch", dict)            a patch/anchor is in the lineage store: {lineage, kind, base, target}
-  ("admit", dict)            {lineage, generate}: the network's staleness guard (sync.staleness) says
+  Follow(info | None)        lineage to serve as follower {id, name, publisher, base} or None (stand by)
+  Patch                      a patch/anchor is in the lineage store: {lineage, kind, base, target}
+  Admit                      {lineage, generate}: the node core's staleness guard (sync.staleness) says
                              whether this follower may generate for the lineage (within the bound)
-  ("pace", dict)             {rollouts_per_s}: cap on a follower's generation rate (its trainer's need; 0 = none)
-  ("external", bytes)        a verified RolloutBatch envelope (the trainer's training.sampler.Sampler, spot checks)
-  ("stop", None)
+  Pace                       {rollouts_per_s}: cap on a follower's generation rate (its trainer's need; 0 = none)
+  External(data)             a verified RolloutBatch envelope (the trainer's training.sampler.Sampler, spot checks)
+  Stop
 worker -> network
-  ("ready", dict)            {lineage?, name?, base, version, tokenizer_hash}
-  ("state", str)             loading | training | generating | standby | catching-up
-  ("rollouts", list[bytes])  encoded wire.Rollout of one group/step, for the network to sign and gossip
-  ("step", dict)             trainer step stats; ("gen", dict) follower group stats
-  ("published", dict)        {version, envelope}: a new version is in the lineage store
-  ("applied", dict)          {lineage, version}; ("apply_failed", dict) {lineage, base, target, error}
-  ("perf", dict)             {gen_tokens_per_s, rollout_latency_s}
-  ("spot", dict)             {ok, producer, lineage, version, diff}
-  ("engine", dict)           {requested, mode, error}: the engine it opened (training.engine MODE_*) or why not
-  ("error", str)             fatal; the worker exits
+  Ready                      {lineage?, name?, base, version, tokenizer_hash, model_bytes}
+  State                      loading | waiting-for-tasks | training | generating | standby | catching-up
+  Rollouts(items)            encoded wire.Rollout of one group/step, for the network to sign and gossip
+  Step                       trainer step stats; Gen: follower group stats
+  Published                  {version, envelope}: a new version is in the lineage store
+  Applied                    {lineage, version}; ApplyFailed {lineage, base, target, error}
+  Perf                       {gen_tokens_per_s, rollout_latency_s}
+  Spot                       {ok, producer, lineage, version, diff}
+  Engine                     {requested, mode, error}: the engine it opened (training.engine MODE_*) or why not
+  Error                      fatal; the worker exits
 """
 
 from __future__ import annotations
@@ -133,31 +134,37 @@ class Inbox:
 
 
 def _reader(conn: Any, inbox: Inbox) -> None:
+    from msgspec.structs import asdict
+
     from gossip import wire
+    from gossip.errors import DecodeError
+    from node import pipe
 
     while not inbox.stop.is_set():
         try:
             if not conn.poll(0.5):
                 continue
-            kind, body = conn.recv()
+            m = pipe.decode(conn.recv_bytes(pipe.MAX_MESSAGE))
         except (EOFError, OSError):
             inbox.stop.set()  # the network process is gone: stop too
             inbox.wake.set()
             return
+        except DecodeError:
+            continue
         with inbox.lock:
-            if kind == "stop":
+            if isinstance(m, pipe.Stop):
                 inbox.stop.set()
-            elif kind == "follow":
-                inbox.follow = body
-            elif kind == "patch":
-                inbox.patches.append(body)
-            elif kind == "pace":
-                inbox.pace = max(0.0, float(body["rollouts_per_s"]))
-            elif kind == "admit":
-                inbox.admit[body["lineage"]] = bool(body["generate"])
-            elif kind == "external":
+            elif isinstance(m, pipe.Follow):
+                inbox.follow = asdict(m.info) if m.info is not None else None
+            elif isinstance(m, pipe.Patch):
+                inbox.patches.append(asdict(m))
+            elif isinstance(m, pipe.Pace):
+                inbox.pace = max(0.0, m.rollouts_per_s)
+            elif isinstance(m, pipe.Admit):
+                inbox.admit[m.lineage] = m.generate
+            elif isinstance(m, pipe.External):
                 try:
-                    _, batch = wire.open_envelope(body, wire.ROLLOUT_BATCH)
+                    _, batch = wire.open_envelope(m.data, wire.ROLLOUT_BATCH)
                 except Exception:
                     continue
                 inbox.spot.append((bytes(batch.producer), batch))
@@ -187,9 +194,12 @@ class Worker:
         self.engine: Any = None  # loaded in run(); until then nothing is trained on
 
     def send(self, kind: str, body: Any) -> None:
+        from node import pipe
+
+        data = pipe.encode(kind, body)
         with self._send_lock:
             try:
-                self.conn.send((kind, body))
+                self.conn.send_bytes(data)
             except (OSError, BrokenPipeError):
                 self.inbox.stop.set()
 
@@ -241,6 +251,8 @@ class Worker:
         self.send("engine", {"requested": kind, "mode": self.engine.mode, "error": ""})
         if self.engine is not self.master and "trainer" not in self.spec["roles"]:
             self.master = None  # a vLLM follower generates and checks with vLLM only: free the torch copy
+        # the network process bounds a lineage's manifests by this size
+        self.model_bytes = sum(t.numel() * t.element_size() for t in self.base_state.values())
         self.checker = self.engine  # the engine holding the published weights, for spot checks
 
     # ------------------------------------------------------------ task sets
@@ -311,6 +323,7 @@ class Worker:
         self.held_lineage = pub.lineage.id
         self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
                             "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
+                            "model_bytes": self.model_bytes,
                             "tokenizer_hash": self.engine.tokenizer_hash.hex()})
         cfg = TrainerConfig(**s["trainer"])
         if not self._wait_for_tasks():
@@ -492,7 +505,8 @@ class Worker:
         tcfg = s["trainer"]
         sampling = Sampling(temperature=tcfg["temperature"], top_p=1.0, max_new_tokens=tcfg["max_new_tokens"])
         group = int(tcfg["group_size"])
-        self.send("ready", {"base": self.base_hash.hex(), "tokenizer_hash": self.engine.tokenizer_hash.hex(),
+        self.send("ready", {"base": self.base_hash.hex(), "model_bytes": self.model_bytes,
+                            "tokenizer_hash": self.engine.tokenizer_hash.hex(),
                             "version": 0})
         follower = None
         current: dict | None = None

@@ -20,7 +20,7 @@ from msgspec import Meta, Struct
 from gossip.errors import ConfigError
 from gossip.tomlfile import convert_strict, parse_toml, read_toml, toml_value
 
-BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan", "large")
+BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan", "large", "huge")
 MAX_NODES = 100_000
 
 Behaviour = Literal["forged_reward", "invalid_signature", "replay", "stale_spam", "corrupt_chunks", "free_ride"]

@@ -27,7 +27,7 @@ the memo and asserts identical summaries.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -39,18 +39,33 @@ from gossip.identity import verify
 _MISSING = object()
 
 
-class _Memo(OrderedDict):
-    """A dict bounded to `limit` entries, oldest first out (a gossiped batch reaches its receivers within
-    seconds of being sealed, so insertion order is a good enough recency order)."""
+class Memo(OrderedDict):
+    """A dict bounded to `limit` entries and, given a clock, to entries put in the last `horizon_s` seconds,
+    oldest first out. A gossiped batch reaches its receivers within seconds of being sealed, so the
+    per-message tables need only the messages still in flight: their size follows the swarm's message
+    rate, not the run's length. A miss only repeats the pure computation."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, clock: Callable[[], float] | None = None, horizon_s: float = 0.0) -> None:
         super().__init__()
         self.limit = limit
+        self.clock = clock if horizon_s > 0 else None
+        self.horizon_s = horizon_s
+        self._born: deque[float] = deque()  # put times, in the dict's order (keys are put once)
         self.hits = 0
         self.misses = 0
 
     def put(self, key: Any, value: Any) -> None:
-        if len(self) >= self.limit:
+        if key in self:
+            self[key] = value
+            return
+        if self.clock is not None:
+            old = self.clock() - self.horizon_s
+            born = self._born
+            while born and (born[0] < old or len(self) >= self.limit):
+                born.popleft()
+                self.popitem(last=False)
+            born.append(self.clock())
+        elif len(self) >= self.limit:
             self.popitem(last=False)
         self[key] = value
 
@@ -59,14 +74,16 @@ class SharedVerification:
     """The memo tables of one simulation (one process), and the hooks that use them."""
 
     def __init__(self, resolve_task: Callable[[wire.TaskRef], Any], reward: Callable[[Any, str], float],
-                 limit: int = 1_000_000) -> None:
+                 limit: int = 1_000_000, clock: Callable[[], float] | None = None, horizon_s: float = 5.0) -> None:
         self._resolve = resolve_task
         self._reward = reward
-        self.signatures = _Memo(limit)
-        self.failures = _Memo(limit)  # batch content id -> the verify stage's outcome (None = passed)
-        self.rewards = _Memo(limit)
-        self.tasks = _Memo(limit // 4)
-        self.bodies = _Memo(limit // 20)  # (kind, signer, body bytes) -> decoded body (read-only in the simulator)
+        # per-message tables keep what is in flight (decoded batches are large: a table of them as long as
+        # the run would hold most of the simulator's memory); task and reward tables are small per entry and bounded by count
+        self.signatures = Memo(limit, clock, horizon_s)
+        self.failures = Memo(limit, clock, horizon_s)  # batch content id -> the verify stage's outcome (None = passed)
+        self.bodies = Memo(limit, clock, horizon_s)  # (kind, signer, body bytes) -> decoded body (read-only here)
+        self.rewards = Memo(limit // 4)
+        self.tasks = Memo(limit // 8)
 
     def verify_signature(self, public: bytes, signature: bytes, message: bytes) -> bool:
         key = hashlib.blake2b(public + signature + message, digest_size=32).digest()
@@ -101,8 +118,11 @@ class SharedVerification:
         key = (env.kind, env.signer, env.body)
         hit = self.bodies.get(key)
         if hit is None:
+            self.bodies.misses += 1
             hit = _real_decode_body(env)
             self.bodies.put(key, hit)
+        else:
+            self.bodies.hits += 1
         return hit
 
     def verify_envelope(self, env: wire.Envelope) -> None:
@@ -112,7 +132,8 @@ class SharedVerification:
 
     def stats(self) -> dict[str, int]:
         return {"signature_checks": self.signatures.misses, "signature_memo_hits": self.signatures.hits,
-                "batch_verifications": self.failures.misses, "batch_verify_memo_hits": self.failures.hits}
+                "batch_verifications": self.failures.misses, "batch_verify_memo_hits": self.failures.hits,
+                "body_decodes": self.bodies.misses, "body_memo_hits": self.bodies.hits}
 
 
 _real_verify = verify

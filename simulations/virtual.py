@@ -7,9 +7,21 @@ What runs for real (the same code the nodes run):
   regeneration from the built-in task set, reward recomputation with the real
   verifier, staleness bound) with its own `gossip.scoring.PeerScores`
   (graylist, blacklist) and rate limiter, on the virtual clock;
+- each trainer picks its external groups with its own `training.sampler.Sampler`,
+  the sampler a node's worker runs (informative groups only, newest first,
+  each used once, staleness against the heads the node has heard);
+- each follower pauses and resumes generating by `sync.staleness.StalenessGuard`,
+  the node's staleness admission (fed the heads it heard and the versions it
+  applied);
 - patch broadcasts run `sync.swarm.SwarmSession` through `sync.vsim`
   (rarest-first, super-seeding, pipelining, corrupt-chunk bans) over the
   scenario's links.
+
+Heads are learned from messages: a trainer's announce of its new head travels
+with its rollout batch to its neighbours, a publisher's manifest reaches its
+followers one link latency after the version, and a (re)joining follower asks
+the publisher; each node's pipeline and sampler judge staleness by the heads
+that node heard (at most `training.sampler.MAX_HEADS` lineages per node).
 
 What is modelled:
 - learning: a node's policy is one number, its skill p = probability that a
@@ -17,8 +29,8 @@ What is modelled:
   writes correct or wrong answer text, and scores it with the real verifier.
   A group is informative when its rewards are not all equal (GRPO drops the
   others). After a step, p += rate * (ceiling - p) * (u_local + w * u_ext),
-  with u the informative groups used (local, and external ones the node chose
-  from its verified pool, informative first). The isolated twin of each node
+  with u the informative groups used (local, and the external ones its
+  sampler gave). The isolated twin of each node
   trains on I + J local groups with the same rule and its own draws.
 - compute: a step takes `step_s / compute` virtual seconds;
 - rollout gossip is one hop: a batch goes to the producer's `degree`
@@ -28,19 +40,30 @@ What is modelled:
 - followers receive each version one patch-broadcast delay after it is
   published; the delay per follower comes from a broadcast of the
   scenario's patch size run through the real swarm core at start-up.
+
+Also modelled here rather than run from the node's code: roles (fixed by the
+scenario), rollout batching and sealing, announces and catch-up.
+
+Memory follows the swarm's size and message rate, not the run's length: the
+per-process memos keep only messages in flight (`MEMO_HORIZON_S` of virtual
+time), a node's state is what it heard (pipeline caches, scores, heads,
+sampler), and report rows are kept once.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import heapq
 import math
 import os
 import random
+import resource
 import sys
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,26 +74,22 @@ from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
 from gossip.identity import Identity
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
-from simulations.vcache import SharedVerification, SimPipeline
+from simulations.vcache import Memo, SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
+from sync.staleness import StalenessGuard
+from training.sampler import MAX_HEADS, Sampler, split
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
 
 EPOCH = 1_700_000_000.0  # virtual t = 0 as unix time (pipeline freshness checks use unix seconds)
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
 SEED_RANGE = 1_000_000
+POOL_GROUPS = 256  # a trainer's sampler holds the newest this many informative groups
+MEMO_HORIZON_S = 5.0  # virtual seconds a per-message memo entry is kept: a batch reaches its receivers sooner
 
 
 def identity_for(seed: int, index: int) -> Identity:
     return Identity.from_seed(hashlib.blake2b(f"murmur-sim/{seed}/{index}".encode(), digest_size=32).digest())
-
-
-@dataclass
-class Group:
-    rollouts: list[wire.Rollout]
-    lineage: bytes
-    version: int
-    informative: bool
 
 
 @dataclass
@@ -79,6 +98,9 @@ class VNode:
     ident: Identity
     peer_id: str
     pipeline: Pipeline
+    heads: dict[bytes, int]  # lineage -> newest version this node heard its publisher announce
+    sampler: Sampler | None  # trainers: the node worker's external-rollout sampler
+    guard: StalenessGuard | None  # followers: the node's staleness admission for the lineage it follows
     lineage: bytes
     skill: float
     iso_skill: float
@@ -89,7 +111,6 @@ class VNode:
     seq: int = 0
     steps: int = 0
     neighbours: list[int] = field(default_factory=list)
-    pool: deque[Group] = field(default_factory=lambda: deque(maxlen=256))
     reward_sum: float = 0.0
     iso_sum: float = 0.0
     consumed_ext: int = 0
@@ -111,7 +132,8 @@ class VirtualSim:
         self.registry.add_builtin()
         self.task_set = self.registry.builtin_id
         # one memo of the pure verification work per process (simulations/vcache.py says why it is faithful)
-        self.shared = SharedVerification(self.registry.resolve, score) if shared_verify else None
+        self.shared = (SharedVerification(self.registry.resolve, score, clock=self._unix, horizon_s=MEMO_HORIZON_S)
+                       if shared_verify else None)
         self._resolve = self.shared.resolve_task if self.shared else self.registry.resolve
         self._score = self.shared.reward if self.shared else score
         self.links = LinkModel([LinkSpec.of(s) for s in self.specs], seed=sc.seed)
@@ -120,10 +142,10 @@ class VirtualSim:
         self._seq = 0
         self.events = 0
         self.metrics = MetricsWriter(self.out_dir, sc.report.format) if self.out_dir else None
-        self.rows: dict[str, list[dict[str, Any]]] = {}
+        self.rows: dict[str, list[dict[str, Any]]] = self.metrics.rows if self.metrics else {}
         self.rejections: Counter[str] = Counter()
-        self._groups: OrderedDict[bytes, list[Group]] = OrderedDict()  # accepted batch id -> its groups (shared)
-        self.heads: dict[bytes, int] = {}
+        # accepted batch id -> its split, for the receivers still to come (in flight only, like the memos)
+        self._groups = Memo(1_000_000, self._unix, MEMO_HORIZON_S)
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
         self.nodes: list[VNode] = []
         score_params = ScoreParams(graylist_threshold=sc.gossip.graylist_threshold, blacklist_s=sc.gossip.blacklist_s)
@@ -135,17 +157,24 @@ class VirtualSim:
             cfg = PipelineConfig(swarm=sc.swarm, max_staleness=sc.training.max_staleness,
                                  rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
                                  replay_entries=50_000, replay_ttl_s=900.0, score=score_params)
+            heads: dict[bytes, int] = {}
             if self.shared is not None:
                 pipe: Pipeline = SimPipeline(cfg, clock=self._unix, resolve_task=self._resolve, reward=self._score,
-                                             head_version=self._head, shared=self.shared)
+                                             head_version=heads.get, shared=self.shared)
             else:
                 pipe = Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score,
-                                head_version=self._head)
-            self.nodes.append(VNode(s, ident, ident.peer_id, pipe, lineage, p0, p0, node_rng))
+                                head_version=heads.get)
+            sampler = Sampler(POOL_GROUPS, sc.training.max_staleness) if s.role == "trainer" else None
+            guard = StalenessGuard(sc.training.max_staleness) if s.role == "follower" else None
+            self.nodes.append(VNode(s, ident, ident.peer_id, pipe, heads, sampler, guard, lineage, p0, p0, node_rng))
         for n in self.nodes:
             if n.spec.role == "trainer":
-                self.heads[n.lineage] = 0
+                n.heads[n.lineage] = 0
+                n.sampler.observe_head(n.lineage, 0)  # type: ignore[union-attr]
                 self.skill_at[n.lineage] = [n.skill]
+        for n in self.nodes:
+            if n.guard is not None:  # a follower starts holding the base (version 0) of the lineage it follows
+                n.guard.applied(self.nodes[n.spec.follow].lineage, 0, 0.0)  # type: ignore[index]
         self.by_peer = {n.peer_id: n for n in self.nodes}
         self.trainer_ids = [n.spec.index for n in self.nodes if n.spec.role == "trainer"]
         self.followers_of: dict[int, list[int]] = {}
@@ -159,18 +188,15 @@ class VirtualSim:
     def _unix(self) -> float:
         return EPOCH + self.now
 
-    def _head(self, lineage: bytes) -> int | None:
-        """What a receiver knows of a lineage's head: signed manifests gossip fast, so the true head."""
-        return self.heads.get(bytes(lineage))
-
     def _push(self, t: float, kind: str, *args: Any) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, args))
 
     def _row(self, kind: str, **fields: Any) -> None:
-        self.rows.setdefault(kind, []).append(fields)
-        if self.metrics:
+        if self.metrics:  # it keeps the rows for the report: one copy
             self.metrics.add(kind, **fields)
+        else:
+            self.rows.setdefault(kind, []).append(fields)
 
     def _topology(self) -> None:
         n = len(self.nodes)
@@ -204,7 +230,7 @@ class VirtualSim:
         except ValueError:
             return answer + "?"
 
-    def _group(self, node: VNode, lineage: bytes, version: int, skill: float) -> Group:
+    def _group(self, node: VNode, lineage: bytes, version: int, skill: float) -> list[wire.Rollout]:
         g = self.sc.training.group_size
         ref = wire.TaskRef(self.task_set, BUILTIN_TRAIN, node.rng.randrange(SEED_RANGE))
         task = self._resolve(ref)
@@ -217,8 +243,12 @@ class VirtualSim:
                                     tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
                                     sampling=wire.SamplingParams(max_new_tokens=8), reward=self._score(task, text),
                                     created_ms=created))
-        rewards = [r.reward for r in out]
-        return Group(out, lineage, version, max(rewards) != min(rewards))
+        return out
+
+    @staticmethod
+    def _informative(rollouts: list[wire.Rollout]) -> bool:
+        rewards = [r.reward for r in rollouts]
+        return max(rewards) != min(rewards)
 
     def _seal(self, node: VNode, rollouts: list[wire.Rollout], seq: int | None = None) -> bytes:
         if seq is None:
@@ -228,13 +258,13 @@ class VirtualSim:
                                   created_ms=int(self._unix() * 1000), rollouts=rollouts)
         return wire.seal(node.ident, wire.ROLLOUT_BATCH, batch)
 
-    def _gossip(self, node: VNode, data: bytes) -> None:
+    def _gossip(self, node: VNode, data: bytes, head: tuple[bytes, int] | None = None) -> None:
         for j in node.neighbours:
             dst = self.nodes[j]
             if not dst.alive:
                 continue
             at = self.links.send(node.spec.index, j, len(data), self.now)
-            self._push(at, "deliver", j, node.spec.index, data, dst.inc)
+            self._push(at, "deliver", j, node.spec.index, data, dst.inc, head)
 
     # ------------------------------------------------------------ events
 
@@ -246,10 +276,8 @@ class VirtualSim:
         n.inc += 1
         self.links.reset(i, self.now)
         self._row("event", t=self.now, node=i, action="join")
-        if n.spec.role == "follower" and n.spec.follow is not None:
-            lead = self.nodes[n.spec.follow]
-            if self.heads.get(lead.lineage, 0) > n.version:  # catch up: one patch delay to the head
-                self._push(self.now + n.patch_delay, "patch", i, self.heads[lead.lineage], n.inc)
+        if n.spec.role == "follower" and n.spec.follow is not None:  # ask the publisher where its head is
+            self._push(self.now + self._latency(i, n.spec.follow), "catalog", n.spec.follow, i, n.inc)
         if n.spec.role == "adversary":
             self._push(self.now + n.rng.uniform(0, 1.0 / n.spec.rate_per_s), "adv", i, n.inc)
         else:
@@ -283,24 +311,16 @@ class VirtualSim:
     def _train_step(self, n: VNode) -> None:
         tr, lr = self.sc.training, self.sc.learning
         local = [self._group(n, n.lineage, n.version, n.skill) for _ in range(tr.local_groups)]
-        # external: informative groups first, newest first, within the staleness bound at consumption
-        ext: list[Group] = []
-        keep: deque[Group] = deque(maxlen=n.pool.maxlen)
-        cands = sorted(n.pool, key=lambda g: (not g.informative, -g.version))
-        for g in cands:
-            head = self.heads.get(g.lineage, g.version)
-            if head - g.version > tr.max_staleness:
-                continue  # too stale now: dropped
-            if len(ext) < tr.external_groups:
-                ext.append(g)
-                self._row("staleness", t=self.now, node=n.spec.index, staleness=head - g.version)
-            else:
-                keep.append(g)
-        n.pool = keep
-        u_local = sum(g.informative for g in local)
-        u_ext = sum(g.informative for g in ext)
+        sampler = n.sampler
+        assert sampler is not None
+        ext = sampler.take(tr.external_groups)  # the node's rule: informative only, newest first, within the bound
+        for g in ext:
+            self._row("staleness", t=self.now, node=n.spec.index,
+                      staleness=max(0, (sampler.head(g.lineage) or g.version) - g.version))
+        u_local = sum(self._informative(g) for g in local)
+        u_ext = len(ext)
         n.consumed_ext += len(ext)
-        reward = sum(r.reward for g in local for r in g.rollouts) / max(1, sum(len(g.rollouts) for g in local))
+        reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
         n.skill += lr.rate * (lr.ceiling - n.skill) * (u_local + lr.external_weight * u_ext) / 8.0
         n.skill = min(lr.ceiling, max(0.0, n.skill))
         # isolated twin: I + J local groups, same rule, own draws
@@ -312,34 +332,37 @@ class VirtualSim:
         n.reward_sum += reward
         n.iso_sum += iso_reward
         n.version += 1
-        self.heads[n.lineage] = n.version
+        n.heads[n.lineage] = n.version
+        sampler.observe_head(n.lineage, n.version)
         self.skill_at[n.lineage].append(n.skill)
         self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=iso_reward, version=n.version,
                   group=n.spec.group)
         if local:
-            rollouts = [r for g in local for r in g.rollouts]
+            rollouts = [r for g in local for r in g]
+            head = (n.lineage, n.version)  # the node's announce of its new head travels with its batch
             for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
-                self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]))
+                self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]), head)
         if n.version % self.sc.sync.publish_every == 0:
             for fi in self.followers_of.get(n.spec.index, ()):
                 f = self.nodes[fi]
-                if f.alive:
+                if f.alive:  # the signed manifest reaches the follower first, the patch one broadcast later
+                    self._push(self.now + self._latency(n.spec.index, fi), "head", fi, n.lineage, n.version, f.inc)
                     self._push(self.now + f.patch_delay, "patch", f.spec.index, n.version, f.inc)
 
     def _follower_step(self, n: VNode) -> None:
         lead = self.nodes[n.spec.follow]  # type: ignore[index]
-        head = self.heads.get(lead.lineage, 0)
-        lag = head - n.version
-        self._row("lag", t=self.now, node=n.spec.index, lag=lag)
-        if lag > self.sc.training.max_staleness:
+        guard = n.guard
+        assert guard is not None
+        self._row("lag", t=self.now, node=n.spec.index, lag=max(0, n.heads.get(lead.lineage, n.version) - n.version))
+        if not guard.may_generate(lead.lineage):
             return  # beyond the bound: stop producing, wait for the catch-up patch
         skills = self.skill_at[lead.lineage]
         skill = skills[min(n.version, len(skills) - 1)]
         local = [self._group(n, lead.lineage, n.version, skill) for _ in range(self.sc.training.local_groups)]
-        reward = sum(r.reward for g in local for r in g.rollouts) / max(1, sum(len(g.rollouts) for g in local))
+        reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
         self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=None, version=n.version,
                   group=n.spec.group)
-        rollouts = [r for g in local for r in g.rollouts]
+        rollouts = [r for g in local for r in g]
         for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
             self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]))
 
@@ -347,12 +370,45 @@ class VirtualSim:
         n = self.nodes[i]
         if n.alive and n.inc == inc and version > n.version:
             n.version = version
+            if n.guard is not None:
+                n.guard.applied(self.nodes[n.spec.follow].lineage, version, self.now)  # type: ignore[index]
 
-    def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int) -> None:
+    def _ev_head(self, i: int, lineage: bytes, version: int, inc: int) -> None:
+        """A head announced by the lineage's publisher reaches node i."""
+        n = self.nodes[i]
+        if n.alive and n.inc == inc:
+            self._learn_head(n, lineage, version)
+
+    def _ev_catalog(self, lead: int, i: int, inc: int) -> None:
+        """A (re)joined follower's catalog request reaches the publisher: the reply carries the publisher's
+        head, and the catch-up patch follows one broadcast delay later."""
+        p, n = self.nodes[lead], self.nodes[i]
+        if not p.alive or n.inc != inc:
+            return
+        self._push(self.now + self._latency(lead, i), "head", i, p.lineage, p.version, inc)
+        if p.version > n.version:
+            self._push(self.now + self._latency(lead, i) + n.patch_delay, "patch", i, p.version, inc)
+
+    def _learn_head(self, n: VNode, lineage: bytes, version: int) -> None:
+        if version > n.heads.get(lineage, -1):
+            if len(n.heads) >= MAX_HEADS and lineage not in n.heads:
+                n.heads.pop(next(iter(n.heads)))  # the longest-known lineage goes first: bounded per node
+            n.heads[lineage] = version
+        if n.sampler is not None:
+            n.sampler.observe_head(lineage, version)
+        if n.guard is not None and n.spec.follow is not None and lineage == self.nodes[n.spec.follow].lineage:
+            n.guard.observe_head(lineage, version, self.now)
+
+    def _latency(self, a: int, b: int) -> float:
+        return self.links.links[a].latency_s + self.links.links[b].latency_s
+
+    def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int, head: tuple[bytes, int] | None) -> None:
         d = self.nodes[dst]
         if not d.alive or d.inc != inc:
             return
         s = self.nodes[src]
+        if head is not None:
+            self._learn_head(d, *head)
         v = d.pipeline.check(data, s.peer_id)
         if not v.accepted:
             self.rejections[v.reason.value] += 1
@@ -362,23 +418,16 @@ class VirtualSim:
             return
         if s.spec.role == "adversary":
             s.adv_accepted += 1
-        if d.spec.role != "trainer" or v.batch is None:
+        if d.sampler is None or v.batch is None:
             return
-        groups = self._groups.get(v.msg_id)
-        if groups is None:  # a batch's groups depend on its content only: split once per process
-            groups = []
-            by_task: dict[tuple[str, int], list[wire.Rollout]] = {}
-            for r in v.batch.rollouts:
-                by_task.setdefault((r.task.generator, r.task.seed), []).append(r)
-            for rs in by_task.values():
-                if len(rs) < 2:
-                    continue
-                rewards = [r.reward for r in rs]
-                groups.append(Group(rs, bytes(rs[0].lineage), rs[0].version, max(rewards) != min(rewards)))
-            if len(self._groups) >= 200_000:  # oldest first out
-                self._groups.popitem(last=False)
-            self._groups[v.msg_id] = groups
-        d.pool.extend(groups)
+        cut = self._groups.get(v.msg_id)
+        if cut is None:  # a batch's groups depend on its content only: split once per process (Groups are frozen)
+            cut = split(v.batch.rollouts)
+            self._groups.put(v.msg_id, cut)
+        groups, dropped = cut
+        for k, c in dropped.items():  # what `Sampler.add_rollouts` counts, per receiver
+            d.sampler.counts[k] += c
+        d.sampler.add(groups)
 
     # ------------------------------------------------------------ adversaries
 
@@ -390,23 +439,23 @@ class VirtualSim:
         if b == "forged_reward":
             g = self._group(n, n.lineage, 0, 0.0)  # all wrong ...
             forged = [wire.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "reward": 1.0})
-                      for r in g.rollouts]  # ... each claiming full reward
+                      for r in g]  # ... each claiming full reward
             self._gossip(n, self._seal(n, forged))
         elif b == "invalid_signature":
-            data = bytearray(self._seal(n, self._group(n, n.lineage, 0, 0.5).rollouts))
+            data = bytearray(self._seal(n, self._group(n, n.lineage, 0, 0.5)))
             data[-5] ^= 0xFF  # inside the signature, the envelope's last field
             self._gossip(n, bytes(data))
         elif b == "replay":
             if not n.sent_batches:
-                data = self._seal(n, self._group(n, n.lineage, 0, 0.5).rollouts)
+                data = self._seal(n, self._group(n, n.lineage, 0, 0.5))
                 n.sent_batches.append(data)
             else:  # the same seq again with other content (equivocation), and the old bytes again
-                data = self._seal(n, self._group(n, n.lineage, 0, 0.5).rollouts, seq=n.seq)
+                data = self._seal(n, self._group(n, n.lineage, 0, 0.5), seq=n.seq)
                 self._gossip(n, n.sent_batches[0])
             self._gossip(n, data)
         elif b == "stale_spam":
             lead = self.nodes[self.trainer_ids[n.rng.randrange(len(self.trainer_ids))]]
-            self._gossip(n, self._seal(n, self._group(n, lead.lineage, 0, 0.5).rollouts))
+            self._gossip(n, self._seal(n, self._group(n, lead.lineage, 0, 0.5)))
         # corrupt_chunks and free_ride act in the broadcasts / by never producing
         if b in ("forged_reward", "invalid_signature", "replay", "stale_spam"):
             self._push(self.now + 1.0 / n.spec.rate_per_s, "adv", i, inc)
@@ -520,7 +569,8 @@ class VirtualSim:
         broadcasts = self._setup_broadcasts()
         self.setup_s = time.perf_counter() - wall
         self._schedule()
-        self._loop(on_progress)
+        with _few_collections():
+            self._loop(on_progress)
         self.cpu_s = time.process_time() - cpu
         return self._finish(broadcasts, time.perf_counter() - wall)
 
@@ -582,6 +632,7 @@ class VirtualSim:
             "cpu_s": round(getattr(self, "cpu_s", 0.0), 2),
             "load_avg": [round(x, 2) for x in os.getloadavg()],
             "setup_s": round(getattr(self, "setup_s", 0.0), 2),  # start-up broadcasts through the swarm core
+            "peak_rss_mb": peak_rss_mb(),
             "events": self.events,
             "steps": sum(n.steps for n in self.nodes),
             "swarm_cumulative_reward": round(swarm, 3),
@@ -590,13 +641,16 @@ class VirtualSim:
             "final_skill_mean": round(sum(n.skill for n in trainers) / max(1, len(trainers)), 4),
             "final_isolated_skill_mean": round(sum(n.iso_skill for n in trainers) / max(1, len(trainers)), 4),
             "external_groups_consumed": sum(n.consumed_ext for n in trainers),
+            "sampler": {k: sum(n.sampler.counts[k] for n in trainers if n.sampler is not None)
+                        for k in (trainers[0].sampler.counts if trainers and trainers[0].sampler else {})},
             "adversarial_accepted": sum(n.adv_accepted for n in self.nodes
                                         if n.spec.behaviour in ("forged_reward", "invalid_signature")),
             "rejections": dict(self.rejections),
             "broadcasts": broadcasts,
             "graylist_threshold": self.sc.gossip.graylist_threshold,
-            "modelled": "learning (skill curve), compute time, one-hop rollout gossip; "
-                        "real: signatures, verification pipeline, scoring, swarm broadcast core",
+            "modelled": "learning (skill curve), compute time, one-hop rollout gossip, fixed roles; "
+                        "real: signatures, verification pipeline, scoring, the node's sampler, "
+                        "heads learned from messages, swarm broadcast core",
         }
         if self.shared is not None:
             summary["verification"] = self.shared.stats()
@@ -609,6 +663,29 @@ class VirtualSim:
                          threshold=self.sc.gossip.graylist_threshold, plots=self.sc.report.plots)
             summary["report_s"] = round(time.perf_counter() - t0, 2)  # not in summary.json: written before
         return summary
+
+
+@contextmanager
+def _few_collections() -> Iterator[None]:
+    """A full pass of the cyclic collector scans every live object, and a big run holds millions of them
+    (pools, memos, report rows), nearly all acyclic, so default thresholds make collection work grow with
+    the heap on every pass. Freeze what set-up built and collect young generations rarely: collection
+    work follows what the loop allocates, and cyclic garbage still goes in the young passes."""
+    old = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 1000)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far, in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(rss / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def run_virtual(sc: Scenario, out_dir: str | Path | None = None, progress: bool = False) -> dict[str, Any]:

@@ -63,9 +63,10 @@ def choose(have: int | None, head: int, items: Iterable[StoredItem]) -> Plan:
         if cost < best.get(a.target, inf):
             best[a.target] = cost
             back[a.target] = a
-    lo = min(([have] if have is not None else []) + [a.target for a in anchors], default=head)
-    for v in range(lo, head + 1):
-        for e in edges.get(v, ()):
+    # Edges only go forward, so visiting their targets in increasing order settles every version
+    # before it is used as a base: O(items log items), whatever the version numbers are.
+    for v in sorted(edges):
+        for e in edges[v]:
             if e.base in best:
                 c = (best[e.base][0] + e.bytes, best[e.base][1] + 1)
                 if c < best.get(v, inf):
@@ -75,7 +76,7 @@ def choose(have: int | None, head: int, items: Iterable[StoredItem]) -> Plan:
         raise PatchError(f"no stored patches or anchors reach version {head} from {have}")
     steps: list[StoredItem] = []
     v = head
-    for _ in range(head - lo + 2):
+    while True:  # each step moves strictly down, to a version with a recorded predecessor or to the start
         step = back.get(v)
         if step is None:
             break

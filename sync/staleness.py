@@ -1,22 +1,16 @@
-"""Staleness admission (sans-IO): who may generate for which version, which rollouts a trainer keeps.
+"""Staleness admission (sans-IO): whether a follower may generate for the lineage it serves.
 
 A follower generates rollouts for a lineage only while its local version is
-within `max_staleness` of the newest head it has seen (a verified manifest);
-beyond that it pauses, catches up by the cheapest plan `sync.catchup.choose`
-finds, and resumes. Each transition is an event the runtime logs and the
-dashboard shows. A trainer keeps a rollout only if its policy version lags its
-own head by at most `max_staleness` (and is not from the future). AReaL's
-admission rule bounds how many rollouts may be in flight so that, even at
-full speed, none lands staler than eta versions.
+within `max_staleness` of the newest publisher-signed head it knows; beyond
+that it pauses, catches up (`node.core`, by the cheapest plan
+`sync.catchup.choose` finds), and resumes. Each transition is an event the
+node core logs and the dashboard shows. (Receivers drop rollouts beyond the
+bound in the verification pipeline, `gossip/validation.py`.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-
-from sync.catchup import Plan, choose
-from sync.patchstore import StoredItem
 
 UNKNOWN = "unknown"  # no local version yet: nothing to generate with
 FRESH = "fresh"  # within the bound: generating
@@ -98,11 +92,8 @@ class StalenessGuard:
         t = self._t.get(lineage)
         return t is not None and t.state == FRESH
 
-    def version_for_generation(self, lineage: bytes) -> int | None:
-        """The version to generate with, or None while paused."""
-        return self._t[lineage].local if self.may_generate(lineage) else None
-
     def lag(self, lineage: bytes) -> int | None:
+        """Versions between the head heard and the one held (None until both are known)."""
         t = self._t.get(lineage)
         if t is None or t.local is None or t.head is None:
             return None
@@ -111,69 +102,3 @@ class StalenessGuard:
     def state(self, lineage: bytes) -> str:
         t = self._t.get(lineage)
         return t.state if t else UNKNOWN
-
-    def snapshot(self) -> dict[str, dict[str, object]]:
-        """For logs, `murmur node status` and the dashboard."""
-        return {lin.hex(): {"state": t.state, "local": t.local, "head": t.head,
-                            "lag": None if t.local is None or t.head is None else t.head - t.local,
-                            "since": t.since, "max_staleness": self.k}
-                for lin, t in self._t.items()}
-
-    def plan_catch_up(self, lineage: bytes, items: Iterable[StoredItem]) -> Plan:
-        """Cheapest way from the local version to the head, by `sync.catchup` (chain, union or anchor)."""
-        t = self._t[lineage]
-        if t.head is None:
-            return Plan((), 0)
-        return choose(t.local, t.head, items)
-
-
-def rollout_staleness_error(version: int, head: int, max_staleness: int) -> str | None:
-    """Why a trainer at `head` must drop a rollout generated at `version`; None when it may keep it."""
-    if version > head:
-        return f"rollout claims version {version}, ahead of the head {head}"
-    if head - version > max_staleness:
-        return f"rollout version {version} is {head - version} behind the head {head} (max {max_staleness})"
-    return None
-
-
-def admit_rollout(version: int, head: int, max_staleness: int) -> bool:
-    return rollout_staleness_error(version, head, max_staleness) is None
-
-
-def areal_may_submit(max_in_flight: int, running: int, eta: int, version: int, batch: int, accepted: int) -> bool:
-    """AReaL: submit a new rollout only while min(C - running, (eta + v + 1)*B - (accepted + running)) > 0."""
-    return min(max_in_flight - running, (eta + version + 1) * batch - (accepted + running)) > 0
-
-
-class AReaLAdmission:
-    """Counters for `areal_may_submit`: a generator asks before starting each rollout."""
-
-    def __init__(self, eta: int, batch: int, max_in_flight: int) -> None:
-        if eta < 0 or batch < 1 or max_in_flight < 1:
-            raise ValueError("need eta >= 0, batch >= 1, max_in_flight >= 1")
-        self.eta, self.batch, self.max_in_flight = eta, batch, max_in_flight
-        self.version = 0
-        self.running = 0
-        self.accepted = 0
-
-    def may_submit(self) -> bool:
-        return areal_may_submit(self.max_in_flight, self.running, self.eta, self.version, self.batch, self.accepted)
-
-    def try_submit(self) -> bool:
-        if not self.may_submit():
-            return False
-        self.running += 1
-        return True
-
-    def finished(self, accepted: bool) -> None:
-        if self.running <= 0:
-            raise ValueError("finished() without a running rollout")
-        self.running -= 1
-        if accepted:
-            self.accepted += 1
-
-    def set_version(self, version: int) -> None:
-        """The trainer published `version`: more rollouts may start."""
-        if version < self.version:
-            raise ValueError("versions only move forward")
-        self.version = version

@@ -103,6 +103,7 @@ class VirtualSwarm:
         self._seq = 0
         self.now = 0.0
         self.events = 0
+        self._waiting = followers  # alive followers not yet complete: O(1) end test (an O(N) scan per event is quadratic)
 
     def _session(self, i: int, have: Any) -> SwarmSession:
         return SwarmSession(self.pid, self.hashes, self.sizes, have=have, origin=(i == 0), config=self.cfg,
@@ -166,7 +167,13 @@ class VirtualSwarm:
         return self.result(time.perf_counter() - wall)
 
     def _all_done(self) -> bool:
-        return all(nd.completed_at is not None for nd in self.nodes[1:] if nd.alive)
+        return self._waiting == 0
+
+    def _completed(self, nd: _Node) -> None:
+        if nd.completed_at is None:
+            nd.completed_at = self.now
+            if nd.id != 0 and nd.alive:
+                self._waiting -= 1
 
     def _ev_connect(self, i: int, j: int) -> None:
         a, b = self.nodes[i], self.nodes[j]
@@ -187,6 +194,8 @@ class VirtualSwarm:
             return
         nd.alive = False
         nd.inc += 1
+        if i != 0 and nd.completed_at is None:
+            self._waiting -= 1
         for j in self.adj[i]:
             self._push(self.now + nd.link.latency_s, "left", (j, i))
 
@@ -197,14 +206,16 @@ class VirtualSwarm:
 
     def _ev_revive(self, i: int) -> None:
         nd = self.nodes[i]
+        if not nd.alive and i != 0 and nd.completed_at is None:
+            self._waiting += 1
         nd.alive = True
         nd.inc += 1
         nd.uploading = False
         nd.ready.clear()
         nd.ready_set.clear()
         nd.session = self._session(i, have=list(nd.chunks))  # resume from the persisted have-set
-        if nd.session.complete and nd.completed_at is None:
-            nd.completed_at = self.now
+        if nd.session.complete:
+            self._completed(nd)
         for j in self.adj[i]:
             self._push(self.now + nd.link.latency_s, "connect", (i, j))
 
@@ -234,8 +245,7 @@ class VirtualSwarm:
             elif isinstance(a, Verified):
                 nd.chunks[a.index] = a.data
             elif isinstance(a, Completed):
-                if nd.completed_at is None:
-                    nd.completed_at = self.now
+                self._completed(nd)
             elif isinstance(a, Penalise):
                 nd.penalties[a.peer] = nd.penalties.get(a.peer, 0.0) + a.amount
             elif isinstance(a, Ban):

@@ -87,3 +87,22 @@ def test_disk_section_in_config(tmp_path: Path) -> None:
     assert cfg.disk.ledger_budget().max_rows == 500 and cfg.disk.logs_max_mb == 8
     assert Config().disk.ledger_budget().payload_rows == 2000
     shutil.rmtree(tmp_path / "nothing", ignore_errors=True)
+
+
+def test_disk_meter_measures_each_budget_and_caches(tmp_path: Path) -> None:
+    from node.status import DiskMeter
+
+    (tmp_path / "state.db").write_bytes(b"x" * 2**20)
+    (tmp_path / "node.log").write_bytes(b"x" * 2**19)
+    (tmp_path / "node.log.1").write_bytes(b"x" * 2**19)
+    (tmp_path / "partial" / "ab").mkdir(parents=True)
+    (tmp_path / "partial" / "ab" / "0.chunk").write_bytes(b"x" * 3 * 2**20)
+    (tmp_path / "lineages" / "cd" / "patches").mkdir(parents=True)
+    (tmp_path / "lineages" / "cd" / "patches" / "p.bin").write_bytes(b"x" * 2**21)
+    meter = DiskMeter(tmp_path, Config(), every_s=30.0)
+    views = {v.name: v for v in meter.views(now=100.0)}
+    assert views["ledger"].used_mb == 1.0 and views["logs"].used_mb == 1.0 and views["logs"].limit_mb == 64
+    assert views["partial"].used_mb == 3.0 and views["patches"].used_mb == 2.0
+    (tmp_path / "state.db").write_bytes(b"x" * 2**21)
+    assert {v.name: v.used_mb for v in meter.views(now=110.0)}["ledger"] == 1.0  # cached: no walk per second
+    assert {v.name: v.used_mb for v in meter.views(now=131.0)}["ledger"] == 2.0

@@ -218,3 +218,22 @@ def test_concurrent_writes_on_one_stream_arrive_whole() -> None:
     assert errors == []
     assert sorted(m[0] for m in got) == list(range(8))
     assert all(m == bytes([m[0]]) * 150_000 for m in got)
+
+
+def test_a_closed_host_stops_listening() -> None:
+    """py-libp2p's own shutdown path left the listening socket open: peers redialled a dead host."""
+    ident = Identity.from_seed(bytes([46]) * 32)
+
+    async def main() -> None:
+        async with open_transport(ident) as t:
+            addr = t.listen_addrs()[0]
+        port = int(addr.split("/tcp/")[1].split("/")[0])
+        try:
+            with trio.fail_after(5):
+                s = await trio.open_tcp_stream("127.0.0.1", port)
+        except OSError:
+            return  # refused: nothing listens any more
+        await s.aclose()
+        raise AssertionError(f"{addr} still accepts connections after the host closed")
+
+    trio.run(main)

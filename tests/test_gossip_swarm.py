@@ -164,7 +164,7 @@ def test_adversary_is_rejected_and_graylisted_while_honest_delivery_goes_on(tmp_
                 accepted = {bytes(r[0]) for r in h.store.query(
                     "SELECT rollout_id FROM rollouts WHERE status='accepted'")}
                 accepted_msgs = set(h.pipeline.seen._d)  # msg ids with ACCEPTED or a reason
-                ok_msgs = {k for k, (_, v) in h.pipeline.seen._d.items() if v[0] is Reason.ACCEPTED}
+                ok_msgs = {k for k, (_, v) in h.pipeline.seen._d.items() if v is Reason.ACCEPTED}
                 assert not (ok_msgs & bad_ids), "an honest node accepted a bad message"
                 assert len(ok_msgs & flood_ids) <= 3 + 1.0 * elapsed + 1, "rate limit not enforced"
                 assert len(ok_msgs & flood_ids) < len(flood) / 2

@@ -18,7 +18,7 @@ from node.status import LineageView, NodeStatus, PeerView
 
 def sample_status() -> NodeStatus:
     return NodeStatus(peer_id="12D3KooWtest", swarm="s", roles=["follower", "validator"], state="running",
-                      worker="generating", serving="ab" * 32, serving_reason="largest unmet demand",
+                      worker="generating", worker_restarts=2, serving="ab" * 32, serving_reason="largest unmet demand",
                       peers=[PeerView(peer_id="12D3KooWpeer", roles=["trainer"])],
                       lineages=[LineageView(lineage="ab" * 32, name="l", relation="follow", head=9, held=7, lag=2)],
                       rollouts_produced=40, rollouts_accepted=12, rejected={"forged_reward": 3},
@@ -80,6 +80,7 @@ def test_dashboard_renders_status() -> None:
     con.print(swarm_table([("n0", sample_status()), ("n1", None)]))
     text = buf.getvalue()
     assert "forged_reward 3" in text and "not answering" in text and "0.10 → 0.80" in text
+    assert "restarted 2×" in text
     assert sparkline([0.0, 1.0]) == "▁█"
 
 
@@ -93,6 +94,7 @@ def test_metrics_exported_over_http() -> None:
         m.close()
     assert 'murmur_rollouts_rejected_total{reason="forged_reward"} 3.0' in body
     assert "murmur_reward 0.8" in body
+    assert "murmur_worker_restarts_total 2.0" in body
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 

@@ -125,7 +125,7 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     import time
 
     from gossip.identity import Identity
-    from node import worker
+    from node import pipe, worker
 
     net, end = multiprocessing.Pipe()
     w = worker.Worker(end, {"home": str(tmp_path), "trainer": {"max_staleness": 4}})
@@ -136,8 +136,9 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     rollouts = group(1, lineage=own, version=1) + group(2, lineage=LIN_B) + group(3, (0.0, 0.0))
     batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
                               rollouts=rollouts)
-    net.send(("external", wire.seal(ident, wire.ROLLOUT_BATCH, batch)))
-    net.send(("external", b"not an envelope"))
+    net.send_bytes(pipe.encode_struct(pipe.External(wire.seal(ident, wire.ROLLOUT_BATCH, batch))))
+    net.send_bytes(pipe.encode_struct(pipe.External(b"not an envelope")))
+    net.send_bytes(b"not a pipe message")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with w.inbox.lock:
@@ -149,7 +150,7 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
     assert w.inbox.sampler.counts == {"added": 2, "too_small": 0, "uninformative": 1, "evicted": 0, "stale": 1,
                                       "taken": 1}
-    net.send(("stop", None))
+    net.send_bytes(pipe.encode_struct(pipe.Stop()))
     reader.join(5)
     assert not reader.is_alive()
 

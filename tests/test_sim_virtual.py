@@ -62,6 +62,13 @@ def test_adversaries_rejected_by_the_real_pipeline(small_run) -> None:
     assert s["broadcasts"][0]["bans"] >= 1 and s["broadcasts"][0]["hashes_ok"]
 
 
+def test_summary_measures_the_run(small_run) -> None:
+    _, s = small_run
+    assert s["nodes"] == 9 and s["wall_s"] > 0 and s["cpu_s"] > 0
+    assert 10 < s["peak_rss_mb"] < 1_000_000  # MiB of this process, not bytes or KiB
+    assert s["sampler"]["taken"] == s["external_groups_consumed"] > 0
+
+
 def test_swarm_beats_isolated_in_the_model(small_run) -> None:
     _, s = small_run
     assert s["external_groups_consumed"] > 0
@@ -97,7 +104,7 @@ def test_shared_verification_memo_changes_no_verdict() -> None:
     shared = VirtualSim(S.loads(text))
     a, b = plain.run(), shared.run()
     stats = b.pop("verification")
-    for k in ("wall_s", "cpu_s", "load_avg", "setup_s"):
+    for k in ("wall_s", "cpu_s", "load_avg", "setup_s", "peak_rss_mb"):
         a.pop(k), b.pop(k)
     assert a == b
     for kind in ("rejection", "reward", "score", "staleness", "event"):
@@ -170,3 +177,76 @@ def test_learning_defaults_are_the_fit_of_the_bench_isolated_curve() -> None:
     d = S.Learning()
     assert (got["initial"], got["rate"], got["ceiling"]) == (d.initial, d.rate, d.ceiling)
     assert got["rmse"] < 0.01
+
+
+def test_simulator_and_node_share_the_sampler_and_the_staleness_rule() -> None:
+    """The simulator's trainers pick external rollouts with the very sampler a node's worker runs, and its
+    followers pause by the node's own staleness guard."""
+    import ast
+    from pathlib import Path
+
+    import node.worker
+    import simulations.virtual
+    import sync.staleness
+    import training.sampler
+
+    assert simulations.virtual.Sampler is node.worker.Sampler is training.sampler.Sampler
+    assert simulations.virtual.split is training.sampler.split
+    assert simulations.virtual.StalenessGuard is sync.staleness.StalenessGuard
+    node_dir = Path(node.worker.__file__).parent  # the live node takes its guard from the same module
+    node_imports = {(n.module, a.name) for f in node_dir.glob("*.py") for n in ast.walk(ast.parse(f.read_text()))
+                    if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("sync.staleness", "StalenessGuard") in node_imports
+
+
+def test_heads_are_learned_from_messages() -> None:
+    """No node reads another's head from global state: it knows the heads of the lineages whose publishers
+    reached it (gossip neighbours, the lineage it follows), never ahead of the publisher."""
+    text = """
+seed = 3
+duration_s = 20.0
+[[group]]
+count = 10
+[[group]]
+count = 2
+role = "follower"
+follow = 0
+[training]
+step_s = 1.0
+[gossip]
+degree = 2
+[sync]
+patch_bytes = 65536
+chunk_bytes = 16384
+broadcasts = 0
+"""
+    sim = VirtualSim(S.loads(text))
+    sim.run()
+    truth = {n.lineage: n.version for n in sim.nodes if n.spec.role == "trainer"}
+    strangers = 0
+    for n in sim.nodes:
+        reached = {sim.nodes[j].lineage for j in n.neighbours if sim.nodes[j].spec.role == "trainer"}
+        reached.add(n.lineage)
+        if n.spec.follow is not None and n.spec.role == "follower":
+            reached.add(sim.nodes[n.spec.follow].lineage)
+        assert set(n.heads) <= reached
+        assert all(v <= truth[lin] for lin, v in n.heads.items())
+        strangers += len(truth) - len(n.heads)
+        if n.sampler is not None:
+            assert n.sampler.head(n.lineage) == n.version  # its own head, every step
+    assert strangers > 0  # with degree 2, most lineages are unknown to most nodes
+
+
+def test_memo_keeps_only_what_is_in_flight() -> None:
+    from simulations.vcache import Memo
+
+    now = [0.0]
+    m = Memo(1000, lambda: now[0], horizon_s=5.0)
+    for i in range(50):
+        now[0] = i * 0.5
+        m.put(i, i)
+    assert sorted(m) == list(range(39, 50))  # put at t >= 24.5 - 5
+    small = Memo(3, lambda: 0.0, horizon_s=5.0)
+    for i in range(10):
+        small.put(i, i)
+    assert sorted(small) == [7, 8, 9]

@@ -83,3 +83,14 @@ def test_counts_do_not_scan_the_ledger(tmp_path: Path) -> None:
     plan = s.query("EXPLAIN QUERY PLAN " + store_mod._SEQ_RANGE)
     assert not any(str(row[3]).startswith("SCAN rollouts") for row in plan), plan
     assert s.disk_bytes() > 0
+
+
+def test_version_rows_are_bounded_per_lineage(tmp_path: Path) -> None:
+    s = Store(tmp_path / "state.db")
+    lid = b"\x01" * 32
+    s.add_lineage(lid, "l", b"\x02" * 32, b"\x03" * 32, "own")
+    for v in range(store_mod.VERSIONS_KEPT + 600):
+        s.add_version(lid, v, b"h" * 32, "patch", v - 1, manifest=b"m" * 400)
+    n = s.query("SELECT COUNT(*) FROM versions WHERE lineage_id=?", (lid,))[0][0]
+    assert n <= store_mod.VERSIONS_KEPT + 256
+    assert s.head_version(lid, held_only=False) == store_mod.VERSIONS_KEPT + 599

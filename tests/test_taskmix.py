@@ -30,8 +30,8 @@ def signed(ident: Identity, name: str, version: int, eval_overlaps: bool = False
                                                                                   "split": "train"}}]
     gens.append({"name": "sort-eval", "generator": "sorting", "seed_end": 1000,
                  "config": {"length": 5, "min_length": 4, "split": "eval"}})
-    if eval_overlaps:  # held out from its own set, but murmur-tiny's warm-up trains on these sums
-        gens.append({"name": "sums-eval", "generator": "arithmetic", "seed_end": 1000, "config": {"digits": 2}})
+    if eval_overlaps:  # held out from its own set, but murmur-tiny's warm-up trains on these look-ups
+        gens.append({"name": "max-eval", "generator": "digits", "seed_end": 1000, "config": {"ops": "max"}})
     t = msgspec.convert({"name": name, "version": version, "verifier": "exact", "generators": gens, "created_ms": 1},
                         TaskSetToml)
     return sign_task_set(ident, manifest_from_toml(t, name))
@@ -88,28 +88,28 @@ def test_a_set_whose_eval_overlaps_the_warmup_is_refused_with_the_reason(tmp_pat
     store_set(db, signed(COORD, "bad", 1, eval_overlaps=True))
     tm.refresh(force=True)
     assert tm.mixture == [] and tm.resolution.waiting == ["bad"]
-    assert "'sums-eval' overlaps training generator 'add'" in tm.describe_waiting()
+    assert "'max-eval' overlaps training generator 'lookup'" in tm.describe_waiting()
 
 
 def test_counters_and_status(tmp_path: Path) -> None:
     tm, db, clock = mix(tmp_path, ["builtin"])
     tm.refresh(force=True)
     bid = tm.registry.builtin_id
-    task = tm.registry.resolve(TaskRef(bid, "add", 3))
-    recs = [RolloutRec(ref=TaskRef(bid, "add", 3), task=task, prompt_ids=[], ids=[], text="", logprobs=[],
+    task = tm.registry.resolve(TaskRef(bid, "rev", 3))
+    recs = [RolloutRec(ref=TaskRef(bid, "rev", 3), task=task, prompt_ids=[], ids=[], text="", logprobs=[],
                        token_versions=[], version=0, lineage=bytes(32), tokenizer_hash=bytes(32), sampling=None,
                        reward=r) for r in (1.0, 0.0, 1.0, 1.0)]
     tm.produced(recs)
     tm.accepted({bid: 5, b"\xee" * 32: 7})  # a set not held here is not counted
     tm.used({bid: 6})
-    tm.record_eval(bid, 0, {"add": 0.25, "all": 0.25})
-    tm.record_eval(bid, 25, {"add": 0.5, "all": 0.5})
+    tm.record_eval(bid, 0, {"rev": 0.25, "all": 0.25})
+    tm.record_eval(bid, 25, {"rev": 0.5, "all": 0.5})
     tm.save()
     st = db.get(STATUS_KEY)
     (row,) = st["sets"]
     assert (row["produced"], row["accepted"], row["used"], row["training"]) == (4, 5, 6, True)
-    assert row["reward_by_generator"] == {"add": 0.75}
-    assert row["eval"]["start"]["accuracy"]["add"] == 0.25 and row["eval"]["last"]["step"] == 25
+    assert row["reward_by_generator"] == {"rev": 0.75}
+    assert row["eval"]["start"]["accuracy"]["rev"] == 0.25 and row["eval"]["last"]["step"] == 25
     assert st["waiting"] == [] and st["choices"] == [{"set": "builtin", "weight": 1.0}]
 
 
@@ -123,3 +123,61 @@ def test_selection_entries_are_checked() -> None:
     m = builtin_manifest()
     r = resolve(normalise(["f" * 64]), [(b"\x01" * 32, m)], b"\x01" * 32, BUILTIN_COORDINATOR.public)
     assert r.mixture == [] and r.waiting == ["f" * 64]
+
+
+@pytest.mark.parametrize("body,msg", [
+    ('[training]\ntask_sets = ["mine"]\n', "key 'training.task_sets': 'mine' can only come from a trusted coordinator"),
+    ('[training]\ntask_sets = []\n', "key 'training.task_sets': empty"),
+    ('[training]\ntask_sets = [{ set = "builtin", weight = 0.0 }]\n', "weight 0.0 of 'builtin'"),
+    ('[training]\ntask_set = "builtin"\n', "unknown key 'training.task_set'"),
+])
+def test_bad_task_set_config_is_a_one_line_error(tmp_path: Path, body: str, msg: str) -> None:
+    from node.config import load_config
+
+    f = tmp_path / "config.toml"
+    f.write_text(body)
+    with pytest.raises(ConfigError, match=msg) as e:
+        load_config(f)
+    assert "\n" not in str(e.value) and str(f) in str(e.value)
+
+
+def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None:
+    from node.config import flatten, load_config
+
+    f = tmp_path / "config.toml"
+    f.write_text(f'[training]\ntask_sets = ["builtin", {{ set = "trusted", weight = 2.0 }}]\n'
+                 f'[trust]\ncoordinators = ["{COORD.public.hex()}"]\n')
+    cfg = load_config(f)
+    assert normalise(cfg.training.task_sets) == [TaskSetChoice(set="builtin"), TaskSetChoice(set="trusted", weight=2.0)]
+    assert flatten(cfg)["training.task_sets"] == ["builtin", {"set": "trusted", "weight": 2.0}]
+
+
+def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tmp_path: Path) -> None:
+    from node.config import load_config
+    from node.demo import DemoTaskSet, node_config, run_demo
+    from gossip.errors import TaskError
+    from gossip.wire import swarm_bound
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'
+                   'seed_end = 100\nconfig = { ops = "max" }\n[[generators]]\nname = "s"\ngenerator = "sorting"\n'
+                   'seed_end = 100\nconfig = { length = 6, min_length = 5 }\n')
+    with pytest.raises(TaskError, match="'max-eval' overlaps training generator 'lookup'"):
+        run_demo(duration_s=1, workdir=tmp_path / "demo", tui=False, task_set=bad)
+    assert not (tmp_path / "demo").exists()  # refused before anything was created or started
+    good = tmp_path / "good.toml"
+    good.write_text(bad.read_text().replace('ops = "max"', 'ops = "count"'))
+    ds = DemoTaskSet(good)
+    assert ds.max_new_tokens == 12  # the longest answer, six sorted digits "0,1,2,3,4,5", plus EOS
+    home = tmp_path / "h"
+    home.mkdir()
+    ds.install(home)
+    (home / "config.toml").write_text(node_config(["trainer"], 4001, "murmur-tiny", task_set=ds.manifest.name,
+                                                  coordinator=ds.coordinator.public.hex(),
+                                                  max_new_tokens=ds.max_new_tokens))
+    cfg = load_config(home / "config.toml")
+    assert cfg.training.task_sets == ["b"] and cfg.trust.coordinators == [ds.coordinator.public.hex()]
+    with swarm_bound(cfg.node.swarm):  # as the demo node's worker verifies it
+        tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public})
+        tm.refresh(force=True)
+    assert tm.mixture == [(ds.id, 1.0)] and not tm.refused

@@ -49,7 +49,7 @@ def test_accepts_honest_batch_once(reg) -> None:
 
 # Reasons with a test of their own below (they need a tokenizer, a verifier pool or an announce).
 OWN_TESTS = (Reason.ACCEPTED, Reason.BAD_TOKENS, Reason.TEXT_MISMATCH, Reason.VERIFIER_TIMEOUT,
-             Reason.VERIFIER_ERROR, Reason.OVER_ANNOUNCED_RATE)
+             Reason.VERIFIER_UNAVAILABLE, Reason.VERIFIER_ERROR, Reason.OVER_ANNOUNCED_RATE)
 
 
 @pytest.mark.parametrize("reason", [r for r in Reason if r not in OWN_TESTS])

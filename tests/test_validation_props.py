@@ -20,6 +20,7 @@ from gossip.validation import TASK_CACHE, Pipeline, PipelineConfig, Verdict
 from gossip.scoring import ScoreParams
 from simulations.bench.gossip import SWARM, registry
 from training import tokencheck
+from training.tasksets import BUILTIN_EVAL, BUILTIN_TRAIN
 from training.verifiers import score
 
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -45,7 +46,7 @@ def rollouts(draw: st.DrawFn) -> wire.Rollout:
     text = draw(st.one_of(st.text(max_size=300), st.sampled_from(["7", "<answer>3</answer>", "\\boxed{9^{9^{9}}}",
                                                                    "\\boxed{" * 50, TINY.decode(ids)])))
     return wire.Rollout(
-        task=wire.TaskRef(task_set=draw(hash32), generator=draw(st.sampled_from(["add", "add-eval", "nope"])),
+        task=wire.TaskRef(task_set=draw(hash32), generator=draw(st.sampled_from([BUILTIN_TRAIN, BUILTIN_EVAL, "nope"])),
                           seed=draw(st.one_of(st.integers(0, 2_000_000), u64))),
         lineage=draw(st.binary(min_size=32, max_size=32)), version=draw(u64), completion_ids=ids, text=text,
         tokenizer_hash=draw(st.one_of(st.just(TINY.hash), st.binary(min_size=32, max_size=32))),
@@ -108,7 +109,7 @@ def test_budgets_hold_after_the_run() -> None:
     for i in range(3 * CAP):  # distinct accepted-or-rejected messages past every cache's size
         batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=MALLORY.public, seq=10**9 + i,
                                   created_ms=_now_ms(), rollouts=[wire.Rollout(
-                                      task=wire.TaskRef(task_set=REG.builtin_id, generator="add", seed=i),
+                                      task=wire.TaskRef(task_set=REG.builtin_id, generator=BUILTIN_TRAIN, seed=i),
                                       lineage=b"\x01" * 32, version=5, completion_ids=[], text="1",
                                       tokenizer_hash=b"\x02" * 32, logprobs=b"", token_versions=[],
                                       sampling=wire.SamplingParams(), reward=0.0, created_ms=_now_ms())])

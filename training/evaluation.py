@@ -34,13 +34,16 @@ RG_PROBE_EVAL = 128  # eval problems drawn per (eval, training) pair of one reas
 RG_PROBE_TRAIN = 512  # training problems they are looked up in
 
 
+def _prompts(g: GeneratorSpec, n: int) -> list[str]:
+    return [generate(g.generator, g.config, s).prompt for s in range(g.seed_start, min(g.seed_end, g.seed_start + n))]
+
+
 def rg_collisions(e: GeneratorSpec, t: GeneratorSpec, n_eval: int = RG_PROBE_EVAL,
                   n_train: int = RG_PROBE_TRAIN) -> int:
     """How many of the first `n_eval` problems of `e` also occur among the first `n_train` of `t`:
     disjoint seed ranges of one reasoning-gym dataset are held out only if its space is large."""
-    train = {generate(t.generator, t.config, s).prompt for s in range(t.seed_start, min(t.seed_end, t.seed_start + n_train))}
-    return sum(generate(e.generator, e.config, s).prompt in train
-               for s in range(e.seed_start, min(e.seed_end, e.seed_start + n_eval)))
+    train = set(_prompts(t, n_train))
+    return sum(p in train for p in _prompts(e, n_eval))
 
 
 def check_evaluation(sets: Iterable[TaskSetManifest], warmup: list[GeneratorSpec]) -> None:
@@ -49,13 +52,18 @@ def check_evaluation(sets: Iterable[TaskSetManifest], warmup: list[GeneratorSpec
     reasoning-gym dataset on both sides, by a probe that finds no shared problem."""
     sets = list(sets)
     trains = [g for m in sets for g in train_generators(m)] + list(warmup)
+    probes: dict[int, list[str]] = {}
+    train_sets: dict[int, set[str]] = {}
     for m in sets:
         where = f" (task set {m.name!r})"
         check_held_out(eval_generators(m), trains, where=where)
         for e in eval_generators(m):
             for t in trains:
                 if e.generator == t.generator and e.generator.startswith(RG_PREFIX):
-                    n = rg_collisions(e, t)
+                    # each generator's probe is drawn once however many pairs it is in
+                    ep = probes.setdefault(id(e), _prompts(e, RG_PROBE_EVAL))
+                    tp = train_sets.setdefault(id(t), set(_prompts(t, RG_PROBE_TRAIN)))
+                    n = sum(p in tp for p in ep)
                     if n:
                         raise TaskError(f"eval generator {e.name!r} overlaps training generator {t.name!r}{where}: "
                                         f"{n} of its first {RG_PROBE_EVAL} problems occur in the first "

@@ -82,8 +82,9 @@ def for_model(model: str) -> TokenCheck | None:
 
 
 def consistent(r: wire.Rollout, engine: Any) -> bool:
-    """The worker's cheap check before it trains on or spot-checks `r` with `engine`."""
-    if bytes(r.tokenizer_hash) != engine.tokenizer_hash:
+    """The worker's cheap check before it trains on or spot-checks `r` with `engine` (None: no
+    model is loaded, so no model call can follow)."""
+    if engine is None or bytes(r.tokenizer_hash) != engine.tokenizer_hash:
         return True
     vocab = getattr(engine, "vocab", None)
     ids = list(r.completion_ids)

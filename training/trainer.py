@@ -19,8 +19,8 @@ current version count as stale for the M2PO mask; tokens more than
 Loss routing: own-lineage rollouts (local, or external ones from our lineage
 and tokenizer) use the decoupled objective; rollouts from other lineages are
 re-tokenised and use the HACPO sequence loss. Groups whose rewards are all
-equal are dropped. The loop runs in its own thread (never on the network
-event loop) and hands every step to `on_step`.
+equal are dropped. The node's worker calls `step()` in its own process;
+`run()` loops over steps (used by `murmur bench learn`) and hands each to `on_step`.
 """
 
 from __future__ import annotations
@@ -418,20 +418,6 @@ class Trainer:
             self.step()
             n += 1
         return n
-
-    def start(self, stop: threading.Event, max_steps: int | None = None) -> threading.Thread:
-        """Run the loop in a daemon thread; errors are kept in `self.error` rather than lost."""
-        self.error: BaseException | None = None
-
-        def body() -> None:
-            try:
-                self.run(stop, max_steps)
-            except BaseException as e:  # noqa: BLE001 - surfaced to the owner through .error
-                self.error = e
-
-        t = threading.Thread(target=body, name="murmur-trainer", daemon=True)
-        t.start()
-        return t
 
 
 def loss_denominator(cfg: TrainerConfig, batch_rows: int) -> int | None:

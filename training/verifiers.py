@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import multiprocessing
 import re
+
+import psutil
 import threading
 import time
 from collections import OrderedDict
@@ -36,7 +38,7 @@ from fractions import Fraction
 from typing import Any, Final
 
 from gossip.errors import MurmurError, TaskError
-from gossip.validation import VerifierTimeout
+from gossip.validation import VerifierTimeout, VerifierUnavailable
 from training.tasks import Task, rg_entry
 
 MAX_COMPLETION_CHARS: Final = 8192
@@ -288,7 +290,9 @@ def score(task: Task, completion_text: str) -> float:
 
 # ------------------------------------------------------------ bounded pool
 
-TIME_LIMIT_S: Final = 2.0  # per batch (up to 64 completions) in one pool worker
+TIME_LIMIT_S: Final = 2.0  # verifier CPU seconds per batch (up to 64 completions) in one pool worker
+WALL_FACTOR: Final = 15.0  # past this multiple in wall time the machine, not the input, is the problem
+POLL_S: Final = 0.02
 START_LIMIT_S: Final = 60.0  # a fresh worker imports the verifiers (reasoning-gym is slow to import)
 VERDICT_CACHE: Final = 65_536  # (task, extracted answer) -> reward, per worker
 
@@ -361,8 +365,17 @@ class _Worker:
         child.close()
         if not self.conn.poll(START_LIMIT_S):
             self.kill()
-            raise VerifierError("verifier worker did not start")
+            raise VerifierUnavailable("verifier worker did not start")
         self.conn.recv()
+        self._ps = psutil.Process(self.proc.pid)
+
+    def cpu(self) -> float:
+        """CPU seconds the worker process has used."""
+        try:
+            t = self._ps.cpu_times()
+        except psutil.Error:  # gone: the pipe says so next
+            return 0.0
+        return t.user + t.system
 
     def kill(self) -> None:
         try:
@@ -376,16 +389,20 @@ class VerifierPool:
     """`workers` processes, each judging one batch at a time under `time_limit_s`.
 
     `score_batch` blocks its calling thread until a worker is free (the caller bounds how
-    many threads wait: gossip.service uses its own limiter); a batch past the limit kills
-    its worker (replaced at the next call) and raises VerifierTimeout, a worker's exception
-    is a VerifierError (TaskError for a task the verifier refuses). `cpu_s` sums the
-    workers' CPU time (benchmarks count it)."""
+    many threads wait: gossip.service uses its own limiter). A batch whose judging uses more
+    than `time_limit_s` of the worker's CPU kills that worker (replaced at the next call) and
+    raises VerifierTimeout; one still unjudged after `wall_factor` times the limit in wall time
+    raises VerifierUnavailable (this machine, not the input, is slow); a worker's exception is
+    a VerifierError (TaskError for a task the verifier refuses). `cpu_s` sums the workers' CPU
+    time (benchmarks count it)."""
 
-    def __init__(self, workers: int = 1, time_limit_s: float = TIME_LIMIT_S, cache_entries: int = VERDICT_CACHE) -> None:
+    def __init__(self, workers: int = 1, time_limit_s: float = TIME_LIMIT_S, cache_entries: int = VERDICT_CACHE,
+                 wall_factor: float = WALL_FACTOR) -> None:
         if workers < 1 or not time_limit_s > 0:
             raise ValueError("a verifier pool needs workers >= 1 and time_limit_s > 0")
         self.workers = workers
         self.time_limit_s = time_limit_s
+        self.wall_factor = wall_factor
         self.cache_entries = cache_entries
         self._ctx = multiprocessing.get_context("spawn")  # no fork of a threaded (trio) parent
         self._slots = threading.BoundedSemaphore(workers)
@@ -401,11 +418,11 @@ class VerifierPool:
             w = self._take()
             try:
                 w.conn.send(items)
-                if not w.conn.poll(self.time_limit_s):
-                    self.timeouts += 1
+                late = self._wait(w)
+                if late is not None:
                     w.kill()
                     w = None
-                    raise VerifierTimeout(f"{len(items)} completions not judged within {self.time_limit_s} s")
+                    raise late
                 ok, out, cpu = w.conn.recv()
             except (EOFError, OSError, BrokenPipeError) as e:
                 if w is not None:
@@ -422,10 +439,26 @@ class VerifierPool:
             raise (TaskError if kind == "task" else VerifierError)(msg)
         return out
 
+    def _wait(self, w: _Worker) -> MurmurError | None:
+        """Wait for the reply. The limit is on the worker's CPU time, so an input that makes the
+        verifier work is stopped, while a machine too busy to run the worker costs the sender
+        nothing (VerifierUnavailable once the wall-clock backstop passes)."""
+        used0 = w.cpu()
+        backstop = time.monotonic() + self.wall_factor * self.time_limit_s
+        while not w.conn.poll(POLL_S):
+            if w.cpu() - used0 > self.time_limit_s:
+                with self._lock:
+                    self.timeouts += 1
+                return VerifierTimeout(f"completions not judged within {self.time_limit_s} s of verifier CPU")
+            if time.monotonic() > backstop:
+                return VerifierUnavailable(f"verifier worker not done after {self.wall_factor * self.time_limit_s:.0f} s "
+                                           "(this machine is overloaded)")
+        return None
+
     def _take(self) -> _Worker:
         with self._lock:
             if self._closed:
-                raise VerifierError("verifier pool is closed")
+                raise VerifierUnavailable("verifier pool is closed")
             if self._idle:
                 return self._idle.pop()
         w = _Worker(self._ctx, self.cache_entries)

@@ -1,6 +1,6 @@
 """The attack catalogue of issue 15, run by hostile libp2p peers against live nodes, and `murmur bench attacks`.
 
-Each attack is a function `async (Attacker, Knowledge, targets) -> int` (messages or streams sent)
+Each attack is a function `async (Attacker, Knowledge, targets)` (the Attacker counts what it sent)
 that a real libp2p host with a valid key runs against live `murmur node start` processes, using
 today's wire formats. Each class gets its own fresh key (attackers hold many keys), so an early
 attack that gets its key graylisted does not mask the later ones, and the score each key lost on
@@ -23,6 +23,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class Knowledge:
     manifests: list[tuple[wire.PatchManifest, bytes]] = field(default_factory=list)
     batches: list[tuple[wire.RolloutBatch, bytes]] = field(default_factory=list)
     task_sets: list[bytes] = field(default_factory=list)
+    tokenizer_hash: bytes = b"\x54" * 32  # the public model's tokenizer (attackers know the models)
 
     def lineage(self) -> wire.PatchManifest | None:
         """The newest honest manifest: names a lineage, its publisher, base model and head."""
@@ -139,7 +141,8 @@ Attack = Callable[[Attacker, Knowledge, list[str]], Awaitable[None]]
 
 
 def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None = None, text: str | None = None,
-                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True) -> wire.Rollout:
+                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True,
+                  tokenizer: bytes = b"\x54" * 32) -> wire.Rollout:
     """A rollout on the built-in task set that passes today's reward check (the text answers the task)."""
     from training.tasksets import BUILTIN_TRAIN, TaskRegistry
     from training.verifiers import score
@@ -154,21 +157,22 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
     return wire.Rollout(
         task=ref, lineage=lineage if lineage is not None else (bytes(tpl.lineage) if tpl else b"\x4c" * 32),
         version=version if version is not None else (tpl.version if tpl else 0), completion_ids=ids, text=text,
-        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else b"\x54" * 32,
+        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else tokenizer,
         logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, tpl.version if tpl else 0)],
         sampling=wire.SamplingParams(max_new_tokens=max(1, min(n, wire.MAX_COMPLETION_TOKENS))),
         reward=score(task, text) if honest_reward else 1.0 - score(task, text), created_ms=wire.now_ms())
 
 
 def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, seq: int | None = None) -> bytes:
-    return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
-        v=1, swarm=swarm or a.swarm, producer=a.ident.public, seq=seq if seq is not None else a.sent + 1,
-        created_ms=wire.now_ms(), rollouts=rollouts))
+    with wire.swarm_bound(swarm or a.swarm):  # the envelope is signed for the swarm it names
+        return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
+            v=wire.FORMAT_VERSION, swarm=swarm or a.swarm, producer=a.ident.public,
+            seq=seq if seq is not None else a.sent + 1, created_ms=wire.now_ms(), rollouts=rollouts))
 
 
 def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
-    base: dict[str, Any] = dict(v=1, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(), hardware="cpu",
-                                gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
+    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(),
+                                hardware="cpu", gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
                                 memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
     base.update(kw)
     return wire.seal(a.ident, wire.NODE_ANNOUNCE, wire.NodeAnnounce(**base))
@@ -178,7 +182,7 @@ def _manifest(a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, tar
               chunks: int = 1, chunk_bytes: int = 1024) -> bytes:
     refs = [wire.ChunkRef(os.urandom(32), chunk_bytes) for _ in range(chunks)]
     return wire.seal(a.ident, wire.PATCH_MANIFEST, wire.PatchManifest(
-        v=1, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
+        v=wire.FORMAT_VERSION, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
         base_version=base, target_version=target, base_hash=b"\x00" * 32, target_hash=os.urandom(32),
         codec="sparse-v1", total_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes, chunks=refs,
         created_ms=wire.now_ms()))
@@ -200,7 +204,7 @@ async def stream_garbage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     for peer in targets:
         for proto in ("/meshsub/1.1.0", "/meshsub/1.2.0"):
             await a.raw(peer, proto, bytes.fromhex("03ffffff"))
-        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1", "/murmur/fetch/1",
+        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1",
                       "/ipfs/id/push/1.0.0", "/libp2p/circuit/relay/0.2.0/hop", "/libp2p/dcutr"):
             await a.raw(peer, proto, rng.randbytes(64) + b"\xff" * 8)
 
@@ -238,7 +242,9 @@ async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
-    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)]) for i in range(8)]
+    lid, _, _, head = _honest_lineage(k)
+    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash,
+                        lineage=None if tpl else lid, version=None if tpl else head) for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -247,7 +253,10 @@ async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> 
     tpl = k.rollout()
     n = len(tpl.completion_ids) if tpl else 8
     rng = random.Random(2)
-    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)]) for i in range(8)]
+    lid, _, _, head = _honest_lineage(k)
+    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)],
+                        tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
+          for i in range(8)]
     await a.rollouts(_batch(a, rs))
 
 
@@ -361,6 +370,15 @@ CATALOGUE: dict[str, Attack] = {
 }
 
 
+# Classes whose messages are provable faults of their sender (a signature, a frame, a recomputed
+# reward, decoded ids, a lineage id that does not derive from the signer's key, a rate the sender
+# exceeded): each must cost its key score. The others are refused or ignored without proof against
+# the sender (a version from the future, a replay, a name with markup, a costly but honest payload).
+PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_head", "freeze_demand_head",
+                      "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
+                      "forged_reward", "flood_announces", "bad_signature"})
+
+
 def attack_key(name: str, round_: int = 0) -> Identity:
     """The fresh key one attack class uses (deterministic, so a report can name it)."""
     import hashlib
@@ -384,44 +402,65 @@ async def observe(transport: Any, k: Knowledge, swarm: str, *, task_status: Any 
         task_status.started()
 
 
-async def _connect_all(t: Any, addrs: list[str]) -> None:
-    for addr in addrs:
-        try:
-            await t.connect(addr)
-        except Exception:
-            pass
+async def _connect_all(t: Any, addrs: list[str], timeout_s: float = 5.0) -> None:
+    """Dial every target at once, each bounded: a frozen target must not hold up the others."""
+
+    async def one(addr: str) -> None:
+        with trio.move_on_after(timeout_s):
+            try:
+                await t.connect(addr)
+            except Exception:
+                pass
+
+    async with trio.open_nursery() as n:
+        for addr in addrs:
+            n.start_soon(one, addr)
 
 
-async def run_one(name: str, k: Knowledge, addrs: list[str], targets: list[str], swarm: str,
-                  round_: int = 0, settle_s: float = 1.5) -> dict[str, Any]:
-    """Run one attack class from its own fresh host and key; what it sent."""
+async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any],
+                  round_: int = 0, settle_s: float = 1.5) -> None:
+    """Run one attack class from its own fresh host and key; `res` says what it sent and how far it got."""
     from gossip.host import open_transport
 
     ident = attack_key(name, round_)
+    res.update(attacker=ident.peer_id, sent=0, errors=0, phase="start")
     print(f"attack {name} (round {round_}) from {ident.peer_id}", file=sys.stderr, flush=True)
     async with open_transport(ident) as t:
         a = Attacker(t, ident, swarm, {x.rsplit("/p2p/", 1)[-1]: x for x in addrs})
         await t.subscribe(topics.announce(swarm))
         await t.subscribe(topics.rollouts(swarm))
+        res["phase"] = "connect"
         await _connect_all(t, addrs)
+        res["phase"] = "mesh"
         with trio.move_on_after(5):  # gossip needs a mesh: wait (bounded) until a target subscribes
             while not t.topic_peers(topics.announce(swarm)):
                 await trio.sleep(0.1)
         await trio.sleep(0.5)
-        with trio.move_on_after(ATTACK_TIMEOUT_S):
-            await CATALOGUE[name](a, k, targets)
+        res["phase"] = "attack"
+        try:
+            with trio.move_on_after(ATTACK_TIMEOUT_S):
+                await CATALOGUE[name](a, k, [x.rsplit("/p2p/", 1)[-1] for x in addrs])
+        finally:
+            res.update(sent=a.sent, errors=a.errors)
+        res["phase"] = "settle"
         await trio.sleep(settle_s)  # let the messages land before the host goes
-        return {"attacker": ident.peer_id, "sent": a.sent, "errors": a.errors}
+        res["phase"] = "done"
 
 
-async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rounds: int = 1,
-                        observe_s: float = 5.0, stop: Callable[[], bool] = lambda: False,
-                        names: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Observe the swarm, then run every attack class (`rounds` times, or until `stop()`); per-class results."""
+async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observe_s: float = 5.0,
+                        stop: Callable[[], bool] = lambda: False, names: list[str] | None = None,
+                        tokenizer_hash: bytes | None = None) -> dict[str, dict[str, Any]]:
+    """Observe the swarm, then run every attack class `rounds` times (after the first, until `stop()`).
+
+    `tokenizer_hash` is that of the model the swarm runs (public knowledge), for forged rollouts when
+    no honest rollout was seen to copy it from."""
     from gossip.host import open_transport
 
     k = Knowledge()
+    if tokenizer_hash is not None:
+        k.tokenizer_hash = tokenizer_hash
     out: dict[str, dict[str, Any]] = {}
+    wire.bind_swarm(swarm)  # this process speaks for the attacked swarm (the envelope names it)
     async with open_transport(Identity.from_seed(b"\xa7" * 32)) as obs, trio.open_nursery() as n:
         await n.start(observe, obs, k, swarm)
         await _connect_all(obs, addrs)
@@ -430,14 +469,16 @@ async def run_catalogue(addrs: list[str], targets: list[str], swarm: str, *, rou
                 await trio.sleep(0.25)
         for r in range(rounds):
             for name in names or list(CATALOGUE):
-                if stop():
+                if r > 0 and stop():  # the first round always runs the whole catalogue
                     break
-                res = {"attacker": attack_key(name, r).peer_id, "sent": 0, "errors": 1}
+                res: dict[str, Any] = {}
                 with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
-                    res = await run_one(name, k, addrs, targets, swarm, r)
-                prev = out.get(name, {"attackers": [], "sent": 0, "errors": 0})
-                out[name] = {"attackers": sorted(set(prev["attackers"]) | {res["attacker"]}),
-                             "sent": prev["sent"] + res["sent"], "errors": prev["errors"] + res["errors"]}
+                    await run_one(name, k, addrs, swarm, res, r)
+                prev = out.setdefault(name, {"attackers": [], "sent": 0, "errors": 0, "phases": []})
+                prev["attackers"] = sorted(set(prev["attackers"]) | {res["attacker"]})
+                prev["sent"] += res["sent"]
+                prev["errors"] += res["errors"]
+                prev["phases"].append(res["phase"])  # "done", or where a timeout stopped it
             if stop():
                 break
         n.cancel_scope.cancel()
@@ -489,6 +530,13 @@ def wait_until(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen
             raise RuntimeError(f"node exited while waiting for {what}: {dead}")
         time.sleep(0.5)
     raise RuntimeError(f"timed out waiting for {what}")
+
+
+def model_tokenizer_hash(model: Path) -> bytes | None:
+    from training.tokencheck import for_model
+
+    check = for_model(str(model))
+    return check.hash if check is not None else None
 
 
 def build_model(root: Path) -> Path:
@@ -566,14 +614,22 @@ class Window:
     versions_applied: int = 0
     max_stall_ms: float = 0.0
     alive: bool = True
+    seconds: float = 0.0
+
+    def rate(self, what: str) -> float:
+        return getattr(self, what) / self.seconds if self.seconds > 0 else 0.0
 
 
-def measure(sw: LiveSwarm, seconds: float, during: Callable[[], None] | None = None) -> Window:
-    """Poll both nodes once a second for `seconds`; progress is the difference between the ends."""
+MAX_WINDOW_S = 1800.0
+
+
+def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: True) -> Window:
+    """Poll both nodes once a second for at least `seconds` and until `until()` (at most MAX_WINDOW_S);
+    progress is the difference between the ends."""
     t0, f0 = sw.status("trainer"), sw.status("follower")
     w = Window()
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    start = time.monotonic()
+    while time.monotonic() < start + MAX_WINDOW_S and (time.monotonic() < start + seconds or not until()):
         for n in sw.homes:
             s = sw.status(n)
             if s is not None:
@@ -582,6 +638,7 @@ def measure(sw: LiveSwarm, seconds: float, during: Callable[[], None] | None = N
             w.alive = False
             break
         time.sleep(1.0)
+    w.seconds = time.monotonic() - start
     t1, f1 = sw.status("trainer"), sw.status("follower")
     if None in (t0, f0, t1, f1):
         w.alive = w.alive and None not in (t1, f1)
@@ -620,33 +677,43 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         honest = set(sw.peer_ids())
         print(f"baseline window {window_s:.0f} s", file=sys.stderr)
         base = measure(sw, window_s)
-        addrs, targets = sw.addrs(), sw.peer_ids()
+        addrs = sw.addrs()
+        tok = model_tokenizer_hash(model)
         results: dict[str, dict[str, Any]] = {}
-        attacked: list[Window] = []
+        finished = threading.Event()
 
         def attack_thread() -> None:
             deadline = time.monotonic() + window_s
-            results.update(trio.run(lambda: run_catalogue(addrs, targets, SWARM, rounds=100,
-                                                          stop=lambda: time.monotonic() > deadline)))
+            try:
+                results.update(trio.run(lambda: run_catalogue(
+                    addrs, SWARM, rounds=100, tokenizer_hash=tok, observe_s=20,
+                    stop=lambda: time.monotonic() > deadline)))
+            finally:
+                finished.set()
 
-        print(f"attack window {window_s:.0f} s", file=sys.stderr)
-        import threading
-
+        print(f"attack window: at least {window_s:.0f} s and the whole catalogue once", file=sys.stderr)
         th = threading.Thread(target=attack_thread, daemon=True)
         th.start()
-        attacked.append(measure(sw, window_s))
+        under = measure(sw, window_s, until=finished.is_set)
         th.join(120)
-        under = attacked[0]
         attackers = {p for r in results.values() for p in r.get("attackers", [])}
         lost, worst = penalties(sw, honest, attackers)
         statuses = {n: sw.status(n) for n in sw.homes}
         alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
         return {
             "attacks_run": len(results),
-            "attack_classes": sorted(results),
+            # per class: messages or streams sent, and the lowest score its keys have on an honest node
+            # (None: no honest node holds a record of them, i.e. not charged)
+            "attacks": {name: {"sent": r["sent"], "score": min((worst[p] for p in r["attackers"] if p in worst),
+                                                                default=None),
+                               "provable": name in PROVABLE} for name, r in sorted(results.items())},
             "honest_nodes_alive": alive,
-            "honest_worker_restarts": sum(int(getattr(s, "worker_restarts", 0) or 0)
-                                          for s in statuses.values() if s is not None),
+            # None where the node's status does not report restarts (no supervision to count them)
+            "honest_worker_restarts": (sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
+                                       if all(hasattr(s, "worker_restarts") for s in statuses.values()
+                                              if s is not None) else None),
+            "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
+                               if s is not None},
             "honest_penalties": round(lost, 3),
             "attacker_graylisted": bool(worst) and all(v < GRAYLIST for v in worst.values()),
             "attackers_seen": len(worst),
@@ -654,15 +721,18 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
             "attackers_total": len(attackers),
             "train_steps_without": base.train_steps,
             "train_steps_under_attack": under.train_steps,
-            "train_steps_ratio": round(under.train_steps / base.train_steps, 3) if base.train_steps else None,
+            # progress per second under attack / without (the attack window lasts as long as the catalogue)
+            "train_steps_ratio": (round(under.rate("train_steps") / base.rate("train_steps"), 3)
+                                  if base.train_steps else None),
             "versions_applied_without": base.versions_applied,
             "versions_applied_under_attack": under.versions_applied,
-            "versions_applied_ratio": (round(under.versions_applied / base.versions_applied, 3)
+            "versions_applied_ratio": (round(under.rate("versions_applied") / base.rate("versions_applied"), 3)
                                        if base.versions_applied else None),
             "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
             "max_event_loop_stall_ms_without": round(base.max_stall_ms, 1),
             "stream_faults": {n: dict(s.stream_faults) for n, s in statuses.items() if s is not None},
-            "window_s": window_s,
+            "window_s": round(base.seconds, 1),
+            "attack_window_s": round(under.seconds, 1),
         }
     finally:
         sw.stop()

@@ -16,6 +16,7 @@ from typing import Any
 
 from gossip import wire
 from gossip.identity import Identity
+from training.tasksets import BUILTIN_TRAIN
 
 SWARM = "bench"
 LINEAGE = b"\x4c" * 32
@@ -31,11 +32,14 @@ def registry() -> Any:
 
 
 def make_rollout(reg: Any, seed: int, tokens: int = 256, version: int = 0, lineage: bytes = LINEAGE,
-                 forge: bool = False, task_set: bytes | None = None, generator: str = "add") -> wire.Rollout:
+                 forge: bool = False, task_set: bytes | None = None, generator: str | None = None) -> wire.Rollout:
     """A rollout on the built-in task set whose claimed reward is the true one (unless `forge`)."""
     from training.verifiers import score
 
-    ref = wire.TaskRef(task_set=task_set if task_set is not None else reg.builtin_id, generator=generator, seed=seed)
+    task_set = task_set if task_set is not None else reg.builtin_id
+    if generator is None:  # the set's first training generator (the built-in set's: BUILTIN_TRAIN)
+        generator = reg.get(task_set).generators[0].name if task_set in reg else BUILTIN_TRAIN
+    ref = wire.TaskRef(task_set=task_set, generator=generator, seed=seed)
     try:
         task = reg.resolve(ref)
         text = task.answer if seed % 2 == 0 else "no idea"
@@ -77,12 +81,14 @@ _COORDINATOR = Identity.from_seed(b"\x0b" * 32)
 
 
 def verify_registry() -> tuple[Any, dict[str, bytes]]:
-    """The built-in set (numeric) plus one task set per other verifier kind, trusted."""
+    """The built-in set plus one task set per verifier kind, trusted."""
     from training.tasksets import sign_task_set
 
     reg = registry()
-    ids = {"numeric": reg.builtin_id}
-    gens = {"math_verify": wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
+    ids: dict[str, bytes] = {}
+    gens = {"numeric": wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
+                                          seed_start=0, seed_end=2**40),
+            "math_verify": wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
                                               seed_start=0, seed_end=2**40),
             "rg_score": wire.GeneratorSpec(name="arith", generator="rg:basic_arithmetic",
                                            config={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
@@ -136,8 +142,7 @@ def verify_messages(kind: str, reg: Any, task_set: bytes, tokens: Any, rounds: i
     for b in range(rounds * 4):
         rollouts = []
         for g in range(VERIFY_BATCH // VERIFY_GROUP):
-            ref = wire.TaskRef(task_set=task_set, generator="add" if kind == "numeric" else "arith",
-                               seed=rng.randrange(10**6 if kind == "numeric" else 2**40))
+            ref = wire.TaskRef(task_set=task_set, generator="arith", seed=rng.randrange(2**40))
             task = reg.resolve(ref)
             for _ in range(VERIFY_GROUP):
                 text = _reasoning(rng, task.prompt) + " " + _answer_forms(kind, task.answer, rng)

@@ -1,0 +1,636 @@
+"""The node's decisions as one sans-IO state machine: events in, actions out, an injected clock.
+
+API (the live runtime, the virtual-time simulator and the tests all drive it the same way):
+
+    core = NodeCore(settings, identity, clock)      # CoreSettings, gossip.identity.Identity, () -> float seconds
+    actions = core.handle(event)                    # one event -> a list of actions, in the order to carry out
+    core.wants_manifest(manifest)                   # the broadcast's synchronous accept query (records in flight)
+    core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
+
+Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
+`ManifestHeard` (a gossip message whose envelope signature the pipeline already checked),
+`PeerGone`, `FromWorker` (a message from the worker process), `WorkerExited`, `StoredItems`,
+`TransferDone`, `PatchStored`, `CatalogReceived`/`CatalogFailed` (catch-up replies), `ListenAddrs`.
+
+Actions: `Publish` (topic announce|rollouts), `ToWorker`, `RestartWorker`, `RecordRollouts`,
+`SeedVersion`, `StorePatch`, `DropItem`, `LoadStored`, `FetchCatalog`, `RequestOffer`, `Penalise`,
+`SeePeer` (persist a peer), `Log`.
+
+State is proportional to what the node hears: a bounded peer table (`max_peers`, least recently
+seen evicted) and a bounded lineage table (`max_lineages`, least recently active "seen" lineages
+evicted; the own and the served lineage stay). The lineage rules (identity, heads) live in
+`node.lineages`; the capacity rule in `node.roles`; staleness admission in `sync.staleness`; the
+patch accept rule in `node.patchsync.wanted`; catch-up planning in `sync.catchup.choose`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gossip import wire
+from gossip.errors import DecodeError, PatchError
+from gossip.identity import Identity, peer_id_from_public
+from gossip.ratelimit import RateMeter
+from node import patchsync, pipe, roles
+from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
+                         StoredItems, TransferDone, PatchStored, CatalogReceived, CatalogFailed, Publish, ToWorker,
+                         RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
+                         RequestOffer, Penalise, SeePeer, Log, Event, Action)  # noqa: F401 - part of the core's API
+from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
+from sync.catchup import choose
+from sync.patchstore import StoredItem
+from sync.staleness import StalenessGuard
+
+ANNOUNCE_EVERY_S = 2.0
+PEER_EXPIRY_S = 30.0  # a peer silent this long no longer counts for roles and demand
+PEER_FORGET_S = 120.0  # ... and this long is dropped from the table
+CATCH_UP_EVERY_S = 0.5
+CATCH_UP_PATIENCE_S = 120.0  # a catch-up attempt with no progress after this is retried from scratch
+IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
+BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
+CLAIM_PENALTY = 10.0  # a provably false signed claim about a lineage (node.lineages.Refusal)
+SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
+CATALOG_SOURCES = 4
+MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadcast holds state for)
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
+WORKER_STABLE_S = 120.0  # a worker that ran this long resets the restart backoff
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    """Everything the core needs from the configuration (no file, no I/O)."""
+
+    swarm: str
+    roles: tuple[str, ...]
+    hardware: str = "cpu"
+    max_staleness: int = 4
+    publish_every: int = 1
+    external_rollouts: int = 4
+    group_size: int = 4
+    max_new_tokens: int = 64
+    upload_bytes_per_s: float = 0.0
+    memory_budget_mb: int = 2048
+    follow: tuple[bytes, ...] = ()  # configured lineages (empty: choose by demand)
+    max_peers: int = 1024
+    max_lineages: int = 256
+
+    @classmethod
+    def from_config(cls, cfg: Any, node_roles: list[str], hardware_class: str) -> CoreSettings:
+        t = cfg.training
+        return cls(swarm=cfg.node.swarm, roles=tuple(node_roles), hardware=hardware_class,
+                   max_staleness=cfg.sync.max_staleness, publish_every=max(1, cfg.sync.publish_every),
+                   external_rollouts=t.external_rollouts, group_size=t.group_size, max_new_tokens=t.max_new_tokens,
+                   upload_bytes_per_s=float(cfg.network.upload_bytes_per_s),
+                   memory_budget_mb=cfg.node.memory_budget_mb,
+                   follow=tuple(bytes.fromhex(x) for x in cfg.sync.follow))
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    announce: wire.NodeAnnounce
+    public: bytes
+    seen: float
+
+
+@dataclass(slots=True)
+class CatchUp:
+    """One catch-up attempt of the served lineage: sources asked in turn, at most one catalog at a time."""
+
+    lineage: bytes
+    sources: list[str]
+    started: float
+    asking: str = ""
+    offered: int = 0
+
+
+def _median(xs: Any) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else 0.0
+
+
+def _finite(x: Any, default: float = 0.0) -> float:
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return default
+    return f if math.isfinite(f) else default
+
+
+class NodeCore:
+    def __init__(self, settings: CoreSettings, identity: Identity, clock: Callable[[], float]) -> None:
+        self.s = settings
+        self.ident = identity
+        self.clock = clock
+        self.roles = list(settings.roles)
+        self.peers: dict[str, PeerInfo] = {}
+        self.table = LineageTable(settings.max_lineages, clock)
+        self.guard = StalenessGuard(settings.max_staleness)
+        self.serving: bytes | None = None
+        self.serving_reason = ""
+        self.addrs: tuple[str, ...] = ()
+        self.stored: dict[bytes, set[tuple[str, int, int]]] = {}  # served/own lineage -> items held (cache)
+        self.in_flight: dict[tuple[bytes, str, int, int], float] = {}  # accepted transfers -> when
+        self.catching: CatchUp | None = None
+        self.counters: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
+                                         "used": 0, "rollouts_published": 0, "bytes_down": 0,
+                                         "worker_restarts": 0, "peers_evicted": 0}
+        self.worker_state = "starting"
+        self.worker_error = ""
+        self.engine = ""  # what the worker runs (pipe.Engine): a MODE_*, or "<asked> unavailable: <why>"
+        self.worker_started = clock()
+        self.restarts_in_row = 0
+        self.steps = 0
+        self.rewards: deque[float] = deque(maxlen=60)
+        self.reward_first: list[float] = []
+        self.step_times: deque[float] = deque(maxlen=8)
+        self.version_times: deque[float] = deque(maxlen=8)
+        self.fetch_s: deque[float] = deque(maxlen=8)
+        self.last_publish = 0.0
+        self.gen_tps = 0.0
+        self.latency = 0.0
+        self.pace_rate = 0.0
+        self.announce_seq = 0
+        self.rollout_seq = 0
+        self.publish_meter = RateMeter()  # rollout batches/s we publish, stated in our announce
+        self.next_announce = 0.0
+        self.next_catch_up = 0.0
+        self.new_peer = False  # a peer appeared since the runtime last re-sent our task sets
+        self.tokens_per_rollout = float(max(1, settings.max_new_tokens))
+        self.follow_info: pipe.FollowInfo | None = None
+        self.admitted: bool | None = None
+
+    # ------------------------------------------------------------ queries
+    @property
+    def own(self) -> bytes | None:
+        return self.table.own
+
+    @property
+    def lineages(self) -> dict[bytes, LineageState]:
+        return self.table.rows
+
+    def head_of(self, lineage: bytes) -> int | None:
+        lin = self.table.rows.get(bytes(lineage))
+        return lin.head if lin is not None and lin.publisher else None
+
+    def dissemination_s(self) -> float:
+        return _median(self.fetch_s)
+
+    def wants_manifest(self, m: wire.PatchManifest) -> bool:
+        """The follower's broadcast accept rule; an accepted manifest counts as in flight from now."""
+        lin = self.table.rows.get(self.serving) if self.serving is not None else None
+        if lin is None or not lin.publisher or self.table.check_manifest(m) is not None:
+            return False
+        if not patchsync.wanted(m, self.serving, lin.publisher, lin.held, lin.need_anchor,
+                                self.stored.get(lin.lineage, set())):
+            return False
+        if len(self.in_flight) >= MAX_IN_FLIGHT:
+            return False
+        it = patchsync.item_of(m)
+        self.in_flight[(lin.lineage, it.kind, it.base, it.target)] = self.clock()
+        return True
+
+    # ------------------------------------------------------------ dispatch
+    def handle(self, ev: Event) -> list[Action]:
+        out: list[Action] = []
+        if isinstance(ev, Tick):
+            self._tick(out)
+        elif isinstance(ev, AnnounceHeard):
+            self._on_announce(ev, out)
+        elif isinstance(ev, ManifestHeard):
+            self._on_manifest(ev.body, out)
+        elif isinstance(ev, FromWorker):
+            self._on_worker(ev.msg, out)
+        elif isinstance(ev, WorkerExited):
+            self._on_worker_exit(ev.code, out)
+        elif isinstance(ev, ListenAddrs):
+            self.addrs = tuple(ev.addrs)[:16]
+        elif isinstance(ev, PeerGone):
+            self.peers.pop(ev.peer_id, None)
+        elif isinstance(ev, StoredItems):
+            self.stored[ev.lineage] = {(i.kind, i.base, i.target) for i in ev.items}
+        elif isinstance(ev, TransferDone):
+            it = patchsync.item_of(ev.manifest)
+            if (it.kind, it.base, it.target) not in self.stored.get(bytes(ev.manifest.lineage), set()):
+                out.append(StorePatch(ev.pid))
+        elif isinstance(ev, PatchStored):
+            self._on_patch_stored(ev, out)
+        elif isinstance(ev, CatalogReceived):
+            self._on_catalog(ev, out)
+        elif isinstance(ev, CatalogFailed):
+            self._on_catalog_failed(ev, out)
+        return out
+
+    # ------------------------------------------------------------ timers
+    def _tick(self, out: list[Action]) -> None:
+        now = self.clock()
+        if now >= self.next_announce:
+            self.next_announce = now + ANNOUNCE_EVERY_S
+            self._choose_serving(out)
+            out.append(Publish("announce", self._announce()))
+            self._expire_peers(now)
+        if now >= self.next_catch_up:
+            self.next_catch_up = now + CATCH_UP_EVERY_S
+            self._catch_up(now, out)
+
+    def _expire_peers(self, now: float) -> None:
+        for pid in [p for p, info in self.peers.items() if now - info.seen > PEER_FORGET_S]:
+            del self.peers[pid]
+        for key in [k for k, t in self.in_flight.items() if now - t > IN_FLIGHT_PATIENCE_S * 4]:
+            del self.in_flight[key]
+
+    # ------------------------------------------------------------ gossip
+    def _on_announce(self, ev: AnnounceHeard, out: list[Action]) -> None:
+        body = ev.body
+        if peer_id_from_public(ev.signer) != body.peer_id or body.peer_id == self.ident.peer_id:
+            return
+        now = self.clock()
+        prev = self.peers.get(body.peer_id)
+        if prev is not None and prev.announce.seq >= body.seq:
+            return
+        if prev is None and len(self.peers) >= self.s.max_peers:
+            oldest = min(self.peers, key=lambda p: self.peers[p].seen)
+            del self.peers[oldest]
+            self.counters["peers_evicted"] += 1
+        self.peers[body.peer_id] = PeerInfo(body, bytes(ev.signer), now)
+        for d in body.owned:
+            lin, why = self.table.on_demand(bytes(ev.signer), d)
+            if why is not None:
+                self._refused(body.peer_id, "lineage claim refused", why, out)
+            elif lin is not None:
+                self._observe_head(lin, out)
+        if prev is None:
+            self.new_peer = True
+            out.append(Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}))
+            out.append(SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data))
+
+    def _on_manifest(self, m: wire.PatchManifest, out: list[Action]) -> None:
+        lin, why = self.table.on_manifest(m)
+        if why is not None:
+            self._refused(peer_id_from_public(bytes(m.publisher)), "manifest refused", why, out)
+        elif lin is not None:
+            self._observe_head(lin, out)
+
+    def _refused(self, signer: str, msg: str, why: Refusal, out: list[Action]) -> None:
+        out.append(Log(msg, {"peer": signer, "why": why.reason[:200], "fault": why.fault}))
+        if why.fault:
+            out.append(Penalise(signer, f"lineage: {why.reason}"[:120], CLAIM_PENALTY))
+
+    # ------------------------------------------------------------ staleness admission
+    def _observe_head(self, lin: LineageState, out: list[Action]) -> None:
+        if lin.lineage == self.serving:
+            self._staleness(lin, self.guard.observe_head(lin.lineage, lin.head, self.clock()), out)
+
+    def _staleness(self, lin: LineageState, events: list[Any], out: list[Action]) -> None:
+        for ev in events:
+            out.append(Log("staleness", {"lineage": lin.lineage.hex()[:16], "state": ev.state,
+                                         "message": ev.message}))
+            lin.admission, lin.admission_note = ev.state, ev.message
+        if events:
+            self._send_admit(lin.lineage, out)
+
+    def _send_admit(self, lid: bytes, out: list[Action]) -> None:
+        """Tell the worker whether it may generate for the lineage it serves (the guard decides)."""
+        if lid == self.serving:
+            self.admitted = self.guard.may_generate(lid)
+            out.append(ToWorker(pipe.Admit(lid.hex(), self.admitted)))
+
+    # ------------------------------------------------------------ roles and the capacity rule
+    def _demand(self) -> wire.LineageDemand | None:
+        lin = self.table.rows.get(self.own) if self.own is not None else None
+        if lin is None:
+            return None
+        # The capacity rule counts in published versions (the staleness bound is in versions): one
+        # version spans `publish_every` optimizer steps, and needs that many steps' external rollouts.
+        k = self.s.publish_every
+        step_t = _median(self.version_times) if self.version_times else k * _median(self.step_times)
+        step_t = min(max(step_t, MIN_STEP_S if step_t > 0 else 0.0), 1e6)
+        b = k * self.s.external_rollouts * self.s.group_size
+        d = roles.Demand(rollouts_per_step=b, step_time_s=step_t, max_staleness=self.s.max_staleness)
+        offers = []
+        prev_standby = set(lin.activation.standby) if lin.activation else set()
+        now = self.clock()
+        for pid, p in self.peers.items():
+            a = p.announce
+            if now - p.seen > PEER_EXPIRY_S or "follower" not in a.roles:
+                continue
+            if bytes(a.serving) == self.own or pid in prev_standby:
+                offers.append(roles.Offer(pid, roles.offer_rate(a.gen_tokens_per_s, self.tokens_per_rollout),
+                                          a.rollout_latency_s))
+        lin.activation = roles.activate(d, offers, self.dissemination_s())
+        return wire.LineageDemand(lineage=lin.lineage, name=lin.name, head_version=lin.head, rollouts_per_step=b,
+                                  step_time_s=step_t, max_staleness=self.s.max_staleness,
+                                  standby=lin.activation.standby[:256])
+
+    def _choose_serving(self, out: list[Action]) -> None:
+        if "follower" not in self.roles:
+            return
+        now = self.clock()
+        supply: dict[bytes, float] = {}
+        for q in self.peers.values():
+            if now - q.seen <= PEER_EXPIRY_S and q.announce.serving:
+                lid = bytes(q.announce.serving)
+                supply[lid] = supply.get(lid, 0.0) + roles.offer_rate(q.announce.gen_tokens_per_s,
+                                                                      self.tokens_per_rollout)
+        options = []
+        for lin, d in self.table.followable(now, self.s.follow):
+            options.append(roles.LineageOption(lin.lineage, d, supply.get(lin.lineage, 0.0), lin.standby))
+        me = roles.Offer(self.ident.peer_id, roles.offer_rate(self.gen_tps, self.tokens_per_rollout), self.latency)
+        choice = roles.choose_lineage(me, options, self.dissemination_s(), self.serving, configured=list(self.s.follow))
+        self.serving_reason = choice.reason
+        self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)
+        if choice.lineage == self.serving:
+            return
+        info = None
+        if choice.lineage is not None:
+            lin = self.table.rows[choice.lineage]
+            lin.relation = "follow"
+            info = pipe.FollowInfo(lin.lineage.hex(), lin.name, lin.publisher.hex(), lin.base.hex())
+            out.append(LoadStored(lin.lineage))
+        self.serving = choice.lineage
+        self.table.serving = choice.lineage
+        self.catching = None
+        self.follow_info = info
+        out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
+                                   "reason": choice.reason}))
+        out.append(ToWorker(pipe.Follow(info)))
+        if choice.lineage is not None:
+            self._observe_head(self.table.rows[choice.lineage], out)
+            self._send_admit(choice.lineage, out)
+
+    def _pace(self, demand: roles.Demand | None, out: list[Action]) -> None:
+        """Cap the follower's generation at its trainer's need, so surplus rollouts do not take CPU from trainers.
+
+        The cap is the whole need `(1+m)·B/T_L` (not the unmet part: announced
+        throughputs are capacities, not current rates); 0 means no cap (the
+        trainer has not measured a step yet).
+        """
+        rate = roles.required_rate(demand) if demand is not None else 0.0
+        if abs(rate - self.pace_rate) > 0.1 * max(rate, self.pace_rate, 1e-9):
+            self.pace_rate = rate
+            out.append(ToWorker(pipe.Pace(rate)))
+
+    def _announce(self) -> bytes:
+        self.announce_seq += 1
+        demand = self._demand()
+        a = wire.NodeAnnounce(
+            v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=wire.now_ms(),
+            hardware=self.s.hardware, gen_tokens_per_s=min(self.gen_tps, 1e9),
+            rollout_latency_s=min(self.latency, 1e6), upload_bytes_per_s=min(self.s.upload_bytes_per_s, 1e12),
+            memory_bytes=self.s.memory_budget_mb * 2**20, roles=self.roles,
+            lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
+            owned=[demand] if demand else [], addrs=list(self.addrs),
+            publish_batches_per_s=min(self.publish_meter.rate(self.clock()), 1e6))
+        return wire.seal(self.ident, wire.NODE_ANNOUNCE, a)
+
+    # ------------------------------------------------------------ catch-up
+    def _free_items(self, lid: bytes, now: float) -> dict[tuple[str, int, int], StoredItem]:
+        """Held items and accepted transfers still on their way: both cost nothing to plan with."""
+        keys = set(self.stored.get(lid, set()))
+        keys |= {(k, b, t) for (lin, k, b, t), at in self.in_flight.items()
+                 if lin == lid and now - at < IN_FLIGHT_PATIENCE_S}
+        return {key: StoredItem(key[0], key[1], key[2], 0) for key in keys}
+
+    def _catch_up(self, now: float, out: list[Action]) -> None:
+        """Get from the held version to the head without downloading anything held or already in flight.
+
+        Steady-state versions arrive by the broadcast on their own; this only
+        acts when what is held plus what is in flight cannot reach the head
+        (joined late, restarted, missed a manifest): it asks the publisher
+        (then peers serving the lineage) for its catalog, plans the cheapest
+        route with `sync.catchup.choose` (cost O(items)), and has the peer
+        seed the missing items into the broadcast.
+        """
+        lid = self.serving
+        lin = self.table.rows.get(lid) if lid is not None else None
+        if lin is None or (lin.head <= lin.held and not lin.need_anchor):
+            self.catching = None
+            return
+        try:
+            choose(None if lin.need_anchor else lin.held, lin.head, self._free_items(lid, now).values())
+            self.catching = None
+            return  # everything needed is held or on its way
+        except PatchError:
+            pass
+        if self.catching is not None and now - self.catching.started < CATCH_UP_PATIENCE_S:
+            return
+        publisher_peer = peer_id_from_public(lin.publisher)
+        sources = [publisher_peer] + [pid for pid, p in self.peers.items()
+                                      if bytes(p.announce.serving) == lid and pid != publisher_peer
+                                      and now - p.seen <= PEER_EXPIRY_S]
+        self.catching = CatchUp(lid, sources[:CATALOG_SOURCES], now)
+        self._ask_next(out)
+
+    def _ask_next(self, out: list[Action]) -> None:
+        c = self.catching
+        if c is None:
+            return
+        if not c.sources:
+            c.asking = ""  # wait out the patience, then start over
+            return
+        c.asking = c.sources.pop(0)
+        out.append(FetchCatalog(c.asking, c.lineage))
+
+    def _on_catalog_failed(self, ev: CatalogFailed, out: list[Action]) -> None:
+        c = self.catching
+        if c is None or c.lineage != ev.lineage or c.asking != ev.peer:
+            return
+        out.append(Log("catch-up source failed", {"lineage": ev.lineage.hex()[:16], "peer": ev.peer,
+                                                  "error": ev.error[:200]}))
+        self._ask_next(out)
+
+    def _on_catalog(self, ev: CatalogReceived, out: list[Action]) -> None:
+        c = self.catching
+        lin = self.table.rows.get(ev.lineage)
+        if c is None or c.lineage != ev.lineage or c.asking != ev.peer or lin is None:
+            return
+        now = self.clock()
+        free = self._free_items(ev.lineage, now)
+        remote = [i for i in ev.items[:patchsync.MAX_ITEMS]
+                  if i.kind in patchsync.KINDS and (i.kind, i.base, i.target) not in free and i.target <= lin.head]
+        items = list(free.values()) + remote
+        start = None if lin.need_anchor else lin.held
+        head = min(lin.head, max((i.target for i in items), default=0))
+        if start is not None and head <= start:
+            self._ask_next(out)
+            return
+        try:
+            try:
+                plan = choose(start, head, items)
+            except PatchError:  # the chain from what we hold was pruned there: an anchor will do
+                plan = choose(None, head, items)
+        except PatchError as e:
+            out.append(Log("catch-up: no plan", {"lineage": ev.lineage.hex()[:16], "peer": ev.peer, "why": str(e)}))
+            self._ask_next(out)
+            return
+        steps = [s for s in plan.steps if (s.kind, s.base, s.target) not in free]
+        out.append(Log("catching up", {"lineage": ev.lineage.hex()[:16], "plan": plan.kind, "held": lin.held,
+                                       "head": head, "fetch": len(steps), "bytes": plan.total_bytes,
+                                       "source": ev.peer}))
+        c.offered += len(steps)
+        for s in steps:
+            out.append(RequestOffer(ev.peer, ev.lineage, s))
+
+    # ------------------------------------------------------------ patches
+    def _on_patch_stored(self, ev: PatchStored, out: list[Action]) -> None:
+        m = ev.manifest
+        lid = bytes(m.lineage)
+        it = patchsync.item_of(m)
+        self.stored.setdefault(lid, set()).add((it.kind, it.base, it.target))
+        self.in_flight.pop((lid, it.kind, it.base, it.target), None)
+        self.counters["bytes_down"] += max(0, int(ev.bytes_in))
+        self.fetch_s.append(max(0.0, _finite(ev.seconds)))
+        out.append(Log("patch received", {"lineage": lid.hex()[:16], "kind": it.kind, "base": it.base,
+                                          "target": it.target, "bytes": m.total_bytes,
+                                          "seconds": round(_finite(ev.seconds), 2)}))
+        out.append(ToWorker(pipe.Patch(lid.hex(), it.kind, it.base, it.target)))
+
+    # ------------------------------------------------------------ worker
+    def _on_worker_exit(self, code: int | None, out: list[Action]) -> None:
+        now = self.clock()
+        if self.worker_state == "restarting":
+            return
+        if now - self.worker_started >= WORKER_STABLE_S:
+            self.restarts_in_row = 0
+        delay = RESTART_BACKOFF_S[min(self.restarts_in_row, len(RESTART_BACKOFF_S) - 1)]
+        self.restarts_in_row += 1
+        self.counters["worker_restarts"] += 1
+        if code not in (0, None) and not self.worker_error:
+            self.worker_error = f"worker exited with code {code}"
+        self.worker_state = "restarting"
+        self.admitted = None
+        self.pace_rate = 0.0
+        out.append(Log("worker exited", {"code": code, "error": self.worker_error[:300], "restart_in_s": delay,
+                                         "restarts": self.counters["worker_restarts"]}))
+        out.append(RestartWorker(delay))
+
+    def worker_started_now(self) -> None:
+        """The runtime started a (new) worker process."""
+        self.worker_started = self.clock()
+        self.worker_state = "starting"
+
+    def _on_worker(self, m: pipe.FromWorker, out: list[Action]) -> None:  # noqa: C901 - one branch per kind
+        if isinstance(m, pipe.State):
+            self.worker_state = m.state[:32]
+            out.append(Log("worker state", {"state": self.worker_state}))
+        elif isinstance(m, pipe.Ready):
+            self._on_ready(m, out)
+        elif isinstance(m, pipe.Rollouts):
+            self._seal_rollouts(m.items, out)
+        elif isinstance(m, pipe.Step):
+            self.steps += 1
+            self._reward(m.reward_mean)
+            self.counters["used"] += max(0, m.n_external_groups) * self.s.group_size
+            self.step_times.append(max(0.0, _finite(m.step_s)))
+            out.append(Log("step", {"step": m.step, "version": m.version, "reward_mean": m.reward_mean,
+                                    "loss": m.loss, "n_external_groups": m.n_external_groups, "step_s": m.step_s}))
+        elif isinstance(m, pipe.Gen):
+            self._reward(m.reward_mean)
+        elif isinstance(m, pipe.Published):
+            now = self.clock()
+            if self.last_publish:
+                self.version_times.append(now - self.last_publish)
+            self.last_publish = now
+            self.counters["published"] = m.version
+            lin = self.table.rows.get(self.own) if self.own is not None else None
+            if lin is not None:
+                lin.head = lin.held = lin.signed_head = m.version
+            out.append(SeedVersion(m.envelope))
+        elif isinstance(m, pipe.Applied):
+            self._on_applied(m, out)
+        elif isinstance(m, pipe.ApplyFailed):
+            out.append(Log("patch apply failed", {"lineage": m.lineage[:16], "base": m.base, "target": m.target,
+                                                  "error": m.error[:300]}))
+            lid = bytes.fromhex(m.lineage)
+            self.stored.get(lid, set()).discard(("patch" if m.target == m.base + 1 else "union", m.base, m.target))
+            out.append(DropItem(lid, m.base, m.target))  # fetched again (from another peer)
+        elif isinstance(m, pipe.Perf):
+            a = 0.3
+            tps, lat = max(0.0, _finite(m.gen_tokens_per_s)), max(0.0, _finite(m.rollout_latency_s))
+            self.gen_tps = tps if not self.gen_tps else (1 - a) * self.gen_tps + a * tps
+            self.latency = lat if not self.latency else (1 - a) * self.latency + a * lat
+        elif isinstance(m, pipe.Engine):
+            self.engine = m.mode or f"{m.requested} unavailable: {m.error}"
+            out.append(Log("worker engine", {"engine": self.engine}))
+        elif isinstance(m, pipe.Spot):
+            self.counters["spot_checked"] += 1
+            if not m.ok:
+                self.counters["spot_failed"] += 1
+                peer = peer_id_from_public(bytes.fromhex(m.producer))
+                out.append(Penalise(peer, "spot_check_failed", SPOT_PENALTY))
+                out.append(Log("spot check failed", {"producer": peer, "diff": m.diff}))
+        elif isinstance(m, pipe.Error):
+            self.worker_error = m.message[:4000]
+            out.append(Log("worker failed", {"error": self.worker_error[:300]}))
+        elif isinstance(m, pipe.Log):
+            out.append(Log("worker", {"message": m.message[:500]}))
+
+    def _on_ready(self, m: pipe.Ready, out: list[Action]) -> None:
+        base = bytes.fromhex(m.base)
+        self.table.set_my_base(base, m.model_bytes)
+        if m.lineage:
+            lin = self.table.set_own(bytes.fromhex(m.lineage), m.name, self.ident.public, base, m.version)
+            self.counters["published"] = lin.held
+        out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
+                                        **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
+        self.worker_state = "ready"
+        if self.serving is not None and self.follow_info is not None:  # a restarted worker resumes where we are
+            out.append(ToWorker(pipe.Follow(self.follow_info)))
+            self._send_admit(self.serving, out)
+
+    def _on_applied(self, m: pipe.Applied, out: list[Action]) -> None:
+        lin = self.table.rows.get(bytes.fromhex(m.lineage))
+        if lin is None:
+            return
+        if m.version > lin.held:
+            self.counters["applied"] += m.version - lin.held
+        lin.held = m.version
+        lin.need_anchor = m.need_anchor
+        lin.head = max(lin.head, lin.held)
+        if lin.relation == "seen":
+            lin.relation = "follow"
+        if not lin.need_anchor and lin.lineage == self.serving:
+            self._staleness(lin, self.guard.applied(lin.lineage, lin.held, self.clock()), out)
+
+    def _reward(self, r: Any) -> None:
+        if not isinstance(r, (int, float)) or not math.isfinite(r):
+            return
+        self.rewards.append(float(r))
+        if len(self.reward_first) < 5:
+            self.reward_first.append(float(r))
+
+    # ------------------------------------------------------------ rollouts
+    def _seal_rollouts(self, encoded: list[bytes], out: list[Action]) -> None:
+        """Our worker's rollouts: batches of at most 64, each signed once, recorded, then published."""
+        from gossip.validation import rollout_id
+
+        rollouts = []
+        for b in encoded:
+            try:
+                rollouts.append(wire.decode_struct(b, wire.Rollout, wire.KIND_LIMITS[wire.ROLLOUT_BATCH]))
+            except DecodeError as e:
+                out.append(Log("worker rollout undecodable", {"error": str(e)[:200]}))
+        for i in range(0, len(rollouts), BATCH_MAX_ROLLOUTS):
+            part = rollouts[i:i + BATCH_MAX_ROLLOUTS]
+            self.rollout_seq = max(self.rollout_seq + 1, int(self.clock() * 1e6))
+            batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.s.swarm, producer=self.ident.public,
+                                      seq=self.rollout_seq, created_ms=wire.now_ms(), rollouts=part)
+            data = wire.seal(self.ident, wire.ROLLOUT_BATCH, batch)
+            out.append(RecordRollouts(tuple(
+                dict(rollout_id=rollout_id(r), direction="produced", status="produced", producer=self.ident.public,
+                     lineage=bytes(r.lineage), version=r.version, task_set=bytes(r.task.task_set),
+                     generator=r.task.generator, task_seed=r.task.seed, reward=r.reward,
+                     tokens=len(r.completion_ids), payload=data if j == 0 else None)
+                for j, r in enumerate(part))))
+            self.publish_meter.tick(self.clock())
+            out.append(Publish("rollouts", data, len(part)))
+
+    def external_wanted(self, lineages: set[bytes]) -> bool:
+        """Whether an accepted rollout batch goes to our worker (a trainer learns; a validator spot-checks)."""
+        return "trainer" in self.roles or ("validator" in self.roles and self.serving in lineages)

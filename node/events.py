@@ -1,0 +1,172 @@
+"""The events a node core takes and the actions it returns (see `node.core`): plain frozen dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossip import wire
+from node import pipe
+from sync.patchstore import StoredItem
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddrs:
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AnnounceHeard:
+    signer: bytes  # the envelope's verified signer
+    body: wire.NodeAnnounce
+    data: bytes  # the envelope, to persist for discovery
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestHeard:
+    body: wire.PatchManifest  # wire checked publisher == envelope signer
+
+
+@dataclass(frozen=True, slots=True)
+class PeerGone:
+    peer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FromWorker:
+    msg: pipe.FromWorker  # decoded and checked once, by node.pipe
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    code: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredItems:
+    lineage: bytes
+    items: tuple[StoredItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferDone:
+    pid: bytes
+    manifest: wire.PatchManifest
+
+
+@dataclass(frozen=True, slots=True)
+class PatchStored:
+    manifest: wire.PatchManifest
+    bytes_in: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogReceived:
+    peer: str
+    lineage: bytes
+    items: tuple[StoredItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogFailed:
+    peer: str
+    lineage: bytes
+    error: str
+
+
+Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | PeerGone | FromWorker | WorkerExited | StoredItems
+         | TransferDone | PatchStored | CatalogReceived | CatalogFailed)
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    topic: str  # announce | rollouts
+    data: bytes
+    count: int = 0  # rollouts in a rollout batch
+
+
+@dataclass(frozen=True, slots=True)
+class ToWorker:
+    msg: pipe.ToWorker
+
+
+@dataclass(frozen=True, slots=True)
+class RestartWorker:
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRollouts:
+    entries: tuple[dict[str, Any], ...]  # node.store.record_rollouts rows
+
+
+@dataclass(frozen=True, slots=True)
+class SeedVersion:
+    envelope: bytes  # our worker's new version: seed it on the broadcast
+
+
+@dataclass(frozen=True, slots=True)
+class StorePatch:
+    pid: bytes  # the completed transfer to store in the lineage store
+
+
+@dataclass(frozen=True, slots=True)
+class DropItem:
+    lineage: bytes
+    base: int
+    target: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStored:
+    lineage: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FetchCatalog:
+    peer: str
+    lineage: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOffer:
+    peer: str
+    lineage: bytes
+    item: StoredItem
+
+
+@dataclass(frozen=True, slots=True)
+class Penalise:
+    peer: str
+    reason: str
+    amount: float
+
+
+@dataclass(frozen=True, slots=True)
+class SeePeer:
+    peer_id: str
+    public: bytes
+    addrs: tuple[str, ...]
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    msg: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+Action = (Publish | ToWorker | RestartWorker | RecordRollouts | SeedVersion | StorePatch | DropItem | LoadStored
+          | FetchCatalog | RequestOffer | Penalise | SeePeer | Log)

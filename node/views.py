@@ -1,0 +1,105 @@
+"""What the node core knows, as the status views (`node.status`) that the control socket, dashboard and metrics show."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gossip.identity import peer_id_from_public
+from node import hardware
+from node.core import NodeCore
+from node.status import LineageView, NodeStatus, PeerView
+
+
+def peer_views(core: NodeCore, now: float) -> list[PeerView]:
+    out = []
+    for pid, p in sorted(core.peers.items()):
+        a = p.announce
+        out.append(PeerView(peer_id=pid, roles=list(a.roles), hardware=a.hardware, gen_tokens_per_s=a.gen_tokens_per_s,
+                            rollout_latency_s=a.rollout_latency_s, serving=bytes(a.serving).hex(),
+                            last_seen_s=now - p.seen))
+    return out
+
+
+def lineage_views(core: NodeCore) -> list[LineageView]:
+    out = []
+    for lin in core.lineages.values():
+        relation = lin.relation
+        act = lin.activation
+        out.append(LineageView(lineage=lin.lineage.hex(), name=lin.name, relation=relation,
+                               publisher=peer_id_from_public(lin.publisher) if len(lin.publisher) == 32 else "",
+                               head=lin.head, held=lin.held,
+                               lag=max(0, lin.head - lin.held) if relation != "seen" else 0,
+                               need_rollouts_per_s=act.need if act else 0.0,
+                               supply_rollouts_per_s=act.supply if act else 0.0,
+                               active=list(act.active) if act else [], standby=list(act.standby) if act else [],
+                               rejected=dict(act.rejected) if act else {},
+                               admission=lin.admission, admission_note=lin.admission_note))
+    return out
+
+
+def reward_window(core: NodeCore, k: int = 5) -> tuple[float | None, float | None]:
+    """(mean of the first k rewards, mean of the last k)."""
+    first = core.reward_first[:k]
+    recent = list(core.rewards)[-k:]
+    return (sum(first) / len(first) if first else None, sum(recent) / len(recent) if recent else None)
+
+
+def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
+    """The status of a running `node.runtime.Node`: its core's views plus what only the shell knows."""
+    c, led, now = node.core, node.ledger, time.monotonic()
+    rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
+    if node.service is not None:
+        for reason in ("graylisted", "blacklisted", "rate_limited", "over_announced_rate"):
+            n = node.service.pipeline.counts.get(reason, 0)
+            if n:
+                rejected[reason] = rejected.get(reason, 0) + n
+    if c.counters["spot_failed"]:
+        rejected["spot_check_failed"] = c.counters["spot_failed"]
+    accepted = led.get("accepted", 0)
+    start, now_r = reward_window(c)
+    pids = [node.worker.proc.pid] if node.worker and node.worker.proc.pid else []
+    live = sum(tr.session.bytes_in for tr in list(node.bcast.transfers.values())
+               if not tr.session.complete) if node.bcast is not None else 0
+    return NodeStatus(
+        peer_id=node.ident.peer_id, swarm=node.cfg.node.swarm, roles=node.roles, hardware=node.hw_class,
+        listen=node.transport.listen_addrs() if node.transport else [], state=node.state,
+        uptime_s=now - node.started, worker=c.worker_state, worker_error=c.worker_error[:2000], engine=c.engine,
+        worker_restarts=c.counters["worker_restarts"], worker_pid=pids[0] if pids else 0,
+        peers=peer_views(c, now), lineages=lineage_views(c),
+        serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason, steps=c.steps,
+        versions_published=c.counters["published"], versions_applied=c.counters["applied"],
+        rollouts_produced=led.get("produced", 0), rollouts_published=c.counters["rollouts_published"],
+        rollouts_received=accepted + sum(v for k2, v in led.items() if k2.startswith("rejected")),
+        rollouts_accepted=accepted, rollouts_used=c.counters["used"], rejected=rejected,
+        spot_checked=c.counters["spot_checked"], spot_failed=c.counters["spot_failed"],
+        reward_trend=list(c.rewards), reward_start=start, reward_now=now_r, gen_tokens_per_s=c.gen_tps,
+        rollout_latency_s=c.latency,
+        bytes_up=int(node.bcast.counters["bytes_up"]) if node.bcast is not None else 0,
+        bytes_down=c.counters["bytes_down"] + live,
+        memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=node.cfg.node.memory_budget_mb,
+        metrics_port=node.metrics.port if node.metrics else 0,
+        dropped=node.drops.view(node.worker.dropped if node.worker else 0), disk=node.disk.views(now),
+        loop_stall_max_ms=round(node.stall.max_ms, 1),
+        loop_stall_recent_ms=round(node.stall.recent_ms(loop_now), 1) if loop_now is not None else 0.0,
+        stream_faults=dict(node.transport.faults.counts) if node.transport is not None else {},
+        peer_scores=peer_scores(node.service.pipeline) if node.service is not None else {},
+        **({"reach": node.reach.view()} if node.reach is not None else {}))
+
+
+def status_fields(s: NodeStatus) -> dict[str, Any]:
+    """The periodic `status` log line of a node without a dashboard."""
+    own = next((x for x in s.lineages if x.relation == "own"), None)
+    fol = next((x for x in s.lineages if x.lineage == s.serving), None)
+    return dict(peers=len(s.peers), worker=s.worker, steps=s.steps, version=(own or fol).held if (own or fol) else None,
+                lag=fol.lag if fol else None, serving=s.serving[:16], reward=s.reward_now, produced=s.rollouts_produced,
+                accepted=s.rollouts_accepted, rejected=s.rejected, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
+                rss_mb=round(s.memory_rss_mb), worker_restarts=s.worker_restarts)
+
+
+MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
+
+
+def peer_scores(pipeline: Any) -> dict[str, float]:
+    snap = pipeline.scores.snapshot(pipeline.clock())
+    return {peer: round(v["score"], 3) for peer, v in list(snap.items())[:MAX_SCORES_SHOWN]}

@@ -1,0 +1,194 @@
+"""Attacks on the node's decisions by hostile peers with valid keys, replayed against the core in-process.
+
+Each test is the attack first (the messages a hostile peer signs), then what the honest node must
+still do. Live-network versions of these attacks belong to the live attack test.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from gossip import wire
+from node import core as C
+from node import roles
+from node.lineages import MAX_AHEAD
+from sync.catchup import choose
+from sync.ids import lineage_id
+from sync.patchstore import StoredItem
+from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, key, make_core, manifest, of
+
+
+def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
+    core, clock = make_core()
+    honest, attacker = key(9), key(66)
+    lid = lineage_id(honest.public, BASE, "lin")
+    # the attacker announces the honest lineage first, with a huge head and demand
+    acts = core.handle(announce(attacker, 1, [demand(lid, "lin", 10**12, rollouts=16384)]))
+    assert of(acts, C.Log)[0].msg == "lineage claim refused"
+    assert of(acts, C.Penalise) == []  # not provable yet: the lineage could grow from a base model we lack
+    assert lid not in core.lineages or not core.lineages[lid].publisher
+    core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
+    assert core.lineages[lid].publisher == honest.public and core.head_of(lid) == 3
+    # later hints from the attacker (announce or manifest it signs) change nothing
+    acts = core.handle(announce(attacker, 2, [demand(lid, "lin", 10**12)]))
+    assert [p.peer for p in of(acts, C.Penalise)] == [attacker.peer_id]  # provably not the publisher
+    acts = core.handle(C.ManifestHeard(manifest(attacker, "lin", 10**12 - 1, 10**12, lineage=lid)))
+    assert "derive" in of(acts, C.Log)[0].fields["why"]
+    assert [p.peer for p in of(acts, C.Penalise)] == [attacker.peer_id]
+    assert core.lineages[lid].publisher == honest.public and core.head_of(lid) == 3
+    core.handle(C.Tick())
+    assert core.serving == lid
+    assert not core.wants_manifest(manifest(attacker, "lin", 3, 4, lineage=lid))
+
+
+def test_freeze_far_ahead_head_is_refused_and_planning_is_o_items() -> None:
+    core, clock = make_core()
+    honest = key(9)
+    lid = lineage_id(honest.public, BASE, "lin")
+    core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
+    core.handle(C.Tick())
+    # even the publisher's own key cannot make the node chase a version far past its signed head
+    acts = core.handle(C.ManifestHeard(manifest(honest, "lin", 2**62 - 1, 2**62)))
+    assert "far ahead" in of(acts, C.Log)[0].fields["why"] and core.head_of(lid) == 3
+    assert [p.peer for p in of(acts, C.Penalise)] == [honest.peer_id]  # its own signature, its own fault
+    acts = core.handle(C.ManifestHeard(manifest(honest, "lin", 3, 3 + MAX_AHEAD)))
+    assert not [a for a in of(acts, C.Log) if "refused" in a.msg] and core.head_of(lid) == 3 + MAX_AHEAD
+    # and planning to any head costs O(items), not O(versions)
+    t0 = time.perf_counter()
+    plan = choose(0, 2**62, [StoredItem("patch", 0, 1, 5), StoredItem("anchor", 2**62, 2**62, 9),
+                             StoredItem("union", 1, 2**62, 3)])
+    assert time.perf_counter() - t0 < 0.05 and plan.total_bytes == 8
+    t0 = time.perf_counter()
+    acts = core.handle(C.CatalogReceived(honest.peer_id, lid, (StoredItem("anchor", 2**62, 2**62, 9),)))
+    assert time.perf_counter() - t0 < 0.05
+
+
+def test_crash_tiny_step_time_is_refused_and_roles_do_not_overflow() -> None:
+    core, clock = make_core()
+    attacker = key(66)
+    lid = lineage_id(attacker.public, BASE, "evil")
+    acts = core.handle(announce(attacker, 1, [demand(lid, "evil", 1, step_time_s=5e-324)]))
+    assert "step_time_s" in of(acts, C.Log)[0].fields["why"]
+    assert [p.peer for p in of(acts, C.Penalise)] == [attacker.peer_id]
+    core.handle(C.Tick())
+    assert core.serving is None
+    d = roles.Demand(32, 5e-324, 4)
+    assert roles.staleness_versions(d, 1.0, 1.0) > d.max_staleness  # no OverflowError
+    assert not roles.fits_staleness(d, 1.0, 1.0)
+    assert roles.choose_lineage(roles.Offer("me", 1.0, 1.0), [roles.LineageOption(lid, d, 0.0)]).lineage is None
+
+
+def test_demand_cannot_pull_followers_off_a_training_lineage() -> None:
+    core, clock = make_core()
+    honest, attacker = key(9), key(66)
+    good = lineage_id(honest.public, BASE, "lin")
+    core.handle(announce(honest, 1, [demand(good, "lin", 3, step_time_s=5.0)]))
+    core.handle(C.ManifestHeard(manifest(honest, "lin", 3, 4)))  # seen to advance: proven
+    core.handle(C.Tick())
+    assert core.serving == good
+    evil = lineage_id(attacker.public, BASE, "evil")
+    for i in range(20):  # a huge claimed demand, re-announced, but the lineage never advances
+        clock.t += 2.5
+        core.handle(announce(attacker, i + 1, [demand(evil, "evil", 1, step_time_s=0.5, rollouts=16384)]))
+        core.handle(announce(honest, i + 2, [demand(good, "lin", 4, step_time_s=5.0)]))
+        core.handle(C.Tick())
+        assert core.serving == good
+
+
+def test_oversized_manifest_is_refused_before_any_chunk() -> None:
+    core, clock = make_core()
+    honest = key(9)
+    lid = lineage_id(honest.public, BASE, "lin")
+    core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
+    core.handle(C.Tick())
+    huge = manifest(honest, "lin", 3, 4, total=8 * MODEL_BYTES)
+    assert not core.wants_manifest(huge)
+    assert core.wants_manifest(manifest(honest, "lin", 3, 4, total=MODEL_BYTES // 2))
+    lying = manifest(honest, "lin", 4, 5, total=1000)
+    lying.total_bytes = 10  # chunk sizes do not add up
+    assert not core.wants_manifest(lying)
+
+
+def test_tables_stay_bounded_under_a_flood_of_keys() -> None:
+    core, clock = make_core(max_peers=16, max_lineages=8)
+    honest = key(9)
+    good = lineage_id(honest.public, BASE, "lin")
+    core.handle(announce(honest, 1, [demand(good, "lin", 3)]))
+    core.handle(C.Tick())
+    assert core.serving == good
+    for i in range(100):
+        a = key(100 + i)
+        clock.t += 0.01
+        lid = lineage_id(a.public, BASE, f"l{i}")
+        core.handle(announce(a, 1, [demand(lid, f"l{i}", 1)]))
+        core.handle(C.ManifestHeard(manifest(a, f"l{i}", 1, 2)))
+    assert len(core.peers) <= 16 and len(core.lineages) <= 8
+    assert good in core.lineages and core.serving == good
+    assert core.counters["peers_evicted"] > 0 and core.table.evicted > 0
+
+
+def test_out_of_range_worker_numbers_do_not_poison_the_announce() -> None:
+    core, clock = make_core()
+    core.handle(W("perf", {"gen_tokens_per_s": float("inf"), "rollout_latency_s": float("nan")}))
+    core.handle(W("step", {"step": 1, "version": 0, "reward_mean": float("nan"), "loss": None, "n_external_groups": 0,
+                         "step_s": float("inf")}))
+    acts = core.handle(C.Tick())
+    assert of(acts, C.Publish)  # the announce still seals within the wire's ranges
+
+
+demands = st.builds(
+    wire.LineageDemand, lineage=st.binary(min_size=32, max_size=32), name=st.text(min_size=1, max_size=8),
+    head_version=st.integers(0, 2**63 - 1), rollouts_per_step=st.integers(0, 1_000_000),
+    step_time_s=st.one_of(st.floats(0.0, 1e6), st.just(5e-324)), max_staleness=st.integers(0, 1_000_000),
+    standby=st.lists(st.text(max_size=8), max_size=4))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ds=st.lists(demands, max_size=4), heads=st.lists(st.integers(0, 2**63 - 1), max_size=4),
+       total=st.integers(0, 64 * MODEL_BYTES))
+def test_any_well_signed_numbers_leave_the_core_alive_and_fast(ds, heads, total) -> None:
+    core, clock = make_core()
+    honest = key(9)
+    good = lineage_id(honest.public, BASE, "lin")
+    ds = ds + [demand(good, "lin", h) for h in heads]
+    t0 = time.perf_counter()
+    core.handle(announce(honest, 1, ds[:16]))
+    for h in heads:
+        m = manifest(honest, "lin", h, h, total=min(total, 1 << 16), codec="anchor-v1")
+        core.handle(C.ManifestHeard(m))
+        core.wants_manifest(m)
+        core.handle(C.CatalogReceived(honest.peer_id, good, (StoredItem("anchor", h, h, 1),
+                                                            StoredItem("union", 0, h, 1))))
+    clock.t += 3
+    core.handle(C.Tick())
+    assert time.perf_counter() - t0 < 1.0
+    for lin in core.lineages.values():
+        assert lin.head <= max([0] + heads + [d.head_version for d in ds])
+
+
+def test_a_publisher_spamming_distinct_manifests_gets_a_bounded_number_of_transfers() -> None:
+    core, clock = make_core()
+    honest = key(9)
+    lid = lineage_id(honest.public, BASE, "lin")
+    core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
+    core.handle(C.Tick())
+    accepted = sum(core.wants_manifest(manifest(honest, "lin", b, b + 1 + (i % 7)))
+                   for i, b in enumerate(range(3, 3 + 1000)))
+    assert accepted == C.MAX_IN_FLIGHT and len(core.in_flight) == C.MAX_IN_FLIGHT
+
+
+def test_honest_traffic_costs_no_one_anything() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    penalties = []
+    for v in range(1, 30):
+        clock.t += 2.0
+        penalties += of(core.handle(announce(trainer, v, [demand(lid, "lin", v, step_time_s=0.002)])), C.Penalise)
+        penalties += of(core.handle(C.ManifestHeard(manifest(trainer, "lin", v, v + 1))), C.Penalise)
+        penalties += of(core.handle(C.ManifestHeard(manifest(trainer, "lin", v + 1, v + 1, codec="anchor-v1"))),
+                        C.Penalise)
+        penalties += of(core.handle(C.Tick()), C.Penalise)
+    assert penalties == [] and core.serving == lid and core.head_of(lid) == 30

@@ -1,0 +1,205 @@
+"""The node core as plain calls: for each rule, the events that trigger it and the actions it must
+(and must not) produce. Attacks from hostile peers with valid keys are in tests/test_attacks_core.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+from gossip import wire
+from gossip.identity import Identity
+from node import core as C
+from node import pipe
+from sync.ids import lineage_id
+from sync.patchstore import StoredItem
+
+BASE = hashlib.blake2b(b"base model", digest_size=32).digest()
+MODEL_BYTES = 1 << 20
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def W(kind: str, body: object) -> C.FromWorker:
+    """A worker message as the network process receives it: encoded and decoded by node.pipe."""
+    return C.FromWorker(pipe.decode(pipe.encode(kind, body)))
+
+
+def to_worker(actions, cls):
+    return [a.msg for a in actions if isinstance(a, C.ToWorker) and isinstance(a.msg, cls)]
+
+
+def key(i: int) -> Identity:
+    return Identity.from_seed(bytes([i]) * 32)
+
+
+def make_core(roles=("follower", "validator"), seed: int = 1, **kw) -> tuple[C.NodeCore, Clock]:
+    clock = Clock()
+    core = C.NodeCore(C.CoreSettings(swarm="t", roles=tuple(roles), **kw), key(seed), clock)
+    core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
+    return core, clock
+
+
+def demand(lid: bytes, name: str, head: int, step_time_s: float = 2.0, rollouts: int = 32,
+           standby: list[str] | None = None) -> wire.LineageDemand:
+    return wire.LineageDemand(lineage=lid, name=name, head_version=head, rollouts_per_step=rollouts,
+                              step_time_s=step_time_s, max_staleness=4, standby=standby or [])
+
+
+def announce(ident: Identity, seq: int, owned=(), serving: bytes = b"", roles=("trainer",),
+             gen_tps: float = 0.0) -> C.AnnounceHeard:
+    body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=seq, created_ms=1, hardware="cpu",
+                             gen_tokens_per_s=gen_tps, rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
+                             roles=list(roles), lineages_followed=[], serving=serving, owned=list(owned))
+    return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body))
+
+
+def manifest(ident: Identity, name: str, base_v: int, target_v: int, total: int = 1000,
+             codec: str = "sparse-v1", lineage: bytes | None = None) -> wire.PatchManifest:
+    lid = lineage if lineage is not None else lineage_id(ident.public, BASE, name)
+    n = max(1, -(-total // 4096))
+    chunks = [wire.ChunkRef(hash=bytes(32), size=min(4096, total - i * 4096)) for i in range(n)] if total else []
+    return wire.PatchManifest(v=1, lineage=lid, lineage_name=name, base_model_hash=BASE, publisher=ident.public,
+                              base_version=base_v, target_version=target_v, base_hash=b"" if codec == "anchor-v1"
+                              else bytes(32), target_hash=bytes(32), codec=codec, total_bytes=total,
+                              chunk_bytes=4096, chunks=chunks, created_ms=1)
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def follow_trainer(core: C.NodeCore, clock: Clock, trainer: Identity, name: str = "lin", head: int = 3) -> bytes:
+    lid = lineage_id(trainer.public, BASE, name)
+    core.handle(announce(trainer, 1, [demand(lid, name, head)]))
+    core.handle(C.ManifestHeard(manifest(trainer, name, head - 1, head)))
+    core.handle(C.Tick())
+    return lid
+
+
+def test_follower_serves_the_announced_lineage_and_tells_the_worker() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 3)]))
+    acts = core.handle(C.Tick())
+    assert core.serving == lid
+    follow = to_worker(acts, pipe.Follow)
+    assert follow and follow[0].info.publisher == trainer.public.hex() and follow[0].info.base == BASE.hex()
+    assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
+    assert to_worker(acts, pipe.Admit)[0].generate is False  # holds nothing yet
+    assert of(acts, C.Publish)[0].topic == "announce"
+
+
+def test_staleness_admission_pauses_and_resumes_generation() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    acts = core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
+    acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))  # 6 behind > bound 4
+    assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
+    assert core.lineages[lid].admission == "stale"
+    acts = core.handle(W("applied", {"lineage": lid.hex(), "version": 9}))
+    assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
+
+
+def test_patch_accept_rule_takes_only_new_items_of_the_served_lineage() -> None:
+    core, clock = make_core()
+    trainer, other = key(9), key(10)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    core.handle(C.StoredItems(lid, (StoredItem("patch", 2, 3, 10),)))
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert core.wants_manifest(manifest(trainer, "lin", 3, 4))
+    assert not core.wants_manifest(manifest(trainer, "lin", 2, 3))  # held already
+    assert not core.wants_manifest(manifest(other, "other", 3, 4))  # another lineage
+    done = manifest(trainer, "lin", 3, 4)
+    assert core.handle(C.TransferDone(b"p" * 32, done)) == [C.StorePatch(b"p" * 32)]
+    acts = core.handle(C.PatchStored(done, 1000, 0.5))
+    assert to_worker(acts, pipe.Patch) == [pipe.Patch(lid.hex(), "patch", 3, 4)]
+    assert core.handle(C.TransferDone(b"p" * 32, done)) == []  # stored: not stored twice
+
+
+def test_catch_up_asks_the_publisher_then_offers_the_cheapest_plan() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    acts = core.handle(C.Tick())
+    assert core.serving == lid
+    assert of(acts, C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    items = (StoredItem("anchor", 4, 4, 900), StoredItem("patch", 4, 5, 10), StoredItem("patch", 5, 6, 10),
+             StoredItem("union", 0, 6, 5000))
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
+    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == \
+        [("anchor", 4, 4), ("patch", 4, 5), ("patch", 5, 6)]
+    clock.t += 1
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == []  # one attempt at a time
+
+
+def test_catch_up_does_nothing_when_held_plus_in_flight_reach_the_head() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=4)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert core.wants_manifest(manifest(trainer, "lin", 3, 4))
+    clock.t += 1
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == []
+
+
+def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
+    core, clock = make_core(roles=("trainer",))
+    me = key(1)
+    lid = lineage_id(me.public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
+    acts = core.handle(C.Tick())
+    env = wire.decode_envelope(of(acts, C.Publish)[0].data)
+    a = wire.decode_struct(env.body, wire.NodeAnnounce, 1 << 16)
+    assert [bytes(d.lineage) for d in a.owned] == [lid] and a.owned[0].head_version == 2
+    r = wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
+                     completion_ids=[2], text="x", tokenizer_hash=bytes(32), logprobs=bytes(4), token_versions=[(0, 2)],
+                     sampling=wire.SamplingParams(), reward=1.0, created_ms=1)
+    acts = core.handle(W("rollouts", [wire.encode(r)] * 70))
+    pubs = of(acts, C.Publish)
+    assert len(pubs) == 2 and len(of(acts, C.RecordRollouts)) == 2
+    assert acts.index(of(acts, C.RecordRollouts)[0]) < acts.index(pubs[0])  # recorded before it is sent
+
+
+def test_published_version_is_seeded_and_moves_the_own_head() -> None:
+    core, clock = make_core(roles=("trainer",))
+    me = key(1)
+    lid = lineage_id(me.public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0}))
+    acts = core.handle(W("published", {"version": 1, "envelope": b"env"}))
+    assert acts == [C.SeedVersion(b"env")]
+    assert core.head_of(lid) == 1
+
+
+def test_spot_check_failure_penalises_the_producer() -> None:
+    core, clock = make_core()
+    bad = key(7)
+    acts = core.handle(W("spot", {"ok": False, "producer": bad.public.hex(), "diff": 3.0}))
+    assert of(acts, C.Penalise) == [C.Penalise(bad.peer_id, "spot_check_failed", C.SPOT_PENALTY)]
+
+
+def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    delays = []
+    for _ in range(3):
+        acts = core.handle(C.WorkerExited(1))
+        delays += [a.delay_s for a in of(acts, C.RestartWorker)]
+        assert core.handle(C.WorkerExited(1)) == []  # one restart per exit
+        core.worker_started_now()
+    assert delays == sorted(delays) and delays[0] < delays[-1]
+    assert core.counters["worker_restarts"] == 3
+    acts = core.handle(W("ready", {"base": BASE.hex(), "version": 0}))
+    assert [a.info.id for a in to_worker(acts, pipe.Follow)] == [lid.hex()]
+    clock.t += C.WORKER_STABLE_S + 1
+    acts = core.handle(C.WorkerExited(1))
+    assert of(acts, C.RestartWorker) == [C.RestartWorker(C.RESTART_BACKOFF_S[0])]  # a stable run resets it
