@@ -67,6 +67,18 @@ def test_vllm_asked_without_an_environment_fails_at_start(monkeypatch: pytest.Mo
     assert worker_python({"engine": "transformers", "model": "murmur-tiny"}) == sys.executable
 
 
+def test_node_start_with_vllm_and_no_environment_exits_2_with_the_reason(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text('[node]\nroles = ["follower"]\n[network]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
+                                      'dht = false\n[training]\nengine = "vllm"\n')
+    r = subprocess.run([sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"],
+                       capture_output=True, text=True, timeout=120, cwd=str(ROOT),
+                       env=dict(_env(), MURMUR_VLLM_PYTHON=str(tmp_path / "nowhere" / "python")))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "no vLLM environment was found" in r.stderr and "install.sh --vllm cpu" in r.stderr
+
+
 def test_vllm_asked_in_an_environment_without_vllm_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     from node.worker import worker_python
     from training.engine_vllm import installed_build
