@@ -371,7 +371,7 @@ class Worker:
             step_s = time.monotonic() - t0
             self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
-                               "used": sum(1 for _ in range(res.n_external_groups)), "step_s": step_s,
+                               "used": res.n_external_groups, "step_s": step_s,
                                "published": published, "sampler": sampler_counts,
                                "dropped": {**trainer.drops, "worker_inbox_full": sampler_counts["evicted"],
                                            "below_min_version": sampler_counts["stale"]},
