@@ -135,3 +135,18 @@ def bench_attacks(
     from simulations.bench.attacks import run
 
     _run(run, window_s=window_s)
+
+
+@bench_app.command("engines")
+def bench_engines(
+    json_out: JsonOpt = True,
+    patches: Annotated[int, typer.Option(help="versions each engine applies")] = 5,
+    batch: Annotated[int, typer.Option(help="prompts per generation batch")] = 32,
+    max_new: Annotated[int, typer.Option(help="new tokens per completion at most")] = 32,
+    models: Annotated[str, typer.Option(help="comma-separated: murmur-tiny, qwen2-28m")] = "murmur-tiny,qwen2-28m",
+    seed: SeedOpt = 0,
+) -> None:
+    """transformers vs vLLM on the same models, prompts and patches (vLLM from .venv-vllm)."""
+    from simulations.bench.engines import run
+
+    _run(run, patches=patches, batch=batch, max_new=max_new, models=models, seed=seed)

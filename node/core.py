@@ -143,6 +143,7 @@ class NodeCore:
                                          "worker_restarts": 0, "peers_evicted": 0}
         self.worker_state = "starting"
         self.worker_error = ""
+        self.engine = ""  # what the worker runs (pipe.Engine): a MODE_*, or "<asked> unavailable: <why>"
         self.worker_started = clock()
         self.restarts_in_row = 0
         self.steps = 0
@@ -554,6 +555,9 @@ class NodeCore:
             tps, lat = max(0.0, _finite(m.gen_tokens_per_s)), max(0.0, _finite(m.rollout_latency_s))
             self.gen_tps = tps if not self.gen_tps else (1 - a) * self.gen_tps + a * tps
             self.latency = lat if not self.latency else (1 - a) * self.latency + a * lat
+        elif isinstance(m, pipe.Engine):
+            self.engine = m.mode or f"{m.requested} unavailable: {m.error}"
+            out.append(Log("worker engine", {"engine": self.engine}))
         elif isinstance(m, pipe.Spot):
             self.counters["spot_checked"] += 1
             if not m.ok:

@@ -136,6 +136,7 @@ def node_panel(s: NodeStatus) -> Panel:
         ("gen", f"{s.gen_tokens_per_s:.0f} tok/s, {s.rollout_latency_s:.2f} s per rollout"),
         ("patch bytes", f"up {human_bytes(s.bytes_up)}, down {human_bytes(s.bytes_down)}"),
         ("reach", Text(f"{s.reach.path} ({s.reach.status}): {s.reach.reason}")),
+        ("engine", Text(s.engine or "—")),
     ]
     note = next((lin.admission_note for lin in s.lineages if lin.lineage == s.serving and lin.admission_note), "")
     if note:

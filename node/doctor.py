@@ -75,6 +75,21 @@ def check_torch(ctx: Context) -> list[Check]:
                   detail=f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name(0) if gpu else 'CPU only'}")]
 
 
+def check_engine(ctx: Context) -> list[Check]:
+    """The engine the worker will run: transformers, or vLLM (sparse in place / dense reload) and why not."""
+    from gossip.errors import MurmurError
+    from node.worker import engine_check
+
+    if ctx.cfg.training.engine != "vllm":
+        return [Check(name="engine", ok=True, detail="transformers")]
+    try:
+        py, mode = engine_check({"engine": "vllm", "model": ctx.cfg.training.model})
+    except MurmurError as e:
+        return [Check(name="engine", ok=False, detail=str(e),
+                      fix="bash install.sh --vllm cpu (or --vllm gpu), or set [training] engine = \"transformers\"")]
+    return [Check(name="engine", ok=True, detail=f"{mode}, worker under {py}")]
+
+
 def check_libp2p(ctx: Context) -> list[Check]:
     try:
         from importlib.metadata import version
@@ -280,7 +295,7 @@ def check_nat(ctx: Context) -> list[Check]:
 
 
 CHECKS: list[Callable[[Context], list[Check]]] = [
-    check_python, check_torch, check_libp2p, check_listen_ports, check_bootstrap, check_nat,
+    check_python, check_torch, check_engine, check_libp2p, check_listen_ports, check_bootstrap, check_nat,
     check_disk, check_memory, check_model,
 ]
 

@@ -137,8 +137,15 @@ class Log(Struct, tag="log", forbid_unknown_fields=True):
     message: str
 
 
+class Engine(Struct, tag="engine", forbid_unknown_fields=True):
+    requested: str  # [training] engine: transformers | vllm
+    mode: str = ""  # training.engine MODE_*: what the worker opened ("" when it could not)
+    error: str = ""  # why not
+
+
 ToWorker = Union[Follow, Patch, Admit, Pace, External, Stop]
-FromWorker = Union[Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyFailed, Perf, Spot, Error, Log]
+FromWorker = Union[Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyFailed, Perf, Spot, Engine, Error,
+                   Log]
 Message = Union[ToWorker, FromWorker]
 
 KINDS: dict[str, type[Struct]] = {t.__struct_config__.tag: t for t in Message.__args__}  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from training.engine import Engine
 from training.engine_hf import HFEngine
 
 PUBLISHED_DTYPE = torch.bfloat16
@@ -33,31 +34,42 @@ def to_published(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for n, t in state.items()}
 
 
-@torch.no_grad()
-def mirror(model_state: Mapping[str, torch.Tensor], published: Mapping[str, torch.Tensor],
-           changed: Mapping[str, torch.Tensor]) -> None:
-    """Copy the elements a patch changed from the bf16 state into the fp32 compute model (exact upcast)."""
-    for name, idx in changed.items():
-        dst = model_state[name].view(-1)
-        dst[idx] = published[name].view(-1)[idx].to(dst.dtype)
-
-
 class MasterEngine(HFEngine):
     """Trains the fp32 master (`model`) but samples from the published bf16 weights (`gen`).
 
     The trainer loop calls `sample` for rollouts and `token_logprobs` for the
     loss: rollouts come from the version peers can hold (so they can be
-    gossiped and spot-checked), gradients flow through the master.
+    gossiped and spot-checked), gradients flow through the master. `gen` is a
+    transformers copy by default, or any engine passed in (a vLLM engine: the
+    split of an fp32 torch learner and a vLLM sampler).
     """
 
-    def __init__(self, master: HFEngine, published: Mapping[str, torch.Tensor], seed: int = 0) -> None:
+    def __init__(self, master: HFEngine, published: Mapping[str, torch.Tensor], seed: int = 0,
+                 gen: Engine | None = None) -> None:
         super().__init__(master.model, master.tokenizer, master.memory_budget_mb, seed)
-        self.gen = HFEngine(copy.deepcopy(master.model), master.tokenizer, master.memory_budget_mb, seed)
-        self.gen.model.requires_grad_(False)
+        if gen is None:
+            copy_ = HFEngine(copy.deepcopy(master.model), master.tokenizer, master.memory_budget_mb, seed)
+            copy_.model.requires_grad_(False)
+            gen = copy_
+        self.gen = gen
+        self.mode = gen.mode
+        self._held: dict[str, torch.Tensor] | None = None
         self.set_published(published)
 
     def set_published(self, published: Mapping[str, torch.Tensor]) -> None:
-        self.gen.load_state(dict(published))
+        """Bring the sampler to a new published version: only the elements whose bf16 bits changed."""
+        changed = None
+        if self._held is not None and set(self._held) == set(published):
+            changed = {}
+            for n, t in published.items():
+                a, b = self._held[n].view(-1), t.view(-1)
+                if a.dtype.is_floating_point and a.element_size() == 2:
+                    a, b = a.view(torch.int16), b.view(torch.int16)
+                idx = (a != b).nonzero().view(-1)
+                if idx.numel():
+                    changed[n] = idx
+        self.gen.take_version(published, changed)
+        self._held = {n: t.detach().clone() for n, t in published.items()}
 
     def sample(self, prefixes: list[list[int]], sampling: Any, max_new: int | None = None
                ) -> list[tuple[list[int], list[float], bool]]:

@@ -177,6 +177,7 @@ class NodeStatus(Struct, kw_only=True):
     uptime_s: float = 0.0
     worker: str = "starting"  # worker process state: loading | training | generating | standby | catching-up | stopped
     worker_error: str = ""
+    engine: str = ""  # transformers | vllm (sparse in place) | vllm (dense reload) | "vllm unavailable: <why>"
     worker_restarts: int = 0  # times the worker process was restarted after it died
     worker_pid: int = 0
     peers: list[PeerView] = []

@@ -64,7 +64,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     return NodeStatus(
         peer_id=node.ident.peer_id, swarm=node.cfg.node.swarm, roles=node.roles, hardware=node.hw_class,
         listen=node.transport.listen_addrs() if node.transport else [], state=node.state,
-        uptime_s=now - node.started, worker=c.worker_state, worker_error=c.worker_error[:2000],
+        uptime_s=now - node.started, worker=c.worker_state, worker_error=c.worker_error[:2000], engine=c.engine,
         worker_restarts=c.counters["worker_restarts"], worker_pid=pids[0] if pids else 0,
         peers=peer_views(c, now), lineages=lineage_views(c),
         serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason, steps=c.steps,

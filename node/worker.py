@@ -23,6 +23,7 @@ worker -> network
   Applied                    {lineage, version}; ApplyFailed {lineage, base, target, error}
   Perf                       {gen_tokens_per_s, rollout_latency_s}
   Spot                       {ok, producer, lineage, version, diff}
+  Engine                     {requested, mode, error}: the engine it opened (training.engine MODE_*) or why not
   Error                      fatal; the worker exits
 """
 
@@ -33,6 +34,7 @@ import json
 import os
 import queue
 import random
+import sys
 import threading
 import time
 import traceback
@@ -41,13 +43,78 @@ from typing import Any
 
 from training.sampler import Sampler
 
-SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation
+SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation (docs/training.md)
 EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
 ACCEPTED_SETS_MAX = 256  # task sets counted in the accepted-rollouts tally between two takes
 EVAL_EVERY_STEPS = 25  # a trainer measures held-out accuracy every this many steps (and at its first)
 TASKS_WAIT_S = 2.0  # poll interval while waiting for a chosen task set to arrive
+VLLM_PYTHON_VAR = "MURMUR_VLLM_PYTHON"  # the vLLM environment's interpreter, when not the default below
+VLLM_ENV_DIR = ".venv-vllm"  # built by `install.sh --vllm cpu|gpu` next to the package
+ENGINE_PROBE_TIMEOUT_S = 180.0
+_PROBE = (
+    "import json, sys\n"
+    "from training.engine_vllm import check_support\n"
+    "try:\n"
+    "    mode, _ = check_support(sys.argv[1] or None, archs=json.loads(sys.argv[2]) or None)\n"
+    "    print(json.dumps({'mode': mode}))\n"
+    "except Exception as e:\n"
+    "    print(json.dumps({'error': str(e)}))\n"
+)
+
+
+def vllm_python() -> str:
+    """The interpreter of the vLLM environment: $MURMUR_VLLM_PYTHON, else `.venv-vllm` in the checkout
+    this package runs from, else this interpreter when a vLLM build is installed in it; "" when none."""
+    from training.engine_vllm import installed_build
+
+    env = os.environ.get(VLLM_PYTHON_VAR, "")
+    if env:
+        return env
+    cand = Path(__file__).resolve().parents[1] / VLLM_ENV_DIR / "bin" / "python"
+    if cand.exists():
+        return str(cand)
+    return sys.executable if installed_build()[0] else ""
+
+
+def worker_python(spec: dict[str, Any]) -> str:
+    """The interpreter the worker process runs under, checked now so that a node asked for vLLM fails at
+    start with the reason (not installed, not importable, no GPU and no CPU build, unsupported
+    architecture) instead of falling back to transformers. The check imports vLLM in a subprocess."""
+    return engine_check(spec)[0]
+
+
+def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
+    """(worker interpreter, engine mode) for the spec's engine and model; MurmurError saying why not."""
+    import subprocess
+
+    from gossip.errors import MurmurError
+    from training.engine import MODE_TRANSFORMERS
+    from training.tiny import TINY_ARCHS, TINY_NAME
+
+    if spec.get("engine", "transformers") != "vllm":
+        return sys.executable, MODE_TRANSFORMERS
+    py = vllm_python()
+    if not py or not Path(py).exists():
+        raise MurmurError(f"[training] engine = \"vllm\" but no vLLM environment was found ({py or VLLM_ENV_DIR}); "
+                          "build one with `bash install.sh --vllm cpu` (or `--vllm gpu`), or point "
+                          f"{VLLM_PYTHON_VAR} at an interpreter that has vLLM")
+    tiny = spec["model"] == TINY_NAME
+    path = "" if tiny else str(Path(spec["model"]).expanduser())
+    try:
+        r = subprocess.run([py, "-c", _PROBE, path, json.dumps(TINY_ARCHS if tiny else [])], capture_output=True,
+                           text=True, timeout=ENGINE_PROBE_TIMEOUT_S, cwd=str(Path(__file__).resolve().parents[1]))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise MurmurError(f"vLLM check under {py} failed: {e}") from None
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    try:
+        res = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise MurmurError(f"vLLM check under {py} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}") from None
+    if "error" in res:
+        raise MurmurError(f"[training] engine = \"vllm\" cannot be used: {res['error']}")
+    return py, str(res["mode"])
 
 
 class Inbox:
@@ -139,18 +206,22 @@ class Worker:
     # ------------------------------------------------------------ setup
     def load(self) -> None:
         from node.store import open_store
+        from training.engine import open_engine
         from training.engine_hf import set_threads
         from training.tasksets import TaskRegistry
-        from training.tiny import load_policy
+        from training.tiny import load_policy, policy_path
 
         set_threads(int(self.spec.get("threads", 1)))
         import torch
 
         torch.set_num_threads(int(self.spec.get("threads", 1)))
         self.send("state", "loading")
-        self.engine = load_policy(self.spec["model"], self.spec.get("model_home") or self.home,
-                                  device=self.spec.get("device", "auto"), seed=int(self.spec.get("model_seed", 0)),
-                                  memory_budget_mb=max(64, int(self.spec["memory_budget_mb"]) // 4))
+        model_home = self.spec.get("model_home") or self.home
+        budget = max(64, int(self.spec["memory_budget_mb"]) // 4)
+        # the transformers copy: the trainer's fp32 master, and the source of the base state everywhere
+        self.engine = load_policy(self.spec["model"], model_home, device=self.spec.get("device", "auto"),
+                                  seed=int(self.spec.get("model_seed", 0)), memory_budget_mb=budget)
+        self.master = self.engine
         self.registry = TaskRegistry()
         self.registry.add_builtin()
         self.db = open_store(self.home)
@@ -167,6 +238,19 @@ class Worker:
         # lineages version the bf16 copy (node/policy.py); the base hash is over those bytes
         self.base_state = to_published(canonical_state(self.engine.model))
         self.base_hash = state_hash(self.base_state)
+        kind = self.spec.get("engine", "transformers")
+        try:
+            # the engine that generates (and spot-checks): the master itself, or vLLM on the same weights
+            self.engine = open_engine(kind, policy_path(self.spec["model"], model_home, int(self.spec.get("model_seed", 0))),
+                                      self.master, role="trainer" if "trainer" in self.spec["roles"] else "follower",
+                                      memory_budget_mb=int(self.spec["memory_budget_mb"]),
+                                      seed=int(self.spec.get("seed", 0)), threads=int(self.spec.get("threads", 1)))
+        except Exception as e:
+            self.send("engine", {"requested": kind, "mode": "", "error": str(e)})
+            raise
+        self.send("engine", {"requested": kind, "mode": self.engine.mode, "error": ""})
+        if self.engine is not self.master and "trainer" not in self.spec["roles"]:
+            self.master = None  # a vLLM follower generates and checks with vLLM only: free the torch copy
         # the network process bounds a lineage's manifests by this size
         self.model_bytes = sum(t.numel() * t.element_size() for t in self.base_state.values())
         self.checker = self.engine  # the engine holding the published weights, for spot checks
@@ -223,7 +307,7 @@ class Worker:
                 pub = LineagePublisher.resume(ident, self.home, bytes.fromhex(own), **kw)
                 if {n: t.dtype for n, t in pub.base.items()} != {n: t.dtype for n, t in self.base_state.items()}:
                     raise ValueError("stored lineage is not in the published (bf16) layout")
-                self.engine.load_state(pub.base)
+                self.master.load_state(pub.base)
             except Exception as e:  # a damaged store must not stop the node: start the lineage afresh
                 self.send("log", f"cannot resume lineage {own[:16]}: {e}; starting a new one")
                 pub = None
@@ -231,8 +315,10 @@ class Worker:
             pub = LineagePublisher(ident, s["lineage_name"], self.base_state, self.home, **kw)
             self.db.put("own_lineage", pub.lineage.id.hex())
         self.pub = pub
-        # fp32 master for the optimizer; rollouts are sampled from the published bf16 version
-        self.engine = MasterEngine(self.engine, pub.base, seed=int(s.get("seed", 0)))
+        # fp32 master for the optimizer; rollouts are sampled from the published bf16 version (by vLLM
+        # when it was asked for: the engine opened in load())
+        self.engine = MasterEngine(self.master, pub.base, seed=int(s.get("seed", 0)),
+                                   gen=None if self.engine is self.master else self.engine)
         self.checker = self.engine.gen
         self.held_lineage = pub.lineage.id
         self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
@@ -342,11 +428,11 @@ class Worker:
                 follower = LineageFollower(lin, state, version=int(meta["version"]),
                                            expected_hash=bytes.fromhex(meta["state_hash"]), home=self.home,
                                            db=self.db, keep_patches=False)
-                self.engine.load_state(follower.live)
+                self.engine.take_version(follower.live, None)
                 return follower
             except Exception as e:
                 self.send("log", f"follower checkpoint unusable ({e}); starting from the base model")
-        self.engine.load_state(live)
+        self.engine.take_version(live, None)
         self.need_anchor = False
         try:
             return LineageFollower(lin, live, version=0, home=self.home, db=self.db, keep_patches=False)
@@ -388,9 +474,7 @@ class Worker:
     def _apply_item(self, follower: Any, kind: str, base: int, target: int) -> bool:
         from sync import chunks as chunking
         from sync.patchstore import open_manifest
-        from sync.hashing import canonical_state
         from gossip.errors import PatchError
-        from node.policy import mirror
 
         store = follower.store
         try:
@@ -401,7 +485,7 @@ class Worker:
             self.send("apply_failed", {"lineage": follower.lineage.id.hex(), "base": base, "target": target,
                                        "error": str(e)})
             return False
-        mirror(canonical_state(self.engine.model), follower.live, applied.changed)
+        self.engine.take_version(follower.live, applied.changed)
         if kind == "anchor":
             self.need_anchor = False
         self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version,

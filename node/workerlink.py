@@ -31,7 +31,7 @@ WORKER_QUEUE = 1024
 def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str], opts: RunOptions) -> dict[str, Any]:
     t = cfg.training
     return {
-        "home": str(home), "swarm": cfg.node.swarm, "roles": node_roles, "model": t.model,
+        "home": str(home), "swarm": cfg.node.swarm, "roles": node_roles, "model": t.model, "engine": t.engine,
         "model_home": opts.model_home or str(home),
         "device": t.device, "model_seed": 0, "seed": t.seed, "threads": t.threads,
         "memory_budget_mb": cfg.node.memory_budget_mb, "identity_seed": ident.seed.hex(),
@@ -58,11 +58,19 @@ class WorkerLink:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
+        from multiprocessing import spawn as mp_spawn
+
         from node import worker
 
+        python = worker.worker_python(spec)  # MurmurError at start when the engine asked for cannot run
+        self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=worker.main, args=(child, spec), name="murmur-worker", daemon=True)
-        self.proc.start()
+        before = mp_spawn.get_executable()
+        ctx.set_executable(python)  # the vLLM environment's interpreter when engine = "vllm"
+        try:
+            self.proc.start()
+        finally:
+            ctx.set_executable(before)
         child.close()
         self.out: queue.Queue[bytes] = queue.Queue(WORKER_QUEUE)
         self.dropped = 0

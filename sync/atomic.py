@@ -8,6 +8,7 @@ crash may lose the newest files but cannot make a torn one count.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from pathlib import Path
 def atomic_write(path: Path, data: bytes | memoryview | Iterable[bytes], durable: bool = True) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # one temp file per writer: two threads storing the same file (one patch completed by two transfers)
+    # must not truncate each other's temp file, nor lose the rename
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
             if isinstance(data, (bytes, bytearray, memoryview)):

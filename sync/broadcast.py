@@ -42,7 +42,7 @@ from sync.swarm import (MAX_FRAME_BYTES, Ban, Chunk, Completed, Frame, Have, Hav
 log = logging.getLogger("murmur.sync.broadcast")
 
 PROTOCOL = "/murmur/chunks/1"
-MAX_TRANSFERS = 64  # patches a node swarms at once; the oldest completed one is dropped beyond this
+MAX_TRANSFERS = 64  # patches a node tracks at once; beyond this the oldest finished one, else the oldest, goes
 MAX_MANIFEST_ASKS = 256  # unknown patch ids we ask peers about (and who advertised them)
 READ_SIZE = 1 << 20  # one stream read takes whatever the muxer holds, up to this
 _LEN = struct.Struct(">I")
@@ -209,7 +209,7 @@ class BroadcastNode:
         self._conns_changed = trio.Event()
         self._tick_wake = trio.Event()  # set when the ticker may have work again (it sleeps when idle)
         self.counters = {"frames_in": 0, "frames_out": 0, "bytes_up": 0, "bad_frames": 0, "manifests_rejected": 0,
-                         "writes": 0}
+                         "writes": 0, "transfers_evicted": 0}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -358,9 +358,12 @@ class BroadcastNode:
 
     def _add(self, tr: Transfer) -> None:
         if len(self.transfers) >= MAX_TRANSFERS:
+            # A transfer whose chunks nobody serves would otherwise hold its slot forever, and a full
+            # table of them would refuse every later patch: the oldest unfinished one gives way.
             old = next((p for p, t in self.transfers.items() if t.session.complete), None)
             if old is None:
-                raise MurmurError(f"{MAX_TRANSFERS} patches already in flight")
+                old = min(self.transfers, key=lambda p: self.transfers[p].started)
+                self.counters["transfers_evicted"] += 1
             del self.transfers[old]
         self.transfers[tr.pid] = tr
         self._asked.pop(tr.pid, None)

@@ -337,3 +337,28 @@ def test_wait_complete_on_an_unknown_or_evicted_transfer_is_a_clear_error() -> N
                 await node.wait_complete(b"\x01" * 32, 1.0)
 
     trio.run(main)
+
+
+def test_stuck_transfers_never_block_new_patches() -> None:
+    """Patches whose chunks never come (pruned at every peer, or manifests a publisher signs and never
+    serves) must not fill the transfer table for good: the oldest unfinished transfer gives way, is
+    counted, and waiting on it is the clear error catch-up already handles."""
+    from gossip.transport import StreamError
+    from sync.broadcast import MAX_TRANSFERS
+
+    publisher = ident(70)
+
+    async def main() -> None:
+        async with live_node(71) as (_, f):
+            pids = []
+            for v in range(1, MAX_TRANSFERS + 3):  # nobody ever serves a chunk of these
+                env, _ = make_patch(publisher, payload(2 * CHUNK, seed=v), CHUNK, version=v)
+                pids.append(await f.add_manifest(env))
+            assert all(p is not None for p in pids)
+            assert len(f.transfers) == MAX_TRANSFERS
+            assert pids[-1] in f.transfers and pids[0] not in f.transfers and pids[1] not in f.transfers
+            assert f.counters["transfers_evicted"] == 2
+            with pytest.raises(StreamError, match="not being transferred"):
+                await f.wait_complete(pids[0], 1.0)
+
+    trio.run(main)

@@ -179,28 +179,19 @@ def test_expand_versions() -> None:
     assert expand_versions([], 2, 7) == [7, 7]
 
 
-@pytest.mark.vllm
-def test_vllm_engine_generates_and_rescores(tmp_path: Path) -> None:
-    from training.engine_vllm import VLLMEngine, vllm_available
-
-    ok, why = vllm_available()
-    if not ok:
-        pytest.skip(why)
-    path = ensure_tiny(tmp_path, seed=0, warmup_steps=2)
-    eng = VLLMEngine(path, sparse=torch.cuda.is_available(), enforce_eager=True, skip_tokenizer_init=False)
-    groups = eng.generate(["3+4="], 2, Sampling(max_new_tokens=4))
-    c = groups[0][0]
-    assert eng.logprobs([(c.prompt_ids, c.ids)])[0] == pytest.approx(c.logprobs, abs=1e-2)
-
-
-def test_vllm_module_imports_without_vllm() -> None:
+def test_engine_selection_never_falls_back(tmp_path: Path) -> None:
+    """The node's environment has no vLLM: asking for it is an error that says so, not transformers."""
     import training.engine_vllm as ev
+    from training.engine import open_engine
+    from training.tiny import new_tiny_engine
 
-    ok, why = ev.vllm_available()
-    assert ok or "not importable" in why
-    if not ok:
-        with pytest.raises(MurmurError, match="not importable"):
-            ev.VLLMEngine("/nonexistent")
+    ref = new_tiny_engine(seed=0)
+    assert open_engine("transformers", tmp_path, ref) is ref
+    assert ev.installed_build() == ("", "")
+    with pytest.raises(MurmurError, match="vLLM is not installed"):
+        open_engine("vllm", tmp_path, ref)
+    with pytest.raises(MurmurError, match="unknown engine"):
+        open_engine("tensorrt", tmp_path, ref)
 
 
 def test_task_ref_types() -> None:

@@ -80,7 +80,7 @@ def test_sweep_partials_keeps_downloads_in_flight(tmp_path: Path) -> None:
 
 def test_trainer_samples_the_published_bf16_weights_that_a_follower_holds(identity, tmp_path: Path) -> None:
     """The fp32 master trains; rollouts and spot checks use the published bf16 version, bit for bit."""
-    from node.policy import MasterEngine, mirror, to_published
+    from node.policy import MasterEngine, to_published
     from training.engine import Sampling
     from training.tiny import new_tiny_engine
 
@@ -106,7 +106,7 @@ def test_trainer_samples_the_published_bf16_weights_that_a_follower_holds(identi
     follower_engine.load_state(live)
     fol = LineageFollower(pub.lineage, live, 0)
     applied = fol.apply(bundle.envelope, bundle.chunks)
-    mirror(canonical_state(follower_engine.model), fol.live, applied.changed)
+    follower_engine.take_version(fol.live, applied.changed)
     assert fol.state_hash == state_hash(pub.base)
     for name, t in canonical_state(follower_engine.model).items():
         assert torch.equal(t, pub.base[name].to(t.dtype)), name  # exactly the published values

@@ -23,7 +23,8 @@ def test_every_kind_round_trips_with_bytes_as_bytes() -> None:
         "published": {"version": 3, "envelope": env, "bytes": 99}, "applied": {"lineage": "ab", "version": 3},
         "apply_failed": {"lineage": "ab", "base": 2, "target": 3, "error": "x"},
         "perf": {"gen_tokens_per_s": 10.0, "rollout_latency_s": 1.0},
-        "spot": {"ok": False, "producer": "ab", "diff": 0.3, "lineage": "cd", "version": 1}, "error": "boom", "log": "hi"}
+        "spot": {"ok": False, "producer": "ab", "diff": 0.3, "lineage": "cd", "version": 1},
+        "engine": {"requested": "vllm", "mode": "", "error": "vLLM is not installed"}, "error": "boom", "log": "hi"}
     assert set(cases) == set(pipe.KINDS)
     for kind, body in cases.items():
         m = pipe.decode(pipe.encode(kind, body))

@@ -2,9 +2,9 @@
 
 An engine samples completions with per-token behaviour log-probs, re-scores
 token sequences, and takes in-place weight updates from the sync package
-(`apply_patch` for sparse element updates, `load_state` for dense tensors),
-so the trainer, rollout workers and validators need not know which backend
-runs underneath.
+(`take_version`: the elements a patch changed, or a whole state), so the
+trainer, rollout workers and validators need not know which backend runs
+underneath. `open_engine` is the one place that picks the backend.
 """
 
 from __future__ import annotations
@@ -12,9 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
+
+from gossip.errors import MurmurError
+
+ENGINES: Final = ("transformers", "vllm")
+MODE_TRANSFORMERS: Final = "transformers"
+MODE_SPARSE: Final = "vllm (sparse in place)"
+MODE_DENSE: Final = "vllm (dense reload)"
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,6 +57,19 @@ class SparseUpdate:
 @runtime_checkable
 class Engine(Protocol):
     tokenizer_hash: bytes
+    eos_id: int
+    mode: str  # MODE_TRANSFORMERS | MODE_SPARSE | MODE_DENSE
+
+    def encode(self, text: str) -> list[int]:
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        ...
+
+    def sample(self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
+               ) -> list[tuple[list[int], list[float], bool]]:
+        """Continue each token prefix by up to `max_new` tokens: (new ids, log-probs, hit EOS)."""
+        ...
 
     def generate(self, prompts: list[str], n: int, sampling: Sampling) -> list[list[Completion]]:
         """`n` completions for each prompt (groups, in prompt order)."""
@@ -62,6 +84,27 @@ class Engine(Protocol):
 
     def load_state(self, tensors: dict[str, Any]) -> None:
         ...
+
+    def take_version(self, state: Mapping[str, Any], changed: Mapping[str, Any] | None) -> None:
+        """Make the weights equal `state` (the published bf16 tensors of one version), given the flat
+        indices each tensor changed since the engine's current version (None: load all of it)."""
+        ...
+
+
+def open_engine(kind: str, model_path: str | Path, reference: Any, *, role: str = "follower",
+                memory_budget_mb: int = 1024, seed: int = 0, threads: int = 1) -> Engine:
+    """The generation engine a node asked for. `reference` is the transformers engine already loaded
+    from `model_path` (the trainer's master, the source of the base state): it is returned as is for
+    "transformers". "vllm" raises MurmurError with the reason when vLLM cannot run here: never a
+    silent fallback to transformers."""
+    if kind == "transformers":
+        return reference
+    if kind != "vllm":
+        raise MurmurError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
+    from training.engine_vllm import VLLMEngine  # noqa: PLC0415
+
+    return VLLMEngine(model_path, tokenizer=reference.tokenizer, role=role, memory_budget_mb=memory_budget_mb,
+                      seed=seed, threads=threads)
 
 
 def tokenizer_hash_from_json(tokenizer_json: str) -> bytes:

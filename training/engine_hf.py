@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gossip.errors import MurmurError
-from training.engine import Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
+from training.engine import MODE_TRANSFORMERS, Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
 
 # transformers 5.24 renamed the cache argument; the old name works until 5.40 (we pin <6 and
 # test the loop), so silence the per-call deprecation notice.
@@ -92,6 +93,8 @@ def set_threads(threads: int) -> None:
 
 class HFEngine:
     """A causal LM and its tokenizer; also the trainable policy for the trainer."""
+
+    mode = MODE_TRANSFORMERS
 
     def __init__(self, model: Any, tokenizer: Any, memory_budget_mb: int = 1024, seed: int = 0) -> None:
         self.model = model
@@ -301,6 +304,21 @@ class HFEngine:
             if tuple(v.shape) != tuple(t.shape):
                 raise MurmurError(f"state tensor {name!r} has shape {tuple(v.shape)}, expected {tuple(t.shape)}")
             t.copy_(v.to(t.dtype))
+
+    @torch.no_grad()
+    def take_version(self, state: Mapping[str, Any], changed: Mapping[str, Any] | None) -> None:
+        """Copy the changed elements of the published state into the compute model (an exact upcast of
+        bf16 values to the model's dtype); everything when `changed` is None."""
+        if changed is None:
+            self.load_state(dict(state))
+            return
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, idx in changed.items():
+            t = params.get(name)
+            if t is None:
+                raise MurmurError(f"version names unknown tensor {name!r}")
+            t.view(-1)[idx] = torch.as_tensor(state[name]).view(-1)[idx].to(t.dtype)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

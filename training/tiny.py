@@ -28,6 +28,7 @@ from gossip.wire import GeneratorSpec
 from training.tasksets import builtin_manifest, train_generators
 
 TINY_NAME: Final = "murmur-tiny"
+TINY_ARCHS: Final = ["Qwen2ForCausalLM"]  # what build_model makes (an engine can check support before it exists)
 RECIPE: Final = "v2"  # v2: warm-up on the three-family built-in set
 SPECIALS: Final = ["<pad>", "<eos>", "<unk>"]
 CHARS: Final = [chr(c) for c in range(32, 127)]
@@ -161,13 +162,19 @@ def new_tiny_engine(seed: int = 0, memory_budget_mb: int = 1024) -> HFEngine:
     return HFEngine(model, tok, memory_budget_mb=memory_budget_mb, seed=seed)
 
 
+def policy_path(model: str, home: str | Path, seed: int = 0) -> Path:
+    """The model directory: `murmur-tiny` (built and cached on first use) or a local Hugging Face
+    causal-LM directory."""
+    if model == TINY_NAME:
+        return ensure_tiny(home, seed)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise MurmurError(f"model {model!r}: no such path (use murmur-tiny or a local Hugging Face model directory)")
+    return path
+
+
 def load_policy(model: str, home: str | Path, device: str = "auto", seed: int = 0, memory_budget_mb: int = 1024
                 ) -> HFEngine:
-    """`murmur-tiny` (built and cached on first use) or a local Hugging Face causal-LM directory."""
-    if model == TINY_NAME:
-        path = ensure_tiny(home, seed)
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise MurmurError(f"model {model!r}: no such path (use murmur-tiny or a local Hugging Face model directory)")
-    return HFEngine.from_path(path, device=device, memory_budget_mb=memory_budget_mb, seed=seed)
+    """The transformers engine of `policy_path(model, home, seed)`."""
+    return HFEngine.from_path(policy_path(model, home, seed), device=device, memory_budget_mb=memory_budget_mb,
+                              seed=seed)

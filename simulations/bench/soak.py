@@ -6,8 +6,9 @@ first node starts working. Every `SAMPLE_S` the harness measures each node from 
 resident memory of the node process and its children (psutil), the bytes under its home, and
 its status over the control socket. The warm-up before the "start" figures is 5 minutes, or a
 quarter of the run when that is shorter (`warmup_s` in the output says which was used).
-A worker restart is a new worker PID under the same node process. An error is a log line at
-error level, or a Python traceback, in the node's stderr log.
+Worker restarts are the node's own count (`worker_restarts` in its status). An error is a log
+line at error level, or a Python traceback, in the node's stderr log. RSS is also split into the
+network process and its children (worker, verifier pool) to show where growth happens.
 """
 
 from __future__ import annotations
@@ -32,23 +33,21 @@ LATE_WINDOW_S = 600.0  # "still advancing" is checked over the last 10 minutes (
 DISK_CONFIG = "\n[disk]\nlogs_max_mb = 16\nledger_max_rows = 50000\nledger_payload_rows = 1000\n"
 
 
-def tree_rss_mb(pid: int) -> tuple[float, list[int]]:
-    """RSS of a process and its descendants in MiB, and the PIDs of its worker processes (spawned children)."""
+def tree_rss_mb(pid: int) -> tuple[float, float]:
+    """RSS in MiB of a process, and of its descendants together."""
     try:
         p = psutil.Process(pid)
         kids = p.children(recursive=True)
-        total = p.memory_info().rss
+        own = p.memory_info().rss
     except psutil.Error:
-        return 0.0, []
-    workers = []
+        return 0.0, 0.0
+    children = 0
     for k in kids:
         try:
-            total += k.memory_info().rss
-            if any("spawn_main" in part for part in k.cmdline()):
-                workers.append(k.pid)
+            children += k.memory_info().rss
         except psutil.Error:
             pass
-    return total / 2**20, workers
+    return own / 2**20, children / 2**20
 
 
 def disk_mb(home: Path) -> dict[str, float]:
@@ -106,8 +105,9 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
     names = [f"node{i}-{'+'.join(r)}" for i, r in enumerate(ROLES)]
     homes: list[Path] = []
     procs = []
-    workers: list[set[int]] = [set() for _ in ROLES]
     rss_start: list[float | None] = [None] * len(ROLES)
+    parts_start: list[tuple[float, float] | None] = [None] * len(ROLES)
+    parts_now = [(0.0, 0.0)] * len(ROLES)
     disk_start: list[dict[str, float] | None] = [None] * len(ROLES)
     late_mark: list[tuple[int, int] | None] = [None] * len(ROLES)
     rss_now = [0.0] * len(ROLES)
@@ -132,8 +132,8 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
             now = time.monotonic()
             statuses = demo.poll(homes)
             for i, p in enumerate(procs):
-                rss_now[i], kids = tree_rss_mb(p.pid)
-                workers[i].update(kids)
+                parts_now[i] = tree_rss_mb(p.pid)
+                rss_now[i] = sum(parts_now[i])
             if t0 is None and any(s is not None and s.worker in ("training", "generating") for s in statuses):
                 t0 = now
             if t0 is None:
@@ -142,7 +142,7 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
             if elapsed >= warmup:
                 for i in range(len(ROLES)):
                     if rss_start[i] is None:
-                        rss_start[i] = rss_now[i]
+                        rss_start[i], parts_start[i] = rss_now[i], parts_now[i]
                         disk_start[i] = disk_mb(homes[i])
             if elapsed >= duration - late:
                 for i in range(len(ROLES)):
@@ -178,7 +178,11 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
         "rss_growth": round(max(growth), 4) if growth else None,
         "disk_mb_start": {n: d for n, d in zip(names, disk_start)},
         "disk_mb_end": {n: d for n, d in zip(names, end)},
-        "worker_restarts": {n: max(0, len(w) - 1) for n, w in zip(names, workers)},
+        "rss_mb_parts_start": {n: None if p is None else {"network": round(p[0], 1), "children": round(p[1], 1)}
+                               for n, p in zip(names, parts_start)},
+        "rss_mb_parts_end": {n: {"network": round(p[0], 1), "children": round(p[1], 1)}
+                             for n, p in zip(names, parts_now)},
+        "worker_restarts": {n: (s.worker_restarts if s is not None else None) for n, s in zip(names, statuses)},
         "errors": {n: count_errors(h) for n, h in zip(names, homes)},
         "rejected": rejected,
         "dropped": dropped,
