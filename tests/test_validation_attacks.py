@@ -20,6 +20,7 @@ from training.verifiers import VerifierPool, score
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
+EVE = Identity.from_seed(b"\x03" * 32)
 COORD = Identity.from_seed(b"\x0c" * 32)
 SLOW_ANSWER = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's sympy works on this for seconds
 
@@ -136,6 +137,25 @@ def test_tiny_check_is_the_engines_tokenizer(tiny, tmp_path) -> None:
     assert reloaded.hash == tiny.hash
     ids = [(i * 37) % tiny.vocab for i in range(300)]
     assert tiny.decode(ids) == engine.decode(ids)
+
+
+def test_model_directory_check_is_the_engines_tokenizer(reg, tmp_path) -> None:
+    """A node started on a model directory (config.json names qwen2) checks the hash its producers
+    send: the check loads the tokenizer as the engine does, or every rollout looks foreign to it."""
+    from training.engine_hf import HFEngine, load_causal_lm
+    from training.tiny import new_tiny_engine
+
+    built = new_tiny_engine()
+    built.model.save_pretrained(tmp_path)
+    built.tokenizer.save_pretrained(tmp_path)
+    engine = HFEngine(*load_causal_lm(tmp_path, device="cpu"))
+    check = tokencheck.for_model(str(tmp_path))
+    assert check is not None and check.hash == engine.tokenizer_hash == built.tokenizer_hash
+    p, _ = pipe(reg, check_tokens=check)
+    forged = [tiny_rollout(reg, check, s, ids=[check.vocab - 1] * 3) for s in range(4)]
+    assert p.check(seal(MALLORY, forged, 1), MALLORY.peer_id).reason is Reason.TEXT_MISMATCH
+    outside = [tiny_rollout(reg, check, 0, ids=[5, check.vocab + 1000])]
+    assert p.check(seal(EVE, outside, 1), EVE.peer_id).reason is Reason.BAD_TOKENS
 
 
 def test_forged_token_ids_with_a_correct_text_are_rejected(reg, tiny) -> None:

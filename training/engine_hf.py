@@ -56,7 +56,7 @@ def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
     if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise MurmurError(f"model path {str(p)!r} is a {cfg.model_type!r} model, not a causal LM")
     try:
-        tok = _load_tokenizer(p)
+        tok = load_tokenizer(p)
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
     except Exception as e:
         raise MurmurError(f"model path {str(p)!r}: cannot load: {str(e).splitlines()[0][:200]}") from None
@@ -64,7 +64,7 @@ def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
     return model, tok
 
 
-def _load_tokenizer(p: Path) -> Any:
+def load_tokenizer(p: Path) -> Any:
     """The directory's own tokenizer. A generic `tokenizer.json` (class TokenizersBackend /
     PreTrainedTokenizerFast) is loaded as is: AutoTokenizer would rebuild it as the model
     type's tokenizer class (e.g. byte-level BPE for qwen2), changing the tokenization."""

@@ -70,9 +70,10 @@ def for_model(model: str) -> TokenCheck | None:
     path = Path(model).expanduser()
     if not (path / "tokenizer.json").is_file():
         return None
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from training.engine_hf import load_tokenizer  # noqa: PLC0415
 
-    tok = AutoTokenizer.from_pretrained(path)
+    # Loaded exactly as the engine loads it, so `hash` is the one honest producers put in their rollouts.
+    tok = load_tokenizer(path)
     vocab = None
     try:
         vocab = int(json.loads((path / "config.json").read_text()).get("vocab_size") or 0) or None
