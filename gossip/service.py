@@ -55,7 +55,14 @@ class GossipService:
 
     # ------------------------------------------------------------ lifecycle
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Subscribe, install validators, and drain the topics until cancelled."""
+        """Subscribe, install validators, and drain the topics until cancelled.
+
+        Batches accepted before a restart are remembered first (from the ledger's signed payloads),
+        so peers' replays of them after the restart are duplicates, not a second acceptance."""
+        if self.store is not None:
+            limit = self.pipeline.config.replay_entries
+            for data in await trio.to_thread.run_sync(self.store.accepted_payloads, limit):
+                self.pipeline.remember(bytes(data))
         self.transport.set_validator(self.rollout_topic, self._validate_rollouts)
         self.transport.set_validator(self.announce_topic, self._validate_announce)
         rollouts = await self.transport.subscribe(self.rollout_topic)

@@ -367,11 +367,13 @@ class Store:
             out[key] = out.get(key, 0) + n
         return out
 
-    def accepted_payloads(self, since_seq: int = 0, limit: int = 100_000) -> list[tuple[int, bytes]]:
-        return self.query(
-            "SELECT seq, payload FROM rollouts WHERE status='accepted' AND payload IS NOT NULL AND seq>? ORDER BY seq LIMIT ?",
-            (since_seq, limit),
+    def accepted_payloads(self, limit: int) -> list[bytes]:
+        """The signed batches of the newest `limit` accepted rows that still keep a payload, oldest first."""
+        rows = self.query(
+            "SELECT payload FROM rollouts WHERE status='accepted' AND payload IS NOT NULL ORDER BY seq DESC LIMIT ?",
+            (limit,),
         )
+        return [r[0] for r in reversed(rows)]
 
     def contributions(self) -> list[dict[str, Any]]:
         """Accepted rollouts and tokens per producer: the basis of contribution accounting."""

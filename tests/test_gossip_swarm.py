@@ -231,3 +231,21 @@ def test_dht_discovers_peers_beyond_bootstrap(tmp_path: Path) -> None:
                 while not any(p["peer_id"] == b_id.peer_id and p["addrs"] for p in c.store.peers()):
                     await trio.sleep(0.1)
     trio.run(main)
+
+
+def test_batches_accepted_before_a_restart_are_duplicates_after_it(tmp_path: Path) -> None:
+    """Peers replay recent messages to a node that (re)joins: a batch it accepted before the restart
+    must not be accepted (and trained on) a second time."""
+    producer, receiver = ids(2, base=60)
+    data = make_batch(producer, REG, 1, n=2, tokens=8)
+
+    async def main() -> None:
+        async with node(receiver, tmp_path) as r:
+            assert r.pipeline.check(data, producer.peer_id).accepted
+            r.store.record_rollouts([dict(rollout_id=b"r%d" % i, direction="received", status="accepted",
+                                          producer=producer.public, payload=data if i == 0 else None)
+                                     for i in range(2)])
+        async with node(receiver, tmp_path) as r2:
+            assert r2.pipeline.check(data, producer.peer_id).reason is Reason.DUPLICATE
+
+    trio.run(main)
