@@ -12,20 +12,15 @@ from pathlib import Path
 from node.config import Config
 from node.doctor import CHECKS, Check, Context, check_listen_ports, passed, run_checks
 from gossip.identity import Identity
+from tests.nodeproc import free_port
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_unreachable_bootstrap_is_a_failed_check_with_fix(tmp_path: Path) -> None:
-    dead = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{Identity.generate().peer_id}"
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{Identity.generate().peer_id}"
     cfg = tmp_path / "config.toml"
-    cfg.write_text(f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_free_port()}"]\nbootstrap = ["{dead}"]\n')
+    cfg.write_text(f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\nbootstrap = ["{dead}"]\n')
     env = dict(os.environ, MURMUR_HOME=str(tmp_path / "home"))
     r = subprocess.run([sys.executable, "-m", "node", "doctor", "--json", "--config", str(cfg), "--timeout", "3"],
                        capture_output=True, text=True, timeout=120, env=env)

@@ -14,6 +14,7 @@ from gossip.errors import ConfigError
 from node import modelplan
 from node.config import Config, NodeSection, TrainingSection
 from node.doctor import Context, check_model
+from tests.nodeproc import free_port
 
 torch.set_num_threads(1)
 
@@ -42,14 +43,6 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     return d, build_qwen2(d)
 
 
-def _free_port() -> int:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _cfg(model: Path, budget: int, roles: list[str] | None = None, lr: float = 3e-4) -> Config:
@@ -147,7 +140,7 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
             home.mkdir()
             (home / "config.toml").write_text(
                 f'[node]\nswarm = "byo"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 4096\n'
-                f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_free_port()}"]\ndht = false\n'
+                f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\ndht = false\n'
                 '[sync]\npublish_every = 1\nanchor_every = 8\n'
                 f'[training]\nmodel = "{d}"\nmax_new_tokens = 4\nlocal_rollouts = 4\n')
             cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from node.status import NodeStatus
 from tests.nodeproc import status as _status
-from tests.nodeproc import build_tiny_model, wait_for
+from tests.nodeproc import build_tiny_model, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +29,11 @@ MAX_STALENESS = 4
 WAIT_S = 300.0
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _config(roles: list[str], model: Path) -> str:
     return (f'[node]\nswarm = "test-swarm"\nroles = {roles!r}\nmemory_budget_mb = 1536\n'.replace("'", '"')
-            + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_free_port()}"]\ndht = false\n'
+            + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\ndht = false\n'
             + f'[sync]\npublish_every = 2\nanchor_every = 8\nretain_versions = 32\nmax_staleness = {MAX_STALENESS}\n'
             # a demand two followers cannot meet, so neither is put on standby by the capacity rule
             + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')

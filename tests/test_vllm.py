@@ -21,7 +21,7 @@ import pytest
 
 from gossip.errors import MurmurError
 from node.status import NodeStatus
-from tests.nodeproc import build_tiny_model, wait_for
+from tests.nodeproc import build_tiny_model, free_port, wait_for
 from tests.nodeproc import status as _status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,14 +153,6 @@ def _config(roles: list[str], model: Path, engine: str, port: int) -> str:
             + f'[training]\nmodel = "{model}"\nengine = "{engine}"\nexternal_rollouts = 64\n')
 
 
-def _free_port() -> int:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _start(home: Path, bootstrap: list[str]) -> subprocess.Popen:
@@ -187,8 +179,8 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
     homes = {n: tmp_path / n for n in ("trainer", "follower")}
     homes["trainer"].mkdir()
     homes["follower"].mkdir()
-    (homes["trainer"] / "config.toml").write_text(_config(["trainer", "validator"], model, "transformers", _free_port()))
-    (homes["follower"] / "config.toml").write_text(_config(["follower", "validator"], model, "vllm", _free_port()))
+    (homes["trainer"] / "config.toml").write_text(_config(["trainer", "validator"], model, "transformers", free_port()))
+    (homes["follower"] / "config.toml").write_text(_config(["follower", "validator"], model, "vllm", free_port()))
     procs: dict[str, subprocess.Popen] = {}
     allp = lambda: list(procs.values())  # noqa: E731
     try:
