@@ -44,3 +44,13 @@ def bodies(ident: Identity) -> dict[str, object]:
             rollout_latency_s=0.5, upload_bytes_per_s=1e6, memory_bytes=2**30, roles=["trainer"], lineages_followed=[],
         ),
     }
+
+
+class Clock:
+    """A settable wall clock for the validation pipeline: starts at now, moves only when a test moves it."""
+
+    def __init__(self) -> None:
+        self.t = wire.now_ms() / 1000.0
+
+    def __call__(self) -> float:
+        return self.t

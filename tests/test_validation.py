@@ -10,18 +10,11 @@ from gossip.scoring import ScoreParams
 from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
 from gossip.identity import Identity
 from training.verifiers import score
+from tests.samples import Clock
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
 OTHER = Identity.from_seed(b"\x03" * 32)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = wire.now_ms() / 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture(scope="module")

@@ -17,20 +17,13 @@ from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
 from training import tokencheck
 from training.tasksets import BUILTIN_TRAIN, sign_task_set
 from training.verifiers import VerifierPool, score
+from tests.samples import Clock
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
 EVE = Identity.from_seed(b"\x03" * 32)
 COORD = Identity.from_seed(b"\x0c" * 32)
 SLOW_ANSWER = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's sympy works on this for seconds
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = wire.now_ms() / 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture(scope="module")
