@@ -3,6 +3,8 @@
 API (the live runtime, the virtual-time simulator and the tests all drive it the same way):
 
     core = NodeCore(settings, identity, clock)      # CoreSettings, gossip.identity.Identity, () -> float seconds
+    core = NodeCore(settings, identity, clock, wall_ms)  # wall_ms: () -> int unix ms for created_ms stamps
+                                                          # (default the wall clock; the simulator's is virtual)
     actions = core.handle(event)                    # one event -> a list of actions, in the order to carry out
     core.wants_manifest(manifest)                   # the broadcast's synchronous accept query (records in flight)
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
@@ -125,10 +127,12 @@ def _finite(x: Any, default: float = 0.0) -> float:
 
 
 class NodeCore:
-    def __init__(self, settings: CoreSettings, identity: Identity, clock: Callable[[], float]) -> None:
+    def __init__(self, settings: CoreSettings, identity: Identity, clock: Callable[[], float],
+                 wall_ms: Callable[[], int] = wire.now_ms) -> None:
         self.s = settings
         self.ident = identity
-        self.clock = clock
+        self.clock = clock  # any monotonic seconds: timers and rates
+        self.wall_ms = wall_ms  # unix milliseconds: what receivers' freshness checks compare created_ms with
         self.roles = list(settings.roles)
         self.peers: dict[str, PeerInfo] = {}
         self.table = LineageTable(settings.max_lineages, clock)
@@ -383,7 +387,7 @@ class NodeCore:
         self.announce_seq += 1
         demand = self._demand()
         a = wire.NodeAnnounce(
-            v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=wire.now_ms(),
+            v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=self.wall_ms(),
             hardware=self.s.hardware, gen_tokens_per_s=min(self.gen_tps, 1e9),
             rollout_latency_s=min(self.latency, 1e6), upload_bytes_per_s=min(self.s.upload_bytes_per_s, 1e12),
             memory_bytes=self.s.memory_budget_mb * 2**20, roles=self.roles,
@@ -630,7 +634,7 @@ class NodeCore:
             part = rollouts[i:i + BATCH_MAX_ROLLOUTS]
             self.rollout_seq = max(self.rollout_seq + 1, int(self.clock() * 1e6))
             batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.s.swarm, producer=self.ident.public,
-                                      seq=self.rollout_seq, created_ms=wire.now_ms(), rollouts=part)
+                                      seq=self.rollout_seq, created_ms=self.wall_ms(), rollouts=part)
             data = wire.seal(self.ident, wire.ROLLOUT_BATCH, batch)
             out.append(RecordRollouts(tuple(
                 dict(rollout_id=rollout_id(r), direction="produced", status="produced", producer=self.ident.public,

@@ -69,23 +69,36 @@ from pathlib import Path
 from typing import Any
 
 from gossip import wire
+from gossip.errors import MurmurError
+from gossip.identity import Identity, peer_id_from_public
 from gossip.scoring import ScoreParams
 from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
-from gossip.identity import Identity
+from node import pipe
+from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, DropItem, FetchCatalog, FromWorker,
+                       LoadStored, Log, ManifestHeard, NodeCore, PatchStored, PeerGone, Penalise, Publish,
+                       RecordRollouts, RequestOffer, SeedVersion, StoredItems, StorePatch, Tick, ToWorker, TransferDone)
+from node.patchsync import MAX_ITEMS, item_of
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vcache import Memo, SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
-from sync.staleness import StalenessGuard
-from training.sampler import MAX_HEADS, Sampler, split
+from sync.ids import lineage_id
+from sync.patchstore import StoredItem
+from training.sampler import Sampler, split
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
 
-EPOCH = 1_700_000_000.0  # virtual t = 0 as unix time (pipeline freshness checks use unix seconds)
+EPOCH = 1_700_000_000.0  # virtual t = 0 as unix time (pipeline freshness checks and created_ms use unix time)
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
+BASE_MODEL = hashlib.blake2b(b"murmur/sim-base-model", digest_size=32).digest()  # every node's base model
+LINEAGE_NAME = "sim"
+MODEL_PATCHES = 8  # the modelled model state weighs this many patches (the core's manifest size check reads it)
+TOKENS_PER_ROLLOUT = 8  # the modelled completions' max_new_tokens: what throughput is counted in
+WORKER_S = 0.001  # a worker message reaches the network process this long after the worker sends it
 SEED_RANGE = 1_000_000
 POOL_GROUPS = 256  # a trainer's sampler holds the newest this many informative groups
 MEMO_HORIZON_S = 5.0  # virtual seconds a per-message memo entry is kept: a batch reaches its receivers sooner
+TICK = Tick()
 
 
 def identity_for(seed: int, index: int) -> Identity:
@@ -94,34 +107,45 @@ def identity_for(seed: int, index: int) -> Identity:
 
 @dataclass
 class VNode:
+    """One simulated node: its network process is a real `NodeCore` and its own pipeline; its worker is
+    modelled here (skill, held version, the worker's real `Sampler`)."""
+
     spec: NodeSpec
     ident: Identity
     peer_id: str
-    pipeline: Pipeline
-    heads: dict[bytes, int]  # lineage -> newest version this node heard its publisher announce
-    sampler: Sampler | None  # trainers: the node worker's external-rollout sampler
-    guard: StalenessGuard | None  # followers: the node's staleness admission for the lineage it follows
-    lineage: bytes
+    lineage: bytes  # the lineage this node publishes when it trains (sync.ids.lineage_id of its key)
     skill: float
     iso_skill: float
     rng: random.Random
+    pipeline: Pipeline | None = None
+    core: NodeCore | None = None  # None for adversaries (they send hostile bytes, they run no node)
+    sampler: Sampler | None = None  # trainers: the worker's external-rollout sampler
     alive: bool = False
     inc: int = 0  # incarnation: events scheduled before a leave are ignored after it
-    version: int = 0  # trainers: own lineage head; followers: version of the followed lineage held
-    seq: int = 0
+    version: int = 0  # trainers: own lineage version
     steps: int = 0
-    neighbours: list[int] = field(default_factory=list)
+    neighbours: list[int] = field(default_factory=list)  # rollout gossip
+    ctrl: list[int] = field(default_factory=list)  # announces and manifests: neighbours + follow edges
+    # the modelled worker
+    following: bytes | None = None  # the lineage the core told it to follow (pipe.Follow)
+    admitted: bool = False  # pipe.Admit: the core's staleness admission
+    pace: float = 0.0  # pipe.Pace: rollouts/s cap (0 = none)
+    held_lineage: bytes | None = None
+    held: int = 0  # the version of held_lineage the worker holds (0: the base model)
+    store: dict[bytes, dict[tuple[str, int, int], bytes]] = field(default_factory=dict)  # item -> manifest envelope
+    transfers: dict[bytes, tuple[bytes, wire.PatchManifest, float]] = field(default_factory=dict)
     reward_sum: float = 0.0
     iso_sum: float = 0.0
     consumed_ext: int = 0
     adv_accepted: int = 0
+    seq: int = 0  # adversaries' own batch sequence
     sent_batches: list[bytes] = field(default_factory=list)
     patch_delay: float = 0.0
 
 
 class VirtualSim:
     def __init__(self, sc: Scenario, out_dir: str | Path | None = None, *,
-                 progress: bool = False, max_events: int = 20_000_000, shared_verify: bool = True) -> None:
+                 progress: bool = False, max_events: int = 50_000_000, shared_verify: bool = True) -> None:
         self.sc = sc
         self.out_dir = Path(out_dir) if out_dir else None
         self.progress = progress
@@ -144,49 +168,68 @@ class VirtualSim:
         self.metrics = MetricsWriter(self.out_dir, sc.report.format) if self.out_dir else None
         self.rows: dict[str, list[dict[str, Any]]] = self.metrics.rows if self.metrics else {}
         self.rejections: Counter[str] = Counter()
+        self.core_logs: Counter[str] = Counter()  # the cores' Log actions, by message
+        self.counts: Counter[str] = Counter()  # what the simulator carried out for the cores
         # accepted batch id -> its split, for the receivers still to come (in flight only, like the memos)
         self._groups = Memo(1_000_000, self._unix, MEMO_HORIZON_S)
+        self._manifests: dict[tuple[bytes, str, int, int], bytes] = {}  # signed once per item, by its publisher
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
         self.nodes: list[VNode] = []
-        score_params = ScoreParams(graylist_threshold=sc.gossip.graylist_threshold, blacklist_s=sc.gossip.blacklist_s)
+        self.score_params = ScoreParams(graylist_threshold=sc.gossip.graylist_threshold,
+                                        blacklist_s=sc.gossip.blacklist_s)
         for s in self.specs:
             ident = identity_for(sc.seed, s.index)
-            lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
             node_rng = random.Random(self.rng.randrange(2**63))
             p0 = min(sc.learning.ceiling, max(0.0, sc.learning.initial + node_rng.uniform(-1, 1) * sc.learning.spread))
-            cfg = PipelineConfig(swarm=sc.swarm, max_staleness=sc.training.max_staleness,
-                                 rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
-                                 replay_entries=50_000, replay_ttl_s=900.0, score=score_params)
-            heads: dict[bytes, int] = {}
-            if self.shared is not None:
-                pipe: Pipeline = SimPipeline(cfg, clock=self._unix, resolve_task=self._resolve, reward=self._score,
-                                             head_version=heads.get, shared=self.shared)
-            else:
-                pipe = Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score,
-                                head_version=heads.get)
-            sampler = Sampler(POOL_GROUPS, sc.training.max_staleness) if s.role == "trainer" else None
-            guard = StalenessGuard(sc.training.max_staleness) if s.role == "follower" else None
-            self.nodes.append(VNode(s, ident, ident.peer_id, pipe, heads, sampler, guard, lineage, p0, p0, node_rng))
-        for n in self.nodes:
-            if n.spec.role == "trainer":
-                n.heads[n.lineage] = 0
-                n.sampler.observe_head(n.lineage, 0)  # type: ignore[union-attr]
+            n = VNode(s, ident, ident.peer_id, lineage_id(ident.public, BASE_MODEL, LINEAGE_NAME), p0, p0, node_rng)
+            n.pipeline = self._pipeline(n)
+            if s.role == "trainer":
+                n.sampler = Sampler(POOL_GROUPS, sc.training.max_staleness)
+                n.sampler.observe_head(n.lineage, 0)
                 self.skill_at[n.lineage] = [n.skill]
-        for n in self.nodes:
-            if n.guard is not None:  # a follower starts holding the base (version 0) of the lineage it follows
-                n.guard.applied(self.nodes[n.spec.follow].lineage, 0, 0.0)  # type: ignore[index]
+            self.nodes.append(n)
         self.by_peer = {n.peer_id: n for n in self.nodes}
         self.trainer_ids = [n.spec.index for n in self.nodes if n.spec.role == "trainer"]
-        self.followers_of: dict[int, list[int]] = {}
-        for n in self.nodes:
-            if n.spec.role == "follower" and n.spec.follow is not None:
-                self.followers_of.setdefault(n.spec.follow, []).append(n.spec.index)
         self._topology()
 
     # ------------------------------------------------------------ plumbing
 
     def _unix(self) -> float:
         return EPOCH + self.now
+
+    def _unix_ms(self) -> int:
+        return int((EPOCH + self.now) * 1000)
+
+    def _pipeline(self, n: VNode) -> Pipeline:
+        sc = self.sc
+        cfg = PipelineConfig(swarm=sc.swarm, max_staleness=sc.training.max_staleness,
+                             rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
+                             replay_entries=50_000, replay_ttl_s=900.0, score=self.score_params)
+
+        def head(lineage: bytes) -> int | None:  # the heads this node's core learned from messages
+            return n.core.head_of(lineage) if n.core is not None else None
+
+        if self.shared is not None:
+            return SimPipeline(cfg, clock=self._unix, resolve_task=self._resolve, reward=self._score,
+                               head_version=head, shared=self.shared)
+        return Pipeline(cfg, clock=self._unix, resolve_task=self.registry.resolve, reward=score, head_version=head)
+
+    def _new_core(self, n: VNode) -> NodeCore:
+        """A (re)started node's network process: a fresh core, as `node.runtime` builds it."""
+        s, tr = n.spec, self.sc.training
+        follow = (self.nodes[s.follow].lineage,) if s.role == "follower" and s.follow is not None else ()
+        settings = CoreSettings(swarm=self.sc.swarm, roles=(s.role,), max_staleness=tr.max_staleness,
+                                publish_every=self.sc.sync.publish_every, external_rollouts=tr.external_groups,
+                                group_size=tr.group_size, max_new_tokens=TOKENS_PER_ROLLOUT,
+                                upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
+        core = NodeCore(settings, n.ident, self._unix, self._unix_ms)
+        if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
+            lead = self._publisher_of(n.held_lineage)
+            core.table.load(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held)
+        return core
+
+    def _publisher_of(self, lineage: bytes) -> VNode:
+        return self._lineage_owner[lineage]
 
     def _push(self, t: float, kind: str, *args: Any) -> None:
         self._seq += 1
@@ -219,8 +262,168 @@ class VirtualSim:
                     if j != i:
                         adj[i].add(j)
                         adj[j].add(i)
+        ctrl = [set(a) for a in adj]
+        for node in self.nodes:  # a follower is connected to the publisher of the lineage it is configured to follow
+            if node.spec.role == "follower" and node.spec.follow is not None:
+                ctrl[node.spec.index].add(node.spec.follow)
+                ctrl[node.spec.follow].add(node.spec.index)
         for i, node in enumerate(self.nodes):
             node.neighbours = sorted(adj[i])
+            node.ctrl = sorted(ctrl[i])
+        self._lineage_owner = {node.lineage: node for node in self.nodes}
+
+    def _latency(self, a: int, b: int) -> float:
+        return self.links.links[a].latency_s + self.links.links[b].latency_s
+
+    def _send(self, src: VNode, targets: list[int], kind: str, data: bytes) -> None:
+        """Modelled one-hop gossip: `data` to each live target over the scenario's links."""
+        for j in targets:
+            dst = self.nodes[j]
+            if dst.alive:
+                at = self.links.send(src.spec.index, j, len(data), self.now)
+                self._push(at, kind, j, src.spec.index, data, dst.inc)
+
+    def _open(self, data: bytes, kind: str) -> tuple[wire.Envelope, Any] | None:
+        """What a node's gossip layer does with an announce or manifest: size, structure, signature, body."""
+        try:
+            env = wire.decode_envelope(data, kind)
+            if self.shared is not None:
+                self.shared.verify_envelope(env)
+                return env, self.shared.decode_body(env)
+            wire.verify_envelope(env)
+            return env, wire.decode_body(env)
+        except MurmurError:
+            self.counts[f"{kind}_refused"] += 1
+            return None
+
+    # ------------------------------------------------------------ the cores' actions, carried out in virtual time
+
+    def _feed(self, n: VNode, ev: Any) -> None:
+        if n.core is not None:
+            self._do(n, n.core.handle(ev))
+
+    def _do(self, n: VNode, actions: list[Any]) -> None:  # noqa: C901 - one branch per action
+        for a in actions:
+            t = type(a)
+            if t is Publish:
+                if a.topic == "announce":
+                    self.counts["announces"] += 1
+                    self._send(n, n.ctrl, "announce", a.data)
+                else:
+                    n.core.counters["rollouts_published"] += a.count  # type: ignore[union-attr]
+                    self._send(n, n.neighbours, "deliver", a.data)
+            elif t is ToWorker:
+                self._to_worker(n, a.msg)
+            elif t is Log:
+                self.core_logs[a.msg] += 1
+            elif t is RecordRollouts:
+                self.counts["rollouts_recorded"] += len(a.entries)
+            elif t is SeedVersion:
+                self.counts["versions_seeded"] += 1
+                self._send(n, n.ctrl, "manifest", a.envelope)
+            elif t is StorePatch:
+                self._store_patch(n, a.pid)
+            elif t is DropItem:
+                items = n.store.get(a.lineage, {})
+                for key in [k for k in items if k[1] == a.base and k[2] == a.target]:
+                    del items[key]
+            elif t is LoadStored:
+                self._feed(n, StoredItems(a.lineage, self._items(n, a.lineage)))
+            elif t is FetchCatalog:
+                self.counts["catalog_requests"] += 1
+                dst = self.by_peer.get(a.peer)
+                if dst is not None:
+                    self._push(self.now + self._latency(n.spec.index, dst.spec.index), "catalog",
+                               dst.spec.index, n.spec.index, a.lineage, n.inc)
+            elif t is RequestOffer:
+                self.counts["offers_requested"] += 1
+                dst = self.by_peer.get(a.peer)
+                if dst is not None:
+                    self._push(self.now + self._latency(n.spec.index, dst.spec.index), "offer",
+                               dst.spec.index, n.spec.index, a.lineage, (a.item.kind, a.item.base, a.item.target),
+                               n.inc)
+            elif t is Penalise:
+                n.pipeline.scores.penalise(a.peer, a.reason[:120], abs(a.amount), self._unix())  # type: ignore[union-attr]
+            # SeePeer (persist a peer for discovery): nothing to model; RestartWorker: modelled workers never exit
+
+    def _items(self, n: VNode, lineage: bytes) -> tuple[StoredItem, ...]:
+        items = n.store.get(lineage, {})
+        return tuple(StoredItem(k, b, t, self._item_bytes(k)) for (k, b, t) in list(items)[-MAX_ITEMS:])
+
+    def _item_bytes(self, kind: str) -> int:
+        return self.sc.sync.patch_bytes * (MODEL_PATCHES if kind == "anchor" else 1)
+
+    def _manifest(self, owner: VNode, kind: str, base: int, target: int) -> bytes:
+        """The publisher's signed manifest of one item (chunk contents are modelled: their hashes are tokens)."""
+        key = (owner.lineage, kind, base, target)
+        env = self._manifests.get(key)
+        if env is None:
+            sy = self.sc.sync
+            total = self._item_bytes(kind)
+            sizes = [sy.chunk_bytes] * (total // sy.chunk_bytes) + ([total % sy.chunk_bytes] if total % sy.chunk_bytes else [])
+            tag = hashlib.blake2b(b"%s/%d/%d" % (owner.lineage, base, target), digest_size=32).digest()
+            codec = {"patch": "sparse-v1", "union": "union-v1", "anchor": "anchor-v1"}[kind]
+            m = wire.PatchManifest(v=wire.FORMAT_VERSION, lineage=owner.lineage, lineage_name=LINEAGE_NAME,
+                                   base_model_hash=BASE_MODEL, publisher=owner.ident.public, base_version=base,
+                                   target_version=target, base_hash=b"" if kind == "anchor" else tag[:16] + b"base",
+                                   target_hash=tag[:16], codec=codec, total_bytes=total, chunk_bytes=sy.chunk_bytes,
+                                   chunks=[wire.ChunkRef(tag, s) for s in sizes], created_ms=self._unix_ms())
+            env = self._manifests[key] = wire.seal(owner.ident, wire.PATCH_MANIFEST, m)
+        return env
+
+    def _store_patch(self, n: VNode, pid: bytes) -> None:
+        """The runtime's store step: a completed transfer is written to the lineage store, then reported."""
+        got = n.transfers.pop(pid, None)
+        if got is None:
+            return
+        env, m, seconds = got
+        it = item_of(m)
+        n.store.setdefault(bytes(m.lineage), {})[(it.kind, it.base, it.target)] = env
+        self.counts["patches_stored"] += 1
+        self._feed(n, PatchStored(m, m.total_bytes, seconds))
+
+    # ------------------------------------------------------------ the modelled worker
+
+    def _from_worker(self, n: VNode, msg: Any, delay: float = WORKER_S) -> None:
+        self._push(self.now + delay, "worker", n.spec.index, msg, n.inc)
+
+    def _ev_worker(self, i: int, msg: Any, inc: int) -> None:
+        n = self.nodes[i]
+        if n.alive and n.inc == inc:
+            self._feed(n, FromWorker(msg))
+
+    def _to_worker(self, n: VNode, m: Any) -> None:
+        if isinstance(m, pipe.Follow):
+            n.following = bytes.fromhex(m.info.id) if m.info is not None else None
+            n.admitted = False  # until the core's Admit for the new lineage
+            if n.following is not None:
+                if n.held_lineage != n.following:
+                    n.held_lineage, n.held = n.following, 0  # a lineage new to it starts from the base model
+                self._from_worker(n, pipe.Applied(n.following.hex(), n.held))
+        elif isinstance(m, pipe.Admit):
+            n.admitted = m.generate and bytes.fromhex(m.lineage) == n.following
+        elif isinstance(m, pipe.Pace):
+            n.pace = m.rollouts_per_s
+        elif isinstance(m, pipe.Patch):
+            self._apply_held(n, bytes.fromhex(m.lineage))
+
+    def _apply_held(self, n: VNode, lineage: bytes) -> None:
+        """The worker applies what its store holds, in order from the version it holds (as node/worker.py)."""
+        if lineage != n.held_lineage:
+            return
+        items = n.store.get(lineage, {})
+        moved = False
+        while True:
+            nxt = [t for (k, b, t) in items if t > n.held and (k == "anchor" or b == n.held)]
+            if not nxt:
+                break
+            n.held = max(nxt)
+            moved = True
+        if moved:
+            self._from_worker(n, pipe.Applied(lineage.hex(), n.held))
+
+    def _perf(self, n: VNode, rollouts: int, seconds: float) -> None:
+        self._from_worker(n, pipe.Perf(rollouts * TOKENS_PER_ROLLOUT / max(seconds, 1e-9), seconds))
 
     # ------------------------------------------------------------ rollouts
 
@@ -234,15 +437,15 @@ class VirtualSim:
         g = self.sc.training.group_size
         ref = wire.TaskRef(self.task_set, BUILTIN_TRAIN, node.rng.randrange(SEED_RANGE))
         task = self._resolve(ref)
-        created = int(self._unix() * 1000)
+        created = self._unix_ms()
         out = []
         for _ in range(g):
             text = task.answer if node.rng.random() < skill else self._wrong(task.answer, node.rng)
             ids = [ord(c) % 256 for c in text] + [1]
             out.append(wire.Rollout(task=ref, lineage=lineage, version=version, completion_ids=ids, text=text,
                                     tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
-                                    sampling=wire.SamplingParams(max_new_tokens=8), reward=self._score(task, text),
-                                    created_ms=created))
+                                    sampling=wire.SamplingParams(max_new_tokens=TOKENS_PER_ROLLOUT),
+                                    reward=self._score(task, text), created_ms=created))
         return out
 
     @staticmethod
@@ -251,20 +454,16 @@ class VirtualSim:
         return max(rewards) != min(rewards)
 
     def _seal(self, node: VNode, rollouts: list[wire.Rollout], seq: int | None = None) -> bytes:
+        """An adversary's batch (honest nodes' batches are sealed by their cores)."""
         if seq is None:
             node.seq += 1
             seq = node.seq
         batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.sc.swarm, producer=node.ident.public, seq=seq,
-                                  created_ms=int(self._unix() * 1000), rollouts=rollouts)
+                                  created_ms=self._unix_ms(), rollouts=rollouts)
         return wire.seal(node.ident, wire.ROLLOUT_BATCH, batch)
 
-    def _gossip(self, node: VNode, data: bytes, head: tuple[bytes, int] | None = None) -> None:
-        for j in node.neighbours:
-            dst = self.nodes[j]
-            if not dst.alive:
-                continue
-            at = self.links.send(node.spec.index, j, len(data), self.now)
-            self._push(at, "deliver", j, node.spec.index, data, dst.inc, head)
+    def _gossip(self, node: VNode, data: bytes) -> None:
+        self._send(node, node.neighbours, "deliver", data)
 
     # ------------------------------------------------------------ events
 
@@ -276,12 +475,20 @@ class VirtualSim:
         n.inc += 1
         self.links.reset(i, self.now)
         self._row("event", t=self.now, node=i, action="join")
-        if n.spec.role == "follower" and n.spec.follow is not None:  # ask the publisher where its head is
-            self._push(self.now + self._latency(i, n.spec.follow), "catalog", n.spec.follow, i, n.inc)
         if n.spec.role == "adversary":
             self._push(self.now + n.rng.uniform(0, 1.0 / n.spec.rate_per_s), "adv", i, n.inc)
+            return
+        n.core = self._new_core(n)
+        n.following, n.admitted, n.pace = None, False, 0.0
+        n.transfers.clear()
+        model_bytes = self._item_bytes("anchor")
+        if n.spec.role == "trainer":
+            ready = pipe.Ready(BASE_MODEL.hex(), n.version, TOKENIZER.hex(), model_bytes, n.lineage.hex(), LINEAGE_NAME)
         else:
-            self._push(self.now + n.rng.uniform(0, self._step_time(n)), "step", i, n.inc)
+            ready = pipe.Ready(BASE_MODEL.hex(), 0, TOKENIZER.hex(), model_bytes)
+        self._from_worker(n, ready)
+        self._push(self.now + n.rng.uniform(2 * WORKER_S, 0.5), "tick", i, n.inc)
+        self._push(self.now + n.rng.uniform(0, self._step_time(n)), "step", i, n.inc)
 
     def _ev_leave(self, i: int) -> None:
         n = self.nodes[i]
@@ -289,7 +496,24 @@ class VirtualSim:
             return
         n.alive = False
         n.inc += 1
+        n.core = None  # the process is gone; a rejoin starts a new one
         self._row("event", t=self.now, node=i, action="leave")
+        for j in n.ctrl:  # its connections close: peers notice one latency later
+            if self.nodes[j].alive:
+                self._push(self.now + self._latency(i, j), "gone", j, n.peer_id, self.nodes[j].inc)
+
+    def _ev_gone(self, i: int, peer: str, inc: int) -> None:
+        n = self.nodes[i]
+        if n.alive and n.inc == inc:
+            self._feed(n, PeerGone(peer))
+
+    def _ev_tick(self, i: int, inc: int) -> None:
+        n = self.nodes[i]
+        if not n.alive or n.inc != inc or n.core is None:
+            return
+        self._do(n, n.core.handle(TICK))
+        due = min(n.core.next_announce, n.core.next_catch_up) - EPOCH  # the core's next timer
+        self._push(max(due, self.now + WORKER_S), "tick", i, inc)
 
     def _step_time(self, n: VNode) -> float:
         return self.sc.training.step_s / n.spec.compute
@@ -301,22 +525,34 @@ class VirtualSim:
         tr = self.sc.training
         if tr.max_steps and n.steps >= tr.max_steps:
             return
+        dt = self._step_time(n)
         if n.spec.role == "trainer":
-            self._train_step(n)
+            self._train_step(n, dt)
+            n.steps += 1
         else:
-            self._follower_step(n)
-        n.steps += 1
-        self._push(self.now + self._step_time(n), "step", i, inc)
+            if self._follower_step(n, dt):
+                n.steps += 1
+            rollouts = tr.local_groups * tr.group_size
+            if n.pace > 0:  # the core's pace: no faster than the trainer needs
+                dt = max(dt, rollouts / n.pace)
+        self._push(self.now + dt, "step", i, inc)
 
-    def _train_step(self, n: VNode) -> None:
+    def _rollouts_out(self, n: VNode, local: list[list[wire.Rollout]]) -> None:
+        """The worker hands its rollouts to the network process, which batches, seals and publishes them."""
+        items = [wire.encode(r) for g in local for r in g]
+        if items:
+            self._from_worker(n, pipe.Rollouts(items))
+
+    def _train_step(self, n: VNode, dt: float) -> None:
         tr, lr = self.sc.training, self.sc.learning
         local = [self._group(n, n.lineage, n.version, n.skill) for _ in range(tr.local_groups)]
         sampler = n.sampler
-        assert sampler is not None
-        ext = sampler.take(tr.external_groups)  # the node's rule: informative only, newest first, within the bound
+        assert sampler is not None and n.core is not None
+        ext = sampler.take(tr.external_groups)  # the worker's rule: informative only, newest first, within the bound
         for g in ext:
+            head = n.core.head_of(g.lineage)
             self._row("staleness", t=self.now, node=n.spec.index,
-                      staleness=max(0, (sampler.head(g.lineage) or g.version) - g.version))
+                      staleness=max(0, (head if head is not None else g.version) - g.version))
         u_local = sum(self._informative(g) for g in local)
         u_ext = len(ext)
         n.consumed_ext += len(ext)
@@ -332,84 +568,109 @@ class VirtualSim:
         n.reward_sum += reward
         n.iso_sum += iso_reward
         n.version += 1
-        n.heads[n.lineage] = n.version
-        sampler.observe_head(n.lineage, n.version)
+        sampler.observe_head(n.lineage, n.version)  # its own head, as node/worker.py reports it
         self.skill_at[n.lineage].append(n.skill)
         self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=iso_reward, version=n.version,
                   group=n.spec.group)
-        if local:
-            rollouts = [r for g in local for r in g]
-            head = (n.lineage, n.version)  # the node's announce of its new head travels with its batch
-            for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
-                self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]), head)
+        self._rollouts_out(n, local)
+        self._from_worker(n, pipe.Step(n.steps + 1, n.version, reward, None, len(ext), dt))
+        self._perf(n, tr.local_groups * tr.group_size, dt)
         if n.version % self.sc.sync.publish_every == 0:
-            for fi in self.followers_of.get(n.spec.index, ()):
-                f = self.nodes[fi]
-                if f.alive:  # the signed manifest reaches the follower first, the patch one broadcast later
-                    self._push(self.now + self._latency(n.spec.index, fi), "head", fi, n.lineage, n.version, f.inc)
-                    self._push(self.now + f.patch_delay, "patch", f.spec.index, n.version, f.inc)
+            base = n.version - self.sc.sync.publish_every
+            env = self._manifest(n, "patch", base, n.version)
+            n.store.setdefault(n.lineage, {})[("patch", base, n.version)] = env
+            self._from_worker(n, pipe.Published(n.version, env))
 
-    def _follower_step(self, n: VNode) -> None:
-        lead = self.nodes[n.spec.follow]  # type: ignore[index]
-        guard = n.guard
-        assert guard is not None
-        self._row("lag", t=self.now, node=n.spec.index, lag=max(0, n.heads.get(lead.lineage, n.version) - n.version))
-        if not guard.may_generate(lead.lineage):
-            return  # beyond the bound: stop producing, wait for the catch-up patch
-        skills = self.skill_at[lead.lineage]
-        skill = skills[min(n.version, len(skills) - 1)]
-        local = [self._group(n, lead.lineage, n.version, skill) for _ in range(self.sc.training.local_groups)]
+    def _follower_step(self, n: VNode, dt: float) -> bool:
+        """Generate for the lineage the core follows, when its staleness admission allows; True if it did."""
+        core = n.core
+        assert core is not None
+        lid = n.following
+        if lid is not None:
+            head = core.head_of(lid)
+            self._row("lag", t=self.now, node=n.spec.index, lag=max(0, (head if head is not None else n.held) - n.held))
+        if lid is None or not n.admitted or lid != n.held_lineage:
+            return False
+        skills = self.skill_at[lid]
+        skill = skills[min(n.held, len(skills) - 1)]
+        local = [self._group(n, lid, n.held, skill) for _ in range(self.sc.training.local_groups)]
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
-        self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=None, version=n.version,
+        self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=None, version=n.held,
                   group=n.spec.group)
-        rollouts = [r for g in local for r in g]
-        for k0 in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
-            self._gossip(n, self._seal(n, rollouts[k0:k0 + wire.MAX_ROLLOUTS_PER_BATCH]))
+        self._rollouts_out(n, local)
+        self._from_worker(n, pipe.Gen(reward, n.held, sum(len(r.completion_ids) for g in local for r in g), dt))
+        self._perf(n, sum(len(g) for g in local), dt)
+        return True
 
-    def _ev_patch(self, i: int, version: int, inc: int) -> None:
+    # ------------------------------------------------------------ messages between nodes
+
+    def _ev_announce(self, dst: int, src: int, data: bytes, inc: int) -> None:
+        d = self.nodes[dst]
+        if not d.alive or d.inc != inc or d.core is None:
+            return
+        got = self._open(data, wire.NODE_ANNOUNCE)
+        if got is None:
+            return
+        env, body = got
+        signer = bytes(env.signer)
+        if peer_id_from_public(signer) == body.peer_id:
+            d.pipeline.announced(body.peer_id, body)  # type: ignore[union-attr] - the rate it states bounds it
+        self._feed(d, AnnounceHeard(signer, body, data))
+
+    def _ev_manifest(self, dst: int, src: int, data: bytes, inc: int) -> None:
+        """A manifest reaches a node: its core hears it, and its broadcast asks the core whether to fetch it."""
+        d = self.nodes[dst]
+        if not d.alive or d.inc != inc or d.core is None:
+            return
+        got = self._open(data, wire.PATCH_MANIFEST)
+        if got is None:
+            return
+        env, m = got
+        self._feed(d, ManifestHeard(m))
+        if d.core is not None and d.core.wants_manifest(m):
+            pid = wire.content_id(data)
+            if pid in d.transfers:
+                return
+            seconds = d.patch_delay * m.total_bytes / self.sc.sync.patch_bytes  # the modelled broadcast
+            d.transfers[pid] = (data, m, seconds)
+            self.counts["transfers"] += 1
+            self._push(self.now + seconds, "transfer", dst, pid, inc)
+
+    def _ev_transfer(self, i: int, pid: bytes, inc: int) -> None:
         n = self.nodes[i]
-        if n.alive and n.inc == inc and version > n.version:
-            n.version = version
-            if n.guard is not None:
-                n.guard.applied(self.nodes[n.spec.follow].lineage, version, self.now)  # type: ignore[index]
+        if not n.alive or n.inc != inc or pid not in n.transfers:
+            return
+        self._feed(n, TransferDone(pid, n.transfers[pid][1]))
+        n.transfers.pop(pid, None)  # stored (StorePatch) or already held
 
-    def _ev_head(self, i: int, lineage: bytes, version: int, inc: int) -> None:
-        """A head announced by the lineage's publisher reaches node i."""
+    def _ev_catalog(self, src: int, asker: int, lineage: bytes, inc: int) -> None:
+        """A catch-up catalog request reaches a peer: the reply lists what its lineage store holds."""
+        p, n = self.nodes[src], self.nodes[asker]
+        back = self.now + self._latency(src, asker)
+        if p.alive and lineage in p.store:
+            self._push(back, "catalog_reply", asker, CatalogReceived(p.peer_id, lineage, self._items(p, lineage)), inc)
+        else:
+            self._push(back, "catalog_reply", asker, CatalogFailed(p.peer_id, lineage, "unreachable or not held"),
+                       inc)
+
+    def _ev_catalog_reply(self, i: int, ev: Any, inc: int) -> None:
         n = self.nodes[i]
         if n.alive and n.inc == inc:
-            self._learn_head(n, lineage, version)
+            self._feed(n, ev)
 
-    def _ev_catalog(self, lead: int, i: int, inc: int) -> None:
-        """A (re)joined follower's catalog request reaches the publisher: the reply carries the publisher's
-        head, and the catch-up patch follows one broadcast delay later."""
-        p, n = self.nodes[lead], self.nodes[i]
-        if not p.alive or n.inc != inc:
-            return
-        self._push(self.now + self._latency(lead, i), "head", i, p.lineage, p.version, inc)
-        if p.version > n.version:
-            self._push(self.now + self._latency(lead, i) + n.patch_delay, "patch", i, p.version, inc)
+    def _ev_offer(self, src: int, asker: int, lineage: bytes, item: tuple[str, int, int], inc: int) -> None:
+        """A peer asked to seed an item into the broadcast: the asker hears its manifest one latency later."""
+        p = self.nodes[src]
+        env = p.store.get(lineage, {}).get(item) if p.alive else None
+        if env is not None:
+            self._push(self.now + self._latency(src, asker), "manifest", asker, src, env, inc)
 
-    def _learn_head(self, n: VNode, lineage: bytes, version: int) -> None:
-        if version > n.heads.get(lineage, -1):
-            if len(n.heads) >= MAX_HEADS and lineage not in n.heads:
-                n.heads.pop(next(iter(n.heads)))  # the longest-known lineage goes first: bounded per node
-            n.heads[lineage] = version
-        if n.sampler is not None:
-            n.sampler.observe_head(lineage, version)
-        if n.guard is not None and n.spec.follow is not None and lineage == self.nodes[n.spec.follow].lineage:
-            n.guard.observe_head(lineage, version, self.now)
-
-    def _latency(self, a: int, b: int) -> float:
-        return self.links.links[a].latency_s + self.links.links[b].latency_s
-
-    def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int, head: tuple[bytes, int] | None) -> None:
+    def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int) -> None:
         d = self.nodes[dst]
         if not d.alive or d.inc != inc:
             return
         s = self.nodes[src]
-        if head is not None:
-            self._learn_head(d, *head)
-        v = d.pipeline.check(data, s.peer_id)
+        v = d.pipeline.check(data, s.peer_id)  # type: ignore[union-attr]
         if not v.accepted:
             self.rejections[v.reason.value] += 1
             self._row("rejection", t=self.now, node=dst, peer=src, reason=v.reason.value)
@@ -418,7 +679,9 @@ class VirtualSim:
             return
         if s.spec.role == "adversary":
             s.adv_accepted += 1
-        if d.sampler is None or v.batch is None:
+        if d.sampler is None or v.batch is None or d.core is None:
+            return
+        if not d.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
             return
         cut = self._groups.get(v.msg_id)
         if cut is None:  # a batch's groups depend on its content only: split once per process (Groups are frozen)
@@ -428,6 +691,7 @@ class VirtualSim:
         for k, c in dropped.items():  # what `Sampler.add_rollouts` counts, per receiver
             d.sampler.counts[k] += c
         d.sampler.add(groups)
+
 
     # ------------------------------------------------------------ adversaries
 
@@ -614,6 +878,23 @@ class VirtualSim:
             if progress_ctx is not None:
                 progress_ctx.stop()
 
+    def _core_summary(self) -> dict[str, Any]:
+        """What the nodes' cores decided and what the simulator carried out for them."""
+        cores = [n.core for n in self.nodes if n.core is not None]
+        followers = [n for n in self.nodes if n.spec.role == "follower"]
+        return {
+            "actions": dict(sorted(self.counts.items())),
+            "logs": dict(self.core_logs.most_common(24)),
+            "followers_serving": sum(1 for n in followers if n.core is not None and n.core.serving is not None),
+            "followers_admitted": sum(1 for n in followers if n.admitted),
+            "followers": len(followers),
+            "patches_applied": sum(c.counters["applied"] for c in cores),
+            "peers_evicted": sum(c.counters["peers_evicted"] for c in cores),
+            "lineages_evicted": sum(c.table.evicted for c in cores),
+            "peers_max": max((len(c.peers) for c in cores), default=0),
+            "lineages_max": max((len(c.lineages) for c in cores), default=0),
+        }
+
     def _finish(self, broadcasts: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         for n in self.nodes:
             self._row("bytes", node=n.spec.index, group=n.spec.group, bytes_up=self.links.bytes_up[n.spec.index],
@@ -648,9 +929,12 @@ class VirtualSim:
             "rejections": dict(self.rejections),
             "broadcasts": broadcasts,
             "graylist_threshold": self.sc.gossip.graylist_threshold,
-            "modelled": "learning (skill curve), compute time, one-hop rollout gossip, fixed roles; "
-                        "real: signatures, verification pipeline, scoring, the node's sampler, "
-                        "heads learned from messages, swarm broadcast core",
+            "cores": self._core_summary(),
+            "modelled": "the network (one-hop gossip over modelled links), the clock, compute time, learning "
+                        "(skill curve), patch transfer time; real: one node core per node (announces, roles and "
+                        "lineage choice, staleness admission, heads from messages, catch-up plans, rollout "
+                        "batching and sealing), signatures, verification pipeline, scoring, the worker's sampler, "
+                        "swarm broadcast core",
         }
         if self.shared is not None:
             summary["verification"] = self.shared.stats()
