@@ -1,53 +1,76 @@
-"""Virtual-time simulator: the real protocol cores, many nodes, modelled learning.
+"""Virtual-time simulator: one real node core per simulated node, modelled network, clock and learning.
 
-What runs for real (the same code the nodes run):
-- every rollout batch is a real `gossip.wire.RolloutBatch`, sealed with the
-  producer's real ed25519 key, and every receiver runs it through its own
-  `gossip.validation.Pipeline` (size, decode, signature, replay, task
-  regeneration from the built-in task set, reward recomputation with the real
-  verifier, staleness bound) with its own `gossip.scoring.PeerScores`
-  (graylist, blacklist) and rate limiter, on the virtual clock;
-- each trainer picks its external groups with its own `training.sampler.Sampler`,
-  the sampler a node's worker runs (informative groups only, newest first,
-  each used once, staleness against the heads the node has heard);
-- each follower pauses and resumes generating by `sync.staleness.StalenessGuard`,
-  the node's staleness admission (fed the heads it heard and the versions it
-  applied);
-- patch broadcasts run `sync.swarm.SwarmSession` through `sync.vsim`
-  (rarest-first, super-seeding, pipelining, corrupt-chunk bans) over the
-  scenario's links.
-
-Heads are learned from messages: a trainer's announce of its new head travels
-with its rollout batch to its neighbours, a publisher's manifest reaches its
-followers one link latency after the version, and a (re)joining follower asks
-the publisher; each node's pipeline and sampler judge staleness by the heads
-that node heard (at most `training.sampler.MAX_HEADS` lineages per node).
+What runs for real (the same code a live node runs):
+- each honest node's network process is a `node.core.NodeCore` (the class
+  `node.runtime` drives), built from its scenario spec, on the virtual
+  clock (`clock` and `wall_ms` injected). The simulator feeds it events
+  (`Tick` when its next timer is due, `AnnounceHeard` / `ManifestHeard` for
+  messages that reach it, `FromWorker` messages of the modelled worker,
+  `PeerGone` one latency after a neighbour leaves, `TransferDone`,
+  `StoredItems`, `CatalogReceived` / `CatalogFailed`) and carries out the
+  actions it returns. So the announces (timing and content: demand,
+  capacity, standby list), the follower's lineage choice and pacing (the
+  capacity rule), staleness admission (`sync.staleness.StalenessGuard` inside
+  the core), heads (learned only from the announces and manifests that reach
+  the node, bounded by the core's lineage table), the patch accept rule,
+  catch-up planning, and rollout batching and sealing are the core's. A
+  (re)joining node gets a fresh core, as a restarted process does, with the
+  followed lineage's held version loaded as the runtime loads it from its
+  store;
+- every rollout batch is a real `gossip.wire.RolloutBatch` sealed by the
+  producer's core with its ed25519 key, and every receiver runs it through
+  its own `gossip.validation.Pipeline` (size, decode, signature, replay, task
+  regeneration, reward recomputation, staleness against the heads its core
+  learned) with its own `gossip.scoring.PeerScores` and rate limiter (bounded
+  by the rate each peer's announce states); the cores' `Penalise` actions go
+  to the same scores;
+- each trainer's worker picks its external groups with its own
+  `training.sampler.Sampler`, the sampler a node's worker runs, fed the
+  accepted batches the core routes to it (`NodeCore.external_wanted`) and its
+  own head each step;
+- announces and manifests are real signed envelopes; each receiver checks
+  them as its gossip layer does (memoised per process, `simulations/vcache.py`);
+- the start-up patch broadcasts run `sync.swarm.SwarmSession` through
+  `sync.vsim` (rarest-first, super-seeding, pipelining, corrupt-chunk bans)
+  over the scenario's links.
 
 What is modelled:
+- the network: gossip is one hop. A rollout batch goes to the producer's
+  `degree` neighbours; announces and manifests go to those neighbours and
+  along the scenario's follow edges (a follower and the publisher it is
+  configured to follow are connected). Links are `simulations.wan.LinkModel`
+  (bandwidth queues, latency, jitter, loss as retransmission delay);
+- the clock: virtual seconds (`EPOCH` + t as unix time);
+- compute: a step takes `step_s / compute` virtual seconds (a follower's no
+  less than its core's pace allows);
+- the worker: it answers the core through the node's pipe messages
+  (`node.pipe`: Ready, Rollouts, Step, Gen, Perf, Published, Applied) and
+  obeys Follow, Admit, Pace and Patch; it applies stored patches in order
+  from the version it holds, as `node/worker.py` does;
 - learning: a node's policy is one number, its skill p = probability that a
   completion is correct. A step draws the completions' correctness from p,
   writes correct or wrong answer text, and scores it with the real verifier.
   A group is informative when its rewards are not all equal (GRPO drops the
   others). After a step, p += rate * (ceiling - p) * (u_local + w * u_ext),
   with u the informative groups used (local, and the external ones its
-  sampler gave). The isolated twin of each node
-  trains on I + J local groups with the same rule and its own draws.
-- compute: a step takes `step_s / compute` virtual seconds;
-- rollout gossip is one hop: a batch goes to the producer's `degree`
-  neighbours, who verify it and do not forward it;
-- links: `simulations.wan.LinkModel` (bandwidth queues, latency, jitter,
-  loss as retransmission delay);
-- followers receive each version one patch-broadcast delay after it is
-  published; the delay per follower comes from a broadcast of the
-  scenario's patch size run through the real swarm core at start-up.
-
-Also modelled here rather than run from the node's code: roles (fixed by the
-scenario), rollout batching and sealing, announces and catch-up.
+  sampler gave). The isolated twin of each node trains on I + J local groups
+  with the same rule and its own draws. A follower generates at the skill
+  its publisher had at the version it holds;
+- the patch transfer: the core's `SeedVersion` sends the signed manifest over
+  the modelled gossip and a catch-up `RequestOffer` has the peer send it to
+  the asker; a receiver whose core accepts it (`NodeCore.wants_manifest`)
+  gets the bytes one patch-broadcast delay later (scaled by the item's size),
+  the delay per follower measured once at start-up by a broadcast of the
+  scenario's patch size through the real swarm core. The multi-patch
+  transfer logic of `sync/broadcast.py` does not run here. Chunk contents
+  are modelled (hash tokens); storing is a dict per node.
+- adversaries run no core: they send hostile bytes (see `_ev_adv`).
 
 Memory follows the swarm's size and message rate, not the run's length: the
 per-process memos keep only messages in flight (`MEMO_HORIZON_S` of virtual
-time), a node's state is what it heard (pipeline caches, scores, heads,
-sampler), and report rows are kept once.
+time), and a node's state is what it heard (its core's peer and lineage
+tables, bounded by `CoreSettings.max_peers` / `max_lineages`, pipeline
+caches, scores, sampler); report rows are kept once.
 """
 
 from __future__ import annotations
@@ -172,7 +195,9 @@ class VirtualSim:
         self.counts: Counter[str] = Counter()  # what the simulator carried out for the cores
         # accepted batch id -> its split, for the receivers still to come (in flight only, like the memos)
         self._groups = Memo(1_000_000, self._unix, MEMO_HORIZON_S)
-        self._manifests: dict[tuple[bytes, str, int, int], bytes] = {}  # signed once per item, by its publisher
+        # envelope bytes -> (envelope, body) of announces and manifests in flight: every receiver of the same
+        # bytes gets the same verdict (a pure function of them, as in vcache.py); failures are not kept
+        self._opened = Memo(1_000_000, self._unix, MEMO_HORIZON_S)
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
         self.nodes: list[VNode] = []
         self.score_params = ScoreParams(graylist_threshold=sc.gossip.graylist_threshold,
@@ -206,8 +231,8 @@ class VirtualSim:
                              rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
                              replay_entries=50_000, replay_ttl_s=900.0, score=self.score_params)
 
-        def head(lineage: bytes) -> int | None:  # the heads this node's core learned from messages
-            return n.core.head_of(lineage) if n.core is not None else None
+        def head(lineage: bytes) -> int | None:  # no core yet: no head known (replaced by the core's on join)
+            return None
 
         if self.shared is not None:
             return SimPipeline(cfg, clock=self._unix, resolve_task=self._resolve, reward=self._score,
@@ -285,16 +310,22 @@ class VirtualSim:
 
     def _open(self, data: bytes, kind: str) -> tuple[wire.Envelope, Any] | None:
         """What a node's gossip layer does with an announce or manifest: size, structure, signature, body."""
+        hit = self._opened.get(data)
+        if hit is not None:
+            return hit
         try:
             env = wire.decode_envelope(data, kind)
             if self.shared is not None:
                 self.shared.verify_envelope(env)
-                return env, self.shared.decode_body(env)
-            wire.verify_envelope(env)
-            return env, wire.decode_body(env)
+                got = env, self.shared.decode_body(env)
+            else:
+                wire.verify_envelope(env)
+                got = env, wire.decode_body(env)
         except MurmurError:
             self.counts[f"{kind}_refused"] += 1
             return None
+        self._opened.put(data, got)
+        return got
 
     # ------------------------------------------------------------ the cores' actions, carried out in virtual time
 
@@ -355,21 +386,17 @@ class VirtualSim:
 
     def _manifest(self, owner: VNode, kind: str, base: int, target: int) -> bytes:
         """The publisher's signed manifest of one item (chunk contents are modelled: their hashes are tokens)."""
-        key = (owner.lineage, kind, base, target)
-        env = self._manifests.get(key)
-        if env is None:
-            sy = self.sc.sync
-            total = self._item_bytes(kind)
-            sizes = [sy.chunk_bytes] * (total // sy.chunk_bytes) + ([total % sy.chunk_bytes] if total % sy.chunk_bytes else [])
-            tag = hashlib.blake2b(b"%s/%d/%d" % (owner.lineage, base, target), digest_size=32).digest()
-            codec = {"patch": "sparse-v1", "union": "union-v1", "anchor": "anchor-v1"}[kind]
-            m = wire.PatchManifest(v=wire.FORMAT_VERSION, lineage=owner.lineage, lineage_name=LINEAGE_NAME,
-                                   base_model_hash=BASE_MODEL, publisher=owner.ident.public, base_version=base,
-                                   target_version=target, base_hash=b"" if kind == "anchor" else tag[:16] + b"base",
-                                   target_hash=tag[:16], codec=codec, total_bytes=total, chunk_bytes=sy.chunk_bytes,
-                                   chunks=[wire.ChunkRef(tag, s) for s in sizes], created_ms=self._unix_ms())
-            env = self._manifests[key] = wire.seal(owner.ident, wire.PATCH_MANIFEST, m)
-        return env
+        sy = self.sc.sync
+        total = self._item_bytes(kind)
+        sizes = [sy.chunk_bytes] * (total // sy.chunk_bytes) + ([total % sy.chunk_bytes] if total % sy.chunk_bytes else [])
+        tag = hashlib.blake2b(b"%s/%d/%d" % (owner.lineage, base, target), digest_size=32).digest()
+        codec = {"patch": "sparse-v1", "union": "union-v1", "anchor": "anchor-v1"}[kind]
+        m = wire.PatchManifest(v=wire.FORMAT_VERSION, lineage=owner.lineage, lineage_name=LINEAGE_NAME,
+                               base_model_hash=BASE_MODEL, publisher=owner.ident.public, base_version=base,
+                               target_version=target, base_hash=b"" if kind == "anchor" else tag[:16] + b"base",
+                               target_hash=tag[:16], codec=codec, total_bytes=total, chunk_bytes=sy.chunk_bytes,
+                               chunks=[wire.ChunkRef(tag, s) for s in sizes], created_ms=self._unix_ms())
+        return wire.seal(owner.ident, wire.PATCH_MANIFEST, m)
 
     def _store_patch(self, n: VNode, pid: bytes) -> None:
         """The runtime's store step: a completed transfer is written to the lineage store, then reported."""
@@ -479,6 +506,7 @@ class VirtualSim:
             self._push(self.now + n.rng.uniform(0, 1.0 / n.spec.rate_per_s), "adv", i, n.inc)
             return
         n.core = self._new_core(n)
+        n.pipeline.head_version = n.core.head_of  # type: ignore[union-attr] - as node.runtime wires it
         n.following, n.admitted, n.pace = None, False, 0.0
         n.transfers.clear()
         model_bytes = self._item_bytes("anchor")
