@@ -417,12 +417,16 @@ async def _connect_all(t: Any, addrs: list[str], timeout_s: float = 5.0) -> None
             n.start_soon(one, addr)
 
 
+THE_ATTACKER = "the-attacker"  # the one key that runs the whole catalogue after the first round
+
+
 async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any],
-                  round_: int = 0, settle_s: float = 1.5) -> None:
-    """Run one attack class from its own fresh host and key; `res` says what it sent and how far it got."""
+                  round_: int = 0, settle_s: float = 1.5, ident: Identity | None = None) -> None:
+    """Run one attack class from its own host, with `ident` or the class's fresh key; `res` says what it
+    sent and how far it got."""
     from gossip.host import open_transport
 
-    ident = attack_key(name, round_)
+    ident = ident or attack_key(name, round_)
     res.update(attacker=ident.peer_id, sent=0, errors=0, phase="start")
     print(f"attack {name} (round {round_}) from {ident.peer_id}", file=sys.stderr, flush=True)
     async with open_transport(ident) as t:
@@ -452,6 +456,10 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
                         tokenizer_hash: bytes | None = None) -> dict[str, dict[str, Any]]:
     """Observe the swarm, then run every attack class `rounds` times (after the first, until `stop()`).
 
+    The first round gives each class its own fresh key, so the score each key lost says whether that
+    class was noticed; later rounds run the whole catalogue from one key (`THE_ATTACKER`), the single
+    hostile peer whose fate `attacker_graylisted` reports.
+
     `tokenizer_hash` is that of the model the swarm runs (public knowledge), for forged rollouts when
     no honest rollout was seen to copy it from."""
     from gossip.host import open_transport
@@ -473,7 +481,8 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
                     break
                 res: dict[str, Any] = {}
                 with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
-                    await run_one(name, k, addrs, swarm, res, r)
+                    await run_one(name, k, addrs, swarm, res, r,
+                                  ident=attack_key(THE_ATTACKER) if r > 0 else None)
                 prev = out.setdefault(name, {"attackers": [], "sent": 0, "errors": 0, "phases": []})
                 prev["attackers"] = sorted(set(prev["attackers"]) | {res["attacker"]})
                 prev["sent"] += res["sent"]
@@ -698,13 +707,17 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         th.join(120)
         attackers = {p for r in results.values() for p in r.get("attackers", [])}
         lost, worst = penalties(sw, honest, attackers)
+        the_attacker = attack_key(THE_ATTACKER).peer_id
+        seen_by = [s.peer_scores[the_attacker] for s in (sw.status(n) for n in sw.homes)
+                   if s is not None and the_attacker in s.peer_scores]
+        class_keys = {name: [p for p in r["attackers"] if p != the_attacker] for name, r in results.items()}
         statuses = {n: sw.status(n) for n in sw.homes}
         alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
         return {
             "attacks_run": len(results),
             # per class: messages or streams sent, and the lowest score its keys have on an honest node
             # (None: no honest node holds a record of them, i.e. not charged)
-            "attacks": {name: {"sent": r["sent"], "score": min((worst[p] for p in r["attackers"] if p in worst),
+            "attacks": {name: {"sent": r["sent"], "score": min((worst[p] for p in class_keys[name] if p in worst),
                                                                 default=None),
                                "provable": name in PROVABLE} for name, r in sorted(results.items())},
             "honest_nodes_alive": alive,
@@ -715,7 +728,14 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
             "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
                                if s is not None},
             "honest_penalties": round(lost, 3),
-            "attacker_graylisted": bool(worst) and all(v < GRAYLIST for v in worst.values()),
+            # the one key that ran the catalogue after the first round: graylisted on every honest node
+            "attacker_graylisted": len(seen_by) == len(sw.homes) and all(v < GRAYLIST for v in seen_by),
+            "attacker_scores": [round(v, 1) for v in seen_by],
+            "attacker_rounds": max((len(r["phases"]) for r in results.values()), default=0) - 1,
+            # first round, one fresh key per class: the classes whose fault is provable, each key graylisted
+            "provable_classes_graylisted": sorted(n for n in PROVABLE & set(results)
+                                                  if any(worst.get(p, 0.0) < GRAYLIST for p in class_keys[n])),
+            "provable_classes": len(PROVABLE & set(results)),
             "attackers_seen": len(worst),
             "attackers_graylisted": sum(1 for v in worst.values() if v < GRAYLIST),
             "attackers_total": len(attackers),
