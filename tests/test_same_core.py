@@ -55,6 +55,9 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
         if n.spec.role == "trainer":
             assert type(n.sampler) is training.sampler.Sampler
             assert n.core.own == n.lineage and n.core.head_of(n.lineage) == n.version
+    # the cores stamp created_ms with the virtual clock the receivers' freshness checks read (a wall-clock
+    # stamp is years away from the simulation's epoch: every honest batch would be `expired`)
+    assert "expired" not in s["rejections"] and s["external_groups_consumed"] > 0
     # announces, sealing and the follower's lineage choice came out of the cores
     acts = s["cores"]["actions"]
     assert acts["announces"] > 0 and acts["rollouts_recorded"] > 0 and acts["versions_seeded"] > 0
