@@ -673,7 +673,7 @@ class VirtualSim:
 
     def _ev_catalog(self, src: int, asker: int, lineage: bytes, inc: int) -> None:
         """A catch-up catalog request reaches a peer: the reply lists what its lineage store holds."""
-        p, n = self.nodes[src], self.nodes[asker]
+        p = self.nodes[src]
         back = self.now + self._latency(src, asker)
         if p.alive and lineage in p.store:
             self._push(back, "catalog_reply", asker, CatalogReceived(p.peer_id, lineage, self._items(p, lineage)), inc)
