@@ -2,9 +2,9 @@
 
 API (the live runtime, the virtual-time simulator and the tests all drive it the same way):
 
-    core = NodeCore(settings, identity, clock)      # CoreSettings, gossip.identity.Identity, () -> float seconds
-    core = NodeCore(settings, identity, clock, wall_ms)  # wall_ms: () -> int unix ms for created_ms stamps
-                                                          # (default the wall clock; the simulator's is virtual)
+    core = NodeCore(settings, identity, clock, wall_ms)  # CoreSettings, gossip.identity.Identity,
+                                                          # () -> float seconds (timers), () -> int unix ms
+                                                          # (created_ms stamps; default the wall clock)
     actions = core.handle(event)                    # one event -> a list of actions, in the order to carry out
     core.wants_manifest(manifest)                   # the broadcast's synchronous accept query (records in flight)
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
