@@ -54,6 +54,7 @@ IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer c
 RESYNC_AFTER_S = 10.0  # held versions that reach the head but do not apply for this long: re-read the store
 BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
 CLAIM_PENALTY = 10.0  # a provably false signed claim about a lineage (node.lineages.Refusal)
+FORGERY_PENALTY = 100.0  # ... that claims another key's lineage: graylisted at once, like a bad signature
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 CATALOG_SOURCES = 4
 MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadcast holds state for)
@@ -283,7 +284,7 @@ class NodeCore:
     def _refused(self, signer: str, msg: str, why: Refusal, out: list[Action]) -> None:
         out.append(Log(msg, {"peer": signer, "why": why.reason[:200], "fault": why.fault}))
         if why.fault:
-            out.append(Penalise(signer, f"lineage: {why.reason}"[:120], CLAIM_PENALTY))
+            out.append(Penalise(signer, f"lineage: {why.reason}"[:120], FORGERY_PENALTY if why.forged else CLAIM_PENALTY))
 
     # ------------------------------------------------------------ staleness admission
     def _observe_head(self, lin: LineageState, out: list[Action]) -> None:

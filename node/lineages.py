@@ -44,10 +44,13 @@ DEMAND_FRESH_S = 30.0  # a demand not re-announced this long is not acted on
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a signed claim about a lineage was not acted on; `fault`: the claim is provably false, so it
-    costs its signer (a claim this node merely cannot check, e.g. on an unknown base model, does not)."""
+    costs its signer (a claim this node merely cannot check, e.g. on an unknown base model, does not);
+    `forged`: the signer claims a lineage that provably belongs to another key (impersonation, which
+    no honest node of any version does), so it costs as much as a bad signature."""
 
     reason: str
     fault: bool = False
+    forged: bool = False
 
     @classmethod
     def provable(cls, reason: str) -> Refusal | None:
@@ -118,11 +121,11 @@ class LineageTable:
         lin = self.rows.get(lid)
         why = Refusal.provable(demand_error(d))
         if why is None and lid == self.own:
-            why = Refusal("signer is not the lineage's publisher (this node is)", True)
+            why = Refusal("signer is not the lineage's publisher (this node is)", True, True)
         elif why is None and lin is not None and lin.publisher:
             # the row's publisher and base are proven: anything else from another key is provably false
             if signer != lin.publisher:
-                why = Refusal("signer is not the lineage's publisher", True)
+                why = Refusal("signer is not the lineage's publisher", True, True)
             elif lineage_id(signer, lin.base, d.name) != lid:
                 why = Refusal("lineage name does not derive the lineage id", True)
         elif why is None and not (self.my_base and lineage_id(signer, self.my_base, d.name) == lid):
@@ -147,9 +150,9 @@ class LineageTable:
         """Why a manifest (signature checked, publisher == signer) must not be acted on; None when it may."""
         lid = bytes(m.lineage)
         if lineage_id(bytes(m.publisher), bytes(m.base_model_hash), m.lineage_name) != lid:
-            return Refusal("lineage id does not derive from the publisher, base model and name", True)
+            return Refusal("lineage id does not derive from the publisher, base model and name", True, True)
         if lid == self.own:
-            return Refusal("names this node's own lineage", True)
+            return Refusal("names this node's own lineage", True, True)
         if m.codec not in patchsync.CODEC_KIND:
             return Refusal(f"unknown codec {m.codec[:32]!r}", True)
         if m.base_version > m.target_version or (m.codec == "anchor-v1") != (m.base_version == m.target_version):

@@ -95,6 +95,7 @@ class Node:
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
         self.drops, self.disk = Drops(), DiskMeter(home, cfg)
         self.stall = StallMeter()
+        self.gc_timer = stall.GcTimer()
 
     # ------------------------------------------------------------ status
     def snapshot(self) -> NodeStatus:
@@ -162,11 +163,15 @@ class Node:
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
-                    nursery.start_soon(stall.run, self.stall)
+                    self.gc_timer.install()
+                    stall.freeze_startup_heap()
+                    nursery.start_soon(stall.run, self.stall, stall.INTERVAL_S, trio.current_time,
+                                       stall.StallReporter())
                     for loop in (self._worker_loop, self._tick_loop, self._slow_loop, self._view_loop):
                         nursery.start_soon(loop)
         finally:
             self.state = "stopping"
+            self.gc_timer.uninstall()
             if not watchdog_armed.is_set():
                 lifecycle.arm_watchdog(EXIT_DEADLINE_S)
             if self.worker is not None:

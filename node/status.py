@@ -210,6 +210,7 @@ class NodeStatus(Struct, kw_only=True):
     # robustness (node.stall, gossip.host.StreamFaults, gossip.scoring): see docs/security.md
     loop_stall_max_ms: float = 0.0  # worst event-loop lateness since start
     loop_stall_recent_ms: float = 0.0  # worst over the last 5 s
+    gc_pause_max_ms: float = 0.0  # longest full (generation 2) garbage collection since start
     stream_faults: dict[str, int] = {}  # protocol -> streams that broke it (peer scored, stream closed)
     peer_scores: dict[str, float] = {}  # peer id -> current gossip score, for peers with a record
     reach: ReachView = msgspec.field(default_factory=ReachView)

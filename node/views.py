@@ -82,6 +82,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         dropped=node.drops.view(node.worker.dropped if node.worker else 0), disk=node.disk.views(now),
         loop_stall_max_ms=round(node.stall.max_ms, 1),
         loop_stall_recent_ms=round(node.stall.recent_ms(loop_now), 1) if loop_now is not None else 0.0,
+        gc_pause_max_ms=round(node.gc_timer.max_ms[2], 1),
         stream_faults=dict(node.transport.faults.counts) if node.transport is not None else {},
         peer_scores=peer_scores(node.service.pipeline) if node.service is not None else {},
         **({"reach": node.reach.view()} if node.reach is not None else {}))

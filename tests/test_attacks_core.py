@@ -33,10 +33,12 @@ def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
     assert core.lineages[lid].publisher == honest.public and core.head_of(lid) == 3
     # later hints from the attacker (announce or manifest it signs) change nothing
     acts = core.handle(announce(attacker, 2, [demand(lid, "lin", 10**12)]))
-    assert [p.peer for p in of(acts, C.Penalise)] == [attacker.peer_id]  # provably not the publisher
+    # provably not the publisher: impersonation costs as much as a bad signature (graylisted at once)
+    assert [(p.peer, p.amount) for p in of(acts, C.Penalise)] == [(attacker.peer_id, C.FORGERY_PENALTY)]
     acts = core.handle(C.ManifestHeard(manifest(attacker, "lin", 10**12 - 1, 10**12, lineage=lid)))
     assert "derive" in of(acts, C.Log)[0].fields["why"]
-    assert [p.peer for p in of(acts, C.Penalise)] == [attacker.peer_id]
+    assert [(p.peer, p.amount) for p in of(acts, C.Penalise)] == [(attacker.peer_id, C.FORGERY_PENALTY)]
+    assert C.FORGERY_PENALTY > 50.0  # past the default graylist threshold in one message
     assert core.lineages[lid].publisher == honest.public and core.head_of(lid) == 3
     core.handle(C.Tick())
     assert core.serving == lid
@@ -52,7 +54,8 @@ def test_freeze_far_ahead_head_is_refused_and_planning_is_o_items() -> None:
     # even the publisher's own key cannot make the node chase a version far past its signed head
     acts = core.handle(C.ManifestHeard(manifest(honest, "lin", 2**62 - 1, 2**62)))
     assert "far ahead" in of(acts, C.Log)[0].fields["why"] and core.head_of(lid) == 3
-    assert [p.peer for p in of(acts, C.Penalise)] == [honest.peer_id]  # its own signature, its own fault
+    # its own signature, its own fault; a claim about its own lineage is not impersonation
+    assert [(p.peer, p.amount) for p in of(acts, C.Penalise)] == [(honest.peer_id, C.CLAIM_PENALTY)]
     acts = core.handle(C.ManifestHeard(manifest(honest, "lin", 3, 3 + MAX_AHEAD)))
     assert not [a for a in of(acts, C.Log) if "refused" in a.msg] and core.head_of(lid) == 3 + MAX_AHEAD
     # and planning to any head costs O(items), not O(versions)

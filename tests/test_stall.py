@@ -6,7 +6,7 @@ import time
 
 import trio
 
-from node.stall import StallMeter, run
+from node.stall import StallMeter, StallReporter, run
 
 
 def test_meter_keeps_the_worst_since_start_and_over_the_recent_window() -> None:
@@ -35,3 +35,26 @@ def test_a_blocked_loop_is_measured() -> None:
 
     trio.run(main)
     assert 250 <= m.max_ms < 5000
+
+
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_long_stall_is_reported_with_the_blocking_code() -> None:
+    m = StallMeter()
+    rep = StallReporter(after_s=0.1)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(run, m, 0.01, trio.current_time, rep)
+            await trio.sleep(0.05)
+            _hold_the_loop(0.5)
+            with trio.fail_after(5):
+                while m.max_ms < 250:
+                    await trio.sleep(0.01)
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert rep.reports == 1
+    assert rep.last_stack.split(" < ")[0].endswith("_hold_the_loop")  # innermost first
