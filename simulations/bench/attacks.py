@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import trio
 
 from gossip import topics, wire
 from gossip.identity import Identity
+from node.demo import free_port
 
 SWARM = "attack-swarm"
 GRAYLIST = -50.0
@@ -496,14 +496,6 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
 
 
 # ------------------------------------------------------------------ live swarm (benchmark and slow test)
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def node_config(roles: list[str], model: Path, swarm: str = SWARM) -> str:
