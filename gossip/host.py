@@ -323,6 +323,30 @@ def _install_pubsub_message_guard() -> None:
 
 _install_pubsub_message_guard()
 
+
+def _install_pubsub_oversize_charge() -> None:
+    """Pubsub's reader swallows an RPC length prefix over its limit (it logs and resets the stream), so
+    the stream guard never saw the fault: the length is raised as our `FrameError` instead, which
+    leaves the reader through the guard like any other malformed frame (counted, charged, closed)."""
+    import libp2p.pubsub.pubsub as ps
+    from libp2p.io.exceptions import MessageTooLarge
+
+    if getattr(ps, "_murmur_oversize", False):
+        return
+    read = ps.read_varint_prefixed_bytes_limited
+
+    async def read_limited(stream: Any, max_length: int) -> bytes:
+        try:
+            return await read(stream, max_length)
+        except MessageTooLarge as e:
+            raise FrameError(f"pubsub RPC over {max_length} bytes: {e}") from None
+
+    ps.read_varint_prefixed_bytes_limited = read_limited
+    ps._murmur_oversize = True
+
+
+_install_pubsub_oversize_charge()
+
 # Largest payload one gossip message may carry. py-libp2p drops >1 MiB silently
 # and closes the pubsub stream of a peer sending an RPC >1 MiB; keep well under.
 MAX_PUBLISH_BYTES = 512 * 1024 + 4096

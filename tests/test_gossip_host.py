@@ -152,8 +152,11 @@ def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytes
     trio.run(main)
 
 
-def test_garbage_on_a_pubsub_stream_costs_the_sender_not_the_host() -> None:
-    """Four bytes that are not a protobuf RPC on /meshsub/1.1.0 used to end the receiving process."""
+@pytest.mark.parametrize("garbage", [bytes.fromhex("03ffffff"), b"\x80\x80\x80\x01" + b"\x00" * 4096],
+                         ids=["not-protobuf", "length-over-the-limit"])
+def test_garbage_on_a_pubsub_stream_costs_the_sender_not_the_host(garbage: bytes) -> None:
+    """Four bytes that are not a protobuf RPC on /meshsub/1.1.0 used to end the receiving process; a
+    length prefix over the RPC limit was swallowed by py-libp2p's reader without charging anyone."""
     from libp2p.peer.id import ID
 
     ids = [Identity.from_seed(bytes([i]) * 32) for i in (41, 42, 43)]
@@ -165,7 +168,7 @@ def test_garbage_on_a_pubsub_stream_costs_the_sender_not_the_host() -> None:
             victim.faults.on_fault = lambda peer, proto, err: faults.append((peer, proto))
             await hostile.connect(victim.listen_addrs()[0])
             raw = await hostile.host.new_stream(ID.from_base58(victim.peer_id), ["/meshsub/1.1.0"])
-            await raw.write(bytes.fromhex("03ffffff"))
+            await raw.write(garbage)
             await wait_until(lambda: faults, timeout=10)
             assert faults == [(hostile.peer_id, "/meshsub/1.1.0")]
             assert victim.faults.counts == {"/meshsub/1.1.0": 1}

@@ -303,3 +303,20 @@ def test_rate_meter_measures_what_is_announced() -> None:
     assert meter.rate(1060.0) == pytest.approx(2.0, rel=0.02)
     assert meter.rate(2000.0) == 0.0
     assert HEADROOM >= 1.0
+
+
+def test_verifier_workers_run_under_a_memory_budget(reg) -> None:
+    """A completion that makes a verifier build a huge object must fail inside the worker's address-space
+    budget (MemoryError: a charged `verifier_error`), not swap the volunteer's machine."""
+    import psutil
+
+    from training.verifiers import MEMORY_HEADROOM_MB
+
+    with VerifierPool(workers=1) as pool:
+        p, clock = pipe(reg, reward_batch=pool.score_batch)
+        assert p.check(honest_mv_batch(reg, 1), ALICE.peer_id).accepted  # a worker is up and judged a batch
+        (w,) = pool._idle
+        proc = psutil.Process(w.proc.pid)
+        soft, _ = proc.rlimit(psutil.RLIMIT_AS)
+        vms = proc.memory_info().vms
+        assert soft != psutil.RLIM_INFINITY and vms < soft <= vms + MEMORY_HEADROOM_MB * 2**20
