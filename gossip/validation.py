@@ -100,7 +100,7 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
 
 REWARD_TOLERANCE = 1e-6
 MAX_FUTURE_S = 60.0  # clock skew allowed for created_ms
-TASK_CACHE = 50_000
+TASK_CACHE = 4096  # regenerated tasks: a group shares one, and batches are verified as they come
 
 
 @dataclass

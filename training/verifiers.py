@@ -295,7 +295,7 @@ WALL_FACTOR: Final = 15.0  # past this multiple in wall time the machine, not th
 POLL_S: Final = 0.02
 MEMORY_HEADROOM_MB: Final = 512  # address space a worker may grow by after its imports: a batch past it fails
 START_LIMIT_S: Final = 60.0  # a fresh worker imports the verifiers (reasoning-gym is slow to import)
-VERDICT_CACHE: Final = 65_536  # (task, extracted answer) -> reward, per worker
+VERDICT_CACHE: Final = 8192  # (task, extracted answer) -> reward, per worker: the groups of recent batches
 
 
 class VerifierError(MurmurError):
