@@ -99,8 +99,9 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
 }
 
 REWARD_TOLERANCE = 1e-6
+FRESH_S = 10.0  # a batch made this recently and over its producer's announced rate was published too fast
 MAX_FUTURE_S = 60.0  # clock skew allowed for created_ms
-TASK_CACHE = 50_000
+TASK_CACHE = 4096  # regenerated tasks: a group shares one, and batches are verified as they come
 
 
 @dataclass
@@ -149,6 +150,16 @@ class Pending:
 
 def rollout_id(r: wire.Rollout) -> bytes:
     return wire.content_id(wire.encode(r))
+
+
+def _made_within(data: bytes, now: float, seconds: float) -> bool:
+    """Whether the batch in `data` says it was made within `seconds` of `now` (undecodable: yes, so
+    malformed bytes over the rate are not excused)."""
+    try:
+        batch = wire.decode_body(wire.decode_envelope(data, wire.ROLLOUT_BATCH))
+    except Exception:
+        return True
+    return now - batch.created_ms / 1000.0 <= seconds
 
 
 def _task_key(ref: wire.TaskRef) -> tuple[bytes, str, int]:
@@ -253,10 +264,10 @@ class Pipeline:
             return self._reject(Reason.OVERSIZED, origin, b"", b"", None,
                                 f"{len(data)} bytes > {wire.KIND_LIMITS[wire.ROLLOUT_BATCH]}")
         data = bytes(data)
-        limited = self._rate_limit(origin, data, now)
+        mid = wire.content_id(data)
+        limited = self._rate_limit(origin, data, mid, now)
         if limited is not None:
             return limited
-        mid = wire.content_id(data)
         if mid in self._inflight:
             return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already being verified")
         try:
@@ -336,17 +347,25 @@ class Pipeline:
         self._inflight.discard(p.msg_id)
 
     # ------------------------------------------------------------ internals
-    def _rate_limit(self, origin: str, data: bytes, now: float) -> Verdict | None:
+    def _rate_limit(self, origin: str, data: bytes, mid: bytes, now: float) -> Verdict | None:
         """A peer that announced its rate is held to it (and charged when above it); any other
-        peer gets the default bucket, whose drops cost nothing: it never promised a rate."""
-        if not origin:
-            return None
+        peer gets the default bucket, whose drops cost nothing: it never promised a rate.
+
+        Gossip names the producer as origin whoever forwards a batch, so arrivals are not the
+        producer's publishing: copies of batches already here spend no tokens, and a batch over the
+        bucket is charged only when it is fresh (made within `FRESH_S`); an older one is a relay's
+        backlog or replay, dropped uncharged."""
+        if not origin or mid in self._inflight or self.seen.get(mid, now) is Reason.ACCEPTED:
+            return None  # a copy: the later stages name it (duplicate, or a relay's signer mismatch)
         bucket = self.announced_rates.bucket(origin)
         if bucket is not None:
             if bucket.take(now, 1.0):
                 return None
-            return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", None,
-                                f"above its announced {bucket.rate:.2f} batches/s (burst {bucket.burst:.0f})")
+            if _made_within(data, now, FRESH_S):
+                return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", None,
+                                    f"above its announced {bucket.rate:.2f} batches/s (burst {bucket.burst:.0f})")
+            return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
+                                f"a backlog above the announced {bucket.rate:.2f} batches/s: not charged")
         if self.buckets.take(origin, now):
             return None
         return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,

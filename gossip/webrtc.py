@@ -79,7 +79,7 @@ def _install_bytes_like_writes() -> None:
     Why: py-libp2p 0.8.1 wraps each slice of the written data in a protobuf `Message`, whose
     `message` field takes `bytes` only: a `bytearray` write raised "TypeError: expected bytes,
     bytearray found". The chunk broadcast writes coalesced frames as one bytearray
-    (`sync.broadcast.frame_bytes`), so over WebRTC-direct every chunk-stream write failed, the stream
+    (`gossip.framing.encode_frames`), so over WebRTC-direct every chunk-stream write failed, the stream
     was dropped and reopened (hundreds of times in a 2-minute real-node run) and not one patch chunk
     arrived. One copy to `bytes`; nothing changes for callers that already pass bytes. Idempotent.
     """

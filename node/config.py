@@ -53,8 +53,9 @@ class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
-    rate_limit_per_s: Annotated[float, _d("messages per second accepted from one peer")] = 20.0
-    rate_burst: Annotated[int, _d("burst of messages accepted from one peer")] = 40
+    rate_limit_per_s: Annotated[float, _d("rollout batches per second accepted from a peer that announced no rate, "
+                                          "and the floor of an announced peer's limit")] = 20.0
+    rate_burst: Annotated[int, _d("burst of rollout batches accepted from a peer that announced no rate")] = 40
     graylist_threshold: Annotated[float, _d("score below which a peer's messages are dropped unread")] = -50.0
     blacklist_s: Annotated[int, _d("seconds a peer proven to forge stays banned")] = 3600
     replay_cache: Annotated[int, _d("entries in the replay/duplicate cache")] = 100_000

@@ -32,7 +32,7 @@ from gossip import wire
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.transport import FrameError
-from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, stall, views
+from node import control, core as C, hardware, lifecycle, memtrace, patchsync, pipe, roles, stall, views
 from node.workerlink import WorkerLink, worker_spec
 from node.config import Config
 from node.logs import event
@@ -169,6 +169,8 @@ class Node:
                                        stall.StallReporter())
                     for loop in (self._worker_loop, self._tick_loop, self._slow_loop, self._view_loop):
                         nursery.start_soon(loop)
+                    if (trace_after := memtrace.warmup_minutes()) is not None:
+                        nursery.start_soon(memtrace.run, trace_after * 60.0)
         finally:
             self.state = "stopping"
             self.gc_timer.uninstall()

@@ -1,4 +1,4 @@
-"""Per-node upload limit: one token bucket shared by every bulk write the node makes.
+"""Per-node upload limit: one token bucket shared by every bulk write the node makes (`sync.transfers`).
 
 A volunteer's uplink must not be saturated by serving patch chunks, and
 benchmarks emulate WAN links with the same limit (`network.upload_bytes_per_s`).
@@ -10,11 +10,9 @@ are what keep per-chunk CPU low). Reservations are first come, first served.
 
 from __future__ import annotations
 
-import trio
-
 
 class TokenBucket:
-    """Sans-IO core: bytes per second with a burst allowance; `rate == 0` means unlimited."""
+    """Bytes per second with a burst allowance; `rate == 0` means unlimited."""
 
     def __init__(self, rate_bytes_per_s: float, burst_bytes: float | None = None, now: float = 0.0) -> None:
         if rate_bytes_per_s < 0:
@@ -47,26 +45,3 @@ class TokenBucket:
             self._refill(now)
             self.tokens = min(self.burst, self.tokens + n)
 
-
-class UploadLimiter:
-    """trio wrapper: `await acquire(n)` before writing n bulk bytes."""
-
-    def __init__(self, rate_bytes_per_s: float, burst_bytes: float | None = None) -> None:
-        self.bucket = TokenBucket(rate_bytes_per_s, burst_bytes, trio.current_time())
-
-    @property
-    def unlimited(self) -> bool:
-        return self.bucket.rate == 0
-
-    def reserve(self, n: int) -> float:
-        """Admit `n` bytes now; returns the trio time at which they may be written."""
-        now = trio.current_time()
-        return now + self.bucket.reserve(n, now)
-
-    async def acquire(self, n: int) -> None:
-        delay = self.bucket.reserve(n, trio.current_time())
-        if delay > 0:
-            await trio.sleep(delay)
-
-    def refund(self, n: int) -> None:
-        self.bucket.refund(n, trio.current_time())

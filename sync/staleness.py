@@ -38,13 +38,12 @@ class StalenessEvent:
 
 
 class _Track:
-    __slots__ = ("local", "head", "state", "since")
+    __slots__ = ("local", "head", "state")
 
-    def __init__(self, now: float) -> None:
+    def __init__(self) -> None:
         self.local: int | None = None
         self.head: int | None = None
         self.state = UNKNOWN
-        self.since = now
 
 
 class StalenessGuard:
@@ -56,22 +55,22 @@ class StalenessGuard:
         self.k = max_staleness
         self._t: dict[bytes, _Track] = {}
 
-    def _track(self, lineage: bytes, now: float) -> _Track:
+    def _track(self, lineage: bytes) -> _Track:
         t = self._t.get(lineage)
         if t is None:
-            t = self._t[lineage] = _Track(now)
+            t = self._t[lineage] = _Track()
         return t
 
     def observe_head(self, lineage: bytes, version: int, now: float) -> list[StalenessEvent]:
         """A verified manifest (or announce) says the lineage reached `version`."""
-        t = self._track(lineage, now)
+        t = self._track(lineage)
         if t.head is None or version > t.head:
             t.head = version
         return self._update(lineage, t, now)
 
     def applied(self, lineage: bytes, version: int, now: float) -> list[StalenessEvent]:
         """The node now holds `version` locally (patch applied, anchor loaded)."""
-        t = self._track(lineage, now)
+        t = self._track(lineage)
         t.local = version
         if t.head is None or version > t.head:
             t.head = version
@@ -85,20 +84,9 @@ class StalenessGuard:
         if new == t.state:
             return []
         ev = StalenessEvent(lineage, new, t.state, t.local, t.head, now)
-        t.state, t.since = new, now
+        t.state = new
         return [ev]
 
     def may_generate(self, lineage: bytes) -> bool:
         t = self._t.get(lineage)
         return t is not None and t.state == FRESH
-
-    def lag(self, lineage: bytes) -> int | None:
-        """Versions between the head heard and the one held (None until both are known)."""
-        t = self._t.get(lineage)
-        if t is None or t.local is None or t.head is None:
-            return None
-        return t.head - t.local
-
-    def state(self, lineage: bytes) -> str:
-        t = self._t.get(lineage)
-        return t.state if t else UNKNOWN

@@ -5,8 +5,9 @@ hashes come from a signed `PatchManifest`. The session is a plain state
 machine with an injected clock: the caller feeds it events (peer joined/left,
 frame received, tick) and executes the actions it returns (send a frame,
 store a verified chunk, report completion, penalise or ban a peer). The same
-code runs under the libp2p driver (`sync.broadcast`) and the virtual-time
-simulator (`sync.vsim`), so what the simulator measures is what nodes run.
+code runs under the libp2p driver (`sync.broadcast`, through the multi-patch
+core `sync.transfers`) and the virtual-time simulator (`sync.vsim`), so what
+the simulator measures is what nodes run.
 
 Scheduling, in brief (docs/broadcast.md has the full rules):
 - receivers pull: each keeps a have-map per peer and requests the rarest

@@ -10,16 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from node import control
+from node.demo import free_port  # noqa: F401 - the helpers' one free-port rule
 from node.status import NodeStatus
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a node's listen address)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def status(home: Path) -> NodeStatus | None:

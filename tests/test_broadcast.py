@@ -18,9 +18,10 @@ from gossip.wire import decode_envelope, encode
 from gossip.errors import DecodeError
 from gossip.identity import Identity
 from simulations.bench.broadcast import make_patch
-from sync.broadcast import BroadcastNode, Transfer
+from sync.broadcast import BroadcastNode
 from sync.ratelimit import TokenBucket
-from sync.swarm import SwarmConfig, Verified
+from sync.swarm import SwarmConfig
+from sync.transfers import Stored
 
 CHUNK = 64 * 1024
 
@@ -65,11 +66,11 @@ def test_token_bucket_idle_credit_is_capped() -> None:
 class CorruptNode(BroadcastNode):
     """A real node that stores (and so serves) every chunk it verifies with its bytes flipped."""
 
-    def _apply(self, tr: Transfer, actions: list[Any]) -> None:
-        super()._apply(tr, actions)
+    def _apply(self, actions: list[Any]) -> None:
+        super()._apply(actions)
         for a in actions:
-            if isinstance(a, Verified):
-                tr.chunks[a.index] = bytes(x ^ 0xFF for x in a.data)
+            if isinstance(a, Stored):
+                self.transfers[a.pid].chunks[a.index] = bytes(x ^ 0xFF for x in a.data)
 
 
 @asynccontextmanager
@@ -186,7 +187,7 @@ def test_live_restart_resumes_from_stored_chunks(tmp_path: Path) -> None:
                 await mesh([o, f])
                 pid = await o[1].publish(env, chunks)
                 tr = await f[1].wait_for_transfer(60, lambda t: t.pid == pid)
-                await tr.wait_have(8, 60)
+                await f[1].wait_have(pid, 8, 60)
                 assert not tr.session.complete
                 await wait_until(lambda: len(list((part / pid.hex()).glob("*.chunk"))) >= 8, 30)
             held = len(list((part / pid.hex()).glob("*.chunk")))
@@ -229,7 +230,7 @@ def test_live_kill_followers_mid_broadcast_survivors_complete() -> None:
             pid = await o[1].publish(env, chunks)
             victims = nodes[1:5]
             tr = await victims[0][1].wait_for_transfer(60, lambda t: t.pid == pid)
-            await tr.wait_have(4, 60)
+            await victims[0][1].wait_have(pid, 4, 60)
             assert not tr.session.complete
             for k in (1, 2, 3, 4):
                 scopes[k].cancel()  # kill 4 of 16 followers mid-broadcast
@@ -265,8 +266,8 @@ class _TrioStream:
 
 
 def test_coalesced_frames_parse_back_and_limits_hold() -> None:
+    from gossip.framing import FrameReader, encode_frames
     from gossip.transport import StreamError
-    from sync.broadcast import FrameReader, frame_bytes
     from sync.swarm import Chunk, Have, HaveChunk, Request, decode_frame
 
     pid = b"p" * 32
@@ -276,7 +277,7 @@ def test_coalesced_frames_parse_back_and_limits_hold() -> None:
         a, b = trio.testing.memory_stream_pair()
         w, r = _TrioStream(a), _TrioStream(b)
         async with trio.open_nursery() as n:
-            n.start_soon(w.write, bytes(frame_bytes(frames)))
+            n.start_soon(w.write, bytes(encode_frames(frames)))
             reader = FrameReader(r, 400_000)
             got = [decode_frame(await reader.next()) for _ in frames]
         assert got == frames
@@ -287,7 +288,7 @@ def test_coalesced_frames_parse_back_and_limits_hold() -> None:
             await FrameReader(_TrioStream(b), 400_000).next()
         # a stream that ends inside a frame is an error, a clean end is None
         a, b = trio.testing.memory_stream_pair()
-        await _TrioStream(a).write(bytes(frame_bytes([HaveChunk(pid, 1)]))[:-2])
+        await _TrioStream(a).write(bytes(encode_frames([HaveChunk(pid, 1)]))[:-2])
         await a.aclose()
         with pytest.raises(StreamError, match="inside a frame"):
             await FrameReader(_TrioStream(b), 400_000).next()
@@ -344,7 +345,7 @@ def test_stuck_transfers_never_block_new_patches() -> None:
     serves) must not fill the transfer table for good: the oldest unfinished transfer gives way, is
     counted, and waiting on it is the clear error catch-up already handles."""
     from gossip.transport import StreamError
-    from sync.broadcast import MAX_TRANSFERS
+    from sync.transfers import MAX_TRANSFERS
 
     publisher = ident(70)
 

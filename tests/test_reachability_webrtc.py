@@ -295,18 +295,18 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
 
 @pytest.mark.slow
 def test_webrtc_carries_broadcast_frames_written_as_a_bytearray(webrtc_extra: None) -> None:
-    """The chunk broadcast's coalesced write (`sync.broadcast.frame_bytes`, a bytearray) over a real
+    """The chunk broadcast's coalesced write (`gossip.framing.encode_frames`, a bytearray) over a real
     WebRTC-direct connection arrives intact: without `install_workarounds` the write raised TypeError."""
     import hashlib
     import os
 
     from libp2p.custom_types import TProtocol
 
-    from sync.broadcast import frame_bytes
+    from gossip.framing import encode_frames
     from sync.swarm import Have
 
     proto = TProtocol("/test/frames/1")
-    payload = frame_bytes([Have(os.urandom(32), os.urandom(8)) for _ in range(40)])
+    payload = encode_frames([Have(os.urandom(32), os.urandom(8)) for _ in range(40)])
     payload += os.urandom(100_000)  # a chunk-sized tail in the same write
     assert isinstance(payload, bytearray)
 

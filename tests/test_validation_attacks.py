@@ -275,14 +275,37 @@ def test_honest_rate_is_never_throttled_and_excess_is_charged(reg) -> None:
     for _ in range(60 * 5):  # a minute at Alice's announced 5 batches/s: all accepted
         seq += 1
         clock.t += 0.2
-        assert p.check(make_batch(ALICE, reg, seq, n=1, tokens=4), ALICE.peer_id).accepted
+        assert p.check(make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)),
+                       ALICE.peer_id).accepted
     reasons = []
     for i in range(200):  # Mallory announced 0.5/s and sends 20/s
         clock.t += 0.05
-        reasons.append(p.check(make_batch(MALLORY, reg, 1 + i, n=1, tokens=4), MALLORY.peer_id).reason)
+        fresh = make_batch(MALLORY, reg, 1 + i, n=1, tokens=4, created_ms=int(clock() * 1000))
+        reasons.append(p.check(fresh, MALLORY.peer_id).reason)
     assert Reason.OVER_ANNOUNCED_RATE in reasons
     assert p.scores.record(MALLORY.peer_id).rejections["over_announced_rate"] >= 50
     assert reasons[-1] is Reason.GRAYLISTED  # charged until its score fell below the threshold
+    assert p.scores.record(ALICE.peer_id).rejections == {}
+
+
+def test_a_relayed_backlog_costs_the_producer_nothing(reg) -> None:
+    """Gossip names the producer as a batch's origin whoever forwards it, so a relay that replays a
+    producer's backlog to a late joiner (or re-sends batches the receiver already has) arrives far above
+    the producer's announced rate. Only fresh batches above the rate prove the producer published too
+    fast; the rest is dropped, uncharged, and copies of accepted batches spend no tokens at all."""
+    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
+    p.announced(ALICE.peer_id, announce(ALICE, 0.5))  # rate max(1, 2*0.5) = 1/s, burst max(2, 60)
+    now_ms = int(clock() * 1000)
+    backlog = [make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=now_ms - (300 - seq) * 2000)
+               for seq in range(1, 200)]  # made at 0.5/s over the last 400 s, all arriving at once
+    reasons = [p.check(data, ALICE.peer_id).reason for data in backlog]
+    assert Reason.OVER_ANNOUNCED_RATE not in reasons and reasons.count(Reason.ACCEPTED) >= 60
+    assert Reason.RATE_LIMITED in reasons  # the receiver still holds its work per peer to the bucket
+    accepted = [d for d, r in zip(backlog, reasons) if r is Reason.ACCEPTED]
+    clock.t += 60.0  # the bucket refills
+    again = [p.check(data, ALICE.peer_id).reason for data in accepted * 3]  # copies via three more relays
+    assert set(again) == {Reason.DUPLICATE}
+    assert p.announced_rates.bucket(ALICE.peer_id).take(clock(), 60.0)  # ... which took no tokens
     assert p.scores.record(ALICE.peer_id).rejections == {}
 
 
@@ -303,3 +326,20 @@ def test_rate_meter_measures_what_is_announced() -> None:
     assert meter.rate(1060.0) == pytest.approx(2.0, rel=0.02)
     assert meter.rate(2000.0) == 0.0
     assert HEADROOM >= 1.0
+
+
+def test_verifier_workers_run_under_a_memory_budget(reg) -> None:
+    """A completion that makes a verifier build a huge object must fail inside the worker's address-space
+    budget (MemoryError: a charged `verifier_error`), not swap the volunteer's machine."""
+    import psutil
+
+    from training.verifiers import MEMORY_HEADROOM_MB
+
+    with VerifierPool(workers=1) as pool:
+        p, clock = pipe(reg, reward_batch=pool.score_batch)
+        assert p.check(honest_mv_batch(reg, 1), ALICE.peer_id).accepted  # a worker is up and judged a batch
+        (w,) = pool._idle
+        proc = psutil.Process(w.proc.pid)
+        soft, _ = proc.rlimit(psutil.RLIMIT_AS)
+        vms = proc.memory_info().vms
+        assert soft != psutil.RLIM_INFINITY and vms < soft <= vms + MEMORY_HEADROOM_MB * 2**20

@@ -293,8 +293,9 @@ def score(task: Task, completion_text: str) -> float:
 TIME_LIMIT_S: Final = 2.0  # verifier CPU seconds per batch (up to 64 completions) in one pool worker
 WALL_FACTOR: Final = 15.0  # past this multiple in wall time the machine, not the input, is the problem
 POLL_S: Final = 0.02
+MEMORY_HEADROOM_MB: Final = 512  # address space a worker may grow by after its imports: a batch past it fails
 START_LIMIT_S: Final = 60.0  # a fresh worker imports the verifiers (reasoning-gym is slow to import)
-VERDICT_CACHE: Final = 65_536  # (task, extracted answer) -> reward, per worker
+VERDICT_CACHE: Final = 8192  # (task, extracted answer) -> reward, per worker: the groups of recent batches
 
 
 class VerifierError(MurmurError):
@@ -333,6 +334,19 @@ def _warm_up() -> None:
         pass
 
 
+def _limit_memory(headroom_mb: int) -> None:
+    """Cap this process's address space at what its imports use plus `headroom_mb`: a completion that
+    makes a verifier build a huge object (sympy expanding a power tower) then fails with MemoryError,
+    a named rejection, instead of swapping the volunteer's machine."""
+    import resource  # noqa: PLC0415
+
+    limit = psutil.Process().memory_info().vms + headroom_mb * 2**20
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
 def _pool_worker(conn: Any, entries: int) -> None:
     """One pool process: judge batches until the pipe closes. Replies (ok, rewards | error, cpu_s)."""
     import signal  # noqa: PLC0415
@@ -340,6 +354,7 @@ def _pool_worker(conn: Any, entries: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     verdicts = Verdicts(entries)
     _warm_up()
+    _limit_memory(MEMORY_HEADROOM_MB)
     conn.send(("ready", None, 0.0))
     while True:
         t0 = time.process_time()  # waiting costs no CPU; unpickling the batch does, and counts

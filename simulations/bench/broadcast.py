@@ -338,7 +338,7 @@ async def _follow(node: Any, say: Any) -> None:
     prof = _PROFILE.get("prof")
     if prof is not None:  # the transfer only, not start-up and connecting
         prof.enable()
-    await tr.done.wait()
+    await node.wait_complete(tr.pid, 600)
     if prof is not None:
         prof.disable()
     digest = hashlib.blake2b(tr.payload(), digest_size=32).hexdigest()
