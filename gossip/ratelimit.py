@@ -9,7 +9,10 @@ the sender's own promise:
   second it has been publishing (`RateMeter` measures that at the sender). Its
   bucket allows `HEADROOM` times that rate with a `BURST_WINDOW_S` burst, never
   less than the default bucket and never more than `MAX_BATCHES_PER_S`; only
-  publishing above that is charged.
+  publishing above that is charged. It is spent on the producer's clock (the
+  batches' signed creation times), not on arrival: how batches queue on the
+  way (a relay's backlog, the receiver's own busy loop) is not the producer's
+  doing.
 Every table is bounded: idle peers are forgotten first.
 """
 
@@ -76,6 +79,8 @@ class AnnouncedRates:
         return rate, max(self.floor_burst, min(MAX_BATCHES_PER_S, HEADROOM * announced) * BURST_WINDOW_S)
 
     def update(self, peer: str, announce: Any, now: float) -> None:
+        """Hold `peer` to the rate `announce` states. The bucket runs on the producer's own clock (its
+        batches' signed `created_ms`, see `take`), so it starts full at the first batch it meets."""
         announced = float(getattr(announce, "publish_batches_per_s", 0.0))
         if not (announced > 0 and math.isfinite(announced)):
             self._b.pop(peer, None)  # no promise: the default (uncharged) bucket applies
@@ -83,9 +88,8 @@ class AnnouncedRates:
         rate, burst = self.limits(announced)
         b = self._b.get(peer)
         if b is None:
-            self._b[peer] = Bucket(rate, burst, now)
+            self._b[peer] = Bucket(rate, burst, -math.inf)
         else:
-            b.take(now, 0.0)  # settle the refill at the old rate first
             b.rate, b.burst, b.tokens = rate, burst, min(burst, b.tokens)
         self._b.move_to_end(peer)
         while len(self._b) > self.max_peers:

@@ -99,7 +99,6 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
 }
 
 REWARD_TOLERANCE = 1e-6
-FRESH_S = 10.0  # a batch made this recently and over its producer's announced rate was published too fast
 MAX_FUTURE_S = 60.0  # clock skew allowed for created_ms
 TASK_CACHE = 4096  # regenerated tasks: a group shares one, and batches are verified as they come
 
@@ -152,14 +151,12 @@ def rollout_id(r: wire.Rollout) -> bytes:
     return wire.content_id(wire.encode(r))
 
 
-def _made_within(data: bytes, now: float, seconds: float) -> bool:
-    """Whether the batch in `data` says it was made within `seconds` of `now` (undecodable: yes, so
-    malformed bytes over the rate are not excused)."""
+def _created_s(data: bytes) -> float | None:
+    """The creation time the batch in `data` states (seconds), or None when it does not decode."""
     try:
-        batch = wire.decode_body(wire.decode_envelope(data, wire.ROLLOUT_BATCH))
+        return wire.decode_body(wire.decode_envelope(data, wire.ROLLOUT_BATCH)).created_ms / 1000.0
     except Exception:
-        return True
-    return now - batch.created_ms / 1000.0 <= seconds
+        return None
 
 
 def _task_key(ref: wire.TaskRef) -> tuple[bytes, str, int]:
@@ -351,21 +348,21 @@ class Pipeline:
         """A peer that announced its rate is held to it (and charged when above it); any other
         peer gets the default bucket, whose drops cost nothing: it never promised a rate.
 
-        Gossip names the producer as origin whoever forwards a batch, so arrivals are not the
-        producer's publishing: copies of batches already here spend no tokens, and a batch over the
-        bucket is charged only when it is fresh (made within `FRESH_S`); an older one is a relay's
-        backlog or replay, dropped uncharged."""
+        The announced bucket is spent at each batch's creation time (`created_ms`, inside what the
+        origin signed for pubsub), so only batches the producer made faster than it said are
+        charged, however they queue on the way; a batch older than the last one spent (out of
+        order: a relay's backlog) falls to the default bucket. Copies of batches already here
+        spend no tokens."""
         if not origin or mid in self._inflight or self.seen.get(mid, now) is Reason.ACCEPTED:
             return None  # a copy: the later stages name it (duplicate, or a relay's signer mismatch)
         bucket = self.announced_rates.bucket(origin)
-        if bucket is not None:
-            if bucket.take(now, 1.0):
+        made = _created_s(data)
+        if bucket is not None and made is not None and made >= bucket.last:
+            if bucket.take(min(made, now + MAX_FUTURE_S), 1.0):
                 return None
-            if _made_within(data, now, FRESH_S):
-                return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", None,
-                                    f"above its announced {bucket.rate:.2f} batches/s (burst {bucket.burst:.0f})")
-            return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
-                                f"a backlog above the announced {bucket.rate:.2f} batches/s: not charged")
+            return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", None,
+                                f"made faster than its announced {bucket.rate:.2f} batches/s "
+                                f"(burst {bucket.burst:.0f})")
         if self.buckets.take(origin, now):
             return None
         return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
