@@ -17,7 +17,7 @@ def simulate(
     scenario_file: Annotated[Optional[Path], typer.Argument(help="scenario TOML file (docs/scenarios.md)")] = None,
     scenario: Annotated[Optional[str], typer.Option(
         "--scenario", "-s", help="built-in scenario: default, churn, adversarial, heterogeneous, wan, large, huge")] = None,
-    virtual: Annotated[bool, typer.Option("--virtual", help="virtual time: protocol cores only, learning modelled")] = False,
+    virtual: Annotated[bool, typer.Option("--virtual", help="virtual time: a node core per node; links, compute and learning modelled")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="report folder (default ./murmur-sim/<name>-<mode>-<time>)")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="override the scenario's seed")] = None,
     duration: Annotated[Optional[float], typer.Option("--duration", help="override duration_s (seconds)")] = None,

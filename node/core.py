@@ -633,7 +633,8 @@ class NodeCore:
                 out.append(Log("worker rollout undecodable", {"error": str(e)[:200]}))
         for i in range(0, len(rollouts), BATCH_MAX_ROLLOUTS):
             part = rollouts[i:i + BATCH_MAX_ROLLOUTS]
-            self.rollout_seq = max(self.rollout_seq + 1, int(self.clock() * 1e6))
+            # wall-clock microseconds: still increasing after a restart or a reboot (a reused seq is a replay)
+            self.rollout_seq = max(self.rollout_seq + 1, int(self.wall_ms()) * 1000)
             batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.s.swarm, producer=self.ident.public,
                                       seq=self.rollout_seq, created_ms=self.wall_ms(), rollouts=part)
             data = wire.seal(self.ident, wire.ROLLOUT_BATCH, batch)

@@ -262,3 +262,20 @@ def test_created_ms_comes_from_the_injected_wall_clock() -> None:
     out = core.handle(W("rollouts", [wire.encode(r)]))
     batches = [a for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert [wire.open_envelope(a.data)[1].created_ms for a in batches] == [1_234_567]
+
+
+def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> None:
+    """A reused (producer, seq) reads as a replay at every receiver (charged): after a reboot the
+    monotonic clock starts again near 0, so the seq follows the wall clock."""
+    r = wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=b"\1" * 32, version=0,
+                     completion_ids=[1, 2], text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8), token_versions=[],
+                     sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5)
+    seqs = []
+    for mono, wall in ((10_000.0, 1_700_000_000_000), (3.0, 1_700_000_060_000)):  # before, after the reboot
+        clock = Clock()
+        clock.t = mono
+        core = C.NodeCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
+        core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
+        out = core.handle(W("rollouts", [wire.encode(r)]))
+        seqs += [wire.open_envelope(a.data)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
+    assert len(seqs) == 2 and seqs[1] > seqs[0]
