@@ -11,6 +11,7 @@ import functools
 import os
 import stat
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -80,7 +81,7 @@ class Identity:
             raise IdentityError("ed25519 seed must be 32 bytes")
         return cls(Ed25519PrivateKey.from_private_bytes(seed))
 
-    @property
+    @cached_property  # derived from the private key on every call otherwise (a node asks per message)
     def public(self) -> bytes:
         return self.private.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
@@ -92,7 +93,7 @@ class Identity:
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
         )
 
-    @property
+    @cached_property
     def peer_id(self) -> str:
         return peer_id_from_public(self.public)
 

@@ -151,14 +151,6 @@ def rollout_id(r: wire.Rollout) -> bytes:
     return wire.content_id(wire.encode(r))
 
 
-def _created_s(data: bytes) -> float | None:
-    """The creation time the batch in `data` states (seconds), or None when it does not decode."""
-    try:
-        return wire.decode_body(wire.decode_envelope(data, wire.ROLLOUT_BATCH)).created_ms / 1000.0
-    except Exception:
-        return None
-
-
 def _task_key(ref: wire.TaskRef) -> tuple[bytes, str, int]:
     return (ref.task_set, ref.generator, ref.seed)
 
@@ -299,6 +291,9 @@ class Pipeline:
         age_s = now - batch.created_ms / 1000.0
         if age_s > self.config.replay_ttl_s or age_s < -MAX_FUTURE_S:
             return self._reject(Reason.EXPIRED, origin, data, mid, batch, f"created {age_s:.0f} s ago")
+        over = self._announced_limit(origin, data, batch, now)
+        if over is not None:
+            return over
         prev = self.seqs.get((batch.producer, batch.seq), now)
         if prev is not None and prev != mid:
             return self._reject(Reason.REPLAY, origin, data, mid, batch,
@@ -345,28 +340,35 @@ class Pipeline:
 
     # ------------------------------------------------------------ internals
     def _rate_limit(self, origin: str, data: bytes, mid: bytes, now: float) -> Verdict | None:
-        """A peer that announced its rate is held to it (and charged when above it); any other
-        peer gets the default bucket, whose drops cost nothing: it never promised a rate.
-
-        The announced bucket is spent at each batch's creation time (`created_ms`, inside what the
-        origin signed for pubsub), so only batches the producer made faster than it said are
-        charged, however they queue on the way; a batch older than the last one spent (out of
-        order: a relay's backlog) falls to the default bucket. Copies of batches already here
-        spend no tokens."""
+        """Before any decoding: a peer that announced no rate gets the default bucket, whose drops
+        cost nothing (it never promised a rate). Copies of batches already here spend no tokens;
+        a peer that announced its rate is held to it once its batch is decoded (`_announced_limit`)."""
         if not origin or mid in self._inflight or self.seen.get(mid, now) is Reason.ACCEPTED:
             return None  # a copy: the later stages name it (duplicate, or a relay's signer mismatch)
-        bucket = self.announced_rates.bucket(origin)
-        made = _created_s(data)
-        if bucket is not None and made is not None and made >= bucket.last:
+        if self.announced_rates.bucket(origin) is not None or self.buckets.take(origin, now):
+            return None
+        return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
+                            f"over {self.config.rate_per_s}/s (burst {self.config.burst})")
+
+    def _announced_limit(self, origin: str, data: bytes, batch: wire.RolloutBatch, now: float) -> Verdict | None:
+        """A peer that announced its rate is held to it, and charged when above it. The bucket is spent
+        at the batch's signed creation time, so only batches the producer made faster than it said
+        are charged, however they queue on the way (a relay's backlog, this node's own busy loop); a
+        batch older than the last one spent (out of order) falls to the default, uncharged bucket."""
+        bucket = self.announced_rates.bucket(origin) if origin else None
+        if bucket is None:
+            return None
+        made = batch.created_ms / 1000.0
+        if made >= bucket.last:
             if bucket.take(min(made, now + MAX_FUTURE_S), 1.0):
                 return None
-            return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", None,
+            return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", batch,
                                 f"made faster than its announced {bucket.rate:.2f} batches/s "
                                 f"(burst {bucket.burst:.0f})")
         if self.buckets.take(origin, now):
             return None
-        return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
-                            f"over {self.config.rate_per_s}/s (burst {self.config.burst})")
+        return self._reject(Reason.RATE_LIMITED, origin, data, b"", batch,
+                            f"out of order and over {self.config.rate_per_s}/s (burst {self.config.burst})")
 
     def _stale(self, batch: wire.RolloutBatch) -> str | None:
         """Judged against the publisher-signed head only: a claimed version never moves a head."""
