@@ -371,11 +371,17 @@ class Pipeline:
                             f"out of order and over {self.config.rate_per_s}/s (burst {self.config.burst})")
 
     def _stale(self, batch: wire.RolloutBatch) -> str | None:
-        """Judged against the publisher-signed head only: a claimed version never moves a head."""
+        """Judged against the publisher-signed head only: a claimed version never moves a head. The
+        oldest rollout per lineage decides, so the head is asked once per lineage of the batch."""
+        oldest: dict[bytes, int] = {}
         for r in batch.rollouts:
-            head = self.head_version(r.lineage)
-            if head is not None and r.version + self.config.max_staleness < head:
-                return f"version {r.version} vs head {head} (bound {self.config.max_staleness})"
+            v = oldest.get(r.lineage)
+            if v is None or r.version < v:
+                oldest[r.lineage] = r.version
+        for lineage, version in oldest.items():
+            head = self.head_version(lineage)
+            if head is not None and version + self.config.max_staleness < head:
+                return f"version {version} vs head {head} (bound {self.config.max_staleness})"
         return None
 
     def _verify(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:

@@ -147,24 +147,6 @@ class SimPipeline(Pipeline):
         super().__init__(*args, verify_envelope=shared.verify_envelope, decode_body=shared.decode_body, **kwargs)
         self.shared = shared
 
-    def _stale(self, batch: wire.RolloutBatch) -> str | None:
-        """The pipeline's own staleness rule, asking the node's head oracle once per lineage of the batch
-        rather than once per rollout: no head moves while one message is checked, so the verdict is the same."""
-        ask = self.head_version
-        heads: dict[bytes, int | None] = {}
-
-        def head(lineage: bytes) -> int | None:
-            h = heads.get(lineage, _MISSING)
-            if h is _MISSING:
-                h = heads[lineage] = ask(lineage)
-            return h  # type: ignore[return-value]
-
-        self.head_version = head
-        try:
-            return super()._stale(batch)
-        finally:
-            self.head_version = ask
-
     def verify(self, p: Pending) -> Pending:
         memo = self.shared.failures
         hit = memo.get(p.msg_id, _MISSING)
