@@ -1,39 +1,67 @@
-"""Discrete-event, virtual-time driver for `sync.swarm.SwarmSession`.
+"""Discrete-event, virtual-time driver for the node's broadcast core, `sync.transfers.BroadcastCore`.
 
-It runs the very core the live nodes run, with links emulated instead of
-sockets, so thousands of nodes fit in minutes of CPU. The model:
-- each node has one upload link (bytes leave one frame at a time at
-  `up_bps`, round-robin over the peers with queued requests, exactly as the
-  live node's shared token bucket orders them) and optionally a download link
-  (`down_bps`, 0 = unlimited) that serialises arriving chunk bytes;
-- a frame arrives `latency_s` after its last byte leaves; control frames
-  (have-maps, requests, cancels; < 1 KiB) skip the bandwidth queues;
-- `loss` is the probability that a chunk frame suffers a TCP-style
-  retransmission and arrives `rto_s` late (streams are reliable, so loss is
-  delay, not a lost frame);
-- a killed node's neighbours learn it left one latency later and frames in
-  flight to or from it vanish; a restarted node comes back with the chunks it
-  had verified (they were persisted) and reconnects to its neighbours;
-- chunk payloads are 32-byte tokens (the chunk hash) whose declared size is
-  what the links are charged for, so no real hashing runs: the session's
-  `check` compares the token with the manifest hash, and a corrupt node sends
-  a wrong token, which the receiving session treats exactly like a bad hash.
+Every simulated node runs its own `BroadcastCore`, the object
+`sync.broadcast.BroadcastNode` drives on a live node, fed the same events and
+carrying out the same actions; only the links and the clock are emulated
+(instead of streams and trio), so thousands of nodes fit in minutes of CPU.
+So the transfer table, manifest requests, node-wide bans, the upload
+round-robin across patches and peers, and the pacing of uploads by the
+node's token bucket (`network.upload_bytes_per_s`, set to the node's link
+rate) are the node's code, as are the per-patch `sync.swarm.SwarmSession`s
+inside the core (rarest-first, super-seeding, pipelining, stalls).
+
+The origin (node 0) publishes `patches` real signed patches
+(`gossip.wire.PatchManifest`, random chunk bytes), `patch_interval_s` apart;
+patches in flight at once share each node's links and upload bucket. The
+driver does what the live shell does:
+- a published manifest reaches every live node one latency (the origin's)
+  after it is published, as the gossip on the announce topic would (one hop);
+  with `gossip_manifests=False` nodes learn it only over the chunk streams
+  (a peer's `Have` for an unknown patch id -> `ManifestRequest` -> `Manifest`);
+- `Load` is answered at once with `follow(pid, held)`, `held` being the chunks
+  this node persisted (`Stored`) for that patch;
+- each peer has a writer: a `ServeReady` wakes it, it asks `next_upload`,
+  waits until the slot's time, calls `take_upload` and hands the chunk to the
+  link (the write returns at once, as a socket write into its buffer does),
+  then asks again; `Disconnect` closes the connection (the peer's core sees
+  `peer_gone` one latency later, and neither reconnects);
+- `tick` runs every `tick_s` while the core says it is `ticking` (re-armed by
+  `Wake`), as the live ticker does.
+
+The links: each node has one upload link (bytes leave one frame at a time at
+`up_bps`, in the order the writers hand them over) and optionally a download
+link (`down_bps`, 0 = unlimited) that serialises arriving chunk bytes; a frame
+arrives `latency_s` after its last byte leaves; control frames (have-maps,
+requests, cancels, manifests) skip the bandwidth queues; `loss` is the
+probability that a chunk frame suffers a TCP-style retransmission and arrives
+`rto_s` late (streams are reliable, so loss is delay, not a lost frame). A
+killed node's neighbours learn it left one latency later and frames in flight
+to or from it vanish; a restarted node comes back with a fresh core, is
+offered the manifests it had (as a restarted node hears them again), resumes
+from the chunks it had persisted, and reconnects to its neighbours. Chunk
+payloads are real bytes shared between nodes (no copies), so every receiver
+verifies each chunk's blake2b hash as a live node does; a corrupt node sends
+32 wrong bytes in place of a chunk (the link is charged the chunk's size),
+which every receiver's session rejects like any bad chunk.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from msgspec import Struct
 
-from sync.swarm import (Ban, Chunk, Completed, Penalise, Send, ServeReady, SwarmConfig, SwarmSession,
-                        Verified)
+from gossip.identity import Identity
+from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
+from sync.chunks import refs
+from sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession
+from sync.transfers import (Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake)
 
 _BAD = b"\xff" * 32
 
@@ -50,27 +78,43 @@ class SimLink(Struct, kw_only=True, frozen=True):
 class _Node:
     id: int
     link: SimLink
-    session: SwarmSession
+    core: BroadcastCore
     alive: bool = True
     inc: int = 0
-    uploading: bool = False
+    up_free: float = 0.0  # when the upload link has sent what it was handed
     down_free: float = 0.0
-    ready: deque[int] = field(default_factory=deque)
-    ready_set: set[int] = field(default_factory=set)
-    chunks: dict[int, bytes] = field(default_factory=dict)
+    writing: set[int] = field(default_factory=set)  # peers whose writer holds a slot
+    ticking: bool = False  # a tick is scheduled
+    envelopes: dict[bytes, bytes] = field(default_factory=dict)  # manifests this node followed, by patch id
+    store: dict[bytes, dict[int, bytes]] = field(default_factory=dict)  # persisted chunks, by patch id
+    done: dict[bytes, float] = field(default_factory=dict)  # patch id -> when it completed here
     corrupt: bool = False
-    completed_at: float | None = None
+    completed_at: float | None = None  # every patch complete
     bytes_out: int = 0
     penalties: dict[int, float] = field(default_factory=dict)
-    banned: set[int] = field(default_factory=set)
 
+    @property
+    def banned(self) -> set[int]:
+        return self.core.banned  # type: ignore[return-value]
 
-def _check(expected: bytes, size: int, data: bytes) -> bool:
-    return data == expected
+    @property
+    def first(self) -> bytes | None:
+        return next(iter(self.envelopes), None)
+
+    @property
+    def chunks(self) -> dict[int, bytes]:
+        """The persisted chunks of the first patch."""
+        pid = self.first
+        return self.store.get(pid, {}) if pid is not None else {}
+
+    @property
+    def session(self) -> SwarmSession:
+        """The core's session of the first patch."""
+        return self.core.transfers[self.first].session  # type: ignore[index]
 
 
 class VirtualSwarm:
-    """One origin (node 0) broadcasting one patch to `followers` nodes (1..N) in virtual time."""
+    """One origin (node 0) broadcasting `patches` patches of chunk sizes `sizes` to `followers` nodes (1..N)."""
 
     def __init__(
         self,
@@ -83,32 +127,50 @@ class VirtualSwarm:
         config: SwarmConfig | None = None,
         seed: int = 0,
         tick_s: float = 0.25,
+        patches: int = 1,
+        patch_interval_s: float = 0.0,
+        gossip_manifests: bool = True,
     ) -> None:
+        if patches < 1 or not sizes or min(sizes) < 1:
+            raise ValueError("need at least one patch of at least one non-empty chunk")
         self.n = followers
         self.sizes = sizes
         self.rng = random.Random(seed)
         self.cfg = config or SwarmConfig()
         self.tick_s = tick_s
-        self.hashes = [self.rng.randbytes(32) for _ in sizes]
-        self.pid = self.rng.randbytes(32)
+        self.gossip_manifests = gossip_manifests
+        self.identity = Identity.from_seed(self.rng.randbytes(32))
+        self.patches: list[tuple[bytes, bytes, list[bytes]]] = []  # (pid, envelope, chunks)
+        for k in range(patches):
+            self.patches.append(self._make_patch(k + 1))
+        self.publish_at = [k * patch_interval_s for k in range(patches)]
         base = link or SimLink()
         links = links or {}
         self.adj = self._topology(followers + 1, degree)
-        self.nodes = [
-            _Node(i, links.get(i, base), self._session(i, have=range(len(sizes)) if i == 0 else ()))
-            for i in range(followers + 1)
-        ]
-        self.nodes[0].chunks = dict(enumerate(self.hashes))
+        self.now = 0.0
+        self.nodes = [_Node(i, links.get(i, base), self._core(links.get(i, base))) for i in range(followers + 1)]
         self._heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
         self._seq = 0
-        self.now = 0.0
         self.events = 0
         self._waiting = followers  # alive followers not yet complete: O(1) end test (an O(N) scan per event is quadratic)
 
-    def _session(self, i: int, have: Any) -> SwarmSession:
-        return SwarmSession(self.pid, self.hashes, self.sizes, have=have, origin=(i == 0), config=self.cfg,
-                            now=self.now if hasattr(self, "now") else 0.0, seed=self.rng.randrange(2**32),
-                            check=_check)
+    @property
+    def pid(self) -> bytes:
+        return self.patches[0][0]
+
+    def _make_patch(self, version: int) -> tuple[bytes, bytes, list[bytes]]:
+        chunks = [self.rng.randbytes(s) for s in self.sizes]
+        me = self.identity.public
+        m = PatchManifest(
+            v=FORMAT_VERSION, lineage=hashlib.blake2b(b"vsim" + me, digest_size=32).digest(), lineage_name="vsim",
+            base_model_hash=b"\0" * 32, publisher=me, base_version=version - 1, target_version=version,
+            base_hash=b"\1" * 32, target_hash=self.rng.randbytes(32), codec="sparse-v1", total_bytes=sum(self.sizes),
+            chunk_bytes=max(self.sizes), chunks=refs(chunks), created_ms=0)
+        env = seal(self.identity, PATCH_MANIFEST, m)
+        return content_id(env), env, chunks
+
+    def _core(self, link: SimLink) -> BroadcastCore:
+        return BroadcastCore(self.cfg, upload_bytes_per_s=link.up_bps, seed=self.rng.randrange(2**32), now=self.now)
 
     def _topology(self, n: int, degree: int | None) -> list[set[int]]:
         adj: list[set[int]] = [set() for _ in range(n)]
@@ -149,12 +211,12 @@ class VirtualSwarm:
 
     def run(self, until_s: float = 600.0, max_events: int = 50_000_000) -> dict[str, Any]:
         wall = time.perf_counter()
+        for k, at in enumerate(self.publish_at):
+            self._push(at, "publish", (k,))
         for i in range(len(self.nodes)):
             for j in self.adj[i]:
                 if i < j:
                     self._push(self.nodes[i].link.latency_s, "connect", (i, j))
-        for i in range(len(self.nodes)):
-            self._push(self.tick_s * (1 + self.rng.random()), "tick", (i,))
         while self._heap and self.events < max_events:
             t, _, kind, args = heapq.heappop(self._heap)
             if t > until_s:
@@ -167,26 +229,49 @@ class VirtualSwarm:
         return self.result(time.perf_counter() - wall)
 
     def _all_done(self) -> bool:
-        return self._waiting == 0
+        return self._waiting == 0 and len(self.nodes[0].envelopes) == len(self.patches)
 
-    def _completed(self, nd: _Node) -> None:
-        if nd.completed_at is None:
+    def _completed(self, nd: _Node, pid: bytes) -> None:
+        nd.done.setdefault(pid, self.now)
+        if nd.completed_at is None and len(nd.done) == len(self.patches):
             nd.completed_at = self.now
             if nd.id != 0 and nd.alive:
                 self._waiting -= 1
 
+    def _ev_publish(self, k: int) -> None:
+        nd = self.nodes[0]
+        pid, env, chunks = self.patches[k]
+        nd.envelopes[pid] = env
+        nd.store[pid] = dict(enumerate(chunks))
+        if not nd.alive:
+            return
+        _, acts = nd.core.publish(env, chunks, self.now, self.now)
+        self._apply(nd, acts)
+        self._completed(nd, pid)
+        if self.gossip_manifests:
+            for j in range(1, len(self.nodes)):
+                self._push(self.now + nd.link.latency_s, "gossip", (j, k))
+
+    def _ev_gossip(self, j: int, k: int) -> None:
+        nd = self.nodes[j]
+        if nd.alive:
+            self._apply(nd, nd.core.offer(self.patches[k][1], self.now))
+
     def _ev_connect(self, i: int, j: int) -> None:
         a, b = self.nodes[i], self.nodes[j]
-        if a.alive and b.alive:
-            self._apply(a, a.session.peer_joined(j, self.now))
-            self._apply(b, b.session.peer_joined(i, self.now))
+        if a.alive and b.alive and j not in a.core.banned and i not in b.core.banned:
+            self._apply(a, a.core.peer_connected(j, self.now))  # type: ignore[arg-type]
+            self._apply(b, b.core.peer_connected(i, self.now))  # type: ignore[arg-type]
 
-    def _ev_tick(self, i: int) -> None:
+    def _ev_tick(self, i: int, inc: int) -> None:
         nd = self.nodes[i]
-        if nd.alive:
-            self._apply(nd, nd.session.tick(self.now))
-        if not self._all_done():
-            self._push(self.now + self.tick_s, "tick", (i,))
+        if nd.inc != inc or not nd.alive:
+            return
+        self._apply(nd, nd.core.tick(self.now))
+        if nd.core.ticking and not self._all_done():
+            self._push(self.now + self.tick_s, "tick", (i, nd.inc))
+        else:
+            nd.ticking = False  # asleep until the core's next Wake
 
     def _ev_kill(self, i: int) -> None:
         nd = self.nodes[i]
@@ -202,7 +287,7 @@ class VirtualSwarm:
     def _ev_left(self, j: int, i: int) -> None:
         nd = self.nodes[j]
         if nd.alive:
-            self._apply(nd, nd.session.peer_left(i, self.now))
+            self._apply(nd, nd.core.peer_gone(i, self.now))  # type: ignore[arg-type]
 
     def _ev_revive(self, i: int) -> None:
         nd = self.nodes[i]
@@ -210,78 +295,93 @@ class VirtualSwarm:
             self._waiting += 1
         nd.alive = True
         nd.inc += 1
-        nd.uploading = False
-        nd.ready.clear()
-        nd.ready_set.clear()
-        nd.session = self._session(i, have=list(nd.chunks))  # resume from the persisted have-set
-        if nd.session.complete:
-            self._completed(nd)
+        nd.writing.clear()
+        nd.ticking = False
+        nd.up_free = nd.down_free = self.now
+        nd.core = self._core(nd.link)  # a restarted process: nothing in memory survives
+        for pid, env in nd.envelopes.items():
+            if i == 0:
+                self._apply(nd, nd.core.publish(env, self.patches[self._index(pid)][2], self.now, self.now)[1])
+            else:
+                self._apply(nd, nd.core.offer(env, self.now))  # -> Load -> follow from the persisted chunks
         for j in self.adj[i]:
             self._push(self.now + nd.link.latency_s, "connect", (i, j))
 
+    def _index(self, pid: bytes) -> int:
+        return next(k for k, p in enumerate(self.patches) if p[0] == pid)
+
     def _ev_deliver(self, dst: int, src: int, frame: Any, dst_inc: int, src_inc: int) -> None:
         d, s = self.nodes[dst], self.nodes[src]
-        if not d.alive or d.inc != dst_inc or s.inc != src_inc or src in d.banned:
+        if not d.alive or d.inc != dst_inc or s.inc != src_inc or src in d.core.banned:
             return
-        self._apply(d, d.session.on_frame(src, frame, self.now))
+        self._apply(d, d.core.on_frame(src, frame, self.now))  # type: ignore[arg-type]
 
-    def _ev_upload_done(self, i: int, inc: int) -> None:
-        nd = self.nodes[i]
-        if nd.inc == inc and nd.alive:
-            nd.uploading = False
-            self._pump(nd)
-
-    def _apply(self, nd: _Node, actions: list[Any]) -> None:
+    def _apply(self, nd: _Node, actions: list[Action]) -> None:  # noqa: C901 - one branch per action
         for a in actions:
             if isinstance(a, Send):
-                peer = self.nodes[a.peer]
+                peer = self.nodes[a.peer]  # type: ignore[index]
                 if peer.alive:
                     self._push(self.now + nd.link.latency_s, "deliver", (a.peer, nd.id, a.frame, peer.inc, nd.inc))
             elif isinstance(a, ServeReady):
-                if a.peer not in nd.ready_set:
-                    nd.ready.append(a.peer)
-                    nd.ready_set.add(a.peer)
-                self._pump(nd)
-            elif isinstance(a, Verified):
-                nd.chunks[a.index] = a.data
-            elif isinstance(a, Completed):
-                self._completed(nd)
+                self._write(nd, a.peer)  # type: ignore[arg-type]
+            elif isinstance(a, Stored):
+                nd.store.setdefault(a.pid, {})[a.index] = a.data
+            elif isinstance(a, Complete):
+                self._completed(nd, a.pid)
             elif isinstance(a, Penalise):
-                nd.penalties[a.peer] = nd.penalties.get(a.peer, 0.0) + a.amount
-            elif isinstance(a, Ban):
-                nd.banned.add(a.peer)
+                nd.penalties[a.peer] = nd.penalties.get(a.peer, 0.0) + a.amount  # type: ignore[index]
+            elif isinstance(a, Disconnect):
+                for x, y in ((nd.id, a.peer), (a.peer, nd.id)):  # both ends see the connection go
+                    self._push(self.now + nd.link.latency_s, "left", (x, y))
+            elif isinstance(a, Load):
+                nd.envelopes.setdefault(a.pid, self.patches[self._index(a.pid)][1])
+                self._apply(nd, nd.core.follow(a.pid, nd.store.get(a.pid, {}), self.now, self.now))
+            elif isinstance(a, Wake):
+                if not nd.ticking:
+                    nd.ticking = True
+                    self._push(self.now + self.tick_s, "tick", (nd.id, nd.inc))
+            # Added, Evicted: nothing waits on transfers here, and persisted chunks stay (as on disk)
 
-    def _pump(self, nd: _Node) -> None:
-        """Start the next upload if the node's link is idle (round-robin over ready peers)."""
-        if nd.uploading or not nd.alive:
+    # ------------------------------------------------------------ uploads (the per-peer writers)
+
+    def _write(self, nd: _Node, peer: int) -> None:
+        """The peer's writer, woken: take the next slot the core schedules, unless it holds one."""
+        if peer in nd.writing or not nd.alive:
             return
-        while nd.ready:
-            peer = nd.ready.popleft()
-            nd.ready_set.discard(peer)
-            idx, acts = nd.session.take_upload(peer, self.now)
-            if nd.session.has_pending(peer):
-                nd.ready.append(peer)
-                nd.ready_set.add(peer)
-            self._apply(nd, acts)
-            if idx is None:
-                continue
-            dst = self.nodes[peer]
-            size = self.sizes[idx]
-            end = self.now + size / nd.link.up_bps
-            nd.bytes_out += size
-            nd.uploading = True
-            self._push(end, "upload_done", (nd.id, nd.inc))
-            if not dst.alive:
-                return
-            arrive = end + nd.link.latency_s
-            if dst.link.down_bps > 0:
-                dst.down_free = max(dst.down_free, self.now + nd.link.latency_s) + size / dst.link.down_bps
-                arrive = max(arrive, dst.down_free)
-            if nd.link.loss and self.rng.random() < nd.link.loss:
-                arrive += nd.link.rto_s
-            data = _BAD if nd.corrupt else nd.chunks[idx]
-            self._push(arrive, "deliver", (peer, nd.id, Chunk(self.pid, idx, data), dst.inc, nd.inc))
+        slot = nd.core.next_upload(peer, self.now)  # type: ignore[arg-type]
+        if slot is None:
             return
+        nd.writing.add(peer)
+        self._push(slot.at, "slot", (nd.id, nd.inc, peer, slot))
+
+    def _ev_slot(self, i: int, inc: int, peer: int, slot: UploadSlot) -> None:
+        nd = self.nodes[i]
+        if nd.inc != inc or not nd.alive:
+            return
+        nd.writing.discard(peer)
+        chunk, acts = nd.core.take_upload(peer, slot, self.now)  # type: ignore[arg-type]
+        if chunk is not None:
+            self._send_chunk(nd, peer, chunk)
+        self._apply(nd, acts)
+        self._write(nd, peer)
+
+    def _send_chunk(self, nd: _Node, peer: int, chunk: Chunk) -> None:
+        size = len(chunk.data)
+        end = max(self.now, nd.up_free) + size / nd.link.up_bps
+        nd.up_free = end
+        nd.bytes_out += size
+        dst = self.nodes[peer]
+        if not dst.alive:
+            return
+        arrive = end + nd.link.latency_s
+        if dst.link.down_bps > 0:
+            dst.down_free = max(dst.down_free, end - size / nd.link.up_bps + nd.link.latency_s) + size / dst.link.down_bps
+            arrive = max(arrive, dst.down_free)
+        if nd.link.loss and self.rng.random() < nd.link.loss:
+            arrive += nd.link.rto_s
+        if nd.corrupt:
+            chunk = Chunk(chunk.pid, chunk.index, _BAD)
+        self._push(arrive, "deliver", (peer, nd.id, chunk, dst.inc, nd.inc))
 
     # ------------------------------------------------------------ results
 
@@ -289,9 +389,7 @@ class VirtualSwarm:
         followers = self.nodes[1:]
         alive = [nd for nd in followers if nd.alive]
         times = sorted(nd.completed_at for nd in alive if nd.completed_at is not None)
-        ok = all(nd.corrupt or (len(nd.chunks) == len(self.sizes)
-                                and all(nd.chunks[i] == h for i, h in enumerate(self.hashes)))
-                 for nd in alive)
+        ok = all(nd.corrupt or self._holds_all(nd) for nd in alive)
         return {
             "completed": len(times),
             "alive": len(alive),
@@ -302,3 +400,11 @@ class VirtualSwarm:
             "events": self.events,
             "sim_wall_s": wall_s,
         }
+
+    def _holds_all(self, nd: _Node) -> bool:
+        """Every chunk of every patch, in the core's transfers, equal to what the origin published."""
+        for pid, _env, chunks in self.patches:
+            tr = nd.core.transfers.get(pid)
+            if tr is None or not tr.session.complete or tr.chunks != chunks:
+                return False
+        return True
