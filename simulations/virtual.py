@@ -30,9 +30,12 @@ What runs for real (the same code a live node runs):
   own head each step;
 - announces and manifests are real signed envelopes; each receiver checks
   them as its gossip layer does (memoised per process, `simulations/vcache.py`);
-- the start-up patch broadcasts run `sync.swarm.SwarmSession` through
-  `sync.vsim` (rarest-first, super-seeding, pipelining, corrupt-chunk bans)
-  over the scenario's links.
+- the start-up patch broadcasts run one `sync.transfers.BroadcastCore` per
+  node (the class `sync.broadcast` drives on a live node: transfer table,
+  manifest requests, node-wide bans, upload round-robin, token-bucket
+  pacing, and its `sync.swarm.SwarmSession`s: rarest-first, super-seeding,
+  pipelining, corrupt-chunk bans) through `sync.vsim` over the scenario's
+  links, with a real signed manifest and every chunk's hash checked.
 
 What is modelled:
 - the network: gossip is one hop. A rollout batch goes to the producer's
@@ -61,9 +64,11 @@ What is modelled:
   the asker; a receiver whose core accepts it (`NodeCore.wants_manifest`)
   gets the bytes one patch-broadcast delay later (scaled by the item's size),
   the delay per follower measured once at start-up by a broadcast of the
-  scenario's patch size through the real swarm core. The multi-patch
-  transfer logic of `sync/broadcast.py` does not run here. Chunk contents
-  are modelled (hash tokens); storing is a dict per node.
+  scenario's patch size through the nodes' broadcast cores (above). Later
+  versions are not broadcast again: each takes that delay, so patches in
+  flight at once do not compete for links in the main run. Patch contents
+  are modelled (the manifest's chunk hashes are tokens); storing is a dict
+  per node.
 - adversaries run no core: they send hostile bytes (see `_ev_adv`).
 
 Memory follows the swarm's size and message rate, not the run's length: the
@@ -107,6 +112,7 @@ from simulations.vcache import Memo, SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
+from sync.vsim import SimLink, VirtualSwarm
 from training.sampler import Sampler, split
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
@@ -752,11 +758,9 @@ class VirtualSim:
         if b in ("forged_reward", "invalid_signature", "replay", "stale_spam"):
             self._push(self.now + 1.0 / n.spec.rate_per_s, "adv", i, inc)
 
-    # ------------------------------------------------------------ broadcasts (real swarm core)
+    # ------------------------------------------------------------ broadcasts (the nodes' broadcast cores)
 
     def _broadcast(self, origin: int, receivers: list[int]) -> dict[str, Any]:
-        from sync.vsim import SimLink, VirtualSwarm  # noqa: PLC0415
-
         sy = self.sc.sync
         sizes = [sy.chunk_bytes] * (sy.patch_bytes // sy.chunk_bytes)
         if sy.patch_bytes % sy.chunk_bytes:

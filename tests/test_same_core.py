@@ -1,5 +1,6 @@
-"""The simulator, `murmur bench swarm` and the live node run the same node core and the same sampler, so a
-simulated or benchmarked result describes the node's code (issue: the simulator runs node cores)."""
+"""The simulator, `murmur bench swarm` and the live node run the same node core and the same sampler, and the
+simulated broadcasts the live node's broadcast core, so a simulated or benchmarked result describes the node's
+code (issue: the simulator runs node cores)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import node.runtime
 import node.worker
 import simulations.bench_swarm
 import simulations.virtual
+import sync.broadcast
 import sync.staleness
+import sync.transfers
+import sync.vsim
 import training.sampler
 from node.core import NodeCore
 from simulations import scenario as S
@@ -39,6 +43,14 @@ def test_simulator_and_runtime_import_one_core_and_one_sampler() -> None:
     sampler = training.sampler.Sampler
     assert simulations.virtual.Sampler is simulations.bench_swarm.Sampler is node.worker.Sampler is sampler
     assert simulations.virtual.split is training.sampler.split
+
+
+def test_simulated_broadcasts_run_the_live_nodes_broadcast_core() -> None:
+    core = sync.transfers.BroadcastCore
+    assert sync.vsim.BroadcastCore is sync.broadcast.BroadcastCore is core
+    assert simulations.virtual.VirtualSwarm is sync.vsim.VirtualSwarm  # the start-up broadcasts' driver
+    sw = sync.vsim.VirtualSwarm(3, [4096] * 2, seed=0)
+    assert all(type(nd.core) is core for nd in sw.nodes) and len({id(nd.core) for nd in sw.nodes}) == 4
 
 
 def test_every_simulated_node_is_driven_by_its_own_core() -> None:
