@@ -360,14 +360,15 @@ class VirtualSwarm:
             return
         nd.writing.discard(peer)
         chunk, acts = nd.core.take_upload(peer, slot, self.now)  # type: ignore[arg-type]
+        self._apply(nd, acts)
         if chunk is not None:
             self._send_chunk(nd, peer, chunk)
-        self._apply(nd, acts)
         self._write(nd, peer)
 
     def _send_chunk(self, nd: _Node, peer: int, chunk: Chunk) -> None:
         size = len(chunk.data)
-        end = max(self.now, nd.up_free) + size / nd.link.up_bps
+        start = max(self.now, nd.up_free)
+        end = start + size / nd.link.up_bps
         nd.up_free = end
         nd.bytes_out += size
         dst = self.nodes[peer]
@@ -375,7 +376,7 @@ class VirtualSwarm:
             return
         arrive = end + nd.link.latency_s
         if dst.link.down_bps > 0:
-            dst.down_free = max(dst.down_free, end - size / nd.link.up_bps + nd.link.latency_s) + size / dst.link.down_bps
+            dst.down_free = max(dst.down_free, start + nd.link.latency_s) + size / dst.link.down_bps
             arrive = max(arrive, dst.down_free)
         if nd.link.loss and self.rng.random() < nd.link.loss:
             arrive += nd.link.rto_s
