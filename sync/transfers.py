@@ -46,6 +46,7 @@ from typing import Any, Final, Union
 
 from gossip.errors import DecodeError, MurmurError
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
+from sync.chunks import DEFAULT_CHUNK_BYTES
 from sync.ratelimit import TokenBucket
 from sync.swarm import (Ban, Chunk, Completed, Frame, Have, HaveChunk, Manifest, ManifestRequest, Penalise, Send,
                         ServeReady, SwarmConfig, SwarmSession, Verified, session_from_manifest)
@@ -157,6 +158,7 @@ class BroadcastCore:
         config: SwarmConfig | None = None,
         *,
         upload_bytes_per_s: float = 0,
+        upload_burst_bytes: float | None = None,
         accept: Callable[[PatchManifest], bool] | None = None,
         seed: int | None = None,
         manifest_retry_s: float = 2.0,
@@ -167,7 +169,11 @@ class BroadcastCore:
         if max_transfers < 1 or max_manifest_asks < 1:
             raise ValueError("max_transfers and max_manifest_asks must be >= 1")
         self.cfg = config or SwarmConfig()
-        self.bucket = TokenBucket(upload_bytes_per_s, now=now)
+        # a burst of one chunk: a chunk is the unit written, so with less every first chunk after an
+        # idle gap waits for its own tokens (most of a chunk's transfer time at volunteer rates)
+        burst = upload_burst_bytes if upload_burst_bytes is not None else max(DEFAULT_CHUNK_BYTES,
+                                                                               0.05 * upload_bytes_per_s)
+        self.bucket = TokenBucket(upload_bytes_per_s, burst, now=now)
         self.accept = accept or (lambda m: True)
         self.seed = seed
         self.manifest_retry_s = manifest_retry_s

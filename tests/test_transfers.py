@@ -293,8 +293,8 @@ def test_uploads_take_turns_across_patches() -> None:
 
 
 def test_uploads_are_paced_by_one_bucket_with_refunds() -> None:
-    rate = 2 * CHUNK  # bytes per second; the burst is 16 KiB = 2 chunks
-    core = BroadcastCore(ROOMY, upload_bytes_per_s=rate, now=0.0)
+    rate = 2 * CHUNK  # bytes per second; the burst is 2 chunks
+    core = BroadcastCore(ROOMY, upload_bytes_per_s=rate, upload_burst_bytes=2 * CHUNK, now=0.0)
     pid, env, chunks = patch(1, nchunks=4, short=100)
     follow(core, env, dict(enumerate(chunks)))
     for p in ("P", "Q"):
@@ -379,3 +379,13 @@ def test_two_cores_move_a_patch_through_their_actions_only() -> None:
     assert [t.pid for t in completed] == [pid]
     assert follower.transfers[pid].payload() == b"".join(chunks)
     assert origin.stats(pid)["bytes_out"] == sum(len(c) for c in chunks)
+
+
+def test_the_default_upload_burst_is_one_full_chunk() -> None:
+    """A chunk is the unit written: with a burst under one chunk, the first chunk after every idle gap
+    waited for its own tokens."""
+    from sync.chunks import DEFAULT_CHUNK_BYTES
+
+    core = BroadcastCore(ROOMY, upload_bytes_per_s=2 * 2**20)
+    assert core.bucket.burst >= DEFAULT_CHUNK_BYTES
+    assert core.bucket.reserve(DEFAULT_CHUNK_BYTES, 10.0) == 0.0  # after an idle gap: no wait
