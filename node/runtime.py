@@ -32,7 +32,7 @@ from gossip import wire
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.transport import FrameError
-from node import control, core as C, hardware, lifecycle, memtrace, patchsync, pipe, roles, stall, views
+from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, stall, views
 from node.workerlink import WorkerLink, worker_spec
 from node.config import Config
 from node.logs import event
@@ -163,17 +163,11 @@ class Node:
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
-                    self.gc_timer.install()
-                    stall.freeze_startup_heap()
-                    nursery.start_soon(stall.run, self.stall, stall.INTERVAL_S, trio.current_time,
-                                       stall.StallReporter())
+                    nursery.start_soon(stall.watch_loop, self.stall, self.gc_timer)
                     for loop in (self._worker_loop, self._tick_loop, self._slow_loop, self._view_loop):
                         nursery.start_soon(loop)
-                    if (trace_after := memtrace.warmup_minutes()) is not None:
-                        nursery.start_soon(memtrace.run, trace_after * 60.0)
         finally:
             self.state = "stopping"
-            self.gc_timer.uninstall()
             if not watchdog_armed.is_set():
                 lifecycle.arm_watchdog(EXIT_DEADLINE_S)
             if self.worker is not None:

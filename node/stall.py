@@ -166,3 +166,20 @@ async def run(meter: StallMeter, interval_s: float = INTERVAL_S, clock: Callable
     finally:
         if reporter is not None:
             reporter.stop()
+
+
+async def watch_loop(meter: StallMeter, gc_timer: GcTimer) -> None:
+    """The node's loop health until cancelled: full collections timed, the start-up heap frozen,
+    lateness measured, long stalls reported with their stack, and allocations traced when asked
+    (`node.memtrace`)."""
+    from node import memtrace  # noqa: PLC0415
+
+    gc_timer.install()
+    freeze_startup_heap()
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(run, meter, INTERVAL_S, trio.current_time, StallReporter())
+            if (after_min := memtrace.warmup_minutes()) is not None:
+                n.start_soon(memtrace.run, after_min * 60.0)
+    finally:
+        gc_timer.uninstall()
