@@ -36,6 +36,7 @@ from typing import Any  # noqa: E402
 import trio  # noqa: E402
 
 BULK_PROTOCOL = "/murmur/bench/bulk/1"
+OPEN_ATTEMPTS = 3
 ROLLOUT_TOPIC = "/murmur/bench/rollouts/1"
 HELLO_TOPIC = "/murmur/bench/hello/1"
 WRITE = 1 << 20
@@ -96,8 +97,16 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
     h = hashlib.blake2b(digest_size=32)
     path = best_path(transport, peer)
     t = time.perf_counter()
+    opens = 0
     with trio.fail_after(timeout_s):
-        s = await transport.open_stream(peer, BULK_PROTOCOL)
+        while True:  # a stray WebRTC stream open fails now and then; a node retries it, and so does this
+            opens += 1
+            try:
+                s = await transport.open_stream(peer, BULK_PROTOCOL)
+                break
+            except Exception:
+                if opens >= OPEN_ATTEMPTS:
+                    raise
         await s.write(n.to_bytes(8, "big"))
         sent = 0
         while sent < n:
@@ -108,7 +117,8 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
         digest = await read_exactly(s, 32)
         await s.close()
     dt = time.perf_counter() - t
-    return {"path": path, "bytes": n, "s": round(dt, 3), "mb_s": round(n / dt / 1e6, 2), "hash_ok": digest == h.digest()}
+    return {"path": path, "bytes": n, "s": round(dt, 3), "mb_s": round(n / dt / 1e6, 2), "hash_ok": digest == h.digest(),
+            "opens": opens}
 
 
 async def main(script: dict[str, Any]) -> None:
