@@ -15,6 +15,8 @@ import tracemalloc
 
 import trio
 
+from node.stall import short_path
+
 ENV = "MURMUR_TRACEMALLOC"
 INTERVAL_S = 300.0
 TOP = 8
@@ -38,7 +40,7 @@ def top_growth(base: tracemalloc.Snapshot, now: tracemalloc.Snapshot, top: int =
     stats = now.compare_to(base, "traceback")
     out = []
     for st in stats[:top]:
-        where = " < ".join(f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+        where = " < ".join(f"{short_path(f.filename)}:{f.lineno}"
                            for f in reversed(list(st.traceback)[-FRAMES:]))  # innermost first
         out.append((where, round(st.size_diff / 2**20, 2)))
     return out

@@ -99,7 +99,7 @@ class StallReporter:
                 continue
             self._times.append(now)
             self.reports += 1
-            self.last_stack = " < ".join(f"{_short(f.filename)}:"
+            self.last_stack = " < ".join(f"{short_path(f.filename)}:"
                                          f"{f.lineno} {f.name}"
                                          for f in reversed(traceback.extract_stack(frame)[-STACK_FRAMES:]))
             log.warning("event loop blocked", extra={"data": {"blocked_ms": round((now - beat) * 1000.0),
@@ -144,7 +144,8 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
+    """The last folder and file name of `path`, as stall and memory reports print a code site."""
     parts = path.split("/")
     return "/".join(parts[-2:])
 

@@ -248,6 +248,12 @@ def test_a_stored_chain_that_does_not_apply_is_re_read_from_the_store_then_fetch
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
 
 
+def _rollout() -> wire.Rollout:
+    return wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=b"\1" * 32, version=0,
+                        completion_ids=[1, 2], text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8),
+                        token_versions=[], sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5)
+
+
 def test_created_ms_comes_from_the_injected_wall_clock() -> None:
     """Announces and rollout batches are stamped by `wall_ms`, not the host's clock: the simulator's virtual
     time reaches its receivers' freshness checks."""
@@ -256,9 +262,7 @@ def test_created_ms_comes_from_the_injected_wall_clock() -> None:
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
     assert [wire.open_envelope(a.data)[1].created_ms for a in sent] == [1_234_567]
-    r = wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=b"\1" * 32, version=0,
-                     completion_ids=[1, 2], text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8), token_versions=[],
-                     sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5)
+    r = _rollout()
     out = core.handle(W("rollouts", [wire.encode(r)]))
     batches = [a for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert [wire.open_envelope(a.data)[1].created_ms for a in batches] == [1_234_567]
@@ -267,9 +271,7 @@ def test_created_ms_comes_from_the_injected_wall_clock() -> None:
 def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> None:
     """A reused (producer, seq) reads as a replay at every receiver (charged): after a reboot the
     monotonic clock starts again near 0, so the seq follows the wall clock."""
-    r = wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=b"\1" * 32, version=0,
-                     completion_ids=[1, 2], text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8), token_versions=[],
-                     sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5)
+    r = _rollout()
     seqs = []
     for mono, wall in ((10_000.0, 1_700_000_000_000), (3.0, 1_700_000_060_000)):  # before, after the reboot
         clock = Clock()
