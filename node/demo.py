@@ -40,14 +40,14 @@ DEMO_SWARM = "murmur-demo"
 
 
 def node_config(roles: list[str], port: int, model: str, swarm: str = DEMO_SWARM, task_set: str = "builtin",
-                coordinator: str = "", max_new_tokens: int = 6) -> str:
+                coordinator: str = "", max_new_tokens: int = 8) -> str:
     return "\n".join([
         "[node]", f"swarm = \"{swarm}\"", f"roles = [{', '.join(repr(r).replace(chr(39), chr(34)) for r in roles)}]",
         "memory_budget_mb = 1536", "",
         "[network]", f"listen = [\"/ip4/127.0.0.1/tcp/{port}\"]", "dht = false", "",
         # a version every 2 steps: with K = 4 a follower may lag ~8 optimizer steps (several seconds on 2 busy cores)
         "[sync]", "publish_every = 2", "anchor_every = 16", "retain_versions = 32", "max_staleness = 4", "",
-        # `murmur bench learn` settings: the built-in answers fit in 6 tokens, and 16 own groups per step. With 4
+        # `murmur bench learn` settings: the built-in answers fit in 8 tokens, and 16 own groups per step. With 4
         # groups a trainer whose only external rollouts come from another lineage (HACPO) does not learn within a
         # demo (measured on one-digit sums: 60 steps, greedy eval 0.36 -> 0.35 alone, 0.36 -> 0.365 with 4 HACPO
         # groups)

@@ -8,6 +8,7 @@ of them can be drawn by a training generator or by murmur-tiny's warm-up.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import msgspec
@@ -84,15 +85,31 @@ def held_out_tasks(m: TaskSetManifest, per_family: int) -> list[EvalTask]:
     return out
 
 
-def accuracy_by_family(engine: HFEngine, tasks: list[EvalTask], max_new_tokens: int) -> dict[str, float]:
-    """Greedy accuracy per family (and "all": over every task)."""
+def well_formed(task: Task, text: str) -> bool:
+    """Whether a completion has the shape of the task's answer (each digit any digit, every other
+    character itself): for the built-in families, the answer format without the skill."""
+    return re.fullmatch(re.sub(r"\d", r"\\d", re.escape(task.answer)), text.strip()) is not None
+
+
+def greedy_eval(engine: HFEngine, tasks: list[EvalTask], max_new_tokens: int
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """Greedy accuracy per family (and "all": over every task), and per family the share of greedy
+    answers that are `well_formed`, so that a gain in accuracy can be told from a gain in format."""
     if not tasks:
-        return {}
+        return {}, {}
     res = engine.sample([engine.encode(t.task.prompt) for t in tasks],
                         Sampling(temperature=0.0, max_new_tokens=max_new_tokens))
     hits: dict[str, list[float]] = {}
+    shaped: dict[str, list[bool]] = {}
     for t, (ids, _, _) in zip(tasks, res):
-        hits.setdefault(t.family, []).append(score(t.task, engine.decode(ids)))
-    out = {f: sum(v) / len(v) for f, v in sorted(hits.items())}
-    out["all"] = sum(sum(v) for v in hits.values()) / len(tasks)
-    return out
+        text = engine.decode(ids)
+        hits.setdefault(t.family, []).append(score(t.task, text))
+        shaped.setdefault(t.family, []).append(well_formed(t.task, text))
+    acc = {f: sum(v) / len(v) for f, v in sorted(hits.items())}
+    acc["all"] = sum(sum(v) for v in hits.values()) / len(tasks)
+    return acc, {f: sum(v) / len(v) for f, v in sorted(shaped.items())}
+
+
+def accuracy_by_family(engine: HFEngine, tasks: list[EvalTask], max_new_tokens: int) -> dict[str, float]:
+    """Greedy accuracy per family (and "all": over every task)."""
+    return greedy_eval(engine, tasks, max_new_tokens)[0]

@@ -43,18 +43,19 @@ BUILTIN_COORDINATOR: Final = Identity.from_seed(hashlib.blake2b(b"murmur/builtin
 
 # The tiny model's curriculum: three families of digit-string rules that murmur-tiny learns on 2 CPU
 # cores in minutes and that generalise by structure, so held-out problems are learnable (a sum's eval
-# side would be arithmetic facts never seen). Each family's "-eval" generator is the held-out side of
-# the same problem space (`split`, training/tasks.py): no eval problem can be drawn in training or in
-# murmur-tiny's warm-up, which draws from the training generators only.
+# side would be arithmetic facts never seen). Each space is large (>= 11,100 problems) so that RL cannot
+# pass by memorising training problems: it has to learn the rule. Each family's "-eval" generator is
+# the held-out side of the same problem space (`split`, training/tasks.py): no eval problem can be
+# drawn in training or in murmur-tiny's warm-up, which draws from the training generators only.
 BUILTIN_NAME: Final = "murmur-builtin"
-BUILTIN_VERSION: Final = 2
+BUILTIN_VERSION: Final = 3
 BUILTIN_TRAIN: Final = "lookup"  # the first family (tools that need one generator name use it)
 BUILTIN_EVAL: Final = "lookup-eval"
 EVAL_SUFFIX: Final = "-eval"
 BUILTIN_FAMILIES: Final[tuple[tuple[str, str, dict[str, Any], str], ...]] = (
-    ("lookup", "digits", {"length": 5, "min_length": 3, "ops": "first,last,max,min"}, "exact"),
-    ("rev", "digits", {"length": 3, "min_length": 2, "ops": "reverse"}, "exact"),
-    ("sort", "sorting", {"length": 3, "min_length": 2, "max_value": 9}, "exact"),
+    ("lookup", "digits", {"length": 8, "min_length": 4, "ops": "first,last,max,min"}, "exact"),
+    ("rev", "digits", {"length": 4, "min_length": 2, "ops": "reverse"}, "exact"),
+    ("sort", "sorting", {"length": 4, "min_length": 2, "max_value": 9}, "exact"),
 )
 
 
@@ -74,8 +75,8 @@ def builtin_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
         verifier="exact",
         tolerance=0.0,
         generators=gens,
-        description="Built-in curriculum for murmur-tiny: digit look-ups (first, last, max, min of 3-5 "
-                    "digits), reversing 2-3 digits, sorting 2-3 digits; each '-eval' generator is the held-out "
+        description="Built-in curriculum for murmur-tiny: digit look-ups (first, last, max, min of 4-8 "
+                    "digits), reversing 2-4 digits, sorting 2-4 digits; each '-eval' generator is the held-out "
                     "side of its family's problem space.",
     )
 
