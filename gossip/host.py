@@ -31,8 +31,11 @@ so the buffer needs no lock of its own.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -346,6 +349,78 @@ def _install_pubsub_oversize_charge() -> None:
 
 
 _install_pubsub_oversize_charge()
+
+# How long our own signed peer record is reused before py-libp2p re-checks our addresses.
+OWN_RECORD_REUSE_S = 1.0
+# Peer records already checked, per host, and how long a checked record skips the check.
+RECORD_MEMO_SIZE = 4096
+RECORD_MEMO_TTL_S = 600.0
+
+
+def _install_peer_record_memo() -> None:
+    """py-libp2p attaches this host's signed peer record to every pubsub RPC it sends, rebuilding the
+    host's address list (multiaddr parsing) to see whether the cached record is still current, and
+    verifies and stores the record that comes with every RPC it receives. Both run per RPC, so a peer
+    that sends many small RPCs buys a signature check and a peerstore update with each one.
+
+    Our record is reused for `OWN_RECORD_REUSE_S` (an address change still goes out within that), and
+    a record already checked from the same peer is not checked again for `RECORD_MEMO_TTL_S` (well
+    inside the peerstore's two-hour TTL, so re-storing it keeps it alive), in a bounded per-host
+    table. An invalid record is remembered too: the RPC is still ignored, as py-libp2p does, without
+    paying for the check again, and every such RPC is counted (`pubsub signed record (invalid)`)."""
+    import libp2p.peer.peerstore as peerstore
+    import libp2p.pubsub.utils as pubsub_utils
+
+    if getattr(peerstore, "_murmur_record_memo", False):
+        return
+    own_record = peerstore.env_to_send_in_RPC
+    check_record = pubsub_utils.maybe_consume_signed_record
+
+    def env_to_send_in_rpc(host: Any) -> tuple[bytes, bool]:
+        now = time.monotonic()
+        hit = getattr(host, "_murmur_own_record", None)
+        if hit is not None and now - hit[0] < OWN_RECORD_REUSE_S:
+            return hit[1], False
+        env, fresh = own_record(host)
+        host._murmur_own_record = (now, env)
+        return env, fresh
+
+    def maybe_consume_signed_record(msg: Any, host: Any, peer_id: Any) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        memo: OrderedDict[tuple[bytes, bytes], tuple[float, bool]] | None = getattr(host, "_murmur_records", None)
+        if memo is None:
+            memo = host._murmur_records = OrderedDict()
+        key = (peer_id.to_bytes(), msg.senderRecord)
+        now = time.monotonic()
+        hit = memo.get(key)
+        if hit is not None and now - hit[0] < RECORD_MEMO_TTL_S:
+            memo.move_to_end(key)
+            ok = hit[1]
+        else:
+            ok = check_record(msg, host, peer_id)
+            memo[key] = (now, ok)
+            memo.move_to_end(key)
+            while len(memo) > RECORD_MEMO_SIZE:
+                memo.popitem(last=False)
+        if not ok:
+            faults = getattr(host, "_murmur_faults", None)
+            if faults is not None:
+                faults.count("pubsub signed record (invalid)")
+        return ok
+
+    for name in ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub"):  # per RPC
+        mod = importlib.import_module(name)
+        if getattr(mod, "env_to_send_in_RPC", None) is own_record:
+            mod.env_to_send_in_RPC = env_to_send_in_rpc  # type: ignore[attr-defined]
+        if getattr(mod, "maybe_consume_signed_record", None) is check_record:
+            mod.maybe_consume_signed_record = maybe_consume_signed_record  # type: ignore[attr-defined]
+    peerstore.env_to_send_in_RPC = env_to_send_in_rpc
+    pubsub_utils.maybe_consume_signed_record = maybe_consume_signed_record
+    peerstore._murmur_record_memo = True
+
+
+_install_peer_record_memo()
 
 # Largest payload one gossip message may carry. py-libp2p drops >1 MiB silently
 # and closes the pubsub stream of a peer sending an RPC >1 MiB; keep well under.

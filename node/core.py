@@ -51,6 +51,9 @@ ANNOUNCE_EVERY_S = 2.0
 PEER_EXPIRY_S = 30.0  # a peer silent this long no longer counts for roles and demand
 PEER_FORGET_S = 120.0  # ... and this long is dropped from the table
 CATCH_UP_EVERY_S = 0.5
+# A follower that stands by fetches no patches and so takes no new measure of their delivery time: the
+# old measures expire, and it serves again to take new ones.
+MEASURE_TTL_S = 300.0
 CATCH_UP_PATIENCE_S = 120.0  # a catch-up attempt with no progress after this is retried from scratch
 IN_FLIGHT_PATIENCE_S = 30.0  # a transfer in flight longer than this no longer counts as on its way
 RESYNC_AFTER_S = 10.0  # held versions that reach the head but do not apply for this long: re-read the store
@@ -157,7 +160,7 @@ class NodeCore:
         self.reward_first: list[float] = []
         self.step_times: deque[float] = deque(maxlen=8)
         self.version_times: deque[float] = deque(maxlen=8)
-        self.fetch_s: deque[float] = deque(maxlen=8)
+        self.fetch_s: deque[tuple[float, float]] = deque(maxlen=8)  # (when, seconds to deliver a patch)
         self.last_publish = 0.0
         self.gen_tps = 0.0
         self.latency = 0.0
@@ -188,7 +191,8 @@ class NodeCore:
         return lin.head if lin is not None and lin.publisher else None
 
     def dissemination_s(self) -> float:
-        return _median(self.fetch_s)
+        now = self.clock()
+        return _median(s for t, s in self.fetch_s if now - t <= MEASURE_TTL_S)
 
     def wants_manifest(self, m: wire.PatchManifest) -> bool:
         """The follower's broadcast accept rule; an accepted manifest counts as in flight from now."""
@@ -500,7 +504,7 @@ class NodeCore:
         self.stored.setdefault(lid, set()).add((it.kind, it.base, it.target))
         self.in_flight.pop((lid, it.kind, it.base, it.target), None)
         self.counters["bytes_down"] += max(0, int(ev.bytes_in))
-        self.fetch_s.append(max(0.0, _finite(ev.seconds)))
+        self.fetch_s.append((self.clock(), max(0.0, _finite(ev.seconds))))
         out.append(Log("patch received", {"lineage": lid.hex()[:16], "kind": it.kind, "base": it.base,
                                           "target": it.target, "bytes": m.total_bytes,
                                           "seconds": round(_finite(ev.seconds), 2)}))

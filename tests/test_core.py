@@ -281,3 +281,29 @@ def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> N
         out = core.handle(W("rollouts", [wire.encode(r)]))
         seqs += [wire.open_envelope(a.data)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert len(seqs) == 2 and seqs[1] > seqs[0]
+
+
+def test_a_follower_standing_by_after_one_slow_patch_tries_again_once_that_measure_expires() -> None:
+    """A follower that stands by fetches no patches, so the one slow delivery that put it there would
+    keep it there for good: its measured delivery time expires and it serves again, and the next
+    patches measure it anew."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    assert core.serving == lid
+    core.handle(C.PatchStored(manifest(trainer, "lin", 3, 4), 1000, 60.0))  # 60 s: 30 steps of 2 s, bound 4
+    start, seq = clock.t, 2
+    standby_since = None
+    while clock.t - start < C.MEASURE_TTL_S * 2:
+        clock.t += C.ANNOUNCE_EVERY_S  # the trainer publishes one version per 2 s step, as it announces
+        core.handle(announce(trainer, seq, [demand(lid, "lin", 2 + seq)]))
+        seq += 1
+        core.handle(C.Tick())
+        if core.serving is None and standby_since is None:
+            standby_since = clock.t
+            assert "stale" in core.serving_reason
+        if standby_since is not None and core.serving == lid:
+            break
+    assert standby_since is not None and core.serving == lid
+    assert clock.t - start >= C.MEASURE_TTL_S  # not before the slow measure expired
+    assert core.dissemination_s() == 0.0

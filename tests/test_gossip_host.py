@@ -240,3 +240,44 @@ def test_a_closed_host_stops_listening() -> None:
         raise AssertionError(f"{addr} still accepts connections after the host closed")
 
     trio.run(main)
+
+
+def test_a_peer_record_is_checked_once_and_a_bad_one_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-libp2p verifies the signed peer record that rides on every pubsub RPC, so a peer sending many
+    small RPCs bought a signature check each; an invalid record made the RPC vanish with an error log
+    and no counter. Now a record is checked once per peer (and remembered), and each RPC ignored for an
+    invalid one is counted."""
+    import libp2p.pubsub.utils as pubsub_utils
+    from libp2p.utils.varint import encode_varint_prefixed
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerstore import env_to_send_in_RPC
+    from libp2p.pubsub.pb import rpc_pb2
+
+    checked: list[bytes] = []
+    real = pubsub_utils.consume_envelope
+
+    def counting(data: bytes, domain: str):  # type: ignore[no-untyped-def]
+        checked.append(bytes(data))
+        return real(data, domain)
+
+    monkeypatch.setattr(pubsub_utils, "consume_envelope", counting)
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (51, 52)]
+    n = 200
+    key = "pubsub signed record (invalid)"
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as victim, open_transport(ids[1]) as hostile:
+            await hostile.connect(victim.listen_addrs()[0])
+            record, _ = env_to_send_in_RPC(hostile.host)
+            bad = record[:-1] + bytes([record[-1] ^ 1])  # the signature's last byte flipped
+            raw = await hostile.host.new_stream(ID.from_base58(victim.peer_id), ["/meshsub/1.1.0"])
+            await raw.write(b"".join(encode_varint_prefixed(rpc_pb2.RPC(senderRecord=r).SerializeToString())
+                                     for r in [record] * n + [bad] * n))
+            await wait_until(lambda: victim.faults.counts.get(key, 0) >= n, timeout=20)
+            assert victim.faults.counts[key] == n
+            assert checked.count(bad) == 1
+            assert checked.count(record) <= 1  # the hostile host's own pubsub hello may have carried it first
+            assert victim.host.get_peerstore().get_peer_record(ID.from_base58(hostile.peer_id)) is not None
+            assert hostile.peer_id in victim.peers()  # counted, not charged: the RPC is ignored, as before
+
+    trio.run(main)

@@ -104,7 +104,7 @@ def test_shared_verification_memo_changes_no_verdict() -> None:
     shared = VirtualSim(S.loads(text))
     a, b = plain.run(), shared.run()
     stats = b.pop("verification")
-    for k in ("wall_s", "cpu_s", "load_avg", "setup_s", "peak_rss_mb"):
+    for k in ("wall_s", "cpu_s", "load_avg", "build_s", "setup_s", "peak_rss_mb"):
         a.pop(k), b.pop(k)
     assert a == b
     for kind in ("rejection", "reward", "score", "staleness", "event"):

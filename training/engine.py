@@ -91,6 +91,21 @@ class Engine(Protocol):
         ...
 
 
+def generate_groups(engine: Engine, prompts: list[str], n: int, sampling: Sampling) -> list[list[Completion]]:
+    """`n` completions per prompt through the engine's `sample`, in one batch: what `Engine.generate` does
+    for every backend."""
+    enc = [engine.encode(p) for p in prompts]
+    res = engine.sample([e for e in enc for _ in range(n)], sampling)
+    groups: list[list[Completion]] = []
+    for gi, e in enumerate(enc):
+        g = []
+        for k in range(n):
+            ids, lps, fin = res[gi * n + k]
+            g.append(Completion(prompt_ids=e, ids=ids, text=engine.decode(ids), logprobs=lps, finished=fin))
+        groups.append(g)
+    return groups
+
+
 def open_engine(kind: str, model_path: str | Path, reference: Any, *, role: str = "follower",
                 memory_budget_mb: int = 1024, seed: int = 0, threads: int = 1) -> Engine:
     """The generation engine a node asked for. `reference` is the transformers engine already loaded

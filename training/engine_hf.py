@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from gossip.errors import MurmurError
-from training.engine import MODE_TRANSFORMERS, Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
+from training.engine import (MODE_TRANSFORMERS, Completion, Sampling, SparseUpdate, generate_groups,
+                             tokenizer_hash_from_json)
 
 # transformers 5.24 renamed the cache argument; the old name works until 5.40 (we pin <6 and
 # test the loop), so silence the per-call deprecation notice.
@@ -199,17 +200,7 @@ class HFEngine:
         return self.model(**kw)
 
     def generate(self, prompts: list[str], n: int, sampling: Sampling) -> list[list[Completion]]:
-        enc = [self.encode(p) for p in prompts]
-        flat = [e for e in enc for _ in range(n)]
-        res = self.sample(flat, sampling)
-        groups: list[list[Completion]] = []
-        for gi, e in enumerate(enc):
-            g = []
-            for k in range(n):
-                ids, lps, fin = res[gi * n + k]
-                g.append(Completion(prompt_ids=e, ids=ids, text=self.decode(ids), logprobs=lps, finished=fin))
-            groups.append(g)
-        return groups
+        return generate_groups(self, prompts, n, sampling)
 
     # ------------------------------------------------------------ scoring
 

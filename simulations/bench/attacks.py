@@ -621,6 +621,15 @@ class Window:
     def rate(self, what: str) -> float:
         return getattr(self, what) / self.seconds if self.seconds > 0 else 0.0
 
+    def plus(self, other: Window) -> Window:
+        return Window(self.train_steps + other.train_steps, self.versions_applied + other.versions_applied,
+                      max(self.max_stall_ms, other.max_stall_ms), self.alive and other.alive,
+                      self.seconds + other.seconds)
+
+    def brief(self) -> dict[str, Any]:
+        return {"train_steps": self.train_steps, "versions_applied": self.versions_applied,
+                "seconds": round(self.seconds, 1)}
+
 
 MAX_WINDOW_S = 1800.0
 
@@ -688,7 +697,9 @@ def _attacker_main(args: dict[str, Any]) -> None:
 
 
 def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
-    """`murmur bench attacks`: the same window with and without the catalogue running."""
+    """`murmur bench attacks`: honest progress without the catalogue, under it, and without it again. The
+    baseline is the two windows around the attack together, so that a swarm still speeding up (or
+    slowing down) as it runs does not read as the attack's effect."""
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="murmur-attacks-")) if root is None else root
@@ -698,7 +709,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
     try:
         honest = set(sw.peer_ids())
         print(f"baseline window {window_s:.0f} s", file=sys.stderr)
-        base = measure(sw, window_s)
+        before = measure(sw, window_s)
         addrs = sw.addrs()
         tok = model_tokenizer_hash(model)
         print(f"attack window: at least {window_s:.0f} s and the whole catalogue once", file=sys.stderr)
@@ -719,7 +730,12 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
                    if s is not None and the_attacker in s.peer_scores]
         class_keys = {name: [p for p in r["attackers"] if p != the_attacker] for name, r in results.items()}
         statuses = {n: sw.status(n) for n in sw.homes}
-        alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
+        # scores and statuses as the attack left them; then the second baseline window
+        print(f"baseline window {window_s:.0f} s, after the attack", file=sys.stderr)
+        after = measure(sw, window_s)
+        base = before.plus(after)
+        lost = max(lost, penalties(sw, honest, attackers)[0])  # an honest peer charged late counts too
+        alive = sw.alive() and under.alive and after.alive and all(s is not None for s in statuses.values())
         return {
             "attacks_run": len(results),
             # per class: messages or streams sent, and the lowest score its keys have on an honest node
@@ -758,8 +774,9 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
             "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
             "max_event_loop_stall_ms_without": round(base.max_stall_ms, 1),
             "stream_faults": {n: dict(s.stream_faults) for n, s in statuses.items() if s is not None},
-            "window_s": round(base.seconds, 1),
+            "window_s": round(before.seconds, 1),
             "attack_window_s": round(under.seconds, 1),
+            "baseline_windows": {"before": before.brief(), "after": after.brief()},
         }
     finally:
         sw.stop()
