@@ -17,6 +17,7 @@ import pytest
 from node.home import ensure_home
 from node.store import open_store
 from node.taskmix import STATUS_KEY
+from training.tasksets import BUILTIN_NAME, BUILTIN_VERSION
 from tests.nodeproc import build_tiny_model, status, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
@@ -91,7 +92,8 @@ def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_p
         rows = {(x["name"], x["version"]): x for x in listed["sets"]}
         assert rows[("e2e", 2)]["training"] and rows[("e2e", 2)]["produced"] > 0
         assert not rows[("e2e", 1)]["training"] and rows[("e2e", 1)]["produced"] > 0
-        assert not rows[("murmur-builtin", 2)]["training"] and rows[("murmur-builtin", 2)]["produced"] == 0
+        builtin = rows[(BUILTIN_NAME, BUILTIN_VERSION)]
+        assert not builtin["training"] and builtin["produced"] == 0
         assert listed["waiting"] == []
     finally:
         stop_all([proc])
