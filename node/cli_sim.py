@@ -61,7 +61,7 @@ def simulate(
     if virtual:
         from simulations.virtual import VirtualSim
 
-        sim = VirtualSim(sc, folder, progress=not json_out)
+        sim = VirtualSim(sc, folder, progress=not json_out)  # held until the exit below, which frees nothing
         summary = sim.run()
     else:
         from simulations.emulate import run_emulation
