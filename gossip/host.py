@@ -36,6 +36,7 @@ import importlib
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -46,7 +47,6 @@ import trio
 from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity
-from gossip.replay import ReplayCache
 
 
 def _install_go_yamux_credit() -> None:
@@ -367,7 +367,7 @@ def _install_peer_record_memo() -> None:
     Our record is reused for `OWN_RECORD_REUSE_S` (an address change still goes out within that), and
     a record already checked from the same peer is not checked again for `RECORD_MEMO_TTL_S` (well
     inside the peerstore's two-hour TTL, so re-storing it keeps it alive), in a bounded per-host
-    `ReplayCache` keyed by the record's digest. An invalid record is remembered too: the RPC is still ignored, as py-libp2p does, without
+    table keyed by the record's digest. An invalid record is remembered too: the RPC is still ignored, as py-libp2p does, without
     paying for the check again, and every such RPC is counted (`pubsub signed record (invalid)`)."""
     import libp2p.peer.peerstore as peerstore
     import libp2p.pubsub.utils as pubsub_utils
@@ -389,16 +389,22 @@ def _install_peer_record_memo() -> None:
     def maybe_consume_signed_record(msg: Any, host: Any, peer_id: Any) -> bool:
         if not msg.HasField("senderRecord"):
             return True
-        memo: ReplayCache | None = getattr(host, "_murmur_records", None)
+        memo: OrderedDict[tuple[bytes, bytes], tuple[float, bool]] | None = getattr(host, "_murmur_records", None)
         if memo is None:
-            memo = host._murmur_records = ReplayCache(RECORD_MEMO_SIZE, RECORD_MEMO_TTL_S)
+            memo = host._murmur_records = OrderedDict()
         # a digest, not the record: a record can be as large as the RPC, and the table keeps thousands
         key = (peer_id.to_bytes(), hashlib.blake2b(msg.senderRecord, digest_size=16).digest())
         now = time.monotonic()
-        ok = memo.get(key, now)
-        if ok is None:
+        hit = memo.get(key)
+        if hit is not None and now - hit[0] < RECORD_MEMO_TTL_S:
+            memo.move_to_end(key)
+            ok = hit[1]
+        else:
             ok = check_record(msg, host, peer_id)
-            memo.put(key, ok, now)
+            memo[key] = (now, ok)
+            memo.move_to_end(key)
+            while len(memo) > RECORD_MEMO_SIZE:
+                memo.popitem(last=False)
         if not ok:
             faults = getattr(host, "_murmur_faults", None)
             if faults is not None:

@@ -280,6 +280,6 @@ def test_a_peer_record_is_checked_once_and_a_bad_one_is_counted(monkeypatch: pyt
             assert victim.host.get_peerstore().get_peer_record(ID.from_base58(hostile.peer_id)) is not None
             assert hostile.peer_id in victim.peers()  # counted, not charged: the RPC is ignored, as before
             # the table keeps a digest per record, never the record (which can be as large as an RPC)
-            assert all(len(digest) == 16 for _, digest in victim.host._murmur_records._d)
+            assert all(len(digest) == 16 for _, digest in victim.host._murmur_records)
 
     trio.run(main)
