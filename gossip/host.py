@@ -31,7 +31,6 @@ so the buffer needs no lock of its own.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import itertools
 import logging
@@ -367,7 +366,7 @@ def _install_peer_record_memo() -> None:
     Our record is reused for `OWN_RECORD_REUSE_S` (an address change still goes out within that), and
     a record already checked from the same peer is not checked again for `RECORD_MEMO_TTL_S` (well
     inside the peerstore's two-hour TTL, so re-storing it keeps it alive), in a bounded per-host
-    table keyed by the record's digest. An invalid record is remembered too: the RPC is still ignored, as py-libp2p does, without
+    table. An invalid record is remembered too: the RPC is still ignored, as py-libp2p does, without
     paying for the check again, and every such RPC is counted (`pubsub signed record (invalid)`)."""
     import libp2p.peer.peerstore as peerstore
     import libp2p.pubsub.utils as pubsub_utils
@@ -392,8 +391,7 @@ def _install_peer_record_memo() -> None:
         memo: OrderedDict[tuple[bytes, bytes], tuple[float, bool]] | None = getattr(host, "_murmur_records", None)
         if memo is None:
             memo = host._murmur_records = OrderedDict()
-        # a digest, not the record: a record can be as large as the RPC, and the table keeps thousands
-        key = (peer_id.to_bytes(), hashlib.blake2b(msg.senderRecord, digest_size=16).digest())
+        key = (peer_id.to_bytes(), msg.senderRecord)
         now = time.monotonic()
         hit = memo.get(key)
         if hit is not None and now - hit[0] < RECORD_MEMO_TTL_S:
