@@ -26,6 +26,7 @@ HEADROOM: Final = 2.0  # an honest rate varies; twice the announced rate is prov
 BURST_WINDOW_S: Final = 60.0  # a minute of the allowed rate may arrive at once
 MAX_BATCHES_PER_S: Final = 50.0  # whatever a peer announces, no more is admitted (a Sybil bound is per key anyway)
 METER_WINDOW_S: Final = 60.0
+MIN_SPAN_S: Final = 1.0  # a meter that has counted for less than this divides by it
 
 
 class Bucket:
@@ -101,7 +102,10 @@ class AnnouncedRates:
 
 class RateMeter:
     """The sender's side: how many batches it published per second over the last minute, which
-    is what it announces (a bounded deque of timestamps)."""
+    is what it announces (a bounded deque of timestamps). The count is divided by the time it was
+    counted over (at least `MIN_SPAN_S`), not by the whole window: a producer that started, or
+    resumed, a few seconds ago states the rate it publishes at, where a whole window would dilute
+    it and get it charged by every receiver for publishing above its own statement."""
 
     def __init__(self, window_s: float = METER_WINDOW_S, max_events: int = 100_000) -> None:
         self.window_s = window_s
@@ -113,4 +117,6 @@ class RateMeter:
     def rate(self, now: float) -> float:
         while self._t and self._t[0] <= now - self.window_s:
             self._t.popleft()
-        return len(self._t) / self.window_s
+        if not self._t:
+            return 0.0
+        return len(self._t) / max(MIN_SPAN_S, min(self.window_s, now - self._t[0]))

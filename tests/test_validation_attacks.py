@@ -345,3 +345,25 @@ def test_verifier_workers_run_under_a_memory_budget(reg) -> None:
         soft, _ = proc.rlimit(psutil.RLIMIT_AS)
         vms = proc.memory_info().vms
         assert soft != psutil.RLIM_INFINITY and vms < soft <= vms + MEMORY_HEADROOM_MB * 2**20
+
+
+def test_an_honest_producer_is_never_charged_while_its_announced_rate_catches_up(reg) -> None:
+    """A producer that starts publishing at a steady 25 batches/s (a fast follower, one batch per group)
+    and announces every 2 s what its meter measured must never be charged for publishing above its
+    announced rate: its first announces come before its meter has seen a whole window."""
+    p, clock = pipe(reg)
+    meter = RateMeter()
+    reasons = []
+    next_announce = clock() + 2.0
+    for seq in range(1, 751):  # 30 s
+        clock.t += 0.04
+        if clock() >= next_announce:
+            next_announce += 2.0
+            p.announced(ALICE.peer_id, announce(ALICE, meter.rate(clock())))
+        meter.tick(clock())
+        data = make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000))
+        reasons.append(p.check(data, ALICE.peer_id).reason)
+    assert Reason.OVER_ANNOUNCED_RATE not in reasons and Reason.GRAYLISTED not in reasons, \
+        {r.value: reasons.count(r) for r in set(reasons)}
+    assert p.scores.record(ALICE.peer_id).rejections == {}
+    assert reasons[-100:] == [Reason.ACCEPTED] * 100
