@@ -31,6 +31,7 @@ class PeerRecord:
     banned_until: float = 0.0
     rejections: dict[str, int] = field(default_factory=dict)
     accepted: int = 0
+    charged: float = 0.0  # every penalty ever charged, summed: unlike the score, it neither decays nor heals
 
 
 class PeerScores:
@@ -70,6 +71,7 @@ class PeerScores:
         """Lower `peer`'s score by `amount`; `ban` blacklists it. True when this call newly banned it."""
         rec = self._rec(peer, now)
         rec.score -= amount
+        rec.charged += amount
         rec.rejections[reason] = rec.rejections.get(reason, 0) + 1
         newly = False
         if ban:
@@ -86,4 +88,5 @@ class PeerScores:
 
     def snapshot(self, now: float) -> dict[str, dict]:
         return {p: dict(score=round(self.score(p, now), 3), banned=self.is_blacklisted(p, now),
-                        accepted=r.accepted, rejections=dict(r.rejections)) for p, r in list(self._peers.items())}
+                        accepted=r.accepted, rejections=dict(r.rejections),
+                        charged=round(r.charged, 3)) for p, r in list(self._peers.items())}

@@ -213,6 +213,7 @@ class NodeStatus(Struct, kw_only=True):
     gc_pause_max_ms: float = 0.0  # longest full (generation 2) garbage collection since start
     stream_faults: dict[str, int] = {}  # protocol -> streams that broke it (peer scored, stream closed)
     peer_scores: dict[str, float] = {}  # peer id -> current gossip score, for peers with a record
+    peer_charged: dict[str, float] = {}  # peer id -> all penalties charged to it so far (no decay), same peers
     reach: ReachView = msgspec.field(default_factory=ReachView)
 
 

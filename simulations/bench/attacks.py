@@ -502,7 +502,7 @@ def node_config(roles: list[str], model: Path, swarm: str = SWARM) -> str:
     return (f'[node]\nswarm = "{swarm}"\nroles = {roles!r}\nmemory_budget_mb = 1536\n'.replace("'", '"')
             + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\ndht = false\n'
             + '[sync]\npublish_every = 2\nanchor_every = 8\nretain_versions = 32\nmax_staleness = 4\n'
-            + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')
+            + f'[training]\nmodel = "{model}"\n')
 
 
 def start_node(home: Path, bootstrap: list[str]) -> subprocess.Popen:
@@ -660,18 +660,18 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
 
 
 def penalties(sw: LiveSwarm, honest: set[str], attackers: set[str]) -> tuple[float, dict[str, float]]:
-    """Score lost by honest peers (summed over what the honest nodes think of each other), and each
-    attacker's lowest score on any honest node."""
+    """Score charged to honest peers over the whole run (summed over what the honest nodes think of
+    each other: every penalty, including those a peer has since earned back), and each attacker's
+    lowest score on any honest node."""
     lost = 0.0
     worst: dict[str, float] = {}
     for n in sw.homes:
         s = sw.status(n)
         if s is None:
             continue
+        lost += sum(v for peer, v in s.peer_charged.items() if peer in honest)
         for peer, score in s.peer_scores.items():
-            if peer in honest:
-                lost += max(0.0, -score)
-            elif peer in attackers:
+            if peer in attackers:
                 worst[peer] = min(worst.get(peer, 0.0), score)
     return lost, worst
 
@@ -734,7 +734,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         print(f"baseline window {window_s:.0f} s, after the attack", file=sys.stderr)
         after = measure(sw, window_s)
         base = before.plus(after)
-        lost = max(lost, penalties(sw, honest, attackers)[0])  # an honest peer charged late counts too
+        lost = penalties(sw, honest, attackers)[0]  # charges never decay: this includes the first windows
         alive = sw.alive() and under.alive and after.alive and all(s is not None for s in statuses.values())
         return {
             "attacks_run": len(results),
