@@ -31,6 +31,7 @@ so the buffer needs no lock of its own.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import itertools
 import logging
@@ -350,6 +351,37 @@ def _install_pubsub_oversize_charge() -> None:
 
 _install_pubsub_oversize_charge()
 
+
+def _install_pubsub_stream_retry() -> None:
+    """Pubsub opens its outbound stream to a new peer in a loop that retries transport errors while the
+    peer stays connected, but gives up for good on a failed protocol negotiation (`StreamFailure`, e.g. a
+    multiselect handshake that timed out under load): the peer stays connected and keeps sending to
+    us, and we never send to it again, a one-way partition nothing repairs. That failure is made
+    retryable like the others, so the loop keeps trying (backing off to one attempt per 10 s) for as
+    long as the connection lasts; a fresh connection starts it over."""
+    from libp2p.host.exceptions import StreamFailure
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.pubsub.pubsub import Pubsub
+
+    if getattr(Pubsub, "_murmur_stream_retry", False):
+        return
+    once = Pubsub._handle_new_peer
+
+    async def handle_new_peer(self: Any, peer_id: Any) -> None:
+        try:
+            await once(self, peer_id)
+        except StreamFailure as e:
+            faults = getattr(self.host, "_murmur_faults", None)
+            if faults is not None:
+                faults.count("pubsub stream open (retried)")
+            raise SwarmException(str(e)) from e
+
+    Pubsub._handle_new_peer = handle_new_peer
+    Pubsub._murmur_stream_retry = True
+
+
+_install_pubsub_stream_retry()
+
 # How long our own signed peer record is reused before py-libp2p re-checks our addresses.
 OWN_RECORD_REUSE_S = 1.0
 # Peer records already checked, per host, and how long a checked record skips the check.
@@ -366,8 +398,9 @@ def _install_peer_record_memo() -> None:
     Our record is reused for `OWN_RECORD_REUSE_S` (an address change still goes out within that), and
     a record already checked from the same peer is not checked again for `RECORD_MEMO_TTL_S` (well
     inside the peerstore's two-hour TTL, so re-storing it keeps it alive), in a bounded per-host
-    table. An invalid record is remembered too: the RPC is still ignored, as py-libp2p does, without
-    paying for the check again, and every such RPC is counted (`pubsub signed record (invalid)`)."""
+    table keyed by the record's digest. An invalid record is remembered too: the RPC is still
+    ignored, as py-libp2p does, without paying for the check again, and every such RPC is counted
+    (`pubsub signed record (invalid)`)."""
     import libp2p.peer.peerstore as peerstore
     import libp2p.pubsub.utils as pubsub_utils
 
@@ -391,7 +424,8 @@ def _install_peer_record_memo() -> None:
         memo: OrderedDict[tuple[bytes, bytes], tuple[float, bool]] | None = getattr(host, "_murmur_records", None)
         if memo is None:
             memo = host._murmur_records = OrderedDict()
-        key = (peer_id.to_bytes(), msg.senderRecord)
+        # a digest, not the record: a record can be as large as the RPC, and the table keeps thousands
+        key = (peer_id.to_bytes(), hashlib.blake2b(msg.senderRecord, digest_size=16).digest())
         now = time.monotonic()
         hit = memo.get(key)
         if hit is not None and now - hit[0] < RECORD_MEMO_TTL_S:

@@ -279,5 +279,47 @@ def test_a_peer_record_is_checked_once_and_a_bad_one_is_counted(monkeypatch: pyt
             assert checked.count(record) <= 1  # the hostile host's own pubsub hello may have carried it first
             assert victim.host.get_peerstore().get_peer_record(ID.from_base58(hostile.peer_id)) is not None
             assert hostile.peer_id in victim.peers()  # counted, not charged: the RPC is ignored, as before
+            # the table keeps a digest per record, never the record (which can be as large as an RPC)
+            assert all(len(digest) == 16 for _, digest in victim.host._murmur_records)
+
+    trio.run(main)
+
+
+def test_a_failed_pubsub_stream_open_is_retried_while_the_peer_stays_connected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-libp2p opens its outbound pubsub stream once per new connection and gives up for good when the
+    protocol negotiation fails (`StreamFailure`): the peer stays connected, it still hears us, we never
+    send to it, and nothing ever repairs that one-way partition. The open must be retried while the
+    peer stays connected."""
+    from libp2p.host.exceptions import StreamFailure
+
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (21, 22)]
+    failed: list[str] = []
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as a, open_transport(ids[1]) as b:
+            real = a.host.new_stream
+
+            async def first_pubsub_open_fails(peer_id, protocols, *args, **kw):
+                if any("meshsub" in str(p) for p in protocols) and not failed:
+                    failed.append(peer_id.to_base58())
+                    raise StreamFailure(f"failed to open a stream to peer {peer_id}")  # as a failed multiselect
+                return await real(peer_id, protocols, *args, **kw)
+
+            monkeypatch.setattr(a.host, "new_stream", first_pubsub_open_fails)
+            chans = [await x.subscribe("/murmur/t/rollouts/1") for x in (a, b)]
+            await b.connect(a.listen_addrs()[0])
+            await wait_until(lambda: failed == [b.peer_id], timeout=10)
+            await wait_until(lambda: a.topic_peers("/murmur/t/rollouts/1") == [b.peer_id], timeout=30)  # b -> a works
+            sent = False
+            with trio.move_on_after(30):  # the retry backs off (0.5 s, doubling, at most 10 s)
+                while not sent:
+                    try:
+                        await a.publish("/murmur/t/rollouts/1", b"a to b")
+                        sent = True
+                    except PublishError:
+                        await trio.sleep(0.2)
+            assert sent, "a never got a pubsub stream to b"
+            with trio.fail_after(10):
+                assert await chans[1].receive() == (a.peer_id, b"a to b")
 
     trio.run(main)
