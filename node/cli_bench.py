@@ -128,10 +128,11 @@ def bench_reachability(json_out: JsonOpt = True) -> None:
 @bench_app.command("attacks")
 def bench_attacks(
     json_out: JsonOpt = True,
-    window_s: Annotated[float, typer.Option("--window-s", min=10.0, help="seconds measured without, then with, "
-                                                                         "the attack catalogue")] = 60.0,
+    window_s: Annotated[float, typer.Option("--window-s", min=10.0, help="least seconds the attack window lasts "
+                                                                         "(and until the catalogue ran once); the "
+                                                                         "control swarm is measured as long")] = 60.0,
 ) -> None:
-    """Live trainer + follower/validator: honest progress with and without hostile peers running the catalogue."""
+    """Live trainer + follower/validator under hostile peers running the catalogue, against a control swarm."""
     from simulations.bench.attacks import run
 
     _run(run, window_s=window_s)

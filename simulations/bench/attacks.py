@@ -8,9 +8,9 @@ the honest nodes says whether that class was noticed. An observer host (also hos
 listens to public gossip first: honest announces, manifests and rollout batches are what the
 attacks forge against, relay or replay.
 
-`run()` starts a live swarm (a trainer and a follower+validator), measures it for a window without
-attack and for the same window with the whole catalogue running in a loop, and returns the JSON
-object `murmur bench attacks --json` prints. `tests/test_attacks_live.py` runs the catalogue once
+`run()` starts a live swarm (a trainer and a follower+validator) and measures it with the whole
+catalogue running in a loop, then a control swarm built the same way over the same span of its life
+without attack, and returns the JSON object `murmur bench attacks --json` prints. `tests/test_attacks_live.py` runs the catalogue once
 against live nodes and asserts the goals.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import signal
 import struct
 import subprocess
@@ -621,11 +622,6 @@ class Window:
     def rate(self, what: str) -> float:
         return getattr(self, what) / self.seconds if self.seconds > 0 else 0.0
 
-    def plus(self, other: Window) -> Window:
-        return Window(self.train_steps + other.train_steps, self.versions_applied + other.versions_applied,
-                      max(self.max_stall_ms, other.max_stall_ms), self.alive and other.alive,
-                      self.seconds + other.seconds)
-
     def brief(self) -> dict[str, Any]:
         return {"train_steps": self.train_steps, "versions_applied": self.versions_applied,
                 "seconds": round(self.seconds, 1)}
@@ -696,23 +692,66 @@ def _attacker_main(args: dict[str, Any]) -> None:
     Path(args["out"]).write_text(json.dumps(results))
 
 
+START_AGE_S = 45.0  # swarm age at which both runs start measuring (both nodes are up and patches flow by then)
+PLACEBO_PERIOD_S = 0.1
+
+
+def children_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def start_placebo(cores: float) -> list[subprocess.Popen]:
+    """Processes that use `cores` of CPU (busy for that share of every 100 ms) at the attacker's priority
+    and do nothing else: the control swarm shares the machine with them as the attacked one shared it
+    with the hostile process, whose own CPU would be its own on the internet."""
+    procs = []
+    while cores > 0.005:
+        share = min(1.0, cores)
+        cores -= share
+        code = ("import time\n"
+                f"p, busy = {PLACEBO_PERIOD_S}, {PLACEBO_PERIOD_S * share}\n"
+                "while True:\n"
+                "    t = time.monotonic()\n"
+                "    while time.monotonic() - t < busy: pass\n"
+                "    time.sleep(max(0.0, p - (time.monotonic() - t)))\n")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], preexec_fn=lambda: os.nice(NICE)))
+    return procs
+
+
+def start_measuring_at(sw_started: float, age_s: float) -> float:
+    """Wait until the swarm is `age_s` old (a no-op past it); the age the measurement starts at."""
+    left = sw_started + age_s - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+    return time.monotonic() - sw_started
+
+
 def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
-    """`murmur bench attacks`: honest progress without the catalogue, under it, and without it again. The
-    baseline is the two windows around the attack together, so that a swarm still speeding up (or
-    slowing down) as it runs does not read as the attack's effect."""
+    """`murmur bench attacks`: two swarms built the same way, measured over the same span of their
+    lives: one under the whole catalogue, one left alone (the control).
+
+    A swarm's own progress drifts as it ages: the trainer's policy sharpens, whole groups come out
+    alike, and a step with nothing to learn from costs a fraction of one that has (its step time fell
+    from 0.13 to 0.03 s within four minutes). A window before or after the attack in the same swarm
+    therefore measures a different swarm; the control at the same age does not. The hostile process
+    runs on the same cores as the honest nodes; the control runs beside a placebo that uses as much
+    CPU and sends nothing, so the ratios measure what handling the attack costs the honest nodes."""
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="murmur-attacks-")) if root is None else root
     model = build_model(tmp / "model")
-    print("starting the live swarm", file=sys.stderr)
-    sw = start_swarm(tmp / "swarm", model)
+    tok = model_tokenizer_hash(model)
+    print("starting the swarm to attack", file=sys.stderr)
+    started = time.monotonic()
+    sw = start_swarm(tmp / "attacked", model)
     try:
         honest = set(sw.peer_ids())
-        print(f"baseline window {window_s:.0f} s", file=sys.stderr)
-        before = measure(sw, window_s)
+        attack_age = start_measuring_at(started, START_AGE_S)
         addrs = sw.addrs()
-        tok = model_tokenizer_hash(model)
-        print(f"attack window: at least {window_s:.0f} s and the whole catalogue once", file=sys.stderr)
+        print(f"attack window from age {attack_age:.0f} s: at least {window_s:.0f} s and the whole catalogue once",
+              file=sys.stderr)
+        cpu0 = children_cpu_s()  # no other child is reaped until the attacker is
         hostile = start_attacker(addrs, window_s, tok, tmp / "attacker.json")
         under = measure(sw, window_s, until=lambda: hostile.poll() is not None)
         try:
@@ -720,6 +759,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             hostile.kill()
             hostile.wait(10)
+        attacker_cores = (children_cpu_s() - cpu0) / max(under.seconds, 1e-9)
         results: dict[str, dict[str, Any]] = {}
         if (tmp / "attacker.json").is_file():
             results = json.loads((tmp / "attacker.json").read_text())
@@ -730,56 +770,73 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
                    if s is not None and the_attacker in s.peer_scores]
         class_keys = {name: [p for p in r["attackers"] if p != the_attacker] for name, r in results.items()}
         statuses = {n: sw.status(n) for n in sw.homes}
-        # scores and statuses as the attack left them; then the second baseline window
-        print(f"baseline window {window_s:.0f} s, after the attack", file=sys.stderr)
-        after = measure(sw, window_s)
-        base = before.plus(after)
-        lost = penalties(sw, honest, attackers)[0]  # charges never decay: this includes the first windows
-        alive = sw.alive() and under.alive and after.alive and all(s is not None for s in statuses.values())
-        return {
-            "attacks_run": len(results),
-            # per class: messages or streams sent, and the lowest score its keys have on an honest node
-            # (None: no honest node holds a record of them, i.e. not charged)
-            "attacks": {name: {"sent": r["sent"], "score": min((worst[p] for p in class_keys[name] if p in worst),
-                                                                default=None),
-                               "provable": name in PROVABLE} for name, r in sorted(results.items())},
-            "honest_nodes_alive": alive,
-            # None where the node's status does not report restarts (no supervision to count them)
-            "honest_worker_restarts": (sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
-                                       if all(hasattr(s, "worker_restarts") for s in statuses.values()
-                                              if s is not None) else None),
-            "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
-                               if s is not None},
-            "honest_penalties": round(lost, 3),
-            # the one key that ran the catalogue after the first round: graylisted on every honest node
-            "attacker_graylisted": len(seen_by) == len(sw.homes) and all(v < GRAYLIST for v in seen_by),
-            "attacker_scores": [round(v, 1) for v in seen_by],
-            "attacker_rounds": max((len(r["phases"]) for r in results.values()), default=0) - 1,
-            # first round, one fresh key per class: the classes whose fault is provable, each key graylisted
-            "provable_classes_graylisted": sorted(n for n in PROVABLE & set(results)
-                                                  if any(worst.get(p, 0.0) < GRAYLIST for p in class_keys[n])),
-            "provable_classes": len(PROVABLE & set(results)),
-            "attackers_seen": len(worst),
-            "attackers_graylisted": sum(1 for v in worst.values() if v < GRAYLIST),
-            "attackers_total": len(attackers),
-            "train_steps_without": base.train_steps,
-            "train_steps_under_attack": under.train_steps,
-            # progress per second under attack / without (the attack window lasts as long as the catalogue)
-            "train_steps_ratio": (round(under.rate("train_steps") / base.rate("train_steps"), 3)
-                                  if base.train_steps else None),
-            "versions_applied_without": base.versions_applied,
-            "versions_applied_under_attack": under.versions_applied,
-            "versions_applied_ratio": (round(under.rate("versions_applied") / base.rate("versions_applied"), 3)
-                                       if base.versions_applied else None),
-            "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
-            "max_event_loop_stall_ms_without": round(base.max_stall_ms, 1),
-            "stream_faults": {n: dict(s.stream_faults) for n, s in statuses.items() if s is not None},
-            "window_s": round(before.seconds, 1),
-            "attack_window_s": round(under.seconds, 1),
-            "baseline_windows": {"before": before.brief(), "after": after.brief()},
-        }
+        alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
     finally:
         sw.stop()
+    print(f"control swarm, measured over the same ages ({attack_age:.0f} s + {under.seconds:.0f} s)",
+          file=sys.stderr)
+    started = time.monotonic()
+    control_sw = start_swarm(tmp / "control", model)
+    try:
+        control_age = start_measuring_at(started, attack_age)
+        placebo = start_placebo(attacker_cores)
+        try:
+            control = measure(control_sw, under.seconds)
+        finally:
+            for p in placebo:
+                p.kill()
+                p.wait(10)
+        lost_without = penalties(control_sw, set(control_sw.peer_ids()), set())[0]
+    finally:
+        control_sw.stop()
+    return {
+        "attacks_run": len(results),
+        # per class: messages or streams sent, and the lowest score its keys have on an honest node
+        # (None: no honest node holds a record of them, i.e. not charged)
+        "attacks": {name: {"sent": r["sent"], "score": min((worst[p] for p in class_keys[name] if p in worst),
+                                                            default=None),
+                           "provable": name in PROVABLE} for name, r in sorted(results.items())},
+        "honest_nodes_alive": alive,
+        # None where the node's status does not report restarts (no supervision to count them)
+        "honest_worker_restarts": (sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
+                                   if all(hasattr(s, "worker_restarts") for s in statuses.values()
+                                          if s is not None) else None),
+        "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
+                           if s is not None},
+        "honest_penalties": round(lost, 3),
+        "honest_penalties_without": round(lost_without, 3),
+        # the one key that ran the catalogue after the first round: graylisted on every honest node
+        "attacker_graylisted": len(seen_by) == len(statuses) and all(v < GRAYLIST for v in seen_by),
+        "attacker_scores": [round(v, 1) for v in seen_by],
+        "attacker_rounds": max((len(r["phases"]) for r in results.values()), default=0) - 1,
+        # first round, one fresh key per class: the classes whose fault is provable, each key graylisted
+        "provable_classes_graylisted": sorted(n for n in PROVABLE & set(results)
+                                              if any(worst.get(p, 0.0) < GRAYLIST for p in class_keys[n])),
+        "provable_classes": len(PROVABLE & set(results)),
+        "attackers_seen": len(worst),
+        "attackers_graylisted": sum(1 for v in worst.values() if v < GRAYLIST),
+        "attackers_total": len(attackers),
+        "train_steps_without": control.train_steps,
+        "train_steps_under_attack": under.train_steps,
+        # progress per second under attack / in the control swarm at the same age
+        "train_steps_ratio": (round(under.rate("train_steps") / control.rate("train_steps"), 3)
+                              if control.train_steps else None),
+        "versions_applied_without": control.versions_applied,
+        "versions_applied_under_attack": under.versions_applied,
+        "versions_applied_ratio": (round(under.rate("versions_applied") / control.rate("versions_applied"), 3)
+                                   if control.versions_applied else None),
+        "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
+        "max_event_loop_stall_ms_without": round(control.max_stall_ms, 1),
+        "control_alive": control.alive,
+        # CPU the hostile process used, in cores over the attack window; the control ran beside a
+        # placebo process using as much (it shares the machine's cores, which on the internet it would not)
+        "attacker_cores": round(attacker_cores, 3),
+        "stream_faults": {n: dict(s.stream_faults) for n, s in statuses.items() if s is not None},
+        "window_s": round(window_s, 1),
+        "attack_window_s": round(under.seconds, 1),
+        "windows": {"attack": {**under.brief(), "start_age_s": round(attack_age, 1)},
+                    "control": {**control.brief(), "start_age_s": round(control_age, 1)}},
+    }
 
 
 if __name__ == "__main__":
