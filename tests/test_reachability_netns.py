@@ -129,7 +129,7 @@ def test_udp_only_home_reaches_public_node_over_webrtc_direct(webrtc_extra: None
     assert h.first("first_rollout"), "a signed rollout from the public node verified over WebRTC-direct"
     assert (h.first("gossip") or {}).get("ok") and (pub.first("gossip") or {}).get("ok"), (h.events, pub.events)
     bulk = [b for b in h.by("bulk") if b["peer"] == "pub"]
-    assert bulk and bulk[0]["hash_ok"] and bulk[0]["path"] == "webrtc", h.events
+    assert bulk and bulk[0]["hash_ok"] and bulk[0]["path"] == "webrtc", [e for e in h.events if "bulk" in e["ev"]]
     d = h.first("doctor")
     assert d and d["path"] == "webrtc" and "WebRTC-direct" in d["checks"][0]["detail"], d
     assert (pub.first("doctor") or {}).get("path") in ("webrtc", "direct"), pub.events

@@ -103,7 +103,7 @@ def test_config_mapping() -> None:
 def test_rl_raises_the_reward() -> None:
     from training.bench_learn import run
 
-    out = run(budget_s=120, seed=0)
+    out = run(budget_s=150, seed=0)
     assert out["rl_steps"] > 10
     assert out["eval_problems"] >= 200 and out["eval_overlap"] == 0, out
     assert out["reward_end"] > out["reward_start"] + 0.1, out
