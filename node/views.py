@@ -84,8 +84,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         loop_stall_recent_ms=round(node.stall.recent_ms(loop_now), 1) if loop_now is not None else 0.0,
         gc_pause_max_ms=round(node.gc_timer.max_ms[2], 1),
         stream_faults=dict(node.transport.faults.counts) if node.transport is not None else {},
-        peer_scores=peer_scores(node.service.pipeline) if node.service is not None else {},
-        peer_charged=peer_charged(node.service.pipeline) if node.service is not None else {},
+        **(peer_records(node.service.pipeline) if node.service is not None else {}),
         **({"reach": node.reach.view()} if node.reach is not None else {}))
 
 
@@ -102,13 +101,9 @@ def status_fields(s: NodeStatus) -> dict[str, Any]:
 MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
 
 
-def peer_scores(pipeline: Any) -> dict[str, float]:
-    snap = pipeline.scores.snapshot(pipeline.clock())
-    return {peer: round(v["score"], 3) for peer, v in list(snap.items())[:MAX_SCORES_SHOWN]}
-
-
-def peer_charged(pipeline: Any) -> dict[str, float]:
-    """Penalties charged so far, for the peers `peer_scores` shows: a charge a peer has since earned back
-    still shows here."""
-    snap = pipeline.scores.snapshot(pipeline.clock())
-    return {peer: v["charged"] for peer, v in list(snap.items())[:MAX_SCORES_SHOWN] if v["charged"]}
+def peer_records(pipeline: Any) -> dict[str, dict[str, float]]:
+    """`peer_scores` (current scores) and `peer_charged` (penalties charged so far, for the same peers: a
+    charge a peer has since earned back still shows there), from one snapshot of the score table."""
+    shown = list(pipeline.scores.snapshot(pipeline.clock()).items())[:MAX_SCORES_SHOWN]
+    return {"peer_scores": {peer: round(v["score"], 3) for peer, v in shown},
+            "peer_charged": {peer: v["charged"] for peer, v in shown if v["charged"]}}

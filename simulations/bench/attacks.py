@@ -10,8 +10,8 @@ attacks forge against, relay or replay.
 
 `run()` starts a live swarm (a trainer and a follower+validator) and measures it with the whole
 catalogue running in a loop, then a control swarm built the same way over the same span of its life
-without attack, and returns the JSON object `murmur bench attacks --json` prints. `tests/test_attacks_live.py` runs the catalogue once
-against live nodes and asserts the goals.
+without attack, and returns the JSON object `murmur bench attacks --json` prints.
+`tests/test_attacks_live.py` runs the catalogue once against live nodes and asserts the goals.
 """
 
 from __future__ import annotations
