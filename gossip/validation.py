@@ -68,6 +68,9 @@ class Reason(enum.Enum):
     VERIFIER_ERROR = "verifier_error"  # the answer verifier raised on this completion
     VERIFIER_UNAVAILABLE = "verifier_unavailable"  # our verifier could not run: dropped unjudged, no penalty
     STALE_VERSION = "stale_version"  # policy version beyond the staleness bound of its lineage
+    BAD_NUMBER = "bad_number"  # a number out of its range (a non-finite or positive log-prob): forgery
+    FUTURE_VERSION = "future_version"  # a version of this node's own lineage it never published
+    UNKNOWN_VERSION = "unknown_version"  # beyond the head this node knows of another's lineage: no penalty
 
 
 # (penalty, ban): ban only for proven forgery. Reasons an honest peer can trigger because
@@ -96,6 +99,11 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
     Reason.VERIFIER_ERROR: (20.0, False),
     Reason.VERIFIER_UNAVAILABLE: (0.0, False),
     Reason.STALE_VERSION: (0.0, False),
+    Reason.BAD_NUMBER: (100.0, True),
+    # provably false (only this node publishes its lineage), yet not banned: a publisher that lost
+    # its newest versions (a restored home) would see honest followers ahead of it
+    Reason.FUTURE_VERSION: (50.0, False),
+    Reason.UNKNOWN_VERSION: (0.0, False),
 }
 
 REWARD_TOLERANCE = 1e-6
@@ -179,6 +187,7 @@ class Pipeline:
         reward: Callable[[Any, str], float],
         head_version: Callable[[bytes], int | None],
         task_set_trusted: Callable[[bytes], bool] | None = None,
+        own_lineage: Callable[[bytes], bool] | None = None,
         scores: PeerScores | None = None,
         verify_envelope: Callable[[wire.Envelope], None] = wire.verify_envelope,
         decode_body: Callable[[wire.Envelope], Any] = wire.decode_body,
@@ -198,6 +207,7 @@ class Pipeline:
         self.reward_batch = reward_batch
         self.check_tokens = check_tokens
         self.head_version = head_version
+        self.own_lineage = own_lineage
         self.task_set_trusted = task_set_trusted
         self.scores = scores or PeerScores(config.score)
         self.buckets = TokenBuckets(config.rate_per_s, config.burst)
@@ -284,6 +294,8 @@ class Pipeline:
             batch = self._decode_body(env)
         except SignatureError as e:  # body's producer differs from the envelope signer it was signed by
             return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, None, str(e), remember=True)
+        except wire.BadNumber as e:
+            return self._reject(Reason.BAD_NUMBER, origin, data, mid, None, str(e), remember=True)
         except DecodeError as e:
             return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e), remember=True)
         if batch.swarm != self.config.swarm:
@@ -303,9 +315,10 @@ class Pipeline:
                 if not self.task_set_trusted(r.task.task_set):
                     return self._reject(Reason.UNKNOWN_TASK_SET, origin, data, mid, batch,
                                         f"task set {r.task.task_set.hex()[:16]} not known/trusted")
-        stale = self._stale(batch)  # before the expensive stage; again at commit (heads move meanwhile)
+        stale = self._versions(batch)  # before the expensive stage; again at commit (heads move meanwhile)
         if stale is not None:
-            return self._reject(Reason.STALE_VERSION, origin, data, mid, batch, stale)
+            reason, detail = stale
+            return self._reject(reason, origin, data, mid, batch, detail, remember=reason is Reason.FUTURE_VERSION)
         self._inflight.add(mid)
         return Pending(origin, data, mid, batch)
 
@@ -324,9 +337,11 @@ class Pipeline:
             reason, detail = p.failure
             return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
                                 remember=reason not in (Reason.UNKNOWN_TASK_SET, Reason.VERIFIER_UNAVAILABLE))
-        stale = self._stale(p.batch)
+        stale = self._versions(p.batch)
         if stale is not None:
-            return self._reject(Reason.STALE_VERSION, p.origin, p.data, p.msg_id, p.batch, stale)
+            reason, detail = stale
+            return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
+                                remember=reason is Reason.FUTURE_VERSION)
         now = self.clock()
         self.seen.put(p.msg_id, Reason.ACCEPTED, now)
         self.seqs.put((p.batch.producer, p.batch.seq), p.msg_id, now)
@@ -370,18 +385,29 @@ class Pipeline:
         return self._reject(Reason.RATE_LIMITED, origin, data, b"", batch,
                             f"out of order and over {self.config.rate_per_s}/s (burst {self.config.burst})")
 
-    def _stale(self, batch: wire.RolloutBatch) -> str | None:
+    def _versions(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:
         """Judged against the publisher-signed head only: a claimed version never moves a head. The
-        oldest rollout per lineage decides, so the head is asked once per lineage of the batch."""
-        oldest: dict[bytes, int] = {}
+        oldest and the newest version per lineage decide, so the head is asked once per lineage.
+
+        A version above the head is never used: its tokens would escape the stale-token mask. Of
+        this node's own lineage it is provably false (only this node publishes it, and it knows its
+        head before any manifest leaves), so it is charged; of another's lineage the producer may
+        hold a manifest that has not reached us yet, so it is refused uncharged."""
+        span: dict[bytes, tuple[int, int]] = {}
         for r in batch.rollouts:
-            v = oldest.get(r.lineage)
-            if v is None or r.version < v:
-                oldest[r.lineage] = r.version
-        for lineage, version in oldest.items():
+            top = max([r.version] + [v for _, v in r.token_versions])
+            lo, hi = span.get(r.lineage, (r.version, top))
+            span[r.lineage] = (min(lo, r.version), max(hi, top))
+        for lineage, (oldest, newest) in span.items():
             head = self.head_version(lineage)
-            if head is not None and version + self.config.max_staleness < head:
-                return f"version {version} vs head {head} (bound {self.config.max_staleness})"
+            if head is None:
+                continue
+            if newest > head:
+                own = self.own_lineage is not None and self.own_lineage(lineage)
+                return (Reason.FUTURE_VERSION if own else Reason.UNKNOWN_VERSION,
+                        f"version {newest} is beyond the {'published' if own else 'known'} head {head}")
+            if oldest + self.config.max_staleness < head:
+                return Reason.STALE_VERSION, f"version {oldest} vs head {head} (bound {self.config.max_staleness})"
         return None
 
     def _verify(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
+import numpy as np
 from msgspec import Meta, Struct
 
 from gossip.errors import DecodeError, SignatureError
@@ -57,6 +58,13 @@ MAX_CHUNKS: Final = 8192
 MAX_CHUNK_BYTES: Final = 8 * 1024 * 1024
 MAX_NAME: Final = 128
 MAX_CONFIG_ENTRIES: Final = 32
+# Behaviour log-probs: a sampled token has probability > 0, so an honest float32 log-prob lies in
+# about [-104, 0] (exp underflows below); the lower bound leaves room for any engine, the upper one
+# for the rounding of a fused log-softmax (lse = max + log(sum) rounded at the logit's magnitude).
+LOGPROB_MIN: Final = -1000.0
+LOGPROB_MAX: Final = 1e-3
+# A sampling temperature is 0 (greedy) or at least this: receivers divide logits by it to spot-check.
+MIN_TEMPERATURE: Final = 1e-2
 
 Hash32 = Annotated[bytes, Meta(min_length=32, max_length=32)]
 PubKey = Annotated[bytes, Meta(min_length=32, max_length=32)]
@@ -64,8 +72,10 @@ Sig = Annotated[bytes, Meta(min_length=64, max_length=64)]
 Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
 U32 = Annotated[int, Meta(ge=0, lt=2**32)]
 U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+# msgspec's range checks refuse NaN and +-inf (every comparison with NaN is false), so every
+# float field below carries one: no float from the network is non-finite.
 Finite = Annotated[float, Meta(ge=-1e30, le=1e30)]
-ConfigValue = int | float | str | bool
+ConfigValue = int | Finite | str | bool
 
 
 def now_ms() -> int:
@@ -246,6 +256,11 @@ class WrongSwarm(DecodeError):
     """A well-formed envelope signed for another swarm than this process's."""
 
 
+class BadNumber(DecodeError):
+    """A signed body whose numbers are well-typed but out of their range (a non-finite or
+    positive behaviour log-prob): a provable fault of its signer, named apart from garbage."""
+
+
 _swarm: str = DEFAULT_SWARM
 
 
@@ -350,6 +365,9 @@ def _check_semantics(kind: str, body: Struct) -> None:
         for i, r in enumerate(body.rollouts):
             if len(r.logprobs) != 4 * len(r.completion_ids):
                 raise DecodeError(f"rollout {i}: {len(r.logprobs)} logprob bytes for {len(r.completion_ids)} tokens")
+            bad = rollout_number_fault(r)
+            if bad:
+                raise BadNumber(f"rollout {i}: {bad}")
             prev = -1
             for idx, ver in r.token_versions:
                 if idx <= prev or idx > len(r.completion_ids) or ver < r.version:
@@ -369,6 +387,26 @@ def _check_semantics(kind: str, body: Struct) -> None:
             raise DecodeError("patch chunk sizes do not add up to total_bytes")
         if any(c.size > body.chunk_bytes for c in body.chunks):
             raise DecodeError("patch chunk larger than chunk_bytes")
+
+
+def rollout_number_fault(r: Rollout) -> str:
+    """Why a rollout's numbers are out of range beyond what its field types check ("" when none is):
+    what a receiver refuses as `BadNumber`, and what a producer checks before it signs."""
+    t = r.sampling.temperature
+    if 0.0 < t < MIN_TEMPERATURE:
+        return f"temperature {t!r} is neither 0 (greedy) nor at least {MIN_TEMPERATURE:g}"
+    return logprob_fault(r.logprobs)
+
+
+def logprob_fault(data: bytes) -> str:
+    """Why little-endian float32 behaviour log-probs are out of range ("" when all are in
+    [LOGPROB_MIN, LOGPROB_MAX]); NaN fails both comparisons, so it is never in range."""
+    a = np.frombuffer(data, dtype="<f4", count=len(data) // 4)
+    ok = (a >= LOGPROB_MIN) & (a <= LOGPROB_MAX)
+    if bool(ok.all()):
+        return ""
+    j = int(np.argmin(ok))
+    return f"log-prob {float(a[j])!r} at token {j} is outside [{LOGPROB_MIN:g}, {LOGPROB_MAX:g}]"
 
 
 def open_envelope(data: bytes, expect: str | None = None) -> tuple[Envelope, Any]:

@@ -149,7 +149,7 @@ class NodeCore:
         self.catching: CatchUp | None = None
         self.counters: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
                                          "used": 0, "rollouts_published": 0, "bytes_down": 0,
-                                         "worker_restarts": 0, "peers_evicted": 0}
+                                         "worker_restarts": 0, "peers_evicted": 0, "rollouts_unpublishable": 0}
         self.worker_state = "starting"
         self.worker_error = ""
         self.engine = ""  # what the worker runs (pipe.Engine): a MODE_*, or "<asked> unavailable: <why>"
@@ -632,9 +632,18 @@ class NodeCore:
         rollouts = []
         for b in encoded:
             try:
-                rollouts.append(wire.decode_struct(b, wire.Rollout, wire.KIND_LIMITS[wire.ROLLOUT_BATCH]))
+                r = wire.decode_struct(b, wire.Rollout, wire.KIND_LIMITS[wire.ROLLOUT_BATCH])
             except DecodeError as e:
                 out.append(Log("worker rollout undecodable", {"error": str(e)[:200]}))
+                continue
+            # what receivers refuse as a forgery is never signed (an engine's missing log-prob is NaN)
+            bad = (wire.rollout_number_fault(r) if len(r.logprobs) == 4 * len(r.completion_ids)
+                   else "log-prob bytes do not match the tokens")
+            if bad:
+                self.counters["rollouts_unpublishable"] += 1
+                out.append(Log("worker rollout not published", {"error": bad[:200]}))
+                continue
+            rollouts.append(r)
         for i in range(0, len(rollouts), BATCH_MAX_ROLLOUTS):
             part = rollouts[i:i + BATCH_MAX_ROLLOUTS]
             # wall-clock microseconds: still increasing after a restart or a reboot (a reused seq is a replay)

@@ -136,6 +136,7 @@ class Node:
                 pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness),
                                     clock=time.time, resolve_task=self.registry.resolve, reward=score,
                                     head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
+                                    own_lineage=lambda lid: bytes(lid) == self.core.own,
                                     reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
                 self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
                 t.faults.on_fault = self._on_stream_fault

@@ -24,6 +24,7 @@ DROP_REASONS: dict[str, str] = {
     "below_min_version": "external rollout groups past the staleness bound of the heads the trainer knows",
     "task_set_unused": "external rollouts of a task set this trainer does not hold",
     "task_set_refused": "task sets not added: unsigned by a trusted coordinator key, or invalid",
+    "rollout_unpublishable": "own rollouts not signed: a behaviour log-prob outside the wire's range (receivers ban it)",
     "announce_unpublished": "node announces that could not be published (no peer on the topic)",
     "task_set_unpublished": "own task-set announces that could not be published (retried next round)",
 }
@@ -47,9 +48,10 @@ class Drops:
             if reason in DROP_REASONS and isinstance(n, int) and n >= 0:
                 self.worker[reason] = n
 
-    def view(self, worker_queue_full: int = 0) -> dict[str, int]:
+    def view(self, worker_queue_full: int = 0, core: Mapping[str, int] | None = None) -> dict[str, int]:
+        """All counters by reason; `core` adds the node core's own (it holds no `Drops`)."""
         out = dict(self.counts)
-        for reason, n in self.worker.items():
+        for reason, n in [*self.worker.items(), *(core or {}).items()]:
             out[reason] = out.get(reason, 0) + n
         if worker_queue_full:
             out["worker_queue_full"] = out.get("worker_queue_full", 0) + worker_queue_full

@@ -514,6 +514,7 @@ class VirtualSim:
             return
         n.core = self._new_core(n)
         n.pipeline.head_version = n.core.head_of  # type: ignore[union-attr] - as node.runtime wires it
+        n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own  # type: ignore[union-attr]
         n.following, n.admitted, n.pace = None, False, 0.0
         n.transfers.clear()
         model_bytes = self._item_bytes("anchor")

@@ -6,6 +6,8 @@ still do. Live-network versions of these attacks belong to the live attack test.
 
 from __future__ import annotations
 
+import math
+import struct
 import time
 
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -195,3 +197,24 @@ def test_honest_traffic_costs_no_one_anything() -> None:
                         C.Penalise)
         penalties += of(core.handle(C.Tick()), C.Penalise)
     assert penalties == [] and core.serving == lid and core.head_of(lid) == 30
+
+
+def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
+    """Receivers ban a signer of a non-finite or positive log-prob (`bad_number`): the node never signs
+    one of its worker's (an engine that lost a token's log-prob reports NaN), and counts what it held back."""
+    core, clock = make_core(roles=("trainer",))
+    me = key(1)
+    lid = lineage_id(me.public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
+
+    def rollout(lp: float) -> bytes:
+        return wire.encode(wire.Rollout(
+            task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
+            completion_ids=[2, 3], text="x", tokenizer_hash=bytes(32), logprobs=struct.pack("<2f", -0.5, lp),
+            token_versions=[(0, 2)], sampling=wire.SamplingParams(), reward=1.0, created_ms=1))
+
+    acts = core.handle(W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5)]))
+    sent = [wire.open_envelope(p.data)[1] for p in of(acts, C.Publish) if p.topic == "rollouts"]
+    assert [len(b.rollouts) for b in sent] == [1]  # only the honest one, and it still opens cleanly
+    assert core.counters["rollouts_unpublishable"] == 3
+    assert sum(1 for a in of(acts, C.Log) if a.msg == "worker rollout not published") == 3

@@ -87,6 +87,16 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
         data = make_batch(MALLORY, reg, 1, version=20, forge=True)
     elif reason is Reason.STALE_VERSION:
         data = make_batch(MALLORY, reg, 1, version=15)  # head 20, bound 4
+    elif reason is Reason.BAD_NUMBER:
+        good = make_batch(MALLORY, reg, 1, version=20)
+        batch = wire.decode_body(wire.decode_envelope(good))
+        batch.rollouts[0].logprobs = b"\x00\x00\xc0\x7f" + batch.rollouts[0].logprobs[4:]  # float32 NaN
+        data = wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch)
+    elif reason is Reason.FUTURE_VERSION:
+        p.own_lineage = lambda lin: lin == b"\x4c" * 32  # the receiver publishes this lineage: head 20
+        data = make_batch(MALLORY, reg, 1, version=21)
+    elif reason is Reason.UNKNOWN_VERSION:
+        data = make_batch(MALLORY, reg, 1, version=21)  # someone else's lineage, known head 20
     else:  # pragma: no cover
         raise AssertionError(reason)
     before = p.scores.score(origin, clock())

@@ -6,10 +6,14 @@ costs only the peer that provably committed it, and honest peers keep their scor
 
 from __future__ import annotations
 
+import math
+import struct
+
 import msgspec
 import pytest
 
 from gossip import wire
+from gossip.errors import DecodeError
 from gossip.identity import Identity
 from gossip.ratelimit import HEADROOM, RateMeter
 from gossip.validation import Pipeline, PipelineConfig, Reason
@@ -17,7 +21,7 @@ from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
 from training import tokencheck
 from training.tasksets import BUILTIN_TRAIN, sign_task_set
 from training.verifiers import VerifierPool, score
-from tests.samples import Clock
+from tests.samples import Clock, bodies
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -367,3 +371,122 @@ def test_an_honest_producer_is_never_charged_while_its_announced_rate_catches_up
         {r.value: reasons.count(r) for r in set(reasons)}
     assert p.scores.record(ALICE.peer_id).rejections == {}
     assert reasons[-100:] == [Reason.ACCEPTED] * 100
+
+
+# ------------------------------------------------------------ poisoned numbers (issue 26)
+
+NAN_F32 = bytes.fromhex("0000c07f")  # float32 0x7fc00000, little-endian: the quiet NaN
+
+
+def poisoned(reg, ident: Identity, seq: int, logprob: bytes, at: int = 3) -> bytes:
+    """A well-formed, correctly rewarded batch whose one behaviour log-prob is `logprob`."""
+    rollouts = [make_rollout(reg, seq * 10 + i * 2, tokens=8) for i in range(4)]
+    lps = bytearray(rollouts[2].logprobs)
+    lps[4 * at:4 * at + 4] = logprob
+    rollouts[2] = msgspec.structs.replace(rollouts[2], logprobs=bytes(lps))
+    return seal(ident, rollouts, seq)
+
+
+@pytest.mark.parametrize("logprob", [NAN_F32, struct.pack("<f", math.inf), struct.pack("<f", -math.inf),
+                                     struct.pack("<f", 0.5), struct.pack("<f", -3e38)],
+                         ids=["nan", "+inf", "-inf", "positive", "huge-negative"])
+def test_non_finite_or_positive_logprobs_are_refused_and_charged(reg, logprob) -> None:
+    """One poisoned log-prob in a well-formed, correctly rewarded batch: refused before any
+    arithmetic, charged to its signer as a provable fault, and the verdict sticks to the bytes."""
+    p, clock = pipe(reg)
+    data = poisoned(reg, MALLORY, 1, logprob)
+    v = p.check(data, MALLORY.peer_id)
+    assert v.reason is Reason.BAD_NUMBER, v.detail
+    assert p.counts["bad_number"] == 1
+    assert p.scores.record(MALLORY.peer_id).rejections == {"bad_number": 1}
+    assert p.scores.is_blacklisted(MALLORY.peer_id, clock())
+    # a relay of the same bytes pays for the mismatch only, and the signer's verdict is unchanged
+    assert p.check(data, EVE.peer_id).reason is Reason.SIGNER_MISMATCH
+    assert "bad_number" not in p.scores.record(EVE.peer_id).rejections
+    # honest log-probs at the edge of the range pass
+    edge = poisoned(reg, ALICE, 2, struct.pack("<f", 0.0))
+    assert p.check(edge, ALICE.peer_id).accepted
+    assert p.check(poisoned(reg, ALICE, 3, struct.pack("<f", -104.0)), ALICE.peer_id).accepted
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 0.009])
+def test_a_temperature_receivers_would_divide_into_infinity_is_refused(reg, temperature) -> None:
+    """Spot checks divide logits by the claimed temperature: one that is finite but tiny would turn
+    them into infinities. 0 (greedy) and the usual range stay valid."""
+    p, clock = pipe(reg)
+    r = make_rollout(reg, 2, tokens=8)
+    bad = msgspec.structs.replace(r, sampling=wire.SamplingParams(temperature=temperature))
+    assert p.check(seal(MALLORY, [bad], 1), MALLORY.peer_id).reason is Reason.BAD_NUMBER
+    for i, t in enumerate((0.0, 0.01, 0.7, 10.0)):
+        ok = msgspec.structs.replace(r, sampling=wire.SamplingParams(temperature=t))
+        assert p.check(seal(ALICE, [ok], i + 1), ALICE.peer_id).accepted
+
+
+def test_every_float_field_of_every_kind_refuses_non_finite_values() -> None:
+    """The wire decoder refuses NaN and +-inf in every float field of every message kind."""
+    ident = Identity.from_seed(b"\x07" * 32)
+    base = bodies(ident)
+    ann = base[wire.NODE_ANNOUNCE]
+    ann.owned = [wire.LineageDemand(lineage=b"\x01" * 32, name="l", head_version=1, rollouts_per_step=8,
+                                    step_time_s=2.0, max_staleness=4)]
+    ts = base[wire.TASK_SET]
+    ts.generators[0].config["scale"] = 1.5
+    paths = {
+        wire.ROLLOUT_BATCH: [lambda b, x: setattr(b.rollouts[0], "reward", x),
+                             lambda b, x: setattr(b.rollouts[0].sampling, "temperature", x),
+                             lambda b, x: setattr(b.rollouts[0].sampling, "top_p", x)],
+        wire.TASK_SET: [lambda b, x: setattr(b, "tolerance", x),
+                        lambda b, x: setattr(b.generators[0], "weight", x),
+                        lambda b, x: b.generators[0].config.__setitem__("scale", x)],
+        wire.NODE_ANNOUNCE: [lambda b, x: setattr(b, "gen_tokens_per_s", x),
+                             lambda b, x: setattr(b, "rollout_latency_s", x),
+                             lambda b, x: setattr(b, "upload_bytes_per_s", x),
+                             lambda b, x: setattr(b, "publish_batches_per_s", x),
+                             lambda b, x: setattr(b.owned[0], "step_time_s", x)],
+    }
+    with wire.swarm_bound("test"):
+        for kind, setters in paths.items():
+            body = base[kind]
+            wire.open_envelope(wire.seal(ident, kind, body))  # the unmodified body is valid
+            for set_field in setters:
+                for x in (math.nan, math.inf, -math.inf):
+                    bad = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=type(body))
+                    set_field(bad, x)
+                    data = wire.encode(wire.Envelope(wire.FORMAT_VERSION, kind, "test", wire.encode(bad),
+                                                     ident.public, ident.sign(wire.signing_domain(kind) + wire.encode(bad))))
+                    with pytest.raises(DecodeError):
+                        wire.open_envelope(data)
+
+
+# ------------------------------------------------------------ versions beyond the head (issue 26)
+
+OWN = b"\x0a" * 32  # the receiving trainer's own lineage
+
+
+def test_a_version_beyond_our_own_published_head_is_provably_false(reg) -> None:
+    """Only this node publishes its own lineage and knows its head before any manifest leaves:
+    a rollout claiming a later version is fabricated (its tokens would escape the stale mask)."""
+    p, clock = pipe(reg, head_version=lambda lin: 7, max_staleness=4)
+    p.own_lineage = lambda lin: lin == OWN
+    assert p.check(make_batch(ALICE, reg, 1, version=7, lineage=OWN), ALICE.peer_id).accepted
+    v = p.check(make_batch(MALLORY, reg, 1, version=8, lineage=OWN), MALLORY.peer_id)
+    assert v.reason is Reason.FUTURE_VERSION, v.detail
+    assert p.scores.record(MALLORY.peer_id).rejections == {"future_version": 1}
+    # a later segment counts too: a partial rollout cannot hide a future version in token_versions
+    r = make_rollout(reg, 2, tokens=8, version=6, lineage=OWN)
+    r = msgspec.structs.replace(r, token_versions=[(0, 6), (4, 9)])
+    assert p.check(seal(MALLORY, [r], 2), MALLORY.peer_id).reason is Reason.FUTURE_VERSION
+    assert p.scores.record(MALLORY.peer_id).rejections == {"future_version": 2}
+
+
+def test_a_version_beyond_the_known_head_of_anothers_lineage_is_refused_uncharged(reg) -> None:
+    """Of another publisher's lineage the producer may hold a manifest that has not reached us:
+    refused, never charged, and not remembered (the same bytes pass once the head arrives)."""
+    heads = {b"\x0b" * 32: 7}
+    p, clock = pipe(reg, head_version=heads.get, max_staleness=4)
+    p.own_lineage = lambda lin: lin == OWN
+    data = make_batch(ALICE, reg, 1, version=8, lineage=b"\x0b" * 32)
+    assert p.check(data, ALICE.peer_id).reason is Reason.UNKNOWN_VERSION
+    assert p.scores.score(ALICE.peer_id, clock()) == 0.0
+    heads[b"\x0b" * 32] = 8
+    assert p.check(data, ALICE.peer_id).accepted
