@@ -46,9 +46,6 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
         "trainer": {"local_groups": t.local_rollouts, "external_groups": t.external_rollouts,
                     "group_size": t.group_size, "lr": t.lr, "max_new_tokens": t.max_new_tokens,
                     "temperature": t.temperature, "seed": t.seed, "max_staleness": cfg.sync.max_staleness,
-                    # every group is generated and used within its step: a group left over to the next
-                    # step could be gossiped with a version label whose weights were never published
-                    "overprovision": 1.0,
                     "memory_budget_mb": cfg.node.memory_budget_mb},
     }
 

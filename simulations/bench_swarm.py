@@ -204,6 +204,18 @@ def _adversarial_payloads(node: _Node, rollouts: list[wire.Rollout], adv: Advers
     return out
 
 
+def trainer_config(sc: BenchScenario, mix: Mix, seed: int, index: int) -> Any:
+    """Node `index`'s `TrainerConfig`: the scenario's trainer section; everything else (overprovision
+    among it) at the defaults a node's worker runs."""
+    from training.trainer import TrainerConfig  # noqa: PLC0415
+
+    t = sc.trainer
+    return TrainerConfig(local_groups=mix.local_groups, external_groups=mix.external_groups,
+                         group_size=t.group_size, lr=t.lr, lr_warmup_steps=t.lr_warmup_steps,
+                         max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                         max_staleness=t.max_staleness, loss_norm=t.loss_norm, seed=seed * 100 + index)
+
+
 def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenario,
             on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """mode: isolated | swarm | adversarial."""
@@ -212,7 +224,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
     from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
     from training.rollouts import to_wire  # noqa: PLC0415
     from training.tasksets import TaskRegistry, task_set_id  # noqa: PLC0415
-    from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
+    from training.trainer import Trainer  # noqa: PLC0415
     from training.verifiers import score  # noqa: PLC0415
 
     if mode not in ("isolated", "swarm", "adversarial"):
@@ -233,10 +245,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
         registry = TaskRegistry()  # every node verifies against its own registry
         registry.add(envelope, {COORDINATOR.public})
         engine = HFEngine.from_path(model_dir, device="cpu", seed=seed * 100 + i)
-        cfg = TrainerConfig(local_groups=mix.local_groups, external_groups=mix.external_groups,
-                            group_size=t.group_size, lr=t.lr, lr_warmup_steps=t.lr_warmup_steps,
-                            max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                            max_staleness=t.max_staleness, loss_norm=t.loss_norm, seed=seed * 100 + i)
+        cfg = trainer_config(sc, mix, seed, i)
         pipeline = Pipeline(
             PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
             clock=time.time, resolve_task=registry.resolve, reward=score,

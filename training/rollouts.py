@@ -73,8 +73,15 @@ def to_wire(r: RolloutRec) -> Rollout:
                    reward=float(r.reward), created_ms=r.created_ms)
 
 
-def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes, encode: object) -> RolloutRec:
-    """A received rollout for local training; re-tokenised when its tokenizer differs from ours."""
+def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes, encode: object,
+              eos_id: int | None = None) -> RolloutRec:
+    """A received rollout for local training; re-tokenised when its tokenizer differs from ours.
+
+    `finished` says whether the producer's completion ended with its EOS (else it was cut at its
+    `max_new_tokens`). With our tokenizer the last id shows it (given `eos_id`); with another the text
+    has no EOS, so a completion shorter than the producer's token cap stopped on its own, and one that
+    reached the cap counts as cut (a finished one of exactly that length is lost, never a cut one
+    trained as finished)."""
     lps = logprobs_from_bytes(w.logprobs)
     if len(lps) != len(w.completion_ids):
         raise DecodeError(f"rollout has {len(lps)} log-probs for {len(w.completion_ids)} tokens")
@@ -84,7 +91,11 @@ def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: byt
                      logprobs=lps, token_versions=[(int(i), int(v)) for i, v in w.token_versions],
                      version=int(w.version), lineage=bytes(w.lineage), tokenizer_hash=bytes(w.tokenizer_hash),
                      sampling=sampling, reward=float(w.reward), created_ms=int(w.created_ms), source=bytes(w.lineage))
-    if bytes(w.tokenizer_hash) != tokenizer_hash:
+    ids = w.completion_ids
+    if bytes(w.tokenizer_hash) == tokenizer_hash:
+        rec.finished = bool(ids) and eos_id is not None and ids[-1] == eos_id
+    else:
+        rec.finished = 0 < len(ids) < w.sampling.max_new_tokens
         rec.src_logp_mean = float(np.mean(lps)) if lps else 0.0
         rec.ids = list(encode(w.text))  # type: ignore[operator]
         rec.logprobs = []

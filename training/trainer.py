@@ -67,7 +67,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     lr_warmup_steps: int = 5  # linear LR ramp from a fresh optimizer (a reused Adam state collapses)
     max_new_tokens: int = 16
     chunk_tokens: int = 0  # new tokens per sequence per step; 0 = max_new_tokens (no partial rollouts)
-    overprovision: float = 1.5
+    # groups in flight per I. A node runs 1.0: a group left over to a later step could be gossiped with a
+    # version label whose weights were never published. One default, so every benchmark runs it too.
+    overprovision: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     max_staleness: int = 4
@@ -235,7 +237,8 @@ class Trainer:
                 g.append(RolloutRec(ref=p.ref, task=task, prompt_ids=p.prompt_ids, ids=s.ids, text=text,
                                     logprobs=s.logprobs, token_versions=list(s.segments), version=first,
                                     lineage=self.lineage, tokenizer_hash=self.engine.tokenizer_hash,
-                                    sampling=self.sampling, reward=score(task, text), finished=True,
+                                    sampling=self.sampling, reward=score(task, text),
+                                    finished=bool(s.ids) and s.ids[-1] == self.engine.eos_id,
                                     created_ms=now_ms(), source=self.lineage))
             groups.append(g)
         return groups
@@ -251,11 +254,14 @@ class Trainer:
             except TaskError:
                 self.drops["task_set_unused"] = self.drops.get("task_set_unused", 0) + 1
                 continue  # not a task set we hold: unusable here, not an error of ours
-            rec = from_wire(w, task, self.engine.encode(task.prompt), self.engine.tokenizer_hash, self.engine.encode)
+            rec = from_wire(w, task, self.engine.encode(task.prompt), self.engine.tokenizer_hash, self.engine.encode,
+                            self.engine.eos_id)
             if rec.src_logp_mean is not None or rec.lineage != self.lineage:
                 if rec.src_logp_mean is None:  # same tokenizer, other lineage: its log-probs give the mean
                     rec.src_logp_mean = sum(rec.logprobs) / max(1, len(rec.logprobs))
-                if not rec.ids or rec.ids[-1] != self.engine.eos_id:
+                # a re-tokenised text lacks the EOS its producer sampled; a cut completion never had one,
+                # and the HACPO loss masks it out (TRL's mask_truncated_completions) instead
+                if rec.finished and (not rec.ids or rec.ids[-1] != self.engine.eos_id):
                     rec.ids = rec.ids + [self.engine.eos_id]
             rec.reward = score(task, rec.text)  # recomputed, never trusted
             by_task.setdefault((bytes(w.task.task_set), w.task.generator, int(w.task.seed)), []).append(rec)
@@ -299,6 +305,9 @@ class Trainer:
             weights.append(len(own))
         if ext:
             logp, mask = eng.token_logprobs([r.prompt_ids for r in ext], [r.ids for r in ext], cfg.temperature)
+            cut = torch.tensor([not r.finished for r in ext], dtype=torch.bool)
+            mask = mask * (~cut).float()[:, None]  # kept for the group's advantages, out of the loss
+            stats["truncated_masked"] = float(cut.sum())
             src = torch.tensor([r.src_logp_mean or 0.0 for r in ext])
             loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, delta=cfg.hacpo_delta, denom=rows)
             stats.update(st)
@@ -327,20 +336,23 @@ class Trainer:
                     break
             ext_groups = self._collect_external()
             local_rewards = [r.reward for g in local for r in g]
-            self.capability.update(self.lineage, local_rewards)
             own_groups, other_groups, dropped = [], [], 0
             for g in local:
                 if is_degenerate([r.reward for r in g]):
                     dropped += 1
                 else:
                     own_groups.append(g)
+                    # HACPO capabilities on one basis: a source is only ever seen through its informative
+                    # groups (the sampler drops the rest), so the learner is measured on its own
+                    self.capability.update(self.lineage, [r.reward for r in g])
             for g in ext_groups:
+                if is_degenerate([r.reward for r in g]):
+                    dropped += 1
+                    continue
                 for r in g:
                     if r.src_logp_mean is not None:
                         self.capability.update(r.source, [r.reward])
-                if is_degenerate([r.reward for r in g]):
-                    dropped += 1
-                elif all(r.src_logp_mean is None for r in g):
+                if all(r.src_logp_mean is None for r in g):
                     own_groups.append(g)
                 else:
                     other_groups.append(g)
