@@ -298,6 +298,14 @@ class NodeCore:
     def _observe_head(self, lin: LineageState, out: list[Action]) -> None:
         if lin.lineage == self.serving:
             self._staleness(lin, self.guard.observe_head(lin.lineage, lin.head, self.clock()), out)
+        self._tell_head(lin, out)
+
+    def _tell_head(self, lin: LineageState, out: list[Action]) -> None:
+        """A trainer's worker learns every publisher-proven head we know: its sampler ages every lineage's
+        external groups out against them, not only its own (one message per head advance)."""
+        if "trainer" in self.roles and lin.publisher and lin.head > lin.worker_head:
+            lin.worker_head = lin.head
+            out.append(ToWorker(pipe.Head(lin.lineage.hex(), lin.head)))
 
     def _staleness(self, lin: LineageState, events: list[Any], out: list[Action]) -> None:
         for ev in events:
@@ -599,6 +607,9 @@ class NodeCore:
         out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
                                         **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
         self.worker_state = "ready"
+        for lin in self.table.rows.values():  # a restarted worker's sampler starts with no heads
+            lin.worker_head = -1
+            self._tell_head(lin, out)
         if self.serving is not None and self.follow_info is not None:  # a restarted worker resumes where we are
             out.append(ToWorker(pipe.Follow(self.follow_info)))
             self._send_admit(self.serving, out)

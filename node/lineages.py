@@ -78,6 +78,7 @@ class LineageState:
     active: float = 0.0  # last time a signed message about it arrived
     since: float = 0.0  # when this node first heard of it
     advances: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=8))
+    worker_head: int = -1  # the head last told to a trainer's worker (its sampler's staleness rule)
 
 
 class LineageTable:

@@ -8,20 +8,21 @@ rollouts), and a malformed message is a `DecodeError`, never a KeyError deep
 in a handler. Lineage ids and hashes are hex strings (the worker keys its
 files by them).
 
-network -> worker: Follow, Patch, Admit, Pace, External, Stop
+network -> worker: Follow, Patch, Admit, Pace, Head, External, Stop
 worker -> network: Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyFailed, Perf, Spot, Error, Log
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from gossip.errors import DecodeError
 
 MAX_MESSAGE = 64 * 1024 * 1024  # a batch of encoded rollouts, or one signed envelope
+MAX_VERSION = 2**63 - 1  # a policy version, as the wire bounds it (gossip.wire.U64)
 
 
 class FollowInfo(Struct, forbid_unknown_fields=True):
@@ -49,6 +50,14 @@ class Admit(Struct, tag="admit", forbid_unknown_fields=True):
 
 class Pace(Struct, tag="pace", forbid_unknown_fields=True):
     rollouts_per_s: float
+
+
+class Head(Struct, tag="head", forbid_unknown_fields=True):
+    """A lineage's publisher-signed head as the node core knows it: a trainer's sampler ages that
+    lineage's external groups out against it (training/sampler.py)."""
+
+    lineage: str
+    version: Annotated[int, Meta(ge=0, le=MAX_VERSION)]
 
 
 class External(Struct, tag="external", forbid_unknown_fields=True):
@@ -143,7 +152,7 @@ class Engine(Struct, tag="engine", forbid_unknown_fields=True):
     error: str = ""  # why not
 
 
-ToWorker = Union[Follow, Patch, Admit, Pace, External, Stop]
+ToWorker = Union[Follow, Patch, Admit, Pace, Head, External, Stop]
 FromWorker = Union[Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyFailed, Perf, Spot, Engine, Error,
                    Log]
 Message = Union[ToWorker, FromWorker]

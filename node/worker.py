@@ -12,6 +12,7 @@ network -> worker
   Admit                      {lineage, generate}: the node core's staleness guard (sync.staleness) says
                              whether this follower may generate for the lineage (within the bound)
   Pace                       {rollouts_per_s}: cap on a follower's generation rate (its trainer's need; 0 = none)
+  Head                       {lineage, version}: a publisher-proven head the core knows (the sampler's staleness rule)
   External(data)             a verified RolloutBatch envelope (the trainer's training.sampler.Sampler, spot checks)
   Stop
 worker -> network
@@ -162,6 +163,11 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                 inbox.pace = max(0.0, m.rollouts_per_s)
             elif isinstance(m, pipe.Admit):
                 inbox.admit[m.lineage] = m.generate
+            elif isinstance(m, pipe.Head):
+                try:
+                    inbox.sampler.observe_head(bytes.fromhex(m.lineage), m.version)
+                except ValueError:
+                    continue
             elif isinstance(m, pipe.External):
                 try:
                     _, batch = wire.open_envelope(m.data, wire.ROLLOUT_BATCH)

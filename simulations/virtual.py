@@ -438,6 +438,9 @@ class VirtualSim:
             n.admitted = m.generate and bytes.fromhex(m.lineage) == n.following
         elif isinstance(m, pipe.Pace):
             n.pace = m.rollouts_per_s
+        elif isinstance(m, pipe.Head):
+            if n.sampler is not None:  # as node/worker.py's reader does
+                n.sampler.observe_head(bytes.fromhex(m.lineage), m.version)
         elif isinstance(m, pipe.Patch):
             self._apply_held(n, bytes.fromhex(m.lineage))
 

@@ -15,7 +15,8 @@ def test_every_kind_round_trips_with_bytes_as_bytes() -> None:
     cases = {
         "follow": {"id": "ab", "name": "n", "publisher": "cd", "base": "ef"}, "patch": {"lineage": "ab", "kind": "patch",
                                                                                        "base": 1, "target": 2},
-        "admit": {"lineage": "ab", "generate": True}, "pace": {"rollouts_per_s": 1.5}, "external": env, "stop": None,
+        "admit": {"lineage": "ab", "generate": True}, "pace": {"rollouts_per_s": 1.5},
+        "head": {"lineage": "ab", "version": 7}, "external": env, "stop": None,
         "ready": {"base": "ab", "version": 0, "model_bytes": 10}, "state": "training", "rollouts": [env, b""],
         "step": {"step": 1, "version": 2, "reward_mean": 0.5, "loss": None, "n_external_groups": 3, "step_s": 1.0,
                  "used": 3, "published": 2, "rollouts_per_step": 8},
@@ -41,6 +42,8 @@ def test_malformed_messages_are_decode_errors() -> None:
         pipe.encode("applied", {"lineage": "ab"})  # a field missing
     with pytest.raises(DecodeError):
         pipe.encode("pace", {"rollouts_per_s": "fast"})
+    with pytest.raises(DecodeError):
+        pipe.encode("head", {"lineage": "ab", "version": -1})  # versions are >= 0
     for junk in (b"", b"\xc1", pipe.encode("pace", {"rollouts_per_s": 1.0})[:-1]):
         with pytest.raises(DecodeError):
             pipe.decode(junk)
