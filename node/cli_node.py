@@ -26,19 +26,25 @@ def node_start(
     import logging
 
     from node import logs, modelplan
-    from node.config import load_config_with_sources
+    from node.config import load_config
     from node.home import ensure_home
     from node.runtime import RunOptions, run_node
 
     h = resolve_home(home)
     ensure_home(h)
-    cfg, sources = load_config_with_sources(config_path(h, config))
+    path = config_path(h, config)
+    base = load_config(path)
     tui = not no_tui and sys.stdout.isatty()
-    logs.setup(cfg.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log",
-               max_bytes=cfg.disk.logs_max_mb * 2**20)
-    cfg, notes = modelplan.apply(cfg, lr_is_default=sources["training.lr"] == "default")
+    logs.setup(base.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log",
+               max_bytes=base.disk.logs_max_mb * 2**20)
+    cfg, notes, warnings = modelplan.start_config(path)
+    log = logging.getLogger("murmur.node")
     for note in notes:
-        logging.getLogger("murmur.node").info(note)
+        log.info(note)
+    for warning in warnings:
+        log.warning(warning)
+        if tui:  # the dashboard takes the screen and the log goes to node.log: say it before it starts
+            console.print(f"warning: {warning}")
     run_node(cfg, h, RunOptions(tui=tui, listen=list(listen or []), bootstrap=list(bootstrap or [])))
 
 
@@ -70,11 +76,17 @@ def doctor(
     timeout: Annotated[float, typer.Option("--timeout", help="seconds per dial")] = 5.0,
 ) -> None:
     """Check Python, torch, libp2p, ports, bootstrap peers, reachability, disk and memory; each with a fix."""
-    from node.config import load_config
+    from gossip.errors import MurmurError
+    from node.config import load_config_with_sources
     from node.doctor import passed, render, run_checks
+    from node.modelplan import sized_lr
 
     h = resolve_home(home)
-    cfg = load_config(config_path(h, config))
+    cfg, sources = load_config_with_sources(config_path(h, config))
+    try:  # the learning rate `node start` would use; a model it cannot plan is the model check's finding
+        cfg, _ = sized_lr(cfg, lr_is_default=sources["training.lr"] == "default")
+    except MurmurError:
+        pass
     checks = run_checks(cfg, h, extra_bootstrap=list(bootstrap or []), timeout_s=timeout)
     if json_out:
         emit_json({"ok": passed(checks), "checks": [c.to_dict() for c in checks]})

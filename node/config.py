@@ -85,7 +85,7 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     local_rollouts: Annotated[int, _d("I: own rollouts per step")] = 4
     external_rollouts: Annotated[int, _d("J: verified swarm rollouts per step")] = 4
     group_size: Annotated[int, _d("completions per prompt (GRPO group)")] = 8
-    lr: Annotated[float, _d("learning rate")] = 3e-4
+    lr: Annotated[float, _d("learning rate; unset: 3e-4 for models up to 5M parameters (murmur-tiny), 1e-6 above")] = 3e-4
     max_new_tokens: Annotated[int, _d("completion length limit")] = 16
     temperature: Annotated[float, _d("sampling temperature")] = 1.0
     seed: Annotated[int, _d("random seed")] = 0
@@ -252,10 +252,16 @@ def load_config_with_sources(
     return _convert(raw, "environment"), sources
 
 
-def render_default_config(config: Config | None = None) -> str:
+# Keys whose default depends on something else (the model's size): a new config.toml shows them commented out,
+# so the node chooses unless the volunteer does.
+UNSET_IN_NEW_FILE = {"training.lr"}
+
+
+def render_default_config() -> str:
     """A commented config.toml; every key shown with its default and meaning."""
-    config = config or Config()
-    lines = ["# Murmur node configuration. Every key is optional; shown with its default.",
+    config = Config()
+    lines = ["# Murmur node configuration. Every key is optional; shown with its default "
+             "(a key shown commented out is chosen by the node unless you set it).",
              "# Override any key with MURMUR_<SECTION>_<KEY>, e.g. MURMUR_NETWORK_UPLOAD_BYTES_PER_S=2097152.", ""]
     for section, typ in SECTIONS.items():
         lines.append(f"[{section}]")
@@ -266,7 +272,8 @@ def render_default_config(config: Config | None = None) -> str:
             desc = next((m.description for m in meta if isinstance(m, Meta) and m.description), "")
             if desc:
                 lines.append(f"# {desc}")
-            lines.append(f"{key} = {toml_value(getattr(values, key))}")
+            unset = "# " if f"{section}.{key}" in UNSET_IN_NEW_FILE else ""
+            lines.append(f"{unset}{key} = {toml_value(getattr(values, key))}")
         lines.append("")
     return "\n".join(lines)
 

@@ -257,7 +257,7 @@ def check_model(ctx: Context) -> list[Check]:
     import msgspec.structs
 
     from gossip.errors import MurmurError
-    from node.modelplan import plan
+    from node.modelplan import lr_warning, plan
 
     cfg = ctx.cfg
     try:
@@ -272,18 +272,21 @@ def check_model(ctx: Context) -> list[Check]:
     need = ", ".join(f"{r} {n} MiB" for r, n in p.need_mb.items())
     fit = p.roles_that_fit()
     lr = f"; training.lr {p.lr:g} suits this size" if cfg.training.lr != p.lr else ""
+    too_fast = lr_warning(p, cfg.training.lr)
+    rate = [Check(name="learning rate", ok=False, detail=too_fast, severity="warning",
+                  fix=f"remove training.lr from the config (or set it to {p.lr:g})")] if too_fast else []
     detail = (f"{p.model}: {p.params / 1e6:.1f}M parameters, needs about {need}; with {usable} MiB usable this "
               f"machine can take: {' or '.join('+'.join(r) for r in fit) or 'no role'}{lr}")
     if not fit:
         return [Check(name="model", ok=False, detail=detail,
                       fix=f"raise node.memory_budget_mb to at least {p.need_mb['validator']} (and free that much RAM), "
-                          "or pick a smaller model")]
+                          "or pick a smaller model")] + rate
     if cfg.node.roles and not p.fits(list(cfg.node.roles)):
         return [Check(name="model", ok=False, detail=detail,
                       fix=f"configured roles {'+'.join(cfg.node.roles)} need about {p.need_for(list(cfg.node.roles))}"
-                          f" MiB: raise node.memory_budget_mb or set node.roles to one that fits")]
+                          f" MiB: raise node.memory_budget_mb or set node.roles to one that fits")] + rate
     return [Check(name="model", ok=True, detail=detail, severity="warning" if ["trainer"] not in fit else "error",
-                  fix="" if ["trainer"] in fit else "too little memory to train this model: the node will follow")]
+                  fix="" if ["trainer"] in fit else "too little memory to train this model: the node will follow")] + rate
 
 
 def check_nat(ctx: Context) -> list[Check]:

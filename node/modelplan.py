@@ -35,6 +35,7 @@ ACTIVATION_SHARE = 0.6  # activations, KV caches and allocator slack, as a share
 TINY_PARAMS = 5_000_000  # up to here the murmur-tiny learning rate applies
 TINY_LR = 3e-4
 MODEL_LR = 1e-6  # real models: larger steps change most bf16 elements per version (dense patches)
+LR_WARN = 1e-5  # above this, a model over TINY_PARAMS gets a warning at start and from the doctor
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
@@ -127,12 +128,33 @@ def refusal(p: ModelPlan, roles: list[str]) -> str | None:
             f"{'+'.join(roles)}, over node.memory_budget_mb = {p.budget_mb} MiB: raise the budget{alt}")
 
 
+def lr_warning(p: ModelPlan, lr: float) -> str | None:
+    """A warning when a model over TINY_PARAMS would train at a rate over LR_WARN, else None."""
+    if p.params <= TINY_PARAMS or lr <= LR_WARN:
+        return None
+    return (f"training.lr {lr:g} for a {p.params / 1e6:.0f}M-parameter model is over {LR_WARN:g}: its patches turn "
+            f"dense and its reward may fall; remove training.lr from the config for {p.lr:g}")
+
+
+def sized_lr(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
+    """`cfg` with an unset `training.lr` replaced by the rate for its model's size, and notes saying so."""
+    p = plan(cfg.training.model, cfg.node.memory_budget_mb)
+    if p is None:
+        return cfg, []
+    training, notes = cfg.training, []
+    if lr_is_default and training.lr != p.lr:
+        notes.append(f"training.lr {p.lr:g} for a model of this size (the default {training.lr:g} is murmur-tiny's; "
+                     "set training.lr to override)")
+        training = msgspec.structs.replace(training, lr=p.lr)
+    return msgspec.structs.replace(cfg, training=training), notes
+
+
 def apply(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
     """The config a node starts with for its model: roles that fit the budget and a learning rate for its size.
 
     Raises `ConfigError` naming the needed memory when configured roles do not fit. Roles left
     empty (chosen from hardware) become follower+validator when training does not fit. An lr left
-    at its default becomes the one suggested for the model's size.
+    unset becomes the one suggested for the model's size.
     """
     from gossip.errors import ConfigError
 
@@ -141,7 +163,7 @@ def apply(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
         return cfg, []
     notes = [f"model {p.model}: {p.params / 1e6:.1f}M parameters; estimated MiB per role: "
              + ", ".join(f"{r} {n}" for r, n in p.need_mb.items()) + f" (budget {p.budget_mb})"]
-    node, training = cfg.node, cfg.training
+    node = cfg.node
     if node.roles:
         why = refusal(p, list(node.roles))
         if why:
@@ -151,8 +173,16 @@ def apply(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
             raise ConfigError(refusal(p, ["follower", "validator"]) or "model does not fit")
         node = msgspec.structs.replace(node, roles=["follower", "validator"])
         notes.append(f"training needs about {p.need_mb['trainer']} MiB: this node follows and validates")
-    if lr_is_default and training.lr != p.lr:
-        notes.append(f"training.lr {p.lr:g} for a model of this size (the default {training.lr:g} is murmur-tiny's; "
-                     "set training.lr to override)")
-        training = msgspec.structs.replace(training, lr=p.lr)
-    return msgspec.structs.replace(cfg, node=node, training=training), notes
+    cfg, lr_notes = sized_lr(msgspec.structs.replace(cfg, node=node), lr_is_default)
+    return cfg, notes + lr_notes
+
+
+def start_config(path: Path) -> tuple[Config, list[str], list[str]]:
+    """What `murmur node start` runs with from the config file at `path`: (config, notes, warnings)."""
+    from node.config import load_config_with_sources
+
+    cfg, sources = load_config_with_sources(path)
+    cfg, notes = apply(cfg, lr_is_default=sources["training.lr"] == "default")
+    p = plan(cfg.training.model, cfg.node.memory_budget_mb)
+    warning = lr_warning(p, cfg.training.lr) if p is not None else None
+    return cfg, notes, [warning] if warning else []

@@ -163,3 +163,46 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
     for h in homes:
         lines = [json.loads(x) for x in (h / "stderr.log").read_text().splitlines() if x.startswith("{")]
         assert not [x for x in lines if x.get("level") == "error"], h
+
+
+def qwen2_config_only(d: Path, hidden: int = 512, layers: int = 10) -> int:
+    """A Qwen2-shaped model directory with its config.json only (counted on the meta device): 28M parameters."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from training.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg.save_pretrained(d)
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters())
+
+
+def test_fresh_home_trains_a_large_model_at_the_documented_rate(tmp_path: Path) -> None:
+    """A new home's config.toml, model given by path: the node trains at 1e-6, not murmur-tiny's 3e-4."""
+    from node.doctor import Context, check_model
+    from node.home import init_home
+
+    d = tmp_path / "model"
+    d.mkdir()
+    assert qwen2_config_only(d) > 25_000_000
+    home = tmp_path / "home"
+    init_home(home)
+    cfg_file = home / "config.toml"
+    text = cfg_file.read_text()
+    assert 'model = "murmur-tiny"' in text
+    cfg_file.write_text(text.replace('model = "murmur-tiny"', f'model = "{d}"'))
+    cfg, notes, warnings = modelplan.start_config(cfg_file)
+    assert cfg.training.lr == modelplan.MODEL_LR == 1e-6
+    assert warnings == [] and any("training.lr 1e-06" in n for n in notes)
+    # a rate the volunteer sets stands, and is flagged when it would hurt a model this size
+    cfg_file.write_text(cfg_file.read_text().replace("[training]\n", "[training]\nlr = 3e-4\n"))
+    cfg, _, warnings = modelplan.start_config(cfg_file)
+    assert cfg.training.lr == 3e-4 and len(warnings) == 1 and "over 1e-05" in warnings[0]
+    checks = {c.name: c for c in check_model(Context(cfg, home, 1.0, []))}
+    assert not checks["learning rate"].ok and checks["learning rate"].severity == "warning"
+    cfg_file.write_text(cfg_file.read_text().replace("lr = 3e-4\n", "lr = 5e-6\n"))
+    cfg, _, warnings = modelplan.start_config(cfg_file)
+    assert cfg.training.lr == 5e-6 and warnings == []
+    assert "learning rate" not in {c.name for c in check_model(Context(cfg, home, 1.0, []))}
