@@ -26,8 +26,12 @@ def simulate(
     rebuild: Annotated[Optional[Path], typer.Option("--rebuild", help="only regenerate the HTML/plots of a report folder")] = None,
     check: Annotated[bool, typer.Option("--check", help="validate the scenario and print its nodes; run nothing")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
+    smoke: Annotated[bool, typer.Option("--smoke", help="emulation: stop once every node has taken its first step "
+                                                         "(or one failed): checks that a scenario runs")] = False,
 ) -> None:
-    """Run a scenario (real nodes, or --virtual) and write metrics + an HTML report with plots."""
+    """Run a scenario (real nodes, or --virtual) and write metrics + an HTML report with plots.
+
+    Exits 1 when a node process of an emulation exited without the scenario stopping it (`nodes_failed`)."""
     import msgspec
 
     from simulations import scenario as sc_mod
@@ -66,20 +70,25 @@ def simulate(
     else:
         from simulations.emulate import run_emulation
 
-        summary = run_emulation(sc, folder, progress=not json_out)
+        summary = run_emulation(sc, folder, progress=not json_out, smoke=smoke)
     if json_out:
         emit_json(summary)
     else:
         _print_summary(summary, folder)
     if virtual:
         _exit_keeping_the_heap()
+    if summary.get("nodes_failed"):
+        raise typer.Exit(1)
 
 
 def _print_summary(summary: dict[str, Any], folder: Path) -> None:
-    for key in ("mode", "nodes", "virtual_s", "wall_s", "swarm_cumulative_reward", "isolated_cumulative_reward",
+    for key in ("mode", "nodes", "nodes_stepped", "virtual_s", "wall_s", "swarm_cumulative_reward", "isolated_cumulative_reward",
                 "gain_swarm", "adversarial_accepted", "rejections"):
         if key in summary:
             console.print(f"{key:28s}{summary[key]}")
+    for f in summary.get("nodes_failed", []):
+        console.print(f"node {f['node']} ({f['group']}) exited at {f['t']} s with code {f['exit_code']}: "
+                      f"{f['last_log_line']}", markup=False, highlight=False)
     console.print(f"report      {folder / 'index.html'}")
 
 

@@ -3,9 +3,9 @@
 Each honest node is its own process with its own home (identity, config,
 SQLite store), listening on 127.0.0.1 (or, with namespaces, on its own
 address), bootstrapped to node 0. Links:
-- bandwidth: always, through the node's own bulk-transfer limiter
-  (`MURMUR_NETWORK_UPLOAD_BYTES_PER_S` / `..._DOWNLOAD_...`, see `wan.node_env`);
-- latency, jitter and loss: only with `MURMUR_SIM_NETNS=1`, as root with
+- upload bandwidth: always, through the node's own bulk-transfer limiter
+  (`MURMUR_NETWORK_UPLOAD_BYTES_PER_S`, see `wan.node_env`);
+- download bandwidth, latency, jitter and loss: only with `MURMUR_SIM_NETNS=1`, as root with
   iproute2: each node then runs in its own network namespace behind a netem
   veth (`wan.NetnsLab`). Otherwise they are not emulated and the report says so.
 Churn and events stop nodes with SIGTERM and start them again on the same
@@ -13,6 +13,12 @@ home (a restart keeps identity and state). Adversaries run as separate
 processes (`simulations.adversary`) with their own libp2p host.
 Metrics come from each node's control socket (`murmur node status`), polled
 every `report.sample_every_s`.
+
+A node process that exits when the scenario did not stop it (a refused config,
+a crash) is a failure: the summary lists it under `nodes_failed` with its exit
+code and the last line of its log, and `murmur simulate` exits non-zero. A
+node's first step is its first optimizer step (trainer) or first applied
+version (follower); `smoke` stops the run once every honest node has taken it.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class _Proc:
         self.proc: subprocess.Popen[bytes] | None = None
         self.peer_id = ""
         self.last_rejected: dict[str, int] = {}
+        self.first_step_s: float | None = None
 
     @property
     def alive(self) -> bool:
@@ -58,10 +65,12 @@ class _Proc:
 
 
 class Emulation:
-    def __init__(self, sc: Scenario, out_dir: str | Path, progress: bool = False) -> None:
+    def __init__(self, sc: Scenario, out_dir: str | Path, progress: bool = False, smoke: bool = False) -> None:
         self.sc = sc
         self.out = Path(out_dir)
         self.progress = progress
+        self.smoke = smoke
+        self.failed: list[dict[str, Any]] = []
         self.specs = expand(sc)
         if len(self.specs) > MAX_REAL_NODES:
             raise MurmurError(f"{sc.name}: {len(self.specs)} nodes is over the emulator's limit of {MAX_REAL_NODES} "
@@ -143,6 +152,7 @@ class Emulation:
         self._row("event", t=self._t(), node=p.spec.index, action="join")
 
     def _stop(self, p: _Proc) -> None:
+        self._reap(p)
         if not p.alive:
             return
         assert p.proc is not None
@@ -153,6 +163,22 @@ class Emulation:
             p.proc.kill()
             p.proc.wait(timeout=STOP_WAIT_S)
         self._row("event", t=self._t(), node=p.spec.index, action="leave")
+
+    def _reap(self, p: _Proc) -> None:
+        """Record a process that exited although the scenario did not stop it."""
+        if p.proc is None or p.proc.poll() is None:
+            return
+        rc = p.proc.returncode
+        lines = (p.home / "process.log").read_bytes().decode("utf-8", "replace").strip().splitlines()
+        self.failed.append({"node": p.spec.index, "group": p.spec.group, "role": p.spec.role, "t": round(self._t(), 1),
+                            "exit_code": rc, "last_log_line": lines[-1][-500:] if lines else ""})
+        self._row("event", t=self._t(), node=p.spec.index, action="failed")
+        p.proc = None
+
+    def _done(self) -> bool:
+        """Smoke runs end once every honest node has taken its first step, or at the first failure."""
+        return self.smoke and (bool(self.failed) or all(
+            p.first_step_s is not None for p in self.procs if p.spec.role != "adversary"))
 
     def _t(self) -> float:
         return time.monotonic() - self.t0 if self.t0 else 0.0
@@ -196,6 +222,8 @@ class Emulation:
                 s = control.status(p.home, "control.sock", 2.0)
             except MurmurError:
                 continue
+            if p.first_step_s is None and (s.steps > 0 or s.versions_applied > 0):
+                p.first_step_s = t
             if s.reward_now is not None:
                 self._row("reward", t=t, node=p.spec.index, reward=s.reward_now, isolated=None,
                           version=s.versions_published, group=p.spec.group)
@@ -218,7 +246,9 @@ class Emulation:
         next_sample = 0.0
         k = 0
         try:
-            while self._t() < self.sc.duration_s:
+            while self._t() < self.sc.duration_s and not self._done():
+                for p in self.procs:
+                    self._reap(p)
                 now = self._t()
                 while k < len(events) and events[k][0] <= now:
                     _, action, i = events[k]
@@ -247,6 +277,9 @@ class Emulation:
             "scenario": self.sc.name,
             "seed": self.sc.seed,
             "nodes": len(self.specs),
+            "nodes_failed": self.failed,
+            "nodes_stepped": sum(p.first_step_s is not None for p in self.procs),
+            "slowest_first_step_s": max((p.first_step_s for p in self.procs if p.first_step_s is not None), default=None),
             "wall_s": round(time.monotonic() - wall, 1),
             "links": "bandwidth via node limiter; latency/loss via netem namespaces" if self.netns
             else "bandwidth via node limiter only (latency/jitter/loss not emulated: set MURMUR_SIM_NETNS=1 as root)",
@@ -263,5 +296,5 @@ class Emulation:
         return summary
 
 
-def run_emulation(sc: Scenario, out_dir: str | Path, progress: bool = False) -> dict[str, Any]:
-    return Emulation(sc, out_dir, progress).run()
+def run_emulation(sc: Scenario, out_dir: str | Path, progress: bool = False, smoke: bool = False) -> dict[str, Any]:
+    return Emulation(sc, out_dir, progress, smoke).run()

@@ -11,11 +11,11 @@ Two ways, one link description (`LinkSpec`, from a scenario node):
    retransmission timeout (`rto_s`), not a lost message.
 
 2. Real processes (`simulations.emulate`):
-   - bandwidth always through the node's own limiter, by config the node
-     honours: `MURMUR_NETWORK_UPLOAD_BYTES_PER_S` / `..._DOWNLOAD_...`
-     (`node_env`), which shape bulk (patch chunk) traffic in the node's
-     transfer layer;
-   - latency, jitter and loss only with `tc netem`, in network namespaces
+   - upload bandwidth always through the node's own limiter, by the config key
+     the node honours: `MURMUR_NETWORK_UPLOAD_BYTES_PER_S` (`node_env`), which
+     shapes bulk (patch chunk) traffic in the node's transfer layer (a node has
+     no download limit);
+   - download bandwidth, latency, jitter and loss only with `tc netem`, in network namespaces
      created here (`NetnsLab`), when running as root with iproute2; without
      them the emulator runs on loopback with bandwidth shaping only and says
      so in the report.
@@ -105,11 +105,8 @@ def broadcast_lower_bound(size: int, n: int, up_bps: float, chunks: int, rtt_s: 
 
 
 def node_env(link: LinkSpec) -> dict[str, str]:
-    """Environment for a node process: bandwidth through the node's own limiter."""
-    env = {"MURMUR_NETWORK_UPLOAD_BYTES_PER_S": str(int(link.up_bps))}
-    if link.down_bps:
-        env["MURMUR_NETWORK_DOWNLOAD_BYTES_PER_S"] = str(int(link.down_bps))
-    return env
+    """Environment for a node process: upload bandwidth through the node's own limiter (download: netem only)."""
+    return {"MURMUR_NETWORK_UPLOAD_BYTES_PER_S": str(int(link.up_bps))}
 
 
 def netns_available() -> str | None:
