@@ -129,7 +129,7 @@ def resolve_command(line: str) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     tokens = [t.strip("[]") for t in _tokens(line)[1:]]  # `[--seed S]`: an optional flag
     i = 0
-    while hasattr(cmd, "commands") and i < len(tokens) and not tokens[i].startswith("-"):
+    while hasattr(cmd, "commands") and i < len(tokens) and not tokens[i].startswith(("-", "<")):  # <command>
         if "|" in tokens[i]:  # `bench codec|gossip --json`: each alternative
             for alt in tokens[i].split("|"):
                 problems += resolve_command(" ".join(["murmur", *path, alt, *tokens[i + 1:]]))[1]
@@ -169,6 +169,33 @@ def test_every_murmur_command_line_names_commands_and_flags_that_exist() -> None
         r = runner.invoke(app, [*path, "--help"])
         if r.exit_code != 0:
             problems.append(f"`murmur {' '.join(path)} --help` exits {r.exit_code}: {r.output[-300:]}")
+    assert not problems, "\n".join(problems)
+
+
+def _leaf_commands(cmd: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
+    if hasattr(cmd, "commands"):
+        for name, sub in cmd.commands.items():
+            yield from _leaf_commands(sub, [*path, name])
+    else:
+        yield path, cmd
+
+
+def test_every_command_and_option_is_documented() -> None:
+    """Each command is named in a guide (`murmur <command>`) and each of its options appears in a guide naming it
+    (docs/commands.md lists them all)."""
+    texts = {doc: doc.read_text() for doc in DOCS}
+    problems = []
+    for path, cmd in _leaf_commands(typer.main.get_command(app), []):
+        name = "murmur " + " ".join(path)
+        naming = [t for t in texts.values() if re.search(re.escape(name) + r"(?![\w-])", t)]
+        if not naming:
+            problems.append(f"`{name}` is named in no doc (add it to docs/commands.md)")
+            continue
+        for p in cmd.params:
+            if p.param_type_name != "option" or "--help" in p.opts:
+                continue
+            if not any(re.search(re.escape(o) + r"(?![\w-])", t) for o in p.opts for t in naming):
+                problems.append(f"`{name} {p.opts[0]}` is in no doc that names `{name}` (add it to docs/commands.md)")
     assert not problems, "\n".join(problems)
 
 
