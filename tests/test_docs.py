@@ -30,7 +30,7 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
 
 
 def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT))
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def fenced_blocks(path: Path) -> Iterator[tuple[int, str, str]]:
