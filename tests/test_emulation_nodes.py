@@ -1,0 +1,68 @@
+"""Emulation notices nodes that die, and every packaged scenario runs: the emulatable ones start all their nodes
+and reach a first step as real processes, the rest start in virtual time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node.config import env_overrides
+from simulations import scenario as sc_mod
+from simulations.emulate import MAX_REAL_NODES
+from simulations.wan import LinkSpec, node_env
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGED = sorted(p for p in (ROOT / "simulations" / "scenarios").glob("*.toml") if p.stem != "bench_swarm")
+
+
+def _simulate(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> tuple[int, dict, str]:
+    r = subprocess.run([sys.executable, "-m", "node", "simulate", *args, "--json"], capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    return r.returncode, json.loads(lines[-1]) if lines else {}, r.stderr[-2000:]
+
+
+def test_node_env_sets_only_keys_a_node_accepts() -> None:
+    env = node_env(LinkSpec(up_bps=2_500_000.0, down_bps=12_500_000.0))
+    assert set(env_overrides(env)) == {("network", "upload_bytes_per_s")}
+
+
+def test_an_emulated_node_that_exits_early_is_reported_and_fails_the_run(tmp_path: Path) -> None:
+    f = tmp_path / "two.toml"
+    f.write_text('name = "two"\nduration_s = 60.0\n[[group]]\nname = "trainer"\ncount = 2\n')
+    # a key the nodes refuse at start, as the removed download-rate key was
+    rc, summary, err = _simulate([str(f), "--smoke", "--out", str(tmp_path / "out")],
+                                 env={"MURMUR_NETWORK_NO_SUCH_KEY": "1"}, timeout=300)
+    assert rc == 1, err
+    assert summary["nodes"] == 2 and summary["nodes_stepped"] == 0
+    failed = summary["nodes_failed"]
+    assert failed and {f["node"] for f in failed} <= {0, 1}
+    for f in failed:
+        assert f["exit_code"] != 0 and "MURMUR_NETWORK_NO_SUCH_KEY names no config key" in f["last_log_line"]
+
+
+def _fits_emulator(path: Path) -> bool:
+    return len(sc_mod.expand(sc_mod.load(path))) <= MAX_REAL_NODES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in PACKAGED if _fits_emulator(p)], ids=lambda p: p.stem)
+def test_packaged_scenario_starts_every_node_and_each_takes_a_step(path: Path, tmp_path: Path) -> None:
+    sc = sc_mod.load(path)
+    honest = sum(1 for n in sc_mod.expand(sc) if n.role != "adversary")
+    rc, summary, err = _simulate([str(path), "--smoke", "--out", str(tmp_path)], timeout=900)
+    assert rc == 0 and summary["nodes_failed"] == [], (summary.get("nodes_failed"), err)
+    assert summary["nodes_stepped"] == honest, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in PACKAGED if not _fits_emulator(p)], ids=lambda p: p.stem)
+def test_packaged_scenario_too_big_to_emulate_starts_in_virtual_time(path: Path, tmp_path: Path) -> None:
+    rc, summary, err = _simulate([str(path), "--virtual", "--duration", "2", "--out", str(tmp_path)], timeout=900)
+    assert rc == 0 and summary["mode"] == "virtual", err
+    assert summary["nodes"] == len(sc_mod.expand(sc_mod.load(path)))
