@@ -121,7 +121,7 @@ def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
 class Inbox:
     """What the reader thread collected; everything bounded."""
 
-    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None) -> None:
+    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None, seed: int = 0) -> None:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -129,7 +129,7 @@ class Inbox:
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
         self.pace = 0.0
-        self.sampler = Sampler(max_groups, max_staleness, max_rollouts)  # the trainer's external groups
+        self.sampler = Sampler(max_groups, max_staleness, max_rollouts, seed)  # the trainer's external groups
         self.spot: collections.deque[tuple[bytes, Any]] = collections.deque(maxlen=64)
         self.accepted: dict[bytes, int] = {}  # verified swarm rollouts received per task set, since last taken
 
@@ -190,7 +190,7 @@ class Worker:
         max_rollouts = spec.get("sampler_max_rollouts")
         self.inbox = Inbox(int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
                            int(spec.get("trainer", {}).get("max_staleness", 4)),
-                           None if max_rollouts is None else int(max_rollouts))
+                           None if max_rollouts is None else int(max_rollouts), int(spec.get("seed", 0)))
         self.rng = random.Random(spec.get("seed", 0) + 7)
         self._send_lock = threading.Lock()
         self.tokens = 0

@@ -16,7 +16,7 @@ swarm generates only 4 of them). Zero-advantage groups are dropped by the
 trainer in every run (the loss is normalised as the scenario's
 `trainer.loss_norm` says, the node's `[training] loss_norm`); a swarm node's
 external groups come from its own `training.sampler.Sampler`, the node
-worker's sampler: informative groups only (SAPO's filtering), newest first,
+worker's sampler: informative groups only (SAPO's filtering), a uniform draw,
 within the staleness bound against the heads its peers announce.
 
 Why one process, round-robin: N torch processes on two shared cores
@@ -250,7 +250,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
             PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
             clock=time.time, resolve_task=registry.resolve, reward=score,
             head_version=lambda lin: heads.get(bytes(lin)), task_set_trusted=registry.__contains__)
-        node = _Node(i, ident, lineage, None, pipeline, Sampler(sc.inbox_groups, t.max_staleness))
+        node = _Node(i, ident, lineage, None, pipeline, Sampler(sc.inbox_groups, t.max_staleness, seed=seed * 100 + i))
         ext = None if isolated or mix.external_groups == 0 else node.sampler.take_rollouts
         node.trainer = Trainer(engine, registry, ts_id, cfg, lineage=lineage, external=ext)
         heads[lineage] = 0

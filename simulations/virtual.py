@@ -216,7 +216,7 @@ class VirtualSim:
             n = VNode(s, ident, ident.peer_id, lineage_id(ident.public, BASE_MODEL, LINEAGE_NAME), p0, p0, node_rng)
             n.pipeline = self._pipeline(n)
             if s.role == "trainer":
-                n.sampler = Sampler(POOL_GROUPS, sc.training.max_staleness)
+                n.sampler = Sampler(POOL_GROUPS, sc.training.max_staleness, seed=sc.seed * 100_003 + s.index)
                 n.sampler.observe_head(n.lineage, 0)
                 self.skill_at[n.lineage] = [n.skill]
             self.nodes.append(n)
@@ -587,7 +587,7 @@ class VirtualSim:
         local = [self._group(n, n.lineage, n.version, n.skill) for _ in range(tr.local_groups)]
         sampler = n.sampler
         assert sampler is not None and n.core is not None
-        ext = sampler.take(tr.external_groups)  # the worker's rule: informative only, newest first, within the bound
+        ext = sampler.take(tr.external_groups)  # the worker's rule: informative only, a uniform draw, within the bound
         for g in ext:
             head = n.core.head_of(g.lineage)
             self._row("staleness", t=self.now, node=n.spec.index,

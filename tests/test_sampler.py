@@ -36,16 +36,40 @@ def test_split_keeps_informative_groups_per_task_and_lineage() -> None:
     assert mixed[0].version == 5  # a group is as old as its oldest rollout
 
 
-def test_take_newest_first_each_group_once_in_arrival_order() -> None:
+def test_take_each_group_once_in_arrival_order() -> None:
     s = Sampler(max_groups=16)
     for k in range(6):
         assert s.add_rollouts(group(k)) == 1
-    first = s.take(4)
-    assert seeds(first) == [2, 3, 4, 5]  # the newest four, oldest of them first
-    assert seeds(s.take(4)) == [0, 1]  # what is left; nothing is handed out twice
+    first = seeds(s.take(4))
+    assert first == sorted(first) and len(set(first)) == 4  # arrival order
+    rest = seeds(s.take(4))
+    assert sorted(first + rest) == list(range(6))  # what is left; nothing is handed out twice
     assert s.take(4) == [] and len(s) == 0
     assert s.counts["taken"] == 6 and s.counts["added"] == 6
     assert s.take(0) == []
+
+
+def test_take_is_a_uniform_seeded_draw_not_the_newest() -> None:
+    """Newest-first made every trainer of a round-robin swarm learn from the same few predecessors: each
+    fresh group must be as likely to be drawn as any other, reproducibly for a seed."""
+    hits = [0] * 8
+    for trial in range(400):
+        s = Sampler(seed=trial)
+        for k in range(8):
+            s.add_rollouts(group(k))
+        for k in seeds(s.take(2)):
+            hits[k] += 1
+    assert sum(hits) == 800
+    assert min(hits) >= 70 and max(hits) <= 130  # 100 each expected; newest-first gave [0]*6 + [400, 400]
+
+    def draw(seed: int) -> list[int]:
+        s = Sampler(seed=seed)
+        for k in range(8):
+            s.add_rollouts(group(k))
+        return seeds(s.take(3))
+
+    assert draw(5) == draw(5)
+    assert len({tuple(draw(x)) for x in range(10)}) > 1
 
 
 def test_uninformative_groups_never_reach_the_trainer() -> None:
@@ -65,6 +89,9 @@ def test_staleness_against_reported_heads() -> None:
     got = s.take(4)
     assert seeds(got) == [2, 3]  # LIN_B has no reported head: admitted by the pipeline, usable
     assert s.counts["stale"] == 1 and len(s) == 0
+    s.add_rollouts(group(5, version=3) + group(6, version=8))
+    s.take(1)
+    assert s.counts["stale"] == 2 and len(s) == 0  # a stale group goes even when a fresh one fills the take
     s.add_rollouts(group(4, version=4))
     assert seeds(s.take(1)) == [4]  # exactly max_staleness behind is still usable
 
@@ -83,7 +110,7 @@ def test_pool_is_bounded_oldest_evicted_and_heads_table_too() -> None:
     for k in range(5):
         s.add_rollouts(group(k))
     assert len(s) == 3 and s.counts["evicted"] == 2
-    assert seeds(s.take(10)) == [2, 3, 4]
+    assert seeds(s.take(10)) == [2, 3, 4]  # the oldest went when the pool was full
     for k in range(sampling.MAX_HEADS + 10):
         s.observe_head(k.to_bytes(32, "big"), k)
     assert len(s._heads) == sampling.MAX_HEADS
@@ -100,7 +127,7 @@ def test_groups_are_shareable_between_receivers() -> None:
     a, b = Sampler(), Sampler()
     a.add(groups)
     b.add(groups)
-    assert seeds(a.take(1)) == [2]
+    assert len(a.take(1)) == 1 and len(a) == 1
     assert seeds(b.take(4)) == [1, 2]  # a's take did not touch b's pool
 
 
@@ -164,6 +191,7 @@ def test_rollout_budget_holds_whatever_group_sizes_peers_send() -> None:
     assert len(s) == 1 and s.counts["evicted"] == 9
     s.add_rollouts(group(20) + group(21, (0.0, 1.0, 1.0)))
     assert s._rollouts == 64 + 5
-    assert seeds(s.take(1)) == [21] and s._rollouts == 64 + 2
+    took = s.take(1)[0]
+    assert s._rollouts == 64 + 5 - len(took.rollouts) == sum(len(g.rollouts) for g in s._pool)
     with pytest.raises(ValueError):
         Sampler(max_rollouts=1)

@@ -26,8 +26,11 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
   other groups out. A lineage with no reported head was checked against the
   heads the validation pipeline knew when it was admitted. Stale groups are
   dropped when met, never sampled.
-- **Take** (`take(J)`): the newest J usable groups, each used once; returned
-  oldest first (arrival order).
+- **Take** (`take(J)`): J usable groups drawn uniformly at random (SAPO's
+  `random.sample`, from the sampler's own seeded generator), each used once;
+  returned in arrival order. Newest-first made every node of a round-robin
+  swarm learn from the same two or three predecessors whatever N was; a
+  uniform draw spreads what a trainer learns over every fresh producer.
 
 Counters (`counts`): `added`, `uninformative` and `too_small` (dropped at
 intake), `evicted` (pool full), `stale` (dropped at take), `taken`.
@@ -37,12 +40,13 @@ Usage (the simulator, per receiving node)::
     groups = sampler.split(batch.rollouts)   # once per verified message; Groups are immutable, shareable
     node_sampler.add(groups)                 # per receiver
     node_sampler.observe_head(lineage, v)    # whenever the node learns a head (its own: every step)
-    picked = node_sampler.take(4)            # list[Group]: .rollouts, .lineage, .version, .key
+    picked = node_sampler.take(4)            # list[Group]: .rollouts, .lineage, .version, .key (random draw)
 """
 
 from __future__ import annotations
 
 import collections
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -90,7 +94,8 @@ def split(rollouts: Iterable[wire.Rollout]) -> tuple[list[Group], dict[str, int]
 class Sampler:
     """A trainer's pool of verified external groups and the rule that picks J of them per step."""
 
-    def __init__(self, max_groups: int = 256, max_staleness: int = 4, max_rollouts: int | None = None) -> None:
+    def __init__(self, max_groups: int = 256, max_staleness: int = 4, max_rollouts: int | None = None,
+                 seed: int = 0) -> None:
         if not 1 <= max_groups <= MAX_GROUPS_LIMIT:
             raise ValueError(f"max_groups must be in 1..{MAX_GROUPS_LIMIT}")
         if max_rollouts is not None and max_rollouts < 2:
@@ -103,6 +108,7 @@ class Sampler:
         self._rollouts = 0  # in the pool
         self._pool: collections.deque[Group] = collections.deque()
         self._heads: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._rng = random.Random(seed)
         self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "taken": 0}
 
     def __len__(self) -> int:
@@ -142,24 +148,21 @@ class Sampler:
         return self._heads.get(bytes(lineage))
 
     def take(self, groups: int) -> list[Group]:
-        """Up to `groups` usable groups, newest first, each used once; stale ones are dropped on the way.
-
-        Returned in arrival order (oldest first)."""
+        """Up to `groups` usable groups drawn uniformly at random, each used once; every stale group in
+        the pool is dropped on the way. Returned in arrival order (oldest first)."""
         if groups <= 0 or not self._pool:
             return []
-        keep: list[Group] = []
-        picked: list[Group] = []
-        for g in reversed(self._pool):  # newest first
+        usable: list[Group] = []
+        for g in self._pool:
             if self._heads.get(g.lineage, g.version) - g.version > self.max_staleness:
                 self.counts["stale"] += 1
-            elif len(picked) < groups:
-                picked.append(g)
             else:
-                keep.append(g)
-        keep.reverse()
+                usable.append(g)
+        chosen = set(self._rng.sample(range(len(usable)), min(groups, len(usable))))
+        picked = [g for i, g in enumerate(usable) if i in chosen]
+        keep = [g for i, g in enumerate(usable) if i not in chosen]
         self._pool = collections.deque(keep)
         self._rollouts = sum(len(g.rollouts) for g in keep)
-        picked.reverse()
         self.counts["taken"] += len(picked)
         return picked
 
