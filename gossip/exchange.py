@@ -1,0 +1,227 @@
+"""The rollout exchange (sans-IO): sharded rollout topics, sized by the swarm, joined by demand.
+
+Rollout batches move on GossipSub topics, and GossipSub hands every message of
+a topic to every subscriber; so what a node receives and verifies is set by the
+topics it joins. The rollouts of one lineage go to one shard topic,
+`shard_of(lineage, S)`; the shard count S is a power of two that follows the
+number of producers the node hears announce (`shard_count`, about
+`PRODUCERS_PER_SHARD` producers a shard, with hysteresis so views a few
+producers apart agree). A node subscribes to:
+- its *home* shards: the shard of the lineage it publishes for (so its
+  batches always have a mesh, and a trainer hears its followers), and of the
+  lineage it validates (every producer of that lineage reaches it, whatever N);
+- *rotating* shards, in an order drawn from (node, epoch) that changes every
+  `ROTATE_S` (staggered per node), taken until the announced supply of what it
+  has subscribed covers its demand (`DEMAND_MARGIN`), and one more while the
+  rollouts it measures fall short (a producer that announces and does not
+  publish cannot starve it). At most `MAX_SUBSCRIBED` in all.
+So a node's inbound is at most its demand plus one shard's supply plus its
+home shards, none of which grows with N.
+
+A receiver's gate (`ShardGate`) runs before verification: a batch whose lineage
+does not belong to the shard it came on is dropped (`wrong_shard`; uncharged, a
+view of S can differ by a factor of two, so S/2, S and 2S are all accepted), a
+message naming several topics is refused (`multi_topic`; its originator signed
+the topic list, so it is charged), and producers this node has not heard
+announce for `ESTABLISHED_S` share one small bucket per shard
+(`newcomer_budget`), so many fresh keys flooding one shard cost a bounded rate
+and never starve the producers already known.
+
+Pure: every function takes `now`; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from gossip.ratelimit import Bucket
+
+PRODUCERS_PER_SHARD: Final = 8  # swarm-wide: every node must size S alike, so it is a protocol constant
+MAX_SHARDS: Final = 1024
+MAX_SUBSCRIBED: Final = 8  # shard topics one node joins at most (home ones included)
+ROTATE_S: Final = 120.0  # a node's rotating shards are re-drawn this often (staggered per node)
+DEMAND_MARGIN: Final = 1.5  # announced supply subscribed, as a multiple of demand
+SHORTFALL_WINDOW_S: Final = 30.0  # measured inbound below demand this long: one more shard
+ESTABLISHED_S: Final = 30.0  # a producer heard announcing this long ago is no newcomer
+NEWCOMER_BATCHES_PER_S: Final = 2.0  # per shard, shared by every newcomer producer
+NEWCOMER_BURST: Final = 10.0
+MAX_KNOWN: Final = 10_000  # producers remembered by a gate (least recently announced forgotten)
+
+
+def _h(*parts: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(b"\x00".join(parts), digest_size=8).digest(), "big")
+
+
+def shard_count(producers: int, current: int = 1) -> int:
+    """The power-of-two shard count for `producers` producers, moving from `current` only past a margin:
+    up when every shard would hold 2 x PRODUCERS_PER_SHARD, down below 3/4 x PRODUCERS_PER_SHARD."""
+    s = min(MAX_SHARDS, max(1, 1 << max(0, int(current).bit_length() - 1)))  # a power of two
+    n = max(0, int(producers))
+    while s < MAX_SHARDS and n >= 2 * s * PRODUCERS_PER_SHARD:
+        s *= 2
+    while s > 1 and n < s * PRODUCERS_PER_SHARD * 3 // 4:
+        s //= 2
+    return s
+
+
+def shard_of(lineage: bytes, shards: int) -> int:
+    """The shard of a lineage's rollouts under `shards` (a power of two): its hash mod S, so a lineage's
+    shard under 2S is its shard under S or that plus S."""
+    return _h(b"murmur/shard", bytes(lineage)) % max(1, shards)
+
+
+def on_shard(lineage: bytes, shard: int, shards: int) -> bool:
+    """Whether a batch of `lineage` belongs on `shard` for a node that counts `shards` shards, allowing
+    a publisher whose count is half or double ours (announces reach nodes at different times)."""
+    return any(shard == shard_of(lineage, s) for s in (max(1, shards // 2), shards, min(MAX_SHARDS, shards * 2)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    shards: int  # S
+    subscribe: tuple[int, ...]  # shard indexes to be subscribed to, sorted
+    home: tuple[int, ...]  # the pinned ones among them
+    epoch: int  # the rotation epoch the plan was drawn in
+
+
+def rotation(node: bytes, shards: int, epoch: int) -> list[int]:
+    """All shards in the order node `node` takes them in `epoch`: a fresh permutation each epoch."""
+    e = epoch.to_bytes(8, "big", signed=True)
+    return sorted(range(shards), key=lambda j: _h(b"murmur/rotate", node, e, j.to_bytes(4, "big")))
+
+
+class Exchange:
+    """One node's side of the exchange: the shard count it believes, and what it subscribes to."""
+
+    def __init__(self, node: bytes) -> None:
+        self.node = bytes(node)
+        self.shards = 1
+        self.plan_: Plan = Plan(1, (0,), (0,), 0)
+        self.extra = 0  # rotating shards added because measured inbound fell short of demand
+        self.short_since: float | None = None
+        self.offset = (_h(b"murmur/offset", self.node) % 1_000_000) / 1_000_000 * ROTATE_S
+
+    def epoch(self, now: float) -> int:
+        return math.floor((now + self.offset) / ROTATE_S)
+
+    def publish_shard(self, lineage: bytes) -> int:
+        return shard_of(lineage, self.shards)
+
+    def plan(self, now: float, producers: int, supply: Mapping[bytes, float], demand_rps: float,
+             home: Iterable[bytes], measured_rps: float | None = None) -> Plan:
+        """Re-plan: `producers` counts the publishing nodes heard (self included), `supply` maps each
+        lineage to the rollouts/s its producers announce, `demand_rps` is the rollouts/s this node uses
+        from others (0: it consumes nothing), `home` the lineages it must hear (published for, validated),
+        `measured_rps` the rollouts/s it accepted lately (None: not measured yet)."""
+        self.shards = s = shard_count(producers, self.shards)
+        pinned = sorted({shard_of(lid, s) for lid in home})[:MAX_SUBSCRIBED]
+        per_shard: Counter[int] = Counter()
+        for lid, r in supply.items():
+            if math.isfinite(r) and r > 0:
+                per_shard[shard_of(lid, s)] += r
+        demand = demand_rps if math.isfinite(demand_rps) and demand_rps > 0 else 0.0
+        self._shortfall(now, demand, measured_rps)
+        chosen = list(pinned)
+        if demand > 0:  # consumers: rotating shards until supply covers demand (at least one), then `extra`
+            have, want, taken, more = sum(per_shard[j] for j in chosen), DEMAND_MARGIN * demand, 0, self.extra
+            for j in rotation(self.node, s, self.epoch(now)):
+                if len(chosen) >= MAX_SUBSCRIBED:
+                    break
+                if j in chosen:
+                    continue
+                if have >= want and taken >= 1:
+                    if more <= 0:
+                        break
+                    more -= 1
+                chosen.append(j)
+                taken += 1
+                have += per_shard[j]
+        if not chosen:  # a node that neither publishes nor consumes still forwards one shard
+            chosen = [rotation(self.node, s, self.epoch(now))[0]]
+        self.plan_ = Plan(s, tuple(sorted(chosen)), tuple(pinned), self.epoch(now))
+        return self.plan_
+
+    def _shortfall(self, now: float, demand: float, measured: float | None) -> None:
+        if demand <= 0 or measured is None or not math.isfinite(measured):
+            return
+        if measured >= demand:
+            self.short_since = None
+            if measured >= 3 * DEMAND_MARGIN * demand and self.extra > 0:
+                self.extra -= 1
+            return
+        if self.short_since is None:
+            self.short_since = now
+        elif now - self.short_since >= SHORTFALL_WINDOW_S:
+            self.extra = min(MAX_SUBSCRIBED, self.extra + 1)
+            self.short_since = now
+
+
+class ShardGate:
+    """A receiver's checks between a rollout batch's arrival on shard `j` and its verification."""
+
+    def __init__(self) -> None:
+        self.first_heard: OrderedDict[str, float] = OrderedDict()
+        self.newcomers: dict[int, Bucket] = {}
+        self.counts: Counter[str] = Counter()
+
+    def announced(self, peer: str, now: float) -> None:
+        """`peer` announced itself (a verified NodeAnnounce): it stops being a newcomer ESTABLISHED_S later."""
+        if peer not in self.first_heard:
+            self.first_heard[peer] = now
+        self.first_heard.move_to_end(peer)
+        while len(self.first_heard) > MAX_KNOWN:
+            self.first_heard.popitem(last=False)
+
+    def established(self, peer: str, now: float) -> bool:
+        t = self.first_heard.get(peer)
+        return t is not None and now - t >= ESTABLISHED_S
+
+    def admit(self, origin: str, shard: int, now: float) -> str | None:
+        """Before decoding: None, or the drop reason (`newcomer_budget`) for this originator on `shard`."""
+        if self.established(origin, now):
+            return None
+        b = self.newcomers.get(shard)
+        if b is None:
+            if len(self.newcomers) >= MAX_SHARDS:
+                self.newcomers.clear()
+            b = self.newcomers[shard] = Bucket(NEWCOMER_BATCHES_PER_S, NEWCOMER_BURST, now)
+        if b.take(now):
+            return None
+        self.counts["newcomer_budget"] += 1
+        return "newcomer_budget"
+
+    def belongs(self, lineages: Iterable[bytes], shard: int, shards: int) -> str | None:
+        """After decoding: None, or `wrong_shard` when a lineage of the batch does not map to `shard`."""
+        if all(on_shard(lid, shard, shards) for lid in set(lineages)):
+            return None
+        self.counts["wrong_shard"] += 1
+        return "wrong_shard"
+
+
+class Meter:
+    """Rollouts/s over a sliding window (what the planner compares with demand)."""
+
+    def __init__(self, window_s: float = SHORTFALL_WINDOW_S, max_events: int = 10_000) -> None:
+        self.window_s = window_s
+        self._t: deque[tuple[float, int]] = deque(maxlen=max_events)
+        self.started: float | None = None
+
+    def add(self, now: float, n: int) -> None:
+        if self.started is None:
+            self.started = now
+        self._t.append((now, n))
+
+    def rate(self, now: float) -> float | None:
+        """None until a whole window has been measured (counted from the first call of either method)."""
+        if self.started is None:
+            self.started = now
+        if now - self.started < self.window_s:
+            return None
+        while self._t and self._t[0][0] <= now - self.window_s:
+            self._t.popleft()
+        return sum(n for _, n in self._t) / self.window_s

@@ -1,0 +1,131 @@
+"""The sans-IO rollout exchange (gossip/exchange.py): shard count, shard of a lineage, subscriptions, gate."""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import given, settings, strategies as st
+
+from gossip import exchange as X
+
+
+def lid(i: int) -> bytes:
+    return hashlib.blake2b(b"lineage%d" % i, digest_size=32).digest()
+
+
+@given(st.integers(0, 100_000), st.sampled_from([1, 2, 4, 8, 64, 1024]))
+def test_shard_count_is_a_power_of_two_near_n_over_p(n: int, current: int) -> None:
+    s = X.shard_count(n, current)
+    assert s & (s - 1) == 0 and 1 <= s <= X.MAX_SHARDS
+    if s < X.MAX_SHARDS:
+        assert n < 2 * s * X.PRODUCERS_PER_SHARD  # never too few shards
+    if s > 1:
+        assert n >= s * X.PRODUCERS_PER_SHARD * 3 // 4  # never too many
+
+
+def test_shard_count_hysteresis_and_the_bench_sizes() -> None:
+    assert [X.shard_count(n) for n in (1, 8, 15, 16, 32, 10_000)] == [1, 1, 1, 2, 4, 1024]
+    assert X.shard_count(13, 2) == 2 and X.shard_count(11, 2) == 1  # a few producers less: no flapping
+
+
+@given(st.binary(min_size=32, max_size=32), st.sampled_from([1, 2, 4, 8, 16, 1024]))
+def test_shard_of_halves_and_doubles_consistently(lineage: bytes, s: int) -> None:
+    j = X.shard_of(lineage, s)
+    assert 0 <= j < s
+    assert X.shard_of(lineage, 2 * s) in (j, j + s)
+    assert X.on_shard(lineage, j, s)
+    # a publisher that counts half or double our shards is still accepted
+    assert X.on_shard(lineage, X.shard_of(lineage, max(1, s // 2)), s)
+    assert X.on_shard(lineage, X.shard_of(lineage, min(X.MAX_SHARDS, 2 * s)), s)
+
+
+def test_wrong_shard_is_refused() -> None:
+    s = 16
+    lineage = lid(1)
+    allowed = {X.shard_of(lineage, k) for k in (8, 16, 32)}
+    wrong = next(j for j in range(s) if j not in allowed)
+    gate = X.ShardGate()
+    assert gate.belongs([lineage], wrong, s) == "wrong_shard"
+    assert gate.belongs([lineage], X.shard_of(lineage, s), s) is None
+    assert gate.counts["wrong_shard"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(8, 20_000), st.floats(0.1, 1_000.0), st.floats(0.1, 50.0), st.integers(0, 10_000))
+def test_inbound_bounded_by_demand_plus_one_shard_whatever_n(n: int, demand: float, rate: float, t: int) -> None:
+    """n producers at `rate` rollouts/s each: a consumer's subscribed supply is at most its demand (with
+    margin) plus one shard plus its home shard, and it covers the demand when the swarm can."""
+    supply = {lid(i): rate for i in range(n)}
+    ex = X.Exchange(b"node")
+    plan = ex.plan(float(t), n, supply, demand, home=[lid(0)])
+    per = {}
+    for lineage, r in supply.items():
+        per[X.shard_of(lineage, plan.shards)] = per.get(X.shard_of(lineage, plan.shards), 0.0) + r
+    got = sum(per.get(j, 0.0) for j in plan.subscribe)
+    biggest = max(per.values())
+    assert got <= X.DEMAND_MARGIN * demand + 2 * biggest + 1e-6
+    assert len(plan.subscribe) <= X.MAX_SUBSCRIBED
+    if sum(supply.values()) >= X.DEMAND_MARGIN * demand and len(plan.subscribe) < X.MAX_SUBSCRIBED:
+        assert got >= X.DEMAND_MARGIN * demand - 1e-6 or set(plan.subscribe) == set(range(plan.shards))
+    # a shard holds few producers whatever n is: the bound above does not grow with n
+    assert biggest <= rate * (8 * X.PRODUCERS_PER_SHARD if n < 10_000 else n)
+
+
+def test_rotation_changes_the_rotating_shards_over_epochs() -> None:
+    n = 256
+    supply = {lid(i): 1.0 for i in range(n)}
+    ex = X.Exchange(b"node-a")
+    seen = set()
+    for k in range(12):
+        plan = ex.plan(k * X.ROTATE_S, n, supply, demand_rps=4.0, home=[lid(0)])
+        assert X.shard_of(lid(0), plan.shards) in plan.subscribe  # the home shard stays
+        seen |= set(plan.subscribe) - set(plan.home)
+    assert len(seen) >= 6  # many distinct shards over 12 epochs, not a fixed few
+
+
+def test_epochs_are_staggered_between_nodes() -> None:
+    offsets = {X.Exchange(b"node%d" % i).offset for i in range(20)}
+    assert len(offsets) == 20 and all(0 <= o < X.ROTATE_S for o in offsets)
+
+
+def test_announced_supply_that_never_arrives_adds_a_shard() -> None:
+    """Liars announce a rate and publish nothing: measured inbound stays short and the node subscribes more."""
+    n = 128
+    supply = {lid(i): 5.0 for i in range(n)}
+    ex = X.Exchange(b"node")
+    base = len(ex.plan(0.0, n, supply, 4.0, home=[]).subscribe)
+    t = 1.0
+    while t < 3 * X.SHORTFALL_WINDOW_S:
+        ex.plan(t, n, supply, 4.0, home=[], measured_rps=0.0)
+        t += 1.0
+    assert ex.extra >= 1
+    assert len(ex.plan(t, n, supply, 4.0, home=[], measured_rps=0.0).subscribe) > base
+    # and drops it again once inbound is well above demand
+    ex.plan(t + 1, n, supply, 4.0, home=[], measured_rps=100.0)
+    assert ex.extra < 2
+
+
+def test_a_node_that_consumes_nothing_joins_only_its_home_shard() -> None:
+    supply = {lid(i): 1.0 for i in range(512)}
+    plan = X.Exchange(b"f").plan(0.0, 512, supply, 0.0, home=[lid(3)])
+    assert plan.subscribe == (X.shard_of(lid(3), plan.shards),)
+
+
+def test_newcomer_flood_is_bounded_per_shard_and_spares_established_producers() -> None:
+    gate = X.ShardGate()
+    gate.announced("honest", 0.0)
+    now = X.ESTABLISHED_S + 1.0
+    admitted = sum(gate.admit(f"fresh{k}", 3, now) is None for k in range(10_000))
+    assert admitted <= X.NEWCOMER_BURST + 1
+    assert gate.counts["newcomer_budget"] >= 10_000 - X.NEWCOMER_BURST - 1
+    assert all(gate.admit("honest", 3, now) is None for _ in range(100))  # never starved by the flood
+    assert gate.admit("fresh0", 4, now) is None  # another shard has its own budget
+
+
+def test_meter_reports_after_a_window() -> None:
+    m = X.Meter(window_s=10.0)
+    assert m.rate(0.0) is None
+    m.add(1.0, 50)
+    assert m.rate(5.0) is None
+    assert m.rate(10.5) == 5.0
+    assert m.rate(30.0) == 0.0
