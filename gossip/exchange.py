@@ -225,3 +225,69 @@ class Meter:
         while self._t and self._t[0][0] <= now - self.window_s:
             self._t.popleft()
         return sum(n for _, n in self._t) / self.window_s
+
+
+DISTINCT_WINDOW_S: Final = 600.0  # "distinct producers" counts those verified within this window
+RATE_WINDOW_S: Final = 30.0
+MAX_TASK_SETS: Final = 64  # task sets counted per node (the rest under "other")
+
+
+class Stats:
+    """A node's exchange counters: received, verified, used, dropped by reason, distinct producers,
+    per task set; and their rates over the last `RATE_WINDOW_S`. Every table is bounded."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()  # received_batches, received_rollouts, verified_*, used_rollouts
+        self.dropped: Counter[str] = Counter()  # reason -> batches
+        self.producers: OrderedDict[bytes, float] = OrderedDict()  # producer key -> last verified
+        self.task_sets: dict[str, Counter[str]] = {}  # task set hex -> verified_rollouts, used_rollouts
+        self._snaps: deque[tuple[float, dict[str, int]]] = deque(maxlen=64)
+
+    def received(self, rollouts: int = 0) -> None:
+        self.counts["received_batches"] += 1
+        self.counts["received_rollouts"] += max(0, rollouts)
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason[:40]] += 1
+
+    def verified(self, producer: bytes, task_sets: Iterable[bytes], rollouts: int, now: float) -> None:
+        self.counts["verified_batches"] += 1
+        self.counts["verified_rollouts"] += rollouts
+        self.producers[bytes(producer)] = now
+        self.producers.move_to_end(bytes(producer))
+        while len(self.producers) > MAX_KNOWN:
+            self.producers.popitem(last=False)
+        for ts in task_sets:
+            self._per_set(ts)["verified_rollouts"] += 1
+
+    def used(self, rollouts: int, task_sets: Iterable[bytes] = ()) -> None:
+        self.counts["used_rollouts"] += max(0, rollouts)
+        for ts in task_sets:
+            self._per_set(ts)["used_rollouts"] += 1
+
+    def _per_set(self, ts: bytes) -> Counter[str]:
+        key = bytes(ts).hex()[:64]
+        if key not in self.task_sets and len(self.task_sets) >= MAX_TASK_SETS:
+            key = "other"
+        return self.task_sets.setdefault(key, Counter())
+
+    def distinct_producers(self, now: float) -> int:
+        while self.producers and now - next(iter(self.producers.values())) > DISTINCT_WINDOW_S:
+            self.producers.popitem(last=False)
+        return len(self.producers)
+
+    def totals(self) -> dict[str, int]:
+        return {**self.counts, "dropped_batches": sum(self.dropped.values())}
+
+    def rates(self, now: float) -> dict[str, float]:
+        """Per second over (up to) the last RATE_WINDOW_S; call about once a second."""
+        cur = self.totals()
+        if not self._snaps or now - self._snaps[-1][0] >= 1.0:
+            self._snaps.append((now, cur))
+        while len(self._snaps) > 1 and now - self._snaps[0][0] > RATE_WINDOW_S:
+            self._snaps.popleft()
+        t0, old = self._snaps[0]
+        span = now - t0
+        if span <= 0:
+            return {}
+        return {k + "_per_s": round((cur.get(k, 0) - old.get(k, 0)) / span, 3) for k in cur}

@@ -561,7 +561,8 @@ class Libp2pTransport:
         self._nursery = nursery
         self._inboxes: dict[str, list[_Inbox]] = {}
         self._subs: dict[str, Any] = {}
-        self.counters: dict[str, int] = {"published": 0, "publish_errors": 0, "inbox_dropped": 0}
+        self.counters: dict[str, int] = {"published": 0, "publish_errors": 0, "inbox_dropped": 0, "multi_topic": 0}
+        self.on_multi_topic: Callable[[str], None] | None = None  # originator of a message naming several topics
 
     # ------------------------------------------------------------ peers
     def listen_addrs(self) -> list[str]:
@@ -674,6 +675,16 @@ class Libp2pTransport:
             self._nursery.start_soon(self._drain, topic, sub)
         return inbox
 
+    async def unsubscribe(self, topic: str) -> None:
+        """Leave `topic`: its channels get nothing more; peers are told, and the mesh PRUNEd."""
+        if self._subs.pop(topic, None) is None:
+            return
+        self._inboxes.pop(topic, None)
+        try:
+            await self.pubsub.unsubscribe(topic)
+        except Exception as e:  # a peer's stream went away while we told it
+            log.debug("unsubscribe %s: %s", topic, e)
+
     async def _drain(self, topic: str, sub: Any) -> None:
         from libp2p.peer.id import ID
 
@@ -700,6 +711,13 @@ class Libp2pTransport:
             if forwarder == me:
                 return True
             origin = ID(msg.from_id).to_base58() if msg.from_id else ""
+            if len(msg.topicIDs) != 1:
+                # One message on several topics would reach the subscribers of all of them: a batch
+                # published to every rollout shard at once. Its originator signed the topic list.
+                self.counters["multi_topic"] += 1
+                if self.on_multi_topic is not None:
+                    self.on_multi_topic(origin)
+                return False
             try:
                 return await validator(forwarder.to_base58(), origin, bytes(msg.data))
             except Exception:

@@ -1,5 +1,11 @@
 """The thin trio layer that wires the libp2p host and the verification pipeline.
 
+Rollout batches move on shard topics: `set_shards` joins and leaves them as the
+node's exchange plan (`gossip.exchange`) says, and `publish_rollouts` sends a
+batch to the shard of its lineage. Before verification each batch passes the
+exchange's gate (newcomer budget per shard, then the shard of its lineages);
+`stats` counts what was received, verified and dropped, and why.
+
 Rollout batches are verified inside a py-libp2p topic validator, so a batch
 that fails is neither delivered nor forwarded: the cheap stages run on the
 event loop, task regeneration and reward recomputation in a worker thread
@@ -12,6 +18,7 @@ blacklisted in pubsub and disconnected (py-libp2p does not disconnect it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,7 +26,7 @@ from typing import Any
 
 import trio
 
-from gossip import topics, wire
+from gossip import exchange, topics, wire
 from gossip.ratelimit import TokenBuckets
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
@@ -30,6 +37,7 @@ log = logging.getLogger("murmur.gossip.service")
 # Cheap-gate rejections are not written to the ledger: a flood must not become disk writes.
 _UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.OVER_ANNOUNCED_RATE, Reason.DUPLICATE}
 VERIFY_THREADS = 2  # threads waiting on the verifier pool at once
+MULTI_TOPIC_PENALTY = 10.0  # like a malformed message: an honest node publishes each message to one topic
 ANNOUNCE_KINDS = (wire.TASK_SET, wire.PATCH_MANIFEST, wire.NODE_ANNOUNCE)
 
 AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, body, envelope bytes)
@@ -42,7 +50,12 @@ class GossipService:
         self.pipeline = pipeline
         self.swarm = swarm
         self.store = store
-        self.rollout_topic = topics.rollouts(swarm)
+        self.rollout_topic = topics.rollouts(swarm, 0)  # the only shard while the swarm has one
+        self.stats = exchange.Stats()
+        self.gate = exchange.ShardGate()
+        self.shards = 1  # the shard count this node believes (its exchange plan's)
+        self._shard_scopes: dict[int, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
         self.announce_topic = topics.announce(swarm)
         self._handlers: dict[str, list[AnnounceHandler]] = {}
         self._announce_buckets = TokenBuckets(announce_rate_per_s, announce_burst)
@@ -63,14 +76,35 @@ class GossipService:
             limit = self.pipeline.config.replay_entries
             for data in await trio.to_thread.run_sync(self.store.accepted_payloads, limit):
                 self.pipeline.remember(bytes(data))
-        self.transport.set_validator(self.rollout_topic, self._validate_rollouts)
         self.transport.set_validator(self.announce_topic, self._validate_announce)
-        rollouts = await self.transport.subscribe(self.rollout_topic)
+        if hasattr(self.transport, "on_multi_topic"):
+            self.transport.on_multi_topic = self._multi_topic
         announces = await self.transport.subscribe(self.announce_topic)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._drain_rollouts, rollouts)
+            self._nursery = nursery
+            await self.set_shards(1, (0,))
             nursery.start_soon(self._drain_announces, announces)
             task_status.started()
+
+    async def set_shards(self, shards: int, subscribe: tuple[int, ...]) -> None:
+        """Join the rollout shards `subscribe` (and leave the others) of a swarm of `shards` shards."""
+        if self._nursery is None:
+            raise RuntimeError("set_shards before run()")
+        self.shards = max(1, int(shards))
+        want = set(subscribe)
+        for j in [j for j in self._shard_scopes if j not in want]:
+            self._shard_scopes.pop(j).cancel()
+            await self.transport.unsubscribe(topics.rollouts(self.swarm, j))
+        for j in sorted(want - set(self._shard_scopes)):
+            topic = topics.rollouts(self.swarm, j)
+            self.transport.set_validator(topic, functools.partial(self._validate_rollouts, j))
+            channel = await self.transport.subscribe(topic)
+            scope = self._shard_scopes[j] = trio.CancelScope()
+            self._nursery.start_soon(self._drain_rollouts, channel, scope)
+
+    @property
+    def subscribed_shards(self) -> tuple[int, ...]:
+        return tuple(sorted(self._shard_scopes))
 
     def on_announce(self, kind: str, handler: AnnounceHandler) -> None:
         if kind not in ANNOUNCE_KINDS:
@@ -84,22 +118,34 @@ class GossipService:
                 await self._changed.wait()
 
     # ------------------------------------------------------------ publish
-    async def publish_rollouts(self, data: bytes) -> None:
-        """Publish our own signed RolloutBatch; PublishError when it cannot go out."""
+    async def publish_rollouts(self, data: bytes, shard: int = 0) -> None:
+        """Publish our own signed RolloutBatch to rollout shard `shard`; PublishError when it cannot go out."""
         env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
         if env.signer != self.transport.identity.public:
             raise PublishError("a node publishes only rollout batches it produced and signed itself")
         self.pipeline.mark_own(data)
-        await self.transport.publish(self.rollout_topic, data)
+        await self.transport.publish(topics.rollouts(self.swarm, shard), data)
 
     async def publish_announce(self, data: bytes) -> None:
         wire.decode_envelope(data)
         await self.transport.publish(self.announce_topic, data)
 
     # ------------------------------------------------------------ rollouts
-    async def _validate_rollouts(self, forwarder: str, origin: str, data: bytes) -> bool:
+    async def _validate_rollouts(self, shard: int, forwarder: str, origin: str, data: bytes) -> bool:
+        self.stats.received()
+        why = self.gate.admit(origin, shard, self.pipeline.clock())
+        if why is not None:  # fresh keys on this shard are over their shared budget: uncharged
+            self.stats.drop(why)
+            return False
         step = self.pipeline.admit(data, origin, forwarder)
+        if step.batch is not None:
+            self.stats.counts["received_rollouts"] += len(step.batch.rollouts)
         if isinstance(step, Pending):
+            why = self.gate.belongs([bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards)
+            if why is not None:  # our count of shards and the publisher's may differ: uncharged
+                self.pipeline.abandon(step)
+                self.stats.drop(why)
+                return False
             try:
                 await trio.to_thread.run_sync(self.pipeline.verify, step, limiter=self._verify_limiter)
             except BaseException:
@@ -114,6 +160,8 @@ class GossipService:
     async def _settle(self, v: Verdict, forwarder: str) -> None:
         if v.accepted and v.batch is not None:
             self.accepted_batches += 1
+            self.stats.verified(bytes(v.batch.producer), [bytes(r.task.task_set) for r in v.batch.rollouts],
+                                len(v.batch.rollouts), self.pipeline.clock())
             if self.store is not None:
                 await trio.to_thread.run_sync(self.store.record_rollouts, _accepted_entries(v.batch, v.data, forwarder))
             if self.on_accept is not None:
@@ -121,6 +169,7 @@ class GossipService:
             self._changed.set()
             self._changed = trio.Event()
             return
+        self.stats.drop(v.reason.value)
         if self.store is not None and v.reason not in _UNRECORDED:
             entry = dict(rollout_id=v.msg_id or wire.content_id(v.data[:4096]), direction="received",
                          status="rejected", reason=v.reason.value, from_peer=v.origin,
@@ -139,10 +188,17 @@ class GossipService:
                 await trio.to_thread.run_sync(self.store.set_peer_score, v.origin,
                                               self.pipeline.scores.score(v.origin, self.pipeline.clock()), until)
 
-    async def _drain_rollouts(self, channel: Any) -> None:
+    async def _drain_rollouts(self, channel: Any, scope: trio.CancelScope) -> None:
         # Delivery already happened in the validator; draining keeps py-libp2p's 32-slot buffer empty.
-        while True:
-            await channel.receive()
+        with scope:
+            while True:
+                await channel.receive()
+
+    def _multi_topic(self, origin: str) -> None:
+        """A message naming several topics: its originator signed that list (a provable fault)."""
+        self.stats.drop("multi_topic")
+        if origin:
+            self.pipeline.scores.penalise(origin, "multi_topic", MULTI_TOPIC_PENALTY, self.pipeline.clock())
 
     # ------------------------------------------------------------ announces
     async def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:

@@ -8,13 +8,14 @@ API (the live runtime, the virtual-time simulator and the tests all drive it the
     actions = core.handle(event)                    # one event -> a list of actions, in the order to carry out
     core.wants_manifest(manifest)                   # the broadcast's synchronous accept query (records in flight)
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
+    core.on_accepted(rollouts)                      # a verified peer batch of that many rollouts (exchange meter)
 
 Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
 `ManifestHeard` (a gossip message whose envelope signature the pipeline already checked),
 `PeerGone`, `FromWorker` (a message from the worker process), `WorkerExited`, `StoredItems`,
 `TransferDone`, `PatchStored`, `CatalogReceived`/`CatalogFailed` (catch-up replies), `ListenAddrs`.
 
-Actions: `Publish` (topic announce|rollouts), `ToWorker`, `RestartWorker`, `RecordRollouts`,
+Actions: `Publish` (topic announce|rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
 `SeedVersion`, `StorePatch`, `DropItem`, `LoadStored`, `FetchCatalog`, `RequestOffer`, `Penalise`,
 `SeePeer` (persist a peer), `Log`.
 
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.errors import DecodeError, PatchError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.ratelimit import RateMeter
@@ -41,7 +42,7 @@ from node import patchsync, pipe, roles
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
                          StoredItems, TransferDone, PatchStored, CatalogReceived, CatalogFailed, Publish, ToWorker,
                          RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
-                         RequestOffer, Penalise, SeePeer, Log, Event, Action)  # noqa: F401 - part of the core's API
+                         RequestOffer, Penalise, SeePeer, Log, Subscribe, Event, Action)  # noqa: F401 - part of the core's API
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from sync.catchup import choose
 from sync.patchstore import StoredItem
@@ -64,7 +65,8 @@ SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the de
 CATALOG_SOURCES = 4
 MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadcast holds state for)
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
-WORKER_STABLE_S = 120.0  # a worker that ran this long resets the restart backoff
+WORKER_STABLE_S = 120.0
+DEFAULT_STEP_S = 5.0  # a trainer that has not measured a step yet plans its exchange demand with this  # a worker that ran this long resets the restart backoff
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,11 @@ class NodeCore:
         self.tokens_per_rollout = float(max(1, settings.max_new_tokens))
         self.follow_info: pipe.FollowInfo | None = None
         self.admitted: bool | None = None
+        # the rollout exchange (gossip.exchange): which shards we join, fed from the peer table
+        self.exchange = exchange.Exchange(identity.public)
+        self.inbound = exchange.Meter()
+        self.batch_rollouts = float(settings.group_size)  # mean rollouts per accepted batch (supply estimate)
+        self.subscribed: tuple[int, tuple[int, ...]] = (1, (0,))  # what the runtime joined first
 
     # ------------------------------------------------------------ queries
     @property
@@ -245,6 +252,7 @@ class NodeCore:
         if now >= self.next_announce:
             self.next_announce = now + ANNOUNCE_EVERY_S
             self._choose_serving(out)
+            self._plan_exchange(now, out)
             out.append(Publish("announce", self._announce()))
             self._expire_peers(now)
         if now >= self.next_catch_up:
@@ -655,8 +663,12 @@ class NodeCore:
                 out.append(Log("worker rollout not published", {"error": bad[:200]}))
                 continue
             rollouts.append(r)
-        for i in range(0, len(rollouts), BATCH_MAX_ROLLOUTS):
-            part = rollouts[i:i + BATCH_MAX_ROLLOUTS]
+        by_lineage: dict[bytes, list[wire.Rollout]] = {}
+        for r in rollouts:  # a batch goes to its lineage's shard, so it holds one lineage
+            by_lineage.setdefault(bytes(r.lineage), []).append(r)
+        parts = [(lid, rs[i:i + BATCH_MAX_ROLLOUTS]) for lid, rs in by_lineage.items()
+                 for i in range(0, len(rs), BATCH_MAX_ROLLOUTS)]
+        for lid, part in parts:
             # wall-clock microseconds: still increasing after a restart or a reboot (a reused seq is a replay)
             self.rollout_seq = max(self.rollout_seq + 1, int(self.wall_ms()) * 1000)
             batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.s.swarm, producer=self.ident.public,
@@ -669,7 +681,44 @@ class NodeCore:
                      tokens=len(r.completion_ids), payload=data if j == 0 else None)
                 for j, r in enumerate(part))))
             self.publish_meter.tick(self.clock())
-            out.append(Publish("rollouts", data, len(part)))
+            out.append(Publish("rollouts", data, len(part), self.exchange.publish_shard(lid)))
+
+    # ------------------------------------------------------------ the rollout exchange
+    def on_accepted(self, rollouts: int) -> None:
+        """A peer's batch of `rollouts` rollouts passed verification (what the exchange measures)."""
+        n = max(0, int(rollouts))
+        self.inbound.add(self.clock(), n)
+        self.batch_rollouts = 0.95 * self.batch_rollouts + 0.05 * max(1, n)
+
+    def external_demand(self) -> float:
+        """Rollouts/s this node's trainer takes from others (J groups a step); 0 for a node that trains not."""
+        if "trainer" not in self.roles:
+            return 0.0
+        step_t = _median(self.step_times) if self.step_times else DEFAULT_STEP_S
+        return self.s.external_rollouts * self.s.group_size / max(step_t, MIN_STEP_S, 1e-3)
+
+    def _plan_exchange(self, now: float, out: list[Action]) -> None:
+        """Which rollout shards to join (gossip.exchange): producers and their supply from fresh announces."""
+        supply: dict[bytes, float] = {}
+        producers = int("trainer" in self.roles or "follower" in self.roles)
+        for p in self.peers.values():
+            a = p.announce
+            if now - p.seen > PEER_EXPIRY_S or not a.publish_batches_per_s > 0:
+                continue
+            producers += 1
+            lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
+            if lid:
+                supply[lid] = supply.get(lid, 0.0) + min(a.publish_batches_per_s, 1e3) * self.batch_rollouts
+        demand = self.external_demand()
+        home = [lid for lid in (self.own, self.serving) if lid is not None]
+        plan = self.exchange.plan(now, producers, supply, demand, home,
+                                  self.inbound.rate(now) if demand > 0 else None)
+        if (plan.shards, plan.subscribe) != self.subscribed:
+            self.subscribed = (plan.shards, plan.subscribe)
+            out.append(Subscribe(plan.shards, plan.subscribe))
+            out.append(Log("exchange", {"shards": plan.shards, "subscribe": list(plan.subscribe),
+                                        "home": list(plan.home), "producers": producers,
+                                        "demand_rollouts_per_s": round(demand, 2)}))
 
     def external_wanted(self, lineages: set[bytes]) -> bool:
         """Whether an accepted rollout batch goes to our worker (a trainer learns; a validator spot-checks)."""

@@ -123,6 +123,15 @@ def _peer_table(s: NodeStatus) -> Table:
     return peers
 
 
+def _exchange(s: NodeStatus) -> str:
+    x = s.exchange
+    r = x.rates
+    return (f"shards {','.join(map(str, x.subscribed)) or '—'} of {x.shards}; per s: received "
+            f"{r.get('received_rollouts_per_s', 0):.1f}, verified {r.get('verified_rollouts_per_s', 0):.1f}, "
+            f"dropped {r.get('dropped_batches_per_s', 0):.1f} batches; used/verified {x.used_over_verified:.2f}; "
+            f"{x.distinct_producers} producers")
+
+
 def node_panel(s: NodeStatus) -> Panel:
     serving = short(s.serving) if s.serving else "—"
     rows: list[tuple[str, str | Text]] = [
@@ -146,6 +155,7 @@ def node_panel(s: NodeStatus) -> Panel:
     rows += [
         ("rollouts", f"produced {s.rollouts_produced}, published {s.rollouts_published}, received "
                      f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}"),
+        ("exchange", Text(_exchange(s))),
         ("rejected", Text(_counts(s.rejected))),
         ("spot checks", f"{s.spot_checked} ({s.spot_failed} failed)"),
         ("dropped", Text(_counts(s.dropped))),

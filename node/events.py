@@ -95,6 +95,15 @@ class Publish:
     topic: str  # announce | rollouts
     data: bytes
     count: int = 0  # rollouts in a rollout batch
+    shard: int = 0  # rollouts: the shard topic (gossip.exchange.shard_of its lineage)
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Join exactly these rollout shards (gossip.exchange plan) of a swarm of `shards` shards."""
+
+    shards: int
+    subscribe: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,5 +177,5 @@ class Log:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-Action = (Publish | ToWorker | RestartWorker | RecordRollouts | SeedVersion | StorePatch | DropItem | LoadStored
+Action = (Publish | Subscribe | ToWorker | RestartWorker | RecordRollouts | SeedVersion | StorePatch | DropItem | LoadStored
           | FetchCatalog | RequestOffer | Penalise | SeePeer | Log)

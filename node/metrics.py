@@ -36,6 +36,15 @@ class Metrics:
         self.disk = Gauge("murmur_disk_bytes", "disk used per budget", ["budget"], registry=r)
         self.disk_limit = Gauge("murmur_disk_limit_bytes", "configured byte limit per budget (where it is in bytes)",
                                 ["budget"], registry=r)
+        self.exchange = Gauge("murmur_exchange_total", "rollout exchange counters (received, verified, used)",
+                              ["kind"], registry=r)
+        self.exchange_rate = Gauge("murmur_exchange_per_second", "rollout exchange rates over the last 30 s",
+                                   ["kind"], registry=r)
+        self.exchange_dropped = Gauge("murmur_exchange_dropped_total", "rollout batches dropped, by reason",
+                                      ["reason"], registry=r)
+        self.producers = Gauge("murmur_exchange_distinct_producers", "producers verified in the last 10 min",
+                               registry=r)
+        self.shards = Gauge("murmur_exchange_shards", "rollout shards: count and subscribed", ["kind"], registry=r)
         self._server: Any = None
         self.port = 0
 
@@ -77,6 +86,16 @@ class Metrics:
         self.restarts.set(s.worker_restarts)
         for reason in DROP_REASONS:  # every reason exported, zeros included, so a dashboard can alert on any
             self.dropped.labels(reason).set(s.dropped.get(reason, 0))
+        x = s.exchange
+        for kind in ("received_batches", "received_rollouts", "verified_batches", "verified_rollouts", "used_rollouts"):
+            self.exchange.labels(kind).set(getattr(x, kind))
+        for kind, v in x.rates.items():
+            self.exchange_rate.labels(kind.removesuffix("_per_s")).set(v)
+        for reason, n in x.dropped.items():
+            self.exchange_dropped.labels(reason).set(n)
+        self.producers.set(x.distinct_producers)
+        self.shards.labels("count").set(x.shards)
+        self.shards.labels("subscribed").set(len(x.subscribed))
         for d in s.disk:
             self.disk.labels(d.name).set(d.used_mb * 2**20)
             if d.limit_mb:

@@ -230,12 +230,15 @@ class Node:
         signer = bytes(wire.decode_envelope(data).signer)
         if peer_id_from_public(signer) == body.peer_id:
             self.service.pipeline.announced(body.peer_id, body)  # the rate it states bounds what we accept
+            self.service.gate.announced(body.peer_id, self.service.pipeline.clock())  # no newcomer soon
         await self.feed(C.AnnounceHeard(signer, body, data))
 
     async def _on_manifest(self, origin: str, m: wire.PatchManifest, data: bytes) -> None:
         await self.feed(C.ManifestHeard(m))
 
     def _on_accept(self, v: Any) -> None:
+        if v.batch is not None:
+            self.core.on_accepted(len(v.batch.rollouts))
         if self.worker is not None and v.batch is not None:
             if self.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
                 self.worker.send(pipe.External(v.data))
@@ -292,12 +295,14 @@ class Node:
                     if a.topic == "announce":
                         await self.service.publish_announce(a.data)
                     else:
-                        await self.service.publish_rollouts(a.data)
+                        await self.service.publish_rollouts(a.data, a.shard)
                         self.core.counters["rollouts_published"] += a.count
                 except PublishError as e:
                     if a.topic == "announce":
                         self.drops.add("announce_unpublished")
                     log.debug("publish %s: %s", a.topic, e)
+            elif isinstance(a, C.Subscribe):
+                await self.service.set_shards(a.shards, a.subscribe)
             elif isinstance(a, C.RecordRollouts):
                 await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
             elif isinstance(a, C.SeePeer):

@@ -145,6 +145,24 @@ class LineageView(Struct, kw_only=True):
     admission_note: str = ""  # the last staleness transition, as logged
 
 
+class ExchangeView(Struct, kw_only=True):
+    """The rollout exchange (gossip.exchange): shards joined, and rollouts received, verified, used and
+    dropped (totals, and per second over the last 30 s), distinct producers verified in the last 10 min."""
+
+    shards: int = 1  # the shard count this node believes
+    subscribed: list[int] = []
+    received_batches: int = 0
+    received_rollouts: int = 0  # rollouts of received batches that decoded
+    verified_batches: int = 0
+    verified_rollouts: int = 0
+    used_rollouts: int = 0  # external rollouts the trainer trained on
+    dropped: dict[str, int] = {}  # reason -> batches dropped before or in verification
+    rates: dict[str, float] = {}  # <counter>_per_s
+    used_over_verified: float = 0.0
+    distinct_producers: int = 0
+    task_sets: dict[str, dict[str, int]] = {}  # task set hex -> verified_rollouts (coordinators)
+
+
 class ReachView(Struct, kw_only=True):
     """How this node is reachable (node.reach / node.doctor_reachability): the path, why, what helps."""
 
@@ -217,6 +235,7 @@ class NodeStatus(Struct, kw_only=True):
     peer_scores: dict[str, float] = {}  # peer id -> current gossip score, for peers with a record
     peer_charged: dict[str, float] = {}  # peer id -> all penalties charged to it so far (no decay), same peers
     reach: ReachView = msgspec.field(default_factory=ReachView)
+    exchange: ExchangeView = msgspec.field(default_factory=ExchangeView)
 
 
 def encode_status(s: NodeStatus) -> bytes:

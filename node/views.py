@@ -8,7 +8,7 @@ from typing import Any
 from gossip.identity import peer_id_from_public
 from node import hardware
 from node.core import NodeCore
-from node.status import LineageView, NodeStatus, PeerView
+from node.status import ExchangeView, LineageView, NodeStatus, PeerView
 
 
 def peer_views(core: NodeCore, now: float) -> list[PeerView]:
@@ -87,7 +87,22 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         gc_pause_max_ms=round(node.gc_timer.max_ms[2], 1),
         stream_faults=dict(node.transport.faults.counts) if node.transport is not None else {},
         **(peer_records(node.service.pipeline) if node.service is not None else {}),
-        **({"reach": node.reach.view()} if node.reach is not None else {}))
+        **({"reach": node.reach.view()} if node.reach is not None else {}),
+        **({"exchange": exchange_view(node.service, c)} if node.service is not None else {}))
+
+
+def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
+    st, now = service.stats, service.pipeline.clock()
+    used = core.counters["used"]
+    verified = st.counts["verified_rollouts"]
+    rates = st.rates(now)
+    return ExchangeView(shards=service.shards, subscribed=list(service.subscribed_shards),
+                        received_batches=st.counts["received_batches"], received_rollouts=st.counts["received_rollouts"],
+                        verified_batches=st.counts["verified_batches"], verified_rollouts=verified,
+                        used_rollouts=used, dropped=dict(st.dropped), rates=rates,
+                        used_over_verified=round(used / verified, 3) if verified else 0.0,
+                        distinct_producers=st.distinct_producers(now),
+                        task_sets={k: dict(v) for k, v in st.task_sets.items()})
 
 
 def status_fields(s: NodeStatus) -> dict[str, Any]:
