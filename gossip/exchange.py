@@ -5,18 +5,22 @@ a topic to every subscriber; so what a node receives and verifies is set by the
 topics it joins. The rollouts of one lineage go to one shard topic,
 `shard_of(lineage, S)`; the shard count S is a power of two that follows the
 number of producers the node hears announce (`shard_count`, about
-`PRODUCERS_PER_SHARD` producers a shard, with hysteresis so views a few
+`PRODUCERS_PER_SHARD` lineages a shard, with hysteresis so views a few
 producers apart agree). A node subscribes to:
-- its *home* shards: the shard of the lineage it publishes for (so its
-  batches always have a mesh, and a trainer hears its followers), and of the
-  lineage it validates (every producer of that lineage reaches it, whatever N);
+- its *home* shards: the shard of its own lineage when followers produce for
+  it (a trainer hears its followers), and of the lineage it validates (every
+  producer of that lineage reaches it, whatever N);
 - *rotating* shards, in an order drawn from (node, epoch) that changes every
-  `ROTATE_S` (staggered per node), taken until the announced supply of what it
-  has subscribed covers its demand (`DEMAND_MARGIN`), and one more while the
-  rollouts it measures fall short (a producer that announces and does not
-  publish cannot starve it). At most `MAX_SUBSCRIBED` in all.
-So a node's inbound is at most its demand plus one shard's supply plus its
-home shards, none of which grows with N.
+  `ROTATE_S` (staggered per node): those whose announced supply fits what is
+  still missing of its demand (x `DEMAND_MARGIN`) first, then the smallest
+  that covers the rest, and one more while the rollouts it measures fall
+  short (a producer that announces and does not publish cannot starve it).
+  At most `MAX_SUBSCRIBED` in all.
+A node publishes to the shard of its batch's lineage whether it subscribes
+to it or not (GossipSub's fanout). So a node's inbound is at most its demand
+(with margin) plus one shard's supply plus its home shards, none of which
+grows with N; and a shard holds a couple of lineages, so a trainer that takes
+about as much as it makes uses a large share of what it verifies.
 
 A receiver's gate (`ShardGate`) runs before verification: a batch whose lineage
 does not belong to the shard it came on is dropped (`wrong_shard`; uncharged, a
@@ -32,16 +36,18 @@ Pure: every function takes `now`; nothing here does I/O.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
 from gossip.ratelimit import Bucket
 
-PRODUCERS_PER_SHARD: Final = 8  # swarm-wide: every node must size S alike, so it is a protocol constant
+PRODUCERS_PER_SHARD: Final = 2  # swarm-wide: every node must size S alike, so it is a protocol constant
 MAX_SHARDS: Final = 1024
 MAX_SUBSCRIBED: Final = 8  # shard topics one node joins at most (home ones included)
 ROTATE_S: Final = 120.0  # a node's rotating shards are re-drawn this often (staggered per node)
@@ -69,10 +75,15 @@ def shard_count(producers: int, current: int = 1) -> int:
     return s
 
 
+@functools.lru_cache(maxsize=65_536)
+def _lineage_hash(lineage: bytes) -> int:
+    return _h(b"murmur/shard", lineage)
+
+
 def shard_of(lineage: bytes, shards: int) -> int:
     """The shard of a lineage's rollouts under `shards` (a power of two): its hash mod S, so a lineage's
     shard under 2S is its shard under S or that plus S."""
-    return _h(b"murmur/shard", bytes(lineage)) % max(1, shards)
+    return _lineage_hash(bytes(lineage)) % max(1, shards)
 
 
 def on_shard(lineage: bytes, shard: int, shards: int) -> bool:
@@ -89,10 +100,12 @@ class Plan:
     epoch: int  # the rotation epoch the plan was drawn in
 
 
-def rotation(node: bytes, shards: int, epoch: int) -> list[int]:
-    """All shards in the order node `node` takes them in `epoch`: a fresh permutation each epoch."""
-    e = epoch.to_bytes(8, "big", signed=True)
-    return sorted(range(shards), key=lambda j: _h(b"murmur/rotate", node, e, j.to_bytes(4, "big")))
+def rotation(node: bytes, shards: int, epoch: int) -> Iterator[int]:
+    """All shards (a power of two) in the order node `node` takes them in `epoch`, lazily: j -> a*j + b
+    mod S with a odd is a permutation, drawn afresh each epoch."""
+    r = _h(b"murmur/rotate", node, epoch.to_bytes(8, "big", signed=True))
+    a, b = (r >> 32) | 1, r & 0xFFFFFFFF
+    return ((a * i + b) % shards for i in range(shards))
 
 
 class Exchange:
@@ -127,24 +140,44 @@ class Exchange:
         demand = demand_rps if math.isfinite(demand_rps) and demand_rps > 0 else 0.0
         self._shortfall(now, demand, measured_rps)
         chosen = list(pinned)
-        if demand > 0:  # consumers: rotating shards until supply covers demand (at least one), then `extra`
-            have, want, taken, more = sum(per_shard[j] for j in chosen), DEMAND_MARGIN * demand, 0, self.extra
-            for j in rotation(self.node, s, self.epoch(now)):
-                if len(chosen) >= MAX_SUBSCRIBED:
-                    break
-                if j in chosen:
-                    continue
-                if have >= want and taken >= 1:
-                    if more <= 0:
-                        break
-                    more -= 1
-                chosen.append(j)
-                taken += 1
-                have += per_shard[j]
-        if not chosen:  # a node that neither publishes nor consumes still forwards one shard
-            chosen = [rotation(self.node, s, self.epoch(now))[0]]
+        if demand > 0:
+            chosen += self._rotating(now, s, per_shard, DEMAND_MARGIN * demand - sum(per_shard[j] for j in chosen),
+                                     set(chosen))
         self.plan_ = Plan(s, tuple(sorted(chosen)), tuple(pinned), self.epoch(now))
         return self.plan_
+
+    def _rotating(self, now: float, s: int, per_shard: Counter[int], missing: float, taken: set[int]) -> list[int]:
+        """Rotating shards for `missing` rollouts/s: in this epoch's order, those that fit what is still
+        missing, then the smallest that covers the rest; at least one (diversity), plus `extra`."""
+        room = MAX_SUBSCRIBED - len(taken)
+        # the candidates: this epoch's first shards with supply (and a few without, for when none has)
+        nonempty = len(per_shard)
+        pool = itertools.islice((j for j in rotation(self.node, s, self.epoch(now)) if j not in taken
+                                 and (per_shard[j] > 0 or nonempty == 0)), 4 * MAX_SUBSCRIBED)
+        order = list(pool) or [j for j in itertools.islice(rotation(self.node, s, self.epoch(now)), MAX_SUBSCRIBED)
+                               if j not in taken]
+        out: list[int] = []
+        for j in order:
+            if len(out) >= room or missing <= 0:
+                break
+            if 0 < per_shard[j] <= missing:
+                out.append(j)
+                missing -= per_shard[j]
+        if missing > 0 and len(out) < room:
+            rest = [j for j in order if j not in out and per_shard[j] > 0]
+            cover = [j for j in rest if per_shard[j] >= missing]
+            if rest:  # the smallest that covers the rest, or else the largest there is
+                out.append(min(cover, key=per_shard.__getitem__) if cover else max(rest, key=per_shard.__getitem__))
+        if not out and order and room > 0:
+            out.append(next((j for j in order if per_shard[j] > 0), order[0]))
+        extra = self.extra
+        for j in order:
+            if extra <= 0 or len(out) >= room:
+                break
+            if j not in out:
+                out.append(j)
+                extra -= 1
+        return out
 
     def _shortfall(self, now: float, demand: float, measured: float | None) -> None:
         if demand <= 0 or measured is None or not math.isfinite(measured):

@@ -710,7 +710,10 @@ class NodeCore:
             if lid:
                 supply[lid] = supply.get(lid, 0.0) + min(a.publish_batches_per_s, 1e3) * self.batch_rollouts
         demand = self.external_demand()
-        home = [lid for lid in (self.own, self.serving) if lid is not None]
+        # home: our own lineage's shard when followers produce for it, the validated lineage's shard
+        home = [lid for lid in (self.own,) if lid is not None and supply.get(lid, 0.0) > 0]
+        if "validator" in self.roles and self.serving is not None:
+            home.append(self.serving)
         plan = self.exchange.plan(now, producers, supply, demand, home,
                                   self.inbound.rate(now) if demand > 0 else None)
         if (plan.shards, plan.subscribe) != self.subscribed:
