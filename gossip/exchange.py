@@ -53,9 +53,9 @@ MAX_SUBSCRIBED: Final = 8  # shard topics one node joins at most (home ones incl
 ROTATE_S: Final = 120.0  # a node's rotating shards are re-drawn this often (staggered per node)
 DEMAND_MARGIN: Final = 1.5  # announced supply subscribed, as a multiple of demand
 SHORTFALL_WINDOW_S: Final = 30.0  # measured inbound below demand this long: one more shard
-ESTABLISHED_S: Final = 30.0  # a producer heard announcing this long ago is no newcomer
-NEWCOMER_BATCHES_PER_S: Final = 2.0  # per shard, shared by every newcomer producer
-NEWCOMER_BURST: Final = 10.0
+ESTABLISHED_S: Final = 10.0  # a producer heard announcing this long ago is no newcomer (an announce is cheap)
+NEWCOMER_BATCHES_PER_S: Final = 5.0  # per shard, shared by every newcomer producer
+NEWCOMER_BURST: Final = 40.0
 MAX_KNOWN: Final = 10_000  # producers remembered by a gate (least recently announced forgotten)
 
 
