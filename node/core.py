@@ -151,7 +151,8 @@ class NodeCore:
         self.catching: CatchUp | None = None
         self.counters: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
                                          "used": 0, "rollouts_published": 0, "bytes_down": 0,
-                                         "worker_restarts": 0, "peers_evicted": 0, "rollouts_unpublishable": 0}
+                                         "worker_restarts": 0, "peers_evicted": 0, "rollouts_unpublishable": 0,
+                                         "patches_not_finite": 0}
         self.worker_state = "starting"
         self.worker_error = ""
         self.engine = ""  # what the worker runs (pipe.Engine): a MODE_*, or "<asked> unavailable: <why>"
@@ -583,6 +584,10 @@ class NodeCore:
             out.append(Log("patch apply failed", {"lineage": m.lineage[:16], "base": m.base, "target": m.target,
                                                   "error": m.error[:300]}))
             lid = bytes.fromhex(m.lineage)
+            lin = self.table.rows.get(lid)
+            if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) == 32:
+                self.counters["patches_not_finite"] += 1
+                out.append(Penalise(peer_id_from_public(lin.publisher), m.fault, FORGERY_PENALTY))
             self.stored.get(lid, set()).discard(("patch" if m.target == m.base + 1 else "union", m.base, m.target))
             out.append(DropItem(lid, m.base, m.target))  # fetched again (from another peer)
         elif isinstance(m, pipe.Perf):

@@ -123,6 +123,7 @@ class ApplyFailed(Struct, tag="apply_failed", forbid_unknown_fields=True):
     base: int
     target: int
     error: str = ""
+    fault: str = ""  # "non_finite_patch": the publisher's signed content is at fault (it is charged)
 
 
 class Perf(Struct, tag="perf", forbid_unknown_fields=True):

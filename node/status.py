@@ -25,6 +25,9 @@ DROP_REASONS: dict[str, str] = {
     "task_set_unused": "external rollouts of a task set this trainer does not hold",
     "task_set_refused": "task sets not added: unsigned by a trusted coordinator key, or invalid",
     "rollout_unpublishable": "own rollouts not signed: a behaviour log-prob outside the wire's range (receivers ban it)",
+    "step_not_finite": "training steps not applied: the loss or the gradient was not finite (weights kept)",
+    "publish_not_finite": "versions not published: new weights not finite (training resumed from the last version)",
+    "patch_not_finite": "patches or anchors refused: they would make a weight non-finite (publisher charged)",
     "announce_unpublished": "node announces that could not be published (no peer on the topic)",
     "task_set_unpublished": "own task-set announces that could not be published (retried next round)",
 }

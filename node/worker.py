@@ -296,6 +296,7 @@ class Worker:
     def run_trainer(self) -> None:
         from sync.hashing import canonical_state
         from sync.lineage import LineagePublisher
+        from gossip.errors import NonFiniteWeights
         from gossip.identity import Identity
         from node.policy import MasterEngine, to_published
         from training.trainer import Trainer, TrainerConfig
@@ -365,11 +366,18 @@ class Worker:
                 self.send("rollouts", [wire.encode(to_wire(r)) for r in res.rollouts])
             published = None
             if res.version != pub.version and steps % publish_every == 0:
-                bundle = pub.publish(to_published(canonical_state(self.engine.model)))
-                self.engine.set_published(pub.base)
-                published = pub.version
-                self.send("published", {"version": pub.version, "envelope": bundle.envelope,
-                                        "bytes": bundle.manifest.total_bytes})
+                try:
+                    bundle = pub.publish(to_published(canonical_state(self.engine.model)))
+                except NonFiniteWeights as e:  # never signed: back to the last published state
+                    trainer.drops["publish_not_finite"] = trainer.drops.get("publish_not_finite", 0) + 1
+                    self.master.load_state(pub.base)
+                    trainer.opt.state.clear()  # its moments may hold what made the weights non-finite
+                    self.send("log", f"{e}; training resumes from version {pub.version}")
+                else:
+                    self.engine.set_published(pub.base)
+                    published = pub.version
+                    self.send("published", {"version": pub.version, "envelope": bundle.envelope,
+                                            "bytes": bundle.manifest.total_bytes})
             trainer.version = pub.version
             self._observe_own_head(pub.lineage.id, pub.version)
             with self.inbox.lock:
@@ -474,7 +482,7 @@ class Worker:
     def _apply_item(self, follower: Any, kind: str, base: int, target: int) -> bool:
         from sync import chunks as chunking
         from sync.patchstore import open_manifest
-        from gossip.errors import PatchError
+        from gossip.errors import NonFiniteWeights, PatchError
 
         store = follower.store
         try:
@@ -482,8 +490,10 @@ class Worker:
             m = open_manifest(env)
             applied = follower.apply(env, chunking.split(payload, m.chunk_bytes))
         except PatchError as e:
+            # a non-finite value comes from chunks the publisher signed, applied to the base it named
             self.send("apply_failed", {"lineage": follower.lineage.id.hex(), "base": base, "target": target,
-                                       "error": str(e)})
+                                       "error": str(e),
+                                       "fault": "non_finite_patch" if isinstance(e, NonFiniteWeights) else ""})
             return False
         self.engine.take_version(follower.live, applied.changed)
         if kind == "anchor":

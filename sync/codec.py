@@ -356,6 +356,23 @@ class StagedTensor:
         return _unord(_ord(old, kind) + _unzigzag(vals), kind)
 
 
+# Exponent bits of each float dtype: a value is NaN or +-inf exactly when all of them are set.
+_EXPONENT_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
+
+
+def count_non_finite(bits: np.ndarray, dtype: str, was: np.ndarray | None = None) -> int:
+    """NaN and +-inf among bit patterns of a float dtype (as its unsigned view); 0 for other dtypes.
+    With `was` (the old bit patterns at the same positions), only those that were finite before."""
+    mask = _EXPONENT_MASK.get(dtype)
+    if mask is None or bits.size == 0:
+        return 0
+    m = bits.dtype.type(mask)
+    bad = (bits & m) == m
+    if was is not None:
+        bad &= (was & m) != m
+    return int(np.count_nonzero(bad))
+
+
 def _numel(shape: list[int]) -> int:
     n = 1
     for s in shape:

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
-from gossip.errors import PatchError
+from gossip.errors import NonFiniteWeights, PatchError
 from gossip.identity import Identity
 from sync import chunks as chunking
 from sync.catchup import Plan, choose
-from sync.codec import (FORMAT, PatchHeader, TensorChange, assemble, check_layout, decode_patch, diff_tensor,
-                        encode_tensor, _Packer, DEFAULT_LEVEL)
+from sync.codec import (FORMAT, PatchHeader, TensorChange, assemble, check_layout, count_non_finite, decode_patch,
+                        diff_tensor, encode_tensor, _Packer, DEFAULT_LEVEL)
 from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, state_hash
 from sync.ids import lineage_id
 from sync.patchstore import LineageStore, StoredItem, open_manifest
@@ -202,6 +202,10 @@ class LineagePublisher:
         new = canonical_state(new_state) if isinstance(new_state, torch.nn.Module) else new_state
         base_hash = self.hasher.hash
         payload, target_hash, changes, digests = encode_states(self.base, new, base_hash, self.hasher, self.level)
+        for name, ch in changes.items():  # before anything is signed: followers would refuse it and charge us
+            bad = count_non_finite(ch.new, dtype_name(self.base[name].dtype))
+            if bad:
+                raise NonFiniteWeights(f"version {self.version + 1} not published: {bad} non-finite values in {name}")
         bundle = make_bundle(self.identity, self.lineage, SPARSE, self.version, self.version + 1,
                              base_hash, target_hash, payload, self.chunk_bytes)
         for name, ch in changes.items():
@@ -359,6 +363,11 @@ class LineageFollower:
         views = {s.name: bits_view(self.live[s.name]) for s in staged}
         old = {s.name: views[s.name][s.idx] for s in staged}  # staging: old bits at changed positions
         new = {s.name: s.new_values(old[s.name]) for s in staged}
+        for s in staged:  # before any write: a signed patch that makes a weight NaN is refused whole
+            bad = count_non_finite(new[s.name], s.dtype, was=old[s.name])
+            if bad:
+                raise NonFiniteWeights(f"patch {m.base_version}->{m.target_version} makes {bad} values of "
+                                       f"{s.name} non-finite")
         positions = {s.name: s.idx for s in staged}
         done: list[str] = []
         try:
@@ -388,6 +397,11 @@ class LineageFollower:
         hasher = StateHasher(loaded)
         if hasher.hash != m.target_hash:
             raise PatchError(f"anchor {m.target_version} does not match its signed hash")
+        for n, t in loaded.items():  # non-finite only where the held state is too (a model's own masks)
+            if t.is_floating_point():
+                bad = int((~torch.isfinite(t) & torch.isfinite(self.live[n])).sum())
+                if bad:
+                    raise NonFiniteWeights(f"anchor {m.target_version} makes {bad} values of {n} non-finite")
         with torch.no_grad():
             for n, t in loaded.items():
                 self.live[n].copy_(t)

@@ -218,3 +218,20 @@ def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
     assert [len(b.rollouts) for b in sent] == [1]  # only the honest one, and it still opens cleanly
     assert core.counters["rollouts_unpublishable"] == 3
     assert sum(1 for a in of(acts, C.Log) if a.msg == "worker rollout not published") == 3
+
+
+def test_a_patch_that_would_make_weights_non_finite_costs_its_publisher() -> None:
+    """The worker refused a patch whose signed, hash-checked content makes a weight NaN
+    (`sync.lineage`, `tests/test_weights_finite.py`): the publisher signed it, so it is charged, and the
+    item is dropped to be fetched again; any other failure to apply charges no one."""
+    core, clock = make_core()
+    poisoner = key(70)
+    lid = lineage_id(poisoner.public, BASE, "lin")
+    core.handle(announce(poisoner, 1, [demand(lid, "lin", 3)]))
+    acts = core.handle(W("apply_failed", {"lineage": lid.hex(), "base": 1, "target": 2, "error": "target hash"}))
+    assert of(acts, C.Penalise) == [] and of(acts, C.DropItem)
+    acts = core.handle(W("apply_failed", {"lineage": lid.hex(), "base": 1, "target": 2, "error": "makes 2 values",
+                                          "fault": "non_finite_patch"}))
+    assert [(p.peer, p.reason, p.amount) for p in of(acts, C.Penalise)] == [
+        (poisoner.peer_id, "non_finite_patch", C.FORGERY_PENALTY)]
+    assert of(acts, C.DropItem) and core.counters["patches_not_finite"] == 1

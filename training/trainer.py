@@ -389,16 +389,19 @@ class Trainer:
                     with torch.no_grad():
                         prox, _ = self.engine.token_logprobs([r.prompt_ids for r in own], [r.ids for r in own],
                                                              cfg.temperature)
+                applied = 0
                 for _ in range(max(1, cfg.ppo_epochs)):
                     loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows)
-                    self.opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    gn = torch.nn.utils.clip_grad_norm_(self.engine.model.parameters(), cfg.grad_clip)
-                    self.opt.step()
                     loss_val = float(loss.detach())
-                    stats["grad_norm"] = float(gn)
+                    gn = guarded_step(self.opt, list(self.engine.model.parameters()), loss, cfg.grad_clip)
+                    if gn is None:
+                        self.drops["step_not_finite"] = self.drops.get("step_not_finite", 0) + 1
+                        break
+                    applied += 1
+                    stats["grad_norm"] = gn
                 self.engine.model.eval()
-                self.version += 1
+                if applied:  # a version is a change of the weights: a skipped step makes none
+                    self.version += 1
             self.step_no += 1
             used: dict[bytes, int] = {}
             ext_used: dict[bytes, int] = {}
@@ -430,6 +433,23 @@ class Trainer:
             self.step()
             n += 1
         return n
+
+
+def guarded_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor,
+                 grad_clip: float) -> float | None:
+    """Backward, clip and step, unless the loss or the gradient norm is not finite: one such step
+    makes every weight NaN through the optimizer's moments, and the next version ships it. Returns
+    the gradient norm, or None when the step was skipped (gradients cleared, weights untouched)."""
+    opt.zero_grad(set_to_none=True)
+    if not bool(torch.isfinite(loss.detach())):
+        return None
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if not bool(torch.isfinite(gn)):
+        opt.zero_grad(set_to_none=True)
+        return None
+    opt.step()
+    return float(gn)
 
 
 def loss_denominator(cfg: TrainerConfig, batch_rows: int) -> int | None:
