@@ -125,12 +125,19 @@ def test_forged_payload_with_valid_checksum_never_crashes(spec, data) -> None:
         body[pos] = data.draw(st.integers(0, 255))
     forged = bytes(body) + blake3.blake3(bytes(body)).digest(length=TRAILER_BYTES)
     try:
-        out = _apply(base, forged)
+        _, staged = decode_patch(forged, layout)
     except PatchError:
         return
-    if forged != payload:
-        # it decoded: fine only if the result is a valid state of the same layout
-        assert {n: (t.dtype, tuple(t.shape)) for n, t in out.items()} == layout
+    # it decoded: every staged change must stay inside its tensor, so applying it cannot write out of bounds
+    # or grow the state; what it writes is then for the target hash to reject
+    for s in staged:
+        numel = int(np.prod(layout[s.name][1]))
+        assert s.idx.dtype == np.int64 and s.idx.size == s.vals.size >= 1
+        assert int(s.idx[0]) >= 0 and int(s.idx[-1]) < numel
+        assert np.all(np.diff(s.idx) > 0)
+        assert s.vals.dtype.itemsize == layout[s.name][0].itemsize
+    out = _apply(base, forged)
+    assert {n: (t.dtype, tuple(t.shape)) for n, t in out.items()} == layout
 
 
 def test_garbage_is_a_patch_error() -> None:

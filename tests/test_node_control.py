@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import select
 import socket
 import urllib.request
 from pathlib import Path
@@ -127,7 +128,10 @@ def test_control_socket_answers_hostile_input_with_errors(tmp_path: Path) -> Non
                 pass
             buf = b""
             while True:
-                part = s.recv(65536)
+                try:
+                    part = s.recv(65536)
+                except ConnectionResetError:  # the node closed with our unread bytes queued: its reply came first
+                    return buf
                 if not part:
                     return buf
                 buf += part
@@ -137,14 +141,38 @@ def test_control_socket_answers_hostile_input_with_errors(tmp_path: Path) -> Non
             await n.start(control.serve, tmp_path, sample_status)
             for raw in HOSTILE_REQUESTS:
                 replies.append(await trio.to_thread.run_sync(ask, raw))
-            try:  # a megabyte without a newline: read up to the limit, answered, the rest reset
-                await trio.to_thread.run_sync(ask, b"x" * 1_000_000)
-            except ConnectionResetError:
-                pass
+            # a megabyte without a newline: read up to the limit, answered, the rest reset
+            replies.append(await trio.to_thread.run_sync(ask, b"x" * 1_000_000))
             replies.append(await trio.to_thread.run_sync(ask, b'{"cmd": "ping"}\n'))
             n.cancel_scope.cancel()
 
     trio.run(main)
     for raw, reply in zip(HOSTILE_REQUESTS, replies):
         assert b'"error"' in reply, (raw[:40], reply[:200])
+    huge = replies[len(HOSTILE_REQUESTS)]
+    assert huge == b'{"error": "request line over %d bytes"}' % control.MAX_REQUEST, huge[:200]
     assert replies[-1] == b'{"ok": true}'  # the server outlived all of them
+
+
+def test_control_socket_serves_at_most_max_clients_at_once(tmp_path: Path) -> None:
+    """Idle local clients hold at most MAX_CLIENTS handlers: the next one is served only when one leaves."""
+    from trio.testing import wait_all_tasks_blocked
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            path = await n.start(control.serve, tmp_path, sample_status)
+            idle = [await trio.open_unix_socket(str(path)) for _ in range(control.MAX_CLIENTS)]
+            await wait_all_tasks_blocked()  # every idle client's handler is waiting for its request line
+            late = await trio.open_unix_socket(str(path))
+            await late.send_all(b'{"cmd": "ping"}\n')
+            await wait_all_tasks_blocked()  # the server did all it would do for `late`
+            # not served while MAX_CLIENTS are held: nothing to read, nor closed
+            assert select.select([late.socket.fileno()], [], [], 0)[0] == []
+            await idle[0].aclose()
+            with trio.fail_after(10):
+                assert await late.receive_some(100) == b'{"ok": true}'
+            for s in idle[1:] + [late]:
+                await s.aclose()
+            n.cancel_scope.cancel()
+
+    trio.run(main)

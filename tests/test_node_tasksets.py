@@ -74,8 +74,9 @@ def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_p
                             stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=ENV, cwd=str(ROOT))
     try:
         wait_for("the worker to wait for 'e2e'", lambda: _status(home).get("waiting") == ["e2e"], [proc], 300)
-        s = status(home)
-        assert s is None or s.worker == "waiting-for-tasks"
+        # the control socket says so too (it must answer: a node that does not is a failure, not a pass)
+        wait_for("the node to report waiting-for-tasks", lambda: (s := status(home)) is not None
+                 and s.worker == "waiting-for-tasks", [proc], 60)
         assert not any(x["produced"] for x in _status(home).get("sets", []))  # nothing trained meanwhile
         assert _cli("tasks", "publish", str(_set_file(tmp_path, 1)), home=home).returncode == 0
         wait_for("training on e2e v1", lambda: _training(home, 1), [proc], 300)

@@ -53,6 +53,7 @@ def test_emulation_runs_real_nodes_and_rejects_a_forger(tmp_path) -> None:
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert s["mode"] == "emulate" and s["nodes"] == 3
     assert s["reward_samples"] >= 1
+    assert s["rejections"].get("forged_reward", 0) >= 1, s["rejections"]  # the forger's rollouts were rejected
     assert (out / "index.html").is_file()
     # every node process was stopped
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

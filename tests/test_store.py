@@ -12,10 +12,15 @@ def test_schema_and_wal(tmp_path):
     s = Store(tmp_path / "state.db")
     assert s.schema_version == len(MIGRATIONS)
     assert s.query("PRAGMA journal_mode")[0][0] == "wal"
+    s.put("k", {"v": 1})
+    s.see_peer("12D3KooWx", b"k" * 32, ["/ip4/127.0.0.1/tcp/1"])
     s.close()
     # reopening migrates nothing and keeps data
     s = Store(tmp_path / "state.db")
     assert s.schema_version == len(MIGRATIONS)
+    assert s.get("k") == {"v": 1}
+    assert [p["peer_id"] for p in s.peers()] == ["12D3KooWx"]
+    s.close()
 
 
 def test_ledger_peers_lineages_tasksets(tmp_path):
