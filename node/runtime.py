@@ -105,15 +105,9 @@ class Node:
     async def run(self) -> None:
         from gossip.discovery import Discovery
         from gossip.host import open_transport
-        from gossip.service import GossipService
-        from gossip.validation import Pipeline, PipelineConfig
-        from training.tokencheck import for_model
-        from training.verifiers import VerifierPool, score
 
         cfg = self.cfg
         wire.bind_swarm(cfg.node.swarm)  # every envelope signed or accepted here names this swarm
-        self.tasks = TaskSetGossip(self.store, self.ident.public, cfg.trust.coordinators, self.drops)
-        self.registry = self.tasks.registry
         watchdog_armed = threading.Event()
         old_handlers = lifecycle.install_signals(watchdog_armed, self._on_signal, EXIT_DEADLINE_S)
         listen = self.opts.listen or cfg.network.listen
@@ -130,22 +124,7 @@ class Node:
                 self.metrics = None
         try:
             async with open_transport(self.ident, listen) as t:
-                self.transport = t
-                self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
-                check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
-                pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness),
-                                    clock=time.time, resolve_task=self.registry.resolve, reward=score,
-                                    head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
-                                    own_lineage=lambda lid: bytes(lid) == self.core.own,
-                                    reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
-                self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
-                t.faults.on_fault = self._on_stream_fault
-                self.service.on_accept = self._on_accept
-                self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
-                self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
-                self.service.on_announce(wire.TASK_SET, self.tasks.on_task_set)
-                self.bcast = self._broadcast_node(t)
-                t.set_stream_handler(patchsync.PROTOCOL, self._serve_catalog)
+                await self.attach(t)
                 bootstrap = list(dict.fromkeys(self.opts.bootstrap + cfg.network.bootstrap))
                 disc = Discovery(t, bootstrap, self.store, dht=cfg.network.dht and bool(bootstrap))
                 async with trio.open_nursery() as nursery:
@@ -181,6 +160,35 @@ class Node:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
             event(log, "stopped", peer_id=self.ident.peer_id)
+
+    async def attach(self, t: Any) -> None:
+        """Wire this node's handlers onto transport `t`: task sets, the validation pipeline and gossip
+        service, stream-fault penalties, the chunk broadcast and the catalog protocol (the caller runs the
+        services). Tests attach a node to an in-process transport to fuzz exactly these handlers."""
+        from gossip.service import GossipService
+        from gossip.validation import Pipeline, PipelineConfig
+        from training.tokencheck import for_model
+        from training.verifiers import VerifierPool, score
+
+        cfg = self.cfg
+        self.tasks = TaskSetGossip(self.store, self.ident.public, cfg.trust.coordinators, self.drops)
+        self.registry = self.tasks.registry
+        self.transport = t
+        self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
+        check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
+        pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness),
+                            clock=time.time, resolve_task=self.registry.resolve, reward=score,
+                            head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
+                            own_lineage=lambda lid: bytes(lid) == self.core.own,
+                            reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
+        self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
+        t.faults.on_fault = self._on_stream_fault
+        self.service.on_accept = self._on_accept
+        self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
+        self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
+        self.service.on_announce(wire.TASK_SET, self.tasks.on_task_set)
+        self.bcast = self._broadcast_node(t)
+        t.set_stream_handler(patchsync.PROTOCOL, self._serve_catalog)
 
     def request_stop(self) -> None:
         if self._cancel is not None:
