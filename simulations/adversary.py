@@ -89,6 +89,7 @@ async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstr
     from gossip import topics  # noqa: PLC0415
     from gossip.host import open_transport  # noqa: PLC0415
 
+    wire.bind_swarm(swarm)  # its envelopes name the swarm it attacks, so they reach the stage each behaviour targets
     ident = Identity.from_seed(bytes.fromhex(seed_hex))
     forger = Forger(ident, swarm, seed=int(seed_hex[:8], 16))
     async with open_transport(ident, [listen]) as t:
