@@ -305,7 +305,7 @@ def test_start_reachability_on_loopback_serves_view_and_announces() -> None:
 
 @pytest.mark.slow
 def test_webrtc_direct_loopback_transfer_with_hash(webrtc_extra: None) -> None:
-    """The optional WebRTC fallback (extra `webrtc`): skipped with the reason when aiortc is absent (CI)."""
+    """The WebRTC-direct fallback (aiortc, a core dependency): a loopback transfer with its hash."""
     from gossip.webrtc import WebRTCUnavailable, measure_loopback
 
     errors = []
