@@ -39,8 +39,10 @@ from gossip.errors import DecodeError, PatchError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.ratelimit import RateMeter
 from node import patchsync, pipe, roles
+from node.credit import Deliveries
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
-                         StoredItems, TransferDone, PatchStored, CatalogReceived, CatalogFailed, Publish, ToWorker,
+                         StoredItems, TransferDone, PatchStored, CatalogReceived, CatalogFailed, RolloutsVerified,
+                         Publish, ToWorker,
                          RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
                          RequestOffer, Penalise, SeePeer, Log, Subscribe, Event, Action)  # noqa: F401 - part of the core's API
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
@@ -152,7 +154,8 @@ class NodeCore:
         self.counters: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
                                          "used": 0, "rollouts_published": 0, "bytes_down": 0,
                                          "worker_restarts": 0, "peers_evicted": 0, "rollouts_unpublishable": 0,
-                                         "patches_not_finite": 0}
+                                         "patches_not_finite": 0, "claims_capped": 0}
+        self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.worker_state = "starting"
         self.worker_error = ""
         self.engine = ""  # what the worker runs (pipe.Engine): a MODE_*, or "<asked> unavailable: <why>"
@@ -245,6 +248,10 @@ class NodeCore:
             self._on_catalog(ev, out)
         elif isinstance(ev, CatalogFailed):
             self._on_catalog_failed(ev, out)
+        elif isinstance(ev, RolloutsVerified):
+            for lid, n in ev.lineages:
+                if lid == self.own:
+                    self.deliveries.add(ev.producer, n, self.clock())
         return out
 
     # ------------------------------------------------------------ timers
@@ -350,9 +357,11 @@ class NodeCore:
             if now - p.seen > PEER_EXPIRY_S or "follower" not in a.roles:
                 continue
             if bytes(a.serving) == self.own or pid in prev_standby:
+                # a claimed throughput counts only as far as this follower's verified deliveries back it
                 offers.append(roles.Offer(pid, roles.offer_rate(a.gen_tokens_per_s, self.tokens_per_rollout),
-                                          a.rollout_latency_s))
+                                          a.rollout_latency_s, backed=self.deliveries.credit(pid, now)))
         lin.activation = roles.activate(d, offers, self.dissemination_s())
+        self.counters["claims_capped"] += len(lin.activation.capped)
         return wire.LineageDemand(lineage=lin.lineage, name=lin.name, head_version=lin.head, rollouts_per_step=b,
                                   step_time_s=step_t, max_staleness=self.s.max_staleness,
                                   standby=lin.activation.standby[:256])

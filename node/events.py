@@ -83,8 +83,26 @@ class CatalogFailed:
     error: str
 
 
+@dataclass(frozen=True, slots=True)
+class RolloutsVerified:
+    """A rollout batch this node's pipeline accepted: who produced how many rollouts for which lineage
+    (what a follower delivered, against which its claimed throughput is credited)."""
+
+    producer: str  # peer id of the batch's signer
+    lineages: tuple[tuple[bytes, int], ...]  # (lineage, rollouts)
+
+    @classmethod
+    def of(cls, batch: wire.RolloutBatch) -> RolloutsVerified:
+        from gossip.identity import peer_id_from_public
+
+        n: dict[bytes, int] = {}
+        for r in batch.rollouts:
+            n[bytes(r.lineage)] = n.get(bytes(r.lineage), 0) + 1
+        return cls(peer_id_from_public(bytes(batch.producer)), tuple(n.items()))
+
+
 Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | PeerGone | FromWorker | WorkerExited | StoredItems
-         | TransferDone | PatchStored | CatalogReceived | CatalogFailed)
+         | TransferDone | PatchStored | CatalogReceived | CatalogFailed | RolloutsVerified)
 
 
 # ---------------------------------------------------------------- actions

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gossip.errors import ConfigError
+from node import credit
 
 ROLES = ("trainer", "follower", "validator")
 HARDWARE_CLASSES = ("cpu", "gpu-small", "gpu-large")
@@ -82,6 +83,9 @@ class Offer:
     rollouts_per_s: float  # lambda_i
     rollout_latency_s: float  # G_i (p95)
     cost: float = 1.0  # relative cost of activating it (e.g. energy, a paid GPU)
+    # What observed delivery backs of the claim (node.credit); None: the claim counts in full
+    # (a follower weighing other followers' announces, which it cannot observe).
+    backed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ class Activation:
     active: list[str] = field(default_factory=list)
     standby: list[str] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
+    capped: dict[str, float] = field(default_factory=dict)  # active followers whose claim counted only this much
 
     @property
     def met(self) -> bool:
@@ -136,10 +141,20 @@ class Activation:
 
 
 def activate(d: Demand, offers: Iterable[Offer], dissemination_s: float = 0.0,
-             margin: float = DEFAULT_MARGIN) -> Activation:
-    """Cost-aware activation: cheapest per rollout first until the demand is met; the rest stand by."""
+             margin: float = DEFAULT_MARGIN, trial_share: float = credit.TRIAL_SHARE) -> Activation:
+    """Cost-aware activation: cheapest per rollout first until the demand is met; the rest stand by.
+
+    An offer with `backed` counts for its claim only up to what delivery backs, plus a share of one
+    trial credit (`trial_share` of the need) that all such offers draw from in turn: claims no
+    delivery backs never meet more than that share of the demand, however large or many they are.
+    """
     act = Activation(need=required_rate(d, margin))
-    ranked = sorted(offers, key=lambda o: (o.cost / o.rollouts_per_s if o.rollouts_per_s > 0 else math.inf, o.peer_id))
+    trial = max(0.0, trial_share * act.need)
+
+    def believable(o: Offer) -> float:
+        return o.rollouts_per_s if o.backed is None else min(o.rollouts_per_s, o.backed + trial)
+
+    ranked = sorted(offers, key=lambda o: (o.cost / believable(o) if believable(o) > 0 else math.inf, o.peer_id))
     for o in ranked:
         if o.rollouts_per_s <= 0:
             act.rejected[o.peer_id] = "no measured throughput yet"
@@ -152,7 +167,15 @@ def activate(d: Demand, offers: Iterable[Offer], dissemination_s: float = 0.0,
             act.standby.append(o.peer_id)
             continue
         act.active.append(o.peer_id)
-        act.supply += o.rollouts_per_s
+        counted = o.rollouts_per_s
+        if o.backed is not None:
+            base = min(o.rollouts_per_s, max(0.0, o.backed))
+            extra = min(o.rollouts_per_s - base, trial)
+            trial -= extra
+            counted = base + extra
+            if counted < o.rollouts_per_s:
+                act.capped[o.peer_id] = counted
+        act.supply += counted
     return act
 
 

@@ -247,6 +247,7 @@ class Node:
     def _on_accept(self, v: Any) -> None:
         if v.batch is not None:
             self.core.on_accepted(len(v.batch.rollouts))
+            self.core.handle(C.RolloutsVerified.of(v.batch))  # delivery backs a follower's claimed rate (no actions)
         if self.worker is not None and v.batch is not None:
             if self.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
                 self.worker.send(pipe.External(v.data))

@@ -104,7 +104,8 @@ from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
 from node import pipe
 from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, DropItem, FetchCatalog, FromWorker,
                        LoadStored, Log, ManifestHeard, NodeCore, PatchStored, PeerGone, Penalise, Publish,
-                       RecordRollouts, RequestOffer, SeedVersion, StoredItems, StorePatch, Tick, ToWorker, TransferDone)
+                       RecordRollouts, RequestOffer, RolloutsVerified, SeedVersion, StoredItems, StorePatch, Tick, ToWorker,
+                       TransferDone)
 from node.patchsync import MAX_ITEMS, item_of
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
@@ -718,6 +719,8 @@ class VirtualSim:
             return
         if s.spec.role == "adversary":
             s.adv_accepted += 1
+        if v.batch is not None:
+            self._feed(d, RolloutsVerified.of(v.batch))  # what the producer delivered, as the runtime feeds it
         if d.sampler is None or v.batch is None or d.core is None:
             return
         if not d.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):

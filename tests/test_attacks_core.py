@@ -235,3 +235,77 @@ def test_a_patch_that_would_make_weights_non_finite_costs_its_publisher() -> Non
     assert [(p.peer, p.reason, p.amount) for p in of(acts, C.Penalise)] == [
         (poisoner.peer_id, "non_finite_patch", C.FORGERY_PENALTY)]
     assert of(acts, C.DropItem) and core.counters["patches_not_finite"] == 1
+
+
+def _trainer_with_need(step_s: float = 4.0) -> tuple[C.NodeCore, object, bytes]:
+    """A trainer whose versions come every `step_s`: it needs (1+m)*16/step_s rollouts/s from followers."""
+    core, clock = make_core(roles=("trainer",))
+    lid = lineage_id(key(1).public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0}))
+    for v in (1, 2, 3):
+        clock.t += step_s
+        core.handle(W("published", {"version": v, "envelope": b"env"}))
+    return core, clock, lid
+
+
+def _rate_tps(rollouts_per_s: float) -> float:
+    return rollouts_per_s * 64  # the announce states tokens/s; the trainer counts max_new_tokens per rollout
+
+
+def test_a_claimed_throughput_no_delivery_backs_does_not_stand_honest_followers_by() -> None:
+    core, clock, lid = _trainer_with_need()
+    honest, attacker = [key(20), key(21)], key(66)
+    # two honest followers that generate for the lineage and deliver verified rollouts at what they state
+    seq = {k.peer_id: 0 for k in honest + [attacker]}
+
+    def round_(claims: dict) -> list[C.Action]:
+        clock.t += C.ANNOUNCE_EVERY_S
+        for k, tps in claims.items():
+            seq[k.peer_id] += 1
+            core.handle(announce(k, seq[k.peer_id], serving=lid, roles=("follower",), gen_tps=tps))
+        return core.handle(C.Tick())
+
+    for _ in range(30):
+        for k in honest:
+            core.handle(C.RolloutsVerified(k.peer_id, ((lid, 6),)))  # 3 rollouts/s at one round per 2 s
+        round_({honest[0]: _rate_tps(3.0), honest[1]: _rate_tps(3.0)})
+    act = core.lineages[lid].activation
+    assert sorted(act.active) == sorted(k.peer_id for k in honest) and act.standby == []
+    # the attacker claims to meet the whole demand a million times over, and delivers nothing
+    for _ in range(30):
+        for k in honest:
+            core.handle(C.RolloutsVerified(k.peer_id, ((lid, 6),)))
+        acts = round_({honest[0]: _rate_tps(3.0), honest[1]: _rate_tps(3.0), attacker: 1e9})
+        a = wire.decode_struct(wire.decode_envelope(of(acts, C.Publish)[0].data).body, wire.NodeAnnounce, 1 << 16)
+        assert not {k.peer_id for k in honest} & set(a.owned[0].standby)  # no honest follower is told to stand by
+    act = core.lineages[lid].activation
+    assert {k.peer_id for k in honest} <= set(act.active) and act.met
+    assert attacker.peer_id in act.standby  # the followers that deliver meet the demand: the claim is not needed
+    # a flood of such keys at a trainer no follower has delivered to yet: together they count for the
+    # trial share of the need at most, so the demand stays unmet and no honest follower stands by
+    core, clock, lid = _trainer_with_need()
+    sybils = [key(100 + i) for i in range(50)]
+    seq.update({k.peer_id: 0 for k in sybils})
+    round_({**{k: _rate_tps(3.0) for k in honest}, **{k: 1e9 for k in sybils}})
+    act = core.lineages[lid].activation
+    assert {k.peer_id for k in honest} <= set(act.active) and act.standby == []
+    assert act.supply <= 0.25 * act.need + 1e-9 and len(act.capped) == 52
+    assert core.counters["claims_capped"] > 0
+
+
+def test_delivery_earns_credit_so_a_surplus_follower_still_stands_by() -> None:
+    """The defence keeps the capacity rule: followers that deliver are credited, and once they meet the
+    demand the rest stand by (need here: 1.2 * 16 / 4 = 4.8 rollouts/s)."""
+    core, clock, lid = _trainer_with_need()
+    fs = [key(20), key(21), key(22)]
+    for i in range(30):
+        clock.t += C.ANNOUNCE_EVERY_S
+        for k in fs[:2]:
+            core.handle(C.RolloutsVerified(k.peer_id, ((lid, 6),)))
+            core.handle(C.RolloutsVerified(k.peer_id, ((b"\x01" * 32, 50),)))  # another lineage's: not ours
+        for k in fs:
+            core.handle(announce(k, i + 1, serving=lid, roles=("follower",), gen_tps=_rate_tps(3.0)))
+        core.handle(C.Tick())
+    act = core.lineages[lid].activation
+    assert sorted(act.active) == sorted(k.peer_id for k in fs[:2]) and act.standby == [fs[2].peer_id]
+    assert act.met and 3.0 <= core.deliveries.rate(fs[0].peer_id, clock.t) <= 3.2  # 180 rollouts over 58 s
