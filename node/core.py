@@ -66,6 +66,9 @@ FORGERY_PENALTY = 100.0  # ... that claims another key's lineage: graylisted at 
 SPOT_PENALTY = 25.0  # a failed log-prob spot check; two put a peer below the default graylist threshold
 CATALOG_SOURCES = 4
 MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadcast holds state for)
+# A served lineage whose head stays past the held version this long with no version applied cannot be
+# fetched from (a head moved by announces, manifests whose chunks no one serves): the follower leaves it.
+LEAVE_AFTER_S = 180.0
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
 WORKER_STABLE_S = 120.0
 DEFAULT_STEP_S = 5.0  # a trainer that has not measured a step yet plans its exchange demand with this  # a worker that ran this long resets the restart backoff
@@ -154,7 +157,7 @@ class NodeCore:
         self.counters: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
                                          "used": 0, "rollouts_published": 0, "bytes_down": 0,
                                          "worker_restarts": 0, "peers_evicted": 0, "rollouts_unpublishable": 0,
-                                         "patches_not_finite": 0, "claims_capped": 0}
+                                         "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0}
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.worker_state = "starting"
         self.worker_error = ""
@@ -177,6 +180,7 @@ class NodeCore:
         self.next_announce = 0.0
         self.next_catch_up = 0.0
         self.progress = (-1, 0.0)  # (held version of the served lineage, when it last changed)
+        self.behind_since: float | None = None  # since when the served lineage's head is past what we hold
         self.last_resync = -math.inf
         self.new_peer = False  # a peer appeared since the runtime last re-sent our task sets
         self.tokens_per_rollout = float(max(1, settings.max_new_tokens))
@@ -394,6 +398,7 @@ class NodeCore:
         self.serving = choice.lineage
         self.table.serving = choice.lineage
         self.catching = None
+        self.behind_since = None
         self.follow_info = info
         out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
                                    "reason": choice.reason}))
@@ -449,9 +454,16 @@ class NodeCore:
         lin = self.table.rows.get(lid) if lid is not None else None
         if lin is None or (lin.head <= lin.held and not lin.need_anchor):
             self.catching = None
+            self.behind_since = None
             return
         if lin.held != self.progress[0]:
             self.progress = (lin.held, now)
+            self.behind_since = now
+        if self.behind_since is None:
+            self.behind_since = now
+        elif now - self.behind_since >= LEAVE_AFTER_S and lin.lineage not in self.s.follow:
+            self._leave(lin, now, out)
+            return
         try:
             choose(None if lin.need_anchor else lin.held, lin.head, self._free_items(lid, now).values())
             self.catching = None
@@ -471,6 +483,16 @@ class NodeCore:
                                       and now - p.seen <= PEER_EXPIRY_S]
         self.catching = CatchUp(lid, sources[:CATALOG_SOURCES], now)
         self._ask_next(out)
+
+    def _leave(self, lin: LineageState, now: float, out: list[Action]) -> None:
+        """The served lineage's versions could not be fetched: leave it and remember its publisher. Not
+        charged: an unreachable publisher is not provably lying."""
+        why = f"held {lin.held} < head {lin.head} with no version applied for {LEAVE_AFTER_S:.0f} s"
+        self.table.avoid(lin.publisher, why, now)
+        self.counters["lineages_left"] += 1
+        out.append(Log("left lineage", {"lineage": lin.lineage.hex()[:16], "publisher":
+                                        peer_id_from_public(lin.publisher), "why": why}))
+        self._choose_serving(out)
 
     def _ask_next(self, out: list[Action]) -> None:
         c = self.catching

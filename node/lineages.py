@@ -39,6 +39,8 @@ MAX_AHEAD = 1024  # versions a signed head may move past the last signed head he
 SIZE_FACTOR = 3.0  # a patch, union or anchor lists at most this many times the base model's bytes
 SIZE_SLACK = 1 << 20
 DEMAND_FRESH_S = 30.0  # a demand not re-announced this long is not acted on
+AVOID_S = 600.0  # a publisher whose versions this node could not fetch is not followed again this long
+MAX_AVOIDED = 64  # publishers remembered so (the soonest to expire is forgotten first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ class LineageState:
     since: float = 0.0  # when this node first heard of it
     advances: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=8))
     worker_head: int = -1  # the head last told to a trainer's worker (its sampler's staleness rule)
+    manifests: int = 0  # signed manifests of it accepted in this run: it publishes, not only announces
 
 
 class LineageTable:
@@ -92,6 +95,7 @@ class LineageTable:
         self.model_bytes: dict[bytes, int] = {}  # base-model hash -> bytes of its published state
         self.refused: dict[str, int] = {}
         self.evicted = 0
+        self.avoided: dict[bytes, tuple[float, str]] = {}  # publisher -> (until, why this node left it)
 
     # ------------------------------------------------------------ local facts
     def set_my_base(self, base: bytes, model_bytes: int) -> None:
@@ -185,7 +189,10 @@ class LineageTable:
         assert lin is not None
         lin.publisher, lin.base = bytes(m.publisher), bytes(m.base_model_hash)
         lin.active = self.clock()
-        return lin, self._count(self._advance(lin, m.target_version))
+        why = self._advance(lin, m.target_version)
+        if why is None:
+            lin.manifests += 1
+        return lin, self._count(why)
 
     def _count(self, why: Refusal | None) -> Refusal | None:
         if why is not None:
@@ -224,24 +231,41 @@ class LineageTable:
     def followable(self, now: float, configured: tuple[bytes, ...] = ()) -> list[tuple[LineageState, roles.Demand]]:
         """Lineages a follower may serve, with the demand it may believe.
 
-        A lineage whose publisher this node has seen advance (two signed heads
-        in this run) is *proven*; while any is, unproven ones are not offered,
-        so a fresh announce with a large claimed demand cannot pull followers
-        away from a lineage that demonstrably trains. Configured lineages are
-        offered whether proven or not.
+        A lineage whose publisher has published signed manifests in this run
+        is *published*; while any is, lineages known from announces alone are
+        not offered: a head moved by announces proves no training, so a fresh
+        announce with a rising head and a large claimed demand cannot pull
+        followers away from a lineage that publishes patches. A publisher this
+        node left because it could not fetch its versions (`avoid`) is not
+        offered until that memory expires. Configured lineages are offered
+        whether published, avoided or not.
         """
-        out, proven = [], []
+        out, published = [], []
         for lin in self.rows.values():
             if lin.relation == "own" or not lin.publisher or not lin.base:
+                continue
+            if configured and lin.lineage not in configured:
+                continue
+            if not configured and self.is_avoided(lin.publisher, now):
                 continue
             d = self.effective_demand(lin, now)
             if d is not None:
                 out.append((lin, d))
-                if len(lin.advances) >= 2:
-                    proven.append((lin, d))
-        if configured:
-            return [x for x in out if x[0].lineage in configured]
-        return proven or out
+                if lin.manifests:
+                    published.append((lin, d))
+        return out if configured else (published or out)
+
+    def avoid(self, publisher: bytes, reason: str, now: float) -> None:
+        """Remember (bounded) that this node could not fetch `publisher`'s versions."""
+        self.avoided[publisher] = (now + AVOID_S, reason[:200])
+        for p in [p for p, (until, _) in self.avoided.items() if until <= now]:
+            del self.avoided[p]
+        while len(self.avoided) > MAX_AVOIDED:
+            del self.avoided[min(self.avoided, key=lambda p: self.avoided[p][0])]
+
+    def is_avoided(self, publisher: bytes, now: float) -> bool:
+        row = self.avoided.get(publisher)
+        return row is not None and row[0] > now
 
     # ------------------------------------------------------------ the memory budget
     def _insert(self, lid: bytes, name: str, relation: str) -> LineageState | None:

@@ -19,7 +19,7 @@ from node.lineages import MAX_AHEAD
 from sync.catchup import choose
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
-from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, key, make_core, manifest, of
+from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, follow_trainer, key, make_core, manifest, of
 
 
 def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
@@ -309,3 +309,70 @@ def test_delivery_earns_credit_so_a_surplus_follower_still_stands_by() -> None:
     act = core.lineages[lid].activation
     assert sorted(act.active) == sorted(k.peer_id for k in fs[:2]) and act.standby == [fs[2].peer_id]
     assert act.met and 3.0 <= core.deliveries.rate(fs[0].peer_id, clock.t) <= 3.2  # 180 rollouts over 58 s
+
+
+def test_a_head_moved_by_announces_alone_does_not_pull_followers_off_a_publishing_lineage() -> None:
+    core, clock = make_core()
+    honest, attacker = key(9), key(66)
+    good = lineage_id(honest.public, BASE, "lin")
+    core.handle(announce(honest, 1, [demand(good, "lin", 3, step_time_s=5.0)]))
+    core.handle(C.ManifestHeard(manifest(honest, "lin", 2, 3)))  # it publishes
+    core.handle(C.Tick())
+    assert core.serving == good
+    evil = lineage_id(attacker.public, BASE, "evil")
+    for i in range(40):  # a rising head and a huge demand, by announces only
+        clock.t += 2.5
+        core.handle(announce(attacker, i + 1, [demand(evil, "evil", i + 1, step_time_s=0.5, rollouts=16384)]))
+        core.handle(announce(honest, i + 2, [demand(good, "lin", 3, step_time_s=5.0)]))
+        core.handle(C.Tick())
+        assert core.serving == good
+
+
+def test_a_follower_that_cannot_fetch_a_lineage_leaves_it_and_remembers_why() -> None:
+    """The attacker signs manifests too (cheap), so its lineage looks published, but it never serves a
+    chunk: the follower that moved to it applies nothing, leaves it, and does not come back."""
+    core, clock = make_core()
+    honest, attacker = key(9), key(66)
+    good = lineage_id(honest.public, BASE, "lin")
+    evil = lineage_id(attacker.public, BASE, "evil")
+    core.handle(announce(honest, 1, [demand(good, "lin", 3, step_time_s=5.0)]))
+    core.handle(C.ManifestHeard(manifest(honest, "lin", 2, 3)))
+    core.handle(C.Tick())
+    core.handle(W("applied", {"lineage": good.hex(), "version": 3}))
+    served, left = [], []
+    for i in range(200):
+        clock.t += 2.5
+        acts = core.handle(announce(attacker, i + 1, [demand(evil, "evil", i + 1, step_time_s=0.5, rollouts=16384)]))
+        acts += core.handle(C.ManifestHeard(manifest(attacker, "evil", i, i + 1)))
+        acts += core.handle(announce(honest, i + 2, [demand(good, "lin", 3, step_time_s=5.0)]))
+        acts += core.handle(C.Tick())
+        assert of(acts, C.Penalise) == []  # an unreachable publisher is not provably lying: no charge
+        served.append(core.serving)
+        left += [a for a in of(acts, C.Log) if a.msg == "left lineage"]
+    assert evil in served  # the claim did pull it (it cannot know before it tries) ...
+    first = served.index(evil)
+    assert served[first:].count(evil) * 2.5 <= C.LEAVE_AFTER_S + 2.5  # ... for one patience at most
+    assert served[-1] == good and len(left) == 1 and core.counters["lineages_left"] == 1
+    assert attacker.public in core.table.avoided and "no version applied" in core.table.avoided[attacker.public][1]
+    # the memory is bounded: many keys that each cannot be fetched
+    for i in range(3 * 64):
+        core.table.avoid(key(100 + i % 150).public, "x", clock.t + i)
+    assert len(core.table.avoided) <= 64
+
+
+def test_a_follower_paused_longer_than_the_patience_does_not_leave_its_lineage() -> None:
+    """This node's own pause (a closed laptop lid) is not the publisher's fault: the demand it heard
+    went stale meanwhile, so on waking it chooses anew and its patience starts over."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    core.handle(C.ManifestHeard(manifest(trainer, "lin", 3, 4)))
+    core.handle(C.Tick())
+    clock.t += 3600  # suspended for an hour
+    core.handle(C.Tick())
+    for i in range(20):
+        clock.t += 0.5
+        core.handle(announce(trainer, 2 + i, [demand(lid, "lin", 4)]))
+        core.handle(C.Tick())
+    assert core.serving == lid and core.counters["lineages_left"] == 0
