@@ -13,7 +13,8 @@ API (the live runtime, the virtual-time simulator and the tests all drive it the
 Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
 `ManifestHeard` (a gossip message whose envelope signature the pipeline already checked),
 `PeerGone`, `FromWorker` (a message from the worker process), `WorkerExited`, `StoredItems`,
-`TransferDone`, `PatchStored`, `CatalogReceived`/`CatalogFailed` (catch-up replies), `ListenAddrs`.
+`TransferDone`, `PatchStored`, `CatalogReceived`/`CatalogFailed` (catch-up replies), `ListenAddrs`,
+`RolloutsVerified` (a batch the pipeline accepted: what each follower delivered, `node.credit`).
 
 Actions: `Publish` (topic announce|rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
 `SeedVersion`, `StorePatch`, `DropItem`, `LoadStored`, `FetchCatalog`, `RequestOffer`, `Penalise`,

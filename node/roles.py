@@ -10,7 +10,9 @@ supply `sum(lambda_i) >= (1+m) * B / T_L` from followers whose rollouts arrive
 in time: `1 + ceil((D + G_i) / T_L) <= S` (D: dissemination latency of a
 version, G_i: the follower's rollout latency). Cost-aware activation adds
 followers in order of cost/lambda until the supply holds, skips those whose
-latency breaks the bound, and tells the rest to stand by. A follower picks the
+latency breaks the bound, and tells the rest to stand by. A lambda is a claim:
+the trainer counts it only as far as observed delivery backs it (`Offer.backed`,
+from `node.credit`). A follower picks the
 lineage with the largest unmet demand among those it can serve in time.
 """
 
