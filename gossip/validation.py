@@ -4,7 +4,7 @@ Stages (docs/gossip.md lists every reason and penalty):
   admit  (event loop, microseconds): graylist/blacklist -> size -> rate limit ->
          decode envelope -> signer == originator -> verdict cache -> signature ->
          body -> swarm -> freshness (TTL) -> replay (producer, seq) -> task set known
-         -> staleness
+         -> completion length -> staleness
   verify (thread: pure CPU, no shared state but a locked task cache):
          token ids against the tokenizer (vocabulary, text == decode(ids)),
          regenerate every task from its reference, recompute every reward
@@ -71,6 +71,8 @@ class Reason(enum.Enum):
     BAD_NUMBER = "bad_number"  # a number out of its range (a non-finite or positive log-prob): forgery
     FUTURE_VERSION = "future_version"  # a version of this node's own lineage it never published
     UNKNOWN_VERSION = "unknown_version"  # beyond the head this node knows of another's lineage: no penalty
+    TOO_LONG = "too_long"  # a completion longer than this node's own budget: no penalty (other settings)
+    OVER_OWN_SAMPLING = "over_own_sampling"  # a completion longer than its own signed max_new_tokens
 
 
 # (penalty, ban): ban only for proven forgery. Reasons an honest peer can trigger because
@@ -104,6 +106,8 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
     # its newest versions (a restored home) would see honest followers ahead of it
     Reason.FUTURE_VERSION: (50.0, False),
     Reason.UNKNOWN_VERSION: (0.0, False),
+    Reason.TOO_LONG: (0.0, False),
+    Reason.OVER_OWN_SAMPLING: (10.0, False),
 }
 
 REWARD_TOLERANCE = 1e-6
@@ -120,11 +124,15 @@ class PipelineConfig:
     replay_entries: int = 100_000
     replay_ttl_s: float = 900.0
     score: ScoreParams = field(default_factory=ScoreParams)
+    # completion tokens this node accepts per rollout: its own `training.max_new_tokens` in a node
+    max_completion_tokens: int = wire.MAX_COMPLETION_TOKENS
 
     @classmethod
-    def from_config(cls, swarm: str, gossip: Any, max_staleness: int) -> PipelineConfig:
-        """From `node.config.GossipSection` (+ sync.max_staleness)."""
-        return cls(swarm=swarm, max_staleness=max_staleness, rate_per_s=gossip.rate_limit_per_s,
+    def from_config(cls, swarm: str, gossip: Any, max_staleness: int,
+                    max_completion_tokens: int = wire.MAX_COMPLETION_TOKENS) -> PipelineConfig:
+        """From `node.config.GossipSection` (+ sync.max_staleness, training.max_new_tokens)."""
+        return cls(swarm=swarm, max_staleness=max_staleness, max_completion_tokens=max_completion_tokens,
+                   rate_per_s=gossip.rate_limit_per_s,
                    burst=gossip.rate_burst, replay_entries=gossip.replay_cache, replay_ttl_s=float(gossip.replay_ttl_s),
                    score=ScoreParams(graylist_threshold=gossip.graylist_threshold, blacklist_s=float(gossip.blacklist_s)))
 
@@ -315,6 +323,9 @@ class Pipeline:
                 if not self.task_set_trusted(r.task.task_set):
                     return self._reject(Reason.UNKNOWN_TASK_SET, origin, data, mid, batch,
                                         f"task set {r.task.task_set.hex()[:16]} not known/trusted")
+        long = self._too_long(batch)
+        if long is not None:
+            return self._reject(long[0], origin, data, mid, batch, long[1], remember=True)
         stale = self._versions(batch)  # before the expensive stage; again at commit (heads move meanwhile)
         if stale is not None:
             reason, detail = stale
@@ -384,6 +395,19 @@ class Pipeline:
             return None
         return self._reject(Reason.RATE_LIMITED, origin, data, b"", batch,
                             f"out of order and over {self.config.rate_per_s}/s (burst {self.config.burst})")
+
+    def _too_long(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:
+        """Work in proportion: a completion longer than its own signed `max_new_tokens` is provably not
+        what it claims; one longer than this node's budget costs more to verify and train on than this
+        node's own, and is refused unverified at no charge (an honest node may sample longer)."""
+        limit = self.config.max_completion_tokens
+        for i, r in enumerate(batch.rollouts):
+            n = len(r.completion_ids)
+            if n > r.sampling.max_new_tokens:
+                return Reason.OVER_OWN_SAMPLING, f"rollout {i}: {n} tokens > its max_new_tokens {r.sampling.max_new_tokens}"
+            if n > limit:
+                return Reason.TOO_LONG, f"rollout {i}: {n} tokens > this node's budget {limit}"
+        return None
 
     def _versions(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:
         """Judged against the publisher-signed head only: a claimed version never moves a head. The

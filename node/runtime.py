@@ -176,7 +176,8 @@ class Node:
         self.transport = t
         self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
         check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
-        pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness),
+        pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness,
+                                                       cfg.training.max_new_tokens),
                             clock=time.time, resolve_task=self.registry.resolve, reward=score,
                             head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
                             own_lineage=lambda lid: bytes(lid) == self.core.own,

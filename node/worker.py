@@ -399,8 +399,11 @@ class Worker:
         rollout's ids in the vocabulary and decoding to the text that was verified."""
         from training.tokencheck import consistent
 
+        t = self.spec.get("trainer", {})
+        # J groups of this trainer's own shape: a step's external work in proportion to its own
+        budget = max_groups * int(t["group_size"]) * int(t["max_new_tokens"]) if "group_size" in t else None
         with self.inbox.lock:
-            taken = self.inbox.sampler.take_rollouts(max_groups, min_version)
+            taken = self.inbox.sampler.take_rollouts(max_groups, min_version, budget)
         return [r for r in taken if self.engine is None or consistent(r, self.engine)]
 
     def _observe_own_head(self, lineage: bytes, version: int) -> None:

@@ -176,7 +176,7 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     got = w._external(4, 5)
     assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
     assert w.inbox.sampler.counts == {"added": 2, "too_small": 0, "uninformative": 1, "evicted": 0, "stale": 1,
-                                      "taken": 1}
+                                      "over_budget": 0, "taken": 1}
     net.send_bytes(pipe.encode_struct(pipe.Stop()))
     reader.join(5)
     assert not reader.is_alive()
@@ -195,3 +195,30 @@ def test_rollout_budget_holds_whatever_group_sizes_peers_send() -> None:
     assert s._rollouts == 64 + 5 - len(took.rollouts) == sum(len(g.rollouts) for g in s._pool)
     with pytest.raises(ValueError):
         Sampler(max_rollouts=1)
+
+
+def test_a_steps_external_work_is_bounded_in_tokens_not_only_groups() -> None:
+    """Attack (issue 26): groups of 64 long completions make one external group cost a trainer many honest
+    groups' work. `take` stays within a token budget: a group larger than the whole budget is dropped and
+    counted, one that does not fit this step waits for the next."""
+    s = Sampler()
+    s.add_rollouts(group(1) + group(2))  # 2 rollouts x 8 tokens each
+    s.add_rollouts(group(9, rewards=(1.0, 0.0) * 32))  # 64 x 8 = 512 tokens, the newest
+    picked = s.take(4, max_tokens=4 * 2 * 8)
+    assert seeds(picked) == [1, 2] and s.counts["over_budget"] == 1 and len(s) == 0
+    s.add_rollouts(group(3) + group(4) + group(5))
+    assert seeds(s.take(4, max_tokens=2 * 2 * 8)) == [4, 5] and seeds(s.take(4, max_tokens=32)) == [3]
+    assert sum(len(r.completion_ids) for r in s.take_rollouts(4, 0, max_tokens=32)) == 0
+
+
+def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) -> None:
+    """The trainer hook takes at most J groups' worth of its own group size and max_new_tokens."""
+    from node import worker
+
+    end = object()
+    w = worker.Worker(end, {"home": str(tmp_path),
+                            "trainer": {"max_staleness": 4, "group_size": 2, "max_new_tokens": 8}})
+    w.inbox.sampler.add_rollouts(group(1) + group(2) + group(9, rewards=(1.0, 0.0) * 32) + group(3))
+    got = w._external(4, 0)
+    assert {r.task.seed for r in got} == {1, 2, 3} and len(got) == 6
+    assert w.inbox.sampler.counts["over_budget"] == 1

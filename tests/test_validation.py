@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gossip import wire
-from simulations.bench.gossip import SWARM, make_batch, registry, resign_with
+from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, resign_with
 from gossip.scoring import ScoreParams
 from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
 from gossip.identity import Identity
@@ -97,6 +98,14 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
         data = make_batch(MALLORY, reg, 1, version=21)
     elif reason is Reason.UNKNOWN_VERSION:
         data = make_batch(MALLORY, reg, 1, version=21)  # someone else's lineage, known head 20
+    elif reason is Reason.TOO_LONG:
+        p.config.max_completion_tokens = 32
+        data = make_batch(MALLORY, reg, 1, version=20, tokens=64)
+    elif reason is Reason.OVER_OWN_SAMPLING:
+        r = make_rollout(reg, 2, tokens=64, version=20)
+        r = msgspec.structs.replace(r, sampling=wire.SamplingParams(max_new_tokens=16))
+        data = wire.seal(MALLORY, wire.ROLLOUT_BATCH, wire.RolloutBatch(
+            v=wire.FORMAT_VERSION, swarm=SWARM, producer=MALLORY.public, seq=1, created_ms=wire.now_ms(), rollouts=[r]))
     else:  # pragma: no cover
         raise AssertionError(reason)
     before = p.scores.score(origin, clock())

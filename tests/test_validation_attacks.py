@@ -118,7 +118,8 @@ def tiny_rollout(reg, check: tokencheck.TokenCheck, seed: int, ids: list[int] | 
     ids = true_ids if ids is None else ids
     assert r.reward == 1.0
     return msgspec.structs.replace(r, completion_ids=ids, tokenizer_hash=check.hash,
-                                   logprobs=b"\x00\x00\x80\xbe" * len(ids), token_versions=[(0, 0)])
+                                   logprobs=b"\x00\x00\x80\xbe" * len(ids), token_versions=[(0, 0)],
+                                   sampling=wire.SamplingParams(max_new_tokens=max(1, len(ids))))
 
 
 def test_tiny_check_is_the_engines_tokenizer(tiny, tmp_path) -> None:
@@ -490,3 +491,32 @@ def test_a_version_beyond_the_known_head_of_anothers_lineage_is_refused_uncharge
     assert p.scores.score(ALICE.peer_id, clock()) == 0.0
     heads[b"\x0b" * 32] = 8
     assert p.check(data, ALICE.peer_id).accepted
+# ------------------------------------------------------------ work out of proportion (issue 26)
+
+
+def test_a_completion_longer_than_this_nodes_budget_is_refused_before_verification(reg) -> None:
+    """Valid, correct rollouts of 4,096 tokens cost a trainer that samples 64 far more per step than its
+    own: refused before any token check or reward, uncharged (an honest node configured with a larger
+    `max_new_tokens` produces them); a completion longer than its own signed `max_new_tokens` is
+    provably not what it claims, and charged."""
+    verified: list[int] = []
+
+    def counting(t, text: str) -> float:
+        verified.append(1)
+        return score(t, text)
+
+    p, clock = pipe(reg, reward=counting, max_completion_tokens=64)
+    long = make_batch(ALICE, reg, 1, tokens=wire.MAX_COMPLETION_TOKENS)
+    v = p.check(long, ALICE.peer_id)
+    assert v.reason is Reason.TOO_LONG and verified == []
+    assert p.check(make_batch(ALICE, reg, 2, tokens=64), ALICE.peer_id).accepted and verified
+    assert p.scores.record(ALICE.peer_id).rejections == {}  # the long batch was not charged
+    verified.clear()
+    r = make_rollout(reg, 3, tokens=48)
+    lying = msgspec.structs.replace(r, sampling=wire.SamplingParams(max_new_tokens=16))
+    v = p.check(seal(MALLORY, [lying, lying], 5), MALLORY.peer_id)
+    assert v.reason is Reason.OVER_OWN_SAMPLING and verified == []
+    assert "over_own_sampling" in p.scores.record(MALLORY.peer_id).rejections
+    # the default budget is the protocol's limit: nothing valid is too long
+    q, _ = pipe(reg)
+    assert q.check(long, ALICE.peer_id).accepted

@@ -31,9 +31,14 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
   returned in arrival order. Newest-first made every node of a round-robin
   swarm learn from the same two or three predecessors whatever N was; a
   uniform draw spreads what a trainer learns over every fresh producer.
+  With `max_tokens`, the groups taken hold at most that many completion
+  tokens: a step's external work is bounded in tokens, not only in groups (a
+  group may hold a whole batch's 64 rollouts). A group larger than the whole
+  budget is dropped (`over_budget`); the draw goes on past one that does not
+  fit what is left, which waits for a later step.
 
 Counters (`counts`): `added`, `uninformative` and `too_small` (dropped at
-intake), `evicted` (pool full), `stale` (dropped at take), `taken`.
+intake), `evicted` (pool full), `stale` and `over_budget` (dropped at take), `taken`.
 
 Usage (the simulator, per receiving node)::
 
@@ -91,6 +96,10 @@ def split(rollouts: Iterable[wire.Rollout]) -> tuple[list[Group], dict[str, int]
     return out, dropped
 
 
+def _tokens(g: Group) -> int:
+    return sum(len(r.completion_ids) for r in g.rollouts)
+
+
 class Sampler:
     """A trainer's pool of verified external groups and the rule that picks J of them per step."""
 
@@ -109,7 +118,8 @@ class Sampler:
         self._pool: collections.deque[Group] = collections.deque()
         self._heads: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._rng = random.Random(seed)
-        self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "taken": 0}
+        self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "over_budget": 0,
+                       "taken": 0}
 
     def __len__(self) -> int:
         return len(self._pool)
@@ -147,18 +157,28 @@ class Sampler:
         """Newest reported version of `lineage` (None: none reported)."""
         return self._heads.get(bytes(lineage))
 
-    def take(self, groups: int) -> list[Group]:
-        """Up to `groups` usable groups drawn uniformly at random, each used once; every stale group in
-        the pool is dropped on the way. Returned in arrival order (oldest first)."""
+    def take(self, groups: int, max_tokens: int | None = None) -> list[Group]:
+        """Up to `groups` usable groups drawn uniformly at random, each used once, holding at most
+        `max_tokens` completion tokens; every stale group in the pool, and every group larger than the
+        whole budget, is dropped on the way. Returned in arrival order (oldest first)."""
         if groups <= 0 or not self._pool:
             return []
         usable: list[Group] = []
         for g in self._pool:
             if self._heads.get(g.lineage, g.version) - g.version > self.max_staleness:
                 self.counts["stale"] += 1
+            elif max_tokens is not None and _tokens(g) > max_tokens:
+                self.counts["over_budget"] += 1
             else:
                 usable.append(g)
-        chosen = set(self._rng.sample(range(len(usable)), min(groups, len(usable))))
+        if max_tokens is None:
+            chosen = set(self._rng.sample(range(len(usable)), min(groups, len(usable))))
+        else:
+            chosen, room = set(), max_tokens
+            for i in self._rng.sample(range(len(usable)), len(usable)):
+                if len(chosen) < groups and _tokens(usable[i]) <= room:
+                    chosen.add(i)
+                    room -= _tokens(usable[i])
         picked = [g for i, g in enumerate(usable) if i in chosen]
         keep = [g for i, g in enumerate(usable) if i not in chosen]
         self._pool = collections.deque(keep)
@@ -166,9 +186,9 @@ class Sampler:
         self.counts["taken"] += len(picked)
         return picked
 
-    def take_rollouts(self, groups: int, _min_version: int = 0) -> list[wire.Rollout]:
+    def take_rollouts(self, groups: int, _min_version: int = 0, max_tokens: int | None = None) -> list[wire.Rollout]:
         """`take` flattened: the shape of `training.trainer.Trainer`'s `external` hook.
 
         The trainer's version floor is not needed: the owner reports its own head with
         `observe_head`, and the staleness rule above applies to every lineage alike."""
-        return [r for g in self.take(groups) for r in g.rollouts]
+        return [r for g in self.take(groups, max_tokens) for r in g.rollouts]
