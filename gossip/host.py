@@ -44,9 +44,13 @@ from typing import Any
 import multiaddr
 import trio
 
+from gossip import hostlimits
 from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity
+from gossip.limits import Lease, StreamBudget, StreamLimits
+
+hostlimits.install()  # per-peer stream caps, yamux windows, refused connections (gossip/hostlimits.py)
 
 
 def _install_go_yamux_credit() -> None:
@@ -341,7 +345,7 @@ def _install_pubsub_oversize_charge() -> None:
 
     async def read_limited(stream: Any, max_length: int) -> bytes:
         try:
-            return await read(stream, max_length)
+            return await hostlimits.read_varint_frame(stream, max_length, read)
         except MessageTooLarge as e:
             raise FrameError(f"pubsub RPC over {max_length} bytes: {e}") from None
 
@@ -490,8 +494,10 @@ class _Stream:
     new connection (the peer restarted or redialled, and forgot everything).
     """
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, peer: str = "", budget: StreamBudget | None = None) -> None:
         self._raw = raw
+        self.peer = peer
+        self.budget = budget
         muxed = getattr(raw, "muxed_conn", None)
         key = getattr(muxed, "_murmur_conn_key", None)
         if key is None and muxed is not None:
@@ -501,6 +507,10 @@ class _Stream:
             except AttributeError:
                 key = id(muxed)
         self.conn_key: int | None = key
+
+    def frame_lease(self) -> Lease | None:
+        """A reservation against the peer's buffer budget for what a frame reader holds (`gossip.framing`)."""
+        return Lease(self.budget, self.peer, trio.current_time) if self.budget is not None else None
 
     async def read(self, n: int) -> bytes:
         from libp2p.network.stream.exceptions import StreamEOF
@@ -551,9 +561,10 @@ class Libp2pTransport:
     """A running py-libp2p host. Create with `open_transport(...)`; use only inside that context."""
 
     def __init__(self, identity: Identity, host: Any, pubsub: Any, router: Any, nursery: trio.Nursery,
-                 faults: StreamFaults | None = None) -> None:
+                 faults: StreamFaults | None = None, budget: StreamBudget | None = None) -> None:
         self.identity = identity
         self.faults = faults or StreamFaults()
+        self.budget = budget or StreamBudget()
         self.peer_id: str = identity.peer_id
         self.host = host
         self.pubsub = pubsub
@@ -750,14 +761,18 @@ class Libp2pTransport:
             raw = await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
         except Exception as e:
             raise StreamError(f"cannot open {protocol} to {peer_id}: {type(e).__name__}: {e}") from None
-        return _Stream(raw)
+        return _Stream(raw, peer_id, self.budget)
+
+    def refuse_connections(self, refuse: Callable[[str], bool] | None) -> None:
+        """Close every connection, in or out, with a peer for which `refuse(peer id)` holds (a graylisted key)."""
+        self.host.get_network()._murmur_refuse = refuse
 
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         from libp2p.custom_types import TProtocol
 
         async def _h(raw: Any) -> None:
             remote = raw.muxed_conn.peer_id.to_base58()
-            stream = _Stream(raw)
+            stream = _Stream(raw, remote, self.budget)
             try:
                 await handler(stream, remote)
             except (DecodeError, FrameError) as e:  # the peer broke our protocol: its fault, scored
@@ -775,7 +790,8 @@ class Libp2pTransport:
         self.host.set_stream_handler(TProtocol(protocol), _h)
 
 
-def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: StreamFaults) -> tuple[Any, Any, Any]:
+def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: StreamFaults,
+           budget: StreamBudget) -> tuple[Any, Any, Any]:
     from libp2p import new_host
     from libp2p.custom_types import TProtocol
     from libp2p.crypto.x25519 import create_new_key_pair as x25519_pair
@@ -809,6 +825,8 @@ def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: S
     )
     pubsub = Pubsub(host, router, strict_signing=True)
     _guard_stream_handlers(host, faults)
+    swarm = host.get_network()  # what gossip.hostlimits' hooks find
+    swarm._murmur_budget, swarm._murmur_faults, swarm._murmur_refuse = budget, faults, None
     return host, pubsub, router
 
 
@@ -818,13 +836,16 @@ async def open_transport(
     listen: list[str] | None = None,
     websocket: bool = False,
     dial_timeout_s: float = 5.0,
+    limits: StreamLimits | None = None,
 ) -> AsyncIterator[Libp2pTransport]:
     """Start a host listening on `listen` (default an ephemeral 127.0.0.1 TCP port) and yield it."""
     from libp2p.tools.anyio_service import background_trio_service
 
     addrs = [multiaddr.Multiaddr(a) for a in (listen or ["/ip4/127.0.0.1/tcp/0"])]
     faults = StreamFaults()
-    host, pubsub, router = _build(identity, websocket, dial_timeout_s, faults)
+    # repeated held frames or overdrawn buffers: charged like any other stream fault, connection closed
+    budget = StreamBudget(limits, on_charge=lambda peer, what: faults.record(peer, "stream budget", FrameError(what)))
+    host, pubsub, router = _build(identity, websocket, dial_timeout_s, faults, budget)
     async with AsyncExitStack() as stack:
         # Order matters (py-libp2p 0.8.1): pubsub and router run before the network listens.
         await stack.enter_async_context(background_trio_service(pubsub))
@@ -832,7 +853,7 @@ async def open_transport(
         await stack.enter_async_context(host.run(addrs))
         await pubsub.wait_until_ready()
         nursery = await stack.enter_async_context(trio.open_nursery())
-        transport = Libp2pTransport(identity, host, pubsub, router, nursery, faults)
+        transport = Libp2pTransport(identity, host, pubsub, router, nursery, faults, budget)
         nursery.start_soon(faults.closer, transport.disconnect)
         try:
             yield transport

@@ -184,6 +184,9 @@ class Node:
                             reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
         self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
         t.faults.on_fault = self._on_stream_fault
+        # a graylisted key's new connections are refused while its score stays below the threshold
+        t.refuse_connections(lambda peer: pipeline.scores.is_graylisted(peer, pipeline.clock())
+                             or pipeline.scores.is_blacklisted(peer, pipeline.clock()))
         self.service.on_accept = self._on_accept
         self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
         self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)

@@ -407,8 +407,11 @@ class BroadcastNode:
                 self._nursery.start_soon(s.reset)
 
     async def _reader(self, conn: _Conn, stream: Stream) -> None:
+        with FrameReader(stream, MAX_FRAME_BYTES) as reader:  # frees its buffer budget however the loop ends
+            await self._read_frames(conn, reader)
+
+    async def _read_frames(self, conn: _Conn, reader: FrameReader) -> None:
         peer = conn.peer
-        reader = FrameReader(stream, MAX_FRAME_BYTES)
         while not conn.closed:
             try:
                 data = await reader.next()
