@@ -158,7 +158,8 @@ class NodeCore:
         self.counters: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
                                          "used": 0, "rollouts_published": 0, "bytes_down": 0,
                                          "worker_restarts": 0, "peers_evicted": 0, "rollouts_unpublishable": 0,
-                                         "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0}
+                                         "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0,
+                                         "spot_eligible": 0}
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.worker_state = "starting"
         self.worker_error = ""
@@ -630,6 +631,8 @@ class NodeCore:
         elif isinstance(m, pipe.Engine):
             self.engine = m.mode or f"{m.requested} unavailable: {m.error}"
             out.append(Log("worker engine", {"engine": self.engine}))
+        elif isinstance(m, pipe.SpotRound):
+            self.counters["spot_eligible"] += max(0, m.eligible)
         elif isinstance(m, pipe.Spot):
             self.counters["spot_checked"] += 1
             if not m.ok:

@@ -157,7 +157,7 @@ def node_panel(s: NodeStatus) -> Panel:
                      f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}"),
         ("exchange", Text(_exchange(s))),
         ("rejected", Text(_counts(s.rejected))),
-        ("spot checks", f"{s.spot_checked} ({s.spot_failed} failed)"),
+        ("spot checks", f"{s.spot_checked} of {s.spot_eligible} checkable ({s.spot_failed} failed)"),
         ("dropped", Text(_counts(s.dropped))),
         ("disk", "; ".join(f"{d.name} {d.used_mb:.1f}" + (f" of {d.limit_mb:.0f}" if d.limit_mb else "") + " MiB"
                            for d in s.disk) or "—"),

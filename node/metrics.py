@@ -81,6 +81,7 @@ class Metrics:
         self.memory.set(s.memory_rss_mb * 2**20)
         self.budget.set(s.memory_budget_mb * 2**20)
         self.gen.set(s.gen_tokens_per_s)
+        self.spot.labels("eligible").set(s.spot_eligible)
         self.spot.labels("checked").set(s.spot_checked)
         self.spot.labels("failed").set(s.spot_failed)
         self.restarts.set(s.worker_restarts)

@@ -139,6 +139,10 @@ class Spot(Struct, tag="spot", forbid_unknown_fields=True):
     version: int = 0
 
 
+class SpotRound(Struct, tag="spot_round", forbid_unknown_fields=True):
+    eligible: int  # received rollouts the worker could check this round (it held their weights)
+
+
 class Error(Struct, tag="error", forbid_unknown_fields=True):
     message: str
 
@@ -154,8 +158,8 @@ class Engine(Struct, tag="engine", forbid_unknown_fields=True):
 
 
 ToWorker = Union[Follow, Patch, Admit, Pace, Head, External, Stop]
-FromWorker = Union[Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyFailed, Perf, Spot, Engine, Error,
-                   Log]
+FromWorker = Union[Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyFailed, Perf, Spot, SpotRound, Engine,
+                   Error, Log]
 Message = Union[ToWorker, FromWorker]
 
 KINDS: dict[str, type[Struct]] = {t.__struct_config__.tag: t for t in Message.__args__}  # type: ignore[attr-defined]

@@ -43,8 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from training.sampler import Sampler
-
-SPOT_TOLERANCE = 0.05  # mean |Δ log-prob| per token allowed between a claim and our recomputation (docs/training.md)
+from training.spotcheck import SPOT_PER_ROUND, SPOT_RATE, SPOT_TOLERANCE
 EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
@@ -192,6 +191,7 @@ class Worker:
                            int(spec.get("trainer", {}).get("max_staleness", 4)),
                            None if max_rollouts is None else int(max_rollouts), int(spec.get("seed", 0)))
         self.rng = random.Random(spec.get("seed", 0) + 7)
+        self.spot: Any = None  # training.spotcheck.SpotSampler, on the first round
         self._send_lock = threading.Lock()
         self.tokens = 0
         self.gen_s = 0.0
@@ -364,6 +364,8 @@ class Worker:
             if res.rollouts:
                 # sampled from the published version pub.version: any peer holding it can spot-check them
                 self.send("rollouts", [wire.encode(to_wire(r)) for r in res.rollouts])
+            # followers' rollouts of the version we hold, before the next replaces it in the checker
+            self._spot_checks(pub.lineage.id, pub.version)
             published = None
             if res.version != pub.version and steps % publish_every == 0:
                 try:
@@ -390,7 +392,6 @@ class Worker:
                                "dropped": {**trainer.drops, "worker_inbox_full": sampler_counts["evicted"],
                                            "below_min_version": sampler_counts["stale"]},
                                "rollouts_per_step": cfg.local_groups * cfg.group_size})
-            self._spot_checks(pub.lineage.id, pub.version)
         self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
         self.tasks.save()
 
@@ -613,38 +614,44 @@ class Worker:
 
     # ------------------------------------------------------------ validator
     def _spot_checks(self, lineage: bytes, version: int) -> None:
-        """Recompute log-probs of a sample of received rollouts claimed for (lineage, version) we hold."""
-        if "validator" not in self.spec["roles"]:
+        """Recompute log-probs of a sample of received rollouts of (lineage, version), which we hold: a
+        validator's followed lineage, and a trainer's own (called before it publishes the next version)."""
+        if "validator" not in self.spec["roles"] and "trainer" not in self.spec["roles"]:
             with self.inbox.lock:
                 self.inbox.spot.clear()
             return
         from training.rollouts import logprobs_from_bytes
+        from training.spotcheck import SpotSampler, mean_abs_diff
         from training.tokencheck import consistent
 
-        rate = float(self.spec.get("spot_rate", 0.25))
+        if self.spot is None:
+            self.spot = SpotSampler(float(self.spec.get("spot_rate", SPOT_RATE)), SPOT_PER_ROUND,
+                                    seed=int(self.spec.get("seed", 0)))
         with self.inbox.lock:
             batches = list(self.inbox.spot)
             self.inbox.spot.clear()
-        checked = 0
-        for producer, batch in batches:
-            for r in batch.rollouts:
-                if bytes(r.lineage) != lineage or r.version != version or not r.completion_ids:
-                    continue
-                if bytes(r.tokenizer_hash) != self.engine.tokenizer_hash or self.rng.random() > rate or checked >= 4:
-                    continue
-                if not consistent(r, self.checker):  # never feed a model ids outside its vocabulary
-                    continue
-                try:
-                    task = self.registry.resolve(r.task)
-                except Exception:  # a task set this worker does not hold: nothing to check against
-                    continue
-                prompt = self.checker.encode(task.prompt)
-                got = self.checker.logprobs([(prompt, list(r.completion_ids))], r.sampling.temperature)[0]
-                claim = logprobs_from_bytes(r.logprobs)
-                diff = sum(abs(a - b) for a, b in zip(got, claim)) / max(1, len(got))
-                checked += 1
-                self.send("spot", {"ok": diff <= SPOT_TOLERANCE, "producer": producer.hex(), "diff": diff,
-                                   "lineage": lineage.hex(), "version": version})
+        tasks: dict[int, Any] = {}
+
+        def usable(r: Any) -> bool:
+            if not consistent(r, self.checker):  # never feed a model ids outside its vocabulary
+                return False
+            try:
+                tasks[id(r)] = self.registry.resolve(r.task)
+            except Exception:  # a task set this worker does not hold: nothing to check against
+                return False
+            return True
+
+        eligible, chosen = self.spot.pick(batches, lineage, version, self.checker.tokenizer_hash, usable)
+        if eligible:
+            self.send("spot_round", {"eligible": eligible})
+        for producer, r in chosen:
+            prompt = self.checker.encode(tasks[id(r)].prompt)
+            got = self.checker.logprobs([(prompt, list(r.completion_ids))], r.sampling.temperature)[0]
+            diff = mean_abs_diff(got, logprobs_from_bytes(r.logprobs))
+            if not diff <= SPOT_TOLERANCE:
+                self.spot.failed(producer)
+            self.send("spot", {"ok": diff <= SPOT_TOLERANCE, "producer": producer.hex(), "diff": diff,
+                               "lineage": lineage.hex(), "version": version})
 
     # ------------------------------------------------------------ main
     def run(self) -> None:

@@ -21,6 +21,7 @@ import msgspec
 from gossip.identity import Identity
 from node import pipe
 from node.config import Config
+from training.spotcheck import SPOT_RATE
 
 if TYPE_CHECKING:
     from node.runtime import RunOptions
@@ -37,7 +38,7 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
         "memory_budget_mb": cfg.node.memory_budget_mb, "identity_seed": ident.seed.hex(),
         "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
         "chunk_bytes": cfg.sync.chunk_bytes, "retain_versions": cfg.sync.retain_versions,
-        "publish_every": cfg.sync.publish_every, "spot_rate": 0.25,
+        "publish_every": cfg.sync.publish_every, "spot_rate": SPOT_RATE,
         # the trainer's sampler (training/sampler.py): groups of ~group_size verified rollouts
         "sampler_max_rollouts": max(64, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)),
         "sampler_max_groups": max(16, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)

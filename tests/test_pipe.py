@@ -25,6 +25,7 @@ def test_every_kind_round_trips_with_bytes_as_bytes() -> None:
         "apply_failed": {"lineage": "ab", "base": 2, "target": 3, "error": "x"},
         "perf": {"gen_tokens_per_s": 10.0, "rollout_latency_s": 1.0},
         "spot": {"ok": False, "producer": "ab", "diff": 0.3, "lineage": "cd", "version": 1},
+        "spot_round": {"eligible": 7},
         "engine": {"requested": "vllm", "mode": "", "error": "vLLM is not installed"}, "error": "boom", "log": "hi"}
     assert set(cases) == set(pipe.KINDS)
     for kind, body in cases.items():
