@@ -73,6 +73,8 @@ class AnnouncedRates:
         self.floor_burst = floor_burst
         self.max_peers = max_peers
         self._b: OrderedDict[str, Bucket] = OrderedDict()
+        self._newest: OrderedDict[str, int] = OrderedDict()  # the highest announce seq seen per peer
+        self.stale = 0  # announces ignored as older than one already applied
 
     def limits(self, announced: float) -> tuple[float, float]:
         """(rate, burst) allowed to a peer that announced `announced` batches/s."""
@@ -81,7 +83,20 @@ class AnnouncedRates:
 
     def update(self, peer: str, announce: Any, now: float) -> None:
         """Hold `peer` to the rate `announce` states. The bucket runs on the producer's own clock (its
-        batches' signed `created_ms`, see `take`), so it starts full at the first batch it meets."""
+        batches' signed `created_ms`, see `take`), so it starts full at the first batch it meets.
+
+        Only an announce newer (a higher `seq`) than every one already seen from `peer` counts: gossip
+        replays old messages to late joiners and any relay may re-send one, and an old, lower rate
+        applied after a newer one would get a fast honest producer throttled and charged."""
+        seq = int(getattr(announce, "seq", 0))
+        newest = self._newest.get(peer)
+        if newest is not None and seq <= newest:
+            self.stale += 1
+            return
+        self._newest[peer] = seq
+        self._newest.move_to_end(peer)
+        while len(self._newest) > self.max_peers:
+            self._newest.popitem(last=False)
         announced = float(getattr(announce, "publish_batches_per_s", 0.0))
         if not (announced > 0 and math.isfinite(announced)):
             self._b.pop(peer, None)  # no promise: the default (uncharged) bucket applies

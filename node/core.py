@@ -422,7 +422,8 @@ class NodeCore:
             out.append(ToWorker(pipe.Pace(rate)))
 
     def _announce(self) -> bytes:
-        self.announce_seq += 1
+        # above every seq this key signed before a restart, so receivers order our announces by seq alone
+        self.announce_seq = max(self.announce_seq + 1, self.wall_ms())
         demand = self._demand()
         a = wire.NodeAnnounce(
             v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=self.wall_ms(),

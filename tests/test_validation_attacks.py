@@ -6,6 +6,7 @@ costs only the peer that provably committed it, and honest peers keep their scor
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
@@ -266,8 +267,13 @@ def test_an_exception_in_verification_is_a_charged_cached_rejection(reg) -> None
 # ------------------------------------------------------------ rate limits from announcements
 
 
-def announce(ident: Identity, rate: float) -> wire.NodeAnnounce:
-    return wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=1, created_ms=wire.now_ms(),
+_announce_seqs = itertools.count(1)
+
+
+def announce(ident: Identity, rate: float, seq: int | None = None) -> wire.NodeAnnounce:
+    """`ident`'s announce of `rate`, newer than every one made before unless `seq` says otherwise."""
+    seq = next(_announce_seqs) if seq is None else seq
+    return wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=seq, created_ms=wire.now_ms(),
                              hardware="cpu", gen_tokens_per_s=0.0, rollout_latency_s=0.0, upload_bytes_per_s=0.0,
                              memory_bytes=0, roles=["trainer"], lineages_followed=[], publish_batches_per_s=rate)
 
@@ -313,6 +319,24 @@ def test_a_relayed_backlog_costs_the_producer_nothing(reg) -> None:
     late = [p.check(make_batch(ALICE, reg, 1000 + i, n=1, tokens=4, created_ms=now_ms - 700_000), ALICE.peer_id)
             for i in range(5)]
     assert [v.reason for v in late].count(Reason.RATE_LIMITED) == 3
+    assert p.scores.record(ALICE.peer_id).rejections == {}
+
+
+def test_a_replayed_old_announce_changes_nothing(reg) -> None:
+    """A relay re-sends Alice's old announce (0.5 batches/s) after her newer one (20/s): applied, it would
+    cut her bucket to the floor and charge her for publishing at the rate she now states."""
+    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
+    old, new = announce(ALICE, 0.5, seq=7), announce(ALICE, 20.0, seq=8)
+    p.announced(ALICE.peer_id, new)
+    p.announced(ALICE.peer_id, new)  # a copy of the newest changes nothing
+    p.announced(ALICE.peer_id, old)  # nor does the old one, arriving later via a relay or gossip's replay
+    assert p.announced_rates.stale == 2
+    reasons = []
+    for seq in range(1, 20 * 90):  # 90 s at the announced 20 batches/s
+        clock.t += 0.05
+        reasons.append(p.check(make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)),
+                               ALICE.peer_id).reason)
+    assert set(reasons) == {Reason.ACCEPTED}, {r.value: reasons.count(r) for r in set(reasons)}
     assert p.scores.record(ALICE.peer_id).rejections == {}
 
 
