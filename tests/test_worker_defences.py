@@ -55,7 +55,7 @@ def _rollout(engine, reg: TaskRegistry, seed: int, text: str, logprobs: list[flo
         logprobs = engine.logprobs([(engine.encode(reg.resolve(ref).prompt), ids)], 1.0)[0]
     return wire.Rollout(task=ref, lineage=LINEAGE, version=3, completion_ids=ids, text=text,
                         tokenizer_hash=engine.tokenizer_hash, logprobs=logprobs_to_bytes(logprobs),
-                        token_versions=[(3, 0)], sampling=wire.SamplingParams(max_new_tokens=8), reward=reward,
+                        token_versions=[(0, 3)], sampling=wire.SamplingParams(max_new_tokens=8), reward=reward,
                         created_ms=wire.now_ms())
 
 
