@@ -83,7 +83,12 @@ def test_five_nodes_every_batch_reaches_every_node_once(tmp_path: Path) -> None:
                     sent += 1
             for n in nodes:  # every node receives every batch but its own
                 await n.service.wait_for(lambda n=n: n.service.accepted_batches >= 12, timeout=30)
-            await trio.sleep(1.5)  # let heartbeat gossip (IHAVE/IWANT) run: no batch may arrive twice
+            # no batch may arrive twice: wait until every router's message cache has let go of the batches;
+            # from then on no IHAVE can name them and no IWANT be answered with them
+            topic = nodes[0].service.rollout_topic
+            with trio.fail_after(30):
+                while any(topic in m.topicIDs for n in nodes for m in n.transport.router.mcache.msgs.values()):
+                    await trio.sleep(0.1)
             for n in nodes:
                 assert n.service.accepted_batches == 12
                 assert n.store.ledger_counts().get("accepted") == 12 * 4

@@ -1,0 +1,105 @@
+"""Token buckets, announced-rate buckets and the sender's rate meter (gossip/ratelimit.py), on an injected clock."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from gossip.ratelimit import (BURST_WINDOW_S, HEADROOM, MAX_BATCHES_PER_S, MIN_SPAN_S, AnnouncedRates, Bucket,
+                              RateMeter, TokenBuckets)
+
+
+def test_bucket_starts_full_refills_at_its_rate_and_caps_at_its_burst() -> None:
+    b = Bucket(rate=2.0, burst=3.0, now=0.0)
+    assert [b.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert b.tokens == 0.0
+    assert not b.take(0.4)  # 0.8 tokens: not enough, and nothing spent
+    assert b.tokens == pytest.approx(0.8) and b.last == 0.4
+    assert b.take(0.5) and b.tokens == pytest.approx(0.0)  # 1.0 token exactly is enough
+    assert b.take(100.0, cost=3.0) and not b.take(100.0)  # a long idle refills only up to the burst
+    assert not b.take(100.0, cost=0.5)
+
+
+def test_bucket_ignores_a_clock_that_goes_back() -> None:
+    b = Bucket(rate=1.0, burst=2.0, now=10.0)
+    assert b.take(10.0, cost=2.0)
+    assert not b.take(5.0)  # earlier than the last take: no refill, no negative refill
+    assert b.tokens == 0.0 and b.last == 10.0
+    assert b.take(11.0)  # one second after the latest time seen
+
+
+def test_token_buckets_refuse_bad_parameters() -> None:
+    for rate, burst in ((0.0, 5.0), (-1.0, 5.0), (1.0, 0.5), (math.inf, 5.0), (1.0, math.inf), (math.nan, 5.0)):
+        with pytest.raises(ValueError):
+            TokenBuckets(rate, burst)
+    tb = TokenBuckets(1.0, 1.0)  # the smallest allowed: one message per second
+    assert tb.take("a", 0.0) and not tb.take("a", 0.5) and tb.take("a", 1.0)
+
+
+def test_token_buckets_are_per_peer_and_forget_the_least_recent_peer() -> None:
+    tb = TokenBuckets(rate_per_s=1.0, burst=1.0, max_peers=2)
+    assert tb.take("a", 0.0) and tb.take("b", 0.0)
+    assert not tb.take("a", 0.0) and not tb.take("b", 0.0)  # each spent its own token
+    assert not tb.take("a", 0.5)  # "a" is now the most recent
+    assert tb.take("c", 0.5)  # evicts "b", the least recently seen
+    assert len(tb._b) == 2 and "b" not in tb._b and "a" in tb._b
+    assert tb.take("b", 0.5)  # forgotten: a new, full bucket
+    assert "a" not in tb._b
+
+
+def test_announced_limits_have_headroom_a_floor_and_a_ceiling() -> None:
+    ar = AnnouncedRates(floor_rate=20.0, floor_burst=40.0)
+    assert ar.limits(1.0) == (20.0, max(40.0, HEADROOM * 1.0 * BURST_WINDOW_S))  # the floor rate
+    assert ar.limits(15.0) == (HEADROOM * 15.0, HEADROOM * 15.0 * BURST_WINDOW_S)
+    assert ar.limits(10.0) == (20.0, 20.0 * BURST_WINDOW_S)  # exactly at the floor
+    assert ar.limits(1e9) == (MAX_BATCHES_PER_S, MAX_BATCHES_PER_S * BURST_WINDOW_S)
+    assert ar.limits(0.0001) == (20.0, 40.0)  # the floor burst
+
+
+def test_announced_bucket_follows_the_latest_promise() -> None:
+    ar = AnnouncedRates(floor_rate=1.0, floor_burst=2.0)
+    assert ar.bucket("p") is None
+    ar.update("p", SimpleNamespace(publish_batches_per_s=1.0), now=0.0)
+    b = ar.bucket("p")
+    assert b is not None and (b.rate, b.burst) == ar.limits(1.0) and b.tokens == b.burst
+    assert b.last == -math.inf  # runs on the producer's clock from its first batch
+    assert b.take(5.0, cost=b.burst) and b.tokens == 0.0
+    ar.update("p", SimpleNamespace(publish_batches_per_s=0.5), now=6.0)  # a lower promise: the same bucket
+    assert ar.bucket("p") is b and (b.rate, b.burst) == ar.limits(0.5) and b.tokens == 0.0
+    b.tokens = 500.0
+    ar.update("p", SimpleNamespace(publish_batches_per_s=0.5), now=7.0)
+    assert b.tokens == b.burst  # never more tokens than the new burst
+    for broken in (0.0, -3.0, math.nan, math.inf):
+        ar.update("q", SimpleNamespace(publish_batches_per_s=1.0), now=0.0)
+        ar.update("q", SimpleNamespace(publish_batches_per_s=broken), now=0.0)
+        assert ar.bucket("q") is None  # no (sane) promise: back to the default, uncharged bucket
+    ar.update("r", SimpleNamespace(), now=0.0)
+    assert ar.bucket("r") is None
+
+
+def test_announced_rates_are_bounded() -> None:
+    ar = AnnouncedRates(max_peers=2)
+    for p in ("a", "b"):
+        ar.update(p, SimpleNamespace(publish_batches_per_s=1.0), now=0.0)
+    ar.update("a", SimpleNamespace(publish_batches_per_s=2.0), now=1.0)  # "a" refreshed: "b" is the oldest
+    ar.update("c", SimpleNamespace(publish_batches_per_s=1.0), now=2.0)
+    assert ar.bucket("b") is None and ar.bucket("a") is not None and ar.bucket("c") is not None
+
+
+def test_rate_meter_counts_over_its_window_and_the_span_it_saw() -> None:
+    m = RateMeter(window_s=10.0)
+    assert m.rate(0.0) == 0.0
+    m.tick(0.0)
+    assert m.rate(0.0) == 1.0 / MIN_SPAN_S  # a fresh meter divides by at least MIN_SPAN_S
+    for t in (1.0, 2.0, 3.0):
+        m.tick(t)
+    assert m.rate(4.0) == pytest.approx(4 / 4.0)  # 4 events over the 4 s since the first
+    assert m.rate(9.5) == pytest.approx(4 / 9.5)
+    assert m.rate(10.0) == pytest.approx(3 / 9.0)  # the event at 0.0 left the window at exactly 10 s
+    assert m.rate(20.0) == 0.0 and len(m._t) == 0
+    many = RateMeter(window_s=100.0, max_events=5)
+    for t in range(10):
+        many.tick(float(t))
+    assert len(many._t) == 5 and many.rate(10.0) == pytest.approx(5 / 5.0)  # bounded: the newest 5, since t=5
