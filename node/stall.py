@@ -70,6 +70,7 @@ class StallReporter:
         self.per_min = per_min
         self.beat = time.monotonic()
         self.reports = 0
+        self.suppressed = 0  # stalls past the per-minute report budget: counted, not logged
         self.last_stack = ""
         self._loop_thread = threading.get_ident()
         self._stop = threading.Event()
@@ -93,6 +94,7 @@ class StallReporter:
             while self._times and self._times[0] < now - 60.0:
                 self._times.popleft()
             if len(self._times) >= self.per_min:
+                self.suppressed += 1
                 continue
             frame = sys._current_frames().get(self._loop_thread)
             if frame is None:

@@ -58,3 +58,20 @@ def test_a_long_stall_is_reported_with_the_blocking_code() -> None:
     trio.run(main)
     assert rep.reports == 1
     assert rep.last_stack.split(" < ")[0].endswith("_hold_the_loop")  # innermost first
+
+
+def test_stall_reports_are_capped_per_minute() -> None:
+    """A peer that can stall the loop again and again gets at most `per_min` stack dumps a minute in the
+    log; the stalls past that are counted."""
+    rep = StallReporter(after_s=0.02, per_min=6)
+    rep.start()
+    try:
+        for i in range(8):
+            rep.beat = time.monotonic()  # the loop woke, then blocks again: a new stall
+            deadline = time.monotonic() + 30
+            while rep.reports + rep.suppressed < i + 1:  # this thread is the blocked loop: wait for the watcher
+                assert time.monotonic() < deadline, (i, rep.reports, rep.suppressed)
+                time.sleep(0.005)
+    finally:
+        rep.stop()
+    assert (rep.reports, rep.suppressed) == (6, 2)
