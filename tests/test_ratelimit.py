@@ -58,34 +58,40 @@ def test_announced_limits_have_headroom_a_floor_and_a_ceiling() -> None:
     assert ar.limits(0.0001) == (20.0, 40.0)  # the floor burst
 
 
+def _ann(seq: int, rate: float | None) -> SimpleNamespace:
+    return SimpleNamespace(seq=seq) if rate is None else SimpleNamespace(seq=seq, publish_batches_per_s=rate)
+
+
 def test_announced_bucket_follows_the_latest_promise() -> None:
     ar = AnnouncedRates(floor_rate=1.0, floor_burst=2.0)
     assert ar.bucket("p") is None
-    ar.update("p", SimpleNamespace(publish_batches_per_s=1.0), now=0.0)
+    ar.update("p", _ann(1, 1.0), now=0.0)
     b = ar.bucket("p")
     assert b is not None and (b.rate, b.burst) == ar.limits(1.0) and b.tokens == b.burst
     assert b.last == -math.inf  # runs on the producer's clock from its first batch
     assert b.take(5.0, cost=b.burst) and b.tokens == 0.0
-    ar.update("p", SimpleNamespace(publish_batches_per_s=0.5), now=6.0)  # a lower promise: the same bucket
+    ar.update("p", _ann(2, 0.5), now=6.0)  # a lower promise: the same bucket
     assert ar.bucket("p") is b and (b.rate, b.burst) == ar.limits(0.5) and b.tokens == 0.0
     b.tokens = 500.0
-    ar.update("p", SimpleNamespace(publish_batches_per_s=0.5), now=7.0)
+    ar.update("p", _ann(3, 0.5), now=7.0)
     assert b.tokens == b.burst  # never more tokens than the new burst
-    for broken in (0.0, -3.0, math.nan, math.inf):
-        ar.update("q", SimpleNamespace(publish_batches_per_s=1.0), now=0.0)
-        ar.update("q", SimpleNamespace(publish_batches_per_s=broken), now=0.0)
+    ar.update("p", _ann(3, 9.0), now=8.0)  # a replayed or older announce changes nothing, and is counted
+    ar.update("p", _ann(1, 9.0), now=8.0)
+    assert (b.rate, b.burst) == ar.limits(0.5) and ar.stale == 2
+    for i, broken in enumerate((0.0, -3.0, math.nan, math.inf, None)):
+        ar.update("q", _ann(2 * i + 1, 1.0), now=0.0)
+        ar.update("q", _ann(2 * i + 2, broken), now=0.0)
         assert ar.bucket("q") is None  # no (sane) promise: back to the default, uncharged bucket
-    ar.update("r", SimpleNamespace(), now=0.0)
-    assert ar.bucket("r") is None
 
 
 def test_announced_rates_are_bounded() -> None:
     ar = AnnouncedRates(max_peers=2)
     for p in ("a", "b"):
-        ar.update(p, SimpleNamespace(publish_batches_per_s=1.0), now=0.0)
-    ar.update("a", SimpleNamespace(publish_batches_per_s=2.0), now=1.0)  # "a" refreshed: "b" is the oldest
-    ar.update("c", SimpleNamespace(publish_batches_per_s=1.0), now=2.0)
+        ar.update(p, _ann(1, 1.0), now=0.0)
+    ar.update("a", _ann(2, 2.0), now=1.0)  # "a" refreshed: "b" is the oldest
+    ar.update("c", _ann(1, 1.0), now=2.0)
     assert ar.bucket("b") is None and ar.bucket("a") is not None and ar.bucket("c") is not None
+    assert len(ar._newest) == 2 and "b" not in ar._newest  # the seq table is bounded too
 
 
 def test_rate_meter_counts_over_its_window_and_the_span_it_saw() -> None:
