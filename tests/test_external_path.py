@@ -148,3 +148,49 @@ def test_nodes_and_benchmarks_overprovision_alike(tmp_path) -> None:  # type: ig
     sc, _ = bench_swarm.load_scenario()
     bench = bench_swarm.trainer_config(sc, sc.swarm, seed=0, index=0)
     assert bench.overprovision == node.overprovision == 1.0
+
+
+def test_with_a_fixed_minibatch_swarm_groups_add_updates_and_never_displace_local_ones(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
+    import copy
+
+    peer = Trainer(copy.deepcopy(warm_engine), registry, registry.builtin_id,
+                   TrainerConfig(local_groups=4, group_size=4, max_new_tokens=4, lr=0.0, seed=9), lineage=OTHER)
+    sampler = Sampler(max_groups=64, seed=1)
+
+    def external(n: int, _v: int) -> list[wire.Rollout]:
+        for _ in range(2):
+            sampler.add_rollouts([to_wire(r) for r in peer.step().rollouts])
+        return sampler.take_rollouts(n)
+
+    m = 2
+    cfg = TrainerConfig(local_groups=2, external_groups=6, group_size=4, max_new_tokens=4, lr=1e-4, seed=4,
+                        minibatch_groups=m)
+    tr = Trainer(copy.deepcopy(warm_engine), registry, registry.builtin_id, cfg, lineage=b"\x0a" * 32,
+                 external=external)
+    local_informative = updates = trained = trained_ext = 0
+    for _ in range(6):
+        res = tr.step()
+        local_informative += sum(len({r.reward for r in g}) > 1 for g in _groups(res.rollouts))
+        updates += res.updates
+        trained += res.trained_groups
+        trained_ext += res.trained_external_groups
+        assert res.trained_groups == m * res.updates and res.backlog_groups < m  # every update exactly m groups
+        assert res.stats["updates"] == res.updates
+    waiting_local = sum(not p.external for p in tr.backlog)
+    assert trained - trained_ext + waiting_local == local_informative  # every local informative group trains
+    assert trained_ext > 0 and updates > local_informative // m  # the swarm's groups added updates
+    assert tr.version <= tr.step_no  # one version per step that updated, however many updates it made
+
+
+def _groups(rollouts: list) -> list[list]:  # type: ignore[type-arg]
+    by: dict[int, list] = {}
+    for r in rollouts:
+        by.setdefault(r.ref.seed, []).append(r)
+    return list(by.values())
+
+
+def test_minibatch_groups_is_checked() -> None:
+    from gossip.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="minibatch_groups"):
+        TrainerConfig(minibatch_groups=-1)

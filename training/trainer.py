@@ -78,6 +78,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     m2_tau: float = 0.04
     hacpo_delta: float = 0.2
     ppo_epochs: int = 1
+    # 0: one optimizer update per step over all its informative groups (external ones take the place of
+    # local ones: I + J groups per update). > 0: every update takes exactly this many informative groups,
+    # and a step makes as many updates as its own and the swarm's fresh informative groups fill (the rest
+    # wait for the next step): swarm data adds updates instead of displacing local data, and a trainer
+    # alone accumulates the same minibatch before it steps.
+    minibatch_groups: int = 0
     grad_clip: float = 1.0
     # How the loss is normalised over the step's batch (see LOSS_NORMS and `loss_denominator`).
     # "informative": the row-weighted mean over the rows of informative groups only, so one informative
@@ -102,6 +108,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.loss_norm not in LOSS_NORMS:
             raise ConfigError(f"trainer loss_norm {self.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
+        if self.minibatch_groups < 0:
+            raise ConfigError("trainer minibatch_groups must be >= 0")
 
 
 @dataclass
@@ -124,6 +132,26 @@ class _Pending:
         return all(s.done for s in self.seqs)
 
 
+_EMPTY = torch.zeros(0)
+
+
+@dataclass
+class _Prepared:
+    """One informative group routed to its losses: own-lineage rows (decoupled loss) and other-model rows
+    (HACPO), each with its advantages."""
+
+    own: list[RolloutRec]
+    own_adv: torch.Tensor
+    ext: list[RolloutRec]
+    ext_adv: torch.Tensor
+    ext_coef: torch.Tensor
+    external: bool  # it came from the swarm
+
+    @property
+    def rows(self) -> int:
+        return len(self.own) + len(self.ext)
+
+
 @dataclass
 class StepResult:
     step: int
@@ -140,6 +168,10 @@ class StepResult:
     rollouts: list[RolloutRec]  # this step's local rollouts (convertible with rollouts.to_wire)
     used_by_set: dict[bytes, int] = field(default_factory=dict)  # rows that entered the loss, per task set
     external_by_set: dict[bytes, int] = field(default_factory=dict)  # of them, external rows
+    updates: int = 0  # optimizer updates this step (minibatch_groups: as many as the informative groups fill)
+    trained_groups: int = 0  # informative groups that entered those updates (carried-over ones included)
+    trained_external_groups: int = 0  # of them, from the swarm
+    backlog_groups: int = 0  # informative groups waiting for a full minibatch
 
 
 class Trainer:
@@ -161,6 +193,7 @@ class Trainer:
         self.step_no = 0
         self.pending: list[_Pending] = []
         self.capability = CapabilityTracker()
+        self.backlog: list[_Prepared] = []  # informative groups waiting for a full minibatch
         self.opt = torch.optim.AdamW(engine.model.parameters(), lr=config.lr, weight_decay=0.0)
         self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
                                  max_new_tokens=config.max_new_tokens)
@@ -270,14 +303,6 @@ class Trainer:
 
     # ------------------------------------------------------------ loss
 
-    def _own_batch(self, groups: list[list[RolloutRec]]) -> tuple[list[RolloutRec], torch.Tensor]:
-        rows, advs = [], []
-        for g in groups:
-            a = group_advantages(torch.tensor([r.reward for r in g]))
-            rows += g
-            advs.append(a)
-        return rows, torch.cat(advs) if advs else torch.zeros(0)
-
     def _loss(self, own: list[RolloutRec], own_adv: torch.Tensor, ext: list[RolloutRec], ext_adv: torch.Tensor,
               ext_coef: torch.Tensor, prox: torch.Tensor | None, batch_rows: int
               ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -321,8 +346,82 @@ class Trainer:
 
     # ------------------------------------------------------------ step
 
+    def _prepare(self, local: list[list[RolloutRec]], ext_groups: list[list[RolloutRec]]
+                 ) -> tuple[list[_Prepared], int]:
+        """Route each informative group to its loss with its advantages; returns (groups, dropped)."""
+        out: list[_Prepared] = []
+        dropped = 0
+        for g in local:
+            if is_degenerate([r.reward for r in g]):
+                dropped += 1
+                continue
+            # HACPO capabilities on one basis: a source is only ever seen through its informative
+            # groups (the sampler drops the rest), so the learner is measured on its own
+            self.capability.update(self.lineage, [r.reward for r in g])
+            out.append(_Prepared(g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY, _EMPTY,
+                                 external=False))
+        p_l = self.capability.get(self.lineage)
+        for g in ext_groups:
+            if is_degenerate([r.reward for r in g]):
+                dropped += 1
+                continue
+            for r in g:
+                if r.src_logp_mean is not None:
+                    self.capability.update(r.source, [r.reward])
+            if all(r.src_logp_mean is None for r in g):  # all of our lineage and tokenizer
+                out.append(_Prepared(g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY,
+                                     _EMPTY, external=True))
+                continue
+            p_src = torch.tensor([self.capability.get(r.source) if r.src_logp_mean is not None else p_l for r in g])
+            adv = hacpo_advantages(torch.tensor([r.reward for r in g]), p_src, p_l)
+            coef = hacpo_coefficient(p_src, p_l)
+            # own-lineage samples inside a group with another model's get the HACPO advantage with the
+            # decoupled loss: the routing is per sample
+            mine = [i for i, r in enumerate(g) if r.src_logp_mean is None]
+            theirs = [i for i, r in enumerate(g) if r.src_logp_mean is not None]
+            out.append(_Prepared([g[i] for i in mine], adv[mine], [g[i] for i in theirs], adv[theirs],
+                                 coef[theirs], external=True))
+        return out, dropped
+
+    def _minibatches(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
+        """The updates of this step. minibatch_groups = 0: one update over every informative group.
+        Otherwise fixed minibatches of that many informative groups, as many as this step's and the
+        carried-over groups fill; the rest waits for the next step (bounded: fewer than one minibatch)."""
+        m = self.cfg.minibatch_groups
+        if m <= 0:
+            return [prepared] if prepared else []
+        self.backlog += prepared
+        out = []
+        while len(self.backlog) >= m:
+            out.append(self.backlog[:m])
+            self.backlog = self.backlog[m:]
+        return out
+
+    def _update(self, batch: list[_Prepared], prox: torch.Tensor | None, batch_rows: int
+                ) -> tuple[float, dict[str, float], int]:
+        """The `ppo_epochs` optimizer steps of one minibatch; returns (loss, stats, steps applied)."""
+        cfg = self.cfg
+        own = [r for p in batch for r in p.own]
+        ext = [r for p in batch for r in p.ext]
+        own_adv = torch.cat([p.own_adv for p in batch]) if batch else _EMPTY
+        ext_adv = torch.cat([p.ext_adv for p in batch]) if batch else _EMPTY
+        ext_coef = torch.cat([p.ext_coef for p in batch]) if batch else _EMPTY
+        loss_val, stats = 0.0, {}
+        applied = 0
+        for _ in range(max(1, cfg.ppo_epochs)):
+            loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows)
+            loss_val = float(loss.detach())
+            gn = guarded_step(self.opt, list(self.engine.model.parameters()), loss, cfg.grad_clip)
+            if gn is None:
+                self.drops["step_not_finite"] = self.drops.get("step_not_finite", 0) + 1
+                break
+            applied += 1
+            stats["grad_norm"] = gn
+        return loss_val, stats, applied
+
     def step(self) -> StepResult:
-        """Generate (partial) rollouts, mix in external groups, one optimizer update."""
+        """Generate (partial) rollouts, mix in external groups, then the optimizer updates their informative
+        groups fill (one, unless `minibatch_groups` is set)."""
         t0 = time.monotonic()
         cfg = self.cfg
         with self._lock:
@@ -336,88 +435,53 @@ class Trainer:
                     break
             ext_groups = self._collect_external()
             local_rewards = [r.reward for g in local for r in g]
-            own_groups, other_groups, dropped = [], [], 0
-            for g in local:
-                if is_degenerate([r.reward for r in g]):
-                    dropped += 1
-                else:
-                    own_groups.append(g)
-                    # HACPO capabilities on one basis: a source is only ever seen through its informative
-                    # groups (the sampler drops the rest), so the learner is measured on its own
-                    self.capability.update(self.lineage, [r.reward for r in g])
-            for g in ext_groups:
-                if is_degenerate([r.reward for r in g]):
-                    dropped += 1
-                    continue
-                for r in g:
-                    if r.src_logp_mean is not None:
-                        self.capability.update(r.source, [r.reward])
-                if all(r.src_logp_mean is None for r in g):
-                    own_groups.append(g)
-                else:
-                    other_groups.append(g)
-            batch_rows = sum(len(g) for g in local) + sum(len(g) for g in ext_groups)
-            own, own_adv = self._own_batch(own_groups)
-            ext, ext_adv_l, ext_coef_l = [], [], []
-            p_l = self.capability.get(self.lineage)
-            for g in other_groups:
-                p_src = torch.tensor([self.capability.get(r.source) if r.src_logp_mean is not None else p_l for r in g])
-                ext_adv_l.append(hacpo_advantages(torch.tensor([r.reward for r in g]), p_src, p_l))
-                ext_coef_l.append(hacpo_coefficient(p_src, p_l))
-                ext += g
-            ext_adv = torch.cat(ext_adv_l) if ext_adv_l else torch.zeros(0)
-            ext_coef = torch.cat(ext_coef_l) if ext_coef_l else torch.zeros(0)
-            # own-lineage rows from external groups that include another model's samples
-            own_rows = [r for r in ext if r.src_logp_mean is None]
-            if own_rows:
-                keep = [i for i, r in enumerate(ext) if r.src_logp_mean is not None]
-                # same-lineage samples inside a mixed group get the HACPO advantage with the
-                # decoupled loss; keep the routing per sample
-                idx_own = [i for i, r in enumerate(ext) if r.src_logp_mean is None]
-                own = own + [ext[i] for i in idx_own]
-                own_adv = torch.cat([own_adv, ext_adv[idx_own]])
-                ext = [ext[i] for i in keep]
-                ext_adv, ext_coef = ext_adv[keep], ext_coef[keep]
+            prepared, dropped = self._prepare(local, ext_groups)
+            batches = self._minibatches(prepared)
             loss_val, stats = 0.0, {}
-            if own or ext:
+            if batches:
                 self.engine.model.train()
                 lr = cfg.lr * min(1.0, (self.step_no + 1) / max(1, cfg.lr_warmup_steps))
                 for pg in self.opt.param_groups:
                     pg["lr"] = lr
-                prox = None
-                if cfg.ppo_epochs > 1 and own:
+                # proximal log-probs once, before the first update, when more than one update follows
+                # (AReaL's decoupled objective, as ppo_epochs > 1 does)
+                proxes: list[torch.Tensor | None] = [None] * len(batches)
+                if cfg.ppo_epochs > 1 or len(batches) > 1:
                     with torch.no_grad():
-                        prox, _ = self.engine.token_logprobs([r.prompt_ids for r in own], [r.ids for r in own],
-                                                             cfg.temperature)
+                        for k, b in enumerate(batches):
+                            own = [r for p in b for r in p.own]
+                            if own:
+                                proxes[k], _ = self.engine.token_logprobs([r.prompt_ids for r in own],
+                                                                          [r.ids for r in own], cfg.temperature)
+                legacy_rows = sum(len(g) for g in local) + sum(len(g) for g in ext_groups)
                 applied = 0
-                for _ in range(max(1, cfg.ppo_epochs)):
-                    loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows)
-                    loss_val = float(loss.detach())
-                    gn = guarded_step(self.opt, list(self.engine.model.parameters()), loss, cfg.grad_clip)
-                    if gn is None:
-                        self.drops["step_not_finite"] = self.drops.get("step_not_finite", 0) + 1
-                        break
-                    applied += 1
-                    stats["grad_norm"] = gn
+                for b, prox in zip(batches, proxes):
+                    rows = legacy_rows if cfg.minibatch_groups <= 0 else sum(p.rows for p in b)
+                    loss_val, stats, n = self._update(b, prox, rows)
+                    applied += n
                 self.engine.model.eval()
                 if applied:  # a version is a change of the weights: a skipped step makes none
                     self.version += 1
+            stats["updates"] = float(len(batches))
             self.step_no += 1
             used: dict[bytes, int] = {}
             ext_used: dict[bytes, int] = {}
-            local_ids = {id(r) for g in local for r in g}
-            if own or ext:
-                for r in own + ext:
+            trained = [p for b in batches for p in b]
+            for p in trained:
+                for r in p.own + p.ext:
                     tid = bytes(r.ref.task_set)
                     used[tid] = used.get(tid, 0) + 1
-                    if id(r) not in local_ids:
+                    if p.external:
                         ext_used[tid] = ext_used.get(tid, 0) + 1
             res = StepResult(step=self.step_no, version=self.version, loss=loss_val,
                              reward_mean=sum(local_rewards) / len(local_rewards) if local_rewards else float("nan"),
                              n_local_groups=len(local), n_external_groups=len(ext_groups), dropped_groups=dropped,
-                             pending_groups=len(self.pending), tokens=sum(len(r.ids) for r in own + ext),
+                             pending_groups=len(self.pending),
+                             tokens=sum(len(r.ids) for p in trained for r in p.own + p.ext),
                              step_s=time.monotonic() - t0, stats=stats, rollouts=[r for g in local for r in g],
-                             used_by_set=used, external_by_set=ext_used)
+                             used_by_set=used, external_by_set=ext_used, updates=len(batches),
+                             trained_groups=len(trained), trained_external_groups=sum(p.external for p in trained),
+                             backlog_groups=len(self.backlog))
         if self.on_step is not None:
             self.on_step(res)
         return res
@@ -460,7 +524,7 @@ def loss_denominator(cfg: TrainerConfig, batch_rows: int) -> int | None:
     a step that found fewer groups than configured moves the policy less, never more."""
     if cfg.loss_norm == "informative":
         return None
-    return max(batch_rows, (cfg.local_groups + cfg.external_groups) * cfg.group_size)
+    return max(batch_rows, (cfg.minibatch_groups or cfg.local_groups + cfg.external_groups) * cfg.group_size)
 
 
 def check_trainable(engine: HFEngine) -> None:
