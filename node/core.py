@@ -71,8 +71,9 @@ MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadc
 # fetched from (a head moved by announces, manifests whose chunks no one serves): the follower leaves it.
 LEAVE_AFTER_S = 180.0
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
-WORKER_STABLE_S = 120.0
-DEFAULT_STEP_S = 5.0  # a trainer that has not measured a step yet plans its exchange demand with this  # a worker that ran this long resets the restart backoff
+WORKER_STABLE_S = 120.0  # a worker that ran this long resets the restart backoff
+DEFAULT_STEP_S = 5.0  # a trainer that has not measured a step yet plans its exchange demand with this
+STEP_WINDOW = 20  # trainer steps the status's per-step swarm figures average over
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,9 @@ class NodeCore:
         self.rewards: deque[float] = deque(maxlen=60)
         self.reward_first: list[float] = []
         self.step_times: deque[float] = deque(maxlen=8)
+        # per step: (external groups trained, their lineages, optimizer updates); held-out (step, accuracy)
+        self.swarm_gave: deque[tuple[int, int, int]] = deque(maxlen=STEP_WINDOW)
+        self.heldout: deque[tuple[int, float]] = deque(maxlen=60)
         self.version_times: deque[float] = deque(maxlen=8)
         self.fetch_s: deque[tuple[float, float]] = deque(maxlen=8)  # (when, seconds to deliver a patch)
         self.last_publish = 0.0
@@ -596,7 +600,10 @@ class NodeCore:
         elif isinstance(m, pipe.Step):
             self.steps += 1
             self._reward(m.reward_mean)
-            self.counters["used"] += max(0, m.n_external_groups) * self.s.group_size
+            self.counters["used"] += m.used
+            self.swarm_gave.append((m.external_groups, m.external_lineages, m.updates))
+            if m.heldout is not None:
+                self.heldout.append((m.step, m.heldout))
             self.step_times.append(max(0.0, _finite(m.step_s)))
             out.append(Log("step", {"step": m.step, "version": m.version, "reward_mean": m.reward_mean,
                                     "loss": m.loss, "n_external_groups": m.n_external_groups, "step_s": m.step_s}))

@@ -156,6 +156,12 @@ def node_panel(s: NodeStatus) -> Panel:
         ("rollouts", f"produced {s.rollouts_produced}, published {s.rollouts_published}, received "
                      f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}"),
         ("exchange", Text(_exchange(s))),
+        ("swarm gives", f"{s.external_groups_per_step:.1f} groups per step from "
+                        f"{s.external_lineages_per_step:.1f} lineages, {s.updates_per_step:.1f} updates per step; "
+                        f"used {s.rollouts_used} of {s.rollouts_accepted} verified"
+                        + (f" ({s.used_over_verified:.0%})" if s.used_over_verified is not None else "")),
+        ("held-out", "—" if s.heldout_now is None else
+                     f"{s.heldout_start:.2f} → {s.heldout_now:.2f} greedy accuracy ({len(s.heldout_trend)} checks)"),
         ("rejected", Text(_counts(s.rejected))),
         ("spot checks", f"{s.spot_checked} of {s.spot_eligible} checkable ({s.spot_failed} failed)"),
         ("dropped", Text(_counts(s.dropped))),

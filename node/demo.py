@@ -194,6 +194,8 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
             "serving": s.serving, "rollouts_produced": s.rollouts_produced, "rollouts_accepted": s.rollouts_accepted,
             "rollouts_rejected": sum(s.rejected.values()), "rejected": s.rejected, "rollouts_used": s.rollouts_used,
             "spot_checked": s.spot_checked, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "steps": s.steps,
+            "used_over_verified": s.used_over_verified, "external_groups_per_step": s.external_groups_per_step,
+            "heldout_start": s.heldout_start, "heldout_end": s.heldout_now,
         })
     return {"nodes": nodes}
 
@@ -214,7 +216,8 @@ def summary_table(summary: dict[str, Any]) -> Any:
     t.add_column("", style="bold", no_wrap=True)
     rows: dict[str, list[str]] = {k: [] for k in ("roles", "reward start→end", "versions published",
                                                   "versions applied", "rollouts produced", "accepted", "rejected",
-                                                  "used", "spot checks", "patch bytes ↑/↓")}
+                                                  "used", "used/verified", "held-out start→end", "spot checks",
+                                                  "patch bytes ↑/↓")}
     for n in summary["nodes"]:
         t.add_column(Text(n["node"].replace("-", " ")), overflow="fold")
         if "error" in n:
@@ -224,6 +227,8 @@ def summary_table(summary: dict[str, Any]) -> Any:
         for k, v in zip(rows, (",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
                                str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_produced"]),
                                str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
+                               "—" if n["used_over_verified"] is None else f"{n['used_over_verified']:.0%}",
+                               f"{f(n['heldout_start'])}→{f(n['heldout_end'])}",
                                str(n["spot_checked"]),
                                f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")):
             rows[k].append(v)

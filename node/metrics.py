@@ -30,6 +30,11 @@ class Metrics:
         self.budget = Gauge("murmur_memory_budget_bytes", "configured memory budget", registry=r)
         self.gen = Gauge("murmur_gen_tokens_per_second", "measured generation throughput", registry=r)
         self.spot = Gauge("murmur_spot_checks_total", "log-prob spot checks", ["result"], registry=r)
+        self.swarm_gives = Gauge("murmur_external_per_step", "what the swarm gives a trainer per step (last 20 "
+                                 "steps): groups trained, their lineages, optimizer updates", ["kind"], registry=r)
+        self.used_ratio = Gauge("murmur_used_over_verified", "external rollouts trained over rollouts verified",
+                                registry=r)
+        self.heldout = Gauge("murmur_heldout_accuracy", "latest held-out greedy accuracy", registry=r)
         self.restarts = Gauge("murmur_worker_restarts_total", "worker process restarts after it died", registry=r)
         self.dropped = Gauge("murmur_dropped_total", "items the node let go, by reason (node.status.DROP_REASONS)",
                              ["reason"], registry=r)
@@ -85,6 +90,13 @@ class Metrics:
         self.spot.labels("checked").set(s.spot_checked)
         self.spot.labels("failed").set(s.spot_failed)
         self.restarts.set(s.worker_restarts)
+        for kind, v in (("groups", s.external_groups_per_step), ("lineages", s.external_lineages_per_step),
+                        ("updates", s.updates_per_step)):
+            self.swarm_gives.labels(kind).set(v)
+        if s.used_over_verified is not None:
+            self.used_ratio.set(s.used_over_verified)
+        if s.heldout_now is not None:
+            self.heldout.set(s.heldout_now)
         for reason in DROP_REASONS:  # every reason exported, zeros included, so a dashboard can alert on any
             self.dropped.labels(reason).set(s.dropped.get(reason, 0))
         x = s.exchange

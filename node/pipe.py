@@ -92,10 +92,15 @@ class Step(Struct, tag="step", forbid_unknown_fields=True):
     loss: float | None
     n_external_groups: int
     step_s: float
-    used: int = 0
+    used: Annotated[int, Meta(ge=0)] = 0  # external rows that entered updates
     published: int | None = None  # the version published after this step, if any
     rollouts_per_step: int = 0
     sampler: dict[str, int] = {}  # training.sampler.Sampler counters
+    # what the swarm gave this step: external groups and rows (`used`) that entered updates, their lineages
+    external_groups: Annotated[int, Meta(ge=0)] = 0
+    external_lineages: Annotated[int, Meta(ge=0)] = 0
+    updates: Annotated[int, Meta(ge=0)] = 0  # optimizer updates this step
+    heldout: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # held-out greedy accuracy, when measured
     dropped: dict[str, int] = {}  # running totals by node.status.DROP_REASONS
 
 

@@ -58,6 +58,9 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         rejected["spot_check_failed"] = c.counters["spot_failed"]
     accepted = led.get("accepted", 0)
     start, now_r = reward_window(c)
+    gave = list(c.swarm_gave)
+    per_step = [sum(x[k] for x in gave) / len(gave) if gave else 0.0 for k in range(3)]
+    held = [a for _, a in c.heldout]
     pids = [node.worker.proc.pid] if node.worker and node.worker.proc.pid else []
     live = sum(tr.session.bytes_in for tr in list(node.bcast.transfers.values())
                if not tr.session.complete) if node.bcast is not None else 0
@@ -72,6 +75,10 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         rollouts_produced=led.get("produced", 0), rollouts_published=c.counters["rollouts_published"],
         rollouts_received=accepted + sum(v for k2, v in led.items() if k2.startswith("rejected")),
         rollouts_accepted=accepted, rollouts_used=c.counters["used"], rejected=rejected,
+        used_over_verified=round(c.counters["used"] / accepted, 4) if accepted else None,
+        external_groups_per_step=round(per_step[0], 3), external_lineages_per_step=round(per_step[1], 3),
+        updates_per_step=round(per_step[2], 3), heldout_trend=[round(a, 4) for a in held],
+        heldout_start=held[0] if held else None, heldout_now=held[-1] if held else None,
         spot_eligible=c.counters["spot_eligible"], spot_checked=c.counters["spot_checked"],
         spot_failed=c.counters["spot_failed"],
         reward_trend=list(c.rewards), reward_start=start, reward_now=now_r, gen_tokens_per_s=c.gen_tps,

@@ -283,14 +283,20 @@ class Worker:
             got, self.inbox.accepted = self.inbox.accepted, {}
         self.tasks.accepted(got)
 
-    def _evaluate(self, step: int) -> None:
+    def _evaluate(self, step: int) -> float | None:
+        """Held-out accuracy of every task set in the mixture that has eval generators (recorded for
+        `murmur tasks list`); returns their mean, None when none has any."""
         from training.evaluation import accuracy_by_family
 
         max_new = int(self.spec["trainer"]["max_new_tokens"])
+        alls = []
         for tid, _ in self.tasks.mixture:
             tasks = self.tasks.eval_tasks(tid)
             if tasks:
-                self.tasks.record_eval(tid, step, accuracy_by_family(self.checker, tasks, max_new))
+                acc = accuracy_by_family(self.checker, tasks, max_new)
+                self.tasks.record_eval(tid, step, acc)
+                alls.append(acc["all"])
+        return sum(alls) / len(alls) if alls else None
 
     # ------------------------------------------------------------ trainer
     def run_trainer(self) -> None:
@@ -351,8 +357,7 @@ class Worker:
                 self.send("log", "task sets now " + ", ".join(
                     f"{self.registry.get(t).name} v{self.registry.get(t).version} x{w:g}"
                     for t, w in self.tasks.mixture))
-            if steps % EVAL_EVERY_STEPS == 0:
-                self._evaluate(steps)
+            heldout = self._evaluate(steps) if steps % EVAL_EVERY_STEPS == 0 else None
             t0 = time.monotonic()
             res = trainer.step()
             steps += 1
@@ -387,7 +392,10 @@ class Worker:
             step_s = time.monotonic() - t0
             self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
-                               "used": res.n_external_groups, "step_s": step_s,
+                               "used": sum(res.external_by_set.values()), "step_s": step_s,
+                               "external_groups": res.trained_external_groups,
+                               "external_lineages": res.external_lineages, "updates": res.updates,
+                               "heldout": heldout,
                                "published": published, "sampler": sampler_counts,
                                "dropped": {**trainer.drops, "worker_inbox_full": sampler_counts["evicted"],
                                            "below_min_version": sampler_counts["stale"]},

@@ -613,7 +613,9 @@ class VirtualSim:
         self._row("reward", t=self.now, node=n.spec.index, reward=reward, isolated=iso_reward, version=n.version,
                   group=n.spec.group)
         self._rollouts_out(n, local)
-        self._from_worker(n, pipe.Step(n.steps + 1, n.version, reward, None, len(ext), dt))
+        self._from_worker(n, pipe.Step(n.steps + 1, n.version, reward, None, len(ext), dt,
+                                       used=sum(len(g.rollouts) for g in ext), external_groups=len(ext),
+                                       external_lineages=len({g.lineage for g in ext}), updates=1))
         self._perf(n, tr.local_groups * tr.group_size, dt)
         if n.version % self.sc.sync.publish_every == 0:
             base = n.version - self.sc.sync.publish_every

@@ -172,6 +172,7 @@ class StepResult:
     trained_groups: int = 0  # informative groups that entered those updates (carried-over ones included)
     trained_external_groups: int = 0  # of them, from the swarm
     backlog_groups: int = 0  # informative groups waiting for a full minibatch
+    external_lineages: int = 0  # distinct lineages among the external rows that entered updates
 
 
 class Trainer:
@@ -481,7 +482,9 @@ class Trainer:
                              step_s=time.monotonic() - t0, stats=stats, rollouts=[r for g in local for r in g],
                              used_by_set=used, external_by_set=ext_used, updates=len(batches),
                              trained_groups=len(trained), trained_external_groups=sum(p.external for p in trained),
-                             backlog_groups=len(self.backlog))
+                             backlog_groups=len(self.backlog),
+                             external_lineages=len({bytes(r.lineage) for p in trained if p.external
+                                                    for r in p.own + p.ext}))
         if self.on_step is not None:
             self.on_step(res)
         return res
