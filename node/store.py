@@ -281,7 +281,7 @@ class Store:
             return cur.rowcount == 1
 
     def task_sets(self) -> list[dict[str, Any]]:
-        rows = self.query("SELECT task_set_id, name, version, coordinator, envelope, received_ms FROM task_sets ORDER BY received_ms")
+        rows = self.query("SELECT task_set_id, name, version, coordinator, envelope, received_ms FROM task_sets ORDER BY received_ms, rowid")
         return [dict(task_set_id=r[0], name=r[1], version=r[2], coordinator=r[3], envelope=r[4], received_ms=r[5]) for r in rows]
 
     # ------------------------------------------------------------ rollout ledger

@@ -72,6 +72,19 @@ def test_a_chosen_set_is_waited_for_then_its_newest_version_trained_on(tmp_path:
     assert any("untrusted coordinator" in why for why in tm.refused.values())
 
 
+def test_a_name_belongs_to_its_first_publisher(tmp_path: Path) -> None:
+    """Two trusted coordinators: the second cannot take over the first's set name with a higher version."""
+    tm, db, clock = mix(tmp_path, ["coord-sort"], trusted={COORD.public, OTHER.public})
+    v1 = store_set(db, signed(COORD, "coord-sort", 1))
+    taken = store_set(db, signed(OTHER, "coord-sort", 99))
+    assert tm.refresh(force=True) and tm.mixture == [(v1, 1.0)]
+    v2 = store_set(db, signed(COORD, "coord-sort", 2))
+    clock[0] += 5
+    assert tm.refresh() and tm.mixture == [(v2, 1.0)]  # its owner's new version still replaces the old one
+    by_id = TaskMix(tm.registry, db, [taken.hex()], {COORD.public, OTHER.public}, warmup_generators())
+    assert by_id.refresh(force=True) and by_id.mixture == [(taken, 1.0)]  # the other set, chosen by its id
+
+
 def test_builtin_trusted_and_weights(tmp_path: Path) -> None:
     tm, db, clock = mix(tmp_path, ["builtin", {"set": "trusted", "weight": 3.0}])
     tm.refresh(force=True)

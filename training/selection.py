@@ -2,7 +2,9 @@
 
 An entry is "builtin", "trusted" (every set from a trusted coordinator), a
 task-set name (the newest version held: a coordinator's new version replaces
-the old one at every node that follows the name) or a 64-hex task-set id (that
+the old one at every node that follows the name; a name belongs to the coordinator
+whose set of that name this node received first, so another trusted coordinator's
+set of that name, whatever its version, is a different set, chosen by its id) or a 64-hex task-set id (that
 exact set), either as a plain string (weight 1) or as a table
 `{ set = "...", weight = 2.0 }`. Resolution is a pure function of the entries
 and the sets held; an entry that matches nothing held yet is *waiting*, never
@@ -68,12 +70,15 @@ def needs_trust(choices: Iterable[TaskSetChoice], builtin_name: str) -> list[str
 
 def resolve(choices: list[TaskSetChoice], held: Iterable[tuple[bytes, TaskSetManifest]], builtin_id: bytes,
             builtin_coordinator: bytes) -> Resolution:
-    """The mixture of task-set ids the entries name among the `held` sets (all verified and trusted)."""
+    """The mixture of task-set ids the entries name among the `held` sets (all verified and trusted), which
+    come in the order this node received them."""
     held = list(held)
     # the newest version per (coordinator, name); ties (two bodies, one version) go to the larger id
     newest: dict[tuple[bytes, str], tuple[int, bytes]] = {}
+    owner: dict[str, bytes] = {}  # a name belongs to the coordinator whose set of that name came first
     for tid, m in held:
         key = (bytes(m.coordinator), m.name)
+        owner.setdefault(m.name, key[0])
         if key not in newest or (m.version, tid) > newest[key]:
             newest[key] = (m.version, tid)
     ids = {tid for tid, _ in held}
@@ -99,9 +104,9 @@ def resolve(choices: list[TaskSetChoice], held: Iterable[tuple[bytes, TaskSetMan
             if not found:
                 waiting.append(c.set)
         else:
-            found = [(v, tid) for (_, name), (v, tid) in newest.items() if name == c.set]
+            found = newest.get((owner.get(c.set, b""), c.set))
             if found:
-                add(max(found)[1], c.weight)
+                add(found[1], c.weight)
             else:
                 waiting.append(c.set)
     return Resolution(mixture=list(weights.items()), waiting=waiting)
