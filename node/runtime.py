@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +176,11 @@ class Node:
         self.registry = self.tasks.registry
         self.transport = t
         self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
+        self.tasks.pool = self.verifiers  # ... and the task sets peers send, checked by generating from them
         check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
         pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness,
                                                        cfg.training.max_new_tokens),
-                            clock=time.time, resolve_task=self.registry.resolve, reward=score,
+                            clock=time.time, resolve_task=partial(self.registry.resolve, run=self.verifiers.call), reward=score,
                             head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
                             own_lineage=lambda lid: bytes(lid) == self.core.own,
                             reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from functools import partial
 from typing import Any
 
 import trio
@@ -14,6 +15,8 @@ from gossip.errors import MurmurError
 from node.logs import event
 
 log = logging.getLogger("murmur.node")
+
+CHECK_CPU_S = 2.0  # verifier CPU seconds per generator to check a received task set (the per-batch limit)
 
 
 class TaskSetGossip:
@@ -25,17 +28,31 @@ class TaskSetGossip:
         self.registry = TaskRegistry()
         self.registry.add_builtin()
         self.sent: set[bytes] = set()
+        self.pool: Any | None = None  # a training.verifiers.VerifierPool: where received sets are checked
         for ts in store.task_sets():
             with contextlib.suppress(MurmurError):
                 self.registry.add(ts["envelope"], self.trusted)
 
     async def on_task_set(self, origin: str, m: wire.TaskSetManifest, data: bytes) -> None:
-        """A signed task set from a coordinator this node trusts joins the registry and the store."""
+        """A signed task set from a coordinator this node trusts joins the registry and the store.
+
+        Checking it generates tasks from its configuration (reasoning-gym's included), so the check runs
+        in a verifier worker (`pool`, set by the node) under the verifiers' memory budget and a CPU limit
+        of `CHECK_CPU_S` per generator, never on the event loop; without a pool it runs in a thread."""
+        from training.tasksets import check_manifest
+
         tid = wire.content_id(wire.decode_envelope(data).body)
         if tid in self.registry:
             return
         try:
-            self.registry.add(data, self.trusted)
+            tid, checked = self.registry.trusted_manifest(data, self.trusted)  # cheap: before any generation
+            if self.pool is not None:
+                limit = CHECK_CPU_S * (1 + len(checked.generators))
+                await trio.to_thread.run_sync(partial(self.pool.call, check_manifest, checked,
+                                                      f"task set {checked.name!r}", cpu_s=limit))
+            else:
+                await trio.to_thread.run_sync(check_manifest, checked, f"task set {checked.name!r}")
+            self.registry.add(data, self.trusted, check=False)
         except MurmurError as e:
             self.drops.add("task_set_refused")
             log.debug("task set from %s not accepted: %s", origin, e)

@@ -16,6 +16,7 @@ key is public, the registry trusts it for exactly one body: the built-in one.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -278,18 +279,26 @@ class TaskRegistry:
     def add_builtin(self) -> TaskSetManifest:
         return self.add(builtin_task_set(), set())
 
-    def add(self, envelope_bytes: bytes, trusted: set[bytes]) -> TaskSetManifest:
-        """Verify and register a signed task set; raise SignatureError/DecodeError/TaskError."""
+    def trusted_manifest(self, envelope_bytes: bytes, trusted: set[bytes]) -> tuple[bytes, TaskSetManifest]:
+        """(id, manifest) of a signed task set from a trusted coordinator; SignatureError/DecodeError otherwise.
+        Generates nothing: cheap enough to run before any limited check."""
         env, m = open_envelope(envelope_bytes, TASK_SET)
         tid = content_id(env.body)
-        if tid in self._sets:
-            return self._sets[tid]
         if env.signer == BUILTIN_COORDINATOR.public:
             if tid != self._builtin_id:
                 raise SignatureError("task set signed with the public built-in key is not the built-in set")
         elif env.signer not in trusted:
             raise SignatureError(f"task set {m.name!r} is signed by untrusted coordinator {env.signer.hex()}")
-        check_manifest(m, f"task set {m.name!r}")
+        return tid, m
+
+    def add(self, envelope_bytes: bytes, trusted: set[bytes], check: bool = True) -> TaskSetManifest:
+        """Verify and register a signed task set; raise SignatureError/DecodeError/TaskError. `check=False`
+        when the caller already ran `check_manifest` on it (under limits, in a verifier worker)."""
+        tid, m = self.trusted_manifest(envelope_bytes, trusted)
+        if tid in self._sets:
+            return self._sets[tid]
+        if check:
+            check_manifest(m, f"task set {m.name!r}")
         self._sets[tid] = m
         self._envelopes[tid] = bytes(envelope_bytes)
         self._gens[tid] = {g.name: g for g in m.generators}
@@ -323,9 +332,16 @@ class TaskRegistry:
                             f"for generator {ref.generator!r}")
         return self._sets[ref.task_set], g
 
-    def resolve(self, ref: TaskRef) -> Task:
-        """Regenerate the task a reference names; TaskError if it names nothing known."""
+    def resolve(self, ref: TaskRef, run: Callable[..., Any] | None = None) -> Task:
+        """Regenerate the task a reference names; TaskError if it names nothing known.
+
+        `run(fn, *args, **kwargs)` runs reasoning-gym generation where its cost is bounded (a verifier
+        pool's `call`: the set's configuration came from the network); built-in generators are cheap
+        and bounded by their own parameter ranges, and run here."""
         m, g = self.spec(ref)
+        if run is not None and g.generator.startswith(RG_PREFIX):
+            return run(generate, g.generator, g.config, ref.seed, verifier=g.verifier or m.verifier,
+                       tolerance=m.tolerance)
         return generate(g.generator, g.config, ref.seed, verifier=g.verifier or m.verifier, tolerance=m.tolerance)
 
 

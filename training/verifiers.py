@@ -35,7 +35,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from gossip.errors import MurmurError, TaskError
 from gossip.validation import VerifierTimeout, VerifierUnavailable
@@ -347,8 +347,17 @@ def _limit_memory(headroom_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
+class _Call(NamedTuple):
+    """Work other than judging that runs under the same limits: task generation from a network-supplied
+    configuration (`VerifierPool.call`)."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def _pool_worker(conn: Any, entries: int) -> None:
-    """One pool process: judge batches until the pipe closes. Replies (ok, rewards | error, cpu_s)."""
+    """One pool process: judge batches (or run calls) until the pipe closes. Replies (ok, result | error, cpu_s)."""
     import signal  # noqa: PLC0415
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
@@ -363,7 +372,10 @@ def _pool_worker(conn: Any, entries: int) -> None:
         except (EOFError, OSError):
             return
         try:
-            out: Any = [verdicts.score(task, text) for task, text in items]
+            if isinstance(items, _Call):
+                out: Any = items.fn(*items.args, **items.kwargs)
+            else:
+                out = [verdicts.score(task, text) for task, text in items]
             ok = True
         except TaskError as e:
             out, ok = ("task", str(e)), False
@@ -429,11 +441,20 @@ class VerifierPool:
         self.started = 0
 
     def score_batch(self, items: list[tuple[Task, str]]) -> list[float]:
+        return self._run(items, self.time_limit_s)
+
+    def call(self, fn: Callable[..., Any], *args: Any, cpu_s: float | None = None, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` in a pool worker, under the pool's memory budget and `cpu_s` of its CPU
+        (default the per-batch limit): for work an input from the network sizes, such as generating
+        tasks from a task set's configuration. `fn` must be a module-level function (it is pickled by name)."""
+        return self._run(_Call(fn, args, kwargs), cpu_s or self.time_limit_s)
+
+    def _run(self, payload: Any, limit_s: float) -> Any:
         with self._slots:
             w = self._take()
             try:
-                w.conn.send(items)
-                late = self._wait(w)
+                w.conn.send(payload)
+                late = self._wait(w, limit_s)
                 if late is not None:
                     w.kill()
                     w = None
@@ -454,19 +475,19 @@ class VerifierPool:
             raise (TaskError if kind == "task" else VerifierError)(msg)
         return out
 
-    def _wait(self, w: _Worker) -> MurmurError | None:
+    def _wait(self, w: _Worker, limit_s: float) -> MurmurError | None:
         """Wait for the reply. The limit is on the worker's CPU time, so an input that makes the
         verifier work is stopped, while a machine too busy to run the worker costs the sender
         nothing (VerifierUnavailable once the wall-clock backstop passes)."""
         used0 = w.cpu()
-        backstop = time.monotonic() + self.wall_factor * self.time_limit_s
+        backstop = time.monotonic() + self.wall_factor * limit_s
         while not w.conn.poll(POLL_S):
-            if w.cpu() - used0 > self.time_limit_s:
+            if w.cpu() - used0 > limit_s:
                 with self._lock:
                     self.timeouts += 1
-                return VerifierTimeout(f"completions not judged within {self.time_limit_s} s of verifier CPU")
+                return VerifierTimeout(f"not done within {limit_s} s of verifier CPU")
             if time.monotonic() > backstop:
-                return VerifierUnavailable(f"verifier worker not done after {self.wall_factor * self.time_limit_s:.0f} s "
+                return VerifierUnavailable(f"verifier worker not done after {self.wall_factor * limit_s:.0f} s "
                                            "(this machine is overloaded)")
         return None
 
