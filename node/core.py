@@ -6,19 +6,25 @@ API (the live runtime, the virtual-time simulator and the tests all drive it the
                                                           # () -> float seconds (timers), () -> int unix ms
                                                           # (created_ms stamps; default the wall clock)
     actions = core.handle(event)                    # one event -> a list of actions, in the order to carry out
+    core.next_deadline()                            # when the core next needs a Tick (its own clock's seconds)
     core.wants_manifest(manifest)                   # the broadcast's synchronous accept query (records in flight)
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
     core.on_accepted(rollouts)                      # a verified peer batch of that many rollouts (exchange meter)
+    core.stats()                                    # a copy of the core's counters (the drivers never write them)
 
 Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
 `ManifestHeard` (a gossip message whose envelope signature the pipeline already checked),
-`PeerGone`, `FromWorker` (a message from the worker process), `WorkerExited`, `StoredItems`,
-`TransferDone`, `PatchStored`, `CatalogReceived`/`CatalogFailed` (catch-up replies), `ListenAddrs`,
-`RolloutsVerified` (a batch the pipeline accepted: what each follower delivered, `node.credit`).
+`PeerGone`, `FromWorker` (a message from the worker process), `WorkerStarted`, `WorkerExited`,
+`LineageKnown` (a lineage the store held at start), `StoredItems`, `TransferDone`, `PatchStored`,
+`CatalogReceived`/`CatalogFailed` (catch-up replies), `OfferFailed`, `ListenAddrs`,
+`RolloutsVerified` (a batch the pipeline accepted: what each follower delivered, `node.credit`),
+`RolloutsPublished` (a rollout Publish that went out). An event of another type is a driver bug:
+`handle` ends in `assert_never`.
 
 Actions: `Publish` (topic announce|rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
-`SeedVersion`, `StorePatch`, `DropItem`, `LoadStored`, `FetchCatalog`, `RequestOffer`, `Penalise`,
-`SeePeer` (persist a peer), `Log`.
+`SeedVersion`, `StorePatch`, `DropItem`, `LoadStored`, `FetchCatalog`, `RequestOffer`, `Penalise`
+(a positive amount: what the peer loses), `SeePeer` (persist a peer), `ResendTaskSets` (a new peer
+appeared), `Log`.
 
 State is proportional to what the node hears: a bounded peer table (`max_peers`, least recently
 seen evicted) and a bounded lineage table (`max_lineages`, least recently active "seen" lineages
@@ -33,7 +39,8 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import Any, assert_never
 
 from gossip import exchange, wire
 from gossip.errors import DecodeError, PatchError
@@ -42,10 +49,12 @@ from gossip.ratelimit import RateMeter
 from node import patchsync, pipe, roles
 from node.credit import Deliveries
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
-                         StoredItems, TransferDone, PatchStored, CatalogReceived, CatalogFailed, RolloutsVerified,
-                         Publish, ToWorker,
+                         WorkerStarted, LineageKnown, StoredItems, TransferDone, PatchStored, CatalogReceived,
+                         CatalogFailed, OfferFailed, RolloutsVerified, RolloutsPublished,
+                         Publish, ToWorker, ResendTaskSets,
                          RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
                          RequestOffer, Penalise, SeePeer, Log, Subscribe, Event, Action)  # noqa: F401 - part of the core's API
+from node.pipe import WorkerState
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from sync.catchup import choose
 from sync.patchstore import StoredItem
@@ -115,6 +124,12 @@ class PeerInfo:
     seen: float
 
 
+class CatchUpPhase(Enum):
+    ASKING = "asking"  # a catalog request to `CatchUp.source` is out
+    OFFERED = "offered"  # its catalog came: offers of the planned items are out to `source`
+    EXHAUSTED = "exhausted"  # every source failed: wait out the patience, then start over
+
+
 @dataclass(slots=True)
 class CatchUp:
     """One catch-up attempt of the served lineage: sources asked in turn, at most one catalog at a time."""
@@ -122,8 +137,13 @@ class CatchUp:
     lineage: bytes
     sources: list[str]
     started: float
-    asking: str = ""
+    phase: CatchUpPhase = CatchUpPhase.ASKING
+    source: str = ""  # the peer asked (ASKING) or offering (OFFERED); unused once EXHAUSTED
     offered: int = 0
+
+    def from_source(self, lineage: bytes, peer: str) -> bool:
+        """Whether a reply about `lineage` from `peer` belongs to this attempt's current source."""
+        return self.lineage == lineage and self.phase is not CatchUpPhase.EXHAUSTED and self.source == peer
 
 
 def _median(xs: Any) -> float:
@@ -162,7 +182,7 @@ class NodeCore:
                                          "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0,
                                          "spot_eligible": 0}
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
-        self.worker_state = "starting"
+        self.worker_state = WorkerState.STARTING
         self.worker_error = ""
         self.engine = ""  # what the worker runs (pipe.Engine): a MODE_*, or "<asked> unavailable: <why>"
         self.worker_started = clock()
@@ -183,12 +203,11 @@ class NodeCore:
         self.announce_seq = 0
         self.rollout_seq = 0
         self.publish_meter = RateMeter()  # rollout batches/s we publish, stated in our announce
-        self.next_announce = 0.0
-        self.next_catch_up = 0.0
+        self._next_announce = 0.0
+        self._next_catch_up = 0.0
         self.progress = (-1, 0.0)  # (held version of the served lineage, when it last changed)
         self.behind_since: float | None = None  # since when the served lineage's head is past what we hold
         self.last_resync = -math.inf
-        self.new_peer = False  # a peer appeared since the runtime last re-sent our task sets
         self.tokens_per_rollout = float(max(1, settings.max_new_tokens))
         self.follow_info: pipe.FollowInfo | None = None
         self.admitted: bool | None = None
@@ -210,6 +229,14 @@ class NodeCore:
     def head_of(self, lineage: bytes) -> int | None:
         lin = self.table.rows.get(bytes(lineage))
         return lin.head if lin is not None and lin.publisher else None
+
+    def next_deadline(self) -> float:
+        """When (on the core's clock) the core next needs a `Tick`; a driver may tick earlier, never needs to."""
+        return min(self._next_announce, self._next_catch_up)
+
+    def stats(self) -> dict[str, int]:
+        """The core's counters, as a copy."""
+        return dict(self.counters)
 
     def dissemination_s(self) -> float:
         now = self.clock()
@@ -246,6 +273,15 @@ class NodeCore:
             self.addrs = tuple(ev.addrs)[:16]
         elif isinstance(ev, PeerGone):
             self.peers.pop(ev.peer_id, None)
+        elif isinstance(ev, WorkerStarted):
+            self.worker_started = self.clock()
+            self.worker_state = WorkerState.STARTING
+        elif isinstance(ev, LineageKnown):
+            self.table.load(ev.lineage, ev.name, ev.relation, ev.publisher, ev.base, ev.held)
+        elif isinstance(ev, RolloutsPublished):
+            self.counters["rollouts_published"] += max(0, int(ev.count))
+        elif isinstance(ev, OfferFailed):
+            self._on_offer_failed(ev, out)
         elif isinstance(ev, StoredItems):
             self.stored[ev.lineage] = {(i.kind, i.base, i.target) for i in ev.items}
         elif isinstance(ev, TransferDone):
@@ -262,19 +298,21 @@ class NodeCore:
             for lid, n in ev.lineages:
                 if lid == self.own:
                     self.deliveries.add(ev.producer, n, self.clock())
+        else:
+            assert_never(ev)
         return out
 
     # ------------------------------------------------------------ timers
     def _tick(self, out: list[Action]) -> None:
         now = self.clock()
-        if now >= self.next_announce:
-            self.next_announce = now + ANNOUNCE_EVERY_S
+        if now >= self._next_announce:
+            self._next_announce = now + ANNOUNCE_EVERY_S
             self._choose_serving(out)
             self._plan_exchange(now, out)
             out.append(Publish("announce", self._announce()))
             self._expire_peers(now)
-        if now >= self.next_catch_up:
-            self.next_catch_up = now + CATCH_UP_EVERY_S
+        if now >= self._next_catch_up:
+            self._next_catch_up = now + CATCH_UP_EVERY_S
             self._catch_up(now, out)
 
     def _expire_peers(self, now: float) -> None:
@@ -304,7 +342,7 @@ class NodeCore:
             elif lin is not None:
                 self._observe_head(lin, out)
         if prev is None:
-            self.new_peer = True
+            out.append(ResendTaskSets())
             out.append(Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}))
             out.append(SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data))
 
@@ -506,23 +544,32 @@ class NodeCore:
         if c is None:
             return
         if not c.sources:
-            c.asking = ""  # wait out the patience, then start over
+            c.phase = CatchUpPhase.EXHAUSTED
             return
-        c.asking = c.sources.pop(0)
-        out.append(FetchCatalog(c.asking, c.lineage))
+        c.phase, c.source = CatchUpPhase.ASKING, c.sources.pop(0)
+        out.append(FetchCatalog(c.source, c.lineage))
 
     def _on_catalog_failed(self, ev: CatalogFailed, out: list[Action]) -> None:
         c = self.catching
-        if c is None or c.lineage != ev.lineage or c.asking != ev.peer:
+        if c is None or c.phase is not CatchUpPhase.ASKING or not c.from_source(ev.lineage, ev.peer):
             return
         out.append(Log("catch-up source failed", {"lineage": ev.lineage.hex()[:16], "peer": ev.peer,
                                                   "error": ev.error[:200]}))
         self._ask_next(out)
 
+    def _on_offer_failed(self, ev: OfferFailed, out: list[Action]) -> None:
+        """An offered item did not come: the source cannot seed what it listed, so the next source is asked."""
+        c = self.catching
+        if c is None or c.phase is not CatchUpPhase.OFFERED or not c.from_source(ev.lineage, ev.peer):
+            return
+        out.append(Log("catch-up offer failed", {"lineage": ev.lineage.hex()[:16], "peer": ev.peer,
+                                                 "error": ev.error[:200]}))
+        self._ask_next(out)
+
     def _on_catalog(self, ev: CatalogReceived, out: list[Action]) -> None:
         c = self.catching
         lin = self.table.rows.get(ev.lineage)
-        if c is None or c.lineage != ev.lineage or c.asking != ev.peer or lin is None:
+        if c is None or c.phase is not CatchUpPhase.ASKING or not c.from_source(ev.lineage, ev.peer) or lin is None:
             return
         now = self.clock()
         free = self._free_items(ev.lineage, now)
@@ -548,6 +595,7 @@ class NodeCore:
                                        "head": head, "fetch": len(steps), "bytes": plan.total_bytes,
                                        "source": ev.peer}))
         c.offered += len(steps)
+        c.phase = CatchUpPhase.OFFERED
         for s in steps:
             out.append(RequestOffer(ev.peer, ev.lineage, s))
 
@@ -568,7 +616,7 @@ class NodeCore:
     # ------------------------------------------------------------ worker
     def _on_worker_exit(self, code: int | None, out: list[Action]) -> None:
         now = self.clock()
-        if self.worker_state == "restarting":
+        if self.worker_state is WorkerState.RESTARTING:
             return
         if now - self.worker_started >= WORKER_STABLE_S:
             self.restarts_in_row = 0
@@ -577,22 +625,17 @@ class NodeCore:
         self.counters["worker_restarts"] += 1
         if code not in (0, None) and not self.worker_error:
             self.worker_error = f"worker exited with code {code}"
-        self.worker_state = "restarting"
+        self.worker_state = WorkerState.RESTARTING
         self.admitted = None
         self.pace_rate = 0.0
         out.append(Log("worker exited", {"code": code, "error": self.worker_error[:300], "restart_in_s": delay,
                                          "restarts": self.counters["worker_restarts"]}))
         out.append(RestartWorker(delay))
 
-    def worker_started_now(self) -> None:
-        """The runtime started a (new) worker process."""
-        self.worker_started = self.clock()
-        self.worker_state = "starting"
-
     def _on_worker(self, m: pipe.FromWorker, out: list[Action]) -> None:  # noqa: C901 - one branch per kind
         if isinstance(m, pipe.State):
-            self.worker_state = m.state[:32]
-            out.append(Log("worker state", {"state": self.worker_state}))
+            self.worker_state = m.state
+            out.append(Log("worker state", {"state": self.worker_state.value}))
         elif isinstance(m, pipe.Ready):
             self._on_ready(m, out)
         elif isinstance(m, pipe.Rollouts):
@@ -662,7 +705,7 @@ class NodeCore:
             self.counters["published"] = lin.held
         out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
                                         **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
-        self.worker_state = "ready"
+        self.worker_state = WorkerState.READY
         for lin in self.table.rows.values():  # a restarted worker's sampler starts with no heads
             lin.worker_head = -1
             self._tell_head(lin, out)

@@ -84,6 +84,40 @@ class CatalogFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerStarted:
+    """The runtime started a (new) worker process."""
+
+
+@dataclass(frozen=True, slots=True)
+class LineageKnown:
+    """A lineage the node's store holds from an earlier run (loaded before the first tick)."""
+
+    lineage: bytes
+    name: str
+    relation: str  # own | follow | seen
+    publisher: bytes
+    base: bytes
+    held: int
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutsPublished:
+    """A `Publish("rollouts")` went out: its rollouts count as published (a failed publish is not fed)."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class OfferFailed:
+    """A `RequestOffer` that did not bring a manifest (dial, stream, decode or not held): the core asks the next
+    source at once instead of waiting out its catch-up patience."""
+
+    peer: str
+    lineage: bytes
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutsVerified:
     """A rollout batch this node's pipeline accepted: who produced how many rollouts for which lineage
     (what a follower delivered, against which its claimed throughput is credited)."""
@@ -101,8 +135,9 @@ class RolloutsVerified:
         return cls(peer_id_from_public(bytes(batch.producer)), tuple(n.items()))
 
 
-Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | PeerGone | FromWorker | WorkerExited | StoredItems
-         | TransferDone | PatchStored | CatalogReceived | CatalogFailed | RolloutsVerified)
+Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | PeerGone | FromWorker | WorkerExited | WorkerStarted
+         | LineageKnown | StoredItems | TransferDone | PatchStored | CatalogReceived | CatalogFailed | OfferFailed
+         | RolloutsVerified | RolloutsPublished)
 
 
 # ---------------------------------------------------------------- actions
@@ -190,10 +225,15 @@ class SeePeer:
 
 
 @dataclass(frozen=True, slots=True)
+class ResendTaskSets:
+    """A new peer appeared: the runtime sends our own task sets again (they are not re-gossiped otherwise)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Log:
     msg: str
     fields: dict[str, Any] = field(default_factory=dict)
 
 
 Action = (Publish | Subscribe | ToWorker | RestartWorker | RecordRollouts | SeedVersion | StorePatch | DropItem | LoadStored
-          | FetchCatalog | RequestOffer | Penalise | SeePeer | Log)
+          | FetchCatalog | RequestOffer | Penalise | SeePeer | ResendTaskSets | Log)

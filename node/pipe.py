@@ -14,6 +14,7 @@ worker -> network: Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyF
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, Union
 
 import msgspec
@@ -77,8 +78,24 @@ class Ready(Struct, tag="ready", forbid_unknown_fields=True):
     name: str = ""
 
 
+class WorkerState(StrEnum):
+    """What the worker is doing. The worker reports the states from LOADING on; the network process's core
+    sets STARTING (process spawned), READY (its Ready arrived) and RESTARTING (it exited, a restart is due)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    LOADING = "loading"
+    WAITING_FOR_TASKS = "waiting-for-tasks"
+    TRAINING = "training"
+    GENERATING = "generating"
+    STANDBY = "standby"
+    CATCHING_UP = "catching-up"
+    STOPPED = "stopped"
+
+
 class State(Struct, tag="state", forbid_unknown_fields=True):
-    state: str
+    state: WorkerState
 
 
 class Rollouts(Struct, tag="rollouts", forbid_unknown_fields=True):

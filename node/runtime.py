@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 import trio
 
@@ -43,7 +43,6 @@ from node.status import DiskMeter, Drops, NodeStatus
 
 log = logging.getLogger("murmur.node")
 
-TICK_S = 0.25
 STOP_GRACE_S = 2.5
 EXIT_DEADLINE_S = 4.0
 CATALOG_TIMEOUT_S = 30.0
@@ -78,8 +77,9 @@ class Node:
         own = self.store.get("own_lineage")
         for row in self.store.lineages():
             lid = bytes(row["lineage_id"])
-            self.core.table.load(lid, row["name"], "own" if own and lid.hex() == own else row["relation"],
-                                 bytes(row["publisher"]), bytes(row["base_model_hash"]), self.store.head_version(lid) or 0)
+            self.core.handle(C.LineageKnown(lid, row["name"], "own" if own and lid.hex() == own else row["relation"],
+                                            bytes(row["publisher"]), bytes(row["base_model_hash"]),
+                                            self.store.head_version(lid) or 0))
         self.started = time.monotonic()
         self.state = "starting"
         self.ledger: dict[str, int] = {}
@@ -93,6 +93,8 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self._cancel: trio.CancelScope | None = None
         self._stop_requested = False
+        self._wake: trio.CancelScope | None = None  # the tick loop's sleep until the core's next deadline
+        self._resend_task_sets = False
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
         self.drops, self.disk = Drops(), DiskMeter(home, cfg)
         self.stall = StallMeter()
@@ -209,14 +211,22 @@ class Node:
     # ------------------------------------------------------------ events in
     async def feed(self, ev: C.Event) -> None:
         await self._do(self.core.handle(ev))
+        if self._wake is not None:  # an event may have brought the core's next deadline forward
+            self._wake.deadline = min(self._wake.deadline, self._trio_deadline())
+
+    def _trio_deadline(self) -> float:
+        """The core's next deadline (on its monotonic clock) on trio's clock."""
+        return trio.current_time() + max(0.0, self.core.next_deadline() - time.monotonic())
 
     async def _tick_loop(self) -> None:
+        """Tick the core when its next deadline comes (h11-style: the core says when, the shell sleeps)."""
         while True:
-            if time.monotonic() >= self.core.next_announce:
-                addrs = self.reach.announce_addrs() if self.reach is not None else self.transport.listen_addrs()
-                self.core.handle(C.ListenAddrs(tuple(addrs)))
+            addrs = self.reach.announce_addrs() if self.reach is not None else self.transport.listen_addrs()
+            self.core.handle(C.ListenAddrs(tuple(addrs)))  # what the next announce states (no actions)
             await self.feed(C.Tick())
-            await trio.sleep(TICK_S)
+            with trio.CancelScope(deadline=self._trio_deadline()) as self._wake:
+                await trio.sleep_forever()
+            self._wake = None
 
     async def _slow_loop(self) -> None:
         """The ledger counts (every second), our own task sets and the sweep of finished partial downloads."""
@@ -224,8 +234,8 @@ class Node:
         while True:
             self.ledger = await trio.to_thread.run_sync(self.store.ledger_counts)
             now = time.monotonic()
-            if self.core.new_peer:  # a new peer: our own task sets go out again
-                self.core.new_peer = False
+            if self._resend_task_sets:  # a new peer: our own task sets go out again
+                self._resend_task_sets = False
                 self.tasks.sent.clear()
                 last_ts = -1e9
             if now - last_ts >= TASK_SET_CHECK_S:
@@ -311,7 +321,7 @@ class Node:
                         await self.service.publish_announce(a.data)
                     else:
                         await self.service.publish_rollouts(a.data, a.shard)
-                        self.core.counters["rollouts_published"] += a.count
+                        await self.feed(C.RolloutsPublished(a.count))
                 except PublishError as e:
                     if a.topic == "announce":
                         self.drops.add("announce_unpublished")
@@ -340,6 +350,10 @@ class Node:
                 self._nursery.start_soon(self._request_offer, a)
             elif isinstance(a, C.RestartWorker):
                 self._nursery.start_soon(self._restart_worker, a.delay_s)
+            elif isinstance(a, C.ResendTaskSets):
+                self._resend_task_sets = True
+            else:
+                assert_never(a)
 
     async def _seed_version(self, envelope: bytes) -> None:
         """Our worker stored a new version: seed it on the broadcast (this also gossips the manifest)."""
@@ -386,7 +400,7 @@ class Node:
                 env = await patchsync.offer(self.transport, a.peer, a.lineage, a.item)
                 pid = await self.bcast.add_manifest(env)
         except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
-            log.info("catch-up offer %s from %s: %s", a.item, a.peer[-8:], e)
+            await self.feed(C.OfferFailed(a.peer, a.lineage, f"{type(e).__name__}: {e}"))
             return
         tr = self.bcast.transfers.get(pid) if pid is not None else None
         if tr is not None and tr.session.complete:
@@ -398,7 +412,7 @@ class Node:
     async def _start_worker(self) -> None:
         spec = worker_spec(self.cfg, self.home, self.ident, self.roles, self.opts)
         self.worker = await trio.to_thread.run_sync(WorkerLink, spec)
-        self.core.worker_started_now()
+        await self.feed(C.WorkerStarted())
 
     async def _restart_worker(self, delay_s: float) -> None:
         await trio.sleep(delay_s)
@@ -406,7 +420,7 @@ class Node:
         if old is not None:
             await trio.to_thread.run_sync(old.stop, 0.5)
         await self._start_worker()
-        event(log, "worker restarted", restarts=self.core.counters["worker_restarts"])
+        event(log, "worker restarted", restarts=self.core.stats()["worker_restarts"])
 
     async def _worker_loop(self) -> None:
         while True:

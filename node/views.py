@@ -48,14 +48,15 @@ def reward_window(core: NodeCore, k: int = 5) -> tuple[float | None, float | Non
 def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     """The status of a running `node.runtime.Node`: its core's views plus what only the shell knows."""
     c, led, now = node.core, node.ledger, time.monotonic()
+    counts = c.stats()
     rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
     if node.service is not None:
         for reason in ("graylisted", "blacklisted", "rate_limited", "over_announced_rate"):
             n = node.service.pipeline.counts.get(reason, 0)
             if n:
                 rejected[reason] = rejected.get(reason, 0) + n
-    if c.counters["spot_failed"]:
-        rejected["spot_check_failed"] = c.counters["spot_failed"]
+    if counts["spot_failed"]:
+        rejected["spot_check_failed"] = counts["spot_failed"]
     accepted = led.get("accepted", 0)
     start, now_r = reward_window(c)
     gave = list(c.swarm_gave)
@@ -67,29 +68,29 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     return NodeStatus(
         peer_id=node.ident.peer_id, swarm=node.cfg.node.swarm, roles=node.roles, hardware=node.hw_class,
         listen=node.transport.listen_addrs() if node.transport else [], state=node.state,
-        uptime_s=now - node.started, worker=c.worker_state, worker_error=c.worker_error[:2000], engine=c.engine,
-        worker_restarts=c.counters["worker_restarts"], worker_pid=pids[0] if pids else 0,
+        uptime_s=now - node.started, worker=c.worker_state.value, worker_error=c.worker_error[:2000], engine=c.engine,
+        worker_restarts=counts["worker_restarts"], worker_pid=pids[0] if pids else 0,
         peers=peer_views(c, now), lineages=lineage_views(c),
         serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason, steps=c.steps,
-        versions_published=c.counters["published"], versions_applied=c.counters["applied"],
-        rollouts_produced=led.get("produced", 0), rollouts_published=c.counters["rollouts_published"],
+        versions_published=counts["published"], versions_applied=counts["applied"],
+        rollouts_produced=led.get("produced", 0), rollouts_published=counts["rollouts_published"],
         rollouts_received=accepted + sum(v for k2, v in led.items() if k2.startswith("rejected")),
-        rollouts_accepted=accepted, rollouts_used=c.counters["used"], rejected=rejected,
-        used_over_verified=round(c.counters["used"] / accepted, 4) if accepted else None,
+        rollouts_accepted=accepted, rollouts_used=counts["used"], rejected=rejected,
+        used_over_verified=round(counts["used"] / accepted, 4) if accepted else None,
         external_groups_per_step=round(per_step[0], 3), external_lineages_per_step=round(per_step[1], 3),
         updates_per_step=round(per_step[2], 3), heldout_trend=[round(a, 4) for a in held],
         heldout_start=held[0] if held else None, heldout_now=held[-1] if held else None,
-        spot_eligible=c.counters["spot_eligible"], spot_checked=c.counters["spot_checked"],
-        spot_failed=c.counters["spot_failed"],
+        spot_eligible=counts["spot_eligible"], spot_checked=counts["spot_checked"],
+        spot_failed=counts["spot_failed"],
         reward_trend=list(c.rewards), reward_start=start, reward_now=now_r, gen_tokens_per_s=c.gen_tps,
         rollout_latency_s=c.latency,
         bytes_up=int(node.bcast.counters["bytes_up"]) if node.bcast is not None else 0,
-        bytes_down=c.counters["bytes_down"] + live,
+        bytes_down=counts["bytes_down"] + live,
         memory_rss_mb=hardware.rss_bytes(pids) / 2**20, memory_budget_mb=node.cfg.node.memory_budget_mb,
         metrics_port=node.metrics.port if node.metrics else 0,
         dropped=node.drops.view(node.worker.dropped if node.worker else 0,
-                                {"rollout_unpublishable": c.counters["rollouts_unpublishable"],
-                                 "patch_not_finite": c.counters["patches_not_finite"]}),
+                                {"rollout_unpublishable": counts["rollouts_unpublishable"],
+                                 "patch_not_finite": counts["patches_not_finite"]}),
         disk=node.disk.views(now),
         loop_stall_max_ms=round(node.stall.max_ms, 1),
         loop_stall_recent_ms=round(node.stall.recent_ms(loop_now), 1) if loop_now is not None else 0.0,
@@ -102,7 +103,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
 
 def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
     st, now = service.stats, service.pipeline.clock()
-    used = core.counters["used"]
+    used = core.stats()["used"]
     verified = st.counts["verified_rollouts"]
     rates = st.rates(now)
     return ExchangeView(shards=service.shards, subscribed=list(service.subscribed_shards),

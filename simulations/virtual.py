@@ -103,9 +103,9 @@ from gossip.scoring import ScoreParams
 from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
 from node import pipe
 from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, DropItem, FetchCatalog, FromWorker,
-                       LoadStored, Log, ManifestHeard, NodeCore, PatchStored, PeerGone, Penalise, Publish,
-                       RecordRollouts, RequestOffer, RolloutsVerified, SeedVersion, StoredItems, StorePatch, Tick, ToWorker,
-                       TransferDone)
+                       LineageKnown, LoadStored, Log, ManifestHeard, NodeCore, OfferFailed, PatchStored, PeerGone,
+                       Penalise, Publish, RecordRollouts, RequestOffer, RolloutsPublished, RolloutsVerified, SeedVersion,
+                       StoredItems, StorePatch, Tick, ToWorker, TransferDone)
 from node.patchsync import MAX_ITEMS, item_of
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
@@ -258,7 +258,7 @@ class VirtualSim:
         core = NodeCore(settings, n.ident, self._unix, self._unix_ms)
         if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
             lead = self._publisher_of(n.held_lineage)
-            core.table.load(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held)
+            core.handle(LineageKnown(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held))
         return core
 
     def _publisher_of(self, lineage: bytes) -> VNode:
@@ -349,8 +349,8 @@ class VirtualSim:
                     self.counts["announces"] += 1
                     self._send(n, n.ctrl, "announce", a.data)
                 else:
-                    n.core.counters["rollouts_published"] += a.count  # type: ignore[union-attr]
                     self._send(n, n.neighbours, "deliver", a.data)
+                    self._feed(n, RolloutsPublished(a.count))
             elif t is ToWorker:
                 self._to_worker(n, a.msg)
             elif t is Log:
@@ -383,7 +383,8 @@ class VirtualSim:
                                n.inc)
             elif t is Penalise:
                 n.pipeline.scores.penalise(a.peer, a.reason[:120], abs(a.amount), self._unix())  # type: ignore[union-attr]
-            # SeePeer (persist a peer for discovery): nothing to model; RestartWorker: modelled workers never exit
+            # SeePeer (persist a peer for discovery), ResendTaskSets (one modelled task set): nothing to model;
+            # RestartWorker: modelled workers never exit
 
     def _items(self, n: VNode, lineage: bytes) -> tuple[StoredItem, ...]:
         items = n.store.get(lineage, {})
@@ -552,7 +553,7 @@ class VirtualSim:
         if not n.alive or n.inc != inc or n.core is None:
             return
         self._do(n, n.core.handle(TICK))
-        due = min(n.core.next_announce, n.core.next_catch_up) - EPOCH  # the core's next timer
+        due = n.core.next_deadline() - EPOCH
         self._push(max(due, self.now + WORKER_S), "tick", i, inc)
 
     def _step_time(self, n: VNode) -> float:
@@ -704,8 +705,11 @@ class VirtualSim:
         """A peer asked to seed an item into the broadcast: the asker hears its manifest one latency later."""
         p = self.nodes[src]
         env = p.store.get(lineage, {}).get(item) if p.alive else None
+        back = self.now + self._latency(src, asker)
         if env is not None:
-            self._push(self.now + self._latency(src, asker), "manifest", asker, src, env, inc)
+            self._push(back, "manifest", asker, src, env, inc)
+        else:  # as the runtime's failed offer request: the asker's core moves to its next source
+            self._push(back, "catalog_reply", asker, OfferFailed(p.peer_id, lineage, "unreachable or not held"), inc)
 
     def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int) -> None:
         d = self.nodes[dst]
@@ -931,8 +935,8 @@ class VirtualSim:
             "followers_serving": sum(1 for n in followers if n.core is not None and n.core.serving is not None),
             "followers_admitted": sum(1 for n in followers if n.admitted),
             "followers": len(followers),
-            "patches_applied": sum(c.counters["applied"] for c in cores),
-            "peers_evicted": sum(c.counters["peers_evicted"] for c in cores),
+            "patches_applied": sum(c.stats()["applied"] for c in cores),
+            "peers_evicted": sum(c.stats()["peers_evicted"] for c in cores),
             "lineages_evicted": sum(c.table.evicted for c in cores),
             "peers_max": max((len(c.peers) for c in cores), default=0),
             "lineages_max": max((len(c.lineages) for c in cores), default=0),

@@ -195,7 +195,7 @@ def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> No
         acts = core.handle(C.WorkerExited(1))
         delays += [a.delay_s for a in of(acts, C.RestartWorker)]
         assert core.handle(C.WorkerExited(1)) == []  # one restart per exit
-        core.worker_started_now()
+        core.handle(C.WorkerStarted())
     assert delays == sorted(delays) and delays[0] < delays[-1]
     assert core.counters["worker_restarts"] == 3
     acts = core.handle(W("ready", {"base": BASE.hex(), "version": 0}))

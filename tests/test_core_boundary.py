@@ -1,0 +1,120 @@
+"""The node core's boundary (h11-style): drivers tick it at the deadline it states, feed it events for what they
+did, read it through queries, and never write its state. Each rule here is driven as plain calls."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gossip.errors import DecodeError
+from node import core as C
+from node import pipe
+from sync.ids import lineage_id
+from sync.patchstore import StoredItem
+from tests.test_core import BASE, W, announce, demand, key, make_core, of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_next_deadline_is_when_the_core_acts_again() -> None:
+    core, clock = make_core(roles=("trainer",))
+    assert of(core.handle(C.Tick()), C.Publish)  # the first tick announces
+    assert core.next_deadline() == clock.t + C.CATCH_UP_EVERY_S
+    clock.t = core.next_deadline() - 1e-6
+    assert core.handle(C.Tick()) == []  # nothing is due before the deadline
+    clock.t = start = clock.t + 1e-6
+    core.handle(C.Tick())
+    assert core.next_deadline() > start
+    clock.t = 1000.0 + C.ANNOUNCE_EVERY_S
+    assert [a.topic for a in of(core.handle(C.Tick()), C.Publish)] == ["announce"]
+
+
+def _catching_up_with_two_sources(core: C.NodeCore):
+    trainer, peer = key(9), key(11)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(announce(peer, 1, serving=lid, roles=("follower",)))
+    acts = core.handle(C.Tick())
+    assert of(acts, C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    items = (StoredItem("anchor", 4, 4, 900), StoredItem("patch", 4, 5, 10), StoredItem("patch", 5, 6, 10))
+    assert len(of(core.handle(C.CatalogReceived(trainer.peer_id, lid, items)), C.RequestOffer)) == 3
+    return trainer, peer, lid
+
+
+def test_a_failed_offer_moves_catch_up_to_the_next_source_at_once() -> None:
+    core, clock = make_core()
+    trainer, peer, lid = _catching_up_with_two_sources(core)
+    assert core.handle(C.OfferFailed(peer.peer_id, lid, "not asked")) == []  # not the source: ignored
+    acts = core.handle(C.OfferFailed(trainer.peer_id, lid, "StreamError: reset"))
+    assert of(acts, C.FetchCatalog) == [C.FetchCatalog(peer.peer_id, lid)]
+    assert core.catching is not None and core.catching.phase is C.CatchUpPhase.ASKING
+    # the other offers of the same failed attempt do not skip the new source
+    assert of(core.handle(C.OfferFailed(trainer.peer_id, lid, "again")), C.FetchCatalog) == []
+
+
+def test_every_source_failing_waits_out_the_patience_then_starts_over() -> None:
+    core, clock = make_core()
+    trainer, peer, lid = _catching_up_with_two_sources(core)
+    core.handle(C.OfferFailed(trainer.peer_id, lid, "x"))
+    assert of(core.handle(C.CatalogFailed(peer.peer_id, lid, "y")), C.FetchCatalog) == []
+    assert core.catching.phase is C.CatchUpPhase.EXHAUSTED
+    assert core.handle(C.CatalogFailed(peer.peer_id, lid, "late")) == []
+    clock.t += C.CATCH_UP_PATIENCE_S - 1
+    core.handle(announce(trainer, 2, [demand(lid, "lin", 6)]))  # the trainer is still there
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == []
+    clock.t += 2
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+
+
+def test_a_new_peer_asks_the_driver_to_resend_task_sets_once() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    assert of(core.handle(announce(trainer, 1)), C.ResendTaskSets) == [C.ResendTaskSets()]
+    assert of(core.handle(announce(trainer, 2)), C.ResendTaskSets) == []
+
+
+def test_counters_are_the_cores_and_read_as_a_copy() -> None:
+    core, clock = make_core(roles=("trainer",))
+    core.handle(C.RolloutsPublished(5))
+    core.handle(C.RolloutsPublished(-3))  # a driver bug cannot lower a count
+    got = core.stats()
+    assert got["rollouts_published"] == 5
+    got["rollouts_published"] = 0
+    assert core.stats()["rollouts_published"] == 5
+
+
+def test_a_lineage_known_from_the_store_is_loaded_through_an_event() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    assert core.handle(C.LineageKnown(lid, "lin", "follow", trainer.public, BASE, 7)) == []
+    assert core.lineages[lid].held == 7 and core.lineages[lid].relation == "follow"
+
+
+def test_worker_state_is_explicit() -> None:
+    core, clock = make_core()
+    assert core.worker_state is pipe.WorkerState.READY
+    core.handle(W("state", "catching-up"))
+    assert core.worker_state is pipe.WorkerState.CATCHING_UP
+    core.handle(C.WorkerExited(1))
+    assert core.worker_state is pipe.WorkerState.RESTARTING
+    core.handle(C.WorkerStarted())
+    assert core.worker_state is pipe.WorkerState.STARTING
+    with pytest.raises(DecodeError):
+        pipe.encode("state", "dancing")  # the worker cannot send a state the core does not know
+
+
+def test_an_unknown_event_is_a_driver_bug_not_silence() -> None:
+    core, clock = make_core()
+    with pytest.raises(AssertionError):
+        core.handle(object())  # type: ignore[arg-type]
+
+
+def test_drivers_do_not_reach_into_the_core() -> None:
+    # the issue's check, less the core's own query `next_deadline()`
+    reach = re.compile(r"core\.(next_(?!deadline\()|counters|new_peer|table)")
+    files = [ROOT / "node" / "runtime.py", *sorted((ROOT / "simulations").rglob("*.py"))]
+    hits = [f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1) if reach.search(line)]
+    assert hits == []
