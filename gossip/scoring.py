@@ -15,6 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class Penalise:
+    """The action every sans-IO machine returns for a peer's fault (the node core, the chunk swarm, the
+    broadcast core); the driver applies it with `Scores.penalise`."""
+
+    peer: str
+    reason: str
+    amount: float  # > 0: what the peer's score loses
+
+
 @dataclass
 class ScoreParams:
     graylist_threshold: float = -50.0

@@ -30,7 +30,7 @@ State is proportional to what the node hears: a bounded peer table (`max_peers`,
 seen evicted) and a bounded lineage table (`max_lineages`, least recently active "seen" lineages
 evicted; the own and the served lineage stay). The lineage rules (identity, heads) live in
 `node.lineages`; the capacity rule in `node.roles`; staleness admission in `sync.staleness`; the
-patch accept rule in `node.patchsync.wanted`; catch-up planning in `sync.catchup.choose`.
+patch accept rule in `sync.items.wanted`; catch-up planning in `sync.catchup.choose`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from gossip import exchange, wire
 from gossip.errors import DecodeError, PatchError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.ratelimit import RateMeter
-from node import patchsync, pipe, roles
+from node import pipe, roles
 from node.credit import Deliveries
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
                          WorkerStarted, LineageKnown, StoredItems, TransferDone, PatchStored, CatalogReceived,
@@ -57,7 +57,7 @@ from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGo
 from node.pipe import WorkerState
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from sync.catchup import choose
-from sync.patchstore import StoredItem
+from sync.items import KINDS, MAX_ITEMS, StoredItem, diff_kind, item_of, wanted
 from sync.staleness import StalenessGuard
 
 ANNOUNCE_EVERY_S = 2.0
@@ -247,12 +247,12 @@ class NodeCore:
         lin = self.table.rows.get(self.serving) if self.serving is not None else None
         if lin is None or not lin.publisher or self.table.check_manifest(m) is not None:
             return False
-        if not patchsync.wanted(m, self.serving, lin.publisher, lin.held, lin.need_anchor,
+        if not wanted(m, self.serving, lin.publisher, lin.held, lin.need_anchor,
                                 self.stored.get(lin.lineage, set())):
             return False
         if len(self.in_flight) >= MAX_IN_FLIGHT:
             return False
-        it = patchsync.item_of(m)
+        it = item_of(m)
         self.in_flight[(lin.lineage, it.kind, it.base, it.target)] = self.clock()
         return True
 
@@ -285,7 +285,7 @@ class NodeCore:
         elif isinstance(ev, StoredItems):
             self.stored[ev.lineage] = {(i.kind, i.base, i.target) for i in ev.items}
         elif isinstance(ev, TransferDone):
-            it = patchsync.item_of(ev.manifest)
+            it = item_of(ev.manifest)
             if (it.kind, it.base, it.target) not in self.stored.get(bytes(ev.manifest.lineage), set()):
                 out.append(StorePatch(ev.pid))
         elif isinstance(ev, PatchStored):
@@ -573,8 +573,8 @@ class NodeCore:
             return
         now = self.clock()
         free = self._free_items(ev.lineage, now)
-        remote = [i for i in ev.items[:patchsync.MAX_ITEMS]
-                  if i.kind in patchsync.KINDS and (i.kind, i.base, i.target) not in free and i.target <= lin.head]
+        remote = [i for i in ev.items[:MAX_ITEMS]
+                  if i.kind in KINDS and (i.kind, i.base, i.target) not in free and i.target <= lin.head]
         items = list(free.values()) + remote
         start = None if lin.need_anchor else lin.held
         head = min(lin.head, max((i.target for i in items), default=0))
@@ -603,7 +603,7 @@ class NodeCore:
     def _on_patch_stored(self, ev: PatchStored, out: list[Action]) -> None:
         m = ev.manifest
         lid = bytes(m.lineage)
-        it = patchsync.item_of(m)
+        it = item_of(m)
         self.stored.setdefault(lid, set()).add((it.kind, it.base, it.target))
         self.in_flight.pop((lid, it.kind, it.base, it.target), None)
         self.counters["bytes_down"] += max(0, int(ev.bytes_in))
@@ -672,7 +672,7 @@ class NodeCore:
             if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) == 32:
                 self.counters["patches_not_finite"] += 1
                 out.append(Penalise(peer_id_from_public(lin.publisher), m.fault, FORGERY_PENALTY))
-            self.stored.get(lid, set()).discard(("patch" if m.target == m.base + 1 else "union", m.base, m.target))
+            self.stored.get(lid, set()).discard((diff_kind(m.base, m.target), m.base, m.target))
             out.append(DropItem(lid, m.base, m.target))  # fetched again (from another peer)
         elif isinstance(m, pipe.Perf):
             a = 0.3

@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossip import wire
+from gossip.scoring import Penalise  # noqa: F401 - one penalty action for every machine
 from node import pipe
-from sync.patchstore import StoredItem
+from sync.items import StoredItem
 
 
 # ---------------------------------------------------------------- events
@@ -207,13 +208,6 @@ class RequestOffer:
     peer: str
     lineage: bytes
     item: StoredItem
-
-
-@dataclass(frozen=True, slots=True)
-class Penalise:
-    peer: str
-    reason: str
-    amount: float
 
 
 @dataclass(frozen=True, slots=True)

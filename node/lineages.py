@@ -31,8 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gossip import wire
-from node import patchsync, roles
+from node import roles
 from sync.ids import lineage_id
+from sync.items import CODEC_KIND
 
 MIN_STEP_S = 0.001  # a claimed version interval below this is not a measurement (and would overflow the rule)
 MAX_AHEAD = 1024  # versions a signed head may move past the last signed head heard in this run
@@ -158,7 +159,7 @@ class LineageTable:
             return Refusal("lineage id does not derive from the publisher, base model and name", True, True)
         if lid == self.own:
             return Refusal("names this node's own lineage", True, True)
-        if m.codec not in patchsync.CODEC_KIND:
+        if m.codec not in CODEC_KIND:
             return Refusal(f"unknown codec {m.codec[:32]!r}", True)
         if m.base_version > m.target_version or (m.codec == "anchor-v1") != (m.base_version == m.target_version):
             return Refusal("versions do not fit the codec", True)

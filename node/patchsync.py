@@ -34,15 +34,12 @@ from msgspec import Meta, Struct
 from gossip import wire
 from gossip.framing import read_frame, write_frame
 from gossip.errors import DecodeError, PatchError
-from sync.ids import lineage_id
-from sync.patchstore import LineageStore, StoredItem
+from sync.items import CODEC_KIND, KINDS, MAX_ITEMS, StoredItem, item_of, wanted  # noqa: F401 - re-exported
+from sync.patchstore import LineageStore
 
 PROTOCOL = "/murmur/catalog/1"
 MAX_REQUEST = 1024
 MAX_REPLY = 1024 * 1024
-MAX_ITEMS = 4096
-KINDS = ("patch", "union", "anchor")
-CODEC_KIND = {"sparse-v1": "patch", "union-v1": "union", "anchor-v1": "anchor"}
 
 
 class CatalogRequest(Struct, array_like=True, forbid_unknown_fields=True):
@@ -65,29 +62,6 @@ def held_store(home: Path, lineage: bytes) -> LineageStore | None:
     if not (Path(home) / "lineages" / lineage.hex()).is_dir():
         return None
     return LineageStore(home, lineage)
-
-
-def item_of(m: wire.PatchManifest) -> StoredItem:
-    return StoredItem(CODEC_KIND.get(m.codec, m.codec), m.base_version, m.target_version, m.total_bytes)
-
-
-def wanted(m: wire.PatchManifest, serving: bytes | None, publisher: bytes, held: int, need_anchor: bool,
-           have: set[tuple[str, int, int]]) -> bool:
-    """The accept rule of a follower's broadcast node (the signature was already checked).
-
-    Only the lineage it serves, only from that lineage's publisher (whose key
-    the lineage id commits to), only what moves it forward and is not stored
-    yet. An anchor is wanted when it is ahead or when the node cannot use
-    patches at all (its base model differs from the lineage's).
-    """
-    if serving is None or bytes(m.lineage) != serving or bytes(m.publisher) != publisher:
-        return False
-    if lineage_id(bytes(m.publisher), bytes(m.base_model_hash), m.lineage_name) != serving:
-        return False
-    it = item_of(m)
-    if (it.kind, it.base, it.target) in have:
-        return False
-    return it.target > held or (need_anchor and it.kind == "anchor")
 
 
 def store_complete(home: Path, m: wire.PatchManifest, envelope: bytes, payload: bytes) -> StoredItem:

@@ -283,8 +283,8 @@ class Node:
         """Broadcast misbehaviour (stalls, bad frames, corrupt chunks) and failed spot checks lower the peer's score."""
         if self.service is not None:
             p = self.service.pipeline
-            p.scores.penalise(peer, reason[:120], abs(amount), p.clock())
-            event(log, "penalty", peer=peer, reason=reason[:200], amount=abs(amount))
+            p.scores.penalise(peer, reason[:120], amount, p.clock())
+            event(log, "penalty", peer=peer, reason=reason[:200], amount=amount)
 
     def _on_stream_fault(self, peer: str, protocol: str, error: str) -> None:
         """Bytes that break a stream protocol (ours or py-libp2p's) lower the sender's gossip score."""

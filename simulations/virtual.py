@@ -106,13 +106,12 @@ from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettin
                        LineageKnown, LoadStored, Log, ManifestHeard, NodeCore, OfferFailed, PatchStored, PeerGone,
                        Penalise, Publish, RecordRollouts, RequestOffer, RolloutsPublished, RolloutsVerified, SeedVersion,
                        StoredItems, StorePatch, Tick, ToWorker, TransferDone)
-from node.patchsync import MAX_ITEMS, item_of
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vcache import Memo, SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
 from sync.ids import lineage_id
-from sync.patchstore import StoredItem
+from sync.items import KIND_CODEC, MAX_ITEMS, StoredItem, item_of
 from sync.vsim import SimLink, VirtualSwarm
 from training.sampler import Sampler, split
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
@@ -382,7 +381,7 @@ class VirtualSim:
                                dst.spec.index, n.spec.index, a.lineage, (a.item.kind, a.item.base, a.item.target),
                                n.inc)
             elif t is Penalise:
-                n.pipeline.scores.penalise(a.peer, a.reason[:120], abs(a.amount), self._unix())  # type: ignore[union-attr]
+                n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self._unix())  # type: ignore[union-attr]
             # SeePeer (persist a peer for discovery), ResendTaskSets (one modelled task set): nothing to model;
             # RestartWorker: modelled workers never exit
 
@@ -399,7 +398,7 @@ class VirtualSim:
         total = self._item_bytes(kind)
         sizes = [sy.chunk_bytes] * (total // sy.chunk_bytes) + ([total % sy.chunk_bytes] if total % sy.chunk_bytes else [])
         tag = hashlib.blake2b(b"%s/%d/%d" % (owner.lineage, base, target), digest_size=32).digest()
-        codec = {"patch": "sparse-v1", "union": "union-v1", "anchor": "anchor-v1"}[kind]
+        codec = KIND_CODEC[kind]
         m = wire.PatchManifest(v=wire.FORMAT_VERSION, lineage=owner.lineage, lineage_name=LINEAGE_NAME,
                                base_model_hash=BASE_MODEL, publisher=owner.ident.public, base_version=base,
                                target_version=target, base_hash=b"" if kind == "anchor" else tag[:16] + b"base",

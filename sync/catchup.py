@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gossip.errors import PatchError
-from sync.patchstore import StoredItem
+from sync.items import StoredItem
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ from sync.codec import (FORMAT, PatchHeader, TensorChange, assemble, check_layou
                         diff_tensor, encode_tensor, _Packer, DEFAULT_LEVEL)
 from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, state_hash
 from sync.ids import lineage_id
-from sync.patchstore import LineageStore, StoredItem, open_manifest
+from sync.items import StoredItem, diff_kind
+from sync.patchstore import LineageStore, open_manifest
 
 SPARSE = "sparse-v1"
 UNION = "union-v1"
@@ -256,7 +257,7 @@ class LineagePublisher:
         if not 0 <= a < b <= self.version:
             raise PatchError(f"bad union range {a}..{b} (head {self.version})")
         if store.has_patch(a, b):
-            return self.stored(StoredItem("union" if b > a + 1 else "patch", a, b, 0))
+            return self.stored(StoredItem(diff_kind(a, b), a, b, 0))
         base = store.load_state(a)
         target = self.base if b == self.version else store.load_state(b)
         bh = state_hash(base)

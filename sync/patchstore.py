@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
 from gossip.errors import DecodeError, PatchError
+from sync.items import StoredItem, diff_kind
 from sync.atomic import atomic_write
 
 if TYPE_CHECKING:
@@ -36,14 +37,6 @@ if TYPE_CHECKING:
 ANCHOR_FILE = "model.safetensors"
 WRITE_GRACE_S = 120.0  # a temp file or manifest-less payload younger than this may be a write in progress
 _PATCH_RE = re.compile(r"^(\d{12})-(\d{12})\.env$")
-
-
-@dataclass(frozen=True)
-class StoredItem:
-    kind: str  # "patch" (sparse-v1), "union" (union-v1) or "anchor" (anchor-v1)
-    base: int  # == target for an anchor
-    target: int
-    bytes: int  # payload size (what a receiver downloads)
 
 
 def open_manifest(envelope: bytes) -> PatchManifest:
@@ -132,7 +125,7 @@ class LineageStore:
             base, target = int(m.group(1)), int(m.group(2))
             binp = p.with_suffix(".bin")
             if binp.exists():
-                out.append(StoredItem("patch" if target == base + 1 else "union", base, target, binp.stat().st_size))
+                out.append(StoredItem(diff_kind(base, target), base, target, binp.stat().st_size))
         return sorted(out, key=lambda i: (i.target, i.base, i.kind))
 
     def head(self) -> int | None:

@@ -36,6 +36,7 @@ from msgspec import Meta, Struct
 
 from gossip.wire import KIND_LIMITS, MAX_CHUNK_BYTES, MAX_CHUNKS, PATCH_MANIFEST, PatchManifest
 from gossip.errors import DecodeError
+from gossip.scoring import Penalise  # noqa: F401 - the action this session returns (re-exported)
 
 # ---------------------------------------------------------------- frames
 
@@ -180,13 +181,6 @@ class Completed:
 
 
 @dataclass(frozen=True, slots=True)
-class Penalise:
-    peer: str
-    reason: str
-    amount: float  # negative score delta; applied by the caller's peer scoring
-
-
-@dataclass(frozen=True, slots=True)
 class Ban:
     peer: str
     reason: str
@@ -210,9 +204,9 @@ class SwarmConfig(Struct, kw_only=True, frozen=True):
     ban_after_corrupt: int = 1  # corrupt chunks that get a peer banned
     seed_window: int = 1  # origin super-seeding: un-sent chunks advertised to each peer at a time
     endgame: bool = True  # near the end, also request in-flight chunks from a second peer
-    penalty_corrupt: float = -100.0
-    penalty_stall: float = -2.0
-    penalty_protocol: float = -10.0
+    penalty_corrupt: float = 100.0  # score points lost (gossip.scoring.Penalise)
+    penalty_stall: float = 2.0
+    penalty_protocol: float = 10.0
 
 
 # ---------------------------------------------------------------- session

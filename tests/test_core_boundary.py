@@ -118,3 +118,41 @@ def test_drivers_do_not_reach_into_the_core() -> None:
     files = [ROOT / "node" / "runtime.py", *sorted((ROOT / "simulations").rglob("*.py"))]
     hits = [f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1) if reach.search(line)]
     assert hits == []
+
+
+def test_one_penalty_action_with_one_sign() -> None:
+    import gossip.scoring
+    import node.events
+    import sync.swarm
+    import sync.transfers
+    from gossip.scoring import PeerScores, ScoreParams
+    from sync.swarm import SwarmConfig
+
+    assert sync.swarm.Penalise is sync.transfers.Penalise is node.events.Penalise is gossip.scoring.Penalise
+    cfg = SwarmConfig()
+    scores = PeerScores(ScoreParams())
+    for amount in (cfg.penalty_corrupt, cfg.penalty_stall, cfg.penalty_protocol, C.SPOT_PENALTY, C.CLAIM_PENALTY):
+        before = scores.score("p", 0.0)
+        scores.penalise("p", "x", amount, 0.0)  # as both drivers apply it: no abs(), no sign flip
+        assert scores.score("p", 0.0) < before
+
+
+def test_the_core_imports_no_io_module() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, node.core; print(sorted(m for m in ('trio', 'node.patchsync', 'sync.patchstore', 'torch', "
+            "'libp2p', 'sqlite3') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+def test_items_are_one_vocabulary() -> None:
+    import node.patchsync
+    import sync.catchup
+    import sync.items
+    import sync.patchstore
+
+    assert sync.patchstore.StoredItem is node.patchsync.StoredItem is sync.catchup.StoredItem is sync.items.StoredItem
+    assert node.patchsync.wanted is sync.items.wanted and C.item_of is sync.items.item_of
+    assert {sync.items.KIND_CODEC[k] for k in sync.items.KINDS} == set(sync.items.CODEC_KIND)

@@ -253,8 +253,8 @@ def test_a_ban_reaches_sessions_and_asks_the_driver_to_disconnect_once() -> None
 
 
 def test_bad_frames_cost_a_protocol_penalty_and_are_counted() -> None:
-    core = BroadcastCore(SwarmConfig(penalty_protocol=-7.0))
-    assert core.bad_frame("A", "frame too long") == [Penalise("A", "frame too long", -7.0)]
+    core = BroadcastCore(SwarmConfig(penalty_protocol=7.0))
+    assert core.bad_frame("A", "frame too long") == [Penalise("A", "frame too long", 7.0)]
     assert core.counters["bad_frames"] == 1
 
 
