@@ -325,3 +325,34 @@ def test_a_failed_pubsub_stream_open_is_retried_while_the_peer_stays_connected(m
                 assert await chans[1].receive() == (a.peer_id, b"a to b")
 
     trio.run(main)
+
+
+def test_own_record_is_reused_and_checked_records_are_memoised_in_a_bounded_table() -> None:
+    """Per pubsub RPC, py-libp2p rebuilds our signed peer record and checks the sender's: ours is reused for
+    OWN_RECORD_REUSE_S, a record already checked is not checked again, and the table of them is bounded."""
+    import libp2p.pubsub.pubsub as ps
+    from libp2p.pubsub.pb import rpc_pb2
+
+    from gossip import host as H
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x0b" * 32)) as a, \
+                open_transport(Identity.from_seed(b"\x0c" * 32)) as b:
+            env, _ = ps.env_to_send_in_RPC(a.host)
+            stamp = a.host._murmur_own_record[0]
+            again, fresh = ps.env_to_send_in_RPC(a.host)
+            assert again == env and not fresh and a.host._murmur_own_record[0] == stamp  # reused, not rebuilt
+
+            peer = b.host.get_id()
+            junk = rpc_pb2.RPC(senderRecord=b"\x01junk")
+            assert ps.maybe_consume_signed_record(junk, a.host, peer) is False
+            (key, (checked_at, ok)), = a.host._murmur_records.items()
+            assert ps.maybe_consume_signed_record(junk, a.host, peer) is False
+            assert a.host._murmur_records[key] == (checked_at, False)  # a memo hit: not checked again
+            assert a.faults.counts["pubsub signed record (invalid)"] == 2  # each ignored RPC counted
+            for i in range(H.RECORD_MEMO_SIZE + 10):
+                ps.maybe_consume_signed_record(rpc_pb2.RPC(senderRecord=i.to_bytes(4, "big")), a.host, peer)
+            assert len(a.host._murmur_records) == H.RECORD_MEMO_SIZE
+            assert key not in a.host._murmur_records  # the oldest went first
+
+    trio.run(main)
