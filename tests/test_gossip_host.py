@@ -327,7 +327,7 @@ def test_a_failed_pubsub_stream_open_is_retried_while_the_peer_stays_connected(m
     trio.run(main)
 
 
-def test_own_record_is_reused_and_checked_records_are_memoised_in_a_bounded_table() -> None:
+def test_own_record_is_reused_and_the_record_memo_is_bounded() -> None:
     """Per pubsub RPC, py-libp2p rebuilds our signed peer record and checks the sender's: ours is reused for
     OWN_RECORD_REUSE_S, a record already checked is not checked again, and the table of them is bounded."""
     import libp2p.pubsub.pubsub as ps

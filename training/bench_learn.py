@@ -30,7 +30,9 @@ EVAL_PER_FAMILY = 100
 BENCH_CONFIG = dict(local_groups=16, external_groups=0, group_size=8, lr=3e-4, max_new_tokens=8)
 
 
-def run(budget_s: float = 300, seed: int = 0, threads: int = 1) -> dict[str, Any]:
+def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | None = None) -> dict[str, Any]:
+    """Warm up, evaluate, train, evaluate. With `steps`, exactly that many RL steps and no time budget
+    (what a test needs: the same outcome on any machine); otherwise RL runs until `budget_s` is spent."""
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     set_threads(threads)
     t_start = time.monotonic()
@@ -58,7 +60,7 @@ def run(budget_s: float = 300, seed: int = 0, threads: int = 1) -> dict[str, Any
     tr = Trainer(engine, reg, reg.builtin_id, TrainerConfig(seed=seed, **BENCH_CONFIG), on_step=on_step)
     rl_budget = max(0.0, budget_s - (time.monotonic() - t_start) - eval_cost - 1.0)
     t_rl = time.monotonic()
-    steps = tr.run(budget_s=rl_budget)
+    steps = tr.run(max_steps=steps) if steps is not None else tr.run(budget_s=rl_budget)
     rl_s = time.monotonic() - t_rl
     eval_end, shaped_end = greedy_eval(engine, tasks, max_new)
     eval_prompts = {t.task.prompt for t in tasks}
