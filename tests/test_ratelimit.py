@@ -109,3 +109,16 @@ def test_rate_meter_counts_over_its_window_and_the_span_it_saw() -> None:
     for t in range(10):
         many.tick(float(t))
     assert len(many._t) == 5 and many.rate(10.0) == pytest.approx(5 / 5.0)  # bounded: the newest 5, since t=5
+
+
+def test_the_limits_are_the_documented_ones() -> None:
+    """docs/protocol.md: an announced rate r allows min(50, max(rate_limit_per_s, 2r)) batches/s with a burst of a
+    minute of that (at least rate_burst); the floors default to the node's [gossip] defaults."""
+    from node.config import GossipSection
+
+    g = GossipSection()
+    ar = AnnouncedRates()
+    assert (ar.floor_rate, ar.floor_burst) == (g.rate_limit_per_s, g.rate_burst)
+    assert ar.limits(1e6) == (50.0, 50.0 * 60)
+    assert ar.limits(12.5) == (25.0, 25.0 * 60)
+    assert TokenBuckets(2.0, 5.0).burst == 5.0  # any burst of at least one message
