@@ -324,3 +324,36 @@ class Stats:
         if span <= 0:
             return {}
         return {k + "_per_s": round((cur.get(k, 0) - old.get(k, 0)) / span, 3) for k in cur}
+
+
+class DistinctCount:
+    """How many distinct keys were seen in the last `window_s`, in bounded memory (k minimum values):
+    the k smallest hashes kept, with when each was last seen. Counts up to k exactly, then estimates
+    (k-1) / (k-th smallest hash as a fraction of the hash space), within a few percent at k = 256."""
+
+    def __init__(self, k: int = 256, window_s: float = 30.0) -> None:
+        self.k = k
+        self.window_s = window_s
+        self._seen: dict[int, float] = {}  # hash -> last seen
+        self._top: int | None = None  # max(self._seen) while full, cached
+
+    def add(self, key: str | bytes, now: float) -> None:
+        h = _h(b"murmur/kmv", key.encode() if isinstance(key, str) else bytes(key))
+        if h in self._seen or len(self._seen) < self.k:
+            self._seen[h] = now
+            self._top = None
+            return
+        if self._top is None:
+            self._top = max(self._seen)
+        if h < self._top:  # most keys of a big swarm stop at this one comparison
+            del self._seen[self._top]
+            self._seen[h] = now
+            self._top = None
+
+    def count(self, now: float) -> int:
+        for h in [h for h, t in self._seen.items() if now - t > self.window_s]:
+            del self._seen[h]
+            self._top = None
+        if len(self._seen) < self.k:
+            return len(self._seen)
+        return int((self.k - 1) / (max(self._seen) / 2**64))

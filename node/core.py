@@ -216,6 +216,10 @@ class NodeCore:
         self.inbound = exchange.Meter()
         self.batch_rollouts = float(settings.group_size)  # mean rollouts per accepted batch (supply estimate)
         self.subscribed: tuple[int, tuple[int, ...]] = (1, (0,))  # what the runtime joined first
+        self.producers_heard = exchange.DistinctCount(window_s=PEER_EXPIRY_S)  # not bounded by max_peers
+        # How many producers the announce topic told us of. The virtual simulator, whose announces go one
+        # hop, replaces it by the count the live announce topic would have given.
+        self.producers_count: Callable[[float], int] = self.producers_heard.count
 
     # ------------------------------------------------------------ queries
     @property
@@ -335,6 +339,8 @@ class NodeCore:
             del self.peers[oldest]
             self.counters["peers_evicted"] += 1
         self.peers[body.peer_id] = PeerInfo(body, bytes(ev.signer), now)
+        if body.publish_batches_per_s > 0:
+            self.producers_heard.add(body.peer_id, now)
         for d in body.owned:
             lin, why = self.table.on_demand(bytes(ev.signer), d)
             if why is not None:
@@ -791,12 +797,11 @@ class NodeCore:
     def _plan_exchange(self, now: float, out: list[Action]) -> None:
         """Which rollout shards to join (gossip.exchange): producers and their supply from fresh announces."""
         supply: dict[bytes, float] = {}
-        producers = int("trainer" in self.roles or "follower" in self.roles)
+        producers = int("trainer" in self.roles or "follower" in self.roles) + self.producers_count(now)
         for p in self.peers.values():
             a = p.announce
             if now - p.seen > PEER_EXPIRY_S or not a.publish_batches_per_s > 0:
                 continue
-            producers += 1
             lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
             if lid:
                 supply[lid] = supply.get(lid, 0.0) + min(a.publish_batches_per_s, 1e3) * self.batch_rollouts

@@ -37,12 +37,29 @@ What runs for real (the same code a live node runs):
   pipelining, corrupt-chunk bans) through `sync.vsim` over the scenario's
   links, with a real signed manifest and every chunk's hash checked.
 
+- the rollout exchange is `gossip.exchange`, run by each core (its shard
+  count, the shards it joins and rotates, the shard it publishes to) and by
+  each receiver's `ShardGate` (newcomer budget, wrong shard) before its
+  pipeline.
+
 What is modelled:
-- the network: gossip is one hop. A rollout batch goes to the producer's
-  `degree` neighbours; announces and manifests go to those neighbours and
-  along the scenario's follow edges (a follower and the publisher it is
-  configured to follow are connected). Links are `simulations.wan.LinkModel`
-  (bandwidth queues, latency, jitter, loss as retransmission delay);
+- the network. Rollout batches move as GossipSub moves them on the shard
+  topics the cores join: each shard topic has a mesh among its subscribers
+  (a joining node GRAFTs up to D = 6 random subscribers, a mesh falling below
+  D_low = 4 is topped up, a leaving node is PRUNEd); a publisher subscribed
+  to its batch's shard sends it to its mesh peers, one that is not to D
+  random subscribers (fanout); a receiver that accepts a batch forwards it
+  once to each mesh peer but the one it came from; a copy that reaches a node
+  that already has it is a duplicate (counted, and its bytes, not verified:
+  py-libp2p drops it by message id first). The mesh assumes a node can reach
+  any subscriber of its shards (a live node connects to the peers it hears).
+  Announces and manifests are one hop: they go to the `degree` neighbours
+  and along the scenario's follow edges (a follower and the publisher it is
+  configured to follow are connected); the live announce topic reaches every
+  node, so each core's exchange is given the number of live producers (what
+  that topic would have told it) instead of counting the few it heard. Links
+  are `simulations.wan.LinkModel` (bandwidth queues, latency, jitter, loss as
+  retransmission delay);
 - the clock: virtual seconds (`EPOCH` + t as unix time);
 - compute: a step takes `step_s / compute` virtual seconds (a follower's no
   less than its core's pace allows);
@@ -96,16 +113,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.errors import MurmurError
+from gossip.exchange import ShardGate, Stats, shard_of
 from gossip.identity import Identity, peer_id_from_public
 from gossip.scoring import ScoreParams
-from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
+from gossip.validation import PENALTIES, Pending, Pipeline, PipelineConfig, Reason
 from node import pipe
 from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, DropItem, FetchCatalog, FromWorker,
                        LineageKnown, LoadStored, Log, ManifestHeard, NodeCore, OfferFailed, PatchStored, PeerGone,
                        Penalise, Publish, RecordRollouts, RequestOffer, RolloutsPublished, RolloutsVerified, SeedVersion,
-                       StoredItems, StorePatch, Tick, ToWorker, TransferDone)
+                       StoredItems, StorePatch, Subscribe, Tick, ToWorker, TransferDone)
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vcache import Memo, SharedVerification, SimPipeline
@@ -128,6 +146,7 @@ SEED_RANGE = 1_000_000
 POOL_GROUPS = 256  # a trainer's sampler holds the newest this many informative groups
 MEMO_HORIZON_S = 5.0  # virtual seconds a per-message memo entry is kept: a batch reaches its receivers sooner
 TICK = Tick()
+MESH_D, MESH_D_LOW, MESH_D_HIGH = 6, 4, 12  # GossipSub's mesh degree as the live host sets it (gossip/host.py)
 
 
 def identity_for(seed: int, index: int) -> Identity:
@@ -170,6 +189,11 @@ class VNode:
     seq: int = 0  # adversaries' own batch sequence
     sent_batches: list[bytes] = field(default_factory=list)
     patch_delay: float = 0.0
+    gate: ShardGate = field(default_factory=ShardGate)  # the gossip service's exchange gate
+    stats: Stats = field(default_factory=Stats)  # received, verified, dropped, distinct producers
+    shards: tuple[int, ...] = ()  # rollout shards subscribed
+    shard_count: int = 1
+    duplicates: int = 0  # copies of a batch it already had
 
 
 class VirtualSim:
@@ -222,6 +246,12 @@ class VirtualSim:
             self.nodes.append(n)
         self.by_peer = {n.peer_id: n for n in self.nodes}
         self.trainer_ids = [n.spec.index for n in self.nodes if n.spec.role == "trainer"]
+        # the rollout shard topics: subscribers and each subscriber's mesh peers
+        self.subs: dict[int, set[int]] = {}
+        self.mesh: dict[int, dict[int, set[int]]] = {}
+        self._got = Memo(2_000_000, self._unix, MEMO_HORIZON_S)  # batch bytes -> nodes that have it
+        self.alive_producers = 0
+        self._shards_seen = 1
         self._topology()
 
     # ------------------------------------------------------------ plumbing
@@ -348,8 +378,10 @@ class VirtualSim:
                     self.counts["announces"] += 1
                     self._send(n, n.ctrl, "announce", a.data)
                 else:
-                    self._send(n, n.neighbours, "deliver", a.data)
-                    self._feed(n, RolloutsPublished(a.count))
+                    if self._publish(n, a.data, a.shard):  # as the runtime: counted once it went out
+                        self._feed(n, RolloutsPublished(a.count))
+            elif t is Subscribe:
+                self._subscribe(n, a.shards, a.subscribe)
             elif t is ToWorker:
                 self._to_worker(n, a.msg)
             elif t is Log:
@@ -500,8 +532,78 @@ class VirtualSim:
                                   created_ms=self._unix_ms(), rollouts=rollouts)
         return wire.seal(node.ident, wire.ROLLOUT_BATCH, batch)
 
-    def _gossip(self, node: VNode, data: bytes) -> None:
-        self._send(node, node.neighbours, "deliver", data)
+    def _gossip(self, node: VNode, data: bytes, lineage: bytes) -> None:
+        """An adversary publishes to the shard of the lineage its batch names, as a producer would."""
+        self._publish(node, data, shard_of(lineage, self._shards_now()))
+
+    def _shards_now(self) -> int:
+        """The shard count the live producers agree on (the largest of the cores' near-equal counts)."""
+        return exchange.shard_count(self.alive_producers, self._shards_seen) if self.alive_producers else 1
+
+    # ------------------------------------------------------------ the shard topics (GossipSub, modelled)
+
+    def _subscribe(self, n: VNode, shards: int, subscribe: tuple[int, ...]) -> None:
+        """What `GossipService.set_shards` does: leave (PRUNE) and join (GRAFT up to D subscribers)."""
+        i = n.spec.index
+        n.shard_count = shards
+        self._shards_seen = max(self._shards_seen, shards)
+        want = set(subscribe)
+        for j in [j for j in n.shards if j not in want]:
+            self.subs.get(j, set()).discard(i)
+            mesh = self.mesh.get(j, {})
+            for k in mesh.pop(i, set()):
+                peers = mesh.get(k)
+                if peers is not None:
+                    peers.discard(i)
+                    if len(peers) < MESH_D_LOW:
+                        self._graft(j, k)
+        for j in sorted(want - set(n.shards)):
+            self.subs.setdefault(j, set()).add(i)
+            self.mesh.setdefault(j, {})[i] = set()
+            self._graft(j, i)
+        n.shards = tuple(sorted(want))
+
+    def _graft(self, j: int, i: int) -> None:
+        mesh = self.mesh[j]
+        mine = mesh[i]
+        need = MESH_D - len(mine)
+        if need <= 0:
+            return
+        cands = [k for k in self.subs[j] if k != i and k not in mine and len(mesh[k]) < MESH_D_HIGH]
+        for k in (self.rng.sample(cands, need) if len(cands) > need else cands):
+            mine.add(k)
+            mesh[k].add(i)
+
+    def _publish(self, src: VNode, data: bytes, shard: int) -> bool:
+        """A batch published to a shard: to the publisher's mesh peers, or (not subscribed) to D random
+        subscribers (fanout); none subscribed: it goes nowhere (a live publish error)."""
+        i = src.spec.index
+        mesh = self.mesh.get(shard, {})
+        if i in mesh:
+            targets = list(mesh[i])
+        else:
+            subs = self.subs.get(shard)
+            if not subs:
+                self.counts["publish_no_subscriber"] += 1
+                return False
+            targets = list(subs) if len(subs) <= MESH_D else self.rng.sample(list(subs), MESH_D)
+        self._got.put(data, {i})
+        self._forward(src, i, data, shard, targets)
+        return True
+
+    def _forward(self, src: VNode, origin: int, data: bytes, shard: int, targets: list[int]) -> None:
+        got = self._got.get(data)
+        for j in targets:
+            dst = self.nodes[j]
+            if not dst.alive:
+                continue
+            if got is not None and j in got:  # it has it: a duplicate, dropped by message id on arrival
+                dst.duplicates += 1
+                self.links.bytes_up[src.spec.index] += len(data)
+                self.links.bytes_down[j] += len(data)
+                continue
+            at = self.links.send(src.spec.index, j, len(data), self.now)
+            self._push(at, "deliver", j, src.spec.index, origin, shard, data, dst.inc)
 
     # ------------------------------------------------------------ events
 
@@ -517,7 +619,11 @@ class VirtualSim:
             self._push(self.now + n.rng.uniform(0, 1.0 / n.spec.rate_per_s), "adv", i, n.inc)
             return
         n.core = self._new_core(n)
+        n.core.producers_count = lambda now: self.alive_producers  # what the live announce topic tells
+        self.alive_producers += 1
         n.pipeline.head_version = n.core.head_of  # type: ignore[union-attr] - as node.runtime wires it
+        n.shards = ()
+        self._subscribe(n, 1, (0,))  # the live service joins shard 0 before the core's first plan
         n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own  # type: ignore[union-attr]
         n.following, n.admitted, n.pace = None, False, 0.0
         n.transfers.clear()
@@ -534,6 +640,9 @@ class VirtualSim:
         n = self.nodes[i]
         if not n.alive:
             return
+        if n.core is not None:
+            self.alive_producers -= 1
+            self._subscribe(n, n.shard_count, ())  # its connections close: the meshes lose it
         n.alive = False
         n.inc += 1
         n.core = None  # the process is gone; a rejoin starts a new one
@@ -657,6 +766,7 @@ class VirtualSim:
         signer = bytes(env.signer)
         if peer_id_from_public(signer) == body.peer_id:
             d.pipeline.announced(body.peer_id, body)  # type: ignore[union-attr] - the rate it states bounds it
+            d.gate.announced(body.peer_id, self._unix())
         self._feed(d, AnnounceHeard(signer, body, data))
 
     def _ev_manifest(self, dst: int, src: int, data: bytes, inc: int) -> None:
@@ -710,18 +820,53 @@ class VirtualSim:
         else:  # as the runtime's failed offer request: the asker's core moves to its next source
             self._push(back, "catalog_reply", asker, OfferFailed(p.peer_id, lineage, "unreachable or not held"), inc)
 
-    def _ev_deliver(self, dst: int, src: int, data: bytes, inc: int) -> None:
+    def _ev_deliver(self, dst: int, fwd: int, origin: int, shard: int, data: bytes, inc: int) -> None:
+        """A copy of a batch reaches a subscriber of its shard: what `GossipService._validate_rollouts` does
+        (gate, pipeline), then GossipSub forwards what was accepted to the node's other mesh peers."""
         d = self.nodes[dst]
-        if not d.alive or d.inc != inc:
+        if not d.alive or d.inc != inc or shard not in d.shards:
             return
-        s = self.nodes[src]
-        v = d.pipeline.check(data, s.peer_id)  # type: ignore[union-attr]
+        got = self._got.get(data)
+        if got is None:
+            got = set()
+            self._got.put(data, got)
+        if dst in got:
+            d.duplicates += 1
+            return
+        got.add(dst)
+        s = self.nodes[origin]
+        now = self._unix()
+        d.stats.received()
+        why = d.gate.admit(s.peer_id, shard, now)
+        if why is None:
+            p = d.pipeline
+            step = p.admit(data, s.peer_id, self.nodes[fwd].peer_id)  # type: ignore[union-attr]
+            if step.batch is not None:
+                d.stats.counts["received_rollouts"] += len(step.batch.rollouts)
+            if isinstance(step, Pending):
+                why = d.gate.belongs([bytes(r.lineage) for r in step.batch.rollouts], shard, d.shard_count)
+                if why is not None:
+                    p.abandon(step)  # type: ignore[union-attr]
+                else:
+                    p.verify(step)  # type: ignore[union-attr]
+                    step = p.commit(step)  # type: ignore[union-attr]
+            v = step
+        if why is not None:
+            d.stats.drop(why)
+            self.rejections[why] += 1
+            return
         if not v.accepted:
+            d.stats.drop(v.reason.value)
             self.rejections[v.reason.value] += 1
-            self._row("rejection", t=self.now, node=dst, peer=src, reason=v.reason.value)
+            self._row("rejection", t=self.now, node=dst, peer=origin, reason=v.reason.value)
             if v.newly_banned:
-                self._row("event", t=self.now, node=dst, action=f"ban {src}")
+                self._row("event", t=self.now, node=dst, action=f"ban {origin}")
             return
+        d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]
+        if d.core is not None:
+            d.core.on_accepted(len(v.batch.rollouts))  # type: ignore[union-attr]
+        mesh = self.mesh.get(shard, {}).get(dst, ())
+        self._forward(d, origin, data, shard, [k for k in mesh if k != fwd and k != origin])
         if s.spec.role == "adversary":
             s.adv_accepted += 1
         if v.batch is not None:
@@ -751,22 +896,22 @@ class VirtualSim:
             g = self._group(n, n.lineage, 0, 0.0)  # all wrong ...
             forged = [wire.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "reward": 1.0})
                       for r in g]  # ... each claiming full reward
-            self._gossip(n, self._seal(n, forged))
+            self._gossip(n, self._seal(n, forged), n.lineage)
         elif b == "invalid_signature":
             data = bytearray(self._seal(n, self._group(n, n.lineage, 0, 0.5)))
             data[-5] ^= 0xFF  # inside the signature, the envelope's last field
-            self._gossip(n, bytes(data))
+            self._gossip(n, bytes(data), n.lineage)
         elif b == "replay":
             if not n.sent_batches:
                 data = self._seal(n, self._group(n, n.lineage, 0, 0.5))
                 n.sent_batches.append(data)
             else:  # the same seq again with other content (equivocation), and the old bytes again
                 data = self._seal(n, self._group(n, n.lineage, 0, 0.5), seq=n.seq)
-                self._gossip(n, n.sent_batches[0])
-            self._gossip(n, data)
+                self._gossip(n, n.sent_batches[0], n.lineage)
+            self._gossip(n, data, n.lineage)
         elif b == "stale_spam":
             lead = self.nodes[self.trainer_ids[n.rng.randrange(len(self.trainer_ids))]]
-            self._gossip(n, self._seal(n, self._group(n, lead.lineage, 0, 0.5)))
+            self._gossip(n, self._seal(n, self._group(n, lead.lineage, 0, 0.5)), lead.lineage)
         # corrupt_chunks and free_ride act in the broadcasts / by never producing
         if b in ("forged_reward", "invalid_signature", "replay", "stale_spam"):
             self._push(self.now + 1.0 / n.spec.rate_per_s, "adv", i, inc)
@@ -941,6 +1086,36 @@ class VirtualSim:
             "lineages_max": max((len(c.lineages) for c in cores), default=0),
         }
 
+    def exchange_summary(self) -> dict[str, Any]:
+        """Per-node load of the rollout exchange over the run: what each trainer (a consumer) received,
+        verified and used per virtual second, and from how many producers; followers' inbound apart."""
+        span = max(1e-9, min(self.now, self.sc.duration_s))
+        g = self.sc.training.group_size
+
+        def per_s(xs: list[float]) -> dict[str, float]:
+            return {"mean": round(sum(xs) / len(xs), 3), "max": round(max(xs), 3)} if xs else {"mean": 0.0, "max": 0.0}
+
+        out: dict[str, Any] = {}
+        for role in ("trainer", "follower"):
+            ns = [n for n in self.nodes if n.spec.role == role and n.core is not None]
+            if not ns:
+                continue
+            rec = [n.stats.counts["received_rollouts"] / span for n in ns]
+            ver = [n.stats.counts["verified_rollouts"] / span for n in ns]
+            used = sum(n.consumed_ext * g for n in ns)
+            verified = sum(n.stats.counts["verified_rollouts"] for n in ns)
+            out[role] = {"nodes": len(ns), "inbound_rollouts_per_s": per_s(rec), "verified_rollouts_per_s": per_s(ver),
+                         "duplicates_per_s": per_s([n.duplicates / span for n in ns]),
+                         "used_over_verified": round(used / verified, 3) if verified else None,
+                         "distinct_producers": per_s([float(n.stats.distinct_producers(self._unix())) for n in ns]),
+                         "shards_subscribed": per_s([float(len(n.shards)) for n in ns])}
+        out["shard_count"] = self._shards_seen
+        dropped: Counter[str] = Counter()
+        for n in self.nodes:
+            dropped.update(n.stats.dropped)
+        out["dropped"] = dict(dropped.most_common(16))
+        return out
+
     def _finish(self, broadcasts: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         for n in self.nodes:
             self._row("bytes", node=n.spec.index, group=n.spec.group, bytes_up=self.links.bytes_up[n.spec.index],
@@ -977,11 +1152,14 @@ class VirtualSim:
             "broadcasts": broadcasts,
             "graylist_threshold": self.sc.gossip.graylist_threshold,
             "cores": self._core_summary(),
-            "modelled": "the network (one-hop gossip over modelled links), the clock, compute time, learning "
-                        "(skill curve), patch transfer time; real: one node core per node (announces, roles and "
-                        "lineage choice, staleness admission, heads from messages, catch-up plans, rollout "
-                        "batching and sealing), signatures, verification pipeline, scoring, the worker's sampler, "
-                        "swarm broadcast core",
+            "exchange": self.exchange_summary(),
+            "modelled": "the network (rollouts: GossipSub meshes of degree 6 on the shard topics the cores "
+                        "join, forwarded once per mesh link, duplicates counted; announces and manifests: one hop; "
+                        "modelled links), the clock, compute time, learning (skill curve), patch transfer time; "
+                        "real: one node core per node (announces, roles and lineage choice, staleness admission, "
+                        "heads from messages, catch-up plans, rollout batching and sealing, the rollout exchange's "
+                        "shards), the exchange gate, signatures, verification pipeline, scoring, the worker's "
+                        "sampler, swarm broadcast core",
         }
         if self.shared is not None:
             summary["verification"] = self.shared.stats()

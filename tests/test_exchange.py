@@ -129,3 +129,19 @@ def test_meter_reports_after_a_window() -> None:
     assert m.rate(5.0) is None
     assert m.rate(10.5) == 5.0
     assert m.rate(30.0) == 0.0
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 20_000))
+def test_distinct_count_is_exact_when_small_and_close_when_large(n: int) -> None:
+    c = X.DistinctCount(k=256, window_s=30.0)
+    for rep in range(2):  # repeats are not new keys
+        for i in range(n):
+            c.add(f"peer{i}", float(rep))
+    est = c.count(1.0)
+    if n <= 256:
+        assert est == n
+    else:
+        assert abs(est - n) <= 0.25 * n
+    assert len(c._seen) <= 256
+    assert c.count(100.0) == 0  # all expired

