@@ -41,7 +41,7 @@ import hashlib
 import itertools
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -51,7 +51,8 @@ PRODUCERS_PER_SHARD: Final = 2  # swarm-wide: every node must size S alike, so i
 MAX_SHARDS: Final = 1024
 MAX_SUBSCRIBED: Final = 8  # shard topics one node joins at most (home ones included)
 ROTATE_S: Final = 120.0  # a node's rotating shards are re-drawn this often (staggered per node)
-DEMAND_MARGIN: Final = 1.5  # announced supply subscribed, as a multiple of demand
+DEMAND_MARGIN: Final = 1.0  # announced supply subscribed, as a multiple of demand (shortfall adds more)
+SHORTFALL: Final = 0.9  # measured inbound below this share of demand counts as short
 SHORTFALL_WINDOW_S: Final = 30.0  # measured inbound below demand this long: one more shard
 ESTABLISHED_S: Final = 10.0  # a producer heard announcing this long ago is no newcomer (an announce is cheap)
 NEWCOMER_BATCHES_PER_S: Final = 5.0  # per shard, shared by every newcomer producer
@@ -108,6 +109,44 @@ def rotation(node: bytes, shards: int, epoch: int) -> Iterator[int]:
     return ((a * i + b) % shards for i in range(shards))
 
 
+class Supply:
+    """What producers announce, per lineage, and summed per shard (what the planner reads); any unit
+    (the node uses batches/s). Updated in place, the per-shard sums kept for the last shard count asked."""
+
+    def __init__(self, by_lineage: Mapping[bytes, float] | None = None) -> None:
+        self.by_lineage: dict[bytes, float] = {}
+        self._s = 0
+        self._per: Counter[int] = Counter()
+        for lid, r in (by_lineage or {}).items():
+            self.add(lid, r)
+
+    def add(self, lineage: bytes, rate: float) -> None:
+        """Add `rate` (negative: remove) to a lineage's supply."""
+        if not (math.isfinite(rate) and rate):
+            return
+        lid = bytes(lineage)
+        left = self.by_lineage.get(lid, 0.0) + rate
+        if left > 1e-9:
+            self.by_lineage[lid] = left
+        else:
+            self.by_lineage.pop(lid, None)
+        if self._s:
+            j = shard_of(lid, self._s)
+            self._per[j] += rate
+            if self._per[j] <= 1e-9:
+                del self._per[j]
+
+    def of(self, lineage: bytes) -> float:
+        return self.by_lineage.get(bytes(lineage), 0.0)
+
+    def per_shard(self, shards: int) -> Counter[int]:
+        if shards != self._s:
+            self._s, self._per = shards, Counter()
+            for lid, r in self.by_lineage.items():
+                self._per[shard_of(lid, shards)] += r
+        return self._per
+
+
 class Exchange:
     """One node's side of the exchange: the shard count it believes, and what it subscribes to."""
 
@@ -117,6 +156,7 @@ class Exchange:
         self.plan_: Plan = Plan(1, (0,), (0,), 0)
         self.extra = 0  # rotating shards added because measured inbound fell short of demand
         self.short_since: float | None = None
+        self._rotating_n = 0  # rotating shards in the last plan (a shortfall's extra one changes it)
         self.offset = (_h(b"murmur/offset", self.node) % 1_000_000) / 1_000_000 * ROTATE_S
 
     def epoch(self, now: float) -> int:
@@ -125,51 +165,64 @@ class Exchange:
     def publish_shard(self, lineage: bytes) -> int:
         return shard_of(lineage, self.shards)
 
-    def plan(self, now: float, producers: int, supply: Mapping[bytes, float], demand_rps: float,
-             home: Iterable[bytes], measured_rps: float | None = None) -> Plan:
-        """Re-plan: `producers` counts the publishing nodes heard (self included), `supply` maps each
-        lineage to the rollouts/s its producers announce, `demand_rps` is the rollouts/s this node uses
-        from others (0: it consumes nothing), `home` the lineages it must hear (published for, validated),
-        `measured_rps` the rollouts/s it accepted lately (None: not measured yet)."""
+    def plan(self, now: float, producers: int, supply: Supply | Mapping[bytes, float], demand_rps: float,
+             home: Iterable[bytes], measured_rps: float | None = None, own: tuple[bytes, float] | None = None
+             ) -> Plan:
+        """Re-plan: `producers` counts the publishing nodes heard (self included), `supply` what others
+        announce per lineage, `demand_rps` what this node uses from others in the same unit (0: it consumes
+        nothing), `home` the lineages it must hear (published for, validated), `measured_rps` what it
+        accepted lately (None: not measured yet), `own` this node's lineage and rate when `supply` counts
+        it (not offered to itself)."""
         self.shards = s = shard_count(producers, self.shards)
         pinned = sorted({shard_of(lid, s) for lid in home})[:MAX_SUBSCRIBED]
-        per_shard: Counter[int] = Counter()
-        for lid, r in supply.items():
-            if math.isfinite(r) and r > 0:
-                per_shard[shard_of(lid, s)] += r
+        sup = supply if isinstance(supply, Supply) else Supply(supply)
+        per_shard = sup.per_shard(s)
+        own_j, own_r = (shard_of(own[0], s), own[1]) if own is not None and own[1] > 0 else (-1, 0.0)
+
+        def avail(j: int) -> float:  # what others offer on shard j
+            return per_shard.get(j, 0.0) - (own_r if j == own_j else 0.0)
+
         demand = demand_rps if math.isfinite(demand_rps) and demand_rps > 0 else 0.0
         self._shortfall(now, demand, measured_rps)
         chosen = list(pinned)
         if demand > 0:
-            chosen += self._rotating(now, s, per_shard, DEMAND_MARGIN * demand - sum(per_shard[j] for j in chosen),
-                                     set(chosen))
+            missing = DEMAND_MARGIN * demand - sum(avail(j) for j in chosen)
+            kept = [j for j in self.plan_.subscribe if j not in self.plan_.home and j not in chosen]
+            have = [avail(j) for j in kept]
+            if (s == self.plan_.shards and self.epoch(now) == self.plan_.epoch and kept
+                    and len(kept) == self._rotating_n and missing <= sum(have) <= 2 * missing):
+                chosen += kept  # within an epoch a plan that covers the demand without twice too much stays
+            else:
+                rot = self._rotating(now, s, avail, len(per_shard), missing, set(chosen))
+                self._rotating_n = len(rot)
+                chosen += rot
         self.plan_ = Plan(s, tuple(sorted(chosen)), tuple(pinned), self.epoch(now))
         return self.plan_
 
-    def _rotating(self, now: float, s: int, per_shard: Counter[int], missing: float, taken: set[int]) -> list[int]:
+    def _rotating(self, now: float, s: int, avail: Callable[[int], float], nonempty: int, missing: float,
+                  taken: set[int]) -> list[int]:
         """Rotating shards for `missing` rollouts/s: in this epoch's order, those that fit what is still
         missing, then the smallest that covers the rest; at least one (diversity), plus `extra`."""
         room = MAX_SUBSCRIBED - len(taken)
         # the candidates: this epoch's first shards with supply (and a few without, for when none has)
-        nonempty = len(per_shard)
         pool = itertools.islice((j for j in rotation(self.node, s, self.epoch(now)) if j not in taken
-                                 and (per_shard[j] > 0 or nonempty == 0)), 4 * MAX_SUBSCRIBED)
+                                 and (avail(j) > 1e-9 or nonempty == 0)), 4 * MAX_SUBSCRIBED)
         order = list(pool) or [j for j in itertools.islice(rotation(self.node, s, self.epoch(now)), MAX_SUBSCRIBED)
                                if j not in taken]
         out: list[int] = []
         for j in order:
             if len(out) >= room or missing <= 0:
                 break
-            if 0 < per_shard[j] <= missing:
+            if 1e-9 < avail(j) <= missing:
                 out.append(j)
-                missing -= per_shard[j]
+                missing -= avail(j)
         if missing > 0 and len(out) < room:
-            rest = [j for j in order if j not in out and per_shard[j] > 0]
-            cover = [j for j in rest if per_shard[j] >= missing]
+            rest = [j for j in order if j not in out and avail(j) > 1e-9]
+            cover = [j for j in rest if avail(j) >= missing]
             if rest:  # the smallest that covers the rest, or else the largest there is
-                out.append(min(cover, key=per_shard.__getitem__) if cover else max(rest, key=per_shard.__getitem__))
+                out.append(min(cover, key=avail) if cover else max(rest, key=avail))
         if not out and order and room > 0:
-            out.append(next((j for j in order if per_shard[j] > 0), order[0]))
+            out.append(next((j for j in order if avail(j) > 1e-9), order[0]))
         extra = self.extra
         for j in order:
             if extra <= 0 or len(out) >= room:
@@ -182,15 +235,17 @@ class Exchange:
     def _shortfall(self, now: float, demand: float, measured: float | None) -> None:
         if demand <= 0 or measured is None or not math.isfinite(measured):
             return
-        if measured >= demand:
+        if measured >= SHORTFALL * demand:
             self.short_since = None
-            if measured >= 3 * DEMAND_MARGIN * demand and self.extra > 0:
+            if measured >= 3 * demand and self.extra > 0:
                 self.extra -= 1
+                self._rotating_n = -1  # re-plan
             return
         if self.short_since is None:
             self.short_since = now
         elif now - self.short_since >= SHORTFALL_WINDOW_S:
             self.extra = min(MAX_SUBSCRIBED, self.extra + 1)
+            self._rotating_n = -1  # re-plan
             self.short_since = now
 
 

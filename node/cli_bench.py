@@ -52,11 +52,16 @@ def bench_gossip(
     nodes: Annotated[int, typer.Option(help="node processes, one of them adversarial")] = 8,
     batches_per_node: Annotated[int, typer.Option(help="batches each honest node publishes")] = 10,
     rate_per_node: Annotated[float, typer.Option(help="batches per second per honest node")] = 0.5,
+    exchange_only: Annotated[bool, typer.Option("--exchange-only", help="only the rollout exchange run")] = False,
+    demand: Annotated[float, typer.Option(help="exchange run: rollouts/s each consumer uses")] = 8.0,
+    duration: Annotated[float, typer.Option(help="exchange run: seconds of publishing")] = 30.0,
 ) -> None:
-    """Rollout gossip between real libp2p nodes: delivery, latency, verification rate, adversary."""
+    """Rollout gossip between real libp2p nodes: the exchange's per-node load at a fixed rate and demand;
+    delivery, latency, verification rate and an adversary on one shard."""
     from simulations.bench.gossip import run
 
-    _run(run, nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node)
+    _run(run, nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node,
+         exchange_only=exchange_only, demand=demand, duration_s=duration)
 
 
 @bench_app.command("broadcast")

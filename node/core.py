@@ -220,6 +220,9 @@ class NodeCore:
         # How many producers the announce topic told us of. The virtual simulator, whose announces go one
         # hop, replaces it by the count the live announce topic would have given.
         self.producers_count: Callable[[float], int] = self.producers_heard.count
+        # ... and, likewise, what producers announce per lineage (batches/s); None: read our peer table
+        self.supply_view: Callable[[], exchange.Supply] | None = None
+        self.announced_rate = 0.0  # publish_batches_per_s of our last announce
 
     # ------------------------------------------------------------ queries
     @property
@@ -472,6 +475,7 @@ class NodeCore:
     def _announce(self) -> bytes:
         # above every seq this key signed before a restart, so receivers order our announces by seq alone
         self.announce_seq = max(self.announce_seq + 1, self.wall_ms())
+        self.announced_rate = min(self.publish_meter.rate(self.clock()), 1e6)
         demand = self._demand()
         a = wire.NodeAnnounce(
             v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=self.wall_ms(),
@@ -480,7 +484,7 @@ class NodeCore:
             memory_bytes=self.s.memory_budget_mb * 2**20, roles=self.roles,
             lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
             owned=[demand] if demand else [], addrs=list(self.addrs),
-            publish_batches_per_s=min(self.publish_meter.rate(self.clock()), 1e6))
+            publish_batches_per_s=self.announced_rate)
         return wire.seal(self.ident, wire.NODE_ANNOUNCE, a)
 
     # ------------------------------------------------------------ catch-up
@@ -795,23 +799,34 @@ class NodeCore:
         return self.s.external_rollouts * self.s.group_size / max(step_t, MIN_STEP_S, 1e-3)
 
     def _plan_exchange(self, now: float, out: list[Action]) -> None:
-        """Which rollout shards to join (gossip.exchange): producers and their supply from fresh announces."""
-        supply: dict[bytes, float] = {}
+        """Which rollout shards to join (gossip.exchange), from what the announces say, in batches/s."""
         producers = int("trainer" in self.roles or "follower" in self.roles) + self.producers_count(now)
-        for p in self.peers.values():
-            a = p.announce
-            if now - p.seen > PEER_EXPIRY_S or not a.publish_batches_per_s > 0:
-                continue
-            lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
-            if lid:
-                supply[lid] = supply.get(lid, 0.0) + min(a.publish_batches_per_s, 1e3) * self.batch_rollouts
+        own = None
+        if self.supply_view is not None:
+            supply = self.supply_view()
+            mine = self.serving if self.serving is not None else self.own
+            if mine is not None:  # the view counts our own last announce too: not offered to ourselves
+                own = (mine, min(self.announced_rate, 1e3))
+        else:
+            supply = exchange.Supply()
+            for p in self.peers.values():
+                a = p.announce
+                if now - p.seen > PEER_EXPIRY_S or not a.publish_batches_per_s > 0:
+                    continue
+                lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
+                if lid:
+                    supply.add(lid, min(a.publish_batches_per_s, 1e3))
+        per_batch = max(1.0, self.batch_rollouts)
         demand = self.external_demand()
         # home: our own lineage's shard when followers produce for it, the validated lineage's shard
-        home = [lid for lid in (self.own,) if lid is not None and supply.get(lid, 0.0) > 0]
+        own_supply = supply.of(self.own) - (own[1] if own is not None and own[0] == self.own else 0.0) \
+            if self.own is not None else 0.0
+        home = [self.own] if self.own is not None and own_supply > 1e-9 else []
         if "validator" in self.roles and self.serving is not None:
             home.append(self.serving)
-        plan = self.exchange.plan(now, producers, supply, demand, home,
-                                  self.inbound.rate(now) if demand > 0 else None)
+        measured = self.inbound.rate(now) if demand > 0 else None
+        plan = self.exchange.plan(now, producers, supply, demand / per_batch, home,
+                                  measured / per_batch if measured is not None else None, own)
         if (plan.shards, plan.subscribe) != self.subscribed:
             self.subscribed = (plan.shards, plan.subscribe)
             out.append(Subscribe(plan.shards, plan.subscribe))

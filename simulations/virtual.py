@@ -251,6 +251,8 @@ class VirtualSim:
         self.mesh: dict[int, dict[int, set[int]]] = {}
         self._got = Memo(2_000_000, self._unix, MEMO_HORIZON_S)  # batch bytes -> nodes that have it
         self.alive_producers = 0
+        self.supply = exchange.Supply()  # batches/s per lineage, as the announces of live nodes state
+        self._supplied: dict[int, tuple[bytes, float]] = {}  # node -> what its last announce added
         self._shards_seen = 1
         self._topology()
 
@@ -376,6 +378,7 @@ class VirtualSim:
             if t is Publish:
                 if a.topic == "announce":
                     self.counts["announces"] += 1
+                    self._supplies(n, a.data)
                     self._send(n, n.ctrl, "announce", a.data)
                 else:
                     if self._publish(n, a.data, a.shard):  # as the runtime: counted once it went out
@@ -542,6 +545,21 @@ class VirtualSim:
 
     # ------------------------------------------------------------ the shard topics (GossipSub, modelled)
 
+    def _supplies(self, n: VNode, data: bytes) -> None:
+        """A node announced: the swarm-wide supply view the live announce topic gives every node."""
+        got = self._open(data, wire.NODE_ANNOUNCE)
+        if got is None:
+            return
+        a = got[1]
+        lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
+        new = (lid, min(a.publish_batches_per_s, 1e3)) if lid and a.publish_batches_per_s > 0 else None
+        old = self._supplied.pop(n.spec.index, None)
+        if old is not None:
+            self.supply.add(old[0], -old[1])
+        if new is not None:
+            self._supplied[n.spec.index] = new
+            self.supply.add(*new)
+
     def _subscribe(self, n: VNode, shards: int, subscribe: tuple[int, ...]) -> None:
         """What `GossipService.set_shards` does: leave (PRUNE) and join (GRAFT up to D subscribers)."""
         i = n.spec.index
@@ -619,7 +637,9 @@ class VirtualSim:
             self._push(self.now + n.rng.uniform(0, 1.0 / n.spec.rate_per_s), "adv", i, n.inc)
             return
         n.core = self._new_core(n)
-        n.core.producers_count = lambda now: self.alive_producers  # what the live announce topic tells
+        # what the live announce topic tells every node: how many producers there are, what each supplies
+        n.core.producers_count = lambda now: self.alive_producers - 1
+        n.core.supply_view = lambda: self.supply
         self.alive_producers += 1
         n.pipeline.head_version = n.core.head_of  # type: ignore[union-attr] - as node.runtime wires it
         n.shards = ()
@@ -642,6 +662,9 @@ class VirtualSim:
             return
         if n.core is not None:
             self.alive_producers -= 1
+            old = self._supplied.pop(i, None)
+            if old is not None:
+                self.supply.add(old[0], -old[1])
             self._subscribe(n, n.shard_count, ())  # its connections close: the meshes lose it
         n.alive = False
         n.inc += 1

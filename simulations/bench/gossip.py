@@ -1,5 +1,8 @@
 """Gossip benchmark, and the honest/adversarial message factories its tests share.
 
+`run_exchange(nodes)` starts `nodes` processes, each a producer at a fixed rate and a consumer of a fixed
+demand on the rollout exchange (`gossip.exchange`: shard topics), and reports per-consumer inbound,
+verification CPU, used over verified, distinct producers and delivery latency.
 `run(nodes=8)` starts `nodes` real py-libp2p hosts as separate processes
 (nodes-1 honest publishers and one adversary) on 127.0.0.1, in a full mesh,
 publishes paced signed rollout batches and measures delivery and latency
@@ -373,14 +376,218 @@ def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_
                 rate_per_node=rate_per_node, rollouts_per_batch=rollouts_per_batch, tokens=tokens)
 
 
+# ------------------------------------------------------------ the rollout exchange at a fixed rate and demand
+
+
+def bench_lineage(ident: Identity) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(b"murmur/bench-lineage" + ident.public, digest_size=32).digest()
+
+
+async def _exchange_child(index: int, params: dict[str, Any]) -> None:
+    """One producer and consumer: publishes `rate` batches/s of its own lineage to that lineage's shard and
+    joins the shards `gossip.exchange` plans for its demand (the node core's rule, fed as the announces
+    would feed it: every peer produces for its own lineage at the fixed rate)."""
+    import json
+    import sys
+
+    import trio
+
+    from gossip import exchange, topics
+    from gossip.host import open_transport
+    from gossip.service import GossipService
+    from gossip.transport import PublishError
+    from gossip.validation import Pipeline, PipelineConfig
+    from training.verifiers import score
+
+    reg = registry()
+    ident = Identity.from_seed(bytes([index + 1]) * 32)
+    lineage = bench_lineage(ident)
+    stdin = trio.wrap_file(sys.stdin)
+    cfg = PipelineConfig(swarm=SWARM, rate_per_s=20.0, burst=40)
+    pipeline = Pipeline(cfg, clock=time.time, resolve_task=reg.resolve, reward=score, head_version=lambda _: None,
+                        task_set_trusted=reg.__contains__)
+    cpu = [0.0]  # seconds of CPU in the pipeline's stages (admit on the loop, verify in a thread)
+
+    def timed(f: Any) -> Any:
+        def g(*a: Any, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                cpu[0] += time.thread_time() - t0
+        return g
+
+    pipeline.admit, pipeline.verify, pipeline.commit = timed(pipeline.admit), timed(pipeline.verify), \
+        timed(pipeline.commit)
+    accepted: dict[str, float] = {}
+    rate, per_batch, demand = params["rate"], params["rollouts"], params["demand"]
+    async with open_transport(ident) as t, trio.open_nursery() as nursery:
+        service = GossipService(t, pipeline, SWARM)
+        ex = exchange.Exchange(ident.public)
+        meter = exchange.Meter()
+
+        def on_accept(v: Any) -> None:
+            accepted.setdefault(f"{v.batch.producer.hex()}:{v.batch.seq}", time.time())
+            meter.add(time.monotonic(), len(v.batch.rollouts))
+
+        service.on_accept = on_accept
+        await nursery.start(service.run)
+        print("ADDR", t.listen_addrs()[0], flush=True)
+        line = (await stdin.readline()).split()
+        addrs, pubs = line[1].split(",") if line[1] != "-" else [], line[2].split(",")
+        for a in addrs:
+            await t.connect(a)
+        others = [Identity.from_seed(bytes([k + 1]) * 32) for k in range(params["nodes"]) if k != index]
+        now = pipeline.clock()
+        for o in others:  # heard announcing long enough ago: not newcomers
+            service.gate.announced(o.peer_id, now - exchange.ESTABLISHED_S)
+        supply = {bench_lineage(o): rate * per_batch for o in others}
+
+        async def replan() -> None:
+            plan = ex.plan(time.monotonic(), params["nodes"], supply, demand, home=[],
+                           measured_rps=meter.rate(time.monotonic()))
+            await service.set_shards(plan.shards, plan.subscribe)
+
+        await replan()
+        print("READY", flush=True)
+        await stdin.readline()  # everyone has planned: wait for our shard's subscribers to be known
+        my_topic = topics.rollouts(SWARM, ex.publish_shard(lineage))
+        with trio.move_on_after(15):
+            while not t.topic_peers(my_topic):
+                await trio.sleep(0.05)
+        print("MESH", flush=True)
+        start = float((await stdin.readline()).split()[1])
+        await trio.sleep_until(trio.current_time() + max(0.0, start - time.time()))
+        sent: dict[str, float] = {}
+        errors = 0
+        gap = 1.0 / rate
+        await trio.sleep(gap * index / params["nodes"])  # stagger publishers
+        t_end = time.time() + params["duration"]
+        next_plan = time.monotonic() + 2.0
+        seq = 0
+        stats0 = dict(service.stats.counts), cpu[0], time.time()
+        while time.time() < t_end:
+            seq += 1
+            data = make_batch(ident, reg, seq, n=per_batch, tokens=params["tokens"], lineage=lineage)
+            t_pub = time.time()
+            try:
+                await service.publish_rollouts(data, ex.publish_shard(lineage))
+                sent[f"{ident.public.hex()}:{seq}"] = t_pub
+            except PublishError:
+                errors += 1
+            if time.monotonic() >= next_plan:  # the core re-plans on its announce tick
+                next_plan += 2.0
+                await replan()
+            await trio.sleep(max(0.0, gap - (time.time() - t_pub)))
+        span = time.time() - stats0[2]
+        await trio.sleep(2.0)  # batches in flight arrive
+        st = service.stats
+        print("DONE", json.dumps(dict(
+            sent=sent, accepted=accepted, errors=errors, span=span, cpu=cpu[0] - stats0[1],
+            counts={k: st.counts[k] - stats0[0].get(k, 0) for k in st.counts}, dropped=dict(st.dropped),
+            distinct=st.distinct_producers(pipeline.clock()), shards=service.shards,
+            subscribed=list(service.subscribed_shards))), flush=True)
+        await stdin.readline()
+        nursery.cancel_scope.cancel()
+
+
+def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int = 8, tokens: int = 64,
+                 demand: float = 8.0, duration_s: float = 30.0) -> dict[str, Any]:
+    """`nodes` processes, each a producer (`rate_per_node` batches/s of `rollouts_per_batch`) and a consumer
+    of `demand` rollouts/s, on the rollout exchange; per-consumer inbound, verification CPU, use, reach."""
+    import json
+    import subprocess
+    import sys
+
+    params = dict(nodes=nodes, rate=rate_per_node, rollouts=rollouts_per_batch, tokens=tokens, demand=demand,
+                  duration=duration_s)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    procs: list[subprocess.Popen] = []
+    try:
+        for i in range(nodes):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", f"import trio, json; from simulations.bench.gossip import _exchange_child; "
+                 f"trio.run(_exchange_child, {i}, json.loads({json.dumps(json.dumps(params))}))"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
+
+        def expect(p: subprocess.Popen, word: str) -> str:
+            line = p.stdout.readline()
+            if not line.startswith(word):
+                raise RuntimeError(f"bench node said {line!r}, expected {word}")
+            return line[len(word):].strip()
+
+        def send(p: subprocess.Popen, line: str) -> None:
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+        addrs = [expect(p, "ADDR") for p in procs]
+        pubs = ",".join(Identity.from_seed(bytes([k + 1]) * 32).public.hex() for k in range(nodes))
+        for i, p in enumerate(procs):
+            send(p, f"PEERS {','.join(addrs[:i]) or '-'} {pubs}")
+        for p in procs:
+            expect(p, "READY")
+        for p in procs:
+            send(p, "GO")
+        for p in procs:
+            expect(p, "MESH")
+        start = time.time() + 0.5
+        for p in procs:
+            send(p, f"START {start}")
+        results = [json.loads(expect(p, "DONE")) for p in procs]
+        for p in procs:
+            send(p, "EXIT")
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    sent = {k: v for r in results for k, v in r["sent"].items()}
+    lat = sorted((t_acc - sent[k]) * 1000 for r in results for k, t_acc in r["accepted"].items() if k in sent)
+    inbound = [r["counts"].get("received_rollouts", 0) / r["span"] for r in results]
+    verified = [r["counts"].get("verified_rollouts", 0) for r in results]
+    want = [demand * r["span"] for r in results]
+    used = [min(v, w) for v, w in zip(verified, want)]
+    cpu = [r["cpu"] / r["span"] for r in results]
+    distinct = [r["distinct"] for r in results]
+
+    def mm(xs: list[float], nd: int = 2) -> dict[str, float]:
+        return {"mean": round(sum(xs) / len(xs), nd), "max": round(max(xs), nd), "min": round(min(xs), nd)}
+
+    dropped: dict[str, int] = {}
+    for r in results:
+        for k, v in r["dropped"].items():
+            dropped[k] = dropped.get(k, 0) + v
+    return dict(
+        nodes=nodes, processes=True, rate_per_node=rate_per_node, rollouts_per_batch=rollouts_per_batch,
+        demand_rollouts_per_s=demand, duration_s=duration_s, shards=max(r["shards"] for r in results),
+        subscribed_per_consumer=mm([float(len(r["subscribed"])) for r in results]),
+        inbound_rollouts_per_s=mm(inbound), verify_cpu_s_per_s=mm(cpu, 4),
+        used_over_verified=round(sum(used) / max(1, sum(verified)), 3),
+        demand_met=round(min(v / w for v, w in zip(verified, want)), 3),
+        distinct_producers=mm([float(d) for d in distinct]),
+        delivery_p50_ms=round(lat[len(lat) // 2], 1) if lat else None,
+        delivery_p95_ms=round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 1) if lat else None,
+        batches_published=len(sent), publish_errors=sum(r["errors"] for r in results), dropped=dropped)
+
+
 def run(nodes: int = 8, batches_per_node: int = 10, rate_per_node: float = 0.5, rollouts_per_batch: int = 4,
-        tokens: int = 64, adversarial: bool = True, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Multi-process gossip benchmark: `nodes` processes (the last one adversarial), then the pipeline alone."""
+        tokens: int = 64, adversarial: bool = True, timeout_s: float = 60.0, exchange_only: bool = False,
+        demand: float = 8.0, duration_s: float = 30.0) -> dict[str, Any]:
+    """The rollout exchange at a fixed rate and demand (`exchange`), then (unless `exchange_only`) the
+    adversarial delivery run on one shard (`nodes` processes, the last one adversarial) and the pipeline alone."""
     if nodes < 3:
         raise ValueError("the gossip benchmark needs at least 3 nodes")
-    out = run_swarm(nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node,
-                    rollouts_per_batch=rollouts_per_batch, tokens=tokens, adversarial=adversarial,
-                    timeout_s=timeout_s)
+    out: dict[str, Any] = {"exchange": run_exchange(nodes, demand=demand, duration_s=duration_s)}
+    out.update({k: out["exchange"][k] for k in ("inbound_rollouts_per_s", "verify_cpu_s_per_s", "used_over_verified",
+                                                "distinct_producers", "delivery_p95_ms", "demand_met")})
+    if exchange_only:
+        return out
+    out.update(run_swarm(nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node,
+                         rollouts_per_batch=rollouts_per_batch, tokens=tokens, adversarial=adversarial,
+                         timeout_s=timeout_s))
     out.update(verify_throughput())
     return out
 
