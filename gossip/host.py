@@ -386,6 +386,39 @@ def _install_pubsub_stream_retry() -> None:
 
 _install_pubsub_stream_retry()
 
+def _install_pubsub_keep_subscriptions() -> None:
+    """When our outbound pubsub stream to a peer dies (a write stalled past yamux's 5 s window wait while
+    the peer was paused, a reset) but the connection stays, py-libp2p opens a new outbound stream, as it
+    should, and forgets the peer's subscriptions, which it should not: they came over the peer's own
+    stream to us, which is still open, so the peer never sends them again. Every publish then found "no
+    connected peer subscribes" for as long as the connection lasted. Here a still-connected peer keeps
+    the subscriptions it told us (it would send an unsubscribe if one changed)."""
+    from libp2p.pubsub.pubsub import Pubsub
+
+    if getattr(Pubsub, "_murmur_keep_subs", False):
+        return
+    forget = Pubsub._handle_dead_peer
+
+    def handle_dead_peer(self: Any, peer_id: Any) -> None:
+        keep = [t for t, peers in self.peer_topics.items() if peer_id in peers] \
+            if self._peer_is_connected(peer_id) else []
+        count = self._peer_subscription_count.get(peer_id)
+        forget(self, peer_id)
+        if keep and self._peer_is_connected(peer_id):
+            for t in keep:
+                self.peer_topics.setdefault(t, set()).add(peer_id)
+            if count is not None:
+                self._peer_subscription_count[peer_id] = count
+            faults = getattr(self.host, "_murmur_faults", None)
+            if faults is not None:
+                faults.count("pubsub stream replaced (subscriptions kept)")
+
+    Pubsub._handle_dead_peer = handle_dead_peer
+    Pubsub._murmur_keep_subs = True
+
+
+_install_pubsub_keep_subscriptions()
+
 # How long our own signed peer record is reused before py-libp2p re-checks our addresses.
 OWN_RECORD_REUSE_S = 1.0
 # Peer records already checked, per host, and how long a checked record skips the check.
