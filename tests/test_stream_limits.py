@@ -207,3 +207,29 @@ def test_a_refused_peer_cannot_reconnect_until_the_refusal_lifts() -> None:
             await wait_until(lambda: a.peer_id in v.peers())
 
     trio.run(main)
+
+
+def test_a_held_pubsub_rpc_is_reset_at_its_deadline() -> None:
+    """py-libp2p's pubsub reader read an RPC's body for as long as its sender took; here it is budgeted too."""
+    victim, attacker = (Identity.from_seed(bytes([i]) * 32) for i in (82, 83))
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        from libp2p.peer.id import ID
+        from libp2p.utils.varint import encode_uvarint
+
+        async with open_transport(victim, limits=SMALL) as v, open_transport(attacker) as a:
+            await v.subscribe(topics.rollouts(SWARM))
+            await a.connect(v.listen_addrs()[0])
+            raw = await a.host.new_stream(ID.from_base58(v.peer_id), ["/meshsub/1.1.0"])
+            await raw.write(encode_uvarint(MiB - 1) + b"\0" * (MiB // 2))  # half an RPC, then nothing
+            await wait_until(lambda: v.budget.node_buffered >= MiB // 2)
+            out["held"] = v.budget.node_buffered
+            with trio.fail_after(SMALL.frame_deadline_s + 10):
+                out["ended"] = await _ended(raw)
+            out["timeouts"] = v.budget.counters["frame_timeouts"]
+            await wait_until(lambda: v.budget.node_buffered == 0)
+
+    trio.run(main)
+    assert out["held"] <= SMALL.peer_buffer_bytes
+    assert out["ended"] and out["timeouts"] == 1
