@@ -243,6 +243,9 @@ class NodeStatus(Struct, kw_only=True):
     loop_stall_recent_ms: float = 0.0  # worst over the last 5 s
     gc_pause_max_ms: float = 0.0  # longest full (generation 2) garbage collection since start
     stream_faults: dict[str, int] = {}  # protocol -> streams that broke it (peer scored, stream closed)
+    # gossip.limits: streams refused over a cap, frames reset (buffer full, deadline), peers charged; and
+    # the inbound streams and frame bytes held now
+    stream_limits: dict[str, int] = {}
     peer_scores: dict[str, float] = {}  # peer id -> current gossip score, for peers with a record
     peer_charged: dict[str, float] = {}  # peer id -> all penalties charged to it so far (no decay), same peers
     reach: ReachView = msgspec.field(default_factory=ReachView)

@@ -96,6 +96,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         loop_stall_recent_ms=round(node.stall.recent_ms(loop_now), 1) if loop_now is not None else 0.0,
         gc_pause_max_ms=round(node.gc_timer.max_ms[2], 1),
         stream_faults=dict(node.transport.faults.counts) if node.transport is not None else {},
+        stream_limits=_stream_limits(node.transport),
         **(peer_records(node.service.pipeline) if node.service is not None else {}),
         **({"reach": node.reach.view()} if node.reach is not None else {}),
         **({"exchange": exchange_view(node.service, c)} if node.service is not None else {}))
@@ -134,3 +135,10 @@ def peer_records(pipeline: Any) -> dict[str, dict[str, float]]:
     shown = list(pipeline.scores.snapshot(pipeline.clock()).items())[:MAX_SCORES_SHOWN]
     return {"peer_scores": {peer: round(v["score"], 3) for peer, v in shown},
             "peer_charged": {peer: v["charged"] for peer, v in shown if v["charged"]}}
+
+
+def _stream_limits(transport: Any) -> dict[str, int]:
+    budget = getattr(transport, "budget", None)
+    if budget is None:
+        return {}
+    return {**budget.counters, "inbound_streams": budget.node_streams, "buffered_bytes": budget.node_buffered}

@@ -17,6 +17,7 @@ from gossip import topics
 from gossip.host import ConnectError, open_transport
 from gossip.identity import Identity
 from gossip.limits import StreamLimits
+from node.views import _stream_limits
 from sync.broadcast import PROTOCOL as CHUNKS, BroadcastNode
 from sync.swarm import MAX_FRAME_BYTES
 
@@ -85,6 +86,7 @@ def _held_frames(limits: StreamLimits) -> dict[str, Any]:
                         ended.append(await _ended(raw))
                 out["ended"] = len(ended)
                 out["counters"] = dict(v.budget.counters)
+                out["status"] = _stream_limits(v)  # what `murmur node status` shows
                 with trio.move_on_after(5):
                     await wait_until(lambda: v.budget.node_buffered == 0)
                 out["left_bytes"] = v.budget.node_buffered
@@ -102,6 +104,7 @@ def test_held_partial_frames_are_bounded_reset_and_charged() -> None:
     assert out["counters"]["buffer_full_peer"] >= 1 and out["counters"]["frame_timeouts"] >= 1, out["counters"]
     assert any(proto == "stream budget" for _, proto in out["charged"]), out["charged"]
     assert out["left_bytes"] == 0  # every reservation was given back
+    assert out["status"]["frame_timeouts"] == out["counters"]["frame_timeouts"]
 
 
 def test_held_partial_frames_without_limits_stay_buffered() -> None:
