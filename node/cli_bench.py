@@ -101,11 +101,20 @@ def bench_swarm(
                                                    "at a time), and report their means")] = 1,
     nodes: Annotated[int, typer.Option(min=0, max=64, help="nodes in the swarm (0 = the benchmark's 4); "
                                                            "same per-node compute at every size")] = 0,
+    matched: Annotated[bool, typer.Option("--matched", help="compute-matched: equal measured CPU per node, "
+                                                            "held-out accuracy, speedup with a bootstrap interval "
+                                                            "over --seeds paired seeds")] = False,
+    cpu_s: Annotated[float, typer.Option(min=0.1, help="with --matched: CPU seconds per node")] = 8.0,
 ) -> None:
-    """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style)."""
+    """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
+    accuracy at equal CPU per node."""
     from simulations.bench_swarm import run, run_seeds
 
-    if seeds == 1:
+    if matched:
+        from simulations import bench_matched
+
+        _run(bench_matched.run, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s)
+    elif seeds == 1:
         _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:
         _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed, nodes=nodes)

@@ -1,0 +1,246 @@
+"""`murmur bench swarm --matched [--nodes N] [--seeds K] [--cpu-s S]`: at equal CPU, how much sooner does a node in a swarm reach the held-out
+accuracy it would reach alone?
+
+Per seed, N murmur-tiny nodes, each warmed up from its own seed (volunteers' nodes differ), train on the
+built-in task set twice, paired: (a) isolated, (b) in a swarm of N. Each node is a real
+`training.trainer.Trainer` with a fixed minibatch (`minibatch_groups`): every optimizer update takes the
+same number of informative groups in both arms, and a swarm node makes as many updates as its own and
+its peers' fresh informative groups fill (swarm data adds updates, it never displaces local groups).
+
+Compute-matched: every node's CPU is measured with `time.thread_time` (torch on one thread runs in the
+calling thread): its generation and training (`Trainer.step`) and its share of verification (each
+receiver's own `gossip.validation.Pipeline` check of every batch it is sent: signature, replay, task
+regeneration, reward recomputation). The node that has spent the least CPU steps next, until every node
+has spent `cpu_s`; so every node of every arm gets the same CPU. Held-out greedy accuracy (the first
+`eval_per_family` seeds of each `-eval` generator) is measured on every node at `checkpoints` equal CPU
+marks; evaluation CPU is not charged.
+
+Per seed: `iso_cpu` = the CPU at which the isolated arm's mean accuracy curve first reaches its own
+final value (linear between checkpoints), `swarm_cpu` = where the swarm arm's curve first reaches that
+same value; `speedup` = iso_cpu / swarm_cpu (when the swarm never reaches it within the budget the
+speedup is at most iso_cpu / cpu_s: reported so, with `reached` false). Across seeds: the mean and a
+bootstrap 95 % interval (seeds resampled, 2000 times), `final_acc_delta` (swarm minus isolated final
+accuracy) and `auc_delta` (the areas under the curves over the budget, per CPU-second), and
+`used_over_verified` (rollouts that entered an update over rollouts a node verified).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gossip import wire
+from gossip.validation import Pipeline, PipelineConfig
+from simulations.bench_swarm import SWARM, _ident, _seal
+from training.sampler import Sampler
+
+WARMUP_STEPS = 60  # murmur-tiny's supervised warm-up per node (bench swarm's; the node's standard is 100)
+TRAINER = dict(local_groups=4, external_groups=12, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=4)
+POOL_GROUPS = 64
+BOOTSTRAP = 2000
+
+
+@dataclass
+class _Node:
+    index: int
+    ident: Any
+    lineage: bytes
+    trainer: Any
+    engine: Any
+    pipeline: Pipeline | None
+    sampler: Sampler | None
+    seq: int = 0
+    cpu: float = 0.0
+    verified: int = 0  # rollouts accepted by its pipeline
+    used: int = 0  # rollouts that entered its updates
+    updates: int = 0
+    ext_groups: int = 0
+    curve: list[float] = field(default_factory=list)
+
+
+def _first_reach(xs: list[float], ys: list[float], target: float) -> float | None:
+    """The CPU at which the curve (xs, ys), xs[0] = 0 the start, first reaches `target` after training
+    began: at the first checkpoint when it is reached there (the resolution is one checkpoint), else
+    linearly between the checkpoints around it; None when it never is."""
+    for k in range(1, len(xs)):
+        if ys[k] >= target:
+            if k == 1 or ys[k] <= ys[k - 1]:
+                return xs[k]
+            return xs[k - 1] + (xs[k] - xs[k - 1]) * (target - ys[k - 1]) / (ys[k] - ys[k - 1])
+    return None
+
+
+def _auc(xs: list[float], ys: list[float]) -> float:
+    return sum((xs[k] - xs[k - 1]) * (ys[k] + ys[k - 1]) / 2 for k in range(1, len(xs))) / max(xs[-1] - xs[0], 1e-9)
+
+
+def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
+            home: Path, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
+    from training.evaluation import greedy_eval, held_out_tasks  # noqa: PLC0415
+    from training.rollouts import to_wire  # noqa: PLC0415
+    from training.tasksets import TaskRegistry  # noqa: PLC0415
+    from training.tiny import ensure_tiny  # noqa: PLC0415
+    from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
+    from training.verifiers import score  # noqa: PLC0415
+
+    set_threads(1)
+    torch.manual_seed(seed)
+    heads: dict[bytes, int] = {}
+    ns: list[_Node] = []
+    tasks = None
+    for i in range(nodes):
+        ident = _ident(seed, i)
+        lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
+        reg = TaskRegistry()
+        m = reg.add_builtin()
+        tasks = tasks or held_out_tasks(m, eval_per_family)
+        path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps)  # each node its own warm-up
+        engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
+        cfg = TrainerConfig(**{**TRAINER, "external_groups": TRAINER["external_groups"] if swarm else 0},
+                            seed=seed * 100 + i)
+        pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6),
+                            clock=time.time, resolve_task=reg.resolve, reward=score,
+                            head_version=lambda lin: heads.get(bytes(lin)),
+                            task_set_trusted=reg.__contains__) if swarm else None
+        sampler = Sampler(POOL_GROUPS, cfg.max_staleness, seed=seed * 100 + i) if swarm else None
+        node = _Node(i, ident, lineage, None, engine, pipeline, sampler)
+        node.trainer = Trainer(engine, reg, reg.builtin_id, cfg, lineage=lineage,
+                               external=sampler.take_rollouts if sampler is not None else None)
+        heads[lineage] = 0
+        ns.append(node)
+    assert tasks is not None
+    marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
+
+    def evaluate(n: _Node) -> None:
+        n.curve.append(greedy_eval(n.engine, tasks, TRAINER["max_new_tokens"])[0]["all"])
+
+    for n in ns:
+        evaluate(n)
+    wall0 = time.monotonic()
+    while True:
+        todo = [n for n in ns if n.cpu < cpu_s]
+        if not todo:
+            break
+        node = min(todo, key=lambda n: n.cpu)
+        c0 = time.thread_time()
+        res = node.trainer.step()
+        node.cpu += time.thread_time() - c0
+        node.updates += res.updates
+        node.ext_groups += res.trained_external_groups
+        node.used += sum(res.used_by_set.values())
+        heads[node.lineage] = node.trainer.version
+        if swarm and res.rollouts:
+            for other in ns:
+                assert other.sampler is not None
+                other.sampler.observe_head(node.lineage, node.trainer.version)
+            c0 = time.thread_time()
+            payloads = _seal(node, [to_wire(r) for r in res.rollouts])  # type: ignore[arg-type]
+            node.cpu += time.thread_time() - c0
+            for other in ns:
+                if other is node:
+                    continue
+                assert other.pipeline is not None and other.sampler is not None
+                c0 = time.thread_time()
+                for data in payloads:
+                    v = other.pipeline.check(data, node.ident.peer_id)
+                    if v.accepted and v.batch is not None:
+                        other.verified += len(v.batch.rollouts)
+                        other.sampler.add_rollouts(v.batch.rollouts)
+                other.cpu += time.thread_time() - c0
+        while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
+            evaluate(node)
+    for n in ns:
+        while len(n.curve) < len(marks):
+            evaluate(n)
+    curve = [sum(n.curve[k] for n in ns) / len(ns) for k in range(len(marks))]
+    return {"marks": marks, "curve": curve, "per_node_final": [n.curve[-1] for n in ns],
+            "updates_per_node": [n.updates for n in ns], "external_groups_per_node": [n.ext_groups for n in ns],
+            "used_over_verified": (round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4)
+                                   if swarm else None),
+            "cpu_per_node": [round(n.cpu, 3) for n in ns],
+            "wall_s": round(time.monotonic() - wall0, 1)}
+
+
+def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
+             home: str | None = None, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
+    iso = run_arm(False, nodes, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
+    sw = run_arm(True, nodes, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
+    xs = iso["marks"]
+    target = iso["curve"][-1]
+    iso_cpu = _first_reach(xs, iso["curve"], target)
+    iso_cpu = cpu_s if iso_cpu is None else iso_cpu  # never None: the last checkpoint reaches it
+    sw_cpu = _first_reach(xs, sw["curve"], target)
+    reached = sw_cpu is not None
+    speedup = iso_cpu / sw_cpu if sw_cpu is not None else iso_cpu / cpu_s
+    return {"seed": seed, "speedup": round(speedup, 4), "reached": reached, "iso_cpu": round(iso_cpu, 2),
+            "swarm_cpu": None if sw_cpu is None else round(sw_cpu, 2),
+            "iso_final": round(target, 4), "swarm_final": round(sw["curve"][-1], 4),
+            "final_acc_delta": round(sw["curve"][-1] - target, 4),
+            "auc_delta": round(_auc(xs, sw["curve"]) - _auc(xs, iso["curve"]), 4),
+            "curves": {"cpu_s": [round(x, 2) for x in xs], "isolated": [round(y, 4) for y in iso["curve"]],
+                       "swarm": [round(y, 4) for y in sw["curve"]]},
+            "updates_per_node": {"isolated": iso["updates_per_node"], "swarm": sw["updates_per_node"]},
+            "external_groups_per_node": sw["external_groups_per_node"],
+            "used_over_verified": sw["used_over_verified"],
+            "cpu_per_node": {"isolated": iso["cpu_per_node"], "swarm": sw["cpu_per_node"]},
+            "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]}}
+
+
+def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tuple[float, float]:
+    """Percentile 95 % interval of the mean, seeds resampled with replacement."""
+    means = sorted(sum(rng.choice(xs) for _ in xs) / len(xs) for _ in range(n))
+    return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
+
+
+def _run_seed_args(a: tuple[int, int, float, int, int, str | None]) -> dict[str, Any]:
+    return run_seed(*a)
+
+
+def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 20.0, checkpoints: int = 8,
+        eval_per_family: int = 30, workers: int = 1, home: str | None = None) -> dict[str, Any]:
+    """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary."""
+    import multiprocessing  # noqa: PLC0415
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+
+    if nodes < 2 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
+        raise ValueError("need nodes >= 2, seeds >= 1, cpu_s > 0, checkpoints >= 1")
+    t0 = time.monotonic()
+    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home) for k in range(seeds)]
+    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
+        per = list(pool.map(_run_seed_args, todo))
+    sp = [r["speedup"] for r in per]
+    lo, hi = bootstrap_ci(sp, random.Random(seed))
+    mean = sum(sp) / len(sp)
+    return {"bench": "swarm-matched", "nodes": nodes, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
+            "checkpoints": checkpoints, "eval_tasks": 3 * eval_per_family, "trainer": TRAINER,
+            "warmup_steps": WARMUP_STEPS, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
+            "reached": sum(r["reached"] for r in per),
+            "final_acc_delta": round(sum(r["final_acc_delta"] for r in per) / len(per), 4),
+            "auc_delta": round(sum(r["auc_delta"] for r in per) / len(per), 4),
+            "used_over_verified": round(sum(r["used_over_verified"] for r in per) / len(per), 4),
+            "per_seed": per, "wall_s": round(time.monotonic() - t0, 1),
+            "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "
+                      "nodes stepped least-CPU-first to an equal budget, held-out greedy accuracy at equal CPU "
+                      "marks, paired seeds (same nodes, warm-ups and trainer seeds in both arms)"}
+
+
+if __name__ == "__main__":  # pragma: no cover - manual runs
+    import json
+    import sys
+
+    print(json.dumps(run(nodes=int(sys.argv[1]) if len(sys.argv) > 1 else 4,
+                         seeds=int(sys.argv[2]) if len(sys.argv) > 2 else 5,
+                         cpu_s=float(sys.argv[3]) if len(sys.argv) > 3 else 20.0,
+                         workers=int(sys.argv[4]) if len(sys.argv) > 4 else 1)))
