@@ -107,9 +107,16 @@ def config_show(
 ) -> None:
     """Print the effective configuration and where each value came from."""
     from node.config import flatten, load_config_with_sources
+    from node.modelplan import sized_lr
 
     h = resolve_home(home)
     cfg, sources = load_config_with_sources(config_path(h, config))
+    try:  # what `node start` would train at: an unset lr follows the model's size
+        sized, notes = sized_lr(cfg, lr_is_default=sources["training.lr"] == "default")
+    except MurmurError:  # a model path that is not there: `doctor` and `node start` say so
+        sized, notes = cfg, []
+    if notes:
+        cfg, sources["training.lr"] = sized, "default for the model's size"
     values = flatten(cfg)
     if json_out:
         emit_json({k: {"value": v, "source": sources[k]} for k, v in values.items()})

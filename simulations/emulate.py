@@ -281,8 +281,9 @@ class Emulation:
             "nodes_stepped": sum(p.first_step_s is not None for p in self.procs),
             "slowest_first_step_s": max((p.first_step_s for p in self.procs if p.first_step_s is not None), default=None),
             "wall_s": round(time.monotonic() - wall, 1),
-            "links": "bandwidth via node limiter; latency/loss via netem namespaces" if self.netns
-            else "bandwidth via node limiter only (latency/jitter/loss not emulated: set MURMUR_SIM_NETNS=1 as root)",
+            "links": "upload via node limiter; download, latency, loss via netem namespaces" if self.netns
+            else "upload via node limiter only (download rate, latency, jitter, loss not emulated: "
+                 "set MURMUR_SIM_NETNS=1 as root)",
             "reward_samples": len(rewards),
             "final_reward_mean": (sum(r["reward"] for r in rewards[-len(self.procs):]) / len(rewards[-len(self.procs):])
                                   if rewards else None),

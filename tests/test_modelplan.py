@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -196,6 +197,13 @@ def test_fresh_home_trains_a_large_model_at_the_documented_rate(tmp_path: Path) 
     cfg, notes, warnings = modelplan.start_config(cfg_file)
     assert cfg.training.lr == modelplan.MODEL_LR == 1e-6
     assert warnings == [] and any("training.lr 1e-06" in n for n in notes)
+    from typer.testing import CliRunner
+
+    from node.cli import app
+
+    shown = CliRunner().invoke(app, ["config", "show", "--home", str(home), "--json"])
+    assert json.loads(shown.stdout.splitlines()[-1])["training.lr"] == {"value": 1e-6,
+                                                                         "source": "default for the model's size"}
     # a rate the volunteer sets stands, and is flagged when it would hurt a model this size
     cfg_file.write_text(cfg_file.read_text().replace("[training]\n", "[training]\nlr = 3e-4\n"))
     cfg, _, warnings = modelplan.start_config(cfg_file)
