@@ -209,11 +209,16 @@ def test_the_command_check_catches_a_removed_flag_and_command() -> None:
 # ------------------------------------------------------------------ paths
 
 
-PATH_SPAN = re.compile(r"^(?:(?:%s)/[\w./-]*|test_\w+\.py)(?:::\w+)?$" % "|".join(CODE_DIRS))
+PATH_SPAN = re.compile(r"^(?:(?:%s)/[\w./-]*|test_\w+\.py)?(?:::\w+(?:\[[^\]]*\])?)?$" % "|".join(CODE_DIRS))
 
 
 def _path_problem(span: str) -> str | None:
     name, _, func = span.partition("::")
+    func = func.split("[")[0]  # `test_x[param]`: the test function
+    if not name:  # `::test_x` after a file named earlier in the same sentence: some test file defines it
+        defined = any(re.search(rf"^\s*(?:async )?def {re.escape(func)}\(", f.read_text(), re.M)
+                      for f in (ROOT / "tests").glob("*.py"))
+        return None if defined else f"no test file defines {func}"
     if name.startswith("test_"):
         name = f"tests/{name}"
     p = ROOT / name
@@ -233,7 +238,7 @@ def test_every_path_a_doc_names_exists() -> None:
     problems, seen = [], 0
     for doc in DOCS:
         for line, span in code_spans(doc):
-            if PATH_SPAN.match(span):
+            if span and PATH_SPAN.match(span):
                 seen += 1
                 why = _path_problem(span)
                 if why:
@@ -342,3 +347,11 @@ def test_the_defaults_check_catches_a_wrong_default(tmp_path: Path) -> None:
     found = documented_defaults([doc])
     assert found["sync.max_staleness"][0][1] == 5 != Config().sync.max_staleness
     assert found["node.swarm"][0][1] == Config().node.swarm
+
+
+def test_the_path_check_catches_a_removed_file_and_test() -> None:
+    assert _path_problem("tests/test_docs.py::test_every_path_a_doc_names_exists") is None
+    assert _path_problem("test_docs.py::test_every_path_a_doc_names_exists[x]") is None
+    assert "does not exist" in (_path_problem("node/no_such_module.py") or "")
+    assert "has no test" in (_path_problem("tests/test_docs.py::test_no_such_test") or "")
+    assert "no test file defines" in (_path_problem("::test_no_such_test") or "")
