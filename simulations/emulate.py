@@ -162,6 +162,7 @@ class Emulation:
         except subprocess.TimeoutExpired:
             p.proc.kill()
             p.proc.wait(timeout=STOP_WAIT_S)
+        p.proc = None  # a planned exit: nothing for _reap to find
         self._row("event", t=self._t(), node=p.spec.index, action="leave")
 
     def _reap(self, p: _Proc) -> None:
