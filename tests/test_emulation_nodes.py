@@ -48,6 +48,7 @@ def test_node_env_sets_only_keys_a_node_accepts() -> None:
     assert set(env_overrides(env)) == {("network", "upload_bytes_per_s")}
 
 
+@pytest.mark.slow
 def test_an_emulated_node_that_exits_early_is_reported_and_fails_the_run(tmp_path: Path, tiny: Path) -> None:
     f = tmp_path / "two.toml"
     f.write_text('name = "two"\nduration_s = 60.0\n[[group]]\nname = "trainer"\ncount = 2\n')
@@ -62,6 +63,7 @@ def test_an_emulated_node_that_exits_early_is_reported_and_fails_the_run(tmp_pat
         assert f["exit_code"] != 0 and "MURMUR_NETWORK_NO_SUCH_KEY names no config key" in f["last_log_line"]
 
 
+@pytest.mark.slow
 def test_a_planned_leave_is_not_a_failure(tmp_path: Path, tiny: Path) -> None:
     f = tmp_path / "leave.toml"
     f.write_text('name = "leave"\nduration_s = 12.0\n[[group]]\nname = "trainer"\ncount = 2\n'
@@ -100,6 +102,9 @@ def test_packaged_scenario_too_big_to_emulate_starts_in_virtual_time(path: Path,
 
 @pytest.mark.parametrize("path", [p for p in TOO_BIG if p.stem in SETUP_ONLY], ids=lambda p: p.stem)
 def test_packaged_scenario_too_big_to_run_here_is_valid(path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "node", "simulate", str(path), "--check"], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0 and f"{len(sc_mod.expand(sc_mod.load(path)))} nodes" in r.stdout, r.stderr
+    from typer.testing import CliRunner
+
+    from node.cli import app
+
+    r = CliRunner().invoke(app, ["simulate", str(path), "--check"])
+    assert r.exit_code == 0 and f"{len(sc_mod.expand(sc_mod.load(path)))} nodes" in r.output, r.output[-500:]
