@@ -17,6 +17,7 @@ without attack, and returns the JSON object `murmur bench attacks --json` prints
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import resource
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import trio
 
 from gossip import topics, wire
@@ -350,6 +352,16 @@ async def bad_signature(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     await a.rollouts(bytes(data))
 
 
+async def poison_numbers(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Issue 26: correct, well-formed batches whose behaviour log-probs are NaN (float32 0x7fc00000),
+    +inf and positive, and an announce whose rates are NaN and inf: no such float may reach arithmetic."""
+    tpl = k.rollout()
+    for j, bad in enumerate((bytes.fromhex("0000c07f"), struct.pack("<f", math.inf), struct.pack("<f", 0.5))):
+        r = _rollout_like(tpl, seed=8000 + j)
+        await a.rollouts(_batch(a, [msgspec.structs.replace(r, logprobs=bad + r.logprobs[4:])], seq=30 + j))
+    await a.announce(_announce(a, 1, gen_tokens_per_s=math.nan, rollout_latency_s=math.inf))
+
+
 CATALOGUE: dict[str, Attack] = {
     "stream_garbage": stream_garbage,
     "oversized_frames": oversized_frames,
@@ -368,6 +380,7 @@ CATALOGUE: dict[str, Attack] = {
     "replay_other_swarm": replay_other_swarm,
     "markup_strings": markup_strings,
     "bad_signature": bad_signature,
+    "poison_numbers": poison_numbers,
 }
 
 
@@ -377,7 +390,7 @@ CATALOGUE: dict[str, Attack] = {
 # the sender (a version from the future, a replay, a name with markup, a costly but honest payload).
 PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_head", "freeze_demand_head",
                       "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
-                      "forged_reward", "flood_announces", "bad_signature"})
+                      "forged_reward", "flood_announces", "bad_signature", "poison_numbers"})
 
 
 def attack_key(name: str, round_: int = 0) -> Identity:
