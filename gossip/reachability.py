@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import trio
@@ -64,7 +64,7 @@ class DialResult(msgspec.Struct, forbid_unknown_fields=True):
     addr: str
     ok: bool
     error: str = ""
-    ms: float = 0.0
+    ms: Annotated[float, msgspec.Meta(ge=0.0, le=1e7)] = 0.0  # a range refuses NaN and inf (docs/protocol.md)
 
 
 class DialbackResponse(msgspec.Struct, forbid_unknown_fields=True):

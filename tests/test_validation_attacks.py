@@ -483,6 +483,17 @@ def test_every_float_field_of_every_kind_refuses_non_finite_values() -> None:
                         wire.open_envelope(data)
 
 
+def test_the_dialback_frames_only_float_refuses_non_finite_values() -> None:
+    from gossip.reachability import DialbackResponse, DialResult, MalformedDialback, _decode
+
+    ok = DialbackResponse(1, b"\x00" * 16, "", [DialResult("/ip4/127.0.0.1/tcp/1", True, "", 12.5)])
+    assert _decode(msgspec.msgpack.encode(ok), DialbackResponse).results[0].ms == 12.5
+    for x in (math.nan, math.inf, -1.0):
+        ok.results[0].ms = x
+        with pytest.raises(MalformedDialback):
+            _decode(msgspec.msgpack.encode(ok), DialbackResponse)
+
+
 # ------------------------------------------------------------ versions beyond the head (issue 26)
 
 OWN = b"\x0a" * 32  # the receiving trainer's own lineage
