@@ -236,3 +236,44 @@ def test_a_held_pubsub_rpc_is_reset_at_its_deadline() -> None:
     trio.run(main)
     assert out["held"] <= SMALL.peer_buffer_bytes
     assert out["ended"] and out["timeouts"] == 1
+
+
+def test_the_bench_stream_classes_are_bounded_and_the_held_frames_charged() -> None:
+    """`murmur bench attacks`' held_frames and idle_streams against a node's default limits."""
+    from simulations.bench import attacks
+
+    victim = Identity.from_seed(bytes([84]) * 32)
+    out: dict[str, Any] = {"max_buffered": 0, "max_streams": 0}
+
+    async def main() -> None:
+        async with open_transport(victim) as v:
+            charged: list[tuple[str, str]] = []
+            v.faults.on_fault = lambda peer, proto, err: charged.append((peer, proto))
+            bcast = BroadcastNode(v, swarm=SWARM)
+            async with trio.open_nursery() as n:
+                await n.start(bcast.run)
+
+                async def watch() -> None:
+                    while True:
+                        out["max_buffered"] = max(out["max_buffered"], v.budget.buffered.get(held.peer_id, 0))
+                        out["max_streams"] = max(out["max_streams"], v.budget.streams.get(idle.peer_id, 0))
+                        await trio.sleep(0.01)
+
+                held, idle = attacks.attack_key("held_frames"), attacks.attack_key("idle_streams")
+                n.start_soon(watch)
+                for ident, attack in ((held, attacks.held_frames), (idle, attacks.idle_streams)):
+                    async with open_transport(ident) as t:
+                        a = attacks.Attacker(t, ident, SWARM, {v.peer_id: v.listen_addrs()[0]})
+                        await attack(a, attacks.Knowledge(), [v.peer_id])
+                        out[ident.peer_id] = a.sent
+                out["charged"] = {p for p, proto in charged if proto == "stream budget"}
+                out["refused"] = v.budget.counters["streams_refused_peer"]
+                n.cancel_scope.cancel()
+
+    trio.run(main)
+    limits = StreamLimits()
+    assert out["max_buffered"] <= limits.peer_buffer_bytes
+    assert out["max_streams"] <= limits.peer_streams
+    assert attacks.attack_key("held_frames").peer_id in out["charged"]
+    assert attacks.attack_key("idle_streams").peer_id not in out["charged"]  # a cap is local: no one is charged
+    assert out["refused"] >= attacks.IDLE_STREAMS - 2 * limits.peer_streams

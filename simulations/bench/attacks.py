@@ -140,6 +140,20 @@ class Attacker:
             pass
 
 
+    async def open_held(self, peer: str, protocol: str) -> Any:
+        """A raw stream to `peer` left open (the caller resets it); None when the node refuses it."""
+        from libp2p.peer.id import ID
+
+        try:
+            with trio.fail_after(5):
+                if peer not in self.t.peers() and peer in self.addrs:
+                    await self.t.connect(self.addrs[peer])
+                return await self.t.host.new_stream(ID.from_base58(peer), [protocol])
+        except Exception:
+            self.errors += 1
+            return None
+
+
 Attack = Callable[[Attacker, Knowledge, list[str]], Awaitable[None]]
 
 
@@ -218,6 +232,51 @@ async def oversized_frames(a: Attacker, k: Knowledge, targets: list[str]) -> Non
         await a.raw(peer, "/murmur/chunks/1", b"\xff\xff\xff\xff" + b"\x00" * 64)
         await a.raw(peer, "/murmur/catalog/1", b"\x7f\xff\xff\xff")
         await a.raw(peer, "/meshsub/1.1.0", b"\x80\x80\x80\x01" + b"\x00" * 4096)  # varint 2 MiB
+
+
+HELD_STREAMS = 40  # past a peer's 32 MiB share of frame buffers at 1 MiB each
+HOLD_S = 5.0
+IDLE_STREAMS = 600  # far past a peer's 64 inbound streams
+
+
+async def _hold_then_reset(a: Attacker, held: list[Any]) -> None:
+    with trio.move_on_after(HOLD_S):
+        await trio.sleep_forever()
+    for s in held:
+        try:
+            await s.reset()
+        except Exception:
+            pass
+
+
+async def held_frames(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Held streams: dozens of chunk streams each send 1 MiB of an 8 MiB frame and wait."""
+    for peer in targets:
+        held = []
+        for _ in range(HELD_STREAMS):
+            s = await a.open_held(peer, "/murmur/chunks/1")
+            if s is None:
+                break  # the node closed our connection
+            held.append(s)
+            try:
+                with trio.fail_after(5):
+                    await s.write(struct.pack(">I", 8 * 2**20) + bytes(2**20))
+                a.sent += 1
+            except Exception:
+                a.errors += 1
+        await _hold_then_reset(a, held)
+
+
+async def idle_streams(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Host-wide limits one key fills: hundreds of streams opened and never written to."""
+    for peer in targets:
+        held = []
+        for _ in range(IDLE_STREAMS):
+            s = await a.open_held(peer, "/murmur/chunks/1")
+            if s is not None:
+                held.append(s)
+                a.sent += 1
+        await _hold_then_reset(a, held)
 
 
 async def freeze_manifest_head(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -381,16 +440,19 @@ CATALOGUE: dict[str, Attack] = {
     "markup_strings": markup_strings,
     "bad_signature": bad_signature,
     "poison_numbers": poison_numbers,
+    "held_frames": held_frames,
+    "idle_streams": idle_streams,
 }
 
 
 # Classes whose messages are provable faults of their sender (a signature, a frame, a recomputed
 # reward, decoded ids, a lineage id that does not derive from the signer's key, a rate the sender
 # exceeded): each must cost its key score. The others are refused or ignored without proof against
-# the sender (a version from the future, a replay, a name with markup, a costly but honest payload).
+# the sender (a version from the future, a replay, a name with markup, a costly but honest payload,
+# streams over a cap, which the node resets).
 PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_head", "freeze_demand_head",
                       "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
-                      "forged_reward", "flood_announces", "bad_signature", "poison_numbers"})
+                      "forged_reward", "flood_announces", "bad_signature", "poison_numbers", "held_frames"})
 
 
 def attack_key(name: str, round_: int = 0) -> Identity:
