@@ -87,3 +87,22 @@ def test_a_publisher_never_signs_a_non_finite_version(lineage) -> None:
     b = pub.publish(tr.step())  # the next finite state is version 1, against the last published one
     assert b.manifest.target_version == 1
     assert fol.apply(b.envelope, b.chunks).version == 1
+
+
+def test_the_attack_bench_scans_every_state_a_node_holds(identity, tmp_path) -> None:
+    """`murmur bench attacks`' honest_models_finite: a publisher's replayed head and anchors, and a
+    follower checkpoint, scanned; one NaN anywhere makes it false."""
+    from safetensors.torch import save_file
+
+    from simulations.bench.attacks import models_finite
+
+    tr = Trainer(4)
+    pub = LineagePublisher(identity, "scan", tr.state(), tmp_path, anchor_every=2)
+    for _ in range(3):
+        pub.publish(tr.step())
+    ok, n = models_finite(tmp_path)
+    assert ok and n >= 3  # the head replayed, plus the anchors at 0 and 2
+    ck = tmp_path / "follow" / "ab" / "state.safetensors"
+    ck.parent.mkdir(parents=True)
+    save_file(poisoned(tr.state(), math.nan), str(ck))
+    assert models_finite(tmp_path) == (False, n + 1)

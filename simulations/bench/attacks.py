@@ -802,6 +802,31 @@ def start_measuring_at(sw_started: float, age_s: float) -> float:
     return time.monotonic() - sw_started
 
 
+def models_finite(home: Path) -> tuple[bool, int]:
+    """(no NaN or inf in any model state a node holds, how many states were scanned): the newest state
+    of every lineage it stores, replayed from an anchor and its patches and checked against the signed
+    hash, every anchor, and every follower checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+
+    from gossip.errors import PatchError
+    from sync.patchstore import LineageStore
+
+    states: list[dict[str, Any]] = []
+    for d in sorted((home / "lineages").glob("*")) if (home / "lineages").is_dir() else []:
+        try:
+            store = LineageStore(home, bytes.fromhex(d.name))
+            head = store.head()
+            if head is not None:
+                states.append(store.load_state(head))
+        except (ValueError, PatchError):
+            continue  # not replayable here (no anchor at or below the head): its files are scanned below
+    for f in sorted(home.rglob("*.safetensors")):
+        states.append(load_file(str(f)))
+    finite = all(bool(torch.isfinite(t).all()) for s in states for t in s.values() if t.is_floating_point())
+    return finite, len(states)
+
+
 def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
     """`murmur bench attacks`: two swarms built the same way, measured over the same span of their
     lives: one under the whole catalogue, one left alone (the control).
@@ -848,6 +873,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
     finally:
         sw.stop()
+    scanned = {n: models_finite(h) for n, h in sw.homes.items()}  # after the stop: follower checkpoints written
     print(f"control swarm, measured over the same ages ({attack_age:.0f} s + {under.seconds:.0f} s)",
           file=sys.stderr)
     started = time.monotonic()
@@ -878,6 +904,9 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
                                           if s is not None) else None),
         "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
                            if s is not None},
+        # every model state the attacked nodes hold (published, applied, checkpointed) scanned for NaN/inf
+        "honest_models_finite": all(ok for ok, _ in scanned.values()),
+        "honest_model_states_scanned": {n: k for n, (_, k) in scanned.items()},
         "honest_penalties": round(lost, 3),
         "honest_penalties_without": round(lost_without, 3),
         # the one key that ran the catalogue after the first round: graylisted on every honest node
