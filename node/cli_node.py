@@ -106,12 +106,15 @@ def demo(
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
     task_set: Annotated[Optional[Path], typer.Option(
         "--task-set", help="a coordinator's task-set TOML to train on instead of the built-in set")] = None,
+    until_steps: Annotated[int, typer.Option(
+        "--until-steps", help="stop early once every trainer made N steps and every follower applied a version")] = 0,
 ) -> None:
     """A local swarm on loopback with the built-in model and tasks (or --task-set FILE.toml): watch it learn,
     then a summary with reward and held-out accuracy per task family."""
     from node.demo import run_demo
 
     summary = run_demo(duration_s=duration, node_roles=[n.split("+") for n in nodes.split(",") if n],
-                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console, task_set=task_set)
+                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console, task_set=task_set,
+                       until_steps=until_steps)
     if json_out:
         emit_json(summary)

@@ -253,8 +253,18 @@ def family_table(rows: list[dict[str, Any]]) -> Any:
     return t
 
 
+def shown(node_roles: list[list[str]], statuses: list[NodeStatus | None], until_steps: int) -> bool:
+    """Every trainer has made `until_steps` steps and every follower applied a version (0: never)."""
+    if until_steps <= 0 or any(s is None for s in statuses):
+        return False
+    return all((s.steps >= until_steps if "trainer" in roles else True)
+               and (s.versions_applied >= 1 if "follower" in roles else True)
+               for roles, s in zip(node_roles, statuses) if s is not None)
+
+
 def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = None, workdir: Path | None = None,
-             tui: bool = True, console: Any = None, task_set: Path | None = None) -> dict[str, Any]:
+             tui: bool = True, console: Any = None, task_set: Path | None = None, until_steps: int = 0
+             ) -> dict[str, Any]:
     from rich.console import Console, Group
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -340,7 +350,8 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                     bad = [n for n, p in zip(names, procs) if p.poll() is not None]
                     console.print(f"[red]node(s) exited early: {', '.join(bad)}[/]")
                     break
-                if (t_start is not None and elapsed >= duration_s) or now >= hard_deadline:
+                if (t_start is not None and elapsed >= duration_s) or now >= hard_deadline \
+                        or shown(node_roles, statuses, until_steps):
                     break
                 time.sleep(0.5)
         finally:

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -74,9 +75,11 @@ def _added_lines(diff: str) -> list[str]:
     return [x[1:].strip() for x in diff.splitlines() if x.startswith("+") and not x.startswith("+++")]
 
 
-def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, keep_db: str | None = None
-        ) -> dict[str, Any]:
-    """Mutate `module` (a path under the repository) and run its fast tests against every mutant."""
+def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, keep_db: str | None = None,
+        resume: str | None = None) -> dict[str, Any]:
+    """Mutate `module` (a path under the repository) and run its fast tests against every mutant. With
+    `resume` (a session kept with --db), only that session's survivors run again, against the tests as
+    they are now: the check after writing tests for them."""
     from cosmic_ray.work_db import WorkDB, use_db
 
     tests = tests or MODULE_TESTS.get(module)
@@ -101,7 +104,12 @@ def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, k
         db = Path(tmp) / "session.sqlite"
         env = dict(os.environ, PYTHONPATH=str(work), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         cr = [sys.executable, "-m", "cosmic_ray.cli"]
-        subprocess.run(cr + ["init", str(cfg), str(db)], cwd=work, env=env, check=True)
+        if resume:
+            shutil.copy2(resume, db)
+            with sqlite3.connect(db) as con:  # survivors become pending again
+                con.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+        else:
+            subprocess.run(cr + ["init", str(cfg), str(db)], cwd=work, env=env, check=True)
         base = subprocess.run(cr + ["baseline", str(cfg)], cwd=work, env=env, capture_output=True, text=True)
         if base.returncode != 0:
             raise SystemExit(f"the tests fail without any mutation:\n{base.stdout[-3000:]}{base.stderr[-3000:]}")
@@ -154,8 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print only the JSON summary")
     ap.add_argument("--db", help="keep cosmic-ray's session database here")
     ap.add_argument("--report", metavar="DB", help="only summarise a session kept with --db (no run)")
+    ap.add_argument("--resume", metavar="DB", help="run only the survivors of a kept session again (new tests)")
     a = ap.parse_args(argv)
-    out = report(a.module, a.report) if a.report else run(a.module, a.tests, a.timeout, a.db)
+    out = report(a.module, a.report) if a.report else run(a.module, a.tests, a.timeout, a.db, a.resume)
     if not a.json:
         for s in out["survivors"]:
             print(f"survived: {a.module}:{s['line']} {s['operator']}\n{s['diff']}")

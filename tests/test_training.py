@@ -99,14 +99,20 @@ def test_config_mapping() -> None:
     assert tc.max_staleness == c.sync.max_staleness and tc.memory_budget_mb == c.node.memory_budget_mb
 
 
+LEARN_STEPS = 80
+# About half the smallest reward gain of LEARN_STEPS steps over seeds 0-2 (docs/training.md)
+REWARD_MARGIN = 0.03
+
+
 @pytest.mark.slow
 def test_rl_raises_the_reward() -> None:
+    """A fixed, seeded number of RL steps, not a time budget: the same run, and outcome, on a loaded machine."""
     from training.bench_learn import run
 
-    out = run(budget_s=150, seed=0)
-    assert out["rl_steps"] > 10
+    out = run(seed=0, steps=LEARN_STEPS)
+    assert out["rl_steps"] == LEARN_STEPS
     assert out["eval_problems"] >= 200 and out["eval_overlap"] == 0, out
-    assert out["reward_end"] > out["reward_start"] + 0.1, out
+    assert out["reward_end"] > out["reward_start"] + REWARD_MARGIN, out
     # held-out accuracy rises more slowly than the sampled reward (docs/training.md), but it rises
     assert out["eval_end"] > out["eval_start"], out
 
