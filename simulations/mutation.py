@@ -56,6 +56,11 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/ratelimit.py", "def __init__(self, window_s: float = METER_WINDOW_S, max_events: int = 99999) -> None:"),
     ("gossip/ratelimit.py", "def __init__(self, rate_per_s: float, burst: float, max_peers: int = 9999) -> None:"),
     ("gossip/ratelimit.py", "def __init__(self, rate_per_s: float, burst: float, max_peers: int = 10001) -> None:"),
+    # defaults for an announce without the field: every wire.NodeAnnounce carries both, and any default
+    # not above 0 means "no promise" alike
+    ("gossip/ratelimit.py", 'seq = int(getattr(announce, "seq", 1))'),
+    ("gossip/ratelimit.py", 'seq = int(getattr(announce, "seq", -1))'),
+    ("gossip/ratelimit.py", 'announced = float(getattr(announce, "publish_batches_per_s", -1.0))'),
 }
 
 

@@ -122,3 +122,10 @@ def test_the_limits_are_the_documented_ones() -> None:
     assert ar.limits(1e6) == (50.0, 50.0 * 60)
     assert ar.limits(12.5) == (25.0, 25.0 * 60)
     assert TokenBuckets(2.0, 5.0).burst == 5.0  # any burst of at least one message
+
+
+def test_the_meter_states_batches_per_second_over_the_last_minute() -> None:
+    m = RateMeter()
+    m.tick(100.0)
+    assert m.rate(100.0) == 1.0  # one batch just now: 1/s (divided by at least one second)
+    assert m.rate(159.9) == pytest.approx(1 / 59.9) and m.rate(160.0) == 0.0  # a minute later it is gone
