@@ -11,14 +11,14 @@ producers apart agree). A node subscribes to:
   it (a trainer hears its followers), and of the lineage it validates (every
   producer of that lineage reaches it, whatever N);
 - *rotating* shards, in an order drawn from (node, epoch) that changes every
-  `ROTATE_S` (staggered per node): those whose announced supply fits what is
-  still missing of its demand (x `DEMAND_MARGIN`) first, then the smallest
+  `ROTATE_S` (staggered per node): those whose announced supply is at most twice
+  what is still missing of its demand first (so at least half of it is used), then the smallest
   that covers the rest, and one more while the rollouts it measures fall
   short (a producer that announces and does not publish cannot starve it).
   At most `MAX_SUBSCRIBED` in all.
 A node publishes to the shard of its batch's lineage whether it subscribes
-to it or not (GossipSub's fanout). So a node's inbound is at most its demand
-(with margin) plus one shard's supply plus its home shards, none of which
+to it or not (GossipSub's fanout). So a node's inbound is at most twice its demand
+plus one shard's supply plus its home shards, none of which
 grows with N; and a shard holds a couple of lineages, so a trainer that takes
 about as much as it makes uses a large share of what it verifies.
 
@@ -201,8 +201,8 @@ class Exchange:
 
     def _rotating(self, now: float, s: int, avail: Callable[[int], float], nonempty: int, missing: float,
                   taken: set[int]) -> list[int]:
-        """Rotating shards for `missing` rollouts/s: in this epoch's order, those that fit what is still
-        missing, then the smallest that covers the rest; at least one (diversity), plus `extra`."""
+        """Rotating shards for `missing` rollouts/s: in this epoch's order, those offering at most twice what is
+        still missing, then the smallest that covers the rest; at least one (diversity), plus `extra`."""
         room = MAX_SUBSCRIBED - len(taken)
         # the candidates: this epoch's first shards with supply (and a few without, for when none has)
         pool = itertools.islice((j for j in rotation(self.node, s, self.epoch(now)) if j not in taken
@@ -213,7 +213,7 @@ class Exchange:
         for j in order:
             if len(out) >= room or missing <= 0:
                 break
-            if 1e-9 < avail(j) <= missing:
+            if 1e-9 < avail(j) <= 2 * missing:  # up to twice what is missing: half of it used at worst
                 out.append(j)
                 missing -= avail(j)
         if missing > 0 and len(out) < room:
