@@ -252,6 +252,9 @@ class VirtualSim:
         self._got = Memo(2_000_000, self._unix, MEMO_HORIZON_S)  # batch bytes -> nodes that have it
         self.alive_producers = 0
         self.supply = exchange.Supply()  # batches/s per lineage, as the announces of live nodes state
+        self._heard = ShardGate()  # when each node first announced: one table every node's gate reads
+        for n in self.nodes:
+            n.gate.first_heard = self._heard.first_heard
         self._supplied: dict[int, tuple[bytes, float]] = {}  # node -> what its last announce added
         self._shards_seen = 1
         self._topology()
@@ -550,6 +553,7 @@ class VirtualSim:
         got = self._open(data, wire.NODE_ANNOUNCE)
         if got is None:
             return
+        self._heard.announced(n.peer_id, self._unix())  # every gate hears it, as from the live announce topic
         a = got[1]
         lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
         new = (lid, min(a.publish_batches_per_s, 1e3)) if lid and a.publish_batches_per_s > 0 else None
@@ -789,7 +793,6 @@ class VirtualSim:
         signer = bytes(env.signer)
         if peer_id_from_public(signer) == body.peer_id:
             d.pipeline.announced(body.peer_id, body)  # type: ignore[union-attr] - the rate it states bounds it
-            d.gate.announced(body.peer_id, self._unix())
         self._feed(d, AnnounceHeard(signer, body, data))
 
     def _ev_manifest(self, dst: int, src: int, data: bytes, inc: int) -> None:
