@@ -376,3 +376,28 @@ def test_a_follower_paused_longer_than_the_patience_does_not_leave_its_lineage()
         core.handle(announce(trainer, 2 + i, [demand(lid, "lin", 4)]))
         core.handle(C.Tick())
     assert core.serving == lid and core.counters["lineages_left"] == 0
+
+
+def test_a_flood_of_sybil_producers_cannot_widen_a_nodes_subscriptions() -> None:
+    """3,000 keys announce themselves as producers, each of its own lineage at a vanishing rate: the swarm
+    looks huge and covering the trainer's demand would take every shard. Its exchange still joins at most
+    MAX_SUBSCRIBED shards (no more inbound than a few shards carry), and the shard count stays capped."""
+    import hashlib
+
+    from gossip import exchange
+    from gossip.identity import Identity
+
+    core, clock = make_core(roles=("trainer",))
+    for i in range(3000):
+        ident = Identity.from_seed(hashlib.blake2b(b"sybil%d" % i, digest_size=32).digest())
+        lid = lineage_id(ident.public, BASE, "s")
+        body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=1, created_ms=1, hardware="cpu",
+                                 gen_tokens_per_s=0.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
+                                 roles=["trainer"], lineages_followed=[], owned=[demand(lid, "s", 1)],
+                                 publish_batches_per_s=1e-6)
+        core.handle(C.AnnounceHeard(ident.public, body, b""))
+    clock.t += C.ANNOUNCE_EVERY_S
+    subs = of(core.handle(C.Tick()), C.Subscribe)
+    assert subs, "the trainer plans its shards on its announce tick"
+    assert 1024 <= subs[-1].shards <= exchange.MAX_SHARDS  # 3,000 producers heard (estimated)
+    assert len(subs[-1].subscribe) == exchange.MAX_SUBSCRIBED
