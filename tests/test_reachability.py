@@ -91,7 +91,7 @@ def test_dialback_on_loopback_is_public_and_malformed_request_is_reset() -> None
             # a forged/garbage request gets no answer, and the server keeps serving
             s = await b.open_stream(a.peer_id, PROTOCOL)
             await write_frame(s, b"\xc1garbage")
-            with trio.fail_after(10), pytest.raises(StreamError, match="after 0 of"):
+            with trio.fail_after(10), pytest.raises(StreamError, match="closed before a frame"):
                 await read_frame(s, 1024)
             r2 = await check_reachability(b, [a.peer_id])
             assert r2.status == PUBLIC and server.served == 2
