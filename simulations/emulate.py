@@ -24,6 +24,7 @@ version (follower); `smoke` stops the run once every honest node has taken it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,21 @@ from simulations.wan import LinkSpec, NetnsLab, node_env
 
 MAX_REAL_NODES = 32
 STOP_WAIT_S = 8.0
+
+
+_DECORATION = re.compile(r"^[\s|+\-^~=]*$")
+_EXCEPTION = re.compile(r"^[\w.]*(?:Error|Exception|Exit|Interrupt|Group)\b")
+
+
+def last_line(log: str) -> str:
+    """What a dead node's log says last: its final exception line when it ends in a traceback (the innermost
+    of an exception group's boxes), else its last line; at most 500 characters."""
+    lines = [ln.strip().lstrip("|").strip() for ln in log.strip().splitlines()]
+    lines = [ln for ln in lines if not _DECORATION.match(ln)]
+    for ln in reversed(lines[-60:]):
+        if _EXCEPTION.match(ln):
+            return ln[:500]
+    return lines[-1][:500] if lines else ""
 
 
 def _free_port() -> int:
@@ -170,9 +186,9 @@ class Emulation:
         if p.proc is None or p.proc.poll() is None:
             return
         rc = p.proc.returncode
-        lines = (p.home / "process.log").read_bytes().decode("utf-8", "replace").strip().splitlines()
+        log = (p.home / "process.log").read_bytes().decode("utf-8", "replace")
         self.failed.append({"node": p.spec.index, "group": p.spec.group, "role": p.spec.role, "t": round(self._t(), 1),
-                            "exit_code": rc, "last_log_line": lines[-1][-500:] if lines else ""})
+                            "exit_code": rc, "last_log_line": last_line(log)})
         self._row("event", t=self._t(), node=p.spec.index, action="failed")
         p.proc = None
 

@@ -20,8 +20,7 @@ from typer.testing import CliRunner
 
 from gossip.errors import MurmurError
 from node.cli import app
-from node.config import SECTIONS, Config, load_config
-from node.config import env_overrides
+from node.config import SECTIONS, Config, env_overrides, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

@@ -72,6 +72,19 @@ def test_a_planned_leave_is_not_a_failure(tmp_path: Path, tiny: Path) -> None:
     assert rc == 0 and summary["nodes_failed"] == [], (summary.get("nodes_failed"), err)
 
 
+def test_a_dead_nodes_last_line_is_its_exception_not_the_traceback_frame() -> None:
+    from simulations.emulate import last_line
+
+    trace = ('{"level": "info", "msg": "starting"}\n  + Exception Group Traceback (most recent call last):\n'
+             '  |   File "node/runtime.py", line 1, in run\n  | ExceptionGroup: unhandled errors (1 sub-exception)\n'
+             '  +-+---------------- 1 ----------------\n    | Traceback (most recent call last):\n'
+             '    | RuntimeError: Nursery is closed to new arrivals\n    +------------------------------------\n')
+    assert last_line(trace) == "RuntimeError: Nursery is closed to new arrivals"
+    assert last_line("error: environment: MURMUR_X names no config key\n") == \
+        "error: environment: MURMUR_X names no config key"
+    assert last_line("") == ""
+
+
 def _fits_emulator(path: Path) -> bool:
     return len(sc_mod.expand(sc_mod.load(path))) <= MAX_REAL_NODES
 
