@@ -4,6 +4,8 @@ code (issue: the simulator runs node cores)."""
 
 from __future__ import annotations
 
+import copy
+
 import node.runtime
 import node.worker
 import simulations.bench_swarm
@@ -76,3 +78,90 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
     assert s["cores"]["logs"].get("serving", 0) >= 1
     lead = sim.nodes[0].lineage
     assert any(n.core.serving == lead for n in honest if n.spec.role == "follower")
+
+
+class RecordingCore(NodeCore):
+    """A NodeCore that records every call a driver makes into it, with the clock readings it saw."""
+
+    def __init__(self, settings, identity, clock, wall_ms) -> None:  # type: ignore[no-untyped-def]
+        self.trace: list[tuple] = [("init", clock(), wall_ms(), None, None)]
+        self.views: dict[str, list] = {"producers_count": [], "supply_view": []}
+        super().__init__(settings, identity, clock, wall_ms)
+
+    # The views a driver may inject (the simulator's swarm-wide producer count and supply) are inputs
+    # too: what they answered is recorded, as a copy, and replayed.
+    @property
+    def producers_count(self):  # type: ignore[no-untyped-def]
+        return self._producers_count
+
+    @producers_count.setter
+    def producers_count(self, f) -> None:  # type: ignore[no-untyped-def]
+        def recorded(now):  # type: ignore[no-untyped-def]
+            v = f(now)
+            self.views["producers_count"].append(v)
+            return v
+        self._producers_count = recorded
+
+    @property
+    def supply_view(self):  # type: ignore[no-untyped-def]
+        return self._supply_view
+
+    @supply_view.setter
+    def supply_view(self, f) -> None:  # type: ignore[no-untyped-def]
+        def recorded():  # type: ignore[no-untyped-def]
+            v = f()
+            self.views["supply_view"].append(copy.deepcopy(v))
+            return v
+        self._supply_view = recorded if f is not None else None
+
+    def handle(self, ev):  # type: ignore[no-untyped-def]
+        t, w = self.clock(), self.wall_ms()
+        out = super().handle(ev)
+        self.trace.append(("handle", t, w, ev, list(out)))
+        return out
+
+    def wants_manifest(self, m):  # type: ignore[no-untyped-def]
+        t, w = self.clock(), self.wall_ms()
+        got = super().wants_manifest(m)
+        self.trace.append(("wants_manifest", t, w, m, got))
+        return got
+
+    def on_accepted(self, rollouts: int) -> None:
+        t, w = self.clock(), self.wall_ms()
+        super().on_accepted(rollouts)
+        self.trace.append(("on_accepted", t, w, rollouts, None))
+
+
+def replay(core: RecordingCore) -> None:
+    """Feed a fresh core the recorded calls at the recorded times: every answer must be the same."""
+    now = [core.trace[0][1], core.trace[0][2]]
+    fresh = NodeCore(core.s, core.ident, lambda: now[0], lambda: now[1])
+    answers = {k: iter(v) for k, v in core.views.items()}
+    fresh.producers_count = lambda t: next(answers["producers_count"])
+    if core.supply_view is not None:
+        fresh.supply_view = lambda: next(answers["supply_view"])
+    for i, (call, t, w, arg, want) in enumerate(core.trace[1:], 1):
+        now[0], now[1] = t, w
+        if call == "handle":
+            got = fresh.handle(arg)
+        elif call == "wants_manifest":
+            got = fresh.wants_manifest(arg)
+        else:
+            got = fresh.on_accepted(arg)
+        assert got == want, f"call {i} ({call} {type(arg).__name__} at t={t}): {got!r} != {want!r}"
+
+
+def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A recorded trace of what the simulator's driver fed each core, replayed into a fresh core, gives
+    identical actions and answers: the core's decisions depend on its events and injected clocks only
+    (no hidden clock, randomness or driver-written state), so what a driver feeds is all that decides."""
+    monkeypatch.setattr(simulations.virtual, "NodeCore", RecordingCore)
+    sim = VirtualSim(S.loads(SCENARIO))
+    sim.run()
+    cores = [n.core for n in sim.nodes if n.core is not None]
+    assert len(cores) == 5 and all(isinstance(c, RecordingCore) for c in cores)
+    kinds = {type(e[3]).__name__ for c in cores for e in c.trace if e[0] == "handle"}
+    assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified"} <= kinds
+    assert sum(len(c.trace) for c in cores) > 500
+    for c in cores:
+        replay(c)
