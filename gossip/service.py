@@ -65,6 +65,8 @@ class GossipService:
         self._changed = trio.Event()
         self.accepted_batches = 0
         self.on_accept: Callable[[Verdict], None] | None = None  # e.g. latency probes
+        # CPU the calling thread's verifier-pool calls used so far (the node injects its pool's meter)
+        self.child_cpu: Callable[[], float] = lambda: 0.0
 
     # ------------------------------------------------------------ lifecycle
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -147,10 +149,12 @@ class GossipService:
                 self.stats.drop(why)
                 return False
             try:
-                await trio.to_thread.run_sync(self.pipeline.verify, step, limiter=self._verify_limiter)
+                cpu_s = await trio.to_thread.run_sync(verify_timed, self.pipeline.verify, step, self.child_cpu,
+                                                      limiter=self._verify_limiter)
             except BaseException:
                 self.pipeline.abandon(step)
                 raise
+            self.pipeline.spent(step, cpu_s)
             verdict = self.pipeline.commit(step)
         else:
             verdict = step
@@ -230,6 +234,14 @@ class GossipService:
                     await handler(origin, body, data)
                 except Exception:
                     log.exception("announce handler for %s failed", env.kind)
+
+
+def verify_timed(verify: Callable[[Pending], Any], step: Pending, child_cpu: Callable[[], float]) -> float:
+    """Run `verify` in this thread; return the CPU-seconds it cost: this thread's own
+    (`time.thread_time`) plus what the verifier processes it called spent (`child_cpu`)."""
+    t0, c0 = time.thread_time(), child_cpu()
+    verify(step)
+    return (time.thread_time() - t0) + (child_cpu() - c0)
 
 
 def _accepted_entries(batch: wire.RolloutBatch, data: bytes, forwarder: str) -> list[dict[str, Any]]:

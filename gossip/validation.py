@@ -4,7 +4,7 @@ Stages (docs/gossip.md lists every reason and penalty):
   admit  (event loop, microseconds): graylist/blacklist -> size -> rate limit ->
          decode envelope -> signer == originator -> verdict cache -> signature ->
          body -> swarm -> freshness (TTL) -> replay (producer, seq) -> task set known
-         -> completion length -> staleness
+         -> completion length -> staleness -> verification CPU share
   verify (thread: pure CPU, no shared state but a locked task cache):
          token ids against the tokenizer (vocabulary, text == decode(ids)),
          regenerate every task from its reference, recompute every reward
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossip import wire
+from gossip.cpubudget import CpuBudget
 from gossip.ratelimit import AnnouncedRates, TokenBuckets
 from gossip.replay import ReplayCache
 from gossip.scoring import PeerScores, ScoreParams
@@ -73,6 +74,7 @@ class Reason(enum.Enum):
     UNKNOWN_VERSION = "unknown_version"  # beyond the head this node knows of another's lineage: no penalty
     TOO_LONG = "too_long"  # a completion longer than this node's own budget: no penalty (other settings)
     OVER_OWN_SAMPLING = "over_own_sampling"  # a completion longer than its own signed max_new_tokens
+    CPU_BUDGET = "cpu_budget"  # the sender is over its share of this node's verification CPU: no penalty
 
 
 # (penalty, ban): ban only for proven forgery. Reasons an honest peer can trigger because
@@ -108,6 +110,7 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
     Reason.UNKNOWN_VERSION: (0.0, False),
     Reason.TOO_LONG: (0.0, False),
     Reason.OVER_OWN_SAMPLING: (10.0, False),
+    Reason.CPU_BUDGET: (0.0, False),
 }
 
 REWARD_TOLERANCE = 1e-6
@@ -220,6 +223,7 @@ class Pipeline:
         self.scores = scores or PeerScores(config.score)
         self.buckets = TokenBuckets(config.rate_per_s, config.burst)
         self.announced_rates = AnnouncedRates(config.rate_per_s, config.burst)
+        self.cpu = CpuBudget()  # verification CPU per peer and per node, as the I/O layer reports it (`spent`)
         # msg_id -> Reason; only bytes whose signer is their originator (or that name no
         # signer at all) are ever cached here, so every entry is a verdict on its signer.
         self.seen = ReplayCache(config.replay_entries, config.replay_ttl_s)
@@ -330,6 +334,9 @@ class Pipeline:
         if stale is not None:
             reason, detail = stale
             return self._reject(reason, origin, data, mid, batch, detail, remember=reason is Reason.FUTURE_VERSION)
+        busy = self.cpu.admit(origin, now) if origin else None
+        if busy is not None:
+            return self._reject(Reason.CPU_BUDGET, origin, data, mid, batch, busy)
         self._inflight.add(mid)
         return Pending(origin, data, mid, batch)
 
@@ -359,6 +366,11 @@ class Pipeline:
         self.scores.reward(p.origin, now)
         self._count(Reason.ACCEPTED, p.origin)
         return Verdict(Reason.ACCEPTED, p.origin, p.data, p.msg_id, p.batch)
+
+    def spent(self, p: Pending, cpu_s: float) -> None:
+        """The I/O layer measured what verifying `p` cost (CPU-seconds, all processes): the sender's
+        share and the node's budget pay for it (gossip.cpubudget)."""
+        self.cpu.spend(p.origin, cpu_s, self.clock())
 
     def abandon(self, p: Pending) -> None:
         """The I/O layer was cancelled between stages: forget the in-flight mark."""

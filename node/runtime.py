@@ -192,6 +192,7 @@ class Node:
         t.refuse_connections(lambda peer: pipeline.scores.is_graylisted(peer, pipeline.clock())
                              or pipeline.scores.is_blacklisted(peer, pipeline.clock()))
         self.service.on_accept = self._on_accept
+        self.service.child_cpu = self.verifiers.thread_cpu_s  # verification CPU is charged to its sender's share
         self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
         self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
         self.service.on_announce(wire.TASK_SET, self.tasks.on_task_set)

@@ -98,6 +98,12 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
         data = make_batch(MALLORY, reg, 1, version=21)
     elif reason is Reason.UNKNOWN_VERSION:
         data = make_batch(MALLORY, reg, 1, version=21)  # someone else's lineage, known head 20
+    elif reason is Reason.CPU_BUDGET:  # its earlier batch cost far more CPU than its share and the node's spare
+        step = p.admit(make_batch(MALLORY, reg, 1, version=20), origin)
+        p.verify(step)
+        p.spent(step, 100.0)
+        assert p.commit(step).accepted
+        data = make_batch(MALLORY, reg, 2, version=20)
     elif reason is Reason.TOO_LONG:
         p.config.max_completion_tokens = 32
         data = make_batch(MALLORY, reg, 1, version=20, tokens=64)

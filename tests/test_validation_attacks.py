@@ -17,7 +17,7 @@ from gossip import wire
 from gossip.errors import DecodeError
 from gossip.identity import Identity
 from gossip.ratelimit import HEADROOM, RateMeter
-from gossip.validation import Pipeline, PipelineConfig, Reason
+from gossip.validation import Pending, Pipeline, PipelineConfig, Reason
 from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
 from training import tokencheck
 from training.tasksets import BUILTIN_TRAIN, sign_task_set
@@ -555,3 +555,64 @@ def test_a_completion_longer_than_this_nodes_budget_is_refused_before_verificati
     # the default budget is the protocol's limit: nothing valid is too long
     q, _ = pipe(reg)
     assert q.check(long, ALICE.peer_id).accepted
+
+
+def test_a_few_keys_sending_costly_batches_cannot_crowd_out_an_honest_producer(reg) -> None:
+    """Within the per-key batch rate, three keys send batches that each cost a CPU-second to verify (the I/O
+    layer measures and reports it, `Pipeline.spent`): the node's verification stays within its CPU budget,
+    the honest producer's cheap batches are all verified, and the refusals cost the attackers nothing."""
+    from gossip.cpubudget import NODE_CPU_PER_S, BURST_S
+
+    p, clock = pipe(reg)
+    attackers = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(3)]
+    cpu = {k.peer_id: 0.0 for k in attackers}
+    honest_ok, refused, seq = 0, 0, 0
+    start, steps = clock.t, 160
+    for i in range(steps):  # 40 s: each attacker 4 batches/s, the honest producer one a second
+        clock.t = start + i * 0.25
+        senders = [(k, 1.0) for k in attackers] + ([(ALICE, 0.02)] if i % 4 == 0 else [])
+        for k, cost in senders:
+            seq += 1
+            step = p.admit(make_batch(k, reg, seq, n=2, tokens=8, created_ms=int(clock.t * 1000)), k.peer_id)
+            if not isinstance(step, Pending):
+                assert step.reason is Reason.CPU_BUDGET and k is not ALICE
+                refused += 1
+                continue
+            p.verify(step)
+            p.spent(step, cost)
+            assert p.commit(step).accepted
+            if k is ALICE:
+                honest_ok += 1
+            else:
+                cpu[k.peer_id] += cost
+    assert honest_ok == steps // 4  # every honest batch verified
+    elapsed = steps * 0.25
+    assert sum(cpu.values()) <= NODE_CPU_PER_S * (elapsed + BURST_S) + len(attackers)  # + one overdraft each
+    assert sum(cpu.values()) >= 0.5 * NODE_CPU_PER_S * elapsed  # what no one else uses, they may use
+    assert refused > 0 and p.counts["cpu_budget"] == refused
+    for k in attackers:
+        rec = p.scores.record(k.peer_id)
+        assert rec is None or "cpu_budget" not in rec.rejections
+
+
+def test_verification_cpu_is_measured_in_the_verifying_thread_and_the_pool(reg) -> None:
+    """What the I/O layer charges to a sender's share: the verifying thread's CPU plus what the verifier
+    processes spent on that thread's calls (and only that thread's)."""
+    import threading
+
+    from gossip.service import verify_timed
+
+    with VerifierPool(workers=1, time_limit_s=30) as pool:
+        p, clock = pipe(reg, reward_batch=pool.score_batch)
+        step = p.admit(make_batch(ALICE, reg, 1, n=32), ALICE.peer_id)
+        before = pool.thread_cpu_s()
+        cost = verify_timed(p.verify, step, pool.thread_cpu_s)
+        used = pool.thread_cpu_s() - before
+        assert used > 0 and cost >= used
+        p.spent(step, cost)
+        assert p.commit(step).accepted and p.cpu.spent_s == cost
+        other: list[float] = []
+        t = threading.Thread(target=lambda: other.append(pool.thread_cpu_s()))
+        t.start()
+        t.join()
+        assert other == [0.0]

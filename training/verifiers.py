@@ -437,6 +437,7 @@ class VerifierPool:
         self._lock = threading.Lock()
         self._closed = False
         self.cpu_s = 0.0
+        self._mine = threading.local()  # per calling thread: the CPU its calls used (`thread_cpu_s`)
         self.timeouts = 0
         self.started = 0
 
@@ -456,6 +457,8 @@ class VerifierPool:
                 w.conn.send(payload)
                 late = self._wait(w, limit_s)
                 if late is not None:
+                    if isinstance(late, VerifierTimeout):  # it spent the whole limit on this call
+                        self._mine.cpu = self.thread_cpu_s() + limit_s
                     w.kill()
                     w = None
                     raise late
@@ -470,10 +473,16 @@ class VerifierPool:
                     self._give(w)
             with self._lock:
                 self.cpu_s += cpu
+            self._mine.cpu = self.thread_cpu_s() + cpu
         if not ok:
             kind, msg = out
             raise (TaskError if kind == "task" else VerifierError)(msg)
         return out
+
+    def thread_cpu_s(self) -> float:
+        """CPU-seconds the verifier workers spent on this thread's calls so far (what the gossip
+        layer charges to the sender's verification budget)."""
+        return float(getattr(self._mine, "cpu", 0.0))
 
     def _wait(self, w: _Worker, limit_s: float) -> MurmurError | None:
         """Wait for the reply. The limit is on the worker's CPU time, so an input that makes the
