@@ -421,6 +421,39 @@ async def poison_numbers(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     await a.announce(_announce(a, 1, gen_tokens_per_s=math.nan, rollout_latency_s=math.inf))
 
 
+async def claim_throughput(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """A follower of the honest lineage claiming a billion tokens/s: on paper it meets the whole demand."""
+    lid, _, _, _ = _honest_lineage(k)
+    for i in range(3):
+        await a.announce(_announce(a, 200 + i, roles=["follower"], serving=lid, lineages_followed=[lid],
+                                   gen_tokens_per_s=1e9, rollout_latency_s=0.1))
+        await trio.sleep(0.05)
+
+
+async def lineage_by_announce(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Our own lineage on the honest base model, its head rising by announces and by manifests whose
+    chunks we never serve, with a huge demand: bait for followers."""
+    from sync.ids import lineage_id
+
+    _, _, bmh, _ = _honest_lineage(k)
+    lid = lineage_id(a.ident.public, bmh, "bait-announce")
+    for v in range(1, 6):
+        demand = wire.LineageDemand(lineage=lid, name="bait-announce", head_version=v, rollouts_per_step=4096,
+                                    step_time_s=1.0, max_staleness=4)
+        await a.announce(_announce(a, 300 + v, owned=[demand]))
+        await a.announce(_manifest(a, lid, "bait-announce", bmh, v - 1, v))
+        await trio.sleep(0.05)
+
+
+async def long_completions(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Correct answers padded to the protocol's 4,096 completion tokens: work out of proportion."""
+    tpl = k.rollout()
+    n = wire.MAX_COMPLETION_TOKENS
+    for j in range(2):
+        rs = [_rollout_like(tpl, seed=9000 + 10 * j + i, ids=[1] * n) for i in range(4)]
+        await a.rollouts(_batch(a, rs, seq=30 + j))
+
+
 CATALOGUE: dict[str, Attack] = {
     "stream_garbage": stream_garbage,
     "oversized_frames": oversized_frames,
@@ -442,6 +475,9 @@ CATALOGUE: dict[str, Attack] = {
     "poison_numbers": poison_numbers,
     "held_frames": held_frames,
     "idle_streams": idle_streams,
+    "claim_throughput": claim_throughput,
+    "lineage_by_announce": lineage_by_announce,
+    "long_completions": long_completions,
 }
 
 
