@@ -28,6 +28,7 @@ DROP_REASONS: dict[str, str] = {
     "step_not_finite": "training steps not applied: the loss or the gradient was not finite (weights kept)",
     "publish_not_finite": "versions not published: new weights not finite (training resumed from the last version)",
     "patch_not_finite": "patches or anchors refused: they would make a weight non-finite (publisher charged)",
+    "lineage_left": "served lineages left: no version applied for 180 s (their publisher not followed for 10 min)",
     "announce_unpublished": "node announces that could not be published (no peer on the topic)",
     "task_set_unpublished": "own task-set announces that could not be published (retried next round)",
 }
