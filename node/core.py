@@ -79,6 +79,8 @@ MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadc
 # A served lineage whose head stays past the held version this long with no version applied cannot be
 # fetched from (a head moved by announces, manifests whose chunks no one serves): the follower leaves it.
 LEAVE_AFTER_S = 180.0
+# ... counted only while this node's own worker is up: a worker that is starting cannot apply anything
+WORKER_DOWN = frozenset({"starting", "restarting", "loading", "waiting-for-tasks", "stopped"})
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
 WORKER_STABLE_S = 120.0  # a worker that ran this long resets the restart backoff
 DEFAULT_STEP_S = 5.0  # a trainer that has not measured a step yet plans its exchange demand with this
@@ -207,6 +209,7 @@ class NodeCore:
         self._next_catch_up = 0.0
         self.progress = (-1, 0.0)  # (held version of the served lineage, when it last changed)
         self.behind_since: float | None = None  # since when the served lineage's head is past what we hold
+        self.last_check = clock()
         self.last_resync = -math.inf
         self.tokens_per_rollout = float(max(1, settings.max_new_tokens))
         self.follow_info: pipe.FollowInfo | None = None
@@ -507,6 +510,7 @@ class NodeCore:
         """
         lid = self.serving
         lin = self.table.rows.get(lid) if lid is not None else None
+        gap, self.last_check = now - self.last_check, now
         if lin is None or (lin.head <= lin.held and not lin.need_anchor):
             self.catching = None
             self.behind_since = None
@@ -516,6 +520,8 @@ class NodeCore:
             self.behind_since = now
         if self.behind_since is None:
             self.behind_since = now
+        elif self.worker_state in WORKER_DOWN:
+            self.behind_since += gap  # our own worker cannot apply anything: not the publisher's doing
         elif now - self.behind_since >= LEAVE_AFTER_S and lin.lineage not in self.s.follow:
             self._leave(lin, now, out)
             return

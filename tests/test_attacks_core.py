@@ -401,3 +401,24 @@ def test_a_flood_of_sybil_producers_cannot_widen_a_nodes_subscriptions() -> None
     assert subs, "the trainer plans its shards on its announce tick"
     assert 1024 <= subs[-1].shards <= exchange.MAX_SHARDS  # 3,000 producers heard (estimated)
     assert len(subs[-1].subscribe) == exchange.MAX_SUBSCRIBED
+def test_a_follower_whose_own_worker_is_down_does_not_blame_the_publisher() -> None:
+    """No version applies while this node's own worker restarts (a slow start on a loaded machine): that
+    time is not the publisher's, so the follower stays; once its worker is up, the patience runs again."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    core.handle(C.WorkerExited(-9))
+    for i in range(int(2 * C.LEAVE_AFTER_S / 2.0)):  # twice the patience, the head moving on
+        clock.t += 2.0
+        core.handle(announce(trainer, 2 + i, [demand(lid, "lin", 4 + i)]))
+        core.handle(C.Tick())
+    assert core.serving == lid and core.counters["lineages_left"] == 0
+    core.worker_started_now()
+    core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
+    seq = 1000
+    while core.serving == lid and seq < 1000 + C.LEAVE_AFTER_S:  # up, yet nothing applies: the publisher's
+        clock.t += 2.0
+        seq += 1
+        core.handle(announce(trainer, seq, [demand(lid, "lin", seq)]))
+        core.handle(C.Tick())
+    assert core.counters["lineages_left"] == 1
