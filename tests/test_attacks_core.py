@@ -413,7 +413,7 @@ def test_a_follower_whose_own_worker_is_down_does_not_blame_the_publisher() -> N
         core.handle(announce(trainer, 2 + i, [demand(lid, "lin", 4 + i)]))
         core.handle(C.Tick())
     assert core.serving == lid and core.counters["lineages_left"] == 0
-    core.worker_started_now()
+    core.handle(C.WorkerStarted())
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     seq = 1000
     while core.serving == lid and seq < 1000 + C.LEAVE_AFTER_S:  # up, yet nothing applies: the publisher's
