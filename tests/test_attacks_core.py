@@ -401,6 +401,8 @@ def test_a_flood_of_sybil_producers_cannot_widen_a_nodes_subscriptions() -> None
     assert subs, "the trainer plans its shards on its announce tick"
     assert 1024 <= subs[-1].shards <= exchange.MAX_SHARDS  # 3,000 producers heard (estimated)
     assert len(subs[-1].subscribe) == exchange.MAX_SUBSCRIBED
+
+
 def test_a_follower_whose_own_worker_is_down_does_not_blame_the_publisher() -> None:
     """No version applies while this node's own worker restarts (a slow start on a loaded machine): that
     time is not the publisher's, so the follower stays; once its worker is up, the patience runs again."""
