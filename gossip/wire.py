@@ -59,8 +59,8 @@ MAX_CHUNK_BYTES: Final = 8 * 1024 * 1024
 MAX_NAME: Final = 128
 MAX_CONFIG_ENTRIES: Final = 32
 # Behaviour log-probs: a sampled token has probability > 0, so an honest float32 log-prob lies in
-# about [-104, 0] (exp underflows below); the lower bound leaves room for any engine, the upper one
-# for the rounding of a fused log-softmax (lse = max + log(sum) rounded at the logit's magnitude).
+# about [-104, 0] (exp underflows below). Both bounds leave a margin for engines not measured here
+# (GPU kernels, bf16 compute); a claim at the upper margin moves a behaviour weight by e^0.001 at most.
 LOGPROB_MIN: Final = -1000.0
 LOGPROB_MAX: Final = 1e-3
 # A sampling temperature is 0 (greedy) or at least this: receivers divide logits by it to spot-check.
