@@ -365,10 +365,15 @@ async def forged_reward(a: Attacker, k: Knowledge, targets: list[str]) -> None:
 
 
 async def future_version(a: Attacker, k: Knowledge, targets: list[str]) -> None:
-    """Rollouts claiming a policy version far past the lineage's head (staleness bound from the future)."""
+    """Rollouts of the honest lineage claiming a version past its head: the next one (not published yet)
+    and the largest, well-formed (their token segments name the same version), so their tokens would
+    not count as stale. Provably false at the lineage's publisher (`future_version`)."""
     tpl = k.rollout()
-    rs = [_rollout_like(tpl, seed=5000 + i, version=U64_MAX) for i in range(4)]
-    await a.rollouts(_batch(a, rs))
+    head = _honest_lineage(k)[3]
+    for j, version in enumerate((head + 1, U64_MAX)):
+        rs = [msgspec.structs.replace(_rollout_like(tpl, seed=5000 + 10 * j + i, version=version),
+                                      token_versions=[(0, version)]) for i in range(4)]
+        await a.rollouts(_batch(a, rs, seq=40 + j))
 
 
 async def flood_announces(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -483,12 +488,13 @@ CATALOGUE: dict[str, Attack] = {
 
 # Classes whose messages are provable faults of their sender (a signature, a frame, a recomputed
 # reward, decoded ids, a lineage id that does not derive from the signer's key, a rate the sender
-# exceeded): each must cost its key score. The others are refused or ignored without proof against
-# the sender (a version from the future, a replay, a name with markup, a costly but honest payload,
-# streams over a cap, which the node resets).
+# exceeded, a number out of range, a version its publisher never published): each must cost its key
+# score. The others are refused or ignored without proof against the sender (a replay, a name with
+# markup, a costly but honest payload, streams over a cap, which the node resets).
 PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_head", "freeze_demand_head",
                       "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
-                      "forged_reward", "flood_announces", "bad_signature", "poison_numbers", "held_frames"})
+                      "forged_reward", "flood_announces", "bad_signature", "poison_numbers", "future_version",
+                      "held_frames"})
 
 
 def attack_key(name: str, round_: int = 0) -> Identity:
