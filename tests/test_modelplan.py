@@ -167,7 +167,7 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
 
 
 def qwen2_config_only(d: Path, hidden: int = 512, layers: int = 10) -> int:
-    """A Qwen2-shaped model directory with its config.json only (counted on the meta device): 28M parameters."""
+    """A Qwen2-shaped model directory (10 layers, width 512), config.json only, counted on the meta device: 30M."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from training.tiny import build_tokenizer
