@@ -74,3 +74,12 @@ def test_event_messages_say_what_happened() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         stale.state = FRESH  # type: ignore[misc]
     assert not hasattr(stale, "__dict__")  # slots: one per transition, many lineages
+
+
+def test_a_partial_catch_up_stays_paused_and_one_past_the_head_resumes_at_it() -> None:
+    g = StalenessGuard(max_staleness=1)
+    g.applied(L, 7, 0.0)
+    assert [e.state for e in g.observe_head(L, 10, 1.0)] == [STALE]
+    assert g.applied(L, 8, 2.0) == [] and not g.may_generate(L)  # 2 behind: an older version never lowers the head
+    ev = g.applied(L, 12, 3.0)  # an anchor past the head we knew
+    assert [(e.previous, e.state, e.local, e.head) for e in ev] == [(STALE, FRESH, 12, 12)]
