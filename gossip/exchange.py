@@ -355,7 +355,7 @@ class Stats:
 
     def _per_set(self, ts: bytes) -> Counter[str]:
         key = bytes(ts).hex()[:64]
-        if key not in self.task_sets and len(self.task_sets) >= MAX_TASK_SETS:
+        if key not in self.task_sets and len(self.task_sets) >= MAX_TASK_SETS - 1:  # "other" counts too
             key = "other"
         return self.task_sets.setdefault(key, Counter())
 

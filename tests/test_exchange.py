@@ -145,3 +145,37 @@ def test_distinct_count_is_exact_when_small_and_close_when_large(n: int) -> None
         assert abs(est - n) <= 0.25 * n
     assert len(c._seen) <= 256
     assert c.count(100.0) == 0  # all expired
+
+
+def test_stats_count_rates_distinct_producers_and_task_sets_within_bounds() -> None:
+    st = X.Stats()
+    assert st.rates(0.0) == {}
+    for k in range(100):
+        st.received(8)
+        st.verified(b"p%d" % (k % 5), [b"ts%d" % k], 8, float(k))
+    st.drop("wrong_shard")
+    r = st.rates(10.0)
+    assert r["received_rollouts_per_s"] == 80.0 and r["dropped_batches_per_s"] == 0.1
+    assert st.distinct_producers(99.0) == 5
+    assert st.distinct_producers(99.0 + X.DISTINCT_WINDOW_S + 1) == 0  # a window, not forever
+    assert len(st.task_sets) == X.MAX_TASK_SETS and st.task_sets["other"]["verified_rollouts"] == 100 - 63
+
+
+def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
+    from rich.console import Console
+
+    from node.dashboard import node_panel
+    from node.metrics import Metrics
+    from node.status import ExchangeView, NodeStatus
+
+    s = NodeStatus(exchange=ExchangeView(shards=8, subscribed=[2, 5], received_rollouts=40, verified_rollouts=32,
+                                         used_rollouts=16, dropped={"wrong_shard": 3}, distinct_producers=4,
+                                         rates={"received_rollouts_per_s": 4.0}, used_over_verified=0.5))
+    con = Console(width=160, record=True)
+    con.print(node_panel(s))
+    text = con.export_text()
+    assert "shards 2,5 of 8" in text and "used/verified 0.50" in text
+    m = Metrics()
+    m.update(s)
+    assert m.registry.get_sample_value("murmur_exchange_dropped_total", {"reason": "wrong_shard"}) == 3
+    assert m.registry.get_sample_value("murmur_exchange_distinct_producers") == 4
