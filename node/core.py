@@ -7,17 +7,18 @@ API (the live runtime, the virtual-time simulator and the tests all drive it the
                                                           # (created_ms stamps; default the wall clock)
     actions = core.handle(event)                    # one event -> a list of actions, in the order to carry out
     core.next_deadline()                            # when the core next needs a Tick (its own clock's seconds)
-    core.wants_manifest(manifest)                   # the broadcast's synchronous accept query (records in flight)
+    core.offer_manifest(manifest)                   # handle(ManifestOffered(manifest)) as the broadcast's bool
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
-    core.on_accepted(rollouts)                      # a verified peer batch of that many rollouts (exchange meter)
     core.stats()                                    # a copy of the core's counters (the drivers never write them)
 
 Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
-`ManifestHeard` (a gossip message whose envelope signature the pipeline already checked),
+`ManifestHeard` (a gossip message whose envelope signature the pipeline already checked), `ManifestOffered`
+(the broadcast asks whether to fetch a manifest: `Accept` or `Decline`),
 `PeerGone`, `FromWorker` (a message from the worker process), `WorkerStarted`, `WorkerExited`,
 `LineageKnown` (a lineage the store held at start), `StoredItems`, `TransferDone`, `PatchStored`,
 `CatalogReceived`/`CatalogFailed` (catch-up replies), `OfferFailed`, `ListenAddrs`,
-`RolloutsVerified` (a batch the pipeline accepted: what each follower delivered, `node.credit`),
+`RolloutsVerified` (a batch the pipeline accepted: what each follower delivered, `node.credit`, and what
+the rollout exchange meters),
 `RolloutsPublished` (a rollout Publish that went out). An event of another type is a driver bug:
 `handle` ends in `assert_never`.
 
@@ -51,7 +52,7 @@ from node.credit import Deliveries
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
                          WorkerStarted, LineageKnown, StoredItems, TransferDone, PatchStored, CatalogReceived,
                          CatalogFailed, OfferFailed, RolloutsVerified, RolloutsPublished,
-                         Publish, ToWorker, ResendTaskSets,
+                         ManifestOffered, Publish, ToWorker, ResendTaskSets, Accept, Decline,
                          RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
                          RequestOffer, Penalise, SeePeer, Log, Subscribe, Event, Action)  # noqa: F401 - part of the core's API
 from node.pipe import WorkerState
@@ -253,7 +254,11 @@ class NodeCore:
         now = self.clock()
         return _median(s for t, s in self.fetch_s if now - t <= MEASURE_TTL_S)
 
-    def wants_manifest(self, m: wire.PatchManifest) -> bool:
+    def offer_manifest(self, m: wire.PatchManifest) -> bool:
+        """`handle(ManifestOffered(m))` as the bool the broadcast's synchronous accept callback returns."""
+        return any(type(a) is Accept for a in self.handle(ManifestOffered(m)))
+
+    def _on_offered(self, m: wire.PatchManifest) -> bool:
         """The follower's broadcast accept rule; an accepted manifest counts as in flight from now."""
         lin = self.table.rows.get(self.serving) if self.serving is not None else None
         if lin is None or not lin.publisher or self.table.check_manifest(m) is not None:
@@ -305,7 +310,10 @@ class NodeCore:
             self._on_catalog(ev, out)
         elif isinstance(ev, CatalogFailed):
             self._on_catalog_failed(ev, out)
+        elif isinstance(ev, ManifestOffered):
+            out.append(Accept() if self._on_offered(ev.manifest) else Decline())
         elif isinstance(ev, RolloutsVerified):
+            self._meter_inbound(sum(n for _, n in ev.lineages))
             for lid, n in ev.lineages:
                 if lid == self.own:
                     self.deliveries.add(ev.producer, n, self.clock())
@@ -792,7 +800,7 @@ class NodeCore:
             out.append(Publish("rollouts", data, len(part), self.exchange.publish_shard(lid)))
 
     # ------------------------------------------------------------ the rollout exchange
-    def on_accepted(self, rollouts: int) -> None:
+    def _meter_inbound(self, rollouts: int) -> None:
         """A peer's batch of `rollouts` rollouts passed verification (what the exchange measures)."""
         n = max(0, int(rollouts))
         self.inbound.add(self.clock(), n)

@@ -58,6 +58,14 @@ class StoredItems:
 
 
 @dataclass(frozen=True, slots=True)
+class ManifestOffered:
+    """The broadcast heard a signed manifest and asks whether to fetch it: the core answers `Accept` (and
+    counts the transfer as in flight from now) or `Decline`, in the same `handle` call."""
+
+    manifest: wire.PatchManifest
+
+
+@dataclass(frozen=True, slots=True)
 class TransferDone:
     pid: bytes
     manifest: wire.PatchManifest
@@ -136,7 +144,7 @@ class RolloutsVerified:
         return cls(peer_id_from_public(bytes(batch.producer)), tuple(n.items()))
 
 
-Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | PeerGone | FromWorker | WorkerExited | WorkerStarted
+Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | ManifestOffered | PeerGone | FromWorker | WorkerExited | WorkerStarted
          | LineageKnown | StoredItems | TransferDone | PatchStored | CatalogReceived | CatalogFailed | OfferFailed
          | RolloutsVerified | RolloutsPublished)
 
@@ -219,6 +227,16 @@ class SeePeer:
 
 
 @dataclass(frozen=True, slots=True)
+class Accept:
+    """Fetch the offered manifest's patch (the answer to `ManifestOffered`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decline:
+    """Do not fetch the offered manifest's patch."""
+
+
+@dataclass(frozen=True, slots=True)
 class ResendTaskSets:
     """A new peer appeared: the runtime sends our own task sets again (they are not re-gossiped otherwise)."""
 
@@ -230,4 +248,4 @@ class Log:
 
 
 Action = (Publish | Subscribe | ToWorker | RestartWorker | RecordRollouts | SeedVersion | StorePatch | DropItem | LoadStored
-          | FetchCatalog | RequestOffer | Penalise | SeePeer | ResendTaskSets | Log)
+          | FetchCatalog | RequestOffer | Penalise | SeePeer | ResendTaskSets | Accept | Decline | Log)

@@ -263,8 +263,7 @@ class Node:
 
     def _on_accept(self, v: Any) -> None:
         if v.batch is not None:
-            self.core.on_accepted(len(v.batch.rollouts))
-            self.core.handle(C.RolloutsVerified.of(v.batch))  # delivery backs a follower's claimed rate (no actions)
+            self.core.handle(C.RolloutsVerified.of(v.batch))  # exchange meter; delivery backs a follower's rate (no actions)
         if self.worker is not None and v.batch is not None:
             if self.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
                 self.worker.send(pipe.External(v.data))
@@ -276,7 +275,7 @@ class Node:
 
         return BroadcastNode(t, swarm=self.cfg.node.swarm, upload_bytes_per_s=self.cfg.network.upload_bytes_per_s,
                              config=SwarmConfig(stall_timeout_s=self.cfg.sync.stall_timeout_s),
-                             partial_root=self.home / "partial", accept=self.core.wants_manifest,
+                             partial_root=self.home / "partial", accept=self.core.offer_manifest,
                              on_penalty=lambda peer, reason, amount: self._penalise(peer, f"broadcast: {reason}", amount),
                              on_complete=self._on_transfer_complete)
 
@@ -353,6 +352,8 @@ class Node:
                 self._nursery.start_soon(self._restart_worker, a.delay_s)
             elif isinstance(a, C.ResendTaskSets):
                 self._resend_task_sets = True
+            elif isinstance(a, (C.Accept, C.Decline)):
+                pass  # answers to ManifestOffered, read by offer_manifest
             else:
                 assert_never(a)
 

@@ -78,7 +78,7 @@ What is modelled:
   its publisher had at the version it holds;
 - the patch transfer: the core's `SeedVersion` sends the signed manifest over
   the modelled gossip and a catch-up `RequestOffer` has the peer send it to
-  the asker; a receiver whose core accepts it (`NodeCore.wants_manifest`)
+  the asker; a receiver whose core accepts it (`NodeCore.offer_manifest`)
   gets the bytes one patch-broadcast delay later (scaled by the item's size),
   the delay per follower measured once at start-up by a broadcast of the
   scenario's patch size through the nodes' broadcast cores (above). Later
@@ -805,7 +805,7 @@ class VirtualSim:
             return
         env, m = got
         self._feed(d, ManifestHeard(m))
-        if d.core is not None and d.core.wants_manifest(m):
+        if d.core is not None and d.core.offer_manifest(m):
             pid = wire.content_id(data)
             if pid in d.transfers:
                 return
@@ -889,8 +889,6 @@ class VirtualSim:
                 self._row("event", t=self.now, node=dst, action=f"ban {origin}")
             return
         d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]
-        if d.core is not None:
-            d.core.on_accepted(len(v.batch.rollouts))  # type: ignore[union-attr]
         mesh = self.mesh.get(shard, {}).get(dst, ())
         self._forward(d, origin, data, shard, [k for k in mesh if k != fwd and k != origin])
         if s.spec.role == "adversary":

@@ -44,7 +44,7 @@ def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
     assert core.lineages[lid].publisher == honest.public and core.head_of(lid) == 3
     core.handle(C.Tick())
     assert core.serving == lid
-    assert not core.wants_manifest(manifest(attacker, "lin", 3, 4, lineage=lid))
+    assert not core.offer_manifest(manifest(attacker, "lin", 3, 4, lineage=lid))
 
 
 def test_freeze_far_ahead_head_is_refused_and_planning_is_o_items() -> None:
@@ -107,11 +107,11 @@ def test_oversized_manifest_is_refused_before_any_chunk() -> None:
     core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
     core.handle(C.Tick())
     huge = manifest(honest, "lin", 3, 4, total=8 * MODEL_BYTES)
-    assert not core.wants_manifest(huge)
-    assert core.wants_manifest(manifest(honest, "lin", 3, 4, total=MODEL_BYTES // 2))
+    assert not core.offer_manifest(huge)
+    assert core.offer_manifest(manifest(honest, "lin", 3, 4, total=MODEL_BYTES // 2))
     lying = manifest(honest, "lin", 4, 5, total=1000)
     lying.total_bytes = 10  # chunk sizes do not add up
-    assert not core.wants_manifest(lying)
+    assert not core.offer_manifest(lying)
 
 
 def test_tables_stay_bounded_under_a_flood_of_keys() -> None:
@@ -162,7 +162,7 @@ def test_any_well_signed_numbers_leave_the_core_alive_with_bounded_work(ds, head
         for h in heads:
             m = manifest(honest, "lin", h, h, total=min(total, 1 << 16), codec="anchor-v1")
             core.handle(C.ManifestHeard(m))
-            core.wants_manifest(m)
+            core.offer_manifest(m)
             core.handle(C.CatalogReceived(honest.peer_id, good, (StoredItem("anchor", h, h, 1),
                                                                 StoredItem("union", 0, h, 1))))
         clock.t += 3
@@ -179,7 +179,7 @@ def test_a_publisher_spamming_distinct_manifests_gets_a_bounded_number_of_transf
     lid = lineage_id(honest.public, BASE, "lin")
     core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
     core.handle(C.Tick())
-    accepted = sum(core.wants_manifest(manifest(honest, "lin", b, b + 1 + (i % 7)))
+    accepted = sum(core.offer_manifest(manifest(honest, "lin", b, b + 1 + (i % 7)))
                    for i, b in enumerate(range(3, 3 + 1000)))
     assert accepted == C.MAX_IN_FLIGHT and len(core.in_flight) == C.MAX_IN_FLIGHT
 

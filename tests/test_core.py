@@ -114,9 +114,9 @@ def test_patch_accept_rule_takes_only_new_items_of_the_served_lineage() -> None:
     lid = follow_trainer(core, clock, trainer, head=3)
     core.handle(C.StoredItems(lid, (StoredItem("patch", 2, 3, 10),)))
     core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
-    assert core.wants_manifest(manifest(trainer, "lin", 3, 4))
-    assert not core.wants_manifest(manifest(trainer, "lin", 2, 3))  # held already
-    assert not core.wants_manifest(manifest(other, "other", 3, 4))  # another lineage
+    assert core.offer_manifest(manifest(trainer, "lin", 3, 4))
+    assert not core.offer_manifest(manifest(trainer, "lin", 2, 3))  # held already
+    assert not core.offer_manifest(manifest(other, "other", 3, 4))  # another lineage
     done = manifest(trainer, "lin", 3, 4)
     assert core.handle(C.TransferDone(b"p" * 32, done)) == [C.StorePatch(b"p" * 32)]
     acts = core.handle(C.PatchStored(done, 1000, 0.5))
@@ -146,7 +146,7 @@ def test_catch_up_does_nothing_when_held_plus_in_flight_reach_the_head() -> None
     trainer = key(9)
     lid = follow_trainer(core, clock, trainer, head=4)
     core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
-    assert core.wants_manifest(manifest(trainer, "lin", 3, 4))
+    assert core.offer_manifest(manifest(trainer, "lin", 3, 4))
     clock.t += 1
     assert of(core.handle(C.Tick()), C.FetchCatalog) == []
 

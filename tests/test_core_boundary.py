@@ -156,3 +156,24 @@ def test_items_are_one_vocabulary() -> None:
     assert sync.patchstore.StoredItem is node.patchsync.StoredItem is sync.catchup.StoredItem is sync.items.StoredItem
     assert node.patchsync.wanted is sync.items.wanted and C.item_of is sync.items.item_of
     assert {sync.items.KIND_CODEC[k] for k in sync.items.KINDS} == set(sync.items.CODEC_KIND)
+
+
+def test_an_offered_manifest_is_an_event_answered_accept_or_decline() -> None:
+    from tests.test_core import follow_trainer, manifest
+
+    core, clock = make_core()
+    trainer, other = key(9), key(10)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    assert core.handle(C.ManifestOffered(manifest(trainer, "lin", 3, 4))) == [C.Accept()]
+    assert core.handle(C.ManifestOffered(manifest(other, "other", 3, 4))) == [C.Decline()]
+    assert (lid, "patch", 3, 4) in core.in_flight  # what was accepted counts as on its way
+    assert core.offer_manifest(manifest(trainer, "lin", 4, 5)) is True
+
+
+def test_a_verified_batch_feeds_the_exchange_meter_through_its_event() -> None:
+    core, clock = make_core(roles=("trainer",))
+    core.handle(C.RolloutsVerified("p", ((b"l" * 32, 8), (b"m" * 32, 4))))
+    clock.t += core.inbound.window_s / 2
+    core.handle(C.RolloutsVerified("p", ((b"l" * 32, 12),)))
+    clock.t += core.inbound.window_s / 2
+    assert core.inbound.rate(clock.t) == 12 / core.inbound.window_s  # the first batch slid out of the window

@@ -120,16 +120,6 @@ class RecordingCore(NodeCore):
         self.trace.append(("handle", t, w, ev, list(out)))
         return out
 
-    def wants_manifest(self, m):  # type: ignore[no-untyped-def]
-        t, w = self.clock(), self.wall_ms()
-        got = super().wants_manifest(m)
-        self.trace.append(("wants_manifest", t, w, m, got))
-        return got
-
-    def on_accepted(self, rollouts: int) -> None:
-        t, w = self.clock(), self.wall_ms()
-        super().on_accepted(rollouts)
-        self.trace.append(("on_accepted", t, w, rollouts, None))
 
 
 def replay(core: RecordingCore) -> None:
@@ -142,12 +132,7 @@ def replay(core: RecordingCore) -> None:
         fresh.supply_view = lambda: next(answers["supply_view"])
     for i, (call, t, w, arg, want) in enumerate(core.trace[1:], 1):
         now[0], now[1] = t, w
-        if call == "handle":
-            got = fresh.handle(arg)
-        elif call == "wants_manifest":
-            got = fresh.wants_manifest(arg)
-        else:
-            got = fresh.on_accepted(arg)
+        got = fresh.handle(arg)
         assert got == want, f"call {i} ({call} {type(arg).__name__} at t={t}): {got!r} != {want!r}"
 
 
@@ -161,7 +146,7 @@ def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore
     cores = [n.core for n in sim.nodes if n.core is not None]
     assert len(cores) == 5 and all(isinstance(c, RecordingCore) for c in cores)
     kinds = {type(e[3]).__name__ for c in cores for e in c.trace if e[0] == "handle"}
-    assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified"} <= kinds
+    assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified", "ManifestOffered"} <= kinds
     assert sum(len(c.trace) for c in cores) > 500
     for c in cores:
         replay(c)
