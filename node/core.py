@@ -165,7 +165,9 @@ def _finite(x: Any, default: float = 0.0) -> float:
 
 class NodeCore:
     def __init__(self, settings: CoreSettings, identity: Identity, clock: Callable[[], float],
-                 wall_ms: Callable[[], int] = wire.now_ms) -> None:
+                 wall_ms: Callable[[], int] = wire.now_ms, *,
+                 producers_count: Callable[[float], int] | None = None,
+                 supply_view: Callable[[], exchange.Supply] | None = None) -> None:
         self.s = settings
         self.ident = identity
         self.clock = clock  # any monotonic seconds: timers and rates
@@ -223,10 +225,10 @@ class NodeCore:
         self.subscribed: tuple[int, tuple[int, ...]] = (1, (0,))  # what the runtime joined first
         self.producers_heard = exchange.DistinctCount(window_s=PEER_EXPIRY_S)  # not bounded by max_peers
         # How many producers the announce topic told us of. The virtual simulator, whose announces go one
-        # hop, replaces it by the count the live announce topic would have given.
-        self.producers_count: Callable[[float], int] = self.producers_heard.count
+        # hop, injects the count the live announce topic would have given (a view read, never written).
+        self._producers_count = producers_count or self.producers_heard.count
         # ... and, likewise, what producers announce per lineage (batches/s); None: read our peer table
-        self.supply_view: Callable[[], exchange.Supply] | None = None
+        self._supply_view = supply_view
         self.announced_rate = 0.0  # publish_batches_per_s of our last announce
 
     # ------------------------------------------------------------ queries
@@ -815,10 +817,10 @@ class NodeCore:
 
     def _plan_exchange(self, now: float, out: list[Action]) -> None:
         """Which rollout shards to join (gossip.exchange), from what the announces say, in batches/s."""
-        producers = int("trainer" in self.roles or "follower" in self.roles) + self.producers_count(now)
+        producers = int("trainer" in self.roles or "follower" in self.roles) + self._producers_count(now)
         own = None
-        if self.supply_view is not None:
-            supply = self.supply_view()
+        if self._supply_view is not None:
+            supply = self._supply_view()
             mine = self.serving if self.serving is not None else self.own
             if mine is not None:  # the view counts our own last announce too: not offered to ourselves
                 own = (mine, min(self.announced_rate, 1e3))

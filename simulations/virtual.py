@@ -289,7 +289,9 @@ class VirtualSim:
                                 publish_every=self.sc.sync.publish_every, external_rollouts=tr.external_groups,
                                 group_size=tr.group_size, max_new_tokens=TOKENS_PER_ROLLOUT,
                                 upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
-        core = NodeCore(settings, n.ident, self._unix, self._unix_ms)
+        # what the live announce topic tells every node: how many producers there are, what each supplies
+        core = NodeCore(settings, n.ident, self._unix, self._unix_ms,
+                        producers_count=lambda now: self.alive_producers - 1, supply_view=lambda: self.supply)
         if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
             lead = self._publisher_of(n.held_lineage)
             core.handle(LineageKnown(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held))
@@ -641,9 +643,6 @@ class VirtualSim:
             self._push(self.now + n.rng.uniform(0, 1.0 / n.spec.rate_per_s), "adv", i, n.inc)
             return
         n.core = self._new_core(n)
-        # what the live announce topic tells every node: how many producers there are, what each supplies
-        n.core.producers_count = lambda now: self.alive_producers - 1
-        n.core.supply_view = lambda: self.supply
         self.alive_producers += 1
         n.pipeline.head_version = n.core.head_of  # type: ignore[union-attr] - as node.runtime wires it
         n.shards = ()

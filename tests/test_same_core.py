@@ -83,36 +83,25 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
 class RecordingCore(NodeCore):
     """A NodeCore that records every call a driver makes into it, with the clock readings it saw."""
 
-    def __init__(self, settings, identity, clock, wall_ms) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, settings, identity, clock, wall_ms, *, producers_count=None,  # type: ignore[no-untyped-def]
+                 supply_view=None) -> None:
         self.trace: list[tuple] = [("init", clock(), wall_ms(), None, None)]
+        # The views a driver injects (the simulator's swarm-wide producer count and supply) are inputs too:
+        # what they answered is recorded, as a copy, and replayed.
         self.views: dict[str, list] = {"producers_count": [], "supply_view": []}
-        super().__init__(settings, identity, clock, wall_ms)
 
-    # The views a driver may inject (the simulator's swarm-wide producer count and supply) are inputs
-    # too: what they answered is recorded, as a copy, and replayed.
-    @property
-    def producers_count(self):  # type: ignore[no-untyped-def]
-        return self._producers_count
+        def counted(now):  # type: ignore[no-untyped-def]
+            self.views["producers_count"].append(producers_count(now))
+            return self.views["producers_count"][-1]
 
-    @producers_count.setter
-    def producers_count(self, f) -> None:  # type: ignore[no-untyped-def]
-        def recorded(now):  # type: ignore[no-untyped-def]
-            v = f(now)
-            self.views["producers_count"].append(v)
-            return v
-        self._producers_count = recorded
-
-    @property
-    def supply_view(self):  # type: ignore[no-untyped-def]
-        return self._supply_view
-
-    @supply_view.setter
-    def supply_view(self, f) -> None:  # type: ignore[no-untyped-def]
-        def recorded():  # type: ignore[no-untyped-def]
-            v = f()
+        def supplied():  # type: ignore[no-untyped-def]
+            v = supply_view()
             self.views["supply_view"].append(copy.deepcopy(v))
             return v
-        self._supply_view = recorded if f is not None else None
+
+        self.injected = (producers_count is not None, supply_view is not None)
+        super().__init__(settings, identity, clock, wall_ms, producers_count=counted if producers_count else None,
+                         supply_view=supplied if supply_view else None)
 
     def handle(self, ev):  # type: ignore[no-untyped-def]
         t, w = self.clock(), self.wall_ms()
@@ -125,11 +114,10 @@ class RecordingCore(NodeCore):
 def replay(core: RecordingCore) -> None:
     """Feed a fresh core the recorded calls at the recorded times: every answer must be the same."""
     now = [core.trace[0][1], core.trace[0][2]]
-    fresh = NodeCore(core.s, core.ident, lambda: now[0], lambda: now[1])
     answers = {k: iter(v) for k, v in core.views.items()}
-    fresh.producers_count = lambda t: next(answers["producers_count"])
-    if core.supply_view is not None:
-        fresh.supply_view = lambda: next(answers["supply_view"])
+    fresh = NodeCore(core.s, core.ident, lambda: now[0], lambda: now[1],
+                     producers_count=(lambda t: next(answers["producers_count"])) if core.injected[0] else None,
+                     supply_view=(lambda: next(answers["supply_view"])) if core.injected[1] else None)
     for i, (call, t, w, arg, want) in enumerate(core.trace[1:], 1):
         now[0], now[1] = t, w
         got = fresh.handle(arg)
@@ -144,7 +132,7 @@ def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore
     sim = VirtualSim(S.loads(SCENARIO))
     sim.run()
     cores = [n.core for n in sim.nodes if n.core is not None]
-    assert len(cores) == 5 and all(isinstance(c, RecordingCore) for c in cores)
+    assert len(cores) == 5 and all(isinstance(c, RecordingCore) and c.injected == (True, True) for c in cores)
     kinds = {type(e[3]).__name__ for c in cores for e in c.trace if e[0] == "handle"}
     assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified", "ManifestOffered"} <= kinds
     assert sum(len(c.trace) for c in cores) > 500
