@@ -65,6 +65,7 @@ LOGPROB_MIN: Final = -1000.0
 LOGPROB_MAX: Final = 1e-3
 # A sampling temperature is 0 (greedy) or at least this: receivers divide logits by it to spot-check.
 MIN_TEMPERATURE: Final = 1e-2
+MAX_TEMPERATURE: Final = 10.0
 
 Hash32 = Annotated[bytes, Meta(min_length=32, max_length=32)]
 PubKey = Annotated[bytes, Meta(min_length=32, max_length=32)]
@@ -105,7 +106,7 @@ class TaskRef(Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class SamplingParams(Struct, array_like=True, forbid_unknown_fields=True):
-    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 1.0
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     max_new_tokens: Annotated[int, Meta(ge=1, le=MAX_COMPLETION_TOKENS)] = 64
 

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from gossip import wire
 from gossip.errors import ConfigError
 from gossip.tomlfile import convert_strict, read_toml, toml_value
 from training.selection import TaskSetChoice, needs_trust, normalise
@@ -87,7 +88,8 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     group_size: Annotated[int, _d("completions per prompt (GRPO group)")] = 8
     lr: Annotated[float, _d("learning rate; unset: 3e-4 for models up to 5M parameters (murmur-tiny), 1e-6 above")] = 3e-4
     max_new_tokens: Annotated[int, _d("completion length limit")] = 16
-    temperature: Annotated[float, _d("sampling temperature")] = 1.0
+    temperature: Annotated[float, _d("sampling temperature: 0 (greedy) or 0.01-10 (receivers refuse a rollout "
+                                     "sampled outside that range)")] = 1.0
     seed: Annotated[int, _d("random seed")] = 0
     loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (token mean over informative groups' rows) "
                                  "or constant (Dr. GRPO / TRL dr_grpo: token sum over batch rows x "
@@ -193,6 +195,11 @@ def _check_values(cfg: Config, origin: str) -> Config:
         raise bad("disk.ledger_payload_rows", "must not be negative")
     if cfg.sync.max_staleness < 0:
         raise bad("sync.max_staleness", "must not be negative")
+    t = cfg.training.temperature
+    if not (t == 0.0 or wire.MIN_TEMPERATURE <= t <= wire.MAX_TEMPERATURE):
+        # every receiver refuses such a rollout as bad_number: refuse the config, not each rollout silently
+        raise bad("training.temperature", f"{t!r} is neither 0 (greedy) nor in "
+                                          f"{wire.MIN_TEMPERATURE:g}-{wire.MAX_TEMPERATURE:g}")
     choices = normalise(cfg.training.task_sets, f"{origin}: key 'training.task_sets'")
     untrusted = needs_trust(choices, "murmur-builtin")
     if untrusted and not cfg.trust.coordinators:

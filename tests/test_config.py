@@ -64,6 +64,9 @@ def test_bad_env_override(tmp_path):
         ("[network]\nbootstrap = ['127.0.0.1:4001']\n", "network.bootstrap"),
         ("[sync]\nchunk_bytes = 0\n", "sync.chunk_bytes"),
         ("[sync]\nmax_staleness = -1\n", "sync.max_staleness"),
+        ("[training]\ntemperature = 0.005\n", "training.temperature"),  # receivers would refuse every rollout
+        ("[training]\ntemperature = 11.0\n", "training.temperature"),
+        ("[training]\ntemperature = nan\n", "training.temperature"),
     ],
 )
 def test_semantic_errors_name_the_key(tmp_path, text, needle):
@@ -72,3 +75,10 @@ def test_semantic_errors_name_the_key(tmp_path, text, needle):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert needle in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("t", [0.0, 0.01, 0.7, 10.0])
+def test_temperatures_receivers_accept_are_accepted(tmp_path, t):
+    path = tmp_path / "config.toml"
+    path.write_text(f"[training]\ntemperature = {t!r}\n")
+    assert load_config(path).training.temperature == t
