@@ -179,3 +179,28 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     m.update(s)
     assert m.registry.get_sample_value("murmur_exchange_dropped_total", {"reason": "wrong_shard"}) == 3
     assert m.registry.get_sample_value("murmur_exchange_distinct_producers") == 4
+
+
+def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm_size() -> None:
+    """Every producer of a lineage publishes to that lineage's shard, so a validator of the lineage that joins
+    it sees every producer of it (and spot-checks each at its worker's rate), however many shards there are."""
+    from node import core as C
+    from tests.test_core import announce, follow_trainer, key, make_core, of
+
+    core, clock = make_core(roles=("follower", "validator"))
+    lid = follow_trainer(core, clock, key(9))
+    assert core.serving == lid
+    for i in range(40, 140):  # 100 other producers: many shards
+        a = announce(key(i), 1)
+        core.handle(C.AnnounceHeard(a.signer, X_rate(a.body), a.data))
+    clock.t += C.ANNOUNCE_EVERY_S
+    subs = of(core.handle(C.Tick()), C.Subscribe)
+    assert subs and subs[-1].shards >= 16
+    assert X.shard_of(lid, subs[-1].shards) in subs[-1].subscribe
+    assert len(subs[-1].subscribe) == 1  # it trains not: nothing else
+
+
+def X_rate(body):  # an announce that states a publishing rate
+    import msgspec
+
+    return msgspec.structs.replace(body, publish_batches_per_s=1.0)
