@@ -192,7 +192,7 @@ def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm
     assert core.serving == lid
     for i in range(40, 140):  # 100 other producers: many shards
         a = announce(key(i), 1)
-        core.handle(C.AnnounceHeard(a.signer, X_rate(a.body), a.data))
+        core.handle(C.AnnounceHeard(a.signer, with_rate(a.body), a.data))
     clock.t += C.ANNOUNCE_EVERY_S
     subs = of(core.handle(C.Tick()), C.Subscribe)
     assert subs and subs[-1].shards >= 16
@@ -200,7 +200,7 @@ def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm
     assert len(subs[-1].subscribe) == 1  # it trains not: nothing else
 
 
-def X_rate(body):  # an announce that states a publishing rate
+def with_rate(body):  # an announce that states a publishing rate
     import msgspec
 
     return msgspec.structs.replace(body, publish_batches_per_s=1.0)
