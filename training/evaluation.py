@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from gossip.errors import TaskError
 from gossip.wire import GeneratorSpec, TaskSetManifest
 from training.engine import Sampling
-from training.engine_hf import HFEngine
 from training.tasks import RG_PREFIX, Task, generate
 from training.tasksets import EVAL_SUFFIX, check_held_out, eval_generators, train_generators
 from training.verifiers import score
+
+if TYPE_CHECKING:  # `murmur tasks` validates held-out sets through this module without loading torch
+    from training.engine_hf import HFEngine
 
 
 class EvalTask(msgspec.Struct, frozen=True):
