@@ -34,7 +34,7 @@ What runs for real (the same code a live node runs):
   node (the class `sync.broadcast` drives on a live node: transfer table,
   manifest requests, node-wide bans, upload round-robin, token-bucket
   pacing, and its `sync.swarm.SwarmSession`s: rarest-first, super-seeding,
-  pipelining, corrupt-chunk bans) through `sync.vsim` over the scenario's
+  pipelining, corrupt-chunk bans) through `simulations.vsim` over the scenario's
   links, with a real signed manifest and every chunk's hash checked.
 
 - the rollout exchange is `gossip.exchange`, run by each core (its shard
@@ -130,7 +130,7 @@ from simulations.vcache import Memo, SharedVerification, SimPipeline
 from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound
 from sync.ids import lineage_id
 from sync.items import KIND_CODEC, MAX_ITEMS, StoredItem, item_of
-from sync.vsim import SimLink, VirtualSwarm
+from simulations.vsim import SimLink, VirtualSwarm
 from training.sampler import Sampler, split
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score

@@ -6,7 +6,7 @@ machine with an injected clock: the caller feeds it events (peer joined/left,
 frame received, tick) and executes the actions it returns (send a frame,
 store a verified chunk, report completion, penalise or ban a peer). The same
 code runs under the libp2p driver (`sync.broadcast`, through the multi-patch
-core `sync.transfers`) and the virtual-time simulator (`sync.vsim`), so what
+core `sync.transfers`) and the virtual-time simulator (`simulations.vsim`), so what
 the simulator measures is what nodes run.
 
 Scheduling, in brief (docs/broadcast.md has the full rules):

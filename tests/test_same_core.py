@@ -13,7 +13,7 @@ import simulations.virtual
 import sync.broadcast
 import sync.staleness
 import sync.transfers
-import sync.vsim
+import simulations.vsim
 import training.sampler
 from node.core import NodeCore
 from simulations import scenario as S
@@ -49,9 +49,9 @@ def test_simulator_and_runtime_import_one_core_and_one_sampler() -> None:
 
 def test_simulated_broadcasts_run_the_live_nodes_broadcast_core() -> None:
     core = sync.transfers.BroadcastCore
-    assert sync.vsim.BroadcastCore is sync.broadcast.BroadcastCore is core
-    assert simulations.virtual.VirtualSwarm is sync.vsim.VirtualSwarm  # the start-up broadcasts' driver
-    sw = sync.vsim.VirtualSwarm(3, [4096] * 2, seed=0)
+    assert simulations.vsim.BroadcastCore is sync.broadcast.BroadcastCore is core
+    assert simulations.virtual.VirtualSwarm is simulations.vsim.VirtualSwarm  # the start-up broadcasts' driver
+    sw = simulations.vsim.VirtualSwarm(3, [4096] * 2, seed=0)
     assert all(type(nd.core) is core for nd in sw.nodes) and len({id(nd.core) for nd in sw.nodes}) == 4
 
 

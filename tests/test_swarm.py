@@ -13,7 +13,7 @@ from gossip.errors import DecodeError
 from sync.swarm import (MAX_BITFIELD_BYTES, Ban, Cancel, Chunk, Completed, Have, HaveChunk, Penalise, Reject,
                         Request, Send, ServeReady, SwarmConfig, SwarmSession, Verified, bits_from_indices,
                         chunk_hash, decode_frame, encode_frame, indices_from_bits)
-from sync.vsim import SimLink, VirtualSwarm
+from simulations.vsim import SimLink, VirtualSwarm
 
 PID = b"p" * 32
 

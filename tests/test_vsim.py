@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sync.swarm import SwarmSession
 from sync.transfers import BroadcastCore
-from sync.vsim import SimLink, VirtualSwarm
+from simulations.vsim import SimLink, VirtualSwarm
 
 C, B = 64 * 2**10, 2**20
 M = 12  # chunks per patch

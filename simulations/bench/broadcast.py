@@ -2,7 +2,7 @@
 
 Live mode starts 1 + N real processes with real libp2p hosts on 127.0.0.1,
 every node's upload capped by its token bucket; sim mode runs the same
-`SwarmSession` core in virtual time (`sync.vsim`). Both report completion
+`SwarmSession` core in virtual time (`simulations.vsim`). Both report completion
 times against T* = (S/B)(1 + floor(log2 N)/M) (docs/broadcast.md).
 """
 
@@ -72,7 +72,7 @@ def run(peers: int = 16, sim: bool = False, bytes: int = 8 * 2**20, chunk_bytes:
 
 
 def _run_sim(peers: int, size: int, chunk_bytes: int, upload: int, seed: int) -> dict[str, Any]:
-    from sync.vsim import SimLink, VirtualSwarm
+    from simulations.vsim import SimLink, VirtualSwarm
 
     sizes = [min(chunk_bytes, size - o) for o in range(0, size, chunk_bytes)]
     degree = None if peers <= SIM_FULL_MESH_MAX else SIM_DEGREE
