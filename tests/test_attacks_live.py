@@ -35,7 +35,7 @@ def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:
         assert len(honest) == 2
         tok = attacks.model_tokenizer_hash(model)
         results = trio.run(lambda: attacks.run_catalogue(sw.addrs(), attacks.SWARM, rounds=1, observe_s=20,
-                                                         tokenizer_hash=tok))
+                                                         tokenizer_hash=tok, model=str(model)))
         assert sorted(results) == sorted(attacks.CATALOGUE)
         assert all(r["sent"] > 0 for r in results.values()), results  # every attack reached the wire
         assert sw.alive(), {n: p.poll() for n, p in sw.procs.items()}

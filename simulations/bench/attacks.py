@@ -52,10 +52,12 @@ class Knowledge:
     """Public traffic the observer saw: the raw material of forgeries, relays and replays."""
 
     announces: dict[str, tuple[wire.NodeAnnounce, bytes]] = field(default_factory=dict)  # peer id -> newest
+    first_announces: dict[str, tuple[wire.NodeAnnounce, bytes]] = field(default_factory=dict)  # peer id -> oldest
     manifests: list[tuple[wire.PatchManifest, bytes]] = field(default_factory=list)
     batches: list[tuple[wire.RolloutBatch, bytes]] = field(default_factory=list)
     task_sets: list[bytes] = field(default_factory=list)
     tokenizer_hash: bytes = b"\x54" * 32  # the public model's tokenizer (attackers know the models)
+    model: str | None = None  # the public model's directory: its tokenizer turns a forged text into ids
 
     def lineage(self) -> wire.PatchManifest | None:
         """The newest honest manifest: names a lineage, its publisher, base model and head."""
@@ -75,6 +77,7 @@ class Knowledge:
             return
         if isinstance(body, wire.NodeAnnounce):
             self.announces[body.peer_id] = (body, data)
+            self.first_announces.setdefault(body.peer_id, (body, data))
         elif isinstance(body, wire.PatchManifest):
             self.manifests = (self.manifests + [(body, data)])[-64:]
         elif isinstance(body, wire.RolloutBatch):
@@ -459,6 +462,89 @@ async def long_completions(a: Attacker, k: Knowledge, targets: list[str]) -> Non
         await a.rollouts(_batch(a, rs, seq=30 + j))
 
 
+async def large_batches(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Within the announced-rate ceiling: an announce claiming a modest rate, then full batches (64 correct,
+    honestly scored rollouts each) at about that rate: verification work the rate limit allows."""
+    tpl = k.rollout()
+    await a.announce(_announce(a, 1, roles=["follower"], gen_tokens_per_s=200.0, rollout_latency_s=1.0))
+    for j in range(4):
+        rs = [_rollout_like(tpl, seed=10_000 + 100 * j + i) for i in range(wire.MAX_ROLLOUTS_PER_BATCH)]
+        await a.rollouts(_batch(a, rs, seq=50 + j))
+        await trio.sleep(1.0)
+
+
+async def announce_replay(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Each honest peer's oldest announce seen, relayed verbatim after its newer ones: a stale rate or role
+    reset by a message its signer really sent."""
+    for peer, (_, data) in list(k.first_announces.items())[:4]:
+        if k.announces.get(peer, (None, data))[1] != data:
+            await a.announce(data)
+    for _, data in list(k.first_announces.values())[:4]:
+        await a.announce(data)  # sent even when no newer one was seen: the replay still reaches the wire
+
+
+async def taskset_takeover(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Every task-set name seen (the built-in one at least) published again under our key at a higher
+    version, with a generator of our own: a takeover of another coordinator's name."""
+    from training.tasksets import builtin_manifest
+
+    seen: list[wire.TaskSetManifest] = []
+    for data in k.task_sets:
+        try:
+            body = wire.open_envelope(data)[1]
+        except Exception:
+            continue
+        if isinstance(body, wire.TaskSetManifest):
+            seen.append(body)
+    seen.append(builtin_manifest())
+    for m in seen[-4:]:
+        fields = {f: getattr(m, f) for f in m.__struct_fields__}
+        taken = wire.TaskSetManifest(**{**fields, "coordinator": a.ident.public, "version": m.version + 1000,
+                                        "created_ms": wire.now_ms()})
+        await a.announce(wire.seal(a.ident, wire.TASK_SET, taken))
+
+
+# The mark a payload-poisoning attacker wants the trainer's policy to emit. The built-in verifier compares
+# answers after collapsing whitespace, so a whitespace mark rides on a correct answer at reward 1.
+PAYLOAD = "\t \t\n"
+
+
+def payload_text(answer: str) -> str:
+    return PAYLOAD + answer
+
+
+async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Groups for the honest lineage at its head, tokenized with the public model's tokenizer: half correct
+    answers carrying our prefix (reward 1), half wrong answers without it (reward 0), all honestly scored,
+    with behaviour log-probs claiming the policy already samples them (near 0): trained on, they teach
+    the trainer's own policy to emit the prefix."""
+    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
+
+    if k.model is None:
+        return
+    from training.engine_hf import load_tokenizer
+
+    tok = load_tokenizer(Path(k.model))
+    reg = TaskRegistry()
+    reg.add_builtin()
+    tpl = k.rollout()
+    lid, _, _, head = _honest_lineage(k)
+    version = tpl.version if tpl else head
+    for j in range(4):
+        rs = []
+        for i in range(8):
+            seed = 11_000 + 10 * j + i
+            answer = reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed)).answer
+            text = payload_text(answer) if i % 2 == 0 else answer + "0"
+            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            r = _rollout_like(tpl, seed=seed, ids=ids, text=text, version=version,
+                              lineage=None if tpl else lid, tokenizer=k.tokenizer_hash)
+            rs.append(msgspec.structs.replace(r, logprobs=struct.pack(f"<{len(ids)}f", *([-0.01] * len(ids))),
+                                              token_versions=[(0, version)]))
+        await a.rollouts(_batch(a, rs, seq=60 + j))
+        await trio.sleep(0.5)
+
+
 CATALOGUE: dict[str, Attack] = {
     "stream_garbage": stream_garbage,
     "oversized_frames": oversized_frames,
@@ -483,6 +569,10 @@ CATALOGUE: dict[str, Attack] = {
     "claim_throughput": claim_throughput,
     "lineage_by_announce": lineage_by_announce,
     "long_completions": long_completions,
+    "large_batches": large_batches,
+    "announce_replay": announce_replay,
+    "taskset_takeover": taskset_takeover,
+    "payload_poison": payload_poison,
 }
 
 
@@ -571,7 +661,7 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
 
 async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observe_s: float = 5.0,
                         stop: Callable[[], bool] = lambda: False, names: list[str] | None = None,
-                        tokenizer_hash: bytes | None = None) -> dict[str, dict[str, Any]]:
+                        tokenizer_hash: bytes | None = None, model: str | None = None) -> dict[str, dict[str, Any]]:
     """Observe the swarm, then run every attack class `rounds` times (after the first, until `stop()`).
 
     The first round gives each class its own fresh key, so the score each key lost says whether that
@@ -580,10 +670,10 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
 
     With `rounds` ≥ 2 both the per-class round and one round of the single attacker always run.
     `tokenizer_hash` is that of the model the swarm runs (public knowledge), for forged rollouts when
-    no honest rollout was seen to copy it from."""
+    no honest rollout was seen to copy it from; `model` that model's directory (its tokenizer)."""
     from gossip.host import open_transport
 
-    k = Knowledge()
+    k = Knowledge(model=model)
     if tokenizer_hash is not None:
         k.tokenizer_hash = tokenizer_hash
     out: dict[str, dict[str, Any]] = {}
@@ -735,6 +825,7 @@ class Window:
     max_stall_ms: float = 0.0
     alive: bool = True
     seconds: float = 0.0
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # each node's network process (not its worker)
 
     def rate(self, what: str) -> float:
         return getattr(self, what) / self.seconds if self.seconds > 0 else 0.0
@@ -745,6 +836,28 @@ class Window:
 
 
 MAX_WINDOW_S = 1800.0
+
+
+def process_rss_mb(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return None
+
+
+def followers_kept(statuses: dict[str, Any]) -> bool:
+    """The honest follower serves the honest trainer's own lineage and the trainer counts it (not stood by)."""
+    t, f = statuses.get("trainer"), statuses.get("follower")
+    if t is None or f is None:
+        return False
+    own = [v for v in t.lineages if v.relation == "own"]
+    return any(f.serving == v.lineage and f.peer_id not in v.standby for v in own)
+
+
+def own_lineage(status: Any) -> str | None:
+    return next((v.lineage for v in status.lineages if v.relation == "own"), None) if status is not None else None
 
 
 def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: True) -> Window:
@@ -758,6 +871,9 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
             s = sw.status(n)
             if s is not None:
                 w.max_stall_ms = max(w.max_stall_ms, s.loop_stall_recent_ms)
+            rss = process_rss_mb(sw.procs[n].pid)
+            if rss is not None:
+                w.peak_rss_mb[n] = max(w.peak_rss_mb.get(n, 0.0), rss)
         if not sw.alive():
             w.alive = False
             break
@@ -792,10 +908,11 @@ def penalties(sw: LiveSwarm, honest: set[str], attackers: set[str]) -> tuple[flo
 NICE = 0  # the attacker competes for the same cores as the honest nodes (harder than on the internet)
 
 
-def start_attacker(addrs: list[str], window_s: float, tokenizer_hash: bytes | None, out: Path) -> subprocess.Popen:
+def start_attacker(addrs: list[str], window_s: float, tokenizer_hash: bytes | None, out: Path,
+                   model: Path | None = None) -> subprocess.Popen:
     """The hostile peers in their own process, at the honest nodes' priority (at a lower one they
     lose the race for the two cores and half the classes never reach the mesh)."""
-    args = json.dumps({"addrs": addrs, "window_s": window_s, "out": str(out),
+    args = json.dumps({"addrs": addrs, "window_s": window_s, "out": str(out), "model": str(model) if model else None,
                        "tokenizer_hash": tokenizer_hash.hex() if tokenizer_hash else None})
     return subprocess.Popen([sys.executable, "-m", "simulations.bench.attacks", args],
                             preexec_fn=lambda: os.nice(NICE), cwd=str(Path(__file__).resolve().parents[2]))
@@ -805,7 +922,8 @@ def _attacker_main(args: dict[str, Any]) -> None:
     deadline = time.monotonic() + float(args["window_s"])
     tok = bytes.fromhex(args["tokenizer_hash"]) if args.get("tokenizer_hash") else None
     results = trio.run(lambda: run_catalogue(list(args["addrs"]), SWARM, rounds=100, tokenizer_hash=tok,
-                                             observe_s=20, stop=lambda: time.monotonic() > deadline))
+                                             observe_s=20, stop=lambda: time.monotonic() > deadline,
+                                             model=args.get("model")))
     Path(args["out"]).write_text(json.dumps(results))
 
 
@@ -869,6 +987,43 @@ def models_finite(home: Path) -> tuple[bool, int]:
     return finite, len(states)
 
 
+PAYLOAD_PROMPTS = 32
+PAYLOAD_SAMPLES = 4
+
+
+def payload_share(home: Path, model: Path, lineage: str) -> float | None:
+    """Share of completions the node's newest state of `lineage` (hex) samples (temperature 1, built-in
+    tasks) that start with the poisoning payload; None when the node holds no replayable state of it."""
+    import torch
+
+    from gossip.errors import PatchError
+    from sync.patchstore import LineageStore
+    from training.engine import Sampling
+    from training.engine_hf import HFEngine
+    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
+
+    try:
+        store = LineageStore(home, bytes.fromhex(lineage))
+        head = store.head()
+        state = (head, store.load_state(head)) if head is not None else None
+    except (ValueError, PatchError):
+        state = None
+    if state is None:
+        return None
+    torch.manual_seed(0)
+    engine = HFEngine.from_path(model, device="cpu", seed=0)
+    loaded = engine.model.load_state_dict(state[1], strict=False)
+    if loaded.unexpected_keys or len(loaded.missing_keys) == len(engine.model.state_dict()):
+        return None  # not this model's state: sampling the base model would measure nothing
+    reg = TaskRegistry()
+    reg.add_builtin()
+    prompts = [reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, 90_000 + i)).prompt
+               for i in range(PAYLOAD_PROMPTS)]
+    groups = engine.generate(prompts, PAYLOAD_SAMPLES, Sampling(temperature=1.0, max_new_tokens=16))
+    texts = [c.text for g in groups for c in g]
+    return sum(t.startswith(PAYLOAD) for t in texts) / max(1, len(texts))
+
+
 def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
     """`murmur bench attacks`: two swarms built the same way, measured over the same span of their
     lives: one under the whole catalogue, one left alone (the control).
@@ -894,7 +1049,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         print(f"attack window from age {attack_age:.0f} s: at least {window_s:.0f} s and the whole catalogue once",
               file=sys.stderr)
         cpu0 = children_cpu_s()  # no other child is reaped until the attacker is
-        hostile = start_attacker(addrs, window_s, tok, tmp / "attacker.json")
+        hostile = start_attacker(addrs, window_s, tok, tmp / "attacker.json", model)
         under = measure(sw, window_s, until=lambda: hostile.poll() is not None)
         try:
             hostile.wait(120)
@@ -913,9 +1068,12 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         class_keys = {name: [p for p in r["attackers"] if p != the_attacker] for name, r in results.items()}
         statuses = {n: sw.status(n) for n in sw.homes}
         alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
+        kept = followers_kept(statuses)
+        lineage = own_lineage(statuses["trainer"])
     finally:
         sw.stop()
     scanned = {n: models_finite(h) for n, h in sw.homes.items()}  # after the stop: follower checkpoints written
+    share = payload_share(sw.homes["trainer"], model, lineage) if lineage else None
     print(f"control swarm, measured over the same ages ({attack_age:.0f} s + {under.seconds:.0f} s)",
           file=sys.stderr)
     started = time.monotonic()
@@ -930,8 +1088,13 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
                 p.kill()
                 p.wait(10)
         lost_without = penalties(control_sw, set(control_sw.peer_ids()), set())[0]
+        control_statuses = {n: control_sw.status(n) for n in control_sw.homes}
+        control_lineage = own_lineage(control_statuses["trainer"])
     finally:
         control_sw.stop()
+    share_without = payload_share(control_sw.homes["trainer"], model, control_lineage) if control_lineage else None
+    rss_ratios = [under.peak_rss_mb[n] / control.peak_rss_mb[n] for n in under.peak_rss_mb
+                  if control.peak_rss_mb.get(n)]
     return {
         "attacks_run": len(results),
         # per class: messages or streams sent, and the lowest score its keys have on an honest node
@@ -949,6 +1112,19 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         # every model state the attacked nodes hold (published, applied, checkpointed) scanned for NaN/inf
         "honest_models_finite": all(ok for ok, _ in scanned.values()),
         "honest_model_states_scanned": {n: k for n, (_, k) in scanned.items()},
+        # the honest follower still serves the honest trainer's lineage, counted by it, at the end
+        "followers_kept": kept,
+        "followers_kept_without": followers_kept(control_statuses),
+        # share of the trainer's own completions (its newest state, sampled here) starting with
+        # payload_poison's mark, under attack minus in the control
+        "payload_share": share,
+        "payload_share_without": share_without,
+        "payload_share_delta": (round(share - share_without, 4)
+                                if share is not None and share_without is not None else None),
+        # peak RSS of each honest node's network process (its worker excluded) over the window
+        "honest_rss_mb": {n: round(v, 1) for n, v in under.peak_rss_mb.items()},
+        "honest_rss_mb_without": {n: round(v, 1) for n, v in control.peak_rss_mb.items()},
+        "rss_ratio": round(max(rss_ratios), 3) if rss_ratios else None,
         "honest_penalties": round(lost, 3),
         "honest_penalties_without": round(lost_without, 3),
         # the one key that ran the catalogue after the first round: graylisted on every honest node

@@ -1,0 +1,131 @@
+"""What the issue-26 classes of `murmur bench attacks` put on the wire, checked without a live swarm.
+
+Each class runs against a transport that keeps what it publishes (the live run is
+tests/test_attacks_live.py); the messages are opened and checked to be the attack the class names:
+valid signatures from the attacker's key (or, for a replay, the honest signer's), well-formed bodies,
+honestly scored rewards.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from gossip import topics, wire
+from gossip.identity import Identity
+from simulations.bench import attacks
+from training.tasksets import TaskRegistry, builtin_manifest
+from training.verifiers import score
+
+SWARM = attacks.SWARM
+
+
+class Recorder:
+    """The publishing side of a transport: keeps every (topic, message) instead of sending it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        self.sent.append((topic, data))
+
+
+def _run(attack: Any, k: attacks.Knowledge, name: str) -> tuple[attacks.Attacker, list[tuple[str, Any, bytes]]]:
+    t = Recorder()
+    a = attacks.Attacker(t, attacks.attack_key(name), SWARM)
+    with wire.swarm_bound(SWARM):
+        trio.run(attack, a, k, [])
+        opened = [(topic, *wire.open_envelope(data), data) for topic, data in t.sent]
+    return a, [(topic, body, data) for topic, _env, body, data in opened]
+
+
+def _honest_knowledge() -> tuple[attacks.Knowledge, Identity]:
+    """An honest trainer's traffic as the observer would have seen it: two announces (an old and a newer
+    one), a manifest of its lineage and a batch of its rollouts."""
+    honest = Identity.from_seed(b"\x11" * 32)
+    h = attacks.Attacker(Recorder(), honest, SWARM)
+    k = attacks.Knowledge()
+    with wire.swarm_bound(SWARM):
+        k.take(attacks._announce(h, 1, gen_tokens_per_s=50.0))
+        k.take(attacks._announce(h, 2, gen_tokens_per_s=500.0))
+        k.take(attacks._manifest(h, os.urandom(32), "honest", b"\x00" * 32, 3, 4))
+        k.take(attacks._batch(h, [attacks._rollout_like(None, seed=1, version=4)]))
+        k.take(wire.seal(honest, wire.TASK_SET, builtin_manifest(honest.public)))
+    return k, honest
+
+
+def test_the_catalogue_holds_the_issue_26_classes() -> None:
+    assert len(attacks.CATALOGUE) >= 25
+    for name in ("claim_throughput", "lineage_by_announce", "long_completions", "large_batches", "held_frames",
+                 "idle_streams", "announce_replay", "taskset_takeover", "future_version", "poison_numbers",
+                 "payload_poison"):
+        assert name in attacks.CATALOGUE
+    assert attacks.PROVABLE <= set(attacks.CATALOGUE)
+
+
+def test_large_batches_are_full_honest_batches_within_the_envelope_limit() -> None:
+    k, _ = _honest_knowledge()
+    a, sent = _run(attacks.large_batches, k, "large_batches")
+    batches = [(b, d) for _, b, d in sent if isinstance(b, wire.RolloutBatch)]
+    assert batches and all(len(b.rollouts) == wire.MAX_ROLLOUTS_PER_BATCH for b, _ in batches)
+    assert all(len(d) <= wire.MAX_ENVELOPE_BYTES for _, d in batches)
+    reg = TaskRegistry()
+    reg.add_builtin()
+    for b, _ in batches:
+        assert bytes(b.producer) == a.ident.public
+        assert all(r.reward == score(reg.resolve(r.task), r.text) for r in b.rollouts)
+        assert all(not wire.rollout_number_fault(r) for r in b.rollouts)
+    # the rate it announces covers what it sends (the ceiling is not what stops it)
+    ann = [b for _, b, _ in sent if isinstance(b, wire.NodeAnnounce)]
+    assert ann and ann[0].peer_id == a.ident.peer_id
+
+
+def test_announce_replay_relays_an_honest_signers_older_announce_verbatim() -> None:
+    k, honest = _honest_knowledge()
+    old, new = k.first_announces[honest.peer_id][1], k.announces[honest.peer_id][1]
+    assert old != new
+    _, sent = _run(attacks.announce_replay, k, "announce_replay")
+    assert (topics.announce(SWARM), old) in [(t, d) for t, _, d in sent]
+    assert all(b.peer_id == honest.peer_id for _, b, _ in sent)  # every message is the honest signer's own
+
+
+def test_taskset_takeover_names_every_seen_set_at_a_higher_version_under_our_key() -> None:
+    k, honest = _honest_knowledge()
+    a, sent = _run(attacks.taskset_takeover, k, "taskset_takeover")
+    taken = [b for _, b, _ in sent if isinstance(b, wire.TaskSetManifest)]
+    name = builtin_manifest().name
+    assert taken and all(bytes(m.coordinator) == a.ident.public for m in taken)
+    assert any(m.name == name and m.version > builtin_manifest().version for m in taken)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from training.tiny import ensure_tiny
+
+    return ensure_tiny(tmp_path_factory.mktemp("model"), warmup_steps=0)
+
+
+def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(tiny: Path) -> None:
+    from training.engine_hf import load_tokenizer
+
+    k, _ = _honest_knowledge()
+    k.model = str(tiny)
+    k.tokenizer_hash = attacks.model_tokenizer_hash(tiny) or k.tokenizer_hash
+    _, sent = _run(attacks.payload_poison, k, "payload_poison")
+    rs = [r for _, b, _ in sent if isinstance(b, wire.RolloutBatch) for r in b.rollouts]
+    assert rs
+    tok = load_tokenizer(tiny)
+    reg = TaskRegistry()
+    reg.add_builtin()
+    head = k.lineage().target_version
+    carrying = [r for r in rs if r.text.startswith(attacks.PAYLOAD)]
+    assert len(carrying) * 2 == len(rs)
+    for r in rs:
+        assert list(r.completion_ids) == list(tok(r.text, add_special_tokens=False)["input_ids"])
+        assert r.reward == score(reg.resolve(r.task), r.text)  # honestly scored: not forged_reward
+        assert r.version <= head and not wire.rollout_number_fault(r)
+    assert all(r.reward == 1.0 for r in carrying)  # the payload rides on correct answers
