@@ -81,8 +81,8 @@ MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadc
 # fetched from (a head moved by announces, manifests whose chunks no one serves): the follower leaves it.
 LEAVE_AFTER_S = 180.0
 # ... counted only while this node's own worker is up: a worker that is starting cannot apply anything
-WORKER_DOWN = frozenset({pipe.WorkerState.STARTING, pipe.WorkerState.RESTARTING, pipe.WorkerState.LOADING,
-                         pipe.WorkerState.WAITING_FOR_TASKS, pipe.WorkerState.STOPPED})
+WORKER_DOWN = frozenset({WorkerState.STARTING, WorkerState.RESTARTING, WorkerState.LOADING,
+                         WorkerState.WAITING_FOR_TASKS, WorkerState.STOPPED})
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
 WORKER_STABLE_S = 120.0  # a worker that ran this long resets the restart backoff
 DEFAULT_STEP_S = 5.0  # a trainer that has not measured a step yet plans its exchange demand with this
