@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,6 +32,15 @@ def home(tmp_path, monkeypatch):
     h = tmp_path / "home"
     monkeypatch.setenv("MURMUR_HOME", str(h))
     return h
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """murmur-tiny (the default build every node starts from) built once per session, in a subprocess as a node
+    builds it; nodes only read it, so every live-node test shares this one."""
+    from tests.nodeproc import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.fixture

@@ -8,14 +8,12 @@ applying patches, no honest peer lost score, and every key that committed a prov
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import trio
 
 from simulations.bench import attacks
-from tests.nodeproc import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +21,9 @@ PROGRESS_S = 240.0
 ANSWER_S = 60.0  # a loaded machine answers within seconds; a frozen node never does
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture
+def model(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:

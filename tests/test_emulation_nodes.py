@@ -20,12 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGED = sorted(p for p in (ROOT / "simulations" / "scenarios").glob("*.toml") if p.stem != "bench_swarm")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """murmur-tiny built once for this module's emulations (each would otherwise build its own)."""
-    from training.tiny import ensure_tiny
-
-    return ensure_tiny(tmp_path_factory.mktemp("tiny"))
+@pytest.fixture
+def tiny(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def _out(tmp_path: Path, tiny: Path) -> Path:

@@ -21,7 +21,7 @@ import pytest
 
 from node.status import NodeStatus
 from tests.nodeproc import status as _status
-from tests.nodeproc import build_tiny_model, free_port, wait_for
+from tests.nodeproc import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +68,9 @@ def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], ti
     wait_for(what, pred, procs, timeout)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture
+def model(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -> None:

@@ -18,7 +18,7 @@ from node.home import ensure_home
 from node.store import open_store
 from node.taskmix import STATUS_KEY
 from training.tasksets import BUILTIN_NAME, BUILTIN_VERSION
-from tests.nodeproc import build_tiny_model, status, stop_all, wait_for
+from tests.nodeproc import status, stop_all, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +61,8 @@ def _training(home: Path, version: int) -> bool:
                for s in _status(home).get("sets", []))
 
 
-def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_path: Path) -> None:
-    model = build_tiny_model(tmp_path / "model", ENV)
+def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_path: Path, tiny_model: Path) -> None:
+    model = tiny_model
     home = tmp_path / "node"
     key = ensure_home(home).public.hex()
     (home / "config.toml").write_text(

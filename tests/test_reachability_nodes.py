@@ -21,7 +21,7 @@ import pytest
 
 from node.status import NodeStatus
 from tests.nodeproc import status as _status
-from tests.nodeproc import build_tiny_model, stop_all, wait_for
+from tests.nodeproc import stop_all, wait_for
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
@@ -66,9 +66,9 @@ def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], ti
     wait_for(what, pred, procs, timeout)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), _env())
+@pytest.fixture
+def model(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def _check(out: dict, name: str) -> dict:

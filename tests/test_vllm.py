@@ -21,7 +21,7 @@ import pytest
 
 from gossip.errors import MurmurError
 from node.status import NodeStatus
-from tests.nodeproc import build_tiny_model, free_port, wait_for
+from tests.nodeproc import free_port, wait_for
 from tests.nodeproc import status as _status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +43,9 @@ def vllm_py() -> str:
     return py
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model"), dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture
+def model(tiny_model: Path) -> Path:
+    return tiny_model
 
 
 def _env() -> dict[str, str]:
