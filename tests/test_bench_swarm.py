@@ -67,9 +67,15 @@ def _small_scenario(tmp_path: Path) -> Path:
     return small
 
 
-def test_two_rounds_all_arms_through_the_real_pipeline(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def seed0_home(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One model home for this module's seed-0 runs, which would each build the same seed-0 model."""
+    return str(tmp_path_factory.mktemp("home"))
+
+
+def test_two_rounds_all_arms_through_the_real_pipeline(tmp_path: Path, seed0_home: str) -> None:
     small = _small_scenario(tmp_path)
-    out = bench_swarm.run(rounds=2, seed=0, home=str(tmp_path / "home"), scenario=str(small))
+    out = bench_swarm.run(rounds=2, seed=0, home=seed0_home, scenario=str(small))
     json.dumps(out)  # the CLI prints it as one JSON line
     for k in REQUIRED:
         assert k in out, k
@@ -125,7 +131,7 @@ def test_seeds_run_in_their_own_processes_and_reproduce_single_runs(tmp_path: Pa
         bench_swarm.run_seeds(2, scenario=str(tmp_path / "missing.toml"))
 
 
-def test_nodes_override_keeps_per_node_compute_and_the_adversary_slot(tmp_path: Path) -> None:
+def test_nodes_override_keeps_per_node_compute_and_the_adversary_slot(tmp_path: Path, seed0_home: str) -> None:
     base, _ = bench_swarm.load_scenario()
     for n, adv in ((2, 1), (4, 3), (8, 3)):
         sc, _ = bench_swarm.load_scenario(nodes=n)
@@ -134,7 +140,7 @@ def test_nodes_override_keeps_per_node_compute_and_the_adversary_slot(tmp_path: 
     for bad in (1, bench_swarm.MAX_NODES + 1):
         with pytest.raises(ConfigError, match="nodes"):
             bench_swarm.load_scenario(nodes=bad)
-    out = bench_swarm.run(rounds=1, seed=0, home=str(tmp_path / "home"), scenario=str(_small_scenario(tmp_path)),
+    out = bench_swarm.run(rounds=1, seed=0, home=seed0_home, scenario=str(_small_scenario(tmp_path)),
                           nodes=2)
     assert out["nodes"] == 2 and out["adversary_node"] == 1
     assert out["swarm_verdicts"] == {"accepted": 2}  # one batch each way
