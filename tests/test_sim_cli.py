@@ -42,12 +42,14 @@ def test_virtual_run_writes_report_and_json(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_emulation_runs_real_nodes_and_rejects_a_forger(tmp_path) -> None:
+def test_emulation_runs_real_nodes_and_rejects_a_forger(tmp_path, tiny_model) -> None:
     p = tmp_path / "emu.toml"
     p.write_text('name = "emu"\nduration_s = 90.0\n[[group]]\ncount = 2\nupload_bytes_per_s = 2000000.0\n'
                  '[[adversary]]\nbehaviour = "forged_reward"\nrate_per_s = 1.0\nstart_s = 30.0\n'
                  "[report]\nsample_every_s = 5.0\n")
     out = tmp_path / "rep"
+    (out / "shared-model" / "models").mkdir(parents=True)  # the session's build, where the emulator keeps its own
+    (out / "shared-model" / "models" / tiny_model.name).symlink_to(tiny_model)
     r = _murmur("simulate", str(p), "--out", str(out), "--json", timeout=500)
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout.strip().splitlines()[-1])
