@@ -78,6 +78,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("sync/staleness.py", "new = FRESH if (t.head or -1) - t.local <= self.k else STALE"),
     ("gossip/scoring.py", "max_peers: int = 10001) -> None:"),
     ("gossip/scoring.py", "max_peers: int = 9999) -> None:"),
+    # the table grows by one peer at a time, so it is full exactly at the bound
+    ("gossip/scoring.py", "if len(self._peers) == self.max_peers:  # forget the most neutral peer"),
+    # no time passed: decaying by 0.5 ** 0 changes nothing
+    ("gossip/scoring.py", "elif now >= rec.updated:"),
 }
 
 

@@ -83,3 +83,17 @@ def test_penalise_actions_are_frozen_and_slotted() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.amount = 2.0  # type: ignore[misc]
     assert not hasattr(a, "__dict__")
+
+
+def test_decay_is_continuous_and_measured_from_the_last_update() -> None:
+    s = PeerScores(ScoreParams(half_life_s=10.0))
+    s.penalise("p", "x", 16.0, now=50.0)
+    assert s.score("p", 55.0) == pytest.approx(-16.0 * 0.5 ** 0.5)  # half a half-life: not rounded down
+    assert s.score("p", 120.0) == pytest.approx(-16.0 * 0.5 ** 7)  # 70 s after the penalty at 50
+
+
+def test_a_large_table_stays_at_its_bound() -> None:
+    s = PeerScores(max_peers=300)
+    for i in range(310):
+        s.penalise(f"p{i}", "x", 1.0 + i, 0.0)
+    assert len(s._peers) == 300
