@@ -13,6 +13,7 @@ pipeline alone on one core. See docs/gossip.md for why processes and the pacing.
 from __future__ import annotations
 
 import os
+import subprocess
 import struct
 import time
 from typing import Any
@@ -298,10 +299,36 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
         nursery.cancel_scope.cancel()
 
 
+
+def _spawn(entry: str, args: str, params: dict[str, Any]) -> "subprocess.Popen[str]":
+    """One bench node process running `entry(*args, params)` under trio, spoken to line by line."""
+    import json
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    code = (f"import trio, json; from simulations.bench.gossip import {entry}; "
+            f"trio.run({entry}, {args}, json.loads({json.dumps(json.dumps(params))}))")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _expect(p: "subprocess.Popen[str]", word: str) -> str:
+    """The rest of the bench node's next line, which must start with `word`."""
+    line = p.stdout.readline() if p.stdout else ""
+    if not line.startswith(word):
+        raise RuntimeError(f"bench node said {line!r}, expected {word}")
+    return line[len(word):].strip()
+
+
+def _send(p: "subprocess.Popen[str]", line: str) -> None:
+    assert p.stdin is not None
+    p.stdin.write(line + "\n")
+    p.stdin.flush()
+
+
 def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_per_batch: int, tokens: int,
               adversarial: bool, timeout_s: float) -> dict[str, Any]:
     import json
-    import subprocess
     import sys
 
     honest = nodes - 1 if adversarial else nodes
@@ -309,40 +336,25 @@ def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_
                   tokens=tokens, rate_limit=20.0, burst=40, expect=(honest - 1) * batches_per_node,
                   adversarial=batches_per_node * 7 if adversarial else 0, adv_gap=1.0 / (10 * 20.0),
                   timeout=timeout_s)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    procs = []
+    procs: list[subprocess.Popen] = []
     try:
         for i in range(nodes):
             role = "adversary" if adversarial and i == nodes - 1 else "honest"
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", f"import trio, json; from simulations.bench.gossip import _child; "
-                 f"trio.run(_child, {i}, {role!r}, json.loads({json.dumps(json.dumps(params))}))"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
-
-        def expect(p: subprocess.Popen, word: str) -> str:
-            line = p.stdout.readline()
-            if not line.startswith(word):
-                raise RuntimeError(f"bench node said {line!r}, expected {word}")
-            return line[len(word):].strip()
-
-        def send(p: subprocess.Popen, line: str) -> None:
-            p.stdin.write(line + "\n")
-            p.stdin.flush()
-
-        addrs = [expect(p, "ADDR") for p in procs]
+            procs.append(_spawn("_child", f"{i}, {role!r}", params))
+        addrs = [_expect(p, "ADDR") for p in procs]
         for i, p in enumerate(procs):
-            send(p, "PEERS " + " ".join(addrs[:i]))
-            expect(p, "READY")
+            _send(p, "PEERS " + " ".join(addrs[:i]))
+            _expect(p, "READY")
         for p in procs:
-            send(p, f"WANT {nodes - 1}")
+            _send(p, f"WANT {nodes - 1}")
         for p in procs:
-            expect(p, "MESH")
+            _expect(p, "MESH")
         start = time.time() + 0.5
         for p in procs:
-            send(p, f"START {start}")
-        results = [json.loads(expect(p, "DONE")) for p in procs]  # a crashed node's stderr shows above
+            _send(p, f"START {start}")
+        results = [json.loads(_expect(p, "DONE")) for p in procs]  # a crashed node's stderr shows above
         for p in procs:
-            send(p, "EXIT")
+            _send(p, "EXIT")
     finally:
         for p in procs:
             try:
@@ -498,46 +510,30 @@ def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int
     """`nodes` processes, each a producer (`rate_per_node` batches/s of `rollouts_per_batch`) and a consumer
     of `demand` rollouts/s, on the rollout exchange; per-consumer inbound, verification CPU, use, reach."""
     import json
-    import subprocess
     import sys
 
     params = dict(nodes=nodes, rate=rate_per_node, rollouts=rollouts_per_batch, tokens=tokens, demand=demand,
                   duration=duration_s)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     procs: list[subprocess.Popen] = []
     try:
         for i in range(nodes):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", f"import trio, json; from simulations.bench.gossip import _exchange_child; "
-                 f"trio.run(_exchange_child, {i}, json.loads({json.dumps(json.dumps(params))}))"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env))
-
-        def expect(p: subprocess.Popen, word: str) -> str:
-            line = p.stdout.readline()
-            if not line.startswith(word):
-                raise RuntimeError(f"bench node said {line!r}, expected {word}")
-            return line[len(word):].strip()
-
-        def send(p: subprocess.Popen, line: str) -> None:
-            p.stdin.write(line + "\n")
-            p.stdin.flush()
-
-        addrs = [expect(p, "ADDR") for p in procs]
+            procs.append(_spawn("_exchange_child", f"{i}", params))
+        addrs = [_expect(p, "ADDR") for p in procs]
         pubs = ",".join(Identity.from_seed(bytes([k + 1]) * 32).public.hex() for k in range(nodes))
         for i, p in enumerate(procs):
-            send(p, f"PEERS {','.join(addrs[:i]) or '-'} {pubs}")
+            _send(p, f"PEERS {','.join(addrs[:i]) or '-'} {pubs}")
         for p in procs:
-            expect(p, "READY")
+            _expect(p, "READY")
         for p in procs:
-            send(p, "GO")
+            _send(p, "GO")
         for p in procs:
-            expect(p, "MESH")
+            _expect(p, "MESH")
         start = time.time() + 0.5
         for p in procs:
-            send(p, f"START {start}")
-        results = [json.loads(expect(p, "DONE")) for p in procs]
+            _send(p, f"START {start}")
+        results = [json.loads(_expect(p, "DONE")) for p in procs]
         for p in procs:
-            send(p, "EXIT")
+            _send(p, "EXIT")
     finally:
         for p in procs:
             try:
