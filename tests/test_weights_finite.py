@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gossip import wire
 from gossip.errors import NonFiniteWeights
 from sync.codec import count_non_finite
 from sync.hashing import bits_view, state_hash
@@ -102,6 +103,9 @@ def test_the_attack_bench_scans_every_state_a_node_holds(identity, tmp_path) -> 
         pub.publish(tr.step())
     ok, n = models_finite(tmp_path)
     assert ok and n >= 3  # the head replayed, plus the anchors at 0 and 2
+    swarm = wire.bound_swarm()
+    with wire.swarm_bound("the-benchs-own-process"):  # the bench scans nodes of a swarm it is not bound to
+        assert models_finite(tmp_path, swarm) == (True, n)  # the head still replayed, not skipped
     ck = tmp_path / "follow" / "ab" / "state.safetensors"
     ck.parent.mkdir(parents=True)
     save_file(poisoned(tr.state(), math.nan), str(ck))

@@ -16,6 +16,7 @@ without attack, and returns the JSON object `murmur bench attacks --json` prints
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -962,7 +963,7 @@ def start_measuring_at(sw_started: float, age_s: float) -> float:
     return time.monotonic() - sw_started
 
 
-def models_finite(home: Path) -> tuple[bool, int]:
+def models_finite(home: Path, swarm: str | None = None) -> tuple[bool, int]:
     """(no NaN or inf in any model state a node holds, how many states were scanned): the newest state
     of every lineage it stores, replayed from an anchor and its patches and checked against the signed
     hash, every anchor, and every follower checkpoint."""
@@ -978,7 +979,9 @@ def models_finite(home: Path) -> tuple[bool, int]:
             store = LineageStore(home, bytes.fromhex(d.name))
             head = store.head()
             if head is not None:
-                states.append(store.load_state(head))
+                # the stored manifests are signed for the node's swarm (None: the one this process is bound to)
+                with wire.swarm_bound(swarm) if swarm is not None else contextlib.nullcontext():
+                    states.append(store.load_state(head))
         except (ValueError, PatchError):
             continue  # not replayable here (no anchor at or below the head): its files are scanned below
     for f in sorted(home.rglob("*.safetensors")):
@@ -991,7 +994,7 @@ PAYLOAD_PROMPTS = 32
 PAYLOAD_SAMPLES = 4
 
 
-def payload_share(home: Path, model: Path, lineage: str) -> float | None:
+def payload_share(home: Path, model: Path, lineage: str, swarm: str = SWARM) -> float | None:
     """Share of completions the node's newest state of `lineage` (hex) samples (temperature 1, built-in
     tasks) that start with the poisoning payload; None when the node holds no replayable state of it."""
     import torch
@@ -1005,7 +1008,8 @@ def payload_share(home: Path, model: Path, lineage: str) -> float | None:
     try:
         store = LineageStore(home, bytes.fromhex(lineage))
         head = store.head()
-        state = (head, store.load_state(head)) if head is not None else None
+        with wire.swarm_bound(swarm):  # the stored manifests are signed for the node's swarm
+            state = (head, store.load_state(head)) if head is not None else None
     except (ValueError, PatchError):
         state = None
     if state is None:
@@ -1072,7 +1076,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         lineage = own_lineage(statuses["trainer"])
     finally:
         sw.stop()
-    scanned = {n: models_finite(h) for n, h in sw.homes.items()}  # after the stop: follower checkpoints written
+    scanned = {n: models_finite(h, SWARM) for n, h in sw.homes.items()}  # after the stop: follower checkpoints written
     share = payload_share(sw.homes["trainer"], model, lineage) if lineage else None
     print(f"control swarm, measured over the same ages ({attack_age:.0f} s + {under.seconds:.0f} s)",
           file=sys.stderr)
