@@ -577,20 +577,19 @@ class NodeCore:
         out.append(FetchCatalog(c.source, c.lineage))
 
     def _on_catalog_failed(self, ev: CatalogFailed, out: list[Action]) -> None:
-        c = self.catching
-        if c is None or c.phase is not CatchUpPhase.ASKING or not c.from_source(ev.lineage, ev.peer):
-            return
-        out.append(Log("catch-up source failed", {"lineage": ev.lineage.hex()[:16], "peer": ev.peer,
-                                                  "error": ev.error[:200]}))
-        self._ask_next(out)
+        self._source_failed(ev, CatchUpPhase.ASKING, "catch-up source failed", out)
 
     def _on_offer_failed(self, ev: OfferFailed, out: list[Action]) -> None:
         """An offered item did not come: the source cannot seed what it listed, so the next source is asked."""
+        self._source_failed(ev, CatchUpPhase.OFFERED, "catch-up offer failed", out)
+
+    def _source_failed(self, ev: CatalogFailed | OfferFailed, phase: CatchUpPhase, what: str,
+                       out: list[Action]) -> None:
+        """The current source failed in `phase`: logged, and the next source asked (stale reports ignored)."""
         c = self.catching
-        if c is None or c.phase is not CatchUpPhase.OFFERED or not c.from_source(ev.lineage, ev.peer):
+        if c is None or c.phase is not phase or not c.from_source(ev.lineage, ev.peer):
             return
-        out.append(Log("catch-up offer failed", {"lineage": ev.lineage.hex()[:16], "peer": ev.peer,
-                                                 "error": ev.error[:200]}))
+        out.append(Log(what, {"lineage": ev.lineage.hex()[:16], "peer": ev.peer, "error": ev.error[:200]}))
         self._ask_next(out)
 
     def _on_catalog(self, ev: CatalogReceived, out: list[Action]) -> None:
