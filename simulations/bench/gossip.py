@@ -326,11 +326,30 @@ def _send(p: "subprocess.Popen[str]", line: str) -> None:
     p.stdin.flush()
 
 
+def _start_and_collect(procs: "list[subprocess.Popen[str]]") -> list[dict[str, Any]]:
+    """Start every bench node at one instant, read each one's DONE summary, then let them exit (a crashed
+    node's stderr shows above)."""
+    import json
+
+    start = time.time() + 0.5
+    for p in procs:
+        _send(p, f"START {start}")
+    results = [json.loads(_expect(p, "DONE")) for p in procs]
+    for p in procs:
+        _send(p, "EXIT")
+    return results
+
+
+def _reap(procs: "list[subprocess.Popen[str]]") -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_per_batch: int, tokens: int,
               adversarial: bool, timeout_s: float) -> dict[str, Any]:
-    import json
-    import sys
-
     honest = nodes - 1 if adversarial else nodes
     params = dict(nodes=nodes, batches=batches_per_node, rate_per_node=rate_per_node, rollouts=rollouts_per_batch,
                   tokens=tokens, rate_limit=20.0, burst=40, expect=(honest - 1) * batches_per_node,
@@ -349,18 +368,9 @@ def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_
             _send(p, f"WANT {nodes - 1}")
         for p in procs:
             _expect(p, "MESH")
-        start = time.time() + 0.5
-        for p in procs:
-            _send(p, f"START {start}")
-        results = [json.loads(_expect(p, "DONE")) for p in procs]  # a crashed node's stderr shows above
-        for p in procs:
-            _send(p, "EXIT")
+        results = _start_and_collect(procs)
     finally:
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _reap(procs)
     hon = results[:honest]
     sent = {k: v for r in hon for k, v in r["sent"].items()}
     lat, delivered = [], 0
@@ -448,7 +458,7 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
         await nursery.start(service.run)
         print("ADDR", t.listen_addrs()[0], flush=True)
         line = (await stdin.readline()).split()
-        addrs, pubs = line[1].split(",") if line[1] != "-" else [], line[2].split(",")
+        addrs = line[1].split(",") if line[1] != "-" else []
         for a in addrs:
             await t.connect(a)
         others = [Identity.from_seed(bytes([k + 1]) * 32) for k in range(params["nodes"]) if k != index]
@@ -509,9 +519,6 @@ def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int
                  demand: float = 8.0, duration_s: float = 30.0) -> dict[str, Any]:
     """`nodes` processes, each a producer (`rate_per_node` batches/s of `rollouts_per_batch`) and a consumer
     of `demand` rollouts/s, on the rollout exchange; per-consumer inbound, verification CPU, use, reach."""
-    import json
-    import sys
-
     params = dict(nodes=nodes, rate=rate_per_node, rollouts=rollouts_per_batch, tokens=tokens, demand=demand,
                   duration=duration_s)
     procs: list[subprocess.Popen] = []
@@ -519,27 +526,17 @@ def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int
         for i in range(nodes):
             procs.append(_spawn("_exchange_child", f"{i}", params))
         addrs = [_expect(p, "ADDR") for p in procs]
-        pubs = ",".join(Identity.from_seed(bytes([k + 1]) * 32).public.hex() for k in range(nodes))
         for i, p in enumerate(procs):
-            _send(p, f"PEERS {','.join(addrs[:i]) or '-'} {pubs}")
+            _send(p, f"PEERS {','.join(addrs[:i]) or '-'}")
         for p in procs:
             _expect(p, "READY")
         for p in procs:
             _send(p, "GO")
         for p in procs:
             _expect(p, "MESH")
-        start = time.time() + 0.5
-        for p in procs:
-            _send(p, f"START {start}")
-        results = [json.loads(_expect(p, "DONE")) for p in procs]
-        for p in procs:
-            _send(p, "EXIT")
+        results = _start_and_collect(procs)
     finally:
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _reap(procs)
     sent = {k: v for r in results for k, v in r["sent"].items()}
     lat = sorted((t_acc - sent[k]) * 1000 for r in results for k, t_acc in r["accepted"].items() if k in sent)
     inbound = [r["counts"].get("received_rollouts", 0) / r["span"] for r in results]
