@@ -43,6 +43,27 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.fixture(scope="module")
+def registry() -> Any:
+    """The built-in task set, one per test module."""
+    from training.tasksets import TaskRegistry
+
+    reg = TaskRegistry()
+    reg.add_builtin()
+    return reg
+
+
+@pytest.fixture(scope="module")
+def warm_engine() -> Any:
+    """murmur-tiny after 40 warm-up steps, one per test module (trained on, so never shared across modules):
+    format learnt and some answers right, so rewards vary within groups."""
+    from training.tiny import new_tiny_engine, warmup
+
+    e = new_tiny_engine(seed=0)
+    warmup(e, 40, seed=0)
+    return e
+
+
 @pytest.fixture
 def webrtc_extra() -> None:
     """Skip, with the reason, where aiortc (a core dependency) failed to install or import; CI must run these."""

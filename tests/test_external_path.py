@@ -15,27 +15,12 @@ from training.losses import hacpo_coefficient
 from training.rollouts import logprobs_to_bytes, to_wire
 from training.sampler import Sampler
 from training.tasksets import TaskRegistry
-from training.tiny import new_tiny_engine, warmup
 from training.trainer import Trainer, TrainerConfig
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
 OTHER = b"\x0b" * 32
-
-
-@pytest.fixture(scope="module")
-def registry() -> TaskRegistry:
-    reg = TaskRegistry()
-    reg.add_builtin()
-    return reg
-
-
-@pytest.fixture(scope="module")
-def warm_engine():  # type: ignore[no-untyped-def]
-    e = new_tiny_engine(seed=0)
-    warmup(e, 40, seed=0)  # some answers right: a mix of all-wrong and informative groups
-    return e
 
 
 def test_hacpo_capabilities_of_equal_skill_are_equal(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]

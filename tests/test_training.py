@@ -13,27 +13,13 @@ from gossip.wire import Rollout
 from node.config import Config
 from training.rollouts import to_wire
 from training.tasksets import TaskRegistry
-from training.tiny import new_tiny_engine, warmup
+from training.tiny import new_tiny_engine
 from training.trainer import StepResult, Trainer, TrainerConfig
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
 SMALL = dict(local_groups=2, group_size=4, max_new_tokens=4, lr=1e-4, external_groups=0)
-
-
-@pytest.fixture(scope="module")
-def registry() -> TaskRegistry:
-    reg = TaskRegistry()
-    reg.add_builtin()
-    return reg
-
-
-@pytest.fixture(scope="module")
-def warm_engine():  # type: ignore[no-untyped-def]
-    e = new_tiny_engine(seed=0)
-    warmup(e, 40, seed=0)  # format learnt, some answers right: rewards vary within groups
-    return e
 
 
 def test_partial_rollouts_record_versions_and_feed_stale_tokens(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
