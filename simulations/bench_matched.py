@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gossip import wire
 from gossip.validation import Pipeline, PipelineConfig
 from simulations.bench_swarm import SWARM, _ident, _seal
 from training.sampler import Sampler

@@ -23,7 +23,6 @@ import trio
 
 from gossip import topics, wire
 from gossip.errors import PatchError
-from gossip.framing import read_frame, write_frame
 from gossip.host import open_transport
 from gossip.identity import Identity
 from node import patchsync
