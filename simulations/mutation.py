@@ -1,6 +1,7 @@
 """Mutation testing of chosen modules with the fast tests only (cosmic-ray, pinned in the `test` extras).
 
     python -m simulations.mutation gossip/ratelimit.py [--tests tests/test_x.py ...] [--timeout 60] [--json]
+    python -m simulations.mutation node/core.py --sample 150 --seed 0 --db /tmp/core.sqlite
 
 The tracked files are copied to a scratch folder first: cosmic-ray rewrites the module in place while a
 mutant's tests run, so the working tree is never touched, and an interrupted run leaves nothing behind.
@@ -8,14 +9,17 @@ Each mutant runs `pytest -x -q -m "not slow"` on the module's test files (MODULE
 a mutant whose tests fail or time out is killed. The last line printed is one JSON object: counts,
 the score killed / (total - equivalent) and each survivor's diff. Equivalent mutants (no test can tell
 them apart from the original) are listed by their diff line in EQUIVALENT, with the reason in
-docs/testing.md. The command and the scores per module are in docs/testing.md.
+docs/testing.md. With --sample N only a seeded uniform sample of N mutants runs: its score estimates the
+full score, given with a 95 % Wilson interval. The command and the scores per module are in docs/testing.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import shutil
 import sqlite3
@@ -97,6 +101,46 @@ def _annotation_only(module: str, diff: str, operator: str) -> bool:
 
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval for k successes in n draws (95 % at z = 1.96); unlike p +- z*sd it stays
+    inside [0, 1] and is not empty at k = n, where mutation scores live."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+# A mutation's identity across `cosmic-ray init`s (its job id is a fresh uuid each time): the operator and
+# its occurrence in the module, which are fixed by the module's source.
+_SPEC_KEY = "SELECT job_id, operator_name, occurrence, start_pos_row, start_pos_col FROM mutation_specs"
+
+
+def sample_session(db: Path, n: int, seed: int) -> tuple[int, int]:
+    """Keep a seeded uniform sample of n of the session's mutants (delete the others' work items): the same
+    module source, n and seed keep the same mutants. Returns (kept, total); the numbers are also stored in
+    the session, so --report and --resume can show them."""
+    with sqlite3.connect(db) as con:
+        rows = sorted(con.execute(_SPEC_KEY).fetchall(), key=lambda r: r[1:])
+        total = len(rows)
+        keep = {r[0] for r in random.Random(seed).sample(rows, min(n, total))}
+        drop = [(r[0],) for r in rows if r[0] not in keep]
+        con.executemany("DELETE FROM mutation_specs WHERE job_id = ?", drop)
+        con.executemany("DELETE FROM work_items WHERE job_id = ?", drop)
+        con.execute("CREATE TABLE IF NOT EXISTS murmur_sample (kept INTEGER, total INTEGER, seed INTEGER)")
+        con.execute("DELETE FROM murmur_sample")
+        con.execute("INSERT INTO murmur_sample VALUES (?, ?, ?)", (len(keep), total, seed))
+    return len(keep), total
+
+
+def _sample_of(db: Path) -> tuple[int, int, int] | None:
+    with sqlite3.connect(db) as con:
+        if not con.execute("SELECT 1 FROM sqlite_master WHERE name = 'murmur_sample'").fetchone():
+            return None
+        return con.execute("SELECT kept, total, seed FROM murmur_sample").fetchone()
+
+
 def _copy_tree(dst: Path) -> None:
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout.split(b"\0")
@@ -113,11 +157,18 @@ def _added_lines(diff: str) -> list[str]:
     return [x[1:].strip() for x in diff.splitlines() if x.startswith("+") and not x.startswith("+++")]
 
 
+def test_command(tests: list[str]) -> str:
+    """One mutant's tests: the fast ones, stopping at the first failure, with no plugin or report a
+    mutant does not need (pyproject's addopts asks for --durations)."""
+    return (f"{sys.executable} -m pytest -x -q -o addopts= -p no:cacheprovider -p no:hypothesispytest "
+            f"-m 'not slow' {' '.join(tests)}")
+
+
 def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, keep_db: str | None = None,
-        resume: str | None = None) -> dict[str, Any]:
-    """Mutate `module` (a path under the repository) and run its fast tests against every mutant. With
-    `resume` (a session kept with --db), only that session's survivors run again, against the tests as
-    they are now: the check after writing tests for them."""
+        resume: str | None = None, sample: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """Mutate `module` (a path under the repository) and run its fast tests against every mutant (or a
+    seeded sample of `sample` of them). With `resume` (a session kept with --db), only that session's
+    survivors run again, against the tests as they are now: the check after writing tests for them."""
     from cosmic_ray.work_db import WorkDB, use_db
 
     tests = tests or MODULE_TESTS.get(module)
@@ -129,15 +180,13 @@ def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, k
     with tempfile.TemporaryDirectory(prefix="murmur-mutation-") as tmp:
         work = Path(tmp) / "tree"
         _copy_tree(work)
-        quoted = " ".join(tests)
         cfg = Path(tmp) / "cr.toml"
         cfg.write_text(
             "[cosmic-ray]\n"
             f'module-path = "{module}"\n'
             f"timeout = {timeout_s}\n"
             "excluded-modules = []\n"
-            f"test-command = \"{sys.executable} -m pytest -x -q -p no:cacheprovider -p no:hypothesispytest "
-            f"-m 'not slow' {quoted}\"\n"
+            f"test-command = \"{test_command(tests)}\"\n"
             "[cosmic-ray.distributor]\nname = \"local\"\n")
         db = Path(tmp) / "session.sqlite"
         env = dict(os.environ, PYTHONPATH=str(work), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -148,15 +197,18 @@ def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, k
                 con.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
         else:
             subprocess.run(cr + ["init", str(cfg), str(db)], cwd=work, env=env, check=True)
+            if sample is not None:
+                sample_session(db, sample, seed)
         base = subprocess.run(cr + ["baseline", str(cfg)], cwd=work, env=env, capture_output=True, text=True)
         if base.returncode != 0:
             raise SystemExit(f"the tests fail without any mutation:\n{base.stdout[-3000:]}{base.stderr[-3000:]}")
         subprocess.run(cr + ["exec", str(cfg), str(db)], cwd=work, env=env, check=True)
         with use_db(str(db), WorkDB.Mode.open) as wdb:
             done = list(wdb.completed_work_items)
+        sampled = _sample_of(db)
         if keep_db:
             shutil.copy2(db, keep_db)  # cosmic-ray's own session: `cr-report FILE`, `cr-html FILE`
-    return summarize(module, tests, done)
+    return summarize(module, tests, done, sampled)
 
 
 def report(module: str, db: str) -> dict[str, Any]:
@@ -164,10 +216,12 @@ def report(module: str, db: str) -> dict[str, Any]:
     from cosmic_ray.work_db import WorkDB, use_db
 
     with use_db(db, WorkDB.Mode.open) as wdb:
-        return summarize(module, MODULE_TESTS.get(module, []), list(wdb.completed_work_items))
+        done = list(wdb.completed_work_items)
+    return summarize(module, MODULE_TESTS.get(module, []), done, _sample_of(Path(db)))
 
 
-def summarize(module: str, tests: list[str], done: list[Any]) -> dict[str, Any]:
+def summarize(module: str, tests: list[str], done: list[Any],
+              sampled: tuple[int, int, int] | None = None) -> dict[str, Any]:
     from cosmic_ray.work_item import TestOutcome
 
     killed = survived = incompetent = equivalent = 0
@@ -187,10 +241,16 @@ def summarize(module: str, tests: list[str], done: list[Any]) -> dict[str, Any]:
             m = item.mutations[0]
             survivors.append({"line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff})
     total = killed + survived
-    return {"module": module, "tests": tests, "mutants": len(done), "killed": killed, "survived": survived,
-            "incompetent": incompetent, "equivalent": equivalent,
-            "score": round(killed / total, 3) if total else None,
-            "survivors": sorted(survivors, key=lambda s: s["line"])}
+    out: dict[str, Any] = {
+        "module": module, "tests": tests, "mutants": len(done), "killed": killed, "survived": survived,
+        "incompetent": incompetent, "equivalent": equivalent,
+        "score": round(killed / total, 3) if total else None}
+    if sampled is not None:
+        out["sampled"] = f"{sampled[0]} of {sampled[1]}"
+        out["seed"] = sampled[2]
+        out["interval"] = [round(x, 3) for x in wilson(killed, total)] if total else None
+    out["survivors"] = sorted(survivors, key=lambda s: s["line"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,8 +262,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--db", help="keep cosmic-ray's session database here")
     ap.add_argument("--report", metavar="DB", help="only summarise a session kept with --db (no run)")
     ap.add_argument("--resume", metavar="DB", help="run only the survivors of a kept session again (new tests)")
+    ap.add_argument("--sample", type=int, metavar="N", help="run only a seeded uniform sample of N mutants")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     a = ap.parse_args(argv)
-    out = report(a.module, a.report) if a.report else run(a.module, a.tests, a.timeout, a.db, a.resume)
+    if a.sample is not None and a.sample < 1:
+        ap.error("--sample must be at least 1")
+    out = report(a.module, a.report) if a.report else \
+        run(a.module, a.tests, a.timeout, a.db, a.resume, a.sample, a.seed)
     if not a.json:
         for s in out["survivors"]:
             print(f"survived: {a.module}:{s['line']} {s['operator']}\n{s['diff']}")

@@ -14,3 +14,78 @@ def test_every_module_and_test_file_exists() -> None:
     for module, tests in MODULE_TESTS.items():
         assert (ROOT / module).is_file(), module
         assert tests and all((ROOT / t).is_file() for t in tests), (module, tests)
+
+
+def _init_session(tmp: Path, name: str) -> Path:
+    """A real cosmic-ray session over a small module (cosmic-ray's own `init`; job ids are fresh uuids)."""
+    import subprocess
+    import sys
+
+    module = tmp / "small.py"
+    if not module.exists():
+        module.write_text("def f(a, b):\n    if a < b and a != 0:\n        return a + b * 2 - 1\n"
+                          "    return a // 3 if a >= 5 else b % 4\n")
+    cfg = tmp / "cr.toml"
+    cfg.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = 10\nexcluded-modules = []\n'
+                   'test-command = "true"\n[cosmic-ray.distributor]\nname = "local"\n')
+    db = tmp / f"{name}.sqlite"
+    subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(db)], cwd=tmp, check=True)
+    return db
+
+
+def _kept(db: Path) -> list[tuple]:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT s.operator_name, s.occurrence, s.start_pos_row, s.start_pos_col "
+                           "FROM mutation_specs s JOIN work_items w ON w.job_id = s.job_id").fetchall()
+        assert con.execute("SELECT COUNT(*) FROM work_items").fetchone()[0] == len(rows)
+    return sorted(rows)
+
+
+def test_sample_is_n_of_the_mutants_and_the_same_for_the_same_seed(tmp_path: Path) -> None:
+    from simulations.mutation import sample_session
+
+    a, b, c, full = (_init_session(tmp_path, x) for x in "abcf")
+    everything = _kept(full)
+    assert len(everything) > 20
+    assert sample_session(a, 10, seed=0) == (10, len(everything))
+    assert sample_session(b, 10, seed=0) == (10, len(everything))
+    assert sample_session(c, 10, seed=1) == (10, len(everything))
+    # the same mutants although the two inits drew different job ids; another seed, another sample
+    assert _kept(a) == _kept(b)
+    assert len(_kept(a)) == 10 and set(_kept(a)) <= set(everything)
+    assert _kept(c) != _kept(a)
+    # more asked than there are: all of them
+    assert sample_session(full, 10_000, seed=0) == (len(everything), len(everything))
+    assert _kept(full) == everything
+
+
+def test_the_summary_of_a_sample_says_so_with_its_interval(tmp_path: Path) -> None:
+    from simulations.mutation import report, sample_session
+
+    db = _init_session(tmp_path, "s")
+    _, total = sample_session(db, 7, seed=3)
+    out = report("small.py", str(db))  # nothing run yet: no score, but the sample is stated
+    assert out["sampled"] == f"7 of {total}" and out["seed"] == 3
+    assert out["mutants"] == 0 and out["score"] is None and out["interval"] is None
+
+
+def test_wilson_interval_on_known_cases() -> None:
+    from simulations.mutation import wilson
+
+    # published values of the 95 % Wilson score interval
+    lo, hi = wilson(5, 10)
+    assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
+    lo, hi = wilson(0, 10)
+    assert lo == 0.0 and abs(hi - 0.2775) < 1e-4
+    lo, hi = wilson(10, 10)
+    assert abs(lo - 0.7225) < 1e-4 and hi == 1.0
+    lo, hi = wilson(81, 263)
+    assert abs(lo - 0.2553) < 1e-3 and abs(hi - 0.3662) < 1e-3
+    assert wilson(0, 0) == (0.0, 1.0)
+    # by definition the bounds are the p where the observed score is z standard errors away from p
+    for k, n in ((1, 3), (37, 40), (140, 150), (149, 150)):
+        for p in wilson(k, n):
+            if 0.0 < p < 1.0:
+                assert abs((k / n - p) ** 2 - 1.96 ** 2 * p * (1 - p) / n) < 1e-12
