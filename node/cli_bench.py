@@ -1,4 +1,4 @@
-"""`murmur bench ...`: each benchmark lives beside the code it measures; this only wires and prints.
+"""`murmur bench ...`: every benchmark lives in `simulations/bench/`; this only wires and prints.
 
 Progress goes to stderr; the last line of stdout is always one JSON object.
 """
@@ -87,7 +87,7 @@ def bench_learn(
     seed: SeedOpt = 0,
 ) -> None:
     """One node, built-in tiny model and tasks: how much RL raises held-out accuracy in a fixed budget."""
-    from training.bench_learn import run
+    from simulations.bench.learn import run
 
     _run(run, budget_s=budget_s, seed=seed)
 
@@ -108,12 +108,12 @@ def bench_swarm(
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
-    from simulations.bench_swarm import run, run_seeds
+    from simulations.bench.swarm import run, run_seeds
 
     if matched:
-        from simulations import bench_matched
+        from simulations.bench.matched import run as run_matched
 
-        _run(bench_matched.run, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s)
+        _run(run_matched, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s)
     elif seeds == 1:
         _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:

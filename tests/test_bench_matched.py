@@ -7,7 +7,7 @@ import json
 import random
 from pathlib import Path
 
-from simulations import bench_matched as bm
+from simulations.bench import matched as bm
 
 
 def test_first_reach_by_hand() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gossip.errors import ConfigError
-from simulations import bench_swarm
+from simulations.bench import swarm as bench_swarm
 
 REQUIRED = ("rounds", "isolated_cumulative_reward", "swarm_cumulative_reward", "adversarial_cumulative_reward",
             "gain_swarm", "gain_adversarial", "adversarial_accepted")

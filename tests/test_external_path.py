@@ -126,7 +126,7 @@ def test_nodes_and_benchmarks_overprovision_alike(tmp_path) -> None:  # type: ig
     from node.config import Config
     from node.runtime import RunOptions
     from node.workerlink import worker_spec
-    from simulations import bench_swarm
+    from simulations.bench import swarm as bench_swarm
 
     spec = worker_spec(Config(), tmp_path, Identity.generate(), ["trainer"], RunOptions())
     node = TrainerConfig(**spec["trainer"])

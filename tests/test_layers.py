@@ -50,3 +50,11 @@ def test_imports_run_one_way() -> None:
 def test_the_walker_sees_an_upward_import() -> None:
     tree = ast.parse("import os\nfrom node.config import Config\ndef f():\n    from simulations import x\n")
     assert [top for _, top in _imports(tree)] == ["os", "node", "simulations"]
+
+
+def test_benchmarks_live_under_simulations_bench_only() -> None:
+    """A product package (or simulations/ outside bench/) holds no benchmark module: `murmur bench` reaches
+    every benchmark in simulations/bench/."""
+    stray = [str(f.relative_to(ROOT)) for pkg in ALLOWED for f in sorted((ROOT / pkg).rglob("bench*.py"))
+             if f.parent != ROOT / "simulations" / "bench"]
+    assert stray == []

@@ -8,7 +8,7 @@ import copy
 
 import node.runtime
 import node.worker
-import simulations.bench_swarm
+import simulations.bench.swarm
 import simulations.virtual
 import sync.broadcast
 import sync.staleness
@@ -43,7 +43,7 @@ def test_simulator_and_runtime_import_one_core_and_one_sampler() -> None:
     assert simulations.virtual.NodeCore is node.runtime.C.NodeCore is NodeCore
     assert simulations.virtual.CoreSettings is node.runtime.C.CoreSettings
     sampler = training.sampler.Sampler
-    assert simulations.virtual.Sampler is simulations.bench_swarm.Sampler is node.worker.Sampler is sampler
+    assert simulations.virtual.Sampler is simulations.bench.swarm.Sampler is node.worker.Sampler is sampler
     assert simulations.virtual.split is training.sampler.split
 
 

@@ -140,7 +140,7 @@ def test_take_rollouts_is_the_trainer_hook_shape() -> None:
 
 def test_the_worker_and_the_swarm_benchmark_share_this_sampler() -> None:
     from node import worker
-    from simulations import bench_swarm
+    from simulations.bench import swarm as bench_swarm
 
     assert worker.Sampler is Sampler and bench_swarm.Sampler is Sampler
 

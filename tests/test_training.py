@@ -93,7 +93,7 @@ REWARD_MARGIN = 0.03
 @pytest.mark.slow
 def test_rl_raises_the_reward() -> None:
     """A fixed, seeded number of RL steps, not a time budget: the same run, and outcome, on a loaded machine."""
-    from training.bench_learn import run
+    from simulations.bench.learn import run
 
     out = run(seed=0, steps=LEARN_STEPS)
     assert out["rl_steps"] == LEARN_STEPS

@@ -1,7 +1,7 @@
 """The external-rollout sampler: which verified swarm rollouts a trainer learns from (sans-IO, bounded).
 
 One rule, used by the node's worker (`node/worker.py`), `murmur bench swarm`
-(`simulations/bench_swarm.py`) and the virtual-time simulator
+(`simulations/bench/swarm.py`) and the virtual-time simulator
 (`simulations/virtual.py`), so a benchmark or a simulation samples exactly as
 a node does. Swarm sampling (SAPO): each step mixes I local and J external
 prompt groups (`[training] local_rollouts` / `external_rollouts`, default

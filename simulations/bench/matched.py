@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gossip.validation import Pipeline, PipelineConfig
-from simulations.bench_swarm import SWARM, _ident, _seal
+from simulations.bench.swarm import SWARM, _ident, _seal
 from training.sampler import Sampler
 
 WARMUP_STEPS = 60  # murmur-tiny's supervised warm-up per node (bench swarm's; the node's standard is 100)
