@@ -121,21 +121,33 @@ def test_hacpo_advantages_and_coefficient_by_hand() -> None:
     assert torch.allclose(c, torch.tensor([0.2, 10.0, 10.0]))
 
 
-def test_hacpo_loss_clips_sequence_ratio_to_at_most_one() -> None:
-    # learner mean log-prob -1 per token; source means -2 (s = e > 1 -> 1) and -0.5 (s = e^-0.5 < 0.8 -> 0.8)
+def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
+    # learner mean log-prob -1 per token; source means -2 (s = e > 1 -> 1) and -0.5 (s = e^-0.5, kept)
     logp = torch.full((2, 2), -1.0, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     src = torch.tensor([-2.0, -0.5])
     adv = torch.tensor([1.0, -1.0])
     coef = torch.tensor([2.0, 1.0])
-    loss, st = hacpo_loss(logp, src, mask, adv, coef, delta=0.2)
-    expect = -((2.0 * 1.0 * 1.0 * -1.0) + (1.0 * 0.8 * -1.0 * -1.0)) / 2
+    loss, st = hacpo_loss(logp, src, mask, adv, coef)
+    s1 = math.exp(-0.5)
+    expect = -((2.0 * 1.0 * 1.0 * -1.0) + (1.0 * s1 * -1.0 * -1.0)) / 2
     assert loss.item() == pytest.approx(expect, rel=1e-5)
-    assert st["seq_ratio_clipped_frac"] == 1.0
+    assert st["seq_ratio_truncated_frac"] == 0.5
     loss.backward()
     # length-normalised: row 0 tokens get -coef*s*A/len/2 = -2*1*1/2/2
     assert logp.grad[0, 0].item() == pytest.approx(-0.5, rel=1e-5)
+    assert logp.grad[1, 0].item() == pytest.approx(s1 / 2, rel=1e-5)
     assert logp.grad[1, 1].item() == 0.0
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_hacpo_weight_of_a_far_off_policy_sample_is_its_ratio(adv: float) -> None:
+    # a completion the learner is e^3 times less likely (per token) to write than its producer: its
+    # importance weight is e^-3; a floor (clip from below) would train on it 20x harder than that
+    logp = torch.full((1, 4), -4.0, requires_grad=True)
+    loss, _ = hacpo_loss(logp, torch.tensor([-1.0]), torch.ones(1, 4), torch.tensor([adv]), torch.ones(1))
+    loss.backward()
+    assert logp.grad.abs().sum().item() == pytest.approx(math.exp(-3.0), rel=1e-5)
 
 
 def test_capability_tracker() -> None:

@@ -16,7 +16,7 @@ import torch
 EPS_LO = 0.2
 EPS_HI = 0.28
 M2_TAU = 0.04
-HACPO_DELTA = 0.2
+HACPO_LOW = 0.8  # a sequence ratio below this counts as far off-policy (a statistic only)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -119,26 +119,28 @@ def hacpo_coefficient(p_src: torch.Tensor, p_learner: float) -> torch.Tensor:
 
 
 def hacpo_loss(logp: torch.Tensor, src_logp_mean: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
-               coef: torch.Tensor, delta: float = HACPO_DELTA, denom: float | None = None
-               ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss for re-tokenised samples of another model (sequence level).
+               coef: torch.Tensor, denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss for samples of another model (sequence level).
 
-    s = exp(mean_t logp_learner - mean_t logp_src), clipped to [1 - delta, 1]
-    (never up-weight another model's sample) and detached; the per-sample
-    objective is coef * s_clip * A * mean_t logp_learner, so the gradient is
-    length-normalised and bounded by coef * |A|. The loss is the mean over
-    sequences, or their sum over `denom` when one is given.
+    s = exp(mean_t logp_learner - mean_t logp_src) (GSPO's length-normalised sequence ratio) is the
+    importance weight, truncated at 1 (never up-weight another model's sample) and detached; the
+    per-sample objective is coef * min(s, 1) * A * mean_t logp_learner, so the gradient is
+    length-normalised and bounded by coef * |A|. No floor below: a completion the learner would
+    rarely write is weighted by how rarely, since a floor trains hardest, relative to its weight, on
+    exactly the samples that say least about the learner's own behaviour (another model's
+    idiosyncratic errors). The loss is the mean over sequences, or their sum over `denom` when one
+    is given.
     """
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
     s = torch.exp(seq_lp.detach() - src_logp_mean)
-    s_clip = s.clamp(1 - delta, 1.0)
-    obj = coef * s_clip * adv * seq_lp
+    obj = coef * s.clamp(max=1.0) * adv * seq_lp
     valid = (mask.sum(-1) > 0).float()
-    loss = -(obj * valid).sum() / (valid.sum().clamp(min=1.0) if denom is None else max(float(denom), 1.0))
-    return loss, {"seq_ratio_mean": float((s * valid).sum() / valid.sum().clamp(min=1.0)),
-                  "seq_ratio_clipped_frac": float((((s < 1 - delta) | (s > 1)).float() * valid).sum()
-                                                  / valid.sum().clamp(min=1.0))}
+    n = valid.sum().clamp(min=1.0)
+    loss = -(obj * valid).sum() / (n if denom is None else max(float(denom), 1.0))
+    return loss, {"seq_ratio_mean": float((s * valid).sum() / n),
+                  "seq_ratio_truncated_frac": float(((s > 1).float() * valid).sum() / n),
+                  "seq_ratio_low_frac": float(((s < HACPO_LOW).float() * valid).sum() / n)}
 
 
 class CapabilityTracker:

@@ -76,7 +76,6 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     eps_lo: float = 0.2
     eps_hi: float = 0.28
     m2_tau: float = 0.04
-    hacpo_delta: float = 0.2
     ppo_epochs: int = 1
     # 0: one optimizer update per step over all its informative groups (external ones take the place of
     # local ones: I + J groups per update). > 0: every update takes exactly this many informative groups,
@@ -335,7 +334,7 @@ class Trainer:
             mask = mask * (~cut).float()[:, None]  # kept for the group's advantages, out of the loss
             stats["truncated_masked"] = float(cut.sum())
             src = torch.tensor([r.src_logp_mean or 0.0 for r in ext])
-            loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, delta=cfg.hacpo_delta, denom=rows)
+            loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, denom=rows)
             stats.update(st)
             parts.append(loss)
             weights.append(len(ext))
