@@ -104,7 +104,9 @@ def bench_swarm(
     matched: Annotated[bool, typer.Option("--matched", help="compute-matched: equal measured CPU per node, "
                                                             "held-out accuracy, speedup with a bootstrap interval "
                                                             "over --seeds paired seeds")] = False,
-    cpu_s: Annotated[float, typer.Option(min=0.1, help="with --matched: CPU seconds per node")] = 8.0,
+    cpu_s: Annotated[float, typer.Option(min=0.1, help="with --matched: CPU seconds per node")] = 48.0,
+    followers: Annotated[int, typer.Option(min=0, max=16, help="with --matched: one trainer with this many "
+                                                               "followers instead of a swarm of --nodes")] = 0,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -113,7 +115,7 @@ def bench_swarm(
     if matched:
         from simulations.bench.matched import run as run_matched
 
-        _run(run_matched, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s)
+        _run(run_matched, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers)
     elif seeds == 1:
         _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:

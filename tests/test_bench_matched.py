@@ -37,3 +37,13 @@ def test_a_tiny_paired_run_spends_equal_cpu_per_node(tmp_path: Path) -> None:
     assert r["curves"]["isolated"][0] == r["curves"]["swarm"][0]  # paired: the same nodes start both arms
     assert r["speedup"] > 0 and r["used_over_verified"] is not None and 0 <= r["used_over_verified"] <= 1
     assert all(len(r["updates_per_node"][arm]) == 2 for arm in ("isolated", "swarm"))
+
+
+def test_a_trainer_with_followers_verifies_and_pools_their_groups_on_its_own_cpu(tmp_path: Path) -> None:
+    r = bm.run_seed(2, 0, 0.6, 2, 2, home=str(tmp_path), warmup_steps=2, followers=2)
+    assert len(r["cpu_per_node"]["swarm"]) == 1 and r["cpu_per_node"]["swarm"][0] >= 0.6  # the trainer only
+    assert r["curves"]["isolated"][0] == r["curves"]["swarm"][0]  # paired: the same trainer alone
+    # every trainer step, each follower sent I groups of group_size rollouts, all of which verified
+    per_step = 2 * bm.TRAINER["local_groups"] * bm.TRAINER["group_size"]
+    assert r["verified_per_node"][0] >= per_step and r["verified_per_node"][0] % per_step == 0
+    assert r["sampler"]["added"] + r["sampler"]["uninformative"] + r["sampler"]["too_small"] > 0

@@ -57,6 +57,13 @@ def test_bench_swarm_rejects_a_seed_count_below_one():
     assert r.returncode == 2 and "--seeds" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_swarm_matched_takes_a_follower_count_and_rejects_a_negative_one():
+    r = run("bench", "swarm", "--matched", "--followers", "1", "--seeds", "0")  # parsed: only --seeds is wrong
+    assert r.returncode == 2 and "--seeds" in r.stderr and "followers" not in r.stderr
+    r = run("bench", "swarm", "--matched", "--followers", "-1")
+    assert r.returncode == 2 and "--followers" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_version():
     r = run("--version")
     assert r.returncode == 0 and r.stdout.startswith("murmur ")

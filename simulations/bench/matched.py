@@ -39,8 +39,11 @@ from gossip.validation import Pipeline, PipelineConfig
 from simulations.bench.swarm import SWARM, _ident, _seal
 from training.sampler import Sampler
 
-WARMUP_STEPS = 60  # murmur-tiny's supervised warm-up per node (bench swarm's; the node's standard is 100)
-TRAINER = dict(local_groups=4, external_groups=12, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=4)
+WARMUP_STEPS = 100  # murmur-tiny's supervised warm-up per node: the node's standard (training.tiny.WARMUP_STEPS)
+# `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
+# measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
+# (docs/researcher.md), and a comparison with a flat baseline measures noise.
+TRAINER = dict(local_groups=16, external_groups=16, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=8)
 POOL_GROUPS = 64
 BOOTSTRAP = 2000
 
@@ -57,6 +60,7 @@ class _Node:
     seq: int = 0
     cpu: float = 0.0
     verified: int = 0  # rollouts accepted by its pipeline
+    verify_cpu: float = 0.0  # of `cpu`, checking what it was sent and sealing what it sends
     used: int = 0  # rollouts that entered its updates
     updates: int = 0
     ext_groups: int = 0
@@ -79,8 +83,37 @@ def _auc(xs: list[float], ys: list[float]) -> float:
     return sum((xs[k] - xs[k - 1]) * (ys[k] + ys[k - 1]) / 2 for k in range(1, len(xs))) / max(xs[-1] - xs[0], 1e-9)
 
 
+def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: Any, rng: random.Random,
+                       lineage: bytes, version: int, groups: int) -> list[Any]:
+    """`groups` groups of a follower holding `lineage`'s `version`, as wire rollouts of that lineage (what
+    ECHO-2's inference workers send their trainer)."""
+    from gossip.wire import TaskRef  # noqa: PLC0415
+    from training.engine import Sampling  # noqa: PLC0415
+    from training.rollouts import RolloutRec, to_wire  # noqa: PLC0415
+    from training.verifiers import score  # noqa: PLC0415
+
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=int(TRAINER["max_new_tokens"]))
+    out = []
+    refs = []
+    for _ in range(groups):
+        g = rng.choices(gens, weights=[x.weight for x in gens])[0]
+        refs.append((TaskRef(task_set, g.name, rng.randrange(g.seed_start, g.seed_end)), g))
+    tasks = [resolve(ref) for ref, _ in refs]
+    comps = engine.generate([t.prompt for t in tasks], int(TRAINER["group_size"]), sampling)
+    for (ref, _), task, group in zip(refs, tasks, comps):
+        for c in group:
+            out.append(to_wire(RolloutRec(ref=ref, task=task, prompt_ids=c.prompt_ids, ids=c.ids, text=c.text,
+                                          logprobs=c.logprobs, token_versions=[(0, version)], version=version,
+                                          lineage=lineage, tokenizer_hash=engine.tokenizer_hash, sampling=sampling,
+                                          reward=score(task, c.text), finished=c.finished)))
+    return out
+
+
 def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-            home: Path, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+            home: Path, warmup_steps: int = WARMUP_STEPS, followers: int = 0) -> dict[str, Any]:
+    """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
+    and K followers that hold its current weights and generate I groups each for its lineage per trainer
+    step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched)."""
     import torch  # noqa: PLC0415
 
     from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
@@ -104,8 +137,8 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         tasks = tasks or held_out_tasks(m, eval_per_family)
         path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps)  # each node its own warm-up
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
-        cfg = TrainerConfig(**{**TRAINER, "external_groups": TRAINER["external_groups"] if swarm else 0},
-                            seed=seed * 100 + i)
+        ext = 0 if not swarm else TRAINER["external_groups"] * max(1, followers)
+        cfg = TrainerConfig(**{**TRAINER, "external_groups": ext}, seed=seed * 100 + i)
         pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6),
                             clock=time.time, resolve_task=reg.resolve, reward=score,
                             head_version=lambda lin: heads.get(bytes(lin)),
@@ -117,6 +150,12 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         heads[lineage] = 0
         ns.append(node)
     assert tasks is not None
+    fols: list[tuple[Any, Any, random.Random]] = []  # (engine, identity, task rng) of node 0's followers
+    for k in range(followers):
+        fpath = ensure_tiny(home, seed=seed * 64, warmup_steps=warmup_steps)  # node 0's model
+        fols.append((HFEngine.from_path(fpath, device="cpu", seed=seed * 100 + 50 + k), _ident(seed, 50 + k),
+                     random.Random(seed * 100 + 50 + k)))
+    fol_nodes = [_Node(50 + k, ident, ns[0].lineage, None, eng, None, None) for k, (eng, ident, _) in enumerate(fols)]
     marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
 
     def evaluate(n: _Node) -> None:
@@ -130,6 +169,26 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         if not todo:
             break
         node = min(todo, key=lambda n: n.cpu)
+        if fols and node is ns[0]:
+            from training.tasksets import train_generators  # noqa: PLC0415
+
+            gens = train_generators(node.trainer.registry.get(node.trainer.task_set))
+            state = node.engine.model.state_dict()
+            for (eng, _, rng), fn in zip(fols, fol_nodes):
+                eng.model.load_state_dict(state)  # a patch applied at once: transport not modelled
+                batch = _follower_rollouts(eng, gens, node.trainer.task_set, node.trainer.registry.resolve, rng,
+                                           node.lineage,
+                                           node.trainer.version, int(TRAINER["local_groups"]))
+                assert node.pipeline is not None and node.sampler is not None
+                c0 = time.thread_time()
+                for data in _seal(fn, batch):
+                    v = node.pipeline.check(data, fn.ident.peer_id)
+                    if v.accepted and v.batch is not None:
+                        node.verified += len(v.batch.rollouts)
+                        node.sampler.add_rollouts(v.batch.rollouts)
+                dt = time.thread_time() - c0
+                node.cpu += dt
+                node.verify_cpu += dt
         c0 = time.thread_time()
         res = node.trainer.step()
         node.cpu += time.thread_time() - c0
@@ -143,7 +202,9 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                 other.sampler.observe_head(node.lineage, node.trainer.version)
             c0 = time.thread_time()
             payloads = _seal(node, [to_wire(r) for r in res.rollouts])  # type: ignore[arg-type]
-            node.cpu += time.thread_time() - c0
+            dt = time.thread_time() - c0
+            node.cpu += dt
+            node.verify_cpu += dt
             for other in ns:
                 if other is node:
                     continue
@@ -154,7 +215,9 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                     if v.accepted and v.batch is not None:
                         other.verified += len(v.batch.rollouts)
                         other.sampler.add_rollouts(v.batch.rollouts)
-                other.cpu += time.thread_time() - c0
+                dt = time.thread_time() - c0
+                other.cpu += dt
+                other.verify_cpu += dt
         while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
             evaluate(node)
     for n in ns:
@@ -166,16 +229,23 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
             "used_over_verified": (round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4)
                                    if swarm else None),
             "cpu_per_node": [round(n.cpu, 3) for n in ns],
+            "verified_per_node": [n.verified for n in ns],
+            "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
+            "sampler": {k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
+                        for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})},
             "wall_s": round(time.monotonic() - wall0, 1)}
 
 
 def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-             home: str | None = None, warmup_steps: int = WARMUP_STEPS) -> dict[str, Any]:
+             home: str | None = None, warmup_steps: int = WARMUP_STEPS, followers: int = 0) -> dict[str, Any]:
+    """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
+    and node 0 with K followers."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
-    iso = run_arm(False, nodes, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
-    sw = run_arm(True, nodes, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
+    n = 1 if followers else nodes
+    iso = run_arm(False, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
+    sw = run_arm(True, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, followers=followers)
     xs = iso["marks"]
     target = iso["curve"][-1]
     iso_cpu = _first_reach(xs, iso["curve"], target)
@@ -194,6 +264,7 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
             "external_groups_per_node": sw["external_groups_per_node"],
             "used_over_verified": sw["used_over_verified"],
             "cpu_per_node": {"isolated": iso["cpu_per_node"], "swarm": sw["cpu_per_node"]},
+            "verified_per_node": sw["verified_per_node"], "verify_share": sw["verify_share"], "sampler": sw["sampler"],
             "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]}}
 
 
@@ -203,32 +274,35 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
-def _run_seed_args(a: tuple[int, int, float, int, int, str | None]) -> dict[str, Any]:
+def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int, int]) -> dict[str, Any]:
     return run_seed(*a)
 
 
-def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 20.0, checkpoints: int = 8,
-        eval_per_family: int = 30, workers: int = 1, home: str | None = None) -> dict[str, Any]:
-    """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary."""
+def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, checkpoints: int = 6,
+        eval_per_family: int = 30, workers: int = 1, home: str | None = None, followers: int = 0) -> dict[str, Any]:
+    """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
+    `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`."""
     import multiprocessing  # noqa: PLC0415
     from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
 
-    if nodes < 2 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
-        raise ValueError("need nodes >= 2, seeds >= 1, cpu_s > 0, checkpoints >= 1")
+    if (nodes < 2 and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
+        raise ValueError("need nodes >= 2 (or followers >= 1), seeds >= 1, cpu_s > 0, checkpoints >= 1")
     t0 = time.monotonic()
-    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home) for k in range(seeds)]
+    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, WARMUP_STEPS, followers)
+            for k in range(seeds)]
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed_args, todo))
     sp = [r["speedup"] for r in per]
     lo, hi = bootstrap_ci(sp, random.Random(seed))
     mean = sum(sp) / len(sp)
-    return {"bench": "swarm-matched", "nodes": nodes, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
+    return {"bench": "swarm-matched", "nodes": 1 if followers else nodes, "followers": followers, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
             "checkpoints": checkpoints, "eval_tasks": 3 * eval_per_family, "trainer": TRAINER,
             "warmup_steps": WARMUP_STEPS, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
             "reached": sum(r["reached"] for r in per),
             "final_acc_delta": round(sum(r["final_acc_delta"] for r in per) / len(per), 4),
             "auc_delta": round(sum(r["auc_delta"] for r in per) / len(per), 4),
             "used_over_verified": round(sum(r["used_over_verified"] for r in per) / len(per), 4),
+            "verify_share": round(sum(r["verify_share"] for r in per) / len(per), 4),
             "per_seed": per, "wall_s": round(time.monotonic() - t0, 1),
             "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "
                       "nodes stepped least-CPU-first to an equal budget, held-out greedy accuracy at equal CPU "
