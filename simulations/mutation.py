@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULE_TESTS: dict[str, list[str]] = {
     "gossip/ratelimit.py": ["tests/test_ratelimit.py"],
     "sync/staleness.py": ["tests/test_staleness.py"],
-    "training/tokencheck.py": ["tests/test_validation_props.py"],
+    "training/tokencheck.py": ["tests/test_tokencheck.py"],
     "gossip/scoring.py": ["tests/test_scoring.py", "tests/test_validation.py"],
     "gossip/validation.py": ["tests/test_validation.py"],
     "gossip/wire.py": ["tests/test_wire.py"],

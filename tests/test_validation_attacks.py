@@ -123,21 +123,6 @@ def tiny_rollout(reg, check: tokencheck.TokenCheck, seed: int, ids: list[int] | 
                                    sampling=wire.SamplingParams(max_new_tokens=max(1, len(ids))))
 
 
-def test_tiny_check_is_the_engines_tokenizer(tiny, tmp_path) -> None:
-    """The check's hash and decoding are the worker's (built in memory or reloaded from disk)."""
-    from transformers import AutoTokenizer
-
-    from training.tiny import new_tiny_engine
-
-    engine = new_tiny_engine()
-    assert engine.tokenizer_hash == tiny.hash and engine.vocab == tiny.vocab
-    engine.tokenizer.save_pretrained(tmp_path)
-    reloaded = tokencheck.TokenCheck(AutoTokenizer.from_pretrained(tmp_path))
-    assert reloaded.hash == tiny.hash
-    ids = [(i * 37) % tiny.vocab for i in range(300)]
-    assert tiny.decode(ids) == engine.decode(ids)
-
-
 def test_model_directory_check_is_the_engines_tokenizer(reg, tmp_path) -> None:
     """A node started on a model directory (config.json names qwen2) checks the hash its producers
     send: the check loads the tokenizer as the engine does, or every rollout looks foreign to it."""
@@ -176,17 +161,6 @@ def test_ids_outside_the_vocabulary_never_reach_a_model(reg, tiny) -> None:
     bad = [tiny_rollout(reg, tiny, 0, ids=[5, tiny.vocab + 1000])]
     v = p.check(seal(MALLORY, bad, 1), MALLORY.peer_id)
     assert v.reason is Reason.BAD_TOKENS and v.newly_banned
-
-
-def test_worker_check_before_training(reg, tiny) -> None:
-    from training.tiny import new_tiny_engine
-
-    engine = new_tiny_engine()
-    assert tokencheck.consistent(tiny_rollout(reg, tiny, 1), engine)
-    assert not tokencheck.consistent(tiny_rollout(reg, tiny, 1, ids=[10, 11]), engine)
-    assert not tokencheck.consistent(tiny_rollout(reg, tiny, 1, ids=[engine.vocab + 5]), engine)
-    other = msgspec.structs.replace(tiny_rollout(reg, tiny, 1, ids=[10**6]), tokenizer_hash=b"\x01" * 32)
-    assert tokencheck.consistent(other, engine)  # another tokenizer: its text is re-tokenised, ids unused
 
 
 # ------------------------------------------------------------ verifiers are bounded
