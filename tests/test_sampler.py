@@ -224,3 +224,42 @@ def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) ->
     got = w._external(4, 0)
     assert {r.task.seed for r in got} == {1, 2, 3} and len(got) == 6
     assert w.inbox.sampler.counts["over_budget"] == 1
+
+
+def test_the_configurable_bounds_accept_their_extremes() -> None:
+    """max_groups up to MAX_GROUPS_LIMIT, a rollout budget of one two-rollout group, no staleness allowed."""
+    assert Sampler(max_groups=sampling.MAX_GROUPS_LIMIT).max_groups == 1 << 20
+    with pytest.raises(ValueError):
+        Sampler(max_groups=sampling.MAX_GROUPS_LIMIT + 1)
+    tight = Sampler(max_rollouts=2)
+    tight.add_rollouts(group(1) + group(2))
+    assert seeds(tight.take(4)) == [2] and tight.counts["evicted"] == 1
+    fresh_only = Sampler(max_staleness=0)
+    fresh_only.add_rollouts(group(1, version=3) + group(2, version=4))
+    fresh_only.observe_head(LIN_A, 4)
+    assert seeds(fresh_only.take(4)) == [2] and fresh_only.counts["stale"] == 1
+
+
+def test_the_default_pool_holds_256_groups_up_to_4_versions_behind() -> None:
+    s = Sampler()
+    for k in range(257):
+        s.add_rollouts(group(k, version=k % 2))
+    assert len(s) == 256 and s.counts["evicted"] == 1
+    s.observe_head(LIN_A, 5)  # version 1 is 4 behind: usable; version 0 is 5 behind: stale
+    assert seeds(s.take(300)) == list(range(1, 257, 2)) and s.counts["stale"] == 128
+
+
+def test_taking_no_groups_leaves_the_pool_as_it_is() -> None:
+    s = Sampler(max_staleness=0)
+    s.add_rollouts(group(1, version=0) + group(2, version=1))
+    s.observe_head(LIN_A, 1)
+    assert s.take(0) == [] and s.take(-1) == [] and s.take_rollouts(-3) == []
+    assert len(s) == 2 and s.counts["stale"] == 0 and s.counts["taken"] == 0
+
+
+def test_a_token_budget_takes_exactly_the_groups_asked_for_and_a_group_that_fills_it() -> None:
+    s = Sampler(max_groups=1000)
+    for k in range(400):
+        s.add_rollouts(group(k))
+    assert len(s.take(300, max_tokens=10**6)) == 300 and len(s) == 100
+    assert len(s.take(1, max_tokens=2 * 8)) == 1 and s.counts["over_budget"] == 0  # 2 rollouts x 8 tokens

@@ -3,10 +3,13 @@ and the worker's `consistent`; murmur-tiny's real tokenizer and engine, plain ca
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 import pytest
 
 from gossip import wire
+from gossip.validation import Reason
 from tests import samples
 from training import tokencheck
 
@@ -33,6 +36,77 @@ def rollout(check: tokencheck.TokenCheck, text: str, ids: list[int] | None = Non
                                    tokenizer_hash=check.hash if tokenizer_hash is None else tokenizer_hash)
 
 
+# ------------------------------------------------------------ the pipeline's check (TokenCheck)
+
+
+def test_ids_that_decode_to_the_text_pass_and_others_are_a_text_mismatch(tiny) -> None:
+    assert tiny(rollout(tiny, "<answer>12</answer>")) is None
+    reason, detail = tiny(rollout(tiny, "<answer>12</answer>", ids=tiny.tokenizer.encode("<answer>13</answer>")))
+    assert reason is Reason.TEXT_MISMATCH and "text (19 chars)" in detail and "its 19 ids" in detail
+    # the same ids under another tokenizer's name: judged on the text alone, the ids never used here
+    assert tiny(rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=b"\x01" * 32)) is None
+
+
+def test_the_vocabulary_bound_is_checked_before_decoding(tiny) -> None:
+    """Ids the tokenizer decodes to nothing still crash the model's embedding lookup: an id at the bound is
+    rejected even though its (empty) decoding matches the text; the last id inside it passes."""
+    assert tiny.vocab == len(tiny.tokenizer)
+    last = tiny.vocab - 1
+    assert tiny(rollout(tiny, tiny.decode([last]), ids=[last])) is None
+    assert tiny.decode([tiny.vocab]) == ""
+    reason, detail = tiny(rollout(tiny, "", ids=[tiny.vocab]))
+    assert reason is Reason.BAD_TOKENS and detail == f"token id {tiny.vocab} outside the vocabulary of {tiny.vocab}"
+    assert tiny(rollout(tiny, "", ids=[])) is None  # an empty completion has no id to bound
+
+
+def test_the_models_vocabulary_when_known_bounds_the_ids_not_the_tokenizers() -> None:
+    """A model's embedding may have fewer rows than its tokenizer has ids (or more): `vocab` is the bound."""
+    from training.tiny import build_tokenizer
+
+    small = tokencheck.TokenCheck(build_tokenizer(), vocab=40)
+    assert small.vocab == 40
+    reason, _ = small(rollout(small, "~", ids=small.tokenizer.encode("~")))  # id 97, inside the tokenizer
+    assert reason is Reason.BAD_TOKENS
+    assert small(rollout(small, "+", ids=small.tokenizer.encode("+"))) is None  # id 14
+    assert tokencheck.TokenCheck(build_tokenizer(), vocab=None).vocab == len(build_tokenizer())
+
+
+# ------------------------------------------------------------ the check for `[training] model` (for_model)
+
+
+def save_tokenizer(path, config: str | None) -> None:
+    from training.tiny import build_tokenizer
+
+    build_tokenizer().save_pretrained(path)
+    if config is not None:
+        (path / "config.json").write_text(config)
+
+
+def test_a_model_directory_checks_against_its_config_vocab_size(tmp_path) -> None:
+    save_tokenizer(tmp_path, json.dumps({"model_type": "qwen2", "vocab_size": 120}))
+    check = tokencheck.for_model(str(tmp_path))
+    assert check is not None and check.vocab == 120
+    assert check(rollout(check, "", ids=[119])) is None  # a padded embedding row: no model crash
+    assert check(rollout(check, "", ids=[120]))[0] is Reason.BAD_TOKENS
+
+
+@pytest.mark.parametrize("config", [None, "{not json", json.dumps({"vocab_size": 0}), json.dumps({})])
+def test_without_a_usable_vocab_size_the_tokenizers_size_bounds_the_ids(tmp_path, config) -> None:
+    save_tokenizer(tmp_path, config)
+    check = tokencheck.for_model(str(tmp_path))
+    assert check is not None and check.vocab == 98
+
+
+def test_no_tokenizer_on_this_machine_means_no_check(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 120}))
+    assert tokencheck.for_model(str(tmp_path)) is None
+    assert tokencheck.for_model(str(tmp_path / "absent")) is None
+
+
+# ------------------------------------------------------------ the worker's check (consistent) and the engine's decoding
+# (last: only these build a model)
+
+
 def test_tiny_check_is_the_engines_tokenizer(tiny, engine, tmp_path) -> None:
     """The check's hash and decoding are the worker's (built in memory or reloaded from disk)."""
     from transformers import AutoTokenizer
@@ -51,3 +125,46 @@ def test_worker_check_before_training(tiny, engine) -> None:
     assert not tokencheck.consistent(rollout(tiny, "<answer>12</answer>", ids=[engine.vocab + 5]), engine)
     other = rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=b"\x01" * 32)
     assert tokencheck.consistent(other, engine)  # another tokenizer: its text is re-tokenised, ids unused
+
+
+def test_the_worker_check_bounds_ids_by_the_engines_vocabulary(tiny, engine) -> None:
+    """Ids past the embedding decode to nothing, so only the bound stops them before the model call."""
+    assert tokencheck.consistent(rollout(tiny, tiny.decode([engine.vocab - 1]), ids=[engine.vocab - 1]), engine)
+    assert not tokencheck.consistent(rollout(tiny, "", ids=[engine.vocab]), engine)
+    assert tokencheck.consistent(rollout(tiny, "", ids=[]), engine)
+    assert tokencheck.consistent(rollout(tiny, "<answer>1</answer>", ids=[10**6]), None)  # no model: no call follows
+
+
+def test_decoding_drops_eos_and_specials_as_the_engine_does(tiny, engine) -> None:
+    """An honest completion ends in EOS (the engine keeps it in the ids, not in the text)."""
+    ids = tiny.tokenizer.encode("<answer>7</answer>") + [tiny.eos_id]
+    assert tiny(rollout(tiny, "<answer>7</answer>", ids=ids)) is None
+    with_specials = [0, *tiny.tokenizer.encode("a"), 1, 2, *tiny.tokenizer.encode("b"), 1]
+    assert tiny.decode(with_specials) == engine.decode(with_specials) == "ab"
+
+
+def wordpiece_tokenizer():
+    """A BERT-style tokenizer, built here: transformers cleans up its decoded spaces, its backend does not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>"]
+    tok = Tokenizer(models.WordPiece(vocab={t: i for i, t in enumerate(specials + [chr(c) for c in range(33, 127)])},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(cleanup=False)
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=True)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_checked_with_its_full_decode(engine) -> None:
+    """With clean-up on, only transformers' full decode is the engine's ("1 , 2 ." decodes to "1, 2.")."""
+    from training.engine_hf import HFEngine
+
+    tok = wordpiece_tokenizer()
+    check = tokencheck.TokenCheck(tok)
+    ids = tok.encode("1 , 2 .", add_special_tokens=False)
+    assert check.decode(ids) == HFEngine(engine.model, tok).decode(ids) == "1, 2."
+    assert check(rollout(check, "1, 2.", ids=ids)) is None
+    assert check(rollout(check, "1 , 2 .", ids=ids))[0] is Reason.TEXT_MISMATCH
