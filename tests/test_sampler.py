@@ -122,8 +122,10 @@ def test_pool_is_bounded_oldest_evicted_and_heads_table_too() -> None:
 
 
 def test_groups_are_shareable_between_receivers() -> None:
-    """The simulator splits a message once and hands the same Groups to every receiver."""
+    """The simulator splits a message once and hands the same Groups to every receiver: none can change one."""
     groups, _ = split(group(1) + group(2))
+    with pytest.raises(AttributeError):
+        groups[0].version = 0  # type: ignore[misc]
     a, b = Sampler(), Sampler()
     a.add(groups)
     b.add(groups)
@@ -229,6 +231,9 @@ def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) ->
 def test_the_configurable_bounds_accept_their_extremes() -> None:
     """max_groups up to MAX_GROUPS_LIMIT, a rollout budget of one two-rollout group, no staleness allowed."""
     assert Sampler(max_groups=sampling.MAX_GROUPS_LIMIT).max_groups == 1 << 20
+    one = Sampler(max_groups=1)
+    one.add_rollouts(group(1) + group(2))
+    assert seeds(one.take(4)) == [2]
     with pytest.raises(ValueError):
         Sampler(max_groups=sampling.MAX_GROUPS_LIMIT + 1)
     tight = Sampler(max_rollouts=2)
