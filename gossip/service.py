@@ -46,6 +46,8 @@ AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, b
 class GossipService:
     def __init__(self, transport: Any, pipeline: Pipeline, swarm: str, store: Any | None = None,
                  announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
+        if swarm != pipeline.config.swarm:
+            raise ValueError(f"gossip service for swarm {swarm!r} given a pipeline for {pipeline.config.swarm!r}")
         self.transport = transport
         self.pipeline = pipeline
         self.swarm = swarm
@@ -122,14 +124,14 @@ class GossipService:
     # ------------------------------------------------------------ publish
     async def publish_rollouts(self, data: bytes, shard: int = 0) -> None:
         """Publish our own signed RolloutBatch to rollout shard `shard`; PublishError when it cannot go out."""
-        env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
+        env = wire.decode_envelope(data, wire.ROLLOUT_BATCH, swarm=self.swarm)
         if env.signer != self.transport.identity.public:
             raise PublishError("a node publishes only rollout batches it produced and signed itself")
         self.pipeline.mark_own(data)
         await self.transport.publish(topics.rollouts(self.swarm, shard), data)
 
     async def publish_announce(self, data: bytes) -> None:
-        wire.decode_envelope(data)
+        wire.decode_envelope(data, swarm=self.swarm)
         await self.transport.publish(self.announce_topic, data)
 
     # ------------------------------------------------------------ rollouts
@@ -213,7 +215,7 @@ class GossipService:
             self.pipeline.scores.penalise(origin, "announce_rate_limited", 1.0, self.pipeline.clock())
             return False
         try:
-            env, _ = wire.open_envelope(data)
+            env, _ = wire.open_envelope(data, swarm=self.swarm)
         except wire.WrongSwarm:  # signed for another swarm: replayed here
             self.pipeline.scores.penalise(origin, "announce_wrong_swarm", 5.0, self.pipeline.clock())
             return False
@@ -226,7 +228,7 @@ class GossipService:
         while True:
             origin, data = await channel.receive()
             try:
-                env, body = wire.open_envelope(data)
+                env, body = wire.open_envelope(data, swarm=self.swarm)
             except DecodeError:
                 continue
             for handler in self._handlers.get(env.kind, ()):

@@ -247,7 +247,7 @@ class Pipeline:
         """Mark a batch as already accepted: our own publishes, and batches reloaded after a restart,
         so their echoes and late-joiner replays are duplicates, not work."""
         try:
-            env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
+            env = wire.decode_envelope(data, wire.ROLLOUT_BATCH, swarm=self.config.swarm)
             batch = wire.decode_body(env)
         except DecodeError:
             return
@@ -282,7 +282,7 @@ class Pipeline:
         if mid in self._inflight:
             return self._reject(Reason.DUPLICATE, origin, data, mid, None, "already being verified")
         try:
-            env = wire.decode_envelope(data, wire.ROLLOUT_BATCH)
+            env = wire.decode_envelope(data, wire.ROLLOUT_BATCH, swarm=self.config.swarm)
         except wire.WrongSwarm as e:  # signed for another swarm: a replay across swarms
             return self._reject(Reason.WRONG_SWARM, origin, data, mid, None, str(e))
         except DecodeError as e:

@@ -4,10 +4,11 @@ Every message travels inside a signed `Envelope`. The signature covers the
 exact body bytes that are sent, prefixed with a signing domain that names the
 kind, the format version and the swarm, so a body signed as one kind never
 verifies as another, and a message signed in one swarm never verifies in
-another. A process talks to one swarm: `bind_swarm` names it once (the node
-at start, its worker, a simulator), `seal` signs under it, and
-`decode_envelope` refuses any other swarm's envelope with `WrongSwarm`, so no
-receive path can forget the check. Every kind has a hard size limit, checked before anything is decoded,
+another. Every caller names its swarm: `seal` signs under the `swarm` it is
+given and `decode_envelope`/`open_envelope` refuse any other swarm's envelope
+with `WrongSwarm`; the argument has no default, so no path can sign or accept
+for a swarm it did not choose, and one process can hold several swarms (a
+simulator, a bench, a test). Every kind has a hard size limit, checked before anything is decoded,
 and every variable-length field has a bound, so no input can make a decoder
 allocate without limit. Decoding raises only `DecodeError` (or its subclass
 `SignatureError`). `docs/protocol.md` documents every field and limit here.
@@ -15,11 +16,9 @@ allocate without limit. Decoding raises only `DecodeError` (or its subclass
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import struct
 import time
-from collections.abc import Iterator
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
@@ -254,7 +253,7 @@ _DECODE_FAILURES = (msgspec.MsgspecError, ValueError, OverflowError, RecursionEr
 
 
 class WrongSwarm(DecodeError):
-    """A well-formed envelope signed for another swarm than this process's."""
+    """A well-formed envelope signed for another swarm than the receiver's."""
 
 
 class BadNumber(DecodeError):
@@ -262,35 +261,9 @@ class BadNumber(DecodeError):
     positive behaviour log-prob): a provable fault of its signer, named apart from garbage."""
 
 
-_swarm: str = DEFAULT_SWARM
-
-
-def bind_swarm(name: str) -> None:
-    """Name the swarm this process signs for and accepts messages from."""
-    global _swarm
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
-        raise ValueError(f"swarm name must be 1..{MAX_NAME} characters")
-    _swarm = name
-
-
-def bound_swarm() -> str:
-    return _swarm
-
-
-@contextlib.contextmanager
-def swarm_bound(name: str) -> Iterator[None]:
-    """Temporarily bind another swarm (tests, tools that talk to two swarms in turn)."""
-    prev = _swarm
-    bind_swarm(name)
-    try:
-        yield
-    finally:
-        bind_swarm(prev)
-
-
-def signing_domain(kind: str, version: int = FORMAT_VERSION, swarm: str | None = None) -> bytes:
+def signing_domain(kind: str, version: int, swarm: str) -> bytes:
     # The swarm is length-prefixed so no (swarm, body) split can be re-read as another.
-    sw = (_swarm if swarm is None else swarm).encode()
+    sw = swarm.encode()
     return f"murmur/{kind}/v{version}\x00".encode() + struct.pack(">H", len(sw)) + sw
 
 
@@ -303,22 +276,25 @@ def content_id(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=32).digest()
 
 
-def seal(identity: Identity, kind: str, body: Struct) -> bytes:
-    """Encode `body`, sign it under the kind's domain and return the envelope bytes."""
+def seal(identity: Identity, kind: str, body: Struct, *, swarm: str) -> bytes:
+    """Encode `body`, sign it under the kind's domain in `swarm` and return the envelope bytes."""
+    if not isinstance(swarm, str) or not 1 <= len(swarm) <= MAX_NAME:
+        raise ValueError(f"swarm name must be 1..{MAX_NAME} characters")
     if kind not in BODY_TYPES:
         raise ValueError(f"unknown message kind {kind!r}")
     if not isinstance(body, BODY_TYPES[kind]):
         raise TypeError(f"{kind} body must be {BODY_TYPES[kind].__name__}")
     raw = encode(body)
-    sig = identity.sign(signing_domain(kind, FORMAT_VERSION, _swarm) + raw)
-    data = encode(Envelope(FORMAT_VERSION, kind, _swarm, raw, identity.public, sig))
+    sig = identity.sign(signing_domain(kind, FORMAT_VERSION, swarm) + raw)
+    data = encode(Envelope(FORMAT_VERSION, kind, swarm, raw, identity.public, sig))
     if len(data) > KIND_LIMITS[kind]:
         raise ValueError(f"{kind} message is {len(data)} bytes, over its limit of {KIND_LIMITS[kind]}")
     return data
 
 
-def decode_envelope(data: bytes, expect: str | None = None) -> Envelope:
-    """Size limit, structure and swarm; the cheap first stages of validation."""
+def decode_envelope(data: bytes, expect: str | None = None, *, swarm: str) -> Envelope:
+    """Size limit, structure and swarm (`WrongSwarm` unless signed for `swarm`); the cheap
+    first stages of validation."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise DecodeError("message is not bytes")
     if len(data) > MAX_ENVELOPE_BYTES:
@@ -335,8 +311,8 @@ def decode_envelope(data: bytes, expect: str | None = None) -> Envelope:
         raise DecodeError(f"expected a {expect} message, got {env.kind}")
     if len(data) > KIND_LIMITS[env.kind]:
         raise DecodeError(f"{env.kind} message is {len(data)} bytes, over its limit of {KIND_LIMITS[env.kind]}")
-    if env.swarm != _swarm:
-        raise WrongSwarm(f"{env.kind} signed for swarm {env.swarm[:64]!r}, not {_swarm!r}")
+    if env.swarm != swarm:
+        raise WrongSwarm(f"{env.kind} signed for swarm {env.swarm[:64]!r}, not {swarm[:64]!r}")
     return env
 
 
@@ -410,9 +386,9 @@ def logprob_fault(data: bytes) -> str:
     return f"log-prob {float(a[j])!r} at token {j} is outside [{LOGPROB_MIN:g}, {LOGPROB_MAX:g}]"
 
 
-def open_envelope(data: bytes, expect: str | None = None) -> tuple[Envelope, Any]:
-    """Full check: limits, structure, signature, body. Returns (envelope, body)."""
-    env = decode_envelope(data, expect)
+def open_envelope(data: bytes, expect: str | None = None, *, swarm: str) -> tuple[Envelope, Any]:
+    """Full check: limits, structure, swarm, signature, body. Returns (envelope, body)."""
+    env = decode_envelope(data, expect, swarm=swarm)
     verify_envelope(env)
     return env, decode_body(env)
 

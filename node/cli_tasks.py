@@ -21,20 +21,20 @@ from gossip.errors import MurmurError
 
 def _known(home: Path) -> list[tuple[bytes, object, bytes, str]]:
     """(id, manifest, envelope, origin) for the built-in set and every stored one."""
-    from gossip.wire import TASK_SET, bind_swarm, content_id, open_envelope
+    from gossip.wire import TASK_SET, content_id, open_envelope
     from node.home import load_home_config, open_home_store
     from training.tasksets import builtin_task_set
 
-    bind_swarm(load_home_config(home).node.swarm)  # stored envelopes were signed for it
+    swarm = load_home_config(home).node.swarm  # stored envelopes were signed for it
     out = []
-    env_bytes = builtin_task_set()
-    env, m = open_envelope(env_bytes, TASK_SET)
+    env_bytes = builtin_task_set(swarm)
+    env, m = open_envelope(env_bytes, TASK_SET, swarm=swarm)
     out.append((content_id(env.body), m, env_bytes, "built-in"))
     if (home / "state.db").exists():
         store = open_home_store(home)
         try:
             for row in store.task_sets():
-                env, m = open_envelope(row["envelope"], TASK_SET)
+                env, m = open_envelope(row["envelope"], TASK_SET, swarm=swarm)
                 out.append((row["task_set_id"], m, row["envelope"], "stored"))
         finally:
             store.close()
@@ -46,18 +46,15 @@ def publish(file: Annotated[Path, typer.Argument(help="task set TOML")], home: H
             json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Sign a task set with this node's key, store it, and queue it for announcement."""
     from gossip.wire import content_id, decode_envelope
-    from node.home import ensure_home, open_home_store
+    from node.home import ensure_home, load_home_config, open_home_store
     from training.tasksets import load_task_set_toml, sign_task_set
-
-    from gossip.wire import bind_swarm
-    from node.home import load_home_config
 
     h = resolve_home(home)
     ident = ensure_home(h)
-    bind_swarm(load_home_config(h).node.swarm)  # signed for the swarm the home's node talks to
+    swarm = load_home_config(h).node.swarm  # signed for the swarm the home's node talks to
     manifest = load_task_set_toml(file)
-    envelope = sign_task_set(ident, manifest)
-    tid = content_id(decode_envelope(envelope).body)
+    envelope = sign_task_set(ident, manifest, swarm=swarm)
+    tid = content_id(decode_envelope(envelope, swarm=swarm).body)
     store = open_home_store(h)
     try:
         new = store.add_task_set(tid, manifest.name, manifest.version, ident.public, envelope)

@@ -499,7 +499,7 @@ class NodeCore:
             lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
             owned=[demand] if demand else [], addrs=list(self.addrs),
             publish_batches_per_s=self.announced_rate)
-        return wire.seal(self.ident, wire.NODE_ANNOUNCE, a)
+        return wire.seal(self.ident, wire.NODE_ANNOUNCE, a, swarm=self.s.swarm)
 
     # ------------------------------------------------------------ catch-up
     def _free_items(self, lid: bytes, now: float) -> dict[tuple[str, int, int], StoredItem]:
@@ -790,7 +790,7 @@ class NodeCore:
             self.rollout_seq = max(self.rollout_seq + 1, int(self.wall_ms()) * 1000)
             batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.s.swarm, producer=self.ident.public,
                                       seq=self.rollout_seq, created_ms=self.wall_ms(), rollouts=part)
-            data = wire.seal(self.ident, wire.ROLLOUT_BATCH, batch)
+            data = wire.seal(self.ident, wire.ROLLOUT_BATCH, batch, swarm=self.s.swarm)
             out.append(RecordRollouts(tuple(
                 dict(rollout_id=rollout_id(r), direction="produced", status="produced", producer=self.ident.public,
                      lineage=bytes(r.lineage), version=r.version, task_set=bytes(r.task.task_set),

@@ -63,7 +63,7 @@ class DemoTaskSet:
 
     def __init__(self, path: Path) -> None:
         from gossip.identity import Identity
-        from gossip.wire import content_id, decode_envelope, swarm_bound
+        from gossip.wire import content_id, decode_envelope
         from training.evaluation import check_evaluation
         from training.tasksets import load_task_set_toml, sign_task_set
         from training.tiny import warmup_generators
@@ -71,9 +71,9 @@ class DemoTaskSet:
         self.manifest = load_task_set_toml(path)  # one-line TaskError on any bad key, generator or overlap
         check_evaluation([self.manifest], warmup_generators())  # eval held out from murmur-tiny's warm-up too
         self.coordinator = Identity.generate()
-        with swarm_bound(DEMO_SWARM):  # signed for the swarm the demo's nodes talk to
-            self.envelope = sign_task_set(self.coordinator, self.manifest)
-            self.id = content_id(decode_envelope(self.envelope).body)
+        # signed for the swarm the demo's nodes talk to
+        self.envelope = sign_task_set(self.coordinator, self.manifest, swarm=DEMO_SWARM)
+        self.id = content_id(decode_envelope(self.envelope, swarm=DEMO_SWARM).body)
         self.max_new_tokens = answer_tokens(self.manifest)
 
     def install(self, home: Path) -> None:

@@ -110,8 +110,8 @@ def sweep_partials(root: Path, in_flight: set[str], done: set[str], keep_s: floa
     return removed
 
 
-def read_item(home: Path, lineage: bytes, item: StoredItem) -> tuple[bytes, list[bytes]]:
-    """(manifest envelope, chunks) of a stored item, ready for `BroadcastNode.publish`."""
+def read_item(home: Path, lineage: bytes, item: StoredItem, *, swarm: str) -> tuple[bytes, list[bytes]]:
+    """(manifest envelope, chunks) of a stored item (signed for `swarm`), ready for `BroadcastNode.publish`."""
     from sync import chunks as chunking
     from sync.patchstore import open_manifest
 
@@ -119,7 +119,7 @@ def read_item(home: Path, lineage: bytes, item: StoredItem) -> tuple[bytes, list
     if store is None:
         raise PatchError("lineage not held here")
     env, payload = store.read_anchor(item.target) if item.kind == "anchor" else store.read_patch(item.base, item.target)
-    m = open_manifest(env)
+    m = open_manifest(env, swarm=swarm)
     return env, chunking.split(payload, m.chunk_bytes)
 
 

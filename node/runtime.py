@@ -110,7 +110,6 @@ class Node:
         from gossip.host import open_transport
 
         cfg = self.cfg
-        wire.bind_swarm(cfg.node.swarm)  # every envelope signed or accepted here names this swarm
         watchdog_armed = threading.Event()
         old_handlers = lifecycle.install_signals(watchdog_armed, self._on_signal, EXIT_DEADLINE_S)
         listen = self.opts.listen or cfg.network.listen
@@ -174,7 +173,8 @@ class Node:
         from training.verifiers import VerifierPool, score
 
         cfg = self.cfg
-        self.tasks = TaskSetGossip(self.store, self.ident.public, cfg.trust.coordinators, self.drops)
+        self.tasks = TaskSetGossip(self.store, self.ident.public, cfg.trust.coordinators, self.drops,
+                                   swarm=cfg.node.swarm)
         self.registry = self.tasks.registry
         self.transport = t
         self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
@@ -252,7 +252,7 @@ class Node:
             await trio.sleep(1.0)
 
     async def _on_node_announce(self, origin: str, body: wire.NodeAnnounce, data: bytes) -> None:
-        signer = bytes(wire.decode_envelope(data).signer)
+        signer = bytes(wire.decode_envelope(data, swarm=self.cfg.node.swarm).signer)
         if peer_id_from_public(signer) == body.peer_id:
             self.service.pipeline.announced(body.peer_id, body)  # the rate it states bounds what we accept
             self.service.gate.announced(body.peer_id, self.service.pipeline.clock())  # no newcomer soon
@@ -361,9 +361,9 @@ class Node:
         """Our worker stored a new version: seed it on the broadcast (this also gossips the manifest)."""
         from sync.patchstore import open_manifest
 
-        m = open_manifest(envelope)
-        env, chunks = await trio.to_thread.run_sync(patchsync.read_item, self.home, bytes(m.lineage),
-                                                    patchsync.item_of(m))
+        m = open_manifest(envelope, swarm=self.cfg.node.swarm)
+        env, chunks = await trio.to_thread.run_sync(partial(patchsync.read_item, swarm=self.cfg.node.swarm),
+                                                    self.home, bytes(m.lineage), patchsync.item_of(m))
         try:
             await self.bcast.publish(env, chunks)
         except MurmurError as e:  # no gossip peers yet: the chunks are still offered to stream peers

@@ -20,12 +20,13 @@ CHECK_CPU_S = 2.0  # verifier CPU seconds per generator to check a received task
 
 
 class TaskSetGossip:
-    def __init__(self, store: Any, own_public: bytes, coordinators: list[str], drops: Any) -> None:
+    def __init__(self, store: Any, own_public: bytes, coordinators: list[str], drops: Any, *, swarm: str) -> None:
         from training.tasksets import TaskRegistry
 
         self.store, self.own, self.drops = store, own_public, drops
         self.trusted = {bytes.fromhex(k) for k in coordinators} | {own_public}  # configured, and ourselves
-        self.registry = TaskRegistry()
+        self.swarm = swarm
+        self.registry = TaskRegistry(swarm)
         self.registry.add_builtin()
         self.sent: set[bytes] = set()
         self.pool: Any | None = None  # a training.verifiers.VerifierPool: where received sets are checked
@@ -41,7 +42,7 @@ class TaskSetGossip:
         of `CHECK_CPU_S` per generator, never on the event loop; without a pool it runs in a thread."""
         from training.tasksets import check_manifest
 
-        tid = wire.content_id(wire.decode_envelope(data).body)
+        tid = wire.content_id(wire.decode_envelope(data, swarm=self.swarm).body)
         if tid in self.registry:
             return
         try:

@@ -120,7 +120,9 @@ def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
 class Inbox:
     """What the reader thread collected; everything bounded."""
 
-    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None, seed: int = 0) -> None:
+    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None, seed: int = 0, *,
+                 swarm: str) -> None:
+        self.swarm = swarm  # external batches signed for another swarm are dropped
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
@@ -169,7 +171,7 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                     continue
             elif isinstance(m, pipe.External):
                 try:
-                    _, batch = wire.open_envelope(m.data, wire.ROLLOUT_BATCH)
+                    _, batch = wire.open_envelope(m.data, wire.ROLLOUT_BATCH, swarm=inbox.swarm)
                 except Exception:
                     continue
                 inbox.spot.append((bytes(batch.producer), batch))
@@ -185,11 +187,13 @@ class Worker:
     def __init__(self, conn: Any, spec: dict[str, Any]) -> None:
         self.conn = conn
         self.spec = spec
+        self.swarm: str = spec["swarm"]  # every envelope it signs or opens names this swarm
         self.home = Path(spec["home"])
         max_rollouts = spec.get("sampler_max_rollouts")
         self.inbox = Inbox(int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
                            int(spec.get("trainer", {}).get("max_staleness", 4)),
-                           None if max_rollouts is None else int(max_rollouts), int(spec.get("seed", 0)))
+                           None if max_rollouts is None else int(max_rollouts), int(spec.get("seed", 0)),
+                           swarm=self.swarm)
         self.rng = random.Random(spec.get("seed", 0) + 7)
         self.spot: Any = None  # training.spotcheck.SpotSampler, on the first round
         self._send_lock = threading.Lock()
@@ -228,7 +232,7 @@ class Worker:
         self.engine = load_policy(self.spec["model"], model_home, device=self.spec.get("device", "auto"),
                                   seed=int(self.spec.get("model_seed", 0)), memory_budget_mb=budget)
         self.master = self.engine
-        self.registry = TaskRegistry()
+        self.registry = TaskRegistry(self.swarm)
         self.registry.add_builtin()
         self.db = open_store(self.home)
         from node.taskmix import TaskMix
@@ -311,7 +315,7 @@ class Worker:
 
         ident = Identity.from_seed(bytes.fromhex(self.spec["identity_seed"]))
         s = self.spec
-        kw = dict(anchor_every=s["anchor_every"], chunk_bytes=s["chunk_bytes"], retain_versions=s["retain_versions"],
+        kw = dict(swarm=self.swarm, anchor_every=s["anchor_every"], chunk_bytes=s["chunk_bytes"], retain_versions=s["retain_versions"],
                   db=self.db)
         own = self.db.get("own_lineage")
         pub = None
@@ -453,7 +457,7 @@ class Worker:
                 self.need_anchor = False
                 follower = LineageFollower(lin, state, version=int(meta["version"]),
                                            expected_hash=bytes.fromhex(meta["state_hash"]), home=self.home,
-                                           db=self.db, keep_patches=False)
+                                           db=self.db, keep_patches=False, swarm=self.swarm)
                 self.engine.take_version(follower.live, None)
                 return follower
             except Exception as e:
@@ -461,12 +465,13 @@ class Worker:
         self.engine.take_version(live, None)
         self.need_anchor = False
         try:
-            return LineageFollower(lin, live, version=0, home=self.home, db=self.db, keep_patches=False)
+            return LineageFollower(lin, live, version=0, home=self.home, db=self.db, keep_patches=False,
+                                   swarm=self.swarm)
         except PatchError:
             # our base model differs from the publisher's: only an anchor (a full state) can start us
             self.need_anchor = True
             return LineageFollower(lin, live, version=0, expected_hash=self.base_hash, home=self.home,
-                                   db=self.db, keep_patches=False)
+                                   db=self.db, keep_patches=False, swarm=self.swarm)
 
     def _apply_held(self, follower: Any) -> int:
         """Apply what the lineage store holds beyond our version (no download), plus announced arrivals."""
@@ -499,7 +504,7 @@ class Worker:
         store = follower.store
         try:
             env, payload = store.read_anchor(target) if kind == "anchor" else store.read_patch(base, target)
-            m = open_manifest(env)
+            m = open_manifest(env, swarm=self.swarm)
             applied = follower.apply(env, chunking.split(payload, m.chunk_bytes))
         except PatchError as e:
             # a non-finite value comes from chunks the publisher signed, applied to the base it named
@@ -690,7 +695,4 @@ def main(conn: Any, spec: dict[str, Any]) -> None:
 
     warnings.filterwarnings("ignore")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the network process decides when we stop
-    from gossip import wire
-
-    wire.bind_swarm(spec.get("swarm", wire.DEFAULT_SWARM))
     Worker(conn, spec).run()

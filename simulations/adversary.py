@@ -35,7 +35,7 @@ class Forger:
         self.ident = ident
         self.swarm = swarm
         self.rng = random.Random(seed)
-        self.registry = TaskRegistry()
+        self.registry = TaskRegistry(swarm)
         self.registry.add_builtin()
         self.lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
         self.victim = victim_lineage or bytes(32)
@@ -62,7 +62,7 @@ class Forger:
             seq = self.seq
         batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.swarm, producer=self.ident.public, seq=seq,
                                   created_ms=wire.now_ms(), rollouts=rollouts)
-        return wire.seal(self.ident, wire.ROLLOUT_BATCH, batch)
+        return wire.seal(self.ident, wire.ROLLOUT_BATCH, batch, swarm=self.swarm)
 
     def payloads(self, behaviour: str) -> list[bytes]:
         """The next bad message(s) of this behaviour; [] for behaviours that act by omission."""
@@ -89,7 +89,6 @@ async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstr
     from gossip import topics  # noqa: PLC0415
     from gossip.host import open_transport  # noqa: PLC0415
 
-    wire.bind_swarm(swarm)  # its envelopes name the swarm it attacks, so they reach the stage each behaviour targets
     ident = Identity.from_seed(bytes.fromhex(seed_hex))
     forger = Forger(ident, swarm, seed=int(seed_hex[:8], 16))
     async with open_transport(ident, [listen]) as t:

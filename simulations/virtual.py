@@ -206,7 +206,7 @@ class VirtualSim:
         self.max_events = max_events
         self.rng = random.Random(sc.seed)
         self.specs = expand(sc)
-        self.registry = TaskRegistry()
+        self.registry = TaskRegistry(sc.swarm)
         self.registry.add_builtin()
         self.task_set = self.registry.builtin_id
         # one memo of the pure verification work per process (simulations/vcache.py says why it is faithful)
@@ -358,7 +358,7 @@ class VirtualSim:
         if hit is not None:
             return hit
         try:
-            env = wire.decode_envelope(data, kind)
+            env = wire.decode_envelope(data, kind, swarm=self.sc.swarm)
             if self.shared is not None:
                 self.shared.verify_envelope(env)
                 got = env, self.shared.decode_body(env)
@@ -444,7 +444,7 @@ class VirtualSim:
                                target_version=target, base_hash=b"" if kind == "anchor" else tag[:16] + b"base",
                                target_hash=tag[:16], codec=codec, total_bytes=total, chunk_bytes=sy.chunk_bytes,
                                chunks=[wire.ChunkRef(tag, s) for s in sizes], created_ms=self._unix_ms())
-        return wire.seal(owner.ident, wire.PATCH_MANIFEST, m)
+        return wire.seal(owner.ident, wire.PATCH_MANIFEST, m, swarm=self.sc.swarm)
 
     def _store_patch(self, n: VNode, pid: bytes) -> None:
         """The runtime's store step: a completed transfer is written to the lineage store, then reported."""
@@ -538,7 +538,7 @@ class VirtualSim:
             seq = node.seq
         batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.sc.swarm, producer=node.ident.public, seq=seq,
                                   created_ms=self._unix_ms(), rollouts=rollouts)
-        return wire.seal(node.ident, wire.ROLLOUT_BATCH, batch)
+        return wire.seal(node.ident, wire.ROLLOUT_BATCH, batch, swarm=self.sc.swarm)
 
     def _gossip(self, node: VNode, data: bytes, lineage: bytes) -> None:
         """An adversary publishes to the shard of the lineage its batch names, as a producer would."""
@@ -954,7 +954,7 @@ class VirtualSim:
             links[k] = SimLink(up_bps=up, down_bps=s.download_bytes_per_s, latency_s=s.latency_ms / 1000.0,
                                loss=s.loss)
         vs = VirtualSwarm(len(receivers), sizes, links=links, degree=min(self.sc.gossip.degree, len(receivers)),
-                          seed=self.rng.randrange(2**32))
+                          seed=self.rng.randrange(2**32), swarm=self.sc.swarm)
         for k, i in enumerate(ids):
             if self.specs[i].behaviour == "corrupt_chunks":
                 vs.make_corrupt(k)

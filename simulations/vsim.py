@@ -58,7 +58,7 @@ from typing import Any
 from msgspec import Struct
 
 from gossip.identity import Identity
-from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
+from gossip.wire import DEFAULT_SWARM, FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
 from sync.chunks import refs
 from sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession
 from sync.transfers import (Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake)
@@ -130,12 +130,14 @@ class VirtualSwarm:
         patches: int = 1,
         patch_interval_s: float = 0.0,
         gossip_manifests: bool = True,
+        swarm: str = DEFAULT_SWARM,
     ) -> None:
         if patches < 1 or not sizes or min(sizes) < 1:
             raise ValueError("need at least one patch of at least one non-empty chunk")
         self.n = followers
         self.sizes = sizes
         self.rng = random.Random(seed)
+        self.swarm = swarm  # the swarm the manifests are signed for and every core accepts
         self.cfg = config or SwarmConfig()
         self.tick_s = tick_s
         self.gossip_manifests = gossip_manifests
@@ -166,11 +168,11 @@ class VirtualSwarm:
             base_model_hash=b"\0" * 32, publisher=me, base_version=version - 1, target_version=version,
             base_hash=b"\1" * 32, target_hash=self.rng.randbytes(32), codec="sparse-v1", total_bytes=sum(self.sizes),
             chunk_bytes=max(self.sizes), chunks=refs(chunks), created_ms=0)
-        env = seal(self.identity, PATCH_MANIFEST, m)
+        env = seal(self.identity, PATCH_MANIFEST, m, swarm=self.swarm)
         return content_id(env), env, chunks
 
     def _core(self, link: SimLink) -> BroadcastCore:
-        return BroadcastCore(self.cfg, upload_bytes_per_s=link.up_bps, seed=self.rng.randrange(2**32), now=self.now)
+        return BroadcastCore(self.cfg, swarm=self.swarm, upload_bytes_per_s=link.up_bps, seed=self.rng.randrange(2**32), now=self.now)
 
     def _topology(self, n: int, degree: int | None) -> list[set[int]]:
         adj: list[set[int]] = [set() for _ in range(n)]

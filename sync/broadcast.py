@@ -68,7 +68,7 @@ class BroadcastNode:
         self,
         transport: Transport,
         *,
-        swarm: str = "murmur-default",
+        swarm: str,
         upload_bytes_per_s: int = 0,
         config: SwarmConfig | None = None,
         partial_root: Path | None = None,
@@ -84,7 +84,8 @@ class BroadcastNode:
         self.t = transport
         self.me = transport.peer_id
         self.topic = topics.announce(swarm)
-        self.core = BroadcastCore(config, upload_bytes_per_s=upload_bytes_per_s, accept=accept, seed=seed,
+        self.swarm = swarm
+        self.core = BroadcastCore(config, swarm=swarm, upload_bytes_per_s=upload_bytes_per_s, accept=accept, seed=seed,
                                   manifest_retry_s=manifest_retry_s, now=trio.current_time())
         self.partial_root = partial_root
         self.on_penalty = on_penalty
@@ -505,7 +506,7 @@ class BroadcastNode:
         while True:
             _origin, data = await inbox.receive()
             try:
-                if decode_envelope(data).kind != PATCH_MANIFEST:
+                if decode_envelope(data, swarm=self.swarm).kind != PATCH_MANIFEST:
                     continue
                 self._apply(self.core.offer(data, trio.current_time()))
             except (DecodeError, MurmurError) as e:

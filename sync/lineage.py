@@ -90,7 +90,7 @@ def _layout(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, t
 
 
 def make_bundle(identity: Identity, lineage: Lineage, codec: str, base_version: int, target_version: int,
-                base_hash: bytes, target_hash: bytes, payload: bytes, chunk_bytes: int) -> Bundle:
+                base_hash: bytes, target_hash: bytes, payload: bytes, chunk_bytes: int, *, swarm: str) -> Bundle:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec}")
     if identity.public != lineage.publisher:
@@ -103,7 +103,7 @@ def make_bundle(identity: Identity, lineage: Lineage, codec: str, base_version: 
         base_hash=base_hash, target_hash=target_hash, codec=codec, total_bytes=len(payload),
         chunk_bytes=cb, chunks=chunking.refs(parts), created_ms=now_ms(),
     )
-    return Bundle(manifest, seal(identity, PATCH_MANIFEST, manifest), parts)
+    return Bundle(manifest, seal(identity, PATCH_MANIFEST, manifest, swarm=swarm), parts)
 
 
 def encode_states(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], base_hash: bytes,
@@ -154,13 +154,14 @@ class LineagePublisher:
     """
 
     def __init__(self, identity: Identity, name: str, state: Mapping[str, torch.Tensor] | torch.nn.Module,
-                 home: Path | None = None, *, anchor_every: int = 16, chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
+                 home: Path | None = None, *, swarm: str, anchor_every: int = 16, chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
                  retain_versions: int = 64, max_anchors: int = 4, config_json: Mapping[str, Any] | None = None,
                  version: int = 0, base_model_hash: bytes | None = None, db: Any = None,
                  level: int = DEFAULT_LEVEL) -> None:
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
         self.identity = identity
+        self.swarm = swarm  # the swarm its manifests are signed for
         src = canonical_state(state) if isinstance(state, torch.nn.Module) else dict(state)
         self.base = {n: t.detach().clone().contiguous() for n, t in src.items()}
         self.hasher = StateHasher(self.base)
@@ -183,15 +184,15 @@ class LineagePublisher:
                 self._write_anchor()
 
     @classmethod
-    def resume(cls, identity: Identity, home: Path, lineage: bytes, **kw: Any) -> LineagePublisher:
+    def resume(cls, identity: Identity, home: Path, lineage: bytes, *, swarm: str, **kw: Any) -> LineagePublisher:
         """Reopen a lineage from its store at its head version."""
         store = LineageStore(home, lineage)
         info = store.read_info()
         head = store.head()
         if info is None or head is None:
             raise PatchError(f"no stored lineage {lineage.hex()} in {home}")
-        state = store.load_state(head)
-        return cls(identity, info["name"], state, home, version=head,
+        state = store.load_state(head, swarm=swarm)
+        return cls(identity, info["name"], state, home, swarm=swarm, version=head,
                    base_model_hash=bytes.fromhex(info["base_model_hash"]), **kw)
 
     @property
@@ -208,7 +209,7 @@ class LineagePublisher:
             if bad:
                 raise NonFiniteWeights(f"version {self.version + 1} not published: {bad} non-finite values in {name}")
         bundle = make_bundle(self.identity, self.lineage, SPARSE, self.version, self.version + 1,
-                             base_hash, target_hash, payload, self.chunk_bytes)
+                             base_hash, target_hash, payload, self.chunk_bytes, swarm=self.swarm)
         for name, ch in changes.items():
             bits_view(self.base[name])[ch.idx] = ch.new
         self.hasher.commit(digests, target_hash)
@@ -228,7 +229,7 @@ class LineagePublisher:
     def _write_anchor(self) -> Bundle:
         data = anchor_bytes(self.base, self.lineage, self.version, self.hasher.hash)
         bundle = make_bundle(self.identity, self.lineage, ANCHOR, self.version, self.version, b"",
-                             self.hasher.hash, data, self.chunk_bytes)
+                             self.hasher.hash, data, self.chunk_bytes, swarm=self.swarm)
         assert self.store is not None
         d = self.store.put_anchor(self.version, data, bundle.envelope, self.config_json)
         if self.db is not None:
@@ -247,7 +248,7 @@ class LineagePublisher:
         store = self._need_store()
         env, payload = (store.read_anchor(item.target) if item.kind == "anchor"
                         else store.read_patch(item.base, item.target))
-        manifest = open_manifest(env)
+        manifest = open_manifest(env, swarm=self.swarm)
         return Bundle(manifest, env, chunking.split(payload, manifest.chunk_bytes))
 
     def union(self, a: int, b: int | None = None) -> Bundle:
@@ -258,12 +259,12 @@ class LineagePublisher:
             raise PatchError(f"bad union range {a}..{b} (head {self.version})")
         if store.has_patch(a, b):
             return self.stored(StoredItem(diff_kind(a, b), a, b, 0))
-        base = store.load_state(a)
-        target = self.base if b == self.version else store.load_state(b)
+        base = store.load_state(a, swarm=self.swarm)
+        target = self.base if b == self.version else store.load_state(b, swarm=self.swarm)
         bh = state_hash(base)
         payload, th, _, _ = encode_states(base, target, bh, None, self.level)
         bundle = make_bundle(self.identity, self.lineage, UNION if b > a + 1 else SPARSE, a, b, bh, th,
-                             payload, self.chunk_bytes)
+                             payload, self.chunk_bytes, swarm=self.swarm)
         store.put_patch(bundle.manifest, bundle.envelope, payload)
         return bundle
 
@@ -298,8 +299,9 @@ class LineageFollower:
 
     def __init__(self, lineage: Lineage, state: Mapping[str, torch.Tensor] | torch.nn.Module, version: int = 0,
                  expected_hash: bytes | None = None, home: Path | None = None, db: Any = None,
-                 keep_patches: bool = True) -> None:
+                 keep_patches: bool = True, *, swarm: str) -> None:
         self.lineage = lineage
+        self.swarm = swarm  # manifests signed for another swarm are refused
         self.live = canonical_state(state) if isinstance(state, torch.nn.Module) else dict(state)
         for n, t in self.live.items():
             bits_view(t)  # dtype/contiguity check up front
@@ -326,7 +328,7 @@ class LineageFollower:
 
     def check_manifest(self, envelope: bytes) -> PatchManifest:
         """Signature, publisher and lineage checks; raises PatchError naming the problem."""
-        m = open_manifest(envelope)
+        m = open_manifest(envelope, swarm=self.swarm)
         if m.publisher != self.lineage.publisher:
             raise PatchError("manifest signed by a key that is not the lineage publisher")
         if m.lineage != self.lineage.id or lineage_id(m.publisher, m.base_model_hash, m.lineage_name) != m.lineage:

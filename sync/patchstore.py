@@ -38,10 +38,10 @@ WRITE_GRACE_S = 120.0  # a temp file or manifest-less payload younger than this 
 _PATCH_RE = re.compile(r"^(\d{12})-(\d{12})\.env$")
 
 
-def open_manifest(envelope: bytes) -> PatchManifest:
-    """Verify a signed manifest envelope; any failure is a PatchError."""
+def open_manifest(envelope: bytes, *, swarm: str) -> PatchManifest:
+    """Verify a manifest envelope signed for `swarm`; any failure is a PatchError."""
     try:
-        _, body = open_envelope(envelope, expect=PATCH_MANIFEST)
+        _, body = open_envelope(envelope, expect=PATCH_MANIFEST, swarm=swarm)
     except DecodeError as e:
         raise PatchError(f"bad patch manifest: {e}") from None
     return body
@@ -136,8 +136,9 @@ class LineageStore:
         return self.root / "partial" / content_id(envelope).hex()
 
     # ------------------------------------------------------------ replay
-    def load_state(self, version: int) -> dict[str, torch.Tensor]:
-        """The state at `version`: the newest anchor at or below it plus the stored patch chain.
+    def load_state(self, version: int, *, swarm: str) -> dict[str, torch.Tensor]:
+        """The state at `version`: the newest anchor at or below it plus the stored patch chain
+        (its manifests signed for `swarm`).
 
         The result is checked against the publisher-signed hash of `version`.
         """
@@ -152,12 +153,12 @@ class LineageStore:
 
         start = anchors[-1]
         env, _ = self.read_anchor(start)
-        want = open_manifest(env).target_hash
+        want = open_manifest(env, swarm=swarm).target_hash
         state = load_file(str(self.anchor_dir(start) / ANCHOR_FILE))
         layout = {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
         for v in range(start, version):
             env, payload = self.read_patch(v, v + 1)
-            want = open_manifest(env).target_hash
+            want = open_manifest(env, swarm=swarm).target_hash
             _, staged = decode_patch(payload, layout)
             for s in staged:
                 view = bits_view(state[s.name])

@@ -157,6 +157,7 @@ class BroadcastCore:
         self,
         config: SwarmConfig | None = None,
         *,
+        swarm: str,
         upload_bytes_per_s: float = 0,
         upload_burst_bytes: float | None = None,
         accept: Callable[[PatchManifest], bool] | None = None,
@@ -169,6 +170,7 @@ class BroadcastCore:
         if max_transfers < 1 or max_manifest_asks < 1:
             raise ValueError("max_transfers and max_manifest_asks must be >= 1")
         self.cfg = config or SwarmConfig()
+        self.swarm = swarm  # manifests signed for another swarm are refused
         # a burst of one chunk: a chunk is the unit written, so with less every first chunk after an
         # idle gap waits for its own tokens (most of a chunk's transfer time at volunteer rates)
         burst = upload_burst_bytes if upload_burst_bytes is not None else max(DEFAULT_CHUNK_BYTES,
@@ -279,7 +281,7 @@ class BroadcastCore:
         if pid in self.transfers or pid in self.loading:
             return []
         try:
-            _, manifest = open_envelope(envelope, expect=PATCH_MANIFEST)
+            _, manifest = open_envelope(envelope, expect=PATCH_MANIFEST, swarm=self.swarm)
         except DecodeError as e:
             self.counters["manifests_rejected"] += 1
             if peer is None:
@@ -314,7 +316,7 @@ class BroadcastCore:
     def publish(self, envelope: bytes, chunks: list[bytes], now: float, wall: float) -> tuple[bytes, list[Action]]:
         """Become the origin of a signed patch whose chunk bytes are `chunks`; returns its patch id."""
         try:
-            _, manifest = open_envelope(envelope, expect=PATCH_MANIFEST)
+            _, manifest = open_envelope(envelope, expect=PATCH_MANIFEST, swarm=self.swarm)
         except DecodeError:
             self.counters["manifests_rejected"] += 1
             raise

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+SWARM = "test"
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,7 +50,7 @@ def registry() -> Any:
     """The built-in task set, one per test module."""
     from training.tasksets import TaskRegistry
 
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     reg.add_builtin()
     return reg
 

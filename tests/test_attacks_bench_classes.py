@@ -37,9 +37,8 @@ class Recorder:
 def _run(attack: Any, k: attacks.Knowledge, name: str) -> tuple[attacks.Attacker, list[tuple[str, Any, bytes]]]:
     t = Recorder()
     a = attacks.Attacker(t, attacks.attack_key(name), SWARM)
-    with wire.swarm_bound(SWARM):
-        trio.run(attack, a, k, [])
-        opened = [(topic, *wire.open_envelope(data), data) for topic, data in t.sent]
+    trio.run(attack, a, k, [])
+    opened = [(topic, *wire.open_envelope(data, swarm=SWARM), data) for topic, data in t.sent]
     return a, [(topic, body, data) for topic, _env, body, data in opened]
 
 
@@ -48,13 +47,12 @@ def _honest_knowledge() -> tuple[attacks.Knowledge, Identity]:
     one), a manifest of its lineage and a batch of its rollouts."""
     honest = Identity.from_seed(b"\x11" * 32)
     h = attacks.Attacker(Recorder(), honest, SWARM)
-    k = attacks.Knowledge()
-    with wire.swarm_bound(SWARM):
-        k.take(attacks._announce(h, 1, gen_tokens_per_s=50.0))
-        k.take(attacks._announce(h, 2, gen_tokens_per_s=500.0))
-        k.take(attacks._manifest(h, os.urandom(32), "honest", b"\x00" * 32, 3, 4))
-        k.take(attacks._batch(h, [attacks._rollout_like(None, seed=1, version=4)]))
-        k.take(wire.seal(honest, wire.TASK_SET, builtin_manifest(honest.public)))
+    k = attacks.Knowledge(SWARM)
+    k.take(attacks._announce(h, 1, gen_tokens_per_s=50.0))
+    k.take(attacks._announce(h, 2, gen_tokens_per_s=500.0))
+    k.take(attacks._manifest(h, os.urandom(32), "honest", b"\x00" * 32, 3, 4))
+    k.take(attacks._batch(h, [attacks._rollout_like(None, seed=1, version=4)]))
+    k.take(wire.seal(honest, wire.TASK_SET, builtin_manifest(honest.public), swarm=SWARM))
     return k, honest
 
 
@@ -73,7 +71,7 @@ def test_large_batches_are_full_honest_batches_within_the_envelope_limit() -> No
     batches = [(b, d) for _, b, d in sent if isinstance(b, wire.RolloutBatch)]
     assert batches and all(len(b.rollouts) == wire.MAX_ROLLOUTS_PER_BATCH for b, _ in batches)
     assert all(len(d) <= wire.MAX_ENVELOPE_BYTES for _, d in batches)
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     reg.add_builtin()
     for b, _ in batches:
         assert bytes(b.producer) == a.ident.public
@@ -119,7 +117,7 @@ def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(t
     rs = [r for _, b, _ in sent if isinstance(b, wire.RolloutBatch) for r in b.rollouts]
     assert rs
     tok = load_tokenizer(tiny)
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     reg.add_builtin()
     head = k.lineage().target_version
     carrying = [r for r in rs if r.text.startswith(attacks.PAYLOAD)]

@@ -19,7 +19,7 @@ from sync.catchup import choose
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
 from tests.workbound import lines_run
-from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, follow_trainer, key, make_core, manifest, of
+from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, follow_trainer, key, make_core, manifest, of, SWARM
 
 
 def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
@@ -214,7 +214,7 @@ def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
             token_versions=[(0, 2)], sampling=wire.SamplingParams(), reward=1.0, created_ms=1))
 
     acts = core.handle(W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5)]))
-    sent = [wire.open_envelope(p.data)[1] for p in of(acts, C.Publish) if p.topic == "rollouts"]
+    sent = [wire.open_envelope(p.data, swarm=SWARM)[1] for p in of(acts, C.Publish) if p.topic == "rollouts"]
     assert [len(b.rollouts) for b in sent] == [1]  # only the honest one, and it still opens cleanly
     assert core.counters["rollouts_unpublishable"] == 3
     assert sum(1 for a in of(acts, C.Log) if a.msg == "worker rollout not published") == 3
@@ -276,7 +276,7 @@ def test_a_claimed_throughput_no_delivery_backs_does_not_stand_honest_followers_
         for k in honest:
             core.handle(C.RolloutsVerified(k.peer_id, ((lid, 6),)))
         acts = round_({honest[0]: _rate_tps(3.0), honest[1]: _rate_tps(3.0), attacker: 1e9})
-        a = wire.decode_struct(wire.decode_envelope(of(acts, C.Publish)[0].data).body, wire.NodeAnnounce, 1 << 16)
+        a = wire.decode_struct(wire.decode_envelope(of(acts, C.Publish)[0].data, swarm=SWARM).body, wire.NodeAnnounce, 1 << 16)
         assert not {k.peer_id for k in honest} & set(a.owned[0].standby)  # no honest follower is told to stand by
     act = core.lineages[lid].activation
     assert {k.peer_id for k in honest} <= set(act.active) and act.met

@@ -32,14 +32,14 @@ def test_task_set_is_signed_deterministic_and_verifiable() -> None:
     sc, _ = bench_swarm.load_scenario()
     env = bench_swarm.bench_task_set(sc)
     assert env == bench_swarm.bench_task_set(sc)  # same id in every run and on every node
-    reg = TaskRegistry()
+    reg = TaskRegistry(bench_swarm.SWARM)
     m = reg.add(env, {bench_swarm.COORDINATOR.public})
     assert {g.name for g in m.generators} == {g.name for g in sc.task_set.generators}
-    assert task_set_id(env) in reg
+    assert task_set_id(env, swarm=bench_swarm.SWARM) in reg
     from gossip.errors import SignatureError
 
     with pytest.raises(SignatureError):
-        TaskRegistry().add(env, set())  # not trusted without the coordinator
+        TaskRegistry(bench_swarm.SWARM).add(env, set())  # not trusted without the coordinator
 
 
 def test_scenario_rejects_unknown_keys_and_bad_adversary(tmp_path: Path) -> None:

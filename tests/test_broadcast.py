@@ -116,7 +116,7 @@ def test_live_broadcast_reaches_every_follower_with_forwarding() -> None:
         async with live_node(0, upload=2 * 2**20) as o, live_node(1) as f1, live_node(2) as f2, live_node(3) as f3:
             nodes = [o, f1, f2, f3]
             await mesh(nodes)
-            env, chunks = make_patch(ident(0), data, CHUNK)
+            env, chunks = make_patch(ident(0), data, CHUNK, swarm="test")
             pid = await o[1].publish(env, chunks)  # the manifest travels by gossip
             for _, f in nodes[1:]:
                 tr = await f.wait_for_transfer(60, lambda t: t.pid == pid)
@@ -138,8 +138,8 @@ def test_forged_manifest_is_rejected_before_any_fetch() -> None:
 
     async def main() -> None:
         async with live_node(10) as f:
-            env, _ = make_patch(ident(11), data, CHUNK)
-            e = decode_envelope(env)
+            env, _ = make_patch(ident(11), data, CHUNK, swarm="test")
+            e = decode_envelope(env, swarm="test")
             forged = encode(msgspec.structs.replace(e, body=e.body[:-1] + bytes([e.body[-1] ^ 1])))
             with pytest.raises(DecodeError):
                 await f[1].add_manifest(forged)
@@ -159,7 +159,7 @@ def test_live_corrupt_server_is_banned_and_others_complete() -> None:
                 live_node(24, penalties=penalties) as f4:
             nodes = [o, bad, f2, f3, f4]
             await mesh(nodes)
-            env, chunks = make_patch(ident(20), data, CHUNK)
+            env, chunks = make_patch(ident(20), data, CHUNK, swarm="test")
             pid = await o[1].publish(env, chunks)
             for _, f in (f2, f3, f4):
                 await f.wait_for_transfer(60, lambda t: t.pid == pid)
@@ -180,7 +180,7 @@ def test_live_restart_resumes_from_stored_chunks(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with live_node(30, upload=512 * 1024) as o:
-            env, chunks = make_patch(ident(30), data, CHUNK)
+            env, chunks = make_patch(ident(30), data, CHUNK, swarm="test")
             pid = None
             held = 0
             async with live_node(31, partial=part) as f:
@@ -226,7 +226,7 @@ def test_live_kill_followers_mid_broadcast_survivors_complete() -> None:
                 await n.start(run_node, i)
             await mesh(nodes)
             o = nodes[0]
-            env, chunks = make_patch(ident(40), data, CHUNK)
+            env, chunks = make_patch(ident(40), data, CHUNK, swarm="test")
             pid = await o[1].publish(env, chunks)
             victims = nodes[1:5]
             tr = await victims[0][1].wait_for_transfer(60, lambda t: t.pid == pid)
@@ -305,7 +305,7 @@ def test_concurrent_add_manifest_makes_one_transfer(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with live_node(60, partial=tmp_path / "p") as (_, f):
-            env, _ = make_patch(ident(61), data, CHUNK)
+            env, _ = make_patch(ident(61), data, CHUNK, swarm="test")
             got: list = []
             seen: list = []
 
@@ -353,7 +353,7 @@ def test_stuck_transfers_never_block_new_patches() -> None:
         async with live_node(71) as (_, f):
             pids = []
             for v in range(1, MAX_TRANSFERS + 3):  # nobody ever serves a chunk of these
-                env, _ = make_patch(publisher, payload(2 * CHUNK, seed=v), CHUNK, version=v)
+                env, _ = make_patch(publisher, payload(2 * CHUNK, seed=v), CHUNK, version=v, swarm="test")
                 pids.append(await f.add_manifest(env))
             assert all(p is not None for p in pids)
             assert len(f.transfers) == MAX_TRANSFERS

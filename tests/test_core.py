@@ -12,6 +12,8 @@ from node import pipe
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
 
+SWARM = "t"
+
 BASE = hashlib.blake2b(b"base model", digest_size=32).digest()
 MODEL_BYTES = 1 << 20
 
@@ -55,7 +57,7 @@ def announce(ident: Identity, seq: int, owned=(), serving: bytes = b"", roles=("
     body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=seq, created_ms=1, hardware="cpu",
                              gen_tokens_per_s=gen_tps, rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
                              roles=list(roles), lineages_followed=[], serving=serving, owned=list(owned))
-    return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body))
+    return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM))
 
 
 def manifest(ident: Identity, name: str, base_v: int, target_v: int, total: int = 1000,
@@ -157,7 +159,7 @@ def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     lid = lineage_id(me.public, BASE, "mine")
     core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
     acts = core.handle(C.Tick())
-    env = wire.decode_envelope(of(acts, C.Publish)[0].data)
+    env = wire.decode_envelope(of(acts, C.Publish)[0].data, swarm=SWARM)
     a = wire.decode_struct(env.body, wire.NodeAnnounce, 1 << 16)
     assert [bytes(d.lineage) for d in a.owned] == [lid] and a.owned[0].head_version == 2
     r = wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
@@ -261,11 +263,11 @@ def test_created_ms_comes_from_the_injected_wall_clock() -> None:
     core = C.NodeCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_234_567)
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
-    assert [wire.open_envelope(a.data)[1].created_ms for a in sent] == [1_234_567]
+    assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in sent] == [1_234_567]
     r = _rollout()
     out = core.handle(W("rollouts", [wire.encode(r)]))
     batches = [a for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
-    assert [wire.open_envelope(a.data)[1].created_ms for a in batches] == [1_234_567]
+    assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in batches] == [1_234_567]
 
 
 def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> None:
@@ -279,7 +281,7 @@ def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> N
         core = C.NodeCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
         core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
         out = core.handle(W("rollouts", [wire.encode(r)]))
-        seqs += [wire.open_envelope(a.data)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
+        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert len(seqs) == 2 and seqs[1] > seqs[0]
 
 

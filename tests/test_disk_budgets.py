@@ -15,6 +15,8 @@ from node.patchsync import store_complete
 from sync.lineage import LineagePublisher
 from sync.patchstore import LineageStore, open_manifest
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 
 
@@ -22,7 +24,7 @@ def _publish(identity, home: Path, n: int) -> LineagePublisher:
     g = torch.Generator().manual_seed(3)
     s = {"w": (torch.randn(32, 32, generator=g) * 0.02).to(torch.bfloat16)}
     pub = LineagePublisher(identity, "budget", s, home, anchor_every=8, retain_versions=10**6, max_anchors=100,
-                             chunk_bytes=4096)
+                             chunk_bytes=4096, swarm=SWARM)
     for _ in range(n):
         s = {"w": s["w"].clone()}
         mask = torch.rand(s["w"].shape, generator=g) < 0.05
@@ -38,7 +40,7 @@ def _copy_as_follower(pub: LineagePublisher, home: Path, anchors: bool) -> Linea
         if it.kind == "anchor" and not anchors:
             continue
         env, payload = src.read_anchor(it.target) if it.kind == "anchor" else src.read_patch(it.base, it.target)
-        store_complete(home, open_manifest(env), env, payload)
+        store_complete(home, open_manifest(env, swarm=SWARM), env, payload)
     return LineageStore(home, pub.lineage.id)
 
 
@@ -61,7 +63,7 @@ def test_follower_store_with_anchors_stays_replayable(identity, tmp_path: Path) 
     assert min(i.base for i in patches) in store.anchors()
     assert len(patches) <= 8 + 8
     from sync.hashing import state_hash
-    assert state_hash(store.load_state(40)) == pub.state_hash
+    assert state_hash(store.load_state(40, swarm=SWARM)) == pub.state_hash
 
 
 def test_log_file_rotates_within_its_budget(tmp_path: Path) -> None:

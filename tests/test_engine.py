@@ -18,6 +18,8 @@ from training.rollouts import expand_versions, from_wire, to_wire
 from training.tasksets import TaskRegistry
 from training.tiny import ensure_tiny, load_policy, new_tiny_engine, tiny_dir
 
+SWARM = "t"
+
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
@@ -150,7 +152,7 @@ def test_murmur_tiny_is_cached_deterministic_and_loads_offline(tmp_path: Path, m
 
 
 def test_rollout_wire_round_trip_and_retokenisation(engine: HFEngine) -> None:
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     reg.add_builtin()
     from training.trainer import Trainer, TrainerConfig
 
@@ -161,8 +163,8 @@ def test_rollout_wire_round_trip_and_retokenisation(engine: HFEngine) -> None:
     ident = Identity.from_seed(b"\x09" * 32)
     wires = [to_wire(r) for r in res.rollouts]
     env = seal(ident, ROLLOUT_BATCH, RolloutBatch(v=FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
-                                                  rollouts=wires))
-    _, batch = open_envelope(env, ROLLOUT_BATCH)
+                                                  rollouts=wires), swarm=SWARM)
+    _, batch = open_envelope(env, ROLLOUT_BATCH, swarm=SWARM)
     for r, w in zip(res.rollouts, batch.rollouts):
         task = reg.resolve(w.task)
         back = from_wire(w, task, engine.encode(task.prompt), engine.tokenizer_hash, engine.encode)

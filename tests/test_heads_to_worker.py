@@ -50,7 +50,7 @@ def test_the_worker_ages_out_another_lineages_groups_by_the_heads_it_is_told() -
     lid = lineage_id(other.public, BASE, "theirs")
     base = samples.rollout(seed=1)
     group = [msgspec.structs.replace(base, lineage=lid, version=2, reward=x) for x in (1.0, 0.0)]
-    inbox = Inbox(max_groups=16, max_staleness=4)
+    inbox = Inbox(max_groups=16, max_staleness=4, swarm="t")
     inbox.sampler.add_rollouts(group)
     ours, theirs = multiprocessing.Pipe(duplex=True)
     t = threading.Thread(target=_reader, args=(theirs, inbox))

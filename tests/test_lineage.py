@@ -16,6 +16,8 @@ from sync.lineage import (ANCHOR, SPARSE, UNION, Lineage, LineageFollower, Linea
                           make_bundle)
 from sync.patchstore import StoredItem
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 
 
@@ -53,9 +55,9 @@ def assert_untouched(state: dict[str, torch.Tensor], snap: dict[str, np.ndarray]
 @pytest.fixture
 def setup(identity):
     tr = Trainer()
-    pub = LineagePublisher(identity, "test-lineage", tr.state(), None, chunk_bytes=1024)
+    pub = LineagePublisher(identity, "test-lineage", tr.state(), None, chunk_bytes=1024, swarm=SWARM)
     live = tr.state()
-    fol = LineageFollower(pub.lineage, live, 0)
+    fol = LineageFollower(pub.lineage, live, 0, swarm=SWARM)
     return tr, pub, fol, live
 
 
@@ -124,7 +126,7 @@ def test_truncated_payload_in_a_signed_manifest_is_rejected(setup, identity) -> 
     b, fol, live = _one_patch(setup)
     m = b.manifest
     bad = make_bundle(identity, fol.lineage, SPARSE, m.base_version, m.target_version, m.base_hash,
-                      m.target_hash, b.payload[:-40], 1024)
+                      m.target_hash, b.payload[:-40], 1024, swarm=SWARM)
     snap = snapshot(live)
     with pytest.raises(PatchError, match="truncated|checksum"):
         fol.apply(bad.envelope, bad.chunks)
@@ -137,7 +139,7 @@ def test_manifest_from_the_wrong_key_is_rejected(setup, other_identity) -> None:
     # a forger signs the same manifest contents under its own key
     forged = PatchManifest(**{f: getattr(b.manifest, f) for f in b.manifest.__struct_fields__})
     forged.publisher = other_identity.public
-    env = seal(other_identity, PATCH_MANIFEST, forged)
+    env = seal(other_identity, PATCH_MANIFEST, forged, swarm=SWARM)
     with pytest.raises(PatchError, match="not the lineage publisher"):
         fol.apply(env, b.chunks)
     # or keeps the publisher field but cannot produce the publisher's signature
@@ -159,7 +161,7 @@ def test_target_hash_mismatch_reverts_in_place_changes(setup, identity) -> None:
     lie = b"\x07" * 32
     body = payload[off:-16]
     forged_payload = assemble(PatchHeader(header.v, header.base_hash, lie, header.tensors), [body])
-    bad = make_bundle(identity, fol.lineage, SPARSE, 0, 1, pub.state_hash, lie, forged_payload, 1024)
+    bad = make_bundle(identity, fol.lineage, SPARSE, 0, 1, pub.state_hash, lie, forged_payload, 1024, swarm=SWARM)
     snap = snapshot(live)
     with pytest.raises(PatchError, match="target hash mismatch"):
         fol.apply(bad.envelope, bad.chunks)
@@ -169,7 +171,7 @@ def test_target_hash_mismatch_reverts_in_place_changes(setup, identity) -> None:
 
 def test_manifest_for_another_lineage_is_rejected(setup, identity) -> None:
     tr, pub, fol, live = setup
-    other = LineagePublisher(identity, "other-name", tr.state(), None)
+    other = LineagePublisher(identity, "other-name", tr.state(), None, swarm=SWARM)
     b = other.publish(tr.step())
     with pytest.raises(PatchError, match="another lineage"):
         fol.apply(b.envelope, b.chunks)
@@ -184,7 +186,7 @@ def test_union_equals_chain(setup) -> None:
         chain_bytes += pub.publish(tr.step()).manifest.total_bytes
     payload, th, _, _ = encode_states(start, pub.base, start_hash)
     assert th == pub.state_hash
-    union = make_bundle(pub.identity, pub.lineage, UNION, 0, 6, start_hash, th, payload, 1024)
+    union = make_bundle(pub.identity, pub.lineage, UNION, 0, 6, start_hash, th, payload, 1024, swarm=SWARM)
     applied = fol.apply(union.envelope, union.chunks)
     assert applied.version == 6 and state_hash(live) == pub.state_hash
     assert union.manifest.total_bytes < chain_bytes
@@ -193,13 +195,13 @@ def test_union_equals_chain(setup) -> None:
 def test_publisher_store_serves_union_anchor_and_chain(identity, tmp_path) -> None:
     tr = Trainer(1)
     pub = LineagePublisher(identity, "stored", tr.state(), tmp_path, anchor_every=4, chunk_bytes=2048,
-                           config_json={"model_type": "test"})
+                           config_json={"model_type": "test"}, swarm=SWARM)
     base0 = tr.state()
     for _ in range(10):
         pub.publish(tr.step())
     assert pub.store.anchors() == [0, 4, 8]
     # a follower at 5 gets the cheapest plan; whatever it is, it lands on the head bit-exactly
-    fol = LineageFollower(pub.lineage, pub.store.load_state(5), 5, expected_hash=None)
+    fol = LineageFollower(pub.lineage, pub.store.load_state(5, swarm=SWARM), 5, expected_hash=None, swarm=SWARM)
     plan, bundles = pub.catch_up(5)
     assert plan.steps and plan.steps[-1].target == 10
     chain = sum(i.bytes for i in pub.store.items() if i.kind == "patch" and i.base >= 5)
@@ -210,7 +212,7 @@ def test_publisher_store_serves_union_anchor_and_chain(identity, tmp_path) -> No
     # a fresh node starts from nothing: an anchor first
     plan0, bundles0 = pub.catch_up(None)
     assert plan0.steps[0].kind == "anchor"
-    fresh = LineageFollower(pub.lineage, base0, 0)
+    fresh = LineageFollower(pub.lineage, base0, 0, swarm=SWARM)
     for b in bundles0:
         fresh.apply(b.envelope, b.chunks)
     assert fresh.version == 10 and state_hash(base0) == pub.state_hash
@@ -219,14 +221,14 @@ def test_publisher_store_serves_union_anchor_and_chain(identity, tmp_path) -> No
 
 def test_anchor_with_wrong_layout_is_rejected(identity, tmp_path) -> None:
     tr = Trainer(2)
-    pub = LineagePublisher(identity, "anc", tr.state(), tmp_path, anchor_every=2)
+    pub = LineagePublisher(identity, "anc", tr.state(), tmp_path, anchor_every=2, swarm=SWARM)
     pub.publish(tr.step())
     pub.publish(tr.step())
     b = pub.stored(StoredItem("anchor", 2, 2, 0))
     live = Trainer(2).state()
     live["extra"] = torch.zeros(3)
     fol = LineageFollower(Lineage(identity.public, pub.lineage.base_model_hash, "anc"), live, 0,
-                          expected_hash=state_hash(live))
+                          expected_hash=state_hash(live), swarm=SWARM)
     snap = snapshot(live)
     with pytest.raises(PatchError, match="do not match"):
         fol.apply(b.envelope, b.chunks)

@@ -16,6 +16,8 @@ from sync.hashing import canonical_state, state_hash
 from sync.lineage import LineageFollower, LineagePublisher
 from sync.patchstore import LineageStore
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 
 
@@ -26,7 +28,7 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def lineage(identity, tmp_path: Path):
-    pub = LineagePublisher(identity, "lin", _state(), tmp_path / "pub", chunk_bytes=1024, anchor_every=4)
+    pub = LineagePublisher(identity, "lin", _state(), tmp_path / "pub", chunk_bytes=1024, anchor_every=4, swarm=SWARM)
     s = {n: t.clone() for n, t in pub.base.items()}
     s["w"] += torch.full_like(s["w"], 0.01)
     bundle = pub.publish(s)
@@ -49,7 +51,7 @@ def test_wanted_takes_an_old_anchor_only_when_patches_cannot_start(lineage) -> N
     env, _ = pub.store.read_anchor(0)
     from sync.patchstore import open_manifest
 
-    m = open_manifest(env)
+    m = open_manifest(env, swarm=SWARM)
     assert not patchsync.wanted(m, pub.lineage.id, pub.lineage.publisher, held=0, need_anchor=False, have=set())
     assert patchsync.wanted(m, pub.lineage.id, pub.lineage.publisher, held=0, need_anchor=True, have=set())
 
@@ -59,11 +61,11 @@ def test_store_complete_then_read_item_round_trips(lineage, tmp_path: Path) -> N
     home = tmp_path / "follower"
     item = patchsync.store_complete(home, bundle.manifest, bundle.envelope, bundle.payload)
     assert (item.kind, item.base, item.target) == ("patch", 0, 1)
-    env, chunks = patchsync.read_item(home, pub.lineage.id, item)
+    env, chunks = patchsync.read_item(home, pub.lineage.id, item, swarm=SWARM)
     assert env == bundle.envelope and b"".join(chunks) == bundle.payload
     assert [(i.kind, i.base, i.target) for i in LineageStore(home, pub.lineage.id).items()] == [("patch", 0, 1)]
     with pytest.raises(PatchError):
-        patchsync.read_item(home, bytes(32), item)
+        patchsync.read_item(home, bytes(32), item, swarm=SWARM)
 
 
 def test_sweep_partials_keeps_downloads_in_flight(tmp_path: Path) -> None:
@@ -86,7 +88,7 @@ def test_trainer_samples_the_published_bf16_weights_that_a_follower_holds(identi
 
     master = new_tiny_engine(seed=3)
     base = to_published(canonical_state(master.model))
-    pub = LineagePublisher(identity, "lin", base, tmp_path / "pub", chunk_bytes=64 * 1024)
+    pub = LineagePublisher(identity, "lin", base, tmp_path / "pub", chunk_bytes=64 * 1024, swarm=SWARM)
     eng = MasterEngine(master, pub.base, seed=1)
     fp32 = {n: t.detach().clone() for n, t in canonical_state(eng.model).items()}
     # an optimizer-sized step on the master: most bf16 elements do not move
@@ -104,7 +106,7 @@ def test_trainer_samples_the_published_bf16_weights_that_a_follower_holds(identi
     follower_engine = new_tiny_engine(seed=3)
     live = to_published(canonical_state(follower_engine.model))
     follower_engine.load_state(live)
-    fol = LineageFollower(pub.lineage, live, 0)
+    fol = LineageFollower(pub.lineage, live, 0, swarm=SWARM)
     applied = fol.apply(bundle.envelope, bundle.chunks)
     follower_engine.take_version(fol.live, applied.changed)
     assert fol.state_hash == state_hash(pub.base)

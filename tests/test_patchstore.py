@@ -14,6 +14,8 @@ from sync.hashing import canonical_state, state_hash
 from sync.lineage import LineageFollower, LineagePublisher
 from sync.patchstore import LineageStore
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 
 
@@ -34,7 +36,7 @@ def test_retention_keeps_a_replayable_window(identity, tmp_path) -> None:
     g = torch.Generator().manual_seed(1)
     s = _state()
     pub = LineagePublisher(identity, "ret", s, tmp_path, anchor_every=5, retain_versions=6, max_anchors=2,
-                           chunk_bytes=4096)
+                           chunk_bytes=4096, swarm=SWARM)
     for _ in range(23):
         s = _step(s, g)
         pub.publish(s)
@@ -45,21 +47,21 @@ def test_retention_keeps_a_replayable_window(identity, tmp_path) -> None:
     assert len(store.anchors()) <= 2 and store.anchors()[-1] == 20
     oldest = min(i.base for i in patches)
     assert oldest in store.anchors()  # every kept patch is reachable from a kept anchor
-    assert state_hash(store.load_state(23)) == pub.state_hash
-    assert state_hash(store.load_state(oldest + 1)) != pub.state_hash
+    assert state_hash(store.load_state(23, swarm=SWARM)) == pub.state_hash
+    assert state_hash(store.load_state(oldest + 1, swarm=SWARM)) != pub.state_hash
     with pytest.raises(PatchError):
-        store.load_state(3)  # pruned
+        store.load_state(3, swarm=SWARM)  # pruned
 
 
 def test_publisher_resumes_from_its_store(identity, tmp_path) -> None:
     g = torch.Generator().manual_seed(2)
     s = _state()
     db = open_store(tmp_path / "home")
-    pub = LineagePublisher(identity, "resume", s, tmp_path, anchor_every=4, db=db)
+    pub = LineagePublisher(identity, "resume", s, tmp_path, anchor_every=4, db=db, swarm=SWARM)
     for _ in range(6):
         s = _step(s, g)
         pub.publish(s)
-    again = LineagePublisher.resume(identity, tmp_path, pub.lineage.id, anchor_every=4)
+    again = LineagePublisher.resume(identity, tmp_path, pub.lineage.id, anchor_every=4, swarm=SWARM)
     assert again.version == 6 and again.state_hash == pub.state_hash and again.lineage == pub.lineage
     s = _step(s, g)
     b = again.publish(s)
@@ -73,7 +75,7 @@ def test_publisher_resumes_from_its_store(identity, tmp_path) -> None:
 def test_chunk_assembly_resumes_and_drops_bad_files(identity, tmp_path) -> None:
     g = torch.Generator().manual_seed(3)
     s0 = _state()
-    pub = LineagePublisher(identity, "dl", s0, None, chunk_bytes=64)
+    pub = LineagePublisher(identity, "dl", s0, None, chunk_bytes=64, swarm=SWARM)
     b = pub.publish(_step(s0, g))
     assert len(b.chunks) >= 3
     store = LineageStore(tmp_path, pub.lineage.id)
@@ -90,7 +92,7 @@ def test_chunk_assembly_resumes_and_drops_bad_files(identity, tmp_path) -> None:
         again.put(i, b.chunks[i])
     assert again.complete()
     live = {n: t.clone() for n, t in s0.items()}
-    fol = LineageFollower(pub.lineage, live, 0)
+    fol = LineageFollower(pub.lineage, live, 0, swarm=SWARM)
     assert fol.apply(b.envelope, again.chunks()).version == 1
     again.discard()
     assert not d.exists()
@@ -105,7 +107,7 @@ def test_anchor_loads_with_transformers(identity, tmp_path) -> None:
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     state = canonical_state(model)
     assert "lm_head.weight" not in state  # tied alias dropped
-    pub = LineagePublisher(identity, "hf", state, tmp_path, anchor_every=1, config_json=cfg.to_dict())
+    pub = LineagePublisher(identity, "hf", state, tmp_path, anchor_every=1, config_json=cfg.to_dict(), swarm=SWARM)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 1e-3)
@@ -122,9 +124,9 @@ def test_anchor_loads_with_transformers(identity, tmp_path) -> None:
 def test_follower_keeps_received_patches_for_peers(identity, tmp_path) -> None:
     g = torch.Generator().manual_seed(4)
     s = _state()
-    pub = LineagePublisher(identity, "keep", s, tmp_path / "pub", anchor_every=100)
+    pub = LineagePublisher(identity, "keep", s, tmp_path / "pub", anchor_every=100, swarm=SWARM)
     live = {n: t.clone() for n, t in s.items()}
-    fol = LineageFollower(pub.lineage, live, 0, home=tmp_path / "fol")
+    fol = LineageFollower(pub.lineage, live, 0, home=tmp_path / "fol", swarm=SWARM)
     for _ in range(3):
         s = _step(s, g)
         b = pub.publish(s)

@@ -157,7 +157,7 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     from node import pipe, worker
 
     net, end = multiprocessing.Pipe()
-    w = worker.Worker(end, {"home": str(tmp_path), "trainer": {"max_staleness": 4}})
+    w = worker.Worker(end, {"home": str(tmp_path), "swarm": "t", "trainer": {"max_staleness": 4}})
     reader = threading.Thread(target=worker._reader, args=(end, w.inbox), daemon=True)
     reader.start()
     ident = Identity.generate()
@@ -165,7 +165,7 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     rollouts = group(1, lineage=own, version=1) + group(2, lineage=LIN_B) + group(3, (0.0, 0.0))
     batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
                               rollouts=rollouts)
-    net.send_bytes(pipe.encode_struct(pipe.External(wire.seal(ident, wire.ROLLOUT_BATCH, batch))))
+    net.send_bytes(pipe.encode_struct(pipe.External(wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm="t"))))
     net.send_bytes(pipe.encode_struct(pipe.External(b"not an envelope")))
     net.send_bytes(b"not a pipe message")
     deadline = time.monotonic() + 10
@@ -220,7 +220,7 @@ def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) ->
     from node import worker
 
     end = object()
-    w = worker.Worker(end, {"home": str(tmp_path),
+    w = worker.Worker(end, {"home": str(tmp_path), "swarm": "t",
                             "trainer": {"max_staleness": 4, "group_size": 2, "max_new_tokens": 8}})
     w.inbox.sampler.add_rollouts(group(1) + group(2) + group(9, rewards=(1.0, 0.0) * 32) + group(3))
     got = w._external(4, 0)

@@ -81,7 +81,7 @@ def test_a_trainer_worker_spot_checks_its_own_lineage_and_names_fabrication(tmp_
     from training.tasksets import BUILTIN_TRAIN, TaskRegistry
     from training.tiny import new_tiny_engine
 
-    reg = TaskRegistry()
+    reg = TaskRegistry("t")
     reg.add_builtin()
     engine = new_tiny_engine(seed=2)
     lineage, version = b"\x4d" * 32, 6
@@ -96,7 +96,7 @@ def test_a_trainer_worker_spot_checks_its_own_lineage_and_names_fabrication(tmp_
     # behaviour weight exp(p - b) shrinks and nothing flags its tokens as off-policy
     forged = msgspec.structs.replace(honest, logprobs=struct.pack(f"<{len(ids)}f", *([0.0] * len(ids))))
     mine, theirs = multiprocessing.Pipe()
-    w = Worker(theirs, {"home": str(tmp_path), "roles": ["trainer"], "seed": 0, "spot_rate": 1.0})
+    w = Worker(theirs, {"home": str(tmp_path), "swarm": "t", "roles": ["trainer"], "seed": 0, "spot_rate": 1.0})
     w.checker, w.registry = engine, reg
     w.inbox.spot.extend([(BIG, batch(BIG, [honest])), (SMALL, batch(SMALL, [forged]))])
     w._spot_checks(lineage, version)

@@ -264,7 +264,7 @@ def test_the_bench_stream_classes_are_bounded_and_the_held_frames_charged() -> N
                 for ident, attack in ((held, attacks.held_frames), (idle, attacks.idle_streams)):
                     async with open_transport(ident) as t:
                         a = attacks.Attacker(t, ident, SWARM, {v.peer_id: v.listen_addrs()[0]})
-                        await attack(a, attacks.Knowledge(), [v.peer_id])
+                        await attack(a, attacks.Knowledge(SWARM), [v.peer_id])
                         out[ident.peer_id] = a.sent
                 out["charged"] = {p for p, proto in charged if proto == "stream budget"}
                 out["refused"] = v.budget.counters["streams_refused_peer"]

@@ -21,6 +21,8 @@ from training.tasksets import TaskSetToml
 from training.tiny import warmup_generators
 from gossip.errors import ConfigError
 
+SWARM = "test"
+
 COORD = Identity.from_seed(b"\x07" * 32)
 OTHER = Identity.from_seed(b"\x08" * 32)
 
@@ -34,18 +36,19 @@ def signed(ident: Identity, name: str, version: int, eval_overlaps: bool = False
         gens.append({"name": "max-eval", "generator": "digits", "seed_end": 1000, "config": {"ops": "max"}})
     t = msgspec.convert({"name": name, "version": version, "verifier": "exact", "generators": gens, "created_ms": 1},
                         TaskSetToml)
-    return sign_task_set(ident, manifest_from_toml(t, name))
+    return sign_task_set(ident, manifest_from_toml(t, name), swarm=SWARM)
 
 
 def store_set(db, env: bytes) -> bytes:  # type: ignore[no-untyped-def]
-    tid = content_id(decode_envelope(env).body)
-    m = msgspec.msgpack.decode(decode_envelope(env).body)
+    tid = content_id(decode_envelope(env, swarm=SWARM).body)
+    m = msgspec.msgpack.decode(decode_envelope(env, swarm=SWARM).body)
     db.add_task_set(tid, m[1], m[2], bytes(m[3]), env)
     return tid
 
 
-def mix(tmp_path: Path, entries: list, trusted: set[bytes] | None = None):  # type: ignore[no-untyped-def]
-    reg = TaskRegistry()
+def mix(tmp_path: Path, entries: list, trusted: set[bytes] | None = None,  # type: ignore[no-untyped-def]
+        swarm: str = SWARM):
+    reg = TaskRegistry(swarm)
     reg.add_builtin()
     db = open_store(tmp_path)
     clock = [0.0]
@@ -169,7 +172,6 @@ def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tm
     from node.config import load_config
     from node.demo import DemoTaskSet, node_config, run_demo
     from gossip.errors import TaskError
-    from gossip.wire import swarm_bound
 
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'
@@ -190,7 +192,6 @@ def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tm
                                                   max_new_tokens=ds.max_new_tokens))
     cfg = load_config(home / "config.toml")
     assert cfg.training.task_sets == ["b"] and cfg.trust.coordinators == [ds.coordinator.public.hex()]
-    with swarm_bound(cfg.node.swarm):  # as the demo node's worker verifies it
-        tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public})
-        tm.refresh(force=True)
+    tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public}, swarm=cfg.node.swarm)  # as its worker
+    tm.refresh(force=True)
     assert tm.mixture == [(ds.id, 1.0)] and not tm.refused

@@ -24,6 +24,8 @@ from training.tasksets import (
 )
 from training.verifiers import extract_answer, parse_number, score
 
+SWARM = "test"
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "tasksets" / "example.toml"
 
 
@@ -109,11 +111,11 @@ def test_verifiers() -> None:
 
 
 def test_builtin_task_set_is_identical_everywhere_and_resolves() -> None:
-    a, b = builtin_task_set(), builtin_task_set()
+    a, b = builtin_task_set(SWARM), builtin_task_set(SWARM)
     assert a == b
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     m = reg.add_builtin()
-    assert reg.builtin_id == task_set_id(a)
+    assert reg.builtin_id == task_set_id(a, swarm=SWARM)
     assert {BUILTIN_TRAIN, BUILTIN_EVAL} <= {g.name for g in m.generators}
     t = reg.resolve(TaskRef(reg.builtin_id, BUILTIN_TRAIN, 7))
     assert t.prompt.endswith("=") and score(t, t.answer) == 1.0
@@ -127,18 +129,18 @@ def test_builtin_task_set_is_identical_everywhere_and_resolves() -> None:
 
 def test_the_public_builtin_key_is_trusted_for_the_builtin_body_only() -> None:
     forged = msgspec.structs.replace(builtin_manifest(), description="evil")
-    env = seal(BUILTIN_COORDINATOR, TASK_SET, forged)
+    env = seal(BUILTIN_COORDINATOR, TASK_SET, forged, swarm=SWARM)
     with pytest.raises(SignatureError, match="built-in"):
-        TaskRegistry().add(env, set())
+        TaskRegistry(SWARM).add(env, set())
 
 
 def test_example_toml_round_trips_through_signing(tmp_path: Path) -> None:
     m = load_task_set_toml(EXAMPLE)
     ident = Identity.from_seed(b"\x01" * 32)
-    env = sign_task_set(ident, m)
-    reg = TaskRegistry()
+    env = sign_task_set(ident, m, swarm=SWARM)
+    reg = TaskRegistry(SWARM)
     got = reg.add(env, {ident.public})
-    tid = task_set_id(env)
+    tid = task_set_id(env, swarm=SWARM)
     assert reg.get(tid) == got and got.coordinator == ident.public
     assert [x for x, _ in reg.list()] == [tid]
     for g in got.generators:
@@ -148,15 +150,15 @@ def test_example_toml_round_trips_through_signing(tmp_path: Path) -> None:
 
 def test_untrusted_and_forged_task_sets_are_refused() -> None:
     ident, other = Identity.from_seed(b"\x02" * 32), Identity.from_seed(b"\x03" * 32)
-    env = sign_task_set(ident, load_task_set_toml(EXAMPLE))
+    env = sign_task_set(ident, load_task_set_toml(EXAMPLE), swarm=SWARM)
     with pytest.raises(SignatureError, match="untrusted"):
-        TaskRegistry().add(env, {other.public})
-    e = decode_envelope(env)
+        TaskRegistry(SWARM).add(env, {other.public})
+    e = decode_envelope(env, swarm=SWARM)
     tampered = encode(Envelope(e.v, e.kind, e.swarm, e.body[:-1] + bytes([e.body[-1] ^ 1]), e.signer, e.sig))
     with pytest.raises(SignatureError):
-        TaskRegistry().add(tampered, {ident.public})
+        TaskRegistry(SWARM).add(tampered, {ident.public})
     with pytest.raises(DecodeError):
-        TaskRegistry().add(b"\x93garbage", {ident.public})
+        TaskRegistry(SWARM).add(b"\x93garbage", {ident.public})
 
 
 def test_unknown_generator_or_verifier_in_a_signed_set_is_refused() -> None:
@@ -165,12 +167,12 @@ def test_unknown_generator_or_verifier_in_a_signed_set_is_refused() -> None:
     g0 = msgspec.structs.replace(m.generators[0], generator="shell")
     bad_gen = msgspec.structs.replace(m, generators=[g0], coordinator=ident.public, created_ms=1)
     with pytest.raises(TaskError, match="unknown generator"):
-        TaskRegistry().add(seal(ident, TASK_SET, bad_gen), {ident.public})
+        TaskRegistry(SWARM).add(seal(ident, TASK_SET, bad_gen, swarm=SWARM), {ident.public})
     bad_ver = msgspec.structs.replace(m, verifier="python", coordinator=ident.public, created_ms=1)
     with pytest.raises(TaskError, match="unknown verifier"):
-        TaskRegistry().add(seal(ident, TASK_SET, bad_ver), {ident.public})
+        TaskRegistry(SWARM).add(seal(ident, TASK_SET, bad_ver, swarm=SWARM), {ident.public})
     with pytest.raises(TaskError, match="unknown verifier"):
-        sign_task_set(ident, msgspec.structs.replace(m, verifier="python"))
+        sign_task_set(ident, msgspec.structs.replace(m, verifier="python"), swarm=SWARM)
 
 
 @pytest.mark.parametrize("body,msg", [
@@ -203,5 +205,5 @@ def test_missing_toml_file(tmp_path: Path) -> None:
 
 def test_builtin_generator_list_is_closed() -> None:
     assert set(BUILTIN_GENERATORS) == {"arithmetic", "digits", "sorting"}
-    env, body = open_envelope(builtin_task_set(), TASK_SET)
+    env, body = open_envelope(builtin_task_set(SWARM), TASK_SET, swarm=SWARM)
     assert body.coordinator == env.signer

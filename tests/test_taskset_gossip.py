@@ -15,20 +15,22 @@ from node.config import Config, TrustSection
 from node.runtime import Node, RunOptions
 from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id
 
+SWARM = "test"
+
 
 def _signed_set(coordinator: Identity) -> bytes:
     t = msgspec.convert({"name": "gossiped", "verifier": "exact", "created_ms": 1, "generators": [
         {"name": "first", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "first"}},
         {"name": "first-eval", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "last"}}]},
         TaskSetToml)
-    return sign_task_set(coordinator, manifest_from_toml(t, "gossiped"))
+    return sign_task_set(coordinator, manifest_from_toml(t, "gossiped"), swarm=SWARM)
 
 
 def test_a_task_set_reaches_a_trusting_node_over_gossip(tmp_path: Path) -> None:
     ids = [Identity.from_seed(bytes([i]) * 32) for i in (71, 72, 73)]
     coord, trusting, other = ids
     env = _signed_set(coord)
-    tid = task_set_id(env)
+    tid = task_set_id(env, swarm=SWARM)
     nodes = [Node(Config(), tmp_path / "coordinator", coord, RunOptions()),
              Node(Config(trust=TrustSection(coordinators=[coord.public.hex()])), tmp_path / "trusting", trusting,
                   RunOptions()),

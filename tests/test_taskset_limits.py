@@ -23,6 +23,8 @@ from node.tasksync import TaskSetGossip
 from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
 from training.verifiers import VerifierPool
 
+SWARM = "test"
+
 COORD = Identity.from_seed(b"\x31" * 32)
 NODE = Identity.from_seed(b"\x32" * 32)
 
@@ -31,14 +33,14 @@ def chain_set(terms: int, name: str) -> bytes:
     t = msgspec.convert({"name": name, "verifier": "rg_score", "generators": [
         {"name": "chain", "generator": "rg:chain_sum", "seed_end": 100,
          "config": {"min_terms": terms, "max_terms": terms}}]}, TaskSetToml)
-    return sign_task_set(COORD, manifest_from_toml(t, name))
+    return sign_task_set(COORD, manifest_from_toml(t, name), swarm=SWARM)
 
 
 def _receive(tmp_path: Path, env: bytes, pool: VerifierPool) -> tuple[TaskSetGossip, Drops]:
     drops = Drops()
-    g = TaskSetGossip(open_store(tmp_path), NODE.public, [COORD.public.hex()], drops)
+    g = TaskSetGossip(open_store(tmp_path), NODE.public, [COORD.public.hex()], drops, swarm=SWARM)
     g.pool = pool
-    _, m = open_envelope(env, TASK_SET)
+    _, m = open_envelope(env, TASK_SET, swarm=SWARM)
     trio.run(g.on_task_set, "peer", m, env)
     return g, drops
 
@@ -47,10 +49,10 @@ def test_a_received_task_set_is_generated_under_the_verifiers_limits(tmp_path: P
     huge, honest = chain_set(10_000_000, "huge"), chain_set(4, "small")
     with VerifierPool() as pool:
         g, drops = _receive(tmp_path / "a", huge, pool)
-        assert content_id(decode_envelope(huge).body) not in g.registry
+        assert content_id(decode_envelope(huge, swarm=SWARM).body) not in g.registry
         assert drops.counts.get("task_set_refused") == 1
         g, drops = _receive(tmp_path / "b", honest, pool)  # the same path accepts an honest set
-        tid = content_id(decode_envelope(honest).body)
+        tid = content_id(decode_envelope(honest, swarm=SWARM).body)
         assert tid in g.registry and not drops.counts
         # resolving a reference for verification goes through the pool as well
         task = g.registry.resolve(TaskRef(tid, "chain", 3), run=pool.call)

@@ -16,6 +16,8 @@ from training.tasksets import TaskRegistry
 from training.tiny import new_tiny_engine, warmup
 from training.trainer import LOSS_NORMS, Trainer, TrainerConfig, loss_denominator
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
@@ -38,7 +40,7 @@ def test_loss_norm_is_checked_and_mapped_from_the_node_config() -> None:
 
 
 def test_constant_normaliser_scales_the_real_step_by_the_informative_fraction() -> None:
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     reg.add_builtin()
     base = new_tiny_engine(seed=0)
     warmup(base, 40, seed=0)  # some sums right: a mix of informative and all-equal groups

@@ -15,6 +15,8 @@ from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.tiny import new_tiny_engine
 from training.trainer import Trainer, TrainerConfig
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
@@ -40,7 +42,7 @@ def external_group(reg: TaskRegistry, engine, poison: float | None) -> list[wire
 
 
 def step_with(poison: float | None) -> tuple[Trainer, dict[str, torch.Tensor], object]:
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     reg.add_builtin()
     engine = new_tiny_engine(seed=0)
     group = external_group(reg, engine, poison)

@@ -16,6 +16,8 @@ from training.tasksets import TaskRegistry
 from training.tiny import new_tiny_engine
 from training.trainer import StepResult, Trainer, TrainerConfig
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
@@ -113,9 +115,9 @@ def _other_set(registry: TaskRegistry) -> bytes:
         {"name": "first", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "first"}},
         {"name": "first-eval", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "last"}}]},
         TaskSetToml)
-    env = sign_task_set(coord, manifest_from_toml(t, "other"))
+    env = sign_task_set(coord, manifest_from_toml(t, "other"), swarm=SWARM)
     registry.add(env, {coord.public})
-    return task_set_id(env)
+    return task_set_id(env, swarm=SWARM)
 
 
 def test_mixture_weights_and_held_out_generators(registry) -> None:  # type: ignore[no-untyped-def]

@@ -21,6 +21,8 @@ from sync.swarm import (Cancel, Chunk, Have, HaveChunk, Manifest, ManifestReques
 from sync.transfers import (Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer,
                             UploadSlot, Wake)
 
+SWARM = "test"
+
 CHUNK = 8192
 PUBLISHER = Identity.from_seed(hashlib.blake2b(b"transfers-test", digest_size=32).digest())
 # queues long enough that one peer can hold requests in several chunks of several patches
@@ -30,7 +32,7 @@ ROOMY = SwarmConfig(max_queue_per_peer=8, max_queue_total=8)
 def patch(version: int, nchunks: int = 4, short: int = 0) -> tuple[bytes, bytes, list[bytes]]:
     """(pid, signed manifest envelope, chunks) of a patch of `nchunks` chunks, the last `short` bytes short."""
     data = random.Random(version).randbytes(nchunks * CHUNK - short)
-    env, chunks = make_patch(PUBLISHER, data, CHUNK, version=version)
+    env, chunks = make_patch(PUBLISHER, data, CHUNK, version=version, swarm=SWARM)
     return content_id(env), env, chunks
 
 
@@ -62,7 +64,7 @@ def seeder(core: BroadcastCore, version: int) -> tuple[bytes, list[bytes]]:
 
 
 def test_full_table_evicts_the_oldest_unfinished_transfer_and_counts_it() -> None:
-    core = BroadcastCore(max_transfers=3)
+    core = BroadcastCore(max_transfers=3, swarm=SWARM)
     pids = []
     for v in (1, 2, 3):
         pid, env, _ = patch(v)
@@ -77,7 +79,7 @@ def test_full_table_evicts_the_oldest_unfinished_transfer_and_counts_it() -> Non
 
 
 def test_full_table_drops_a_finished_transfer_first_uncounted() -> None:
-    core = BroadcastCore(max_transfers=3)
+    core = BroadcastCore(max_transfers=3, swarm=SWARM)
     pid1, env1, _ = patch(1)
     follow(core, env1)
     done, _ = seeder(core, 2)  # younger, but finished
@@ -90,7 +92,7 @@ def test_full_table_drops_a_finished_transfer_first_uncounted() -> None:
 
 
 def test_a_new_transfer_joins_every_connected_peer() -> None:
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     assert core.peer_connected("A", 0.0) == [] and core.peer_connected("B", 0.0) == []
     pid, env, _ = patch(1)
     acts = follow(core, env)
@@ -104,10 +106,10 @@ def test_a_new_transfer_joins_every_connected_peer() -> None:
 
 def test_a_signed_manifest_is_checked_then_accepted_then_loaded() -> None:
     pid, env, chunks = patch(1)
-    e = decode_envelope(env)
+    e = decode_envelope(env, swarm=SWARM)
     forged = encode(msgspec.structs.replace(e, body=e.body[:-1] + bytes([e.body[-1] ^ 1])))
     seen = []
-    core = BroadcastCore(accept=lambda m: seen.append(m) or m.target_version != 2)
+    core = BroadcastCore(accept=lambda m: seen.append(m) or m.target_version != 2, swarm=SWARM)
     with pytest.raises(DecodeError):  # from gossip or the API: the caller hears of it
         core.offer(forged, 0.0)
     assert core.counters["manifests_rejected"] == 1 and not seen and not core.loading
@@ -123,7 +125,7 @@ def test_a_signed_manifest_is_checked_then_accepted_then_loaded() -> None:
 
 def test_a_patch_already_on_disk_completes_on_load() -> None:
     pid, env, chunks = patch(1)
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     acts = follow(core, env, dict(enumerate(chunks)))
     assert of(acts, Complete) == [Complete(pid)]
     assert core.transfers[pid].payload() == b"".join(chunks)
@@ -131,7 +133,7 @@ def test_a_patch_already_on_disk_completes_on_load() -> None:
 
 def test_abandoned_load_can_be_offered_again() -> None:
     pid, env, _ = patch(1)
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     assert of(core.offer(env, 0.0), Load)
     core.abandon(pid)
     assert core.follow(pid, {}, 0.0, 0.0) == [] and pid not in core.transfers
@@ -140,7 +142,7 @@ def test_abandoned_load_can_be_offered_again() -> None:
 
 def test_unknown_patch_in_a_have_map_is_asked_for_then_retried_of_another_live_advertiser() -> None:
     pid, env, chunks = patch(1)
-    core = BroadcastCore(manifest_retry_s=2.0, seed=3)
+    core = BroadcastCore(manifest_retry_s=2.0, seed=3, swarm=SWARM)
     for p in "ABC":
         core.peer_connected(p, 0.0)
     assert not core.ticking
@@ -165,7 +167,7 @@ def test_unknown_patch_in_a_have_map_is_asked_for_then_retried_of_another_live_a
 def test_a_manifest_not_asked_for_or_not_matching_its_id_is_not_taken() -> None:
     pid, env, _ = patch(1)
     other = patch(2)[0]
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     core.peer_connected("A", 0.0)
     assert core.on_frame("A", Manifest(pid, env), 0.0) == []  # never asked: ignored, no penalty
     assert not core.loading
@@ -177,9 +179,9 @@ def test_a_manifest_not_asked_for_or_not_matching_its_id_is_not_taken() -> None:
 
 def test_a_forged_manifest_from_a_peer_costs_that_peer() -> None:
     pid, env, _ = patch(1)
-    e = decode_envelope(env)
+    e = decode_envelope(env, swarm=SWARM)
     forged = encode(msgspec.structs.replace(e, body=e.body[:-1] + bytes([e.body[-1] ^ 1])))
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     core.peer_connected("A", 0.0)
     fid = content_id(forged)
     core.on_frame("A", HaveChunk(fid, 0), 0.0)
@@ -189,7 +191,7 @@ def test_a_forged_manifest_from_a_peer_costs_that_peer() -> None:
 
 
 def test_manifest_asks_are_bounded() -> None:
-    core = BroadcastCore(max_manifest_asks=4)
+    core = BroadcastCore(max_manifest_asks=4, swarm=SWARM)
     core.peer_connected("A", 0.0)
     ids = [bytes([i]) * 32 for i in range(10)]
     for i, pid in enumerate(ids):
@@ -199,14 +201,14 @@ def test_manifest_asks_are_bounded() -> None:
 
 
 def test_frames_of_an_unknown_patch_other_than_haves_are_counted_not_answered() -> None:
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     core.peer_connected("A", 0.0)
     assert core.on_frame("A", Request(b"\x07" * 32, 0), 0.0) == []
     assert core.counters["frames_unknown_patch"] == 1 and not core.ticking
 
 
 def test_a_manifest_request_is_answered_with_the_signed_envelope_only_for_known_patches() -> None:
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     core.peer_connected("A", 0.0)
     pid, _ = seeder(core, 1)
     acts = core.on_frame("A", ManifestRequest(pid), 0.0)
@@ -218,7 +220,7 @@ def test_a_manifest_request_is_answered_with_the_signed_envelope_only_for_known_
 
 
 def test_a_corrupt_chunk_bans_its_sender_node_wide() -> None:
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     pid1, env1, chunks1 = patch(1)
     follow(core, env1)
     pid2, env2, _ = patch(2)
@@ -244,7 +246,7 @@ def test_a_corrupt_chunk_bans_its_sender_node_wide() -> None:
 
 
 def test_a_ban_reaches_sessions_and_asks_the_driver_to_disconnect_once() -> None:
-    core = BroadcastCore()
+    core = BroadcastCore(swarm=SWARM)
     core.peer_connected("X", 0.0)
     seeder(core, 1)
     acts = core.ban("X", "failed spot check", 1.0)
@@ -253,7 +255,7 @@ def test_a_ban_reaches_sessions_and_asks_the_driver_to_disconnect_once() -> None
 
 
 def test_bad_frames_cost_a_protocol_penalty_and_are_counted() -> None:
-    core = BroadcastCore(SwarmConfig(penalty_protocol=7.0))
+    core = BroadcastCore(SwarmConfig(penalty_protocol=7.0), swarm=SWARM)
     assert core.bad_frame("A", "frame too long") == [Penalise("A", "frame too long", 7.0)]
     assert core.counters["bad_frames"] == 1
 
@@ -269,7 +271,7 @@ def _queue(core: BroadcastCore, peer: str, pid: bytes, indices: list[int]) -> li
 
 
 def test_uploads_take_turns_across_patches() -> None:
-    core = BroadcastCore(ROOMY)
+    core = BroadcastCore(ROOMY, swarm=SWARM)
     a, chunks_a = seeder(core, 1)
     b, chunks_b = seeder(core, 2)
     c, _ = seeder(core, 3)  # nothing requested here: never picked
@@ -294,7 +296,7 @@ def test_uploads_take_turns_across_patches() -> None:
 
 def test_uploads_are_paced_by_one_bucket_with_refunds() -> None:
     rate = 2 * CHUNK  # bytes per second; the burst is 2 chunks
-    core = BroadcastCore(ROOMY, upload_bytes_per_s=rate, upload_burst_bytes=2 * CHUNK, now=0.0)
+    core = BroadcastCore(ROOMY, upload_bytes_per_s=rate, upload_burst_bytes=2 * CHUNK, now=0.0, swarm=SWARM)
     pid, env, chunks = patch(1, nchunks=4, short=100)
     follow(core, env, dict(enumerate(chunks)))
     for p in ("P", "Q"):
@@ -320,7 +322,7 @@ def test_uploads_are_paced_by_one_bucket_with_refunds() -> None:
 
 
 def test_a_slot_for_an_evicted_patch_is_refunded() -> None:
-    core = BroadcastCore(ROOMY, max_transfers=1, upload_bytes_per_s=CHUNK)
+    core = BroadcastCore(ROOMY, max_transfers=1, upload_bytes_per_s=CHUNK, swarm=SWARM)
     pid, _ = seeder(core, 1)
     core.peer_connected("P", 0.0)
     _queue(core, "P", pid, [0])
@@ -339,7 +341,7 @@ def test_two_cores_move_a_patch_through_their_actions_only() -> None:
     """An origin and a follower wired back to back, frames passed as objects: the core's protocol end to
     end without streams, from the follower learning the manifest over the stream to completion."""
     pid, env, chunks = patch(1, nchunks=6, short=10)
-    origin, follower = BroadcastCore(seed=1), BroadcastCore(seed=2)
+    origin, follower = BroadcastCore(seed=1, swarm=SWARM), BroadcastCore(seed=2, swarm=SWARM)
     queue: list[tuple[str, object]] = []  # (receiver, frame)
     completed: list[Transfer] = []
 
@@ -386,6 +388,6 @@ def test_the_default_upload_burst_is_one_full_chunk() -> None:
     waited for its own tokens."""
     from sync.chunks import DEFAULT_CHUNK_BYTES
 
-    core = BroadcastCore(ROOMY, upload_bytes_per_s=2 * 2**20)
+    core = BroadcastCore(ROOMY, upload_bytes_per_s=2 * 2**20, swarm=SWARM)
     assert core.bucket.burst >= DEFAULT_CHUNK_BYTES
     assert core.bucket.reserve(DEFAULT_CHUNK_BYTES, 10.0) == 0.0  # after an idle gap: no wait

@@ -23,9 +23,9 @@ def reg():
     return registry()
 
 
-def pipe(reg, heads=None, **cfg) -> tuple[Pipeline, Clock]:
+def pipe(reg, heads=None, swarm: str = SWARM, **cfg) -> tuple[Pipeline, Clock]:
     clock = Clock()
-    config = PipelineConfig(swarm=SWARM, **cfg)
+    config = PipelineConfig(swarm=swarm, **cfg)
     p = Pipeline(config, clock=clock, resolve_task=reg.resolve, reward=score,
                  head_version=lambda lin: (heads or {}).get(lin), task_set_trusted=reg.__contains__)
     return p, clock
@@ -39,6 +39,28 @@ def test_accepts_honest_batch_once(reg) -> None:
     again = p.check(data, ALICE.peer_id)
     assert again.reason is Reason.DUPLICATE
     assert p.scores.score(ALICE.peer_id, p.clock()) > 0  # duplicates (late-joiner replays) cost nothing
+
+
+def test_one_process_holds_two_swarms(reg) -> None:
+    """Nothing process-wide names the swarm: two pipelines of two swarms side by side each accept
+    their own swarm's batches and refuse (and charge, as any cross-swarm replay) the other's."""
+    a, clock_a = pipe(reg, swarm="swarm-a")
+    b, clock_b = pipe(reg, swarm="swarm-b")
+    for_a = make_batch(ALICE, reg, 1, swarm="swarm-a")
+    for_b = make_batch(MALLORY, reg, 1, swarm="swarm-b")
+    assert wire.decode_envelope(for_a, swarm="swarm-a").swarm == "swarm-a"
+    with pytest.raises(wire.WrongSwarm):
+        wire.open_envelope(for_a, swarm="swarm-b")
+    assert a.check(for_a, ALICE.peer_id).accepted
+    assert b.check(for_b, MALLORY.peer_id).accepted
+    own = (a.scores.score(ALICE.peer_id, clock_a()), b.scores.score(MALLORY.peer_id, clock_b()))
+    for p, clock, data, origin in ((a, clock_a, for_b, MALLORY.peer_id), (b, clock_b, for_a, ALICE.peer_id)):
+        before = p.scores.score(origin, clock())
+        v = p.check(data, origin)
+        assert v.reason is Reason.WRONG_SWARM and not v.accepted, v.detail
+        assert p.scores.score(origin, clock()) == pytest.approx(before - PENALTIES[Reason.WRONG_SWARM][0])
+    # each swarm's scores are its own: a refusal in one does not touch the sender's standing in the other
+    assert (a.scores.score(ALICE.peer_id, clock_a()), b.scores.score(MALLORY.peer_id, clock_b())) == own
 
 
 # Reasons with a test of their own below (they need a tokenizer, a verifier pool or an announce).
@@ -70,8 +92,7 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
     elif reason is Reason.SIGNER_MISMATCH:
         data = make_batch(OTHER, reg, 1, version=20)  # validly signed by another key
     elif reason is Reason.WRONG_SWARM:
-        with wire.swarm_bound("elsewhere"):  # a batch replayed from another swarm
-            data = make_batch(MALLORY, reg, 1, version=20)
+        data = make_batch(MALLORY, reg, 1, version=20, swarm="elsewhere")  # replayed from another swarm
     elif reason is Reason.EXPIRED:
         data = make_batch(MALLORY, reg, 1, version=20, created_ms=int((clock() - 10_000) * 1000))
     elif reason is Reason.DUPLICATE:
@@ -90,9 +111,9 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
         data = make_batch(MALLORY, reg, 1, version=15)  # head 20, bound 4
     elif reason is Reason.BAD_NUMBER:
         good = make_batch(MALLORY, reg, 1, version=20)
-        batch = wire.decode_body(wire.decode_envelope(good))
+        batch = wire.decode_body(wire.decode_envelope(good, swarm=SWARM))
         batch.rollouts[0].logprobs = b"\x00\x00\xc0\x7f" + batch.rollouts[0].logprobs[4:]  # float32 NaN
-        data = wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch)
+        data = wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
     elif reason is Reason.FUTURE_VERSION:
         p.own_lineage = lambda lin: lin == b"\x4c" * 32  # the receiver publishes this lineage: head 20
         data = make_batch(MALLORY, reg, 1, version=21)
@@ -111,7 +132,7 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
         r = make_rollout(reg, 2, tokens=64, version=20)
         r = msgspec.structs.replace(r, sampling=wire.SamplingParams(max_new_tokens=16))
         data = wire.seal(MALLORY, wire.ROLLOUT_BATCH, wire.RolloutBatch(
-            v=wire.FORMAT_VERSION, swarm=SWARM, producer=MALLORY.public, seq=1, created_ms=wire.now_ms(), rollouts=[r]))
+            v=wire.FORMAT_VERSION, swarm=SWARM, producer=MALLORY.public, seq=1, created_ms=wire.now_ms(), rollouts=[r]), swarm=SWARM)
     else:  # pragma: no cover
         raise AssertionError(reason)
     before = p.scores.score(origin, clock())

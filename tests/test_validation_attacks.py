@@ -38,7 +38,7 @@ def reg():
         v=wire.FORMAT_VERSION, name="mv", version=1, coordinator=COORD.public, created_ms=1, verifier="math_verify",
         tolerance=0.0, generators=[wire.GeneratorSpec(name=BUILTIN_TRAIN, generator="arithmetic",
                                                       config={"digits": 1, "ops": "+"}, seed_start=0, seed_end=10**6)])
-    r.mv_id = wire.content_id(wire.decode_envelope(env := sign_task_set(COORD, m)).body)
+    r.mv_id = wire.content_id(wire.decode_envelope(env := sign_task_set(COORD, m, swarm=SWARM), swarm=SWARM).body)
     r.add(env, {COORD.public})
     return r
 
@@ -61,7 +61,7 @@ def pipe(reg, **kw) -> tuple[Pipeline, Clock]:
 def seal(ident: Identity, rollouts: list[wire.Rollout], seq: int) -> bytes:
     batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=ident.public, seq=seq,
                               created_ms=wire.now_ms(), rollouts=rollouts)
-    return wire.seal(ident, wire.ROLLOUT_BATCH, batch)
+    return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
 
 
 # ------------------------------------------------------------ penalties land on the sender of the fault
@@ -443,18 +443,18 @@ def test_every_float_field_of_every_kind_refuses_non_finite_values() -> None:
                              lambda b, x: setattr(b, "publish_batches_per_s", x),
                              lambda b, x: setattr(b.owned[0], "step_time_s", x)],
     }
-    with wire.swarm_bound("test"):
-        for kind, setters in paths.items():
-            body = base[kind]
-            wire.open_envelope(wire.seal(ident, kind, body))  # the unmodified body is valid
-            for set_field in setters:
-                for x in (math.nan, math.inf, -math.inf):
-                    bad = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=type(body))
-                    set_field(bad, x)
-                    data = wire.encode(wire.Envelope(wire.FORMAT_VERSION, kind, "test", wire.encode(bad),
-                                                     ident.public, ident.sign(wire.signing_domain(kind) + wire.encode(bad))))
-                    with pytest.raises(DecodeError):
-                        wire.open_envelope(data)
+    for kind, setters in paths.items():
+        body = base[kind]
+        wire.open_envelope(wire.seal(ident, kind, body, swarm=SWARM), swarm=SWARM)  # the unmodified body is valid
+        for set_field in setters:
+            for x in (math.nan, math.inf, -math.inf):
+                bad = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=type(body))
+                set_field(bad, x)
+                domain = wire.signing_domain(kind, wire.FORMAT_VERSION, SWARM)
+                data = wire.encode(wire.Envelope(wire.FORMAT_VERSION, kind, SWARM, wire.encode(bad),
+                                                 ident.public, ident.sign(domain + wire.encode(bad))))
+                with pytest.raises(DecodeError):
+                    wire.open_envelope(data, swarm=SWARM)
 
 
 def test_the_dialback_frames_only_float_refuses_non_finite_values() -> None:

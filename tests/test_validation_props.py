@@ -65,13 +65,13 @@ def batches(draw: st.DrawFn) -> bytes:
     batch = wire.RolloutBatch(
         v=wire.FORMAT_VERSION, swarm=draw(st.sampled_from([SWARM, "x"])), producer=MALLORY.public, seq=draw(u64),
         created_ms=draw(st.one_of(st.just(_now_ms()), u64)), rollouts=draw(st.lists(rollouts(), min_size=1, max_size=4)))
-    return wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch)
+    return wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
 
 
 def signed_raw(body: bytes) -> bytes:
     """Any body bytes at all, correctly signed by a key the attacker holds."""
-    sig = MALLORY.sign(wire.signing_domain(wire.ROLLOUT_BATCH) + body)
-    return wire.encode(wire.Envelope(wire.FORMAT_VERSION, wire.ROLLOUT_BATCH, wire.bound_swarm(), body,
+    sig = MALLORY.sign(wire.signing_domain(wire.ROLLOUT_BATCH, wire.FORMAT_VERSION, SWARM) + body)
+    return wire.encode(wire.Envelope(wire.FORMAT_VERSION, wire.ROLLOUT_BATCH, SWARM, body,
                                      MALLORY.public, sig))
 
 
@@ -114,6 +114,6 @@ def test_budgets_hold_after_the_run() -> None:
                                       lineage=b"\x01" * 32, version=5, completion_ids=[], text="1",
                                       tokenizer_hash=b"\x02" * 32, logprobs=b"", token_versions=[],
                                       sampling=wire.SamplingParams(), reward=0.0, created_ms=_now_ms())])
-        _drive(wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch))
+        _drive(wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch, swarm=SWARM))
     assert len(PIPE.seen) == CAP
 

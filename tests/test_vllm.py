@@ -173,7 +173,6 @@ def _lin(s: NodeStatus | None, relation: str):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, model: Path, tmp_path: Path) -> None:
-    from gossip import wire
     from sync.patchstore import LineageStore, open_manifest
 
     homes = {n: tmp_path / n for n in ("trainer", "follower")}
@@ -226,8 +225,8 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
         store = LineageStore(homes["trainer"], bytes.fromhex(lid))
         envs = sorted((store.root / "patches").glob(f"*-{meta['version']:012d}.env"))
         assert envs, f"trainer holds no patch to version {meta['version']}"
-        with wire.swarm_bound("vllm-swarm"):  # manifests are signed for the nodes' swarm
-            assert open_manifest(envs[0].read_bytes()).target_hash.hex() == meta["state_hash"]
+        # manifests are signed for the nodes' swarm
+        assert open_manifest(envs[0].read_bytes(), swarm="vllm-swarm").target_hash.hex() == meta["state_hash"]
     finally:
         for p in procs.values():
             if p.poll() is None:

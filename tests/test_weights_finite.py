@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from gossip import wire
 from gossip.errors import NonFiniteWeights
 from sync.codec import count_non_finite
 from sync.hashing import bits_view, state_hash
 from sync.lineage import ANCHOR, SPARSE, LineageFollower, LineagePublisher, anchor_bytes, encode_states, make_bundle
 from tests.test_lineage import Trainer, assert_untouched, snapshot
+
+SWARM = "test"
 
 torch.set_num_threads(1)
 
@@ -30,9 +31,9 @@ def poisoned(state: dict[str, torch.Tensor], value: float) -> dict[str, torch.Te
 @pytest.fixture
 def lineage(identity):
     tr = Trainer()
-    pub = LineagePublisher(identity, "poison", tr.state(), None, chunk_bytes=1024)
+    pub = LineagePublisher(identity, "poison", tr.state(), None, chunk_bytes=1024, swarm=SWARM)
     live = tr.state()
-    return tr, pub, LineageFollower(pub.lineage, live, 0), live
+    return tr, pub, LineageFollower(pub.lineage, live, 0, swarm=SWARM), live
 
 
 def test_non_finite_bit_patterns_are_counted_per_dtype() -> None:
@@ -55,7 +56,7 @@ def test_a_signed_patch_carrying_non_finite_values_is_refused_and_the_state_kept
     bad_state = poisoned(tr.step(), value)
     payload, th, _, _ = encode_states(pub.base, bad_state, pub.state_hash)
     assert th == state_hash(bad_state)
-    bad = make_bundle(identity, fol.lineage, SPARSE, 1, 2, pub.state_hash, th, payload, 1024)
+    bad = make_bundle(identity, fol.lineage, SPARSE, 1, 2, pub.state_hash, th, payload, 1024, swarm=SWARM)
     with pytest.raises(NonFiniteWeights, match="non-finite"):
         fol.apply(bad.envelope, bad.chunks)
     assert_untouched(live, snap)
@@ -71,7 +72,7 @@ def test_a_signed_anchor_carrying_non_finite_values_is_refused(lineage, identity
     bad_state = poisoned(tr.step(), math.nan)
     th = state_hash(bad_state)
     data = anchor_bytes(bad_state, fol.lineage, 5, th)
-    bad = make_bundle(identity, fol.lineage, ANCHOR, 5, 5, b"", th, data, 1 << 16)
+    bad = make_bundle(identity, fol.lineage, ANCHOR, 5, 5, b"", th, data, 1 << 16, swarm=SWARM)
     snap = snapshot(live)
     with pytest.raises(NonFiniteWeights, match="anchor 5"):
         fol.apply(bad.envelope, bad.chunks)
@@ -98,15 +99,13 @@ def test_the_attack_bench_scans_every_state_a_node_holds(identity, tmp_path) -> 
     from simulations.bench.attacks import models_finite
 
     tr = Trainer(4)
-    pub = LineagePublisher(identity, "scan", tr.state(), tmp_path, anchor_every=2)
+    pub = LineagePublisher(identity, "scan", tr.state(), tmp_path, anchor_every=2, swarm=SWARM)
     for _ in range(3):
         pub.publish(tr.step())
-    ok, n = models_finite(tmp_path)
+    ok, n = models_finite(tmp_path, SWARM)
     assert ok and n >= 3  # the head replayed, plus the anchors at 0 and 2
-    swarm = wire.bound_swarm()
-    with wire.swarm_bound("the-benchs-own-process"):  # the bench scans nodes of a swarm it is not bound to
-        assert models_finite(tmp_path, swarm) == (True, n)  # the head still replayed, not skipped
+    assert models_finite(tmp_path, "another-swarm") == (True, n - 1)  # its manifests do not open there
     ck = tmp_path / "follow" / "ab" / "state.safetensors"
     ck.parent.mkdir(parents=True)
     save_file(poisoned(tr.state(), math.nan), str(ck))
-    assert models_finite(tmp_path) == (False, n + 1)
+    assert models_finite(tmp_path, SWARM) == (False, n + 1)

@@ -14,57 +14,58 @@ from gossip.errors import DecodeError, SignatureError
 from tests.samples import bodies, rollout
 
 KINDS = list(wire.BODY_TYPES)
+SWARM = "test-wire"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip(identity, kind):
     body = bodies(identity)[kind]
-    data = wire.seal(identity, kind, body)
-    env, decoded = wire.open_envelope(data, kind)
+    data = wire.seal(identity, kind, body, swarm=SWARM)
+    env, decoded = wire.open_envelope(data, kind, swarm=SWARM)
     assert env.signer == identity.public
     assert decoded == body
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_flipped_bit_fails(identity, kind):
-    data = wire.seal(identity, kind, bodies(identity)[kind])
+    data = wire.seal(identity, kind, bodies(identity)[kind], swarm=SWARM)
     for i in range(len(data) * 8):
         mutated = bytearray(data)
         mutated[i // 8] ^= 1 << (i % 8)
         with pytest.raises(DecodeError):
-            wire.open_envelope(bytes(mutated), kind)
+            wire.open_envelope(bytes(mutated), kind, swarm=SWARM)
 
 
 def test_domain_separation(identity):
     """A body signed as one kind never verifies as another."""
-    data = wire.seal(identity, wire.ROLLOUT_BATCH, bodies(identity)[wire.ROLLOUT_BATCH])
-    env = wire.decode_envelope(data)
+    data = wire.seal(identity, wire.ROLLOUT_BATCH, bodies(identity)[wire.ROLLOUT_BATCH], swarm=SWARM)
+    env = wire.decode_envelope(data, swarm=SWARM)
     for other in KINDS:
         if other == env.kind:
             continue
         forged = wire.encode(wire.Envelope(env.v, other, env.swarm, env.body, env.signer, env.sig))
         with pytest.raises(DecodeError):
-            wire.open_envelope(forged)
+            wire.open_envelope(forged, swarm=SWARM)
 
 
 def test_signature_by_other_key(identity, other_identity):
     body = bodies(identity)[wire.ROLLOUT_BATCH]
-    data = wire.seal(other_identity, wire.ROLLOUT_BATCH, body)  # producer field names `identity`
+    data = wire.seal(other_identity, wire.ROLLOUT_BATCH, body, swarm=SWARM)  # producer field names `identity`
     with pytest.raises(SignatureError, match="producer"):
-        wire.open_envelope(data)
-    env = wire.decode_envelope(data)
+        wire.open_envelope(data, swarm=SWARM)
+    env = wire.decode_envelope(data, swarm=SWARM)
     swapped = wire.encode(wire.Envelope(env.v, env.kind, env.swarm, env.body, identity.public, env.sig))
     with pytest.raises(SignatureError):
-        wire.open_envelope(swapped)
+        wire.open_envelope(swapped, swarm=SWARM)
 
 
 def test_kind_size_limits(identity):
     big = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=identity.public, seq=1, created_ms=1,
                             rollouts=[rollout(n_tokens=4096) for _ in range(64)])
     with pytest.raises(ValueError, match="over its limit"):
-        wire.seal(identity, wire.ROLLOUT_BATCH, big)
+        wire.seal(identity, wire.ROLLOUT_BATCH, big, swarm=SWARM)
     with pytest.raises(DecodeError, match="over the"):
-        wire.decode_envelope(b"\x00" * (wire.MAX_ENVELOPE_BYTES + 1))
+        wire.decode_envelope(b"\x00" * (wire.MAX_ENVELOPE_BYTES + 1), swarm=SWARM)
 
 
 def test_semantic_checks(identity):
@@ -72,37 +73,36 @@ def test_semantic_checks(identity):
     bad.logprobs = bad.logprobs[:-4]
     batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=identity.public, seq=1, created_ms=1, rollouts=[bad])
     with pytest.raises(DecodeError, match="logprob bytes"):
-        wire.open_envelope(wire.seal(identity, wire.ROLLOUT_BATCH, batch))
+        wire.open_envelope(wire.seal(identity, wire.ROLLOUT_BATCH, batch, swarm=SWARM), swarm=SWARM)
     m = bodies(identity)[wire.PATCH_MANIFEST]
     m.total_bytes = 301
     with pytest.raises(DecodeError, match="add up"):
-        wire.open_envelope(wire.seal(identity, wire.PATCH_MANIFEST, m))
+        wire.open_envelope(wire.seal(identity, wire.PATCH_MANIFEST, m, swarm=SWARM), swarm=SWARM)
 
 
 def test_swarm_is_signed_and_checked(identity):
     """An envelope signed in one swarm is refused in another, and relabelling it breaks the signature."""
-    with wire.swarm_bound("swarm-a"):
-        data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE])
-        env, _ = wire.open_envelope(data)
-        assert env.swarm == "swarm-a" and env.v == 2
-    with wire.swarm_bound("swarm-b"):
-        with pytest.raises(wire.WrongSwarm):
-            wire.open_envelope(data)
-        relabelled = wire.encode(wire.Envelope(env.v, env.kind, "swarm-b", env.body, env.signer, env.sig))
-        with pytest.raises(SignatureError):
-            wire.open_envelope(relabelled)
+    data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE], swarm="swarm-a")
+    env, _ = wire.open_envelope(data, swarm="swarm-a")
+    assert env.swarm == "swarm-a" and env.v == 2
+    with pytest.raises(wire.WrongSwarm):
+        wire.open_envelope(data, swarm="swarm-b")
+    relabelled = wire.encode(wire.Envelope(env.v, env.kind, "swarm-b", env.body, env.signer, env.sig))
+    with pytest.raises(SignatureError):
+        wire.open_envelope(relabelled, swarm="swarm-b")
     # the swarm is length-prefixed in the signing domain: no (swarm, body) re-split verifies
     assert wire.signing_domain("k", 2, "a\x00b") != wire.signing_domain("k", 2, "a") + b"b"
-    with pytest.raises(ValueError):
-        wire.bind_swarm("")
+    for bad in ("", "x" * (wire.MAX_NAME + 1)):
+        with pytest.raises(ValueError):
+            wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE], swarm=bad)
 
 
 def test_wrong_format_version(identity):
-    data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE])
-    env = wire.decode_envelope(data)
+    data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE], swarm=SWARM)
+    env = wire.decode_envelope(data, swarm=SWARM)
     future = wire.encode(wire.Envelope(wire.FORMAT_VERSION + 1, env.kind, env.swarm, env.body, env.signer, env.sig))
     with pytest.raises(DecodeError, match="format version"):
-        wire.decode_envelope(future)
+        wire.decode_envelope(future, swarm=SWARM)
 
 
 # ---------------------------------------------------------------- fuzzing
@@ -115,7 +115,7 @@ def _valid(kind: str) -> bytes:
         from gossip.identity import Identity
 
         ident = Identity.from_seed(b"\x11" * 32)
-        _VALID[kind] = wire.seal(ident, kind, bodies(ident)[kind])
+        _VALID[kind] = wire.seal(ident, kind, bodies(ident)[kind], swarm=SWARM)
     return _VALID[kind]
 
 
@@ -191,19 +191,19 @@ def test_fuzz_open_envelope(kind):
     @FUZZ
     @given(_inputs(kind))
     def run(data):
-        _only_decode_errors(lambda d: wire.open_envelope(d, kind), data)
+        _only_decode_errors(lambda d: wire.open_envelope(d, kind, swarm=SWARM), data)
 
     run()
     for data in itertools.chain(_single_byte_sweep(_valid(kind)),
                                 _seeded_inputs(_valid(kind), seed=KINDS.index(kind), n=PRNG_INPUTS)):
-        _only_decode_errors(lambda d: wire.open_envelope(d, kind), data)
+        _only_decode_errors(lambda d: wire.open_envelope(d, kind, swarm=SWARM), data)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fuzz_body_decoders(kind):
     """Bodies fuzzed directly, past the signature check, as a verified-but-malicious signer could send."""
-    body = wire.decode_envelope(_valid(kind)).body
-    signer = wire.decode_envelope(_valid(kind)).signer
+    body = wire.decode_envelope(_valid(kind), swarm=SWARM).body
+    signer = wire.decode_envelope(_valid(kind), swarm=SWARM).signer
 
     def decode(data: bytes) -> None:
         _only_decode_errors(wire.decode_body, wire.Envelope(wire.FORMAT_VERSION, kind, "t", data, signer, b"\x00" * 64))
@@ -237,7 +237,7 @@ def test_huge_length_prefix_does_not_allocate():
     tracemalloc.start()
     for data in (b"\xc6\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff\x01", b"\x95\x01\xa1x\xc6\xff\xff\xff\xf0"):
         with pytest.raises(DecodeError):
-            wire.open_envelope(data)
+            wire.open_envelope(data, swarm=SWARM)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1 << 20

@@ -18,6 +18,8 @@ from training.rollouts import logprobs_to_bytes
 from training.tasksets import TaskRegistry
 from training.tiny import new_tiny_engine
 
+SWARM = "test"
+
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
@@ -33,9 +35,9 @@ def engine():  # type: ignore[no-untyped-def]
 @pytest.fixture
 def worker(tmp_path: Path, engine):  # type: ignore[no-untyped-def]
     ours, theirs = multiprocessing.Pipe()
-    w = Worker(ours, {"home": str(tmp_path), "roles": ["validator"], "spot_rate": 1.0})
+    w = Worker(ours, {"home": str(tmp_path), "swarm": SWARM, "roles": ["validator"], "spot_rate": 1.0})
     w.engine = w.checker = engine
-    w.registry = TaskRegistry()
+    w.registry = TaskRegistry(SWARM)
     w.registry.add_builtin()
     yield w, theirs
     ours.close()
@@ -60,7 +62,7 @@ def _rollout(engine, reg: TaskRegistry, seed: int, text: str, logprobs: list[flo
 
 
 def _batch(rollouts: list[wire.Rollout]) -> wire.RolloutBatch:
-    return wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=wire.bound_swarm(), producer=PRODUCER, seq=1,
+    return wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=PRODUCER, seq=1,
                              created_ms=wire.now_ms(), rollouts=rollouts)
 
 

@@ -82,14 +82,15 @@ def builtin_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
     )
 
 
-def builtin_task_set(identity: Identity | None = None) -> bytes:
-    """The built-in task set as a signed envelope (deterministic: created_ms = 0)."""
+def builtin_task_set(swarm: str, identity: Identity | None = None) -> bytes:
+    """The built-in task set as an envelope signed for `swarm` (deterministic: created_ms = 0; its
+    id, the hash of its body, is the same in every swarm)."""
     ident = identity or BUILTIN_COORDINATOR
-    return seal(ident, TASK_SET, builtin_manifest(ident.public))
+    return seal(ident, TASK_SET, builtin_manifest(ident.public), swarm=swarm)
 
 
-def task_set_id(envelope_bytes: bytes) -> bytes:
-    env, _ = open_envelope(envelope_bytes, TASK_SET)
+def task_set_id(envelope_bytes: bytes, *, swarm: str) -> bytes:
+    env, _ = open_envelope(envelope_bytes, TASK_SET, swarm=swarm)
     return content_id(env.body)
 
 
@@ -179,13 +180,13 @@ def check_held_out(evals: list[GeneratorSpec], trains: list[GeneratorSpec], wher
                 raise TaskError(f"eval generator {e.name!r} overlaps training generator {t.name!r}{where}: {why}")
 
 
-def sign_task_set(identity: Identity, manifest: TaskSetManifest) -> bytes:
-    """Sign `manifest` as `identity` (coordinator set to it; created_ms filled when 0)."""
+def sign_task_set(identity: Identity, manifest: TaskSetManifest, *, swarm: str) -> bytes:
+    """Sign `manifest` as `identity` for `swarm` (coordinator set to it; created_ms filled when 0)."""
     m = msgspec.structs.replace(manifest, coordinator=identity.public,
                                 created_ms=manifest.created_ms or now_ms())
     check_manifest(m, f"task set {m.name!r}")
     try:
-        return seal(identity, TASK_SET, m)
+        return seal(identity, TASK_SET, m, swarm=swarm)
     except ValueError as e:
         raise TaskError(f"task set {m.name!r}: {e}") from None
 
@@ -264,25 +265,26 @@ def manifest_from_toml(t: TaskSetToml, origin: str) -> TaskSetManifest:
 
 
 class TaskRegistry:
-    """Task sets this node accepts, by id; resolves task references into tasks."""
+    """Task sets this node accepts, by id (signed for `swarm`); resolves task references into tasks."""
 
-    def __init__(self) -> None:
+    def __init__(self, swarm: str) -> None:
+        self.swarm = swarm
         self._sets: dict[bytes, TaskSetManifest] = {}
         self._envelopes: dict[bytes, bytes] = {}
         self._gens: dict[bytes, dict[str, GeneratorSpec]] = {}
-        self._builtin_id = content_id(open_envelope(builtin_task_set(), TASK_SET)[0].body)
+        self._builtin_id = content_id(encode(builtin_manifest(BUILTIN_COORDINATOR.public)))  # the signed body
 
     @property
     def builtin_id(self) -> bytes:
         return self._builtin_id
 
     def add_builtin(self) -> TaskSetManifest:
-        return self.add(builtin_task_set(), set())
+        return self.add(builtin_task_set(self.swarm), set())
 
     def trusted_manifest(self, envelope_bytes: bytes, trusted: set[bytes]) -> tuple[bytes, TaskSetManifest]:
         """(id, manifest) of a signed task set from a trusted coordinator; SignatureError/DecodeError otherwise.
         Generates nothing: cheap enough to run before any limited check."""
-        env, m = open_envelope(envelope_bytes, TASK_SET)
+        env, m = open_envelope(envelope_bytes, TASK_SET, swarm=self.swarm)
         tid = content_id(env.body)
         if env.signer == BUILTIN_COORDINATOR.public:
             if tid != self._builtin_id:

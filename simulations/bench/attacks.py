@@ -16,7 +16,6 @@ without attack, and returns the JSON object `murmur bench attacks --json` prints
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -50,8 +49,9 @@ U64_MAX = 2**63 - 1
 
 @dataclass
 class Knowledge:
-    """Public traffic the observer saw: the raw material of forgeries, relays and replays."""
+    """Public traffic the observer saw (signed for `swarm`): the raw material of forgeries, relays and replays."""
 
+    swarm: str
     announces: dict[str, tuple[wire.NodeAnnounce, bytes]] = field(default_factory=dict)  # peer id -> newest
     first_announces: dict[str, tuple[wire.NodeAnnounce, bytes]] = field(default_factory=dict)  # peer id -> oldest
     manifests: list[tuple[wire.PatchManifest, bytes]] = field(default_factory=list)
@@ -73,7 +73,7 @@ class Knowledge:
 
     def take(self, data: bytes) -> None:
         try:
-            env, body = wire.open_envelope(data)
+            env, body = wire.open_envelope(data, swarm=self.swarm)
         except Exception:
             return
         if isinstance(body, wire.NodeAnnounce):
@@ -168,7 +168,7 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
     from training.tasksets import BUILTIN_TRAIN, TaskRegistry
     from training.verifiers import score
 
-    reg = TaskRegistry()
+    reg = TaskRegistry(wire.DEFAULT_SWARM)  # only the built-in set, the same in every swarm
     reg.add_builtin()
     ref = wire.TaskRef(task_set=reg.builtin_id, generator=BUILTIN_TRAIN, seed=seed)
     task = reg.resolve(ref)
@@ -185,10 +185,10 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
 
 
 def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, seq: int | None = None) -> bytes:
-    with wire.swarm_bound(swarm or a.swarm):  # the envelope is signed for the swarm it names
-        return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
-            v=wire.FORMAT_VERSION, swarm=swarm or a.swarm, producer=a.ident.public,
-            seq=seq if seq is not None else a.sent + 1, created_ms=wire.now_ms(), rollouts=rollouts))
+    return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm=swarm or a.swarm, producer=a.ident.public,
+        seq=seq if seq is not None else a.sent + 1, created_ms=wire.now_ms(), rollouts=rollouts),
+        swarm=swarm or a.swarm)  # the envelope is signed for the swarm the batch names
 
 
 def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
@@ -196,7 +196,7 @@ def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
                                 hardware="cpu", gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
                                 memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
     base.update(kw)
-    return wire.seal(a.ident, wire.NODE_ANNOUNCE, wire.NodeAnnounce(**base))
+    return wire.seal(a.ident, wire.NODE_ANNOUNCE, wire.NodeAnnounce(**base), swarm=a.swarm)
 
 
 def _manifest(a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, target: int,
@@ -206,7 +206,7 @@ def _manifest(a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, tar
         v=wire.FORMAT_VERSION, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
         base_version=base, target_version=target, base_hash=b"\x00" * 32, target_hash=os.urandom(32),
         codec="sparse-v1", total_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes, chunks=refs,
-        created_ms=wire.now_ms()))
+        created_ms=wire.now_ms()), swarm=a.swarm)
 
 
 def _honest_lineage(k: Knowledge) -> tuple[bytes, str, bytes, int]:
@@ -391,7 +391,7 @@ async def flood_announces(a: Attacker, k: Knowledge, targets: list[str]) -> None
     m = builtin_manifest(a.ident.public)
     for i in range(20):
         m2 = wire.TaskSetManifest(**{**{f: getattr(m, f) for f in m.__struct_fields__}, "version": 2 + i})
-        await a.announce(wire.seal(a.ident, wire.TASK_SET, m2))
+        await a.announce(wire.seal(a.ident, wire.TASK_SET, m2, swarm=a.swarm))
         await trio.sleep(0.02)
 
 
@@ -492,7 +492,7 @@ async def taskset_takeover(a: Attacker, k: Knowledge, targets: list[str]) -> Non
     seen: list[wire.TaskSetManifest] = []
     for data in k.task_sets:
         try:
-            body = wire.open_envelope(data)[1]
+            body = wire.open_envelope(data, swarm=a.swarm)[1]
         except Exception:
             continue
         if isinstance(body, wire.TaskSetManifest):
@@ -502,7 +502,7 @@ async def taskset_takeover(a: Attacker, k: Knowledge, targets: list[str]) -> Non
         fields = {f: getattr(m, f) for f in m.__struct_fields__}
         taken = wire.TaskSetManifest(**{**fields, "coordinator": a.ident.public, "version": m.version + 1000,
                                         "created_ms": wire.now_ms()})
-        await a.announce(wire.seal(a.ident, wire.TASK_SET, taken))
+        await a.announce(wire.seal(a.ident, wire.TASK_SET, taken, swarm=a.swarm))
 
 
 # The mark a payload-poisoning attacker wants the trainer's policy to emit. The built-in verifier compares
@@ -526,7 +526,7 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     from training.engine_hf import load_tokenizer
 
     tok = load_tokenizer(Path(k.model))
-    reg = TaskRegistry()
+    reg = TaskRegistry(a.swarm)
     reg.add_builtin()
     tpl = k.rollout()
     lid, _, _, head = _honest_lineage(k)
@@ -674,11 +674,10 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
     no honest rollout was seen to copy it from; `model` that model's directory (its tokenizer)."""
     from gossip.host import open_transport
 
-    k = Knowledge(model=model)
+    k = Knowledge(swarm, model=model)
     if tokenizer_hash is not None:
         k.tokenizer_hash = tokenizer_hash
     out: dict[str, dict[str, Any]] = {}
-    wire.bind_swarm(swarm)  # this process speaks for the attacked swarm (the envelope names it)
     async with open_transport(Identity.from_seed(b"\xa7" * 32)) as obs, trio.open_nursery() as n:
         await n.start(observe, obs, k, swarm)
         await _connect_all(obs, addrs)
@@ -963,10 +962,10 @@ def start_measuring_at(sw_started: float, age_s: float) -> float:
     return time.monotonic() - sw_started
 
 
-def models_finite(home: Path, swarm: str | None = None) -> tuple[bool, int]:
+def models_finite(home: Path, swarm: str) -> tuple[bool, int]:
     """(no NaN or inf in any model state a node holds, how many states were scanned): the newest state
-    of every lineage it stores, replayed from an anchor and its patches and checked against the signed
-    hash, every anchor, and every follower checkpoint."""
+    of every lineage it stores, replayed from an anchor and its patches (signed for the node's `swarm`)
+    and checked against the signed hash, every anchor, and every follower checkpoint."""
     import torch
     from safetensors.torch import load_file
 
@@ -979,9 +978,7 @@ def models_finite(home: Path, swarm: str | None = None) -> tuple[bool, int]:
             store = LineageStore(home, bytes.fromhex(d.name))
             head = store.head()
             if head is not None:
-                # the stored manifests are signed for the node's swarm (None: the one this process is bound to)
-                with wire.swarm_bound(swarm) if swarm is not None else contextlib.nullcontext():
-                    states.append(store.load_state(head))
+                states.append(store.load_state(head, swarm=swarm))
         except (ValueError, PatchError):
             continue  # not replayable here (no anchor at or below the head): its files are scanned below
     for f in sorted(home.rglob("*.safetensors")):
@@ -1008,8 +1005,7 @@ def payload_share(home: Path, model: Path, lineage: str, swarm: str = SWARM) -> 
     try:
         store = LineageStore(home, bytes.fromhex(lineage))
         head = store.head()
-        with wire.swarm_bound(swarm):  # the stored manifests are signed for the node's swarm
-            state = (head, store.load_state(head)) if head is not None else None
+        state = (head, store.load_state(head, swarm=swarm)) if head is not None else None
     except (ValueError, PatchError):
         state = None
     if state is None:
@@ -1019,7 +1015,7 @@ def payload_share(home: Path, model: Path, lineage: str, swarm: str = SWARM) -> 
     loaded = engine.model.load_state_dict(state[1], strict=False)
     if loaded.unexpected_keys or len(loaded.missing_keys) == len(engine.model.state_dict()):
         return None  # not this model's state: sampling the base model would measure nothing
-    reg = TaskRegistry()
+    reg = TaskRegistry(swarm)
     reg.add_builtin()
     prompts = [reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, 90_000 + i)).prompt
                for i in range(PAYLOAD_PROMPTS)]

@@ -28,8 +28,9 @@ SIM_FULL_MESH_MAX = 64  # larger simulated swarms use a random overlay of this d
 SIM_DEGREE = 16
 
 
-def make_patch(identity: Identity, payload: bytes, chunk_bytes: int, version: int = 1) -> tuple[bytes, list[bytes]]:
-    """A signed manifest envelope for an opaque payload, and its chunks (for benchmarks and tests)."""
+def make_patch(identity: Identity, payload: bytes, chunk_bytes: int, version: int = 1, *,
+               swarm: str) -> tuple[bytes, list[bytes]]:
+    """A manifest envelope signed for `swarm` for an opaque payload, and its chunks (for benchmarks and tests)."""
     chunks = split(payload, chunk_bytes)
     lineage = hashlib.blake2b(b"bench" + identity.public, digest_size=32).digest()
     m = PatchManifest(
@@ -37,7 +38,7 @@ def make_patch(identity: Identity, payload: bytes, chunk_bytes: int, version: in
         publisher=identity.public, base_version=version - 1, target_version=version, base_hash=b"\1" * 32,
         target_hash=hashlib.blake2b(payload, digest_size=32).digest(), codec="sparse-v1",
         total_bytes=len(payload), chunk_bytes=chunk_bytes, chunks=refs(chunks), created_ms=now_ms())
-    return seal(identity, PATCH_MANIFEST, m), chunks
+    return seal(identity, PATCH_MANIFEST, m, swarm=swarm), chunks
 
 
 def lower_bound_s(size: int, upload: float, n: int, m: int) -> float:
@@ -281,7 +282,7 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                     say(event="ready", conns=len(node.conns))
                 elif cmd == "publish":
                     payload = (Path(tmp) / "payload").read_bytes()
-                    envelope, chunks = make_patch(identity, payload, chunk_bytes)
+                    envelope, chunks = make_patch(identity, payload, chunk_bytes, swarm=node.swarm)
                     with trio.move_on_after(60):
                         while len(node.conns) < msg["peers"]:
                             await trio.sleep(0.05)

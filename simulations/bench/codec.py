@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gossip import wire
 from gossip.identity import Identity
 from sync.codec import read_header
 from sync.hashing import state_hash
@@ -60,9 +61,9 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
 
     identity = Identity.from_seed(bytes(32))
     init = _bf16(model)
-    publisher = LineagePublisher(identity, "bench", init, None)
+    publisher = LineagePublisher(identity, "bench", init, None, swarm=wire.DEFAULT_SWARM)  # no network: any swarm
     replica = {n: t.clone() for n, t in init.items()}
-    follower = LineageFollower(publisher.lineage, replica, 0)
+    follower = LineageFollower(publisher.lineage, replica, 0, swarm=wire.DEFAULT_SWARM)
     del init
 
     fractions, sizes, enc_s, app_s, train_s, enc_cpu, app_cpu = [], [], [], [], [], [], []

@@ -21,9 +21,10 @@ from node import pipe
 from sync.ids import lineage_id
 
 BASE = hashlib.blake2b(b"murmur bench core base model", digest_size=32).digest()
+SWARM = "bench"
 
 
-def _swarm(peers: int) -> list[C.Event]:
+def _heard(peers: int) -> list[C.Event]:
     events: list[C.Event] = []
     for i in range(peers):
         ident = Identity.from_seed(hashlib.blake2b(f"bench-core/{i}".encode(), digest_size=32).digest())
@@ -33,7 +34,7 @@ def _swarm(peers: int) -> list[C.Event]:
         a = wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=1, created_ms=1, hardware="cpu",
                               gen_tokens_per_s=0.0, rollout_latency_s=0.0, upload_bytes_per_s=0.0, memory_bytes=0,
                               roles=["trainer"], lineages_followed=[], owned=[d])
-        events.append(C.AnnounceHeard(ident.public, a, wire.seal(ident, wire.NODE_ANNOUNCE, a)))
+        events.append(C.AnnounceHeard(ident.public, a, wire.seal(ident, wire.NODE_ANNOUNCE, a, swarm=SWARM)))
         m = wire.PatchManifest(v=wire.FORMAT_VERSION, lineage=lid, lineage_name=f"l{i}", base_model_hash=BASE,
                                publisher=ident.public, base_version=3, target_version=4, base_hash=bytes(32),
                                target_hash=bytes(32), codec="sparse-v1", total_bytes=1000, chunk_bytes=4096,
@@ -43,10 +44,10 @@ def _swarm(peers: int) -> list[C.Event]:
 
 
 def run(cores: int = 2000, peers: int = 8) -> dict[str, Any]:
-    events = _swarm(peers)
+    events = _heard(peers)
     ready = C.FromWorker(pipe.decode(pipe.encode("ready", {"base": BASE.hex(), "version": 0,
                                                            "model_bytes": 1 << 20})))
-    settings = C.CoreSettings(swarm="bench", roles=("follower", "validator"))
+    settings = C.CoreSettings(swarm=SWARM, roles=("follower", "validator"))
     keys = [Identity.from_seed(hashlib.blake2b(f"bench-core-node/{i}".encode(), digest_size=32).digest())
             for i in range(cores)]
     clock = [1000.0]

@@ -32,6 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_SEED = 1234
+BENCH_SWARM = "bench"  # the swarm its manifests are signed for (nothing leaves the machine)
 STEP_NOISE = 3e-5  # fp32 step size on the master: a few % of bf16 elements move per version
 
 
@@ -70,7 +71,8 @@ def make_patches(model_dir: Path, work: Path, n: int, seed: int) -> dict[str, An
 
     eng = HFEngine.from_path(model_dir, device="cpu")
     master = canonical_state(eng.model)
-    pub = LineagePublisher(Identity.from_seed(bytes([seed % 256]) * 32), "bench", to_published(master))
+    pub = LineagePublisher(Identity.from_seed(bytes([seed % 256]) * 32), "bench", to_published(master),
+                           swarm=BENCH_SWARM)
     g = torch.Generator().manual_seed(seed)
     work.mkdir(parents=True, exist_ok=True)
     density = []
@@ -116,7 +118,7 @@ def side(kind: str, model_dir: str, work: str, n: int, batch: int, max_new: int,
     start_s = time.monotonic() - t0
     eng.take_version(live, None)
     follower = LineageFollower(Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"]),
-                               live, 0)
+                               live, 0, swarm=BENCH_SWARM)
     enc = [eng.encode(p) for p in prompts(batch)]
     sampling = Sampling(temperature=1.0, max_new_tokens=max_new)
     eng.sample(enc[:2], Sampling(temperature=1.0, max_new_tokens=4))  # warm-up
@@ -128,7 +130,7 @@ def side(kind: str, model_dir: str, work: str, n: int, batch: int, max_new: int,
     for v in range(1, n + 1):
         env = (Path(work) / f"{v}.env").read_bytes()
         payload = (Path(work) / f"{v}.bin").read_bytes()
-        applied = follower.apply(env, chunking.split(payload, open_manifest(env).chunk_bytes))
+        applied = follower.apply(env, chunking.split(payload, open_manifest(env, swarm=BENCH_SWARM).chunk_bytes))
         t0 = time.monotonic()
         eng.take_version(follower.live, applied.changed)
         apply_s.append(time.monotonic() - t0)

@@ -30,7 +30,7 @@ TOKENIZER = b"\x54" * 32
 def registry() -> Any:
     from training.tasksets import TaskRegistry
 
-    reg = TaskRegistry()
+    reg = TaskRegistry(SWARM)
     reg.add_builtin()
     return reg
 
@@ -65,12 +65,12 @@ def make_batch(ident: Identity, reg: Any, seq: int, n: int = 4, tokens: int = 64
     batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=swarm, producer=ident.public, seq=seq,
                               created_ms=wire.now_ms() if created_ms is None else created_ms,
                               rollouts=[make_rollout(reg, s, tokens, version, **kw) for s in seeds])
-    return wire.seal(ident, wire.ROLLOUT_BATCH, batch)
+    return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=swarm)
 
 
 def resign_with(signer: Identity, claimed: Identity, data: bytes) -> bytes:
     """The same body, claiming `claimed` as signer but signed by `signer`: a bad signature."""
-    env = wire.decode_envelope(data)
+    env = wire.decode_envelope(data, swarm=SWARM)
     sig = signer.sign(wire.signing_domain(env.kind, env.v, env.swarm) + env.body)
     return wire.encode(wire.Envelope(env.v, env.kind, env.swarm, env.body, claimed.public, sig))
 
@@ -100,9 +100,9 @@ def verify_registry() -> tuple[Any, dict[str, bytes]]:
     for kind, gen in gens.items():
         m = wire.TaskSetManifest(v=wire.FORMAT_VERSION, name=f"bench-{kind}", version=1, coordinator=_COORDINATOR.public,
                                  created_ms=1, verifier=kind, tolerance=0.0, generators=[gen])
-        env = sign_task_set(_COORDINATOR, m)
+        env = sign_task_set(_COORDINATOR, m, swarm=SWARM)
         reg.add(env, {_COORDINATOR.public})
-        ids[kind] = wire.content_id(wire.decode_envelope(env).body)
+        ids[kind] = wire.content_id(wire.decode_envelope(env, swarm=SWARM).body)
     return reg, ids
 
 
@@ -158,7 +158,7 @@ def verify_messages(kind: str, reg: Any, task_set: bytes, tokens: Any, rounds: i
                     reward=score(task, tokens.decode(ids)), created_ms=wire.now_ms()))
         batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=ident.public, seq=b + 1,
                                   created_ms=wire.now_ms(), rollouts=rollouts)
-        out.append(wire.seal(ident, wire.ROLLOUT_BATCH, batch))
+        out.append(wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM))
     return out
 
 

@@ -20,6 +20,7 @@ import time
 import warnings
 from typing import Any
 
+from gossip.wire import DEFAULT_SWARM
 from training.engine_hf import HFEngine, set_threads
 from training.evaluation import check_evaluation, greedy_eval, held_out_tasks
 from training.tasksets import TaskRegistry
@@ -38,7 +39,7 @@ def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | Non
     t_start = time.monotonic()
     from training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts  # noqa: PLC0415
 
-    reg = TaskRegistry()
+    reg = TaskRegistry(DEFAULT_SWARM)  # only the built-in set, which is the same in every swarm
     m = reg.add_builtin()
     check_evaluation([m], warmup_generators())  # a clear error, before any work, if eval is not held out
     tasks = held_out_tasks(m, EVAL_PER_FAMILY)

@@ -132,7 +132,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     for i in range(nodes):
         ident = _ident(seed, i)
         lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
-        reg = TaskRegistry()
+        reg = TaskRegistry(SWARM)
         m = reg.add_builtin()
         tasks = tasks or held_out_tasks(m, eval_per_family)
         path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps)  # each node its own warm-up

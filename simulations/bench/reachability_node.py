@@ -41,6 +41,7 @@ ROLLOUT_TOPIC = "/murmur/bench/rollouts/1"
 HELLO_TOPIC = "/murmur/bench/hello/1"
 WRITE = 1 << 20
 MAX_BULK = 1 << 30
+SWARM = "bench"  # the swarm its rollout batches are signed for
 
 
 def ms() -> float:
@@ -65,8 +66,8 @@ def sample_batch(identity: Any, seq: int) -> bytes:
         sampling=wire.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=16), reward=1.0,
         created_ms=wire.now_ms(),
     )
-    body = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="bench", producer=identity.public, seq=seq, created_ms=wire.now_ms(), rollouts=[r])
-    return wire.seal(identity, wire.ROLLOUT_BATCH, body)
+    body = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=identity.public, seq=seq, created_ms=wire.now_ms(), rollouts=[r])
+    return wire.seal(identity, wire.ROLLOUT_BATCH, body, swarm=SWARM)
 
 
 async def serve_bulk(stream: Any, remote: str) -> None:
@@ -162,7 +163,7 @@ async def main(script: dict[str, Any]) -> None:
             while True:
                 origin, data = await rollouts.receive()
                 try:
-                    open_envelope(data, expect=ROLLOUT_BATCH)
+                    open_envelope(data, expect=ROLLOUT_BATCH, swarm=SWARM)
                 except Exception as e:
                     emit("bad_rollout", origin=origin, error=str(e)[:200])
                     continue

@@ -146,7 +146,7 @@ def bench_task_set(sc: BenchScenario) -> bytes:
 
     created_ms is fixed so the task-set id, and with it every task reference, is the same in every run."""
     t = msgspec.structs.replace(sc.task_set, created_ms=1)
-    return sign_task_set(COORDINATOR, manifest_from_toml(t, f"bench scenario task set {t.name!r}"))
+    return sign_task_set(COORDINATOR, manifest_from_toml(t, f"bench scenario task set {t.name!r}"), swarm=SWARM)
 
 
 # ------------------------------------------------------------ nodes
@@ -179,7 +179,7 @@ def _seal(node: _Node, rollouts: list[wire.Rollout]) -> list[bytes]:
         node.seq += 1
         batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=node.ident.public, seq=node.seq,
                                   created_ms=wire.now_ms(), rollouts=rollouts[k:k + wire.MAX_ROLLOUTS_PER_BATCH])
-        out.append(wire.seal(node.ident, wire.ROLLOUT_BATCH, batch))
+        out.append(wire.seal(node.ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM))
     return out
 
 
@@ -232,7 +232,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
     set_threads(1)
     torch.manual_seed(seed)
     envelope = bench_task_set(sc)
-    ts_id = task_set_id(envelope)
+    ts_id = task_set_id(envelope, swarm=SWARM)
     isolated = mode == "isolated"
     mix = sc.isolated if isolated else sc.swarm
     adv_index = sc.adversary.node if mode == "adversarial" else -1
@@ -242,7 +242,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
     for i in range(sc.nodes):
         ident = _ident(seed, i)
         lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
-        registry = TaskRegistry()  # every node verifies against its own registry
+        registry = TaskRegistry(SWARM)  # every node verifies against its own registry
         registry.add(envelope, {COORDINATOR.public})
         engine = HFEngine.from_path(model_dir, device="cpu", seed=seed * 100 + i)
         cfg = trainer_config(sc, mix, seed, i)
