@@ -15,7 +15,7 @@ from node.config import Config, TrustSection
 from node.runtime import Node, RunOptions
 from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id
 
-SWARM = "test"
+SWARM = Config().node.swarm  # the swarm of the nodes below (the default config's)
 
 
 def _signed_set(coordinator: Identity) -> bytes:
