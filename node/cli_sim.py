@@ -27,7 +27,9 @@ def simulate(
     check: Annotated[bool, typer.Option("--check", help="validate the scenario and print its nodes; run nothing")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
     smoke: Annotated[bool, typer.Option("--smoke", help="emulation: stop once every node has taken its first step "
-                                                         "(or one failed): checks that a scenario runs")] = False,
+                                                         "(or one failed); scheduled joins, leaves and restarts come "
+                                                         "as soon as every running node has stepped: checks that a "
+                                                         "scenario runs")] = False,
 ) -> None:
     """Run a scenario (real nodes, or --virtual) and write metrics + an HTML report with plots.
 

@@ -18,7 +18,9 @@ A node process that exits when the scenario did not stop it (a refused config,
 a crash) is a failure: the summary lists it under `nodes_failed` with its exit
 code and the last line of its log, and `murmur simulate` exits non-zero. A
 node's first step is its first optimizer step (trainer) or first applied
-version (follower); `smoke` stops the run once every honest node has taken it.
+version (follower); `smoke` stops the run once every honest node has taken it, samples every second,
+and, whenever every running honest node has taken it, moves the scenario clock on to the next scheduled
+join, leave or restart instead of waiting for it (a smoke checks that each node steps, not timing).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from simulations.wan import LinkSpec, NetnsLab, node_env
 
 MAX_REAL_NODES = 32
 STOP_WAIT_S = 8.0
+SMOKE_SAMPLE_S = 1.0
 
 
 _DECORATION = re.compile(r"^[\s|+\-^~=]*$")
@@ -181,6 +184,25 @@ class Emulation:
         p.proc = None  # a planned exit: nothing for _reap to find
         self._row("event", t=self._t(), node=p.spec.index, action="leave")
 
+    def _stop_all(self) -> None:
+        """Stop every node at once: each gets SIGTERM before any is waited for, so their shutdowns overlap."""
+        for p in self.procs:
+            self._reap(p)
+        alive = [p for p in self.procs if p.alive]
+        for p in alive:
+            assert p.proc is not None
+            p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for p in alive:
+            assert p.proc is not None
+            try:
+                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait(timeout=STOP_WAIT_S)
+            p.proc = None
+            self._row("event", t=self._t(), node=p.spec.index, action="leave")
+
     def _reap(self, p: _Proc) -> None:
         """Record a process that exited although the scenario did not stop it."""
         if p.proc is None or p.proc.poll() is None:
@@ -199,6 +221,9 @@ class Emulation:
 
     def _t(self) -> float:
         return time.monotonic() - self.t0 if self.t0 else 0.0
+
+    def _waiting_for_a_step(self) -> bool:
+        return any(p.alive and p.first_step_s is None for p in self.procs if p.spec.role != "adversary")
 
     # ------------------------------------------------------------ run
 
@@ -261,9 +286,13 @@ class Emulation:
         self.t0 = time.monotonic()
         by_index = {p.spec.index: p for p in self.procs}
         next_sample = 0.0
+        sample_every = min(self.sc.report.sample_every_s, SMOKE_SAMPLE_S) if self.smoke else self.sc.report.sample_every_s
         k = 0
         try:
             while self._t() < self.sc.duration_s and not self._done():
+                if self.smoke and k < len(events):
+                    skip = smoke_skip(self._t(), events[k][0], self._waiting_for_a_step())
+                    self.t0 -= skip
                 for p in self.procs:
                     self._reap(p)
                 now = self._t()
@@ -273,15 +302,14 @@ class Emulation:
                     k += 1
                 if now >= next_sample:
                     self._sample()
-                    next_sample = now + self.sc.report.sample_every_s
+                    next_sample = now + sample_every
                     if self.progress:
                         print(f"\remulate {self.sc.name}: {now:6.0f}/{self.sc.duration_s:g} s, "
                               f"{sum(p.alive for p in self.procs)} up", end="", file=sys.stderr, flush=True)
                 wake = min(next_sample, events[k][0] if k < len(events) else self.sc.duration_s, self.sc.duration_s)
                 time.sleep(max(0.05, min(1.0, wake - self._t())))
         finally:
-            for p in self.procs:
-                self._stop(p)
+            self._stop_all()
             if self.netns:
                 self.netns.down()
         for p in self.procs:
@@ -312,6 +340,12 @@ class Emulation:
         write_report(self.out, self.rows, summary, dumps(self.sc), title=summary["title"], notes=summary["links"],
                      threshold=self.sc.gossip.graylist_threshold, plots=self.sc.report.plots)
         return summary
+
+
+def smoke_skip(now: float, next_event_s: float, waiting_for_a_step: bool) -> float:
+    """How far a smoke run moves its scenario clock on: to the next scheduled event, once no running node
+    still has its first step to take (nothing is left to watch until then)."""
+    return 0.0 if waiting_for_a_step else max(0.0, next_event_s - now)
 
 
 def run_emulation(sc: Scenario, out_dir: str | Path, progress: bool = False, smoke: bool = False) -> dict[str, Any]:

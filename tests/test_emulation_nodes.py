@@ -60,13 +60,41 @@ def test_an_emulated_node_that_exits_early_is_reported_and_fails_the_run(tmp_pat
         assert f["exit_code"] != 0 and "MURMUR_NETWORK_NO_SUCH_KEY names no config key" in f["last_log_line"]
 
 
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[int, dict, str, Path]:
+    """One whole (not --smoke) emulation that the tests below share: two trainers, a reward forger from 30 s,
+    and a planned leave of node 1 at 45 s."""
+    tmp = tmp_path_factory.mktemp("full-run")
+    f = tmp / "emu.toml"
+    f.write_text('name = "emu"\nduration_s = 90.0\n[[group]]\ncount = 2\nupload_bytes_per_s = 2000000.0\n'
+                 '[[adversary]]\nbehaviour = "forged_reward"\nrate_per_s = 1.0\nstart_s = 30.0\n'
+                 '[[event]]\nat_s = 45.0\naction = "leave"\nnode = 1\n'
+                 "[report]\nsample_every_s = 5.0\n")
+    out = _out(tmp, tiny_model)
+    rc, summary, err = _simulate([str(f), "--out", str(out)], timeout=500)
+    return rc, summary, err, out
+
+
 @pytest.mark.slow
-def test_a_planned_leave_is_not_a_failure(tmp_path: Path, tiny: Path) -> None:
-    f = tmp_path / "leave.toml"
-    f.write_text('name = "leave"\nduration_s = 12.0\n[[group]]\nname = "trainer"\ncount = 2\n'
-                 '[[event]]\nat_s = 4.0\naction = "leave"\nnode = 1\n')
-    rc, summary, err = _simulate([str(f), "--out", str(_out(tmp_path, tiny))], timeout=300)
+def test_emulation_runs_real_nodes_and_rejects_a_forger(full_run: tuple[int, dict, str, Path]) -> None:
+    rc, s, err, out = full_run
+    assert rc == 0, err
+    assert s["mode"] == "emulate" and s["nodes"] == 3
+    assert s["reward_samples"] >= 1
+    assert s["rejections"].get("forged_reward", 0) >= 1, s["rejections"]  # the forger's rollouts were rejected
+    assert (out / "index.html").is_file()
+    # every node process was stopped
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(out / "nodes") not in ps
+
+
+@pytest.mark.slow
+def test_a_planned_leave_is_not_a_failure(full_run: tuple[int, dict, str, Path]) -> None:
+    rc, summary, err, out = full_run
     assert rc == 0 and summary["nodes_failed"] == [], (summary.get("nodes_failed"), err)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    leaves = [r for r in rows if r["kind"] == "event" and r["action"] == "leave" and r["node"] == 1]
+    assert leaves and leaves[0]["t"] < 90.0, leaves  # it left during the run, not only when the run ended
 
 
 def test_a_dead_nodes_last_line_is_its_exception_not_the_traceback_frame() -> None:
@@ -80,6 +108,14 @@ def test_a_dead_nodes_last_line_is_its_exception_not_the_traceback_frame() -> No
     assert last_line("error: environment: MURMUR_X names no config key\n") == \
         "error: environment: MURMUR_X names no config key"
     assert last_line("") == ""
+
+
+def test_a_smoke_moves_on_to_the_next_event_only_once_no_running_node_waits_for_its_first_step() -> None:
+    from simulations.emulate import smoke_skip
+
+    assert smoke_skip(10.0, 60.0, waiting_for_a_step=True) == 0.0
+    assert smoke_skip(10.0, 60.0, waiting_for_a_step=False) == 50.0
+    assert smoke_skip(61.0, 60.0, waiting_for_a_step=False) == 0.0  # a due event is not moved back
 
 
 def _fits_emulator(path: Path) -> bool:

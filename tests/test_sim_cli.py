@@ -1,4 +1,5 @@
-"""`murmur simulate` end to end: bad scenarios are one line + exit 2; --virtual writes a report; emulation (slow)."""
+"""`murmur simulate` end to end: bad scenarios are one line + exit 2; --virtual writes a report. A whole emulation
+run, end to end, is in tests/test_emulation_nodes.py (`full_run`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,24 +38,3 @@ def test_virtual_run_writes_report_and_json(tmp_path) -> None:
     assert summary["mode"] == "virtual" and summary["seed"] == 5 and summary["nodes"] == 3
     assert (out / "index.html").is_file() and (out / "reward.png").is_file()
     assert 'seed = 5' in (out / "scenario.toml").read_text()
-
-
-@pytest.mark.slow
-def test_emulation_runs_real_nodes_and_rejects_a_forger(tmp_path, tiny_model) -> None:
-    p = tmp_path / "emu.toml"
-    p.write_text('name = "emu"\nduration_s = 90.0\n[[group]]\ncount = 2\nupload_bytes_per_s = 2000000.0\n'
-                 '[[adversary]]\nbehaviour = "forged_reward"\nrate_per_s = 1.0\nstart_s = 30.0\n'
-                 "[report]\nsample_every_s = 5.0\n")
-    out = tmp_path / "rep"
-    (out / "shared-model" / "models").mkdir(parents=True)  # the session's build, where the emulator keeps its own
-    (out / "shared-model" / "models" / tiny_model.name).symlink_to(tiny_model)
-    r = _murmur("simulate", str(p), "--out", str(out), "--json", timeout=500)
-    assert r.returncode == 0, r.stderr[-2000:]
-    s = json.loads(r.stdout.strip().splitlines()[-1])
-    assert s["mode"] == "emulate" and s["nodes"] == 3
-    assert s["reward_samples"] >= 1
-    assert s["rejections"].get("forged_reward", 0) >= 1, s["rejections"]  # the forger's rollouts were rejected
-    assert (out / "index.html").is_file()
-    # every node process was stopped
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert str(out / "nodes") not in ps
