@@ -253,9 +253,16 @@ async def _hold_then_reset(a: Attacker, held: list[Any]) -> None:
             pass
 
 
+async def _each_target(targets: list[str], one: Callable[[str], Awaitable[None]]) -> None:
+    """Every target at once: a class that holds streams open for a while holds them on all targets together."""
+    async with trio.open_nursery() as n:
+        for peer in targets:
+            n.start_soon(one, peer)
+
+
 async def held_frames(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Held streams: dozens of chunk streams each send 1 MiB of an 8 MiB frame and wait."""
-    for peer in targets:
+    async def one(peer: str) -> None:
         held = []
         for _ in range(HELD_STREAMS):
             s = await a.open_held(peer, "/murmur/chunks/1")
@@ -270,10 +277,12 @@ async def held_frames(a: Attacker, k: Knowledge, targets: list[str]) -> None:
                 a.errors += 1
         await _hold_then_reset(a, held)
 
+    await _each_target(targets, one)
+
 
 async def idle_streams(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Host-wide limits one key fills: hundreds of streams opened and never written to."""
-    for peer in targets:
+    async def one(peer: str) -> None:
         held = []
         for _ in range(IDLE_STREAMS):
             s = await a.open_held(peer, "/murmur/chunks/1")
@@ -281,6 +290,8 @@ async def idle_streams(a: Attacker, k: Knowledge, targets: list[str]) -> None:
                 held.append(s)
                 a.sent += 1
         await _hold_then_reset(a, held)
+
+    await _each_target(targets, one)
 
 
 async def freeze_manifest_head(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -630,9 +641,10 @@ THE_ATTACKER = "the-attacker"  # the one key that runs the whole catalogue after
 
 
 async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any],
-                  round_: int = 0, settle_s: float = 1.5, ident: Identity | None = None) -> None:
+                  round_: int = 0, settle_s: float = 1.5, ident: Identity | None = None,
+                  attacked: trio.Event | None = None) -> None:
     """Run one attack class from its own host, with `ident` or the class's fresh key; `res` says what it
-    sent and how far it got."""
+    sent and how far it got. `attacked` is set once it has sent all it will send, before it settles."""
     from gossip.host import open_transport
 
     ident = ident or attack_key(name, round_)
@@ -656,6 +668,8 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
         finally:
             res.update(sent=a.sent, errors=a.errors)
         res["phase"] = "settle"
+        if attacked is not None:
+            attacked.set()
         await trio.sleep(settle_s)  # let the messages land before the host goes
         res["phase"] = "done"
 
@@ -685,13 +699,20 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
             while not (k.manifests and k.batches):
                 await trio.sleep(0.25)
         for r in range(rounds):
-            for name in names or list(CATALOGUE):
-                if r > 1 and stop():  # the first two rounds (fresh keys, then the one attacker) always run whole
-                    break
-                res: dict[str, Any] = {}
-                with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
-                    await run_one(name, k, addrs, swarm, res, r,
-                                  ident=attack_key(THE_ATTACKER) if r > 0 else None)
+            ran: list[tuple[str, dict[str, Any]]] = []
+            # In the first round every class has its own key, so a class's host settles while the next
+            # class attacks; later rounds share one key, which two live hosts cannot hold at once.
+            async with trio.open_nursery() as settling:
+                for name in names or list(CATALOGUE):
+                    if r > 1 and stop():  # the first two rounds (fresh keys, then the one attacker) always run whole
+                        break
+                    res: dict[str, Any] = {}
+                    ran.append((name, res))
+                    attacked, ended = trio.Event(), trio.Event()
+                    settling.start_soon(_run_bounded, name, k, addrs, swarm, res, r,
+                                        attack_key(THE_ATTACKER) if r > 0 else None, attacked, ended)
+                    await (attacked if r == 0 else ended).wait()
+            for name, res in ran:
                 prev = out.setdefault(name, {"attackers": [], "sent": 0, "errors": 0, "phases": []})
                 prev["attackers"] = sorted(set(prev["attackers"]) | {res["attacker"]})
                 prev["sent"] += res["sent"]
@@ -701,6 +722,16 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
                 break
         n.cancel_scope.cancel()
     return out
+
+
+async def _run_bounded(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any], round_: int,
+                       ident: Identity | None, attacked: trio.Event, ended: trio.Event) -> None:
+    try:
+        with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
+            await run_one(name, k, addrs, swarm, res, round_, ident=ident, attacked=attacked)
+    finally:
+        attacked.set()  # a class that timed out before its attack ended releases the next one too
+        ended.set()
 
 
 # ------------------------------------------------------------------ live swarm (benchmark and slow test)
