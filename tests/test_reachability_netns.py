@@ -10,6 +10,7 @@ The namespaces are deleted by `simulations.netns.Network` even when a node fails
 from __future__ import annotations
 
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,14 +21,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def networks() -> dict[str, dict]:
+    """The three NAT cases at once, each in its own namespaces: cone NAT (hole-punch), port forwarding, and
+    symmetric NAT. Most of a case's time is waiting (dials, reservations, a punch that must fail), so
+    running them side by side costs about as long as the longest."""
     from simulations.bench.reachability import scenario
 
+    cases = {"cone": dict(bulk_bytes=1 << 20, holepunch=True),
+             "forwarded": dict(bulk_bytes=0, holepunch=False, forward_h2=True),
+             "symmetric": dict(bulk_bytes=1 << 20, holepunch=True, symmetric=True)}
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-    got = scenario(bulk_bytes=1 << 20, holepunch=True, timeout_s=300)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(scenario, timeout_s=300, **kw) for name, kw in cases.items()}
+        got = {name: f.result() for name, f in futures.items()}
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert not {n for n in after - before if n.startswith("m")}, "namespaces left behind"
     return got
+
+
+@pytest.fixture(scope="module")
+def nodes(networks: dict[str, dict]) -> dict:
+    return networks["cone"]
 
 
 def test_reachability_verdicts(nodes) -> None:
@@ -76,10 +90,8 @@ def test_doctor_reports_each_case(nodes) -> None:
         assert "behind NAT" in text
 
 
-def test_port_forwarding_makes_a_home_public() -> None:
-    from simulations.bench.reachability import scenario
-
-    got = scenario(bulk_bytes=0, holepunch=False, forward_h2=True, timeout_s=300)
+def test_port_forwarding_makes_a_home_public(networks: dict[str, dict]) -> None:
+    got = networks["forwarded"]
     assert got["h2"].first("reachability")["status"] == "public", got["h2"].events
     assert got["h1"].first("reachability")["status"] == "private"
     assert got["h2"].first("doctor")["path"] == "direct"
@@ -88,10 +100,8 @@ def test_port_forwarding_makes_a_home_public() -> None:
     assert conn and conn["peer"] == "h2" and conn["path"] == "direct", got["h1"].events
 
 
-def test_symmetric_nat_stays_relayed_and_says_why() -> None:
-    from simulations.bench.reachability import scenario
-
-    got = scenario(bulk_bytes=1 << 20, holepunch=True, symmetric=True, timeout_s=300)
+def test_symmetric_nat_stays_relayed_and_says_why(networks: dict[str, dict]) -> None:
+    got = networks["symmetric"]
     for home, other in (("h1", "h2"), ("h2", "h1")):
         n = got[home]
         assert n.first("reachability")["port_preserved"] is False, n.events
