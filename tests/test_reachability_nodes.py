@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,7 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
         h3 = net.add_home(symmetric=True)  # one-shot doctor only
         h4 = net.add_home()
         net.forward_port(h4, PORT)  # one-shot doctor only
+        pool = ThreadPoolExecutor(2)
         try:
             (homes["pub"] / "config.toml").write_text(_config(["follower", "validator"], model, relay_service=True))
             procs["pub"] = _start(net, net.pub_ns, homes["pub"], [])
@@ -92,6 +94,12 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
             _wait("pub listening", lambda: bool((_status(homes["pub"]) or NodeStatus()).peer_id), allp())
             pub_id = _status(homes["pub"]).peer_id
             pub_addr = f"/ip4/{net.pub_ip}/tcp/{PORT}/p2p/{pub_id}"
+            # The one-shot doctors need only pub: they run while the swarm below forms (mostly waiting on
+            # dials and reservations), and are read at the end.
+            for h in ("h3", "h4"):
+                (homes[h] / "config.toml").write_text(f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\n')
+            one_shot = {h: pool.submit(_doctor, net, home.ns, homes[h], ["--bootstrap", pub_addr])
+                        for h, home in (("h3", h3), ("h4", h4))}
             # h1 lists the relay explicitly; h2 relies on the fallback (its bootstrap peer as relay)
             (homes["h1"] / "config.toml").write_text(_config(["trainer"], model, relays=[pub_addr]))
             (homes["h2"] / "config.toml").write_text(_config(["follower", "validator"], model))
@@ -153,19 +161,18 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
             assert r1.path in c["detail"] and "forward TCP port 4001" in c["fix"], c
 
             # one-shot doctor, symmetric NAT: private, reservation on the bootstrap peer, relayed, why
-            (homes["h3"] / "config.toml").write_text(f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\n')
-            d3 = _doctor(net, h3.ns, homes["h3"], ["--bootstrap", pub_addr])
+            d3 = one_shot["h3"].result()
             c3 = _check(d3, "reachability")
             assert "path: relayed" in c3["detail"] and "changes source ports" in c3["detail"], c3
             assert _check(d3, "relay")["ok"] and "1 reservation" in _check(d3, "relay")["detail"], d3
 
             # one-shot doctor, port forwarded: public, direct
-            (homes["h4"] / "config.toml").write_text(f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\n')
-            d4 = _doctor(net, h4.ns, homes["h4"], ["--bootstrap", pub_addr])
+            d4 = one_shot["h4"].result()
             c4 = _check(d4, "reachability")
             assert c4["ok"] and "path: direct" in c4["detail"] and "publicly reachable" in c4["detail"], c4
         finally:
             stop_all(list(procs.values()))
+            pool.shutdown(wait=True)  # before the namespaces go
 
 
 def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model: Path, webrtc_extra: None) -> None:
