@@ -37,6 +37,10 @@ def test_a_tiny_paired_run_spends_equal_cpu_per_node(tmp_path: Path) -> None:
     assert r["curves"]["isolated"][0] == r["curves"]["swarm"][0]  # paired: the same nodes start both arms
     assert r["speedup"] > 0 and r["used_over_verified"] is not None and 0 <= r["used_over_verified"] <= 1
     assert all(len(r["updates_per_node"][arm]) == 2 for arm in ("isolated", "swarm"))
+    for arm in ("isolated", "swarm"):  # the last checkpoint, per family, means over the nodes
+        assert set(r["final_wellformed"][arm]) == {"lookup", "rev", "sort"}
+        assert r["final_by_family"][arm]["all"] == r["curves"][arm][-1]
+        assert all(0 <= v <= 1 for v in r["final_wellformed"][arm].values())
 
 
 def test_a_trainer_with_followers_verifies_and_pools_their_groups_on_its_own_cpu(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ class _Node:
     updates: int = 0
     ext_groups: int = 0
     curve: list[float] = field(default_factory=list)
+    last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
 
 
 def _first_reach(xs: list[float], ys: list[float], target: float) -> float | None:
@@ -77,6 +78,10 @@ def _first_reach(xs: list[float], ys: list[float], target: float) -> float | Non
                 return xs[k]
             return xs[k - 1] + (xs[k] - xs[k - 1]) * (target - ys[k - 1]) / (ys[k] - ys[k - 1])
     return None
+
+
+def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(sum(d[k] for d in ds) / len(ds), 4) for k in ds[0]} if ds else {}
 
 
 def _auc(xs: list[float], ys: list[float]) -> float:
@@ -159,7 +164,8 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
 
     def evaluate(n: _Node) -> None:
-        n.curve.append(greedy_eval(n.engine, tasks, TRAINER["max_new_tokens"])[0]["all"])
+        n.last_eval = greedy_eval(n.engine, tasks, TRAINER["max_new_tokens"])
+        n.curve.append(n.last_eval[0]["all"])
 
     for n in ns:
         evaluate(n)
@@ -230,6 +236,8 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                                    if swarm else None),
             "cpu_per_node": [round(n.cpu, 3) for n in ns],
             "verified_per_node": [n.verified for n in ns],
+            "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
+            "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
             "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
             "sampler": {k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
                         for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})},
@@ -264,6 +272,8 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
             "external_groups_per_node": sw["external_groups_per_node"],
             "used_over_verified": sw["used_over_verified"],
             "cpu_per_node": {"isolated": iso["cpu_per_node"], "swarm": sw["cpu_per_node"]},
+            "final_by_family": {"isolated": iso["final_by_family"], "swarm": sw["final_by_family"]},
+            "final_wellformed": {"isolated": iso["final_wellformed"], "swarm": sw["final_wellformed"]},
             "verified_per_node": sw["verified_per_node"], "verify_share": sw["verify_share"], "sampler": sw["sampler"],
             "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]}}
 
