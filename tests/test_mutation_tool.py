@@ -89,3 +89,25 @@ def test_wilson_interval_on_known_cases() -> None:
         for p in wilson(k, n):
             if 0.0 < p < 1.0:
                 assert abs((k / n - p) ** 2 - 1.96 ** 2 * p * (1 - p) / n) < 1e-12
+
+
+def _position(module: str, line_text: str, token: str) -> tuple[int, int]:
+    """(row, column) of `token` in the first line of `module` that contains `line_text`, as cosmic-ray gives it."""
+    for row, line in enumerate((ROOT / module).read_text().splitlines(), start=1):
+        if line_text in line:
+            return row, line.index(token, line.index(line_text))
+    raise AssertionError(line_text)
+
+
+def test_only_mutated_signature_annotations_count_as_equivalent() -> None:
+    from simulations.mutation import _annotation_only
+
+    # a parameter of a signature spread over lines, and a return annotation: strings, never evaluated
+    assert _annotation_only("gossip/validation.py", _position("gossip/validation.py", "reward_batch: BatchReward | None", "|"))
+    assert _annotation_only("gossip/validation.py", _position("gossip/validation.py", "-> Verdict | None:", "|"))
+    # a class field (msgspec and dataclasses read these) and a runtime union are code
+    assert not _annotation_only("gossip/validation.py", _position("gossip/validation.py", "    batch: wire.RolloutBatch | None = None", "|"))
+    assert not _annotation_only("gossip/wire.py", _position("gossip/wire.py", "ConfigValue = int | Finite", "|"))
+    # the default value after an annotation is code too
+    row, col = _position("gossip/validation.py", "reward_batch: BatchReward | None = None", "= None")
+    assert not _annotation_only("gossip/validation.py", (row, col + 2))

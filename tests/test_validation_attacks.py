@@ -6,7 +6,6 @@ costs only the peer that provably committed it, and honest peers keep their scor
 
 from __future__ import annotations
 
-import itertools
 import math
 import struct
 
@@ -16,7 +15,6 @@ import pytest
 from gossip import wire
 from gossip.errors import DecodeError
 from gossip.identity import Identity
-from gossip.ratelimit import HEADROOM, RateMeter
 from gossip.validation import Pending, Pipeline, PipelineConfig, Reason
 from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
 from training import tokencheck
@@ -238,101 +236,6 @@ def test_an_exception_in_verification_is_a_charged_cached_rejection(reg) -> None
     assert len(calls) == 1 and p.scores.record(MALLORY.peer_id).rejections["verifier_error"] == 2
 
 
-# ------------------------------------------------------------ rate limits from announcements
-
-
-_announce_seqs = itertools.count(1)
-
-
-def announce(ident: Identity, rate: float, seq: int | None = None) -> wire.NodeAnnounce:
-    """`ident`'s announce of `rate`, newer than every one made before unless `seq` says otherwise."""
-    seq = next(_announce_seqs) if seq is None else seq
-    return wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=seq, created_ms=wire.now_ms(),
-                             hardware="cpu", gen_tokens_per_s=0.0, rollout_latency_s=0.0, upload_bytes_per_s=0.0,
-                             memory_bytes=0, roles=["trainer"], lineages_followed=[], publish_batches_per_s=rate)
-
-
-def test_honest_rate_is_never_throttled_and_excess_is_charged(reg) -> None:
-    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
-    p.announced(ALICE.peer_id, announce(ALICE, 5.0))
-    p.announced(MALLORY.peer_id, announce(MALLORY, 0.5))
-    seq = 0
-    for _ in range(60 * 5):  # a minute at Alice's announced 5 batches/s: all accepted
-        seq += 1
-        clock.t += 0.2
-        assert p.check(make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)),
-                       ALICE.peer_id).accepted
-    reasons = []
-    for i in range(200):  # Mallory announced 0.5/s and sends 20/s
-        clock.t += 0.05
-        fresh = make_batch(MALLORY, reg, 1 + i, n=1, tokens=4, created_ms=int(clock() * 1000))
-        reasons.append(p.check(fresh, MALLORY.peer_id).reason)
-    assert Reason.OVER_ANNOUNCED_RATE in reasons
-    assert p.scores.record(MALLORY.peer_id).rejections["over_announced_rate"] >= 50
-    assert reasons[-1] is Reason.GRAYLISTED  # charged until its score fell below the threshold
-    assert p.scores.record(ALICE.peer_id).rejections == {}
-
-
-def test_a_relayed_backlog_costs_the_producer_nothing(reg) -> None:
-    """Gossip names the producer as a batch's origin whoever forwards it, so a relay that replays a
-    producer's backlog to a late joiner (or re-sends batches the receiver already has) arrives far above
-    the producer's announced rate. Only fresh batches above the rate prove the producer published too
-    fast; the rest is dropped, uncharged, and copies of accepted batches spend no tokens at all."""
-    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
-    p.announced(ALICE.peer_id, announce(ALICE, 0.5))  # rate max(1, 2*0.5) = 1/s, burst max(2, 60)
-    now_ms = int(clock() * 1000)
-    backlog = [make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=now_ms - (300 - seq) * 2000)
-               for seq in range(1, 200)]  # made at 0.5/s over the last 400 s, all arriving at once
-    reasons = [p.check(data, ALICE.peer_id).reason for data in backlog]
-    assert set(reasons) == {Reason.ACCEPTED}  # made at the announced rate: arrival speed is not hers
-    bucket = p.announced_rates.bucket(ALICE.peer_id)
-    tokens = bucket.tokens
-    again = [p.check(data, ALICE.peer_id).reason for data in backlog * 3]  # copies via three more relays
-    assert set(again) == {Reason.DUPLICATE} and bucket.tokens == tokens  # ... which took no tokens
-    # out of order (older than the last batch spent): the default, uncharged bucket
-    late = [p.check(make_batch(ALICE, reg, 1000 + i, n=1, tokens=4, created_ms=now_ms - 700_000), ALICE.peer_id)
-            for i in range(5)]
-    assert [v.reason for v in late].count(Reason.RATE_LIMITED) == 3
-    assert p.scores.record(ALICE.peer_id).rejections == {}
-
-
-def test_a_replayed_old_announce_changes_nothing(reg) -> None:
-    """A relay re-sends Alice's old announce (0.5 batches/s) after her newer one (20/s): applied, it would
-    cut her bucket to the floor and charge her for publishing at the rate she now states."""
-    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
-    old, new = announce(ALICE, 0.5, seq=7), announce(ALICE, 20.0, seq=8)
-    p.announced(ALICE.peer_id, new)
-    p.announced(ALICE.peer_id, new)  # a copy of the newest changes nothing
-    p.announced(ALICE.peer_id, old)  # nor does the old one, arriving later via a relay or gossip's replay
-    assert p.announced_rates.stale == 2
-    reasons = []
-    for seq in range(1, 20 * 90):  # 90 s at the announced 20 batches/s
-        clock.t += 0.05
-        reasons.append(p.check(make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)),
-                               ALICE.peer_id).reason)
-    assert set(reasons) == {Reason.ACCEPTED}, {r.value: reasons.count(r) for r in set(reasons)}
-    assert p.scores.record(ALICE.peer_id).rejections == {}
-
-
-def test_unannounced_peers_are_limited_without_charge(reg) -> None:
-    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
-    reasons = [p.check(make_batch(ALICE, reg, i, n=1, tokens=4), ALICE.peer_id).reason for i in range(1, 6)]
-    assert reasons.count(Reason.RATE_LIMITED) == 3
-    assert p.scores.score(ALICE.peer_id, clock()) > 0 and "rate_limited" not in p.scores.record(ALICE.peer_id).rejections
-    # an announce for someone else's peer id changes nothing
-    p.announced(MALLORY.peer_id, announce(ALICE, 100.0))
-    assert p.announced_rates.bucket(MALLORY.peer_id) is None
-
-
-def test_rate_meter_measures_what_is_announced() -> None:
-    meter = RateMeter(window_s=60.0)
-    for i in range(120):
-        meter.tick(1000.0 + i * 0.5)
-    assert meter.rate(1060.0) == pytest.approx(2.0, rel=0.02)
-    assert meter.rate(2000.0) == 0.0
-    assert HEADROOM >= 1.0
-
-
 def test_verifier_workers_run_under_a_memory_budget(reg) -> None:
     """A completion that makes a verifier build a huge object must fail inside the worker's address-space
     budget (MemoryError: a charged `verifier_error`), not swap the volunteer's machine."""
@@ -348,28 +251,6 @@ def test_verifier_workers_run_under_a_memory_budget(reg) -> None:
         soft, _ = proc.rlimit(psutil.RLIMIT_AS)
         vms = proc.memory_info().vms
         assert soft != psutil.RLIM_INFINITY and vms < soft <= vms + MEMORY_HEADROOM_MB * 2**20
-
-
-def test_an_honest_producer_is_never_charged_while_its_announced_rate_catches_up(reg) -> None:
-    """A producer that starts publishing at a steady 25 batches/s (a fast follower, one batch per group)
-    and announces every 2 s what its meter measured must never be charged for publishing above its
-    announced rate: its first announces come before its meter has seen a whole window."""
-    p, clock = pipe(reg)
-    meter = RateMeter()
-    reasons = []
-    next_announce = clock() + 2.0
-    for seq in range(1, 751):  # 30 s
-        clock.t += 0.04
-        if clock() >= next_announce:
-            next_announce += 2.0
-            p.announced(ALICE.peer_id, announce(ALICE, meter.rate(clock())))
-        meter.tick(clock())
-        data = make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000))
-        reasons.append(p.check(data, ALICE.peer_id).reason)
-    assert Reason.OVER_ANNOUNCED_RATE not in reasons and Reason.GRAYLISTED not in reasons, \
-        {r.value: reasons.count(r) for r in set(reasons)}
-    assert p.scores.record(ALICE.peer_id).rejections == {}
-    assert reasons[-100:] == [Reason.ACCEPTED] * 100
 
 
 # ------------------------------------------------------------ poisoned numbers (issue 26)
