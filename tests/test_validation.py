@@ -280,7 +280,7 @@ def test_a_token_check_finding_is_the_verdict(reg) -> None:
     bad = msgspec.structs.replace(r, completion_ids=[1, 2, 3, 77])
     batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=MALLORY.public, seq=1,
                               created_ms=wire.now_ms(), rollouts=[ok, ok, bad])
-    v = p.check(wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch), MALLORY.peer_id)
+    v = p.check(wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch, swarm=SWARM), MALLORY.peer_id)
     assert v.reason is Reason.BAD_TOKENS and v.newly_banned
     assert v.detail == "rollout 2: token id 77 outside the vocabulary of 50"
 
@@ -302,24 +302,30 @@ def test_the_per_peer_counters_are_bounded_like_the_score_table(reg) -> None:
 
 def _producer_is_not_signer(reg) -> bytes:
     """Signed by Mallory, whose body names Alice as its producer."""
-    batch = wire.decode_body(wire.decode_envelope(make_batch(ALICE, reg, 1)))
-    return wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch)
+    batch = wire.decode_body(wire.decode_envelope(make_batch(ALICE, reg, 1), swarm=SWARM))
+    return wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
 
 
-def _signed_garbage(reg) -> bytes:
+def _body_of_another_swarm(reg, seq: int, swarm: str) -> bytes:
+    """Signed for this swarm, its body naming another."""
+    batch = wire.decode_body(wire.decode_envelope(make_batch(MALLORY, reg, seq), swarm=SWARM))
+    batch.swarm = swarm
+    return wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
+
+
+def _signed_garbage() -> bytes:
     """A well-signed envelope of Mallory's whose body is not a rollout batch."""
-    swarm = wire.decode_envelope(make_batch(MALLORY, reg, 1)).swarm  # the one this process is bound to
     body = b"\x93garbage that is not msgpack\xc1\xff"
-    sig = MALLORY.sign(wire.signing_domain(wire.ROLLOUT_BATCH, wire.FORMAT_VERSION, swarm) + body)
-    return wire.encode(wire.Envelope(wire.FORMAT_VERSION, wire.ROLLOUT_BATCH, swarm, body, MALLORY.public, sig))
+    sig = MALLORY.sign(wire.signing_domain(wire.ROLLOUT_BATCH, wire.FORMAT_VERSION, SWARM) + body)
+    return wire.encode(wire.Envelope(wire.FORMAT_VERSION, wire.ROLLOUT_BATCH, SWARM, body, MALLORY.public, sig))
 
 
 def test_a_signed_fault_is_judged_once_and_charged_again_from_the_cache(reg) -> None:
     """The same bytes again cost no second decode: the cached verdict answers, and charges again."""
-    for data, reason in ((_signed_garbage(reg), Reason.MALFORMED),
+    for data, reason in ((_signed_garbage(), Reason.MALFORMED),
                          (_producer_is_not_signer(reg), Reason.SIGNER_MISMATCH),
-                         (make_batch(MALLORY, reg, 1, swarm="aaa-some-other-swarm"), Reason.WRONG_SWARM),
-                         (make_batch(MALLORY, reg, 2, swarm="zzz-some-other-swarm"), Reason.WRONG_SWARM)):
+                         (_body_of_another_swarm(reg, 1, "aaa-some-other-swarm"), Reason.WRONG_SWARM),
+                         (_body_of_another_swarm(reg, 2, "zzz-some-other-swarm"), Reason.WRONG_SWARM)):
         p, clock = pipe(reg)
         first = p.check(data, MALLORY.peer_id)
         assert first.reason is reason and first.detail != "same bytes rejected before"
