@@ -1,13 +1,12 @@
-"""Wire formats: round trips, signing domains, limits, and fuzzing every decoder."""
+"""Wire formats: round trips, signing domains and limits (every decoder is fuzzed in test_wire_fuzz.py)."""
 
 from __future__ import annotations
 
-import itertools
-import random
 
+import struct
+
+import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from gossip import wire
 from gossip.errors import DecodeError, SignatureError
@@ -105,131 +104,6 @@ def test_wrong_format_version(identity):
         wire.decode_envelope(future, swarm=SWARM)
 
 
-# ---------------------------------------------------------------- fuzzing
-
-_VALID: dict[str, bytes] = {}
-
-
-def _valid(kind: str) -> bytes:
-    if kind not in _VALID:
-        from gossip.identity import Identity
-
-        ident = Identity.from_seed(b"\x11" * 32)
-        _VALID[kind] = wire.seal(ident, kind, bodies(ident)[kind], swarm=SWARM)
-    return _VALID[kind]
-
-
-def _mutate(data: bytes, ops: list[tuple[int, int, int]]) -> bytes:
-    buf = bytearray(data)
-    for op, pos, val in ops:
-        if not buf:
-            break
-        p = pos % len(buf)
-        if op == 0:
-            buf[p] = val
-        elif op == 1:
-            del buf[p : p + 1 + val % 8]
-        elif op == 2:
-            buf[p:p] = bytes([val]) * (1 + val % 5)
-        else:
-            buf = buf[:p]
-    return bytes(buf)
-
-
-def _mutations():
-    return st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4)
-
-
-def _inputs(kind: str):
-    return st.one_of(st.binary(max_size=2048), _mutations().map(lambda ops: _mutate(_valid(kind), ops)))
-
-
-def _only_decode_errors(fn, data: bytes) -> None:
-    try:
-        fn(data)
-    except DecodeError:
-        pass
-
-
-def _seeded_inputs(valid: bytes, seed: int, n: int):
-    """The same mix as `_inputs` (random bytes or 1-4 mutations of a valid frame), drawn by a seeded PRNG."""
-    rng = random.Random(seed)
-
-    def byte() -> int:  # msgpack's boundaries (fixint/fixmap edges, nil, sign bit) as often as hypothesis draws them
-        return rng.choice(_EDGE_BYTES) if rng.random() < 0.5 else rng.randint(0, 255)
-
-    for _ in range(n):
-        if rng.random() < 0.5:
-            yield bytes(byte() for _ in range(rng.choice((rng.randint(0, 16), rng.randint(0, 2048)))))
-        else:
-            yield _mutate(valid, [(rng.randint(0, 3), rng.randint(0, 1 << 20), byte()) for _ in range(rng.randint(1, 4))])
-
-
-_EDGE_BYTES = (0x00, 0x01, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xC0, 0xFF)
-
-
-def _single_byte_sweep(valid: bytes):
-    """Every position of a valid frame set to each edge byte and to its neighbours, deleted, and cut there: the
-    one-field changes (a version to 0, a count to -1, a length off by one) a random draw finds only by luck."""
-    for p in range(len(valid)):
-        for v in {*_EDGE_BYTES, (valid[p] + 1) & 0xFF, (valid[p] - 1) & 0xFF}:
-            yield valid[:p] + bytes([v]) + valid[p + 1 :]
-        yield valid[:p] + valid[p + 1 :]
-        yield valid[:p]
-
-
-# Three parts per decoder: hypothesis' edge-biased inputs (empty, boundary lengths, repeated bytes), its
-# per-example draw cost spent on few examples; every single-byte change of a valid frame; and 10,000 seeded
-# PRNG inputs of the same mix as hypothesis', which cost microseconds each. All deterministic, so a failure
-# reproduces.
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-PRNG_INPUTS = 10_000
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_fuzz_open_envelope(kind):
-    @FUZZ
-    @given(_inputs(kind))
-    def run(data):
-        _only_decode_errors(lambda d: wire.open_envelope(d, kind, swarm=SWARM), data)
-
-    run()
-    for data in itertools.chain(_single_byte_sweep(_valid(kind)),
-                                _seeded_inputs(_valid(kind), seed=KINDS.index(kind), n=PRNG_INPUTS)):
-        _only_decode_errors(lambda d: wire.open_envelope(d, kind, swarm=SWARM), data)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_fuzz_body_decoders(kind):
-    """Bodies fuzzed directly, past the signature check, as a verified-but-malicious signer could send."""
-    body = wire.decode_envelope(_valid(kind), swarm=SWARM).body
-    signer = wire.decode_envelope(_valid(kind), swarm=SWARM).signer
-
-    def decode(data: bytes) -> None:
-        _only_decode_errors(wire.decode_body, wire.Envelope(wire.FORMAT_VERSION, kind, "t", data, signer, b"\x00" * 64))
-
-    @FUZZ
-    @given(st.one_of(st.binary(max_size=2048), _mutations().map(lambda ops: _mutate(body, ops))))
-    def run(data):
-        decode(data)
-
-    run()
-    for data in itertools.chain(_single_byte_sweep(body), _seeded_inputs(body, seed=100 + KINDS.index(kind), n=PRNG_INPUTS)):
-        decode(data)
-
-
-def test_fuzz_decode_struct():
-    @FUZZ
-    @given(st.binary(max_size=4096))
-    def run(data):
-        _only_decode_errors(lambda d: wire.decode_struct(d, wire.TaskRef, 1024), data)
-
-    run()
-    rng = random.Random(7)
-    for _ in range(PRNG_INPUTS):
-        _only_decode_errors(lambda d: wire.decode_struct(d, wire.TaskRef, 1024), rng.randbytes(rng.randint(0, 4096)))
-
-
 def test_huge_length_prefix_does_not_allocate():
     # msgpack bin32 header claiming 4 GiB, array32 claiming 2^32 entries
     import tracemalloc
@@ -241,3 +115,135 @@ def test_huge_length_prefix_does_not_allocate():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1 << 20
+
+
+# ---------------------------------------------------------------- the documented limits, at and past each edge
+
+
+def _set_rollout(**fields):
+    def apply(body):
+        body.rollouts = [msgspec.structs.replace(body.rollouts[0], **fields)]
+    return apply
+
+
+def _tokens(n: int):
+    return _set_rollout(completion_ids=[1] * n, logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, 3)])
+
+
+def _segments(n: int):
+    return _set_rollout(completion_ids=[1] * 64, logprobs=struct.pack("<64f", *([-0.5] * 64)),
+                        token_versions=[(i, 3) for i in range(n)])
+
+
+def _logprob(x: float):
+    return _set_rollout(completion_ids=[1, 2], logprobs=struct.pack("<2f", -0.5, x), token_versions=[(0, 3)])
+
+
+def _sampling(**kw):
+    return _set_rollout(sampling=wire.SamplingParams(**{"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16, **kw}))
+
+
+def _generator(**kw):
+    def apply(body):
+        body.generators = [msgspec.structs.replace(body.generators[0], **kw)]
+    return apply
+
+
+def _attr(name: str, value):
+    def apply(body):
+        setattr(body, name, value)
+    return apply
+
+
+def _chunks(n: int, size: int, chunk_bytes: int):
+    def apply(body):
+        body.chunks, body.total_bytes, body.chunk_bytes = [wire.ChunkRef(b"\x08" * 32, size)] * n, n * size, chunk_bytes
+    return apply
+
+
+def _demand(**kw):
+    fields = dict(lineage=b"\x01" * 32, name="main", head_version=1, rollouts_per_step=8, step_time_s=1.0,
+                  max_staleness=4)
+    return _attr("owned", [wire.LineageDemand(**{**fields, **kw})])
+
+
+R, T, P, A = wire.ROLLOUT_BATCH, wire.TASK_SET, wire.PATCH_MANIFEST, wire.NODE_ANNOUNCE
+# (kind, what docs/protocol.md states, the edge that decodes, the value just past it, which does not)
+LIMITS = [
+    (R, "rollouts 1-64", _attr("rollouts", [rollout()] * 64), _attr("rollouts", [rollout()] * 65)),
+    (R, "rollouts 1-64 (none)", _attr("rollouts", [rollout()]), _attr("rollouts", [])),
+    (R, "completion_ids <= 4096", _tokens(4096), _tokens(4097)),
+    (R, "text <= 32 Ki chars", _set_rollout(text="x" * 32 * 1024), _set_rollout(text="x" * (32 * 1024 + 1))),
+    (R, "token_versions <= 64", _segments(64), _segments(65)),
+    (R, "log-prob >= -1000", _logprob(-1000.0), _logprob(-1000.1)),
+    (R, "log-prob <= 0.001", _logprob(0.0009), _logprob(0.0011)),
+    (R, "temperature 0 (greedy)", _sampling(temperature=0.0), _sampling(temperature=0.0099)),
+    (R, "temperature >= 0.01", _sampling(temperature=0.01), _sampling(temperature=0.0099)),
+    (R, "temperature <= 10", _sampling(temperature=10.0), _sampling(temperature=10.001)),
+    (R, "top_p (0, 1]", _sampling(top_p=1.0), _sampling(top_p=1.001)),
+    (R, "top_p > 0", _sampling(top_p=1e-9), _sampling(top_p=0.0)),
+    (R, "max_new_tokens 1-4096", _sampling(max_new_tokens=4096), _sampling(max_new_tokens=4097)),
+    (R, "max_new_tokens >= 1", _sampling(max_new_tokens=1), _sampling(max_new_tokens=0)),
+    (R, "reward |x| <= 1e30", _set_rollout(reward=-1e30), _set_rollout(reward=-1.01e30)),
+    (R, "swarm 1-128 chars", _attr("swarm", "s" * 128), _attr("swarm", "s" * 129)),
+    (R, "swarm 1-128 chars (empty)", _attr("swarm", "s"), _attr("swarm", "")),
+    (R, "seq u64", _attr("seq", 2**63 - 1), _attr("seq", -1)),
+    (R, "token_versions: versions >= version",
+     _set_rollout(version=1000, completion_ids=[1] * 4, logprobs=struct.pack("<4f", *([-0.5] * 4)),
+                  token_versions=[(0, 1000), (2, 1001)]),
+     _set_rollout(version=1000, completion_ids=[1] * 4, logprobs=struct.pack("<4f", *([-0.5] * 4)),
+                  token_versions=[(0, 999)])),
+    (R, "generator <= 128 chars", _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 128, 7)),
+     _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 129, 7))),
+    (T, "generators 1-64", _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(64)]),
+     _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(65)])),
+    (T, "tolerance 0-1e6", _attr("tolerance", 0.0), _attr("tolerance", -0.001)),
+    (T, "tolerance <= 1e6", _attr("tolerance", 1e6), _attr("tolerance", 1e6 + 0.5)),
+    (T, "seed range non-empty", _generator(seed_start=5, seed_end=6), _generator(seed_start=5, seed_end=5)),
+    (T, "description <= 4096", _attr("description", "d" * 4096), _attr("description", "d" * 4097)),
+    (T, "config <= 32 entries", _generator(config={f"k{i}": i for i in range(32)}),
+     _generator(config={f"k{i}": i for i in range(33)})),
+    (T, "weight > 0", _generator(weight=1e-9), _generator(weight=0.0)),
+    (T, "a config float |x| <= 1e30", _generator(config={"x": 1e30}), _generator(config={"x": 1.01e30})),
+    (P, "chunks <= 8192", _chunks(8192, 1, 256), _chunks(8193, 1, 256)),
+    (P, "chunk_bytes <= 8 MiB", _chunks(1, 8 << 20, 8 << 20), _chunks(1, 1, (8 << 20) + 1)),
+    (P, "target_hash 16-32 bytes", _attr("target_hash", b"\x07" * 32), _attr("target_hash", b"\x07" * 33)),
+    (P, "target_hash >= 16 bytes", _attr("target_hash", b"\x07" * 16), _attr("target_hash", b"\x07" * 15)),
+    (P, "base_hash <= 32 bytes", _attr("base_hash", b"\x06" * 32), _attr("base_hash", b"\x06" * 33)),
+    (P, "lineage_name 1-128", _attr("lineage_name", "n" * 128), _attr("lineage_name", "n" * 129)),
+    (A, "roles <= 8", _attr("roles", ["trainer"] * 8), _attr("roles", ["trainer"] * 9)),
+    (A, "lineages_followed <= 64", _attr("lineages_followed", [b"\x01" * 32] * 64),
+     _attr("lineages_followed", [b"\x01" * 32] * 65)),
+    (A, "owned <= 16", lambda b: _demand()(b) or setattr(b, "owned", b.owned * 16),
+     lambda b: _demand()(b) or setattr(b, "owned", b.owned * 17)),
+    (A, "addrs <= 16", _attr("addrs", ["/ip4/127.0.0.1/tcp/1"] * 16), _attr("addrs", ["/ip4/127.0.0.1/tcp/1"] * 17)),
+    (A, "standby <= 256", _demand(standby=["p"] * 256), _demand(standby=["p"] * 257)),
+    (A, "step_time_s 0-1e6", _demand(step_time_s=1e6), _demand(step_time_s=1e6 + 0.5)),
+    (A, "memory_bytes <= 2^50", _attr("memory_bytes", 2**50), _attr("memory_bytes", 2**50 + 1)),
+    (A, "rollouts_per_step <= 1e6", _demand(rollouts_per_step=1_000_000), _demand(rollouts_per_step=1_000_001)),
+    (A, "publish_batches_per_s 0-1e6", _attr("publish_batches_per_s", 1e6), _attr("publish_batches_per_s", 1e6 + 0.5)),
+    (A, "publish_batches_per_s >= 0", _attr("publish_batches_per_s", 0.0), _attr("publish_batches_per_s", -0.001)),
+]
+
+
+@pytest.mark.parametrize("kind,rule,at,past", LIMITS, ids=[f"{k}:{r}" for k, r, _, _ in LIMITS])
+def test_every_documented_limit_holds_at_its_edge(identity, kind, rule, at, past):
+    """docs/protocol.md's limits, exactly: the edge decodes, one step past it is a DecodeError."""
+    body = bodies(identity)[kind]
+    at(body)
+    wire.open_envelope(wire.seal(identity, kind, body, swarm=SWARM), kind, swarm=SWARM)
+    body = bodies(identity)[kind]
+    past(body)
+    with pytest.raises(DecodeError):
+        wire.open_envelope(wire.seal(identity, kind, body, swarm=SWARM), kind, swarm=SWARM)
+
+
+def test_the_size_limit_of_any_message_and_a_swarm_name_are_the_documented_ones(identity):
+    """900 KiB for any message, checked before decoding: a frame over it is refused as such, unread.
+    A swarm name of 128 characters is one (129 is refused: test_swarm_is_signed_and_checked)."""
+    data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE], swarm="s" * 128)
+    assert wire.open_envelope(data, swarm="s" * 128)[0].swarm == "s" * 128
+    with pytest.raises(DecodeError, match="over the 921600-byte limit"):
+        wire.decode_envelope(b"\x00" * (900 * 1024 + 1), swarm=SWARM)
+    with pytest.raises(DecodeError, match="malformed envelope"):  # read, and found not to be an envelope
+        wire.decode_envelope(b"\x00" * (900 * 1024), swarm=SWARM)
