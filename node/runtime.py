@@ -22,6 +22,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -34,7 +36,7 @@ from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.transport import FrameError
 from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, stall, views
-from node.workerlink import WorkerLink, worker_spec
+from node.workerlink import Link, spawn, worker_spec
 from node.config import Config
 from node.logs import event
 from node.stall import StallMeter
@@ -61,7 +63,12 @@ class RunOptions:
 
 
 class Node:
-    def __init__(self, cfg: Config, home: Path, ident: Identity, opts: RunOptions) -> None:
+    def __init__(self, cfg: Config, home: Path, ident: Identity, opts: RunOptions, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 spawn_worker: Callable[[dict[str, Any]], Awaitable[Link]] = spawn) -> None:
+        """`clock` is the runtime's one monotonic clock (seconds): the core's timers, the shell's loops and
+        the status read it; trio sleeps until its deadlines. A test under trio's MockClock passes
+        `trio.current_time` (and builds the node inside `trio.run`). `spawn_worker` starts the worker."""
         from node.store import open_store
 
         self.cfg = cfg
@@ -73,17 +80,19 @@ class Node:
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
                                                            hardware.available_memory())
-        self.core = C.NodeCore(C.CoreSettings.from_config(cfg, self.roles, self.hw_class), ident, time.monotonic)
+        self.core = C.NodeCore(C.CoreSettings.from_config(cfg, self.roles, self.hw_class), ident, clock)
         own = self.store.get("own_lineage")
         for row in self.store.lineages():
             lid = bytes(row["lineage_id"])
             self.core.handle(C.LineageKnown(lid, row["name"], "own" if own and lid.hex() == own else row["relation"],
                                             bytes(row["publisher"]), bytes(row["base_model_hash"]),
                                             self.store.head_version(lid) or 0))
-        self.started = time.monotonic()
+        self.clock = clock
+        self._spawn_worker = spawn_worker
+        self.started = clock()
         self.state = "starting"
         self.ledger: dict[str, int] = {}
-        self.worker: WorkerLink | None = None
+        self.worker: Link | None = None
         self.transport: Any = None
         self.service: Any = None
         self.bcast: Any = None  # sync.broadcast.BroadcastNode
@@ -106,15 +115,14 @@ class Node:
 
     # ------------------------------------------------------------ main
     async def run(self) -> None:
-        from gossip.discovery import Discovery
+        """The node process: signals and the exit watchdog, metrics, the libp2p transport, then `run_on` with
+        discovery, reachability and the control socket as its network services."""
         from gossip.host import open_transport
 
         cfg = self.cfg
         watchdog_armed = threading.Event()
         old_handlers = lifecycle.install_signals(watchdog_armed, self._on_signal, EXIT_DEADLINE_S)
         listen = self.opts.listen or cfg.network.listen
-        event(log, "starting", peer_id=self.ident.peer_id, roles=self.roles, why=self.roles_reason, listen=listen)
-        await self._start_worker()
         if cfg.metrics.port:
             from node.metrics import Metrics
 
@@ -124,11 +132,30 @@ class Node:
             except OSError as e:
                 log.warning("metrics port %s unavailable: %s", cfg.metrics.port, e)
                 self.metrics = None
+
+        def stopping() -> None:
+            if not watchdog_armed.is_set():
+                lifecycle.arm_watchdog(EXIT_DEADLINE_S)
+
         try:
-            async with open_transport(self.ident, listen) as t:
+            await self.run_on(partial(open_transport, self.ident, listen), self._network_services, stopping)
+        finally:
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
+
+    async def run_on(self, transport: Callable[[], AbstractAsyncContextManager[Any]],
+                     services: Callable[[Any, trio.Nursery], Awaitable[None]] | None = None,
+                     on_stopping: Callable[[], None] = lambda: None) -> None:
+        """Run the node on the transport that `transport()` opens until `request_stop`: the worker, the
+        handlers (`attach`), the gossip service, the broadcast, `services(t, nursery)` (what only a
+        networked process has: discovery, reachability, the control socket), the core's timers and the
+        worker link. `run` calls it with libp2p; tests call it with an in-memory transport under trio's
+        MockClock (docs/testing.md). On the way out the worker is stopped and the store closed."""
+        event(log, "starting", peer_id=self.ident.peer_id, roles=self.roles, why=self.roles_reason)
+        try:
+            await self._start_worker()  # it loads its model while the transport starts
+            async with transport() as t:
                 await self.attach(t)
-                bootstrap = list(dict.fromkeys(self.opts.bootstrap + cfg.network.bootstrap))
-                disc = Discovery(t, bootstrap, self.store, dht=cfg.network.dht and bool(bootstrap))
                 async with trio.open_nursery() as nursery:
                     self._cancel = nursery.cancel_scope
                     if self._stop_requested:
@@ -136,12 +163,8 @@ class Node:
                     self._nursery = nursery
                     await nursery.start(self.service.run)
                     await nursery.start(self.bcast.run)
-                    await nursery.start(disc.run)
-                    from node.reach import start_reachability  # relay, hole punching, dial-back (docs/reachability.md)
-                    self.reach = await start_reachability(
-                        t, cfg, nursery, bootstrap,
-                        known=lambda: {p: list(i.announce.addrs) for p, i in self.core.peers.items()})
-                    await nursery.start(control.serve, self.home, self.snapshot, cfg.metrics.control_socket)
+                    if services is not None:
+                        await services(t, nursery)
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
@@ -150,18 +173,28 @@ class Node:
                         nursery.start_soon(loop)
         finally:
             self.state = "stopping"
-            if not watchdog_armed.is_set():
-                lifecycle.arm_watchdog(EXIT_DEADLINE_S)
+            on_stopping()
             if self.worker is not None:
-                await trio.to_thread.run_sync(self.worker.stop, STOP_GRACE_S)
+                with trio.CancelScope(shield=True):
+                    await self.worker.stop(STOP_GRACE_S)
             if self.metrics is not None:
                 self.metrics.close()
             if self.verifiers is not None:
                 self.verifiers.close()
             self.store.close()
-            for sig, h in old_handlers.items():
-                signal.signal(sig, h)
             event(log, "stopped", peer_id=self.ident.peer_id)
+
+    async def _network_services(self, t: Any, nursery: trio.Nursery) -> None:
+        from gossip.discovery import Discovery
+        from node.reach import start_reachability  # relay, hole punching, dial-back (docs/reachability.md)
+
+        cfg = self.cfg
+        bootstrap = list(dict.fromkeys(self.opts.bootstrap + cfg.network.bootstrap))
+        disc = Discovery(t, bootstrap, self.store, dht=cfg.network.dht and bool(bootstrap))
+        await nursery.start(disc.run)
+        self.reach = await start_reachability(
+            t, cfg, nursery, bootstrap, known=lambda: {p: list(i.announce.addrs) for p, i in self.core.peers.items()})
+        await nursery.start(control.serve, self.home, self.snapshot, cfg.metrics.control_socket)
 
     async def attach(self, t: Any) -> None:
         """Wire this node's handlers onto transport `t`: task sets, the validation pipeline and gossip
@@ -216,8 +249,8 @@ class Node:
             self._wake.deadline = min(self._wake.deadline, self._trio_deadline())
 
     def _trio_deadline(self) -> float:
-        """The core's next deadline (on its monotonic clock) on trio's clock."""
-        return trio.current_time() + max(0.0, self.core.next_deadline() - time.monotonic())
+        """The core's next deadline (on the runtime's clock) on trio's clock."""
+        return trio.current_time() + max(0.0, self.core.next_deadline() - self.clock())
 
     async def _tick_loop(self) -> None:
         """Tick the core when its next deadline comes (h11-style: the core says when, the shell sleeps)."""
@@ -234,7 +267,7 @@ class Node:
         last_ts = last_sweep = -1e9
         while True:
             self.ledger = await trio.to_thread.run_sync(self.store.ledger_counts)
-            now = time.monotonic()
+            now = self.clock()
             if self._resend_task_sets:  # a new peer: our own task sets go out again
                 self._resend_task_sets = False
                 self.tasks.sent.clear()
@@ -412,15 +445,14 @@ class Node:
 
     # ------------------------------------------------------------ worker
     async def _start_worker(self) -> None:
-        spec = worker_spec(self.cfg, self.home, self.ident, self.roles, self.opts)
-        self.worker = await trio.to_thread.run_sync(WorkerLink, spec)
+        self.worker = await self._spawn_worker(worker_spec(self.cfg, self.home, self.ident, self.roles, self.opts))
         await self.feed(C.WorkerStarted())
 
     async def _restart_worker(self, delay_s: float) -> None:
         await trio.sleep(delay_s)
         old = self.worker
         if old is not None:
-            await trio.to_thread.run_sync(old.stop, 0.5)
+            await old.stop(0.5)
         await self._start_worker()
         event(log, "worker restarted", restarts=self.core.stats()["worker_restarts"])
 
@@ -428,7 +460,10 @@ class Node:
         while True:
             w = self.worker
             try:
-                msg = await trio.to_thread.run_sync(w.recv, 0.5, abandon_on_cancel=True) if w is not None else None
+                if w is None:
+                    await trio.sleep(0.5)
+                    continue
+                msg = await w.receive()
             except DecodeError as e:
                 log.warning("worker message: %s", e)
                 continue
@@ -436,7 +471,7 @@ class Node:
                 continue
             if msg is False:
                 if w is self.worker:
-                    await self.feed(C.WorkerExited(w.proc.exitcode))
+                    await self.feed(C.WorkerExited(w.exitcode))
                 await trio.sleep(0.5)
                 continue
             if isinstance(msg, pipe.Step):
@@ -462,8 +497,8 @@ class Node:
             s = self.snapshot()
             if self.metrics is not None:
                 self.metrics.update(s)
-            if time.monotonic() - last_log >= 5.0:
-                last_log = time.monotonic()
+            if self.clock() - last_log >= 5.0:
+                last_log = self.clock()
                 event(log, "status", **views.status_fields(s))
             await trio.sleep(1.0)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from gossip.identity import peer_id_from_public
@@ -47,7 +46,7 @@ def reward_window(core: NodeCore, k: int = 5) -> tuple[float | None, float | Non
 
 def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     """The status of a running `node.runtime.Node`: its core's views plus what only the shell knows."""
-    c, led, now = node.core, node.ledger, time.monotonic()
+    c, led, now = node.core, node.ledger, node.clock()
     counts = c.stats()
     rejected = {k.split(":", 1)[1]: v for k, v in led.items() if k.startswith("rejected:")}
     if node.service is not None:
@@ -62,7 +61,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     gave = list(c.swarm_gave)
     per_step = [sum(x[k] for x in gave) / len(gave) if gave else 0.0 for k in range(3)]
     held = [a for _, a in c.heldout]
-    pids = [node.worker.proc.pid] if node.worker and node.worker.proc.pid else []
+    pids = [node.worker.pid] if node.worker and node.worker.pid else []
     live = sum(tr.session.bytes_in for tr in list(node.bcast.transfers.values())
                if not tr.session.complete) if node.bcast is not None else 0
     return NodeStatus(

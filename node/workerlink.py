@@ -6,6 +6,9 @@ queue is full a message is dropped and counted (`dropped`), so the network
 event loop never waits on it. The node core decides when a dead worker is
 restarted (`node.core.RestartWorker`, with backoff) and re-sends what the new
 worker needs (what to follow, whether it may generate).
+
+The runtime sees a worker only as a `Link` (send, receive, stop, exit code, pid): `spawn` starts the real
+process; a test may hand the runtime another `Link` that speaks the same `node.pipe` messages.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import multiprocessing
 import queue
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
+import trio
 
 from gossip.identity import Identity
 from node import pipe
@@ -49,6 +53,25 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
                     "temperature": t.temperature, "seed": t.seed, "max_staleness": cfg.sync.max_staleness,
                     "memory_budget_mb": cfg.node.memory_budget_mb},
     }
+
+
+class Link(Protocol):
+    """A worker as the runtime drives it."""
+
+    dropped: int  # messages to the worker dropped (dead worker, full queue)
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def send(self, msg: pipe.ToWorker) -> None: ...
+    async def receive(self) -> pipe.FromWorker | None | bool: ...
+    async def stop(self, grace: float) -> None: ...
+
+
+async def spawn(spec: dict[str, Any]) -> Link:
+    """Start the worker process for `spec` (`worker_spec`)."""
+    return await trio.to_thread.run_sync(WorkerLink, spec)
 
 
 class WorkerLink:
@@ -98,6 +121,18 @@ class WorkerLink:
                 self.closed.set()
                 return
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid or 0
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
+    async def receive(self) -> pipe.FromWorker | None | bool:
+        """`recv` off the event loop."""
+        return await trio.to_thread.run_sync(self.recv, 0.5, abandon_on_cancel=True)
+
     def recv(self, timeout: float = 0.5) -> pipe.FromWorker | None | bool:
         """A message from the worker; None when there was none in time; False when the worker is gone."""
         try:
@@ -105,13 +140,18 @@ class WorkerLink:
                 return pipe.decode(self.conn.recv_bytes(pipe.MAX_MESSAGE))  # type: ignore[return-value]
         except (EOFError, OSError):
             self.closed.set()
+            self.proc.join(timeout)  # the pipe closes a moment before the process is reaped: its exit code
             return False
         if not self.proc.is_alive():
             self.closed.set()
             return False
         return None
 
-    def stop(self, grace: float) -> None:
+    async def stop(self, grace: float) -> None:
+        """Tell the worker to stop (it writes its checkpoint); terminate it after `grace` s."""
+        await trio.to_thread.run_sync(self.close, grace)
+
+    def close(self, grace: float) -> None:
         try:
             self.conn.send_bytes(pipe.encode_struct(pipe.Stop()))
         except (OSError, BrokenPipeError, ValueError):

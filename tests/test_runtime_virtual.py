@@ -1,0 +1,162 @@
+"""The trio runtime (`node.runtime.Node`) in virtual time: two real nodes in one process under trio's
+MockClock, on an in-memory transport (`tests/memnet.py`), each with a fake worker that speaks the real
+pipe messages (`tests/fakeworker.py`). Everything between the transport and the worker pipe is the
+node's own: its handlers, gossip service, validation, broadcast, catalog, store, core and timers.
+
+Covered: start; announces both ways; catch-up (a follower that joins after two versions were published
+fetches them through the catalog and its worker applies them bit for bit); a version published while
+connected arriving through the broadcast; a worker that dies restarted after its backoff and applying
+again; shutdown by `request_stop` and by the signal path, each stopping its worker.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from gossip import wire
+from gossip.identity import Identity
+from node import core as C
+from node import patchsync, pipe
+from node.config import Config, NodeSection, SyncSection
+from node.pipe import WorkerState
+from node.runtime import Node, RunOptions
+from node.status import NodeStatus
+from tests.fakeworker import FakeLink, FakeWorkers
+from tests.memnet import MemNet
+
+SWARM = "virtual"
+# Virtual time jumps once every task has waited this long in real time: long enough that the node's short
+# thread calls (SQLite, patch files) finish before the clock moves, short enough to keep the test quick.
+AUTOJUMP_S = 0.02
+WAIT_S = 60.0  # virtual seconds per wait (the longest phase takes about 7): a bound that only fails the test
+
+
+def _config(node_roles: list[str]) -> Config:
+    return Config(node=NodeSection(swarm=SWARM, roles=node_roles, memory_budget_mb=1536),
+                  sync=SyncSection(anchor_every=8, retain_versions=32, max_staleness=4))
+
+
+async def _until(what: str, pred: Callable[[], bool]) -> None:
+    with trio.fail_after(WAIT_S):
+        while not pred():
+            await trio.sleep(0.1)
+
+
+def _lin(s: NodeStatus, relation: str):
+    return next((x for x in s.lineages if x.relation == relation), None)
+
+
+def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_path: Path) -> None:
+    ida, idb = Identity.from_seed(b"\x31" * 32), Identity.from_seed(b"\x32" * 32)
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        net = MemNet()
+        async with trio.open_nursery() as n:
+            workers = FakeWorkers(n)
+            spawned: list[float] = []
+
+            async def spawn(spec: dict) -> FakeLink:
+                spawned.append(trio.current_time())
+                return await workers.spawn(spec)
+
+            opts = RunOptions(tui=False)
+
+            def node(name: str, ident: Identity, node_roles: list[str]) -> Node:
+                return Node(_config(node_roles), tmp_path / name, ident, opts, clock=trio.current_time,
+                            spawn_worker=spawn)
+
+            stopped: dict[str, trio.Event] = {}
+
+            async def run(name: str, node: Node, ident: Identity) -> None:
+                stopped[name] = trio.Event()
+                await node.run_on(partial(net.transport, ident))
+                stopped[name].set()
+
+            # start: the trainer comes up, its worker reports its lineage
+            a = node("a", ida, ["trainer"])
+            n.start_soon(run, "a", a, ida)
+            await _until("trainer running", lambda: a.state == "running" and a.snapshot().worker == "training")
+            wa = workers.links[0]
+            own = _lin(a.snapshot(), "own")
+            assert own is not None and own.lineage == wa.pub.lineage.id.hex() and own.held == 0
+            assert [wa.publish(), wa.publish()] == [1, 2]
+            await _until("trainer holds v2", lambda: _lin(a.snapshot(), "own").held == 2)
+
+            # the signal path stops it (and its worker); started again on its home, it resumes at v2 with a
+            # broadcast that no longer holds v1..v2: only the catalog can give them to a newcomer
+            a._on_signal(signal.SIGTERM)
+            with trio.fail_after(WAIT_S):
+                await stopped["a"].wait()
+            assert a.state == "stopping" and wa.done.is_set() and wa.exitcode == 0
+            assert isinstance(wa.received[-1], pipe.Stop)
+            a = node("a", ida, ["trainer"])
+            n.start_soon(run, "a", a, ida)
+            await _until("trainer running again", lambda: a.state == "running" and a.snapshot().worker == "training")
+            wa = workers.links[1]
+            assert _lin(a.snapshot(), "own").held == 2 and wa.pub.version == 2
+            assert not a.bcast.transfers
+
+            b = node("b", idb, ["follower"])
+            n.start_soon(run, "b", b, idb)
+            await _until("follower running", lambda: b.state == "running")
+            await b.transport.connect(a.transport.listen_addrs()[0])
+            # announces both ways: each node's status lists the other with its roles
+            await _until("announces heard", lambda: any(p.peer_id == ida.peer_id for p in b.snapshot().peers)
+                         and any(p.peer_id == idb.peer_id for p in a.snapshot().peers))
+            assert next(p for p in b.snapshot().peers if p.peer_id == ida.peer_id).roles == ["trainer"]
+            assert next(p for p in a.snapshot().peers if p.peer_id == idb.peer_id).roles == ["follower"]
+
+            # catch-up: the follower serves the trainer's lineage, fetches v1..v2 through the catalog, applies them
+            lid = wa.pub.lineage.id
+            await _until("follower caught up", lambda: (f := _lin(b.snapshot(), "follow")) is not None and f.held == 2)
+            assert b.snapshot().serving == lid.hex()
+            wb = workers.links[2]
+            assert wb.follower is not None and wb.follower.version == 2
+            assert wb.follower.state_hash == wa.pub.state_hash  # bit for bit the trainer's v2
+            stored = {(i.kind, i.base, i.target) for i in patchsync.held_store(b.home, lid).items()}
+            assert stored & {("patch", 1, 2), ("anchor", 2, 2)}
+            assert any(isinstance(m, pipe.Patch) for m in wb.received)  # the core told the worker what arrived
+            assert b.core.stats()["bytes_down"] > 0
+
+            # a version published while connected arrives through the broadcast
+            assert wa.publish() == 3
+            await _until("follower applied v3", lambda: _lin(b.snapshot(), "follow").held == 3)
+            assert wb.follower.state_hash == wa.pub.state_hash
+
+            # the follower's worker dies: the node stays up, restarts it after its backoff, applies again
+            before = b.snapshot()
+            assert before.worker_restarts == 0 and before.worker_pid == wb.pid
+            died = trio.current_time()
+            wb.crash(-9)
+            await _until("worker restarted", lambda: len(workers.links) == 4)
+            assert spawned[-1] - died >= C.RESTART_BACKOFF_S[0]  # waited out its backoff, in virtual time
+            wb2 = workers.links[3]
+            await _until("restarted worker following", lambda: wb2.follower is not None)
+            s = b.snapshot()
+            assert s.worker_restarts == 1 and s.worker_pid == wb2.pid != wb.pid
+            assert wb.exitcode == -9
+            assert wa.publish() == 4
+            await _until("follower applied v4", lambda: _lin(b.snapshot(), "follow").held == 4
+                         and wb2.follower.version == 4)
+            assert wb2.follower.state_hash == wa.pub.state_hash
+
+            # shutdown: request_stop ends each node and stops its worker
+            for name, nd, w in (("b", b, wb2), ("a", a, wa)):
+                nd.request_stop()
+                with trio.fail_after(WAIT_S):
+                    await stopped[name].wait()
+                assert nd.state == "stopping" and w.done.is_set() and w.exitcode == 0
+                assert isinstance(w.received[-1], pipe.Stop)
+            seen["worker_state"] = b.core.worker_state
+            seen["end"] = trio.current_time()
+
+    with wire.swarm_bound(SWARM):
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    assert seen["worker_state"] in (WorkerState.GENERATING, WorkerState.CATCHING_UP)

@@ -1,0 +1,49 @@
+"""The worker link as the runtime sees a real worker process die: a worker killed with SIGKILL (as an
+out-of-memory kill would) reads as gone, with its exit code, and what is sent to it afterwards is dropped
+and counted. The runtime's restart of it is covered in virtual time (`tests/test_runtime_virtual.py`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import trio
+
+from gossip.identity import Identity
+from node import pipe
+from node.config import Config
+from node.runtime import RunOptions
+from node.workerlink import spawn, worker_spec
+
+
+def test_a_killed_worker_reads_as_gone_with_its_exit_code(tmp_path: Path) -> None:
+    ident = Identity.from_seed(b"\x41" * 32)
+    spec = worker_spec(Config(), tmp_path / "home", ident, ["follower"], RunOptions(model_home=str(tmp_path / "m")))
+    (tmp_path / "home").mkdir()
+    got: dict[str, object] = {}
+
+    async def main() -> None:
+        link = await spawn(spec)
+        try:
+            first = None
+            with trio.fail_after(120):
+                while first is None:
+                    first = await link.receive()
+            got["first"] = first  # the worker is up and its pipe works: it says it is loading
+            assert link.exitcode is None and link.pid > 0
+            os.kill(link.pid, signal.SIGKILL)  # now the link sees the pipe close before the process is reaped
+            deadline = time.monotonic() + 60
+            while (m := await link.receive()) is not False:
+                assert time.monotonic() < deadline, m
+            got["exitcode"] = link.exitcode
+            link.send(pipe.Pace(1.0))
+            got["dropped"] = link.dropped
+        finally:
+            await link.stop(0.5)
+
+    trio.run(main)
+    assert got["first"] == pipe.State(pipe.WorkerState.LOADING)
+    assert got["exitcode"] == -signal.SIGKILL
+    assert got["dropped"] == 1
