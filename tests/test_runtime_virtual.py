@@ -160,3 +160,29 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
     with wire.swarm_bound(SWARM):
         trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
     assert seen["worker_state"] in (WorkerState.GENERATING, WorkerState.CATCHING_UP)
+
+
+def test_a_signal_while_the_node_starts_stops_it_before_it_runs(tmp_path: Path) -> None:
+    """SIGTERM that arrives while the worker is starting (before the node's tasks exist) still stops the
+    node: it never starts its timers, and its worker is stopped."""
+    ident = Identity.from_seed(b"\x33" * 32)
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            workers = FakeWorkers(n)
+
+            async def spawn(spec: dict) -> FakeLink:
+                link = await workers.spawn(spec)
+                node._on_signal(signal.SIGTERM)  # what the signal handler runs, on the loop
+                return link
+
+            node = Node(_config(["follower"]), tmp_path / "n", ident, RunOptions(tui=False),
+                        clock=trio.current_time, spawn_worker=spawn)
+            with trio.fail_after(WAIT_S):
+                await node.run_on(partial(MemNet().transport, ident))
+            seen.update(state=node.state, done=workers.links[0].done.is_set(), announces=node.drops.counts.get("announce_unpublished", 0))
+
+    with wire.swarm_bound(SWARM):
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    assert seen == {"state": "stopping", "done": True, "announces": 0}  # no announce was even tried
