@@ -26,6 +26,7 @@ Frames (gossip.framing, 4-byte length prefix), one request per stream:
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -148,7 +149,7 @@ async def serve(stream: Any, home: Path, bcast: Any) -> None:
         return
     item = StoredItem(req.kind, req.base, req.target, 0)
     try:
-        env, chunks = await trio.to_thread.run_sync(read_item, home, lineage, item)
+        env, chunks = await trio.to_thread.run_sync(partial(read_item, swarm=bcast.swarm), home, lineage, item)
     except PatchError as e:
         await write_frame(stream, wire.encode(CatalogReply(False, str(e)[:500])))
         return
