@@ -161,8 +161,8 @@ class FakeLink:
     def _start_trainer(self, db: Any, base: dict[str, torch.Tensor]) -> None:
         s = self.spec
         ident = Identity.from_seed(bytes.fromhex(s["identity_seed"]))
-        kw = dict(anchor_every=s["anchor_every"], chunk_bytes=s["chunk_bytes"], retain_versions=s["retain_versions"],
-                  db=db)
+        kw = dict(swarm=s["swarm"], anchor_every=s["anchor_every"], chunk_bytes=s["chunk_bytes"],
+                  retain_versions=s["retain_versions"], db=db)
         own = db.get("own_lineage")
         self.pub = (LineagePublisher.resume(ident, self.home, bytes.fromhex(own), **kw) if own
                     else LineagePublisher(ident, s["lineage_name"], base, self.home, **kw))
@@ -190,7 +190,7 @@ class FakeLink:
         lin = Lineage(bytes.fromhex(info.publisher), bytes.fromhex(info.base), info.name)
         state, version, h = self.workers.checkpoints.get(lin.id, (base, 0, None))
         self.follower = LineageFollower(lin, {n: t.clone() for n, t in state.items()}, version, expected_hash=h,
-                                        home=self.home, db=db, keep_patches=False)
+                                        home=self.home, db=db, keep_patches=False, swarm=self.spec["swarm"])
         self._out(pipe.Applied(lin.id.hex(), self.follower.version))
 
     def _apply_held(self) -> None:
@@ -201,7 +201,7 @@ class FakeLink:
             try:
                 env, payload = (f.store.read_anchor(step.target) if step.kind == "anchor"
                                 else f.store.read_patch(step.base, step.target))
-                f.apply(env, chunking.split(payload, open_manifest(env).chunk_bytes))
+                f.apply(env, chunking.split(payload, open_manifest(env, swarm=f.swarm).chunk_bytes))
             except PatchError as e:
                 self._out(pipe.ApplyFailed(f.lineage.id.hex(), step.base, step.target, str(e)))
                 return

@@ -19,7 +19,6 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from gossip import wire
 from gossip.identity import Identity
 from node import core as C
 from node import patchsync, pipe
@@ -157,8 +156,7 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             seen["worker_state"] = b.core.worker_state
             seen["end"] = trio.current_time()
 
-    with wire.swarm_bound(SWARM):
-        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
     assert seen["worker_state"] in (WorkerState.GENERATING, WorkerState.CATCHING_UP)
 
 
@@ -183,6 +181,5 @@ def test_a_signal_while_the_node_starts_stops_it_before_it_runs(tmp_path: Path) 
                 await node.run_on(partial(MemNet().transport, ident))
             seen.update(state=node.state, done=workers.links[0].done.is_set(), announces=node.drops.counts.get("announce_unpublished", 0))
 
-    with wire.swarm_bound(SWARM):
-        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
     assert seen == {"state": "stopping", "done": True, "announces": 0}  # no announce was even tried
