@@ -12,31 +12,15 @@ publish that cannot go out raises `PublishError` instead of vanishing.
 The libp2p key is the node's ed25519 identity, so `transport.peer_id ==
 Identity.peer_id`.
 
-Yamux credit: py-libp2p 0.8.1 returns receive-window credit on (nearly)
-every read, so each small control frame we read sends a WINDOW_UPDATE frame
-back: one more yamux frame, Noise message and socket write per message. We
-install go-yamux's rule instead (`_go_yamux_credit`): credit goes back once at
-least half of the window has been consumed. A reader that keeps reading never
-stalls a writer (the writer still has the other half when the update leaves).
-Measured on the 16-follower broadcast benchmark: ~230 of ~360 window updates
-per follower per patch were under 1 KB.
-
-TCP reads: py-libp2p 0.8.1 reads each Noise message with two socket reads (its
-2-byte length, then its body), each a `recv` system call, a lock and a trio
-checkpoint. `_install_buffered_tcp_reads` reads up to 256 KiB ahead and serves
-both from that buffer, so a burst of small messages costs one `recv`. The
-connection has a single reader (the muxer's loop, or the handshake before it),
-so the buffer needs no lock of its own.
+py-libp2p 0.8.1's own defects are fixed in `gossip/libp2p_fixes.py`, which
+`open_transport` installs (and which refuses any other py-libp2p version)
+before it builds a host; this module is the adapter only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import itertools
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -44,148 +28,11 @@ from typing import Any
 import multiaddr
 import trio
 
-from gossip import hostlimits
+from gossip import libp2p_fixes
 from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity
 from gossip.limits import Lease, StreamBudget, StreamLimits
-
-hostlimits.install()  # per-peer stream caps, yamux windows, refused connections (gossip/hostlimits.py)
-
-
-def _install_go_yamux_credit() -> None:
-    """Replace py-libp2p 0.8.1's per-read credit release with go-yamux's half-window rule (see above)."""
-    from libp2p.stream_muxer.yamux.yamux import YamuxStream
-
-    if getattr(YamuxStream, "_murmur_credit", False):
-        return
-
-    async def _go_yamux_credit(self: Any, *, bytes_read: int = 0) -> None:
-        async with self.window_lock:
-            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
-            consumed = self.target_recv_window - (self.recv_window + buffered)
-            if consumed <= 0 or consumed < self.target_recv_window // 2:
-                return
-            delta = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
-        if delta > 0:
-            await self.send_window_update(delta, skip_lock=True)
-
-    YamuxStream._auto_tune_and_send_window_update = _go_yamux_credit
-    YamuxStream._murmur_credit = True
-
-
-_install_go_yamux_credit()
-
-READ_AHEAD_BYTES = 256 * 1024
-
-
-def _install_buffered_tcp_reads() -> None:
-    """Read the TCP socket ahead into a buffer (see the module docstring, "TCP reads")."""
-    from libp2p.io.trio import TrioTCPStream
-
-    if getattr(TrioTCPStream, "_murmur_buffered", False):
-        return
-    unbuffered = TrioTCPStream.read
-
-    async def read(self: Any, n: int | None = None) -> bytes:
-        buf: bytes = getattr(self, "_murmur_buf", b"")
-        if buf:
-            off: int = self._murmur_off
-            end = len(buf) if n is None else min(len(buf), off + n)
-            if end == len(buf):
-                self._murmur_buf = b""
-            else:
-                self._murmur_off = end
-            return buf[off:end]
-        if n == 0:
-            return b""
-        data = await unbuffered(self, READ_AHEAD_BYTES if n is None or n < READ_AHEAD_BYTES else n)
-        if n is None or len(data) <= n:
-            return data
-        self._murmur_buf, self._murmur_off = data, n
-        return data[:n]
-
-    TrioTCPStream.read = read
-    TrioTCPStream._murmur_buffered = True
-
-
-_install_buffered_tcp_reads()
-
-
-def _install_lean_yamux_writes() -> None:
-    """Yamux DATA writes without per-frame debug formatting and context-manager objects.
-
-    Same rules as py-libp2p 0.8.1's `YamuxStream.write`: frames of at most 64 KiB within the send
-    window, the stream's writer semaphore held while a frame is cut (not while it is sent), a zero
-    window waited for up to 5 s, then an error. One difference: a whole `write` holds the stream's
-    message lock, so two writers on one stream never interleave their frames. py-libp2p's
-    `write` cuts frames one at a time and lets other writers cut theirs in between; its pubsub
-    writes to a peer's stream from its queue task and, concurrently, from the recent-message replay
-    and pending flush, so an honest RPC split over several frames (over 64 KiB, or a send window
-    partly used) reached the peer with another RPC's bytes inside it, and the peer's reader failed
-    with a protobuf DecodeError. Its per-frame header parse, flag-name list, f-string
-    log line and context-manager objects are pure overhead when debug logging is off (the
-    measurement of this and the TCP read-ahead together is in docs/gossip.md).
-    """
-    import struct
-
-    from libp2p.stream_muxer.exceptions import MuxedStreamError
-    from libp2p.stream_muxer.yamux import yamux as ym
-
-    if getattr(ym.YamuxStream, "_murmur_lean", False):
-        return
-    header = struct.Struct(ym.YAMUX_HEADER_FORMAT)
-    max_payload = ym.MAX_MESSAGE_SIZE - ym.HEADER_SIZE
-
-    async def write_frame(self: Any, data: bytes) -> None:
-        async with self._write_lock:
-            await self.secured_conn.write(data)
-        await trio.lowlevel.checkpoint()
-
-    async def write(self: Any, data: bytes) -> None:
-        lock = self.__dict__.get("_murmur_message_lock")
-        if lock is None:
-            lock = self._murmur_message_lock = trio.Lock()
-        async with lock:
-            await write_message(self, data)
-
-    async def write_message(self: Any, data: bytes) -> None:
-        if self.send_closed:
-            raise MuxedStreamError("Stream is closed for sending")
-        view = memoryview(data)
-        sent, total = 0, len(data)
-        writers = self.rw_lock._writer_lock
-        while sent < total:
-            frame = None
-            await writers.acquire()
-            try:
-                if self.send_closed:
-                    raise MuxedStreamError("Stream is closed for sending")
-                async with self.window_lock:
-                    if self.closed:
-                        raise MuxedStreamError("Stream is closed")
-                    if self.send_window > 0:
-                        n = min(self.send_window, max_payload, total - sent)
-                        self.send_window -= n
-                        frame = header.pack(0, ym.TYPE_DATA, 0, self.stream_id, n) + view[sent:sent + n]
-            finally:
-                writers.release()
-            if frame is None:
-                with trio.move_on_after(5.0) as scope:
-                    while self.send_window <= 0 and not self.closed:
-                        await trio.sleep(0.01)
-                if scope.cancelled_caught:
-                    raise MuxedStreamError("Timed out waiting for window update after 5 seconds.")
-                continue
-            await self.conn._write_frame(frame)
-            sent += len(frame) - ym.HEADER_SIZE
-
-    ym.Yamux._write_frame = write_frame
-    ym.YamuxStream.write = write
-    ym.YamuxStream._murmur_lean = True
-
-
-_install_lean_yamux_writes()
 
 log = logging.getLogger("murmur.gossip.host")
 
@@ -228,7 +75,7 @@ class StreamFaults:
         if self.on_fault is not None:
             try:
                 self.on_fault(peer, protocol, what)
-            except Exception:
+            except Exception:  # the node's callback: a bug there must not stop the stream's reset and close
                 log.exception("stream fault callback failed")
         if not close:
             return
@@ -242,6 +89,15 @@ class StreamFaults:
         async for peer in self._pending:
             with trio.move_on_after(RESET_TIMEOUT_S * 2):
                 await disconnect(peer)
+
+
+def _net_errors() -> tuple[type[BaseException], ...]:
+    """What a py-libp2p call raises when the network, the peer or the connection fails: py-libp2p's own
+    error hierarchy, trio's on a closed or broken stream, the OS's, and a timeout (imported late:
+    importing py-libp2p costs most of a second)."""
+    from libp2p.exceptions import BaseLibp2pError
+
+    return BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError
 
 
 def _is_peer_fault(error: BaseException) -> bool:
@@ -279,18 +135,18 @@ def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
                 with trio.move_on_after(RESET_TIMEOUT_S):
                     try:
                         await net_stream.close()
-                    except Exception:
+                    except _net_errors():
                         pass
-        except Exception as e:  # trio.Cancelled is a BaseException and passes through
+        except Exception as e:  # the guard's purpose: nothing from a peer's stream reaches the host's nursery
             try:
                 peer = net_stream.muxed_conn.peer_id.to_base58()
-            except Exception:
+            except AttributeError:  # a stream whose connection is already gone
                 peer = "?"
             protocol = str(net_stream.get_protocol() or "multistream")
             with trio.move_on_after(RESET_TIMEOUT_S):
                 try:
                     await net_stream.reset()
-                except Exception:
+                except _net_errors():
                     pass
             if _is_peer_fault(e):
                 faults.record(peer, protocol, e)
@@ -301,197 +157,6 @@ def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
     host._murmur_faults = faults
     host.get_network().set_stream_handler(guard_stream)
 
-
-def _install_pubsub_message_guard() -> None:
-    """Pubsub runs each received message in its own service task; one that raises ends the service.
-
-    The guard catches it, counts it and drops the message. The message passed strict signing and our
-    validators (which never raise) before it could fail, so what fails here is local (a closed
-    verifier pool at shutdown raised OSError) and no one is charged.
-    """
-    from libp2p.pubsub.pubsub import Pubsub
-
-    if getattr(Pubsub, "_murmur_guarded", False):
-        return
-    unguarded = Pubsub.push_msg
-
-    async def push_msg(self: Any, msg_forwarder: Any, msg: Any) -> None:
-        try:
-            await unguarded(self, msg_forwarder, msg)
-        except Exception as e:
-            faults = getattr(self.host, "_murmur_faults", None)
-            if faults is None:
-                raise
-            log.warning("pubsub message from %s dropped: %s: %s", msg_forwarder, type(e).__name__, e)
-            faults.count("pubsub-message (error)")
-
-    Pubsub.push_msg = push_msg
-    Pubsub._murmur_guarded = True
-
-
-_install_pubsub_message_guard()
-
-
-def _install_pubsub_oversize_charge() -> None:
-    """Pubsub's reader swallows an RPC length prefix over its limit (it logs and resets the stream), so
-    the stream guard never saw the fault: the length is raised as our `FrameError` instead, which
-    leaves the reader through the guard like any other malformed frame (counted, charged, closed)."""
-    import libp2p.pubsub.pubsub as ps
-    from libp2p.io.exceptions import MessageTooLarge
-
-    if getattr(ps, "_murmur_oversize", False):
-        return
-    read = ps.read_varint_prefixed_bytes_limited
-
-    async def read_limited(stream: Any, max_length: int) -> bytes:
-        try:
-            return await hostlimits.read_varint_frame(stream, max_length, read)
-        except MessageTooLarge as e:
-            raise FrameError(f"pubsub RPC over {max_length} bytes: {e}") from None
-
-    ps.read_varint_prefixed_bytes_limited = read_limited
-    ps._murmur_oversize = True
-
-
-_install_pubsub_oversize_charge()
-
-
-def _install_pubsub_stream_retry() -> None:
-    """Pubsub opens its outbound stream to a new peer in a loop that retries transport errors while the
-    peer stays connected, but gives up for good on a failed protocol negotiation (`StreamFailure`, e.g. a
-    multiselect handshake that timed out under load): the peer stays connected and keeps sending to
-    us, and we never send to it again, a one-way partition nothing repairs. That failure is made
-    retryable like the others, so the loop keeps trying (backing off to one attempt per 10 s) for as
-    long as the connection lasts; a fresh connection starts it over."""
-    from libp2p.host.exceptions import StreamFailure
-    from libp2p.network.exceptions import SwarmException
-    from libp2p.pubsub.pubsub import Pubsub
-
-    if getattr(Pubsub, "_murmur_stream_retry", False):
-        return
-    once = Pubsub._handle_new_peer
-
-    async def handle_new_peer(self: Any, peer_id: Any) -> None:
-        try:
-            await once(self, peer_id)
-        except StreamFailure as e:
-            faults = getattr(self.host, "_murmur_faults", None)
-            if faults is not None:
-                faults.count("pubsub stream open (retried)")
-            raise SwarmException(str(e)) from e
-
-    Pubsub._handle_new_peer = handle_new_peer
-    Pubsub._murmur_stream_retry = True
-
-
-_install_pubsub_stream_retry()
-
-def _install_pubsub_keep_subscriptions() -> None:
-    """When our outbound pubsub stream to a peer dies (a write stalled past yamux's 5 s window wait while
-    the peer was paused, a reset) but the connection stays, py-libp2p opens a new outbound stream, as it
-    should, and forgets the peer's subscriptions, which it should not: they came over the peer's own
-    stream to us, which is still open, so the peer never sends them again. Every publish then found "no
-    connected peer subscribes" for as long as the connection lasted. Here a still-connected peer keeps
-    the subscriptions it told us (it would send an unsubscribe if one changed)."""
-    from libp2p.pubsub.pubsub import Pubsub
-
-    if getattr(Pubsub, "_murmur_keep_subs", False):
-        return
-    forget = Pubsub._handle_dead_peer
-
-    def handle_dead_peer(self: Any, peer_id: Any) -> None:
-        keep = [t for t, peers in self.peer_topics.items() if peer_id in peers] \
-            if self._peer_is_connected(peer_id) else []
-        count = self._peer_subscription_count.get(peer_id)
-        forget(self, peer_id)
-        if keep and self._peer_is_connected(peer_id):
-            for t in keep:
-                self.peer_topics.setdefault(t, set()).add(peer_id)
-            if count is not None:
-                self._peer_subscription_count[peer_id] = count
-            faults = getattr(self.host, "_murmur_faults", None)
-            if faults is not None:
-                faults.count("pubsub stream replaced (subscriptions kept)")
-
-    Pubsub._handle_dead_peer = handle_dead_peer
-    Pubsub._murmur_keep_subs = True
-
-
-_install_pubsub_keep_subscriptions()
-
-# How long our own signed peer record is reused before py-libp2p re-checks our addresses.
-OWN_RECORD_REUSE_S = 1.0
-# Peer records already checked, per host, and how long a checked record skips the check.
-RECORD_MEMO_SIZE = 4096
-RECORD_MEMO_TTL_S = 600.0
-
-
-def _install_peer_record_memo() -> None:
-    """py-libp2p attaches this host's signed peer record to every pubsub RPC it sends, rebuilding the
-    host's address list (multiaddr parsing) to see whether the cached record is still current, and
-    verifies and stores the record that comes with every RPC it receives. Both run per RPC, so a peer
-    that sends many small RPCs buys a signature check and a peerstore update with each one.
-
-    Our record is reused for `OWN_RECORD_REUSE_S` (an address change still goes out within that), and
-    a record already checked from the same peer is not checked again for `RECORD_MEMO_TTL_S` (well
-    inside the peerstore's two-hour TTL, so re-storing it keeps it alive), in a bounded per-host
-    table keyed by the record's digest. An invalid record is remembered too: the RPC is still
-    ignored, as py-libp2p does, without paying for the check again, and every such RPC is counted
-    (`pubsub signed record (invalid)`)."""
-    import libp2p.peer.peerstore as peerstore
-    import libp2p.pubsub.utils as pubsub_utils
-
-    if getattr(peerstore, "_murmur_record_memo", False):
-        return
-    own_record = peerstore.env_to_send_in_RPC
-    check_record = pubsub_utils.maybe_consume_signed_record
-
-    def env_to_send_in_rpc(host: Any) -> tuple[bytes, bool]:
-        now = time.monotonic()
-        hit = getattr(host, "_murmur_own_record", None)
-        if hit is not None and now - hit[0] < OWN_RECORD_REUSE_S:
-            return hit[1], False
-        env, fresh = own_record(host)
-        host._murmur_own_record = (now, env)
-        return env, fresh
-
-    def maybe_consume_signed_record(msg: Any, host: Any, peer_id: Any) -> bool:
-        if not msg.HasField("senderRecord"):
-            return True
-        memo: OrderedDict[tuple[bytes, bytes], tuple[float, bool]] | None = getattr(host, "_murmur_records", None)
-        if memo is None:
-            memo = host._murmur_records = OrderedDict()
-        # a digest, not the record: a record can be as large as the RPC, and the table keeps thousands
-        key = (peer_id.to_bytes(), hashlib.blake2b(msg.senderRecord, digest_size=16).digest())
-        now = time.monotonic()
-        hit = memo.get(key)
-        if hit is not None and now - hit[0] < RECORD_MEMO_TTL_S:
-            memo.move_to_end(key)
-            ok = hit[1]
-        else:
-            ok = check_record(msg, host, peer_id)
-            memo[key] = (now, ok)
-            memo.move_to_end(key)
-            while len(memo) > RECORD_MEMO_SIZE:
-                memo.popitem(last=False)
-        if not ok:
-            faults = getattr(host, "_murmur_faults", None)
-            if faults is not None:
-                faults.count("pubsub signed record (invalid)")
-        return ok
-
-    for name in ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub"):  # per RPC
-        mod = importlib.import_module(name)
-        if getattr(mod, "env_to_send_in_RPC", None) is own_record:
-            mod.env_to_send_in_RPC = env_to_send_in_rpc  # type: ignore[attr-defined]
-        if getattr(mod, "maybe_consume_signed_record", None) is check_record:
-            mod.maybe_consume_signed_record = maybe_consume_signed_record  # type: ignore[attr-defined]
-    peerstore.env_to_send_in_RPC = env_to_send_in_rpc
-    pubsub_utils.maybe_consume_signed_record = maybe_consume_signed_record
-    peerstore._murmur_record_memo = True
-
-
-_install_peer_record_memo()
 
 # Largest payload one gossip message may carry. py-libp2p drops >1 MiB silently
 # and closes the pubsub stream of a peer sending an RPC >1 MiB; keep well under.
@@ -555,7 +220,7 @@ class _Stream:
             return b""
         except (_LErr, OSError) as e:
             raise StreamError(f"stream read failed: {type(e).__name__}: {e}") from None
-        except Exception as e:  # muxer-level exceptions of py-libp2p
+        except _net_errors() as e:  # muxer-level exceptions of py-libp2p
             if "EOF" in type(e).__name__:
                 return b""
             raise StreamError(f"stream read failed: {type(e).__name__}: {e}") from None
@@ -563,19 +228,19 @@ class _Stream:
     async def write(self, data: bytes) -> None:
         try:
             await self._raw.write(data)
-        except Exception as e:
+        except _net_errors() as e:
             raise StreamError(f"stream write failed: {type(e).__name__}: {e}") from None
 
     async def close(self) -> None:
         try:
             await self._raw.close()
-        except Exception:  # closing a broken stream is not an error worth raising
+        except _net_errors():  # closing a broken stream is not an error worth raising
             pass
 
     async def reset(self) -> None:
         try:
             await self._raw.reset()
-        except Exception:
+        except _net_errors():
             pass
 
 
@@ -625,13 +290,13 @@ class Libp2pTransport:
 
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
-        except Exception as e:
+        except ValueError as e:  # multiaddr's parse errors and py-libp2p's InvalidAddrError are ValueErrors
             raise ConnectError(f"bad multiaddr {addr!r}: {e}") from None
         if info.peer_id.to_base58() == self.peer_id:
             raise ConnectError(f"{addr}: that is this node")
         try:
             await self.host.connect(info)
-        except Exception as e:
+        except Exception as e:  # py-libp2p's dial path also raises outside its hierarchy (a KeyError from the peerstore)
             raise ConnectError(f"cannot connect to {addr}: {type(e).__name__}: {e}") from None
         return info.peer_id.to_base58()
 
@@ -640,7 +305,7 @@ class Libp2pTransport:
 
         try:
             await self.host.disconnect(ID.from_base58(peer_id))
-        except Exception as e:
+        except Exception as e:  # the fault closer runs this in the transport's nursery: nothing may end it
             log.debug("disconnect %s: %s", peer_id, e)
 
     def peer_addrs(self, peer_id: str) -> list[str]:
@@ -648,7 +313,7 @@ class Libp2pTransport:
 
         try:
             return [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer_id))]
-        except Exception:
+        except (KeyError, ValueError):  # an unknown peer (PeerStoreError is a KeyError), a malformed id
             return []
 
     # ------------------------------------------------------------ gossip
@@ -682,7 +347,7 @@ class Libp2pTransport:
             raise PublishError(f"outbound queues full to every subscriber of {topic}: {full}")
         try:
             await self.pubsub.publish(topic, data)
-        except Exception as e:
+        except Exception as e:  # py-libp2p's publish path raises outside its hierarchy too; the caller gets PublishError
             self.counters["publish_errors"] += 1
             raise PublishError(f"publish to {topic} failed: {type(e).__name__}: {e}") from None
         self.counters["published"] += 1
@@ -705,7 +370,7 @@ class Libp2pTransport:
             try:
                 self.router._notify_mesh_peer_added(p, topic)
                 await self.router.emit_graft(topic, p)
-            except Exception as e:
+            except _net_errors() as e:
                 log.debug("graft %s on %s: %s", p, topic, e)
 
     async def subscribe(self, topic: str) -> MessageChannel:
@@ -726,7 +391,7 @@ class Libp2pTransport:
         self._inboxes.pop(topic, None)
         try:
             await self.pubsub.unsubscribe(topic)
-        except Exception as e:  # a peer's stream went away while we told it
+        except _net_errors() as e:  # a peer's stream went away while we told it
             log.debug("unsubscribe %s: %s", topic, e)
 
     async def _drain(self, topic: str, sub: Any) -> None:
@@ -764,7 +429,7 @@ class Libp2pTransport:
                 return False
             try:
                 return await validator(forwarder.to_base58(), origin, bytes(msg.data))
-            except Exception:
+            except Exception:  # our validator's bug: the message is rejected, pubsub's service lives on
                 log.exception("validator for %s raised; message rejected", topic)
                 return False
 
@@ -792,7 +457,7 @@ class Libp2pTransport:
 
         try:
             raw = await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
-        except Exception as e:
+        except (*_net_errors(), ValueError) as e:  # ValueError: a malformed peer id
             raise StreamError(f"cannot open {protocol} to {peer_id}: {type(e).__name__}: {e}") from None
         return _Stream(raw, peer_id, self.budget)
 
@@ -814,8 +479,7 @@ class Libp2pTransport:
             except (MurmurError, trio.TooSlowError) as e:  # refused, timed out, or the peer went away
                 log.info("%s handler for %s: %s: %s", protocol, remote, type(e).__name__, e)
                 await stream.reset()
-            except Exception:
-                # a bug of ours that this peer's input reached: counted, not held against the peer
+            except Exception:  # a bug of ours that this peer's input reached: counted, not held against the peer
                 log.exception("%s handler for %s crashed", protocol, remote)
                 self.faults.count(protocol + " (handler bug)")
                 await stream.reset()
@@ -874,6 +538,7 @@ async def open_transport(
     """Start a host listening on `listen` (default an ephemeral 127.0.0.1 TCP port) and yield it."""
     from libp2p.tools.anyio_service import background_trio_service
 
+    libp2p_fixes.install()
     addrs = [multiaddr.Multiaddr(a) for a in (listen or ["/ip4/127.0.0.1/tcp/0"])]
     faults = StreamFaults()
     # repeated held frames or overdrawn buffers: charged like any other stream fault, connection closed
@@ -902,10 +567,10 @@ async def open_transport(
                 for listener in list(host.get_network().listeners.values()):
                     try:
                         await listener.close()
-                    except Exception as e:
+                    except Exception as e:  # shutdown: one failure must not keep the rest open
                         log.debug("closing listener: %s", e)
                 for p in list(host.get_connected_peers()):
                     try:
                         await host.disconnect(p)
-                    except Exception as e:
+                    except Exception as e:  # shutdown: one failure must not keep the rest open
                         log.debug("closing connection to %s: %s", p, e)

@@ -333,7 +333,7 @@ def test_own_record_is_reused_and_the_record_memo_is_bounded() -> None:
     import libp2p.pubsub.pubsub as ps
     from libp2p.pubsub.pb import rpc_pb2
 
-    from gossip import host as H
+    from gossip import libp2p_fixes as H
 
     async def main() -> None:
         async with open_transport(Identity.from_seed(b"\x0b" * 32)) as a, \

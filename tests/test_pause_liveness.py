@@ -4,7 +4,7 @@
 When the publisher's outbound pubsub stream to a peer dies while the connection stays (a write stalled
 past yamux's 5 s window wait), py-libp2p opens a new stream but forgot the peer's subscriptions, which the
 peer never sends again: "no connected peer subscribes" for the rest of the run (gossip/host.py,
-`_install_pubsub_keep_subscriptions`). The slow test stops a real subprocess peer long enough to fill
+`gossip.libp2p_fixes._fix_pubsub_keep_subscriptions`). The slow test stops a real subprocess peer long enough to fill
 the publisher's queue to it and shows delivery resuming after SIGCONT.
 """
 

@@ -1,0 +1,385 @@
+"""Every fix Murmur makes to py-libp2p 0.8.1's internals, installed by one explicit `install()`.
+
+`gossip.host.open_transport` calls `install()` before it builds a host. Each fix replaces a
+py-libp2p function or method that misbehaves in 0.8.1 (docs/architecture.md lists them, one line
+each: what py-libp2p does wrong, what the fix does). They were written against that release's
+internals, so `install()` refuses any other installed version with `UnsupportedLibp2p` rather
+than patching code it was not written for. The replaced originals stay reachable through
+`original(name)`, so a test can show the unpatched behaviour on the same input.
+
+Installing is process-wide (the patched classes are py-libp2p's) and idempotent. The fixes that
+need a host's state (its `StreamFaults`, its `StreamBudget`) find it on the host or its swarm
+(`_murmur_faults`, `_murmur_budget`, set by `gossip.host`) and do nothing on a host without it.
+The per-peer stream limits (`gossip/hostlimits.py`) are installed from here too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Final
+
+import trio
+
+from gossip import hostlimits
+from gossip.errors import MurmurError
+from gossip.transport import FrameError
+
+log = logging.getLogger("murmur.gossip.host")
+
+SUPPORTED_VERSION: Final = "0.8.1"
+
+
+class UnsupportedLibp2p(MurmurError):
+    """The installed py-libp2p is not the release these fixes were written for."""
+
+
+def check_version(installed: str) -> None:
+    """Refuse a py-libp2p release other than `SUPPORTED_VERSION` (its internals differ)."""
+    if installed != SUPPORTED_VERSION:
+        raise UnsupportedLibp2p(
+            f"py-libp2p {installed} is installed, but gossip/libp2p_fixes.py patches the internals of "
+            f"py-libp2p {SUPPORTED_VERSION} only: install libp2p=={SUPPORTED_VERSION}, or port each fix "
+            "and raise SUPPORTED_VERSION")
+
+
+_originals: dict[str, Any] = {}
+
+
+def original(name: str) -> Any:
+    """The py-libp2p function or method that fix `name` replaced (after `install()`)."""
+    return _originals[name]
+
+
+def _fix_go_yamux_credit() -> None:
+    """Yamux credit: py-libp2p 0.8.1 returns receive-window credit on (nearly) every read, so each small
+    control frame we read sends a WINDOW_UPDATE frame back: one more yamux frame, Noise message and
+    socket write per message. go-yamux's rule instead: credit goes back once at least half of the
+    window has been consumed. A reader that keeps reading never stalls a writer (the writer still
+    has the other half when the update leaves)."""
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    if getattr(YamuxStream, "_murmur_credit", False):
+        return
+    _originals["go_yamux_credit"] = YamuxStream._auto_tune_and_send_window_update
+
+    async def _go_yamux_credit(self: Any, *, bytes_read: int = 0) -> None:
+        async with self.window_lock:
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            consumed = self.target_recv_window - (self.recv_window + buffered)
+            if consumed <= 0 or consumed < self.target_recv_window // 2:
+                return
+            delta = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+        if delta > 0:
+            await self.send_window_update(delta, skip_lock=True)
+
+    YamuxStream._auto_tune_and_send_window_update = _go_yamux_credit
+    YamuxStream._murmur_credit = True
+
+
+READ_AHEAD_BYTES = 256 * 1024
+
+
+def _fix_buffered_tcp_reads() -> None:
+    """TCP reads: py-libp2p 0.8.1 reads each Noise message with two socket reads (its 2-byte length,
+    then its body), each a `recv` system call, a lock and a trio checkpoint. Here the socket is read
+    up to `READ_AHEAD_BYTES` ahead and both are served from that buffer, so a burst of small messages
+    costs one `recv`. The connection has a single reader (the muxer's loop, or the handshake before
+    it), so the buffer needs no lock of its own."""
+    from libp2p.io.trio import TrioTCPStream
+
+    if getattr(TrioTCPStream, "_murmur_buffered", False):
+        return
+    unbuffered = _originals["buffered_tcp_reads"] = TrioTCPStream.read
+
+    async def read(self: Any, n: int | None = None) -> bytes:
+        buf: bytes = getattr(self, "_murmur_buf", b"")
+        if buf:
+            off: int = self._murmur_off
+            end = len(buf) if n is None else min(len(buf), off + n)
+            if end == len(buf):
+                self._murmur_buf = b""
+            else:
+                self._murmur_off = end
+            return buf[off:end]
+        if n == 0:
+            return b""
+        data = await unbuffered(self, READ_AHEAD_BYTES if n is None or n < READ_AHEAD_BYTES else n)
+        if n is None or len(data) <= n:
+            return data
+        self._murmur_buf, self._murmur_off = data, n
+        return data[:n]
+
+    TrioTCPStream.read = read
+    TrioTCPStream._murmur_buffered = True
+
+
+def _fix_lean_yamux_writes() -> None:
+    """Yamux DATA writes without per-frame debug formatting and context-manager objects.
+
+    Same rules as py-libp2p 0.8.1's `YamuxStream.write`: frames of at most 64 KiB within the send
+    window, the stream's writer semaphore held while a frame is cut (not while it is sent), a zero
+    window waited for up to 5 s, then an error. One difference: a whole `write` holds the stream's
+    message lock, so two writers on one stream never interleave their frames. py-libp2p's
+    `write` cuts frames one at a time and lets other writers cut theirs in between; its pubsub
+    writes to a peer's stream from its queue task and, concurrently, from the recent-message replay
+    and pending flush, so an honest RPC split over several frames (over 64 KiB, or a send window
+    partly used) reached the peer with another RPC's bytes inside it, and the peer's reader failed
+    with a protobuf DecodeError. Its per-frame header parse, flag-name list, f-string
+    log line and context-manager objects are pure overhead when debug logging is off (the
+    measurement of this and the TCP read-ahead together is in docs/gossip.md).
+    """
+    import struct
+
+    from libp2p.stream_muxer.exceptions import MuxedStreamError
+    from libp2p.stream_muxer.yamux import yamux as ym
+
+    if getattr(ym.YamuxStream, "_murmur_lean", False):
+        return
+    _originals["lean_yamux_writes"] = ym.YamuxStream.write
+    _originals["lean_yamux_writes.frame"] = ym.Yamux._write_frame
+    header = struct.Struct(ym.YAMUX_HEADER_FORMAT)
+    max_payload = ym.MAX_MESSAGE_SIZE - ym.HEADER_SIZE
+
+    async def write_frame(self: Any, data: bytes) -> None:
+        async with self._write_lock:
+            await self.secured_conn.write(data)
+        await trio.lowlevel.checkpoint()
+
+    async def write(self: Any, data: bytes) -> None:
+        lock = self.__dict__.get("_murmur_message_lock")
+        if lock is None:
+            lock = self._murmur_message_lock = trio.Lock()
+        async with lock:
+            await write_message(self, data)
+
+    async def write_message(self: Any, data: bytes) -> None:
+        if self.send_closed:
+            raise MuxedStreamError("Stream is closed for sending")
+        view = memoryview(data)
+        sent, total = 0, len(data)
+        writers = self.rw_lock._writer_lock
+        while sent < total:
+            frame = None
+            await writers.acquire()
+            try:
+                if self.send_closed:
+                    raise MuxedStreamError("Stream is closed for sending")
+                async with self.window_lock:
+                    if self.closed:
+                        raise MuxedStreamError("Stream is closed")
+                    if self.send_window > 0:
+                        n = min(self.send_window, max_payload, total - sent)
+                        self.send_window -= n
+                        frame = header.pack(0, ym.TYPE_DATA, 0, self.stream_id, n) + view[sent:sent + n]
+            finally:
+                writers.release()
+            if frame is None:
+                with trio.move_on_after(5.0) as scope:
+                    while self.send_window <= 0 and not self.closed:
+                        await trio.sleep(0.01)
+                if scope.cancelled_caught:
+                    raise MuxedStreamError("Timed out waiting for window update after 5 seconds.")
+                continue
+            await self.conn._write_frame(frame)
+            sent += len(frame) - ym.HEADER_SIZE
+
+    ym.Yamux._write_frame = write_frame
+    ym.YamuxStream.write = write
+    ym.YamuxStream._murmur_lean = True
+
+
+def _fix_pubsub_message_guard() -> None:
+    """Pubsub runs each received message in its own service task; one that raises ends the service.
+
+    The guard catches it, counts it and drops the message. The message passed strict signing and our
+    validators (which never raise) before it could fail, so what fails here is local (a closed
+    verifier pool at shutdown raised OSError) and no one is charged.
+    """
+    from libp2p.pubsub.pubsub import Pubsub
+
+    if getattr(Pubsub, "_murmur_guarded", False):
+        return
+    unguarded = _originals["pubsub_message_guard"] = Pubsub.push_msg
+
+    async def push_msg(self: Any, msg_forwarder: Any, msg: Any) -> None:
+        try:
+            await unguarded(self, msg_forwarder, msg)
+        except Exception as e:  # the guard's purpose: whatever a message task raises must not end pubsub
+            faults = getattr(self.host, "_murmur_faults", None)
+            if faults is None:
+                raise
+            log.warning("pubsub message from %s dropped: %s: %s", msg_forwarder, type(e).__name__, e)
+            faults.count("pubsub-message (error)")
+
+    Pubsub.push_msg = push_msg
+    Pubsub._murmur_guarded = True
+
+
+def _fix_pubsub_oversize_charge() -> None:
+    """Pubsub's reader swallows an RPC length prefix over its limit (it logs and resets the stream), so
+    the stream guard never saw the fault: the length is raised as our `FrameError` instead, which
+    leaves the reader through the guard like any other malformed frame (counted, charged, closed)."""
+    import libp2p.pubsub.pubsub as ps
+    from libp2p.io.exceptions import MessageTooLarge
+
+    if getattr(ps, "_murmur_oversize", False):
+        return
+    read = _originals["pubsub_oversize_charge"] = ps.read_varint_prefixed_bytes_limited
+
+    async def read_limited(stream: Any, max_length: int) -> bytes:
+        try:
+            return await hostlimits.read_varint_frame(stream, max_length, read)
+        except MessageTooLarge as e:
+            raise FrameError(f"pubsub RPC over {max_length} bytes: {e}") from None
+
+    ps.read_varint_prefixed_bytes_limited = read_limited
+    ps._murmur_oversize = True
+
+
+def _fix_pubsub_stream_retry() -> None:
+    """Pubsub opens its outbound stream to a new peer in a loop that retries transport errors while the
+    peer stays connected, but gives up for good on a failed protocol negotiation (`StreamFailure`, e.g. a
+    multiselect handshake that timed out under load): the peer stays connected and keeps sending to
+    us, and we never send to it again, a one-way partition nothing repairs. That failure is made
+    retryable like the others, so the loop keeps trying (backing off to one attempt per 10 s) for as
+    long as the connection lasts; a fresh connection starts it over."""
+    from libp2p.host.exceptions import StreamFailure
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.pubsub.pubsub import Pubsub
+
+    if getattr(Pubsub, "_murmur_stream_retry", False):
+        return
+    once = _originals["pubsub_stream_retry"] = Pubsub._handle_new_peer
+
+    async def handle_new_peer(self: Any, peer_id: Any) -> None:
+        try:
+            await once(self, peer_id)
+        except StreamFailure as e:
+            faults = getattr(self.host, "_murmur_faults", None)
+            if faults is not None:
+                faults.count("pubsub stream open (retried)")
+            raise SwarmException(str(e)) from e
+
+    Pubsub._handle_new_peer = handle_new_peer
+    Pubsub._murmur_stream_retry = True
+
+
+def _fix_pubsub_keep_subscriptions() -> None:
+    """When our outbound pubsub stream to a peer dies (a write stalled past yamux's 5 s window wait while
+    the peer was paused, a reset) but the connection stays, py-libp2p opens a new outbound stream, as it
+    should, and forgets the peer's subscriptions, which it should not: they came over the peer's own
+    stream to us, which is still open, so the peer never sends them again. Every publish then found "no
+    connected peer subscribes" for as long as the connection lasted. Here a still-connected peer keeps
+    the subscriptions it told us (it would send an unsubscribe if one changed)."""
+    from libp2p.pubsub.pubsub import Pubsub
+
+    if getattr(Pubsub, "_murmur_keep_subs", False):
+        return
+    forget = _originals["pubsub_keep_subscriptions"] = Pubsub._handle_dead_peer
+
+    def handle_dead_peer(self: Any, peer_id: Any) -> None:
+        keep = [t for t, peers in self.peer_topics.items() if peer_id in peers] \
+            if self._peer_is_connected(peer_id) else []
+        count = self._peer_subscription_count.get(peer_id)
+        forget(self, peer_id)
+        if keep and self._peer_is_connected(peer_id):
+            for t in keep:
+                self.peer_topics.setdefault(t, set()).add(peer_id)
+            if count is not None:
+                self._peer_subscription_count[peer_id] = count
+            faults = getattr(self.host, "_murmur_faults", None)
+            if faults is not None:
+                faults.count("pubsub stream replaced (subscriptions kept)")
+
+    Pubsub._handle_dead_peer = handle_dead_peer
+    Pubsub._murmur_keep_subs = True
+
+
+# How long our own signed peer record is reused before py-libp2p re-checks our addresses.
+OWN_RECORD_REUSE_S = 1.0
+# Peer records already checked, per host, and how long a checked record skips the check.
+RECORD_MEMO_SIZE = 4096
+RECORD_MEMO_TTL_S = 600.0
+
+
+def _fix_peer_record_memo() -> None:
+    """py-libp2p attaches this host's signed peer record to every pubsub RPC it sends, rebuilding the
+    host's address list (multiaddr parsing) to see whether the cached record is still current, and
+    verifies and stores the record that comes with every RPC it receives. Both run per RPC, so a peer
+    that sends many small RPCs buys a signature check and a peerstore update with each one.
+
+    Our record is reused for `OWN_RECORD_REUSE_S` (an address change still goes out within that), and
+    a record already checked from the same peer is not checked again for `RECORD_MEMO_TTL_S` (well
+    inside the peerstore's two-hour TTL, so re-storing it keeps it alive), in a bounded per-host
+    table keyed by the record's digest. An invalid record is remembered too: the RPC is still
+    ignored, as py-libp2p does, without paying for the check again, and every such RPC is counted
+    (`pubsub signed record (invalid)`)."""
+    import libp2p.peer.peerstore as peerstore
+    import libp2p.pubsub.utils as pubsub_utils
+
+    if getattr(peerstore, "_murmur_record_memo", False):
+        return
+    own_record = _originals["peer_record_memo.own"] = peerstore.env_to_send_in_RPC
+    check_record = _originals["peer_record_memo"] = pubsub_utils.maybe_consume_signed_record
+
+    def env_to_send_in_rpc(host: Any) -> tuple[bytes, bool]:
+        now = time.monotonic()
+        hit = getattr(host, "_murmur_own_record", None)
+        if hit is not None and now - hit[0] < OWN_RECORD_REUSE_S:
+            return hit[1], False
+        env, fresh = own_record(host)
+        host._murmur_own_record = (now, env)
+        return env, fresh
+
+    def maybe_consume_signed_record(msg: Any, host: Any, peer_id: Any) -> bool:
+        if not msg.HasField("senderRecord"):
+            return True
+        memo: OrderedDict[tuple[bytes, bytes], tuple[float, bool]] | None = getattr(host, "_murmur_records", None)
+        if memo is None:
+            memo = host._murmur_records = OrderedDict()
+        # a digest, not the record: a record can be as large as the RPC, and the table keeps thousands
+        key = (peer_id.to_bytes(), hashlib.blake2b(msg.senderRecord, digest_size=16).digest())
+        now = time.monotonic()
+        hit = memo.get(key)
+        if hit is not None and now - hit[0] < RECORD_MEMO_TTL_S:
+            memo.move_to_end(key)
+            ok = hit[1]
+        else:
+            ok = check_record(msg, host, peer_id)
+            memo[key] = (now, ok)
+            memo.move_to_end(key)
+            while len(memo) > RECORD_MEMO_SIZE:
+                memo.popitem(last=False)
+        if not ok:
+            faults = getattr(host, "_murmur_faults", None)
+            if faults is not None:
+                faults.count("pubsub signed record (invalid)")
+        return ok
+
+    for name in ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub"):  # per RPC
+        mod = importlib.import_module(name)
+        if getattr(mod, "env_to_send_in_RPC", None) is own_record:
+            mod.env_to_send_in_RPC = env_to_send_in_rpc  # type: ignore[attr-defined]
+        if getattr(mod, "maybe_consume_signed_record", None) is check_record:
+            mod.maybe_consume_signed_record = maybe_consume_signed_record  # type: ignore[attr-defined]
+    peerstore.env_to_send_in_RPC = env_to_send_in_rpc
+    pubsub_utils.maybe_consume_signed_record = maybe_consume_signed_record
+    peerstore._murmur_record_memo = True
+
+
+FIXES: Final = (_fix_go_yamux_credit, _fix_buffered_tcp_reads, _fix_lean_yamux_writes, _fix_pubsub_message_guard,
+                _fix_pubsub_oversize_charge, _fix_pubsub_stream_retry, _fix_pubsub_keep_subscriptions,
+                _fix_peer_record_memo)
+
+
+def install() -> None:
+    """Check the py-libp2p version, then install every fix (once per process)."""
+    check_version(importlib.metadata.version("libp2p"))
+    for fix in FIXES:
+        fix()
+    hostlimits.install()

@@ -1,0 +1,307 @@
+"""gossip/libp2p_fixes.py: the version guard, and one focused test per fix of py-libp2p 0.8.1.
+
+Each test shows the fixed behaviour, then runs py-libp2p's own code (`libp2p_fixes.original`) on the
+same input and shows the defect the fix is for. Fixes whose defect needs a whole swarm to show are
+covered by the host tests named in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import struct
+
+import pytest
+import trio
+import trio.testing
+
+from gossip import libp2p_fixes as F
+from gossip.host import open_transport
+from gossip.identity import Identity
+from gossip.transport import FrameError
+
+
+def test_any_other_py_libp2p_version_is_refused_by_name() -> None:
+    for other in ("0.8.2", "0.9.0", "0.8.0"):
+        with pytest.raises(F.UnsupportedLibp2p) as e:
+            F.check_version(other)
+        assert other in str(e.value) and F.SUPPORTED_VERSION in str(e.value)
+    F.check_version(importlib.metadata.version("libp2p"))  # what this environment installs is supported
+
+
+def test_install_is_explicit_idempotent_and_keeps_the_originals() -> None:
+    from libp2p.io.trio import TrioTCPStream
+    from libp2p.pubsub.pubsub import Pubsub
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    F.install()
+    patched = (TrioTCPStream.read, YamuxStream.write, YamuxStream._auto_tune_and_send_window_update,
+               Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer)
+    F.install()
+    assert (TrioTCPStream.read, YamuxStream.write, YamuxStream._auto_tune_and_send_window_update,
+            Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer) == patched
+    for name, now in (("buffered_tcp_reads", TrioTCPStream.read), ("lean_yamux_writes", YamuxStream.write),
+                      ("go_yamux_credit", YamuxStream._auto_tune_and_send_window_update),
+                      ("pubsub_message_guard", Pubsub.push_msg), ("pubsub_stream_retry", Pubsub._handle_new_peer),
+                      ("pubsub_keep_subscriptions", Pubsub._handle_dead_peer)):
+        assert F.original(name) is not now and F.original(name).__module__.startswith("libp2p."), name
+
+
+class _CountingSocket:
+    """A real trio socket stream that counts its receive calls (each one a `recv` system call)."""
+
+    def __init__(self, inner: trio.SocketStream) -> None:
+        self.inner, self.receives = inner, 0
+
+    async def receive_some(self, n: int | None = None) -> bytes:
+        self.receives += 1
+        return await self.inner.receive_some(n)
+
+
+def test_buffered_tcp_reads_serve_a_burst_of_noise_messages_from_one_recv() -> None:
+    from libp2p.io.trio import TrioTCPStream
+
+    F.install()
+    burst = b"".join(struct.pack(">H", 40) + bytes([i]) * 40 for i in range(3))  # three framed messages
+
+    async def reads(read) -> tuple[list[bytes], int]:  # type: ignore[no-untyped-def]
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as n:
+            accepted = trio.Event()
+            server: list[trio.SocketStream] = []
+
+            async def accept() -> None:
+                server.append(await listeners[0].accept())
+                accepted.set()
+
+            n.start_soon(accept)
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await accepted.wait()
+            await client.send_all(burst)
+            counting = _CountingSocket(server[0])
+            stream = TrioTCPStream(counting)  # type: ignore[arg-type]
+            got = []
+            for _ in range(3):
+                (length,) = struct.unpack(">H", await read(stream, 2))
+                got.append(await read(stream, length))
+            await client.aclose()
+            await server[0].aclose()
+            await listeners[0].aclose()
+        return got, counting.receives
+
+    fixed = trio.run(reads, TrioTCPStream.read)
+    unfixed = trio.run(reads, F.original("buffered_tcp_reads"))
+    assert fixed[0] == unfixed[0] == [bytes([i]) * 40 for i in range(3)]
+    assert fixed[1] == 1  # the whole burst from one recv
+    assert unfixed[1] == 6  # py-libp2p: one recv per length and one per body
+
+
+def test_go_yamux_credit_sends_no_window_update_for_a_small_read() -> None:
+    """py-libp2p's credit rule answers a 40-byte read with a WINDOW_UPDATE frame; the fix waits until half
+    the window is consumed."""
+    from libp2p.stream_muxer.yamux import yamux as Y
+
+    F.install()
+    sent: list[bytes] = []
+
+    async def main() -> None:
+        got: list[object] = []
+        arrived = trio.Event()
+
+        async def keep(stream, peer: str) -> None:  # type: ignore[no-untyped-def]
+            got.append(stream)
+            arrived.set()
+            await trio.sleep_forever()
+
+        async with open_transport(Identity.from_seed(b"\x61" * 32)) as a, \
+                open_transport(Identity.from_seed(b"\x62" * 32)) as b:
+            b.set_stream_handler("/murmur/test-credit/1", keep)
+            await a.connect(b.listen_addrs()[0])
+            s = await a.open_stream(b.peer_id, "/murmur/test-credit/1")
+            await s.write(b"x" * 40)
+            with trio.fail_after(10):
+                await arrived.wait()
+            ys = got[0]._raw.muxed_stream  # type: ignore[attr-defined]
+            with trio.fail_after(10):
+                assert await ys.read(40) == b"x" * 40
+            frame = Y.Yamux._write_frame
+
+            async def record(self, data: bytes) -> None:  # type: ignore[no-untyped-def]
+                if struct.unpack(Y.YAMUX_HEADER_FORMAT, data[:Y.HEADER_SIZE])[1] == Y.TYPE_WINDOW_UPDATE:
+                    sent.append(data)
+                await frame(self, data)
+
+            Y.Yamux._write_frame = record
+            try:
+                await ys._auto_tune_and_send_window_update(bytes_read=40)
+                fixed = len(sent)
+                await F.original("go_yamux_credit")(ys, bytes_read=40)
+                unfixed = len(sent) - fixed
+            finally:
+                Y.Yamux._write_frame = frame
+            assert fixed == 0
+            assert unfixed == 1
+            await s.close()
+
+    trio.run(main)
+
+
+def test_an_oversized_pubsub_rpc_length_becomes_a_frame_error() -> None:
+    """py-libp2p's limited reader raises MessageTooLarge, which its pubsub reader swallows (so nobody is
+    charged); the fix raises our FrameError, which leaves the reader through the stream guard."""
+    import libp2p.pubsub.pubsub as ps
+    from libp2p.io.exceptions import MessageTooLarge
+    from libp2p.io.trio import TrioTCPStream
+
+    F.install()
+
+    async def read_with(read) -> BaseException:  # type: ignore[no-untyped-def]
+        a, b = trio.testing.memory_stream_pair()
+        await a.send_all(b"\x80\x80\x80\x01" + b"\x00" * 16)  # a 2 MiB length prefix
+        try:
+            await read(TrioTCPStream(b), 1 << 20)  # type: ignore[arg-type]
+        except Exception as e:
+            return e
+        raise AssertionError("an over-limit length was read")
+
+    assert isinstance(trio.run(read_with, ps.read_varint_prefixed_bytes_limited), FrameError)
+    assert isinstance(trio.run(read_with, F.original("pubsub_oversize_charge")), MessageTooLarge)
+
+
+def test_a_failed_pubsub_negotiation_is_made_retryable() -> None:
+    """py-libp2p retries a pubsub stream open that failed with SwarmException, and gives up for good on a
+    StreamFailure (a negotiation that timed out): the fix raises the one it retries."""
+    from libp2p.host.exceptions import StreamFailure
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.peer.id import ID
+
+    F.install()
+    stranger = ID.from_base58(Identity.from_seed(b"\x63" * 32).peer_id)
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x64" * 32)) as a:
+            async def negotiation_fails(peer_id, protocols, *args, **kw):  # type: ignore[no-untyped-def]
+                raise StreamFailure(f"failed to negotiate with {peer_id}")
+
+            a.host.new_stream = negotiation_fails
+            with pytest.raises(SwarmException):
+                await a.pubsub._handle_new_peer(stranger)
+            with pytest.raises(StreamFailure):
+                await F.original("pubsub_stream_retry")(a.pubsub, stranger)
+            assert a.faults.counts["pubsub stream open (retried)"] == 1
+
+    trio.run(main)
+
+
+def test_a_still_connected_peer_keeps_its_subscriptions_when_our_stream_to_it_dies() -> None:
+    F.install()
+    topic = "/murmur/t/fixes/1"
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x65" * 32)) as a, \
+                open_transport(Identity.from_seed(b"\x66" * 32)) as b:
+            await a.subscribe(topic)
+            await b.subscribe(topic)
+            await b.connect(a.listen_addrs()[0])
+            with trio.fail_after(20):
+                while a.topic_peers(topic) != [b.peer_id]:
+                    await trio.sleep(0.02)
+            peer = b.host.get_id()
+            a.pubsub._handle_dead_peer(peer)  # our outbound stream died; the connection did not
+            assert a.topic_peers(topic) == [b.peer_id]
+            assert a.faults.counts["pubsub stream replaced (subscriptions kept)"] == 1
+            F.original("pubsub_keep_subscriptions")(a.pubsub, peer)
+            assert a.topic_peers(topic) == []  # forgotten, though b never sends them again
+            assert b.peer_id in a.peers()
+
+    trio.run(main)
+
+
+def test_a_pubsub_message_task_that_raises_is_counted_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local failure inside pubsub's per-message task (a closed verifier pool at shutdown raised OSError)
+    is counted and the message dropped; py-libp2p lets it out, into the service that ends the host."""
+    from libp2p.pubsub.pubsub import Pubsub
+
+    F.install()
+    topic = "/murmur/t/fixes/2"
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x67" * 32)) as a:
+            def pool_closed(forwarder, msg) -> bool:  # type: ignore[no-untyped-def]
+                raise OSError("verifier pool closed")  # py-libp2p turns only an async validator's errors into a rejection
+
+            a.pubsub.set_topic_validator(topic, pool_closed, False)
+            await a.pubsub.publish(topic, b"x")  # runs push_msg, as an inbound message's task does
+            assert a.faults.counts["pubsub-message (error)"] == 1
+            monkeypatch.setattr(Pubsub, "push_msg", F.original("pubsub_message_guard"))
+            with pytest.raises(OSError, match="verifier pool closed"):
+                await a.pubsub.publish(topic, b"y")
+
+    trio.run(main)
+
+
+def test_two_writers_on_one_yamux_stream_never_interleave_their_frames() -> None:
+    """py-libp2p cuts a write into frames one at a time and lets a concurrent writer cut its own in
+    between, so two messages over a frame long arrive mixed; the fix holds the stream for a whole write."""
+    F.install()
+    size = 150 * 1024  # three frames each
+
+    async def main() -> tuple[bytes, bytes]:
+        async with open_transport(Identity.from_seed(b"\x68" * 32)) as a, \
+                open_transport(Identity.from_seed(b"\x69" * 32)) as b:
+            received: list[bytes] = []
+            done = trio.Event()
+
+            async def sink(stream, peer: str) -> None:  # type: ignore[no-untyped-def]
+                buf = b""
+                while len(buf) < 4 * size:
+                    buf += await stream.read(1 << 20)
+                received.append(buf)
+                done.set()
+
+            b.set_stream_handler("/murmur/test-writes/1", sink)
+            await a.connect(b.listen_addrs()[0])
+            s = await a.open_stream(b.peer_id, "/murmur/test-writes/1")
+            ys = s._raw.muxed_stream  # type: ignore[attr-defined]
+            for write in (type(ys).write, F.original("lean_yamux_writes")):
+                async with trio.open_nursery() as n:
+                    n.start_soon(write, ys, b"A" * size)
+                    n.start_soon(write, ys, b"B" * size)
+            with trio.fail_after(20):
+                await done.wait()
+            return received[0][:2 * size], received[0][2 * size:]
+
+    fixed, unfixed = trio.run(main)
+    assert fixed in (b"A" * size + b"B" * size, b"B" * size + b"A" * size)
+    assert unfixed not in (b"A" * size + b"B" * size, b"B" * size + b"A" * size)  # mixed
+
+
+def test_a_peer_record_already_checked_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-libp2p verifies the signed peer record that comes with every pubsub RPC, again and again for
+    the same record; the fix checks a record once (per host, bounded, for RECORD_MEMO_TTL_S)."""
+    import libp2p.pubsub.pubsub as ps
+    import libp2p.pubsub.utils as pubsub_utils
+    from libp2p.pubsub.pb import rpc_pb2
+
+    F.install()
+    checks: list[bytes] = []
+    consume = pubsub_utils.consume_envelope
+
+    def counted(data: bytes, domain: str):  # type: ignore[no-untyped-def]
+        checks.append(data)
+        return consume(data, domain)
+
+    monkeypatch.setattr(pubsub_utils, "consume_envelope", counted)
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x6a" * 32)) as a, \
+                open_transport(Identity.from_seed(b"\x6b" * 32)) as b:
+            record, _ = ps.env_to_send_in_RPC(b.host)
+            rpc, peer = rpc_pb2.RPC(senderRecord=record), b.host.get_id()
+            assert [ps.maybe_consume_signed_record(rpc, a.host, peer) for _ in range(3)] == [True] * 3
+            assert len(checks) == 1
+            original = F.original("peer_record_memo")
+            assert [original(rpc, a.host, peer) for _ in range(3)] == [True] * 3
+            assert len(checks) == 4  # py-libp2p: one signature check per RPC
+
+    trio.run(main)
