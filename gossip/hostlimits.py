@@ -1,6 +1,6 @@
 """py-libp2p 0.8.1 hooks that hold each peer to the stream budget of `gossip.limits`.
 
-Installed once per process (import side effect, as `gossip.host`'s other patches); each hook
+Installed by `gossip.libp2p_fixes.install()` with py-libp2p's other fixes; each hook
 finds its host's state on the swarm (`_murmur_budget`, `_murmur_faults`, `_murmur_refuse`,
 set by `gossip.host`), and does nothing on a swarm without it.
 
