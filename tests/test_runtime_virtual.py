@@ -3,10 +3,11 @@ MockClock, on an in-memory transport (`tests/memnet.py`), each with a fake worke
 pipe messages (`tests/fakeworker.py`). Everything between the transport and the worker pipe is the
 node's own: its handlers, gossip service, validation, broadcast, catalog, store, core and timers.
 
-Covered: start; announces both ways; catch-up (a follower that joins after two versions were published
-fetches them through the catalog and its worker applies them bit for bit); a version published while
-connected arriving through the broadcast; a worker that dies restarted after its backoff and applying
-again; shutdown by `request_stop` and by the signal path, each stopping its worker.
+Covered: start; announces both ways (roles, the lineage a follower serves); catch-up (a follower that
+joins after two versions were published fetches them through the catalog, its worker applies them bit
+for bit and is admitted to generate); a version published while connected arriving through the
+broadcast; a worker that dies restarted after its backoff and applying again; shutdown by
+`request_stop` and by the signal path, each stopping its worker, also while the node is starting.
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             assert stored & {("patch", 1, 2), ("anchor", 2, 2)}
             assert any(isinstance(m, pipe.Patch) for m in wb.received)  # the core told the worker what arrived
             assert b.core.stats()["bytes_down"] > 0
+            # within the staleness bound: the follower's worker is admitted to generate, and the trainer hears
+            # (in the follower's announce) that it serves its lineage
+            await _until("follower admitted", lambda: wb.admitted.get(lid.hex()) is True
+                         and _lin(b.snapshot(), "follow").admission == "fresh")
+            await _until("trainer sees its follower", lambda: any(
+                p.peer_id == idb.peer_id and p.serving == lid.hex() for p in a.snapshot().peers))
 
             # a version published while connected arrives through the broadcast
             assert wa.publish() == 3
