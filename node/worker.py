@@ -215,6 +215,7 @@ class Worker:
 
     # ------------------------------------------------------------ setup
     def load(self) -> None:
+        self.send("state", "loading")  # before the imports: torch and transformers take seconds to import
         from node.store import open_store
         from training.engine import open_engine
         from training.engine_hf import set_threads
@@ -225,7 +226,6 @@ class Worker:
         import torch
 
         torch.set_num_threads(int(self.spec.get("threads", 1)))
-        self.send("state", "loading")
         model_home = self.spec.get("model_home") or self.home
         budget = max(64, int(self.spec["memory_budget_mb"]) // 4)
         # the transformers copy: the trainer's fp32 master, and the source of the base state everywhere
