@@ -38,8 +38,10 @@ WAIT_S = 60.0  # virtual seconds per wait (the longest phase takes about 7): a b
 
 
 def _config(node_roles: list[str]) -> Config:
+    # While a thread works the clock may run 2.5x real time (0.05 s of the stall meter's timer per 0.02 s):
+    # on a loaded machine a slow store write must not look like a peer that stalls a download.
     return Config(node=NodeSection(swarm=SWARM, roles=node_roles, memory_budget_mb=1536),
-                  sync=SyncSection(anchor_every=8, retain_versions=32, max_staleness=4))
+                  sync=SyncSection(anchor_every=8, retain_versions=32, max_staleness=4, stall_timeout_s=30.0))
 
 
 async def _until(what: str, pred: Callable[[], bool]) -> None:
