@@ -154,6 +154,14 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             await _until("follower applied v4", lambda: _lin(b.snapshot(), "follow").held == 4
                          and wb2.follower.version == 4)
             assert wb2.follower.state_hash == wa.pub.state_hash
+            # ... and when the new one dies soon after, the next restart waits the next, longer backoff
+            died = trio.current_time()
+            wb2.crash(-9)
+            await _until("worker restarted again", lambda: len(workers.links) == 5)
+            assert spawned[-1] - died >= C.RESTART_BACKOFF_S[1] > C.RESTART_BACKOFF_S[0]
+            wb2 = workers.links[4]
+            await _until("worker following again", lambda: wb2.follower is not None and wb2.follower.version == 4)
+            assert b.snapshot().worker_restarts == 2
 
             # shutdown: request_stop ends each node and stops its worker
             for name, nd, w in (("b", b, wb2), ("a", a, wa)):
