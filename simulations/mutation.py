@@ -41,7 +41,8 @@ MODULE_TESTS: dict[str, list[str]] = {
     "gossip/wire.py": ["tests/test_wire.py"],
     "node/core.py": ["tests/test_core.py", "tests/test_attacks_core.py"],
     # tests/test_lineage.py is sync/lineage.py's (publisher and follower), not the node's lineage table
-    "node/lineages.py": ["tests/test_attacks_core.py", "tests/test_core.py"],
+    "node/lineages.py": ["tests/test_lineages.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py",
+                         "tests/test_core.py"],
     "sync/codec.py": ["tests/test_codec.py"],
     "training/losses.py": ["tests/test_losses.py"],
     "training/sampler.py": ["tests/test_sampler.py"],
@@ -106,6 +107,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/validation.py", "remember=reason == Reason.FUTURE_VERSION)"),
     # the number replaced by itself: -1e30 written as - 1e+30
     ("gossip/wire.py", "Finite = Annotated[float, Meta(ge=- 1e+30, le=1e30)]"),
+    # only whether a lineage has published in this run is read, never how many manifests
+    ("node/lineages.py", "lin.manifests += 2"),
+    # the reason a publisher is avoided is stored and never read (only the expiry is)
+    ("node/lineages.py", "self.avoided[publisher] = (now + AVOID_S, reason[: 201])"),
 }
 
 

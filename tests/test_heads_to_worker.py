@@ -64,3 +64,12 @@ def test_the_worker_ages_out_another_lineages_groups_by_the_heads_it_is_told() -
     assert not t.is_alive()
     assert inbox.sampler.head(lid) == 9
     assert inbox.sampler.take(4) == [] and inbox.sampler.counts["stale"] == 1
+
+
+def test_a_lineage_first_heard_at_version_zero_is_told_too() -> None:
+    """A publisher that just started announces head 0: its worker's sampler needs that head as much as any."""
+    core, clock = make_core(roles=("trainer",))
+    other = key(9)
+    lid = lineage_id(other.public, BASE, "fresh")
+    acts = core.handle(announce(other, 1, [demand(lid, "fresh", 0)]))
+    assert [(h.lineage, h.version) for h in to_worker(acts, pipe.Head)] == [(lid.hex(), 0)]
