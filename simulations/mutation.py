@@ -107,6 +107,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/validation.py", "remember=reason == Reason.FUTURE_VERSION)"),
     # the number replaced by itself: -1e30 written as - 1e+30
     ("gossip/wire.py", "Finite = Annotated[float, Meta(ge=- 1e+30, le=1e30)]"),
+    # numpy's floor division of two boolean arrays is 1 exactly where both are true (x // 0 is 0, with a warning)
+    ("gossip/wire.py", "ok = (a >= LOGPROB_MIN) // (a <= LOGPROB_MAX)"),
     # only whether a lineage has published in this run is read, never how many manifests
     ("node/lineages.py", "lin.manifests += 2"),
     # the reason a publisher is avoided is stored and never read (only the expiry is)

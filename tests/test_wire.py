@@ -193,6 +193,13 @@ LIMITS = [
                   token_versions=[(0, 1000), (2, 1001)]),
      _set_rollout(version=1000, completion_ids=[1] * 4, logprobs=struct.pack("<4f", *([-0.5] * 4)),
                   token_versions=[(0, 999)])),
+    (R, "v = 2", _attr("v", 2), _attr("v", 1)),
+    (R, "v = 2 (a later format)", _attr("v", 2), _attr("v", 3)),
+    (R, "task_set 32 bytes", _set_rollout(task=wire.TaskRef(b"\x01" * 32, "add", 7)),
+     _set_rollout(task=wire.TaskRef(b"\x01" * 31, "add", 7))),
+    (R, "completion_ids u32", _set_rollout(completion_ids=[2**32 - 1], logprobs=struct.pack("<f", -0.5),
+                                           token_versions=[(0, 3)]),
+     _set_rollout(completion_ids=[2**32], logprobs=struct.pack("<f", -0.5), token_versions=[(0, 3)])),
     (R, "generator <= 128 chars", _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 128, 7)),
      _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 129, 7))),
     (T, "generators 1-64", _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(64)]),
@@ -247,3 +254,41 @@ def test_the_size_limit_of_any_message_and_a_swarm_name_are_the_documented_ones(
         wire.decode_envelope(b"\x00" * (900 * 1024 + 1), swarm=SWARM)
     with pytest.raises(DecodeError, match="malformed envelope"):  # read, and found not to be an envelope
         wire.decode_envelope(b"\x00" * (900 * 1024), swarm=SWARM)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kinds_size_limit_is_the_documented_one(identity, kind):
+    """docs/protocol.md: 512 KiB for a rollout batch or a patch manifest, 128 KiB for a task set, 16 KiB for an
+    announce, checked on the raw bytes before the body is read."""
+    limit = {wire.ROLLOUT_BATCH: 512, wire.PATCH_MANIFEST: 512, wire.TASK_SET: 128, wire.NODE_ANNOUNCE: 16}[kind] * 1024
+
+    def envelope_of(size: int) -> bytes:  # an envelope of exactly `size` bytes (its body is padding)
+        pad = size - len(wire.encode(wire.Envelope(2, kind, SWARM, b"", identity.public, b"\x00" * 64)))
+        for n in range(pad, pad - 6, -1):  # the body's length prefix grows with it
+            data = wire.encode(wire.Envelope(2, kind, SWARM, b"\x00" * n, identity.public, b"\x00" * 64))
+            if len(data) == size:
+                return data
+        raise AssertionError(size)
+
+    assert wire.decode_envelope(envelope_of(limit), kind, swarm=SWARM).kind == kind
+    with pytest.raises(DecodeError, match="over its limit"):
+        wire.decode_envelope(envelope_of(limit + 1), kind, swarm=SWARM)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_body_is_a_msgpack_array_of_its_fields_in_order(identity, kind):
+    """The wire format other implementations read: each body (and the envelope) a msgpack array, its
+    fields in the order docs/protocol.md lists them."""
+    body = bodies(identity)[kind]
+    raw = msgspec.msgpack.decode(wire.encode(body))
+    assert isinstance(raw, list) and len(raw) == len(body.__struct_fields__)
+    assert raw[0] == wire.FORMAT_VERSION  # `v` first
+    env = msgspec.msgpack.decode(wire.seal(identity, kind, body, swarm=SWARM))
+    assert isinstance(env, list) and env[:3] == [wire.FORMAT_VERSION, kind, SWARM]
+
+
+def test_omitted_sampling_fields_decode_to_the_documented_defaults():
+    """A sender that omits SamplingParams' fields (an array cut short) means temperature 1, top_p 1 and
+    64 new tokens (docs/protocol.md), which a spot check then samples with."""
+    s = msgspec.msgpack.decode(b"\x90", type=wire.SamplingParams)
+    assert (s.temperature, s.top_p, s.max_new_tokens) == (1.0, 1.0, 64)
