@@ -113,6 +113,14 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("node/lineages.py", "lin.manifests += 2"),
     # the reason a publisher is avoided is stored and never read (only the expiry is)
     ("node/lineages.py", "self.avoided[publisher] = (now + AVOID_S, reason[: 201])"),
+    # `is not` between two bools is `!=`
+    ("node/lineages.py", 'if m.base_version > m.target_version or (m.codec == "anchor-v1") is not '
+                         '(m.base_version == m.target_version):'),
+    # a live row hearing a version at or below its signed head changes nothing either way
+    ("node/lineages.py", "if version != lin.signed_head or not lin.live:"),
+    # a publisher whose avoidance ends exactly now is not avoided either way (`is_avoided` asks until > now);
+    # the entry left for the next call is the first the size bound removes
+    ("node/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until < now]:"),
 }
 
 

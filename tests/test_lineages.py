@@ -4,7 +4,7 @@ tests/test_lineage.py's.)"""
 
 from __future__ import annotations
 
-from node.lineages import DEMAND_FRESH_S, SIZE_FACTOR, LineageTable
+from node.lineages import DEMAND_FRESH_S, SIZE_FACTOR, LineageTable, Refusal
 from sync.ids import lineage_id
 from tests.test_core import BASE, demand, key, manifest
 
@@ -93,3 +93,88 @@ def test_the_step_time_is_no_shorter_than_the_publisher_demonstrably_takes() -> 
     assert d is not None and d.step_time_s == 10.0
     clock.t += 30.0  # and no shorter than the time since its last version
     assert t.effective_demand(lin, clock()).step_time_s == 30.0
+
+
+def test_a_signed_head_may_jump_1024_versions_and_no_more() -> None:
+    """docs/architecture.md: a signed head may not jump more than 1024 versions past the last one heard."""
+    t, _ = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    t.on_demand(pub.public, demand(lid, "lin", 10))
+    lin, why = t.on_manifest(manifest(pub, "lin", 10 + 1024 - 1, 10 + 1024))
+    assert why is None and lin is not None and lin.signed_head == 10 + 1024
+    lin, why = t.on_manifest(manifest(pub, "lin", 10 + 2048, 10 + 2049))
+    assert why is not None and why.fault and "far ahead" in why.reason and t.rows[lid].signed_head == 10 + 1024
+    _, why = t.on_demand(pub.public, demand(lid, "lin", 10 + 2049))  # an announce's head: the same bound
+    assert why is not None and why.fault and "far ahead" in why.reason and t.rows[lid].signed_head == 10 + 1024
+    lin, why = t.on_demand(pub.public, demand(lid, "lin", 10 + 2048))
+    assert why is None and lin.signed_head == 10 + 2048
+
+
+def test_claims_on_a_proven_lineage_by_another_key_are_impersonation() -> None:
+    """Whatever the impersonator's key sorts as: a demand for this node's own lineage or for a lineage whose
+    publisher is proven, and a manifest whose id does not derive from its own fields, are forged claims."""
+    t, _ = table()
+    me, pub = key(1), key(128)
+    own = lineage_id(me.public, BASE, "mine")
+    t.set_own(own, "mine", me.public, BASE, 3)
+    lid = lineage_id(pub.public, BASE, "lin")
+    t.on_demand(pub.public, demand(lid, "lin", 3))
+    lower = next(key(i) for i in range(2, 100) if key(i).public < pub.public)
+    higher = next(key(i) for i in range(2, 100) if key(i).public > pub.public)
+    for liar in (lower, higher):  # a comparison of keys, not their equality, would let one side through
+        for target, name in ((own, "mine"), (lid, "lin")):
+            lin, why = t.on_demand(liar.public, demand(target, name, 4))
+            assert lin is None and why is not None and why.fault and why.forged, (liar.public[:1], name)
+    for wrong in (b"\x00" * 32, b"\xff" * 32):
+        why = t.check_manifest(manifest(pub, "lin", 3, 4, lineage=wrong))
+        assert why is not None and why.fault and why.forged and "derive" in why.reason
+    assert t.rows[lid].publisher == pub.public and t.rows[lid].signed_head == 3
+
+
+def test_the_observed_step_time_spans_the_last_eight_versions() -> None:
+    """docs/architecture.md: a follower believes a publisher's step time no shorter than what its last 8
+    signed versions took: one long pause is forgotten only when 8 newer versions show it over."""
+    t, clock = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    times = [0.0, 1.0, 100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 106.0]  # versions 1..9: a pause after 2
+    start = clock.t
+    for v, at in enumerate(times, start=1):
+        clock.t = start + at
+        lin, why = t.on_demand(pub.public, demand(lid, "lin", v, step_time_s=0.5))
+        assert why is None
+    d = t.effective_demand(lin, clock())
+    assert d is not None and d.step_time_s == (106.0 - 1.0) / 7  # versions 2..9: the pause still counts
+
+
+def test_refusals_are_counted_under_bounded_keys() -> None:
+    """The refusal counters (node status) keep at most 64 reasons, each at most 80 characters."""
+    t = LineageTable(64, Clock())  # knows no base model: nothing can be proven, every claim is refused
+    for i in range(100):
+        lid = lineage_id(key(3).public, b"\x09" * 32, f"l{i}")
+        _, why = t.on_demand(key(7).public, demand(lid, f"l{i}", 1))
+        assert why is not None and not why.fault
+    (reason,) = t.refused  # "lineage id does not derive from the signer's key, a known base model and the name"
+    assert t.refused[reason] == 100 and len(reason) == 80 and reason.startswith("lineage id does not derive")
+    for i in range(100):  # reasons that differ: the table stops growing at 64
+        t._count(Refusal(f"reason {i}"))
+    assert len(t.refused) == 64 and t.refused["reason 0"] == 1
+
+
+def test_a_full_table_evicts_only_rows_merely_seen() -> None:
+    """The least active row merely seen goes first; a followed or own row is never evicted for a stranger's."""
+    clock = Clock()
+    t = LineageTable(4, clock)
+    t.set_my_base(BASE, 1 << 20)
+    follow = key(20)
+    t.load(lineage_id(follow.public, BASE, "f"), "f", "follow", follow.public, BASE, 1)  # the least active
+    for i in range(3):
+        clock.t += 1
+        p = key(30 + i)
+        t.on_demand(p.public, demand(lineage_id(p.public, BASE, f"s{i}"), f"s{i}", 1))
+    clock.t += 1
+    newcomer = key(40)
+    lin, why = t.on_demand(newcomer.public, demand(lineage_id(newcomer.public, BASE, "n"), "n", 1))
+    assert why is None and lin is not None
+    assert {r.name for r in t.rows.values()} == {"f", "s1", "s2", "n"} and t.evicted == 1
