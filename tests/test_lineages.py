@@ -178,3 +178,12 @@ def test_a_full_table_evicts_only_rows_merely_seen() -> None:
     lin, why = t.on_demand(newcomer.public, demand(lineage_id(newcomer.public, BASE, "n"), "n", 1))
     assert why is None and lin is not None
     assert {r.name for r in t.rows.values()} == {"f", "s1", "s2", "n"} and t.evicted == 1
+
+
+def test_a_claimed_step_time_is_0_or_from_a_millisecond_to_a_million_seconds() -> None:
+    t, _ = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    for step, ok in ((0.0, True), (0.001, True), (0.0009, False), (1e6, True), (1e6 + 1, False)):
+        _, why = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=step))
+        assert (why is None) == ok and (ok or why.fault), step

@@ -200,6 +200,8 @@ LIMITS = [
     (R, "completion_ids u32", _set_rollout(completion_ids=[2**32 - 1], logprobs=struct.pack("<f", -0.5),
                                            token_versions=[(0, 3)]),
      _set_rollout(completion_ids=[2**32], logprobs=struct.pack("<f", -0.5), token_versions=[(0, 3)])),
+    (R, "segment index <= token count", _set_rollout(token_versions=[(0, 3), (8, 3)]),
+     _set_rollout(token_versions=[(0, 3), (9, 3)])),
     (R, "generator <= 128 chars", _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 128, 7)),
      _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 129, 7))),
     (T, "generators 1-64", _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(64)]),
@@ -279,9 +281,21 @@ def test_each_kinds_size_limit_is_the_documented_one(identity, kind):
 def test_every_body_is_a_msgpack_array_of_its_fields_in_order(identity, kind):
     """The wire format other implementations read: each body (and the envelope) a msgpack array, its
     fields in the order docs/protocol.md lists them."""
+    def same_shape(obj, raw) -> None:  # every Struct, nested too, an array of its fields in order
+        if isinstance(obj, msgspec.Struct):
+            assert isinstance(raw, list) and len(raw) == len(obj.__struct_fields__), type(obj).__name__
+            for name, item in zip(obj.__struct_fields__, raw):
+                same_shape(getattr(obj, name), item)
+        elif isinstance(obj, (list, tuple)):
+            assert len(obj) == len(raw)
+            for o, r in zip(obj, raw):
+                same_shape(o, r)
+
     body = bodies(identity)[kind]
+    if kind == wire.NODE_ANNOUNCE:
+        _demand()(body)
     raw = msgspec.msgpack.decode(wire.encode(body))
-    assert isinstance(raw, list) and len(raw) == len(body.__struct_fields__)
+    same_shape(body, raw)
     assert raw[0] == wire.FORMAT_VERSION  # `v` first
     env = msgspec.msgpack.decode(wire.seal(identity, kind, body, swarm=SWARM))
     assert isinstance(env, list) and env[:3] == [wire.FORMAT_VERSION, kind, SWARM]
@@ -292,3 +306,10 @@ def test_omitted_sampling_fields_decode_to_the_documented_defaults():
     64 new tokens (docs/protocol.md), which a spot check then samples with."""
     s = msgspec.msgpack.decode(b"\x90", type=wire.SamplingParams)
     assert (s.temperature, s.top_p, s.max_new_tokens) == (1.0, 1.0, 64)
+
+
+def test_a_local_structure_is_read_up_to_its_limit_and_no_further():
+    data = wire.encode(wire.TaskRef(b"\x01" * 32, "add", 7))
+    assert wire.decode_struct(data, wire.TaskRef, len(data)).seed == 7
+    with pytest.raises(DecodeError, match="over its limit"):
+        wire.decode_struct(data, wire.TaskRef, len(data) - 1)
