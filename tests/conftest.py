@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +38,32 @@ def home(tmp_path, monkeypatch):
     return h
 
 
+_TINY_BUILD: list[Any] = []  # the session's murmur-tiny build (tests.nodeproc.TinyBuild), once started
+
+
+def _tiny_build() -> Any:
+    from tests.nodeproc import TinyBuild
+
+    if not _TINY_BUILD:
+        _TINY_BUILD.append(TinyBuild(Path(tempfile.mkdtemp(prefix="murmur-tiny-")),
+                                     dict(os.environ, OMP_NUM_THREADS="1")))
+    return _TINY_BUILD[0]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building murmur-tiny as soon as a selected test needs it: the build then runs beside the
+    in-process tests that come first (one core each) instead of holding up the first live test."""
+    if session.config.option.collectonly:
+        return
+    if any("tiny_model" in getattr(item, "fixturenames", ()) for item in session.items):
+        _tiny_build()
+
+
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model() -> Path:
     """murmur-tiny (the default build every node starts from) built once per session, in a subprocess as a node
     builds it; nodes only read it, so every live-node test shares this one."""
-    from tests.nodeproc import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), dict(os.environ, OMP_NUM_THREADS="1"))
+    return _tiny_build().path()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +108,12 @@ def unexpected_skips(skipped: list[Any], allowed: dict[str, str]) -> list[str]:
     """Node ids of skipped (not xfailed) reports that no allowed prefix covers."""
     return sorted({r.nodeid for r in skipped if not hasattr(r, "wasxfail")
                    and not any(r.nodeid.startswith(p) for p in allowed)})
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for build in _TINY_BUILD:
+        build.cancel()
+        shutil.rmtree(build.root, ignore_errors=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -36,13 +36,28 @@ def wait_for(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen],
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def build_tiny_model(root: Path, env: dict[str, str]) -> Path:
-    """Build (or reuse) murmur-tiny under `root` in a subprocess, as a node would, and return its folder."""
-    code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
-    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=600,
-                       env=env, cwd=str(Path(__file__).resolve().parents[1]))
-    assert r.returncode == 0, r.stderr[-2000:]
-    return Path(r.stdout.strip().splitlines()[-1])
+class TinyBuild:
+    """murmur-tiny built under `root` in a subprocess, as a node builds it; `path()` waits for the build."""
+
+    def __init__(self, root: Path, env: dict[str, str]) -> None:
+        code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
+        self.root = root
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env,
+                                     cwd=str(Path(__file__).resolve().parents[1]))
+        self._path: Path | None = None
+
+    def path(self) -> Path:
+        if self._path is None:
+            out, err = self.proc.communicate(timeout=600)
+            assert self.proc.returncode == 0, err[-2000:]
+            self._path = Path(out.strip().splitlines()[-1])
+        return self._path
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
