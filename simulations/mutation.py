@@ -121,6 +121,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     # a publisher whose avoidance ends exactly now is not avoided either way (`is_avoided` asks until > now);
     # the entry left for the next call is the first the size bound removes
     ("node/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until < now]:"),
+    # receivers need a producer's seqs unique and increasing, not consecutive
+    ("node/core.py", "self.rollout_seq = max(self.rollout_seq + 2, int(self.wall_ms()) * 1000)"),
 }
 
 

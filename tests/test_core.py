@@ -309,3 +309,83 @@ def test_a_follower_standing_by_after_one_slow_patch_tries_again_once_that_measu
     assert standby_since is not None and core.serving == lid
     assert clock.t - start >= C.MEASURE_TTL_S  # not before the slow measure expired
     assert core.dissemination_s() == 0.0
+
+
+def test_a_catalog_from_a_peer_not_asked_is_ignored() -> None:
+    """Only the source asked may answer a catch-up (whichever way the peer ids sort)."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    items = (StoredItem("anchor", 4, 4, 900), StoredItem("patch", 4, 5, 10), StoredItem("patch", 5, 6, 10))
+    lower = next(key(i) for i in range(10, 200) if key(i).peer_id < trainer.peer_id)
+    higher = next(key(i) for i in range(10, 200) if key(i).peer_id > trainer.peer_id)
+    for stranger in (lower, higher):
+        assert of(core.handle(C.CatalogReceived(stranger.peer_id, lid, items)), C.RequestOffer) == []
+    assert len(of(core.handle(C.CatalogReceived(trainer.peer_id, lid, items)), C.RequestOffer)) == 3
+
+
+def test_a_follower_that_needs_an_anchor_plans_from_one() -> None:
+    """A worker that cannot apply its chain any more (`need_anchor`) is caught up from an anchor, even
+    when a chain from the version it holds is on offer."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=6)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 5, "need_anchor": True}))
+    assert core.catching is not None and core.catching.source == trainer.peer_id  # asked when it began following
+    items = (StoredItem("anchor", 6, 6, 900), StoredItem("patch", 5, 6, 10))
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
+    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [("anchor", 6, 6)]
+
+
+def test_a_fresh_cores_counters_start_at_zero() -> None:
+    core, _ = make_core()
+    assert core.counters and set(core.counters.values()) == {0}
+
+
+def test_a_trainers_announce_states_its_memory_in_bytes_and_its_step_time_in_range() -> None:
+    """The announce carries what receivers range-check: memory in bytes, a step time at most 1e6 s however
+    long the worker measured a step (a stalled step must not make the announce invalid)."""
+    core, clock = make_core(roles=("trainer",), memory_budget_mb=3)
+    me = key(1)
+    lid = lineage_id(me.public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
+    core.handle(W("step", {"step": 1, "version": 2, "reward_mean": 0.5, "loss": 0.1, "n_external_groups": 0,
+                           "step_s": 5e6}))
+    env, a = wire.open_envelope(of(core.handle(C.Tick()), C.Publish)[0].data, swarm=SWARM)
+    assert a.memory_bytes == 3 * 1024 * 1024
+    assert a.owned[0].step_time_s == 1e6
+
+
+def test_a_follower_re_paces_only_when_its_trainers_need_moves_by_more_than_a_tenth() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 3, rollouts=100)]))
+    first = to_worker(core.handle(C.Tick()), pipe.Pace)
+    assert len(first) == 1 and first[0].rollouts_per_s > 0
+    core.handle(announce(trainer, 2, [demand(lid, "lin", 3, rollouts=105)]))  # 5 % more: no new pace
+    clock.t += 1
+    assert to_worker(core.handle(C.Tick()), pipe.Pace) == []
+    core.handle(announce(trainer, 3, [demand(lid, "lin", 3, rollouts=150)]))  # 50 % more
+    clock.t += 1
+    again = to_worker(core.handle(C.Tick()), pipe.Pace)
+    assert len(again) == 1 and again[0].rollouts_per_s > first[0].rollouts_per_s
+
+
+def test_a_lineage_stored_as_seen_is_followed_once_a_version_of_it_applies() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    seen = "".join(["se", "en"])  # as the store returns it: equal to "seen", not the same object
+    core.handle(C.LineageKnown(lid, "lin", seen, trainer.public, BASE, 2))
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert core.lineages[lid].relation == "follow"
+
+
+def test_only_finite_rewards_reach_the_reward_trend() -> None:
+    core, _ = make_core()
+    for r in (1.0, float("nan"), float("inf"), 0.0, None):
+        core.handle(W("gen", {"reward_mean": r, "version": 0}))
+    assert list(core.rewards) == [1.0, 0.0]
