@@ -107,6 +107,7 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/validation.py", "remember=reason == Reason.FUTURE_VERSION)"),
     # the number replaced by itself: -1e30 written as - 1e+30
     ("gossip/wire.py", "Finite = Annotated[float, Meta(ge=- 1e+30, le=1e30)]"),
+    ("gossip/wire.py", "Finite = Annotated[float, Meta(ge=-1e30, le= 1e+30)]"),
     # numpy's floor division of two boolean arrays is 1 exactly where both are true (x // 0 is 0, with a warning)
     ("gossip/wire.py", "ok = (a >= LOGPROB_MIN) // (a <= LOGPROB_MAX)"),
     # only whether a lineage has published in this run is read, never how many manifests
@@ -121,6 +122,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     # a publisher whose avoidance ends exactly now is not avoided either way (`is_avoided` asks until > now);
     # the entry left for the next call is the first the size bound removes
     ("node/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until < now]:"),
+    # expired entries left in place: `is_avoided` compares the expiry, and the size bound removes the
+    # soonest to expire (the expired ones) first
+    ("node/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until is now]:"),
+    ("node/lineages.py", "for p in []:"),
     # receivers need a producer's seqs unique and increasing, not consecutive
     ("node/core.py", "self.rollout_seq = max(self.rollout_seq + 2, int(self.wall_ms()) * 1000)"),
 }

@@ -187,3 +187,12 @@ def test_a_claimed_step_time_is_0_or_from_a_millisecond_to_a_million_seconds() -
     for step, ok in ((0.0, True), (0.001, True), (0.0009, False), (1e6, True), (1e6 + 1, False)):
         _, why = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=step))
         assert (why is None) == ok and (ok or why.fault), step
+
+
+def test_a_publisher_is_avoided_for_ten_minutes() -> None:
+    t, clock = table()
+    pub = key(9)
+    t.avoid(pub.public, "its versions could not be fetched", clock())
+    assert t.is_avoided(pub.public, clock() + 599.0)
+    assert not t.is_avoided(pub.public, clock() + 600.0)
+    assert not t.is_avoided(key(10).public, clock())

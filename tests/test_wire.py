@@ -313,3 +313,23 @@ def test_a_local_structure_is_read_up_to_its_limit_and_no_further():
     assert wire.decode_struct(data, wire.TaskRef, len(data)).seed == 7
     with pytest.raises(DecodeError, match="over its limit"):
         wire.decode_struct(data, wire.TaskRef, len(data) - 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_message_of_another_kind_than_expected_is_refused(identity, kind):
+    data = wire.seal(identity, kind, bodies(identity)[kind], swarm=SWARM)
+    for expected in KINDS:
+        if expected != kind:
+            with pytest.raises(DecodeError, match="expected a"):
+                wire.open_envelope(data, expected, swarm=SWARM)
+
+
+def test_a_signature_of_the_wrong_length_is_malformed_not_forged(identity):
+    """A receiver charges a bad signature as forgery; a signature field that is not 64 bytes is garbage."""
+    data = wire.seal(identity, wire.NODE_ANNOUNCE, bodies(identity)[wire.NODE_ANNOUNCE], swarm=SWARM)
+    env = wire.decode_envelope(data, swarm=SWARM)
+    for sig in (env.sig + b"\x00", env.sig[:63]):
+        bad = wire.encode(wire.Envelope(env.v, env.kind, env.swarm, env.body, env.signer, sig))
+        with pytest.raises(DecodeError) as caught:
+            wire.decode_envelope(bad, swarm=SWARM)
+        assert not isinstance(caught.value, SignatureError)
