@@ -96,6 +96,17 @@ def test_one_process_holds_two_swarms(reg) -> None:
     assert (a.scores.score(ALICE.peer_id, clock_a()), b.scores.score(MALLORY.peer_id, clock_b())) == own
 
 
+def test_a_gossip_service_refuses_a_pipeline_of_another_swarm(reg) -> None:
+    """The service's topics and the pipeline's envelope check must name the same swarm, or every batch
+    on the service's topics would be refused as a cross-swarm replay."""
+    from gossip.service import GossipService
+
+    p, _ = pipe(reg, swarm="swarm-a")
+    with pytest.raises(ValueError, match="swarm-b"):
+        GossipService(None, p, "swarm-b")
+    assert GossipService(None, p, "swarm-a").swarm == "swarm-a"
+
+
 # Reasons with a test of their own below (they need a tokenizer, a verifier pool or an announce).
 OWN_TESTS = (Reason.ACCEPTED, Reason.BAD_TOKENS, Reason.TEXT_MISMATCH, Reason.VERIFIER_TIMEOUT,
              Reason.VERIFIER_UNAVAILABLE, Reason.VERIFIER_ERROR, Reason.OVER_ANNOUNCED_RATE)
