@@ -43,6 +43,8 @@ def test_ids_that_decode_to_the_text_pass_and_others_are_a_text_mismatch(tiny) -
     assert tiny(rollout(tiny, "<answer>12</answer>")) is None
     reason, detail = tiny(rollout(tiny, "<answer>12</answer>", ids=tiny.tokenizer.encode("<answer>13</answer>")))
     assert reason is Reason.TEXT_MISMATCH and "text (19 chars)" in detail and "its 19 ids" in detail
+    assert tiny(rollout(tiny, "<answer>13</answer>", ids=tiny.tokenizer.encode("<answer>12</answer>")))[0] \
+        is Reason.TEXT_MISMATCH  # decoding to an earlier text as well as to a later one
     # the same ids under another tokenizer's name: judged on the text alone, the ids never used here
     assert tiny(rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=b"\x01" * 32)) is None
 
@@ -131,6 +133,9 @@ def test_the_worker_check_bounds_ids_by_the_engines_vocabulary(tiny, engine) -> 
     """Ids past the embedding decode to nothing, so only the bound stops them before the model call."""
     assert tokencheck.consistent(rollout(tiny, tiny.decode([engine.vocab - 1]), ids=[engine.vocab - 1]), engine)
     assert not tokencheck.consistent(rollout(tiny, "", ids=[engine.vocab]), engine)
+    assert not tokencheck.consistent(rollout(tiny, "", ids=[engine.vocab + 5]), engine)
+    for text, other in (("12", "13"), ("13", "12")):  # decoding to any other text, before or after it
+        assert not tokencheck.consistent(rollout(tiny, text, ids=tiny.tokenizer.encode(other)), engine)
     assert tokencheck.consistent(rollout(tiny, "", ids=[]), engine)
     assert tokencheck.consistent(rollout(tiny, "<answer>1</answer>", ids=[10**6]), None)  # no model: no call follows
 
