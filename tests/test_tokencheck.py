@@ -30,10 +30,12 @@ def engine():
 
 def rollout(check: tokencheck.TokenCheck, text: str, ids: list[int] | None = None,
             tokenizer_hash: bytes | None = None) -> wire.Rollout:
-    """A rollout whose `text` is `text` and whose ids are what `check`'s tokenizer makes of it (or `ids`)."""
+    """A rollout whose `text` is `text` and whose ids are what `check`'s tokenizer makes of it (or `ids`), as
+    received: decoded from its bytes, so its fields are equal to the check's, never the same objects."""
     ids = check.tokenizer.encode(text, add_special_tokens=False) if ids is None else ids
-    return msgspec.structs.replace(samples.rollout(n_tokens=len(ids)), completion_ids=ids, text=text,
-                                   tokenizer_hash=check.hash if tokenizer_hash is None else tokenizer_hash)
+    r = msgspec.structs.replace(samples.rollout(n_tokens=len(ids)), completion_ids=ids, text=text,
+                                tokenizer_hash=check.hash if tokenizer_hash is None else tokenizer_hash)
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=wire.Rollout)
 
 
 # ------------------------------------------------------------ the pipeline's check (TokenCheck)
@@ -149,12 +151,13 @@ def test_decoding_drops_eos_and_specials_as_the_engine_does(tiny, engine) -> Non
 
 
 def wordpiece_tokenizer():
-    """A BERT-style tokenizer, built here: transformers cleans up its decoded spaces, its backend does not."""
+    """A BERT-style tokenizer, built here: transformers cleans up its decoded spaces, its backend does not; its
+    special tokens come after the others (as Qwen's do), so EOS has the largest id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<unk>"]
-    tok = Tokenizer(models.WordPiece(vocab={t: i for i, t in enumerate(specials + [chr(c) for c in range(33, 127)])},
+    tok = Tokenizer(models.WordPiece(vocab={t: i for i, t in enumerate([chr(c) for c in range(33, 127)] + specials)},
                                      unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(cleanup=False)
@@ -169,7 +172,8 @@ def test_a_tokenizer_that_cleans_up_spaces_is_checked_with_its_full_decode(engin
 
     tok = wordpiece_tokenizer()
     check = tokencheck.TokenCheck(tok)
-    ids = tok.encode("1 , 2 .", add_special_tokens=False)
+    ids = [tok.pad_token_id, *tok.encode("1 , 2 .", add_special_tokens=False), tok.eos_token_id]
+    assert tok.eos_token_id > max(ids[1:-1])
     assert check.decode(ids) == HFEngine(engine.model, tok).decode(ids) == "1, 2."
     assert check(rollout(check, "1, 2.", ids=ids)) is None
     assert check(rollout(check, "1 , 2 .", ids=ids))[0] is Reason.TEXT_MISMATCH
