@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import blake3
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossip.errors import PatchError
-from sync.codec import TRAILER_BYTES, decode_patch, encode_patch
+from sync.codec import TRAILER_BYTES, ZSTD, assemble, decode_patch, encode_patch, read_header
 from sync.hashing import bits_view, state_hash
 
 torch.set_num_threads(1)
@@ -174,3 +175,43 @@ def test_sparse_bf16_is_small() -> None:
     target = {"w": _mutate(base["w"], 0.01, "ulp", rng)}
     payload, changes = encode_patch(base, target)
     assert len(payload) / changes["w"].idx.size < 2.0
+
+
+def test_a_model_of_many_tensors_round_trips() -> None:
+    """A real state has dozens of tensors (murmur-tiny: over 30), all in one patch."""
+    rng = np.random.default_rng(1)
+    base = {f"layers.{i}.weight": _random(torch.bfloat16, (8, 8), rng) for i in range(40)}
+    target = {n: _mutate(t, 0.05, "ulp", rng) for n, t in base.items()}
+    payload, changes = encode_patch(base, target)
+    assert len(changes) == 40
+    out = _apply(base, payload)
+    assert state_hash(out) == state_hash(target)
+
+
+def test_an_unknown_stream_method_is_a_patch_error() -> None:
+    """A well-formed header (checksum recomputed) naming a stream method the decoder does not know."""
+    base = {"w": torch.zeros(100, 100, dtype=torch.bfloat16)}
+    target = {"w": base["w"].clone()}
+    target["w"].view(-1)[::10] = 1.0  # regular gaps: a stream zstd shrinks
+    payload, _ = encode_patch(base, target)
+    header, off = read_header(payload)
+    entry = header.tensors[0]
+    k = next(i for i, (m, _) in enumerate(entry.streams) if m == ZSTD)  # a zstd frame: would decode as one
+    for method in (ZSTD + 1, 255):
+        streams = [(method if i == k else m, n) for i, (m, n) in enumerate(entry.streams)]
+        forged = assemble(msgspec.structs.replace(header, tensors=[msgspec.structs.replace(entry, streams=streams)]),
+                          [payload[off:-TRAILER_BYTES]])
+        with pytest.raises(PatchError, match="unknown stream method"):
+            decode_patch(forged, {"w": (torch.bfloat16, (100, 100))})
+
+
+@pytest.mark.parametrize("density,bits_per_element", [(0.5, 1.0), (0.9, 0.6)])
+def test_dense_changes_cost_at_most_a_bitmask(density: float, bits_per_element: float) -> None:
+    """When most elements change, positions cost about a bit per element or less (a bitmask), not the
+    byte or so per changed element that gaps take."""
+    n = 100_000
+    base = torch.zeros(n, dtype=torch.uint8)
+    target = base.clone()
+    target[torch.from_numpy(np.random.default_rng(3).random(n) < density)] = 1
+    payload, _ = encode_patch({"w": base}, {"w": target})
+    assert len(payload) < n * bits_per_element / 8 + 200
