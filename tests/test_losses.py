@@ -133,6 +133,7 @@ def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
     expect = -((2.0 * 1.0 * 1.0 * -1.0) + (1.0 * s1 * -1.0 * -1.0)) / 2
     assert loss.item() == pytest.approx(expect, rel=1e-5)
     assert st["seq_ratio_truncated_frac"] == 0.5
+    assert st["seq_ratio_mean"] == pytest.approx((math.e + math.exp(-0.5)) / 2, rel=1e-5)  # before truncation
     loss.backward()
     # length-normalised: row 0 tokens get -coef*s*A/len/2 = -2*1*1/2/2
     assert logp.grad[0, 0].item() == pytest.approx(-0.5, rel=1e-5)
@@ -155,6 +156,8 @@ def test_capability_tracker() -> None:
     t.update(b"a", [1.0, 1.0])
     assert t.get(b"a") == pytest.approx(0.875)
     assert t.get(b"unknown") == 0.5
+    t.update(b"b", [0.0, 1.0])  # a failure pulls the rate down by the same rule
+    assert t.get(b"b") == pytest.approx(0.625)
 
 
 # ------------------------------------------------------------ the asymmetric clip, one side at a time
@@ -251,3 +254,15 @@ def test_hacpo_loss_with_a_denominator_is_the_sum_over_it() -> None:
     mean, _ = hacpo_loss(logp, src, mask, adv, coef)
     summed, _ = hacpo_loss(logp, src, mask, adv, coef, denom=10)
     assert summed.item() == pytest.approx(mean.item() * 4 / 10, rel=1e-6)
+
+
+def test_hacpo_a_row_without_tokens_contributes_nothing() -> None:
+    """A sequence whose mask is empty (nothing re-tokenised survived) is left out of the loss and its stats."""
+    logp = -torch.rand(3, 3, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 3)
+    mask[2] = 0.0
+    src, adv, coef = torch.tensor([-0.4, -0.9, -0.5]), torch.tensor([1.0, -0.5, 2.0]), torch.ones(3)
+    loss, st = hacpo_loss(logp, src, mask, adv, coef)
+    ref, st_ref = hacpo_loss(logp[:2], src[:2], mask[:2], adv[:2], coef[:2])
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert st == pytest.approx(st_ref)
