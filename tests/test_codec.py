@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import blake3
 import msgspec
 import numpy as np
@@ -215,3 +217,18 @@ def test_dense_changes_cost_at_most_a_bitmask(density: float, bits_per_element: 
     target[torch.from_numpy(np.random.default_rng(3).random(n) < density)] = 1
     payload, _ = encode_patch({"w": base}, {"w": target})
     assert len(payload) < n * bits_per_element / 8 + 200
+
+
+def test_values_turning_non_finite_are_counted_whatever_they_were() -> None:
+    """Only positions that were finite count with `was`: a zero (all bits clear) or a negative value that
+    becomes NaN or infinite counts, one that was already NaN does not."""
+    from sync.codec import count_non_finite
+
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).split(".")[1]
+        now = bits_view(torch.tensor([math.nan, math.inf, -math.inf, math.nan, 2.0], dtype=dtype))
+        was = bits_view(torch.tensor([0.0, -0.0, -3.0, math.nan, math.nan], dtype=dtype))
+        assert count_non_finite(now, name, was=was) == 3, name
+        each = [count_non_finite(now[i:i + 1], name, was=was[i:i + 1]) for i in range(5)]
+        assert each == [1, 1, 1, 0, 0], name
+        assert count_non_finite(now, name) == 4, name

@@ -266,3 +266,5 @@ def test_hacpo_a_row_without_tokens_contributes_nothing() -> None:
     ref, st_ref = hacpo_loss(logp[:2], src[:2], mask[:2], adv[:2], coef[:2])
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(ref.item(), rel=1e-6)
     assert st == pytest.approx(st_ref)
+    empty, st_empty = hacpo_loss(logp, src, torch.zeros(3, 3), adv, coef)  # nothing at all: zero, not NaN
+    assert empty.item() == 0.0 and set(st_empty.values()) == {0.0}
