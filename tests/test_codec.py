@@ -147,6 +147,12 @@ def test_garbage_is_a_patch_error() -> None:
     for junk in (b"", b"MRP1", b"\x00" * 100, b"MRP1" + b"\xff" * 60):
         with pytest.raises(PatchError):
             decode_patch(junk)
+    payload, _ = encode_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)})
+    body = payload[:-TRAILER_BYTES]
+    for magic in (b"MRP0", b"MRP2"):  # another format's payload, its checksum intact
+        other = magic + body[4:]
+        with pytest.raises(PatchError, match="magic"):
+            decode_patch(other + blake3.blake3(other).digest(length=TRAILER_BYTES))
 
 
 def test_layout_mismatch_is_rejected_before_decoding() -> None:

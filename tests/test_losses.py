@@ -62,6 +62,9 @@ def test_ppo_mask_and_sequence_advantage_broadcast() -> None:
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     loss, _ = ppo_clip_loss(logp, logp, torch.tensor([1.0, -2.0]), mask)
     assert loss.item() == pytest.approx(-(1 + 1 - 2) / 3)
+    # a ratio above 1 + eps_hi with a small negative advantage: the min keeps the ratio, nothing is clipped
+    _, st = ppo_clip_loss(torch.log(torch.tensor([[1.5]])), torch.zeros(1, 1), torch.tensor([-0.5]), torch.ones(1, 1))
+    assert st["clip_frac"] == 0.0
 
 
 def test_m2po_mask_by_hand() -> None:

@@ -48,7 +48,8 @@ def test_ids_that_decode_to_the_text_pass_and_others_are_a_text_mismatch(tiny) -
     assert tiny(rollout(tiny, "<answer>13</answer>", ids=tiny.tokenizer.encode("<answer>12</answer>")))[0] \
         is Reason.TEXT_MISMATCH  # decoding to an earlier text as well as to a later one
     # the same ids under another tokenizer's name: judged on the text alone, the ids never used here
-    assert tiny(rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=b"\x01" * 32)) is None
+    for other in (b"\x00" * 32, b"\xff" * 32):  # names sorting before and after ours
+        assert tiny(rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=other)) is None
 
 
 def test_the_vocabulary_bound_is_checked_before_decoding(tiny) -> None:
@@ -105,6 +106,8 @@ def test_no_tokenizer_on_this_machine_means_no_check(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 120}))
     assert tokencheck.for_model(str(tmp_path)) is None
     assert tokencheck.for_model(str(tmp_path / "absent")) is None
+    for name in ("a-model", "qwen-model"):  # names that sort before and after murmur-tiny's are not it
+        assert tokencheck.for_model(name) is None
 
 
 # ------------------------------------------------------------ the worker's check (consistent) and the engine's decoding
@@ -127,8 +130,9 @@ def test_worker_check_before_training(tiny, engine) -> None:
     assert tokencheck.consistent(rollout(tiny, "<answer>12</answer>"), engine)
     assert not tokencheck.consistent(rollout(tiny, "<answer>12</answer>", ids=[10, 11]), engine)
     assert not tokencheck.consistent(rollout(tiny, "<answer>12</answer>", ids=[engine.vocab + 5]), engine)
-    other = rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=b"\x01" * 32)
-    assert tokencheck.consistent(other, engine)  # another tokenizer: its text is re-tokenised, ids unused
+    for name in (b"\x00" * 32, b"\xff" * 32):
+        other = rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=name)
+        assert tokencheck.consistent(other, engine)  # another tokenizer: its text is re-tokenised, ids unused
 
 
 def test_the_worker_check_bounds_ids_by_the_engines_vocabulary(tiny, engine) -> None:
