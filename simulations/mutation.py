@@ -261,7 +261,7 @@ def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, k
         if resume:
             shutil.copy2(resume, db)
             with sqlite3.connect(db) as con:  # survivors become pending again
-                con.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+                con.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in to_rerun(module, db)])
         else:
             subprocess.run(cr + ["init", str(cfg), str(db)], cwd=work, env=env, check=True)
             if sample is not None:
@@ -287,6 +287,23 @@ def report(module: str, db: str) -> dict[str, Any]:
     return summarize(module, MODULE_TESTS.get(module, []), done, _sample_of(Path(db)))
 
 
+def to_rerun(module: str, db: Path) -> list[str]:
+    """Job ids of a session's survivors that are not equivalent (equivalents stay: no test can kill them)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    with use_db(str(db), WorkDB.Mode.open) as wdb:
+        return [item.job_id for item, result in wdb.completed_work_items
+                if result.test_outcome == TestOutcome.SURVIVED and not _equivalent(module, item, result)]
+
+
+def _equivalent(module: str, item: Any, result: Any) -> bool:
+    """A surviving mutant no test can tell from the original (EQUIVALENT, or a mutated annotation)."""
+    m = item.mutations[0]
+    return any((module, a) in EQUIVALENT for a in _added_lines(result.diff or "")) or \
+        _annotation_only(module, m.start_pos)
+
+
 def summarize(module: str, tests: list[str], done: list[Any],
               sampled: tuple[int, int, int] | None = None) -> dict[str, Any]:
     from cosmic_ray.work_item import TestOutcome
@@ -299,9 +316,7 @@ def summarize(module: str, tests: list[str], done: list[Any],
         elif result.test_outcome == TestOutcome.INCOMPETENT:
             incompetent += 1  # the mutant does not even import: counted apart, as cosmic-ray does
         else:
-            added = _added_lines(result.diff or "")
-            if any((module, a) in EQUIVALENT for a in added) or \
-                    _annotation_only(module, item.mutations[0].start_pos):
+            if _equivalent(module, item, result):
                 equivalent += 1
                 continue
             survived += 1

@@ -111,3 +111,19 @@ def test_only_mutated_signature_annotations_count_as_equivalent() -> None:
     # the default value after an annotation is code too
     row, col = _position("gossip/validation.py", "reward_batch: BatchReward | None = None", "= None")
     assert not _annotation_only("gossip/validation.py", (row, col + 2))
+
+
+def test_resume_reruns_the_survivors_but_not_the_equivalent_ones(tmp_path: Path, monkeypatch) -> None:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    from simulations import mutation
+
+    db = _init_session(tmp_path, "r")
+    with use_db(str(db), WorkDB.Mode.open) as wdb:
+        jobs = [item.job_id for item in wdb.work_items][:3]
+        for job, outcome, line in zip(jobs, ("SURVIVED", "SURVIVED", "KILLED"), ("x = 1", "x = 2", "x = 3")):
+            wdb.set_result(job, WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome[outcome],
+                                           diff=f"--- a\n+++ b\n-x = 0\n+{line}\n"))
+    monkeypatch.setattr(mutation, "EQUIVALENT", {("small.py", "x = 1")})
+    assert mutation.to_rerun("small.py", db) == [jobs[1]]
