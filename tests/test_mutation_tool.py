@@ -125,5 +125,6 @@ def test_resume_reruns_the_survivors_but_not_the_equivalent_ones(tmp_path: Path,
         for job, outcome, line in zip(jobs, ("SURVIVED", "SURVIVED", "KILLED"), ("x = 1", "x = 2", "x = 3")):
             wdb.set_result(job, WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome[outcome],
                                            diff=f"--- a\n+++ b\n-x = 0\n+{line}\n"))
-    monkeypatch.setattr(mutation, "EQUIVALENT", {("small.py", "x = 1")})
-    assert mutation.to_rerun("small.py", db) == [jobs[1]]
+    module = str(tmp_path / "small.py")  # absolute: read where it is, not under the repository
+    monkeypatch.setattr(mutation, "EQUIVALENT", {(module, "x = 1")})
+    assert mutation.to_rerun(module, db) == [jobs[1]]
