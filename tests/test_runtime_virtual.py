@@ -26,7 +26,7 @@ from node import patchsync, pipe
 from node.config import Config, NodeSection, SyncSection
 from node.pipe import WorkerState
 from node.runtime import Node, RunOptions
-from node.status import NodeStatus
+from node.status import LineageView, NodeStatus
 from tests.fakeworker import FakeLink, FakeWorkers
 from tests.memnet import MemNet
 
@@ -45,12 +45,14 @@ def _config(node_roles: list[str]) -> Config:
 
 
 async def _until(what: str, pred: Callable[[], bool]) -> None:
-    with trio.fail_after(WAIT_S):
+    with trio.move_on_after(WAIT_S):
         while not pred():
             await trio.sleep(0.1)
+        return
+    raise AssertionError(f"timed out waiting for {what} ({WAIT_S:.0f} virtual s)")
 
 
-def _lin(s: NodeStatus, relation: str):
+def _lin(s: NodeStatus, relation: str) -> LineageView | None:
     return next((x for x in s.lineages if x.relation == relation), None)
 
 
