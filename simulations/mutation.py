@@ -142,6 +142,13 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("sync/codec.py", "if count * 64 is not n:  # a bitmask can only win above ~1/64 density"),
     # a payload under 24 bytes has no room for its header length: refused by the next check instead
     ("sync/codec.py", "if len(mv) < len(MAGIC) - 4 + TRAILER_BYTES:"),
+    # the time of a progress that never was: a held version is never -1, so the first catch-up replaces it
+    ("node/core.py", "self.progress = (-1, -1.0)  # (held version of the served lineage, when it last changed)"),
+    # a row's head is never below what it holds (every write of `held` raises `head` to it)
+    ("node/core.py", "if lin is None or (lin.head == lin.held and not lin.need_anchor):"),
+    # the lineage table's default bound off by one (as ratelimit's and scoring's)
+    ("node/core.py", "max_lineages: int = 255"),
+    ("node/core.py", "max_lineages: int = 257"),
 }
 
 

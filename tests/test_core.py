@@ -389,3 +389,39 @@ def test_only_finite_rewards_reach_the_reward_trend() -> None:
     for r in (1.0, float("nan"), float("inf"), 0.0, None):
         core.handle(W("gen", {"reward_mean": r, "version": 0}))
     assert list(core.rewards) == [1.0, 0.0]
+
+
+def test_announces_made_within_one_millisecond_still_rise() -> None:
+    """Receivers ignore an announce whose seq is not above the last one seen from its key."""
+    clock = Clock()
+    core = C.NodeCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
+    core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
+    seqs = []
+    for _ in range(3):
+        clock.t += 60
+        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(core.handle(C.Tick()), C.Publish)
+                 if a.topic == "announce"]
+    assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
+
+
+def test_a_trainers_step_time_is_the_time_between_its_published_versions() -> None:
+    core, clock = make_core(roles=("trainer",))
+    me = key(1)
+    lid = lineage_id(me.public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0}))
+    core.handle(W("published", {"version": 1, "envelope": b""}))
+    clock.t += 2500.0  # longer than the clock's reading at the first: a difference, not a remainder
+    core.handle(W("published", {"version": 2, "envelope": b""}))
+    env, a = wire.open_envelope(of(core.handle(C.Tick()), C.Publish)[0].data, swarm=SWARM)
+    assert a.owned[0].step_time_s == 2500.0
+
+
+def test_rollout_batches_go_to_a_trainer_and_to_a_validator_of_their_lineage_only() -> None:
+    trainer, _ = make_core(roles=("trainer",))
+    assert trainer.external_wanted({b"\x01" * 32})
+    core, clock = make_core(roles=("follower", "validator"))
+    lid = follow_trainer(core, clock, key(9))
+    assert core.external_wanted({lid}) and not core.external_wanted({b"\x01" * 32})
+    follower, clock = make_core(roles=("follower",))
+    lid = follow_trainer(follower, clock, key(9))
+    assert not follower.external_wanted({lid})

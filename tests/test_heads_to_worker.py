@@ -73,3 +73,12 @@ def test_a_lineage_first_heard_at_version_zero_is_told_too() -> None:
     lid = lineage_id(other.public, BASE, "fresh")
     acts = core.handle(announce(other, 1, [demand(lid, "fresh", 0)]))
     assert [(h.lineage, h.version) for h in to_worker(acts, pipe.Head)] == [(lid.hex(), 0)]
+
+
+def test_a_new_worker_is_told_even_a_head_at_version_zero() -> None:
+    core, clock = make_core(roles=("trainer",))
+    other = key(9)
+    lid = lineage_id(other.public, BASE, "fresh")
+    core.handle(announce(other, 1, [demand(lid, "fresh", 0)]))
+    acts = core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": 1 << 20}))  # a new worker
+    assert [(h.lineage, h.version) for h in to_worker(acts, pipe.Head)] == [(lid.hex(), 0)]
