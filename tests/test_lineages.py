@@ -195,4 +195,46 @@ def test_a_publisher_is_avoided_for_ten_minutes() -> None:
     t.avoid(pub.public, "its versions could not be fetched", clock())
     assert t.is_avoided(pub.public, clock() + 599.0)
     assert not t.is_avoided(pub.public, clock() + 600.0)
+    assert not t.is_avoided(pub.public, clock() + 700.0)
     assert not t.is_avoided(key(10).public, clock())
+
+
+def test_of_64_avoided_publishers_the_soonest_to_expire_is_forgotten_first() -> None:
+    t, clock = table()
+    pubs = [key(100 + i).public for i in range(65)]
+    for i, pub in enumerate(pubs):
+        clock.t += 1.0
+        t.avoid(pub, f"{'z' if i == 0 else 'a'} could not fetch", clock())  # the oldest has the last reason
+    assert len(t.avoided) == 64 and pubs[0] not in t.avoided and pubs[1] in t.avoided
+
+
+def test_a_stored_row_loads_only_with_a_32_byte_key_and_base_that_derive_its_id() -> None:
+    t, _ = table()
+    pub = key(9).public
+    for publisher, base in ((pub[:31], BASE), (pub, BASE[:31]), (pub + b"\x00", BASE)):  # a damaged store
+        t.load(b"\x01" * 32, "lin", "follow", publisher, base, 4)
+        assert not t.rows
+    lid = lineage_id(pub, BASE, "lin")
+    t.load(lid, "lin", "follow", pub, BASE, 4)
+    assert t.rows[lid].held == 4
+
+
+def test_a_publishers_demand_under_another_name_is_provably_false() -> None:
+    t, _ = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    t.on_demand(pub.public, demand(lid, "lin", 3))
+    lin, why = t.on_demand(pub.public, demand(lid, "other-name", 4))
+    assert lin is None and why is not None and why.fault and not why.forged and "derive" in why.reason
+
+
+def test_an_unmeasured_step_time_stays_unmeasured_and_a_measured_one_is_capped() -> None:
+    t, clock = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=0.0))
+    clock.t += 20.0  # an observation exists (20 s since the head was heard), yet 0 means "not measured"
+    assert t.effective_demand(lin, clock()).step_time_s == 0.0
+    clock.t += 5e6  # the next version 5e6 s later: believed no slower than 1e6 s
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 4, step_time_s=1.0))
+    assert t.effective_demand(lin, clock()).step_time_s == 1e6
