@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
+
 from gossip import wire
 from gossip.identity import Identity
 from node import core as C
@@ -425,3 +427,51 @@ def test_rollout_batches_go_to_a_trainer_and_to_a_validator_of_their_lineage_onl
     follower, clock = make_core(roles=("follower",))
     lid = follow_trainer(follower, clock, key(9))
     assert not follower.external_wanted({lid})
+
+
+def test_a_trainers_demand_counts_every_optimizer_step_of_a_version() -> None:
+    """B in the capacity rule: external rollouts per published version, `publish_every` steps of
+    `external_rollouts` groups of `group_size`."""
+    core, clock = make_core(roles=("trainer",), publish_every=2, external_rollouts=3, group_size=4)
+    me = key(1)
+    lid = lineage_id(me.public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0}))
+    env, a = wire.open_envelope(of(core.handle(C.Tick()), C.Publish)[0].data, swarm=SWARM)
+    assert a.owned[0].rollouts_per_step == 24
+
+
+def test_measured_throughput_is_smoothed_and_the_announce_stays_in_range() -> None:
+    core, clock = make_core()
+    core.handle(W("perf", {"gen_tokens_per_s": 100.0, "rollout_latency_s": 5e6}))
+    core.handle(W("perf", {"gen_tokens_per_s": 200.0, "rollout_latency_s": 5e6}))
+    assert core.gen_tps == pytest.approx(0.7 * 100.0 + 0.3 * 200.0)
+    clock.t += 60
+    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
+    _, a = wire.open_envelope(sent[0].data, swarm=SWARM)  # a latency past 1e6 s would make it invalid
+    assert a.rollout_latency_s == 1e6 and a.gen_tokens_per_s == pytest.approx(130.0)
+
+
+def test_a_catch_up_with_no_reply_is_retried_after_its_patience() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    start, fetches = clock.t, []
+    for seq in range(2, 26):  # the publisher keeps announcing (its demand stays fresh); no catalog comes
+        clock.t += 7.0  # steps that pass the patience without landing on it
+        core.handle(announce(trainer, seq, [demand(lid, "lin", 6)]))
+        fetches += [clock.t - start for a in of(core.handle(C.Tick()), C.FetchCatalog)]
+    assert core.serving == lid and fetches and fetches[0] >= C.CATCH_UP_PATIENCE_S
+    assert fetches[0] <= C.CATCH_UP_PATIENCE_S + 7.0
+
+
+def test_a_catalog_item_beyond_the_signed_head_is_not_requested() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(C.Tick())
+    items = (StoredItem("anchor", 6, 6, 900), StoredItem("patch", 6, 7, 10), StoredItem("anchor", 9, 9, 1))
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
+    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [("anchor", 6, 6)]
