@@ -475,3 +475,22 @@ def test_a_catalog_item_beyond_the_signed_head_is_not_requested() -> None:
     items = (StoredItem("anchor", 6, 6, 900), StoredItem("patch", 6, 7, 10), StoredItem("anchor", 9, 9, 1))
     acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
     assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [("anchor", 6, 6)]
+
+
+def test_a_trainers_external_demand_is_its_groups_per_measured_step() -> None:
+    core, clock = make_core(roles=("trainer",), external_rollouts=3, group_size=4)
+    for s in (2.0, 2.0, 2.0):
+        core.handle(W("step", {"step": 1, "version": 0, "reward_mean": None, "loss": None, "n_external_groups": 0,
+                               "step_s": s}))
+    assert core.external_demand() == pytest.approx(3 * 4 / 2.0)
+    assert core.steps == 3
+    follower, _ = make_core()
+    assert follower.external_demand() == 0.0 and follower.steps == 0
+
+
+def test_a_batch_of_own_rollouts_is_stored_once_with_its_first_row() -> None:
+    core, clock = make_core(roles=("trainer",))
+    acts = core.handle(W("rollouts", [wire.encode(_rollout())] * 3))
+    (rec,) = of(acts, C.RecordRollouts)
+    (pub,) = [a for a in acts if isinstance(a, C.Publish) and a.topic == "rollouts"]
+    assert [row["payload"] for row in rec.entries] == [pub.data, None, None]

@@ -238,3 +238,35 @@ def test_an_unmeasured_step_time_stays_unmeasured_and_a_measured_one_is_capped()
     clock.t += 5e6  # the next version 5e6 s later: believed no slower than 1e6 s
     lin, _ = t.on_demand(pub.public, demand(lid, "lin", 4, step_time_s=1.0))
     assert t.effective_demand(lin, clock()).step_time_s == 1e6
+
+
+def test_a_table_holds_at_least_four_rows() -> None:
+    """Own, served and two more, however small the configured bound."""
+    clock = Clock()
+    t = LineageTable(1, clock)
+    t.set_my_base(BASE, 1 << 20)
+    for i in range(5):
+        clock.t += 1
+        p = key(30 + i)
+        t.on_demand(p.public, demand(lineage_id(p.public, BASE, f"s{i}"), f"s{i}", 1))
+    assert len(t.rows) == 4 and t.evicted == 1
+
+
+def test_this_nodes_own_manifests_relayed_back_change_nothing_and_count_as_no_refusal() -> None:
+    t, _ = table()
+    me = key(1)
+    own = lineage_id(me.public, BASE, "mine")
+    t.set_own(own, "mine", me.public, BASE, 3)
+    assert t.on_manifest(manifest(me, "mine", 3, 4)) == (None, None)
+    assert t.refused == {} and t.rows[own].signed_head == 3
+    why = t.check_manifest(manifest(me, "mine", 3, 4))  # judged (an offer): provably not to be acted on
+    assert why is not None and why.fault and why.forged
+
+
+def test_configured_lineages_are_offered_whatever_their_order() -> None:
+    t, clock = table()
+    a, b = key(9), key(10)
+    la, lb = lineage_id(a.public, BASE, "a"), lineage_id(b.public, BASE, "b")
+    t.on_demand(a.public, demand(la, "a", 3))
+    t.on_demand(b.public, demand(lb, "b", 3))
+    assert [lin.lineage for lin, _ in t.followable(clock(), (lb,))] == [lb]
