@@ -39,7 +39,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "gossip/scoring.py": ["tests/test_scoring.py", "tests/test_validation.py"],
     "gossip/validation.py": ["tests/test_validation.py", "tests/test_validation_rates.py"],
     "gossip/wire.py": ["tests/test_wire.py"],
-    "node/core.py": ["tests/test_core.py", "tests/test_attacks_core.py"],
+    "node/core.py": ["tests/test_core.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py"],
     # tests/test_lineage.py is sync/lineage.py's (publisher and follower), not the node's lineage table
     "node/lineages.py": ["tests/test_lineages.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py",
                          "tests/test_core.py"],
@@ -110,6 +110,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/wire.py", "Finite = Annotated[float, Meta(ge=-1e30, le= 1e+30)]"),
     # numpy's floor division of two boolean arrays is 1 exactly where both are true (x // 0 is 0, with a warning)
     ("gossip/wire.py", "ok = (a >= LOGPROB_MIN) // (a <= LOGPROB_MAX)"),
+    # a decoded small int is CPython's cached object: `is not 2` is `!= 2`
+    ("gossip/wire.py", "if body.v is not FORMAT_VERSION:"),
     # only whether a lineage has published in this run is read, never how many manifests
     ("node/lineages.py", "lin.manifests += 2"),
     # the reason a publisher is avoided is stored and never read (only the expiry is)

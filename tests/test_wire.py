@@ -202,6 +202,8 @@ LIMITS = [
      _set_rollout(completion_ids=[2**32], logprobs=struct.pack("<f", -0.5), token_versions=[(0, 3)])),
     (R, "segment index <= token count", _set_rollout(token_versions=[(0, 3), (8, 3)]),
      _set_rollout(token_versions=[(0, 3), (9, 3)])),
+    (R, "segment indices increasing", _set_rollout(token_versions=[(0, 3), (2, 3)]),
+     _set_rollout(token_versions=[(0, 3), (2, 3), (1, 3)])),
     (R, "generator <= 128 chars", _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 128, 7)),
      _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 129, 7))),
     (T, "generators 1-64", _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(64)]),
@@ -216,10 +218,12 @@ LIMITS = [
     (T, "a config float |x| <= 1e30", _generator(config={"x": 1e30}), _generator(config={"x": 1.01e30})),
     (P, "chunks <= 8192", _chunks(8192, 1, 256), _chunks(8193, 1, 256)),
     (P, "chunk_bytes <= 8 MiB", _chunks(1, 8 << 20, 8 << 20), _chunks(1, 1, (8 << 20) + 1)),
+    (P, "chunk size >= 1", _chunks(1, 1, 256), _chunks(1, 0, 256)),
     (P, "target_hash 16-32 bytes", _attr("target_hash", b"\x07" * 32), _attr("target_hash", b"\x07" * 33)),
     (P, "target_hash >= 16 bytes", _attr("target_hash", b"\x07" * 16), _attr("target_hash", b"\x07" * 15)),
     (P, "base_hash <= 32 bytes", _attr("base_hash", b"\x06" * 32), _attr("base_hash", b"\x06" * 33)),
     (P, "lineage_name 1-128", _attr("lineage_name", "n" * 128), _attr("lineage_name", "n" * 129)),
+    (A, "memory_bytes >= 0", _attr("memory_bytes", 0), _attr("memory_bytes", -1)),
     (A, "roles <= 8", _attr("roles", ["trainer"] * 8), _attr("roles", ["trainer"] * 9)),
     (A, "lineages_followed <= 64", _attr("lineages_followed", [b"\x01" * 32] * 64),
      _attr("lineages_followed", [b"\x01" * 32] * 65)),
@@ -311,6 +315,7 @@ def test_omitted_sampling_fields_decode_to_the_documented_defaults():
 def test_a_local_structure_is_read_up_to_its_limit_and_no_further():
     data = wire.encode(wire.TaskRef(b"\x01" * 32, "add", 7))
     assert wire.decode_struct(data, wire.TaskRef, len(data)).seed == 7
+    assert wire.decode_struct(data, wire.TaskRef, 1024).seed == 7
     with pytest.raises(DecodeError, match="over its limit"):
         wire.decode_struct(data, wire.TaskRef, len(data) - 1)
 
@@ -333,3 +338,32 @@ def test_a_signature_of_the_wrong_length_is_malformed_not_forged(identity):
         with pytest.raises(DecodeError) as caught:
             wire.decode_envelope(bad, swarm=SWARM)
         assert not isinstance(caught.value, SignatureError)
+
+
+def _sealed_raw(identity, kind: str, raw) -> bytes:
+    """`raw` (the body as plain msgpack values) signed as a `kind` body."""
+    body = msgspec.msgpack.encode(raw)
+    sig = identity.sign(wire.signing_domain(kind, wire.FORMAT_VERSION, SWARM) + body)
+    return wire.encode(wire.Envelope(wire.FORMAT_VERSION, kind, SWARM, body, identity.public, sig))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_element_past_a_structs_last_field_is_refused(identity, kind):
+    """Fields are positional: an extra element, at the top or in a nested Struct, is not ignored."""
+    raw = msgspec.msgpack.decode(wire.encode(bodies(identity)[kind]))
+    wire.open_envelope(_sealed_raw(identity, kind, raw), kind, swarm=SWARM)
+    nested = {wire.ROLLOUT_BATCH: lambda r: r[5][0][0], wire.TASK_SET: lambda r: r[7][0],
+              wire.PATCH_MANIFEST: lambda r: r[12][0], wire.NODE_ANNOUNCE: lambda r: r}[kind]
+    for grow in (lambda r: r, nested):
+        raw = msgspec.msgpack.decode(wire.encode(bodies(identity)[kind]))
+        grow(raw).append(1)
+        with pytest.raises(DecodeError):
+            wire.open_envelope(_sealed_raw(identity, kind, raw), kind, swarm=SWARM)
+
+
+def test_an_announce_that_omits_its_trailing_fields_states_nothing_for_them(identity):
+    """`serving`, `owned`, `addrs` and `publish_batches_per_s` may be left off the end: no lineage served
+    or owned, no address, no publishing rate stated (0)."""
+    raw = msgspec.msgpack.decode(wire.encode(bodies(identity)[wire.NODE_ANNOUNCE]))[:11]
+    _, a = wire.open_envelope(_sealed_raw(identity, wire.NODE_ANNOUNCE, raw), swarm=SWARM)
+    assert (a.serving, a.owned, a.addrs, a.publish_batches_per_s) == (b"", [], [], 0.0)
