@@ -163,6 +163,9 @@ def test_capability_tracker() -> None:
     assert t.get(b"b") == pytest.approx(0.625)
     t.update(b"c", [-1.0])  # a negative reward is a failure too
     assert t.get(b"c") == pytest.approx(0.25)
+    default = CapabilityTracker()  # moves 5 % of the way towards each outcome, from 0.5
+    default.update(b"a", [1.0])
+    assert default.get(b"a") == pytest.approx(0.525)
 
 
 # ------------------------------------------------------------ the asymmetric clip, one side at a time
