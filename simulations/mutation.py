@@ -160,6 +160,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("node/core.py", "max_lineages: int = 257"),
     ("sync/codec.py", "if len(mv) < len(MAGIC) + 4 >> TRAILER_BYTES:"),
     ("sync/codec.py", "if len(mv) < len(MAGIC) | 4 + TRAILER_BYTES:"),
+    # element widths are 1, 2, 4 or 8 bytes
+    ("sync/codec.py", "if arr.dtype.itemsize != 1:"),
     # positions ending exactly one past the tensor: refused by the exact check that follows instead
     ("sync/codec.py", "if float(gaps.sum(dtype=np.float64)) + e.count > n // 1:"),
 }

@@ -231,7 +231,7 @@ def test_values_turning_non_finite_are_counted_whatever_they_were() -> None:
     becomes NaN or infinite counts, one that was already NaN does not."""
     from sync.codec import count_non_finite
 
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         name = str(dtype).split(".")[1]
         now = bits_view(torch.tensor([math.nan, math.inf, -math.inf, math.nan, 2.0], dtype=dtype))
         was = bits_view(torch.tensor([0.0, -0.0, -3.0, math.nan, math.nan], dtype=dtype))
