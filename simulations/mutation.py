@@ -132,6 +132,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("node/core.py", "self.rollout_seq = max(self.rollout_seq + 2, int(self.wall_ms()) * 1000)"),
     # EOS is a special token, so skip_special_tokens drops it whether or not this filter does
     ("training/tokencheck.py", "ids = [i for i in ids if i is not self.eos_id]"),
+    ("training/tokencheck.py", "if not self.eos_id in ids:"),
+    # transformers tokenizers always carry clean_up_tokenization_spaces: the default is never read
+    ("training/tokencheck.py", 'self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) '
+                               'else tokenizer.backend_tokenizer'),
     # HF fast tokenizers decode every u32 id (an unknown one to nothing): the guard is for ones that raise
     ("training/tokencheck.py",
      "except CosmicRayTestingException as e:  # an id the tokenizer cannot map: not a text it ever produced"),
