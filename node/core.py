@@ -80,6 +80,10 @@ MAX_IN_FLIGHT = 256  # accepted transfers at once (each is a download the broadc
 # A served lineage whose head stays past the held version this long with no version applied cannot be
 # fetched from (a head moved by announces, manifests whose chunks no one serves): the follower leaves it.
 LEAVE_AFTER_S = 180.0
+# A lineage chosen but never delivered to this node (`LineageState.delivered`) is on trial: the worker is not
+# switched to it until an item of it is stored, and it is left after one catch-up attempt's patience with no
+# version applied, so a key that signs manifests it never serves costs a follower one catch-up, no generation.
+TRIAL_S = CATCH_UP_PATIENCE_S
 # ... counted only while this node's own worker is up: a worker that is starting cannot apply anything
 WORKER_DOWN = frozenset({WorkerState.STARTING, WorkerState.RESTARTING, WorkerState.LOADING,
                          WorkerState.WAITING_FOR_TASKS, WorkerState.STOPPED})
@@ -176,7 +180,8 @@ class NodeCore:
         self.peers: dict[str, PeerInfo] = {}
         self.table = LineageTable(settings.max_lineages, clock)
         self.guard = StalenessGuard(settings.max_staleness)
-        self.serving: bytes | None = None
+        self.serving: bytes | None = None  # the lineage chosen: caught up, its patches accepted
+        self.committed: bytes | None = None  # the lineage the worker follows (serving, once it delivered)
         self.serving_reason = ""
         self.addrs: tuple[str, ...] = ()
         self.stored: dict[bytes, set[tuple[str, int, int]]] = {}  # served/own lineage -> items held (cache)
@@ -262,11 +267,12 @@ class NodeCore:
 
     def _on_offered(self, m: wire.PatchManifest) -> bool:
         """The follower's broadcast accept rule; an accepted manifest counts as in flight from now."""
-        lin = self.table.rows.get(self.serving) if self.serving is not None else None
+        lid = bytes(m.lineage)
+        # the committed lineage's patches still come while another is on trial: the worker keeps generating
+        lin = self.table.rows.get(lid) if lid in (self.serving, self.committed) else None
         if lin is None or not lin.publisher or self.table.check_manifest(m) is not None:
             return False
-        if not wanted(m, self.serving, lin.publisher, lin.held, lin.need_anchor,
-                                self.stored.get(lin.lineage, set())):
+        if not wanted(m, lin.lineage, lin.publisher, lin.held, lin.need_anchor, self.stored.get(lin.lineage, set())):
             return False
         if len(self.in_flight) >= MAX_IN_FLIGHT:
             return False
@@ -302,6 +308,8 @@ class NodeCore:
             self._on_offer_failed(ev, out)
         elif isinstance(ev, StoredItems):
             self.stored[ev.lineage] = {(i.kind, i.base, i.target) for i in ev.items}
+            if ev.items and ev.lineage == self.serving:
+                self._commit(out)  # stored items were fetched and hash-checked: it delivered
         elif isinstance(ev, TransferDone):
             it = item_of(ev.manifest)
             if (it.kind, it.base, it.target) not in self.stored.get(bytes(ev.manifest.lineage), set()):
@@ -383,7 +391,7 @@ class NodeCore:
 
     # ------------------------------------------------------------ staleness admission
     def _observe_head(self, lin: LineageState, out: list[Action]) -> None:
-        if lin.lineage == self.serving:
+        if lin.lineage in (self.serving, self.committed):
             self._staleness(lin, self.guard.observe_head(lin.lineage, lin.head, self.clock()), out)
         self._tell_head(lin, out)
 
@@ -403,8 +411,8 @@ class NodeCore:
             self._send_admit(lin.lineage, out)
 
     def _send_admit(self, lid: bytes, out: list[Action]) -> None:
-        """Tell the worker whether it may generate for the lineage it serves (the guard decides)."""
-        if lid == self.serving:
+        """Tell the worker whether it may generate for the lineage it follows (the guard decides)."""
+        if lid == self.committed:
             self.admitted = self.guard.may_generate(lid)
             out.append(ToWorker(pipe.Admit(lid.hex(), self.admitted)))
 
@@ -456,23 +464,36 @@ class NodeCore:
         self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)
         if choice.lineage == self.serving:
             return
-        info = None
-        if choice.lineage is not None:
-            lin = self.table.rows[choice.lineage]
+        lin = self.table.rows[choice.lineage] if choice.lineage is not None else None
+        if lin is not None:
             lin.relation = "follow"
-            info = pipe.FollowInfo(lin.lineage.hex(), lin.name, lin.publisher.hex(), lin.base.hex())
             out.append(LoadStored(lin.lineage))
         self.serving = choice.lineage
         self.table.serving = choice.lineage
         self.catching = None
         self.behind_since = None
-        self.follow_info = info
         out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
                                    "reason": choice.reason}))
+        if lin is None or lin.delivered or lin.lineage in self.s.follow:
+            self._commit(out)
+        else:
+            out.append(Log("lineage on trial", {"lineage": lin.lineage.hex()[:16], "trial_s": TRIAL_S}))
+        if lin is not None:
+            self._observe_head(lin, out)
+
+    def _commit(self, out: list[Action]) -> None:
+        """Switch the worker to the served lineage (or stand it by)."""
+        if self.serving == self.committed:
+            return
+        lin = self.table.rows.get(self.serving) if self.serving is not None else None
+        info = pipe.FollowInfo(lin.lineage.hex(), lin.name, lin.publisher.hex(), lin.base.hex()) if lin else None
+        self.committed = self.table.committed = lin.lineage if lin else None
+        self.follow_info = info
         out.append(ToWorker(pipe.Follow(info)))
-        if choice.lineage is not None:
-            self._observe_head(self.table.rows[choice.lineage], out)
-            self._send_admit(choice.lineage, out)
+        if lin is not None:
+            out.append(Log("following", {"lineage": lin.lineage.hex()[:16], "delivered": lin.delivered}))
+            self._observe_head(lin, out)
+            self._send_admit(lin.lineage, out)
 
     def _pace(self, demand: roles.Demand | None, out: list[Action]) -> None:
         """Cap the follower's generation at its trainer's need, so surplus rollouts do not take CPU from trainers.
@@ -496,7 +517,7 @@ class NodeCore:
             hardware=self.s.hardware, gen_tokens_per_s=min(self.gen_tps, 1e9),
             rollout_latency_s=min(self.latency, 1e6), upload_bytes_per_s=min(self.s.upload_bytes_per_s, 1e12),
             memory_bytes=self.s.memory_budget_mb * 2**20, roles=self.roles,
-            lineages_followed=[self.serving] if self.serving else [], serving=self.serving or b"",
+            lineages_followed=[self.committed] if self.committed else [], serving=self.committed or b"",
             owned=[demand] if demand else [], addrs=list(self.addrs),
             publish_batches_per_s=self.announced_rate)
         return wire.seal(self.ident, wire.NODE_ANNOUNCE, a, swarm=self.s.swarm)
@@ -533,7 +554,8 @@ class NodeCore:
             self.behind_since = now
         elif self.worker_state in WORKER_DOWN:
             self.behind_since += gap  # our own worker cannot apply anything: not the publisher's doing
-        elif now - self.behind_since >= LEAVE_AFTER_S and lin.lineage not in self.s.follow:
+        elif now - self.behind_since >= (LEAVE_AFTER_S if lin.delivered else TRIAL_S) \
+                and lin.lineage not in self.s.follow:
             self._leave(lin, now, out)
             return
         try:
@@ -559,7 +581,8 @@ class NodeCore:
     def _leave(self, lin: LineageState, now: float, out: list[Action]) -> None:
         """The served lineage's versions could not be fetched: leave it and remember its publisher. Not
         charged: an unreachable publisher is not provably lying."""
-        why = f"held {lin.held} < head {lin.head} with no version applied for {LEAVE_AFTER_S:.0f} s"
+        why = (f"held {lin.held} < head {lin.head} with no version applied for {LEAVE_AFTER_S:.0f} s" if lin.delivered
+               else f"no version applied within {TRIAL_S:.0f} s of choosing it (head {lin.head})")
         self.table.avoid(lin.publisher, why, now)
         self.counters["lineages_left"] += 1
         out.append(Log("left lineage", {"lineage": lin.lineage.hex()[:16], "publisher":
@@ -632,6 +655,8 @@ class NodeCore:
         it = item_of(m)
         self.stored.setdefault(lid, set()).add((it.kind, it.base, it.target))
         self.in_flight.pop((lid, it.kind, it.base, it.target), None)
+        if lid == self.serving:
+            self._commit(out)  # fetched, its chunks matched the signed manifest: the worker may switch to it
         self.counters["bytes_down"] += max(0, int(ev.bytes_in))
         self.fetch_s.append((self.clock(), max(0.0, _finite(ev.seconds))))
         out.append(Log("patch received", {"lineage": lid.hex()[:16], "kind": it.kind, "base": it.base,
@@ -735,9 +760,9 @@ class NodeCore:
         for lin in self.table.rows.values():  # a restarted worker's sampler starts with no heads
             lin.worker_head = -1
             self._tell_head(lin, out)
-        if self.serving is not None and self.follow_info is not None:  # a restarted worker resumes where we are
+        if self.committed is not None and self.follow_info is not None:  # a restarted worker resumes where we are
             out.append(ToWorker(pipe.Follow(self.follow_info)))
-            self._send_admit(self.serving, out)
+            self._send_admit(self.committed, out)
 
     def _on_applied(self, m: pipe.Applied, out: list[Action]) -> None:
         lin = self.table.rows.get(bytes.fromhex(m.lineage))
@@ -745,13 +770,16 @@ class NodeCore:
             return
         if m.version > lin.held:
             self.counters["applied"] += m.version - lin.held
+            lin.delivered = True
         lin.held = m.version
         lin.need_anchor = m.need_anchor
         lin.head = max(lin.head, lin.held)
         if lin.relation == "seen":
             lin.relation = "follow"
-        if not lin.need_anchor and lin.lineage == self.serving:
+        if not lin.need_anchor and lin.lineage in (self.serving, self.committed):
             self._staleness(lin, self.guard.applied(lin.lineage, lin.held, self.clock()), out)
+        if lin.delivered and lin.lineage == self.serving:
+            self._commit(out)
 
     def _reward(self, r: Any) -> None:
         if not isinstance(r, (int, float)) or not math.isfinite(r):
@@ -820,7 +848,7 @@ class NodeCore:
         own = None
         if self._supply_view is not None:
             supply = self._supply_view()
-            mine = self.serving if self.serving is not None else self.own
+            mine = self.committed if self.committed is not None else self.own
             if mine is not None:  # the view counts our own last announce too: not offered to ourselves
                 own = (mine, min(self.announced_rate, 1e3))
         else:
@@ -838,8 +866,8 @@ class NodeCore:
         own_supply = supply.of(self.own) - (own[1] if own is not None and own[0] == self.own else 0.0) \
             if self.own is not None else 0.0
         home = [self.own] if self.own is not None and own_supply > 1e-9 else []
-        if "validator" in self.roles and self.serving is not None:
-            home.append(self.serving)
+        if "validator" in self.roles and self.committed is not None:
+            home.append(self.committed)
         measured = self.inbound.rate(now) if demand > 0 else None
         plan = self.exchange.plan(now, producers, supply, demand / per_batch, home,
                                   measured / per_batch if measured is not None else None, own)
@@ -852,4 +880,4 @@ class NodeCore:
 
     def external_wanted(self, lineages: set[bytes]) -> bool:
         """Whether an accepted rollout batch goes to our worker (a trainer learns; a validator spot-checks)."""
-        return "trainer" in self.roles or ("validator" in self.roles and self.serving in lineages)
+        return "trainer" in self.roles or ("validator" in self.roles and self.committed in lineages)

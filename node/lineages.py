@@ -83,6 +83,7 @@ class LineageState:
     advances: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=8))
     worker_head: int = -1  # the head last told to a trainer's worker (its sampler's staleness rule)
     manifests: int = 0  # signed manifests of it accepted in this run: it publishes, not only announces
+    delivered: bool = False  # this node applied a version of it fetched from the network (now or in a former run)
 
 
 class LineageTable:
@@ -92,6 +93,7 @@ class LineageTable:
         self.rows: dict[bytes, LineageState] = {}
         self.own: bytes | None = None
         self.serving: bytes | None = None
+        self.committed: bytes | None = None
         self.my_base = b""
         self.model_bytes: dict[bytes, int] = {}  # base-model hash -> bytes of its published state
         self.refused: dict[str, int] = {}
@@ -117,6 +119,7 @@ class LineageTable:
             lin = self._insert(lid, name, relation)
             lin.publisher, lin.base = publisher, base
             lin.head = lin.held = lin.signed_head = held
+            lin.delivered = relation == "follow" and held > 0
             if relation == "own":
                 self.own = lid
 
@@ -271,7 +274,7 @@ class LineageTable:
     # ------------------------------------------------------------ the memory budget
     def _insert(self, lid: bytes, name: str, relation: str) -> LineageState | None:
         if len(self.rows) >= self.max_rows:
-            keep = {self.own, self.serving}
+            keep = {self.own, self.serving, self.committed}
             victims = [r for r in self.rows.values() if r.relation == "seen" and r.lineage not in keep]
             if not victims:
                 return None

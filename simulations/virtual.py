@@ -475,6 +475,7 @@ class VirtualSim:
                 if n.held_lineage != n.following:
                     n.held_lineage, n.held = n.following, 0  # a lineage new to it starts from the base model
                 self._from_worker(n, pipe.Applied(n.following.hex(), n.held))
+                self._apply_held(n, n.following)  # as node/worker.py does on opening a lineage
         elif isinstance(m, pipe.Admit):
             n.admitted = m.generate and bytes.fromhex(m.lineage) == n.following
         elif isinstance(m, pipe.Pace):

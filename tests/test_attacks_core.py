@@ -424,3 +424,102 @@ def test_a_follower_whose_own_worker_is_down_does_not_blame_the_publisher() -> N
         core.handle(announce(trainer, seq, [demand(lid, "lin", seq)]))
         core.handle(C.Tick())
     assert core.counters["lineages_left"] == 1
+
+
+class _WorkerView:
+    """The worker as the core drives it: the lineage it follows, whether it may generate for it, and
+    what it replies on opening a lineage (`Applied` at the version it holds of it: the base model's 0)."""
+
+    def __init__(self, core: C.NodeCore) -> None:
+        self.core = core
+        self.follows: bytes | None = None
+        self.admit: dict[bytes, bool] = {}
+        self.held: dict[bytes, int] = {}
+
+    def see(self, acts) -> None:
+        opened = None
+        for a in of(acts, C.ToWorker):
+            if type(a.msg).__name__ == "Follow":
+                self.follows = opened = bytes.fromhex(a.msg.info.id) if a.msg.info is not None else None
+            elif type(a.msg).__name__ == "Admit":
+                self.admit[bytes.fromhex(a.msg.lineage)] = a.msg.generate
+        if opened is not None:  # its reply comes after what the core sent with the Follow
+            self.see(self.core.handle(W("applied", {"lineage": opened.hex(), "version": self.held.get(opened, 0)})))
+
+    def applied(self, lid: bytes, version: int) -> None:
+        self.held[lid] = version
+        self.see(self.core.handle(W("applied", {"lineage": lid.hex(), "version": version})))
+
+    def generating(self) -> bytes | None:
+        return self.follows if self.follows is not None and self.admit.get(self.follows) else None
+
+
+def test_a_lineage_baited_with_manifests_never_served_costs_one_catch_up_not_generation() -> None:
+    """Manifest bait: a fresh key signs manifests (within the staleness bound of the base model) and a huge
+    demand for a lineage whose chunks it never serves. Without the trial the follower's worker switched to
+    it and generated for it for the whole 180 s patience; now the worker is switched only to a lineage
+    that delivered, keeps generating for the honest one meanwhile, and the bait is left after one
+    catch-up attempt, its publisher avoided. No one is charged (not serving is not provably lying)."""
+    core, clock = make_core()
+    honest, attacker = key(9), key(66)
+    good = lineage_id(honest.public, BASE, "lin")
+    evil = lineage_id(attacker.public, BASE, "evil")
+    worker = _WorkerView(core)
+    worker.see(core.handle(announce(honest, 1, [demand(good, "lin", 3, step_time_s=5.0)])))
+    worker.see(core.handle(C.ManifestHeard(manifest(honest, "lin", 2, 3))))
+    worker.see(core.handle(C.Tick()))
+    worker.applied(good, 3)
+    assert worker.generating() == good
+    gen: dict[bytes | None, float] = {}
+    served, penalties, asked = [], [], []
+    for i in range(160):  # 400 s
+        clock.t += 2.5
+        acts = core.handle(announce(attacker, i + 1, [demand(evil, "evil", 1 + min(3, i // 30), step_time_s=0.5,
+                                                              rollouts=16384)]))
+        acts += core.handle(C.ManifestHeard(manifest(attacker, "evil", min(3, i // 30), 1 + min(3, i // 30))))
+        acts += core.handle(announce(honest, i + 2, [demand(good, "lin", 3 + i // 40, step_time_s=5.0)]))
+        if i % 40 == 39:  # the honest trainer publishes, and its patch still comes while the bait is tried
+            v = 4 + i // 40
+            m = manifest(honest, "lin", v - 1, v)
+            acts += core.handle(C.ManifestHeard(m))
+            assert core.offer_manifest(m)
+            acts += core.handle(C.PatchStored(m, 1000, 0.5))
+            worker.see(acts)
+            worker.applied(good, v)
+        acts += core.handle(C.Tick())
+        worker.see(acts)
+        asked += [a for a in of(acts, C.FetchCatalog) if a.lineage == evil]
+        penalties += of(acts, C.Penalise)
+        served.append(core.serving)
+        gen[worker.generating()] = gen.get(worker.generating(), 0.0) + 2.5
+    assert evil in served  # the claim did pull it (it cannot know before it tries) ...
+    assert served.count(evil) * 2.5 <= C.TRIAL_S + 2.5  # ... for one catch-up attempt ...
+    assert len(asked) == 1  # ... of one catalog request ...
+    assert gen.get(evil, 0.0) == 0.0 and worker.follows == good  # ... and not one rollout generated for it
+    assert gen.get(good, 0.0) == 400.0  # the worker served the honest trainer throughout
+    assert served[-1] == good and core.counters["lineages_left"] == 1 and penalties == []
+    assert core.table.is_avoided(attacker.public, clock.t) and not core.table.is_avoided(honest.public, clock.t)
+
+
+def test_an_honest_lineage_is_adopted_as_soon_as_before() -> None:
+    """The trial costs an honest trainer's new follower nothing: it serves the lineage and asks for its
+    catalog on the first tick as before, its worker switches when the first item is stored, and it may
+    generate once that version applies (before, too, it could generate only then: 6 > K behind)."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    worker = _WorkerView(core)
+    worker.see(core.handle(announce(trainer, 1, [demand(lid, "lin", 6)])))
+    worker.see(core.handle(C.ManifestHeard(manifest(trainer, "lin", 5, 6))))
+    acts = core.handle(C.Tick())
+    worker.see(acts)
+    assert core.serving == lid and of(acts, C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, (StoredItem("anchor", 6, 6, 900),)))
+    assert [(a.item.kind, a.item.target) for a in of(acts, C.RequestOffer)] == [("anchor", 6)]
+    anchor = manifest(trainer, "lin", 6, 6, codec="anchor-v1")
+    assert core.offer_manifest(anchor)
+    acts = core.handle(C.PatchStored(anchor, 900, 0.5))
+    worker.see(acts)
+    assert worker.follows == lid and [type(a.msg).__name__ for a in of(acts, C.ToWorker)][-1] == "Patch"
+    worker.applied(lid, 6)
+    assert worker.generating() == lid and core.lineages[lid].delivered

@@ -92,11 +92,16 @@ def test_follower_serves_the_announced_lineage_and_tells_the_worker() -> None:
     core.handle(announce(trainer, 1, [demand(lid, "lin", 3)]))
     acts = core.handle(C.Tick())
     assert core.serving == lid
+    assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
+    assert of(acts, C.Publish)[0].topic == "announce"
+    # on trial: the worker is switched once an item of the lineage is stored (fetched, hash-checked)
+    assert to_worker(acts, pipe.Follow) == [] and core.committed is None
+    acts = core.handle(C.PatchStored(manifest(trainer, "lin", 0, 1), 1000, 0.5))
     follow = to_worker(acts, pipe.Follow)
     assert follow and follow[0].info.publisher == trainer.public.hex() and follow[0].info.base == BASE.hex()
-    assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
-    assert to_worker(acts, pipe.Admit)[0].generate is False  # holds nothing yet
-    assert of(acts, C.Publish)[0].topic == "announce"
+    assert core.committed == lid
+    assert to_worker(acts, pipe.Admit)[0].generate is False  # applied nothing yet
+    assert to_worker(acts, pipe.Patch) == [pipe.Patch(lid.hex(), "patch", 0, 1)]  # after the Follow
 
 
 def test_staleness_admission_pauses_and_resumes_generation() -> None:
@@ -194,6 +199,7 @@ def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> No
     core, clock = make_core()
     trainer = key(9)
     lid = follow_trainer(core, clock, trainer, head=3)
+    core.handle(C.PatchStored(manifest(trainer, "lin", 2, 3), 1000, 0.5))  # it delivered: the worker follows it
     delays = []
     for _ in range(3):
         acts = core.handle(C.WorkerExited(1))

@@ -57,6 +57,7 @@ def test_a_failed_offer_moves_catch_up_to_the_next_source_at_once() -> None:
 def test_every_source_failing_waits_out_the_patience_then_starts_over() -> None:
     core, clock = make_core()
     trainer, peer, lid = _catching_up_with_two_sources(core)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 1}))  # it delivered before: not on trial
     core.handle(C.OfferFailed(trainer.peer_id, lid, "x"))
     assert of(core.handle(C.CatalogFailed(peer.peer_id, lid, "y")), C.FetchCatalog) == []
     assert core.catching.phase is C.CatchUpPhase.EXHAUSTED
