@@ -29,7 +29,7 @@ appeared), `Log`.
 
 State is proportional to what the node hears: a bounded peer table (`max_peers`, least recently
 seen evicted) and a bounded lineage table (`max_lineages`, least recently active "seen" lineages
-evicted; the own and the served lineage stay). The lineage rules (identity, heads) live in
+evicted; the own, the served and the worker's followed lineage stay). The lineage rules (identity, heads) live in
 `node.lineages`; the capacity rule in `node.roles`; staleness admission in `sync.staleness`; the
 patch accept rule in `sync.items.wanted`; catch-up planning in `sync.catchup.choose`.
 """

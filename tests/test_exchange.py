@@ -185,11 +185,12 @@ def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm
     """Every producer of a lineage publishes to that lineage's shard, so a validator of the lineage that joins
     it sees every producer of it (and spot-checks each at its worker's rate), however many shards there are."""
     from node import core as C
-    from tests.test_core import announce, follow_trainer, key, make_core, of
+    from tests.test_core import W, announce, follow_trainer, key, make_core, of
 
     core, clock = make_core(roles=("follower", "validator"))
     lid = follow_trainer(core, clock, key(9))
-    assert core.serving == lid
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))  # it delivered: the worker checks it
+    assert core.committed == lid
     for i in range(40, 140):  # 100 other producers: many shards
         a = announce(key(i), 1)
         core.handle(C.AnnounceHeard(a.signer, with_rate(a.body), a.data))
