@@ -259,3 +259,22 @@ def test_the_changed_element_budget_admits_exactly_its_size() -> None:
     assert len(decode_patch(payload, layout, max_elements=16)[1]) == 2
     with pytest.raises(PatchError, match="more than 15 elements"):
         decode_patch(payload, layout, max_elements=15)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_sorted_values_follow_the_base_exponent_as_documented(dtype: torch.dtype) -> None:
+    """docs/patches.md: with the sorted flag, values are stored in the stable order of the base element's
+    exponent field. A payload written from that text alone (not by the encoder) decodes as it says."""
+    from sync.codec import FORMAT, POS_ALL, RAW, VAL_ABS, VAL_SORTED, PatchHeader, TensorEntry
+
+    base = {"w": torch.tensor([4.0, 1.0, 2.0, 1.5], dtype=dtype)}  # exponents 2, 0, 1, 0 above the bias
+    target = {"w": torch.tensor([40.0, 10.0, 20.0, 15.0], dtype=dtype)}
+    new = bits_view(target["w"])
+    stored = new[[1, 3, 2, 0]]  # base exponent order, ties in place order
+    width = new.dtype.itemsize
+    planes = [stored.view(np.uint8).reshape(-1, width)[:, k].tobytes() for k in range(width)]
+    name = str(dtype).split(".")[1]
+    entry = TensorEntry("w", name, [4], 4, POS_ALL, 0, VAL_ABS | VAL_SORTED, [(RAW, 4)] * width)
+    payload = assemble(PatchHeader(FORMAT, b"", b"", [entry]), planes)
+    out = _apply(base, payload)
+    assert np.array_equal(bits_view(out["w"]), new)
