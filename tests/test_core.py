@@ -429,9 +429,12 @@ def test_rollout_batches_go_to_a_trainer_and_to_a_validator_of_their_lineage_onl
     assert trainer.external_wanted({b"\x01" * 32})
     core, clock = make_core(roles=("follower", "validator"))
     lid = follow_trainer(core, clock, key(9))
+    assert not core.external_wanted({lid})  # on trial: its worker does not follow it yet
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
     assert core.external_wanted({lid}) and not core.external_wanted({b"\x01" * 32})
     follower, clock = make_core(roles=("follower",))
     lid = follow_trainer(follower, clock, key(9))
+    follower.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
     assert not follower.external_wanted({lid})
 
 
@@ -463,6 +466,7 @@ def test_a_catch_up_with_no_reply_is_retried_after_its_patience() -> None:
     lid = lineage_id(trainer.public, BASE, "lin")
     core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 1}))  # it delivered: not left after one attempt
     start, fetches = clock.t, []
     for seq in range(2, 26):  # the publisher keeps announcing (its demand stays fresh); no catalog comes
         clock.t += 7.0  # steps that pass the patience without landing on it
