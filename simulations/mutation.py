@@ -128,6 +128,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     # soonest to expire (the expired ones) first
     ("node/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until is now]:"),
     ("node/lineages.py", "for p in []:"),
+    # the wire refuses a negative step time before this check sees it
+    ("node/lineages.py", "if not math.isfinite(t) or (t > 0.0 and not MIN_STEP_S <= t <= 1e6):"),
     # receivers need a producer's seqs unique and increasing, not consecutive
     ("node/core.py", "self.rollout_seq = max(self.rollout_seq + 2, int(self.wall_ms()) * 1000)"),
     # EOS is a special token, so skip_special_tokens drops it whether or not this filter does

@@ -504,3 +504,13 @@ def test_a_batch_of_own_rollouts_is_stored_once_with_its_first_row() -> None:
     (rec,) = of(acts, C.RecordRollouts)
     (pub,) = [a for a in acts if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert [row["payload"] for row in rec.entries] == [pub.data, None, None]
+
+
+def test_a_catalog_that_offers_only_versions_below_what_is_held_plans_nothing() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=6)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 5}))
+    items = (StoredItem("anchor", 4, 4, 900), StoredItem("patch", 3, 4, 10))  # an old copy: nothing past 4
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
+    assert of(acts, C.RequestOffer) == []

@@ -4,6 +4,8 @@ tests/test_lineage.py's.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from node.lineages import DEMAND_FRESH_S, SIZE_FACTOR, LineageTable, Refusal
 from sync.ids import lineage_id
 from tests.test_core import BASE, demand, key, manifest
@@ -138,14 +140,14 @@ def test_the_observed_step_time_spans_the_last_eight_versions() -> None:
     t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    times = [0.0, 1.0, 100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 106.0]  # versions 1..9: a pause after 2
+    times = [0.0, 1.0, 100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 107.0]  # versions 1..9: a pause after 2
     start = clock.t
     for v, at in enumerate(times, start=1):
         clock.t = start + at
         lin, why = t.on_demand(pub.public, demand(lid, "lin", v, step_time_s=0.5))
         assert why is None
     d = t.effective_demand(lin, clock())
-    assert d is not None and d.step_time_s == (106.0 - 1.0) / 7  # versions 2..9: the pause still counts
+    assert d is not None and d.step_time_s == pytest.approx((107.0 - 1.0) / 7)  # versions 2..9: the pause counts
 
 
 def test_refusals_are_counted_under_bounded_keys() -> None:
@@ -270,3 +272,11 @@ def test_configured_lineages_are_offered_whatever_their_order() -> None:
     t.on_demand(a.public, demand(la, "a", 3))
     t.on_demand(b.public, demand(lb, "b", 3))
     assert [lin.lineage for lin, _ in t.followable(clock(), (lb,))] == [lb]
+
+
+def test_a_lineage_first_heard_holds_the_base_model_version_0() -> None:
+    t, _ = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 3))
+    assert (lin.held, lin.head, lin.signed_head) == (0, 3, 3)
