@@ -280,3 +280,42 @@ def test_a_lineage_first_heard_holds_the_base_model_version_0() -> None:
     lid = lineage_id(pub.public, BASE, "lin")
     lin, _ = t.on_demand(pub.public, demand(lid, "lin", 3))
     assert (lin.held, lin.head, lin.signed_head) == (0, 3, 3)
+
+
+def test_claims_arrive_as_fresh_objects_and_are_compared_by_value() -> None:
+    """The store and the network hand over new str and bytes objects: a stored own row is this node's own,
+    a publisher's next demand is its own, however the values were built."""
+    t, _ = table()
+    me, pub = key(1), key(9)
+    own = lineage_id(me.public, BASE, "mine")
+    t.load(own, "mine", "".join(["o", "wn"]), bytes(bytearray(me.public)), BASE, 2)
+    assert t.own == own
+    lid = lineage_id(pub.public, BASE, "lin")
+    t.on_demand(bytes(bytearray(pub.public)), demand(lid, "lin", 3))
+    lin, why = t.on_demand(bytes(bytearray(pub.public)), demand(lid, "lin", 4))
+    assert why is None and lin.signed_head == 4
+
+
+def test_an_anchor_names_one_version_and_a_manifest_far_ahead_is_refused_on_sight() -> None:
+    t, _ = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    t.on_demand(pub.public, demand(lid, "lin", 10))
+    for m in (manifest(pub, "lin", 3, 4, codec="anchor-v1"), manifest(pub, "lin", 4, 4)):
+        why = t.check_manifest(m)
+        assert why is not None and why.fault and "fit the codec" in why.reason
+    assert t.check_manifest(manifest(pub, "lin", 4, 4, codec="anchor-v1")) is None
+    why = t.check_manifest(manifest(pub, "lin", 10 + 1024, 10 + 1025))
+    assert why is not None and why.fault and "far ahead" in why.reason
+    assert t.check_manifest(manifest(pub, "lin", 10 + 1023, 10 + 1024)) is None
+
+
+def test_a_first_heard_head_is_no_advance() -> None:
+    """Only versions past one already heard measure the publisher's pace."""
+    t, clock = table()
+    pub = key(9)
+    lid = lineage_id(pub.public, BASE, "lin")
+    t.on_demand(pub.public, demand(lid, "lin", 0, step_time_s=1.0))
+    clock.t += 20.0
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 1, step_time_s=1.0))
+    assert t.effective_demand(lin, clock()).step_time_s == 1.0
