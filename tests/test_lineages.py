@@ -319,3 +319,13 @@ def test_a_first_heard_head_is_no_advance() -> None:
     clock.t += 20.0
     lin, _ = t.on_demand(pub.public, demand(lid, "lin", 1, step_time_s=1.0))
     assert t.effective_demand(lin, clock()).step_time_s == 1.0
+
+
+def test_an_avoided_publisher_listed_first_does_not_hide_the_others() -> None:
+    t, clock = table()
+    a, b = key(9), key(10)
+    la, lb = lineage_id(a.public, BASE, "a"), lineage_id(b.public, BASE, "b")
+    t.on_demand(a.public, demand(la, "a", 3))
+    t.on_demand(b.public, demand(lb, "b", 3))
+    t.avoid(a.public, "could not fetch", clock())
+    assert [lin.lineage for lin, _ in t.followable(clock())] == [lb]
