@@ -10,51 +10,34 @@ shared by every node (same base model, so followers start from patches).
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from gossip.tomlfile import toml_value
-from node import control
+from node import launch
 from node.status import NodeStatus
 
 STARTUP_ALLOWANCE_S = 240.0  # process start + model load on a busy 2-core machine, on top of --duration
-STOP_WAIT_S = 10.0
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 DEMO_SWARM = "murmur-demo"
 
 
-def node_config(roles: list[str], port: int, model: str, swarm: str = DEMO_SWARM, task_set: str = "builtin",
-                coordinator: str = "", max_new_tokens: int = 8) -> str:
-    return "\n".join([
-        "[node]", f"swarm = \"{swarm}\"", f"roles = [{', '.join(repr(r).replace(chr(39), chr(34)) for r in roles)}]",
-        "memory_budget_mb = 1536", "",
-        "[network]", f"listen = [\"/ip4/127.0.0.1/tcp/{port}\"]", "dht = false", "",
+def node_config(roles: list[str], model: str, swarm: str = DEMO_SWARM, task_set: str = "builtin",
+                coordinator: str = "", max_new_tokens: int = 8) -> dict[str, dict[str, Any]]:
+    """A demo node's config sections (`launch.NodeLaunch.config`)."""
+    return {
+        "node": {"swarm": swarm, "roles": roles, "memory_budget_mb": 1536},
+        "network": {"dht": False},
         # a version every 2 steps: with K = 4 a follower may lag ~8 optimizer steps (several seconds on 2 busy cores)
-        "[sync]", "publish_every = 2", "anchor_every = 16", "retain_versions = 32", "max_staleness = 4", "",
+        "sync": {"publish_every": 2, "anchor_every": 16, "retain_versions": 32, "max_staleness": 4},
         # `murmur bench learn` settings: the built-in answers fit in 8 tokens, and 16 own groups per step. With 4
         # groups a trainer whose only external rollouts come from another lineage (HACPO) does not learn within a
         # demo (measured on one-digit sums: 60 steps, greedy eval 0.36 -> 0.35 alone, 0.36 -> 0.365 with 4 HACPO
         # groups)
-        "[training]", f"model = \"{model}\"", "threads = 1", f"max_new_tokens = {max_new_tokens}",
-        "local_rollouts = 16", f"task_sets = [{toml_value(task_set)}]", "",
-        "[trust]", "coordinators = [" + (f"\"{coordinator}\"" if coordinator else "") + "]", "",
-    ])
+        "training": {"model": model, "threads": 1, "max_new_tokens": max_new_tokens, "local_rollouts": 16,
+                     "task_sets": [task_set]},
+        "trust": {"coordinators": [coordinator] if coordinator else []},
+    }
 
 
 class DemoTaskSet:
@@ -125,58 +108,6 @@ def family_results(homes: list[Path], names: list[str]) -> list[dict[str, Any]]:
                             "eval_end": last.get(f), "eval_steps": [ev.get("start", {}).get("step"),
                                                                     ev.get("last", {}).get("step")]})
     return out
-
-
-def build_model(cache_home: Path) -> Path:
-    from training.tiny import ensure_tiny
-
-    return ensure_tiny(cache_home)
-
-
-def start_node(home: Path, bootstrap: list[str], env: dict[str, str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
-    for b in bootstrap:
-        cmd += ["--bootstrap", b]
-    err = open(home / "stderr.log", "ab")
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
-
-
-def poll(homes: list[Path]) -> list[NodeStatus | None]:
-    out: list[NodeStatus | None] = []
-    for h in homes:
-        try:
-            out.append(control.status(h, timeout=3.0))
-        except control.ControlError:
-            out.append(None)
-    return out
-
-
-def wait_listen(home: Path, proc: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"node in {home} exited with {proc.returncode}; see {home / 'stderr.log'}")
-        try:
-            s = control.status(home, timeout=3.0)
-            if s.listen:
-                return s.listen[0]
-        except control.ControlError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"node in {home} did not start within {timeout_s:.0f} s; see {home / 'stderr.log'}")
-
-
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_WAIT_S
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
 
 
 def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, Any]:
@@ -286,29 +217,22 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                       f"({len(demo_set.manifest.generators)} generators, completions up to "
                       f"{demo_set.max_new_tokens} tokens)")
     with console.status("building the built-in model murmur-tiny (once, cached)…"):
-        model = build_model(root)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
-    homes, names, procs = [], [], []
+        model = launch.build_tiny_model(root)
+    names = [f"node{i}-{'+'.join(roles)}" for i, roles in enumerate(node_roles)]
+    homes = [root / f"node{i}" for i in range(len(node_roles))]
+    specs = []
+    for home, roles in zip(homes, node_roles):
+        home.mkdir(parents=True, exist_ok=True)
+        if demo_set is None:
+            cfg = node_config(roles, str(model))
+        else:
+            demo_set.install(home)
+            cfg = node_config(roles, str(model), task_set=demo_set.manifest.name,
+                              coordinator=demo_set.coordinator.public.hex(), max_new_tokens=demo_set.max_new_tokens)
+        specs.append(launch.NodeLaunch(home=str(home), config=cfg))
+    with console.status("starting the first node…"):
+        procs = launch.start_bootstrapped(specs, STARTUP_ALLOWANCE_S)
     try:
-        bootstrap: list[str] = []
-        for i, roles in enumerate(node_roles):
-            name = f"node{i}-{'+'.join(roles)}"
-            home = root / f"node{i}"
-            home.mkdir(parents=True, exist_ok=True)
-            if demo_set is None:
-                cfg = node_config(roles, free_port(), str(model))
-            else:
-                demo_set.install(home)
-                cfg = node_config(roles, free_port(), str(model), task_set=demo_set.manifest.name,
-                                  coordinator=demo_set.coordinator.public.hex(), max_new_tokens=demo_set.max_new_tokens)
-            (home / "config.toml").write_text(cfg)
-            procs.append(start_node(home, bootstrap, env))
-            homes.append(home)
-            names.append(name)
-            if i == 0:
-                with console.status("starting the first node…"):
-                    bootstrap = [wait_listen(home, procs[0], STARTUP_ALLOWANCE_S)]
         progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                             TimeRemainingColumn())
         task = progress.add_task("training", total=duration_s)
@@ -325,7 +249,7 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
             live.start()
         try:
             for _ in range(int((duration_s + STARTUP_ALLOWANCE_S) * 2) + 10):
-                statuses = poll(homes)
+                statuses = [p.status() for p in procs]
                 now = time.monotonic()
                 busy = [s is not None and s.worker in ("training", "generating") for s in statuses]
                 if t_start is None and any(busy):
@@ -346,8 +270,8 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                             r = "—" if s.reward_now is None else f"{s.reward_now:.2f}"
                             parts.append(f"{n}: {s.worker}, reward {r}, {s.rollouts_accepted} rollouts accepted")
                     console.print(f"[{elapsed:5.0f}s] " + " | ".join(parts))
-                if any(p.poll() is not None for p in procs):
-                    bad = [n for n, p in zip(names, procs) if p.poll() is not None]
+                if not all(p.alive() for p in procs):
+                    bad = [n for n, p in zip(names, procs) if not p.alive()]
                     console.print(f"[red]node(s) exited early: {', '.join(bad)}[/]")
                     break
                 if (t_start is not None and elapsed >= duration_s) or now >= hard_deadline \
@@ -357,9 +281,9 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
         finally:
             if live:
                 live.stop()
-        statuses = poll(homes)
+        statuses = [p.status() for p in procs]
     finally:
-        stop_all(procs)
+        launch.stop_all(procs)
     summary = summarize(names, statuses)
     summary["duration_s"] = duration_s
     summary["workdir"] = str(root)

@@ -26,16 +26,13 @@ join, leave or restart instead of waiting for it (a smoke checks that each node 
 from __future__ import annotations
 
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from gossip.errors import MurmurError
+from node import launch
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.virtual import identity_for
@@ -44,27 +41,7 @@ from simulations.wan import LinkSpec, NetnsLab, node_env
 MAX_REAL_NODES = 32
 STOP_WAIT_S = 8.0
 SMOKE_SAMPLE_S = 1.0
-
-
-_DECORATION = re.compile(r"^[\s|+\-^~=]*$")
-_EXCEPTION = re.compile(r"^[\w.]*(?:Error|Exception|Exit|Interrupt|Group)\b")
-
-
-def last_line(log: str) -> str:
-    """What a dead node's log says last: its final exception line when it ends in a traceback (the innermost
-    of an exception group's boxes), else its last line; at most 500 characters."""
-    lines = [ln.strip().lstrip("|").strip() for ln in log.strip().splitlines()]
-    lines = [ln for ln in lines if not _DECORATION.match(ln)]
-    for ln in reversed(lines[-60:]):
-        if _EXCEPTION.match(ln):
-            return ln[:500]
-    return lines[-1][:500] if lines else ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOG = "process.log"  # a node's (or adversary's) stdout and stderr, in its home
 
 
 class _Proc:
@@ -73,14 +50,14 @@ class _Proc:
         self.home = home
         self.addr = addr
         self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: launch.NodeProcess | None = None
         self.peer_id = ""
         self.last_rejected: dict[str, int] = {}
         self.first_step_s: float | None = None
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.proc.alive()
 
 
 class Emulation:
@@ -117,7 +94,7 @@ class Emulation:
         for s in self.specs:
             home = self.out / "nodes" / f"node{s.index:03d}"
             addr = self.netns.address(s.index) if self.netns else "127.0.0.1"
-            p = _Proc(s, home, addr, 4001 if self.netns else _free_port())
+            p = _Proc(s, home, addr, 4001 if self.netns else launch.free_port())
             if s.role != "adversary":
                 ident = init_home(home, force=True)
                 p.peer_id = ident.peer_id
@@ -125,7 +102,7 @@ class Emulation:
                 if not dst.exists():
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     os.symlink(tiny_dir(shared).resolve(), dst)
-                self._write_config(p)
+                launch.write_config(home, self._config(p))
             else:
                 home.mkdir(parents=True, exist_ok=True)
                 p.peer_id = identity_for(self.sc.seed, s.index).peer_id
@@ -133,18 +110,17 @@ class Emulation:
         if self.netns:
             self.netns.up([LinkSpec.of(s) for s in self.specs])
 
-    def _write_config(self, p: _Proc) -> None:
-        tr, s = self.sc.training, p.spec
-        roles = '["trainer"]' if s.role == "trainer" else '["follower"]'
-        text = (f'[node]\nswarm = "{self.sc.swarm}"\nroles = {roles}\nhardware = "cpu"\nmemory_budget_mb = 1024\n\n'
-                f'[network]\ndht = false\n\n'
-                f'[training]\nlocal_rollouts = {tr.local_groups}\nexternal_rollouts = {tr.external_groups}\n'
-                f'group_size = {tr.group_size}\nseed = {self.sc.seed * 1000 + s.index}\nthreads = 1\n\n'
-                f'[sync]\nmax_staleness = {tr.max_staleness}\npublish_every = {self.sc.sync.publish_every}\n'
-                f'chunk_bytes = {self.sc.sync.chunk_bytes}\n\n'
-                f'[gossip]\nrate_limit_per_s = {self.sc.gossip.rate_limit_per_s}\n'
-                f'rate_burst = {self.sc.gossip.rate_burst}\ngraylist_threshold = {self.sc.gossip.graylist_threshold}\n')
-        (p.home / "config.toml").write_text(text)
+    def _config(self, p: _Proc) -> dict[str, dict[str, Any]]:
+        tr, s, sc = self.sc.training, p.spec, self.sc
+        return {"node": {"swarm": sc.swarm, "roles": ["trainer" if s.role == "trainer" else "follower"],
+                         "hardware": "cpu", "memory_budget_mb": 1024},
+                "network": {"dht": False},
+                "training": {"local_rollouts": tr.local_groups, "external_rollouts": tr.external_groups,
+                             "group_size": tr.group_size, "seed": sc.seed * 1000 + s.index, "threads": 1},
+                "sync": {"max_staleness": tr.max_staleness, "publish_every": sc.sync.publish_every,
+                         "chunk_bytes": sc.sync.chunk_bytes},
+                "gossip": {"rate_limit_per_s": sc.gossip.rate_limit_per_s, "rate_burst": sc.gossip.rate_burst,
+                           "graylist_threshold": sc.gossip.graylist_threshold}}
 
     def _bootstrap(self, exclude: int) -> list[str]:
         first = next(p for p in self.procs if p.spec.role != "adversary" and p.spec.index != exclude)
@@ -153,8 +129,7 @@ class Emulation:
     def _start(self, p: _Proc) -> None:
         if p.alive:
             return
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-               **node_env(LinkSpec.of(p.spec))}
+        env = node_env(LinkSpec.of(p.spec))
         prefix = self.netns.exec_prefix(p.spec.index) if self.netns else []
         listen = f"/ip4/{p.addr}/tcp/{p.port}"
         boot = self._bootstrap(p.spec.index) if p.spec.index != self.procs[0].spec.index else []
@@ -162,12 +137,10 @@ class Emulation:
             cmd = [sys.executable, "-m", "simulations.adversary",
                    identity_for(self.sc.seed, p.spec.index).seed.hex(), self.sc.swarm, p.spec.behaviour or "",
                    str(p.spec.rate_per_s), str(self.sc.duration_s), listen, *boot]
-        else:
-            cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(p.home), "--no-tui",
-                   "--listen", listen] + [x for b in boot for x in ("--bootstrap", b)]
-        log = open(p.home / "process.log", "ab")
-        p.proc = subprocess.Popen(prefix + cmd, env=env, stdout=log, stderr=log, start_new_session=True)
-        log.close()
+            p.proc = launch.spawn(prefix + cmd, p.home, LOG, env)
+        else:  # the config was written once in _prepare: a restart keeps it
+            p.proc = launch.start(launch.NodeLaunch(home=str(p.home), listen=[listen], bootstrap=boot, env=env,
+                                                    prefix=prefix, log=LOG))
         self._row("event", t=self._t(), node=p.spec.index, action="join")
 
     def _stop(self, p: _Proc) -> None:
@@ -175,12 +148,7 @@ class Emulation:
         if not p.alive:
             return
         assert p.proc is not None
-        p.proc.send_signal(signal.SIGTERM)
-        try:
-            p.proc.wait(timeout=STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.wait(timeout=STOP_WAIT_S)
+        launch.stop_all([p.proc], STOP_WAIT_S)
         p.proc = None  # a planned exit: nothing for _reap to find
         self._row("event", t=self._t(), node=p.spec.index, action="leave")
 
@@ -189,28 +157,17 @@ class Emulation:
         for p in self.procs:
             self._reap(p)
         alive = [p for p in self.procs if p.alive]
+        launch.stop_all([p.proc for p in alive if p.proc is not None], STOP_WAIT_S)
         for p in alive:
-            assert p.proc is not None
-            p.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_WAIT_S
-        for p in alive:
-            assert p.proc is not None
-            try:
-                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait(timeout=STOP_WAIT_S)
             p.proc = None
             self._row("event", t=self._t(), node=p.spec.index, action="leave")
 
     def _reap(self, p: _Proc) -> None:
         """Record a process that exited although the scenario did not stop it."""
-        if p.proc is None or p.proc.poll() is None:
+        if p.proc is None or p.proc.alive():
             return
-        rc = p.proc.returncode
-        log = (p.home / "process.log").read_bytes().decode("utf-8", "replace")
         self.failed.append({"node": p.spec.index, "group": p.spec.group, "role": p.spec.role, "t": round(self._t(), 1),
-                            "exit_code": rc, "last_log_line": last_line(log)})
+                            "exit_code": p.proc.returncode(), "last_log_line": p.proc.last_log_line()})
         self._row("event", t=self._t(), node=p.spec.index, action="failed")
         p.proc = None
 
@@ -254,15 +211,12 @@ class Emulation:
         return sorted(ev)
 
     def _sample(self) -> None:
-        from node import control  # noqa: PLC0415
-
         t = self._t()
         for p in self.procs:
-            if p.spec.role == "adversary" or not p.alive:
+            if p.spec.role == "adversary" or p.proc is None or not p.alive:
                 continue
-            try:
-                s = control.status(p.home, "control.sock", 2.0)
-            except MurmurError:
+            s = p.proc.status(2.0)
+            if s is None:
                 continue
             if p.first_step_s is None and (s.steps > 0 or s.versions_applied > 0):
                 p.first_step_s = t

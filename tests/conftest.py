@@ -38,15 +38,14 @@ def home(tmp_path, monkeypatch):
     return h
 
 
-_TINY_BUILD: list[Any] = []  # the session's murmur-tiny build (tests.nodeproc.TinyBuild), once started
+_TINY_BUILD: list[Any] = []  # the session's murmur-tiny build (node.launch.TinyBuild), once started
 
 
 def _tiny_build() -> Any:
-    from tests.nodeproc import TinyBuild
+    from node.launch import TinyBuild
 
     if not _TINY_BUILD:
-        _TINY_BUILD.append(TinyBuild(Path(tempfile.mkdtemp(prefix="murmur-tiny-")),
-                                     dict(os.environ, OMP_NUM_THREADS="1")))
+        _TINY_BUILD.append(TinyBuild(Path(tempfile.mkdtemp(prefix="murmur-tiny-"))))
     return _TINY_BUILD[0]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from node import launch
 from simulations.bench import attacks
 
 pytestmark = pytest.mark.slow
@@ -36,17 +37,17 @@ def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:
                                                          tokenizer_hash=tok, model=str(model)))
         assert sorted(results) == sorted(attacks.CATALOGUE)
         assert all(r["sent"] > 0 for r in results.values()), results  # every attack reached the wire
-        assert sw.alive(), {n: p.poll() for n, p in sw.procs.items()}
+        assert sw.alive(), {n: p.exited() for n, p in sw.procs.items()}
 
         # both nodes answer (a frozen event loop leaves the control socket silent), then keep making progress
-        attacks.wait_until("both nodes answering", lambda: all(sw.status(n) is not None for n in sw.homes),
-                           list(sw.procs.values()), ANSWER_S)
+        launch.wait_until("both nodes answering", lambda: all(sw.status(n) is not None for n in sw.homes),
+                          sw.procs.values(), ANSWER_S)
         before = {n: sw.status(n) for n in sw.homes}
-        attacks.wait_until("the trainer training and the follower applying patches",
-                           lambda: (sw.status("trainer") is not None and sw.status("follower") is not None
-                                    and sw.status("trainer").steps > before["trainer"].steps
-                                    and sw.status("follower").versions_applied > before["follower"].versions_applied),
-                           list(sw.procs.values()), PROGRESS_S)
+        launch.wait_until("the trainer training and the follower applying patches",
+                          lambda: (sw.status("trainer") is not None and sw.status("follower") is not None
+                                   and sw.status("trainer").steps > before["trainer"].steps
+                                   and sw.status("follower").versions_applied > before["follower"].versions_applied),
+                          sw.procs.values(), PROGRESS_S)
 
         # no honest peer lost score; every key that committed a provable fault lost score
         attackers = {p for r in results.values() for p in r["attackers"]}

@@ -12,7 +12,7 @@ from pathlib import Path
 from node.config import Config
 from node.doctor import CHECKS, Check, Context, check_listen_ports, passed, run_checks
 from gossip.identity import Identity
-from tests.nodeproc import free_port
+from node.launch import free_port
 
 
 

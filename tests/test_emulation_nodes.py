@@ -97,19 +97,6 @@ def test_a_planned_leave_is_not_a_failure(full_run: tuple[int, dict, str, Path])
     assert leaves and leaves[0]["t"] < 90.0, leaves  # it left during the run, not only when the run ended
 
 
-def test_a_dead_nodes_last_line_is_its_exception_not_the_traceback_frame() -> None:
-    from simulations.emulate import last_line
-
-    trace = ('{"level": "info", "msg": "starting"}\n  + Exception Group Traceback (most recent call last):\n'
-             '  |   File "node/runtime.py", line 1, in run\n  | ExceptionGroup: unhandled errors (1 sub-exception)\n'
-             '  +-+---------------- 1 ----------------\n    | Traceback (most recent call last):\n'
-             '    | RuntimeError: Nursery is closed to new arrivals\n    +------------------------------------\n')
-    assert last_line(trace) == "RuntimeError: Nursery is closed to new arrivals"
-    assert last_line("error: environment: MURMUR_X names no config key\n") == \
-        "error: environment: MURMUR_X names no config key"
-    assert last_line("") == ""
-
-
 def test_a_smoke_moves_on_to_the_next_event_only_once_no_running_node_waits_for_its_first_step() -> None:
     from simulations.emulate import smoke_skip
 

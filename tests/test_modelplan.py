@@ -15,7 +15,6 @@ from gossip.errors import ConfigError
 from node import modelplan
 from node.config import Config, NodeSection, TrainingSection
 from node.doctor import Context, check_model
-from tests.nodeproc import free_port
 
 torch.set_num_threads(1)
 
@@ -126,39 +125,23 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
     steps with the size's learning rate, the follower serves its lineage and the trainer accepts the follower's
     rollouts, nothing errors. (Random weights earn no reward, so no gradient and no new version: applying
     versions is what the tiny-model swarm tests cover.)"""
-    import json
-
-    from tests.nodeproc import status, stop_all, wait_for
+    from node import launch
 
     d, _ = qwen
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    homes, procs = [], []
+    homes = [tmp_path / f"n{i}" for i in range(2)]
+    specs = [launch.NodeLaunch(home=str(h), config={
+        "node": {"swarm": "byo", "roles": roles, "memory_budget_mb": 4096}, "network": {"dht": False},
+        "sync": {"publish_every": 1, "anchor_every": 8},
+        "training": {"model": str(d), "max_new_tokens": 4, "local_rollouts": 4}})
+        for h, roles in zip(homes, (["trainer"], ["follower", "validator"]))]
+    procs = launch.start_bootstrapped(specs, 300)
     try:
-        bootstrap: list[str] = []
-        for i, roles in enumerate((["trainer"], ["follower", "validator"])):
-            home = tmp_path / f"n{i}"
-            home.mkdir()
-            (home / "config.toml").write_text(
-                f'[node]\nswarm = "byo"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 4096\n'
-                f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\ndht = false\n'
-                '[sync]\npublish_every = 1\nanchor_every = 8\n'
-                f'[training]\nmodel = "{d}"\nmax_new_tokens = 4\nlocal_rollouts = 4\n')
-            cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
-            for b in bootstrap:
-                cmd += ["--bootstrap", b]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"),
-                                          env=env))
-            homes.append(home)
-            if i == 0:
-                wait_for("trainer listening", lambda: bool((s := status(home)) and s.listen), procs, 300)
-                bootstrap = [status(home).listen[0]]
-        wait_for("trainer steps on the follower's rollouts", lambda: bool(
-            (a := status(homes[0])) and (b := status(homes[1])) and a.steps >= 3 and a.rollouts_accepted > 0
+        launch.wait_until("trainer steps on the follower's rollouts", lambda: bool(
+            (a := procs[0].status()) and (b := procs[1].status()) and a.steps >= 3 and a.rollouts_accepted > 0
             and b.serving and b.serving == next((x.lineage for x in a.lineages if x.relation == "own"), None)),
             procs, 600)
     finally:
-        stop_all(procs)
+        launch.stop_all(procs)
     log = (homes[0] / "stderr.log").read_text()
     assert f"training.lr {modelplan.MODEL_LR:g}" in log
     for h in homes:

@@ -11,10 +11,7 @@ wait is bounded.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from node.status import NodeStatus
-from tests.nodeproc import status as _status
-from tests.nodeproc import free_port, wait_for
+from node import launch
+from node.launch import status as _status
 
 pytestmark = pytest.mark.slow
 
@@ -33,20 +30,16 @@ WAIT_S = 300.0
 
 
 
-def _config(roles: list[str], model: Path) -> str:
-    return (f'[node]\nswarm = "test-swarm"\nroles = {roles!r}\nmemory_budget_mb = 1536\n'.replace("'", '"')
-            + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\ndht = false\n'
-            + f'[sync]\npublish_every = 2\nanchor_every = 8\nretain_versions = 32\nmax_staleness = {MAX_STALENESS}\n'
+def _config(roles: list[str], model: Path) -> dict[str, dict[str, object]]:
+    return {"node": {"swarm": "test-swarm", "roles": roles, "memory_budget_mb": 1536}, "network": {"dht": False},
+            "sync": {"publish_every": 2, "anchor_every": 8, "retain_versions": 32, "max_staleness": MAX_STALENESS},
             # a demand two followers cannot meet, so neither is put on standby by the capacity rule
-            + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')
+            "training": {"model": str(model), "external_rollouts": 64}}
 
 
-def _start(home: Path, bootstrap: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
-    for b in bootstrap:
-        cmd += ["--bootstrap", b]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=env)
+def _start(home: Path, bootstrap: list[str], config: dict | None = None) -> launch.NodeProcess:
+    """A node on 127.0.0.1; config None: a restart on the config the home has."""
+    return launch.start(launch.NodeLaunch(home=str(home), config=config, bootstrap=bootstrap))
 
 
 def _json_line(line: str) -> dict:
@@ -66,8 +59,8 @@ def _lin(s: NodeStatus | None, relation: str):
     return next((x for x in s.lineages if x.lineage == s.serving), None)
 
 
-def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float = WAIT_S) -> None:
-    wait_for(what, pred, procs, timeout)
+def _wait(what: str, pred: Callable[[], bool], procs: list[launch.NodeProcess], timeout: float = WAIT_S) -> None:
+    launch.wait_until(what, pred, procs, timeout)
 
 
 @pytest.fixture
@@ -77,16 +70,12 @@ def model(tiny_model: Path) -> Path:
 
 def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -> None:
     homes = {n: tmp_path / n for n in ("trainer", "f1", "f2")}
-    for n, h in homes.items():
-        h.mkdir()
-        (h / "config.toml").write_text(_config(["trainer"] if n == "trainer" else ["follower", "validator"], model))
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, launch.NodeProcess] = {}
     try:
-        procs["trainer"] = _start(homes["trainer"], [])
-        _wait("trainer listening", lambda: bool((_status(homes["trainer"]) or NodeStatus()).listen), list(procs.values()))
-        boot = [_status(homes["trainer"]).listen[0]]
-        procs["f1"] = _start(homes["f1"], boot)
-        procs["f2"] = _start(homes["f2"], boot)
+        procs["trainer"] = _start(homes["trainer"], [], _config(["trainer"], model))
+        boot = [procs["trainer"].wait_listening(WAIT_S)]
+        for n in ("f1", "f2"):
+            procs[n] = _start(homes[n], boot, _config(["follower", "validator"], model))
         allp = lambda: list(procs.values())  # noqa: E731
 
         def followers_track(min_version: int) -> bool:
@@ -115,8 +104,8 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
         # kill -9 a follower, restart it: same identity, ledger kept, resumes at its held version
         before = _status(homes["f1"])
         held_before = _lin(before, "follow").held
-        procs["f1"].kill()
-        procs["f1"].wait(10)
+        procs["f1"].proc.kill()
+        procs["f1"].proc.wait(10)
         log_offset = (homes["f1"] / "stderr.log").stat().st_size
         procs["f1"] = _start(homes["f1"], boot)
         _wait("f1 back", lambda: _status(homes["f1"]) is not None, allp())
@@ -148,11 +137,8 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
         # SIGTERM: exit 0 within 5 s
         for n in ("f2", "trainer"):
             t0 = time.monotonic()
-            procs[n].send_signal(signal.SIGTERM)
-            assert procs[n].wait(10) == 0
+            procs[n].proc.send_signal(signal.SIGTERM)
+            assert procs[n].proc.wait(10) == 0
             assert time.monotonic() - t0 < 5.0 + 0.5  # +0.5: process reaping on a loaded machine
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        launch.stop_all(procs.values())

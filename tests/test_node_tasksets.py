@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,19 +17,11 @@ from node.home import ensure_home
 from node.store import open_store
 from node.taskmix import STATUS_KEY
 from training.tasksets import BUILTIN_NAME, BUILTIN_VERSION
-from tests.nodeproc import status, stop_all, wait_for
+from node import launch
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def _set_file(tmp: Path, version: int) -> Path:
@@ -65,26 +56,24 @@ def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_p
     model = tiny_model
     home = tmp_path / "node"
     key = ensure_home(home).public.hex()
-    (home / "config.toml").write_text(
-        f'[node]\nroles = ["trainer"]\nmemory_budget_mb = 1536\n'
-        f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{_port()}"]\ndht = false\n'
-        f'[training]\nmodel = "{model}"\nlocal_rollouts = 2\ngroup_size = 4\nmax_new_tokens = 6\n'
-        f'task_sets = ["e2e"]\n[trust]\ncoordinators = ["{key}"]\n')
-    proc = subprocess.Popen([sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"],
-                            stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=ENV, cwd=str(ROOT))
+    proc = launch.start(launch.NodeLaunch(home=str(home), config={
+        "node": {"roles": ["trainer"], "memory_budget_mb": 1536}, "network": {"dht": False},
+        "training": {"model": str(model), "local_rollouts": 2, "group_size": 4, "max_new_tokens": 6,
+                     "task_sets": ["e2e"]},
+        "trust": {"coordinators": [key]}}))
     try:
-        wait_for("the worker to wait for 'e2e'", lambda: _status(home).get("waiting") == ["e2e"], [proc], 300)
+        launch.wait_until("the worker to wait for 'e2e'", lambda: _status(home).get("waiting") == ["e2e"], [proc], 300)
         # the control socket says so too (it must answer: a node that does not is a failure, not a pass)
-        wait_for("the node to report waiting-for-tasks", lambda: (s := status(home)) is not None
+        launch.wait_until("the node to report waiting-for-tasks", lambda: (s := proc.status()) is not None
                  and s.worker == "waiting-for-tasks", [proc], 60)
         assert not any(x["produced"] for x in _status(home).get("sets", []))  # nothing trained meanwhile
         assert _cli("tasks", "publish", str(_set_file(tmp_path, 1)), home=home).returncode == 0
-        wait_for("training on e2e v1", lambda: _training(home, 1), [proc], 300)
+        launch.wait_until("training on e2e v1", lambda: _training(home, 1), [proc], 300)
         db = open_store(home)
         lineage = db.get("own_lineage")
         db.close()
         assert _cli("tasks", "publish", str(_set_file(tmp_path, 2)), home=home).returncode == 0
-        wait_for("training on e2e v2", lambda: _training(home, 2), [proc], 300)
+        launch.wait_until("training on e2e v2", lambda: _training(home, 2), [proc], 300)
         db = open_store(home)
         assert db.get("own_lineage") == lineage  # a new task-set version is not a new lineage
         db.close()
@@ -97,6 +86,6 @@ def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_p
         assert not builtin["training"] and builtin["produced"] == 0
         assert listed["waiting"] == []
     finally:
-        stop_all([proc])
+        launch.stop_all([proc])
     log = (home / "stderr.log").read_text()
     assert "waiting for task set(s) e2e" in log

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from node.status import NodeStatus
-from tests.nodeproc import status as _status
-from tests.nodeproc import stop_all, wait_for
+from node import launch
+from node.launch import status as _status
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
@@ -33,27 +33,26 @@ PORT = 4001
 WAIT_S = 360.0
 
 
-def _config(roles: list[str], model: Path, relay_service: bool = False, relays: list[str] | None = None) -> str:
-    return (f'[node]\nswarm = "nat-swarm"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 1536\n'
-            + f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\ndht = false\n'
-            + f'relay_service = {str(relay_service).lower()}\nrelays = {json.dumps(relays or [])}\n'
+def _config(roles: list[str], model: Path, relay_service: bool = False, relays: list[str] | None = None
+            ) -> dict[str, dict[str, object]]:
+    return {"node": {"swarm": "nat-swarm", "roles": roles, "memory_budget_mb": 1536},
+            "network": {"listen": [f"/ip4/0.0.0.0/tcp/{PORT}"], "dht": False, "relay_service": relay_service,
+                        "relays": relays or []},
             # This test is about paths, not staleness (tests/test_node_swarm.py covers that): on a quiet
             # machine the trainer publishes so fast that followers behind a relay would be 20+ versions
             # late, and the capacity rule rightly puts them on standby. A wide bound keeps them serving.
-            + '[sync]\npublish_every = 8\nanchor_every = 8\nmax_staleness = 256\n'
-            + f'[training]\nmodel = "{model}"\nexternal_rollouts = 64\n')
+            "sync": {"publish_every": 8, "anchor_every": 8, "max_staleness": 256},
+            "training": {"model": str(model), "external_rollouts": 64}}
 
 
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
-def _start(net: Network, ns: str, home: Path, bootstrap: list[str]) -> subprocess.Popen:
-    cmd = net.exec_prefix(ns) + [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
-    for b in bootstrap:
-        cmd += ["--bootstrap", b]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=_env(),
-                            cwd=str(REPO))
+def _start(net: Network, ns: str, home: Path, config: dict, bootstrap: list[str]) -> launch.NodeProcess:
+    """A node in namespace `ns`, listening where its config says (the doctor reads the port from it)."""
+    return launch.start(launch.NodeLaunch(home=str(home), config=config, listen=[], bootstrap=bootstrap,
+                                          prefix=net.exec_prefix(ns), env={"PYTHONPATH": str(REPO)}))
 
 
 def _doctor(net: Network, ns: str, home: Path, extra: list[str]) -> dict:
@@ -63,8 +62,8 @@ def _doctor(net: Network, ns: str, home: Path, extra: list[str]) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _wait(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float = WAIT_S) -> None:
-    wait_for(what, pred, procs, timeout)
+def _wait(what: str, pred: Callable[[], bool], procs: list[launch.NodeProcess], timeout: float = WAIT_S) -> None:
+    launch.wait_until(what, pred, procs, timeout)
 
 
 @pytest.fixture
@@ -80,7 +79,7 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
     homes = {n: tmp_path / n for n in ("pub", "h1", "h2", "h3", "h4")}
     for h in homes.values():
         h.mkdir()
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, launch.NodeProcess] = {}
     with Network() as net:
         h1, h2 = net.add_home(), net.add_home()
         h3 = net.add_home(symmetric=True)  # one-shot doctor only
@@ -88,8 +87,8 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
         net.forward_port(h4, PORT)  # one-shot doctor only
         pool = ThreadPoolExecutor(2)
         try:
-            (homes["pub"] / "config.toml").write_text(_config(["follower", "validator"], model, relay_service=True))
-            procs["pub"] = _start(net, net.pub_ns, homes["pub"], [])
+            procs["pub"] = _start(net, net.pub_ns, homes["pub"], _config(["follower", "validator"], model,
+                                                                          relay_service=True), [])
             allp = lambda: list(procs.values())  # noqa: E731
             _wait("pub listening", lambda: bool((_status(homes["pub"]) or NodeStatus()).peer_id), allp())
             pub_id = _status(homes["pub"]).peer_id
@@ -97,14 +96,12 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
             # The one-shot doctors need only pub: they run while the swarm below forms (mostly waiting on
             # dials and reservations), and are read at the end.
             for h in ("h3", "h4"):
-                (homes[h] / "config.toml").write_text(f'[network]\nlisten = ["/ip4/0.0.0.0/tcp/{PORT}"]\n')
+                launch.write_config(homes[h], {"network": {"listen": [f"/ip4/0.0.0.0/tcp/{PORT}"]}})
             one_shot = {h: pool.submit(_doctor, net, home.ns, homes[h], ["--bootstrap", pub_addr])
                         for h, home in (("h3", h3), ("h4", h4))}
             # h1 lists the relay explicitly; h2 relies on the fallback (its bootstrap peer as relay)
-            (homes["h1"] / "config.toml").write_text(_config(["trainer"], model, relays=[pub_addr]))
-            (homes["h2"] / "config.toml").write_text(_config(["follower", "validator"], model))
-            procs["h1"] = _start(net, h1.ns, homes["h1"], [pub_addr])
-            procs["h2"] = _start(net, h2.ns, homes["h2"], [pub_addr])
+            procs["h1"] = _start(net, h1.ns, homes["h1"], _config(["trainer"], model, relays=[pub_addr]), [pub_addr])
+            procs["h2"] = _start(net, h2.ns, homes["h2"], _config(["follower", "validator"], model), [pub_addr])
             _wait("h1, h2 up", lambda: all(_status(homes[n]) for n in ("h1", "h2")), allp())
             ids = {n: _status(homes[n]).peer_id for n in ("pub", "h1", "h2")}
 
@@ -171,7 +168,7 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
             c4 = _check(d4, "reachability")
             assert c4["ok"] and "path: direct" in c4["detail"] and "publicly reachable" in c4["detail"], c4
         finally:
-            stop_all(list(procs.values()))
+            launch.stop_all(procs.values())
             pool.shutdown(wait=True)  # before the namespaces go
 
 
@@ -186,12 +183,11 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
     homes = {n: tmp_path / n for n in ("pub", "udp")}
     for h in homes.values():
         h.mkdir()
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, launch.NodeProcess] = {}
     with Network() as net:
         home = net.add_home(block_tcp=True)
         try:
-            (homes["pub"] / "config.toml").write_text(_config(["trainer"], model))
-            procs["pub"] = _start(net, net.pub_ns, homes["pub"], [])
+            procs["pub"] = _start(net, net.pub_ns, homes["pub"], _config(["trainer"], model), [])
             allp = lambda: list(procs.values())  # noqa: E731
 
             def pub_rtc() -> list[str]:
@@ -202,8 +198,8 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
             _wait("pub listening on /webrtc-direct", lambda: bool(pub_rtc()), allp())
             pub_id = _status(homes["pub"]).peer_id
             pub_tcp = f"/ip4/{net.pub_ip}/tcp/{PORT}/p2p/{pub_id}"
-            (homes["udp"] / "config.toml").write_text(_config(["follower", "validator"], model))
-            procs["udp"] = _start(net, home.ns, homes["udp"], [pub_tcp, pub_rtc()[0]])
+            procs["udp"] = _start(net, home.ns, homes["udp"], _config(["follower", "validator"], model),
+                                  [pub_tcp, pub_rtc()[0]])
 
             def reach(n: str):
                 s = _status(homes[n])
@@ -235,4 +231,4 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
                 (x := home_lineage()) and x.held >= 2 and _status(homes["udp"]).bytes_down > 0), allp(), 120)
             assert reach("udp").path == "webrtc", "the patches came over WebRTC-direct (TCP stays dropped)"
         finally:
-            stop_all(list(procs.values()))
+            launch.stop_all(procs.values())

@@ -171,6 +171,7 @@ def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None
 def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tmp_path: Path) -> None:
     from node.config import load_config
     from node.demo import DemoTaskSet, node_config, run_demo
+    from node.launch import write_config
     from gossip.errors import TaskError
 
     bad = tmp_path / "bad.toml"
@@ -187,10 +188,9 @@ def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tm
     home = tmp_path / "h"
     home.mkdir()
     ds.install(home)
-    (home / "config.toml").write_text(node_config(["trainer"], 4001, "murmur-tiny", task_set=ds.manifest.name,
-                                                  coordinator=ds.coordinator.public.hex(),
-                                                  max_new_tokens=ds.max_new_tokens))
-    cfg = load_config(home / "config.toml")
+    cfg = load_config(write_config(home, node_config(["trainer"], "murmur-tiny", task_set=ds.manifest.name,
+                                                     coordinator=ds.coordinator.public.hex(),
+                                                     max_new_tokens=ds.max_new_tokens)))
     assert cfg.training.task_sets == ["b"] and cfg.trust.coordinators == [ds.coordinator.public.hex()]
     tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public}, swarm=cfg.node.swarm)  # as its worker
     tm.refresh(force=True)

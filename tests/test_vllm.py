@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,8 @@ import pytest
 
 from gossip.errors import MurmurError
 from node.status import NodeStatus
-from tests.nodeproc import free_port, wait_for
-from tests.nodeproc import status as _status
+from node import launch
+from node.launch import status as _status
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 480.0  # a loaded CI machine: node start + the vLLM probe + engine start took up to ~2 min here
@@ -144,22 +143,12 @@ def test_vllm_engine_generates_rescores_and_takes_patches(vllm_py: str, model: P
     assert out["past_context_sample"] == [] and out["past_context_nan"]
 
 
-def _config(roles: list[str], model: Path, engine: str, port: int) -> str:
-    return (f'[node]\nswarm = "vllm-swarm"\nroles = {json.dumps(roles)}\nmemory_budget_mb = 1536\n'
-            + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{port}"]\ndht = false\n'
+def _config(roles: list[str], model: Path, engine: str) -> dict[str, dict[str, object]]:
+    return {"node": {"swarm": "vllm-swarm", "roles": roles, "memory_budget_mb": 1536}, "network": {"dht": False},
             # a version every ~10 steps: the tiny trainer steps far faster than a CPU vLLM follower's round
             # trip (generate, gossip, verify), which would otherwise be put on standby as too stale
-            + '[sync]\npublish_every = 10\nanchor_every = 8\nretain_versions = 32\nmax_staleness = 8\n'
-            + f'[training]\nmodel = "{model}"\nengine = "{engine}"\nexternal_rollouts = 64\n')
-
-
-
-
-def _start(home: Path, bootstrap: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
-    for b in bootstrap:
-        cmd += ["--bootstrap", b]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=_env())
+            "sync": {"publish_every": 10, "anchor_every": 8, "retain_versions": 32, "max_staleness": 8},
+            "training": {"model": str(model), "engine": engine, "external_rollouts": 64}}
 
 
 def _lin(s: NodeStatus | None, relation: str):
@@ -176,29 +165,24 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
     from sync.patchstore import LineageStore, open_manifest
 
     homes = {n: tmp_path / n for n in ("trainer", "follower")}
-    homes["trainer"].mkdir()
-    homes["follower"].mkdir()
-    (homes["trainer"] / "config.toml").write_text(_config(["trainer", "validator"], model, "transformers", free_port()))
-    (homes["follower"] / "config.toml").write_text(_config(["follower", "validator"], model, "vllm", free_port()))
-    procs: dict[str, subprocess.Popen] = {}
+    configs = {"trainer": _config(["trainer", "validator"], model, "transformers"),
+               "follower": _config(["follower", "validator"], model, "vllm")}
+    specs = [launch.NodeLaunch(home=str(homes[n]), config=configs[n], env={"PYTHONPATH": str(ROOT)}) for n in homes]
+    procs = dict(zip(homes, launch.start_bootstrapped(specs, WAIT_S)))
     allp = lambda: list(procs.values())  # noqa: E731
     try:
-        procs["trainer"] = _start(homes["trainer"], [])
-        wait_for("trainer listening", lambda: bool((_status(homes["trainer"]) or NodeStatus()).listen), allp(), WAIT_S)
-        procs["follower"] = _start(homes["follower"], [_status(homes["trainer"]).listen[0]])
-
         def engines() -> bool:
             f = _status(homes["follower"])
             return f is not None and f.engine == "vllm (dense reload)"
 
-        wait_for("the follower's worker on vLLM", engines, allp(), WAIT_S)
+        launch.wait_until("the follower's worker on vLLM", engines, allp(), WAIT_S)
         assert _status(homes["trainer"]).engine == "transformers"
 
         def tracking() -> bool:
             t, f = _lin(_status(homes["trainer"]), "own"), _lin(_status(homes["follower"]), "follow")
             return t is not None and f is not None and f.lineage == t.lineage and f.held >= 3
 
-        wait_for("the vLLM follower applying >= 3 versions", tracking, allp(), WAIT_S)
+        launch.wait_until("the vLLM follower applying >= 3 versions", tracking, allp(), WAIT_S)
 
         def checked_both_ways() -> bool:
             t, f = _status(homes["trainer"]), _status(homes["follower"])
@@ -208,7 +192,7 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
                     and f.spot_checked > 0)  # vLLM re-scored some of the trainer's rollouts
 
         try:
-            wait_for("rollouts accepted and spot-checked across engines", checked_both_ways, allp(), WAIT_S)
+            launch.wait_until("rollouts accepted and spot-checked across engines", checked_both_ways, allp(), WAIT_S)
         finally:
             t, f = _status(homes["trainer"]), _status(homes["follower"])
             print("trainer", t and (t.rollouts_accepted, t.rollouts_used, t.spot_checked, t.spot_failed, t.rejected),
@@ -218,8 +202,7 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
         lid = _lin(f, "follow").lineage
 
         # SIGTERM the follower: it checkpoints the version it holds; its state hash is the trainer's
-        procs["follower"].send_signal(signal.SIGTERM)
-        assert procs["follower"].wait(30) == 0
+        assert launch.stop_all([procs["follower"]], 30) == [0]
         meta = json.loads((homes["follower"] / "follow" / lid / "state.json").read_text())
         assert meta["version"] >= 3
         store = LineageStore(homes["trainer"], bytes.fromhex(lid))
@@ -228,7 +211,4 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
         # manifests are signed for the nodes' swarm
         assert open_manifest(envs[0].read_bytes(), swarm="vllm-swarm").target_hash.hex() == meta["state_hash"]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        launch.stop_all(procs.values())

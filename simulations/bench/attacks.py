@@ -21,7 +21,6 @@ import math
 import os
 import random
 import resource
-import signal
 import struct
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import trio
 
 from gossip import topics, wire
 from gossip.identity import Identity
-from node.demo import free_port
+from node import launch
 
 SWARM = "attack-swarm"
 GRAYLIST = -50.0
@@ -737,40 +736,10 @@ async def _run_bounded(name: str, k: Knowledge, addrs: list[str], swarm: str, re
 # ------------------------------------------------------------------ live swarm (benchmark and slow test)
 
 
-def node_config(roles: list[str], model: Path, swarm: str = SWARM) -> str:
-    return (f'[node]\nswarm = "{swarm}"\nroles = {roles!r}\nmemory_budget_mb = 1536\n'.replace("'", '"')
-            + f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\ndht = false\n'
-            + '[sync]\npublish_every = 2\nanchor_every = 8\nretain_versions = 32\nmax_staleness = 4\n'
-            + f'[training]\nmodel = "{model}"\n')
-
-
-def start_node(home: Path, bootstrap: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"]
-    for b in bootstrap:
-        cmd += ["--bootstrap", b]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(home / "stderr.log", "ab"), env=env)
-
-
-def status(home: Path) -> Any:
-    from node import control
-
-    try:
-        return control.status(home, timeout=5.0)
-    except control.ControlError:
-        return None
-
-
-def wait_until(what: str, pred: Callable[[], bool], procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        dead = [p.args[-4:] for p in procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"node exited while waiting for {what}: {dead}")
-        time.sleep(0.5)
-    raise RuntimeError(f"timed out waiting for {what}")
+def node_config(roles: list[str], model: Path, swarm: str = SWARM) -> dict[str, dict[str, Any]]:
+    return {"node": {"swarm": swarm, "roles": roles, "memory_budget_mb": 1536}, "network": {"dht": False},
+            "sync": {"publish_every": 2, "anchor_every": 8, "retain_versions": 32, "max_staleness": 4},
+            "training": {"model": str(model)}}
 
 
 def model_tokenizer_hash(model: Path) -> bytes | None:
@@ -780,27 +749,18 @@ def model_tokenizer_hash(model: Path) -> bytes | None:
     return check.hash if check is not None else None
 
 
-def build_model(root: Path) -> Path:
-    code = "import sys; from training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
-    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=str(Path(__file__).resolve().parents[2]))
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr[-2000:])
-    return Path(r.stdout.strip().splitlines()[-1])
-
-
 @dataclass
 class LiveSwarm:
     """A trainer and a follower+validator as `murmur node start` processes on 127.0.0.1."""
 
     homes: dict[str, Path]
-    procs: dict[str, subprocess.Popen]
+    procs: dict[str, launch.NodeProcess]
 
     def status(self, name: str) -> Any:
-        return status(self.homes[name])
+        return self.procs[name].status(5.0)
 
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs.values())
+        return all(p.alive() for p in self.procs.values())
 
     def addrs(self) -> list[str]:
         out = []
@@ -814,33 +774,20 @@ class LiveSwarm:
         return [s.peer_id for s in (self.status(n) for n in self.homes) if s is not None]
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        launch.stop_all(self.procs.values())
 
 
 def start_swarm(root: Path, model: Path, swarm: str = SWARM, timeout: float = 300.0) -> LiveSwarm:
     """Start the trainer, then the follower+validator bootstrapped to it; return once patches flow."""
     homes = {"trainer": root / "trainer", "follower": root / "follower"}
-    for n, h in homes.items():
-        h.mkdir(parents=True, exist_ok=True)
-        (h / "config.toml").write_text(node_config(["trainer"] if n == "trainer" else ["follower", "validator"],
-                                                   model, swarm))
-    sw = LiveSwarm(homes, {})
+    specs = [launch.NodeLaunch(home=str(h), config=node_config(["trainer"] if n == "trainer" else
+                                                               ["follower", "validator"], model, swarm))
+             for n, h in homes.items()]
+    sw = LiveSwarm(homes, dict(zip(homes, launch.start_bootstrapped(specs, timeout))))
     try:
-        sw.procs["trainer"] = start_node(homes["trainer"], [])
-        wait_until("trainer listening", lambda: bool(getattr(sw.status("trainer"), "listen", None)),
-                   list(sw.procs.values()), timeout)
-        sw.procs["follower"] = start_node(homes["follower"], [sw.status("trainer").listen[0]])
-        wait_until("follower applying the trainer's patches",
-                   lambda: (getattr(sw.status("follower"), "versions_applied", 0) or 0) >= 2,
-                   list(sw.procs.values()), timeout)
+        launch.wait_until("follower applying the trainer's patches",
+                          lambda: (getattr(sw.status("follower"), "versions_applied", 0) or 0) >= 2,
+                          sw.procs.values(), timeout)
     except BaseException:
         sw.stop()
         raise
@@ -1068,7 +1015,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="murmur-attacks-")) if root is None else root
-    model = build_model(tmp / "model")
+    model = launch.build_tiny_model(tmp / "model")
     tok = model_tokenizer_hash(model)
     print("starting the swarm to attack", file=sys.stderr)
     started = time.monotonic()

@@ -23,14 +23,14 @@ from typing import Any
 
 import psutil
 
-from node import demo
+from node import demo, launch
 from node.status import NodeStatus
 
 ROLES = [["trainer"], ["follower", "validator"], ["trainer"]]
 SAMPLE_S = 10.0
 WARMUP_S = 300.0
 LATE_WINDOW_S = 600.0  # "still advancing" is checked over the last 10 minutes (or the last half of a shorter run)
-DISK_CONFIG = "\n[disk]\nlogs_max_mb = 16\nledger_max_rows = 50000\nledger_payload_rows = 1000\n"
+DISK_CONFIG = {"logs_max_mb": 16, "ledger_max_rows": 50000, "ledger_payload_rows": 1000}
 
 
 def tree_rss_mb(pid: int) -> tuple[float, float]:
@@ -99,12 +99,11 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
     late = min(LATE_WINDOW_S, duration / 2)
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="murmur-soak-"))
     root.mkdir(parents=True, exist_ok=True)
-    model = demo.build_model(root)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONUNBUFFERED="1")
+    model = launch.build_tiny_model(root)
     names = [f"node{i}-{'+'.join(r)}" for i, r in enumerate(ROLES)]
-    homes: list[Path] = []
-    procs = []
+    homes = [root / f"node{i}" for i in range(len(ROLES))]
+    specs = [launch.NodeLaunch(home=str(h), config={**demo.node_config(roles, str(model)), "disk": DISK_CONFIG})
+             for h, roles in zip(homes, ROLES)]
     rss_start: list[float | None] = [None] * len(ROLES)
     parts_start: list[tuple[float, float] | None] = [None] * len(ROLES)
     parts_now = [(0.0, 0.0)] * len(ROLES)
@@ -114,23 +113,15 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
     statuses: list[NodeStatus | None] = [None] * len(ROLES)
     exited: list[str] = []
     t0: float | None = None
+    procs = launch.start_bootstrapped(specs, demo.STARTUP_ALLOWANCE_S)
     try:
-        bootstrap: list[str] = []
-        for i, roles in enumerate(ROLES):
-            home = root / f"node{i}"
-            home.mkdir(parents=True, exist_ok=True)
-            (home / "config.toml").write_text(demo.node_config(roles, demo.free_port(), str(model)) + DISK_CONFIG)
-            procs.append(demo.start_node(home, bootstrap, env))
-            homes.append(home)
-            if i == 0:
-                bootstrap = [demo.wait_listen(home, procs[0], demo.STARTUP_ALLOWANCE_S)]
         hard_deadline = time.monotonic() + duration + demo.STARTUP_ALLOWANCE_S + 60
         next_sample = time.monotonic()
         while time.monotonic() < hard_deadline:
             time.sleep(max(0.0, next_sample - time.monotonic()))
             next_sample += SAMPLE_S
             now = time.monotonic()
-            statuses = demo.poll(homes)
+            statuses = [p.status() for p in procs]
             for i, p in enumerate(procs):
                 parts_now[i] = tree_rss_mb(p.pid)
                 rss_now[i] = sum(parts_now[i])
@@ -148,14 +139,14 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
                 for i in range(len(ROLES)):
                     if late_mark[i] is None:
                         late_mark[i] = _progress(statuses[i])
-            exited = [n for n, p in zip(names, procs) if p.poll() is not None]
+            exited = [n for n, p in zip(names, procs) if not p.alive()]
             print(json.dumps({"t_s": round(elapsed), "rss_mb": [round(r) for r in rss_now],
                               "steps": [_progress(s)[0] for s in statuses],
                               "applied": [_progress(s)[1] for s in statuses]}), file=sys.stderr, flush=True)
             if exited or elapsed >= duration:
                 break
     finally:
-        demo.stop_all(procs)
+        launch.stop_all(procs)
     end = [disk_mb(h) for h in homes]
     rejected: dict[str, int] = {}
     dropped: dict[str, int] = {}
