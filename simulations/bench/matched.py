@@ -114,6 +114,20 @@ def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: A
     return out
 
 
+def _receive(node: _Node, payloads: list[bytes], sender: str) -> None:
+    """`node` verifies `sender`'s sealed batches, keeps what it accepts and pays the CPU it took."""
+    assert node.pipeline is not None and node.sampler is not None
+    c0 = time.thread_time()
+    for data in payloads:
+        v = node.pipeline.check(data, sender)
+        if v.accepted and v.batch is not None:
+            node.verified += len(v.batch.rollouts)
+            node.sampler.add_rollouts(v.batch.rollouts)
+    dt = time.thread_time() - c0
+    node.cpu += dt
+    node.verify_cpu += dt
+
+
 def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
             home: Path, warmup_steps: int = WARMUP_STEPS, followers: int = 0) -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
@@ -186,15 +200,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                                            node.lineage,
                                            node.trainer.version, int(TRAINER["local_groups"]))
                 assert node.pipeline is not None and node.sampler is not None
-                c0 = time.thread_time()
-                for data in _seal(fn, batch):
-                    v = node.pipeline.check(data, fn.ident.peer_id)
-                    if v.accepted and v.batch is not None:
-                        node.verified += len(v.batch.rollouts)
-                        node.sampler.add_rollouts(v.batch.rollouts)
-                dt = time.thread_time() - c0
-                node.cpu += dt
-                node.verify_cpu += dt
+                _receive(node, _seal(fn, batch), fn.ident.peer_id)
         c0 = time.thread_time()
         res = node.trainer.step()
         node.cpu += time.thread_time() - c0
@@ -214,16 +220,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
             for other in ns:
                 if other is node:
                     continue
-                assert other.pipeline is not None and other.sampler is not None
-                c0 = time.thread_time()
-                for data in payloads:
-                    v = other.pipeline.check(data, node.ident.peer_id)
-                    if v.accepted and v.batch is not None:
-                        other.verified += len(v.batch.rollouts)
-                        other.sampler.add_rollouts(v.batch.rollouts)
-                dt = time.thread_time() - c0
-                other.cpu += dt
-                other.verify_cpu += dt
+                _receive(other, payloads, node.ident.peer_id)
         while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
             evaluate(node)
     for n in ns:
