@@ -285,8 +285,8 @@ class Pipeline:
             env = wire.decode_envelope(data, wire.ROLLOUT_BATCH, swarm=self.config.swarm)
         except wire.WrongSwarm as e:  # signed for another swarm: a replay across swarms
             return self._reject(Reason.WRONG_SWARM, origin, data, mid, None, str(e))
-        except DecodeError as e:
-            return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e), remember=True)
+        except DecodeError as e:  # not cached: the same bytes fail here again before the cache is read
+            return self._reject(Reason.MALFORMED, origin, data, mid, None, str(e))
         # Before any cache lookup: bytes signed by another key cost their originator, and are
         # never cached by content, so a relay cannot change the verdict on the signer's copy.
         signer = peer_id_from_public(env.signer)

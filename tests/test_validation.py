@@ -346,6 +346,18 @@ def test_a_signed_fault_is_judged_once_and_charged_again_from_the_cache(reg) -> 
         assert before - p.scores.score(MALLORY.peer_id, clock()) == pytest.approx(PENALTIES[reason][0])
 
 
+def test_bytes_that_are_no_envelope_take_no_room_in_the_verdict_cache(reg) -> None:
+    """Undecodable bytes fail again before the cache is read: caching them would only let a flood of
+    distinct junk evict the verdicts that are read."""
+    p, clock = pipe(reg)
+    data = make_batch(ALICE, reg, 1)
+    assert p.check(data, ALICE.peer_id).accepted
+    for i in range(50):
+        assert p.check(b"junk %d" % i, f"peer-{i}").reason is Reason.MALFORMED
+    assert len(p.seen) == 1
+    assert p.check(data, ALICE.peer_id).reason is Reason.DUPLICATE
+
+
 def test_a_rejection_from_this_nodes_own_view_is_not_cached(reg) -> None:
     """An unknown task set, a spent CPU share, a batch that went stale while it was verified: the
     same bytes are judged afresh, and pass once this node's view has changed."""
