@@ -180,8 +180,6 @@ class NodeCore:
         self.peers: dict[str, PeerInfo] = {}
         self.table = LineageTable(settings.max_lineages, clock)
         self.guard = StalenessGuard(settings.max_staleness)
-        self.serving: bytes | None = None  # the lineage chosen: caught up, its patches accepted
-        self.committed: bytes | None = None  # the lineage the worker follows (serving, once it delivered)
         self.serving_reason = ""
         self.addrs: tuple[str, ...] = ()
         self.stored: dict[bytes, set[tuple[str, int, int]]] = {}  # served/own lineage -> items held (cache)
@@ -240,6 +238,16 @@ class NodeCore:
     @property
     def own(self) -> bytes | None:
         return self.table.own
+
+    @property
+    def serving(self) -> bytes | None:
+        """The lineage chosen: caught up, its patches accepted."""
+        return self.table.serving
+
+    @property
+    def committed(self) -> bytes | None:
+        """The lineage the worker follows (`serving`, once it delivered)."""
+        return self.table.committed
 
     @property
     def lineages(self) -> dict[bytes, LineageState]:
@@ -468,7 +476,6 @@ class NodeCore:
         if lin is not None:
             lin.relation = "follow"
             out.append(LoadStored(lin.lineage))
-        self.serving = choice.lineage
         self.table.serving = choice.lineage
         self.catching = None
         self.behind_since = None
@@ -487,7 +494,7 @@ class NodeCore:
             return
         lin = self.table.rows.get(self.serving) if self.serving is not None else None
         info = pipe.FollowInfo(lin.lineage.hex(), lin.name, lin.publisher.hex(), lin.base.hex()) if lin else None
-        self.committed = self.table.committed = lin.lineage if lin else None
+        self.table.committed = lin.lineage if lin else None
         self.follow_info = info
         out.append(ToWorker(pipe.Follow(info)))
         if lin is not None:
