@@ -25,6 +25,9 @@ class Penalise:
     amount: float  # > 0: what the peer's score loses
 
 
+MAX_REASONS = 16  # distinct rejection reasons kept per peer; the rest count as "other"
+
+
 @dataclass
 class ScoreParams:
     graylist_threshold: float = -50.0
@@ -82,6 +85,8 @@ class PeerScores:
         rec = self._rec(peer, now)
         rec.score -= amount
         rec.charged += amount
+        if reason not in rec.rejections and len(rec.rejections) >= MAX_REASONS:
+            reason = "other"  # reasons can carry numbers the peer chose: its record stays bounded
         rec.rejections[reason] = rec.rejections.get(reason, 0) + 1
         newly = False
         if ban:

@@ -249,6 +249,7 @@ class NodeStatus(Struct, kw_only=True):
     stream_limits: dict[str, int] = {}
     peer_scores: dict[str, float] = {}  # peer id -> current gossip score, for peers with a record
     peer_charged: dict[str, float] = {}  # peer id -> all penalties charged to it so far (no decay), same peers
+    peer_faults: dict[str, dict[str, int]] = {}  # charged peer id -> reason -> times (scoring.MAX_REASONS each)
     reach: ReachView = msgspec.field(default_factory=ReachView)
     exchange: ExchangeView = msgspec.field(default_factory=ExchangeView)
 

@@ -130,11 +130,13 @@ MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
 
 
 def peer_records(pipeline: Any) -> dict[str, dict[str, float]]:
-    """`peer_scores` (current scores) and `peer_charged` (penalties charged so far, for the same peers: a
-    charge a peer has since earned back still shows there), from one snapshot of the score table."""
+    """`peer_scores` (current scores), `peer_charged` (penalties charged so far, for the same peers: a
+    charge a peer has since earned back still shows there) and `peer_faults` (what each charged peer was
+    charged for, by reason and count), from one snapshot of the score table."""
     shown = list(pipeline.scores.snapshot(pipeline.clock()).items())[:MAX_SCORES_SHOWN]
     return {"peer_scores": {peer: round(v["score"], 3) for peer, v in shown},
-            "peer_charged": {peer: v["charged"] for peer, v in shown if v["charged"]}}
+            "peer_charged": {peer: v["charged"] for peer, v in shown if v["charged"]},
+            "peer_faults": {peer: v["rejections"] for peer, v in shown if v["charged"]}}
 
 
 def _stream_limits(transport: Any) -> dict[str, int]:

@@ -36,7 +36,8 @@ def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:
         results = trio.run(lambda: attacks.run_catalogue(sw.addrs(), attacks.SWARM, rounds=1, observe_s=20,
                                                          tokenizer_hash=tok, model=str(model)))
         assert sorted(results) == sorted(attacks.CATALOGUE)
-        assert all(r["sent"] > 0 for r in results.values()), results  # every attack reached the wire
+        assert all(r["sent"] > 0 for r in results.values()), \
+            {name: r for name, r in results.items() if not r["sent"]}  # every attack reached the wire
         assert sw.alive(), {n: p.exited() for n, p in sw.procs.items()}
 
         # both nodes answer (a frozen event loop leaves the control socket silent), then keep making progress
@@ -54,12 +55,17 @@ def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:
         lost, worst = attacks.penalties(sw, honest, attackers)
         charged = {name: worst.get(attacks.attack_key(name).peer_id, 0.0) for name in attacks.CATALOGUE}
         print("attacker scores by class:", charged)
-        assert lost == 0.0, {n: sw.status(n).peer_charged for n in sw.homes}  # charges that healed count too
+        assert lost == 0.0, {n: {p: s.peer_faults.get(p) for p in honest if p in s.peer_charged}
+                             for n in sw.homes if (s := sw.status(n)) is not None}  # charges that healed count too
         uncharged = sorted(name for name in attacks.PROVABLE if charged[name] >= 0)
         assert not uncharged, (uncharged, charged)
     except BaseException:
+        ids = sw.peer_ids()
         for n, h in sw.homes.items():  # what each node was doing when the assertion failed
-            print(f"--- {n} log tail ---\n" + (h / "stderr.log").read_text(errors="replace")[-4000:])
+            log = (h / "stderr.log").read_text(errors="replace")
+            charged = [x for x in log.splitlines() if any(p in x for p in ids) and ("penalty" in x or "spot" in x)]
+            print(f"--- {n}: lines charging an honest peer ---\n" + "\n".join(charged[-40:]))
+            print(f"--- {n} log tail ---\n" + log[-4000:])
         raise
     finally:
         sw.stop()

@@ -97,3 +97,14 @@ def test_a_large_table_stays_at_its_bound() -> None:
     for i in range(310):
         s.penalise(f"p{i}", "x", 1.0 + i, 0.0)
     assert len(s._peers) == 300
+
+
+def test_a_peer_keeps_at_most_max_reasons_distinct_reasons() -> None:
+    from gossip.scoring import MAX_REASONS
+
+    s = PeerScores()
+    for i in range(MAX_REASONS + 50):  # reasons that carry a number the peer chose ("chunk index 12345 ...")
+        s.penalise("p", f"chunk index {i} out of range", 0.01, now=0.0)
+    rec = s.record("p")
+    assert rec is not None and len(rec.rejections) == MAX_REASONS + 1
+    assert rec.rejections["other"] == 50 and sum(rec.rejections.values()) == MAX_REASONS + 50
