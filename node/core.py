@@ -48,6 +48,7 @@ from gossip.errors import DecodeError, PatchError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.ratelimit import RateMeter
 from node import pipe, roles
+from node.config import NetworkSection, NodeSection, SyncSection, TrainingSection
 from node.credit import Deliveries
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
                          WorkerStarted, LineageKnown, StoredItems, TransferDone, PatchStored, CatalogReceived,
@@ -97,16 +98,18 @@ STEP_WINDOW = 20  # trainer steps the status's per-step swarm figures average ov
 class CoreSettings:
     """Everything the core needs from the configuration (no file, no I/O)."""
 
+    # Defaults are the node configuration's, so a core built without a file (the simulator, a bench, a
+    # test) runs the numbers a default node runs.
     swarm: str
     roles: tuple[str, ...]
     hardware: str = "cpu"
-    max_staleness: int = 4
-    publish_every: int = 1
-    external_rollouts: int = 4
-    group_size: int = 4
-    max_new_tokens: int = 64
-    upload_bytes_per_s: float = 0.0
-    memory_budget_mb: int = 2048
+    max_staleness: int = SyncSection().max_staleness
+    publish_every: int = SyncSection().publish_every
+    external_rollouts: int = TrainingSection().external_rollouts
+    group_size: int = TrainingSection().group_size
+    max_new_tokens: int = TrainingSection().max_new_tokens
+    upload_bytes_per_s: float = float(NetworkSection().upload_bytes_per_s)
+    memory_budget_mb: int = NodeSection().memory_budget_mb
     follow: tuple[bytes, ...] = ()  # configured lineages (empty: choose by demand)
     max_peers: int = 1024
     max_lineages: int = 256
