@@ -86,6 +86,35 @@ class Knowledge:
             self.task_sets = (self.task_sets + [data])[-8:]
 
 
+class DirectTransport:
+    """A live attacker's transport: what it publishes goes straight to every connected target, as
+    py-libp2p's direct peers, since a target that pruned this host from its mesh (it holds one slot per
+    honest peer it wants) still reads what arrives; everything else is the wrapped transport's."""
+
+    def __init__(self, t: Any, targets: list[str]) -> None:
+        self._t = t
+        self._targets = set(targets)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+
+        for p in self._targets & set(self._t.peers()):
+            pid = ID.from_base58(p)
+            self._t.router.direct_peers.setdefault(pid, PeerInfo(pid, []))
+        await self._t.pubsub.publish(topic, data)
+
+    async def flush(self, timeout_s: float = 10.0) -> None:
+        """Until py-libp2p's outbound queues to the targets are empty (bounded): a host that closes
+        with messages still queued never sent them."""
+        with trio.move_on_after(timeout_s):
+            while any(len(q) for p, q in list(self._t.pubsub.peer_queues.items()) if p.to_base58() in self._targets):
+                await trio.sleep(0.05)
+
+
 class Attacker:
     """A real libp2p host with its own valid key, connected to the targets and subscribed to the swarm."""
 
@@ -99,27 +128,12 @@ class Attacker:
         self.last_error = ""
 
     async def gossip(self, topic: str, data: bytes) -> None:
-        """Straight to every connected target, as py-libp2p's direct peers: a target may have pruned this
-        host from its mesh (it holds one slot per honest peer it wants), and it still reads what arrives."""
-        from libp2p.peer.id import ID
-        from libp2p.peer.peerinfo import PeerInfo
-
         try:
-            for p in set(self.addrs) & set(self.t.peers()):
-                pid = ID.from_base58(p)
-                self.t.router.direct_peers.setdefault(pid, PeerInfo(pid, []))
-            await self.t.pubsub.publish(topic, data)
+            await self.t.publish(topic, data)
             self.sent += 1
         except Exception as e:
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"[:200]
-
-    async def flush(self, timeout_s: float = 10.0) -> None:
-        """Until py-libp2p's outbound queues to the targets are empty (bounded): a host that closes
-        with messages still queued never sent them."""
-        with trio.move_on_after(timeout_s):
-            while any(len(q) for p, q in list(self.t.pubsub.peer_queues.items()) if p.to_base58() in self.addrs):
-                await trio.sleep(0.05)
 
     async def announce(self, data: bytes) -> None:
         await self.gossip(topics.announce(self.swarm), data)
@@ -667,7 +681,9 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
     res.update(attacker=ident.peer_id, sent=0, errors=0, phase="start")
     print(f"attack {name} (round {round_}) from {ident.peer_id}", file=sys.stderr, flush=True)
     async with open_transport(ident) as t:
-        a = Attacker(t, ident, swarm, {x.rsplit("/p2p/", 1)[-1]: x for x in addrs})
+        by_id = {x.rsplit("/p2p/", 1)[-1]: x for x in addrs}
+        direct = DirectTransport(t, list(by_id))
+        a = Attacker(direct, ident, swarm, by_id)
         await t.subscribe(topics.announce(swarm))
         await t.subscribe(topics.rollouts(swarm))
         res["phase"] = "connect"
@@ -681,7 +697,7 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
         try:
             with trio.move_on_after(ATTACK_TIMEOUT_S):
                 await CATALOGUE[name](a, k, [x.rsplit("/p2p/", 1)[-1] for x in addrs])
-            await a.flush()
+            await direct.flush()
         finally:
             res.update(sent=a.sent, errors=a.errors, last_error=a.last_error)
         res["phase"] = "settle"
