@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.identity import Identity
 from node import core as C
 from node import pipe
@@ -373,11 +373,12 @@ def test_a_follower_re_paces_only_when_its_trainers_need_moves_by_more_than_a_te
     core.handle(announce(trainer, 1, [demand(lid, "lin", 3, rollouts=100)]))
     first = to_worker(core.handle(C.Tick()), pipe.Pace)
     assert len(first) == 1 and first[0].rollouts_per_s > 0
-    core.handle(announce(trainer, 2, [demand(lid, "lin", 3, rollouts=105)]))  # 5 % more: no new pace
-    clock.t += 1
-    assert to_worker(core.handle(C.Tick()), pipe.Pace) == []
-    core.handle(announce(trainer, 3, [demand(lid, "lin", 3, rollouts=150)]))  # 50 % more
-    clock.t += 1
+    for seq, rollouts in ((2, 100), (3, 105)):  # the same need, then 5 % more: no new pace
+        clock.t += C.ANNOUNCE_EVERY_S  # a tick that chooses (and paces) again; a version per 2 s step
+        core.handle(announce(trainer, seq, [demand(lid, "lin", 2 + seq, rollouts=rollouts)]))
+        assert to_worker(core.handle(C.Tick()), pipe.Pace) == []
+    core.handle(announce(trainer, 4, [demand(lid, "lin", 6, rollouts=150)]))  # 50 % more
+    clock.t += C.ANNOUNCE_EVERY_S
     again = to_worker(core.handle(C.Tick()), pipe.Pace)
     assert len(again) == 1 and again[0].rollouts_per_s > first[0].rollouts_per_s
 
@@ -514,3 +515,188 @@ def test_a_catalog_that_offers_only_versions_below_what_is_held_plans_nothing() 
     items = (StoredItem("anchor", 4, 4, 900), StoredItem("patch", 3, 4, 10))  # an old copy: nothing past 4
     acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
     assert of(acts, C.RequestOffer) == []
+
+
+def _producing(ident: Identity, seq: int, serving: bytes = b"", owned=(), rate: float = 2.0) -> C.AnnounceHeard:
+    """An announce of a peer that states it publishes `rate` rollout batches/s."""
+    body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=seq, created_ms=1, hardware="cpu",
+                             gen_tokens_per_s=10.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
+                             roles=["follower"], lineages_followed=[], serving=serving, owned=list(owned),
+                             publish_batches_per_s=rate)
+    return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM))
+
+
+def _trainer_with_own_lineage(supply_view=None) -> tuple[C.NodeCore, Clock, bytes]:
+    clock = Clock()
+    core = C.NodeCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock, supply_view=supply_view)
+    lid = lineage_id(key(1).public, BASE, "mine")
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0,
+                            "model_bytes": MODEL_BYTES}))
+    return core, clock, lid
+
+
+def test_a_trainer_hears_its_own_shard_only_while_a_fresh_announce_says_someone_produces_for_it() -> None:
+    """The own lineage's shard is home while a follower's announce of the last PEER_EXPIRY_S states it publishes
+    for it; a silent follower's old announce (still in the peer table) no longer pins it."""
+    core, clock, lid = _trainer_with_own_lineage()
+    core.handle(C.Tick())
+    assert core.exchange.plan_.home == ()  # nobody produces for it
+    core.handle(_producing(key(9), 1, serving=lid))
+    clock.t += C.ANNOUNCE_EVERY_S
+    core.handle(C.Tick())
+    assert core.exchange.plan_.home == (core.exchange.publish_shard(lid),)
+    clock.t += C.PEER_EXPIRY_S + 1  # the follower falls silent (it stays in the table until PEER_FORGET_S)
+    core.handle(C.Tick())
+    assert key(9).peer_id in core.peers and core.exchange.plan_.home == ()
+
+
+def test_a_trainers_own_announced_rate_is_not_supply_for_its_own_lineage() -> None:
+    """With a supply view (the simulator's), the view counts this node's own last announce: what it publishes
+    itself is not offered to it, so no follower producing for its lineage leaves its shard unpinned."""
+    views = [exchange.Supply()]
+    core, clock, lid = _trainer_with_own_lineage(supply_view=lambda: views[-1])
+    core.handle(W("rollouts", [wire.encode(_rollout())]))  # it publishes: its announce states a rate
+    core.handle(C.Tick())
+    assert core.announced_rate > 0
+    views.append(exchange.Supply({lid: core.announced_rate}))  # our own announce, counted for our lineage
+    clock.t += C.ANNOUNCE_EVERY_S
+    core.handle(C.Tick())
+    assert core.exchange.plan_.home == ()
+    views.append(exchange.Supply({lid: views[-1].of(lid) + 1.0}))  # a follower publishes for it too
+    clock.t += C.ANNOUNCE_EVERY_S
+    core.handle(C.Tick())
+    assert core.exchange.plan_.home == (core.exchange.publish_shard(lid),)
+
+
+@pytest.mark.parametrize("name", ["lin", "other"])
+def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_own_lineage(name: str) -> None:
+    """A trainer that also follows another lineage announces its rate for the lineage it serves: the supply
+    view's count for its own lineage is all other producers', and pins its shard however the ids sort."""
+    mine = lineage_id(key(1).public, BASE, "mine")
+    served = lineage_id(key(9).public, BASE, name)
+    assert (served > mine) == (name == "lin")  # one case each way
+    views = [exchange.Supply()]
+    clock = Clock()
+    core = C.NodeCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock,
+                      supply_view=lambda: views[-1])
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": mine.hex(), "name": "mine", "version": 0,
+                            "model_bytes": MODEL_BYTES}))
+    assert follow_trainer(core, clock, key(9), name=name) == served
+    core.handle(C.PatchStored(manifest(key(9), name, 2, 3), 1000, 0.5))
+    assert core.committed == served
+    core.handle(W("rollouts", [wire.encode(_rollout())]))
+    clock.t += C.ANNOUNCE_EVERY_S
+    core.handle(C.Tick())
+    rate = core.announced_rate
+    assert rate > 0
+    views.append(exchange.Supply({served: rate, mine: rate}))  # ours for the served one, a follower's for ours
+    clock.t += C.ANNOUNCE_EVERY_S
+    core.handle(C.Tick())
+    assert core.exchange.plan_.home == (core.exchange.publish_shard(mine),)
+
+
+def test_a_failed_offer_or_catalog_with_no_catch_up_under_way_is_ignored() -> None:
+    core, clock = make_core()
+    lid = lineage_id(key(9).public, BASE, "lin")
+    assert core.handle(C.OfferFailed(key(9).peer_id, lid, "late")) == []
+    assert core.handle(C.CatalogFailed(key(9).peer_id, lid, "late")) == []
+
+
+def test_a_catalog_failure_reported_once_offers_are_out_does_not_skip_the_source() -> None:
+    """Each report counts in the phase it belongs to: a catalog failure while that source's offers are out
+    is stale and does not move catch-up on (only a failed offer does)."""
+    core, clock = make_core()
+    trainer, peer = key(9), key(11)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(announce(peer, 1, serving=lid, roles=("follower",)))
+    core.handle(C.Tick())
+    items = (StoredItem("anchor", 6, 6, 900),)
+    assert len(of(core.handle(C.CatalogReceived(trainer.peer_id, lid, items)), C.RequestOffer)) == 1
+    assert core.handle(C.CatalogFailed(trainer.peer_id, lid, "stale")) == []
+    assert core.catching.phase is C.CatchUpPhase.OFFERED and core.catching.source == trainer.peer_id
+
+
+def test_measured_latency_is_smoothed_like_the_throughput() -> None:
+    core, clock = make_core()
+    core.handle(W("perf", {"gen_tokens_per_s": 100.0, "rollout_latency_s": 1.0}))
+    core.handle(W("perf", {"gen_tokens_per_s": 100.0, "rollout_latency_s": 2.0}))
+    assert core.latency == pytest.approx(0.7 * 1.0 + 0.3 * 2.0)
+
+
+def test_catch_up_runs_at_its_cadence_not_on_every_tick() -> None:
+    """A tick before the catch-up deadline does not plan a catch-up, even when one became due since."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 3)]))
+    core.handle(C.StoredItems(lid, (StoredItem("patch", 0, 1, 10), StoredItem("patch", 1, 2, 10),
+                                    StoredItem("patch", 2, 3, 10))))
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == []  # what is stored reaches the head
+    core.handle(C.ManifestHeard(manifest(trainer, "lin", 3, 4)))  # a new head, not offered to this node
+    clock.t += C.CATCH_UP_EVERY_S / 2
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == []
+    clock.t += C.CATCH_UP_EVERY_S / 2
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+
+
+def test_a_follower_chooses_the_lineage_fresh_followers_leave_short() -> None:
+    """Supply is what followers heard within PEER_EXPIRY_S serve: among two equal demands, the one a fresh
+    follower already serves is the one less short, whichever way the ids sort."""
+    for serve_first in (True, False):
+        core, clock = make_core()
+        a, b = key(9), key(10)
+        la, lb = lineage_id(a.public, BASE, "lin"), lineage_id(b.public, BASE, "lin")
+        served, other = (la, lb) if serve_first == (la > lb) else (lb, la)
+        core.handle(announce(a, 1, [demand(la, "lin", 3)]))
+        core.handle(announce(b, 1, [demand(lb, "lin", 3)]))
+        core.handle(announce(key(11), 1, serving=served, roles=("follower",), gen_tps=160.0))
+        core.handle(C.Tick())
+        assert core.serving == other
+
+
+def test_applied_counts_the_versions_applied() -> None:
+    core, clock = make_core()
+    lid = follow_trainer(core, clock, key(9), head=6)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert core.counters["applied"] == 3
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 5}))
+    assert core.counters["applied"] == 5
+
+
+def test_an_announce_is_taken_only_from_its_own_key_and_never_our_own() -> None:
+    core, clock = make_core()
+    me, other, signer = key(1), key(9), key(10)
+    body = announce(other, 1).body
+    forged = C.AnnounceHeard(signer.public, body, wire.seal(signer, wire.NODE_ANNOUNCE, body, swarm=SWARM))
+    assert core.handle(forged) == [] and other.peer_id not in core.peers
+    assert core.handle(announce(me, 1)) == [] and me.peer_id not in core.peers  # our own, relayed back
+    assert of(core.handle(announce(other, 1)), C.SeePeer)
+
+
+def test_a_stored_chain_unapplied_for_ten_seconds_is_re_read() -> None:
+    """docs/architecture.md: held versions that reach the head but have not moved for 10 s make the core re-read
+    the store (a payload lost after it was stored)."""
+    core, clock = make_core()
+    lid = follow_trainer(core, clock, key(9), head=3)
+    core.handle(C.StoredItems(lid, (StoredItem("patch", 1, 2, 10), StoredItem("patch", 2, 3, 10))))
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 1}))
+    clock.t += C.CATCH_UP_EVERY_S
+    assert of(core.handle(C.Tick()), C.LoadStored) == []  # the worker's version moved now
+    start = clock.t
+    clock.t = start + 9.5
+    assert of(core.handle(C.Tick()), C.LoadStored) == []
+    clock.t = start + 10.0
+    assert of(core.handle(C.Tick()), C.LoadStored) == [C.LoadStored(lid)]
+
+
+def test_a_followed_lineage_the_store_reports_again_still_gets_its_admission() -> None:
+    """The worker hears the staleness verdict for the lineage it follows, however the row was (re)loaded."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert core.committed == lid
+    core.handle(C.LineageKnown(bytes(bytearray(lid)), "lin", "follow", trainer.public, BASE, 3))
+    acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))
+    assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
