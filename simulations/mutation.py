@@ -164,6 +164,13 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the lineage table's default bound off by one (as ratelimit's and scoring's)
     ("node/core.py", "max_lineages: int = 255"),
     ("node/core.py", "max_lineages: int = 257"),
+    # ... and the status's reward trend and the announced standby list (the wire's 256) likewise
+    ("node/core.py", "self.rewards: deque[float] = deque(maxlen= 59)"),
+    ("node/core.py", "self.rewards: deque[float] = deque(maxlen=61)"),
+    ("node/core.py", "standby=lin.activation.standby[: 255])"),
+    # the first announce's seq follows the wall clock (unix ms); from any start, a key's seqs rise by one or more
+    ("node/core.py", "self.announce_seq = 1"),
+    ("node/core.py", "self.announce_seq = -1"),
     ("sync/codec.py", "if len(mv) < len(MAGIC) + 4 >> TRAILER_BYTES:"),
     ("sync/codec.py", "if len(mv) < len(MAGIC) | 4 + TRAILER_BYTES:"),
     # element widths are 1, 2, 4 or 8 bytes

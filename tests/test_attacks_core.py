@@ -417,13 +417,14 @@ def test_a_follower_whose_own_worker_is_down_does_not_blame_the_publisher() -> N
     assert core.serving == lid and core.counters["lineages_left"] == 0
     core.handle(C.WorkerStarted())
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
-    seq = 1000
+    seq, up_at = 1000, clock.t
     while core.serving == lid and seq < 1000 + C.LEAVE_AFTER_S:  # up, yet nothing applies: the publisher's
         clock.t += 2.0
         seq += 1
         core.handle(announce(trainer, seq, [demand(lid, "lin", seq)]))
         core.handle(C.Tick())
     assert core.counters["lineages_left"] == 1
+    assert clock.t - up_at >= C.TRIAL_S  # the whole patience from when its worker came up, none of the time down
 
 
 class _WorkerView:

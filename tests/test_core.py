@@ -700,3 +700,78 @@ def test_a_followed_lineage_the_store_reports_again_still_gets_its_admission() -
     core.handle(C.LineageKnown(bytes(bytearray(lid)), "lin", "follow", trainer.public, BASE, 3))
     acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
+
+
+def test_a_crashing_worker_is_restarted_with_the_documented_backoff() -> None:
+    """docs/architecture.md: restart with backoff 1, 2, 5, 15, 30, 60 s, reset after 120 s of stable running."""
+    core, clock = make_core()
+    delays = []
+    for _ in range(8):
+        delays += [a.delay_s for a in of(core.handle(C.WorkerExited(1)), C.RestartWorker)]
+        clock.t += 1
+        core.handle(C.WorkerStarted())
+    assert delays == [1.0, 2.0, 5.0, 15.0, 30.0, 60.0, 60.0, 60.0]
+    clock.t += 119.5
+    assert [a.delay_s for a in of(core.handle(C.WorkerExited(1)), C.RestartWorker)] == [60.0]
+    core.handle(C.WorkerStarted())
+    clock.t += 120.0
+    assert [a.delay_s for a in of(core.handle(C.WorkerExited(1)), C.RestartWorker)] == [1.0]
+
+
+def test_a_trainer_whose_inbound_falls_short_of_its_demand_asks_for_one_more_shard() -> None:
+    """The exchange adds a rotating shard when the rollouts a trainer measures stay below its demand for
+    SHORTFALL_WINDOW_S once a whole window is measured (a producer that announces and does not publish cannot
+    starve it); fed enough, none."""
+    for fed in (0, 64):
+        core, clock, lid = _trainer_with_own_lineage()
+        assert core.external_demand() > 0
+        for _ in range(int(2 * exchange.SHORTFALL_WINDOW_S / C.ANNOUNCE_EVERY_S) + 2):  # measured, then short
+            if fed:
+                core.handle(C.RolloutsVerified("p", ((b"l" * 32, fed),)))
+            core.handle(C.Tick())
+            clock.t += C.ANNOUNCE_EVERY_S
+        assert core.exchange.extra == (0 if fed else 1)
+
+
+def test_a_trainers_announced_rate_is_supply_for_the_first_lineage_it_owns() -> None:
+    """A producer serving nothing publishes for its own (first) lineage: its rate counts there, not for a
+    lineage it lists after it."""
+    core, clock, mine = _trainer_with_own_lineage()
+    theirs = lineage_id(key(9).public, BASE, "theirs")
+    core.handle(_producing(key(9), 1, owned=[demand(theirs, "theirs", 1), demand(mine, "mine", 0)], rate=3.0))
+    core.handle(C.Tick())
+    assert core.exchange.plan_.home == ()
+
+
+def test_rollout_batches_sealed_within_one_millisecond_still_rise() -> None:
+    """Receivers take a producer's batch only with a seq above the last (a reused one is a replay)."""
+    clock = Clock()
+    core = C.NodeCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
+    seqs = []
+    for _ in range(3):
+        out = core.handle(W("rollouts", [wire.encode(_rollout())]))
+        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == "rollouts"]
+    assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
+
+
+def test_an_older_announce_replayed_does_not_replace_a_newer_one() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 5, [demand(lid, "lin", 7)]))
+    assert core.handle(announce(trainer, 3, [demand(lid, "lin", 2)])) == []
+    assert core.peers[trainer.peer_id].announce.seq == 5
+
+
+def test_catch_up_asks_the_publisher_then_peers_heard_serving_the_lineage_lately() -> None:
+    core, clock = make_core()
+    trainer, silent, fresh = key(9), key(11), key(12)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(silent, 1, serving=lid, roles=("follower",)))
+    clock.t += C.PEER_EXPIRY_S + 1  # the first follower falls silent
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(announce(fresh, 1, serving=lid, roles=("follower",)))
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    acts = core.handle(C.CatalogFailed(trainer.peer_id, lid, "gone"))
+    assert of(acts, C.FetchCatalog) == [C.FetchCatalog(fresh.peer_id, lid)]
+    assert of(core.handle(C.CatalogFailed(fresh.peer_id, lid, "gone")), C.FetchCatalog) == []
