@@ -168,6 +168,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("node/core.py", "self.rewards: deque[float] = deque(maxlen= 59)"),
     ("node/core.py", "self.rewards: deque[float] = deque(maxlen=61)"),
     ("node/core.py", "standby=lin.activation.standby[: 255])"),
+    # a row's publisher is a 32-byte key or empty (set from verified signatures; the store checks the length)
+    ("node/core.py", 'if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) >= 32:'),
     # the first announce's seq follows the wall clock (unix ms); from any start, a key's seqs rise by one or more
     ("node/core.py", "self.announce_seq = 1"),
     ("node/core.py", "self.announce_seq = -1"),

@@ -700,6 +700,10 @@ def test_a_followed_lineage_the_store_reports_again_still_gets_its_admission() -
     core.handle(C.LineageKnown(bytes(bytearray(lid)), "lin", "follow", trainer.public, BASE, 3))
     acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
+    core.handle(announce(trainer, 2, [demand(lid, "lin", 9)]))
+    clock.t += C.ANNOUNCE_EVERY_S
+    assert of(core.handle(C.Tick()), C.LoadStored) == []  # still the lineage it serves: not chosen anew
+    assert core.serving == lid
 
 
 def test_a_crashing_worker_is_restarted_with_the_documented_backoff() -> None:
@@ -775,3 +779,84 @@ def test_catch_up_asks_the_publisher_then_peers_heard_serving_the_lineage_lately
     acts = core.handle(C.CatalogFailed(trainer.peer_id, lid, "gone"))
     assert of(acts, C.FetchCatalog) == [C.FetchCatalog(fresh.peer_id, lid)]
     assert of(core.handle(C.CatalogFailed(fresh.peer_id, lid, "gone")), C.FetchCatalog) == []
+
+
+def test_an_announced_throughput_past_the_wires_range_is_capped_at_it() -> None:
+    core, clock = make_core()
+    core.handle(W("perf", {"gen_tokens_per_s": 1e12, "rollout_latency_s": 1.0}))
+    _, a = wire.open_envelope(of(core.handle(C.Tick()), C.Publish)[0].data, swarm=SWARM)
+    assert a.gen_tokens_per_s == 1e9
+
+
+def test_a_trainers_announced_step_time_is_zero_until_measured_then_at_least_the_floor() -> None:
+    """0 says "not measured yet" (followers do not pace to it); a measured interval below MIN_STEP_S is not a
+    measurement the capacity rule can use, so the floor is announced instead."""
+    core, clock, lid = _trainer_with_own_lineage()
+    _, a = wire.open_envelope(of(core.handle(C.Tick()), C.Publish)[0].data, swarm=SWARM)
+    assert a.owned[0].step_time_s == 0.0
+    core.handle(W("published", {"version": 1, "envelope": b""}))
+    clock.t += 1e-4
+    core.handle(W("published", {"version": 2, "envelope": b""}))
+    clock.t += C.ANNOUNCE_EVERY_S
+    _, a = wire.open_envelope(of(core.handle(C.Tick()), C.Publish)[0].data, swarm=SWARM)
+    assert a.owned[0].step_time_s == C.MIN_STEP_S
+
+
+def test_the_shard_count_follows_the_producers_heard_and_the_node_itself() -> None:
+    """S doubles once every shard would hold twice PRODUCERS_PER_SHARD producers, this node counted: a trainer
+    hearing three others is four producers, two shards; hearing two, one."""
+    for others, shards in ((2, 1), (3, 2)):
+        core, clock, lid = _trainer_with_own_lineage()
+        for i in range(others):
+            core.handle(_producing(key(20 + i), 1, owned=[demand(lineage_id(key(20 + i).public, BASE, "l"), "l", 1)]))
+        core.handle(C.Tick())
+        assert core.exchange.shards == shards
+
+
+def test_an_accepted_transfer_is_forgotten_only_after_four_patiences() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=3)
+    accepted = clock.t
+    assert core.offer_manifest(manifest(trainer, "lin", 3, 4))
+    clock.t = accepted + 4 * C.IN_FLIGHT_PATIENCE_S
+    core.handle(C.Tick())
+    assert (lid, "patch", 3, 4) in core.in_flight
+    clock.t += C.ANNOUNCE_EVERY_S
+    core.handle(C.Tick())
+    assert (lid, "patch", 3, 4) not in core.in_flight
+
+
+def test_a_trainer_weighs_only_followers_heard_lately() -> None:
+    """The capacity rule counts a follower's offer while its announces are fresh (PEER_EXPIRY_S): a claim
+    no delivery backs is capped each time it is counted, and no more once the follower falls silent."""
+    core, clock, lid = _trainer_with_own_lineage()
+    core.handle(announce(key(9), 1, serving=lid, roles=("follower",), gen_tps=1e6))
+    core.handle(C.Tick())
+    assert core.counters["claims_capped"] == 1
+    clock.t += C.PEER_EXPIRY_S + 1
+    core.handle(C.Tick())
+    assert core.counters["claims_capped"] == 1
+
+
+def test_a_trainer_joins_only_as_many_shards_as_cover_its_demand_in_batches() -> None:
+    """Demand and supply meet in batches/s: a trainer needing 0.8 batches/s (6.4 rollouts/s in batches of 8)
+    takes one shard offering 1 batch/s, not every shard that offers less than its rollouts/s."""
+    core, clock, lid = _trainer_with_own_lineage()
+    assert core.external_demand() / core.batch_rollouts == pytest.approx(0.8)
+    for i, rate in ((20, 1.0), (22, 0.5), (23, 0.5)):  # shard 1: 1.0; shard 0: 0.5 + 0.5 (of two)
+        core.handle(_producing(key(i), 1, owned=[demand(lineage_id(key(i).public, BASE, "l"), "l", 1)], rate=rate))
+    core.handle(C.Tick())
+    assert core.exchange.shards == 2 and len(core.exchange.plan_.subscribe) == 1
+
+
+def test_the_rollouts_per_batch_estimate_moves_slowly_towards_what_arrives() -> None:
+    """Supply is announced in batches/s and demand counted in rollouts: the mean batch size converts them, an
+    average that a few odd batches barely move."""
+    core, clock, lid = _trainer_with_own_lineage()
+    assert core.batch_rollouts == 8.0  # group_size until measured
+    core.handle(C.RolloutsVerified("p", ((b"l" * 32, 4),)))
+    assert core.batch_rollouts == pytest.approx(0.95 * 8 + 0.05 * 4)
+    for _ in range(200):
+        core.handle(C.RolloutsVerified("p", ((b"l" * 32, 0),)))  # counted as one at least
+    assert core.batch_rollouts == pytest.approx(1.0, abs=1e-3)
