@@ -170,6 +170,11 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("node/core.py", "standby=lin.activation.standby[: 255])"),
     # a row's publisher is a 32-byte key or empty (set from verified signatures; the store checks the length)
     ("node/core.py", 'if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) >= 32:'),
+    # a configuration with publish_every below 1 is refused when it is loaded (node.config)
+    ("node/core.py", "max_staleness=cfg.sync.max_staleness, publish_every=max( 0, cfg.sync.publish_every),"),
+    # the tokens per rollout are read only by roles.offer_rate, which divides by at least 1 itself
+    ("node/core.py", "self.tokens_per_rollout = float(max( 0, settings.max_new_tokens))"),
+    ("node/core.py", "self.tokens_per_rollout = float(max(2, settings.max_new_tokens))"),
     # the first announce's seq follows the wall clock (unix ms); from any start, a key's seqs rise by one or more
     ("node/core.py", "self.announce_seq = 1"),
     ("node/core.py", "self.announce_seq = -1"),

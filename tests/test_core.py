@@ -655,6 +655,21 @@ def test_a_follower_chooses_the_lineage_fresh_followers_leave_short() -> None:
         assert core.serving == other
 
 
+def test_a_follower_silent_past_the_expiry_is_no_supply_on_a_clock_that_started_near_zero() -> None:
+    """The virtual simulator's clock starts at 0: a follower heard at 10 s is stale at 45 s all the same."""
+    core, clock = make_core()
+    a, b = key(9), key(10)
+    la, lb = lineage_id(a.public, BASE, "lin"), lineage_id(b.public, BASE, "lin")
+    served, other = (la, lb) if la > lb else (lb, la)  # equal demands: the tie goes to the larger id
+    clock.t = 10.0
+    core.handle(announce(key(11), 1, serving=served, roles=("follower",), gen_tps=160.0))
+    clock.t = 45.0
+    core.handle(announce(a, 1, [demand(la, "lin", 3)]))
+    core.handle(announce(b, 1, [demand(lb, "lin", 3)]))
+    core.handle(C.Tick())
+    assert core.serving == served
+
+
 def test_applied_counts_the_versions_applied() -> None:
     core, clock = make_core()
     lid = follow_trainer(core, clock, key(9), head=6)
@@ -768,17 +783,22 @@ def test_an_older_announce_replayed_does_not_replace_a_newer_one() -> None:
 
 
 def test_catch_up_asks_the_publisher_then_peers_heard_serving_the_lineage_lately() -> None:
+    """Every fresh follower of the lineage is a source, whichever way its id sorts against the publisher's."""
     core, clock = make_core()
-    trainer, silent, fresh = key(9), key(11), key(12)
+    trainer, silent = key(9), key(11)
+    lower = next(key(i) for i in range(12, 200) if key(i).peer_id < trainer.peer_id)
+    higher = next(key(i) for i in range(12, 200) if key(i).peer_id > trainer.peer_id)
     lid = lineage_id(trainer.public, BASE, "lin")
     core.handle(announce(silent, 1, serving=lid, roles=("follower",)))
     clock.t += C.PEER_EXPIRY_S + 1  # the first follower falls silent
     core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
-    core.handle(announce(fresh, 1, serving=lid, roles=("follower",)))
+    for fresh in (lower, higher):
+        core.handle(announce(fresh, 1, serving=lid, roles=("follower",)))
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
-    acts = core.handle(C.CatalogFailed(trainer.peer_id, lid, "gone"))
-    assert of(acts, C.FetchCatalog) == [C.FetchCatalog(fresh.peer_id, lid)]
-    assert of(core.handle(C.CatalogFailed(fresh.peer_id, lid, "gone")), C.FetchCatalog) == []
+    asked = []
+    for peer in (trainer, lower, higher):
+        asked += [a.peer for a in of(core.handle(C.CatalogFailed(peer.peer_id, lid, "gone")), C.FetchCatalog)]
+    assert asked == [lower.peer_id, higher.peer_id]
 
 
 def test_an_announced_throughput_past_the_wires_range_is_capped_at_it() -> None:
@@ -860,3 +880,27 @@ def test_the_rollouts_per_batch_estimate_moves_slowly_towards_what_arrives() -> 
     for _ in range(200):
         core.handle(C.RolloutsVerified("p", ((b"l" * 32, 0),)))  # counted as one at least
     assert core.batch_rollouts == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_hostile_codec_name_is_logged_and_charged_bounded() -> None:
+    """A refusal quotes what the peer signed: the log line keeps at most 200 characters of it, the charge's
+    reason 120 (the scoring table keeps reasons per peer)."""
+    core, clock = make_core()
+    trainer = key(9)
+    follow_trainer(core, clock, trainer, head=3)
+    m = manifest(trainer, "lin", 3, 4)
+    hostile = wire.PatchManifest(**{f: getattr(m, f) for f in m.__struct_fields__} | {"codec": "\U000e0001" * 32})
+    acts = core.handle(C.ManifestHeard(hostile))
+    (log,) = [a for a in of(acts, C.Log) if a.msg == "manifest refused"]
+    assert log.fields["why"].startswith("unknown codec") and len(log.fields["why"]) <= 200
+    (pen,) = of(acts, C.Penalise)
+    assert pen.reason.startswith("lineage: unknown codec") and len(pen.reason) <= 120
+
+
+def test_the_reward_at_start_is_the_mean_of_the_first_five() -> None:
+    from node.views import reward_window
+
+    core, _ = make_core()
+    for r in (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0):
+        core.handle(W("gen", {"reward_mean": r, "version": 0}))
+    assert reward_window(core) == (pytest.approx(0.8), 0.0)
