@@ -175,6 +175,12 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the tokens per rollout are read only by roles.offer_rate, which divides by at least 1 itself
     ("node/core.py", "self.tokens_per_rollout = float(max( 0, settings.max_new_tokens))"),
     ("node/core.py", "self.tokens_per_rollout = float(max(2, settings.max_new_tokens))"),
+    # the cap on an announced publishing rate, 1e3 batches/s (the wire allows 1e6): no stated behaviour depends
+    # on its exact value, only that a hostile claim is bounded
+    ("node/core.py", "own = (mine, min(self.announced_rate, 999.0))"),
+    ("node/core.py", "own = (mine, min(self.announced_rate, 1001.0))"),
+    ("node/core.py", "supply.add(lid, min(a.publish_batches_per_s, 999.0))"),
+    ("node/core.py", "supply.add(lid, min(a.publish_batches_per_s, 1001.0))"),
     # the first announce's seq follows the wall clock (unix ms); from any start, a key's seqs rise by one or more
     ("node/core.py", "self.announce_seq = 1"),
     ("node/core.py", "self.announce_seq = -1"),

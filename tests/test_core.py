@@ -158,6 +158,7 @@ def test_catch_up_does_nothing_when_held_plus_in_flight_reach_the_head() -> None
     assert core.offer_manifest(manifest(trainer, "lin", 3, 4))
     clock.t += 1
     assert of(core.handle(C.Tick()), C.FetchCatalog) == []
+    assert core.catching is None  # nothing is missing: the attempt begun when it chose the lineage is over
 
 
 def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
@@ -825,10 +826,11 @@ def test_a_trainers_announced_step_time_is_zero_until_measured_then_at_least_the
 def test_the_shard_count_follows_the_producers_heard_and_the_node_itself() -> None:
     """S doubles once every shard would hold twice PRODUCERS_PER_SHARD producers, this node counted: a trainer
     hearing three others is four producers, two shards; hearing two, one."""
-    for others, shards in ((2, 1), (3, 2)):
+    for others, rate, shards in ((2, 2.0, 1), (3, 2.0, 2), (3, 0.0, 1)):  # an announce of no publishing: no producer
         core, clock, lid = _trainer_with_own_lineage()
         for i in range(others):
-            core.handle(_producing(key(20 + i), 1, owned=[demand(lineage_id(key(20 + i).public, BASE, "l"), "l", 1)]))
+            core.handle(_producing(key(20 + i), 1, owned=[demand(lineage_id(key(20 + i).public, BASE, "l"), "l", 1)],
+                                   rate=rate))
         core.handle(C.Tick())
         assert core.exchange.shards == shards
 
@@ -850,13 +852,19 @@ def test_an_accepted_transfer_is_forgotten_only_after_four_patiences() -> None:
 def test_a_trainer_weighs_only_followers_heard_lately() -> None:
     """The capacity rule counts a follower's offer while its announces are fresh (PEER_EXPIRY_S): a claim
     no delivery backs is capped each time it is counted, and no more once the follower falls silent."""
-    core, clock, lid = _trainer_with_own_lineage()
-    core.handle(announce(key(9), 1, serving=lid, roles=("follower",), gen_tps=1e6))
+    for start in (1000.0, 10.0):  # the virtual simulator's clock starts at 0
+        core, clock, lid = _trainer_with_own_lineage()
+        clock.t = start
+        core.handle(announce(key(9), 1, serving=lid, roles=("follower",), gen_tps=1e6))
+        core.handle(C.Tick())
+        assert core.counters["claims_capped"] == 1
+        clock.t += C.PEER_EXPIRY_S + 5
+        core.handle(C.Tick())
+        assert core.counters["claims_capped"] == 1
+    core, clock, lid = _trainer_with_own_lineage()  # a follower of another lineage is no offer to this one
+    core.handle(announce(key(9), 1, serving=lineage_id(key(10).public, BASE, "x"), roles=("follower",), gen_tps=1e6))
     core.handle(C.Tick())
-    assert core.counters["claims_capped"] == 1
-    clock.t += C.PEER_EXPIRY_S + 1
-    core.handle(C.Tick())
-    assert core.counters["claims_capped"] == 1
+    assert core.counters["claims_capped"] == 0
 
 
 def test_a_trainer_joins_only_as_many_shards_as_cover_its_demand_in_batches() -> None:
@@ -904,3 +912,68 @@ def test_the_reward_at_start_is_the_mean_of_the_first_five() -> None:
     for r in (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0):
         core.handle(W("gen", {"reward_mean": r, "version": 0}))
     assert reward_window(core) == (pytest.approx(0.8), 0.0)
+
+
+def test_a_catch_up_plan_costs_only_what_it_fetches() -> None:
+    """Held items and transfers on their way cost nothing to plan with: the plan's bytes are the fetched
+    items' alone, and a held chain is preferred to a smaller download that replaces it."""
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(C.StoredItems(lid, tuple(StoredItem("patch", v, v + 1, 10) for v in range(4))))  # 0 -> 4 held
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    assert core.offer_manifest(manifest(trainer, "lin", 4, 5))  # 4 -> 5 on its way
+    items = (StoredItem("patch", 5, 6, 100), StoredItem("anchor", 6, 6, 103))
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
+    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [("patch", 5, 6)]
+    (log,) = [a for a in of(acts, C.Log) if a.msg == "catching up"]
+    assert log.fields["bytes"] == 100 and log.fields["fetch"] == 1
+
+
+def test_a_catalog_item_of_an_unknown_kind_is_never_requested() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(C.Tick())
+    items = (StoredItem("shortcut", 0, 6, 1), StoredItem("anchor", 6, 6, 900))  # cheaper, of no kind we apply
+    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
+    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [("anchor", 6, 6)]
+
+
+def test_a_transfer_of_another_lineage_is_not_counted_on_its_way() -> None:
+    """A follower that moves to another lineage while a transfer of the first is still running plans the new
+    one's catch-up without it (the same versions of two lineages are different items)."""
+    core, clock = make_core()
+    a, b = key(9), key(10)
+    la, lb = lineage_id(a.public, BASE, "lin"), lineage_id(b.public, BASE, "lin")
+    core.handle(announce(a, 1, [demand(la, "lin", 1)]))
+    core.handle(C.Tick())
+    assert core.serving == la
+    assert core.offer_manifest(manifest(a, "lin", 0, 1))  # la's 0 -> 1 on its way
+    core.handle(announce(b, 1, [demand(lb, "lin", 1, rollouts=10_000)]))  # far more short: the follower moves
+    clock.t += C.ANNOUNCE_EVERY_S
+    acts = core.handle(C.Tick())
+    assert core.serving == lb and of(acts, C.FetchCatalog) == [C.FetchCatalog(b.peer_id, lb)]
+
+
+def test_a_transfer_on_its_way_longer_than_the_patience_is_fetched_by_catch_up() -> None:
+    core, clock = make_core()
+    trainer = key(9)
+    lid = follow_trainer(core, clock, trainer, head=4)
+    core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
+    assert core.offer_manifest(manifest(trainer, "lin", 3, 4))
+    clock.t += C.CATCH_UP_EVERY_S
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == []
+    clock.t += C.IN_FLIGHT_PATIENCE_S
+    core.handle(announce(trainer, 2, [demand(lid, "lin", 4)]))  # the trainer is still there
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+
+
+def test_a_worker_error_is_kept_for_the_status_and_logged_as_its_first_300_characters() -> None:
+    core, clock = make_core()
+    acts = core.handle(W("error", "x" * 5000))
+    assert len(core.worker_error) == 4000
+    (log,) = [a for a in of(acts, C.Log) if a.msg == "worker failed"]
+    assert log.fields["error"] == "x" * 300
