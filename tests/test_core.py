@@ -41,8 +41,9 @@ def key(i: int) -> Identity:
     return Identity.from_seed(bytes([i]) * 32)
 
 
-def make_core(roles=("follower", "validator"), seed: int = 1, **kw) -> tuple[C.NodeCore, Clock]:
+def make_core(roles=("follower", "validator"), seed: int = 1, start: float = 1000.0, **kw) -> tuple[C.NodeCore, Clock]:
     clock = Clock()
+    clock.t = start
     core = C.NodeCore(C.CoreSettings(swarm="t", roles=tuple(roles), **kw), key(seed), clock)
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     return core, clock
@@ -690,10 +691,11 @@ def test_an_announce_is_taken_only_from_its_own_key_and_never_our_own() -> None:
     assert of(core.handle(announce(other, 1)), C.SeePeer)
 
 
-def test_a_stored_chain_unapplied_for_ten_seconds_is_re_read() -> None:
+@pytest.mark.parametrize("start", [1000.0, 2.0])  # the virtual simulator's clock starts at 0
+def test_a_stored_chain_unapplied_for_ten_seconds_is_re_read(start: float) -> None:
     """docs/architecture.md: held versions that reach the head but have not moved for 10 s make the core re-read
     the store (a payload lost after it was stored)."""
-    core, clock = make_core()
+    core, clock = make_core(start=start)
     lid = follow_trainer(core, clock, key(9), head=3)
     core.handle(C.StoredItems(lid, (StoredItem("patch", 1, 2, 10), StoredItem("patch", 2, 3, 10))))
     core.handle(W("applied", {"lineage": lid.hex(), "version": 1}))
@@ -977,3 +979,15 @@ def test_a_worker_error_is_kept_for_the_status_and_logged_as_its_first_300_chara
     assert len(core.worker_error) == 4000
     (log,) = [a for a in of(acts, C.Log) if a.msg == "worker failed"]
     assert log.fields["error"] == "x" * 300
+
+
+def test_a_failure_reported_about_another_lineage_does_not_move_catch_up_on() -> None:
+    core, clock = make_core()
+    trainer, peer = key(9), key(11)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(announce(peer, 1, serving=lid, roles=("follower",)))
+    assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
+    for other in (bytes(32), b"\xff" * 32):  # ids either side of the lineage's
+        assert core.handle(C.CatalogFailed(trainer.peer_id, other, "x")) == []
+    assert of(core.handle(C.CatalogFailed(trainer.peer_id, lid, "x")), C.FetchCatalog) == [C.FetchCatalog(peer.peer_id, lid)]
