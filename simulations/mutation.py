@@ -174,7 +174,6 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("node/core.py", "max_staleness=cfg.sync.max_staleness, publish_every=max( 0, cfg.sync.publish_every),"),
     # the tokens per rollout are read only by roles.offer_rate, which divides by at least 1 itself
     ("node/core.py", "self.tokens_per_rollout = float(max( 0, settings.max_new_tokens))"),
-    ("node/core.py", "self.tokens_per_rollout = float(max(2, settings.max_new_tokens))"),
     # the cap on an announced publishing rate, 1e3 batches/s (the wire allows 1e6): no stated behaviour depends
     # on its exact value, only that a hostile claim is bounded
     ("node/core.py", "own = (mine, min(self.announced_rate, 999.0))"),

@@ -990,4 +990,22 @@ def test_a_failure_reported_about_another_lineage_does_not_move_catch_up_on() ->
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
     for other in (bytes(32), b"\xff" * 32):  # ids either side of the lineage's
         assert core.handle(C.CatalogFailed(trainer.peer_id, other, "x")) == []
-    assert of(core.handle(C.CatalogFailed(trainer.peer_id, lid, "x")), C.FetchCatalog) == [C.FetchCatalog(peer.peer_id, lid)]
+    acts = core.handle(C.CatalogFailed(trainer.peer_id, lid, "x"))
+    assert of(acts, C.FetchCatalog) == [C.FetchCatalog(peer.peer_id, lid)]
+
+
+def test_long_texts_from_peers_and_the_worker_reach_the_log_bounded() -> None:
+    """A log line quotes what a catch-up source's failure said, what the worker reported and why a patch did not
+    apply, each cut to its bound (200, 500 and 300 characters) however long the text that came in."""
+    core, clock = make_core()
+    trainer, peer = key(9), key(11)
+    lid = lineage_id(trainer.public, BASE, "lin")
+    core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
+    core.handle(announce(peer, 1, serving=lid, roles=("follower",)))
+    core.handle(C.Tick())
+    huge = "y" * 100_000
+    logs = of(core.handle(C.CatalogFailed(trainer.peer_id, lid, huge)), C.Log)
+    logs += of(core.handle(W("log", huge)), C.Log)
+    logs += of(core.handle(W("apply_failed", {"lineage": lid.hex(), "base": 0, "target": 1, "error": huge})), C.Log)
+    got = {log.msg: max(len(v) for v in log.fields.values() if isinstance(v, str)) for log in logs}
+    assert got == {"catch-up source failed": 200, "worker": 500, "patch apply failed": 300}
