@@ -19,8 +19,10 @@ blacklisted in pubsub and disconnected (py-libp2p does not disconnect it).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,6 +40,7 @@ log = logging.getLogger("murmur.gossip.service")
 _UNRECORDED = {Reason.GRAYLISTED, Reason.BLACKLISTED, Reason.RATE_LIMITED, Reason.OVER_ANNOUNCED_RATE, Reason.DUPLICATE}
 VERIFY_THREADS = 2  # threads waiting on the verifier pool at once
 MULTI_TOPIC_PENALTY = 10.0  # like a malformed message: an honest node publishes each message to one topic
+MAX_ANNOUNCE_VERDICTS = 8192  # announce-topic messages whose verdict is remembered for their copies
 ANNOUNCE_KINDS = (wire.TASK_SET, wire.PATCH_MANIFEST, wire.NODE_ANNOUNCE)
 
 AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, body, envelope bytes)
@@ -61,6 +64,7 @@ class GossipService:
         self.announce_topic = topics.announce(swarm)
         self._handlers: dict[str, list[AnnounceHandler]] = {}
         self._announce_buckets = TokenBuckets(announce_rate_per_s, announce_burst)
+        self._announce_verdicts: OrderedDict[bytes, bool] = OrderedDict()  # (origin, message) digest -> verdict
         # Verification threads have their own limiter, so a flood waiting on the verifier pool
         # never holds the tokens of trio's default one (ledger writes, the worker link).
         self._verify_limiter = trio.CapacityLimiter(VERIFY_THREADS)
@@ -211,8 +215,24 @@ class GossipService:
         now = time.monotonic()
         if self.pipeline.scores.is_blacklisted(origin, self.pipeline.clock()):
             return False
+        # Every mesh peer relays a message, and py-libp2p validates concurrent copies before it marks
+        # one seen: a copy of a message already judged keeps that verdict and spends no token.
+        key = hashlib.blake2b(origin.encode() + b"\0" + data, digest_size=16).digest()
+        verdict = self._announce_verdicts.get(key)
+        if verdict is None:
+            verdict = self._judge_announce(forwarder, origin, data, now)
+            self._announce_verdicts[key] = verdict
+            while len(self._announce_verdicts) > MAX_ANNOUNCE_VERDICTS:
+                self._announce_verdicts.popitem(last=False)
+        return verdict
+
+    def _judge_announce(self, forwarder: str, origin: str, data: bytes, now: float) -> bool:
         if not self._announce_buckets.take(origin, now):
-            self.pipeline.scores.penalise(origin, "announce_rate_limited", 1.0, self.pipeline.clock())
+            self.stats.drop("announce_rate_limited")
+            # Over the rate is the originator's provable fault only on a copy it sent us itself: a
+            # relayed copy may be another peer's replay of messages it sent long ago.
+            if forwarder == origin:
+                self.pipeline.scores.penalise(origin, "announce_rate_limited", 1.0, self.pipeline.clock())
             return False
         try:
             env, _ = wire.open_envelope(data, swarm=self.swarm)

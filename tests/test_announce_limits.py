@@ -1,0 +1,92 @@
+"""The announce topic's per-signer rate limit charges only the peer that provably exceeded it.
+
+A message's originator (the pubsub author) is charged for going over its announce rate only when it
+sent the copy itself; copies of one message relayed by other peers (every mesh peer forwards it, and
+py-libp2p validates concurrent copies before it marks any of them seen) count once, and an over-rate
+copy that another peer relayed is dropped, counted and charged to no one.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import trio
+
+from gossip import wire
+from gossip.identity import Identity
+from gossip.service import GossipService
+from gossip.validation import Pipeline, PipelineConfig
+from simulations.bench.gossip import SWARM, registry
+from training.tasksets import builtin_manifest
+from training.verifiers import score
+
+REG = registry()
+SIGNER = Identity.from_seed(bytes([7]) * 32)
+ORIGIN = SIGNER.peer_id
+RELAYS = [Identity.from_seed(bytes([20 + i]) * 32).peer_id for i in range(8)]
+BURST = 3
+
+
+def _service() -> GossipService:
+    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=time.time, resolve_task=REG.resolve,
+                        reward=score, head_version=lambda lineage: 0, task_set_trusted=REG.__contains__)
+    # a rate so low that no token comes back while the test runs
+    return GossipService(None, pipeline, SWARM, announce_rate_per_s=1e-6, announce_burst=BURST)
+
+
+def _announces(n: int) -> list[bytes]:
+    """`n` distinct messages the signer really signed (task-set manifests at rising versions)."""
+    m = builtin_manifest(SIGNER.public)
+    return [wire.seal(SIGNER, wire.TASK_SET, msgspec.structs.replace(m, version=2 + i), swarm=SWARM) for i in range(n)]
+
+
+def _charged(s: GossipService, peer: str) -> float:
+    """Every penalty `peer` was ever charged (it neither decays nor heals)."""
+    rec = s.pipeline.scores.record(peer)
+    return rec.charged if rec is not None else 0.0
+
+
+def test_copies_of_one_message_relayed_by_many_peers_take_one_token() -> None:
+    s = _service()
+    msgs = _announces(BURST)
+
+    async def main() -> list[bool]:
+        verdicts: list[bool] = []
+
+        async def one(forwarder: str, data: bytes) -> None:
+            verdicts.append(await s._validate_announce(forwarder, ORIGIN, data))
+
+        async with trio.open_nursery() as n:  # concurrent copies, as py-libp2p validates them
+            for fwd in [ORIGIN, *RELAYS]:
+                n.start_soon(one, fwd, msgs[0])
+        for data in msgs[1:]:  # the burst's other tokens are still there for distinct messages
+            verdicts.append(await s._validate_announce(ORIGIN, ORIGIN, data))
+        return verdicts
+
+    assert trio.run(main) == [True] * (1 + len(RELAYS) + BURST - 1)
+    assert _charged(s, ORIGIN) == 0.0
+    assert not s.stats.dropped
+
+
+def test_the_signer_sending_over_its_rate_itself_is_charged() -> None:
+    s = _service()
+    msgs = _announces(BURST + 2)
+    verdicts = [trio.run(s._validate_announce, ORIGIN, ORIGIN, d) for d in msgs]
+    assert verdicts == [True] * BURST + [False, False]
+    assert _charged(s, ORIGIN) == 2.0
+    assert s.stats.dropped["announce_rate_limited"] == 2
+    # a copy of a refused message counts once: it is refused again, not charged again
+    before = _charged(s, ORIGIN)
+    assert trio.run(s._validate_announce, ORIGIN, ORIGIN, msgs[-1]) is False
+    assert _charged(s, ORIGIN) == before
+
+
+def test_an_over_rate_message_relayed_by_another_peer_is_dropped_and_charged_to_no_one() -> None:
+    s = _service()
+    msgs = _announces(BURST + 3)
+    verdicts = [trio.run(s._validate_announce, RELAYS[i % len(RELAYS)], ORIGIN, d) for i, d in enumerate(msgs)]
+    assert verdicts == [True] * BURST + [False] * 3
+    assert _charged(s, ORIGIN) == 0.0
+    assert all(_charged(s, r) == 0.0 for r in RELAYS)
+    assert s.stats.dropped["announce_rate_limited"] == 3
