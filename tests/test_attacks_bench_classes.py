@@ -127,3 +127,22 @@ def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(t
         assert r.reward == score(reg.resolve(r.task), r.text)  # honestly scored: not forged_reward
         assert r.version <= head and not wire.rollout_number_fault(r)
     assert all(r.reward == 1.0 for r in carrying)  # the payload rides on correct answers
+
+
+def test_the_template_rollout_moves_up_to_its_lineages_newest_version() -> None:
+    """A forgery built on a follower's lagging rollout would be refused as stale before the check it
+    attacks (a fast trainer moves several versions a second): the template takes one below the newest
+    version seen of its own lineage, and no other lineage's."""
+    honest = Identity.from_seed(b"\x11" * 32)
+    h = attacks.Attacker(Recorder(), honest, SWARM)
+    k = attacks.Knowledge(SWARM)
+    lid = os.urandom(32)
+    k.take(attacks._batch(h, [attacks._rollout_like(None, seed=1, version=4, lineage=lid)]))
+    assert k.rollout().version == 4
+    k.take(attacks._manifest(h, os.urandom(32), "other", b"\x00" * 32, 40, 41))
+    assert k.rollout().version == 4
+    k.take(attacks._manifest(h, lid, "honest", b"\x00" * 32, 11, 12))
+    r = k.rollout()
+    assert (r.version, list(r.token_versions), bytes(r.lineage)) == (11, [(0, 11)], lid)
+    k.take(attacks._manifest(h, lid, "honest", b"\x00" * 32, 4, 5))  # an older manifest changes nothing
+    assert k.rollout().version == 11

@@ -64,11 +64,16 @@ class Knowledge:
         return max((m for m, _ in self.manifests), key=lambda m: m.target_version, default=None)
 
     def rollout(self) -> wire.Rollout | None:
-        """An honest rollout to use as a template (tokenizer hash, lineage, version, lengths)."""
-        for b, _ in reversed(self.batches):
-            if b.rollouts:
-                return b.rollouts[0]
-        return None
+        """An honest rollout to use as a template (tokenizer hash, lineage, version, lengths), moved up to
+        one below the newest version seen of its lineage: a follower's rollout may already be past a
+        fast trainer's staleness bound, and a stale forgery is refused before the check it attacks."""
+        tpl = next((b.rollouts[0] for b, _ in reversed(self.batches) if b.rollouts), None)
+        if tpl is None:
+            return None
+        head = max((m.target_version for m, _ in self.manifests if bytes(m.lineage) == bytes(tpl.lineage)), default=0)
+        if head - 1 > tpl.version:
+            tpl = msgspec.structs.replace(tpl, version=head - 1, token_versions=[(0, head - 1)])
+        return tpl
 
     def take(self, data: bytes) -> None:
         try:
@@ -205,11 +210,11 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
     text = task.answer if text is None else text
     n = len(ids) if ids is not None else (len(tpl.completion_ids) if tpl else 8)
     ids = ids if ids is not None else (list(tpl.completion_ids) if tpl else [1] * n)
+    version = version if version is not None else (tpl.version if tpl else 0)
     return wire.Rollout(
         task=ref, lineage=lineage if lineage is not None else (bytes(tpl.lineage) if tpl else b"\x4c" * 32),
-        version=version if version is not None else (tpl.version if tpl else 0), completion_ids=ids, text=text,
-        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else tokenizer,
-        logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, tpl.version if tpl else 0)],
+        version=version, completion_ids=ids, text=text, tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else tokenizer,
+        logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, version)],
         sampling=wire.SamplingParams(max_new_tokens=max(1, min(n, wire.MAX_COMPLETION_TOKENS))),
         reward=score(task, text) if honest_reward else 1.0 - score(task, text), created_ms=wire.now_ms())
 
