@@ -123,8 +123,11 @@ def test_node_start_refuses_a_model_over_budget(qwen: tuple[Path, int], tmp_path
 def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path) -> None:
     """A trainer and a follower+validator, both with the Qwen2-shaped model by path and no lr set: the trainer
     steps with the size's learning rate, the follower serves its lineage and the trainer accepts the follower's
-    rollouts, nothing errors. (Random weights earn no reward, so no gradient and no new version: applying
-    versions is what the tiny-model swarm tests cover.)"""
+    rollouts, nothing errors. Completions are one token: random weights then answer a one-digit task about
+    one time in a hundred, so the trainer's first rewarded step, and with it the first version (a follower's
+    worker generates for a new lineage only once it holds an item of it), comes within seconds instead of
+    at a rare chance of a one-digit answer followed by end-of-text. Applying many versions is what the
+    tiny-model swarm tests cover."""
     from node import launch
 
     d, _ = qwen
@@ -132,7 +135,7 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
     specs = [launch.NodeLaunch(home=str(h), config={
         "node": {"swarm": "byo", "roles": roles, "memory_budget_mb": 4096}, "network": {"dht": False},
         "sync": {"publish_every": 1, "anchor_every": 8},
-        "training": {"model": str(d), "max_new_tokens": 4, "local_rollouts": 4}})
+        "training": {"model": str(d), "max_new_tokens": 1, "local_rollouts": 4}})
         for h, roles in zip(homes, (["trainer"], ["follower", "validator"]))]
     procs = launch.start_bootstrapped(specs, 300)
     try:
