@@ -41,12 +41,22 @@ def home(tmp_path, monkeypatch):
 _TINY_BUILD: list[Any] = []  # the session's murmur-tiny build (node.launch.TinyBuild), once started
 
 
+_SHARED_TINY = "MURMUR_TEST_TINY_ROOT"  # set by an xdist controller: its workers build murmur-tiny there, once
+
+
 def _tiny_build() -> Any:
     from node.launch import TinyBuild
 
     if not _TINY_BUILD:
-        _TINY_BUILD.append(TinyBuild(Path(tempfile.mkdtemp(prefix="murmur-tiny-"))))
+        shared = os.environ.get(_SHARED_TINY)
+        # ensure_tiny's lock file makes the workers' builders of one root take turns: one builds, the rest reuse
+        _TINY_BUILD.append(TinyBuild(Path(shared) if shared else Path(tempfile.mkdtemp(prefix="murmur-tiny-"))))
     return _TINY_BUILD[0]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[_SHARED_TINY] = tempfile.mkdtemp(prefix="murmur-tiny-")  # the workers inherit it
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -112,7 +122,10 @@ def unexpected_skips(skipped: list[Any], allowed: dict[str, str]) -> list[str]:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for build in _TINY_BUILD:
         build.cancel()
-        shutil.rmtree(build.root, ignore_errors=True)
+        if not os.environ.get(_SHARED_TINY):  # a shared root is the controller's to remove
+            shutil.rmtree(build.root, ignore_errors=True)
+    if os.environ.get(_SHARED_TINY) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ.pop(_SHARED_TINY), ignore_errors=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -142,7 +142,7 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
         launch.wait_until("trainer steps on the follower's rollouts", lambda: bool(
             (a := procs[0].status()) and (b := procs[1].status()) and a.steps >= 3 and a.rollouts_accepted > 0
             and b.serving and b.serving == next((x.lineage for x in a.lineages if x.relation == "own"), None)),
-            procs, 600)
+            procs, 300)  # under pytest-timeout's 600 s, so the wait reports its own failure
     finally:
         launch.stop_all(procs)
     log = (homes[0] / "stderr.log").read_text()
