@@ -9,16 +9,22 @@ honestly scored rewards.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
+import trio.testing
 
 from gossip import topics, wire
 from gossip.identity import Identity
+from gossip.validation import Pipeline, PipelineConfig, Reason
+from sync.ids import lineage_id
 from simulations.bench import attacks
 from training.tasksets import TaskRegistry, builtin_manifest
+from training import tokencheck
 from training.verifiers import score
 
 SWARM = attacks.SWARM
@@ -50,8 +56,9 @@ def _honest_knowledge() -> tuple[attacks.Knowledge, Identity]:
     k = attacks.Knowledge(SWARM)
     k.take(attacks._announce(h, 1, gen_tokens_per_s=50.0))
     k.take(attacks._announce(h, 2, gen_tokens_per_s=500.0))
-    k.take(attacks._manifest(h, os.urandom(32), "honest", b"\x00" * 32, 3, 4))
-    k.take(attacks._batch(h, [attacks._rollout_like(None, seed=1, version=4)]))
+    lid = lineage_id(honest.public, b"\x00" * 32, "honest")
+    k.take(attacks._manifest(h, lid, "honest", b"\x00" * 32, 3, 4))
+    k.take(attacks._batch(h, [attacks._rollout_like(None, seed=1, version=4, lineage=lid)]))
     k.take(wire.seal(honest, wire.TASK_SET, builtin_manifest(honest.public), swarm=SWARM))
     return k, honest
 
@@ -131,18 +138,57 @@ def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(t
 
 def test_the_template_rollout_moves_up_to_its_lineages_newest_version() -> None:
     """A forgery built on a follower's lagging rollout would be refused as stale before the check it
-    attacks (a fast trainer moves several versions a second): the template takes one below the newest
-    version seen of its own lineage, and no other lineage's."""
+    attacks (a fast trainer moves several versions a second): the template takes the newest version
+    its lineage's publisher was seen to publish, and no other lineage's, nor a hostile manifest's that
+    names the lineage (those are relayed too, and a forgery at their head is refused as future)."""
     honest = Identity.from_seed(b"\x11" * 32)
     h = attacks.Attacker(Recorder(), honest, SWARM)
     k = attacks.Knowledge(SWARM)
-    lid = os.urandom(32)
+    lid = lineage_id(honest.public, b"\x00" * 32, "honest")
     k.take(attacks._batch(h, [attacks._rollout_like(None, seed=1, version=4, lineage=lid)]))
     assert k.rollout().version == 4
-    k.take(attacks._manifest(h, os.urandom(32), "other", b"\x00" * 32, 40, 41))
+    other = lineage_id(honest.public, b"\x00" * 32, "other")
+    k.take(attacks._manifest(h, other, "other", b"\x00" * 32, 40, 41))
     assert k.rollout().version == 4
     k.take(attacks._manifest(h, lid, "honest", b"\x00" * 32, 11, 12))
     r = k.rollout()
-    assert (r.version, list(r.token_versions), bytes(r.lineage)) == (11, [(0, 11)], lid)
+    assert (r.version, list(r.token_versions), bytes(r.lineage)) == (12, [(0, 12)], lid)
     k.take(attacks._manifest(h, lid, "honest", b"\x00" * 32, 4, 5))  # an older manifest changes nothing
-    assert k.rollout().version == 11
+    assert k.rollout().version == 12
+    mallory = attacks.Attacker(Recorder(), attacks.attack_key("freeze_manifest_head"), SWARM)
+    k.take(attacks._manifest(mallory, lid, "honest", b"\x00" * 32, attacks.U64_MAX - 1, attacks.U64_MAX))
+    assert k.rollout().version == 12 and k.head(lid) == 12
+
+
+@pytest.mark.parametrize("name", sorted(attacks.FAULTS))
+def test_each_forging_class_is_refused_for_the_fault_it_commits(name: str) -> None:
+    """Each rollout-forging class, built from what an observer saw of an honest trainer (its manifest,
+    a lagging rollout with the murmur-tiny tokenizer's ids, and a hostile manifest at a huge head), meets
+    the trainer's own pipeline (token check, built-in verifier, the lineage's published head) and is
+    charged for the fault it is named after, not refused earlier for another reason (stale, future)."""
+    check = tokencheck.for_model("murmur-tiny")
+    reg = TaskRegistry(SWARM)
+    reg.add_builtin()
+    honest = Identity.from_seed(b"\x11" * 32)
+    h = attacks.Attacker(Recorder(), honest, SWARM)
+    lid = lineage_id(honest.public, b"\x00" * 32, "honest")
+    k = attacks.Knowledge(SWARM, model="murmur-tiny", tokenizer_hash=check.hash)
+    k.take(attacks._manifest(h, lid, "honest", b"\x00" * 32, 11, 12))
+    tpl = attacks._rollout_like(None, seed=1, version=7, lineage=lid)  # a follower's, five versions behind
+    ids = attacks._encode(check, tpl.text)
+    k.take(attacks._batch(h, [msgspec.structs.replace(tpl, completion_ids=ids, tokenizer_hash=check.hash,
+                                                      logprobs=bytes(4 * len(ids)))]))
+    mallory = attacks.Attacker(Recorder(), attacks.attack_key("freeze_manifest_head"), SWARM)
+    k.take(attacks._manifest(mallory, lid, "honest", b"\x00" * 32, attacks.U64_MAX - 1, attacks.U64_MAX))
+
+    t = Recorder()
+    a = attacks.Attacker(t, attacks.attack_key(name), SWARM)
+    trio.run(attacks.CATALOGUE[name], a, k, [], clock=trio.testing.MockClock(autojump_threshold=0))
+    batches = [d for topic, d in t.sent if topic == topics.rollouts(SWARM)]
+    assert batches
+    p = Pipeline(PipelineConfig(swarm=SWARM, max_completion_tokens=16), clock=time.time, resolve_task=reg.resolve,
+                 reward=score, head_version=lambda lin: 13 if bytes(lin) == lid else None,
+                 own_lineage=lambda lin: bytes(lin) == lid, check_tokens=check, task_set_trusted=reg.__contains__)
+    first = p.check(batches[0], a.ident.peer_id)
+    assert first.reason.value == attacks.FAULTS[name], (first.reason, first.detail)
+    assert p.scores.score(a.ident.peer_id, time.time()) < 0

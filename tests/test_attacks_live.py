@@ -8,6 +8,8 @@ applying patches, no honest peer lost score, and every key that committed a prov
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,16 @@ ANSWER_S = 60.0  # a loaded machine answers within seconds; a frozen node never 
 @pytest.fixture
 def model(tiny_model: Path) -> Path:
     return tiny_model
+
+
+def _verdicts(sw: attacks.LiveSwarm, name: str) -> dict[str, list[tuple[str, str, int]]]:
+    """What each honest node's ledger recorded of the rollout batches from class `name`'s key."""
+    out = {}
+    for n, h in sw.homes.items():
+        with contextlib.closing(sqlite3.connect(f"file:{h / 'state.db'}?mode=ro", uri=True)) as db:
+            out[n] = db.execute("SELECT status, reason, count(*) FROM rollouts WHERE from_peer = ? GROUP BY 1, 2",
+                                (attacks.attack_key(name).peer_id,)).fetchall()
+    return out
 
 
 def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:
@@ -58,7 +70,12 @@ def test_catalogue_against_live_nodes(tmp_path: Path, model: Path) -> None:
         assert lost == 0.0, {n: {p: s.peer_faults.get(p) for p in honest if p in s.peer_charged}
                              for n in sw.homes if (s := sw.status(n)) is not None}  # charges that healed count too
         uncharged = sorted(name for name in attacks.PROVABLE if charged[name] >= 0)
-        assert not uncharged, (uncharged, charged)
+        assert not uncharged, ({name: _verdicts(sw, name) for name in uncharged}, charged)
+        faults = {name: sorted({r for n in sw.homes if (s := sw.status(n)) is not None
+                                for r in s.peer_faults.get(attacks.attack_key(name).peer_id, {})})
+                  for name in attacks.FAULTS}
+        wrong = {name: got for name, got in faults.items() if attacks.FAULTS[name] not in got}
+        assert not wrong, {name: _verdicts(sw, name) for name in wrong}  # each forgery met the check it is named after
     except BaseException:
         ids = sw.peer_ids()
         for n, h in sw.homes.items():  # what each node was doing when the assertion failed

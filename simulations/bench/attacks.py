@@ -59,20 +59,39 @@ class Knowledge:
     tokenizer_hash: bytes = b"\x54" * 32  # the public model's tokenizer (attackers know the models)
     model: str | None = None  # the public model's directory: its tokenizer turns a forged text into ids
 
+    def honest_manifests(self) -> list[wire.PatchManifest]:
+        """Manifests signed by their lineage's publisher (its id derives from the signer's key): the
+        hostile hosts' own manifests naming an honest lineage (freeze_manifest_head, capture_lineage)
+        are relayed on the announce topic too, and their heads are not the lineage's."""
+        from sync.ids import lineage_id
+
+        out = []
+        for m, _ in self.manifests:
+            try:
+                if lineage_id(bytes(m.publisher), bytes(m.base_model_hash), m.lineage_name) == bytes(m.lineage):
+                    out.append(m)
+            except ValueError:
+                continue
+        return out
+
     def lineage(self) -> wire.PatchManifest | None:
         """The newest honest manifest: names a lineage, its publisher, base model and head."""
-        return max((m for m, _ in self.manifests), key=lambda m: m.target_version, default=None)
+        return max(self.honest_manifests(), key=lambda m: m.target_version, default=None)
+
+    def head(self, lineage: bytes) -> int:
+        """The newest version of `lineage` its publisher was seen to publish (0: none seen)."""
+        return max((m.target_version for m in self.honest_manifests() if bytes(m.lineage) == lineage), default=0)
 
     def rollout(self) -> wire.Rollout | None:
         """An honest rollout to use as a template (tokenizer hash, lineage, version, lengths), moved up to
-        one below the newest version seen of its lineage: a follower's rollout may already be past a
-        fast trainer's staleness bound, and a stale forgery is refused before the check it attacks."""
+        the newest version seen of its lineage: a follower's rollout may already be past a fast
+        trainer's staleness bound, and a stale forgery is refused before the check it attacks."""
         tpl = next((b.rollouts[0] for b, _ in reversed(self.batches) if b.rollouts), None)
         if tpl is None:
             return None
-        head = max((m.target_version for m, _ in self.manifests if bytes(m.lineage) == bytes(tpl.lineage)), default=0)
-        if head - 1 > tpl.version:
-            tpl = msgspec.structs.replace(tpl, version=head - 1, token_versions=[(0, head - 1)])
+        head = self.head(bytes(tpl.lineage))
+        if head > tpl.version:
+            tpl = msgspec.structs.replace(tpl, version=head, token_versions=[(0, head)])
         return tpl
 
     def take(self, data: bytes) -> None:
@@ -350,26 +369,36 @@ async def crash_step_time(a: Attacker, k: Knowledge, targets: list[str]) -> None
     await a.announce(_announce(a, 1, owned=[demand]))
 
 
+FORGERY_TRIES = 3  # batches per forging class, each from what was last seen, so one reaches a fast trainer fresh
+FORGERY_GAP_S = 1.0
+FUTURE_AHEAD = 64  # versions past the head seen: more than a fast trainer publishes while the batch travels
+
+
 async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
-    tpl = k.rollout()
-    n = len(tpl.completion_ids) if tpl else 8
-    lid, _, _, head = _honest_lineage(k)
-    rs = [_rollout_like(tpl, seed=1000 + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash,
-                        lineage=None if tpl else lid, version=None if tpl else head) for i in range(8)]
-    await a.rollouts(_batch(a, rs))
+    for t in range(FORGERY_TRIES):
+        tpl = k.rollout()
+        n = len(tpl.completion_ids) if tpl else 8
+        lid, _, _, head = _honest_lineage(k)
+        rs = [_rollout_like(tpl, seed=1000 + 10 * t + i, ids=[2**32 - 1 - j for j in range(n)],
+                            tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
+              for i in range(8)]
+        await a.rollouts(_batch(a, rs, seq=1 + t))
+        await trio.sleep(FORGERY_GAP_S)
 
 
 async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """The correct answer text attached to arbitrary (in-vocabulary) token ids: reward 1 for noise."""
-    tpl = k.rollout()
-    n = len(tpl.completion_ids) if tpl else 8
     rng = random.Random(2)
-    lid, _, _, head = _honest_lineage(k)
-    rs = [_rollout_like(tpl, seed=2000 + i, ids=[rng.randrange(3, 200) for _ in range(n)],
-                        tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
-          for i in range(8)]
-    await a.rollouts(_batch(a, rs))
+    for t in range(FORGERY_TRIES):
+        tpl = k.rollout()
+        n = len(tpl.completion_ids) if tpl else 8
+        lid, _, _, head = _honest_lineage(k)
+        rs = [_rollout_like(tpl, seed=2000 + 10 * t + i, ids=[rng.randrange(3, 200) for _ in range(n)],
+                            tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
+              for i in range(8)]
+        await a.rollouts(_batch(a, rs, seq=1 + t))
+        await trio.sleep(FORGERY_GAP_S)
 
 
 async def punish_the_honest(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -407,22 +436,61 @@ async def starve_verifier(a: Attacker, k: Knowledge, targets: list[str]) -> None
 
 
 async def forged_reward(a: Attacker, k: Knowledge, targets: list[str]) -> None:
-    """The classic: claimed reward 1 where the recomputed one is 0."""
-    tpl = k.rollout()
-    for j in range(3):
-        rs = [_rollout_like(tpl, seed=4000 + 10 * j + i, honest_reward=False) for i in range(4)]
+    """The classic: correct answers, their ids from the public model's tokenizer (so they pass the
+    token check), and a claimed reward of 0 where the recomputed one is 1."""
+    check = _token_check(k)
+    for j in range(FORGERY_TRIES):
+        tpl = k.rollout()
+        lid, _, _, head = _honest_lineage(k)
+        rs = []
+        for i in range(4):
+            r = _rollout_like(tpl, seed=4000 + 10 * j + i, honest_reward=False, lineage=None if tpl else lid,
+                              version=None if tpl else head)
+            rs.append(_encoded(r, check))
         await a.rollouts(_batch(a, rs, seq=20 + j))
+        await trio.sleep(FORGERY_GAP_S)
+
+
+def _token_check(k: Knowledge) -> Any:
+    """The public model's tokenizer as a receiver checks ids with it (None: no model directory known)."""
+    if k.model is None:
+        return None
+    from training.tokencheck import for_model
+
+    return for_model(k.model)
+
+
+def _encoded(r: wire.Rollout, check: Any) -> wire.Rollout:
+    """`r` with the public tokenizer's ids for its text (unchanged when there are none)."""
+    ids = _encode(check, r.text)
+    if ids is None:
+        return r
+    return msgspec.structs.replace(r, completion_ids=ids, tokenizer_hash=check.hash,
+                                   logprobs=struct.pack(f"<{len(ids)}f", *([-0.5] * len(ids))),
+                                   sampling=wire.SamplingParams(max_new_tokens=max(1, len(ids))))
+
+
+def _encode(check: Any, text: str) -> list[int] | None:
+    """Ids that decode back to exactly `text` under `check` (None: no tokenizer, or no such ids)."""
+    if check is None:
+        return None
+    ids = list(check.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids if ids and check.decode(ids) == text else None
 
 
 async def future_version(a: Attacker, k: Knowledge, targets: list[str]) -> None:
-    """Rollouts of the honest lineage claiming a version past its head: the next one (not published yet)
-    and the largest, well-formed (their token segments name the same version), so their tokens would
-    not count as stale. Provably false at the lineage's publisher (`future_version`)."""
+    """Rollouts of the honest lineage claiming a version past its head: one far enough ahead that a fast
+    trainer has not reached it yet, and the largest, well-formed (their token segments name the same
+    version, their ids are the public tokenizer's for their text), so the version is their only fault.
+    Provably false at the lineage's publisher (`future_version`)."""
+    check = _token_check(k)
     tpl = k.rollout()
     head = _honest_lineage(k)[3]
-    for j, version in enumerate((head + 1, U64_MAX)):
-        rs = [msgspec.structs.replace(_rollout_like(tpl, seed=5000 + 10 * j + i, version=version),
-                                      token_versions=[(0, version)]) for i in range(4)]
+    for j, version in enumerate((head + FUTURE_AHEAD, U64_MAX)):
+        rs = []
+        for i in range(4):
+            r = _rollout_like(tpl, seed=5000 + 10 * j + i, version=version)
+            rs.append(msgspec.structs.replace(_encoded(r, check), token_versions=[(0, version)]))
         await a.rollouts(_batch(a, rs, seq=40 + j))
 
 
@@ -632,6 +700,13 @@ PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_hea
                       "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
                       "forged_reward", "flood_announces", "bad_signature", "poison_numbers", "future_version",
                       "held_frames"})
+
+
+# The rollout-forging classes and the rejection reason their first batch is charged for: each meets the
+# check named after it, not an earlier one (a forgery refused as stale or future never reached its check).
+FAULTS: dict[str, str] = {"crash_vocab": "bad_tokens", "mislead_ids_vs_text": "text_mismatch",
+                          "forged_reward": "forged_reward", "poison_numbers": "bad_number",
+                          "future_version": "future_version"}
 
 
 def attack_key(name: str, round_: int = 0) -> Identity:
