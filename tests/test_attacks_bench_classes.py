@@ -124,6 +124,7 @@ def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(t
     rs = [r for _, b, _ in sent if isinstance(b, wire.RolloutBatch) for r in b.rollouts]
     assert rs
     tok = load_tokenizer(tiny)
+    check = tokencheck.for_model(str(tiny))
     reg = TaskRegistry(SWARM)
     reg.add_builtin()
     head = k.lineage().target_version
@@ -133,6 +134,7 @@ def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(t
         assert list(r.completion_ids) == list(tok(r.text, add_special_tokens=False)["input_ids"])
         assert r.reward == score(reg.resolve(r.task), r.text)  # honestly scored: not forged_reward
         assert r.version <= head and not wire.rollout_number_fault(r)
+        assert bytes(r.tokenizer_hash) == check.hash and check(r) is None  # ids and text agree: its only fault is the claimed log-probs
     assert all(r.reward == 1.0 for r in carrying)  # the payload rides on correct answers
 
 

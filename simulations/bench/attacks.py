@@ -619,9 +619,10 @@ async def taskset_takeover(a: Attacker, k: Knowledge, targets: list[str]) -> Non
         await a.announce(wire.seal(a.ident, wire.TASK_SET, taken, swarm=a.swarm))
 
 
-# The mark a payload-poisoning attacker wants the trainer's policy to emit. The built-in verifier compares
-# answers after collapsing whitespace, so a whitespace mark rides on a correct answer at reward 1.
-PAYLOAD = "\t \t\n"
+# The mark a payload-poisoning attacker wants the trainer's policy to emit. The built-in verifier ignores
+# surrounding whitespace, so a whitespace mark rides on a correct answer at reward 1; spaces, because
+# murmur-tiny's tokenizer has no tab or newline (they decode to nothing, so such a text is no policy's).
+PAYLOAD = "   "
 
 
 def payload_text(answer: str) -> str:
@@ -635,11 +636,9 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     the trainer's own policy to emit the prefix."""
     from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 
-    if k.model is None:
+    check = _token_check(k)
+    if check is None:
         return
-    from training.engine_hf import load_tokenizer
-
-    tok = load_tokenizer(Path(k.model))
     reg = TaskRegistry(a.swarm)
     reg.add_builtin()
     tpl = k.rollout()
@@ -651,12 +650,15 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
             seed = 11_000 + 10 * j + i
             answer = reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed)).answer
             text = payload_text(answer) if i % 2 == 0 else answer + "0"
-            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            ids = _encode(check, text)
+            if ids is None:  # the model's tokenizer cannot say it: no policy of this model samples it
+                continue
             r = _rollout_like(tpl, seed=seed, ids=ids, text=text, version=version,
                               lineage=None if tpl else lid, tokenizer=k.tokenizer_hash)
             rs.append(msgspec.structs.replace(r, logprobs=struct.pack(f"<{len(ids)}f", *([-0.01] * len(ids))),
-                                              token_versions=[(0, version)]))
-        await a.rollouts(_batch(a, rs, seq=60 + j))
+                                              token_versions=[(0, version)], tokenizer_hash=check.hash))
+        if rs:
+            await a.rollouts(_batch(a, rs, seq=60 + j))
         await trio.sleep(0.5)
 
 
