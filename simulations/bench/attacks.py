@@ -58,6 +58,7 @@ class Knowledge:
     task_sets: list[bytes] = field(default_factory=list)
     tokenizer_hash: bytes = b"\x54" * 32  # the public model's tokenizer (attackers know the models)
     model: str | None = None  # the public model's directory: its tokenizer turns a forged text into ids
+    _check: Any = field(default=None, init=False, repr=False)
 
     def honest_manifests(self) -> list[wire.PatchManifest]:
         """Manifests signed by their lineage's publisher (its id derives from the signer's key): the
@@ -93,6 +94,24 @@ class Knowledge:
         if head > tpl.version:
             tpl = msgspec.structs.replace(tpl, version=head, token_versions=[(0, head)])
         return tpl
+
+    def token_check(self) -> Any:
+        """The public model's tokenizer as a receiver checks ids with it, loaded once (None: no model
+        directory known, or it has no tokenizer)."""
+        if self._check is None and self.model is not None:
+            from training.tokencheck import for_model
+
+            self._check = for_model(self.model)
+        return self._check
+
+    def at_head(self) -> tuple[wire.Rollout | None, dict[str, Any]]:
+        """A template rollout, and `_rollout_like`'s lineage and version for when there is none: the
+        newest honest manifest's lineage at its head."""
+        tpl = self.rollout()
+        if tpl is not None:
+            return tpl, {}
+        lid, _, _, head = _honest_lineage(self)
+        return None, {"lineage": lid, "version": head}
 
     def take(self, data: bytes) -> None:
         try:
@@ -374,31 +393,35 @@ FORGERY_GAP_S = 1.0
 FUTURE_AHEAD = 64  # versions past the head seen: more than a fast trainer publishes while the batch travels
 
 
+async def _forge(a: Attacker, seq: int, make: Callable[[int], list[wire.Rollout]]) -> None:
+    """`FORGERY_TRIES` batches a second apart, each `make(try)` built from what was seen by then."""
+    for t in range(FORGERY_TRIES):
+        await a.rollouts(_batch(a, make(t), seq=seq + t))
+        await trio.sleep(FORGERY_GAP_S)
+
+
 async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
-    for t in range(FORGERY_TRIES):
-        tpl = k.rollout()
+    def make(t: int) -> list[wire.Rollout]:
+        tpl, kw = k.at_head()
         n = len(tpl.completion_ids) if tpl else 8
-        lid, _, _, head = _honest_lineage(k)
-        rs = [_rollout_like(tpl, seed=1000 + 10 * t + i, ids=[2**32 - 1 - j for j in range(n)],
-                            tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
-              for i in range(8)]
-        await a.rollouts(_batch(a, rs, seq=1 + t))
-        await trio.sleep(FORGERY_GAP_S)
+        return [_rollout_like(tpl, seed=1000 + 10 * t + i, ids=[2**32 - 1 - j for j in range(n)],
+                              tokenizer=k.tokenizer_hash, **kw) for i in range(8)]
+
+    await _forge(a, 1, make)
 
 
 async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """The correct answer text attached to arbitrary (in-vocabulary) token ids: reward 1 for noise."""
     rng = random.Random(2)
-    for t in range(FORGERY_TRIES):
-        tpl = k.rollout()
+
+    def make(t: int) -> list[wire.Rollout]:
+        tpl, kw = k.at_head()
         n = len(tpl.completion_ids) if tpl else 8
-        lid, _, _, head = _honest_lineage(k)
-        rs = [_rollout_like(tpl, seed=2000 + 10 * t + i, ids=[rng.randrange(3, 200) for _ in range(n)],
-                            tokenizer=k.tokenizer_hash, lineage=None if tpl else lid, version=None if tpl else head)
-              for i in range(8)]
-        await a.rollouts(_batch(a, rs, seq=1 + t))
-        await trio.sleep(FORGERY_GAP_S)
+        return [_rollout_like(tpl, seed=2000 + 10 * t + i, ids=[rng.randrange(3, 200) for _ in range(n)],
+                              tokenizer=k.tokenizer_hash, **kw) for i in range(8)]
+
+    await _forge(a, 1, make)
 
 
 async def punish_the_honest(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -438,26 +461,12 @@ async def starve_verifier(a: Attacker, k: Knowledge, targets: list[str]) -> None
 async def forged_reward(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """The classic: correct answers, their ids from the public model's tokenizer (so they pass the
     token check), and a claimed reward of 0 where the recomputed one is 1."""
-    check = _token_check(k)
-    for j in range(FORGERY_TRIES):
-        tpl = k.rollout()
-        lid, _, _, head = _honest_lineage(k)
-        rs = []
-        for i in range(4):
-            r = _rollout_like(tpl, seed=4000 + 10 * j + i, honest_reward=False, lineage=None if tpl else lid,
-                              version=None if tpl else head)
-            rs.append(_encoded(r, check))
-        await a.rollouts(_batch(a, rs, seq=20 + j))
-        await trio.sleep(FORGERY_GAP_S)
+    def make(t: int) -> list[wire.Rollout]:
+        tpl, kw = k.at_head()
+        return [_encoded(_rollout_like(tpl, seed=4000 + 10 * t + i, honest_reward=False, **kw), k.token_check())
+                for i in range(4)]
 
-
-def _token_check(k: Knowledge) -> Any:
-    """The public model's tokenizer as a receiver checks ids with it (None: no model directory known)."""
-    if k.model is None:
-        return None
-    from training.tokencheck import for_model
-
-    return for_model(k.model)
+    await _forge(a, 20, make)
 
 
 def _encoded(r: wire.Rollout, check: Any) -> wire.Rollout:
@@ -483,7 +492,7 @@ async def future_version(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     trainer has not reached it yet, and the largest, well-formed (their token segments name the same
     version, their ids are the public tokenizer's for their text), so the version is their only fault.
     Provably false at the lineage's publisher (`future_version`)."""
-    check = _token_check(k)
+    check = k.token_check()
     tpl = k.rollout()
     head = _honest_lineage(k)[3]
     for j, version in enumerate((head + FUTURE_AHEAD, U64_MAX)):
@@ -636,7 +645,7 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     the trainer's own policy to emit the prefix."""
     from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 
-    check = _token_check(k)
+    check = k.token_check()
     if check is None:
         return
     reg = TaskRegistry(a.swarm)
