@@ -414,11 +414,13 @@ async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
 async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """The correct answer text attached to arbitrary (in-vocabulary) token ids: reward 1 for noise."""
     rng = random.Random(2)
+    check = k.token_check()
+    vocab = check.vocab if check is not None else 200  # past the vocabulary they would be bad_tokens instead
 
     def make(t: int) -> list[wire.Rollout]:
         tpl, kw = k.at_head()
         n = len(tpl.completion_ids) if tpl else 8
-        return [_rollout_like(tpl, seed=2000 + 10 * t + i, ids=[rng.randrange(3, 200) for _ in range(n)],
+        return [_rollout_like(tpl, seed=2000 + 10 * t + i, ids=[rng.randrange(3, vocab) for _ in range(n)],
                               tokenizer=k.tokenizer_hash, **kw) for i in range(8)]
 
     await _forge(a, 1, make)
