@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -54,9 +55,72 @@ def _tiny_build() -> Any:
     return _TINY_BUILD[0]
 
 
+_SOLO_ROOT = "MURMUR_TEST_SOLO_ROOT"  # set by an xdist controller: its workers' solo lock files live there
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ[_SHARED_TINY] = tempfile.mkdtemp(prefix="murmur-tiny-")  # the workers inherit it
+        os.environ[_SOLO_ROOT] = tempfile.mkdtemp(prefix="murmur-solo-")
+
+
+def is_solo(item: pytest.Item) -> bool:
+    """WebRTC (aiortc's SCTP in Python) misses py-libp2p's 10 s negotiation bounds when a live swarm on
+    the other worker takes the cores, so tests that run it run with nothing beside them."""
+    return item.get_closest_marker("solo") is not None or "webrtc_extra" in getattr(item, "fixturenames", ())
+
+
+class SoloLock:
+    """A readers-writer lock across xdist workers (flock on two files): each test holds `main` shared, a
+    solo test holds it exclusive. A waiting solo test holds `gate`, which a test must pass to take
+    `main`, so the other worker's stream of short tests cannot starve it."""
+
+    def __init__(self, root: Path) -> None:
+        self._gate = open(root / "gate", "a+b")  # noqa: SIM115 - held for the worker's life
+        self._main = open(root / "main", "a+b")  # noqa: SIM115
+        self.held: str | None = None
+
+    def acquire(self, solo: bool) -> None:
+        mode = "solo" if solo else "shared"
+        if self.held == mode:
+            return
+        self.release()
+        if solo:
+            fcntl.flock(self._gate, fcntl.LOCK_EX)
+            fcntl.flock(self._main, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(self._gate, fcntl.LOCK_SH)
+            fcntl.flock(self._main, fcntl.LOCK_SH)
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self.held = mode
+
+    def release(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self._main, fcntl.LOCK_UN)
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+            self.held = None
+
+
+_SOLO: list[SoloLock] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Setup, call and teardown (module fixtures too) run under the lock; a run of solo tests holds it
+    throughout, any other test gives it up at once so that a waiting solo test gets in."""
+    root = os.environ.get(_SOLO_ROOT)
+    if not root or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    if not _SOLO:
+        _SOLO.append(SoloLock(Path(root)))
+    solo = is_solo(item)
+    _SOLO[0].acquire(solo)
+    try:
+        yield
+    finally:
+        if not solo or nextitem is None or not is_solo(nextitem):
+            _SOLO[0].release()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -126,6 +190,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             shutil.rmtree(build.root, ignore_errors=True)
     if os.environ.get(_SHARED_TINY) and not os.environ.get("PYTEST_XDIST_WORKER"):
         shutil.rmtree(os.environ.pop(_SHARED_TINY), ignore_errors=True)
+    if os.environ.get(_SOLO_ROOT) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ.pop(_SOLO_ROOT), ignore_errors=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
