@@ -253,6 +253,12 @@ class NodeCore:
         return self.table.committed
 
     @property
+    def on_trial(self) -> bytes | None:
+        """The lineage chosen but not yet followed: none of its versions delivered, the worker still serves
+        `committed` until one is stored, and it is left after `TRIAL_S` without one."""
+        return self.serving if self.serving is not None and self.serving != self.committed else None
+
+    @property
     def lineages(self) -> dict[bytes, LineageState]:
         return self.table.rows
 

@@ -134,6 +134,8 @@ def _exchange(s: NodeStatus) -> str:
 
 def node_panel(s: NodeStatus) -> Panel:
     serving = short(s.serving) if s.serving else "—"
+    if s.serving and s.following != s.serving:  # on trial: the worker still serves the lineage it followed
+        serving += f" on trial; worker follows {short(s.following) if s.following else '—'}"
     rows: list[tuple[str, str | Text]] = [
         ("peer", s.peer_id), ("roles", ", ".join(s.roles) or "—"),
         ("state", f"{s.state} / worker {s.worker}"
@@ -196,7 +198,9 @@ def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = 
         fol = next((lin for lin in s.lineages if lin.lineage == s.serving), None)
         lin = own or fol
         where = f"own {short(own.lineage, 8)}" if own else (f"→ {short(s.serving, 8)}" if s.serving else "—")
-        if fol is not None and fol.admission == "stale":
+        if fol is not None and fol.on_trial:
+            where += " (on trial)"
+        elif fol is not None and fol.admission == "stale":
             where += " (stale: paused, catching up)"
         elif not own and s.serving_reason:
             where += f" ({s.serving_reason[:40]})"

@@ -147,6 +147,7 @@ class LineageView(Struct, kw_only=True):
     rejected: dict[str, str] = {}  # follower -> why it does not count (e.g. staleness)
     admission: str = ""  # served lineage: unknown | fresh (generating) | stale (paused, catching up)
     admission_note: str = ""  # the last staleness transition, as logged
+    on_trial: bool = False  # chosen, none of its versions delivered yet: the worker still serves `following`
 
 
 class ExchangeView(Struct, kw_only=True):
@@ -208,6 +209,7 @@ class NodeStatus(Struct, kw_only=True):
     lineages: list[LineageView] = []
     serving: str = ""  # lineage id hex this node generates rollouts for ("" when none)
     serving_reason: str = ""
+    following: str = ""  # lineage id hex the worker generates for: `serving` once it delivered a version
     steps: int = 0
     versions_published: int = 0
     versions_applied: int = 0

@@ -33,7 +33,8 @@ def lineage_views(core: NodeCore) -> list[LineageView]:
                                supply_rollouts_per_s=act.supply if act else 0.0,
                                active=list(act.active) if act else [], standby=list(act.standby) if act else [],
                                rejected=dict(act.rejected) if act else {},
-                               admission=lin.admission, admission_note=lin.admission_note))
+                               admission=lin.admission, admission_note=lin.admission_note,
+                               on_trial=lin.lineage == core.on_trial))
     return out
 
 
@@ -70,7 +71,8 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         uptime_s=now - node.started, worker=c.worker_state.value, worker_error=c.worker_error[:2000], engine=c.engine,
         worker_restarts=counts["worker_restarts"], worker_pid=pids[0] if pids else 0,
         peers=peer_views(c, now), lineages=lineage_views(c),
-        serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason, steps=c.steps,
+        serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason,
+        following=c.committed.hex() if c.committed else "", steps=c.steps,
         versions_published=counts["published"], versions_applied=counts["applied"],
         rollouts_produced=led.get("produced", 0), rollouts_published=counts["rollouts_published"],
         rollouts_received=accepted + sum(v for k2, v in led.items() if k2.startswith("rejected")),

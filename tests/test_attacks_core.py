@@ -524,3 +524,36 @@ def test_an_honest_lineage_is_adopted_as_soon_as_before() -> None:
     assert worker.follows == lid and [type(a.msg).__name__ for a in of(acts, C.ToWorker)][-1] == "Patch"
     worker.applied(lid, 6)
     assert worker.generating() == lid and core.lineages[lid].delivered
+
+
+def test_a_lineage_on_trial_shows_in_the_status_and_dashboard() -> None:
+    """While a bait (or any new lineage) is on trial, the status says so: `serving` is the bait, `following`
+    the lineage the worker still generates for, and the dashboard marks the trial."""
+    from node.dashboard import node_panel
+    from node.status import NodeStatus
+    from node.views import lineage_views
+    from rich.console import Console
+
+    core, clock = make_core()
+    honest, attacker = key(9), key(66)
+    good = lineage_id(honest.public, BASE, "lin")
+    evil = lineage_id(attacker.public, BASE, "evil")
+    worker = _WorkerView(core)
+    worker.see(core.handle(announce(honest, 1, [demand(good, "lin", 3, step_time_s=5.0)])))
+    worker.see(core.handle(C.ManifestHeard(manifest(honest, "lin", 2, 3))))
+    worker.see(core.handle(C.Tick()))
+    worker.applied(good, 3)
+    assert core.on_trial is None  # a lineage that delivered is followed, not on trial
+    for i in range(4):
+        clock.t += 2.5
+        worker.see(core.handle(announce(attacker, i + 1, [demand(evil, "evil", 2, step_time_s=0.5, rollouts=16384)])))
+        worker.see(core.handle(C.ManifestHeard(manifest(attacker, "evil", 1, 2))))
+        worker.see(core.handle(C.Tick()))
+    assert core.serving == evil and core.on_trial == evil and core.committed == good
+    views = {v.lineage: v for v in lineage_views(core)}
+    assert views[evil.hex()].on_trial and not views[good.hex()].on_trial
+    s = NodeStatus(peer_id="p", swarm="s", roles=["follower"], hardware="cpu", listen=[], state="running",
+                   lineages=list(views.values()), serving=evil.hex(), following=good.hex())
+    con = Console(width=120, record=True)
+    con.print(node_panel(s))
+    assert "on trial" in con.export_text()
