@@ -18,7 +18,9 @@ set by `gossip.host`), and does nothing on a swarm without it.
   the RPC must be complete within the frame deadline.
 - Refused connections: a connection (inbound or outbound) with a peer the node refuses
   (graylisted or banned: `_murmur_refuse`) is closed as it is added, so reconnecting does not
-  buy a graylisted key a fresh start.
+  buy a graylisted key a fresh start; an inbound connection from a source range that already
+  holds `StreamLimits.ip_connections` inbound connections (`gossip.iprange`) is closed too, so
+  one machine's many keys cannot take every connection a node accepts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import trio
 
+from gossip.iprange import full_range
 from gossip.limits import FrameTimeout, Lease, StreamBudget
 from gossip.transport import FrameError
 
@@ -134,10 +137,43 @@ def _install_connection_refusal() -> None:
                     except Exception:
                         pass
                 raise SwarmException(f"connection with {peer} refused: graylisted")
+        budget: StreamBudget | None = getattr(self, "_murmur_budget", None)
+        direction = kw.get("direction", args[0] if args else "unknown")
+        if budget is not None and direction == "inbound":
+            ip = remote_ip(muxed_conn)
+            held = [remote_ip(c) for conns in list(self.connections.values())
+                    for c in (conns if isinstance(conns, list) else [conns])
+                    if "INBOUND" in str(getattr(c, "direction", "")).upper()]
+            lim = budget.limits
+            full = full_range(ip, held, lim.ip_connections, lim.ip_unlimited) if ip else None
+            if full is not None:
+                budget.counters["connections_refused_ip"] += 1
+                with trio.move_on_after(RESET_TIMEOUT_S):
+                    try:
+                        await muxed_conn.close()
+                    except Exception:  # the connection is being refused: a failed close changes nothing
+                        pass
+                raise SwarmException(f"connection from {ip} refused: {full} holds {lim.ip_connections} connections")
         return await add(self, muxed_conn, *args, **kw)
 
     Swarm.add_conn = add_conn
     Swarm._murmur_refusal = True
+
+
+def remote_ip(conn: Any) -> str:
+    """The remote IP address of a direct connection (a py-libp2p muxed or swarm connection); "" for a
+    relayed one (its address is the relay's) or when the transport does not say."""
+    try:
+        if "RELAYED" in str(conn.get_connection_type()):
+            return ""
+        addrs = [str(a) for a in (conn.get_transport_addresses() or [])]
+    except Exception:  # a transport without these queries: not counted
+        return ""
+    for a in addrs:
+        parts = a.split("/")
+        if "/p2p-circuit" not in a and len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            return parts[2]
+    return ""
 
 
 async def read_varint_frame(stream: Any, max_length: int, unbudgeted: Any) -> bytes:

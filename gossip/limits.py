@@ -41,6 +41,8 @@ class StreamLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frame_deadline_s: float = 60.0  # a frame's first byte to its last: 8 MiB at ~140 KB/s
     offences: int = 3  # held frames or overdrawn buffers within the window before the peer is charged
     offence_window_s: float = 600.0
+    ip_connections: int = 8  # inbound connections from one IPv4 address or IPv6 /56 (gossip.iprange)
+    ip_unlimited: tuple[str, ...] = ("127.0.0.0/8", "::1/128")  # networks not counted per range
 
 
 class BufferFull(StreamError):
@@ -65,7 +67,7 @@ class StreamBudget:
         self._offences: dict[str, deque[float]] = {}
         self.counters: dict[str, int] = {"streams_refused_peer": 0, "streams_refused_node": 0,
                                          "buffer_full_peer": 0, "buffer_full_node": 0, "frame_timeouts": 0,
-                                         "charged": 0}
+                                         "charged": 0, "connections_refused_ip": 0}
 
     # ------------------------------------------------------------ streams
     def open_stream(self, peer: str) -> bool:
