@@ -519,6 +519,12 @@ def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: S
         spam_protection_enabled=False,
         eclipse_protection_enabled=False,
         prune_back_off=10,
+        # py-libp2p queues every message it sends for every connected peer not known to subscribe (up to
+        # 100 a peer, 30 s) and flushes the queue when that peer subscribes: memory of 100 messages times
+        # every peer, and each shard joined brought a burst of 30 s of its history. Gossip tolerates the
+        # few messages lost while a new peer's subscriptions are learnt: announces repeat.
+        max_pending_messages_per_peer=1,
+        pending_messages_ttl=0.0,
     )
     pubsub = Pubsub(host, router, strict_signing=True)
     _guard_stream_handlers(host, faults)

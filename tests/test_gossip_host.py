@@ -356,3 +356,30 @@ def test_own_record_is_reused_and_the_record_memo_is_bounded() -> None:
             assert key not in a.host._murmur_records  # the oldest went first
 
     trio.run(main)
+
+
+def test_no_backlog_is_kept_for_peers_that_have_not_subscribed() -> None:
+    """py-libp2p queued each message for every connected peer not subscribed to its topic (100 a peer, 30 s)
+    and flushed the queue when that peer subscribed: memory of 100 messages times every peer, and a burst
+    of old messages with every shard joined. The host keeps at most one message a peer, and it expires."""
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (4, 5, 6)]
+    topic = "/murmur/t/rollouts/7"
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as a, open_transport(ids[1]) as b, open_transport(ids[2]) as c:
+            await b.connect(a.listen_addrs()[0])
+            await c.connect(a.listen_addrs()[0])
+            await wait_until(lambda: set(a.peers()) == {b.peer_id, c.peer_id})
+            chan = await c.subscribe(topic)
+            await wait_until(lambda: c.peer_id in a.topic_peers(topic))
+            for i in range(20):
+                await a.publish(topic, b"m%d" % i)
+            got = []
+            with trio.fail_after(10):
+                while len(got) < 20:
+                    got.append((await chan.receive())[1])
+            pending = a.router._pending_messages
+            held = sum(len(q) for q in pending.values())
+            assert held <= 2, f"{held} messages held for peers that did not subscribe ({len(pending)} peers)"
+
+    trio.run(main)
