@@ -348,10 +348,15 @@ class Stats:
         for ts in task_sets:
             self._per_set(ts)["verified_rollouts"] += 1
 
-    def used(self, rollouts: int, task_sets: Iterable[bytes] = ()) -> None:
-        self.counts["used_rollouts"] += max(0, rollouts)
-        for ts in task_sets:
-            self._per_set(ts)["used_rollouts"] += 1
+    def used(self, by_set: Mapping[str, int]) -> None:
+        """External rollouts that entered the trainer's updates, per task set (hex id)."""
+        for ts, n in by_set.items():
+            try:
+                key = bytes.fromhex(ts)
+            except ValueError:
+                continue
+            self.counts["used_rollouts"] += max(0, int(n))
+            self._per_set(key)["used_rollouts"] += max(0, int(n))
 
     def _per_set(self, ts: bytes) -> Counter[str]:
         key = bytes(ts).hex()[:64]

@@ -50,6 +50,9 @@ class Metrics:
         self.producers = Gauge("murmur_exchange_distinct_producers", "producers verified in the last 10 min",
                                registry=r)
         self.shards = Gauge("murmur_exchange_shards", "rollout shards: count and subscribed", ["kind"], registry=r)
+        self.task_sets = Gauge("murmur_exchange_task_set_rollouts",
+                               "rollouts verified and used per task set (at most 64 sets, the rest as 'other')",
+                               ["task_set", "kind"], registry=r)
         self._server: Any = None
         self.port = 0
 
@@ -109,6 +112,9 @@ class Metrics:
         self.producers.set(x.distinct_producers)
         self.shards.labels("count").set(x.shards)
         self.shards.labels("subscribed").set(len(x.subscribed))
+        for ts, c in x.task_sets.items():
+            for kind in ("verified_rollouts", "used_rollouts"):
+                self.task_sets.labels(ts, kind.removesuffix("_rollouts")).set(c.get(kind, 0))
         for d in s.disk:
             self.disk.labels(d.name).set(d.used_mb * 2**20)
             if d.limit_mb:

@@ -110,6 +110,7 @@ class Step(Struct, tag="step", forbid_unknown_fields=True):
     n_external_groups: int
     step_s: float
     used: Annotated[int, Meta(ge=0)] = 0  # external rows that entered updates
+    used_by_set: dict[str, Annotated[int, Meta(ge=0)]] = {}  # the same, per task set (hex id)
     published: int | None = None  # the version published after this step, if any
     rollouts_per_step: int = 0
     sampler: dict[str, int] = {}  # training.sampler.Sampler counters

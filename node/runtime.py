@@ -476,6 +476,8 @@ class Node:
                 continue
             if isinstance(msg, pipe.Step):
                 self.drops.from_worker(msg.dropped)
+                if self.service is not None:
+                    self.service.stats.used(msg.used_by_set)
             await self.feed(C.FromWorker(msg))
 
     # ------------------------------------------------------------ views

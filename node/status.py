@@ -165,7 +165,7 @@ class ExchangeView(Struct, kw_only=True):
     rates: dict[str, float] = {}  # <counter>_per_s
     used_over_verified: float = 0.0
     distinct_producers: int = 0
-    task_sets: dict[str, dict[str, int]] = {}  # task set hex -> verified_rollouts (coordinators)
+    task_sets: dict[str, dict[str, int]] = {}  # task set hex -> verified_rollouts, used_rollouts (coordinators)
 
 
 class ReachView(Struct, kw_only=True):

@@ -397,6 +397,7 @@ class Worker:
             self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
                                "loss": res.loss, "n_external_groups": res.n_external_groups,
                                "used": sum(res.external_by_set.values()), "step_s": step_s,
+                               "used_by_set": {k.hex(): v for k, v in res.external_by_set.items()},
                                "external_groups": res.trained_external_groups,
                                "external_lineages": res.external_lineages, "updates": res.updates,
                                "heldout": heldout,

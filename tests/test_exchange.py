@@ -170,7 +170,8 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
 
     s = NodeStatus(exchange=ExchangeView(shards=8, subscribed=[2, 5], received_rollouts=40, verified_rollouts=32,
                                          used_rollouts=16, dropped={"wrong_shard": 3}, distinct_producers=4,
-                                         rates={"received_rollouts_per_s": 4.0}, used_over_verified=0.5))
+                                         rates={"received_rollouts_per_s": 4.0}, used_over_verified=0.5,
+                                         task_sets={"ab" * 32: {"verified_rollouts": 32, "used_rollouts": 16}}))
     con = Console(width=160, record=True)
     con.print(node_panel(s))
     text = con.export_text()
@@ -179,6 +180,7 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     m.update(s)
     assert m.registry.get_sample_value("murmur_exchange_dropped_total", {"reason": "wrong_shard"}) == 3
     assert m.registry.get_sample_value("murmur_exchange_distinct_producers") == 4
+    assert m.registry.get_sample_value("murmur_exchange_task_set_rollouts", {"task_set": "ab" * 32, "kind": "used"}) == 16
 
 
 def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm_size() -> None:

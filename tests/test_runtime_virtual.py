@@ -143,6 +143,15 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             await _until("follower applied v3", lambda: _lin(b.snapshot(), "follow").held == 3)
             assert wb.follower.state_hash == wa.pub.state_hash
 
+            # the trainer's step reports the external rollouts it used per task set: its exchange view counts
+            # them against the set, as coordinators read it
+            ts = "ab" * 32
+            wa._out(pipe.Step(step=1, version=3, reward_mean=0.5, loss=0.1, n_external_groups=2, step_s=1.0,
+                              used=16, used_by_set={ts: 16}))
+            await _until("used per task set", lambda: a.snapshot().exchange.task_sets.get(ts, {}).get(
+                "used_rollouts") == 16)
+            assert a.snapshot().rollouts_used == 16
+
             # the follower's worker dies: the node stays up, restarts it after its backoff, applies again
             before = b.snapshot()
             assert before.worker_restarts == 0 and before.worker_pid == wb.pid
