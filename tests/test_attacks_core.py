@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -455,12 +456,8 @@ class _WorkerView:
         return self.follows if self.follows is not None and self.admit.get(self.follows) else None
 
 
-def test_a_lineage_baited_with_manifests_never_served_costs_one_catch_up_not_generation() -> None:
-    """Manifest bait: a fresh key signs manifests (within the staleness bound of the base model) and a huge
-    demand for a lineage whose chunks it never serves. Without the trial the follower's worker switched to
-    it and generated for it for the whole 180 s patience; now the worker is switched only to a lineage
-    that delivered, keeps generating for the honest one meanwhile, and the bait is left after one
-    catch-up attempt, its publisher avoided. No one is charged (not serving is not provably lying)."""
+def _follower_of_an_honest_trainer() -> tuple[Any, Any, Any, Any, bytes, bytes, "_WorkerView"]:
+    """A follower whose worker generates for an honest trainer's lineage (v3 applied), and a bait's key."""
     core, clock = make_core()
     honest, attacker = key(9), key(66)
     good = lineage_id(honest.public, BASE, "lin")
@@ -470,6 +467,16 @@ def test_a_lineage_baited_with_manifests_never_served_costs_one_catch_up_not_gen
     worker.see(core.handle(C.ManifestHeard(manifest(honest, "lin", 2, 3))))
     worker.see(core.handle(C.Tick()))
     worker.applied(good, 3)
+    return core, clock, honest, attacker, good, evil, worker
+
+
+def test_a_lineage_baited_with_manifests_never_served_costs_one_catch_up_not_generation() -> None:
+    """Manifest bait: a fresh key signs manifests (within the staleness bound of the base model) and a huge
+    demand for a lineage whose chunks it never serves. Without the trial the follower's worker switched to
+    it and generated for it for the whole 180 s patience; now the worker is switched only to a lineage
+    that delivered, keeps generating for the honest one meanwhile, and the bait is left after one
+    catch-up attempt, its publisher avoided. No one is charged (not serving is not provably lying)."""
+    core, clock, honest, attacker, good, evil, worker = _follower_of_an_honest_trainer()
     assert worker.generating() == good
     gen: dict[bytes | None, float] = {}
     served, penalties, asked = [], [], []
@@ -534,15 +541,7 @@ def test_a_lineage_on_trial_shows_in_the_status_and_dashboard() -> None:
     from node.views import lineage_views
     from rich.console import Console
 
-    core, clock = make_core()
-    honest, attacker = key(9), key(66)
-    good = lineage_id(honest.public, BASE, "lin")
-    evil = lineage_id(attacker.public, BASE, "evil")
-    worker = _WorkerView(core)
-    worker.see(core.handle(announce(honest, 1, [demand(good, "lin", 3, step_time_s=5.0)])))
-    worker.see(core.handle(C.ManifestHeard(manifest(honest, "lin", 2, 3))))
-    worker.see(core.handle(C.Tick()))
-    worker.applied(good, 3)
+    core, clock, honest, attacker, good, evil, worker = _follower_of_an_honest_trainer()
     assert core.on_trial is None  # a lineage that delivered is followed, not on trial
     for i in range(4):
         clock.t += 2.5
