@@ -318,3 +318,58 @@ def test_webrtc_direct_loopback_transfer_with_hash(webrtc_extra: None) -> None:
         assert r["hash_ok"] and r["mb_s"] > 0 and "webrtc-direct" in r["addr"], r
         return
     pytest.fail(f"WebRTC-direct failed 3 times: {errors}")
+
+
+def test_a_stalled_bulk_is_sent_again_on_a_new_stream() -> None:
+    """Over WebRTC a bulk now and then stalls with every byte written and no answer (docs/reachability.md):
+    the benchmark's sender abandons that stream after a quarter of its bound and sends again."""
+    import hashlib
+    from types import SimpleNamespace
+
+    import trio.testing
+
+    from simulations.bench import reachability_node as rn
+
+    class FakeStream:
+        def __init__(self, stall: bool) -> None:
+            self.stall, self.header, self.reset_called = stall, b"", False
+            self.h = hashlib.blake2b(digest_size=32)
+
+        async def write(self, data: bytes) -> None:
+            if not self.header:
+                self.header = bytes(data)
+            else:
+                self.h.update(data)
+
+        async def read(self, n: int) -> bytes:
+            if self.stall:
+                await trio.sleep_forever()
+            return self.h.digest()[:n]
+
+        async def close(self) -> None:
+            pass
+
+        async def reset(self) -> None:
+            self.reset_called = True
+
+    streams = [FakeStream(stall=True), FakeStream(stall=True), FakeStream(stall=False)]
+    opened: list[FakeStream] = []
+
+    async def open_stream(peer: str, proto: str) -> FakeStream:
+        opened.append(streams[len(opened)])
+        return opened[-1]
+
+    transport = SimpleNamespace(open_stream=open_stream,
+                                host=SimpleNamespace(get_network=lambda: SimpleNamespace(connections={})))
+    peer = Identity.from_seed(b"\x44" * 32).peer_id
+    out: dict = {}
+
+    async def main() -> None:
+        t0 = trio.current_time()
+        out.update(await rn.send_bulk(transport, peer, 1000, timeout_s=120))
+        out["virtual_s"] = trio.current_time() - t0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert out["hash_ok"] and out["attempts"] == 3 and len(opened) == 3, out
+    assert opened[0].reset_called and opened[1].reset_called and not opened[2].reset_called
+    assert 60 <= out["virtual_s"] < 61  # two attempts of 30 s each, then the answer
