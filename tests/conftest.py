@@ -66,7 +66,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def is_solo(item: pytest.Item) -> bool:
     """WebRTC (aiortc's SCTP in Python) misses py-libp2p's 10 s negotiation bounds when a live swarm on
-    the other worker takes the cores, so tests that run it run with nothing beside them."""
+    the other worker takes the cores, so tests that run it run with nothing beside them; so do the
+    network-namespace swarms (marked `solo`), whose reachability checks wait on bounded dial-backs."""
     return item.get_closest_marker("solo") is not None or "webrtc_extra" in getattr(item, "fixturenames", ())
 
 

@@ -17,7 +17,7 @@ import pytest
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
 
 
 @pytest.fixture(scope="module")

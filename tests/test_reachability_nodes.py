@@ -26,7 +26,7 @@ from node.launch import status as _status
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
+pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 4001
