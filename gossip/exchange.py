@@ -355,8 +355,9 @@ class Stats:
                 key = bytes.fromhex(ts)
             except ValueError:
                 continue
-            self.counts["used_rollouts"] += max(0, int(n))
-            self._per_set(key)["used_rollouts"] += max(0, int(n))
+            k = max(0, int(n))
+            self.counts["used_rollouts"] += k
+            self._per_set(key)["used_rollouts"] += k
 
     def _per_set(self, ts: bytes) -> Counter[str]:
         key = bytes(ts).hex()[:64]

@@ -141,9 +141,10 @@ def _install_connection_refusal() -> None:
         direction = kw.get("direction", args[0] if args else "unknown")
         if budget is not None and direction == "inbound":
             ip = remote_ip(muxed_conn)
-            held = [remote_ip(c) for conns in list(self.connections.values())
+            # a generator: `full_range` reads the held connections only for a counted range (not loopback)
+            held = (remote_ip(c) for conns in list(self.connections.values())
                     for c in (conns if isinstance(conns, list) else [conns])
-                    if "INBOUND" in str(getattr(c, "direction", "")).upper()]
+                    if "INBOUND" in str(getattr(c, "direction", "")).upper())
             lim = budget.limits
             full = full_range(ip, held, lim.ip_connections, lim.ip_unlimited) if ip else None
             if full is not None:

@@ -134,7 +134,7 @@ def _exchange(s: NodeStatus) -> str:
 
 def node_panel(s: NodeStatus) -> Panel:
     serving = short(s.serving) if s.serving else "—"
-    if s.serving and s.following != s.serving:  # on trial: the worker still serves the lineage it followed
+    if any(lin.on_trial and lin.lineage == s.serving for lin in s.lineages):  # the worker still serves `following`
         serving += f" on trial; worker follows {short(s.following) if s.following else '—'}"
     rows: list[tuple[str, str | Text]] = [
         ("peer", s.peer_id), ("roles", ", ".join(s.roles) or "—"),

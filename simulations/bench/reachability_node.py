@@ -31,6 +31,7 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import trio  # noqa: E402
@@ -91,6 +92,12 @@ async def serve_bulk(stream: Any, remote: str) -> None:
     await stream.close()
 
 
+def _chunks(block: bytes, n: int) -> Iterator[bytes]:
+    """The `n` bytes of a bulk: `block` repeated, in writes of at most `WRITE`."""
+    for start in range(0, n, WRITE):
+        yield block[: min(WRITE, n - start)]
+
+
 async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -> dict[str, Any]:
     from gossip.framing import read_exactly
     from gossip.holepunch import best_path
@@ -99,8 +106,8 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
     h = hashlib.blake2b(digest_size=32)
     path = best_path(transport, peer)
     t = time.perf_counter()
-    for chunk_start in range(0, n, WRITE):
-        h.update(block[: min(WRITE, n - chunk_start)])
+    for chunk in _chunks(block, n):
+        h.update(chunk)
     opens = attempts = 0
     digest = b""
     with trio.fail_after(timeout_s):
@@ -119,11 +126,8 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
                         if opens >= OPEN_ATTEMPTS:
                             raise
                 await s.write(n.to_bytes(8, "big"))
-                sent = 0
-                while sent < n:
-                    chunk = block[: min(WRITE, n - sent)]
+                for chunk in _chunks(block, n):
                     await s.write(chunk)
-                    sent += len(chunk)
                 digest = await read_exactly(s, 32)
                 await s.close()
             if cs.cancelled_caught:
