@@ -107,6 +107,10 @@ def bench_swarm(
     cpu_s: Annotated[float, typer.Option(min=0.1, help="with --matched: CPU seconds per node")] = 48.0,
     followers: Annotated[int, typer.Option(min=0, max=16, help="with --matched: one trainer with this many "
                                                                "followers instead of a swarm of --nodes")] = 0,
+    adversary: Annotated[bool, typer.Option("--adversary", help="with --matched: one of the --nodes sends valid "
+                                                                "but useless rollouts and some forged ones")] = False,
+    workers: Annotated[int, typer.Option(min=1, max=64, help="with --matched: seeds run this many processes "
+                                                             "at a time")] = 1,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -115,7 +119,10 @@ def bench_swarm(
     if matched:
         from simulations.bench.matched import run as run_matched
 
-        _run(run_matched, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers)
+        if adversary and (followers or 0 < nodes < 3):
+            raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
+        _run(run_matched, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers,
+             adversary=adversary, workers=workers)
     elif seeds == 1:
         _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:

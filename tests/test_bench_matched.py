@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 from simulations.bench import matched as bm
@@ -51,3 +52,48 @@ def test_a_trainer_with_followers_verifies_and_pools_their_groups_on_its_own_cpu
     per_step = 2 * bm.TRAINER["local_groups"] * bm.TRAINER["group_size"]
     assert r["verified_per_node"][0] >= per_step and r["verified_per_node"][0] % per_step == 0
     assert r["sampler"]["added"] + r["sampler"]["uninformative"] + r["sampler"]["too_small"] > 0
+
+
+def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_path: Path) -> None:
+    from gossip.validation import Pipeline, PipelineConfig, Reason
+    from simulations.bench.swarm import SWARM
+    from simulations.bench.useless import CLAIMED_LOGPROB, claim_low_logprobs, forge, informative
+    from training.engine_hf import HFEngine
+    from training.rollouts import logprobs_from_bytes
+    from training.tasksets import TaskRegistry, train_generators
+    from training.tiny import TINY_NAME, ensure_tiny
+    from training.tokencheck import for_model
+    from training.verifiers import score
+
+    reg = TaskRegistry(SWARM)
+    reg.add_builtin()
+    engine = HFEngine.from_path(ensure_tiny(tmp_path, seed=1, warmup_steps=2), device="cpu", seed=1)
+    adv = bm._Adversary(0, engine)
+    gens = train_generators(reg.get(reg.builtin_id))
+    rows = bm._follower_rollouts(engine, gens, reg.builtin_id, reg.resolve, random.Random(0), adv.node.lineage, 1, 8)
+    size = bm.TRAINER["group_size"]
+    kept = informative(rows, size)
+    assert all(len({r.reward for r in kept[k:k + size]}) > 1 for k in range(0, len(kept), size))
+    dropped = [rows[k:k + size] for k in range(0, len(rows), size) if len({r.reward for r in rows[k:k + size]}) == 1]
+    assert len(kept) + size * len(dropped) == len(rows)
+    claimed = claim_low_logprobs(kept or rows[:size])
+    assert all(set(logprobs_from_bytes(r.logprobs)) == {CLAIMED_LOGPROB} for r in claimed)
+    pipe = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4, rate_per_s=1e6, burst=10**6,
+                                   max_completion_tokens=bm.TRAINER["max_new_tokens"]),
+                    clock=time.time, resolve_task=reg.resolve, reward=score, head_version=lambda _: 1,
+                    task_set_trusted=reg.__contains__, check_tokens=for_model(TINY_NAME))
+    peer = adv.node.ident.peer_id
+    assert pipe.check(bm._seal(adv.node, claimed)[0], peer).reason is Reason.ACCEPTED  # nothing provably wrong
+    assert pipe.check(bm._seal(adv.node, forge(claimed, size))[0], peer).reason is Reason.FORGED_REWARD
+
+
+def test_in_a_swarm_with_the_adversary_no_provably_bad_row_is_trained_on(tmp_path: Path) -> None:
+    r = bm.run_seed(3, 0, 1.2, 1, 2, home=str(tmp_path), warmup_steps=2, adversary=True)
+    json.dumps(r)
+    adv = r["adversary"]
+    assert len(r["cpu_per_node"]["swarm"]) == 2 and len(r["cpu_per_node"]["isolated"]) == 2  # N - 1 honest nodes
+    assert r["curves"]["isolated"][0] == r["curves"]["swarm"][0]  # paired on the honest nodes
+    assert adv["batches"] >= 4  # at least one provably bad batch was sent
+    assert adv["rejected"] >= 1  # and refused as a forgery by an honest node
+    assert adv["provably_bad_rows_taken"] == 0
+    assert 0 < r["generation_share"]["isolated"] < 1

@@ -120,3 +120,10 @@ def test_tasks_publish_bad_input(tmp_path):
         assert "Traceback" not in r.stderr
     r = run_in_process("tasks", "show", "ffffffffff", home=home)
     assert r.returncode == 2 and "no match" in r.stderr
+
+
+def test_bench_swarm_matched_adversary_needs_a_swarm_of_three():
+    r = run("bench", "swarm", "--matched", "--adversary", "--nodes", "2")
+    assert r.returncode == 2 and "--adversary" in r.stderr and "Traceback" not in r.stderr
+    r = run("bench", "swarm", "--matched", "--adversary", "--followers", "1")
+    assert r.returncode == 2 and "--adversary" in r.stderr and "Traceback" not in r.stderr

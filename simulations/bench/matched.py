@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gossip.validation import Pipeline, PipelineConfig
+from simulations.bench import useless
 from simulations.bench.swarm import SWARM, _ident, _seal
 from training.sampler import Sampler
 
@@ -64,6 +65,7 @@ class _Node:
     used: int = 0  # rollouts that entered its updates
     updates: int = 0
     ext_groups: int = 0
+    gen_cpu: float = 0.0  # of `cpu`, spent sampling rollouts (the part a swarm's rollouts can save)
     curve: list[float] = field(default_factory=list)
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
 
@@ -128,18 +130,80 @@ def _receive(node: _Node, payloads: list[bytes], sender: str) -> None:
     node.verify_cpu += dt
 
 
+def _timed_sampling(node: _Node) -> None:
+    """Count the thread CPU of `node`'s engine's sampling into `node.gen_cpu` (evaluation takes it back out)."""
+    inner = node.engine.sample
+
+    def sample(*a: Any, **k: Any) -> Any:
+        c0 = time.thread_time()
+        try:
+            return inner(*a, **k)
+        finally:
+            node.gen_cpu += time.thread_time() - c0
+
+    node.engine.sample = sample
+
+
+class _Adversary:
+    """The swarm's adversary (`simulations.bench.useless`): its own key and lineage and a weak policy; one
+    batch of its informative groups out of I per round of honest steps, every `FORGE_EVERY`-th provably bad."""
+
+    def __init__(self, seed: int, engine: Any) -> None:
+        self.node = _Node(99, _ident(seed, 99), b"", None, engine, None, None)
+        self.node.lineage = hashlib.blake2b(b"lineage" + self.node.ident.public, digest_size=32).digest()
+        self.rng = random.Random(seed * 100 + 99)
+        self.batches = 0
+        self.last_ms = 0
+        self.bad_keys: set[tuple[bytes, str, int, str, int]] = set()
+        self.taken = 0  # its rows that honest trainers took into their steps
+        self.bad_taken = 0  # of them, rows of a provably bad batch
+
+    def payloads(self, gens: list[Any], task_set: bytes, resolve: Any) -> list[bytes]:
+        from gossip.wire import now_ms  # noqa: PLC0415
+
+        self.batches += 1
+        self.last_ms = max(now_ms(), self.last_ms + 1)  # every batch's rows are told apart by it
+        size = int(TRAINER["group_size"])
+        rows = _follower_rollouts(self.node.engine, gens, task_set, resolve, self.rng, self.node.lineage, self.batches,
+                                  int(TRAINER["local_groups"]))
+        rows = useless.stamp(useless.claim_low_logprobs(useless.informative(rows, size)), self.last_ms)
+        if not rows:
+            return []
+        if self.batches % useless.FORGE_EVERY == 0:
+            rows = useless.forge(rows, size)
+            self.bad_keys.update(useless.row_key(r) for r in rows)
+        return _seal(self.node, rows)
+
+    def watch(self, take: Any) -> Any:
+        """`take` (a sampler's `take_rollouts`), counting the adversary's rows it hands a trainer."""
+
+        def counted(*a: Any, **k: Any) -> Any:
+            out = take(*a, **k)
+            for r in out:
+                if bytes(r.lineage) == self.node.lineage:
+                    self.taken += 1
+                    self.bad_taken += useless.row_key(r) in self.bad_keys
+            return out
+
+        return counted
+
+
 def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-            home: Path, warmup_steps: int = WARMUP_STEPS, followers: int = 0) -> dict[str, Any]:
+            home: Path, warmup_steps: int = WARMUP_STEPS, followers: int = 0,
+            adversary: bool = False) -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
-    step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched)."""
+    step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched);
+    with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
+    honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost."""
     import torch  # noqa: PLC0415
 
     from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
     from training.evaluation import greedy_eval, held_out_tasks  # noqa: PLC0415
     from training.rollouts import to_wire  # noqa: PLC0415
-    from training.tasksets import TaskRegistry  # noqa: PLC0415
-    from training.tiny import ensure_tiny  # noqa: PLC0415
+    from training.tasksets import TaskRegistry, train_generators  # noqa: PLC0415
+    from training.tiny import TINY_NAME, ensure_tiny  # noqa: PLC0415
+    from training.tokencheck import for_model  # noqa: PLC0415
     from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
     from training.verifiers import score  # noqa: PLC0415
 
@@ -148,6 +212,13 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     heads: dict[bytes, int] = {}
     ns: list[_Node] = []
     tasks = None
+    check_tokens = for_model(TINY_NAME)
+    assert check_tokens is not None  # murmur-tiny's tokenizer is built in
+    adv = None
+    if swarm and adversary:
+        weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS)
+        adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99))
+        heads[adv.node.lineage] = 0
     for i in range(nodes):
         ident = _ident(seed, i)
         lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
@@ -158,14 +229,17 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
         ext = 0 if not swarm else TRAINER["external_groups"] * max(1, followers)
         cfg = TrainerConfig(**{**TRAINER, "external_groups": ext}, seed=seed * 100 + i)
-        pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6),
+        # what a node's pipeline checks: its own token budget and tokenizer (node.runtime)
+        pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6,
+                                           max_completion_tokens=cfg.max_new_tokens),
                             clock=time.time, resolve_task=reg.resolve, reward=score,
                             head_version=lambda lin: heads.get(bytes(lin)),
-                            task_set_trusted=reg.__contains__) if swarm else None
+                            task_set_trusted=reg.__contains__, check_tokens=check_tokens) if swarm else None
         sampler = Sampler(POOL_GROUPS, cfg.max_staleness, seed=seed * 100 + i) if swarm else None
         node = _Node(i, ident, lineage, None, engine, pipeline, sampler)
-        node.trainer = Trainer(engine, reg, reg.builtin_id, cfg, lineage=lineage,
-                               external=sampler.take_rollouts if sampler is not None else None)
+        _timed_sampling(node)
+        take = None if sampler is None else sampler.take_rollouts if adv is None else adv.watch(sampler.take_rollouts)
+        node.trainer = Trainer(engine, reg, reg.builtin_id, cfg, lineage=lineage, external=take)
         heads[lineage] = 0
         ns.append(node)
     assert tasks is not None
@@ -178,20 +252,21 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
 
     def evaluate(n: _Node) -> None:
+        gen_cpu = n.gen_cpu  # evaluation is not charged
         n.last_eval = greedy_eval(n.engine, tasks, TRAINER["max_new_tokens"])
         n.curve.append(n.last_eval[0]["all"])
+        n.gen_cpu = gen_cpu
 
     for n in ns:
         evaluate(n)
     wall0 = time.monotonic()
+    honest_steps = 0
     while True:
         todo = [n for n in ns if n.cpu < cpu_s]
         if not todo:
             break
         node = min(todo, key=lambda n: n.cpu)
         if fols and node is ns[0]:
-            from training.tasksets import train_generators  # noqa: PLC0415
-
             gens = train_generators(node.trainer.registry.get(node.trainer.task_set))
             state = node.engine.model.state_dict()
             for (eng, _, rng), fn in zip(fols, fol_nodes):
@@ -221,6 +296,15 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                 if other is node:
                     continue
                 _receive(other, payloads, node.ident.peer_id)
+        honest_steps += 1
+        if adv is not None and honest_steps % nodes == 0:
+            payloads = adv.payloads(train_generators(node.trainer.registry.get(node.trainer.task_set)),
+                                    node.trainer.task_set, node.trainer.registry.resolve)
+            heads[adv.node.lineage] = adv.batches
+            for other in ns:
+                assert other.sampler is not None
+                other.sampler.observe_head(adv.node.lineage, adv.batches)
+                _receive(other, payloads, adv.node.ident.peer_id)
         while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
             evaluate(node)
     for n in ns:
@@ -236,21 +320,30 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
             "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
             "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
             "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
+            "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
+            "adversary": None if adv is None else {"batches": adv.batches, "rows_taken": adv.taken,
+                                                  "provably_bad_rows_taken": adv.bad_taken,
+                                                  "rejected": sum(n.pipeline.per_peer.get(adv.node.ident.peer_id, {})
+                                                                  .get("forged_reward", 0) for n in ns
+                                                                  if n.pipeline is not None)},
             "sampler": {k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
                         for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})},
             "wall_s": round(time.monotonic() - wall0, 1)}
 
 
 def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-             home: str | None = None, warmup_steps: int = WARMUP_STEPS, followers: int = 0) -> dict[str, Any]:
+             home: str | None = None, warmup_steps: int = WARMUP_STEPS, followers: int = 0,
+             adversary: bool = False) -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
-    and node 0 with K followers."""
+    and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
+    whose N-th member is the adversary."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
-    n = 1 if followers else nodes
+    n = 1 if followers else nodes - 1 if adversary else nodes
     iso = run_arm(False, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
-    sw = run_arm(True, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, followers=followers)
+    sw = run_arm(True, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, followers=followers,
+                 adversary=adversary)
     xs = iso["marks"]
     target = iso["curve"][-1]
     iso_cpu = _first_reach(xs, iso["curve"], target)
@@ -272,6 +365,8 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
             "final_by_family": {"isolated": iso["final_by_family"], "swarm": sw["final_by_family"]},
             "final_wellformed": {"isolated": iso["final_wellformed"], "swarm": sw["final_wellformed"]},
             "verified_per_node": sw["verified_per_node"], "verify_share": sw["verify_share"], "sampler": sw["sampler"],
+            "generation_share": {"isolated": iso["generation_share"], "swarm": sw["generation_share"]},
+            "adversary": sw["adversary"],
             "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]}}
 
 
@@ -281,28 +376,34 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
-def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int, int]) -> dict[str, Any]:
+def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int, int, bool]) -> dict[str, Any]:
     return run_seed(*a)
 
 
 def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, checkpoints: int = 6,
-        eval_per_family: int = 30, workers: int = 1, home: str | None = None, followers: int = 0) -> dict[str, Any]:
+        eval_per_family: int = 30, workers: int = 1, home: str | None = None, followers: int = 0,
+        adversary: bool = False) -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
-    `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`."""
+    `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
+    one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone."""
     import multiprocessing  # noqa: PLC0415
     from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
 
-    if (nodes < 2 and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
-        raise ValueError("need nodes >= 2 (or followers >= 1), seeds >= 1, cpu_s > 0, checkpoints >= 1")
+    if (nodes < 2 + adversary and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
+        raise ValueError("need nodes >= 2 (3 with an adversary; or followers >= 1), seeds >= 1, cpu_s > 0, "
+                         "checkpoints >= 1")
+    if followers and adversary:
+        raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
     t0 = time.monotonic()
-    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, WARMUP_STEPS, followers)
+    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, WARMUP_STEPS, followers, adversary)
             for k in range(seeds)]
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed_args, todo))
     sp = [r["speedup"] for r in per]
     lo, hi = bootstrap_ci(sp, random.Random(seed))
     mean = sum(sp) / len(sp)
-    return {"bench": "swarm-matched", "nodes": 1 if followers else nodes, "followers": followers, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
+    return {"bench": "swarm-matched", "nodes": 1 if followers else nodes, "followers": followers,
+            "with_adversary": adversary, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
             "checkpoints": checkpoints, "eval_tasks": 3 * eval_per_family, "trainer": TRAINER,
             "warmup_steps": WARMUP_STEPS, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
             "reached": sum(r["reached"] for r in per),
@@ -310,6 +411,11 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
             "auc_delta": round(sum(r["auc_delta"] for r in per) / len(per), 4),
             "used_over_verified": round(sum(r["used_over_verified"] for r in per) / len(per), 4),
             "verify_share": round(sum(r["verify_share"] for r in per) / len(per), 4),
+            "generation_share": {arm: round(sum(r["generation_share"][arm] for r in per) / len(per), 4)
+                                 for arm in ("isolated", "swarm")},
+            "adversary": None if not adversary else {
+                k: sum(r["adversary"][k] for r in per)
+                for k in ("batches", "rows_taken", "provably_bad_rows_taken", "rejected")},
             "per_seed": per, "wall_s": round(time.monotonic() - t0, 1),
             "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "
                       "nodes stepped least-CPU-first to an equal budget, held-out greedy accuracy at equal CPU "
