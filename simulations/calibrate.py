@@ -1,4 +1,8 @@
-"""Fit virtual mode's learning model (`[learning]` initial, rate, ceiling) to a measured isolated curve.
+"""Fit virtual mode's learning model (`[learning]`) to a measured benchmark.
+
+Two benchmarks: `murmur bench swarm --json` (cumulative sampled reward; `initial`, `rate`, `ceiling`
+from its isolated curve, below) and `murmur bench swarm --matched --json` (held-out accuracy at equal
+CPU, `fit_matched`: also `external_weight` and `train_share`).
 
 The model (simulations/virtual.py): skill p, reward of a step ≈ p, and
 `p += rate (ceiling − p) u / 8` with u the informative groups among k local
@@ -55,7 +59,89 @@ def fit(target_blocks: list[float], steps: int, groups: int = 8, group_size: int
             "target_block_means": target_blocks, "model_cumulative": round(sum(model), 3)}
 
 
+def _matched_arms(bench: dict[str, Any]) -> dict[str, Any]:
+    """One matched run's seed-mean curves and per-node updates, external share, steps and generation share."""
+    per = bench["per_seed"]
+    k = len(per[0]["curves"]["cpu_s"])
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs)
+
+    def per_node(key: str, arm: str) -> float:
+        return mean([mean(r[key][arm]) for r in per])
+
+    ext = mean([mean(r["external_groups_per_node"]) for r in per])
+    steps = [r.get("steps_per_node") for r in per]
+    gen = [r.get("generation_share", {}).get("isolated") for r in per]
+    return {"iso": [mean([r["curves"]["isolated"][j] for r in per]) for j in range(k)],
+            "swarm": [mean([r["curves"]["swarm"][j] for r in per]) for j in range(k)],
+            "marks": per[0]["curves"]["cpu_s"], "u_iso": per_node("updates_per_node", "isolated"),
+            "u_swarm": per_node("updates_per_node", "swarm"), "ext_share": ext / (8.0 * per_node("updates_per_node", "swarm")),
+            "steps_iso": mean([mean(s["isolated"]) for s in steps]) if all(steps) else None,
+            "gen_iso": mean([g for g in gen if g is not None]) if all(g is not None for g in gen) else None,
+            "local_groups": int(bench["trainer"]["local_groups"]), "followers": int(bench.get("followers", 0)),
+            "nodes": int(bench["nodes"]), "speedup": float(bench["speedup"]),
+            "adversary": bool(bench.get("with_adversary"))}
+
+
+def matched_curve(p0: float, rate: float, ceiling: float, updates: float, marks: int, ext_share: float = 0.0,
+                  external_weight: float = 1.0) -> list[float]:
+    """The model's skill at `marks` + 1 equal CPU marks over `updates` updates of 8 informative groups, a
+    share `ext_share` of them external and worth `external_weight` each."""
+    eff = rate * (1.0 - ext_share + external_weight * ext_share)
+    return [ceiling - (ceiling - p0) * max(0.0, 1.0 - eff) ** (updates * j / marks) for j in range(marks + 1)]
+
+
+def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
+    """`rate` and `ceiling` from the isolated arms' curves (each from its own start, in updates of 8
+    informative groups), `external_weight` from the swarm-of-peers arms (follower and adversarial
+    runs are predicted, not fitted), `train_share` from the isolated arms' generation share and
+    informative fraction, `initial` the mean start; with each run's measured and modelled speedup."""
+    from simulations import curves  # noqa: PLC0415
+
+    arms = [_matched_arms(b) for b in benches]
+
+    def iso_err(rate: float, ceil: float) -> float:
+        return sum((m - y) ** 2 for a in arms
+                   for m, y in zip(matched_curve(a["iso"][0], rate, ceil, a["u_iso"], len(a["marks"]) - 1), a["iso"]))
+
+    rates = [0.0005 * i for i in range(1, 101)]
+    ceils = [0.02 * i for i in range(5, 50)]
+    _, rate, ceil = min((iso_err(r, c), r, c) for r in rates for c in ceils)
+    peers = [a for a in arms if not a["followers"] and not a["adversary"]]
+
+    def sw_err(w: float) -> float:
+        return sum((m - y) ** 2 for a in peers
+                   for m, y in zip(matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], len(a["marks"]) - 1,
+                                                 a["ext_share"], w), a["swarm"]))
+
+    weight = min((sw_err(0.02 * i), 0.02 * i) for i in range(0, 151))[1] if peers else 1.0
+    shares = []
+    for a in arms:  # T·I / G = (1 − g) / (g f), f the informative fraction of the generated groups
+        if a["steps_iso"] and a["gen_iso"]:
+            f = 8.0 * a["u_iso"] / (a["local_groups"] * a["steps_iso"])
+            ratio = (1.0 - a["gen_iso"]) / (a["gen_iso"] * f)
+            shares.append(ratio / (1.0 + ratio))
+    runs = []
+    for a in arms:
+        k = len(a["marks"]) - 1
+        iso = matched_curve(a["iso"][0], rate, ceil, a["u_iso"], k)
+        sw = matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], k, a["ext_share"], weight)
+        runs.append({"nodes": a["nodes"], "followers": a["followers"], "adversary": a["adversary"],
+                     "speedup_measured": a["speedup"], "speedup_model": round(curves.speedup(a["marks"], iso, sw)[0], 3),
+                     "ext_share": round(a["ext_share"], 3), "updates_iso_swarm": [round(a["u_iso"], 1), round(a["u_swarm"], 1)]})
+    return {"initial": round(sum(a["iso"][0] for a in arms) / len(arms), 3), "rate": rate, "ceiling": ceil,
+            "external_weight": round(weight, 2),
+            "train_share": round(sum(shares) / len(shares), 3) if shares else None,
+            "rmse_isolated": round((iso_err(rate, ceil) / sum(len(a["iso"]) for a in arms)) ** 0.5, 4),
+            "rmse_swarm": round((sw_err(weight) / max(1, sum(len(a["swarm"]) for a in peers))) ** 0.5, 4) if peers else None,
+            "runs": runs}
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--matched":
+        print(json.dumps(fit_matched([json.loads(open(f).read().strip().splitlines()[-1]) for f in argv[1:]])))
+        return
     bench = json.loads(open(argv[0]).read().strip().splitlines()[-1])
     curve = bench.get("curves", {}).get("isolated")
     blocks = block_means(curve) if curve else bench["block_means"]["isolated"]

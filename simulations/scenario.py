@@ -112,6 +112,9 @@ class Learning(Struct, forbid_unknown_fields=True, kw_only=True):
     ceiling: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.21  # the bench task mix plateaus near 0.2 on that budget
     rate: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.028  # skill gain per 8 informative groups at skill 0
     external_weight: Annotated[float, Meta(ge=0.0, le=10.0)] = 1.0  # value of an external vs a local group
+    # share of a step that trains, when all its I local groups are informative; the rest generates them.
+    # A step trains on u_local + u_ext groups and takes step_s / compute * (1 - train_share * (1 - u / I)).
+    train_share: Annotated[float, Meta(ge=0.0, le=0.95)] = 0.0
     spread: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.02  # per-node spread of the initial skill
 
 

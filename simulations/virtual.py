@@ -62,7 +62,9 @@ What is modelled:
   retransmission delay);
 - the clock: virtual seconds (`EPOCH` + t as unix time);
 - compute: a step takes `step_s / compute` virtual seconds (a follower's no
-  less than its core's pace allows);
+  less than its core's pace allows); a trainer's step that trains on u groups
+  (local and external) takes `1 - train_share * (1 - u / I)` times that, so
+  training on the swarm's groups costs the trainer its own time;
 - the worker: it answers the core through the node's pipe messages
   (`node.pipe`: Ready, Rollouts, Step, Gen, Perf, Published, Applied) and
   obeys Follow, Admit, Pace and Patch; it applies stored patches in order
@@ -74,8 +76,12 @@ What is modelled:
   others). After a step, p += rate * (ceiling - p) * (u_local + w * u_ext),
   with u the informative groups used (local, and the external ones its
   sampler gave). The isolated twin of each node trains on I + J local groups
-  with the same rule and its own draws. A follower generates at the skill
-  its publisher had at the version it holds;
+  with the same rule and its own draws, step for step (SAPO's comparison:
+  `gain_swarm`); the alone twin trains on I local groups on its own clock,
+  each of its steps costing what the same rule charges, so at equal virtual
+  time it has spent the node's compute alone (the compute-matched benchmark's
+  comparison: `alone`). A follower generates at the skill its publisher had
+  at the version it holds;
 - the patch transfer: the core's `SeedVersion` sends the signed manifest over
   the modelled gossip and a catch-up `RequestOffer` has the peer send it to
   the asker; a receiver whose core accepts it (`NodeCore.offer_manifest`)
@@ -97,6 +103,7 @@ caches, scores, sampler); report rows are kept once.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import hashlib
 import heapq
@@ -124,6 +131,7 @@ from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettin
                        LineageKnown, LoadStored, Log, ManifestHeard, NodeCore, OfferFailed, PatchStored, PeerGone,
                        Penalise, Publish, RecordRollouts, RequestOffer, RolloutsPublished, RolloutsVerified, SeedVersion,
                        StoredItems, StorePatch, Subscribe, Tick, ToWorker, TransferDone)
+from simulations import curves
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vcache import Memo, SharedVerification, SimPipeline
@@ -144,6 +152,8 @@ TOKENS_PER_ROLLOUT = 8  # the modelled completions' max_new_tokens: what through
 WORKER_S = 0.001  # a worker message reaches the network process this long after the worker sends it
 SEED_RANGE = 1_000_000
 POOL_GROUPS = 256  # a trainer's sampler holds the newest this many informative groups
+ALONE_POINTS = 20  # marks of virtual time at which the alone comparison is read
+MAX_ALONE_STEPS = 64  # alone-twin steps per node step: its steps are never much shorter than the node's
 MEMO_HORIZON_S = 5.0  # virtual seconds a per-message memo entry is kept: a batch reaches its receivers sooner
 TICK = Tick()
 MESH_D, MESH_D_LOW, MESH_D_HIGH = 6, 4, 12  # GossipSub's mesh degree as the live host sets it (gossip/host.py)
@@ -151,6 +161,17 @@ MESH_D, MESH_D_LOW, MESH_D_HIGH = 6, 4, 12  # GossipSub's mesh degree as the liv
 
 def identity_for(seed: int, index: int) -> Identity:
     return Identity.from_seed(hashlib.blake2b(f"murmur-sim/{seed}/{index}".encode(), digest_size=32).digest())
+
+
+@dataclass
+class _Alone:
+    """A trainer's compute-matched twin: I local groups a step, its own draws and its own clock."""
+
+    skill: float
+    rng: random.Random
+    clock: float | None = None  # virtual time its steps have reached (None: the node has not stepped)
+    until: float = 0.0  # the end of the node's last step: time the node was away is not the twin's either
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (t, skill) after each of its steps
 
 
 @dataclass
@@ -165,6 +186,7 @@ class VNode:
     skill: float
     iso_skill: float
     rng: random.Random
+    alone: _Alone | None = None  # trainers: the compute-matched twin
     pipeline: Pipeline | None = None
     core: NodeCore | None = None  # None for adversaries (they send hostile bytes, they run no node)
     sampler: Sampler | None = None  # trainers: the worker's external-rollout sampler
@@ -184,6 +206,7 @@ class VNode:
     transfers: dict[bytes, tuple[bytes, wire.PatchManifest, float]] = field(default_factory=dict)
     reward_sum: float = 0.0
     iso_sum: float = 0.0
+    curve: list[tuple[float, float]] = field(default_factory=list)  # trainers: (t, skill) after each step
     consumed_ext: int = 0
     adv_accepted: int = 0
     seq: int = 0  # adversaries' own batch sequence
@@ -243,6 +266,8 @@ class VirtualSim:
                 n.sampler = Sampler(POOL_GROUPS, sc.training.max_staleness, seed=sc.seed * 100_003 + s.index)
                 n.sampler.observe_head(n.lineage, 0)
                 self.skill_at[n.lineage] = [n.skill]
+                # its own stream: the twin's draws leave every other draw of the run as it was
+                n.alone = _Alone(p0, random.Random(sc.seed * 1_000_003 + s.index))
             self.nodes.append(n)
         self.by_peer = {n.peer_id: n for n in self.nodes}
         self.trainer_ids = [n.spec.index for n in self.nodes if n.spec.role == "trainer"]
@@ -703,7 +728,7 @@ class VirtualSim:
             return
         dt = self._step_time(n)
         if n.spec.role == "trainer":
-            self._train_step(n, dt)
+            dt = self._train_step(n, dt)
             n.steps += 1
         else:
             if self._follower_step(n, dt):
@@ -719,7 +744,33 @@ class VirtualSim:
         if items:
             self._from_worker(n, pipe.Rollouts(items))
 
-    def _train_step(self, n: VNode, dt: float) -> None:
+    def _training_cost(self, used_groups: int) -> float:
+        """A trainer step's time, as a multiple of its `_step_time`, when it trains on `used_groups`."""
+        lr, tr = self.sc.learning, self.sc.training
+        return 1.0 - lr.train_share * (1.0 - used_groups / max(1, tr.local_groups))
+
+    def _alone_until(self, n: VNode, t: float, base: float) -> None:
+        """Step `n`'s alone twin until its clock would pass `t`: I local groups a step, each step
+        costing `base` scaled by `_training_cost` of its informative groups."""
+        tr, lr = self.sc.training, self.sc.learning
+        a = n.alone
+        assert a is not None
+        if a.clock is None:
+            a.clock = a.until = self.now
+        a.clock += max(0.0, self.now - a.until)
+        a.until = t
+        for _ in range(MAX_ALONE_STEPS):
+            hits = [sum(a.rng.random() < a.skill for _ in range(tr.group_size)) for _ in range(tr.local_groups)]
+            u = sum(0 < h < tr.group_size for h in hits)
+            dt = base * self._training_cost(u)
+            if a.clock + dt > t:
+                return
+            a.clock += dt
+            a.skill = min(lr.ceiling, a.skill + lr.rate * (lr.ceiling - a.skill) * u / 8.0)
+            a.curve.append((a.clock, a.skill))
+
+    def _train_step(self, n: VNode, dt: float) -> float:
+        """One step of a trainer's modelled worker; returns the step's virtual time."""
         tr, lr = self.sc.training, self.sc.learning
         local = [self._group(n, n.lineage, n.version, n.skill) for _ in range(tr.local_groups)]
         sampler = n.sampler
@@ -735,6 +786,10 @@ class VirtualSim:
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
         n.skill += lr.rate * (lr.ceiling - n.skill) * (u_local + lr.external_weight * u_ext) / 8.0
         n.skill = min(lr.ceiling, max(0.0, n.skill))
+        step_s = dt
+        dt = step_s * self._training_cost(u_local + u_ext)
+        n.curve.append((self.now + dt, n.skill))
+        self._alone_until(n, self.now + dt, step_s)
         # isolated twin: I + J local groups, same rule, own draws
         k = tr.local_groups + tr.external_groups
         hits = [sum(n.rng.random() < n.iso_skill for _ in range(tr.group_size)) for _ in range(k)]
@@ -758,6 +813,7 @@ class VirtualSim:
             env = self._manifest(n, "patch", base, n.version)
             n.store.setdefault(n.lineage, {})[("patch", base, n.version)] = env
             self._from_worker(n, pipe.Published(n.version, env))
+        return dt
 
     def _follower_step(self, n: VNode, dt: float) -> bool:
         """Generate for the lineage the core follows, when its staleness admission allows; True if it did."""
@@ -1140,6 +1196,33 @@ class VirtualSim:
         out["dropped"] = dict(dropped.most_common(16))
         return out
 
+    def _alone_summary(self, trainers: list[VNode]) -> dict[str, Any] | None:
+        """The trainers' mean skill and their alone twins' at `ALONE_POINTS` equal marks of virtual time,
+        and the time-to-target speedup of the swarm over alone (`simulations.curves`)."""
+        end = min(self.now, self.sc.duration_s)
+        if not trainers or end <= 0:
+            return None
+        xs = [end * k / ALONE_POINTS for k in range(ALONE_POINTS + 1)]
+
+        def mean_at(curves: list[tuple[list[float], list[float], float]], t: float) -> float:
+            total = 0.0
+            for times, values, start in curves:
+                k = bisect.bisect_right(times, t)
+                total += values[k - 1] if k else start
+            return total / len(curves)
+
+        def prepared(pairs: list[tuple[float, float]], start: float) -> tuple[list[float], list[float], float]:
+            return [t for t, _ in pairs], [v for _, v in pairs], start
+
+        swarm = [prepared(n.curve, self.skill_at[n.lineage][0]) for n in trainers]
+        alone = [prepared(n.alone.curve if n.alone else [], self.skill_at[n.lineage][0]) for n in trainers]
+        sw = [mean_at(swarm, t) for t in xs]
+        al = [mean_at(alone, t) for t in xs]
+        speedup, reached, _, _ = curves.speedup(xs, al, sw)
+        return {"marks_s": [round(x, 2) for x in xs], "skill": [round(v, 4) for v in sw],
+                "alone_skill": [round(v, 4) for v in al], "speedup": round(speedup, 4), "reached": reached,
+                "final_skill_delta": round(sw[-1] - al[-1], 4)}
+
     def _finish(self, broadcasts: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         for n in self.nodes:
             self._row("bytes", node=n.spec.index, group=n.spec.group, bytes_up=self.links.bytes_up[n.spec.index],
@@ -1167,6 +1250,7 @@ class VirtualSim:
             "gain_swarm": round(swarm / iso - 1, 4) if iso > 0 else None,
             "final_skill_mean": round(sum(n.skill for n in trainers) / max(1, len(trainers)), 4),
             "final_isolated_skill_mean": round(sum(n.iso_skill for n in trainers) / max(1, len(trainers)), 4),
+            "alone": self._alone_summary(trainers),
             "external_groups_consumed": sum(n.consumed_ext for n in trainers),
             "sampler": {k: sum(n.sampler.counts[k] for n in trainers if n.sampler is not None)
                         for k in (trainers[0].sampler.counts if trainers and trainers[0].sampler else {})},

@@ -8,16 +8,17 @@ import random
 import time
 from pathlib import Path
 
+from simulations import curves
 from simulations.bench import matched as bm
 
 
 def test_first_reach_by_hand() -> None:
     xs = [0.0, 2.0, 4.0, 6.0]
-    assert bm._first_reach(xs, [0.1, 0.2, 0.4, 0.5], 0.3) == 3.0  # between the checkpoints around it
-    assert bm._first_reach(xs, [0.5, 0.2, 0.4, 0.5], 0.3) == 3.0  # the start does not count
-    assert bm._first_reach(xs, [0.1, 0.4, 0.4, 0.5], 0.3) == 2.0  # reached at the first checkpoint
-    assert bm._first_reach(xs, [0.1, 0.2, 0.2, 0.2], 0.3) is None
-    assert bm._auc([0.0, 1.0, 2.0], [0.0, 1.0, 1.0]) == 0.75
+    assert curves.first_reach(xs, [0.1, 0.2, 0.4, 0.5], 0.3) == 3.0  # between the checkpoints around it
+    assert curves.first_reach(xs, [0.5, 0.2, 0.4, 0.5], 0.3) == 3.0  # the start does not count
+    assert curves.first_reach(xs, [0.1, 0.4, 0.4, 0.5], 0.3) == 2.0  # reached at the first checkpoint
+    assert curves.first_reach(xs, [0.1, 0.2, 0.2, 0.2], 0.3) is None
+    assert curves.auc([0.0, 1.0, 2.0], [0.0, 1.0, 1.0]) == 0.75
 
 
 def test_bootstrap_interval_contains_the_mean_and_narrows_with_agreement() -> None:

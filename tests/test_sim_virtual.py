@@ -242,3 +242,44 @@ def test_memo_keeps_only_what_is_in_flight() -> None:
     for i in range(10):
         small.put(i, i)
     assert sorted(small) == [7, 8, 9]
+
+
+ALONE = """
+seed = 5
+duration_s = 60.0
+[[group]]
+count = 4
+[training]
+local_groups = 4
+external_groups = 8
+step_s = 1.0
+[sync]
+broadcasts = 0
+[report]
+plots = false
+"""
+
+
+def _alone(text: str) -> tuple[dict, dict]:
+    sim = VirtualSim(S.loads(text, "alone.toml"))
+    s = sim.run()
+    return s["alone"], {n.spec.index: n for n in sim.nodes}
+
+
+def test_training_on_the_swarms_groups_costs_the_trainer_its_own_time() -> None:
+    """With `train_share`, a step that trains on external groups takes longer than `step_s`: a trainer
+    whose swarm groups are worth nothing (external_weight 0) falls behind its compute-matched twin."""
+    free, nodes = _alone(ALONE + "[learning]\nexternal_weight = 0.0\ntrain_share = 0.0\n")
+    assert all(len(n.curve) >= 58 for n in nodes.values())  # one step per step_s
+    costly, nodes = _alone(ALONE + "[learning]\nexternal_weight = 0.0\ntrain_share = 0.8\n")
+    assert all(len(n.curve) < 45 for n in nodes.values())  # its steps trained on up to 12 groups, not 4
+    assert all(len(n.alone.curve) > 55 for n in nodes.values())  # the twin trains on its 4 alone
+    assert costly["final_skill_delta"] < 0 and not costly["reached"]  # it never gets where its twin ends
+    assert costly["final_skill_delta"] < free["final_skill_delta"]
+
+
+def test_the_swarm_reaches_the_alone_target_sooner_when_its_groups_pay() -> None:
+    s, nodes = _alone(ALONE + "[learning]\nexternal_weight = 1.0\ntrain_share = 0.3\n")
+    assert s["reached"] and s["speedup"] > 1.2 and s["final_skill_delta"] > 0
+    assert len(s["skill"]) == len(s["alone_skill"]) == len(s["marks_s"]) == 21
+    assert s["skill"][0] == s["alone_skill"][0]  # both start from the same skills

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gossip.validation import Pipeline, PipelineConfig
+from simulations import curves
 from simulations.bench import useless
 from simulations.bench.swarm import SWARM, _ident, _seal
 from training.sampler import Sampler
@@ -70,24 +71,8 @@ class _Node:
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
 
 
-def _first_reach(xs: list[float], ys: list[float], target: float) -> float | None:
-    """The CPU at which the curve (xs, ys), xs[0] = 0 the start, first reaches `target` after training
-    began: at the first checkpoint when it is reached there (the resolution is one checkpoint), else
-    linearly between the checkpoints around it; None when it never is."""
-    for k in range(1, len(xs)):
-        if ys[k] >= target:
-            if k == 1 or ys[k] <= ys[k - 1]:
-                return xs[k]
-            return xs[k - 1] + (xs[k] - xs[k - 1]) * (target - ys[k - 1]) / (ys[k] - ys[k - 1])
-    return None
-
-
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(sum(d[k] for d in ds) / len(ds), 4) for k in ds[0]} if ds else {}
-
-
-def _auc(xs: list[float], ys: list[float]) -> float:
-    return sum((xs[k] - xs[k - 1]) * (ys[k] + ys[k - 1]) / 2 for k in range(1, len(xs))) / max(xs[-1] - xs[0], 1e-9)
 
 
 def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: Any, rng: random.Random,
@@ -313,6 +298,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     curve = [sum(n.curve[k] for n in ns) / len(ns) for k in range(len(marks))]
     return {"marks": marks, "curve": curve, "per_node_final": [n.curve[-1] for n in ns],
             "updates_per_node": [n.updates for n in ns], "external_groups_per_node": [n.ext_groups for n in ns],
+            "steps_per_node": [n.trainer.step_no for n in ns],
             "used_over_verified": (round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4)
                                    if swarm else None),
             "cpu_per_node": [round(n.cpu, 3) for n in ns],
@@ -346,19 +332,16 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
                  adversary=adversary)
     xs = iso["marks"]
     target = iso["curve"][-1]
-    iso_cpu = _first_reach(xs, iso["curve"], target)
-    iso_cpu = cpu_s if iso_cpu is None else iso_cpu  # never None: the last checkpoint reaches it
-    sw_cpu = _first_reach(xs, sw["curve"], target)
-    reached = sw_cpu is not None
-    speedup = iso_cpu / sw_cpu if sw_cpu is not None else iso_cpu / cpu_s
+    speedup, reached, iso_cpu, sw_cpu = curves.speedup(xs, iso["curve"], sw["curve"])
     return {"seed": seed, "speedup": round(speedup, 4), "reached": reached, "iso_cpu": round(iso_cpu, 2),
             "swarm_cpu": None if sw_cpu is None else round(sw_cpu, 2),
             "iso_final": round(target, 4), "swarm_final": round(sw["curve"][-1], 4),
             "final_acc_delta": round(sw["curve"][-1] - target, 4),
-            "auc_delta": round(_auc(xs, sw["curve"]) - _auc(xs, iso["curve"]), 4),
+            "auc_delta": round(curves.auc(xs, sw["curve"]) - curves.auc(xs, iso["curve"]), 4),
             "curves": {"cpu_s": [round(x, 2) for x in xs], "isolated": [round(y, 4) for y in iso["curve"]],
                        "swarm": [round(y, 4) for y in sw["curve"]]},
             "updates_per_node": {"isolated": iso["updates_per_node"], "swarm": sw["updates_per_node"]},
+            "steps_per_node": {"isolated": iso["steps_per_node"], "swarm": sw["steps_per_node"]},
             "external_groups_per_node": sw["external_groups_per_node"],
             "used_over_verified": sw["used_over_verified"],
             "cpu_per_node": {"isolated": iso["cpu_per_node"], "swarm": sw["cpu_per_node"]},
