@@ -128,6 +128,8 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
         iso = matched_curve(a["iso"][0], rate, ceil, a["u_iso"], k)
         sw = matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], k, a["ext_share"], weight)
         runs.append({"nodes": a["nodes"], "followers": a["followers"], "adversary": a["adversary"],
+                     "start": round(a["iso"][0], 4), "steps_iso": a["steps_iso"],
+                     "final_delta_measured": round(a["swarm"][-1] - a["iso"][-1], 4),
                      "speedup_measured": a["speedup"], "speedup_model": round(curves.speedup(a["marks"], iso, sw)[0], 3),
                      "ext_share": round(a["ext_share"], 3), "updates_iso_swarm": [round(a["u_iso"], 1), round(a["u_swarm"], 1)]})
     return {"initial": round(sum(a["iso"][0] for a in arms) / len(arms), 3), "rate": rate, "ceiling": ceil,
@@ -138,9 +140,36 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
             "runs": runs}
 
 
+def virtual_speedup(fitted: dict[str, Any], run: dict[str, Any], seeds: int = 5) -> dict[str, Any]:
+    """The virtual simulator on one matched run's setup (its N trainers, or one trainer and its K
+    followers; I = 16 and J = 16 (16·K) groups of 8; as many steps as its isolated nodes made) with the
+    fitted `[learning]`: its `alone` speedup and final skill difference, mean over `seeds` seeds."""
+    from simulations import scenario as S  # noqa: PLC0415
+    from simulations.virtual import run_virtual  # noqa: PLC0415
+
+    groups = (f"[[group]]\ncount = 1\n[[group]]\ncount = {run['followers']}\nrole = \"follower\"\nfollow = 0\n"
+              if run["followers"] else f"[[group]]\ncount = {run['nodes']}\n")
+    j = 16 * max(1, run["followers"])
+    learning = "".join(f"{k} = {fitted[k]}\n" for k in ("rate", "ceiling", "external_weight", "train_share")
+                       if fitted.get(k) is not None)
+    out = []
+    for seed in range(seeds):
+        text = (f"seed = {seed}\nduration_s = {max(2.0, round(run['steps_iso']))}\n{groups}"
+                f"[training]\nlocal_groups = 16\nexternal_groups = {j}\nstep_s = 1.0\n"
+                f"[sync]\nbroadcasts = 0\n[report]\nplots = false\n"
+                f"[learning]\ninitial = {round(run['start'], 4)}\nspread = 0.0\n{learning}")
+        out.append(run_virtual(S.loads(text, "matched.toml"))["alone"])
+    return {"speedup_virtual": round(sum(a["speedup"] for a in out) / seeds, 3),
+            "final_delta_virtual": round(sum(a["final_skill_delta"] for a in out) / seeds, 4)}
+
+
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--matched":
-        print(json.dumps(fit_matched([json.loads(open(f).read().strip().splitlines()[-1]) for f in argv[1:]])))
+        fitted = fit_matched([json.loads(open(f).read().strip().splitlines()[-1]) for f in argv[1:]])
+        for run in fitted["runs"]:
+            if run["steps_iso"] and not run["adversary"]:
+                run.update(virtual_speedup(fitted, run))
+        print(json.dumps(fitted))
         return
     bench = json.loads(open(argv[0]).read().strip().splitlines()[-1])
     curve = bench.get("curves", {}).get("isolated")

@@ -68,6 +68,7 @@ class _Node:
     ext_groups: int = 0
     gen_cpu: float = 0.0  # of `cpu`, spent sampling rollouts (the part a swarm's rollouts can save)
     curve: list[float] = field(default_factory=list)
+    wellformed: list[dict[str, float]] = field(default_factory=list)  # per checkpoint, per family
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
 
 
@@ -240,6 +241,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         gen_cpu = n.gen_cpu  # evaluation is not charged
         n.last_eval = greedy_eval(n.engine, tasks, TRAINER["max_new_tokens"])
         n.curve.append(n.last_eval[0]["all"])
+        n.wellformed.append(n.last_eval[1])
         n.gen_cpu = gen_cpu
 
     for n in ns:
@@ -305,6 +307,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
             "verified_per_node": [n.verified for n in ns],
             "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
             "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
+            "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
             "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
             "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
             "adversary": None if adv is None else {"batches": adv.batches, "rows_taken": adv.taken,
@@ -347,6 +350,7 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
             "cpu_per_node": {"isolated": iso["cpu_per_node"], "swarm": sw["cpu_per_node"]},
             "final_by_family": {"isolated": iso["final_by_family"], "swarm": sw["final_by_family"]},
             "final_wellformed": {"isolated": iso["final_wellformed"], "swarm": sw["final_wellformed"]},
+            "wellformed_curve": {"isolated": iso["wellformed_curve"], "swarm": sw["wellformed_curve"]},
             "verified_per_node": sw["verified_per_node"], "verify_share": sw["verify_share"], "sampler": sw["sampler"],
             "generation_share": {"isolated": iso["generation_share"], "swarm": sw["generation_share"]},
             "adversary": sw["adversary"],
