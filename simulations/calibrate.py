@@ -2,7 +2,7 @@
 
 Two benchmarks: `murmur bench swarm --json` (cumulative sampled reward; `initial`, `rate`, `ceiling`
 from its isolated curve, below) and `murmur bench swarm --matched --json` (held-out accuracy at equal
-CPU, `fit_matched`: also `external_weight` and `train_share`).
+CPU, `fit_matched`: also `external_weight`, `own_lineage_weight` and `train_share`).
 
 The model (simulations/virtual.py): skill p, reward of a step ≈ p, and
 `p += rate (ceiling − p) u / 8` with u the informative groups among k local
@@ -94,9 +94,10 @@ def matched_curve(p0: float, rate: float, ceiling: float, updates: float, marks:
 
 def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     """`rate` and `ceiling` from the isolated arms' curves (each from its own start, in updates of 8
-    informative groups), `external_weight` from the swarm-of-peers arms (follower and adversarial
-    runs are predicted, not fitted), `train_share` from the isolated arms' generation share and
-    informative fraction, `initial` the mean start; with each run's measured and modelled speedup."""
+    informative groups), `external_weight` from the swarm-of-peers arms (other lineages' groups),
+    `own_lineage_weight` from the trainer-with-followers arms (adversarial runs are predicted, not
+    fitted), `train_share` from the isolated arms' generation share and informative fraction,
+    `initial` the mean start; with each run's measured and modelled speedup."""
     from simulations import curves  # noqa: PLC0415
 
     arms = [_matched_arms(b) for b in benches]
@@ -109,13 +110,17 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     ceils = [0.02 * i for i in range(5, 50)]
     _, rate, ceil = min((iso_err(r, c), r, c) for r in rates for c in ceils)
     peers = [a for a in arms if not a["followers"] and not a["adversary"]]
+    followed = [a for a in arms if a["followers"]]
 
-    def sw_err(w: float) -> float:
-        return sum((m - y) ** 2 for a in peers
+    def sw_err(w: float, which: list[dict[str, Any]]) -> float:
+        return sum((m - y) ** 2 for a in which
                    for m, y in zip(matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], len(a["marks"]) - 1,
                                                  a["ext_share"], w), a["swarm"]))
 
-    weight = min((sw_err(0.02 * i), 0.02 * i) for i in range(0, 151))[1] if peers else 1.0
+    def best(which: list[dict[str, Any]]) -> float:
+        return min((sw_err(0.02 * i, which), 0.02 * i) for i in range(0, 151))[1] if which else 1.0
+
+    weight, own = best(peers), best(followed)
     shares = []
     for a in arms:  # T·I / G = (1 − g) / (g f), f the informative fraction of the generated groups
         if a["steps_iso"] and a["gen_iso"]:
@@ -126,17 +131,18 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     for a in arms:
         k = len(a["marks"]) - 1
         iso = matched_curve(a["iso"][0], rate, ceil, a["u_iso"], k)
-        sw = matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], k, a["ext_share"], weight)
+        sw = matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], k, a["ext_share"], own if a["followers"] else weight)
         runs.append({"nodes": a["nodes"], "followers": a["followers"], "adversary": a["adversary"],
                      "start": round(a["iso"][0], 4), "steps_iso": a["steps_iso"],
                      "final_delta_measured": round(a["swarm"][-1] - a["iso"][-1], 4),
                      "speedup_measured": a["speedup"], "speedup_model": round(curves.speedup(a["marks"], iso, sw)[0], 3),
                      "ext_share": round(a["ext_share"], 3), "updates_iso_swarm": [round(a["u_iso"], 1), round(a["u_swarm"], 1)]})
     return {"initial": round(sum(a["iso"][0] for a in arms) / len(arms), 3), "rate": rate, "ceiling": ceil,
-            "external_weight": round(weight, 2),
+            "external_weight": round(weight, 2), "own_lineage_weight": round(own, 2),
             "train_share": round(sum(shares) / len(shares), 3) if shares else None,
             "rmse_isolated": round((iso_err(rate, ceil) / sum(len(a["iso"]) for a in arms)) ** 0.5, 4),
-            "rmse_swarm": round((sw_err(weight) / max(1, sum(len(a["swarm"]) for a in peers))) ** 0.5, 4) if peers else None,
+            "rmse_swarm": round(((sw_err(weight, peers) + sw_err(own, followed))
+                                 / max(1, sum(len(a["swarm"]) for a in peers + followed))) ** 0.5, 4),
             "runs": runs}
 
 
@@ -150,7 +156,8 @@ def virtual_speedup(fitted: dict[str, Any], run: dict[str, Any], seeds: int = 5)
     groups = (f"[[group]]\ncount = 1\n[[group]]\ncount = {run['followers']}\nrole = \"follower\"\nfollow = 0\n"
               if run["followers"] else f"[[group]]\ncount = {run['nodes']}\n")
     j = 16 * max(1, run["followers"])
-    learning = "".join(f"{k} = {fitted[k]}\n" for k in ("rate", "ceiling", "external_weight", "train_share")
+    learning = "".join(f"{k} = {fitted[k]}\n" for k in ("rate", "ceiling", "external_weight", "own_lineage_weight",
+                                                                "train_share")
                        if fitted.get(k) is not None)
     out = []
     for seed in range(seeds):

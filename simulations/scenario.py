@@ -111,7 +111,8 @@ class Learning(Struct, forbid_unknown_fields=True, kw_only=True):
     initial: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.06
     ceiling: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.21  # the bench task mix plateaus near 0.2 on that budget
     rate: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.028  # skill gain per 8 informative groups at skill 0
-    external_weight: Annotated[float, Meta(ge=0.0, le=10.0)] = 1.0  # value of an external vs a local group
+    external_weight: Annotated[float, Meta(ge=0.0, le=10.0)] = 1.0  # value of another lineage's group vs a local one
+    own_lineage_weight: Annotated[float, Meta(ge=0.0, le=10.0)] = 1.0  # value of a follower's group of its own lineage
     # share of a step that trains, when all its I local groups are informative; the rest generates them.
     # A step trains on u_local + u_ext groups and takes step_s / compute * (1 - train_share * (1 - u / I)).
     train_share: Annotated[float, Meta(ge=0.0, le=0.95)] = 0.0

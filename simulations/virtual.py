@@ -73,9 +73,10 @@ What is modelled:
   completion is correct. A step draws the completions' correctness from p,
   writes correct or wrong answer text, and scores it with the real verifier.
   A group is informative when its rewards are not all equal (GRPO drops the
-  others). After a step, p += rate * (ceiling - p) * (u_local + w * u_ext),
-  with u the informative groups used (local, and the external ones its
-  sampler gave). The isolated twin of each node trains on I + J local groups
+  others). After a step, p += rate * (ceiling - p) * (u_local + w_own * u_own
+  + w * u_other) / 8, with u the informative groups used (local, and the
+  external ones its sampler gave: of its own lineage, from its followers, and
+  of other lineages). The isolated twin of each node trains on I + J local groups
   with the same rule and its own draws, step for step (SAPO's comparison:
   `gain_swarm`); the alone twin trains on I local groups on its own clock,
   each of its steps costing what the same rule charges, so at equal virtual
@@ -784,7 +785,9 @@ class VirtualSim:
         u_ext = len(ext)
         n.consumed_ext += len(ext)
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
-        n.skill += lr.rate * (lr.ceiling - n.skill) * (u_local + lr.external_weight * u_ext) / 8.0
+        u_own = sum(g.lineage == n.lineage for g in ext)  # its followers' groups: its own policy's samples
+        value = u_local + lr.own_lineage_weight * u_own + lr.external_weight * (u_ext - u_own)
+        n.skill += lr.rate * (lr.ceiling - n.skill) * value / 8.0
         n.skill = min(lr.ceiling, max(0.0, n.skill))
         step_s = dt
         dt = step_s * self._training_cost(u_local + u_ext)

@@ -29,6 +29,9 @@ def test_the_fit_recovers_the_parameters_that_made_the_curves() -> None:
     assert abs(got["train_share"] - 1.2 / 2.2) < 1e-3
     worth_less = fit_matched([_bench(0.01, 0.6, 0.2)])
     assert worth_less["external_weight"] == 0.2
+    # a trainer's followers' groups are its own lineage's: they fit their own weight, not the peers'
+    both = fit_matched([_bench(0.01, 0.6, 0.2), _bench(0.01, 0.6, 1.5, nodes=1, followers=3)])
+    assert (both["external_weight"], both["own_lineage_weight"]) == (0.2, 1.5)
 
 
 def test_the_virtual_simulator_runs_a_measured_setup() -> None:
@@ -38,3 +41,12 @@ def test_the_virtual_simulator_runs_a_measured_setup() -> None:
     assert got["speedup_virtual"] > 1.0 and got["final_delta_virtual"] > 0
     useless = virtual_speedup({**fitted, "external_weight": 0.0, "train_share": 0.8}, run, seeds=1)
     assert useless["final_delta_virtual"] < 0
+
+
+def test_a_trainers_followers_are_valued_by_the_own_lineage_weight() -> None:
+    run = {"nodes": 1, "followers": 2, "steps_iso": 30, "start": 0.3}
+    base = {"rate": 0.01, "ceiling": 0.6, "train_share": 0.8}
+    worthless = virtual_speedup({**base, "external_weight": 2.0, "own_lineage_weight": 0.0}, run, seeds=1)
+    assert worthless["final_delta_virtual"] < 0  # trained on, paid for, worth nothing
+    worth = virtual_speedup({**base, "external_weight": 0.0, "own_lineage_weight": 2.0}, run, seeds=1)
+    assert worth["final_delta_virtual"] > 0
