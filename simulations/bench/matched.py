@@ -132,13 +132,17 @@ def _timed_sampling(node: _Node) -> None:
 
 class _Adversary:
     """The swarm's adversary (`simulations.bench.useless`): its own key and lineage and a weak policy; one
-    batch of its informative groups out of I per round of honest steps, every `FORGE_EVERY`-th provably bad."""
+    batch of its informative groups out of I per round of honest steps. Every `FORGE_EVERY`-th batch is
+    provably bad and goes out under a fresh key (a Sybil: the first forgery gets its key banned, so the
+    main key never forges and its useless rollouts flow for the whole run)."""
 
     def __init__(self, seed: int, engine: Any) -> None:
         self.node = _Node(99, _ident(seed, 99), b"", None, engine, None, None)
         self.node.lineage = hashlib.blake2b(b"lineage" + self.node.ident.public, digest_size=32).digest()
         self.rng = random.Random(seed * 100 + 99)
+        self.seed = seed
         self.batches = 0
+        self.forged = 0  # batches sent with a forged reward
         self.last_ms = 0
         self.bad_keys: set[tuple[bytes, str, int, str, int]] = set()
         self.taken = 0  # its rows that honest trainers took into their steps
@@ -158,6 +162,10 @@ class _Adversary:
         if self.batches % useless.FORGE_EVERY == 0:
             rows = useless.forge(rows, size)
             self.bad_keys.update(useless.row_key(r) for r in rows)
+            self.forged += 1
+            sybil = _Node(1000 + self.batches, _ident(seed=self.seed, i=1000 + self.batches), self.node.lineage,
+                          None, None, None, None)
+            return _seal(sybil, rows)
         return _seal(self.node, rows)
 
     def watch(self, take: Any) -> Any:
@@ -310,10 +318,10 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
             "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
             "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
             "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
-            "adversary": None if adv is None else {"batches": adv.batches, "rows_taken": adv.taken,
-                                                  "provably_bad_rows_taken": adv.bad_taken,
-                                                  "rejected": sum(n.pipeline.per_peer.get(adv.node.ident.peer_id, {})
-                                                                  .get("forged_reward", 0) for n in ns
+            "adversary": None if adv is None else {"batches": adv.batches, "forged_batches": adv.forged,
+                                                  "rows_taken": adv.taken, "provably_bad_rows_taken": adv.bad_taken,
+                                                  # honest nodes forge nothing: every forgery refused is its
+                                                  "rejected": sum(n.pipeline.counts["forged_reward"] for n in ns
                                                                   if n.pipeline is not None)},
             "sampler": {k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
                         for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})},
@@ -402,7 +410,7 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
                                  for arm in ("isolated", "swarm")},
             "adversary": None if not adversary else {
                 k: sum(r["adversary"][k] for r in per)
-                for k in ("batches", "rows_taken", "provably_bad_rows_taken", "rejected")},
+                for k in ("batches", "forged_batches", "rows_taken", "provably_bad_rows_taken", "rejected")},
             "per_seed": per, "wall_s": round(time.monotonic() - t0, 1),
             "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "
                       "nodes stepped least-CPU-first to an equal budget, held-out greedy accuracy at equal CPU "

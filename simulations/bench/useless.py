@@ -6,8 +6,8 @@ honest rewards and token ids that decode to their text, so nothing in them is pr
 sends only its informative groups (so none is dropped at intake) and claims behaviour log-probs far
 below any real sample's, which a receiver cannot check without the adversary's weights: a learner's
 truncated importance ratio (its own log-prob over the claimed one, capped at 1) then gives every row
-full weight. Every `FORGE_EVERY`-th batch also claims a wrong reward on one row per group: those
-batches are provably bad and must never be trained on.
+full weight. Every `FORGE_EVERY`-th batch also claims a wrong reward on one row per group and goes
+out under a fresh key: those batches are provably bad and must never be trained on.
 """
 
 from __future__ import annotations
