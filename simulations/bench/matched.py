@@ -148,7 +148,8 @@ class _Adversary:
         self.taken = 0  # its rows that honest trainers took into their steps
         self.bad_taken = 0  # of them, rows of a provably bad batch
 
-    def payloads(self, gens: list[Any], task_set: bytes, resolve: Any) -> list[bytes]:
+    def payloads(self, gens: list[Any], task_set: bytes, resolve: Any) -> tuple[str, list[bytes]]:
+        """(the sending key's peer id, its sealed batches) for this round."""
         from gossip.wire import now_ms  # noqa: PLC0415
 
         self.batches += 1
@@ -158,15 +159,15 @@ class _Adversary:
                                   int(TRAINER["local_groups"]))
         rows = useless.stamp(useless.claim_low_logprobs(useless.informative(rows, size)), self.last_ms)
         if not rows:
-            return []
+            return self.node.ident.peer_id, []
         if self.batches % useless.FORGE_EVERY == 0:
             rows = useless.forge(rows, size)
             self.bad_keys.update(useless.row_key(r) for r in rows)
             self.forged += 1
             sybil = _Node(1000 + self.batches, _ident(seed=self.seed, i=1000 + self.batches), self.node.lineage,
                           None, None, None, None)
-            return _seal(sybil, rows)
-        return _seal(self.node, rows)
+            return sybil.ident.peer_id, _seal(sybil, rows)
+        return self.node.ident.peer_id, _seal(self.node, rows)
 
     def watch(self, take: Any) -> Any:
         """`take` (a sampler's `take_rollouts`), counting the adversary's rows it hands a trainer."""
@@ -293,13 +294,13 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                 _receive(other, payloads, node.ident.peer_id)
         honest_steps += 1
         if adv is not None and honest_steps % nodes == 0:
-            payloads = adv.payloads(train_generators(node.trainer.registry.get(node.trainer.task_set)),
-                                    node.trainer.task_set, node.trainer.registry.resolve)
+            sender, payloads = adv.payloads(train_generators(node.trainer.registry.get(node.trainer.task_set)),
+                                            node.trainer.task_set, node.trainer.registry.resolve)
             heads[adv.node.lineage] = adv.batches
             for other in ns:
                 assert other.sampler is not None
                 other.sampler.observe_head(adv.node.lineage, adv.batches)
-                _receive(other, payloads, adv.node.ident.peer_id)
+                _receive(other, payloads, sender)
         while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
             evaluate(node)
     for n in ns:
