@@ -86,6 +86,10 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     local_rollouts: Annotated[int, _d("I: own rollouts per step")] = 4
     external_rollouts: Annotated[int, _d("J: verified swarm rollouts per step")] = 4
     group_size: Annotated[int, _d("completions per prompt (GRPO group)")] = 8
+    minibatch_groups: Annotated[int, _d(
+        "informative groups per optimizer update, own and the swarm's: a step makes as many updates as they "
+        "fill, so swarm rollouts add updates instead of displacing local ones (0: one update per step over "
+        "all of them)")] = 4
     lr: Annotated[float, _d("learning rate; unset: 3e-4 for models up to 5M parameters (murmur-tiny), 1e-6 above")] = 3e-4
     max_new_tokens: Annotated[int, _d("completion length limit")] = 16
     temperature: Annotated[float, _d("sampling temperature: 0 (greedy) or 0.01-10 (receivers refuse a rollout "
@@ -193,6 +197,8 @@ def _check_values(cfg: Config, origin: str) -> Config:
             raise bad(key, "must be positive")
     if cfg.disk.ledger_payload_rows < 0:
         raise bad("disk.ledger_payload_rows", "must not be negative")
+    if not 0 <= cfg.training.minibatch_groups <= 1024:
+        raise bad("training.minibatch_groups", "must be 0 (one update per step) to 1024")
     if cfg.sync.max_staleness < 0:
         raise bad("sync.max_staleness", "must not be negative")
     t = cfg.training.temperature

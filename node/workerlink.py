@@ -51,6 +51,7 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
         "trainer": {"local_groups": t.local_rollouts, "external_groups": t.external_rollouts,
                     "group_size": t.group_size, "lr": t.lr, "max_new_tokens": t.max_new_tokens,
                     "temperature": t.temperature, "seed": t.seed, "max_staleness": cfg.sync.max_staleness,
+                    "loss_norm": t.loss_norm, "minibatch_groups": t.minibatch_groups,
                     "memory_budget_mb": cfg.node.memory_budget_mb},
     }
 

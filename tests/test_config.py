@@ -67,6 +67,8 @@ def test_bad_env_override(tmp_path):
         ("[training]\ntemperature = 0.005\n", "training.temperature"),  # receivers would refuse every rollout
         ("[training]\ntemperature = 11.0\n", "training.temperature"),
         ("[training]\ntemperature = nan\n", "training.temperature"),
+        ("[training]\nminibatch_groups = -1\n", "training.minibatch_groups"),
+        ("[training]\nminibatch_groups = 5000\n", "training.minibatch_groups"),
     ],
 )
 def test_semantic_errors_name_the_key(tmp_path, text, needle):

@@ -135,6 +135,19 @@ def test_nodes_and_benchmarks_overprovision_alike(tmp_path) -> None:  # type: ig
     assert bench.overprovision == node.overprovision == 1.0
 
 
+def test_the_nodes_training_keys_reach_its_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gossip.identity import Identity
+    from node.config import Config, TrainingSection
+    from node.runtime import RunOptions
+    from node.workerlink import worker_spec
+
+    cfg = Config(training=TrainingSection(loss_norm="constant", minibatch_groups=6))
+    got = TrainerConfig(**worker_spec(cfg, tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
+    assert (got.loss_norm, got.minibatch_groups) == ("constant", 6)
+    default = TrainerConfig(**worker_spec(Config(), tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
+    assert default.minibatch_groups == Config().training.minibatch_groups > 0  # swarm data adds updates
+
+
 def test_with_a_fixed_minibatch_swarm_groups_add_updates_and_never_displace_local_ones(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
     import copy
 
