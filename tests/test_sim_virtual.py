@@ -177,15 +177,20 @@ def test_netem_args() -> None:
     assert a == ["netem", "delay", "30.000ms", "5.000ms", "loss", "1.0000%", "rate", "8000000bit"]
 
 
-def test_learning_defaults_are_the_fit_of_the_bench_isolated_curve() -> None:
-    """docs/researcher.md 'calibration': the [learning] defaults are what simulations.calibrate fits to the
-    isolated block means of `murmur bench swarm` seed 0 (RMSE under 0.01)."""
-    from simulations.calibrate import fit
+def test_learning_defaults_are_the_fit_of_the_matched_benchmark() -> None:
+    """docs/researcher.md: the [learning] defaults are what `simulations.calibrate --matched` fits to the
+    compute-matched benchmark's recorded runs."""
+    from pathlib import Path
 
-    got = fit([0.0916, 0.1565, 0.1854, 0.1845, 0.218], 200)
+    from simulations.calibrate import fit_matched
+
+    runs = json.loads((Path(__file__).parent / "data" / "matched_runs.json").read_text())
+    got = fit_matched(runs)
     d = S.Learning()
-    assert (got["initial"], got["rate"], got["ceiling"]) == (d.initial, d.rate, d.ceiling)
-    assert got["rmse"] < 0.01
+    assert (got["initial"], got["rate"], got["ceiling"], got["external_weight"], got["own_lineage_weight"],
+            got["train_share"]) == (d.initial, d.rate, d.ceiling, d.external_weight, d.own_lineage_weight,
+                                    d.train_share)
+    assert got["rmse_isolated"] < 0.02 and got["rmse_swarm"] < 0.02
 
 
 def test_heads_are_learned_from_messages() -> None:
