@@ -33,9 +33,9 @@ def node_config(roles: list[str], model: str, swarm: str = DEMO_SWARM, task_set:
         # `murmur bench learn` settings: the built-in answers fit in 8 tokens, and 16 own groups per step. With 4
         # groups a trainer whose only external rollouts come from another lineage (HACPO) does not learn within a
         # demo (measured on one-digit sums: 60 steps, greedy eval 0.36 -> 0.35 alone, 0.36 -> 0.365 with 4 HACPO
-        # groups)
+        # groups). 8-group updates: the compute-matched benchmark's regime with 16 own groups a step
         "training": {"model": model, "threads": 1, "max_new_tokens": max_new_tokens, "local_rollouts": 16,
-                     "task_sets": [task_set]},
+                     "minibatch_groups": 8, "task_sets": [task_set]},
         "trust": {"coordinators": [coordinator] if coordinator else []},
     }
 
