@@ -23,8 +23,9 @@ DEMO_SWARM = "murmur-demo"
 
 
 def node_config(roles: list[str], model: str, swarm: str = DEMO_SWARM, task_set: str = "builtin",
-                coordinator: str = "", max_new_tokens: int = 8) -> dict[str, dict[str, Any]]:
-    """A demo node's config sections (`launch.NodeLaunch.config`)."""
+                coordinator: str = "", max_new_tokens: int = 8, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """A demo node's config sections (`launch.NodeLaunch.config`); `seed`: its trainer's (task draws, sampling),
+    so that demo nodes differ as volunteers' do."""
     return {
         "node": {"swarm": swarm, "roles": roles, "memory_budget_mb": 1536},
         "network": {"dht": False},
@@ -35,7 +36,7 @@ def node_config(roles: list[str], model: str, swarm: str = DEMO_SWARM, task_set:
         # demo (measured on one-digit sums: 60 steps, greedy eval 0.36 -> 0.35 alone, 0.36 -> 0.365 with 4 HACPO
         # groups). 8-group updates: the compute-matched benchmark's regime with 16 own groups a step
         "training": {"model": model, "threads": 1, "max_new_tokens": max_new_tokens, "local_rollouts": 16,
-                     "minibatch_groups": 8, "task_sets": [task_set]},
+                     "minibatch_groups": 8, "seed": seed, "task_sets": [task_set]},
         "trust": {"coordinators": [coordinator] if coordinator else []},
     }
 
@@ -221,14 +222,15 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
     names = [f"node{i}-{'+'.join(roles)}" for i, roles in enumerate(node_roles)]
     homes = [root / f"node{i}" for i in range(len(node_roles))]
     specs = []
-    for home, roles in zip(homes, node_roles):
+    for index, (home, roles) in enumerate(zip(homes, node_roles)):
         home.mkdir(parents=True, exist_ok=True)
         if demo_set is None:
-            cfg = node_config(roles, str(model))
+            cfg = node_config(roles, str(model), seed=index)
         else:
             demo_set.install(home)
             cfg = node_config(roles, str(model), task_set=demo_set.manifest.name,
-                              coordinator=demo_set.coordinator.public.hex(), max_new_tokens=demo_set.max_new_tokens)
+                              coordinator=demo_set.coordinator.public.hex(), max_new_tokens=demo_set.max_new_tokens,
+                              seed=index)
         specs.append(launch.NodeLaunch(home=str(home), config=cfg))
     with console.status("starting the first node…"):
         procs = launch.start_bootstrapped(specs, STARTUP_ALLOWANCE_S)

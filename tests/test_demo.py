@@ -47,3 +47,18 @@ def test_demo_stops_once_it_has_shown_the_swarm_working() -> None:
     assert not shown(roles, [st(3), st(3), st(applied=0)], 3)  # the follower applied nothing yet
     assert not shown(roles, [st(3), None, st(applied=1)], 3)  # a node not answering
     assert not shown(roles, [st(9), st(9), st(applied=9)], 0)  # 0: run the whole duration
+
+
+def test_demo_nodes_differ_and_load_as_node_configs(tmp_path: Path) -> None:
+    from node.config import load_config
+    from node.demo import node_config
+    from node.launch import write_config
+
+    seeds = []
+    for i in range(3):
+        (tmp_path / f"n{i}").mkdir()
+        cfg = load_config(write_config(tmp_path / f"n{i}", node_config(["trainer"], "murmur-tiny", seed=i)),
+                          environ={})
+        seeds.append(cfg.training.seed)
+        assert cfg.training.minibatch_groups == 8 and cfg.training.local_rollouts == 16
+    assert seeds == [0, 1, 2]

@@ -144,6 +144,7 @@ def test_the_nodes_training_keys_reach_its_trainer(tmp_path) -> None:  # type: i
     cfg = Config(training=TrainingSection(loss_norm="constant", minibatch_groups=6))
     got = TrainerConfig(**worker_spec(cfg, tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
     assert (got.loss_norm, got.minibatch_groups) == ("constant", 6)
+    assert got == TrainerConfig.from_config(cfg)  # the worker's path and the in-process one agree
     default = TrainerConfig(**worker_spec(Config(), tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
     assert default.minibatch_groups == Config().training.minibatch_groups > 0  # swarm data adds updates
 

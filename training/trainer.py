@@ -101,7 +101,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
         t = config.training
         return cls(local_groups=t.local_rollouts, external_groups=t.external_rollouts, group_size=t.group_size,
                    lr=t.lr, max_new_tokens=t.max_new_tokens, temperature=t.temperature, seed=t.seed,
-                   loss_norm=t.loss_norm, max_staleness=config.sync.max_staleness,
+                   loss_norm=t.loss_norm, minibatch_groups=t.minibatch_groups, max_staleness=config.sync.max_staleness,
                    memory_budget_mb=config.node.memory_budget_mb)
 
     def __post_init__(self) -> None:
