@@ -750,10 +750,20 @@ class VirtualSim:
         lr, tr = self.sc.learning, self.sc.training
         return 1.0 - lr.train_share * (1.0 - used_groups / max(1, tr.local_groups))
 
+    def _learned(self, skill: float, value: float) -> float:
+        """The learning rule: `skill` after a step whose groups are worth `value` informative local groups."""
+        lr = self.sc.learning
+        return min(lr.ceiling, max(0.0, skill + lr.rate * (lr.ceiling - skill) * value / 8.0))
+
+    def _twin_groups(self, rng: random.Random, skill: float, groups: int) -> list[int]:
+        """Correct completions in each of a twin's `groups` drawn groups at `skill`."""
+        size = self.sc.training.group_size
+        return [sum(rng.random() < skill for _ in range(size)) for _ in range(groups)]
+
     def _alone_until(self, n: VNode, t: float, base: float) -> None:
         """Step `n`'s alone twin until its clock would pass `t`: I local groups a step, each step
         costing `base` scaled by `_training_cost` of its informative groups."""
-        tr, lr = self.sc.training, self.sc.learning
+        tr = self.sc.training
         a = n.alone
         assert a is not None
         if a.clock is None:
@@ -761,13 +771,12 @@ class VirtualSim:
         a.clock += max(0.0, self.now - a.until)
         a.until = t
         for _ in range(MAX_ALONE_STEPS):
-            hits = [sum(a.rng.random() < a.skill for _ in range(tr.group_size)) for _ in range(tr.local_groups)]
-            u = sum(0 < h < tr.group_size for h in hits)
+            u = sum(0 < h < tr.group_size for h in self._twin_groups(a.rng, a.skill, tr.local_groups))
             dt = base * self._training_cost(u)
             if a.clock + dt > t:
                 return
             a.clock += dt
-            a.skill = min(lr.ceiling, a.skill + lr.rate * (lr.ceiling - a.skill) * u / 8.0)
+            a.skill = self._learned(a.skill, u)
             a.curve.append((a.clock, a.skill))
 
     def _train_step(self, n: VNode, dt: float) -> float:
@@ -787,18 +796,17 @@ class VirtualSim:
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
         u_own = sum(g.lineage == n.lineage for g in ext)  # its followers' groups: its own policy's samples
         value = u_local + lr.own_lineage_weight * u_own + lr.external_weight * (u_ext - u_own)
-        n.skill += lr.rate * (lr.ceiling - n.skill) * value / 8.0
-        n.skill = min(lr.ceiling, max(0.0, n.skill))
+        n.skill = self._learned(n.skill, value)
         step_s = dt
         dt = step_s * self._training_cost(u_local + u_ext)
         n.curve.append((self.now + dt, n.skill))
         self._alone_until(n, self.now + dt, step_s)
         # isolated twin: I + J local groups, same rule, own draws
         k = tr.local_groups + tr.external_groups
-        hits = [sum(n.rng.random() < n.iso_skill for _ in range(tr.group_size)) for _ in range(k)]
+        hits = self._twin_groups(n.rng, n.iso_skill, k)
         iso_reward = sum(hits) / (k * tr.group_size)
         u_iso = sum(0 < h < tr.group_size for h in hits)
-        n.iso_skill = min(lr.ceiling, n.iso_skill + lr.rate * (lr.ceiling - n.iso_skill) * u_iso / 8.0)
+        n.iso_skill = self._learned(n.iso_skill, u_iso)
         n.reward_sum += reward
         n.iso_sum += iso_reward
         n.version += 1
