@@ -73,7 +73,7 @@ def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_
     gens = train_generators(reg.get(reg.builtin_id))
     rows = bm._follower_rollouts(engine, gens, reg.builtin_id, reg.resolve, random.Random(0), adv.node.lineage, 1, 8)
     size = bm.TRAINER["group_size"]
-    kept = informative(rows, size)
+    kept = informative(rows)
     assert all(len({r.reward for r in kept[k:k + size]}) > 1 for k in range(0, len(kept), size))
     dropped = [rows[k:k + size] for k in range(0, len(rows), size) if len({r.reward for r in rows[k:k + size]}) == 1]
     assert len(kept) + size * len(dropped) == len(rows)

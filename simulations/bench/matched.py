@@ -72,6 +72,10 @@ class _Node:
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
 
 
+def _lineage(ident: Any) -> bytes:
+    return hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
+
+
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(sum(d[k] for d in ds) / len(ds), 4) for k in ds[0]} if ds else {}
 
@@ -137,8 +141,8 @@ class _Adversary:
     main key never forges and its useless rollouts flow for the whole run)."""
 
     def __init__(self, seed: int, engine: Any) -> None:
-        self.node = _Node(99, _ident(seed, 99), b"", None, engine, None, None)
-        self.node.lineage = hashlib.blake2b(b"lineage" + self.node.ident.public, digest_size=32).digest()
+        ident = _ident(seed, 99)
+        self.node = _Node(99, ident, _lineage(ident), None, engine, None, None)
         self.rng = random.Random(seed * 100 + 99)
         self.seed = seed
         self.batches = 0
@@ -157,7 +161,7 @@ class _Adversary:
         size = int(TRAINER["group_size"])
         rows = _follower_rollouts(self.node.engine, gens, task_set, resolve, self.rng, self.node.lineage, self.batches,
                                   int(TRAINER["local_groups"]))
-        rows = useless.stamp(useless.claim_low_logprobs(useless.informative(rows, size)), self.last_ms)
+        rows = useless.stamp(useless.claim_low_logprobs(useless.informative(rows)), self.last_ms)
         if not rows:
             return self.node.ident.peer_id, []
         if self.batches % useless.FORGE_EVERY == 0:
@@ -216,7 +220,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         heads[adv.node.lineage] = 0
     for i in range(nodes):
         ident = _ident(seed, i)
-        lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
+        lineage = _lineage(ident)
         reg = TaskRegistry(SWARM)
         m = reg.add_builtin()
         tasks = tasks or held_out_tasks(m, eval_per_family)

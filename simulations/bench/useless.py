@@ -16,20 +16,16 @@ import msgspec
 
 from gossip import wire
 from training.rollouts import logprobs_to_bytes
+from training.sampler import split
 
 WEAK_WARMUP_STEPS = 10
 CLAIMED_LOGPROB = -8.0  # per token: below what a real sample of this vocabulary gets, so the ratio caps at 1
 FORGE_EVERY = 4
 
 
-def informative(rows: list[wire.Rollout], group_size: int) -> list[wire.Rollout]:
-    """The groups (consecutive `group_size` rows) whose rewards differ."""
-    out: list[wire.Rollout] = []
-    for k in range(0, len(rows) - group_size + 1, group_size):
-        group = rows[k:k + group_size]
-        if len({r.reward for r in group}) > 1:
-            out += group
-    return out
+def informative(rows: list[wire.Rollout]) -> list[wire.Rollout]:
+    """The rows of the groups a receiver's sampler would keep (`training.sampler.split`, the rule itself)."""
+    return [r for g in split(rows)[0] for r in g.rollouts]
 
 
 def claim_low_logprobs(rows: list[wire.Rollout]) -> list[wire.Rollout]:
