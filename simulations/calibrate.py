@@ -78,7 +78,7 @@ def _matched_arms(bench: dict[str, Any]) -> dict[str, Any]:
             "marks": per[0]["curves"]["cpu_s"], "u_iso": per_node("updates_per_node", "isolated"),
             "u_swarm": per_node("updates_per_node", "swarm"), "ext_share": ext / (8.0 * per_node("updates_per_node", "swarm")),
             "steps_iso": mean([mean(s["isolated"]) for s in steps]) if all(steps) else None,
-            "gen_iso": mean([g for g in gen if g is not None]) if all(g is not None for g in gen) else None,
+            "gen_iso": mean(gen) if all(g is not None for g in gen) else None,
             "local_groups": int(bench["trainer"]["local_groups"]), "followers": int(bench.get("followers", 0)),
             "nodes": int(bench["nodes"]), "speedup": float(bench["speedup"]),
             "adversary": bool(bench.get("with_adversary"))}
