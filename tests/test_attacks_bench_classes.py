@@ -162,13 +162,10 @@ def test_the_template_rollout_moves_up_to_its_lineages_newest_version() -> None:
     assert k.rollout().version == 12 and k.head(lid) == 12
 
 
-@pytest.mark.parametrize("name", sorted(attacks.FAULTS))
-def test_each_forging_class_is_refused_for_the_fault_it_commits(name: str) -> None:
-    """Each rollout-forging class, built from what an observer saw of an honest trainer (its manifest,
-    a lagging rollout with the murmur-tiny tokenizer's ids, and a hostile manifest at a huge head), meets
-    the trainer's own pipeline (token check, built-in verifier, the lineage's published head) and is
-    charged for the fault it is named after, not refused earlier for another reason (stale, future,
-    ids outside the vocabulary), whichever of its batches arrives first."""
+def _observed_trainer() -> tuple[attacks.Knowledge, Any, TaskRegistry, bytes]:
+    """What an observer saw of an honest trainer: its manifest (head 12), a lagging rollout with the
+    murmur-tiny tokenizer's ids, and a hostile manifest at a huge head; with the tokenizer check and the
+    built-in task registry a receiver uses."""
     check = tokencheck.for_model("murmur-tiny")
     reg = TaskRegistry(SWARM)
     reg.add_builtin()
@@ -183,16 +180,53 @@ def test_each_forging_class_is_refused_for_the_fault_it_commits(name: str) -> No
                                                       logprobs=bytes(4 * len(ids)))]))
     mallory = attacks.Attacker(Recorder(), attacks.attack_key("freeze_manifest_head"), SWARM)
     k.take(attacks._manifest(mallory, lid, "honest", b"\x00" * 32, attacks.U64_MAX - 1, attacks.U64_MAX))
+    return k, check, reg, lid
 
+
+def _attack_batches(name: str, k: attacks.Knowledge) -> tuple[attacks.Attacker, list[bytes]]:
     t = Recorder()
     a = attacks.Attacker(t, attacks.attack_key(name), SWARM)
     trio.run(attacks.CATALOGUE[name], a, k, [], clock=trio.testing.MockClock(autojump_threshold=0))
-    batches = [d for topic, d in t.sent if topic == topics.rollouts(SWARM)]
+    return a, [d for topic, d in t.sent if topic == topics.rollouts(SWARM)]
+
+
+def _trainer_pipeline(check: Any, reg: TaskRegistry, lid: bytes) -> Pipeline:
+    """The trainer's own pipeline: token check, built-in verifier, its lineage's published head (13)."""
+    return Pipeline(PipelineConfig(swarm=SWARM, max_completion_tokens=16), clock=time.time, resolve_task=reg.resolve,
+                    reward=score, head_version=lambda lin: 13 if bytes(lin) == lid else None,
+                    own_lineage=lambda lin: bytes(lin) == lid, check_tokens=check, task_set_trusted=reg.__contains__)
+
+
+@pytest.mark.parametrize("name", sorted(attacks.FAULTS))
+def test_each_forging_class_is_refused_for_the_fault_it_commits(name: str) -> None:
+    """Each rollout-forging class, built from what an observer saw of an honest trainer, meets the
+    trainer's own pipeline and is charged for the fault it is named after, not refused earlier for
+    another reason (stale, future, ids outside the vocabulary), whichever of its batches arrives first."""
+    k, check, reg, lid = _observed_trainer()
+    a, batches = _attack_batches(name, k)
     assert batches
     for data in batches:  # each batch, met first (a banned key's later batches are refused unread)
-        p = Pipeline(PipelineConfig(swarm=SWARM, max_completion_tokens=16), clock=time.time, resolve_task=reg.resolve,
-                     reward=score, head_version=lambda lin: 13 if bytes(lin) == lid else None,
-                     own_lineage=lambda lin: bytes(lin) == lid, check_tokens=check, task_set_trusted=reg.__contains__)
+        p = _trainer_pipeline(check, reg, lid)
         v = p.check(data, a.ident.peer_id)
         assert v.reason.value == attacks.FAULTS[name], (v.reason, v.detail)
         assert p.scores.score(a.ident.peer_id, time.time()) < 0
+
+
+@pytest.mark.parametrize("name", ["starve_verifier", "large_batches"])
+def test_the_verification_work_classes_send_batches_verified_in_full(name: str) -> None:
+    """The classes that attack verification's cost send full batches nothing refuses cheaply: through the
+    trainer's own pipeline every batch passes the token check and the verifier and is accepted, or meets
+    the key's rate limit, so only the rate limit and the CPU budget stand between them and a node's cores."""
+    k, check, reg, lid = _observed_trainer()
+    a, batches = _attack_batches(name, k)
+    assert len(batches) >= 4
+    p = _trainer_pipeline(check, reg, lid)
+    accepted = 0
+    for data in batches:
+        v = p.check(data, a.ident.peer_id)
+        assert v.reason in (Reason.ACCEPTED, Reason.RATE_LIMITED), (v.reason, v.detail)
+        if v.reason is Reason.ACCEPTED:
+            accepted += 1
+            assert len(v.batch.rollouts) == wire.MAX_ROLLOUTS_PER_BATCH
+            assert len({(r.task.generator, r.task.seed) for r in v.batch.rollouts}) == wire.MAX_ROLLOUTS_PER_BATCH
+    assert accepted >= min(len(batches), 40)  # an unannounced key's default burst, or the announced rate's

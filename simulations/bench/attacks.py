@@ -452,12 +452,22 @@ async def capture_inflated_demand(a: Attacker, k: Knowledge, targets: list[str])
 
 
 async def starve_verifier(a: Attacker, k: Knowledge, targets: list[str]) -> None:
-    """Verifier-expensive payloads: batches of rollouts whose texts are 32 K characters of numbers."""
-    tpl = k.rollout()
-    text = " ".join(str(i) for i in range(6000))[: wire.MAX_TEXT_CHARS - 8]
-    for j in range(4):
-        rs = [_rollout_like(tpl, seed=3000 + 20 * j + i, text=text, honest_reward=True) for i in range(12)]
-        await a.rollouts(_batch(a, rs, seq=10 + j))
+    """The most verification an unannounced key's default bucket lets through: full batches of distinct tasks
+    (no task-cache hit), correct answers whose ids are the public tokenizer's, so every batch passes the cheap
+    checks and is verified in full. What bounds it is the rate limit and the verification CPU budget."""
+    for j in range(STARVE_BATCHES):
+        await a.rollouts(_batch(a, _valid_full_batch(k, 3000 + wire.MAX_ROLLOUTS_PER_BATCH * j), seq=10 + j))
+
+
+STARVE_BATCHES = 60  # past an unannounced key's default burst (node.config: 40 batches): the rest meet the rate limit
+
+
+def _valid_full_batch(k: Knowledge, seed: int) -> list[wire.Rollout]:
+    """A full batch of correct, honestly scored rollouts at the honest lineage's head, tokenized as a receiver
+    checks them: nothing in it is at fault, so only a limit on work can refuse it."""
+    tpl, kw = k.at_head()
+    check = k.token_check()
+    return [_encoded(_rollout_like(tpl, seed=seed + i, **kw), check) for i in range(wire.MAX_ROLLOUTS_PER_BATCH)]
 
 
 async def forged_reward(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -589,13 +599,11 @@ async def long_completions(a: Attacker, k: Knowledge, targets: list[str]) -> Non
 
 
 async def large_batches(a: Attacker, k: Knowledge, targets: list[str]) -> None:
-    """Within the announced-rate ceiling: an announce claiming a modest rate, then full batches (64 correct,
-    honestly scored rollouts each) at about that rate: verification work the rate limit allows."""
-    tpl = k.rollout()
+    """Within the announced-rate ceiling: an announce claiming a modest rate, then full valid batches (see
+    `_valid_full_batch`) at about that rate: verification work the rate limit allows."""
     await a.announce(_announce(a, 1, roles=["follower"], gen_tokens_per_s=200.0, rollout_latency_s=1.0))
     for j in range(4):
-        rs = [_rollout_like(tpl, seed=10_000 + 100 * j + i) for i in range(wire.MAX_ROLLOUTS_PER_BATCH)]
-        await a.rollouts(_batch(a, rs, seq=50 + j))
+        await a.rollouts(_batch(a, _valid_full_batch(k, 10_000 + 100 * j), seq=50 + j))
         await trio.sleep(1.0)
 
 
