@@ -11,6 +11,7 @@ wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from node.status import NodeStatus
-from node import launch
+from node import launch, worker
 from node.launch import status as _status
 
 pytestmark = pytest.mark.slow
@@ -100,6 +101,10 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
                     and f1.rollouts_produced > 0 and f2.rollouts_produced > 0)
 
         _wait("rollouts flowing both ways", flows, allp())
+        for n, p in procs.items():  # each worker yields the cores to its node's network process
+            pid = _status(homes[n]).worker_pid
+            assert pid > 0 and os.getpriority(os.PRIO_PROCESS, pid) == \
+                os.getpriority(os.PRIO_PROCESS, p.proc.pid) + worker.WORKER_NICE, n
 
         # kill -9 a follower, restart it: same identity, ledger kept, resumes at its held version
         before = _status(homes["f1"])
