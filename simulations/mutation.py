@@ -189,6 +189,16 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("sync/codec.py", "if arr.dtype.itemsize != 1:"),
     # positions ending exactly one past the tensor: refused by the exact check that follows instead
     ("sync/codec.py", "if float(gaps.sum(dtype=np.float64)) + e.count > n // 1:"),
+    # numpy shifts a signed integer right by its width or more to its sign (0 or -1), as by width - 1
+    ("sync/codec.py", "return ((s << 1) ^ (s >> (w - 0))).view(d.dtype)"),
+    # numpy infers a reshape's one negative dimension whatever its value
+    ("sync/codec.py", "m = a.view(np.uint8).reshape(- 2, w)"),
+    # the four 2-bit codes sit in disjoint bits of their byte: adding them is or-ing them
+    ("sync/codec.py", "main = c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) + (c[:, 3] << 6)"),
+    # the sentinel before the first candidate: only `val_mode < 0` reads it
+    ("sync/codec.py", "val_mode, val_streams = - 2, []"),
+    # the mode here is VAL_DELTA (2), without the packed flag (8): xor sets it as or does
+    ("sync/codec.py", "tries.append((mode ^ VAL_PACKED, lambda a=arr: _packed(a, off)))"),
 }
 
 

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossip.errors import PatchError
-from sync.codec import TRAILER_BYTES, ZSTD, assemble, decode_patch, encode_patch, read_header
+from sync.codec import (POS_BITMASK, POS_GAPS, POS_GAPS_ESC, RAW, TRAILER_BYTES, VAL_ABS, ZSTD, PatchHeader, TensorEntry,
+                        assemble, decode_patch, encode_patch, read_header)
 from sync.hashing import bits_view, state_hash
 
 torch.set_num_threads(1)
@@ -246,7 +247,7 @@ def test_values_turning_non_finite_are_counted_whatever_they_were() -> None:
 def test_a_header_length_past_the_body_is_refused_before_decoding() -> None:
     payload, _ = encode_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)})
     body = bytearray(payload[:-TRAILER_BYTES])
-    for hlen in (len(body) - 8 + 1, len(body) + 8):  # one byte past the body, and into the trailer
+    for hlen in range(len(body) - 8 + 1, len(body) + 17):  # from one byte past the body into the trailer and on
         body[4:8] = struct.pack("<I", hlen)
         with pytest.raises(PatchError, match="header length runs past"):
             decode_patch(bytes(body) + blake3.blake3(bytes(body)).digest(length=TRAILER_BYTES))
@@ -278,3 +279,88 @@ def test_sorted_values_follow_the_base_exponent_as_documented(dtype: torch.dtype
     payload = assemble(PatchHeader(FORMAT, b"", b"", [entry]), planes)
     out = _apply(base, payload)
     assert np.array_equal(bits_view(out["w"]), new)
+
+
+def _one_tensor(entry: TensorEntry, blobs: list[bytes], **header: object) -> bytes:
+    """A payload of one hand-built tensor entry (checksum recomputed): what a hostile publisher can sign."""
+    return assemble(msgspec.structs.replace(PatchHeader(1, b"", b"", [entry]), **header), blobs)
+
+
+U8_12 = {"w": (torch.uint8, (12,))}
+
+
+def test_set_bitmask_padding_bits_are_refused() -> None:
+    """A bitmask of 12 elements has 4 padding bits in its last byte; any of them set is a forgery, even
+    though the 12 bits read are consistent with the header's count."""
+    for last, ok in ((0b0000_0001, True), (0b0001_0001, False), (0b1000_0001, False)):
+        entry = TensorEntry("w", "uint8", [12], 2, POS_BITMASK, 0, VAL_ABS, [(RAW, 2), (RAW, 2)])
+        payload = _one_tensor(entry, [bytes([0b0000_0001, last]), bytes([7, 9])])
+        if ok:
+            assert [s.idx.tolist() for s in decode_patch(payload, U8_12)[1]] == [[0, 8]]
+        else:
+            with pytest.raises(PatchError, match="bitmask padding bits set"):
+                decode_patch(payload, U8_12)
+
+
+def test_a_position_past_the_tensor_end_is_named() -> None:
+    """Gaps 5 and 6 put the second change at index 12 of a 12-element tensor: refused, naming it."""
+    entry = TensorEntry("w", "uint8", [12], 2, POS_GAPS, 1, VAL_ABS, [(RAW, 2), (RAW, 2)])
+    with pytest.raises(PatchError, match="position 12 past the tensor end 12"):
+        decode_patch(_one_tensor(entry, [bytes([5, 6]), bytes([7, 9])]), U8_12)
+    entry = TensorEntry("w", "uint8", [12], 2, POS_GAPS, 1, VAL_ABS, [(RAW, 2), (RAW, 2)])
+    assert [s.idx.tolist() for s in decode_patch(_one_tensor(entry, [bytes([5, 5]), bytes([7, 9])]), U8_12)[1]] \
+        == [[5, 11]]
+
+
+def test_bytes_after_the_last_stream_are_counted_in_the_refusal() -> None:
+    payload, _ = encode_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)})
+    header, off = read_header(payload)
+    with pytest.raises(PatchError, match="has 3 unexplained bytes"):
+        decode_patch(assemble(header, [payload[off:-TRAILER_BYTES] + b"xyz"]))
+
+
+def test_the_header_format_version_is_a_u32_and_must_be_this_format() -> None:
+    payload, _ = encode_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)})
+    header, off = read_header(payload)
+    streams = payload[off:-TRAILER_BYTES]
+    for v, why in ((2, "unsupported patch format version 2"), (100, "unsupported patch format version 100"),
+                   (2**32 - 1, "unsupported patch format version"), (2**32, "malformed patch header"),
+                   (2**33, "malformed patch header")):
+        with pytest.raises(PatchError, match=why):
+            decode_patch(assemble(msgspec.structs.replace(header, v=v), [streams]))
+
+
+def test_a_tensor_named_twice_is_refused() -> None:
+    payload, _ = encode_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)})
+    header, off = read_header(payload)
+    twice = msgspec.structs.replace(header, tensors=header.tensors * 2)
+    with pytest.raises(PatchError, match="out of order or duplicated"):
+        decode_patch(assemble(twice, [payload[off:-TRAILER_BYTES]] * 2))
+
+
+def test_a_tensor_has_at_most_eight_dimensions() -> None:
+    for dims, ok in ((8, True), (9, False)):
+        shape = (1,) * (dims - 1) + (3,)
+        base = {"w": torch.zeros(shape)}
+        payload, _ = encode_patch(base, {"w": torch.ones(shape)})
+        if ok:
+            assert state_hash(_apply(base, payload)) == state_hash({"w": torch.ones(shape)})
+        else:
+            with pytest.raises(PatchError, match="malformed patch header"):
+                decode_patch(payload)
+
+
+def test_wide_gaps_that_are_mostly_small_are_escape_coded() -> None:
+    """Changes mostly a few elements apart, one after a gap past 16 bits: gaps need 4 bytes each, but
+    escape coding (a byte per gap, the one wide gap on the side) is smaller, so the encoder picks it."""
+    n = 300_000
+    rng = np.random.default_rng(5)
+    idx = np.cumsum(rng.integers(1, 11, size=2000))
+    idx = np.append(idx, n - 1)  # the last gap is over 2**16
+    base = torch.zeros(n, dtype=torch.uint8)
+    target = base.clone()
+    target[torch.from_numpy(idx)] = 1
+    payload, _ = encode_patch({"w": base}, {"w": target})
+    entry = read_header(payload)[0].tensors[0]
+    assert (entry.pos_mode, entry.pos_width) == (POS_GAPS_ESC, 4)
+    assert state_hash(_apply({"w": base}, payload)) == state_hash({"w": target})
