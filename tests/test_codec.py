@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossip.errors import PatchError
-from sync.codec import (POS_BITMASK, POS_GAPS, POS_GAPS_ESC, RAW, TRAILER_BYTES, VAL_ABS, ZSTD, PatchHeader, TensorEntry,
-                        assemble, decode_patch, encode_patch, read_header)
+from sync.codec import (FORMAT, POS_BITMASK, POS_GAPS, POS_GAPS_ESC, RAW, TRAILER_BYTES, VAL_ABS, ZSTD, PatchHeader,
+                        TensorEntry, assemble, decode_patch, encode_patch, read_header)
 from sync.hashing import bits_view, state_hash
 
 torch.set_num_threads(1)
@@ -266,7 +266,7 @@ def test_the_changed_element_budget_admits_exactly_its_size() -> None:
 def test_sorted_values_follow_the_base_exponent_as_documented(dtype: torch.dtype) -> None:
     """docs/patches.md: with the sorted flag, values are stored in the stable order of the base element's
     exponent field. A payload written from that text alone (not by the encoder) decodes as it says."""
-    from sync.codec import FORMAT, POS_ALL, RAW, VAL_ABS, VAL_SORTED, PatchHeader, TensorEntry
+    from sync.codec import POS_ALL, VAL_SORTED
 
     base = {"w": torch.tensor([4.0, 1.0, 2.0, 1.5], dtype=dtype)}  # exponents 2, 0, 1, 0 above the bias
     target = {"w": torch.tensor([40.0, 10.0, 20.0, 15.0], dtype=dtype)}
@@ -281,9 +281,9 @@ def test_sorted_values_follow_the_base_exponent_as_documented(dtype: torch.dtype
     assert np.array_equal(bits_view(out["w"]), new)
 
 
-def _one_tensor(entry: TensorEntry, blobs: list[bytes], **header: object) -> bytes:
+def _one_tensor(entry: TensorEntry, blobs: list[bytes]) -> bytes:
     """A payload of one hand-built tensor entry (checksum recomputed): what a hostile publisher can sign."""
-    return assemble(msgspec.structs.replace(PatchHeader(1, b"", b"", [entry]), **header), blobs)
+    return assemble(PatchHeader(FORMAT, b"", b"", [entry]), blobs)
 
 
 U8_12 = {"w": (torch.uint8, (12,))}
@@ -292,8 +292,8 @@ U8_12 = {"w": (torch.uint8, (12,))}
 def test_set_bitmask_padding_bits_are_refused() -> None:
     """A bitmask of 12 elements has 4 padding bits in its last byte; any of them set is a forgery, even
     though the 12 bits read are consistent with the header's count."""
+    entry = TensorEntry("w", "uint8", [12], 2, POS_BITMASK, 0, VAL_ABS, [(RAW, 2), (RAW, 2)])
     for last, ok in ((0b0000_0001, True), (0b0001_0001, False), (0b1000_0001, False)):
-        entry = TensorEntry("w", "uint8", [12], 2, POS_BITMASK, 0, VAL_ABS, [(RAW, 2), (RAW, 2)])
         payload = _one_tensor(entry, [bytes([0b0000_0001, last]), bytes([7, 9])])
         if ok:
             assert [s.idx.tolist() for s in decode_patch(payload, U8_12)[1]] == [[0, 8]]
@@ -307,7 +307,6 @@ def test_a_position_past_the_tensor_end_is_named() -> None:
     entry = TensorEntry("w", "uint8", [12], 2, POS_GAPS, 1, VAL_ABS, [(RAW, 2), (RAW, 2)])
     with pytest.raises(PatchError, match="position 12 past the tensor end 12"):
         decode_patch(_one_tensor(entry, [bytes([5, 6]), bytes([7, 9])]), U8_12)
-    entry = TensorEntry("w", "uint8", [12], 2, POS_GAPS, 1, VAL_ABS, [(RAW, 2), (RAW, 2)])
     assert [s.idx.tolist() for s in decode_patch(_one_tensor(entry, [bytes([5, 5]), bytes([7, 9])]), U8_12)[1]] \
         == [[5, 11]]
 

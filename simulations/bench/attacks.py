@@ -36,6 +36,7 @@ import trio
 from gossip import topics, wire
 from gossip.identity import Identity
 from node import launch
+from node.config import GossipSection
 
 SWARM = "attack-swarm"
 GRAYLIST = -50.0
@@ -459,7 +460,7 @@ async def starve_verifier(a: Attacker, k: Knowledge, targets: list[str]) -> None
         await a.rollouts(_batch(a, _valid_full_batch(k, 3000 + wire.MAX_ROLLOUTS_PER_BATCH * j), seq=10 + j))
 
 
-STARVE_BATCHES = 60  # past an unannounced key's default burst (node.config: 40 batches): the rest meet the rate limit
+STARVE_BATCHES = GossipSection().rate_burst + 20  # past an unannounced key's default burst: the rest meet the rate limit
 
 
 def _valid_full_batch(k: Knowledge, seed: int) -> list[wire.Rollout]:
