@@ -48,7 +48,10 @@ from typing import Final
 from gossip.ratelimit import Bucket
 
 PRODUCERS_PER_SHARD: Final = 2  # swarm-wide: every node must size S alike, so it is a protocol constant
-MAX_SHARDS: Final = 1024
+MAX_KNOWN: Final = 10_000  # producers remembered by a gate (least recently announced forgotten)
+# the largest power of two that keeps PRODUCERS_PER_SHARD lineages a shard for as many producers as a gate
+# remembers: past it shards fill up instead of multiplying (swarm-wide, like PRODUCERS_PER_SHARD)
+MAX_SHARDS: Final = 1 << ((MAX_KNOWN // PRODUCERS_PER_SHARD).bit_length() - 1)
 MAX_SUBSCRIBED: Final = 8  # shard topics one node joins at most (home ones included)
 ROTATE_S: Final = 120.0  # a node's rotating shards are re-drawn this often (staggered per node)
 DEMAND_MARGIN: Final = 1.0  # announced supply subscribed, as a multiple of demand (shortfall adds more)
@@ -57,7 +60,6 @@ SHORTFALL_WINDOW_S: Final = 30.0  # measured inbound below demand this long: one
 ESTABLISHED_S: Final = 10.0  # a producer heard announcing this long ago is no newcomer (an announce is cheap)
 NEWCOMER_BATCHES_PER_S: Final = 5.0  # per shard, shared by every newcomer producer
 NEWCOMER_BURST: Final = 40.0
-MAX_KNOWN: Final = 10_000  # producers remembered by a gate (least recently announced forgotten)
 
 
 def _h(*parts: bytes) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 from hypothesis import given, settings, strategies as st
 
@@ -13,7 +14,7 @@ def lid(i: int) -> bytes:
     return hashlib.blake2b(b"lineage%d" % i, digest_size=32).digest()
 
 
-@given(st.integers(0, 100_000), st.sampled_from([1, 2, 4, 8, 64, 1024]))
+@given(st.integers(0, 100_000), st.sampled_from([1, 2, 4, 8, 64, 1024, 4096]))
 def test_shard_count_is_a_power_of_two_near_n_over_p(n: int, current: int) -> None:
     s = X.shard_count(n, current)
     assert s & (s - 1) == 0 and 1 <= s <= X.MAX_SHARDS
@@ -24,11 +25,26 @@ def test_shard_count_is_a_power_of_two_near_n_over_p(n: int, current: int) -> No
 
 
 def test_shard_count_hysteresis_and_the_bench_sizes() -> None:
-    assert [X.shard_count(n) for n in (1, 8, 15, 16, 32, 10_000)] == [1, 4, 4, 8, 16, 1024]
+    assert [X.shard_count(n) for n in (1, 8, 15, 16, 32, 1000, 10_000)] == [1, 4, 4, 8, 16, 256, 4096]
     assert X.shard_count(13, 8) == 8 and X.shard_count(11, 8) == 4  # a few producers less: no flapping
 
 
-@given(st.binary(min_size=32, max_size=32), st.sampled_from([1, 2, 4, 8, 16, 1024]))
+def test_ten_thousand_producers_keep_a_couple_of_lineages_a_shard() -> None:
+    """The cap sits where a gate's producer table (MAX_KNOWN) ends: a swarm of `huge`'s size (10,000 producers)
+    gets 4096 shards, as many lineages a shard as 1,000 producers get on 256, and the count stops there."""
+    assert X.MAX_SHARDS == 4096 and X.MAX_SHARDS * X.PRODUCERS_PER_SHARD <= X.MAX_KNOWN
+    for n in (9_940, 10_000):
+        s = X.shard_count(n)
+        assert s == X.MAX_SHARDS and n / s < 2 * X.PRODUCERS_PER_SHARD
+        assert X.shard_count(n, s) == s == X.shard_count(n, s // 2)  # from either neighbouring count
+    per_shard = Counter(X.shard_of(lid(i), X.MAX_SHARDS) for i in range(10_000))
+    assert max(per_shard.values()) <= 12  # a few lineages a shard, not the tens a 1024-shard cap left
+    assert X.shard_count(10**6, X.MAX_SHARDS) == X.MAX_SHARDS  # capped
+    # a publisher that still counts 2048 shards (announces spread) is accepted by one that counts 4096
+    assert all(X.on_shard(lid(i), X.shard_of(lid(i), 2048), X.MAX_SHARDS) for i in range(200))
+
+
+@given(st.binary(min_size=32, max_size=32), st.sampled_from([1, 2, 4, 8, 16, 1024, 4096]))
 def test_shard_of_halves_and_doubles_consistently(lineage: bytes, s: int) -> None:
     j = X.shard_of(lineage, s)
     assert 0 <= j < s
@@ -120,6 +136,15 @@ def test_newcomer_flood_is_bounded_per_shard_and_spares_established_producers() 
     assert gate.counts["newcomer_budget"] >= 10_000 - X.NEWCOMER_BURST - 1
     assert all(gate.admit("honest", 3, now) is None for _ in range(100))  # never starved by the flood
     assert gate.admit("fresh0", 4, now) is None  # another shard has its own budget
+
+
+def test_the_newcomer_buckets_stay_bounded_by_the_shard_cap() -> None:
+    gate = X.ShardGate()
+    most = 0
+    for j in range(2 * X.MAX_SHARDS + 5):  # a node that has rotated through every shard twice over
+        assert gate.admit("fresh", j, 100.0) is None  # a shard first met has its whole burst
+        most = max(most, len(gate.newcomers))
+    assert most == X.MAX_SHARDS and len(gate.newcomers) <= X.MAX_SHARDS
 
 
 def test_meter_reports_after_a_window() -> None:
