@@ -429,11 +429,20 @@ class Pipeline:
         this node's own lineage it is provably false (only this node publishes it, and it knows its
         head before any manifest leaves), so it is charged; of another's lineage the producer may
         hold a manifest that has not reached us yet, so it is refused uncharged."""
-        span: dict[bytes, tuple[int, int]] = {}
+        span: dict[bytes, list[int]] = {}  # lineage -> [oldest, newest]; runs once per batch per stage
         for r in batch.rollouts:
-            top = max([r.version] + [v for _, v in r.token_versions])
-            lo, hi = span.get(r.lineage, (r.version, top))
-            span[r.lineage] = (min(lo, r.version), max(hi, top))
+            lo = top = r.version
+            for _, v in r.token_versions:
+                if v > top:
+                    top = v
+            s = span.get(r.lineage)
+            if s is None:
+                span[r.lineage] = [lo, top]
+            else:
+                if lo < s[0]:
+                    s[0] = lo
+                if top > s[1]:
+                    s[1] = top
         for lineage, (oldest, newest) in span.items():
             head = self.head_version(lineage)
             if head is None:

@@ -375,10 +375,21 @@ def rollout_number_fault(r: Rollout) -> str:
     return logprob_fault(r.logprobs)
 
 
+_LOGPROB_MAX_F32: Final = struct.unpack("<f", struct.pack("<f", LOGPROB_MAX))[0]  # the bound numpy compares with
+_FEW_LOGPROBS: Final = 256  # up to this many, unpacking into Python floats is faster than numpy's per-call setup
+
+
 def logprob_fault(data: bytes) -> str:
     """Why little-endian float32 behaviour log-probs are out of range ("" when all are in
     [LOGPROB_MIN, LOGPROB_MAX]); NaN fails both comparisons, so it is never in range."""
-    a = np.frombuffer(data, dtype="<f4", count=len(data) // 4)
+    n = len(data) // 4
+    if n <= _FEW_LOGPROBS:  # the same float32 comparisons: both bounds rounded to float32 as numpy rounds them
+        vals = struct.unpack(f"<{n}f", data[: 4 * n])
+        for j, x in enumerate(vals):
+            if not LOGPROB_MIN <= x <= _LOGPROB_MAX_F32:
+                return f"log-prob {x!r} at token {j} is outside [{LOGPROB_MIN:g}, {LOGPROB_MAX:g}]"
+        return ""
+    a = np.frombuffer(data, dtype="<f4", count=n)
     ok = (a >= LOGPROB_MIN) & (a <= LOGPROB_MAX)
     if bool(ok.all()):
         return ""
