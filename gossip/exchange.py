@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import itertools
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -103,12 +104,24 @@ class Plan:
     epoch: int  # the rotation epoch the plan was drawn in
 
 
+def _rotation_ab(node: bytes, epoch: int) -> tuple[int, int]:
+    r = _h(b"murmur/rotate", node, epoch.to_bytes(8, "big", signed=True))
+    return (r >> 32) | 1, r & 0xFFFFFFFF
+
+
 def rotation(node: bytes, shards: int, epoch: int) -> Iterator[int]:
     """All shards (a power of two) in the order node `node` takes them in `epoch`, lazily: j -> a*j + b
     mod S with a odd is a permutation, drawn afresh each epoch."""
-    r = _h(b"murmur/rotate", node, epoch.to_bytes(8, "big", signed=True))
-    a, b = (r >> 32) | 1, r & 0xFFFFFFFF
+    a, b = _rotation_ab(node, epoch)
     return ((a * i + b) % shards for i in range(shards))
+
+
+def first_in_rotation(node: bytes, shards: int, epoch: int, among: Iterable[int], k: int) -> list[int]:
+    """The first `k` of the shards `among` in `rotation(node, shards, epoch)`'s order, without walking it:
+    shard j comes at position (j - b) / a mod S (a is odd, so invertible mod a power of two)."""
+    a, b = _rotation_ab(node, epoch)
+    inv = pow(a, -1, shards) if shards > 1 else 0
+    return heapq.nsmallest(k, among, key=lambda j: (j - b) * inv % shards)
 
 
 class Supply:
@@ -195,22 +208,27 @@ class Exchange:
                     and len(kept) == self._rotating_n and missing <= sum(have) <= 2 * missing):
                 chosen += kept  # within an epoch a plan that covers the demand without twice too much stays
             else:
-                rot = self._rotating(now, s, avail, len(per_shard), missing, set(chosen))
+                rot = self._rotating(now, s, avail, per_shard.keys(), missing, set(chosen))
                 self._rotating_n = len(rot)
                 chosen += rot
         self.plan_ = Plan(s, tuple(sorted(chosen)), tuple(pinned), self.epoch(now))
         return self.plan_
 
-    def _rotating(self, now: float, s: int, avail: Callable[[int], float], nonempty: int, missing: float,
-                  taken: set[int]) -> list[int]:
+    def _rotating(self, now: float, s: int, avail: Callable[[int], float], supplied: Collection[int],
+                  missing: float, taken: set[int]) -> list[int]:
         """Rotating shards for `missing` rollouts/s: in this epoch's order, those offering at most twice what is
-        still missing, then the smallest that covers the rest; at least one (diversity), plus `extra`."""
+        still missing, then the smallest that covers the rest; at least one (diversity), plus `extra`.
+        `supplied`: the shards with announced supply (no other has any to offer)."""
         room = MAX_SUBSCRIBED - len(taken)
+        epoch = self.epoch(now)
         # the candidates: this epoch's first shards with supply (and a few without, for when none has)
-        pool = itertools.islice((j for j in rotation(self.node, s, self.epoch(now)) if j not in taken
-                                 and (avail(j) > 1e-9 or nonempty == 0)), 4 * MAX_SUBSCRIBED)
-        order = list(pool) or [j for j in itertools.islice(rotation(self.node, s, self.epoch(now)), MAX_SUBSCRIBED)
-                               if j not in taken]
+        if supplied and len(supplied) ** 2 < 4 * MAX_SUBSCRIBED * s:  # few: sorting them beats walking the order
+            order = first_in_rotation(self.node, s, epoch, [j for j in supplied if j not in taken and avail(j) > 1e-9],
+                                      4 * MAX_SUBSCRIBED)
+        else:
+            order = list(itertools.islice((j for j in rotation(self.node, s, epoch) if j not in taken
+                                           and (avail(j) > 1e-9 or not supplied)), 4 * MAX_SUBSCRIBED))
+        order = order or [j for j in itertools.islice(rotation(self.node, s, epoch), MAX_SUBSCRIBED) if j not in taken]
         out: list[int] = []
         for j in order:
             if len(out) >= room or missing <= 0:
