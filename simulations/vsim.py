@@ -40,7 +40,8 @@ to or from it vanish; a restarted node comes back with a fresh core, is
 offered the manifests it had (as a restarted node hears them again), resumes
 from the chunks it had persisted, and reconnects to its neighbours. Chunk
 payloads are real bytes shared between nodes (no copies), so every receiver
-verifies each chunk's blake2b hash as a live node does; a corrupt node sends
+checks each chunk against its manifest's blake2b hash as a live node does (the
+hash of each distinct payload computed once per swarm); a corrupt node sends
 32 wrong bytes in place of a chunk (the link is charged the chunk's size),
 which every receiver's session rejects like any bad chunk.
 """
@@ -60,7 +61,7 @@ from msgspec import Struct
 from gossip.identity import Identity
 from gossip.wire import DEFAULT_SWARM, FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
 from sync.chunks import refs
-from sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession
+from sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession, chunk_hash
 from sync.transfers import (Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake)
 
 _BAD = b"\xff" * 32
@@ -142,6 +143,7 @@ class VirtualSwarm:
         self.tick_s = tick_s
         self.gossip_manifests = gossip_manifests
         self.identity = Identity.from_seed(self.rng.randbytes(32))
+        self._hashes: dict[bytes, bytes] = {}  # chunk payload -> its blake2b (see `_check`)
         self.patches: list[tuple[bytes, bytes, list[bytes]]] = []  # (pid, envelope, chunks)
         for k in range(patches):
             self.patches.append(self._make_patch(k + 1))
@@ -172,7 +174,18 @@ class VirtualSwarm:
         return content_id(env), env, chunks
 
     def _core(self, link: SimLink) -> BroadcastCore:
-        return BroadcastCore(self.cfg, swarm=self.swarm, upload_bytes_per_s=link.up_bps, seed=self.rng.randrange(2**32), now=self.now)
+        return BroadcastCore(self.cfg, swarm=self.swarm, upload_bytes_per_s=link.up_bps, seed=self.rng.randrange(2**32),
+                             now=self.now, check=self._check)
+
+    def _check(self, expected: bytes, size: int, data: bytes) -> bool:
+        """A session's chunk check (`sync.swarm`'s: size, then blake2b against the manifest), with each distinct
+        payload hashed once per swarm: payloads are shared bytes objects and the hash is a function of them."""
+        if len(data) != size:
+            return False
+        h = self._hashes.get(data)
+        if h is None:
+            h = self._hashes[data] = chunk_hash(data)
+        return h == expected
 
     def _topology(self, n: int, degree: int | None) -> list[set[int]]:
         adj: list[set[int]] = [set() for _ in range(n)]

@@ -166,6 +166,7 @@ class BroadcastCore:
         max_transfers: int = MAX_TRANSFERS,
         max_manifest_asks: int = MAX_MANIFEST_ASKS,
         now: float = 0.0,
+        check: Callable[[bytes, int, bytes], bool] | None = None,
     ) -> None:
         if max_transfers < 1 or max_manifest_asks < 1:
             raise ValueError("max_transfers and max_manifest_asks must be >= 1")
@@ -181,6 +182,7 @@ class BroadcastCore:
         self.manifest_retry_s = manifest_retry_s
         self.max_transfers = max_transfers
         self.max_manifest_asks = max_manifest_asks
+        self.check = check  # a chunk's (expected hash, size, bytes) check; None: the session's own blake2b
         self._rng = random.Random(seed)
         # insertion order is age order: eviction takes the first finished, else the first
         self.transfers: dict[bytes, Transfer] = {}
@@ -303,7 +305,7 @@ class BroadcastCore:
             if 0 <= i < len(chunks):
                 chunks[i] = data
         session = session_from_manifest(pid, manifest, have=[i for i, c in enumerate(chunks) if c is not None],
-                                        config=self.cfg, now=now, seed=self.seed)
+                                        config=self.cfg, now=now, seed=self.seed, check=self.check)
         out = self._add(Transfer(pid, envelope, manifest, session, chunks, wall), now)
         if session.complete:
             out.append(Complete(pid))
@@ -324,7 +326,7 @@ class BroadcastCore:
             raise MurmurError(f"{len(chunks)} chunks for a manifest listing {len(manifest.chunks)}")
         pid = content_id(envelope)
         session = session_from_manifest(pid, manifest, have=range(len(chunks)), origin=True, config=self.cfg,
-                                        now=now, seed=self.seed)
+                                        now=now, seed=self.seed, check=self.check)
         self.transfers.pop(pid, None)  # we hold every chunk now: an earlier session of it starts over as origin
         self.loading.pop(pid, None)
         return pid, self._add(Transfer(pid, envelope, manifest, session, list(chunks), wall), now)
