@@ -18,7 +18,11 @@ id, itself the BLAKE2b of the exact envelope bytes; the task and completion
 text for rewards). Every receiver still runs every stage of its own pipeline
 in order, so the order of checks, the reason it reports, its penalties, bans,
 replay and rate-limit state are exactly what it would decide alone; only the
-arithmetic of a pure function is not repeated. A real node verifies a given
+arithmetic of a pure function is not repeated. A signature the simulated
+nodes make themselves (`SigningIdentity`) enters the signature memo as valid
+when it is made: an ed25519 signature always verifies against the key that
+made it, so only signatures made elsewhere or altered on the way (an
+adversary's flipped bytes) run the real check. A real node verifies a given
 batch once per process as well (its `seen` cache makes the second copy a
 `duplicate`). `tests/test_sim_virtual.py` runs a scenario with and without
 the memo and asserts identical summaries.
@@ -29,12 +33,13 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from gossip import wire
 from gossip.validation import Pending, Pipeline
 from gossip.errors import SignatureError
-from gossip.identity import verify
+from gossip.identity import Identity, verify
 
 _MISSING = object()
 
@@ -85,6 +90,15 @@ class SharedVerification:
         self.rewards = Memo(limit // 4)
         self.tasks = Memo(limit // 8)
 
+    def signer(self, ident: Identity) -> Identity:
+        """`ident`, telling this memo what it signs (see `SigningIdentity`)."""
+        return SigningIdentity(ident.private, self)
+
+    def signed(self, public: bytes, signature: bytes, message: bytes) -> None:
+        """A signature this process just made with the key of `public`: it verifies (ed25519 signing is
+        deterministic and a key's own signature always checks), so no receiver needs to run the check."""
+        self.signatures.put(hashlib.blake2b(public + signature + message, digest_size=32).digest(), True)
+
     def verify_signature(self, public: bytes, signature: bytes, message: bytes) -> bool:
         key = hashlib.blake2b(public + signature + message, digest_size=32).digest()
         hit = self.signatures.get(key)
@@ -134,6 +148,21 @@ class SharedVerification:
         return {"signature_checks": self.signatures.misses, "signature_memo_hits": self.signatures.hits,
                 "batch_verifications": self.failures.misses, "batch_verify_memo_hits": self.failures.hits,
                 "body_decodes": self.bodies.misses, "body_memo_hits": self.bodies.hits}
+
+
+@dataclass(frozen=True)
+class SigningIdentity(Identity):
+    """A simulated node's key that tells the per-process memo what it signs, so the ed25519 check of an
+    honest signature is answered from the memo; a signature made elsewhere or altered on the way is a
+    different memo key and is checked for real."""
+
+    memo: SharedVerification | None = field(default=None, compare=False, repr=False)
+
+    def sign(self, message: bytes) -> bytes:
+        sig = super().sign(message)
+        if self.memo is not None:
+            self.memo.signed(self.public, sig, message)
+        return sig
 
 
 _real_verify = verify

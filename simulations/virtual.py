@@ -118,6 +118,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import filterfalse
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,8 @@ class VirtualSim:
                                         blacklist_s=sc.gossip.blacklist_s)
         for s in self.specs:
             ident = identity_for(sc.seed, s.index)
+            if self.shared is not None:  # what it signs enters the signature memo as valid (vcache.py says why)
+                ident = self.shared.signer(ident)
             node_rng = random.Random(self.rng.randrange(2**63))
             p0 = min(sc.learning.ceiling, max(0.0, sc.learning.initial + node_rng.uniform(-1, 1) * sc.learning.spread))
             n = VNode(s, ident, ident.peer_id, lineage_id(ident.public, BASE_MODEL, LINEAGE_NAME), p0, p0, node_rng)
@@ -275,6 +278,7 @@ class VirtualSim:
         # the rollout shard topics: subscribers and each subscriber's mesh peers
         self.subs: dict[int, set[int]] = {}
         self.mesh: dict[int, dict[int, set[int]]] = {}
+        self._full: dict[int, set[int]] = {}  # shard -> its subscribers whose mesh holds MESH_D_HIGH peers
         self._got = Memo(2_000_000, self._unix, MEMO_HORIZON_S)  # batch bytes -> nodes that have it
         self.alive_producers = 0
         self.supply = exchange.Supply()  # batches/s per lineage, as the announces of live nodes state
@@ -602,10 +606,14 @@ class VirtualSim:
         for j in [j for j in n.shards if j not in want]:
             self.subs.get(j, set()).discard(i)
             mesh = self.mesh.get(j, {})
+            full = self._full.setdefault(j, set())
+            full.discard(i)
             for k in mesh.pop(i, set()):
                 peers = mesh.get(k)
                 if peers is not None:
                     peers.discard(i)
+                    if len(peers) < MESH_D_HIGH:
+                        full.discard(k)
                     if len(peers) < MESH_D_LOW:
                         self._graft(j, k)
         for j in sorted(want - set(n.shards)):
@@ -620,10 +628,16 @@ class VirtualSim:
         need = MESH_D - len(mine)
         if need <= 0:
             return
-        cands = [k for k in self.subs[j] if k != i and k not in mine and len(mesh[k]) < MESH_D_HIGH]
+        full = self._full.setdefault(j, set())
+        # the subscribers but i, its mesh peers and the full ones, in the set's order; filtered in C (a shard
+        # every node joins at start has thousands of subscribers)
+        cands = list(filterfalse(i.__eq__, filterfalse(mine.__contains__, filterfalse(full.__contains__, self.subs[j]))))
         for k in (self.rng.sample(cands, need) if len(cands) > need else cands):
             mine.add(k)
-            mesh[k].add(i)
+            peers = mesh[k]
+            peers.add(i)
+            if len(peers) >= MESH_D_HIGH:
+                full.add(k)
 
     def _publish(self, src: VNode, data: bytes, shard: int) -> bool:
         """A batch published to a shard: to the publisher's mesh peers, or (not subscribed) to D random
