@@ -36,6 +36,7 @@ patch accept rule in `sync.items.wanted`; catch-up planning in `sync.catchup.cho
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -377,7 +378,8 @@ class NodeCore:
         if prev is not None and prev.announce.seq >= body.seq:
             return
         if prev is None and len(self.peers) >= self.s.max_peers:
-            oldest = min(self.peers, key=lambda p: self.peers[p].seen)
+            seen = [info.seen for info in self.peers.values()]  # the first least recently seen, in C
+            oldest = next(itertools.islice(self.peers, seen.index(min(seen)), None))
             del self.peers[oldest]
             self.counters["peers_evicted"] += 1
         self.peers[body.peer_id] = PeerInfo(body, bytes(ev.signer), now)
