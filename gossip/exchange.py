@@ -407,6 +407,11 @@ class Stats:
         return {k + "_per_s": round((cur.get(k, 0) - old.get(k, 0)) / span, 3) for k in cur}
 
 
+@functools.lru_cache(maxsize=16_384)  # a node hashes the key of every announce it hears
+def _kmv_hash(key: str | bytes) -> int:
+    return _h(b"murmur/kmv", key.encode() if isinstance(key, str) else key)
+
+
 class DistinctCount:
     """How many distinct keys were seen in the last `window_s`, in bounded memory (k minimum values):
     the k smallest hashes kept, with when each was last seen. Counts up to k exactly, then estimates
@@ -419,7 +424,7 @@ class DistinctCount:
         self._top: int | None = None  # max(self._seen) while full, cached
 
     def add(self, key: str | bytes, now: float) -> None:
-        h = _h(b"murmur/kmv", key.encode() if isinstance(key, str) else bytes(key))
+        h = _kmv_hash(key) if type(key) is str or type(key) is bytes else _kmv_hash(bytes(key))
         if h in self._seen or len(self._seen) < self.k:
             self._seen[h] = now
             self._top = None

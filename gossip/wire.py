@@ -385,6 +385,9 @@ def logprob_fault(data: bytes) -> str:
     n = len(data) // 4
     if n <= _FEW_LOGPROBS:  # the same float32 comparisons: both bounds rounded to float32 as numpy rounds them
         vals = struct.unpack(f"<{n}f", data[: 4 * n])
+        total = sum(vals)  # NaN when any is NaN (or both infinities are there): then the loop names it
+        if total == total and (not vals or (min(vals) >= LOGPROB_MIN and max(vals) <= _LOGPROB_MAX_F32)):
+            return ""
         for j, x in enumerate(vals):
             if not LOGPROB_MIN <= x <= _LOGPROB_MAX_F32:
                 return f"log-prob {x!r} at token {j} is outside [{LOGPROB_MIN:g}, {LOGPROB_MAX:g}]"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossip import wire
+from gossip.identity import peer_id_from_public
 from gossip.scoring import Penalise  # noqa: F401 - one penalty action for every machine
 from node import pipe
 from sync.items import StoredItem
@@ -136,11 +137,10 @@ class RolloutsVerified:
 
     @classmethod
     def of(cls, batch: wire.RolloutBatch) -> RolloutsVerified:
-        from gossip.identity import peer_id_from_public
-
         n: dict[bytes, int] = {}
         for r in batch.rollouts:
-            n[bytes(r.lineage)] = n.get(bytes(r.lineage), 0) + 1
+            lid = bytes(r.lineage)
+            n[lid] = n.get(lid, 0) + 1
         return cls(peer_id_from_public(bytes(batch.producer)), tuple(n.items()))
 
 
