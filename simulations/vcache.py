@@ -64,12 +64,13 @@ class Memo(OrderedDict):
             self[key] = value
             return
         if self.clock is not None:
-            old = self.clock() - self.horizon_s
+            now = self.clock()
+            old = now - self.horizon_s
             born = self._born
             while born and (born[0] < old or len(self) >= self.limit):
                 born.popleft()
                 self.popitem(last=False)
-            born.append(self.clock())
+            born.append(now)
         elif len(self) >= self.limit:
             self.popitem(last=False)
         self[key] = value

@@ -74,7 +74,10 @@ class LinkModel:
         if p > 0:
             segments = max(1, -(-nbytes // MSS))
             # each lost segment stalls the stream one RTO; count them without drawing per segment
-            lost = sum(1 for _ in range(min(segments, 64)) if self.rng.random() < p)
+            draw, lost = self.rng.random, 0
+            for _ in range(min(segments, 64)):
+                if draw() < p:
+                    lost += 1
             if segments > 64:
                 lost = round(lost * segments / 64)
             arrive += lost * s.rto_s
