@@ -70,7 +70,7 @@ class LinkModel:
         self.up_free[src] = left
         arrive = left + s.latency_s + d.latency_s + (self.rng.uniform(0, s.jitter_s + d.jitter_s)
                                                      if s.jitter_s or d.jitter_s else 0.0)
-        p = 1.0 - (1.0 - s.loss) * (1.0 - d.loss)
+        p = 1.0 - (1.0 - s.loss) * (1.0 - d.loss) if s.loss or d.loss else 0.0
         if p > 0:
             segments = max(1, -(-nbytes // MSS))
             # each lost segment stalls the stream one RTO; count them without drawing per segment

@@ -164,13 +164,15 @@ class Sampler:
         if groups <= 0 or not self._pool:
             return []
         usable: list[Group] = []
+        heads, bound, stale = self._heads, self.max_staleness, 0
         for g in self._pool:
-            if self._heads.get(g.lineage, g.version) - g.version > self.max_staleness:
-                self.counts["stale"] += 1
+            if heads.get(g.lineage, g.version) - g.version > bound:
+                stale += 1
             elif max_tokens is not None and _tokens(g) > max_tokens:
                 self.counts["over_budget"] += 1
             else:
                 usable.append(g)
+        self.counts["stale"] += stale
         if max_tokens is None:
             chosen = set(self._rng.sample(range(len(usable)), min(groups, len(usable))))
         else:
@@ -179,10 +181,11 @@ class Sampler:
                 if len(chosen) < groups and _tokens(usable[i]) <= room:
                     chosen.add(i)
                     room -= _tokens(usable[i])
-        picked = [g for i, g in enumerate(usable) if i in chosen]
-        keep = [g for i, g in enumerate(usable) if i not in chosen]
+        picked, keep = [], []
+        for i, g in enumerate(usable):
+            (picked if i in chosen else keep).append(g)
         self._pool = collections.deque(keep)
-        self._rollouts = sum(len(g.rollouts) for g in keep)
+        self._rollouts = sum([len(g.rollouts) for g in keep])
         self.counts["taken"] += len(picked)
         return picked
 
