@@ -4,8 +4,9 @@ fetches, which broadcast transfers it accepts, and one catch-up attempt of the s
 Steady-state versions arrive by the broadcast on their own; catch-up only acts when what is held plus what
 is in flight cannot reach the head (joined late, restarted, missed a manifest). An attempt asks its sources
 in turn (the publisher first, then peers serving the lineage; at most `CATALOG_SOURCES`), one catalog at a
-time (`CatchUpPhase`); a catalog is planned with `sync.catchup.choose` over held items and transfers in
-flight (cost 0) and the source's items, and the missing items are asked for as offers from that source.
+time (`CatchUpPhase`); a catalog is planned with `sync.catchup.choose` (O(items)) over held items and
+transfers in flight (cost 0) and the source's items, and the source is asked to offer the missing items
+(it seeds them into the broadcast).
 A source that fails (its catalog, or an offer) hands over to the next at once; when every source has
 failed, the attempt waits out `CATCH_UP_PATIENCE_S` and starts over, as does an attempt that made no
 progress in that time. A transfer accepted from the broadcast counts as on its way for

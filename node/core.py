@@ -34,7 +34,8 @@ evicted; the own, the served and the worker's followed lineage stay).
 `NodeCore` is the composition: it routes each event to the sub-machines that own its rules and keeps the
 glue between them (announces and the capacity rule, the follower's lineage choice, the trial and
 leaving, staleness admission and heads, the rollout exchange's plan, what the worker reports). The
-sub-machines, each sans-IO with its own tests, take the core's clock readings as an explicit `now`:
+sub-machines, each sans-IO with its own tests, are given the core's clock reading as an explicit `now` (the
+lineage table, built with the core's clock, also reads it to stamp its rows):
 `node.peertable.PeerTable` (the peer table, expiry, a new peer's greeting), `node.lineages.LineageTable`
 (lineage identity and heads), `node.catchup_machine.CatchUpMachine` (items held and in flight, the broadcast
 accept rule, catch-up attempts, when the served lineage is left), `node.supervision.WorkerSupervisor`
