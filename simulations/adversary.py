@@ -49,7 +49,7 @@ class Adversary:
         self.draw = draw
         self.victim = victim  # the lineage stale_spam names, asked once per batch
         self.seq = 0
-        self.first: bytes | None = None  # replay: the batch it sends again
+        self.first: tuple[bytes, int] | None = None  # replay: the batch it sends again, and its seq
 
     def seal(self, rollouts: list[wire.Rollout], seq: int | None = None) -> bytes:
         if seq is None:
@@ -72,11 +72,11 @@ class Adversary:
             return [(bytes(data), self.lineage)]
         if behaviour == "replay":
             if self.first is None:
-                self.first = self.seal(self.draw(self.lineage, False))
-                return [(self.first, self.lineage)]
-            # the same seq again with other content (equivocation), and the old bytes again
-            again = self.seal(self.draw(self.lineage, False), seq=self.seq)
-            return [(self.first, self.lineage), (again, self.lineage)]
+                self.first = self.seal(self.draw(self.lineage, False)), self.seq
+                return [(self.first[0], self.lineage)]
+            # the old bytes again, and other content under the same seq (equivocation)
+            again = self.seal(self.draw(self.lineage, False), seq=self.first[1])
+            return [(self.first[0], self.lineage), (again, self.lineage)]
         if behaviour == "stale_spam":
             victim = self.victim()
             return [(self.seal(self.draw(victim, False)), victim)]

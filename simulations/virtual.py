@@ -1,7 +1,9 @@
 """Virtual-time simulator: one real node core per simulated node, modelled network, clock and learning.
 
 `VirtualSim` builds the nodes and composes the parts, each a module of its own, then pops typed events
-(`simulations.vevents`) in virtual-time order and hands each to the part it belongs to:
+(`simulations.vevents`) in virtual-time order: it starts and stops nodes, sends the adversaries'
+batches and samples their scores itself, and hands a worker's step to the worker model and every other
+event to the cores' driver. The parts:
 
 - `simulations.vnode`: one node's state, and the modelled model every node starts from;
 - `simulations.vruntime`: what a node's runtime and gossip service do around its real core (the
