@@ -93,6 +93,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gossip import wire
 from gossip.exchange import shard_of
 from simulations import vreport
 from simulations.adversary import SENDERS, Adversary
@@ -115,6 +116,9 @@ MEMO_HORIZON_S = 5.0  # virtual seconds a per-message memo entry is kept: a batc
 
 
 class VirtualSim:
+    """One run of a scenario in virtual time: `run()` returns its summary (and writes the report folder
+    when given `out_dir`)."""
+
     def __init__(self, sc: Scenario, out_dir: str | Path | None = None, *,
                  progress: bool = False, max_events: int = 50_000_000, shared_verify: bool = True) -> None:
         self.created, self.created_cpu = time.perf_counter(), time.process_time()  # building the nodes counts too
@@ -169,7 +173,7 @@ class VirtualSim:
         lineage."""
         workers = self.workers
 
-        def draw(lineage: bytes, wrong: bool) -> list[Any]:
+        def draw(lineage: bytes, wrong: bool) -> list[wire.Rollout]:
             return workers.group(n, lineage, 0, 0.0 if wrong else 0.5)
 
         def victim() -> bytes:
