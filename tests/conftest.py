@@ -155,7 +155,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     one unit at the front (one worker runs them in a row while the other runs ordinary tests beside them), then
     the ordinary tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one
     unit, as `loadfile` kept them, so the fixture is built once."""
-    if not getattr(config.option, "numprocesses", None):
+    if not getattr(config.option, "loadgroup", False):  # xdist sets it on its workers under --dist loadgroup
         return
     unit = {id(it): SOLO if is_solo(it) else (it.path.name if _shares_module_state(it) else it.nodeid)
             for it in items}
