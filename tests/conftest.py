@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -149,13 +150,18 @@ def _shares_module_state(item: pytest.Item) -> bool:
     return any(d and d[-1].scope in ("module", "package", "class") for d in defs)
 
 
+_UNITS = "units.json"  # in MURMUR_TEST_SOLO_ROOT: each worker's collection writes it, the controller schedules by it
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The order and the work units that `--dist loadgroup --no-loadscope-reorder` hands out: every solo test in
-    one unit at the front (one worker runs them in a row while the other runs ordinary tests beside them), then
-    the ordinary tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one
-    unit, as `loadfile` kept them, so the fixture is built once."""
-    if not getattr(config.option, "loadgroup", False):  # xdist sets it on its workers under --dist loadgroup
+    """The order and the work units the controller hands out (`WorkUnits`): every solo test in one unit at the
+    front (one worker runs them in a row while the other runs ordinary tests beside them), then the ordinary
+    tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one unit, as
+    `loadfile` kept them, so the fixture is built once."""
+    root = os.environ.get(_SOLO_ROOT)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not root or not worker:
         return
     unit = {id(it): SOLO if is_solo(it) else (it.path.name if _shares_module_state(it) else it.nodeid)
             for it in items}
@@ -167,10 +173,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     order = {id(it): i for i, it in enumerate(items)}
     items.sort(key=lambda it: (unit_rank[unit[id(it)]], first.get(it.path.name, len(first)), order[id(it)]))
-    for it in items:
-        u = unit[id(it)]
-        if u != it.nodeid:
-            it.add_marker(pytest.mark.xdist_group(u))
+    tmp = Path(root) / f"{_UNITS}.{worker}"
+    tmp.write_text(json.dumps({it.nodeid: unit[id(it)] for it in items if unit[id(it)] != it.nodeid}))
+    tmp.replace(Path(root) / _UNITS)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduler over the workers' own units and order (its `loadgroup` marks name no unit under
+    this pytest, whose node ids it cannot extend)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+    units_file = Path(os.environ[_SOLO_ROOT]) / _UNITS
+
+    class WorkUnits(LoadScopeScheduling):
+        units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.units is None:  # asked only once every worker has collected, so the file is there
+                self.units = json.loads(units_file.read_text())
+            return self.units.get(nodeid, nodeid)
+
+    return WorkUnits(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
