@@ -243,13 +243,16 @@ def _fix_pubsub_oversize_charge() -> None:
 
 def _fix_pubsub_stream_retry() -> None:
     """Pubsub opens its outbound stream to a new peer in a loop that retries transport errors while the
-    peer stays connected, but gives up for good on a failed protocol negotiation (`StreamFailure`, e.g. a
-    multiselect handshake that timed out under load): the peer stays connected and keeps sending to
-    us, and we never send to it again, a one-way partition nothing repairs. That failure is made
-    retryable like the others, so the loop keeps trying (backing off to one attempt per 10 s) for as
-    long as the connection lasts; a fresh connection starts it over."""
+    peer stays connected, but gives up for good on two failures that leave the peer connected: a failed
+    protocol negotiation (`StreamFailure`, e.g. a multiselect handshake that timed out under load), and
+    a hello write that failed because the stream was reset (`StreamError`: the connection it was opened
+    on closed, while the peer's other connection, from a simultaneous dial, stays). Either way the peer
+    keeps sending to us and we never send to it again, a one-way partition nothing repairs. Both are
+    made retryable like the others, so the loop keeps trying (backing off to one attempt per 10 s) for
+    as long as the peer is connected; a fresh connection starts it over."""
     from libp2p.host.exceptions import StreamFailure
     from libp2p.network.exceptions import SwarmException
+    from libp2p.network.stream.exceptions import StreamError
     from libp2p.pubsub.pubsub import Pubsub
 
     if getattr(Pubsub, "_murmur_stream_retry", False):
@@ -259,11 +262,11 @@ def _fix_pubsub_stream_retry() -> None:
     async def handle_new_peer(self: Any, peer_id: Any) -> None:
         try:
             await once(self, peer_id)
-        except StreamFailure as e:
+        except (StreamFailure, StreamError) as e:
             faults = getattr(self.host, "_murmur_faults", None)
             if faults is not None:
                 faults.count("pubsub stream open (retried)")
-            raise SwarmException(str(e)) from e
+            raise SwarmException(f"{type(e).__name__}: {e}") from e
 
     Pubsub._handle_new_peer = handle_new_peer
     Pubsub._murmur_stream_retry = True
@@ -298,6 +301,47 @@ def _fix_pubsub_keep_subscriptions() -> None:
 
     Pubsub._handle_dead_peer = handle_dead_peer
     Pubsub._murmur_keep_subs = True
+
+
+def _on_closed_connection(stream: Any) -> bool:
+    """Whether a pubsub stream ran on a connection that has closed (py-libp2p net stream; None: no stream)."""
+    if stream is None:
+        return False
+    conn = getattr(stream, "swarm_conn", None)
+    return bool(getattr(conn, "is_closed", False) or getattr(stream.muxed_conn, "is_closed", False))
+
+
+def _fix_pubsub_stream_on_closed_connection() -> None:
+    """When one of a peer's connections closes, py-libp2p's dead-peer queue leaves pubsub alone as long as
+    another connection to the peer stays, even when our pubsub stream to the peer ran on the one that
+    closed: the dead stream stays the peer's pubsub stream, replaced only once a write to it fails. Two
+    hosts that dial each other at once hold two connections, and when the one under their pubsub
+    streams closes as they open (their hellos, which carry the subscriptions, lost with it), neither
+    knows the other subscribes, so neither writes, and gossip between them stays dead for as long as
+    the other connection lasts. Here a peer whose pubsub stream ran on a closed connection is handled
+    as its stream dying (`_handle_dead_peer`): it is still connected, so the stream is re-opened on a
+    surviving connection, and the new stream's hello tells the peer our subscriptions (the peer, doing
+    the same, tells us its own)."""
+    from libp2p.pubsub.pubsub import Pubsub
+
+    if getattr(Pubsub, "_murmur_closed_conn", False):
+        return
+    _originals["pubsub_stream_on_closed_connection"] = Pubsub.handle_dead_peer_queue
+
+    async def handle_dead_peer_queue(self: Any) -> None:
+        async with self.dead_peer_receive_channel:
+            self.event_handle_dead_peer_queue_started.set()
+            async for peer_id in self.dead_peer_receive_channel:
+                if self._peer_is_connected(peer_id):
+                    if not _on_closed_connection(self.peers.get(peer_id)):
+                        continue
+                    faults = getattr(self.host, "_murmur_faults", None)
+                    if faults is not None:
+                        faults.count("pubsub stream re-opened (its connection closed)")
+                self._handle_dead_peer(peer_id)
+
+    Pubsub.handle_dead_peer_queue = handle_dead_peer_queue
+    Pubsub._murmur_closed_conn = True
 
 
 # How long our own signed peer record is reused before py-libp2p re-checks our addresses.
@@ -374,7 +418,7 @@ def _fix_peer_record_memo() -> None:
 
 FIXES: Final = (_fix_go_yamux_credit, _fix_buffered_tcp_reads, _fix_lean_yamux_writes, _fix_pubsub_message_guard,
                 _fix_pubsub_oversize_charge, _fix_pubsub_stream_retry, _fix_pubsub_keep_subscriptions,
-                _fix_peer_record_memo)
+                _fix_pubsub_stream_on_closed_connection, _fix_peer_record_memo)
 
 
 def install() -> None:

@@ -1,8 +1,9 @@
 """Adversarial behaviours: what a misbehaving peer sends, and a process that sends it over libp2p.
 
-`Forger` builds the bad payloads (used by the emulator's adversary processes;
-the virtual simulator builds the same kinds inline). Every payload is a real
-signed `RolloutBatch` envelope on the built-in task set, bad in one way:
+`Adversary` builds and seals the bad payloads, for the emulator's adversary
+processes (`for_process`) and for the virtual simulator's adversaries, which
+give it their own rollout draws and clock. Every payload is a real signed
+`RolloutBatch` envelope on the built-in task set, bad in one way:
 
   forged_reward      wrong answers that claim reward 1.0 (validly signed)
   invalid_signature  a valid batch with a flipped signature byte
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from gossip import wire
@@ -28,58 +30,81 @@ from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.verifiers import score
 
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
+SENDERS = ("forged_reward", "invalid_signature", "replay", "stale_spam")  # the behaviours that publish batches
+
+# draw(lineage, wrong): a group of rollouts of version 0 of `lineage`, scored by the verifier; `wrong`: every
+# answer wrong (what the forger sends), otherwise answered as the adversary's model answers
+Draw = Callable[[bytes, bool], list[wire.Rollout]]
 
 
-class Forger:
-    def __init__(self, ident: Identity, swarm: str, seed: int = 0, victim_lineage: bytes | None = None) -> None:
+class Adversary:
+    """What one misbehaving peer sends next: the one place its batches are built and sealed."""
+
+    def __init__(self, ident: Identity, swarm: str, lineage: bytes, now_ms: Callable[[], int], draw: Draw,
+                 victim: Callable[[], bytes]) -> None:
         self.ident = ident
         self.swarm = swarm
-        self.rng = random.Random(seed)
-        self.registry = TaskRegistry(swarm)
-        self.registry.add_builtin()
-        self.lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
-        self.victim = victim_lineage or bytes(32)
+        self.lineage = lineage  # the lineage its own batches name
+        self.now_ms = now_ms
+        self.draw = draw
+        self.victim = victim  # the lineage stale_spam names, asked once per batch
         self.seq = 0
-        self.first: bytes | None = None
+        self.first: tuple[bytes, int] | None = None  # replay: the batch it sends again, and its seq
 
-    def _rollouts(self, lineage: bytes, version: int, correct: bool, claim: float | None, n: int = 8
-                  ) -> list[wire.Rollout]:
-        ref = wire.TaskRef(self.registry.builtin_id, BUILTIN_TRAIN, self.rng.randrange(1_000_000))
-        task = self.registry.resolve(ref)
-        out = []
-        for _ in range(n):
-            text = task.answer if correct else str(int(task.answer) + self.rng.choice((1, 2, 3)))
-            ids = [ord(c) for c in text] + [1]
-            out.append(wire.Rollout(task=ref, lineage=lineage, version=version, completion_ids=ids, text=text,
-                                    tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
-                                    sampling=wire.SamplingParams(max_new_tokens=8),
-                                    reward=score(task, text) if claim is None else claim, created_ms=wire.now_ms()))
-        return out
-
-    def _seal(self, rollouts: list[wire.Rollout], seq: int | None = None) -> bytes:
+    def seal(self, rollouts: list[wire.Rollout], seq: int | None = None) -> bytes:
         if seq is None:
             self.seq += 1
             seq = self.seq
         batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.swarm, producer=self.ident.public, seq=seq,
-                                  created_ms=wire.now_ms(), rollouts=rollouts)
+                                  created_ms=self.now_ms(), rollouts=rollouts)
         return wire.seal(self.ident, wire.ROLLOUT_BATCH, batch, swarm=self.swarm)
 
-    def payloads(self, behaviour: str) -> list[bytes]:
-        """The next bad message(s) of this behaviour; [] for behaviours that act by omission."""
+    def payloads(self, behaviour: str) -> list[tuple[bytes, bytes]]:
+        """The next bad message(s) of this behaviour, each with the lineage its rollouts name; [] for
+        behaviours that act by omission or on the broadcast plane."""
         if behaviour == "forged_reward":
-            return [self._seal(self._rollouts(self.lineage, 0, correct=False, claim=1.0))]
+            forged = [wire.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "reward": 1.0})
+                      for r in self.draw(self.lineage, True)]  # all wrong, each claiming full reward
+            return [(self.seal(forged), self.lineage)]
         if behaviour == "invalid_signature":
-            data = bytearray(self._seal(self._rollouts(self.lineage, 0, correct=True, claim=None)))
+            data = bytearray(self.seal(self.draw(self.lineage, False)))
             data[-5] ^= 0xFF  # inside the signature (the envelope's last field)
-            return [bytes(data)]
+            return [(bytes(data), self.lineage)]
         if behaviour == "replay":
             if self.first is None:
-                self.first = self._seal(self._rollouts(self.lineage, 0, correct=True, claim=None))
-                return [self.first]
-            return [self.first, self._seal(self._rollouts(self.lineage, 0, correct=True, claim=None), seq=1)]
+                self.first = self.seal(self.draw(self.lineage, False)), self.seq
+                return [(self.first[0], self.lineage)]
+            # the old bytes again, and other content under the same seq (equivocation)
+            again = self.seal(self.draw(self.lineage, False), seq=self.first[1])
+            return [(self.first[0], self.lineage), (again, self.lineage)]
         if behaviour == "stale_spam":
-            return [self._seal(self._rollouts(self.victim, 0, correct=True, claim=None))]
+            victim = self.victim()
+            return [(self.seal(self.draw(victim, False)), victim)]
         return []
+
+
+def for_process(ident: Identity, swarm: str, seed: int = 0, victim_lineage: bytes | None = None) -> Adversary:
+    """An adversary process's: its own task draws, always-correct honest answers, and the wall clock."""
+    rng = random.Random(seed)
+    registry = TaskRegistry(swarm)
+    registry.add_builtin()
+    victim = victim_lineage or bytes(32)
+
+    def draw(lineage: bytes, wrong: bool, n: int = 8) -> list[wire.Rollout]:
+        ref = wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, rng.randrange(1_000_000))
+        task = registry.resolve(ref)
+        out = []
+        for _ in range(n):
+            text = str(int(task.answer) + rng.choice((1, 2, 3))) if wrong else task.answer
+            ids = [ord(c) for c in text] + [1]
+            out.append(wire.Rollout(task=ref, lineage=lineage, version=0, completion_ids=ids, text=text,
+                                    tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
+                                    sampling=wire.SamplingParams(max_new_tokens=8),
+                                    reward=score(task, text), created_ms=wire.now_ms()))
+        return out
+
+    lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
+    return Adversary(ident, swarm, lineage, wire.now_ms, draw, lambda: victim)
 
 
 async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstrap: list[str], listen: str,
@@ -90,7 +115,7 @@ async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstr
     from gossip.host import open_transport  # noqa: PLC0415
 
     ident = Identity.from_seed(bytes.fromhex(seed_hex))
-    forger = Forger(ident, swarm, seed=int(seed_hex[:8], 16))
+    adversary = for_process(ident, swarm, seed=int(seed_hex[:8], 16))
     async with open_transport(ident, [listen]) as t:
         for addr in bootstrap:
             with trio.move_on_after(10):
@@ -102,7 +127,7 @@ async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstr
         await t.subscribe(topic)
         with trio.move_on_after(duration_s):
             for _ in range(int(duration_s * rate) + 1):
-                for data in forger.payloads(behaviour):
+                for data, _ in adversary.payloads(behaviour):
                     try:
                         await t.publish(topic, data)
                     except Exception as e:  # noqa: BLE001

@@ -4,7 +4,7 @@ Two benchmarks: `murmur bench swarm --json` (cumulative sampled reward; `initial
 from its isolated curve, below) and `murmur bench swarm --matched --json` (held-out accuracy at equal
 CPU, `fit_matched`: also `external_weight`, `own_lineage_weight` and `train_share`).
 
-The model (simulations/virtual.py): skill p, reward of a step ≈ p, and
+The model (simulations/vworker.py): skill p, reward of a step ≈ p, and
 `p += rate (ceiling − p) u / 8` with u the informative groups among k local
 groups of g completions; in expectation u = k (1 − p^g − (1 − p)^g). The fit
 is a grid search minimising the squared error between the model's expected

@@ -35,7 +35,7 @@ from gossip.errors import MurmurError
 from node import launch
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
-from simulations.virtual import identity_for
+from simulations.vnode import identity_for
 from simulations.wan import LinkSpec, NetnsLab, node_env
 
 MAX_REAL_NODES = 32

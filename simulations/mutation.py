@@ -40,6 +40,12 @@ MODULE_TESTS: dict[str, list[str]] = {
     "gossip/validation.py": ["tests/test_validation.py", "tests/test_validation_rates.py"],
     "gossip/wire.py": ["tests/test_wire.py"],
     "node/core.py": ["tests/test_core.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py"],
+    # the core's sub-machines: their own tests, then the core's that drive them
+    "node/peertable.py": ["tests/test_peertable.py", "tests/test_core.py", "tests/test_attacks_core.py"],
+    "node/catchup_machine.py": ["tests/test_catchup_machine.py", "tests/test_core.py", "tests/test_core_boundary.py",
+                                "tests/test_attacks_core.py"],
+    "node/supervision.py": ["tests/test_supervision.py", "tests/test_core.py", "tests/test_core_boundary.py"],
+    "node/sealing.py": ["tests/test_sealing.py", "tests/test_core.py", "tests/test_attacks_core.py"],
     # tests/test_lineage.py is sync/lineage.py's (publisher and follower), not the node's lineage table
     "node/lineages.py": ["tests/test_lineages.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py",
                          "tests/test_core.py"],
@@ -131,7 +137,7 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the wire refuses a negative step time before this check sees it
     ("node/lineages.py", "if not math.isfinite(t) or (t > 0.0 and not MIN_STEP_S <= t <= 1e6):"),
     # receivers need a producer's seqs unique and increasing, not consecutive
-    ("node/core.py", "self.rollout_seq = max(self.rollout_seq + 2, int(self.wall_ms()) * 1000)"),
+    ("node/sealing.py", "self.rollout_seq = max(self.rollout_seq + 2, int(wall_ms) * 1000)"),
     # EOS is a special token, so skip_special_tokens drops it whether or not this filter does
     ("training/tokencheck.py", "ids = [i for i in ids if i is not self.eos_id]"),
     ("training/tokencheck.py", "if not self.eos_id in ids:"),
@@ -158,9 +164,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     # a payload under 24 bytes has no room for its header length: refused by the next check instead
     ("sync/codec.py", "if len(mv) < len(MAGIC) - 4 + TRAILER_BYTES:"),
     # the time of a progress that never was: a held version is never -1, so the first catch-up replaces it
-    ("node/core.py", "self.progress = (-1, -1.0)  # (held version of the served lineage, when it last changed)"),
+    ("node/catchup_machine.py",
+     "self.progress = (-1, -1.0)  # (held version of the served lineage, when it last changed)"),
     # a row's head is never below what it holds (every write of `held` raises `head` to it)
-    ("node/core.py", "if lin is None or (lin.head == lin.held and not lin.need_anchor):"),
+    ("node/catchup_machine.py", "if lin is None or (lin.head == lin.held and not lin.need_anchor):"),
     # the lineage table's default bound off by one (as ratelimit's and scoring's)
     ("node/core.py", "max_lineages: int = 255"),
     ("node/core.py", "max_lineages: int = 257"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -66,33 +67,46 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def is_solo(item: pytest.Item) -> bool:
     """WebRTC (aiortc's SCTP in Python) misses py-libp2p's 10 s negotiation bounds when a live swarm on
-    the other worker takes the cores, so tests that run it run with nothing beside them; so do the
+    the other worker takes the cores, so tests that run it run with no live swarm beside them; so do the
     network-namespace swarms (marked `solo`), whose reachability checks wait on bounded dial-backs."""
     return item.get_closest_marker("solo") is not None or "webrtc_extra" in getattr(item, "fixturenames", ())
 
 
+SOLO, HEAVY, LIGHT = "solo", "heavy", "light"
+
+
+def weight(item: pytest.Item) -> str:
+    """What a test may run beside: a solo test excludes the live swarms and long multi-process runs
+    (marked `slow`); an ordinary test holds one core at most (threads are capped above), which leaves a solo
+    test's waits on dials and reservations the other core, so it runs beside anything."""
+    if is_solo(item):
+        return SOLO
+    return HEAVY if item.get_closest_marker("slow") is not None else LIGHT
+
+
 class SoloLock:
-    """A readers-writer lock across xdist workers (flock on two files): each test holds `main` shared, a
-    solo test holds it exclusive. A waiting solo test holds `gate`, which a test must pass to take
-    `main`, so the other worker's stream of short tests cannot starve it."""
+    """A readers-writer lock across xdist workers (flock on two files): a heavy test holds `main` shared, a
+    solo test holds it exclusive, an ordinary test takes neither. A waiting solo test holds `gate`, which a
+    heavy test must pass to take `main`, so the other worker's stream of heavy tests cannot starve it."""
 
     def __init__(self, root: Path) -> None:
         self._gate = open(root / "gate", "a+b")  # noqa: SIM115 - held for the worker's life
         self._main = open(root / "main", "a+b")  # noqa: SIM115
         self.held: str | None = None
 
-    def acquire(self, solo: bool) -> None:
-        mode = "solo" if solo else "shared"
+    def acquire(self, mode: str) -> None:
         if self.held == mode:
             return
         self.release()
-        if solo:
+        if mode == SOLO:
             fcntl.flock(self._gate, fcntl.LOCK_EX)
             fcntl.flock(self._main, fcntl.LOCK_EX)
-        else:
+        elif mode == HEAVY:
             fcntl.flock(self._gate, fcntl.LOCK_SH)
             fcntl.flock(self._main, fcntl.LOCK_SH)
             fcntl.flock(self._gate, fcntl.LOCK_UN)
+        else:
+            return
         self.held = mode
 
     def release(self) -> None:
@@ -115,13 +129,73 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return
     if not _SOLO:
         _SOLO.append(SoloLock(Path(root)))
-    solo = is_solo(item)
-    _SOLO[0].acquire(solo)
+    mode = weight(item)
+    _SOLO[0].acquire(mode)
     try:
         yield
     finally:
-        if not solo or nextitem is None or not is_solo(nextitem):
+        if mode != SOLO or nextitem is None or not is_solo(nextitem):
             _SOLO[0].release()
+
+
+# Live swarms that take longest start first among the heavy tests, so that short ones end the run on both
+# workers instead of one long swarm running alone at the end.
+LONGEST_FIRST = ("test_attacks_live.py", "test_node_swarm.py", "test_vllm.py", "test_emulation_nodes.py",
+                 "test_demo.py", "test_training.py", "test_modelplan.py", "test_broadcast.py")
+
+
+def _shares_module_state(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d and d[-1].scope in ("module", "package", "class") for d in defs)
+
+
+_UNITS = "units.json"  # in MURMUR_TEST_SOLO_ROOT: each worker's collection writes it, the controller schedules by it
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The order and the work units the controller hands out (`WorkUnits`): every solo test in one unit at the
+    front (one worker runs them in a row while the other runs ordinary tests beside them), then the ordinary
+    tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one unit, as
+    `loadfile` kept them, so the fixture is built once."""
+    root = os.environ.get(_SOLO_ROOT)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not root or not worker:
+        return
+    unit = {id(it): SOLO if is_solo(it) else (it.path.name if _shares_module_state(it) else it.nodeid)
+            for it in items}
+    rank = {SOLO: 0, LIGHT: 1, HEAVY: 2}
+    unit_rank: dict[str, int] = {}
+    for it in items:
+        u = unit[id(it)]
+        unit_rank[u] = max(unit_rank.get(u, 0), rank[weight(it)])
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = {id(it): i for i, it in enumerate(items)}
+    items.sort(key=lambda it: (unit_rank[unit[id(it)]], first.get(it.path.name, len(first)), order[id(it)]))
+    tmp = Path(root) / f"{_UNITS}.{worker}"
+    tmp.write_text(json.dumps({it.nodeid: unit[id(it)] for it in items if unit[id(it)] != it.nodeid}))
+    tmp.replace(Path(root) / _UNITS)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduler over the workers' own units and order (its `loadgroup` marks name no unit under
+    this pytest, whose node ids it cannot extend)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+    units_file = Path(os.environ[_SOLO_ROOT]) / _UNITS
+
+    class WorkUnits(LoadScopeScheduling):
+        units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.units is None:  # asked only once every worker has collected, so the file is there
+                self.units = json.loads(units_file.read_text())
+            return self.units.get(nodeid, nodeid)
+
+    return WorkUnits(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -62,14 +62,14 @@ def test_an_emulated_node_that_exits_early_is_reported_and_fails_the_run(tmp_pat
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tuple[int, dict, str, Path]:
-    """One whole (not --smoke) emulation that the tests below share: two trainers, a reward forger from 30 s,
-    and a planned leave of node 1 at 45 s that comes back (the same home and key) at 60 s."""
+    """One whole (not --smoke) emulation that the tests below share: two trainers, a reward forger from 10 s,
+    and a planned leave of node 1 at 30 s that comes back (the same home and key) at 40 s."""
     tmp = tmp_path_factory.mktemp("full-run")
     f = tmp / "emu.toml"
-    f.write_text('name = "emu"\nduration_s = 90.0\n[[group]]\ncount = 2\nupload_bytes_per_s = 2000000.0\n'
-                 '[[adversary]]\nbehaviour = "forged_reward"\nrate_per_s = 1.0\nstart_s = 30.0\n'
-                 '[[event]]\nat_s = 45.0\naction = "leave"\nnode = 1\n'
-                 '[[event]]\nat_s = 60.0\naction = "join"\nnode = 1\n'
+    f.write_text('name = "emu"\nduration_s = 60.0\n[[group]]\ncount = 2\nupload_bytes_per_s = 2000000.0\n'
+                 '[[adversary]]\nbehaviour = "forged_reward"\nrate_per_s = 1.0\nstart_s = 10.0\n'
+                 '[[event]]\nat_s = 30.0\naction = "leave"\nnode = 1\n'
+                 '[[event]]\nat_s = 40.0\naction = "join"\nnode = 1\n'
                  "[report]\nsample_every_s = 5.0\n")
     out = _out(tmp, tiny_model)
     rc, summary, err = _simulate([str(f), "--out", str(out)], timeout=500)
@@ -95,10 +95,10 @@ def test_a_planned_leave_and_rejoin_are_not_failures(full_run: tuple[int, dict, 
     assert rc == 0 and summary["nodes_failed"] == [], (summary.get("nodes_failed"), err)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     leaves = [r for r in rows if r["kind"] == "event" and r["action"] == "leave" and r["node"] == 1]
-    assert leaves and leaves[0]["t"] < 90.0, leaves  # it left during the run, not only when the run ended
+    assert leaves and leaves[0]["t"] < 60.0, leaves  # it left during the run, not only when the run ended
     joins = [r for r in rows if r["kind"] == "event" and r["action"] == "join" and r["node"] == 1
              and r["t"] > leaves[0]["t"]]
-    assert joins and joins[0]["t"] < 90.0, joins  # and came back during it, as a restart does
+    assert joins and joins[0]["t"] < 60.0, joins  # and came back during it, as a restart does
 
 
 def test_a_smoke_moves_on_to_the_next_event_only_once_no_running_node_waits_for_its_first_step() -> None:

@@ -383,3 +383,68 @@ def test_no_backlog_is_kept_for_peers_that_have_not_subscribed() -> None:
             assert held <= 2, f"{held} messages held for peers that did not subscribe ({len(pending)} peers)"
 
     trio.run(main)
+
+
+def test_pubsub_heals_both_ways_when_the_connection_under_its_streams_closes_and_a_duplicate_stays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two hosts that dial each other at once hold two connections. Here the pubsub streams both ways run
+    on the first one, X, whose hellos (the subscriptions) are written as X dies and never arrive; the
+    second, Y, stays. py-libp2p keeps the dead streams as each side's pubsub stream to the other (the
+    peer is still connected) and writes nothing to a peer whose subscriptions it does not know, so
+    neither side ever learns the other's subscriptions or sends it anything. Both streams must be
+    re-opened on Y, and their hellos carry the subscriptions."""
+    import multiaddr
+
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (41, 42)]
+    topic = "/murmur/t/rollouts/9"
+    lost: list[str] = []  # hosts whose hello went down with X
+    on_x = [True]  # pubsub streams opened before Y is dialled run on X
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as a, open_transport(ids[1]) as b:
+            chans = [await x.subscribe(topic) for x in (a, b)]
+            for t in (a, b):
+                real = t.host.new_stream
+
+                async def hello_lost_on_x(peer_id, protocols, *args, _t=t, _real=real, **kw):  # type: ignore[no-untyped-def]
+                    stream = await _real(peer_id, protocols, *args, **kw)
+                    if any("meshsub" in str(p) for p in protocols) and on_x[0]:
+                        async def written_as_x_dies(data: bytes) -> None:
+                            lost.append(_t.peer_id)
+                        stream.write = written_as_x_dies  # only the hello: nothing else is written before X closes
+                    return stream
+
+                monkeypatch.setattr(t.host, "new_stream", hello_lost_on_x)
+            a_id, b_id = a.host.get_id(), b.host.get_id()
+            await a.connect(b.listen_addrs()[0])  # X
+            await wait_until(lambda: sorted(lost) == sorted([a.peer_id, b.peer_id]), timeout=10)
+            assert a_id in b.pubsub.peers and b_id in a.pubsub.peers  # each holds a stream on X ...
+            assert a.topic_peers(topic) == [] and b.topic_peers(topic) == []  # ... whose hello never arrived
+            [x] = a.host.get_network().get_connections(b_id)
+
+            on_x[0] = False
+            await b.host.get_network().dial_addr(multiaddr.Multiaddr(a.listen_addrs()[0]), a_id)  # Y
+            await wait_until(lambda: len(a.host.get_network().get_connections(b_id)) == 2
+                             and len(b.host.get_network().get_connections(a_id)) == 2)
+            await x.close()
+            await wait_until(lambda: len(a.host.get_network().get_connections(b_id)) == 1
+                             and len(b.host.get_network().get_connections(a_id)) == 1)
+
+            await wait_until(lambda: a.topic_peers(topic) == [b.peer_id] and b.topic_peers(topic) == [a.peer_id],
+                             timeout=20)
+            for src, dst, chan in ((a, b, chans[1]), (b, a, chans[0])):
+                sent = False
+                with trio.move_on_after(10):  # a re-opened stream's peer joins the mesh within a heartbeat
+                    while not sent:
+                        try:
+                            await src.publish(topic, b"from " + src.peer_id.encode())
+                            sent = True
+                        except PublishError:
+                            await trio.sleep(0.1)
+                assert sent, f"{src.peer_id} could not publish to {dst.peer_id}"
+                with trio.fail_after(10):  # a subscriber's channel also carries its own publishes
+                    while await chan.receive() != (src.peer_id, b"from " + src.peer_id.encode()):
+                        pass
+            assert sorted(lost) == sorted([a.peer_id, b.peer_id])  # the re-opened streams' hellos were sent
+
+    trio.run(main)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import struct
+import types
 
 import pytest
 import trio
@@ -35,14 +36,16 @@ def test_install_is_explicit_idempotent_and_keeps_the_originals() -> None:
 
     F.install()
     patched = (TrioTCPStream.read, YamuxStream.write, YamuxStream._auto_tune_and_send_window_update,
-               Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer)
+               Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer, Pubsub.handle_dead_peer_queue)
     F.install()
     assert (TrioTCPStream.read, YamuxStream.write, YamuxStream._auto_tune_and_send_window_update,
-            Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer) == patched
+            Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer,
+            Pubsub.handle_dead_peer_queue) == patched
     for name, now in (("buffered_tcp_reads", TrioTCPStream.read), ("lean_yamux_writes", YamuxStream.write),
                       ("go_yamux_credit", YamuxStream._auto_tune_and_send_window_update),
                       ("pubsub_message_guard", Pubsub.push_msg), ("pubsub_stream_retry", Pubsub._handle_new_peer),
-                      ("pubsub_keep_subscriptions", Pubsub._handle_dead_peer)):
+                      ("pubsub_keep_subscriptions", Pubsub._handle_dead_peer),
+                      ("pubsub_stream_on_closed_connection", Pubsub.handle_dead_peer_queue)):
         assert F.original(name) is not now and F.original(name).__module__.startswith("libp2p."), name
 
 
@@ -191,6 +194,88 @@ def test_a_failed_pubsub_negotiation_is_made_retryable() -> None:
             assert a.faults.counts["pubsub stream open (retried)"] == 1
 
     trio.run(main)
+
+
+def test_a_hello_write_on_a_reset_stream_is_made_retryable() -> None:
+    """py-libp2p retries a pubsub stream open that failed with SwarmException or StreamClosed, and gives up for
+    good when its hello write finds the stream reset (the connection it was opened on closed, while the peer
+    stays connected through another): the fix raises the one it retries."""
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.network.stream.exceptions import StreamClosed, StreamReset
+    from libp2p.peer.id import ID
+
+    F.install()
+    stranger = ID.from_base58(Identity.from_seed(b"\x61" * 32).peer_id)
+
+    class OnAClosedConnection:
+        def get_protocol(self) -> str:
+            return "/meshsub/1.2.0"
+
+        async def write(self, data: bytes) -> None:
+            raise StreamReset("Cannot write to stream; stream is reset")
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x62" * 32)) as a:
+            async def negotiated(peer_id, protocols, *args, **kw):  # type: ignore[no-untyped-def]
+                return OnAClosedConnection()
+
+            a.host.new_stream = negotiated
+            with pytest.raises(SwarmException):
+                await a.pubsub._handle_new_peer(stranger)
+            with pytest.raises(StreamReset):
+                await F.original("pubsub_stream_retry")(a.pubsub, stranger)
+            assert not issubclass(StreamReset, (SwarmException, StreamClosed))  # what py-libp2p's loop retries
+            assert stranger not in a.pubsub.peers
+            assert a.faults.counts["pubsub stream open (retried)"] == 1
+
+    trio.run(main)
+
+
+class _Conn:
+    def __init__(self, closed: bool) -> None:
+        self.is_closed = closed
+        self.muxed_conn = types.SimpleNamespace(is_closed=closed)
+
+
+class _DeadPeerQueue:
+    """What pubsub's dead-peer loop reads: the disconnected peers, the peer's connections (one still open)
+    and our pubsub stream to it, on a connection that is open or closed."""
+
+    def __init__(self, peer: str, stream_on: _Conn) -> None:
+        self.send, self.dead_peer_receive_channel = trio.open_memory_channel[str](1)
+        self.event_handle_dead_peer_queue_started = trio.Event()
+        network = types.SimpleNamespace(get_connections=lambda p: [_Conn(closed=False)] if p == peer else [])
+        self.host = types.SimpleNamespace(get_network=lambda: network)
+        self.peers = {peer: types.SimpleNamespace(swarm_conn=stream_on, muxed_conn=stream_on.muxed_conn)}
+        self.dead: list[str] = []
+
+    def _peer_is_connected(self, peer_id: str) -> bool:
+        from libp2p.pubsub.pubsub import Pubsub
+
+        return Pubsub._peer_is_connected(self, peer_id)  # type: ignore[arg-type]
+
+    def _handle_dead_peer(self, peer_id: str) -> None:
+        self.dead.append(peer_id)
+
+
+def test_a_pubsub_stream_on_a_closed_connection_is_replaced_while_another_connection_stays() -> None:
+    """A peer's connection closed and another stays: py-libp2p leaves pubsub alone, even when our pubsub stream
+    to the peer ran on the connection that closed (the dead stream stays the peer's stream). The fix hands
+    that peer to `_handle_dead_peer`, which re-opens the stream on the surviving connection."""
+    F.install()
+    from libp2p.pubsub.pubsub import Pubsub
+
+    async def dead_peers(loop, stream_on: _Conn) -> list[str]:  # type: ignore[no-untyped-def]
+        q = _DeadPeerQueue("peer", stream_on)
+        q.send.send_nowait("peer")
+        q.send.close()
+        await loop(q)
+        return q.dead
+
+    assert trio.run(dead_peers, Pubsub.handle_dead_peer_queue, _Conn(closed=True)) == ["peer"]
+    assert trio.run(dead_peers, F.original("pubsub_stream_on_closed_connection"), _Conn(closed=True)) == []
+    # a stream on a connection that is still open is left alone, as py-libp2p does
+    assert trio.run(dead_peers, Pubsub.handle_dead_peer_queue, _Conn(closed=False)) == []
 
 
 def test_a_still_connected_peer_keeps_its_subscriptions_when_our_stream_to_it_dies() -> None:

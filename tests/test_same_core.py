@@ -9,7 +9,9 @@ import copy
 import node.runtime
 import node.worker
 import simulations.bench.swarm
-import simulations.virtual
+import simulations.vbroadcast
+import simulations.vruntime
+import simulations.vworker
 import sync.broadcast
 import sync.staleness
 import sync.transfers
@@ -40,17 +42,17 @@ broadcasts = 0
 
 
 def test_simulator_and_runtime_import_one_core_and_one_sampler() -> None:
-    assert simulations.virtual.NodeCore is node.runtime.C.NodeCore is NodeCore
-    assert simulations.virtual.CoreSettings is node.runtime.C.CoreSettings
+    assert simulations.vruntime.NodeCore is node.runtime.C.NodeCore is NodeCore
+    assert simulations.vruntime.CoreSettings is node.runtime.C.CoreSettings
     sampler = training.sampler.Sampler
-    assert simulations.virtual.Sampler is simulations.bench.swarm.Sampler is node.worker.Sampler is sampler
-    assert simulations.virtual.split is training.sampler.split
+    assert simulations.vworker.Sampler is simulations.bench.swarm.Sampler is node.worker.Sampler is sampler
+    assert simulations.vworker.split is training.sampler.split
 
 
 def test_simulated_broadcasts_run_the_live_nodes_broadcast_core() -> None:
     core = sync.transfers.BroadcastCore
     assert simulations.vsim.BroadcastCore is sync.broadcast.BroadcastCore is core
-    assert simulations.virtual.VirtualSwarm is simulations.vsim.VirtualSwarm  # the start-up broadcasts' driver
+    assert simulations.vbroadcast.VirtualSwarm is simulations.vsim.VirtualSwarm  # the start-up broadcasts' driver
     sw = simulations.vsim.VirtualSwarm(3, [4096] * 2, seed=0)
     assert all(type(nd.core) is core for nd in sw.nodes) and len({id(nd.core) for nd in sw.nodes}) == 4
 
@@ -65,7 +67,7 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
     # staleness admission is the core's guard, the rule the live node runs
     assert all(type(c.guard) is sync.staleness.StalenessGuard for c in cores)
     for n in honest:
-        assert n.core.ident is n.ident and n.core.clock() == sim._unix()  # virtual time, not the wall clock
+        assert n.core.ident is n.ident and n.core.clock() == sim.queue.unix()  # virtual time, not the wall clock
         if n.spec.role == "trainer":
             assert type(n.sampler) is training.sampler.Sampler
             assert n.core.own == n.lineage and n.core.head_of(n.lineage) == n.version
@@ -128,7 +130,7 @@ def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore
     """A recorded trace of what the simulator's driver fed each core, replayed into a fresh core, gives
     identical actions and answers: the core's decisions depend on its events and injected clocks only
     (no hidden clock, randomness or driver-written state), so what a driver feeds is all that decides."""
-    monkeypatch.setattr(simulations.virtual, "NodeCore", RecordingCore)
+    monkeypatch.setattr(simulations.vruntime, "NodeCore", RecordingCore)
     sim = VirtualSim(S.loads(SCENARIO))
     sim.run()
     cores = [n.core for n in sim.nodes if n.core is not None]

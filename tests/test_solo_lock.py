@@ -1,5 +1,6 @@
-"""The lock that keeps WebRTC tests alone: a solo holder excludes every other test, and a waiting solo test
-shuts the gate to new ones instead of waiting for a gap in the other worker's stream."""
+"""The lock that keeps WebRTC and network-namespace tests away from live swarms: a solo holder excludes every
+heavy test, a waiting solo test shuts the gate to new ones instead of waiting for a gap in the other worker's
+stream, and ordinary tests take no lock."""
 
 from __future__ import annotations
 
@@ -32,13 +33,13 @@ def _until(cond, timeout_s: float = 5.0) -> bool:
 
 def test_a_solo_test_waits_for_the_running_test_and_then_excludes_new_ones(tmp_path: Path) -> None:
     reader, writer = SoloLock(tmp_path), SoloLock(tmp_path)
-    reader.acquire(solo=False)
+    reader.acquire("heavy")
     assert _free(tmp_path / "main", fcntl.LOCK_SH) and not _free(tmp_path / "main", fcntl.LOCK_EX)
 
     got = threading.Event()
 
     def solo() -> None:
-        writer.acquire(solo=True)
+        writer.acquire("solo")
         got.set()
 
     t = threading.Thread(target=solo, daemon=True)
@@ -49,7 +50,7 @@ def test_a_solo_test_waits_for_the_running_test_and_then_excludes_new_ones(tmp_p
     reader.release()
     assert got.wait(5), "the solo test never started after the running test ended"
     assert not _free(tmp_path / "main", fcntl.LOCK_SH), "a test could start beside the solo test"
-    writer.acquire(solo=True)  # a run of solo tests keeps the lock it holds
+    writer.acquire("solo")  # a run of solo tests keeps the lock it holds
     assert writer.held == "solo"
     writer.release()
     t.join(5)
@@ -58,18 +59,28 @@ def test_a_solo_test_waits_for_the_running_test_and_then_excludes_new_ones(tmp_p
 
 def test_tests_beside_each_other_share_the_lock(tmp_path: Path) -> None:
     a, b = SoloLock(tmp_path), SoloLock(tmp_path)
-    a.acquire(solo=False)
-    b.acquire(solo=False)
-    assert a.held == b.held == "shared"
+    a.acquire("heavy")
+    b.acquire("heavy")
+    assert a.held == b.held == "heavy"
     assert not _free(tmp_path / "main", fcntl.LOCK_EX)
     a.release()
     b.release()
     assert _free(tmp_path / "main", fcntl.LOCK_EX)
 
 
-def test_under_xdist_a_solo_test_runs_with_nothing_beside_it(tmp_path: Path) -> None:
-    """Two workers, a file of solo tests and a file of ordinary ones: each test logs when it runs, and no
-    ordinary test's interval overlaps a solo one's."""
+def test_an_ordinary_test_takes_no_lock_and_runs_beside_a_solo_one(tmp_path: Path) -> None:
+    solo, plain = SoloLock(tmp_path), SoloLock(tmp_path)
+    solo.acquire("solo")
+    plain.acquire("light")  # would block for good if it took `main` or `gate`
+    assert plain.held is None and solo.held == "solo"
+    solo.release()
+    assert _free(tmp_path / "main", fcntl.LOCK_EX) and _free(tmp_path / "gate", fcntl.LOCK_EX)
+
+
+def test_under_xdist_a_solo_test_runs_beside_ordinary_tests_but_no_heavy_one(tmp_path: Path) -> None:
+    """Two workers, files of solo, heavy (`slow`) and ordinary tests: each test logs when and where it runs; the
+    solo tests of both solo files run on one worker, no heavy test's interval overlaps a solo one's, and ordinary
+    tests run beside the solo ones (one unit at the front: one worker runs it while the other takes the rest)."""
     import json
     import os
     import subprocess
@@ -78,14 +89,19 @@ def test_under_xdist_a_solo_test_runs_with_nothing_beside_it(tmp_path: Path) -> 
     root = Path(__file__).resolve().parents[1]
     log = tmp_path / "log.jsonl"
     (tmp_path / "conftest.py").write_text(
-        "from tests.conftest import pytest_configure, pytest_runtest_protocol, pytest_unconfigure  # noqa: F401\n")
+        "from tests.conftest import (pytest_configure, pytest_runtest_protocol, pytest_unconfigure,  # noqa: F401\n"
+        "                            pytest_collection_modifyitems, pytest_xdist_make_scheduler)\n")
     body = ("import json, os, time\nimport pytest\n\n"
-            "def _run(name):\n    t0 = time.monotonic()\n    time.sleep(0.4)\n"
+            "def _run(name, s):\n    t0 = time.monotonic()\n    time.sleep(s)\n"
             f"    with open({str(log)!r}, 'a') as f:\n"
-            "        f.write(json.dumps([name, t0, time.monotonic()]) + '\\n')\n\n")
-    (tmp_path / "test_solo.py").write_text(
-        body + "".join(f"@pytest.mark.solo\ndef test_s{i}():\n    _run('solo')\n\n" for i in range(3)))
-    (tmp_path / "test_plain.py").write_text(body + "".join(f"def test_p{i}():\n    _run('plain')\n\n" for i in range(6)))
+            "        f.write(json.dumps([name, t0, time.monotonic(), os.getpid()]) + '\\n')\n\n")
+    (tmp_path / "test_heavy.py").write_text(
+        body + "".join(f"@pytest.mark.slow\ndef test_h{i}():\n    _run('heavy', 0.3)\n\n" for i in range(3)))
+    for name, n in (("test_solo.py", 2), ("test_solo_too.py", 1)):  # two files, one unit
+        (tmp_path / name).write_text(
+            body + "".join(f"@pytest.mark.solo\ndef test_s{i}():\n    _run('solo', 0.6)\n\n" for i in range(n)))
+    (tmp_path / "test_plain.py").write_text(
+        body + "".join(f"def test_p{i}():\n    _run('plain', 0.2)\n\n" for i in range(6)))
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "MURMUR_TEST_SOLO_ROOT", "PYTEST_XDIST_WORKER")}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
@@ -93,8 +109,12 @@ def test_under_xdist_a_solo_test_runs_with_nothing_beside_it(tmp_path: Path) -> 
                        capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     runs = [json.loads(x) for x in log.read_text().splitlines()]
-    solo = [(a, b) for n, a, b in runs if n == "solo"]
-    plain = [(a, b) for n, a, b in runs if n == "plain"]
-    assert len(solo) == 3 and len(plain) == 6, runs
-    beside = [(p, s) for p in plain for s in solo if p[0] < s[1] and s[0] < p[1]]
-    assert not beside, f"ordinary tests ran beside solo ones: {beside}"
+    by = {k: [(a, b) for n, a, b, _ in runs if n == k] for k in ("solo", "heavy", "plain")}
+    assert len({pid for n, _, _, pid in runs if n == "solo"}) == 1, f"the solo tests ran on both workers: {runs}"
+    assert [len(by[k]) for k in ("solo", "heavy", "plain")] == [3, 3, 6], runs
+
+    def overlapping(kind: str) -> list:
+        return [(p, s) for p in by[kind] for s in by["solo"] if p[0] < s[1] and s[0] < p[1]]
+
+    assert not overlapping("heavy"), f"heavy tests ran beside solo ones: {overlapping('heavy')}"
+    assert overlapping("plain"), f"no ordinary test ran beside the solo ones: {runs}"

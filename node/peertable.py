@@ -1,0 +1,78 @@
+"""The peer table (sans-IO, part of `node.core`): the newest announce of each peer, bounded.
+
+A peer enters when its signed announce names the peer id of its signer (never our own, relayed back)
+and stays while it announces; an announce whose seq is not above the one held changes nothing (a replay
+or a reordering). The table holds at most `max_peers` rows: a new peer evicts the least recently seen one
+(counted). A peer silent for `PEER_EXPIRY_S` no longer counts for roles, demand and catch-up sources
+(`live`), and one silent for `PEER_FORGET_S` is dropped (`expire`). A peer heard for the first time
+yields its greeting: `ResendTaskSets` (our task sets are not re-gossiped otherwise), a log line and
+`SeePeer` (persist it for discovery).
+
+The distinct producers heard (announces that state a publishing rate, within `PEER_EXPIRY_S`) are counted
+apart from the table, so the count is not bounded by `max_peers`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from gossip import exchange, wire
+from gossip.identity import peer_id_from_public
+from node.events import Action, AnnounceHeard, Log, ResendTaskSets, SeePeer
+
+PEER_EXPIRY_S = 30.0  # a peer silent this long no longer counts for roles and demand
+PEER_FORGET_S = 120.0  # ... and this long is dropped from the table
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    announce: wire.NodeAnnounce
+    public: bytes
+    seen: float
+
+
+class PeerTable:
+    def __init__(self, max_peers: int, own_peer_id: str) -> None:
+        self.max_peers = max_peers
+        self.own_peer_id = own_peer_id
+        self.peers: dict[str, PeerInfo] = {}
+        self.evicted = 0
+        self.producers = exchange.DistinctCount(window_s=PEER_EXPIRY_S)
+
+    def on_announce(self, ev: AnnounceHeard, now: float) -> list[Action] | None:
+        """Record a verified announce. None: ignored (another key's peer id, our own, or not newer than the
+        one held); otherwise the actions to carry out once the announce's claims are handled: a new peer's
+        greeting, nothing for a known one."""
+        body = ev.body
+        if peer_id_from_public(ev.signer) != body.peer_id or body.peer_id == self.own_peer_id:
+            return None
+        prev = self.peers.get(body.peer_id)
+        if prev is not None and prev.announce.seq >= body.seq:
+            return None
+        if prev is None and len(self.peers) >= self.max_peers:
+            seen = [info.seen for info in self.peers.values()]  # the first least recently seen, in C
+            del self.peers[next(itertools.islice(self.peers, seen.index(min(seen)), None))]
+            self.evicted += 1
+        self.peers[body.peer_id] = PeerInfo(body, bytes(ev.signer), now)
+        if body.publish_batches_per_s > 0:
+            self.producers.add(body.peer_id, now)
+        if prev is not None:
+            return []
+        return [ResendTaskSets(), Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}),
+                SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data)]
+
+    def gone(self, peer_id: str) -> None:
+        self.peers.pop(peer_id, None)
+
+    def expire(self, now: float) -> None:
+        """Drop the peers silent for longer than `PEER_FORGET_S`."""
+        for pid in [p for p, info in self.peers.items() if now - info.seen > PEER_FORGET_S]:
+            del self.peers[pid]
+
+    def live(self, now: float) -> Iterator[tuple[str, PeerInfo]]:
+        """The peers heard within `PEER_EXPIRY_S`, in the table's order."""
+        for pid, p in self.peers.items():
+            if now - p.seen <= PEER_EXPIRY_S:
+                yield pid, p

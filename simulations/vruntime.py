@@ -1,0 +1,293 @@
+"""What `node.runtime` and its gossip service do around each simulated node's real `NodeCore`, in virtual
+time: build the core and the node's validation pipeline, feed the core the events that reach the node,
+and carry out the actions it returns (publish and subscribe through `simulations.vnet`, worker messages
+through `simulations.vworker`, the lineage store, catch-up requests, penalties).
+
+The patch transfer is modelled: a receiver whose core accepts a manifest (`NodeCore.offer_manifest`) gets
+the bytes one patch-broadcast delay later (its `patch_delay`, measured at start-up by
+`simulations.vbroadcast`, scaled by the item's size); patch contents are modelled (the manifest's chunk
+hashes are tokens) and storing is a dict per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gossip import wire
+from gossip.identity import peer_id_from_public
+from gossip.scoring import ScoreParams
+from gossip.validation import Pending, Pipeline, PipelineConfig
+from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, DropItem, FetchCatalog, FromWorker,
+                       LineageKnown, LoadStored, Log, ManifestHeard, NodeCore, OfferFailed, PatchStored, PeerGone,
+                       Penalise, Publish, RecordRollouts, RequestOffer, RolloutsPublished, RolloutsVerified, SeedVersion,
+                       StoredItems, StorePatch, Subscribe, Tick, ToWorker, TransferDone)
+from simulations.scenario import Scenario
+from simulations.vcache import SharedVerification, SimPipeline
+from simulations.vevents import (EPOCH, AnnounceArrives, BatchArrives, CatalogAsked, EventQueue, ManifestArrives,
+                                 OfferAsked, PatchArrives, PeerLeft, Reply, Wake, WorkerSends)
+from simulations.vnet import Network
+from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, item_bytes
+from simulations.vreport import Recorder
+from simulations.vworker import WORKER_S, Workers
+from sync.items import MAX_ITEMS, StoredItem, item_of
+from training.tasks import Task
+
+TICK = Tick()
+
+
+class CoreDriver:
+    """Drives every honest node's core: the events it is fed and the actions it returns."""
+
+    def __init__(self, sc: Scenario, nodes: list[VNode], queue: EventQueue, net: Network, workers: Workers,
+                 recorder: Recorder, shared: SharedVerification | None,
+                 resolve: Callable[[wire.TaskRef], Task], reward: Callable[[Task, str], float]) -> None:
+        self.sc = sc
+        self.nodes = nodes
+        self.queue = queue
+        self.net = net
+        self.workers = workers
+        self.recorder = recorder
+        self.shared = shared
+        self.resolve = resolve
+        self.reward = reward
+        self.by_peer = {n.peer_id: n for n in nodes}
+        self.publisher = {n.lineage: n for n in nodes}  # lineage -> the node that publishes it
+        self.score_params = ScoreParams(graylist_threshold=sc.gossip.graylist_threshold,
+                                        blacklist_s=sc.gossip.blacklist_s)
+
+    # ------------------------------------------------------------ building a node's network process
+
+    def pipeline(self, n: VNode) -> Pipeline:
+        """The node's gossip service's validation pipeline (its scores outlive its cores, as a node's do)."""
+        sc = self.sc
+        cfg = PipelineConfig(swarm=sc.swarm, max_staleness=sc.training.max_staleness,
+                             rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
+                             replay_entries=50_000, replay_ttl_s=900.0, score=self.score_params)
+
+        def head(lineage: bytes) -> int | None:  # no core yet: no head known (replaced by the core's on join)
+            return None
+
+        if self.shared is not None:
+            return SimPipeline(cfg, clock=self.queue.unix, resolve_task=self.resolve, reward=self.reward,
+                               head_version=head, shared=self.shared)
+        return Pipeline(cfg, clock=self.queue.unix, resolve_task=self.resolve, reward=self.reward, head_version=head)
+
+    def new_core(self, n: VNode) -> NodeCore:
+        """A (re)started node's network process: a fresh core, as `node.runtime` builds it."""
+        s, tr = n.spec, self.sc.training
+        follow = (self.nodes[s.follow].lineage,) if s.role == "follower" and s.follow is not None else ()
+        settings = CoreSettings(swarm=self.sc.swarm, roles=(s.role,), max_staleness=tr.max_staleness,
+                                publish_every=self.sc.sync.publish_every, external_rollouts=tr.external_groups,
+                                group_size=tr.group_size, max_new_tokens=TOKENS_PER_ROLLOUT,
+                                upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
+        net = self.net
+        # what the live announce topic tells every node: how many producers there are, what each supplies
+        core = NodeCore(settings, n.ident, self.queue.unix, self.queue.unix_ms,
+                        producers_count=lambda now: net.alive_producers - 1, supply_view=lambda: net.supply)
+        if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
+            lead = self.publisher[n.held_lineage]
+            core.handle(LineageKnown(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held))
+        return core
+
+    # ------------------------------------------------------------ the cores' actions, carried out in virtual time
+
+    def feed(self, n: VNode, ev: Any) -> None:
+        if n.core is not None:
+            self.do(n, n.core.handle(ev))
+
+    def do(self, n: VNode, actions: list[Any]) -> None:  # noqa: C901 - one branch per action
+        counts = self.recorder.counts
+        for a in actions:
+            t = type(a)
+            if t is Publish:
+                if a.topic == "announce":
+                    counts["announces"] += 1
+                    self.net.announced(n, a.data)
+                    self.net.send(n, n.ctrl, AnnounceArrives, a.data)
+                else:
+                    if self.net.publish(n, a.data, a.shard):  # as the runtime: counted once it went out
+                        self.feed(n, RolloutsPublished(a.count))
+            elif t is Subscribe:
+                self.net.subscribe(n, a.shards, a.subscribe)
+            elif t is ToWorker:
+                self.workers.receive(n, a.msg)
+            elif t is Log:
+                self.recorder.core_logs[a.msg] += 1
+            elif t is RecordRollouts:
+                counts["rollouts_recorded"] += len(a.entries)
+            elif t is SeedVersion:
+                counts["versions_seeded"] += 1
+                self.net.send(n, n.ctrl, ManifestArrives, a.envelope)
+            elif t is StorePatch:
+                self._store_patch(n, a.pid)
+            elif t is DropItem:
+                items = n.store.get(a.lineage, {})
+                for key in [k for k in items if k[1] == a.base and k[2] == a.target]:
+                    del items[key]
+            elif t is LoadStored:
+                self.feed(n, StoredItems(a.lineage, self._items(n, a.lineage)))
+            elif t is FetchCatalog:
+                counts["catalog_requests"] += 1
+                dst = self.by_peer.get(a.peer)
+                if dst is not None:
+                    self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
+                                    CatalogAsked(dst.spec.index, n.spec.index, a.lineage, n.inc))
+            elif t is RequestOffer:
+                counts["offers_requested"] += 1
+                dst = self.by_peer.get(a.peer)
+                if dst is not None:
+                    self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
+                                    OfferAsked(dst.spec.index, n.spec.index, a.lineage,
+                                               (a.item.kind, a.item.base, a.item.target), n.inc))
+            elif t is Penalise:
+                n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())  # type: ignore[union-attr]
+            # SeePeer (persist a peer for discovery), ResendTaskSets (one modelled task set): nothing to model;
+            # RestartWorker: modelled workers never exit
+
+    def _items(self, n: VNode, lineage: bytes) -> tuple[StoredItem, ...]:
+        items = n.store.get(lineage, {})
+        size = self.sc.sync.patch_bytes
+        return tuple(StoredItem(k, b, t, item_bytes(size, k)) for (k, b, t) in list(items)[-MAX_ITEMS:])
+
+    def _store_patch(self, n: VNode, pid: bytes) -> None:
+        """The runtime's store step: a completed transfer is written to the lineage store, then reported."""
+        got = n.transfers.pop(pid, None)
+        if got is None:
+            return
+        env, m, seconds = got
+        it = item_of(m)
+        n.store.setdefault(bytes(m.lineage), {})[(it.kind, it.base, it.target)] = env
+        self.recorder.counts["patches_stored"] += 1
+        self.feed(n, PatchStored(m, m.total_bytes, seconds))
+
+    # ------------------------------------------------------------ events that reach a node's network process
+
+    def on_wake(self, ev: Wake) -> None:
+        n = self.nodes[ev.node]
+        if not n.alive or n.inc != ev.inc or n.core is None:
+            return
+        self.do(n, n.core.handle(TICK))
+        due = n.core.next_deadline() - EPOCH
+        self.queue.push(max(due, self.queue.now + WORKER_S), Wake(ev.node, ev.inc))
+
+    def on_worker(self, ev: WorkerSends) -> None:
+        n = self.nodes[ev.node]
+        if n.alive and n.inc == ev.inc:
+            self.feed(n, FromWorker(ev.msg))
+
+    def on_peer_left(self, ev: PeerLeft) -> None:
+        n = self.nodes[ev.node]
+        if n.alive and n.inc == ev.inc:
+            self.feed(n, PeerGone(ev.peer))
+
+    def on_reply(self, ev: Reply) -> None:
+        n = self.nodes[ev.node]
+        if n.alive and n.inc == ev.inc:
+            self.feed(n, ev.event)
+
+    def on_announce(self, ev: AnnounceArrives) -> None:
+        d = self.nodes[ev.node]
+        if not d.alive or d.inc != ev.inc or d.core is None:
+            return
+        got = self.net.open(ev.data, wire.NODE_ANNOUNCE)
+        if got is None:
+            return
+        env, body = got
+        signer = bytes(env.signer)
+        if peer_id_from_public(signer) == body.peer_id:
+            d.pipeline.announced(body.peer_id, body)  # type: ignore[union-attr] - the rate it states bounds it
+        self.feed(d, AnnounceHeard(signer, body, ev.data))
+
+    def on_manifest(self, ev: ManifestArrives) -> None:
+        """A manifest reaches a node: its core hears it, and its broadcast asks the core whether to fetch it."""
+        d = self.nodes[ev.node]
+        if not d.alive or d.inc != ev.inc or d.core is None:
+            return
+        got = self.net.open(ev.data, wire.PATCH_MANIFEST)
+        if got is None:
+            return
+        env, m = got
+        self.feed(d, ManifestHeard(m))
+        if d.core is not None and d.core.offer_manifest(m):
+            pid = wire.content_id(ev.data)
+            if pid in d.transfers:
+                return
+            seconds = d.patch_delay * m.total_bytes / self.sc.sync.patch_bytes  # the modelled broadcast
+            d.transfers[pid] = (ev.data, m, seconds)
+            self.recorder.counts["transfers"] += 1
+            self.queue.push(self.queue.now + seconds, PatchArrives(ev.node, pid, ev.inc))
+
+    def on_patch(self, ev: PatchArrives) -> None:
+        n = self.nodes[ev.node]
+        if not n.alive or n.inc != ev.inc or ev.pid not in n.transfers:
+            return
+        self.feed(n, TransferDone(ev.pid, n.transfers[ev.pid][1]))
+        n.transfers.pop(ev.pid, None)  # stored (StorePatch) or already held
+
+    def on_catalog(self, ev: CatalogAsked) -> None:
+        """A catch-up catalog request reaches a peer: the reply lists what its lineage store holds."""
+        p = self.nodes[ev.node]
+        back = self.queue.now + self.net.latency(ev.node, ev.asker)
+        if p.alive and ev.lineage in p.store:
+            reply = CatalogReceived(p.peer_id, ev.lineage, self._items(p, ev.lineage))
+        else:
+            reply = CatalogFailed(p.peer_id, ev.lineage, "unreachable or not held")
+        self.queue.push(back, Reply(ev.asker, reply, ev.asker_inc))
+
+    def on_offer(self, ev: OfferAsked) -> None:
+        """A peer asked to seed an item into the broadcast: the asker hears its manifest one latency later."""
+        p = self.nodes[ev.node]
+        env = p.store.get(ev.lineage, {}).get(ev.item) if p.alive else None
+        back = self.queue.now + self.net.latency(ev.node, ev.asker)
+        if env is not None:
+            self.queue.push(back, ManifestArrives(ev.asker, ev.node, env, ev.asker_inc))
+        else:  # as the runtime's failed offer request: the asker's core moves to its next source
+            self.queue.push(back, Reply(ev.asker, OfferFailed(p.peer_id, ev.lineage, "unreachable or not held"),
+                                        ev.asker_inc))
+
+    def on_batch(self, ev: BatchArrives) -> None:
+        """A copy of a batch reaches a subscriber of its shard: what `GossipService._validate_rollouts` does
+        (gate, pipeline), then GossipSub passes on what was accepted; the core hears what the producer
+        delivered, and a trainer's worker gets the groups its core routes to it."""
+        dst, shard = ev.node, ev.shard
+        d = self.nodes[dst]
+        if not d.alive or d.inc != ev.inc or shard not in d.shards:
+            return
+        if not self.net.first_copy(d, ev.data):
+            return
+        s = self.nodes[ev.origin]
+        now = self.queue.unix()
+        d.stats.received()
+        why = d.gate.admit(s.peer_id, shard, now)
+        if why is None:
+            p = d.pipeline
+            step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)  # type: ignore[union-attr]
+            if step.batch is not None:
+                d.stats.counts["received_rollouts"] += len(step.batch.rollouts)
+            if isinstance(step, Pending):
+                why = d.gate.belongs([bytes(r.lineage) for r in step.batch.rollouts], shard, d.shard_count)
+                if why is not None:
+                    p.abandon(step)  # type: ignore[union-attr]
+                else:
+                    p.verify(step)  # type: ignore[union-attr]
+                    step = p.commit(step)  # type: ignore[union-attr]
+            v = step
+        if why is not None:
+            d.stats.drop(why)
+            self.recorder.rejections[why] += 1
+            return
+        if not v.accepted:
+            d.stats.drop(v.reason.value)
+            self.recorder.rejections[v.reason.value] += 1
+            self.recorder.row("rejection", t=self.queue.now, node=dst, peer=ev.origin, reason=v.reason.value)
+            if v.newly_banned:
+                self.recorder.row("event", t=self.queue.now, node=dst, action=f"ban {ev.origin}")
+            return
+        d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]
+        self.net.pass_on(d, ev.fwd, ev.origin, ev.data, shard)
+        if s.spec.role == "adversary":
+            s.adv_accepted += 1
+        if v.batch is not None:
+            self.feed(d, RolloutsVerified.of(v.batch))  # what the producer delivered, as the runtime feeds it
+        self.workers.intake(d, v)
