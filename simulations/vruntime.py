@@ -186,14 +186,20 @@ class CoreDriver:
         if n.alive and n.inc == ev.inc:
             self.feed(n, ev.event)
 
-    def on_announce(self, ev: AnnounceArrives) -> None:
+    def _heard(self, ev: AnnounceArrives | ManifestArrives, kind: str) -> tuple[VNode, wire.Envelope, Any] | None:
+        """The node a gossip message reaches, with its checked envelope and body; None for a node gone since
+        (or restarted) or a message its envelope check refuses."""
         d = self.nodes[ev.node]
         if not d.alive or d.inc != ev.inc or d.core is None:
+            return None
+        got = self.net.open(ev.data, kind)
+        return None if got is None else (d, *got)
+
+    def on_announce(self, ev: AnnounceArrives) -> None:
+        heard = self._heard(ev, wire.NODE_ANNOUNCE)
+        if heard is None:
             return
-        got = self.net.open(ev.data, wire.NODE_ANNOUNCE)
-        if got is None:
-            return
-        env, body = got
+        d, env, body = heard
         signer = bytes(env.signer)
         if peer_id_from_public(signer) == body.peer_id:
             d.pipeline.announced(body.peer_id, body)  # type: ignore[union-attr] - the rate it states bounds it
@@ -201,13 +207,10 @@ class CoreDriver:
 
     def on_manifest(self, ev: ManifestArrives) -> None:
         """A manifest reaches a node: its core hears it, and its broadcast asks the core whether to fetch it."""
-        d = self.nodes[ev.node]
-        if not d.alive or d.inc != ev.inc or d.core is None:
+        heard = self._heard(ev, wire.PATCH_MANIFEST)
+        if heard is None:
             return
-        got = self.net.open(ev.data, wire.PATCH_MANIFEST)
-        if got is None:
-            return
-        env, m = got
+        d, _, m = heard
         self.feed(d, ManifestHeard(m))
         if d.core is not None and d.core.offer_manifest(m):
             pid = wire.content_id(ev.data)
