@@ -165,6 +165,11 @@ MAX_PUBLISH_BYTES = 512 * 1024 + 4096
 INBOX_SIZE = 4096
 GOSSIP_D, GOSSIP_D_LOW, GOSSIP_D_HIGH = 6, 4, 12
 HEARTBEAT_S = 1
+# Every this often each pubsub peer is told our subscriptions again. py-libp2p sends them only in a new
+# stream's hello and on a change, so a hello lost with a connection that closed as it was written (two hosts
+# that dial each other at once) left the peer not knowing we subscribe for as long as the link lasted: it sent
+# us nothing, and our publishes to it failed for "no connected peer subscribes". One small RPC per peer.
+SUBSCRIPTIONS_REFRESH_S = 10.0
 
 # Async validator: (forwarder peer id, originator peer id, data) -> accept?
 Validator = Callable[[str, str, bytes], Awaitable[bool]]
@@ -270,7 +275,8 @@ class Libp2pTransport:
         self._nursery = nursery
         self._inboxes: dict[str, list[_Inbox]] = {}
         self._subs: dict[str, Any] = {}
-        self.counters: dict[str, int] = {"published": 0, "publish_errors": 0, "inbox_dropped": 0, "multi_topic": 0}
+        self.counters: dict[str, int] = {"published": 0, "publish_errors": 0, "inbox_dropped": 0, "multi_topic": 0,
+                                         "subscriptions_refresh_dropped": 0}
         self.on_multi_topic: Callable[[str], None] | None = None  # originator of a message naming several topics
 
     # ------------------------------------------------------------ peers
@@ -317,6 +323,18 @@ class Libp2pTransport:
             return []
 
     # ------------------------------------------------------------ gossip
+    async def refresh_subscriptions(self) -> None:
+        """Tell every pubsub peer our subscriptions again, every `SUBSCRIPTIONS_REFRESH_S`, for the host's life."""
+        while True:
+            await trio.sleep(SUBSCRIPTIONS_REFRESH_S)
+            if not self.pubsub.topic_ids:
+                continue
+            hello = self.pubsub.get_hello_packet()
+            for peer_id in tuple(self.pubsub.peers):
+                queue = self.pubsub.peer_queues.get(peer_id)
+                if queue is not None and not queue.push(hello):
+                    self.counters["subscriptions_refresh_dropped"] += 1
+
     def topic_peers(self, topic: str) -> list[str]:
         """Connected peers that told us they subscribe to `topic`."""
         return [p.to_base58() for p in self.pubsub.peer_topics.get(topic, ())]
@@ -559,6 +577,7 @@ async def open_transport(
         nursery = await stack.enter_async_context(trio.open_nursery())
         transport = Libp2pTransport(identity, host, pubsub, router, nursery, faults, budget)
         nursery.start_soon(faults.closer, transport.disconnect)
+        nursery.start_soon(transport.refresh_subscriptions)
         try:
             yield transport
         finally:

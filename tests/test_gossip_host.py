@@ -448,3 +448,41 @@ def test_pubsub_heals_both_ways_when_the_connection_under_its_streams_closes_and
             assert sorted(lost) == sorted([a.peer_id, b.peer_id])  # the re-opened streams' hellos were sent
 
     trio.run(main)
+
+
+def test_a_peer_that_never_heard_our_subscriptions_hears_them_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hello lost as its connection closed leaves a peer not knowing we subscribe: py-libp2p sends
+    subscriptions only in a stream's hello and on a change, so that peer would send us nothing for as long as
+    the link lasts. Each host tells its pubsub peers its subscriptions again every SUBSCRIPTIONS_REFRESH_S."""
+    from gossip import host as host_mod
+
+    monkeypatch.setattr(host_mod, "SUBSCRIPTIONS_REFRESH_S", 0.3)
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in (51, 52)]
+    topic = "/murmur/t/announce/1"
+
+    async def main() -> None:
+        async with open_transport(ids[0]) as a, open_transport(ids[1]) as b:
+            chan_b = await b.subscribe(topic)
+            await a.subscribe(topic)
+            await a.connect(b.listen_addrs()[0])
+            await wait_until(lambda: a.topic_peers(topic) == [b.peer_id] and b.topic_peers(topic) == [a.peer_id])
+            b_id = b.host.get_id()
+            for peers in a.pubsub.peer_topics.values():  # what a lost hello leaves: a never heard b subscribe
+                peers.discard(b_id)
+            assert a.topic_peers(topic) == []
+            await wait_until(lambda: a.topic_peers(topic) == [b.peer_id], timeout=5)
+            sent = False
+            with trio.move_on_after(10):  # b rejoins a's mesh within a heartbeat
+                while not sent:
+                    try:
+                        await a.publish(topic, b"after the refresh")
+                        sent = True
+                    except PublishError:
+                        await trio.sleep(0.1)
+            assert sent
+            with trio.fail_after(10):
+                while await chan_b.receive() != (a.peer_id, b"after the refresh"):
+                    pass
+            assert a.counters["subscriptions_refresh_dropped"] == 0
+
+    trio.run(main)
