@@ -225,11 +225,6 @@ class NodeCore:
                 "rollouts_unpublishable": self.sealer.unpublishable}
 
     @property
-    def counters(self) -> dict[str, int]:
-        """`stats()`, read as an attribute."""
-        return self.stats()
-
-    @property
     def peers(self) -> dict[str, PeerInfo]:
         return self.peer_table.peers
 

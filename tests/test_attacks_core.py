@@ -130,7 +130,7 @@ def test_tables_stay_bounded_under_a_flood_of_keys() -> None:
         core.handle(C.ManifestHeard(manifest(a, f"l{i}", 1, 2)))
     assert len(core.peers) <= 16 and len(core.lineages) <= 8
     assert good in core.lineages and core.serving == good
-    assert core.counters["peers_evicted"] > 0 and core.table.evicted > 0
+    assert core.stats()["peers_evicted"] > 0 and core.table.evicted > 0
 
 
 def test_out_of_range_worker_numbers_do_not_poison_the_announce() -> None:
@@ -217,7 +217,7 @@ def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
     acts = core.handle(W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5)]))
     sent = [wire.open_envelope(p.data, swarm=SWARM)[1] for p in of(acts, C.Publish) if p.topic == "rollouts"]
     assert [len(b.rollouts) for b in sent] == [1]  # only the honest one, and it still opens cleanly
-    assert core.counters["rollouts_unpublishable"] == 3
+    assert core.stats()["rollouts_unpublishable"] == 3
     assert sum(1 for a in of(acts, C.Log) if a.msg == "worker rollout not published") == 3
 
 
@@ -235,7 +235,7 @@ def test_a_patch_that_would_make_weights_non_finite_costs_its_publisher() -> Non
                                           "fault": "non_finite_patch"}))
     assert [(p.peer, p.reason, p.amount) for p in of(acts, C.Penalise)] == [
         (poisoner.peer_id, "non_finite_patch", C.FORGERY_PENALTY)]
-    assert of(acts, C.DropItem) and core.counters["patches_not_finite"] == 1
+    assert of(acts, C.DropItem) and core.stats()["patches_not_finite"] == 1
 
 
 def _trainer_with_need(step_s: float = 4.0) -> tuple[C.NodeCore, object, bytes]:
@@ -291,7 +291,7 @@ def test_a_claimed_throughput_no_delivery_backs_does_not_stand_honest_followers_
     act = core.lineages[lid].activation
     assert {k.peer_id for k in honest} <= set(act.active) and act.standby == []
     assert act.supply <= 0.25 * act.need + 1e-9 and len(act.capped) == 52
-    assert core.counters["claims_capped"] > 0
+    assert core.stats()["claims_capped"] > 0
 
 
 def test_delivery_earns_credit_so_a_surplus_follower_still_stands_by() -> None:
@@ -353,7 +353,7 @@ def test_a_follower_that_cannot_fetch_a_lineage_leaves_it_and_remembers_why() ->
     assert evil in served  # the claim did pull it (it cannot know before it tries) ...
     first = served.index(evil)
     assert served[first:].count(evil) * 2.5 <= C.LEAVE_AFTER_S + 2.5  # ... for one patience at most
-    assert served[-1] == good and len(left) == 1 and core.counters["lineages_left"] == 1
+    assert served[-1] == good and len(left) == 1 and core.stats()["lineages_left"] == 1
     assert attacker.public in core.table.avoided and "no version applied" in core.table.avoided[attacker.public][1]
     # the memory is bounded: many keys that each cannot be fetched
     for i in range(3 * 64):
@@ -376,7 +376,7 @@ def test_a_follower_paused_longer_than_the_patience_does_not_leave_its_lineage()
         clock.t += 0.5
         core.handle(announce(trainer, 2 + i, [demand(lid, "lin", 4)]))
         core.handle(C.Tick())
-    assert core.serving == lid and core.counters["lineages_left"] == 0
+    assert core.serving == lid and core.stats()["lineages_left"] == 0
 
 
 def test_a_flood_of_sybil_producers_cannot_widen_a_nodes_subscriptions() -> None:
@@ -415,7 +415,7 @@ def test_a_follower_whose_own_worker_is_down_does_not_blame_the_publisher() -> N
         clock.t += 2.0
         core.handle(announce(trainer, 2 + i, [demand(lid, "lin", 4 + i)]))
         core.handle(C.Tick())
-    assert core.serving == lid and core.counters["lineages_left"] == 0
+    assert core.serving == lid and core.stats()["lineages_left"] == 0
     core.handle(C.WorkerStarted())
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     seq, up_at = 1000, clock.t
@@ -424,7 +424,7 @@ def test_a_follower_whose_own_worker_is_down_does_not_blame_the_publisher() -> N
         seq += 1
         core.handle(announce(trainer, seq, [demand(lid, "lin", seq)]))
         core.handle(C.Tick())
-    assert core.counters["lineages_left"] == 1
+    assert core.stats()["lineages_left"] == 1
     assert clock.t - up_at >= C.TRIAL_S  # the whole patience from when its worker came up, none of the time down
 
 
@@ -505,7 +505,7 @@ def test_a_lineage_baited_with_manifests_never_served_costs_one_catch_up_not_gen
     assert len(asked) == 1  # ... of one catalog request ...
     assert gen.get(evil, 0.0) == 0.0 and worker.follows == good  # ... and not one rollout generated for it
     assert gen.get(good, 0.0) == 400.0  # the worker served the honest trainer throughout
-    assert served[-1] == good and core.counters["lineages_left"] == 1 and penalties == []
+    assert served[-1] == good and core.stats()["lineages_left"] == 1 and penalties == []
     assert core.table.is_avoided(attacker.public, clock.t) and not core.table.is_avoided(honest.public, clock.t)
 
 

@@ -209,7 +209,7 @@ def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> No
         assert core.handle(C.WorkerExited(1)) == []  # one restart per exit
         core.handle(C.WorkerStarted())
     assert delays == sorted(delays) and delays[0] < delays[-1]
-    assert core.counters["worker_restarts"] == 3
+    assert core.stats()["worker_restarts"] == 3
     acts = core.handle(W("ready", {"base": BASE.hex(), "version": 0}))
     assert [a.info.id for a in to_worker(acts, pipe.Follow)] == [lid.hex()]
     clock.t += C.WORKER_STABLE_S + 1
@@ -351,7 +351,7 @@ def test_a_follower_that_needs_an_anchor_plans_from_one() -> None:
 
 def test_a_fresh_cores_counters_start_at_zero() -> None:
     core, _ = make_core()
-    assert core.counters and set(core.counters.values()) == {0}
+    assert core.stats() and set(core.stats().values()) == {0}
 
 
 def test_a_trainers_announce_states_its_memory_in_bytes_and_its_step_time_in_range() -> None:
@@ -676,9 +676,9 @@ def test_applied_counts_the_versions_applied() -> None:
     core, clock = make_core()
     lid = follow_trainer(core, clock, key(9), head=6)
     core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
-    assert core.counters["applied"] == 3
+    assert core.stats()["applied"] == 3
     core.handle(W("applied", {"lineage": lid.hex(), "version": 5}))
-    assert core.counters["applied"] == 5
+    assert core.stats()["applied"] == 5
 
 
 def test_an_announce_is_taken_only_from_its_own_key_and_never_our_own() -> None:
@@ -859,14 +859,14 @@ def test_a_trainer_weighs_only_followers_heard_lately() -> None:
         clock.t = start
         core.handle(announce(key(9), 1, serving=lid, roles=("follower",), gen_tps=1e6))
         core.handle(C.Tick())
-        assert core.counters["claims_capped"] == 1
+        assert core.stats()["claims_capped"] == 1
         clock.t += C.PEER_EXPIRY_S + 5
         core.handle(C.Tick())
-        assert core.counters["claims_capped"] == 1
+        assert core.stats()["claims_capped"] == 1
     core, clock, lid = _trainer_with_own_lineage()  # a follower of another lineage is no offer to this one
     core.handle(announce(key(9), 1, serving=lineage_id(key(10).public, BASE, "x"), roles=("follower",), gen_tps=1e6))
     core.handle(C.Tick())
-    assert core.counters["claims_capped"] == 0
+    assert core.stats()["claims_capped"] == 0
 
 
 def test_a_trainer_joins_only_as_many_shards_as_cover_its_demand_in_batches() -> None:

@@ -65,7 +65,7 @@ def test_spot_rounds_and_failures_reach_the_status_counters() -> None:
     core.handle(W("spot_round", {"eligible": 12}))
     bad = Identity.from_seed(b"\x66" * 32)
     acts = core.handle(W("spot", {"ok": False, "producer": bad.public.hex(), "diff": 0.9}))
-    assert core.counters["spot_eligible"] == 12 and core.counters["spot_checked"] == 1
+    assert core.stats()["spot_eligible"] == 12 and core.stats()["spot_checked"] == 1
     assert [(p.peer, p.reason) for p in acts if isinstance(p, C.Penalise)] == [(bad.peer_id, "spot_check_failed")]
 
 

@@ -29,7 +29,7 @@ def test_the_core_counts_what_entered_updates_not_what_was_collected() -> None:
     core.handle(_step(2, used=0, groups=0, lineages=0, updates=1))
     core.handle(_step(3, used=16, groups=2, lineages=1, updates=1, heldout=0.5))
     # n_external_groups (collected, 9 a step) no longer counts as used: 9 x 8 x 3 was the old figure
-    assert core.counters["used"] == 40
+    assert core.stats()["used"] == 40
     assert list(core.swarm_gave) == [(3, 2, 2), (0, 0, 1), (2, 1, 1)]
     assert list(core.heldout) == [(1, 0.25), (3, 0.5)]
 
