@@ -105,7 +105,7 @@ def suggested_lr(params: int) -> float:
 
 def plan(model: str, budget_mb: int, home: Path | None = None) -> ModelPlan | None:
     """The plan for `[training] model`; None for the built-in murmur-tiny (a few MiB, fits any allowed budget)."""
-    from training.tiny import TINY_NAME
+    from training.tokenizer import TINY_NAME
 
     if model == TINY_NAME:
         return None

@@ -91,7 +91,7 @@ def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
 
     from gossip.errors import MurmurError
     from training.engine import MODE_TRANSFORMERS
-    from training.tiny import TINY_ARCHS, TINY_NAME
+    from training.tokenizer import TINY_ARCHS, TINY_NAME
 
     if spec.get("engine", "transformers") != "vllm":
         return sys.executable, MODE_TRANSFORMERS
@@ -236,7 +236,8 @@ class Worker:
         self.registry.add_builtin()
         self.db = open_store(self.home)
         from node.taskmix import TaskMix
-        from training.tiny import TINY_NAME, warmup_generators
+        from training.tiny import warmup_generators
+        from training.tokenizer import TINY_NAME
 
         self.tasks = TaskMix(self.registry, self.db, self.spec.get("task_sets") or ["builtin"],
                              {bytes.fromhex(k) for k in self.spec.get("trusted", [])},

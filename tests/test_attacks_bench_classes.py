@@ -115,7 +115,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(tiny: Path) -> None:
-    from training.engine_hf import load_tokenizer
+    from training.tokenizer import load_tokenizer
 
     k, _ = _honest_knowledge()
     k.model = str(tiny)

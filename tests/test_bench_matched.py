@@ -62,7 +62,8 @@ def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_
     from training.engine_hf import HFEngine
     from training.rollouts import logprobs_from_bytes
     from training.tasksets import TaskRegistry, train_generators
-    from training.tiny import TINY_NAME, ensure_tiny
+    from training.tiny import ensure_tiny
+    from training.tokenizer import TINY_NAME
     from training.tokencheck import for_model
     from training.verifiers import score
 

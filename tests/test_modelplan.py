@@ -23,7 +23,7 @@ def build_qwen2(d: Path, hidden: int = 320, layers: int = 5) -> int:
     """A Qwen2-shaped causal LM with random weights and murmur-tiny's tokenizer, saved like a downloaded one."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.tiny import build_tokenizer
+    from training.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
@@ -156,7 +156,7 @@ def qwen2_config_only(d: Path, hidden: int = 512, layers: int = 10) -> int:
     """A Qwen2-shaped model directory (10 layers, width 512), config.json only, counted on the meta device: 30M."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.tiny import build_tokenizer
+    from training.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,

@@ -66,7 +66,7 @@ def test_the_vocabulary_bound_is_checked_before_decoding(tiny) -> None:
 
 def test_the_models_vocabulary_when_known_bounds_the_ids_not_the_tokenizers() -> None:
     """A model's embedding may have fewer rows than its tokenizer has ids (or more): `vocab` is the bound."""
-    from training.tiny import build_tokenizer
+    from training.tokenizer import build_tokenizer
 
     small = tokencheck.TokenCheck(build_tokenizer(), vocab=40)
     assert small.vocab == 40
@@ -80,7 +80,7 @@ def test_the_models_vocabulary_when_known_bounds_the_ids_not_the_tokenizers() ->
 
 
 def save_tokenizer(path, config: str | None) -> None:
-    from training.tiny import build_tokenizer
+    from training.tokenizer import build_tokenizer
 
     build_tokenizer().save_pretrained(path)
     if config is not None:

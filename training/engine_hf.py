@@ -23,6 +23,7 @@ import torch
 from gossip.errors import MurmurError
 from training.engine import (MODE_TRANSFORMERS, Completion, Sampling, SparseUpdate, generate_groups,
                              tokenizer_hash_from_json)
+from training.tokenizer import load_tokenizer
 
 # transformers 5.24 renamed the cache argument; the old name works until 5.40 (we pin <6 and
 # test the loop), so silence the per-call deprecation notice.
@@ -63,24 +64,6 @@ def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
         raise MurmurError(f"model path {str(p)!r}: cannot load: {str(e).splitlines()[0][:200]}") from None
     model.to(pick_device(device))
     return model, tok
-
-
-def load_tokenizer(p: Path) -> Any:
-    """The directory's own tokenizer. A generic `tokenizer.json` (class TokenizersBackend /
-    PreTrainedTokenizerFast) is loaded as is: AutoTokenizer would rebuild it as the model
-    type's tokenizer class (e.g. byte-level BPE for qwen2), changing the tokenization."""
-    import json  # noqa: PLC0415
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415
-
-    cls = ""
-    try:
-        cls = json.loads((p / "tokenizer_config.json").read_text()).get("tokenizer_class", "")
-    except (OSError, ValueError):
-        pass
-    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (p / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
-    return AutoTokenizer.from_pretrained(p, local_files_only=True)
 
 
 def set_threads(threads: int) -> None:

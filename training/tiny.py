@@ -26,30 +26,15 @@ from training.engine_hf import HFEngine, set_threads
 from training.tasks import Task, generate
 from gossip.wire import GeneratorSpec
 from training.tasksets import builtin_manifest, train_generators
+from training.tokenizer import TINY_NAME, build_tokenizer
 
-TINY_NAME: Final = "murmur-tiny"
-TINY_ARCHS: Final = ["Qwen2ForCausalLM"]  # what build_model makes (an engine can check support before it exists)
 RECIPE: Final = "v3"  # v3: 100 warm-up steps on the built-in set version 3
-SPECIALS: Final = ["<pad>", "<eos>", "<unk>"]
-CHARS: Final = [chr(c) for c in range(32, 127)]
 
 # Warm-up: enough supervised steps to learn the answer formats (at RL's start nearly every greedy answer
 # has its family's shape) and part of each family's rule, leaving the rest to RL.
 WARMUP_STEPS: Final = 100
 WARMUP_BATCH: Final = 64
 WARMUP_LR: Final = 2e-3
-
-
-def build_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                   padding_side="left")
 
 
 def build_model(seed: int, vocab: int) -> Any:

@@ -42,7 +42,8 @@ def build_models(root: Path) -> dict[str, Path]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.tiny import build_tokenizer, ensure_tiny
+    from training.tiny import ensure_tiny
+    from training.tokenizer import build_tokenizer
 
     out = {"murmur-tiny": ensure_tiny(root)}
     big = root / "models" / "qwen2-28m"

@@ -201,7 +201,8 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     from training.evaluation import greedy_eval, held_out_tasks  # noqa: PLC0415
     from training.rollouts import to_wire  # noqa: PLC0415
     from training.tasksets import TaskRegistry, train_generators  # noqa: PLC0415
-    from training.tiny import TINY_NAME, ensure_tiny  # noqa: PLC0415
+    from training.tiny import ensure_tiny  # noqa: PLC0415
+    from training.tokenizer import TINY_NAME  # noqa: PLC0415
     from training.tokencheck import for_model  # noqa: PLC0415
     from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
     from training.verifiers import score  # noqa: PLC0415
