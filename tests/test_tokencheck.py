@@ -4,6 +4,10 @@ and the worker's `consistent`; murmur-tiny's real tokenizer and engine, plain ca
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -181,3 +185,22 @@ def test_a_tokenizer_that_cleans_up_spaces_is_checked_with_its_full_decode(engin
     assert check.decode(ids) == HFEngine(engine.model, tok).decode(ids) == "1, 2."
     assert check(rollout(check, "1, 2.", ids=ids)) is None
     assert check(rollout(check, "1 , 2 .", ids=ids))[0] is Reason.TEXT_MISMATCH
+
+
+def test_the_node_process_checks_tokens_without_torch(tiny_model) -> None:
+    """What a node process loads of its model (the token checks, the engine check, the model plan) imports no
+    torch: only its worker pays for torch, at start and in memory."""
+    code = ("import sys\n"
+            "import node.runtime\n"
+            "from node import modelplan, worker\n"
+            "from training import tokencheck\n"
+            "m = sys.argv[1]\n"
+            "assert tokencheck.for_model(m) is not None and tokencheck.for_model('murmur-tiny') is not None\n"
+            "worker.engine_check({'engine': 'transformers', 'model': m})\n"
+            "modelplan.plan(m, 4096)\n"
+            "print(sorted(x for x in ('torch', 'training.engine_hf', 'training.tiny') if x in sys.modules))\n")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True, timeout=120,
+                       cwd=str(root), env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
