@@ -269,12 +269,15 @@ async def main(script: dict[str, Any]) -> None:
                 except Exception as e:
                     emit("bulk_failed", peer=pname, path=best_path(t, pid), error=f"{type(e).__name__}: {e}"[:300])
             if first_path == "relayed" and script.get("holepunch", True):
-                # as node.reach does: the side that dialled the circuit drives DCUtR; the other waits (bounded)
+                # as node.reach does: the side that dialled the circuit drives DCUtR; the other waits as long as
+                # an attempt may last, plus the other side's start-up margin
+                from gossip.holepunch import UPGRADE_TIMEOUT_S
+
                 t_hp = time.perf_counter()
                 if pid in state.circuit_dialled:
                     await state.upgrade(pid)
                 else:
-                    with trio.move_on_after(45):
+                    with trio.move_on_after(UPGRADE_TIMEOUT_S + 10):
                         while best_path(t, pid) != "direct":
                             await trio.sleep(0.1)
                 ok = best_path(t, pid) == "direct"
