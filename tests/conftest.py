@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,15 +85,36 @@ def weight(item: pytest.Item) -> str:
     return HEAVY if item.get_closest_marker("slow") is not None else LIGHT
 
 
+HEAVY_SLOTS = 2  # live swarms at once: one per core; a third worker runs ordinary tests beside them
+SLOT_POLL_S = 0.05
+
+
 class SoloLock:
     """A readers-writer lock across xdist workers (flock on two files): a heavy test holds `main` shared, a
     solo test holds it exclusive, an ordinary test takes neither. A waiting solo test holds `gate`, which a
-    heavy test must pass to take `main`, so the other worker's stream of heavy tests cannot starve it."""
+    heavy test must pass to take `main`, so the other workers' stream of heavy tests cannot starve it. A heavy
+    test also holds one of `HEAVY_SLOTS` slot files, trying its own (`slot`) first; flock cannot wait for
+    whichever of several frees first, so a heavy test with none free polls them."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, slot: int = 0) -> None:
         self._gate = open(root / "gate", "a+b")  # noqa: SIM115 - held for the worker's life
         self._main = open(root / "main", "a+b")  # noqa: SIM115
+        self._slots = [open(root / f"heavy{i}", "a+b") for i in range(HEAVY_SLOTS)]  # noqa: SIM115
+        self._own = slot % HEAVY_SLOTS
+        self._slot: Any = None
         self.held: str | None = None
+
+    def _take_slot(self) -> None:
+        order = [self._slots[(self._own + i) % HEAVY_SLOTS] for i in range(HEAVY_SLOTS)]
+        while True:  # unbounded like the other waits here: a heavy test may run for minutes
+            for f in order:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                self._slot = f
+                return
+            time.sleep(SLOT_POLL_S)
 
     def acquire(self, mode: str) -> None:
         if self.held == mode:
@@ -105,11 +127,15 @@ class SoloLock:
             fcntl.flock(self._gate, fcntl.LOCK_SH)
             fcntl.flock(self._main, fcntl.LOCK_SH)
             fcntl.flock(self._gate, fcntl.LOCK_UN)
+            self._take_slot()
         else:
             return
         self.held = mode
 
     def release(self) -> None:
+        if self._slot is not None:
+            fcntl.flock(self._slot, fcntl.LOCK_UN)
+            self._slot = None
         if self.held is not None:
             fcntl.flock(self._main, fcntl.LOCK_UN)
             fcntl.flock(self._gate, fcntl.LOCK_UN)
@@ -128,7 +154,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
         return
     if not _SOLO:
-        _SOLO.append(SoloLock(Path(root)))
+        _SOLO.append(SoloLock(Path(root), slot=int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw") or 0)))
     mode = weight(item)
     _SOLO[0].acquire(mode)
     try:

@@ -68,6 +68,31 @@ def test_tests_beside_each_other_share_the_lock(tmp_path: Path) -> None:
     assert _free(tmp_path / "main", fcntl.LOCK_EX)
 
 
+def test_at_most_two_heavy_tests_run_at_once_and_a_third_starts_when_one_ends(tmp_path: Path) -> None:
+    a, b, c = (SoloLock(tmp_path, slot=i) for i in range(3))
+    a.acquire("heavy")
+    b.acquire("heavy")  # its own slot is free
+    got = threading.Event()
+
+    def third() -> None:
+        c.acquire("heavy")  # slot 2 % 2 = 0: a holds it, and b holds the other
+        got.set()
+
+    t = threading.Thread(target=third, daemon=True)
+    t.start()
+    assert not got.wait(0.3), "a third heavy test started beside two"
+    b.release()  # not the third one's own slot: it takes whichever frees first
+    assert got.wait(5), "the third heavy test never started after a slot came free"
+    assert not _free(tmp_path / "heavy0", fcntl.LOCK_EX) and not _free(tmp_path / "heavy1", fcntl.LOCK_EX)
+    a.release()
+    b.acquire("heavy")  # c holds slot 1: b takes slot 0
+    assert b.held == c.held == "heavy"
+    for x in (b, c):
+        x.release()
+    t.join(5)
+    assert all(_free(tmp_path / f"heavy{i}", fcntl.LOCK_EX) for i in range(2))
+
+
 def test_an_ordinary_test_takes_no_lock_and_runs_beside_a_solo_one(tmp_path: Path) -> None:
     solo, plain = SoloLock(tmp_path), SoloLock(tmp_path)
     solo.acquire("solo")
