@@ -94,27 +94,41 @@ class SoloLock:
     solo test holds it exclusive, an ordinary test takes neither. A waiting solo test holds `gate`, which a
     heavy test must pass to take `main`, so the other workers' stream of heavy tests cannot starve it. A heavy
     test also holds one of `HEAVY_SLOTS` slot files, trying its own (`slot`) first; flock cannot wait for
-    whichever of several frees first, so a heavy test with none free polls them."""
+    whichever of several frees first, so a heavy test with none free polls them, holding `slotgate` while it
+    does: a worker that ends a heavy test and starts the next one passes that gate first, so it cannot take
+    the slot it just gave up before the waiting one sees it free."""
 
     def __init__(self, root: Path, slot: int = 0) -> None:
         self._gate = open(root / "gate", "a+b")  # noqa: SIM115 - held for the worker's life
         self._main = open(root / "main", "a+b")  # noqa: SIM115
         self._slots = [open(root / f"heavy{i}", "a+b") for i in range(HEAVY_SLOTS)]  # noqa: SIM115
+        self._slotgate = open(root / "slotgate", "a+b")  # noqa: SIM115
         self._own = slot % HEAVY_SLOTS
         self._slot: Any = None
         self.held: str | None = None
 
+    def _try_slots(self) -> bool:
+        for i in range(HEAVY_SLOTS):
+            f = self._slots[(self._own + i) % HEAVY_SLOTS]
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            self._slot = f
+            return True
+        return False
+
     def _take_slot(self) -> None:
-        order = [self._slots[(self._own + i) % HEAVY_SLOTS] for i in range(HEAVY_SLOTS)]
-        while True:  # unbounded like the other waits here: a heavy test may run for minutes
-            for f in order:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                self._slot = f
-                return
-            time.sleep(SLOT_POLL_S)
+        fcntl.flock(self._slotgate, fcntl.LOCK_SH)  # behind a test already waiting for a slot
+        fcntl.flock(self._slotgate, fcntl.LOCK_UN)
+        if self._try_slots():
+            return
+        fcntl.flock(self._slotgate, fcntl.LOCK_EX)
+        try:
+            while not self._try_slots():  # unbounded like the other waits here: a heavy test may run for minutes
+                time.sleep(SLOT_POLL_S)
+        finally:
+            fcntl.flock(self._slotgate, fcntl.LOCK_UN)
 
     def acquire(self, mode: str) -> None:
         if self.held == mode:
@@ -166,7 +180,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 # Live swarms that take longest start first among the heavy tests, so that short ones end the run on both
 # workers instead of one long swarm running alone at the end.
-LONGEST_FIRST = ("test_attacks_live.py", "test_node_swarm.py", "test_vllm.py", "test_emulation_nodes.py",
+LONGEST_FIRST = ("test_vllm.py", "test_attacks_live.py", "test_node_swarm.py", "test_emulation_nodes.py",
                  "test_demo.py", "test_training.py", "test_modelplan.py", "test_broadcast.py")
 
 

@@ -93,6 +93,36 @@ def test_at_most_two_heavy_tests_run_at_once_and_a_third_starts_when_one_ends(tm
     assert all(_free(tmp_path / f"heavy{i}", fcntl.LOCK_EX) for i in range(2))
 
 
+def test_a_worker_that_ends_a_heavy_test_cannot_take_its_slot_back_before_a_waiting_one(tmp_path: Path) -> None:
+    a, b, c = (SoloLock(tmp_path, slot=i) for i in range(3))
+    a.acquire("heavy")
+    b.acquire("heavy")
+    waiting, again = threading.Event(), threading.Event()
+
+    def third() -> None:
+        c.acquire("heavy")
+        waiting.set()
+
+    def next_test_on_a() -> None:
+        a.acquire("heavy")
+        again.set()
+
+    t = threading.Thread(target=third, daemon=True)
+    t.start()
+    assert _until(lambda: not _free(tmp_path / "slotgate", fcntl.LOCK_SH)), "the waiting test holds no gate"
+    a.release()
+    t2 = threading.Thread(target=next_test_on_a, daemon=True)
+    t2.start()  # at once, as a worker starts its next test
+    assert waiting.wait(5), "the waiting heavy test never got the slot"
+    assert not again.wait(0.3), "the worker took its slot back past the waiting test"
+    b.release()
+    assert again.wait(5)
+    for x in (a, c):
+        x.release()
+    t.join(5)
+    t2.join(5)
+
+
 def test_an_ordinary_test_takes_no_lock_and_runs_beside_a_solo_one(tmp_path: Path) -> None:
     solo, plain = SoloLock(tmp_path), SoloLock(tmp_path)
     solo.acquire("solo")
