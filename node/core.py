@@ -55,9 +55,7 @@ from typing import Any, assert_never
 from gossip import exchange, wire
 from gossip.identity import Identity, peer_id_from_public
 from node import pipe, roles
-from node.catchup_machine import (CATCH_UP_PATIENCE_S, IN_FLIGHT_PATIENCE_S, MAX_IN_FLIGHT,  # noqa: F401 - API
-                                  RESYNC_AFTER_S, LEAVE_AFTER_S, TRIAL_S, CatchUp, CatchUpMachine, CatchUpNeed,
-                                  CatchUpPhase)
+from node.catchup_machine import LEAVE_AFTER_S, TRIAL_S, CatchUp, CatchUpMachine, CatchUpNeed, CatchUpPhase
 from node.config import NetworkSection, NodeSection, SyncSection, TrainingSection
 from node.credit import Deliveries
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
@@ -67,10 +65,10 @@ from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGo
                          RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
                          RequestOffer, Penalise, SeePeer, Log, Subscribe, Event, Action)  # noqa: F401 - part of the core's API
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
-from node.peertable import PEER_EXPIRY_S, PeerInfo, PeerTable  # noqa: F401 - part of the core's API
+from node.peertable import PeerInfo, PeerTable
 from node.pipe import WorkerState
 from node.sealing import RolloutSealer
-from node.supervision import RESTART_BACKOFF_S, WORKER_STABLE_S, WorkerSupervisor  # noqa: F401 - part of the core's API
+from node.supervision import WorkerSupervisor
 from sync.items import diff_kind, item_of
 from sync.staleness import StalenessGuard
 

@@ -67,8 +67,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def is_solo(item: pytest.Item) -> bool:
-    """WebRTC (aiortc's SCTP in Python) misses py-libp2p's 10 s negotiation bounds when a live swarm on
-    the other worker takes the cores, so tests that run it run with no live swarm beside them; so do the
+    """WebRTC (aiortc's SCTP in Python) misses py-libp2p's 10 s negotiation bounds when live swarms on
+    other workers take the cores, so tests that run it run with no live swarm beside them; so do the
     network-namespace swarms (marked `solo`), whose reachability checks wait on bounded dial-backs."""
     return item.get_closest_marker("solo") is not None or "webrtc_extra" in getattr(item, "fixturenames", ())
 
@@ -79,10 +79,13 @@ SOLO, HEAVY, LIGHT = "solo", "heavy", "light"
 def weight(item: pytest.Item) -> str:
     """What a test may run beside: a solo test excludes the live swarms and long multi-process runs
     (marked `slow`); an ordinary test holds one core at most (threads are capped above), which leaves a solo
-    test's waits on dials and reservations the other core, so it runs beside anything."""
+    test's waits on dials and reservations the other core, so it runs beside anything; so does a `slow` test
+    marked `onecore` (one process, one thread: a simulation in virtual time)."""
     if is_solo(item):
         return SOLO
-    return HEAVY if item.get_closest_marker("slow") is not None else LIGHT
+    if item.get_closest_marker("slow") is None or item.get_closest_marker("onecore") is not None:
+        return LIGHT
+    return HEAVY
 
 
 HEAVY_SLOTS = 2  # live swarms at once: one per core; a third worker runs ordinary tests beside them

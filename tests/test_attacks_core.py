@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gossip import wire
 from node import core as C
+from node import catchup_machine as CM
 from node import roles
 from node.lineages import MAX_AHEAD
 from sync.catchup import choose
@@ -182,7 +183,7 @@ def test_a_publisher_spamming_distinct_manifests_gets_a_bounded_number_of_transf
     core.handle(C.Tick())
     accepted = sum(core.offer_manifest(manifest(honest, "lin", b, b + 1 + (i % 7)))
                    for i, b in enumerate(range(3, 3 + 1000)))
-    assert accepted == C.MAX_IN_FLIGHT and len(core.in_flight) == C.MAX_IN_FLIGHT
+    assert accepted == CM.MAX_IN_FLIGHT and len(core.in_flight) == CM.MAX_IN_FLIGHT
 
 
 def test_honest_traffic_costs_no_one_anything() -> None:

@@ -10,6 +10,9 @@ import pytest
 from gossip import exchange, wire
 from gossip.identity import Identity
 from node import core as C
+from node import catchup_machine as CM
+from node import peertable as PT
+from node import supervision as SV
 from node import pipe
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
@@ -212,9 +215,9 @@ def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> No
     assert core.stats()["worker_restarts"] == 3
     acts = core.handle(W("ready", {"base": BASE.hex(), "version": 0}))
     assert [a.info.id for a in to_worker(acts, pipe.Follow)] == [lid.hex()]
-    clock.t += C.WORKER_STABLE_S + 1
+    clock.t += SV.WORKER_STABLE_S + 1
     acts = core.handle(C.WorkerExited(1))
-    assert of(acts, C.RestartWorker) == [C.RestartWorker(C.RESTART_BACKOFF_S[0])]  # a stable run resets it
+    assert of(acts, C.RestartWorker) == [C.RestartWorker(SV.RESTART_BACKOFF_S[0])]  # a stable run resets it
 
 
 def test_a_patch_lost_after_its_transfer_completed_is_offered_and_stored_again() -> None:
@@ -252,7 +255,7 @@ def test_a_stored_chain_that_does_not_apply_is_re_read_from_the_store_then_fetch
     clock.t += 1
     acts = core.handle(C.Tick())
     assert of(acts, C.FetchCatalog) == [] and of(acts, C.LoadStored) == []  # the worker may still be applying
-    clock.t += C.RESYNC_AFTER_S
+    clock.t += CM.RESYNC_AFTER_S
     acts = core.handle(C.Tick())
     assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
     core.handle(C.StoredItems(lid, (StoredItem("patch", 2, 3, 10),)))  # 1->2 is gone
@@ -475,8 +478,8 @@ def test_a_catch_up_with_no_reply_is_retried_after_its_patience() -> None:
         clock.t += 7.0  # steps that pass the patience without landing on it
         core.handle(announce(trainer, seq, [demand(lid, "lin", 6)]))
         fetches += [clock.t - start for a in of(core.handle(C.Tick()), C.FetchCatalog)]
-    assert core.serving == lid and fetches and fetches[0] >= C.CATCH_UP_PATIENCE_S
-    assert fetches[0] <= C.CATCH_UP_PATIENCE_S + 7.0
+    assert core.serving == lid and fetches and fetches[0] >= CM.CATCH_UP_PATIENCE_S
+    assert fetches[0] <= CM.CATCH_UP_PATIENCE_S + 7.0
 
 
 def test_a_catalog_item_beyond_the_signed_head_is_not_requested() -> None:
@@ -547,7 +550,7 @@ def test_a_trainer_hears_its_own_shard_only_while_a_fresh_announce_says_someone_
     clock.t += C.ANNOUNCE_EVERY_S
     core.handle(C.Tick())
     assert core.exchange.plan_.home == (core.exchange.publish_shard(lid),)
-    clock.t += C.PEER_EXPIRY_S + 1  # the follower falls silent (it stays in the table until PEER_FORGET_S)
+    clock.t += PT.PEER_EXPIRY_S + 1  # the follower falls silent (it stays in the table until PEER_FORGET_S)
     core.handle(C.Tick())
     assert key(9).peer_id in core.peers and core.exchange.plan_.home == ()
 
@@ -793,7 +796,7 @@ def test_catch_up_asks_the_publisher_then_peers_heard_serving_the_lineage_lately
     higher = next(key(i) for i in range(12, 200) if key(i).peer_id > trainer.peer_id)
     lid = lineage_id(trainer.public, BASE, "lin")
     core.handle(announce(silent, 1, serving=lid, roles=("follower",)))
-    clock.t += C.PEER_EXPIRY_S + 1  # the first follower falls silent
+    clock.t += PT.PEER_EXPIRY_S + 1  # the first follower falls silent
     core.handle(announce(trainer, 1, [demand(lid, "lin", 6)]))
     for fresh in (lower, higher):
         core.handle(announce(fresh, 1, serving=lid, roles=("follower",)))
@@ -843,7 +846,7 @@ def test_an_accepted_transfer_is_forgotten_only_after_four_patiences() -> None:
     lid = follow_trainer(core, clock, trainer, head=3)
     accepted = clock.t
     assert core.offer_manifest(manifest(trainer, "lin", 3, 4))
-    clock.t = accepted + 4 * C.IN_FLIGHT_PATIENCE_S
+    clock.t = accepted + 4 * CM.IN_FLIGHT_PATIENCE_S
     core.handle(C.Tick())
     assert (lid, "patch", 3, 4) in core.in_flight
     clock.t += C.ANNOUNCE_EVERY_S
@@ -860,7 +863,7 @@ def test_a_trainer_weighs_only_followers_heard_lately() -> None:
         core.handle(announce(key(9), 1, serving=lid, roles=("follower",), gen_tps=1e6))
         core.handle(C.Tick())
         assert core.stats()["claims_capped"] == 1
-        clock.t += C.PEER_EXPIRY_S + 5
+        clock.t += PT.PEER_EXPIRY_S + 5
         core.handle(C.Tick())
         assert core.stats()["claims_capped"] == 1
     core, clock, lid = _trainer_with_own_lineage()  # a follower of another lineage is no offer to this one
@@ -968,7 +971,7 @@ def test_a_transfer_on_its_way_longer_than_the_patience_is_fetched_by_catch_up()
     assert core.offer_manifest(manifest(trainer, "lin", 3, 4))
     clock.t += C.CATCH_UP_EVERY_S
     assert of(core.handle(C.Tick()), C.FetchCatalog) == []
-    clock.t += C.IN_FLIGHT_PATIENCE_S
+    clock.t += CM.IN_FLIGHT_PATIENCE_S
     core.handle(announce(trainer, 2, [demand(lid, "lin", 4)]))  # the trainer is still there
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
 

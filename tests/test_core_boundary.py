@@ -10,6 +10,7 @@ import pytest
 
 from gossip.errors import DecodeError
 from node import core as C
+from node import catchup_machine as CM
 from node import pipe
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
@@ -62,7 +63,7 @@ def test_every_source_failing_waits_out_the_patience_then_starts_over() -> None:
     assert of(core.handle(C.CatalogFailed(peer.peer_id, lid, "y")), C.FetchCatalog) == []
     assert core.catching.phase is C.CatchUpPhase.EXHAUSTED
     assert core.handle(C.CatalogFailed(peer.peer_id, lid, "late")) == []
-    clock.t += C.CATCH_UP_PATIENCE_S - 1
+    clock.t += CM.CATCH_UP_PATIENCE_S - 1
     core.handle(announce(trainer, 2, [demand(lid, "lin", 6)]))  # the trainer is still there
     assert of(core.handle(C.Tick()), C.FetchCatalog) == []
     clock.t += 2

@@ -143,6 +143,7 @@ def test_every_packaged_scenario_is_smoked_live_started_virtually_or_checked() -
 
 
 @pytest.mark.slow
+@pytest.mark.onecore  # one simulator process on one core: no live-swarm slot
 @pytest.mark.parametrize("path", IN_VIRTUAL_TIME, ids=lambda p: p.stem)
 def test_packaged_scenario_starts_in_virtual_time(path: Path, tmp_path: Path) -> None:
     # a scenario the emulator could run is run whole (its joins and restarts come late); a bigger one starts

@@ -22,6 +22,7 @@ import trio.testing
 
 from gossip.identity import Identity
 from node import core as C
+from node import supervision as SV
 from node import patchsync, pipe
 from node.config import Config, NodeSection, SyncSection
 from node.pipe import WorkerState
@@ -158,7 +159,7 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             died = trio.current_time()
             wb.crash(-9)
             await _until("worker restarted", lambda: len(workers.links) == 4)
-            assert spawned[-1] - died >= C.RESTART_BACKOFF_S[0]  # waited out its backoff, in virtual time
+            assert spawned[-1] - died >= SV.RESTART_BACKOFF_S[0]  # waited out its backoff, in virtual time
             wb2 = workers.links[3]
             await _until("restarted worker following", lambda: wb2.follower is not None)
             s = b.snapshot()
@@ -172,7 +173,7 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             died = trio.current_time()
             wb2.crash(-9)
             await _until("worker restarted again", lambda: len(workers.links) == 5)
-            assert spawned[-1] - died >= C.RESTART_BACKOFF_S[1] > C.RESTART_BACKOFF_S[0]
+            assert spawned[-1] - died >= SV.RESTART_BACKOFF_S[1] > SV.RESTART_BACKOFF_S[0]
             wb2 = workers.links[4]
             await _until("worker following again", lambda: wb2.follower is not None and wb2.follower.version == 4)
             assert b.snapshot().worker_restarts == 2

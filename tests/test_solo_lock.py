@@ -173,3 +173,20 @@ def test_under_xdist_a_solo_test_runs_beside_ordinary_tests_but_no_heavy_one(tmp
 
     assert not overlapping("heavy"), f"heavy tests ran beside solo ones: {overlapping('heavy')}"
     assert overlapping("plain"), f"no ordinary test ran beside the solo ones: {runs}"
+
+
+def test_a_slow_test_on_one_core_is_scheduled_as_an_ordinary_one() -> None:
+    from tests.conftest import HEAVY, LIGHT, SOLO, weight
+
+    class Item:
+        def __init__(self, *marks: str, fixtures: tuple[str, ...] = ()) -> None:
+            self.marks, self.fixturenames = set(marks), fixtures
+
+        def get_closest_marker(self, name: str) -> object | None:
+            return name if name in self.marks else None
+
+    assert weight(Item("slow")) == HEAVY
+    assert weight(Item("slow", "onecore")) == LIGHT
+    assert weight(Item()) == LIGHT
+    assert weight(Item("slow", "solo")) == SOLO
+    assert weight(Item(fixtures=("webrtc_extra",))) == SOLO
