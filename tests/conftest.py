@@ -181,8 +181,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             _SOLO[0].release()
 
 
-# Live swarms that take longest start first among the heavy tests, so that short ones end the run on both
-# workers instead of one long swarm running alone at the end.
+# Live swarms that take longest start first among the heavy tests, so that short ones end the run on every
+# worker instead of one long swarm running alone at the end.
 LONGEST_FIRST = ("test_vllm.py", "test_attacks_live.py", "test_node_swarm.py", "test_emulation_nodes.py",
                  "test_demo.py", "test_training.py", "test_modelplan.py", "test_broadcast.py")
 
@@ -199,7 +199,7 @@ _UNITS = "units.json"  # in MURMUR_TEST_SOLO_ROOT: each worker's collection writ
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The order and the work units the controller hands out (`WorkUnits`): every solo test in one unit at the
-    front (one worker runs them in a row while the other runs ordinary tests beside them), then the ordinary
+    front (one worker runs them in a row while the others run ordinary tests beside them), then the ordinary
     tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one unit, as
     `loadfile` kept them, so the fixture is built once."""
     root = os.environ.get(_SOLO_ROOT)

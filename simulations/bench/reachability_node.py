@@ -145,7 +145,7 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
 
 
 async def main(script: dict[str, Any]) -> None:
-    from gossip.holepunch import best_path
+    from gossip.holepunch import UPGRADE_TIMEOUT_S, best_path
     from gossip.host import open_transport
     from gossip.wire import ROLLOUT_BATCH, open_envelope
     from node.config import load_config
@@ -271,8 +271,6 @@ async def main(script: dict[str, Any]) -> None:
             if first_path == "relayed" and script.get("holepunch", True):
                 # as node.reach does: the side that dialled the circuit drives DCUtR; the other waits as long as
                 # an attempt may last, plus the other side's start-up margin
-                from gossip.holepunch import UPGRADE_TIMEOUT_S
-
                 t_hp = time.perf_counter()
                 if pid in state.circuit_dialled:
                     await state.upgrade(pid)
