@@ -55,7 +55,7 @@ from typing import Any, assert_never
 from gossip import exchange, wire
 from gossip.identity import Identity, peer_id_from_public
 from node import pipe, roles
-from node.catchup_machine import LEAVE_AFTER_S, TRIAL_S, CatchUp, CatchUpMachine, CatchUpNeed, CatchUpPhase
+from node.catchup_machine import LEAVE_AFTER_S, TRIAL_S, CatchUp, CatchUpMachine, CatchUpNeed
 from node.config import NetworkSection, NodeSection, SyncSection, TrainingSection
 from node.credit import Deliveries
 from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,

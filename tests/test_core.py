@@ -619,7 +619,7 @@ def test_a_catalog_failure_reported_once_offers_are_out_does_not_skip_the_source
     items = (StoredItem("anchor", 6, 6, 900),)
     assert len(of(core.handle(C.CatalogReceived(trainer.peer_id, lid, items)), C.RequestOffer)) == 1
     assert core.handle(C.CatalogFailed(trainer.peer_id, lid, "stale")) == []
-    assert core.catching.phase is C.CatchUpPhase.OFFERED and core.catching.source == trainer.peer_id
+    assert core.catching.phase is CM.CatchUpPhase.OFFERED and core.catching.source == trainer.peer_id
 
 
 def test_measured_latency_is_smoothed_like_the_throughput() -> None:

@@ -50,7 +50,7 @@ def test_a_failed_offer_moves_catch_up_to_the_next_source_at_once() -> None:
     assert core.handle(C.OfferFailed(peer.peer_id, lid, "not asked")) == []  # not the source: ignored
     acts = core.handle(C.OfferFailed(trainer.peer_id, lid, "StreamError: reset"))
     assert of(acts, C.FetchCatalog) == [C.FetchCatalog(peer.peer_id, lid)]
-    assert core.catching is not None and core.catching.phase is C.CatchUpPhase.ASKING
+    assert core.catching is not None and core.catching.phase is CM.CatchUpPhase.ASKING
     # the other offers of the same failed attempt do not skip the new source
     assert of(core.handle(C.OfferFailed(trainer.peer_id, lid, "again")), C.FetchCatalog) == []
 
@@ -61,7 +61,7 @@ def test_every_source_failing_waits_out_the_patience_then_starts_over() -> None:
     core.handle(W("applied", {"lineage": lid.hex(), "version": 1}))  # it delivered before: not on trial
     core.handle(C.OfferFailed(trainer.peer_id, lid, "x"))
     assert of(core.handle(C.CatalogFailed(peer.peer_id, lid, "y")), C.FetchCatalog) == []
-    assert core.catching.phase is C.CatchUpPhase.EXHAUSTED
+    assert core.catching.phase is CM.CatchUpPhase.EXHAUSTED
     assert core.handle(C.CatalogFailed(peer.peer_id, lid, "late")) == []
     clock.t += CM.CATCH_UP_PATIENCE_S - 1
     core.handle(announce(trainer, 2, [demand(lid, "lin", 6)]))  # the trainer is still there
