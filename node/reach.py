@@ -18,7 +18,8 @@ benchmark all need the same order of steps (docs/reachability.md, "Node runtime 
    peer id; the other side dials `CROSS_GRACE_S` after its own verdict if still unconnected. The side
    that dialled the circuit then tries DCUtR upgrades (bounded).
 
-The verdict is re-checked every `RECHECK_S` (sooner while unknown). `ReachState.view()` is the
+The verdict is re-checked every `RECHECK_S`; sooner (`recheck_after`) while unknown or while a private
+verdict is not yet confirmed. `ReachState.view()` is the
 `ReachView` the node serves in its status; `node.doctor_reachability` turns it into checks.
 """
 
@@ -40,7 +41,8 @@ from node.status import ReachView
 log = logging.getLogger("murmur.node.reach")
 
 RECHECK_S = 600.0
-RETRY_UNKNOWN_S = 30.0
+RETRY_S = 30.0  # while unknown, and while a private verdict is not yet confirmed
+CONFIRM_PRIVATE = 3  # private verdicts in a row before the long recheck
 DIAL_EVERY_S = 1.0
 CROSS_GRACE_S = 45.0  # after our own verdict: the other side of a pair had time to dial first
 MAX_DIALS_PER_ROUND = 4
@@ -88,6 +90,19 @@ MAX_UPGRADE_TRIES = 2
 TARGET_PEERS = 16
 
 
+def recheck_after(status: str, streak: int) -> float:
+    """Seconds until the next dial-back check, after `streak` checks in a row gave `status`.
+
+    Why a private verdict needs confirming: a dial-back that times out looks the same whether a NAT
+    dropped it or a loaded peer (or we) answered late, and a public node that believed it was private
+    would announce relay circuits and stay off the direct path until the long recheck. A public
+    verdict is proof (a peer completed Noise with us as ourselves) and needs none.
+    """
+    if status == "public" or (status == "private" and streak >= CONFIRM_PRIVATE):
+        return RECHECK_S
+    return RETRY_S
+
+
 def process_start() -> float:
     """Wall-clock time this process started (so startup costs, imports included, are measured honestly)."""
     try:
@@ -118,6 +133,7 @@ class ReachState:
     upgrade_tries: dict[str, int] = field(default_factory=dict)
     backoff: Backoff = field(default_factory=lambda: Backoff(min_s=2.0, max_s=10.0))
     checked_at: float | None = None  # trio time of the first verdict
+    streak: int = 0  # checks in a row that gave the current verdict
     auto_upgrade: bool = True  # try DCUtR after dialling a circuit (the benchmark times the relay first)
     first_seen: dict[str, float] = field(default_factory=dict)
     webrtc_addrs: list[str] = field(default_factory=list)  # our /webrtc-direct listen addresses, once up
@@ -175,7 +191,9 @@ class ReachState:
         peers = self._direct_peers()
         if not peers:
             return
+        before = getattr(self.reach, "status", None)
         self.reach = await check_reachability(self.transport, peers)
+        self.streak = self.streak + 1 if self.reach.status == before else 1
         log.info("reachability: %s (%s)", self.reach.status, self.reach.reason)
         if not self.public():
             want = [a for a in self._relay_candidates() if a not in self.relay.reservations]
@@ -196,7 +214,7 @@ class ReachState:
                 await self.check_once()
             except MurmurError as e:
                 log.info("reachability check: %s", e)
-            await trio.sleep(RETRY_UNKNOWN_S if getattr(self.reach, "status", "unknown") == "unknown" else RECHECK_S)
+            await trio.sleep(recheck_after(getattr(self.reach, "status", "unknown"), self.streak))
 
     def _should_dial_circuit(self, peer: str, now: float) -> bool:
         """One side per pair dials through the relay: a public node waits to be dialled directly; of two

@@ -374,3 +374,66 @@ def test_a_stalled_bulk_is_sent_again_on_a_new_stream() -> None:
     assert out["hash_ok"] and out["attempts"] == 3 and len(opened) == 3, out
     assert opened[0].reset_called and opened[1].reset_called and not opened[2].reset_called
     assert 60 <= out["virtual_s"] < 61  # two attempts of 30 s each, then the answer
+
+
+def test_a_private_verdict_is_confirmed_before_the_long_recheck() -> None:
+    """One dial-back that timed out on a loaded machine must not pin a public node at `private` for
+    `RECHECK_S`: a private verdict is re-checked every `RETRY_S` until `CONFIRM_PRIVATE` checks in a
+    row agree. A public verdict is proof (a peer reached us as ourselves) and is kept for `RECHECK_S`."""
+    from node.reach import CONFIRM_PRIVATE, RECHECK_S, RETRY_S, recheck_after
+
+    assert recheck_after(UNKNOWN, 1) == RETRY_S
+    assert recheck_after(PUBLIC, 1) == RECHECK_S
+    assert [recheck_after(PRIVATE, k) for k in range(1, CONFIRM_PRIVATE + 1)] == (
+        [RETRY_S] * (CONFIRM_PRIVATE - 1) + [RECHECK_S])
+    assert RETRY_S < RECHECK_S / 10
+
+
+def test_check_loop_turns_a_false_private_into_public_at_the_next_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop itself, in virtual time: the first check answers `private` (a dial-back timed out), the
+    second `public`; the node must be public one `RETRY_S` later, not `RECHECK_S` later."""
+    import gossip.holepunch
+    import gossip.reachability
+    from node.config import Config
+    import trio.testing
+
+    from node.reach import RETRY_S, ReachState
+
+    answers = [PeerVerdict("p", "10.0.0.1:4001", [], {"/ip4/10.0.0.1/tcp/4001": "no answer within 3.0 s"}),
+               PeerVerdict("p", "10.0.0.1:4001", ["/ip4/10.0.0.1/tcp/4001"], {})]
+    asked: list[float] = []
+
+    async def fake_check(transport: object, peers: list[str]) -> object:
+        asked.append(trio.current_time())
+        return decide([answers[min(len(asked), len(answers)) - 1]])
+
+    class Relay:
+        reservations: dict[str, object] = {"r": object()}  # nothing left to reserve
+
+    class Transport:
+        peer_id = "me"
+
+        def peers(self) -> list[str]:
+            return ["p"]
+
+    monkeypatch.setattr(gossip.reachability, "check_reachability", fake_check)
+    monkeypatch.setattr(gossip.holepunch, "best_path", lambda t, p: "direct")
+    cfg = Config()
+    cfg.network.relays = ["r"]
+    state = ReachState(Transport(), cfg, [], dict, relay=Relay())
+    seen: list[tuple[float, str]] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(state.check_loop)
+            await state.checked.wait()
+            seen.append((trio.current_time(), state.reach.status))
+            with trio.fail_after(RETRY_S + 1):
+                while not state.public():
+                    await trio.sleep(0.5)
+            seen.append((trio.current_time(), state.reach.status))
+            n.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert seen[0][1] == PRIVATE and seen[1][1] == PUBLIC
+    assert asked[1] - asked[0] == pytest.approx(RETRY_S, abs=0.5)
