@@ -253,6 +253,34 @@ def test_verifier_workers_run_under_a_memory_budget(reg) -> None:
         assert soft != psutil.RLIM_INFINITY and vms < soft <= vms + MEMORY_HEADROOM_MB * 2**20
 
 
+def loaded_verifier_modules() -> list[str]:
+    """Run inside a pool worker: which of the slow verifier imports it has made."""
+    import sys
+
+    return sorted(m for m in ("sympy", "math_verify", "reasoning_gym") if m in sys.modules)
+
+
+def test_a_verifier_worker_imports_only_what_its_batches_need(reg) -> None:
+    """Exact and numeric verdicts need neither sympy nor reasoning-gym, so a node on such task sets never
+    pays for them; the first math_verify batch makes the worker import math-verify first, and that
+    import is charged to nobody: the batch still fits a limit far below the import's cost."""
+    from training.verifiers import WARM_MATH, _Call
+
+    def imported(pool: VerifierPool) -> list[str]:  # a bare call: `call` itself would import everything
+        return pool._run(_Call(loaded_verifier_modules, (), {}), 5.0, frozenset())
+
+    with VerifierPool(workers=1, time_limit_s=0.3, wall_factor=300) as pool:
+        p, clock = pipe(reg, reward_batch=pool.score_batch)
+        assert p.check(make_batch(ALICE, reg, 1), ALICE.peer_id).accepted  # the built-in set: exact, numeric
+        assert imported(pool) == []
+        charged = pool.thread_cpu_s()
+        assert p.check(honest_mv_batch(reg, 2), ALICE.peer_id).accepted
+        assert pool._idle[0].warmed == {WARM_MATH}
+        assert "math_verify" in imported(pool) and "reasoning_gym" not in imported(pool)
+        assert pool.thread_cpu_s() - charged < 0.3  # the import (about a CPU-second) was not charged
+        assert pool.timeouts == 0
+
+
 # ------------------------------------------------------------ poisoned numbers (issue 26)
 
 NAN_F32 = bytes.fromhex("0000c07f")  # float32 0x7fc00000, little-endian: the quiet NaN

@@ -33,13 +33,13 @@ import psutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any, Final, NamedTuple
 
 from gossip.errors import MurmurError, TaskError
 from gossip.validation import VerifierTimeout, VerifierUnavailable
-from training.tasks import Task, rg_entry
+from training.tasks import RG_PREFIX, Task, rg_entry
 
 MAX_COMPLETION_CHARS: Final = 8192
 MAX_ANSWER_CHARS: Final = 256
@@ -294,7 +294,7 @@ TIME_LIMIT_S: Final = 2.0  # verifier CPU seconds per batch (up to 64 completion
 WALL_FACTOR: Final = 15.0  # past this multiple in wall time the machine, not the input, is the problem
 POLL_S: Final = 0.02
 MEMORY_HEADROOM_MB: Final = 512  # address space a worker may grow by after its imports: a batch past it fails
-START_LIMIT_S: Final = 60.0  # a fresh worker imports the verifiers (reasoning-gym is slow to import)
+START_LIMIT_S: Final = 60.0  # a worker's start, and each import of a verifier family (reasoning-gym is slow)
 VERDICT_CACHE: Final = 8192  # (task, extracted answer) -> reward, per worker: the groups of recent batches
 
 
@@ -322,16 +322,41 @@ class Verdicts:
         return value
 
 
-def _warm_up() -> None:
-    """Imports and first-call setup happen before a worker says ready, so they never count
-    against an honest batch's time limit."""
+WARM_MATH: Final = "math_verify"  # the math-verify package (sympy)
+WARM_RG: Final = "reasoning_gym"
+WARM_ALL: Final = frozenset({WARM_MATH, WARM_RG})
+
+
+def warm_needs(tasks: Iterable[Task]) -> frozenset[str]:
+    """The slow imports judging `tasks` needs: the exact and numeric verifiers need none."""
+    out: set[str] = set()
+    for t in tasks:
+        if t.verifier == "math_verify":
+            out.add(WARM_MATH)
+        if t.verifier == "rg_score" or t.generator.startswith(RG_PREFIX):
+            out.add(WARM_RG)
+    return frozenset(out)
+
+
+def _warm_up(families: frozenset[str]) -> None:
+    """Import what `families` need and make their first calls. Runs in a pool worker as a call of its
+    own, before the first batch that needs them, so it never counts against an honest batch's time
+    limit; a node whose task sets use only the exact and numeric verifiers never imports sympy or
+    reasoning-gym (docs/gossip.md says what that saves)."""
+    import resource  # noqa: PLC0415
+
     from training.tasks import _rg_module  # noqa: PLC0415
 
-    _math_verify_pkg("$1$", "$x+1$")
-    try:
-        _rg_module()
-    except Exception:  # reasoning-gym missing: rg tasks fail to resolve before they reach a verifier
-        pass
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))  # the budget is headroom over the imports
+    if WARM_MATH in families:
+        _math_verify_pkg("$1$", "$x+1$")
+    if WARM_RG in families:
+        try:
+            _rg_module()
+        except Exception:  # reasoning-gym missing: rg tasks fail to resolve before they reach a verifier
+            pass
+    _limit_memory(MEMORY_HEADROOM_MB)
 
 
 def _limit_memory(headroom_mb: int) -> None:
@@ -362,7 +387,6 @@ def _pool_worker(conn: Any, entries: int) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     verdicts = Verdicts(entries)
-    _warm_up()
     _limit_memory(MEMORY_HEADROOM_MB)
     conn.send(("ready", None, 0.0))
     while True:
@@ -395,6 +419,7 @@ class _Worker:
             raise VerifierUnavailable("verifier worker did not start")
         self.conn.recv()
         self._ps = psutil.Process(self.proc.pid)
+        self.warmed: frozenset[str] = frozenset()
 
     def cpu(self) -> float:
         """CPU seconds the worker process has used."""
@@ -442,17 +467,20 @@ class VerifierPool:
         self.started = 0
 
     def score_batch(self, items: list[tuple[Task, str]]) -> list[float]:
-        return self._run(items, self.time_limit_s)
+        return self._run(items, self.time_limit_s, warm_needs(t for t, _ in items))
 
     def call(self, fn: Callable[..., Any], *args: Any, cpu_s: float | None = None, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` in a pool worker, under the pool's memory budget and `cpu_s` of its CPU
         (default the per-batch limit): for work an input from the network sizes, such as generating
         tasks from a task set's configuration. `fn` must be a module-level function (it is pickled by name)."""
-        return self._run(_Call(fn, args, kwargs), cpu_s or self.time_limit_s)
+        return self._run(_Call(fn, args, kwargs), cpu_s or self.time_limit_s, WARM_ALL)
 
-    def _run(self, payload: Any, limit_s: float) -> Any:
+    def _run(self, payload: Any, limit_s: float, needs: frozenset[str]) -> Any:
         with self._slots:
             w = self._take()
+            if not self._warm(w, needs):
+                w.kill()
+                raise VerifierUnavailable("a verifier worker could not import its verifiers")
             try:
                 w.conn.send(payload)
                 late = self._wait(w, limit_s)
@@ -478,6 +506,23 @@ class VerifierPool:
             kind, msg = out
             raise (TaskError if kind == "task" else VerifierError)(msg)
         return out
+
+    def _warm(self, w: _Worker, needs: frozenset[str]) -> bool:
+        """Make `w` import what the next payload needs, as a call of its own that nobody is charged for
+        (like the worker's start). False: it could not (our failure, never the sender's)."""
+        missing = needs - w.warmed
+        if not missing:
+            return True
+        try:
+            w.conn.send(_Call(_warm_up, (missing,), {}))
+            if self._wait(w, START_LIMIT_S) is not None:
+                return False
+            ok, _, _ = w.conn.recv()
+        except (EOFError, OSError):
+            return False
+        if ok:
+            w.warmed |= missing
+        return bool(ok)
 
     def thread_cpu_s(self) -> float:
         """CPU-seconds the verifier workers spent on this thread's calls so far (what the gossip
