@@ -119,7 +119,8 @@ def test_unsupported_architecture_fails_at_start(vllm_py: str, tmp_path: Path,
     monkeypatch.setenv("MURMUR_VLLM_PYTHON", vllm_py)
     with pytest.raises(MurmurError, match=r"does not support the model's architecture \['NoSuchModelForCausalLM'\]"):
         worker_python(_spec(str(d)))
-    assert worker_python(_spec()) == vllm_py  # murmur-tiny (Qwen2) is served
+    # that murmur-tiny (Qwen2) passes the same check is shown by the live follower below, whose node start
+    # runs it: a second probe here would import vLLM once more for nothing
 
 
 @pytest.mark.vllm
