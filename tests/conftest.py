@@ -185,6 +185,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # worker instead of one long swarm running alone at the end.
 LONGEST_FIRST = ("test_vllm.py", "test_attacks_live.py", "test_node_swarm.py", "test_emulation_nodes.py",
                  "test_demo.py", "test_training.py", "test_modelplan.py", "test_broadcast.py")
+# Within the solo unit: the WebRTC pairs and the namespace benches mostly wait, and the ordinary tests beside
+# them fill the cores; the NATed live swarms, which fill both cores themselves, end the unit, so the slow
+# tests that follow start on a machine that was busy anyway.
+SOLO_ORDER = ("test_reachability_webrtc.py", "test_reachability.py", "test_reachability_netns.py",
+              "test_reachability_nodes.py")
 
 
 def _shares_module_state(item: pytest.Item) -> bool:
@@ -199,7 +204,7 @@ _UNITS = "units.json"  # in MURMUR_TEST_SOLO_ROOT: each worker's collection writ
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The order and the work units the controller hands out (`WorkUnits`): every solo test in one unit at the
-    front (one worker runs them in a row while the others run ordinary tests beside them), then the ordinary
+    front (one worker runs them in a row, in `SOLO_ORDER`, while the others run ordinary tests beside them), then the ordinary
     tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one unit, as
     `loadfile` kept them, so the fixture is built once."""
     root = os.environ.get(_SOLO_ROOT)
@@ -214,8 +219,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         u = unit[id(it)]
         unit_rank[u] = max(unit_rank.get(u, 0), rank[weight(it)])
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    solo_first = {name: i for i, name in enumerate(SOLO_ORDER)}
     order = {id(it): i for i, it in enumerate(items)}
-    items.sort(key=lambda it: (unit_rank[unit[id(it)]], first.get(it.path.name, len(first)), order[id(it)]))
+
+    def place(it: pytest.Item) -> int:
+        ranks = solo_first if unit[id(it)] == SOLO else first
+        return ranks.get(it.path.name, len(ranks))
+
+    items.sort(key=lambda it: (unit_rank[unit[id(it)]], place(it), order[id(it)]))
     tmp = Path(root) / f"{_UNITS}.{worker}"
     tmp.write_text(json.dumps({it.nodeid: unit[id(it)] for it in items if unit[id(it)] != it.nodeid}))
     tmp.replace(Path(root) / _UNITS)

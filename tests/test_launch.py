@@ -1,5 +1,6 @@
 """The one node launcher (node/launch.py): the config it writes is the node's, a node that dies is
-reported at once with its last log line, and a stop leaves no process of the node's group behind."""
+reported at once with its last log line, and a stop leaves no process of the node's group behind. Live nodes
+started, bootstrapped and stopped through it: tests/test_node_swarm.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,6 @@ from node import launch
 from node.config import load_config
 
 START_S = 180.0  # a loaded 2-core machine starts a node (imports, host) well within this
-
-
-def _config(model: Path) -> dict[str, dict[str, object]]:
-    return {"node": {"swarm": "launch-test", "roles": ["trainer"], "memory_budget_mb": 1024},
-            "network": {"dht": False}, "training": {"model": str(model), "threads": 1}}
 
 
 def test_the_written_config_is_the_one_the_node_loads(tmp_path: Path) -> None:
@@ -46,27 +42,6 @@ def test_a_node_that_exits_is_reported_at_once_with_its_last_log_line(tmp_path: 
             n.wait_listening(START_S)
     finally:
         launch.stop_all([n])
-
-
-@pytest.mark.slow
-def test_started_nodes_listen_bootstrap_and_stop(tmp_path: Path, tiny_model: Path) -> None:
-    specs = [launch.NodeLaunch(home=str(tmp_path / f"n{i}"), config=_config(tiny_model)) for i in range(2)]
-    nodes = launch.start_bootstrapped(specs, START_S)
-    try:
-        first = nodes[0].status()
-        assert first is not None and first.listen[0].startswith("/ip4/127.0.0.1/tcp/")
-        assert first.listen[0].endswith(f"/p2p/{first.peer_id}") and "/tcp/0/" not in first.listen[0]
-        assert (first.swarm, first.roles) == ("launch-test", ["trainer"])  # the written config, not the defaults
-        assert nodes[1].wait_listening(START_S)
-
-        def knows_first() -> bool:
-            s = nodes[1].status()
-            return s is not None and any(p.peer_id == first.peer_id for p in s.peers)
-
-        launch.wait_until("the second node hearing the first (its bootstrap peer)", knows_first, nodes, START_S)
-    finally:
-        codes = launch.stop_all(nodes)
-    assert codes == [0, 0]  # SIGTERM: both exit cleanly within the deadline
 
 
 def test_stop_kills_a_process_that_ignores_sigterm_and_its_children(tmp_path: Path) -> None:

@@ -75,6 +75,11 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
     try:
         procs["trainer"] = _start(homes["trainer"], [], _config(["trainer"], model))
         boot = [procs["trainer"].wait_listening(WAIT_S)]
+        # the launcher's contract: the node listens where it says, on the config the launcher wrote
+        first = procs["trainer"].status()
+        assert first is not None and first.listen[0].startswith("/ip4/127.0.0.1/tcp/")
+        assert first.listen[0].endswith(f"/p2p/{first.peer_id}") and "/tcp/0/" not in first.listen[0]
+        assert (first.swarm, first.roles) == ("test-swarm", ["trainer"])  # the written config, not the defaults
         for n in ("f1", "f2"):
             procs[n] = _start(homes[n], boot, _config(["follower", "validator"], model))
         allp = lambda: list(procs.values())  # noqa: E731
@@ -145,5 +150,6 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
             procs[n].proc.send_signal(signal.SIGTERM)
             assert procs[n].proc.wait(10) == 0
             assert time.monotonic() - t0 < 5.0 + 0.5  # +0.5: process reaping on a loaded machine
+        assert launch.stop_all([procs["f1"]]) == [0]  # the launcher's stop: SIGTERM, a clean exit
     finally:
         launch.stop_all(procs.values())
