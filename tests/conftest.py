@@ -204,8 +204,8 @@ _UNITS = "units.json"  # in MURMUR_TEST_SOLO_ROOT: each worker's collection writ
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The order and the work units the controller hands out (`WorkUnits`): every solo test in one unit at the
-    front (one worker runs them in a row, in `SOLO_ORDER`, while the others run ordinary tests beside them), then the ordinary
-    tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one unit, as
+    front (one worker runs them in a row, in `SOLO_ORDER`, while the others run ordinary tests beside them), then
+    the ordinary tests, then the heavy ones longest first. Tests that share a module-scoped fixture stay one unit, as
     `loadfile` kept them, so the fixture is built once."""
     root = os.environ.get(_SOLO_ROOT)
     worker = os.environ.get("PYTEST_XDIST_WORKER")
