@@ -264,7 +264,8 @@ def test_a_verifier_worker_imports_only_what_its_batches_need(reg) -> None:
     """Exact and numeric verdicts need neither sympy nor reasoning-gym, so a node on such task sets never
     pays for them; the first math_verify batch makes the worker import math-verify first, and that
     import is charged to nobody: the batch still fits a limit far below the import's cost."""
-    from training.verifiers import WARM_MATH, _Call
+    from training.tasks import generate
+    from training.verifiers import WARM_MATH, WARM_RG, _Call
 
     def imported(pool: VerifierPool) -> list[str]:  # a bare call: `call` itself would import everything
         return pool._run(_Call(loaded_verifier_modules, (), {}), 5.0, frozenset())
@@ -278,6 +279,11 @@ def test_a_verifier_worker_imports_only_what_its_batches_need(reg) -> None:
         assert pool._idle[0].warmed == {WARM_MATH}
         assert "math_verify" in imported(pool) and "reasoning_gym" not in imported(pool)
         assert pool.thread_cpu_s() - charged < 0.3  # the import (about a CPU-second) was not charged
+        # a reasoning-gym task: its import too comes before the batch, and the verdicts are the inline ones
+        rg = generate("rg:basic_arithmetic", {}, 7)
+        items = [(rg, f"<answer>{rg.answer}</answer>"), (rg, "<answer>no</answer>")]
+        assert pool.score_batch(items) == [score(t, x) for t, x in items] == [1.0, 0.0]
+        assert pool._idle[0].warmed == {WARM_MATH, WARM_RG} and "reasoning_gym" in imported(pool)
         assert pool.timeouts == 0
 
 
