@@ -230,3 +230,34 @@ def test_the_verification_work_classes_send_batches_verified_in_full(name: str) 
             assert len(v.batch.rollouts) == wire.MAX_ROLLOUTS_PER_BATCH
             assert len({(r.task.generator, r.task.seed) for r in v.batch.rollouts}) == wire.MAX_ROLLOUTS_PER_BATCH
     assert accepted >= min(len(batches), p.config.burst)  # an unannounced key's burst, or the announced rate's
+
+
+def test_a_first_round_class_redials_a_target_whose_connection_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-libp2p now and then closes a new connection while it starts. A first-round class (a fresh key,
+    which no defence refuses) redials, so it attacks its target instead of publishing to nobody (its
+    `sent` would count either way)."""
+    from gossip.host import open_transport
+
+    real, calls = attacks._connect_all, []
+
+    async def first_fails(t: Any, addrs: list[str], timeout_s: float = 5.0) -> None:
+        calls.append(list(addrs))
+        if len(calls) > 1:
+            await real(t, addrs, timeout_s)
+
+    monkeypatch.setattr(attacks, "_connect_all", first_fails)
+
+    async def main() -> None:
+        async with open_transport(Identity.from_seed(b"\x21" * 32)) as target:
+            announces = await target.subscribe(topics.announce(SWARM))
+            await target.subscribe(topics.rollouts(SWARM))
+            addr = f"{target.listen_addrs()[0].split('/p2p/')[0]}/p2p/{target.peer_id}"
+            res: dict[str, Any] = {}
+            with trio.fail_after(60):
+                await attacks.run_one("crash_step_time", attacks.Knowledge(SWARM), [addr], SWARM, res, settle_s=0.1)
+                _, data = await announces.receive()
+            _, body = wire.open_envelope(data, swarm=SWARM)
+            assert body.peer_id == attacks.attack_key("crash_step_time").peer_id
+            assert len(calls) >= 2 and res["phase"] == "done" and res["sent"] == 1
+
+    trio.run(main)
