@@ -795,7 +795,7 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
             # races there now and then) is this harness's, and is redialled: else the class would publish
             # to nobody. A later round's key is banned by then, and a refusal is the node's answer.
             with trio.move_on_after(10):
-                while missing := [x for x in addrs if x.rsplit("/p2p/", 1)[-1] not in t.peers()]:
+                while missing := [x for p, x in by_id.items() if p not in t.peers()]:
                     await trio.sleep(0.2)
                     await _connect_all(t, missing)
         res["phase"] = "subscribed"
