@@ -362,9 +362,13 @@ class NodeCore:
         self._tell_head(lin, out)
 
     def _tell_head(self, lin: LineageState, out: list[Action]) -> None:
-        """A trainer's worker learns every publisher-proven head we know: its sampler ages every lineage's
-        external groups out against them, not only its own (one message per head advance)."""
-        if "trainer" in self.roles and lin.publisher and lin.head > lin.worker_head:
+        """A trainer's worker learns the head of every lineage that publishes: its sampler ages every
+        lineage's external groups out against them, not only its own (one message per head advance), and
+        trains on no lineage whose head it was never told. A lineage publishes once its publisher is proven
+        and a signed manifest of it was accepted (or a version of it applied): announcing one is not enough,
+        so rollouts under a lineage no one publishes are never trained on."""
+        publishes = lin.manifests > 0 or lin.delivered
+        if "trainer" in self.roles and lin.publisher and publishes and lin.head > lin.worker_head:
             lin.worker_head = lin.head
             out.append(ToWorker(pipe.Head(lin.lineage.hex(), lin.head)))
 

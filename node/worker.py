@@ -179,7 +179,7 @@ def _reader(conn: Any, inbox: Inbox) -> None:
                     tid = bytes(r.task.task_set)
                     if tid in inbox.accepted or len(inbox.accepted) < ACCEPTED_SETS_MAX:
                         inbox.accepted[tid] = inbox.accepted.get(tid, 0) + 1
-                inbox.sampler.add_rollouts(batch.rollouts)
+                inbox.sampler.add_rollouts(batch.rollouts, bytes(batch.producer))
         inbox.wake.set()
 
 
@@ -424,6 +424,7 @@ class Worker:
     def _observe_own_head(self, lineage: bytes, version: int) -> None:
         # this worker publishes its lineage, so its own version is that lineage's head
         with self.inbox.lock:
+            self.inbox.sampler.own = lineage
             self.inbox.sampler.observe_head(lineage, version)
 
     # ------------------------------------------------------------ follower

@@ -73,7 +73,7 @@ class Workers:
     def equip(self, n: VNode) -> None:
         """A trainer's worker: its sampler, its lineage's skill per version, and its alone twin."""
         sc, s = self.sc, n.spec
-        n.sampler = Sampler(POOL_GROUPS, sc.training.max_staleness, seed=sc.seed * 100_003 + s.index)
+        n.sampler = Sampler(POOL_GROUPS, sc.training.max_staleness, seed=sc.seed * 100_003 + s.index, own=n.lineage)
         n.sampler.observe_head(n.lineage, 0)
         self.skill_at[n.lineage] = [n.skill]
         # its own stream: the twin's draws leave every other draw of the run as it was
@@ -178,7 +178,7 @@ class Workers:
             return
         cut = self.groups.get(v.msg_id)
         if cut is None:  # a batch's groups depend on its content only: split once per process (Groups are frozen)
-            cut = split(v.batch.rollouts)
+            cut = split(v.batch.rollouts, bytes(v.batch.producer))
             self.groups.put(v.msg_id, cut)
         groups, dropped = cut
         for k, c in dropped.items():  # what `Sampler.add_rollouts` counts, per receiver

@@ -29,6 +29,7 @@ def test_hacpo_capabilities_of_equal_skill_are_equal(warm_engine, registry) -> N
     the same basis as the source's. Measured over all its rollouts it came out lower, and the source's rows
     were weighted up by HACPO's coefficient at equal skill."""
     sampler = Sampler(max_groups=64)
+    sampler.observe_head(OTHER, 0)  # OTHER publishes (the node tells its worker once a manifest is accepted)
 
     def external(n: int, _min_version: int) -> list[wire.Rollout]:
         return sampler.take_rollouts(n)
@@ -155,6 +156,7 @@ def test_with_a_fixed_minibatch_swarm_groups_add_updates_and_never_displace_loca
     peer = Trainer(copy.deepcopy(warm_engine), registry, registry.builtin_id,
                    TrainerConfig(local_groups=4, group_size=4, max_new_tokens=4, lr=0.0, seed=9), lineage=OTHER)
     sampler = Sampler(max_groups=64, seed=1)
+    sampler.observe_head(OTHER, 0)
 
     def external(n: int, _v: int) -> list[wire.Rollout]:
         for _ in range(2):

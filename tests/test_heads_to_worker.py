@@ -1,4 +1,5 @@
-"""A trainer's worker learns every publisher-proven head its node core knows, so the sampler's staleness
+"""A trainer's worker learns the head of every lineage that publishes (publisher proven, a signed manifest
+accepted), so the sampler's staleness
 bound ages out the external groups of every lineage, not only its own (the core's `Head` message, the
 worker's reader, the sampler; a real pipe between two threads)."""
 
@@ -66,19 +67,16 @@ def test_the_worker_ages_out_another_lineages_groups_by_the_heads_it_is_told() -
     assert inbox.sampler.take(4) == [] and inbox.sampler.counts["stale"] == 1
 
 
-def test_a_lineage_first_heard_at_version_zero_is_told_too() -> None:
-    """A publisher that just started announces head 0: its worker's sampler needs that head as much as any."""
+def test_a_lineage_that_only_announces_is_never_told_so_its_rollouts_never_train() -> None:
+    """Attack (issue 43): a key announces a demand for a lineage of its own (the publisher is proven: the id
+    derives from its key) but never publishes a signed version, then sends reward-correct rollouts under
+    it. Its head never reaches the worker, whose sampler trains on no lineage it has no head for."""
     core, clock = make_core(roles=("trainer",))
     other = key(9)
     lid = lineage_id(other.public, BASE, "fresh")
     acts = core.handle(announce(other, 1, [demand(lid, "fresh", 0)]))
-    assert [(h.lineage, h.version) for h in to_worker(acts, pipe.Head)] == [(lid.hex(), 0)]
-
-
-def test_a_new_worker_is_told_even_a_head_at_version_zero() -> None:
-    core, clock = make_core(roles=("trainer",))
-    other = key(9)
-    lid = lineage_id(other.public, BASE, "fresh")
-    core.handle(announce(other, 1, [demand(lid, "fresh", 0)]))
+    assert to_worker(acts, pipe.Head) == [] and core.head_of(lid) == 0  # known, not told
     acts = core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": 1 << 20}))  # a new worker
-    assert [(h.lineage, h.version) for h in to_worker(acts, pipe.Head)] == [(lid.hex(), 0)]
+    assert to_worker(acts, pipe.Head) == []
+    acts = core.handle(C.ManifestHeard(manifest(other, "fresh", 0, 1)))  # its first signed version
+    assert [(h.lineage, h.version) for h in to_worker(acts, pipe.Head)] == [(lid.hex(), 1)]

@@ -121,11 +121,16 @@ def test_hacpo_advantages_and_coefficient_by_hand() -> None:
     # b = mean(1*1, 1*0, 2*1, 2*0) = 0.75; std = 0.5
     assert torch.allclose(a, torch.tensor([0.5, -1.5, 0.5, -1.5]), atol=1e-5)
     c = hacpo_coefficient(torch.tensor([0.01, 0.5, 0.9]), 0.05)
-    assert torch.allclose(c, torch.tensor([0.2, 10.0, 10.0]))
+    assert torch.allclose(c, torch.tensor([0.2, 1.0, 1.0]))  # a stronger source is never weighted above 1
+    assert torch.allclose(hacpo_coefficient(torch.tensor([0.001]), 0.9), torch.tensor([0.1]))  # nor below 0.1
+    # a source that never succeeds moves the baseline by at most ten times its rewards (HACPO's clip)
+    far = hacpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([1e-6, 0.5]), p_learner=0.5)
+    assert torch.allclose(far, torch.tensor([(1.0 - 5.0) / 0.5, (0.0 - 5.0) / 0.5]), atol=1e-4)
 
 
 def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
-    # learner mean log-prob -1 per token; source means -2 (s = e > 1 -> 1) and -0.5 (s = e^-0.5, kept)
+    # learner log-prob -1 per token against references of -2 (row 0, two tokens: s = e^2 > 1 -> 1) and
+    # -0.5 (row 1, one token: s = e^-0.5, kept)
     logp = torch.full((2, 2), -1.0, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     src = torch.tensor([-2.0, -0.5])
@@ -136,7 +141,7 @@ def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
     expect = -((2.0 * 1.0 * 1.0 * -1.0) + (1.0 * s1 * -1.0 * -1.0)) / 2
     assert loss.item() == pytest.approx(expect, rel=1e-5)
     assert st["seq_ratio_truncated_frac"] == 0.5 and st["seq_ratio_low_frac"] == 0.5  # e^-0.5 < 0.8
-    assert st["seq_ratio_mean"] == pytest.approx((math.e + math.exp(-0.5)) / 2, rel=1e-5)  # before truncation
+    assert st["seq_ratio_mean"] == pytest.approx((1 + math.exp(-0.5)) / 2, rel=1e-5)  # the weights applied
     loss.backward()
     # length-normalised: row 0 tokens get -coef*s*A/len/2 = -2*1*1/2/2
     assert logp.grad[0, 0].item() == pytest.approx(-0.5, rel=1e-5)
@@ -146,12 +151,32 @@ def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])
 def test_hacpo_weight_of_a_far_off_policy_sample_is_its_ratio(adv: float) -> None:
-    # a completion the learner is e^3 times less likely (per token) to write than its producer: its
-    # importance weight is e^-3; a floor (clip from below) would train on it 20x harder than that
+    # a completion the learner is e^3 times less likely per token to write than one of its own, over four
+    # tokens: its importance weight is e^-12 (the product over the tokens, not their mean); a floor (clip
+    # from below) would train on it far harder than that
     logp = torch.full((1, 4), -4.0, requires_grad=True)
-    loss, _ = hacpo_loss(logp, torch.tensor([-1.0]), torch.ones(1, 4), torch.tensor([adv]), torch.ones(1))
+    loss, _ = hacpo_loss(logp, -1.0, torch.ones(1, 4), torch.tensor([adv]), torch.ones(1))
     loss.backward()
-    assert logp.grad.abs().sum().item() == pytest.approx(math.exp(-3.0), rel=1e-5)
+    assert logp.grad.abs().sum().item() == pytest.approx(math.exp(-12.0), rel=1e-5)
+
+
+def test_hacpo_weight_sees_a_few_unlikely_tokens_that_a_per_token_mean_dilutes() -> None:
+    """Attack (issue 43): a payload of a few tokens the learner would not write, riding on an answer it
+    would. Ten typical tokens (log-prob -1, the reference) and two at -8: the weight is e^-14, where a
+    per-token mean (e^-(14/12)) would keep a third of it."""
+    logp = torch.full((1, 12), -1.0)
+    logp[0, :2] = -8.0
+    _, st = hacpo_loss(logp, -1.0, torch.ones(1, 12), torch.tensor([1.0]), torch.ones(1))
+    assert st["seq_ratio_mean"] == pytest.approx(math.exp(-14.0), rel=1e-4)
+
+
+def test_capability_tracker_forgets_the_least_recently_updated_source_past_its_bound() -> None:
+    t = CapabilityTracker(max_sources=2)
+    t.update(b"a", [1.0])
+    t.update(b"b", [1.0])
+    t.update(b"a", [1.0])  # a is now the most recently updated
+    t.update(b"c", [1.0])
+    assert set(t.rate) == {b"a", b"c"} and t.get(b"b") == t.prior
 
 
 def test_capability_tracker() -> None:

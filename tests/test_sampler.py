@@ -20,6 +20,14 @@ def group(seed: int, rewards: tuple[float, ...] = (1.0, 0.0), lineage: bytes = L
                                     task=msgspec.structs.replace(r.task, generator=generator)) for x in rewards]
 
 
+def sampler(**kw: object) -> Sampler:
+    """A trainer's sampler whose own lineage is LIN_A and which knows LIN_B publishes (heads at 0)."""
+    s = Sampler(**{"own": LIN_A, **kw})  # type: ignore[arg-type]  # the keywords are Sampler's own
+    s.observe_head(LIN_A, 0)
+    s.observe_head(LIN_B, 0)
+    return s
+
+
 def seeds(groups: list[sampling.Group]) -> list[int]:
     return [g.key[2] for g in groups]
 
@@ -37,7 +45,7 @@ def test_split_keeps_informative_groups_per_task_and_lineage() -> None:
 
 
 def test_take_each_group_once_in_arrival_order() -> None:
-    s = Sampler(max_groups=16)
+    s = sampler(max_groups=16)
     for k in range(6):
         assert s.add_rollouts(group(k)) == 1
     first = seeds(s.take(4))
@@ -54,7 +62,7 @@ def test_take_is_a_uniform_seeded_draw_not_the_newest() -> None:
     fresh group must be as likely to be drawn as any other, reproducibly for a seed."""
     hits = [0] * 8
     for trial in range(400):
-        s = Sampler(seed=trial)
+        s = sampler(seed=trial)
         for k in range(8):
             s.add_rollouts(group(k))
         for k in seeds(s.take(2)):
@@ -63,7 +71,7 @@ def test_take_is_a_uniform_seeded_draw_not_the_newest() -> None:
     assert min(hits) >= 70 and max(hits) <= 130  # 100 each expected; newest-first gave [0]*6 + [400, 400]
 
     def draw(seed: int) -> list[int]:
-        s = Sampler(seed=seed)
+        s = sampler(seed=seed)
         for k in range(8):
             s.add_rollouts(group(k))
         return seeds(s.take(3))
@@ -73,22 +81,22 @@ def test_take_is_a_uniform_seeded_draw_not_the_newest() -> None:
 
 
 def test_uninformative_groups_never_reach_the_trainer() -> None:
-    s = Sampler()
+    s = sampler()
     s.add_rollouts(group(1, (0.0, 0.0)) + group(2, (1.0, 1.0)) + group(3, (0.0,)))
     assert len(s) == 0 and s.take(4) == []
     assert s.counts["uninformative"] == 2 and s.counts["too_small"] == 1
 
 
 def test_staleness_against_reported_heads() -> None:
-    s = Sampler(max_staleness=4)
+    s = Sampler(max_staleness=4, own=LIN_A)
     s.add_rollouts(group(1, version=3) + group(2, version=5, lineage=LIN_B))
     s.add_rollouts(group(3, version=6))
     s.observe_head(LIN_A, 8)  # LIN_A's publisher announced version 8: version 3 is 5 behind
     s.observe_head(LIN_A, 2)  # an older announcement never lowers the head
     assert s.head(LIN_A) == 8 and s.head(LIN_B) is None
     got = s.take(4)
-    assert seeds(got) == [2, 3]  # LIN_B has no reported head: admitted by the pipeline, usable
-    assert s.counts["stale"] == 1 and len(s) == 0
+    assert seeds(got) == [3]  # LIN_B has no reported head: no one publishes it, so it is not trained on
+    assert s.counts["stale"] == 1 and s.counts["unowned"] == 1 and len(s) == 0
     s.add_rollouts(group(5, version=3) + group(6, version=8))
     s.take(1)
     assert s.counts["stale"] == 2 and len(s) == 0  # a stale group goes even when a fresh one fills the take
@@ -98,15 +106,16 @@ def test_staleness_against_reported_heads() -> None:
 
 def test_a_claimed_version_does_not_age_other_groups_out() -> None:
     """Attack: a peer claims a far-future version for an honest lineage, hoping to make its groups stale."""
-    s = Sampler(max_staleness=4)
+    s = Sampler(max_staleness=4, own=LIN_A)
+    s.observe_head(LIN_A, 3)
     s.add_rollouts(group(1, version=3))
-    s.add_rollouts(group(2, version=2**40))  # verified (the reward is real), but no head is announced
-    assert s.head(LIN_A) is None
+    s.add_rollouts(group(2, version=2**40))  # verified (the reward is real), but its publisher never signed it
+    assert s.head(LIN_A) == 3
     assert seeds(s.take(4)) == [1, 2] and s.counts["stale"] == 0
 
 
 def test_pool_is_bounded_oldest_evicted_and_heads_table_too() -> None:
-    s = Sampler(max_groups=3)
+    s = sampler(max_groups=3)
     for k in range(5):
         s.add_rollouts(group(k))
     assert len(s) == 3 and s.counts["evicted"] == 2
@@ -116,9 +125,9 @@ def test_pool_is_bounded_oldest_evicted_and_heads_table_too() -> None:
     assert len(s._heads) == sampling.MAX_HEADS
     assert s.head((0).to_bytes(32, "big")) is None  # least recently reported forgotten first
     with pytest.raises(ValueError):
-        Sampler(max_groups=0)
+        sampler(max_groups=0)
     with pytest.raises(ValueError):
-        Sampler(max_staleness=-1)
+        sampler(max_staleness=-1)
 
 
 def test_groups_are_shareable_between_receivers() -> None:
@@ -126,7 +135,7 @@ def test_groups_are_shareable_between_receivers() -> None:
     groups, _ = split(group(1) + group(2))
     with pytest.raises(AttributeError):
         groups[0].version = 0  # type: ignore[misc]
-    a, b = Sampler(), Sampler()
+    a, b = sampler(), sampler()
     a.add(groups)
     b.add(groups)
     assert len(a.take(1)) == 1 and len(a) == 1
@@ -134,7 +143,7 @@ def test_groups_are_shareable_between_receivers() -> None:
 
 
 def test_take_rollouts_is_the_trainer_hook_shape() -> None:
-    s = Sampler()
+    s = sampler()
     s.add_rollouts(group(1) + group(2, (0.0, 1.0, 1.0)))
     out = s.take_rollouts(4, 0)
     assert [(r.task.seed, r.reward) for r in out] == [(1, 1.0), (1, 0.0), (2, 0.0), (2, 1.0), (2, 1.0)]
@@ -175,10 +184,14 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
                 break
         time.sleep(0.01)
     w._observe_own_head(own, 9)  # our own lineage moved on: its version-1 group is beyond the bound
+    net.send_bytes(pipe.encode_struct(pipe.Head(LIN_B.hex(), 3)))  # LIN_B publishes: its head reaches the sampler
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and w.inbox.sampler.head(LIN_B) is None:
+        time.sleep(0.01)
     got = w._external(4, 5)
     assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
     assert w.inbox.sampler.counts == {"added": 2, "too_small": 0, "uninformative": 1, "evicted": 0, "stale": 1,
-                                      "over_budget": 0, "taken": 1}
+                                      "over_budget": 0, "unowned": 0, "taken": 1, "producer_share": 0}
     net.send_bytes(pipe.encode_struct(pipe.Stop()))
     reader.join(5)
     assert not reader.is_alive()
@@ -186,7 +199,7 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
 
 def test_rollout_budget_holds_whatever_group_sizes_peers_send() -> None:
     """Attack: a peer sends batches of one 64-completion group each to fill a trainer's memory."""
-    s = Sampler(max_groups=1000, max_rollouts=100)
+    s = sampler(max_groups=1000, max_rollouts=100)
     for k in range(10):
         s.add_rollouts(group(k, rewards=(1.0, 0.0) * 32))
         assert s._rollouts <= 100
@@ -196,14 +209,14 @@ def test_rollout_budget_holds_whatever_group_sizes_peers_send() -> None:
     took = s.take(1)[0]
     assert s._rollouts == 64 + 5 - len(took.rollouts) == sum(len(g.rollouts) for g in s._pool)
     with pytest.raises(ValueError):
-        Sampler(max_rollouts=1)
+        sampler(max_rollouts=1)
 
 
 def test_a_steps_external_work_is_bounded_in_tokens_not_only_groups() -> None:
     """Attack (issue 26): groups of 64 long completions make one external group cost a trainer many honest
     groups' work. `take` stays within a token budget: a group larger than the whole budget is dropped and
     counted, one that does not fit this step waits for the next."""
-    s = Sampler()
+    s = sampler()
     s.add_rollouts(group(1) + group(2))  # 2 rollouts x 8 tokens each
     s.add_rollouts(group(9, rewards=(1.0, 0.0) * 32))  # 64 x 8 = 512 tokens, the newest
     picked = s.take(4, max_tokens=4 * 2 * 8)
@@ -223,6 +236,7 @@ def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) ->
     w = worker.Worker(end, {"home": str(tmp_path), "swarm": "t",
                             "trainer": {"max_staleness": 4, "group_size": 2, "max_new_tokens": 8}})
     w.inbox.sampler.add_rollouts(group(1) + group(2) + group(9, rewards=(1.0, 0.0) * 32) + group(3))
+    w._observe_own_head(LIN_A, 0)
     got = w._external(4, 0)
     assert {r.task.seed for r in got} == {1, 2, 3} and len(got) == 6
     assert w.inbox.sampler.counts["over_budget"] == 1
@@ -230,23 +244,23 @@ def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) ->
 
 def test_the_configurable_bounds_accept_their_extremes() -> None:
     """max_groups up to MAX_GROUPS_LIMIT, a rollout budget of one two-rollout group, no staleness allowed."""
-    assert Sampler(max_groups=sampling.MAX_GROUPS_LIMIT).max_groups == 1 << 20
-    one = Sampler(max_groups=1)
+    assert sampler(max_groups=sampling.MAX_GROUPS_LIMIT).max_groups == 1 << 20
+    one = sampler(max_groups=1)
     one.add_rollouts(group(1) + group(2))
     assert seeds(one.take(4)) == [2]
     with pytest.raises(ValueError):
-        Sampler(max_groups=sampling.MAX_GROUPS_LIMIT + 1)
-    tight = Sampler(max_rollouts=2)
+        sampler(max_groups=sampling.MAX_GROUPS_LIMIT + 1)
+    tight = sampler(max_rollouts=2)
     tight.add_rollouts(group(1) + group(2))
     assert seeds(tight.take(4)) == [2] and tight.counts["evicted"] == 1
-    fresh_only = Sampler(max_staleness=0)
+    fresh_only = sampler(max_staleness=0)
     fresh_only.add_rollouts(group(1, version=3) + group(2, version=4))
     fresh_only.observe_head(LIN_A, 4)
     assert seeds(fresh_only.take(4)) == [2] and fresh_only.counts["stale"] == 1
 
 
 def test_the_default_pool_holds_256_groups_up_to_4_versions_behind() -> None:
-    s = Sampler()
+    s = sampler()
     for k in range(257):
         s.add_rollouts(group(k, version=k % 2))
     assert len(s) == 256 and s.counts["evicted"] == 1
@@ -255,7 +269,7 @@ def test_the_default_pool_holds_256_groups_up_to_4_versions_behind() -> None:
 
 
 def test_taking_no_groups_leaves_the_pool_as_it_is() -> None:
-    s = Sampler(max_staleness=0)
+    s = sampler(max_staleness=0)
     s.add_rollouts(group(1, version=0) + group(2, version=1))
     s.observe_head(LIN_A, 1)
     assert s.take(0) == [] and s.take(-1) == [] and s.take_rollouts(-3) == []
@@ -263,8 +277,46 @@ def test_taking_no_groups_leaves_the_pool_as_it_is() -> None:
 
 
 def test_a_token_budget_takes_exactly_the_groups_asked_for_and_a_group_that_fills_it() -> None:
-    s = Sampler(max_groups=1000)
+    s = sampler(max_groups=1000)
     for k in range(400):
         s.add_rollouts(group(k))
     assert len(s.take(300, max_tokens=10**6)) == 300 and len(s) == 100
     assert len(s.take(1, max_tokens=2 * 8)) == 1 and s.counts["over_budget"] == 0  # 2 rollouts x 8 tokens
+
+
+def test_groups_of_a_lineage_no_one_publishes_are_never_taken() -> None:
+    """Attack (issue 43): reward-correct rollouts under a made-up lineage. No publisher signs its
+    versions, so no head is ever reported and its groups would never age out: they are dropped, counted,
+    and the trainer learns from none of them, however long they wait."""
+    s = Sampler(own=LIN_A)
+    s.observe_head(LIN_A, 0)
+    made_up = b"\x0d" * 32
+    for k in range(6):
+        s.add_rollouts(group(k, lineage=made_up), producer=b"p")
+    s.add_rollouts(group(9))
+    assert seeds(s.take(4)) == [9]
+    assert s.counts["unowned"] == 6 and len(s) == 0
+    s.observe_head(made_up, 0)  # once its publisher is proven and publishes, its groups count like any
+    s.add_rollouts(group(10, lineage=made_up), producer=b"p")
+    assert seeds(s.take(4)) == [10]
+
+
+def test_one_producer_fills_at_most_half_of_a_steps_groups_of_other_lineages() -> None:
+    """Attack (issue 43): one key floods the pool with groups of another lineage, whose weights no receiver
+    can re-score, to own every external group of a step. It gets `producer_cap(J)` of them; the rest waits
+    (counted) while other producers' and the trainer's own lineage's groups fill the step."""
+    assert [sampling.producer_cap(j) for j in (1, 2, 3, 4, 8)] == [1, 1, 1, 2, 4]
+    s = sampler(seed=3)
+    for k in range(20):
+        s.add_rollouts(group(k, lineage=LIN_B), producer=b"flood")
+    s.add_rollouts(group(50, lineage=LIN_B), producer=b"honest")
+    s.add_rollouts(group(60), producer=b"follower")  # our own lineage: checkable, never capped
+    for _ in range(3):
+        got = s.take(4)
+        by = [g.producer for g in got]
+        assert by.count(b"flood") <= 2
+    assert s.counts["producer_share"] > 0
+    own = sampler()
+    for k in range(8):
+        own.add_rollouts(group(k), producer=b"follower")  # a pod's one follower may fill every slot
+    assert len(own.take(4)) == 4 and own.counts["producer_share"] == 0

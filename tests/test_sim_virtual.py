@@ -77,10 +77,14 @@ def test_summary_measures_the_run(small_run) -> None:
     assert s["sampler"]["taken"] == s["external_groups_consumed"] > 0
 
 
-def test_swarm_beats_isolated_in_the_model(small_run) -> None:
+def test_peers_swarm_matches_isolated_in_the_calibrated_model(small_run) -> None:
+    """Four trainers of their own lineages (the default roles here): the calibrated model values another
+    lineage's group at about its training cost, as the compute-matched benchmark measured, so the swarm
+    runs level with the isolated twins, neither clearly ahead (the sign flips with the seed)."""
     _, s = small_run
     assert s["external_groups_consumed"] > 0
-    assert s["swarm_cumulative_reward"] > s["isolated_cumulative_reward"]
+    swarm, alone = s["swarm_cumulative_reward"], s["isolated_cumulative_reward"]
+    assert abs(swarm - alone) <= 0.05 * alone, (swarm, alone)
 
 
 def test_report_folder(small_run) -> None:

@@ -4,13 +4,16 @@ through the trainer's external source, as a bug or a missed check would let them
 
 from __future__ import annotations
 
+import copy
 import math
 import struct
 import warnings
 
+import pytest
 import torch
 
 from gossip import wire
+from training.engine import Sampling
 from training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from training.tiny import new_tiny_engine
 from training.trainer import Trainer, TrainerConfig
@@ -82,3 +85,71 @@ def test_the_same_group_with_finite_logprobs_moves_the_weights() -> None:
     trainer, before, res = step_with(None)
     assert "step_not_finite" not in trainer.drops and res.version == 1
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.engine.model.named_parameters())
+
+
+# ------------------------------------------------------------ weights nobody can check (issue 43)
+
+PAYLOAD = "   "  # a mark the exact verifier ignores, so it rides on a correct answer at reward 1
+ATTACKER = b"\x0d" * 32
+
+
+def payload_groups(reg: TaskRegistry, engine, groups: int, first_seed: int, claim: float,
+                   tokenizer: bytes | None = None) -> list[wire.Rollout]:
+    """Reward-correct completions carrying the payload, beside wrong ones without it, under another lineage,
+    claiming the behaviour log-prob `claim` per token (-999 pins a claimed importance ratio at its cap)."""
+    out = []
+    for j in range(groups):
+        ref = wire.TaskRef(task_set=reg.builtin_id, generator=BUILTIN_TRAIN, seed=first_seed + j)
+        task = reg.resolve(ref)
+        for i in range(4):
+            ids = engine.encode(PAYLOAD + task.answer if i % 2 == 0 else task.answer + "0") + [engine.eos_id]
+            out.append(wire.Rollout(task=ref, lineage=ATTACKER, version=0, completion_ids=ids,
+                                    text=engine.decode(ids), tokenizer_hash=tokenizer or engine.tokenizer_hash,
+                                    logprobs=struct.pack(f"<{len(ids)}f", *([claim] * len(ids))),
+                                    token_versions=[(0, 0)], sampling=wire.SamplingParams(max_new_tokens=16),
+                                    reward=0.0, created_ms=1))
+    return out
+
+
+@pytest.mark.parametrize("tokenizer", [None, b"\x77" * 32])
+def test_a_foreign_samples_weight_rests_on_nothing_its_producer_claims(warm_engine, registry, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The same completions claiming -999 or -0.01 per token move the weights identically: no receiver can
+    re-score another lineage's (or another tokenizer's) sampling, so its claim is never used."""
+    after = []
+    for claim in (-999.0, -0.01):
+        engine = copy.deepcopy(warm_engine)
+        group = payload_groups(registry, engine, 2, 11_000, claim, tokenizer)
+        cfg = TrainerConfig(local_groups=1, external_groups=2, group_size=2, max_new_tokens=8, lr=1e-2, seed=1)
+        tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v: list(group))
+        res = tr.step()
+        assert res.n_external_groups == 2 and res.updates >= 1
+        after.append(torch.cat([p.detach().flatten() for p in engine.model.parameters()]))
+    assert torch.equal(after[0], after[1])
+
+
+def test_a_payload_on_reward_correct_foreign_rollouts_does_not_spread(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
+    """Attack (issue 43, first class): one key's reward-correct rollouts, every external group of every step,
+    carry a payload under a lineage the trainer cannot re-score, claiming -999 per token. With the claimed
+    ratio the payload reached most of the trainer's completions; weighed by the learner's own likelihood of
+    the whole completion, the trainer does not pick it up."""
+    engine = copy.deepcopy(warm_engine)
+    fed = [0]
+
+    def external(n: int, _v: int) -> list[wire.Rollout]:
+        fed[0] += n
+        return payload_groups(registry, engine, n, 11_000 + 10 * fed[0], -999.0)
+
+    def share() -> float:
+        prompts = [engine.encode(registry.resolve(wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, 20_000 + k)).prompt)
+                   for k in range(64)]
+        res = engine.sample(prompts, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8), max_new=8)
+        return sum(engine.decode(ids).startswith(PAYLOAD) for ids, _, _ in res) / len(prompts)
+
+    assert share() == 0.0
+    cfg = TrainerConfig(local_groups=4, external_groups=4, group_size=4, max_new_tokens=8, lr=1e-3, seed=1)
+    tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=external)
+    trained = 0
+    for _ in range(60):
+        trained += tr.step().trained_external_groups
+    assert trained >= 120  # the attacker's groups were trained on, step after step
+    assert share() <= 2 / 64  # with the claimed ratio (weight 1): 0.47 after these 60 steps

@@ -17,6 +17,9 @@ EPS_LO = 0.2
 EPS_HI = 0.28
 M2_TAU = 0.04
 HACPO_LOW = 0.8  # a sequence ratio below this counts as far off-policy (a statistic only)
+CAPABILITY_CLIP = 10.0  # HACPO's bound on a capability ratio (coefficient and baseline)
+MAX_LOG_WEIGHT = 30.0  # an untruncated sequence weight is a statistic only; this keeps it finite
+MAX_SOURCES = 4096  # sources whose success rate is remembered (least recently updated forgotten first)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -106,56 +109,71 @@ def decoupled_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torc
 
 def hacpo_advantages(rewards: torch.Tensor, p_src: torch.Tensor, p_learner: float, eps: float = 1e-6
                      ) -> torch.Tensor:
-    """A_i = (R_i - b) / (std R + eps), b = mean_j (P_learner / P_src(j)) R_j (capability-weighted)."""
+    """A_i = (R_i - b) / (std R + eps), b = mean_j clip(P_learner / P_src(j), 0.1, 10) R_j (capability-weighted).
+
+    The ratio is clipped as HACPO clips its capability ratio, so a source with a near-zero success rate
+    cannot move the baseline by more than ten times its rewards."""
     r = rewards.float()
-    ratio = p_learner / p_src.float().clamp(min=1e-3)
+    ratio = (p_learner / p_src.float().clamp(min=1e-3)).clamp(1.0 / CAPABILITY_CLIP, CAPABILITY_CLIP)
     b = (ratio * r).mean()
     return (r - b) / (r.std(unbiased=False) + eps)
 
 
 def hacpo_coefficient(p_src: torch.Tensor, p_learner: float) -> torch.Tensor:
-    """clip(P_src / P_learner, 0.1, 10): trust a stronger source more, a weaker one less."""
-    return (p_src.float() / max(p_learner, 1e-3)).clamp(0.1, 10.0)
+    """clip(P_src / P_learner, 0.1, 1): trust a weaker source less, never a sample of another model more
+    than one of our own. HACPO lets a stronger source reach 10; here the success rate is measured on what
+    that source chose to send (a producer can send only its easiest groups), so it earns no up-weight."""
+    return (p_src.float() / max(p_learner, 1e-3)).clamp(1.0 / CAPABILITY_CLIP, 1.0)
 
 
-def hacpo_loss(logp: torch.Tensor, src_logp_mean: torch.Tensor, mask: torch.Tensor, adv: torch.Tensor,
+def hacpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor | float, mask: torch.Tensor, adv: torch.Tensor,
                coef: torch.Tensor, denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss for samples of another model (sequence level).
 
-    s = exp(mean_t logp_learner - mean_t logp_src) (GSPO's length-normalised sequence ratio) is the
-    importance weight, truncated at 1 (never up-weight another model's sample) and detached; the
-    per-sample objective is coef * min(s, 1) * A * mean_t logp_learner, so the gradient is
-    length-normalised and bounded by coef * |A|. No floor below: a completion the learner would
-    rarely write is weighted by how rarely, since a floor trains hardest, relative to its weight, on
-    exactly the samples that say least about the learner's own behaviour (another model's
-    idiosyncratic errors). The loss is the mean over sequences, or their sum over `denom` when one
-    is given.
+    The importance weight is s = exp(sum_t (logp_learner(y_t) - ref_logp)), truncated at 1 and detached:
+    how likely the learner is to write the whole completion, against how likely it is to write one of
+    its own of that length. `ref_logp` is a per-token log-prob the receiver holds itself (the trainer
+    passes the mean behaviour log-prob of its own recent completions), never the producer's claimed
+    log-probs: no receiver can re-score another model's sampling, and a claim of -999 per token would pin
+    a claimed ratio at its cap. The sum, not the per-token mean, is the test: a few tokens the learner
+    would not write (a payload riding on a correct answer) weigh the completion down by their product,
+    where a mean over the whole completion dilutes them. The per-sample objective is
+    coef * min(s, 1) * A * mean_t logp_learner, so the gradient is length-normalised and bounded by
+    coef * |A| <= |A|. No floor below: a floor trains hardest, relative to its weight, on exactly the
+    samples that say least about the learner's own behaviour. The loss is the mean over sequences, or
+    their sum over `denom` when one is given.
     """
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
-    s = torch.exp(seq_lp.detach() - src_logp_mean)
+    ref = torch.as_tensor(ref_logp, dtype=logp.dtype)
+    ref = ref[:, None] if ref.dim() == 1 else ref  # one reference per row, or one for all
+    gap = ((logp.detach() - ref) * mask).sum(-1)
+    s = torch.exp(gap.clamp(max=MAX_LOG_WEIGHT))
     obj = coef * s.clamp(max=1.0) * adv * seq_lp
     valid = (mask.sum(-1) > 0).float()
     n = valid.sum().clamp(min=1.0)
     loss = -(obj * valid).sum() / (n if denom is None else max(float(denom), 1.0))
-    return loss, {"seq_ratio_mean": float((s * valid).sum() / n),
+    return loss, {"seq_ratio_mean": float((s.clamp(max=1.0) * valid).sum() / n),
                   "seq_ratio_truncated_frac": float(((s > 1).float() * valid).sum() / n),
                   "seq_ratio_low_frac": float(((s < HACPO_LOW).float() * valid).sum() / n)}
 
 
 class CapabilityTracker:
-    """Rolling positive-reward rate per source (lineage), for HACPO weights."""
+    """Rolling positive-reward rate per source (lineage), for HACPO weights; at most `max_sources` remembered."""
 
-    def __init__(self, decay: float = 0.95, prior: float = 0.5) -> None:
+    def __init__(self, decay: float = 0.95, prior: float = 0.5, max_sources: int = MAX_SOURCES) -> None:
         self.decay = decay
         self.prior = prior
+        self.max_sources = max(1, max_sources)
         self.rate: dict[bytes, float] = {}
 
     def update(self, source: bytes, rewards: list[float]) -> None:
-        p = self.rate.get(source, self.prior)
+        p = self.rate.pop(source, self.prior)
         for r in rewards:
             p = self.decay * p + (1 - self.decay) * (1.0 if r > 0 else 0.0)
-        self.rate[source] = p
+        self.rate[source] = p  # re-inserted last: the dict's order is least recently updated first
+        while len(self.rate) > self.max_sources:
+            del self.rate[next(iter(self.rate))]
 
     def get(self, source: bytes) -> float:
         return self.rate.get(source, self.prior)

@@ -36,8 +36,9 @@ class RolloutRec:
     reward: float = 0.0
     finished: bool = True
     created_ms: int = field(default_factory=now_ms)
-    # set for rollouts re-tokenised from another tokenizer: mean log-prob under the source
-    src_logp_mean: float | None = None
+    # another model's sample (another lineage, or re-tokenised from another tokenizer): trained with the
+    # HACPO loss, whose weight rests on nothing the producer claims (its log-probs are not re-scorable)
+    foreign: bool = False
     source: bytes = b""  # lineage of the producing policy (HACPO capability key)
 
     def versions_per_token(self) -> list[int]:
@@ -74,14 +75,15 @@ def to_wire(r: RolloutRec) -> Rollout:
 
 
 def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes, encode: object,
-              eos_id: int | None = None) -> RolloutRec:
+              eos_id: int | None = None, max_tokens: int | None = None) -> RolloutRec:
     """A received rollout for local training; re-tokenised when its tokenizer differs from ours.
 
     `finished` says whether the producer's completion ended with its EOS (else it was cut at its
     `max_new_tokens`). With our tokenizer the last id shows it (given `eos_id`); with another the text
     has no EOS, so a completion shorter than the producer's token cap stopped on its own, and one that
     reached the cap counts as cut (a finished one of exactly that length is lost, never a cut one
-    trained as finished)."""
+    trained as finished). A re-tokenised text longer than `max_tokens` of ours is cut there and counts
+    as cut: the receiver's token budget bounds its work, whatever the producer's budget was."""
     lps = logprobs_from_bytes(w.logprobs)
     if len(lps) != len(w.completion_ids):
         raise DecodeError(f"rollout has {len(lps)} log-probs for {len(w.completion_ids)} tokens")
@@ -96,8 +98,9 @@ def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: byt
         rec.finished = bool(ids) and eos_id is not None and ids[-1] == eos_id
     else:
         rec.finished = 0 < len(ids) < w.sampling.max_new_tokens
-        rec.src_logp_mean = float(np.mean(lps)) if lps else 0.0
         rec.ids = list(encode(w.text))  # type: ignore[operator]
+        if max_tokens is not None and len(rec.ids) > max_tokens:
+            rec.ids, rec.finished = rec.ids[:max_tokens], False
         rec.logprobs = []
         rec.token_versions = []
         rec.tokenizer_hash = tokenizer_hash

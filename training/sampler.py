@@ -23,8 +23,10 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
   heads it learns from verified manifests). Only a lineage's publisher
   advances its head, so a rollout's claimed version never does: a peer
   claiming version 10**9 for someone's lineage cannot age that lineage's
-  other groups out. A lineage with no reported head was checked against the
-  heads the validation pipeline knew when it was admitted. Stale groups are
+  other groups out. A group of a lineage with no reported head is dropped
+  when met (`unowned`): the node reports heads only of lineages whose
+  publisher has had a signed manifest accepted, so a lineage no one owns is
+  never trained on and cannot escape the staleness rule. Stale groups are
   dropped when met, never sampled.
 - **Take** (`take(J)`): J usable groups drawn uniformly at random (SAPO's
   `random.sample`, from the sampler's own seeded generator), each used once;
@@ -35,14 +37,18 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
   tokens: a step's external work is bounded in tokens, not only in groups (a
   group may hold a whole batch's 64 rollouts). A group larger than the whole
   budget is dropped (`over_budget`); the draw goes on past one that does not
-  fit what is left, which waits for a later step.
+  fit what is left, which waits for a later step. Groups of lineages other
+  than the sampler's own (`own`) carry weights no receiver can re-score, so
+  one producer (the key that signed their batch) fills at most
+  `producer_cap(J)` of a step's J groups; the rest of its groups wait.
 
 Counters (`counts`): `added`, `uninformative` and `too_small` (dropped at
-intake), `evicted` (pool full), `stale` and `over_budget` (dropped at take), `taken`.
+intake), `evicted` (pool full), `stale`, `unowned` and `over_budget` (dropped
+at take), `producer_share` (held back by the per-producer cap), `taken`.
 
 Usage (the simulator, per receiving node)::
 
-    groups = sampler.split(batch.rollouts)   # once per verified message; Groups are immutable, shareable
+    groups = sampler.split(batch.rollouts, batch.producer)  # once per verified message; Groups are shareable
     node_sampler.add(groups)                 # per receiver
     node_sampler.observe_head(lineage, v)    # whenever the node learns a head (its own: every step)
     picked = node_sampler.take(4)            # list[Group]: .rollouts, .lineage, .version, .key (random draw)
@@ -71,14 +77,16 @@ class Group:
     lineage: bytes
     version: int  # the oldest policy version among its rollouts
     rollouts: tuple[wire.Rollout, ...]
+    producer: bytes = b""  # the key that signed the batch (b"": not known to the caller)
 
 
 def task_key(ref: wire.TaskRef) -> TaskKey:
     return (bytes(ref.task_set), ref.generator, int(ref.seed))
 
 
-def split(rollouts: Iterable[wire.Rollout]) -> tuple[list[Group], dict[str, int]]:
-    """Cut a verified batch into groups; returns (informative groups, counts of the dropped ones)."""
+def split(rollouts: Iterable[wire.Rollout], producer: bytes = b"") -> tuple[list[Group], dict[str, int]]:
+    """Cut a verified batch (signed by `producer`) into groups; returns (informative groups, counts of the
+    dropped ones)."""
     by: dict[tuple[TaskKey, bytes], list[wire.Rollout]] = {}
     for r in rollouts:
         by.setdefault((task_key(r.task), bytes(r.lineage)), []).append(r)
@@ -92,8 +100,14 @@ def split(rollouts: Iterable[wire.Rollout]) -> tuple[list[Group], dict[str, int]
         if max(rewards) - min(rewards) <= 1e-9:
             dropped["uninformative"] += 1
             continue
-        out.append(Group(key, lineage, min(r.version for r in rs), tuple(rs)))
+        out.append(Group(key, lineage, min(r.version for r in rs), tuple(rs), bytes(producer)))
     return out, dropped
+
+
+def producer_cap(groups: int) -> int:
+    """The most groups of other lineages one producer may fill of a step's `groups` external groups: half,
+    at least one. Those groups' weights cannot be re-scored, so no single key steers a step."""
+    return max(1, groups // 2)
 
 
 def _tokens(g: Group) -> int:
@@ -104,7 +118,7 @@ class Sampler:
     """A trainer's pool of verified external groups and the rule that picks J of them per step."""
 
     def __init__(self, max_groups: int = 256, max_staleness: int = 4, max_rollouts: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, own: bytes | None = None) -> None:
         if not 1 <= max_groups <= MAX_GROUPS_LIMIT:
             raise ValueError(f"max_groups must be in 1..{MAX_GROUPS_LIMIT}")
         if max_rollouts is not None and max_rollouts < 2:
@@ -118,8 +132,9 @@ class Sampler:
         self._pool: collections.deque[Group] = collections.deque()
         self._heads: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._rng = random.Random(seed)
+        self.own = None if own is None else bytes(own)  # the lineage this sampler's trainer publishes
         self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "over_budget": 0,
-                       "taken": 0}
+                       "unowned": 0, "taken": 0, "producer_share": 0}
 
     def __len__(self) -> int:
         return len(self._pool)
@@ -138,9 +153,9 @@ class Sampler:
         self.counts["added"] += n
         return n
 
-    def add_rollouts(self, rollouts: Iterable[wire.Rollout]) -> int:
+    def add_rollouts(self, rollouts: Iterable[wire.Rollout], producer: bytes = b"") -> int:
         """Split a verified batch's rollouts and pool its informative groups; returns groups added."""
-        groups, dropped = split(rollouts)
+        groups, dropped = split(rollouts, producer)
         for k, v in dropped.items():
             self.counts[k] += v
         return self.add(groups)
@@ -159,28 +174,45 @@ class Sampler:
 
     def take(self, groups: int, max_tokens: int | None = None) -> list[Group]:
         """Up to `groups` usable groups drawn uniformly at random, each used once, holding at most
-        `max_tokens` completion tokens; every stale group in the pool, and every group larger than the
-        whole budget, is dropped on the way. Returned in arrival order (oldest first)."""
+        `max_tokens` completion tokens, with at most `producer_cap(groups)` groups of other lineages from
+        any one producer; every stale group in the pool, every group of a lineage with no reported head,
+        and every group larger than the whole budget, is dropped on the way. Returned in arrival order
+        (oldest first)."""
         if groups <= 0 or not self._pool:
             return []
         usable: list[Group] = []
-        heads, bound, stale = self._heads, self.max_staleness, 0
+        heads, bound, stale, unowned = self._heads, self.max_staleness, 0, 0
         for g in self._pool:
-            if heads.get(g.lineage, g.version) - g.version > bound:
+            head = heads.get(g.lineage)
+            if head is None:
+                unowned += 1
+            elif head - g.version > bound:
                 stale += 1
             elif max_tokens is not None and _tokens(g) > max_tokens:
                 self.counts["over_budget"] += 1
             else:
                 usable.append(g)
         self.counts["stale"] += stale
-        if max_tokens is None:
-            chosen = set(self._rng.sample(range(len(usable)), min(groups, len(usable))))
-        else:
-            chosen, room = set(), max_tokens
-            for i in self._rng.sample(range(len(usable)), len(usable)):
-                if len(chosen) < groups and _tokens(usable[i]) <= room:
-                    chosen.add(i)
-                    room -= _tokens(usable[i])
+        self.counts["unowned"] += unowned
+        cap = producer_cap(groups)
+        chosen: set[int] = set()
+        per: dict[bytes, int] = {}
+        room = max_tokens
+        for i in self._rng.sample(range(len(usable)), len(usable)):
+            if len(chosen) >= groups:
+                break
+            g = usable[i]
+            foreign = g.lineage != self.own
+            if foreign and per.get(g.producer, 0) >= cap:
+                self.counts["producer_share"] += 1  # waits for a later step (or its eviction)
+                continue
+            if room is not None and _tokens(g) > room:
+                continue
+            chosen.add(i)
+            if foreign:
+                per[g.producer] = per.get(g.producer, 0) + 1
+            if room is not None:
+                room -= _tokens(g)
         picked, keep = [], []
         for i, g in enumerate(usable):
             (picked if i in chosen else keep).append(g)

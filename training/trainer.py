@@ -55,6 +55,7 @@ from training.tasksets import TaskRegistry, is_eval
 from training.verifiers import score
 
 LOSS_NORMS = ("informative", "constant")
+REF_DECAY = 0.9  # running mean of the own-sample log-prob reference: about the last ten steps
 
 ExternalSource = Callable[[int, int], list[Rollout]]  # (max groups wanted, min acceptable version) -> rollouts
 
@@ -193,6 +194,10 @@ class Trainer:
         self.step_no = 0
         self.pending: list[_Pending] = []
         self.capability = CapabilityTracker()
+        # the per-token log-prob of this policy's own samples (a running mean of its behaviour log-probs):
+        # the reference of another model's sample weight; 0 until the first own completion (weights low)
+        self.ref_logp = 0.0
+        self._ref_seen = False
         self.backlog: list[_Prepared] = []  # informative groups waiting for a full minibatch
         self.opt = torch.optim.AdamW(engine.model.parameters(), lr=config.lr, weight_decay=0.0)
         self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
@@ -288,10 +293,9 @@ class Trainer:
                 self.drops["task_set_unused"] = self.drops.get("task_set_unused", 0) + 1
                 continue  # not a task set we hold: unusable here, not an error of ours
             rec = from_wire(w, task, self.engine.encode(task.prompt), self.engine.tokenizer_hash, self.engine.encode,
-                            self.engine.eos_id)
-            if rec.src_logp_mean is not None or rec.lineage != self.lineage:
-                if rec.src_logp_mean is None:  # same tokenizer, other lineage: its log-probs give the mean
-                    rec.src_logp_mean = sum(rec.logprobs) / max(1, len(rec.logprobs))
+                            self.engine.eos_id, max_tokens=self.cfg.max_new_tokens)
+            if rec.foreign or rec.lineage != self.lineage:
+                rec.foreign = True  # another model's sample: its claimed log-probs are never used
                 # a re-tokenised text lacks the EOS its producer sampled; a cut completion never had one,
                 # and the HACPO loss masks it out (TRL's mask_truncated_completions) instead
                 if rec.finished and (not rec.ids or rec.ids[-1] != self.engine.eos_id):
@@ -333,8 +337,8 @@ class Trainer:
             cut = torch.tensor([not r.finished for r in ext], dtype=torch.bool)
             mask = mask * (~cut).float()[:, None]  # kept for the group's advantages, out of the loss
             stats["truncated_masked"] = float(cut.sum())
-            src = torch.tensor([r.src_logp_mean or 0.0 for r in ext])
-            loss, st = hacpo_loss(logp, src, mask, ext_adv, ext_coef, denom=rows)
+            loss, st = hacpo_loss(logp, self.ref_logp, mask, ext_adv, ext_coef, denom=rows)
+            stats["ref_logp"] = self.ref_logp
             stats.update(st)
             parts.append(loss)
             weights.append(len(ext))
@@ -346,11 +350,23 @@ class Trainer:
 
     # ------------------------------------------------------------ step
 
+    def _observe_own_logprobs(self, local: list[list[RolloutRec]]) -> None:
+        """Move the reference towards the mean per-token behaviour log-prob of this step's own completions
+        (generated here, so nothing a peer says enters it)."""
+        means = [sum(r.logprobs) / len(r.logprobs) for g in local for r in g
+                 if r.logprobs and math.isfinite(sum(r.logprobs))]
+        if not means:
+            return
+        m = sum(means) / len(means)
+        self.ref_logp = m if not self._ref_seen else REF_DECAY * self.ref_logp + (1 - REF_DECAY) * m
+        self._ref_seen = True
+
     def _prepare(self, local: list[list[RolloutRec]], ext_groups: list[list[RolloutRec]]
                  ) -> tuple[list[_Prepared], int]:
         """Route each informative group to its loss with its advantages; returns (groups, dropped)."""
         out: list[_Prepared] = []
         dropped = 0
+        self._observe_own_logprobs(local)
         for g in local:
             if is_degenerate([r.reward for r in g]):
                 dropped += 1
@@ -366,19 +382,19 @@ class Trainer:
                 dropped += 1
                 continue
             for r in g:
-                if r.src_logp_mean is not None:
+                if r.foreign:
                     self.capability.update(r.source, [r.reward])
-            if all(r.src_logp_mean is None for r in g):  # all of our lineage and tokenizer
+            if not any(r.foreign for r in g):  # all of our lineage and tokenizer
                 out.append(_Prepared(g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY,
                                      _EMPTY, external=True))
                 continue
-            p_src = torch.tensor([self.capability.get(r.source) if r.src_logp_mean is not None else p_l for r in g])
+            p_src = torch.tensor([self.capability.get(r.source) if r.foreign else p_l for r in g])
             adv = hacpo_advantages(torch.tensor([r.reward for r in g]), p_src, p_l)
             coef = hacpo_coefficient(p_src, p_l)
             # own-lineage samples inside a group with another model's get the HACPO advantage with the
             # decoupled loss: the routing is per sample
-            mine = [i for i, r in enumerate(g) if r.src_logp_mean is None]
-            theirs = [i for i, r in enumerate(g) if r.src_logp_mean is not None]
+            mine = [i for i, r in enumerate(g) if not r.foreign]
+            theirs = [i for i, r in enumerate(g) if r.foreign]
             out.append(_Prepared([g[i] for i in mine], adv[mine], [g[i] for i in theirs], adv[theirs],
                                  coef[theirs], external=True))
         return out, dropped

@@ -114,7 +114,7 @@ def _receive(node: _Node, payloads: list[bytes], sender: str) -> None:
         v = node.pipeline.check(data, sender)
         if v.accepted and v.batch is not None:
             node.verified += len(v.batch.rollouts)
-            node.sampler.add_rollouts(v.batch.rollouts)
+            node.sampler.add_rollouts(v.batch.rollouts, bytes(v.batch.producer))
     dt = time.thread_time() - c0
     node.cpu += dt
     node.verify_cpu += dt
@@ -235,7 +235,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                             clock=time.time, resolve_task=reg.resolve, reward=score,
                             head_version=lambda lin: heads.get(bytes(lin)),
                             task_set_trusted=reg.__contains__, check_tokens=check_tokens) if swarm else None
-        sampler = Sampler(POOL_GROUPS, cfg.max_staleness, seed=seed * 100 + i) if swarm else None
+        sampler = Sampler(POOL_GROUPS, cfg.max_staleness, seed=seed * 100 + i, own=lineage) if swarm else None
         node = _Node(i, ident, lineage, None, engine, pipeline, sampler)
         _timed_sampling(node)
         take = None if sampler is None else sampler.take_rollouts if adv is None else adv.watch(sampler.take_rollouts)

@@ -250,7 +250,8 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
             PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
             clock=time.time, resolve_task=registry.resolve, reward=score,
             head_version=lambda lin: heads.get(bytes(lin)), task_set_trusted=registry.__contains__)
-        node = _Node(i, ident, lineage, None, pipeline, Sampler(sc.inbox_groups, t.max_staleness, seed=seed * 100 + i))
+        sampler = Sampler(sc.inbox_groups, t.max_staleness, seed=seed * 100 + i, own=lineage)
+        node = _Node(i, ident, lineage, None, pipeline, sampler)
         ext = None if isolated or mix.external_groups == 0 else node.sampler.take_rollouts
         node.trainer = Trainer(engine, registry, ts_id, cfg, lineage=lineage, external=ext)
         heads[lineage] = 0
@@ -293,7 +294,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
                         continue
                     if adversary:
                         other.accepted_from_adversary += 1
-                    other.sampler.add_rollouts(v.batch.rollouts)
+                    other.sampler.add_rollouts(v.batch.rollouts, bytes(v.batch.producer))
         if on_round is not None:
             on_round(mode, rnd + 1)
     honest = [n for n in nodes if n.index != adv_index]
