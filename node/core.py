@@ -153,6 +153,7 @@ class NodeCore:
                                        "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0,
                                        "spot_eligible": 0}
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
+        self.tokenizer = b""  # our worker's tokenizer hash (its Ready): deliveries under another earn no credit
         self.steps = 0
         self.rewards: deque[float] = deque(maxlen=60)
         self.reward_first: list[float] = []
@@ -309,8 +310,8 @@ class NodeCore:
             out.append(Accept() if self._on_offered(ev.manifest) else Decline())
         elif isinstance(ev, RolloutsVerified):
             self._meter_inbound(sum(n for _, n in ev.lineages))
-            for lid, n in ev.lineages:
-                if lid == self.own:
+            for lid, tok, n in ev.usable:
+                if lid == self.own and tok == self.tokenizer:
                     self.deliveries.add(ev.producer, n, self.clock())
         else:
             assert_never(ev)
@@ -593,9 +594,12 @@ class NodeCore:
             self.counts["spot_eligible"] += max(0, m.eligible)
         elif isinstance(m, pipe.Spot):
             self.counts["spot_checked"] += 1
-            if not m.ok:
+            peer = peer_id_from_public(bytes.fromhex(m.producer))
+            if m.ok:
+                self.deliveries.vouch(peer)
+            else:
+                self.deliveries.unvouch(peer)
                 self.counts["spot_failed"] += 1
-                peer = peer_id_from_public(bytes.fromhex(m.producer))
                 out.append(Penalise(peer, "spot_check_failed", SPOT_PENALTY))
                 out.append(Log("spot check failed", {"producer": peer, "diff": m.diff}))
         elif isinstance(m, pipe.Error):
@@ -606,6 +610,7 @@ class NodeCore:
     def _on_ready(self, m: pipe.Ready, out: list[Action]) -> None:
         base = bytes.fromhex(m.base)
         self.table.set_my_base(base, m.model_bytes)
+        self.tokenizer = bytes.fromhex(m.tokenizer_hash)
         if m.lineage:
             lin = self.table.set_own(bytes.fromhex(m.lineage), m.name, self.ident.public, base, m.version)
             self.counts["published"] = lin.held

@@ -11,6 +11,13 @@ the trainer's need, however many keys claim it. A new follower starts at that
 trial credit and earns more by delivering; a claim larger than the credit is
 not refused (an honest follower paced below its capacity claims more than it
 delivers) but counts only as far as the delivery backs it.
+
+Only usable, checkable work counts as delivered: rollouts of the trainer's own
+lineage and tokenizer in informative groups (the sampler's rule: a one-rollout
+"group" or one whose rewards are all equal is dropped at intake), and only from
+a producer that has passed one of the trainer's sampled log-prob checks
+(`vouch`); a failed check withdraws it. So rollouts that can never be trained
+on, or never checked, earn no credit, however many are delivered.
 """
 
 from __future__ import annotations
@@ -32,6 +39,21 @@ class Deliveries:
         self.window_s = window_s
         self.max_peers = max(1, max_peers)
         self._d: OrderedDict[str, tuple[float, deque[tuple[float, int]]]] = OrderedDict()
+        self._vouched: OrderedDict[str, None] = OrderedDict()  # passed a sampled check (bounded like `_d`)
+
+    def vouch(self, peer: str) -> None:
+        """`peer` passed a sampled log-prob check: its deliveries count from now on."""
+        self._vouched.pop(peer, None)
+        self._vouched[peer] = None
+        while len(self._vouched) > self.max_peers:
+            self._vouched.popitem(last=False)
+
+    def unvouch(self, peer: str) -> None:
+        """`peer` failed a check: nothing it delivers counts until it passes one again."""
+        self._vouched.pop(peer, None)
+
+    def vouched(self, peer: str) -> bool:
+        return peer in self._vouched
 
     def add(self, peer: str, count: int, now: float) -> None:
         if count <= 0:
@@ -59,5 +81,5 @@ class Deliveries:
         return sum(c for _, c in events) / span
 
     def credit(self, peer: str, now: float) -> float:
-        """The rate a claim of `peer` may count for before the shared trial credit."""
-        return SLACK * self.rate(peer, now)
+        """The rate a claim of `peer` may count for before the shared trial credit (0 until it is vouched for)."""
+        return SLACK * self.rate(peer, now) if peer in self._vouched else 0.0

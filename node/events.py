@@ -10,6 +10,7 @@ from gossip.identity import peer_id_from_public
 from gossip.scoring import Penalise  # noqa: F401 - one penalty action for every machine
 from node import pipe
 from sync.items import StoredItem
+from training import sampler
 
 
 # ---------------------------------------------------------------- events
@@ -129,11 +130,14 @@ class OfferFailed:
 
 @dataclass(frozen=True, slots=True)
 class RolloutsVerified:
-    """A rollout batch this node's pipeline accepted: who produced how many rollouts for which lineage
-    (what a follower delivered, against which its claimed throughput is credited)."""
+    """A rollout batch this node's pipeline accepted: who produced how many rollouts for which lineage (the
+    exchange's inbound meter), and how many of them a trainer could learn from: rollouts in informative
+    groups (the sampler's own rule), per lineage and tokenizer (what a follower's claimed throughput is
+    credited against, `node.credit`)."""
 
     producer: str  # peer id of the batch's signer
     lineages: tuple[tuple[bytes, int], ...]  # (lineage, rollouts)
+    usable: tuple[tuple[bytes, bytes, int], ...] = ()  # (lineage, tokenizer hash, rollouts in informative groups)
 
     @classmethod
     def of(cls, batch: wire.RolloutBatch) -> RolloutsVerified:
@@ -141,7 +145,13 @@ class RolloutsVerified:
         for r in batch.rollouts:
             lid = bytes(r.lineage)
             n[lid] = n.get(lid, 0) + 1
-        return cls(peer_id_from_public(bytes(batch.producer)), tuple(n.items()))
+        u: dict[tuple[bytes, bytes], int] = {}
+        for g in sampler.split(batch.rollouts)[0]:
+            for r in g.rollouts:
+                k = (g.lineage, bytes(r.tokenizer_hash))
+                u[k] = u.get(k, 0) + 1
+        return cls(peer_id_from_public(bytes(batch.producer)), tuple(n.items()),
+                   tuple((lid, tok, c) for (lid, tok), c in u.items()))
 
 
 Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | ManifestOffered | PeerGone | FromWorker | WorkerExited | WorkerStarted

@@ -666,6 +666,8 @@ class Worker:
             diff = mean_abs_diff(got, logprobs_from_bytes(r.logprobs))
             if not diff <= SPOT_TOLERANCE:
                 self.spot.failed(producer)
+                with self.inbox.lock:  # what it pooled is as unproven as what was checked
+                    self.inbox.sampler.drop_producer(producer)
             self.send("spot", {"ok": diff <= SPOT_TOLERANCE, "producer": producer.hex(), "diff": diff,
                                "lineage": lineage.hex(), "version": version})
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 import struct
+
+import msgspec
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gossip import wire
+from gossip.identity import Identity
 from node import core as C
 from node import catchup_machine as CM
 from node import roles
@@ -20,6 +23,7 @@ from node.lineages import MAX_AHEAD
 from sync.catchup import choose
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
+from tests import samples
 from tests.workbound import lines_run
 from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, follow_trainer, key, make_core, manifest, of, SWARM
 
@@ -243,11 +247,25 @@ def _trainer_with_need(step_s: float = 4.0) -> tuple[C.NodeCore, object, bytes]:
     """A trainer whose versions come every `step_s`: it needs (1+m)*16/step_s rollouts/s from followers."""
     core, clock = make_core(roles=("trainer",))
     lid = lineage_id(key(1).public, BASE, "mine")
-    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0}))
+    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0,
+                            "tokenizer_hash": TOK.hex()}))
     for v in (1, 2, 3):
         clock.t += step_s
         core.handle(W("published", {"version": v, "envelope": b"env"}))
     return core, clock, lid
+
+
+TOK = b"\x03" * 32  # the trainer's tokenizer
+
+
+def delivered(k: Identity, lid: bytes, n: int, tok: bytes = TOK) -> C.RolloutsVerified:
+    """`n` verified rollouts of `lid` in informative groups under tokenizer `tok`, from `k`."""
+    return C.RolloutsVerified(k.peer_id, ((lid, n),), ((lid, tok, n),))
+
+
+def vouch(core: C.NodeCore, k: Identity, ok: bool = True) -> list[C.Action]:
+    """A sampled log-prob check of one of `k`'s rollouts, passed or failed, by the trainer's worker."""
+    return core.handle(W("spot", {"ok": ok, "producer": k.public.hex(), "diff": 0.0 if ok else 0.9}))
 
 
 def _rate_tps(rollouts_per_s: float) -> float:
@@ -267,16 +285,18 @@ def test_a_claimed_throughput_no_delivery_backs_does_not_stand_honest_followers_
             core.handle(announce(k, seq[k.peer_id], serving=lid, roles=("follower",), gen_tps=tps))
         return core.handle(C.Tick())
 
+    for k in honest:
+        vouch(core, k)
     for _ in range(30):
         for k in honest:
-            core.handle(C.RolloutsVerified(k.peer_id, ((lid, 6),)))  # 3 rollouts/s at one round per 2 s
+            core.handle(delivered(k, lid, 6))  # 3 rollouts/s at one round per 2 s
         round_({honest[0]: _rate_tps(3.0), honest[1]: _rate_tps(3.0)})
     act = core.lineages[lid].activation
     assert sorted(act.active) == sorted(k.peer_id for k in honest) and act.standby == []
     # the attacker claims to meet the whole demand a million times over, and delivers nothing
     for _ in range(30):
         for k in honest:
-            core.handle(C.RolloutsVerified(k.peer_id, ((lid, 6),)))
+            core.handle(delivered(k, lid, 6))
         acts = round_({honest[0]: _rate_tps(3.0), honest[1]: _rate_tps(3.0), attacker: 1e9})
         a = wire.decode_struct(wire.decode_envelope(of(acts, C.Publish)[0].data, swarm=SWARM).body, wire.NodeAnnounce, 1 << 16)
         assert not {k.peer_id for k in honest} & set(a.owned[0].standby)  # no honest follower is told to stand by
@@ -295,16 +315,57 @@ def test_a_claimed_throughput_no_delivery_backs_does_not_stand_honest_followers_
     assert core.stats()["claims_capped"] > 0
 
 
+def test_credit_farming_with_work_nobody_can_use_or_check_stands_no_honest_follower_by() -> None:
+    """Attack (issue 43): one key delivers rollouts for the trainer's lineage at a high rate, but as
+    one-rollout "groups" (dropped at the sampler's intake) or under another tokenizer (never checkable),
+    and claims 1e9 tokens/s. None of it earns credit, so the honest follower that delivers usable,
+    checked work stays active; a key that passes a check earns credit, and failing one withdraws it."""
+    core, clock, lid = _trainer_with_need()
+    honest, farmer = key(20), key(66)
+    vouch(core, honest)
+    vouch(core, farmer)  # even a key that once passed a check earns nothing for unusable work
+    r = samples.rollout(seed=1)
+    single = [msgspec.structs.replace(r, lineage=lid, tokenizer_hash=TOK, reward=1.0,
+                                      task=msgspec.structs.replace(r.task, seed=i)) for i in range(32)]
+    foreign = [msgspec.structs.replace(r, lineage=lid, tokenizer_hash=b"\x77" * 32, reward=float(i % 2))
+               for i in range(32)]
+    batches = [wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=farmer.public, seq=i, created_ms=1,
+                                 rollouts=single if i % 2 else foreign) for i in range(2)]
+    seq = 0
+    for _ in range(30):
+        clock.t += C.ANNOUNCE_EVERY_S
+        seq += 1
+        core.handle(delivered(honest, lid, 6))
+        for b in batches:
+            ev = C.RolloutsVerified.of(b)
+            assert sum(n for _, n in ev.lineages) == 32 and ev.usable == ((lid, b"\x77" * 32, 32),) * (b.seq == 0)
+            core.handle(ev)
+        core.handle(announce(honest, seq, serving=lid, roles=("follower",), gen_tps=_rate_tps(3.0)))
+        core.handle(announce(farmer, seq, serving=lid, roles=("follower",), gen_tps=1e9))
+        core.handle(C.Tick())
+    act = core.lineages[lid].activation
+    assert honest.peer_id in act.active and honest.peer_id not in act.standby
+    assert core.deliveries.credit(farmer.peer_id, clock.t) == 0.0
+    assert core.deliveries.credit(honest.peer_id, clock.t) > 0
+    vouch(core, honest, ok=False)
+    assert core.deliveries.credit(honest.peer_id, clock.t) == 0.0  # a failed check withdraws it
+    unproven = key(21)
+    core.handle(delivered(unproven, lid, 60))
+    assert core.deliveries.credit(unproven.peer_id, clock.t) == 0.0  # no check passed yet: no credit
+
+
 def test_delivery_earns_credit_so_a_surplus_follower_still_stands_by() -> None:
     """The defence keeps the capacity rule: followers that deliver are credited, and once they meet the
     demand the rest stand by (need here: 1.2 * 16 / 4 = 4.8 rollouts/s)."""
     core, clock, lid = _trainer_with_need()
     fs = [key(20), key(21), key(22)]
+    for k in fs:
+        vouch(core, k)
     for i in range(30):
         clock.t += C.ANNOUNCE_EVERY_S
         for k in fs[:2]:
-            core.handle(C.RolloutsVerified(k.peer_id, ((lid, 6),)))
-            core.handle(C.RolloutsVerified(k.peer_id, ((b"\x01" * 32, 50),)))  # another lineage's: not ours
+            core.handle(delivered(k, lid, 6))
+            core.handle(delivered(k, b"\x01" * 32, 50))  # another lineage's: not ours
         for k in fs:
             core.handle(announce(k, i + 1, serving=lid, roles=("follower",), gen_tps=_rate_tps(3.0)))
         core.handle(C.Tick())

@@ -191,7 +191,8 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     got = w._external(4, 5)
     assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
     assert w.inbox.sampler.counts == {"added": 2, "too_small": 0, "uninformative": 1, "evicted": 0, "stale": 1,
-                                      "over_budget": 0, "unowned": 0, "taken": 1, "producer_share": 0}
+                                      "over_budget": 0, "unowned": 0, "taken": 1, "producer_share": 0,
+                                      "producer_failed": 0}
     net.send_bytes(pipe.encode_struct(pipe.Stop()))
     reader.join(5)
     assert not reader.is_alive()

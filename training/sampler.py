@@ -44,7 +44,8 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
 
 Counters (`counts`): `added`, `uninformative` and `too_small` (dropped at
 intake), `evicted` (pool full), `stale`, `unowned` and `over_budget` (dropped
-at take), `producer_share` (held back by the per-producer cap), `taken`.
+at take), `producer_share` (held back by the per-producer cap), `producer_failed` (dropped when
+their producer failed a log-prob check, `drop_producer`), `taken`.
 
 Usage (the simulator, per receiving node)::
 
@@ -134,7 +135,7 @@ class Sampler:
         self._rng = random.Random(seed)
         self.own = None if own is None else bytes(own)  # the lineage this sampler's trainer publishes
         self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "over_budget": 0,
-                       "unowned": 0, "taken": 0, "producer_share": 0}
+                       "unowned": 0, "taken": 0, "producer_share": 0, "producer_failed": 0}
 
     def __len__(self) -> int:
         return len(self._pool)
@@ -159,6 +160,16 @@ class Sampler:
         for k, v in dropped.items():
             self.counts[k] += v
         return self.add(groups)
+
+    def drop_producer(self, producer: bytes) -> int:
+        """Drop every pooled group `producer` signed (it failed a log-prob check); returns how many."""
+        keep = [g for g in self._pool if g.producer != producer]
+        n = len(self._pool) - len(keep)
+        if n:
+            self._pool = collections.deque(keep)
+            self._rollouts = sum([len(g.rollouts) for g in keep])
+            self.counts["producer_failed"] += n
+        return n
 
     def observe_head(self, lineage: bytes, version: int) -> None:
         """The newest version of `lineage` its publisher announced (never lowers what was known)."""

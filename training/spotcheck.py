@@ -8,7 +8,11 @@ mask's (M2PO) job, newer ones are refused by validation (`future_version`).
 
 Each eligible rollout is checked with probability `rate`, at most `per_round` per round, drawn
 uniformly over all eligible rollouts of the round, so every producer faces the same chance however
-many rollouts it sends. Counters per producer measure it (`ProducerSpot`); the table is bounded.
+many rollouts it sends. A producer that has not yet passed `TRUST_AFTER` checks is unproven: its
+eligible rollouts are drawn first and every time (rate 1) until it has, so fabricated log-probs from a
+fresh key are caught in its first batches, and the trainer drops what it pooled from a producer that
+fails (`training.sampler.Sampler.drop_producer`). Counters per producer measure it (`ProducerSpot`);
+the table is bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from gossip.wire import Rollout, RolloutBatch
 SPOT_TOLERANCE = 0.05  # mean |delta log-prob| per token allowed between a claim and the recomputation
 SPOT_RATE = 0.25  # of the rollouts a node could check, each drawn with this probability ...
 SPOT_PER_ROUND = 4  # ... and at most this many a round (a trainer's step, a follower's group)
+TRUST_AFTER = 3  # passed checks before a producer's rollouts are sampled at `rate` instead of always
 
 
 @dataclass
@@ -30,6 +35,10 @@ class ProducerSpot:
     eligible: int = 0  # rollouts this node could check (it held their weights)
     checked: int = 0
     failed: int = 0
+
+    @property
+    def proven(self) -> bool:
+        return self.checked - self.failed >= TRUST_AFTER and self.failed == 0
 
     @property
     def fraction(self) -> float:
@@ -73,10 +82,13 @@ class SpotSampler:
         cands = [(producer, r) for producer, batch in batches for r in batch.rollouts
                  if checkable(r, lineage, version, tokenizer_hash)]
         self.rng.shuffle(cands)
+        unproven = {p for p, _ in cands if not (p in self.producers and self.producers[p].proven)}
+        cands.sort(key=lambda c: c[0] not in unproven)  # stable: still a uniform draw within each class
         chosen: list[tuple[bytes, Rollout]] = []
         eligible = 0
         for producer, r in cands:
-            if len(chosen) < self.per_round and self.rng.random() < self.rate:
+            rate = 1.0 if producer in unproven else self.rate
+            if len(chosen) < self.per_round and self.rng.random() < rate:
                 if usable is not None and not usable(r):
                     continue
                 chosen.append((producer, r))
