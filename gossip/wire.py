@@ -206,6 +206,9 @@ class LineageDemand(Struct, array_like=True, forbid_unknown_fields=True):
     max_staleness: Annotated[int, Meta(ge=0, le=1_000_000)]
     # peer IDs told to stand by because demand is met (cost-aware activation)
     standby: Annotated[list[Annotated[str, Meta(max_length=MAX_NAME)]], Meta(max_length=256)] = []
+    # rollouts/s the trainer counts from its active followers (each claim capped by its verified delivery):
+    # what a follower weighs a lineage's supply by, never other followers' own claims
+    supply_rollouts_per_s: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0
 
 
 class NodeAnnounce(Struct, array_like=True, forbid_unknown_fields=True):

@@ -412,24 +412,23 @@ class NodeCore:
                                           a.rollout_latency_s, backed=self.deliveries.credit(pid, now)))
         lin.activation = roles.activate(d, offers, self.dissemination_s())
         self.counts["claims_capped"] += len(lin.activation.capped)
+        supply = lin.activation.supply if math.isfinite(lin.activation.supply) else 0.0
         return wire.LineageDemand(lineage=lin.lineage, name=lin.name, head_version=lin.head, rollouts_per_step=b,
                                   step_time_s=step_t, max_staleness=self.s.max_staleness,
-                                  standby=lin.activation.standby[:256])
+                                  standby=lin.activation.standby[:256],
+                                  supply_rollouts_per_s=min(max(0.0, supply), 1e9))
 
     def _choose_serving(self, out: list[Action]) -> None:
         if "follower" not in self.roles:
             return
         now = self.clock()
-        supply: dict[bytes, float] = {}
-        for _, q in self.peer_table.live(now):
-            if q.announce.serving:
-                lid = bytes(q.announce.serving)
-                supply[lid] = supply.get(lid, 0.0) + roles.offer_rate(q.announce.gen_tokens_per_s,
-                                                                      self.tokens_per_rollout)
+        me = roles.Offer(self.ident.peer_id, roles.offer_rate(self.gen_tps, self.tokens_per_rollout), self.latency)
         options = []
         for lin, d in self.table.followable(now, self.s.follow):
-            options.append(roles.LineageOption(lin.lineage, d, supply.get(lin.lineage, 0.0), lin.standby))
-        me = roles.Offer(self.ident.peer_id, roles.offer_rate(self.gen_tps, self.tokens_per_rollout), self.latency)
+            # the supply its trainer signs (claims capped by verified delivery), less our own share of it:
+            # another follower's announced throughput is its own claim, which this node cannot observe
+            mine = me.rollouts_per_s if lin.lineage == self.serving and me.peer_id not in lin.standby else 0.0
+            options.append(roles.LineageOption(lin.lineage, d, max(0.0, lin.supply - mine), lin.standby))
         choice = roles.choose_lineage(me, options, self.dissemination_s(), self.serving, configured=list(self.s.follow))
         self.serving_reason = choice.reason
         self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)

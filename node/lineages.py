@@ -77,6 +77,7 @@ class LineageState:
     admission_note: str = ""  # the last StalenessEvent message
     claimed: roles.Demand | None = None  # the publisher's last demand, range-checked
     standby: tuple[str, ...] = ()
+    supply: float = 0.0  # rollouts/s its publisher counts from its followers (its signed demand)
     demand_at: float = -math.inf
     active: float = 0.0  # last time a signed message about it arrived
     since: float = 0.0  # when this node first heard of it
@@ -152,6 +153,7 @@ class LineageTable:
         why = self._advance(lin, d.head_version)
         lin.claimed = roles.Demand(d.rollouts_per_step, d.step_time_s, d.max_staleness)
         lin.standby = tuple(d.standby)
+        lin.supply = float(d.supply_rollouts_per_s)
         lin.demand_at = lin.active = self.clock()
         return lin, self._count(why)
 

@@ -187,7 +187,7 @@ class LineageOption:
 
     lineage: bytes
     demand: Demand
-    supply_by_others: float  # rollouts/s already served by other followers (from their announces)
+    supply_by_others: float  # rollouts/s its trainer counts from other followers (its signed demand)
     standby: tuple[str, ...] = ()  # peers its trainer told to stand by
 
 

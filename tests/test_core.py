@@ -53,9 +53,10 @@ def make_core(roles=("follower", "validator"), seed: int = 1, start: float = 100
 
 
 def demand(lid: bytes, name: str, head: int, step_time_s: float = 2.0, rollouts: int = 32,
-           standby: list[str] | None = None) -> wire.LineageDemand:
+           standby: list[str] | None = None, supply: float = 0.0) -> wire.LineageDemand:
     return wire.LineageDemand(lineage=lid, name=name, head_version=head, rollouts_per_step=rollouts,
-                              step_time_s=step_time_s, max_staleness=4, standby=standby or [])
+                              step_time_s=step_time_s, max_staleness=4, standby=standby or [],
+                              supply_rollouts_per_s=supply)
 
 
 def announce(ident: Identity, seq: int, owned=(), serving: bytes = b"", roles=("trainer",),
@@ -645,19 +646,40 @@ def test_catch_up_runs_at_its_cadence_not_on_every_tick() -> None:
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
 
 
-def test_a_follower_chooses_the_lineage_fresh_followers_leave_short() -> None:
-    """Supply is what followers heard within PEER_EXPIRY_S serve: among two equal demands, the one a fresh
-    follower already serves is the one less short, whichever way the ids sort."""
+def test_a_follower_chooses_the_lineage_its_trainer_says_is_short() -> None:
+    """Supply is what each trainer signs in its demand (its followers' claims, capped by their verified
+    deliveries): among two equal demands, the one whose trainer counts more supply is less short, whichever
+    way the ids sort."""
     for serve_first in (True, False):
         core, clock = make_core()
         a, b = key(9), key(10)
         la, lb = lineage_id(a.public, BASE, "lin"), lineage_id(b.public, BASE, "lin")
         served, other = (la, lb) if serve_first == (la > lb) else (lb, la)
-        core.handle(announce(a, 1, [demand(la, "lin", 3)]))
-        core.handle(announce(b, 1, [demand(lb, "lin", 3)]))
-        core.handle(announce(key(11), 1, serving=served, roles=("follower",), gen_tps=160.0))
+        core.handle(announce(a, 1, [demand(la, "lin", 3, supply=2.5 if la == served else 0.0)]))
+        core.handle(announce(b, 1, [demand(lb, "lin", 3, supply=2.5 if lb == served else 0.0)]))
         core.handle(C.Tick())
         assert core.serving == other
+
+
+def test_another_followers_claimed_throughput_does_not_move_a_follower() -> None:
+    """Attack (issue 43): a key connected to the follower alone announces a huge throughput for the lineage
+    the follower serves, so that the lineage looks over-supplied and the follower leaves its trainer. A
+    follower weighs supply by what the trainer signs, so the claim moves nothing."""
+    for serve_first in (True, False):
+        core, clock = make_core()
+        a, b = key(9), key(10)
+        la, lb = lineage_id(a.public, BASE, "lin"), lineage_id(b.public, BASE, "lin")
+        first, second = (la, lb) if serve_first == (la > lb) else (lb, la)
+        core.handle(announce(a, 1, [demand(la, "lin", 3, rollouts=32 if la == first else 31)]))
+        core.handle(announce(b, 1, [demand(lb, "lin", 3, rollouts=32 if lb == first else 31)]))
+        core.handle(C.Tick())
+        assert core.serving == first
+        liar = key(66)
+        for i in range(5):
+            clock.t += C.ANNOUNCE_EVERY_S
+            core.handle(announce(liar, i + 1, serving=first, roles=("follower",), gen_tps=1e9))
+            core.handle(C.Tick())
+            assert core.serving == first
 
 
 def test_a_follower_silent_past_the_expiry_is_no_supply_on_a_clock_that_started_near_zero() -> None:

@@ -321,3 +321,15 @@ def test_one_producer_fills_at_most_half_of_a_steps_groups_of_other_lineages() -
     for k in range(8):
         own.add_rollouts(group(k), producer=b"follower")  # a pod's one follower may fill every slot
     assert len(own.take(4)) == 4 and own.counts["producer_share"] == 0
+
+
+def test_a_producer_that_failed_a_check_leaves_nothing_in_the_pool() -> None:
+    """A failed log-prob check drops every group that producer pooled: what the check found in one rollout
+    is as likely in its others, and they were never checked."""
+    s = sampler()
+    for k in range(4):
+        s.add_rollouts(group(k), producer=b"liar")
+    s.add_rollouts(group(9), producer=b"honest")
+    assert s.drop_producer(b"liar") == 4 and s.counts["producer_failed"] == 4
+    assert seeds(s.take(8)) == [9] and s._rollouts == 0
+    assert s.drop_producer(b"nobody") == 0

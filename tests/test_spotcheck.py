@@ -107,3 +107,26 @@ def test_a_trainer_worker_spot_checks_its_own_lineage_and_names_fabrication(tmp_
     verdicts = {bytes.fromhex(m.producer): m.ok for m in msgs if isinstance(m, pipe.Spot)}
     assert verdicts == {BIG: True, SMALL: False}
     assert w.spot.producers[SMALL].failed == 1 and w.spot.producers[BIG].failed == 0
+
+
+def test_an_unproven_producer_is_checked_first_and_always_until_it_has_passed() -> None:
+    """Attack (issue 43, trust before any check): a fresh key's fabricated log-probs were trained on for
+    hundreds of rows before a sampled check found them. An unproven producer's eligible rollouts are drawn
+    first, every time, within the round's cap, until it has passed TRUST_AFTER checks; then the stated rate."""
+    from training.spotcheck import TRUST_AFTER
+
+    s = SpotSampler(SPOT_RATE, SPOT_PER_ROUND, seed=3)
+    r = rollout()
+    _, chosen = s.pick([(BIG, batch(BIG, [r] * 20))], LIN, 3, TOK)
+    assert len(chosen) == SPOT_PER_ROUND >= TRUST_AFTER  # unproven: rate 1 up to the round's cap
+    assert s.producers[BIG].proven
+    new = b"\x4e" * 32
+    rounds = 0
+    while s.producers.get(new) is None or s.producers[new].checked < TRUST_AFTER:
+        rounds += 1
+        assert rounds <= 20
+        _, chosen = s.pick([(BIG, batch(BIG, [r] * 20)), (new, batch(new, [r]))], LIN, 3, TOK)
+        assert new in {p for p, _ in chosen}  # its one rollout beside 20 of a proven producer's, every round
+    assert rounds == TRUST_AFTER and s.producers[new].proven
+    s.failed(new)
+    assert not s.producers[new].proven  # a failure makes it unproven again
