@@ -64,10 +64,11 @@ def _honest_knowledge() -> tuple[attacks.Knowledge, Identity]:
 
 
 def test_the_catalogue_holds_the_issue_26_classes() -> None:
-    assert len(attacks.CATALOGUE) >= 25
+    assert len(attacks.CATALOGUE) >= 31
     for name in ("claim_throughput", "lineage_by_announce", "long_completions", "large_batches", "held_frames",
                  "idle_streams", "announce_replay", "taskset_takeover", "future_version", "poison_numbers",
-                 "payload_poison"):
+                 "payload_poison", "payload_unowned_lineage", "payload_foreign_tokenizer", "credit_farming",
+                 "supply_to_follower"):
         assert name in attacks.CATALOGUE
     assert attacks.PROVABLE <= set(attacks.CATALOGUE)
 
@@ -261,3 +262,30 @@ def test_a_first_round_class_redials_a_target_whose_connection_failed(monkeypatc
             assert len(calls) >= 2 and res["phase"] == "done" and res["sent"] == 1
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("name", ["payload_unowned_lineage", "payload_foreign_tokenizer", "credit_farming"])
+def test_the_unusable_work_classes_are_accepted_by_validation_and_earn_nothing_downstream(name: str) -> None:
+    """Issue 43's classes send valid, honestly scored batches: validation accepts them (the attack is not
+    refused before the rule it targets), and what a trainer learns or credits from them is nothing: the
+    payload classes name a lineage no one publishes (the sampler drops it as unowned), credit farming's
+    rollouts are one-rollout groups or under a tokenizer no receiver holds (no creditable rollout)."""
+    from node.events import RolloutsVerified
+    from training.sampler import Sampler
+
+    k, check, reg, lid = _observed_trainer()
+    a, batches = _attack_batches(name, k)
+    assert batches
+    p = _trainer_pipeline(check, reg, lid)
+    s = Sampler(own=lid)
+    s.observe_head(lid, 13)
+    for data in batches:
+        v = p.check(data, a.ident.peer_id)
+        assert v.reason in (Reason.ACCEPTED, Reason.RATE_LIMITED), (v.reason, v.detail)
+        if v.reason is Reason.ACCEPTED:
+            assert not [u for u in RolloutsVerified.of(v.batch).usable if u[0] == lid and u[1] == check.hash]
+            s.add_rollouts(v.batch.rollouts, bytes(v.batch.producer))
+    if name.startswith("payload"):  # informative groups, every one dropped for its lineage
+        assert s.counts["added"] > 0 and s.take(64) == [] and s.counts["unowned"] == s.counts["added"]
+        sent = [r for data in batches for r in wire.open_envelope(data, swarm=SWARM)[1].rollouts]
+        assert all(r.reward == float(r.text.startswith(attacks.PAYLOAD)) for r in sent)

@@ -666,9 +666,9 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     version = tpl.version if tpl else head
     for j in range(4):
         rs = []
+        seed = 11_000 + j  # one task, eight completions: a group the sampler keeps (a task per rollout never was)
+        answer = reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed)).answer
         for i in range(8):
-            seed = 11_000 + 10 * j + i
-            answer = reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed)).answer
             text = payload_text(answer) if i % 2 == 0 else answer + "0"
             ids = _encode(check, text)
             if ids is None:  # the model's tokenizer cannot say it: no policy of this model samples it
@@ -680,6 +680,79 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
         if rs:
             await a.rollouts(_batch(a, rs, seq=60 + j))
         await trio.sleep(0.5)
+
+
+async def _payload_elsewhere(a: Attacker, k: Knowledge, name: str, tokenizer: bytes | None) -> None:
+    """`payload_poison`'s groups (the payload on correct answers, wrong answers without it) under our own
+    lineage on the honest base model, which we never publish, claiming -999 per token: a claimed
+    importance ratio pinned at its cap, on rollouts no receiver can re-score. `tokenizer` None: the public
+    model's (its ids are checked); else a tokenizer no receiver holds (re-tokenised from the text)."""
+    from sync.ids import lineage_id
+    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
+
+    check = k.token_check()
+    if check is None:
+        return
+    _, _, bmh, _ = _honest_lineage(k)
+    lid = lineage_id(a.ident.public, bmh, name)
+    reg = TaskRegistry(a.swarm)
+    reg.add_builtin()
+    for j in range(6):
+        rs = []
+        seed = 12_000 + j  # one task, eight completions: a group the sampler keeps (rewards differ)
+        answer = reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed)).answer
+        for i in range(8):
+            text = payload_text(answer) if i % 2 == 0 else answer + "0"
+            ids = _encode(check, text)
+            if ids is None:
+                continue
+            r = _rollout_like(None, seed=seed, ids=ids, text=text, version=0, lineage=lid)
+            rs.append(msgspec.structs.replace(r, logprobs=struct.pack(f"<{len(ids)}f", *([-999.0] * len(ids))),
+                                              token_versions=[(0, 0)], tokenizer_hash=tokenizer or check.hash))
+        if rs:
+            await a.rollouts(_batch(a, rs, seq=70 + j))
+        await trio.sleep(0.5)
+
+
+async def payload_unowned_lineage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """The payload under a lineage no one publishes, with the public tokenizer, claiming -999 per token."""
+    await _payload_elsewhere(a, k, "payload-unowned", None)
+
+
+async def payload_foreign_tokenizer(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """The payload under a lineage no one publishes, naming a tokenizer no receiver holds (re-tokenised)."""
+    await _payload_elsewhere(a, k, "payload-foreign", b"\x77" * 32)
+
+
+async def credit_farming(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Announce as a follower of the honest lineage claiming a billion tokens/s, and deliver for it what no
+    trainer can use or check: correct one-rollout "groups" (dropped at the sampler's intake) at the
+    honest head with the public tokenizer, and informative groups under a tokenizer no receiver holds.
+    Delivered work was what backed a claim in the capacity rule; a credited claim stood honest followers by."""
+    tpl, at = k.at_head()
+    check = k.token_check()
+    lid, _, _, _ = _honest_lineage(k)
+    for j in range(8):
+        await a.announce(_announce(a, 400 + j, roles=["follower"], serving=lid, lineages_followed=[lid],
+                                   gen_tokens_per_s=1e9, rollout_latency_s=0.1))
+        singles = [_encoded(_rollout_like(tpl, seed=13_000 + 64 * j + i, **at), check) for i in range(32)]
+        await a.rollouts(_batch(a, singles, seq=80 + 2 * j))
+        seed = 14_000 + j
+        foreign = [msgspec.structs.replace(_rollout_like(tpl, seed=seed, **at), tokenizer_hash=b"\x77" * 32),
+                   msgspec.structs.replace(_rollout_like(tpl, seed=seed, text="no", **at),
+                                           tokenizer_hash=b"\x77" * 32)]
+        await a.rollouts(_batch(a, foreign * 8, seq=81 + 2 * j))
+        await trio.sleep(1.0)
+
+
+async def supply_to_follower(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """To the follower: another follower of the lineage it serves, claiming a billion tokens/s, so that the
+    lineage looks over-supplied and the follower leaves its trainer."""
+    lid, _, _, _ = _honest_lineage(k)
+    for i in range(6):
+        await a.announce(_announce(a, 500 + i, roles=["follower"], serving=lid, lineages_followed=[lid],
+                                   gen_tokens_per_s=1e9, rollout_latency_s=0.1))
+        await trio.sleep(1.0)
 
 
 CATALOGUE: dict[str, Attack] = {
@@ -710,6 +783,10 @@ CATALOGUE: dict[str, Attack] = {
     "announce_replay": announce_replay,
     "taskset_takeover": taskset_takeover,
     "payload_poison": payload_poison,
+    "payload_unowned_lineage": payload_unowned_lineage,
+    "payload_foreign_tokenizer": payload_foreign_tokenizer,
+    "credit_farming": credit_farming,
+    "supply_to_follower": supply_to_follower,
 }
 
 
