@@ -711,7 +711,7 @@ async def _payload_elsewhere(a: Attacker, k: Knowledge, name: str, tokenizer: by
                                               token_versions=[(0, 0)], tokenizer_hash=tokenizer or check.hash))
         if rs:
             await a.rollouts(_batch(a, rs, seq=70 + j))
-        await trio.sleep(0.5)
+        await trio.sleep(0.25)
 
 
 async def payload_unowned_lineage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -742,7 +742,7 @@ async def credit_farming(a: Attacker, k: Knowledge, targets: list[str]) -> None:
                    msgspec.structs.replace(_rollout_like(tpl, seed=seed, text="no", **at),
                                            tokenizer_hash=b"\x77" * 32)]
         await a.rollouts(_batch(a, foreign * 8, seq=81 + 2 * j))
-        await trio.sleep(1.0)
+        await trio.sleep(0.5)
 
 
 async def supply_to_follower(a: Attacker, k: Knowledge, targets: list[str]) -> None:
@@ -752,7 +752,7 @@ async def supply_to_follower(a: Attacker, k: Knowledge, targets: list[str]) -> N
     for i in range(6):
         await a.announce(_announce(a, 500 + i, roles=["follower"], serving=lid, lineages_followed=[lid],
                                    gen_tokens_per_s=1e9, rollout_latency_s=0.1))
-        await trio.sleep(1.0)
+        await trio.sleep(0.5)
 
 
 CATALOGUE: dict[str, Attack] = {
@@ -1023,6 +1023,8 @@ class Window:
 
     train_steps: int = 0
     versions_applied: int = 0
+    external_used: int = 0  # swarm rollouts that entered the trainer's updates
+    state_db_growth_mb: dict[str, float] = field(default_factory=dict)  # each node's state.db, end minus start
     max_stall_ms: float = 0.0
     alive: bool = True
     seconds: float = 0.0
@@ -1033,7 +1035,7 @@ class Window:
 
     def brief(self) -> dict[str, Any]:
         return {"train_steps": self.train_steps, "versions_applied": self.versions_applied,
-                "seconds": round(self.seconds, 1)}
+                "external_used": self.external_used, "seconds": round(self.seconds, 1)}
 
 
 MAX_WINDOW_S = 1800.0
@@ -1065,6 +1067,7 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
     """Poll both nodes once a second for at least `seconds` and until `until()` (at most MAX_WINDOW_S);
     progress is the difference between the ends."""
     t0, f0 = sw.status("trainer"), sw.status("follower")
+    db0 = {n: _file_mb(h / "state.db") for n, h in sw.homes.items()}
     w = Window()
     start = time.monotonic()
     while time.monotonic() < start + MAX_WINDOW_S and (time.monotonic() < start + seconds or not until()):
@@ -1080,13 +1083,20 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
             break
         time.sleep(1.0)
     w.seconds = time.monotonic() - start
+    w.state_db_growth_mb = {n: round(_file_mb(h / "state.db") - db0[n], 3) for n, h in sw.homes.items()}
     t1, f1 = sw.status("trainer"), sw.status("follower")
     if None in (t0, f0, t1, f1):
         w.alive = w.alive and None not in (t1, f1)
         return w
     w.train_steps = t1.steps - t0.steps
     w.versions_applied = f1.versions_applied - f0.versions_applied
+    w.external_used = t1.rollouts_used - t0.rollouts_used
     return w
+
+
+def _file_mb(path: Path) -> float:
+    """A SQLite database's size with its write-ahead log (0 when absent)."""
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists()) / 2**20
 
 
 def penalties(sw: LiveSwarm, honest: set[str], attackers: set[str]) -> tuple[float, dict[str, float]]:
@@ -1348,6 +1358,13 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         "versions_applied_under_attack": under.versions_applied,
         "versions_applied_ratio": (round(under.rate("versions_applied") / control.rate("versions_applied"), 3)
                                    if control.versions_applied else None),
+        "external_used_without": control.external_used,
+        "external_used_under_attack": under.external_used,
+        # swarm rollouts the trainer trained on per second, under attack / in the control at the same age
+        "external_used_ratio": (round(under.rate("external_used") / control.rate("external_used"), 3)
+                                if control.external_used else None),
+        "state_db_growth_mb": under.state_db_growth_mb,
+        "state_db_growth_mb_without": control.state_db_growth_mb,
         "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
         "max_event_loop_stall_ms_without": round(control.max_stall_ms, 1),
         "control_alive": control.alive,
