@@ -2,8 +2,9 @@
 
 Rollout batches move on shard topics: `set_shards` joins and leaves them as the
 node's exchange plan (`gossip.exchange`) says, and `publish_rollouts` sends a
-batch to the shard of its lineage. Before verification each batch passes the
-exchange's gate (newcomer budget per shard, then the shard of its lineages);
+batch to the shard of its lineage. Between the pipeline's cheap checks (decode,
+signature, ranges) and verification each batch passes the exchange's gate
+(newcomer budget per shard, then the shard of its lineages);
 `stats` counts what was received, verified and dropped, and why.
 
 Rollout batches are verified inside a py-libp2p topic validator, so a batch
@@ -141,16 +142,15 @@ class GossipService:
     # ------------------------------------------------------------ rollouts
     async def _validate_rollouts(self, shard: int, forwarder: str, origin: str, data: bytes) -> bool:
         self.stats.received()
-        why = self.gate.admit(origin, shard, self.pipeline.clock())
-        if why is not None:  # fresh keys on this shard are over their shared budget: uncharged
-            self.stats.drop(why)
-            return False
         step = self.pipeline.admit(data, origin, forwarder)
         if step.batch is not None:
             self.stats.counts["received_rollouts"] += len(step.batch.rollouts)
         if isinstance(step, Pending):
-            why = self.gate.belongs([bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards)
-            if why is not None:  # our count of shards and the publisher's may differ: uncharged
+            # The shared newcomer token goes only to a batch that passed the cheap checks: junk refused
+            # there (uncharged or not) never spends what an honest newcomer's first batches need.
+            why = self.gate.screen(origin, [bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards,
+                                   self.pipeline.clock())
+            if why is not None:  # fresh keys over their shared budget, or our count of shards and the publisher's differ: uncharged
                 self.pipeline.abandon(step)
                 self.stats.drop(why)
                 return False
