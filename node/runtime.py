@@ -225,6 +225,10 @@ class Node:
         t.refuse_connections(lambda peer: pipeline.scores.is_graylisted(peer, pipeline.clock())
                              or pipeline.scores.is_blacklisted(peer, pipeline.clock()))
         self.service.on_accept = self._on_accept
+        if getattr(t, "budget", None) is not None:  # streams of keys neither established nor verified share a pool
+            gate = self.service.gate
+            t.budget.proven = lambda peer: (gate.established(peer, pipeline.clock())
+                                            or pipeline.cpu.proven(peer, pipeline.clock()))
         self.service.child_cpu = self.verifiers.thread_cpu_s  # verification CPU is charged to its sender's share
         self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
         self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
