@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from gossip import exchange, topics, wire
-from gossip.ratelimit import TokenBuckets
+from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S, NewKeys, TokenBuckets
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
 from gossip.errors import DecodeError
@@ -49,7 +49,8 @@ AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, b
 
 class GossipService:
     def __init__(self, transport: Any, pipeline: Pipeline, swarm: str, store: Any | None = None,
-                 announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
+                 announce_rate_per_s: float = 10.0, announce_burst: int = 40,
+                 new_keys_per_s: float = NEW_KEYS_PER_S, new_keys_burst: float = NEW_KEYS_BURST) -> None:
         if swarm != pipeline.config.swarm:
             raise ValueError(f"gossip service for swarm {swarm!r} given a pipeline for {pipeline.config.swarm!r}")
         self.transport = transport
@@ -65,6 +66,7 @@ class GossipService:
         self.announce_topic = topics.announce(swarm)
         self._handlers: dict[str, list[AnnounceHandler]] = {}
         self._announce_buckets = TokenBuckets(announce_rate_per_s, announce_burst)
+        self.new_keys = NewKeys(new_keys_per_s, new_keys_burst)  # relayed announces of keys not heard before
         self._announce_verdicts: OrderedDict[bytes, bool] = OrderedDict()  # (origin, message) digest -> verdict
         # Verification threads have their own limiter, so a flood waiting on the verifier pool
         # never holds the tokens of trio's default one (ledger writes, the worker link).
@@ -242,7 +244,14 @@ class GossipService:
         except DecodeError:
             self.pipeline.scores.penalise(origin, "announce_invalid", 10.0, self.pipeline.clock())
             return False
-        return env.kind in ANNOUNCE_KINDS
+        if env.kind not in ANNOUNCE_KINDS:
+            return False
+        # Keys are free and each one's first announce passes its own bucket: keys not heard before share
+        # one node-wide rate, so a flood of fresh keys neither grows this node's peer state nor is relayed on.
+        if not self.new_keys.admit(origin, now, direct=forwarder == origin):
+            self.stats.drop("announce_new_key_rate")
+            return False
+        return True
 
     async def _drain_announces(self, channel: Any) -> None:
         while True:

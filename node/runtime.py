@@ -75,7 +75,7 @@ class Node:
         self.home = Path(home)
         self.ident = ident
         self.opts = opts
-        self.store = open_store(self.home, cfg.disk.ledger_budget())
+        self.store = open_store(self.home, cfg.disk.ledger_budget(), cfg.disk.peer_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
@@ -105,7 +105,7 @@ class Node:
         self._wake: trio.CancelScope | None = None  # the tick loop's sleep until the core's next deadline
         self._resend_task_sets = False
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
-        self.drops, self.disk = Drops(), DiskMeter(home, cfg)
+        self.drops, self.disk = Drops(), DiskMeter(home, cfg, peer_bytes=lambda: self.store.peer_bytes)
         self.stall = StallMeter()
         self.gc_timer = stall.GcTimer()
 
@@ -368,7 +368,9 @@ class Node:
             elif isinstance(a, C.RecordRollouts):
                 await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
             elif isinstance(a, C.SeePeer):
-                await trio.to_thread.run_sync(lambda: self.store.see_peer(a.peer_id, a.public, list(a.addrs), a.data))
+                connected = a.peer_id in self.transport.peers()  # a stranger's announce is not kept (node.store)
+                await trio.to_thread.run_sync(lambda: self.store.see_peer(a.peer_id, a.public, list(a.addrs), a.data,
+                                                                          connected))
             elif isinstance(a, C.Penalise):
                 self._penalise(a.peer, a.reason, a.amount)
             elif isinstance(a, C.SeedVersion):
