@@ -34,6 +34,7 @@ from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S, NewKeys, TokenBucke
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
 from gossip.errors import DecodeError
+from gossip.identity import peer_id_from_public
 
 log = logging.getLogger("murmur.gossip.service")
 
@@ -248,7 +249,9 @@ class GossipService:
             return False
         # Keys are free and each one's first announce passes its own bucket: keys not heard before share
         # one node-wide rate, so a flood of fresh keys neither grows this node's peer state nor is relayed on.
-        if not self.new_keys.admit(origin, now, direct=forwarder == origin):
+        # The key is the envelope's signer (whose state it would grow), whichever pubsub author carried it.
+        signer = peer_id_from_public(env.signer)
+        if not self.new_keys.admit(signer, now, direct=forwarder == origin == signer):
             self.stats.drop("announce_new_key_rate")
             return False
         return True
