@@ -138,3 +138,21 @@ def test_a_flood_of_fresh_keys_stays_within_the_peer_budget_and_spares_known_pee
     left = {r[0] for r in s.query("SELECT peer_id FROM peers")}
     assert {*connected, "12D3KooWproducer"} <= left
     s.close()
+
+
+def test_a_peer_table_grown_before_the_budget_is_cut_to_it_when_opened(tmp_path: Path) -> None:
+    """A state.db of an earlier version holds every announce ever heard: opening it migrates the table
+    (announces dropped, since no row says who was connected) and holds it to the budget at once."""
+    path = tmp_path / "state.db"
+    with sqlite3.connect(path) as db:
+        for number, script in enumerate(store_mod.MIGRATIONS[:2], start=1):
+            db.executescript(script + f";\nPRAGMA user_version={number};")
+        db.executemany("INSERT INTO peers(peer_id, public_key, addrs, first_seen_ms, last_seen_ms, announce) "
+                       "VALUES(?, ?, '[]', ?, ?, ?)", [(f"p{i}", bytes(32), i, i, b"a" * 10_000) for i in range(300)])
+    db.close()
+    s = Store(path, peer_budget=store_mod.PeerBudget(max_rows=100))
+    assert s.schema_version == len(store_mod.MIGRATIONS)
+    left = s.query("SELECT peer_id, announce FROM peers")
+    assert len(left) == 100 and all(a is None for _, a in left)
+    assert {p for p, _ in left} == {f"p{i}" for i in range(200, 300)}  # the most recently seen kept
+    s.close()
