@@ -549,3 +549,23 @@ def test_minted_keys_cannot_dilute_an_established_producers_verification_share(r
                     attack_spent += cost
     assert honest_sent == 60 and refused <= 1, f"{refused} of the honest producer's {honest_sent} batches refused"
     assert attack_spent <= NODE_CPU_PER_S * 60 + keys  # the node stays within its rate (+ one overdraft each)
+
+
+def test_a_verified_history_takes_enough_batches_over_enough_time_and_stays_bounded() -> None:
+    """`CpuBudget.proven`: at least PROVEN_BATCHES accepted batches, the first PROVEN_S ago; until then the
+    key's batches draw on the bucket all unproven keys share (one refusal there refuses every one of them)."""
+    from gossip.cpubudget import PROVEN_BATCHES, PROVEN_S, UNPROVEN, CpuBudget
+
+    cpu = CpuBudget(max_peers=3)
+    for i in range(PROVEN_BATCHES - 1):
+        cpu.verified("p", float(i))
+    assert not cpu.proven("p", 1e6)  # enough time, too few batches
+    cpu.verified("p", 5.0)
+    assert not cpu.proven("p", PROVEN_S - 1e-3) and cpu.proven("p", PROVEN_S)  # counted from the first
+    assert not cpu.proven("never", 1e6)
+    cpu.spend("fresh-1", 10.0, PROVEN_S)  # an unproven key's cost lands on the shared bucket ...
+    assert cpu.admit("fresh-2", PROVEN_S) is not None  # ... so another fresh key waits while the node is busy
+    assert set(cpu._peers) == {UNPROVEN} and cpu.admit("p", PROVEN_S) is None  # the proven one has its own
+    for k in ("a", "b", "c"):  # the history table is bounded: the least recently verified forgotten first
+        cpu.verified(k, 0.0)
+    assert len(cpu._history) == 3 and "p" not in cpu._history
