@@ -369,8 +369,7 @@ class Node:
                 await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
             elif isinstance(a, C.SeePeer):
                 connected = a.peer_id in self.transport.peers()  # a stranger's announce is not kept (node.store)
-                await trio.to_thread.run_sync(lambda: self.store.see_peer(a.peer_id, a.public, list(a.addrs), a.data,
-                                                                          connected))
+                await trio.to_thread.run_sync(self.store.see_peer, a.peer_id, a.public, list(a.addrs), a.data, connected)
             elif isinstance(a, C.Penalise):
                 self._penalise(a.peer, a.reason, a.amount)
             elif isinstance(a, C.SeedVersion):

@@ -11,8 +11,8 @@ from gossip.identity import Identity
 from gossip.service import GossipService
 from gossip.validation import Pipeline, PipelineConfig
 from simulations.bench.gossip import SWARM, make_batch, registry
-from training.verifiers import score
 from tests.samples import Clock
+from training.verifiers import score
 
 REG = registry()
 HONEST = Identity.from_seed(b"\x51" * 32)
