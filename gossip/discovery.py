@@ -91,7 +91,7 @@ class Discovery:
             addrs = self.transport.peer_addrs(p)
             self.remember(p, addrs)
             if self.store is not None:
-                await trio.to_thread.run_sync(lambda p=p, a=addrs: self.store.see_peer(p, addrs=a))
+                await trio.to_thread.run_sync(lambda p=p, a=addrs: self.store.see_peer(p, addrs=a, connected=True))
             if self.dht is not None:
                 try:
                     from libp2p.peer.id import ID

@@ -22,7 +22,7 @@ plus one shard's supply plus its home shards, none of which
 grows with N; and a shard holds a couple of lineages, so a trainer that takes
 about as much as it makes uses a large share of what it verifies.
 
-A receiver's gate (`ShardGate`) runs before verification: a batch whose lineage
+A receiver's gate (`ShardGate`) runs after the cheap checks and before verification: a batch whose lineage
 does not belong to the shard it came on is dropped (`wrong_shard`; uncharged, a
 view of S can differ by a factor of two, so S/2, S and 2S are all accepted), a
 message naming several topics is refused (`multi_topic`; its originator signed
@@ -290,7 +290,8 @@ class ShardGate:
         return t is not None and now - t >= ESTABLISHED_S
 
     def admit(self, origin: str, shard: int, now: float) -> str | None:
-        """Before decoding: None, or the drop reason (`newcomer_budget`) for this originator on `shard`."""
+        """After the cheap checks, before verification: None, or the drop reason (`newcomer_budget`) for
+        this originator on `shard` (a batch refused earlier never spends a newcomer token)."""
         if self.established(origin, now):
             return None
         b = self.newcomers.get(shard)
@@ -302,6 +303,10 @@ class ShardGate:
             return None
         self.counts["newcomer_budget"] += 1
         return "newcomer_budget"
+
+    def screen(self, origin: str, lineages: Iterable[bytes], shard: int, shards: int, now: float) -> str | None:
+        """The gate for a batch that passed the cheap checks: None, or why it is dropped unverified."""
+        return self.admit(origin, shard, now) or self.belongs(lineages, shard, shards)
 
     def belongs(self, lineages: Iterable[bytes], shard: int, shards: int) -> str | None:
         """After decoding: None, or `wrong_shard` when a lineage of the batch does not map to `shard`."""

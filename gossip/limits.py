@@ -9,6 +9,9 @@ scope below a node scope; every reservation must fit both):
 
 - inbound streams open at once, per peer and per node: a stream over either cap is reset on
   arrival, before any handler or negotiation runs (counted, not charged: caps are local);
+  keys are free, so peers the node does not count as `proven` (the node says which: a verified
+  history or an established announce) draw on one pool of `unproven_streams` below the node's
+  cap, and proven peers always find room;
 - bytes buffered for frames not yet complete, per peer and per node: a reader reserves each
   part as it arrives (never a frame's claimed length up front) and releases it when the frame
   is handed on; a part that does not fit resets that stream;
@@ -36,6 +39,7 @@ MiB = 1 << 20
 class StreamLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     peer_streams: int = 64  # inbound streams one peer may hold open at once
     node_streams: int = 4096  # all peers together; py-libp2p's own cap (10,000) is shared with outbound
+    unproven_streams: int = 1024  # all peers not (yet) proven together: the rest is kept for proven ones
     peer_buffer_bytes: int = 32 * MiB  # four of the largest chunk frames at once
     node_buffer_bytes: int = 256 * MiB
     frame_deadline_s: float = 60.0  # a frame's first byte to its last: 8 MiB at ~140 KB/s
@@ -60,12 +64,16 @@ class StreamBudget:
                  on_charge: Callable[[str, str], None] | None = None) -> None:
         self.limits = limits or StreamLimits()
         self.on_charge = on_charge  # (peer, what): repeated offences
+        self.proven: Callable[[str], bool] = lambda peer: False  # set by the node: who may leave the pool
         self.streams: dict[str, int] = {}
         self.node_streams = 0
+        self.pooled: dict[str, int] = {}  # streams each peer holds from the unproven pool
+        self.pool_streams = 0
         self.buffered: dict[str, int] = {}
         self.node_buffered = 0
         self._offences: dict[str, deque[float]] = {}
         self.counters: dict[str, int] = {"streams_refused_peer": 0, "streams_refused_node": 0,
+                                         "streams_refused_unproven": 0,
                                          "buffer_full_peer": 0, "buffer_full_node": 0, "frame_timeouts": 0,
                                          "charged": 0, "connections_refused_ip": 0}
 
@@ -78,6 +86,12 @@ class StreamBudget:
         if self.node_streams >= self.limits.node_streams:
             self.counters["streams_refused_node"] += 1
             return False
+        if not self.proven(peer):
+            if self.pool_streams >= self.limits.unproven_streams:
+                self.counters["streams_refused_unproven"] += 1
+                return False
+            self.pooled[peer] = self.pooled.get(peer, 0) + 1
+            self.pool_streams += 1
         self.streams[peer] = self.streams.get(peer, 0) + 1
         self.node_streams += 1
         return True
@@ -86,6 +100,13 @@ class StreamBudget:
         n = self.streams.get(peer, 0)
         if n <= 0:
             return
+        k = self.pooled.get(peer, 0)
+        if k > 0:  # a peer proven since it opened them gives its pooled streams back first
+            if k == 1:
+                del self.pooled[peer]
+            else:
+                self.pooled[peer] = k - 1
+            self.pool_streams -= 1
         if n == 1:
             del self.streams[peer]
         else:

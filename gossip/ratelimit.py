@@ -13,6 +13,9 @@ the sender's own promise:
   batches' signed creation times), not on arrival: how batches queue on the
   way (a relay's backlog, the receiver's own busy loop) is not the producer's
   doing.
+- `NewKeys`: a node-wide bucket that every key not heard before draws on for
+  its first announce (keys are free, so a per-key limit passes each fresh
+  key's first one); keys it admitted are remembered and pass freely.
 Every table is bounded: idle peers are forgotten first.
 """
 
@@ -25,6 +28,8 @@ from typing import Any, Final
 HEADROOM: Final = 2.0  # an honest rate varies; twice the announced rate is provably above it
 BURST_WINDOW_S: Final = 60.0  # a minute of the allowed rate may arrive at once
 MAX_BATCHES_PER_S: Final = 50.0  # whatever a peer announces, no more is admitted (a Sybil bound is per key anyway)
+NEW_KEYS_PER_S: Final = 4.0  # keys not heard before admitted node-wide, per second ...
+NEW_KEYS_BURST: Final = 64.0  # ... and at once (a swarm's worth of peers met at start)
 METER_WINDOW_S: Final = 60.0
 MIN_SPAN_S: Final = 1.0  # a meter that has counted for less than this divides by it
 
@@ -63,6 +68,37 @@ class TokenBuckets:
         while len(self._b) > self.max_peers:
             self._b.popitem(last=False)
         return b.take(now, cost)
+
+
+class NewKeys:
+    """Node-wide admission of keys not heard before: one bucket shared by all of them (sans-IO)."""
+
+    def __init__(self, rate_per_s: float = NEW_KEYS_PER_S, burst: float = NEW_KEYS_BURST,
+                 max_known: int = 10_000) -> None:
+        if not (rate_per_s > 0 and burst >= 1 and math.isfinite(rate_per_s) and math.isfinite(burst)):
+            raise ValueError("new-key admission needs finite rate_per_s > 0 and burst >= 1")
+        self.rate, self.burst, self.max_known = float(rate_per_s), float(burst), max_known
+        self._bucket: Bucket | None = None
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self.refused = 0
+
+    def admit(self, key: str, now: float, direct: bool = False) -> bool:
+        """Whether `key` may be heard now: a key admitted before always; a new one while the shared bucket
+        holds a token, or without one when it speaks on its own connection (`direct`: connections are
+        limited per address); then it is remembered. A refusal is counted."""
+        if key in self._known:
+            self._known.move_to_end(key)
+            return True
+        if not direct:
+            if self._bucket is None:
+                self._bucket = Bucket(self.rate, self.burst, now)
+            if not self._bucket.take(now):
+                self.refused += 1
+                return False
+        self._known[key] = None
+        while len(self._known) > self.max_known:
+            self._known.popitem(last=False)
+        return True
 
 
 class AnnouncedRates:

@@ -2,8 +2,9 @@
 
 Rollout batches move on shard topics: `set_shards` joins and leaves them as the
 node's exchange plan (`gossip.exchange`) says, and `publish_rollouts` sends a
-batch to the shard of its lineage. Before verification each batch passes the
-exchange's gate (newcomer budget per shard, then the shard of its lineages);
+batch to the shard of its lineage. Between the pipeline's cheap checks (decode,
+signature, ranges) and verification each batch passes the exchange's gate
+(newcomer budget per shard, then the shard of its lineages);
 `stats` counts what was received, verified and dropped, and why.
 
 Rollout batches are verified inside a py-libp2p topic validator, so a batch
@@ -29,10 +30,11 @@ from typing import Any
 import trio
 
 from gossip import exchange, topics, wire
-from gossip.ratelimit import TokenBuckets
+from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S, NewKeys, TokenBuckets
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
 from gossip.errors import DecodeError
+from gossip.identity import peer_id_from_public
 
 log = logging.getLogger("murmur.gossip.service")
 
@@ -48,7 +50,8 @@ AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, b
 
 class GossipService:
     def __init__(self, transport: Any, pipeline: Pipeline, swarm: str, store: Any | None = None,
-                 announce_rate_per_s: float = 10.0, announce_burst: int = 40) -> None:
+                 announce_rate_per_s: float = 10.0, announce_burst: int = 40,
+                 new_keys_per_s: float = NEW_KEYS_PER_S, new_keys_burst: float = NEW_KEYS_BURST) -> None:
         if swarm != pipeline.config.swarm:
             raise ValueError(f"gossip service for swarm {swarm!r} given a pipeline for {pipeline.config.swarm!r}")
         self.transport = transport
@@ -64,6 +67,7 @@ class GossipService:
         self.announce_topic = topics.announce(swarm)
         self._handlers: dict[str, list[AnnounceHandler]] = {}
         self._announce_buckets = TokenBuckets(announce_rate_per_s, announce_burst)
+        self.new_keys = NewKeys(new_keys_per_s, new_keys_burst)  # relayed announces of keys not heard before
         self._announce_verdicts: OrderedDict[bytes, bool] = OrderedDict()  # (origin, message) digest -> verdict
         # Verification threads have their own limiter, so a flood waiting on the verifier pool
         # never holds the tokens of trio's default one (ledger writes, the worker link).
@@ -141,16 +145,15 @@ class GossipService:
     # ------------------------------------------------------------ rollouts
     async def _validate_rollouts(self, shard: int, forwarder: str, origin: str, data: bytes) -> bool:
         self.stats.received()
-        why = self.gate.admit(origin, shard, self.pipeline.clock())
-        if why is not None:  # fresh keys on this shard are over their shared budget: uncharged
-            self.stats.drop(why)
-            return False
         step = self.pipeline.admit(data, origin, forwarder)
         if step.batch is not None:
             self.stats.counts["received_rollouts"] += len(step.batch.rollouts)
         if isinstance(step, Pending):
-            why = self.gate.belongs([bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards)
-            if why is not None:  # our count of shards and the publisher's may differ: uncharged
+            # The shared newcomer token goes only to a batch that passed the cheap checks: junk refused
+            # there (uncharged or not) never spends what an honest newcomer's first batches need.
+            why = self.gate.screen(origin, [bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards,
+                                   self.pipeline.clock())
+            if why is not None:  # fresh keys over their shared budget, or our count of shards and the publisher's differ: uncharged
                 self.pipeline.abandon(step)
                 self.stats.drop(why)
                 return False
@@ -242,7 +245,16 @@ class GossipService:
         except DecodeError:
             self.pipeline.scores.penalise(origin, "announce_invalid", 10.0, self.pipeline.clock())
             return False
-        return env.kind in ANNOUNCE_KINDS
+        if env.kind not in ANNOUNCE_KINDS:
+            return False
+        # Keys are free and each one's first announce passes its own bucket: keys not heard before share
+        # one node-wide rate, so a flood of fresh keys neither grows this node's peer state nor is relayed on.
+        # The key is the envelope's signer (whose state it would grow), whichever pubsub author carried it.
+        signer = peer_id_from_public(env.signer)
+        if not self.new_keys.admit(signer, now, direct=forwarder == origin == signer):
+            self.stats.drop("announce_new_key_rate")
+            return False
+        return True
 
     async def _drain_announces(self, channel: Any) -> None:
         while True:

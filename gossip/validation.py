@@ -364,6 +364,8 @@ class Pipeline:
         self.seen.put(p.msg_id, Reason.ACCEPTED, now)
         self.seqs.put((p.batch.producer, p.batch.seq), p.msg_id, now)
         self.scores.reward(p.origin, now)
+        if p.origin:
+            self.cpu.verified(p.origin, now)  # toward a verification share of its own
         self._count(Reason.ACCEPTED, p.origin)
         return Verdict(Reason.ACCEPTED, p.origin, p.data, p.msg_id, p.batch)
 

@@ -107,12 +107,20 @@ class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):
     ledger_payload_rows: Annotated[int, _d("newest ledger rows that keep the rollout's signed bytes")] = 2_000
     ledger_max_age_h: Annotated[float, _d("ledger rows older than this many hours are deleted")] = 168.0
     logs_max_mb: Annotated[int, _d("node.log plus its one rotated copy, in MiB")] = 64
+    peers_max_rows: Annotated[int, _d("peer table rows kept in state.db (least recently seen strangers deleted "
+                                      "first, then peers once connected or with accepted rollouts)")] = 4096
+    peers_max_mb: Annotated[float, _d("peer table bytes kept in state.db, in MiB (deleted in the same order)")] = 8.0
 
     def ledger_budget(self) -> Any:
         from node.store import LedgerBudget
 
         return LedgerBudget(max_rows=self.ledger_max_rows, payload_rows=self.ledger_payload_rows,
                             max_age_s=self.ledger_max_age_h * 3600.0)
+
+    def peer_budget(self) -> Any:
+        from node.store import PeerBudget
+
+        return PeerBudget(max_rows=self.peers_max_rows, max_bytes=int(self.peers_max_mb * 2**20))
 
 
 class TrustSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -191,7 +199,8 @@ def _check_values(cfg: Config, origin: str) -> Config:
             if not addr.startswith("/"):
                 raise bad(key, f"{addr!r} is not a multiaddr (starts with /ip4/, /ip6/ or /dns/)")
     for key in ("sync.chunk_bytes", "sync.publish_every", "sync.anchor_every", "training.group_size",
-                "node.memory_budget_mb", "disk.ledger_max_rows", "disk.ledger_max_age_h", "disk.logs_max_mb"):
+                "node.memory_budget_mb", "disk.ledger_max_rows", "disk.ledger_max_age_h", "disk.logs_max_mb",
+                "disk.peers_max_rows", "disk.peers_max_mb"):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) <= 0:
             raise bad(key, "must be positive")

@@ -75,7 +75,7 @@ class Node:
         self.home = Path(home)
         self.ident = ident
         self.opts = opts
-        self.store = open_store(self.home, cfg.disk.ledger_budget())
+        self.store = open_store(self.home, cfg.disk.ledger_budget(), cfg.disk.peer_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
@@ -105,7 +105,7 @@ class Node:
         self._wake: trio.CancelScope | None = None  # the tick loop's sleep until the core's next deadline
         self._resend_task_sets = False
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
-        self.drops, self.disk = Drops(), DiskMeter(home, cfg)
+        self.drops, self.disk = Drops(), DiskMeter(home, cfg, peer_bytes=lambda: self.store.peer_bytes)
         self.stall = StallMeter()
         self.gc_timer = stall.GcTimer()
 
@@ -225,6 +225,10 @@ class Node:
         t.refuse_connections(lambda peer: pipeline.scores.is_graylisted(peer, pipeline.clock())
                              or pipeline.scores.is_blacklisted(peer, pipeline.clock()))
         self.service.on_accept = self._on_accept
+        if getattr(t, "budget", None) is not None:  # streams of keys neither established nor verified share a pool
+            gate = self.service.gate
+            t.budget.proven = lambda peer: (gate.established(peer, pipeline.clock())
+                                            or pipeline.cpu.proven(peer, pipeline.clock()))
         self.service.child_cpu = self.verifiers.thread_cpu_s  # verification CPU is charged to its sender's share
         self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
         self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
@@ -364,7 +368,8 @@ class Node:
             elif isinstance(a, C.RecordRollouts):
                 await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
             elif isinstance(a, C.SeePeer):
-                await trio.to_thread.run_sync(lambda: self.store.see_peer(a.peer_id, a.public, list(a.addrs), a.data))
+                connected = a.peer_id in self.transport.peers()  # a stranger's announce is not kept (node.store)
+                await trio.to_thread.run_sync(self.store.see_peer, a.peer_id, a.public, list(a.addrs), a.data, connected)
             elif isinstance(a, C.Penalise):
                 self._penalise(a.peer, a.reason, a.amount)
             elif isinstance(a, C.SeedVersion):

@@ -3,7 +3,7 @@ metrics and demo read, so every view of a node shows the same numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,7 +65,7 @@ class Drops:
 class DiskView(Struct, kw_only=True):
     """One disk budget: what is used now and the configured limit (0: the limit is not in bytes, see `rule`)."""
 
-    name: str  # ledger | patches | partial | logs
+    name: str  # ledger | peers | patches | partial | logs
     used_mb: float = 0.0
     limit_mb: float = 0.0
     rule: str = ""  # how it is enforced, e.g. "newest 200000 rows, 168 h"
@@ -95,9 +95,11 @@ def dir_mb(path: Path, prefix: str = "") -> float:
 class DiskMeter:
     """Disk use per budget of one node home, re-measured at most every `every_s` (a walk is not free)."""
 
-    def __init__(self, home: Path, cfg: Config, every_s: float = 30.0) -> None:
+    def __init__(self, home: Path, cfg: Config, every_s: float = 30.0,
+                 peer_bytes: Callable[[], int] = lambda: 0) -> None:
         self.home = Path(home)
         self.cfg = cfg
+        self.peer_bytes = peer_bytes  # the peer table's share of state.db (the store's last count)
         self.every_s = every_s
         self._at = -1e18
         self._views: list[DiskView] = []
@@ -108,10 +110,13 @@ class DiskMeter:
         self._at = now
         c = self.cfg
         d, s = c.disk, c.sync
+        peers_mb = self.peer_bytes() / 2**20
         self._views = [
-            DiskView(name="ledger", used_mb=round(dir_mb(self.home, "state.db"), 2),
+            DiskView(name="ledger", used_mb=round(max(0.0, dir_mb(self.home, "state.db") - peers_mb), 2),
                      rule=f"newest {d.ledger_max_rows} rows (signed bytes on {d.ledger_payload_rows}), "
                           f"{d.ledger_max_age_h:g} h"),
+            DiskView(name="peers", used_mb=round(peers_mb, 2), limit_mb=float(d.peers_max_mb),
+                     rule=f"{d.peers_max_rows} rows in state.db; announces of connected peers only"),
             DiskView(name="patches", used_mb=round(dir_mb(self.home / "lineages"), 2),
                      rule=f"{s.retain_versions} versions + {s.max_anchors} anchors per lineage"),
             DiskView(name="partial", used_mb=round(dir_mb(self.home / "partial"), 2),

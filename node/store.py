@@ -9,6 +9,12 @@ are deleted, and only the newest accepted rows keep their signed bytes. Totals
 per status/reason and per producer live in their own small tables, updated in
 the same transaction as each insert, so counts survive pruning and reading them
 never scans the ledger. Pruning works in bounded batches from the oldest row.
+The peer table has its own budget (`PeerBudget`, rows and bytes): keys are free,
+so a row per key heard would let strangers grow the file without end. A peer's
+signed announce is kept only once it has been connected to this node; a
+stranger (heard through others) keeps its id, key and a few addresses. Past the
+budget the least recently seen rows go first, strangers before peers that were
+connected or whose rollouts this node accepted (`producer_totals`).
 The schema is versioned (PRAGMA user_version) and migrated forward in order.
 """
 
@@ -112,6 +118,11 @@ MIGRATIONS: list[str] = [
     INSERT INTO producer_totals SELECT COALESCE(producer, x''), COUNT(*), COALESCE(SUM(tokens), 0)
         FROM rollouts WHERE status='accepted' GROUP BY COALESCE(producer, x'');
     """,
+    # 3: whether a peer was ever connected to this node (only those keep their announce)
+    """
+    ALTER TABLE peers ADD COLUMN connected INTEGER NOT NULL DEFAULT 0;
+    UPDATE peers SET announce=NULL;
+    """,
 ]
 
 # Two subqueries so SQLite answers each from the primary key's ends (MIN and MAX together would scan).
@@ -119,6 +130,18 @@ _SEQ_RANGE = "SELECT (SELECT MIN(seq) FROM rollouts), (SELECT MAX(seq) FROM roll
 VERSIONS_KEPT = 4096  # version rows kept per lineage (far beyond any retained patch window)
 PRUNE_EVERY = 256  # inserted rows between budget checks
 PRUNE_BATCH = 5000  # rows deleted (or stripped of payload) per check: bounded work per call
+
+
+STRANGER_ADDRS = 4  # addresses kept for a peer never connected (discovery redials at most a few)
+PEER_PRUNE_EVERY = 32  # new peer rows between peer-budget checks
+PEER_ROW_OVERHEAD = 64  # bytes a peer row costs beyond its values (record header, the primary key's index)
+
+
+class PeerBudget(msgspec.Struct, frozen=True, kw_only=True):
+    """How much of the peer table stays on disk."""
+
+    max_rows: int = 4096
+    max_bytes: int = 8 * 2**20  # the rows' values plus `PEER_ROW_OVERHEAD` each
 
 
 class LedgerBudget(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,9 +159,13 @@ def _now_ms() -> int:
 class Store:
     """Thread-safe wrapper around one SQLite connection; every write is one transaction."""
 
-    def __init__(self, path: Path, budget: LedgerBudget | None = None) -> None:
+    def __init__(self, path: Path, budget: LedgerBudget | None = None, peer_budget: PeerBudget | None = None) -> None:
         self.path = Path(path)
         self.budget = budget or LedgerBudget()
+        self.peer_budget = peer_budget or PeerBudget()
+        self.peer_bytes = 0  # the peer table's bytes as of its last budget check
+        self.peers_evicted = 0  # peer rows deleted by the budget since open
+        self._new_peers = 0
         self.pruned = 0  # ledger rows deleted by the budget since open
         self._since_prune = 0
         self._payload_floor = 0  # rows at or below this seq have had their payload stripped
@@ -152,6 +179,7 @@ class Store:
             raise StoreError(f"{self.path}: cannot open state database: {e}") from None
         self._lock = threading.RLock()
         self.migrate()
+        self.prune_peers()
 
     @property
     def schema_version(self) -> int:
@@ -206,18 +234,58 @@ class Store:
 
     # ------------------------------------------------------------ peers
     def see_peer(self, peer_id: str, public_key: bytes | None = None, addrs: list[str] | None = None,
-                 announce: bytes | None = None) -> None:
+                 announce: bytes | None = None, connected: bool = False) -> None:
+        """Record a peer heard or connected. Its `announce` is kept only if it is or was once `connected`
+        (directly to this node); a stranger's row keeps at most `STRANGER_ADDRS` addresses."""
         now = _now_ms()
+        if not connected:
+            addrs = (addrs or [])[:STRANGER_ADDRS]
         with self.tx() as db:
-            db.execute(
-                """INSERT INTO peers(peer_id, public_key, addrs, first_seen_ms, last_seen_ms, announce)
-                   VALUES(?, ?, ?, ?, ?, ?)
+            cur = db.execute(
+                """INSERT INTO peers(peer_id, public_key, addrs, first_seen_ms, last_seen_ms, announce, connected)
+                   VALUES(?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(peer_id) DO UPDATE SET last_seen_ms=excluded.last_seen_ms,
                      public_key=COALESCE(excluded.public_key, peers.public_key),
                      addrs=CASE WHEN excluded.addrs='[]' THEN peers.addrs ELSE excluded.addrs END,
-                     announce=COALESCE(excluded.announce, peers.announce)""",
-                (peer_id, public_key, json.dumps(addrs or []), now, now, announce),
+                     connected=MAX(peers.connected, excluded.connected),
+                     announce=CASE WHEN MAX(peers.connected, excluded.connected)
+                       THEN COALESCE(excluded.announce, peers.announce) END
+                   RETURNING first_seen_ms = last_seen_ms""",
+                (peer_id, public_key, json.dumps(addrs or []), now, now, announce if connected else None,
+                 int(connected)),
             )
+            new = bool(cur.fetchone()[0])
+        if new:
+            self._new_peers += 1
+            if self._new_peers >= PEER_PRUNE_EVERY:
+                self.prune_peers()
+
+    def prune_peers(self) -> int:
+        """Enforce the peer budget; returns rows deleted. Strangers go first, then peers that were connected
+        or whose rollouts were accepted, least recently seen first within each. Reads every row's size: the
+        table is bounded, so the work is too."""
+        self._new_peers = 0
+        b = self.peer_budget
+        with self.tx() as db:
+            rows = db.execute(
+                f"""SELECT peer_id, connected OR EXISTS(SELECT 1 FROM producer_totals
+                                                       WHERE producer = peers.public_key AND accepted > 0),
+                           last_seen_ms, {PEER_ROW_OVERHEAD} + LENGTH(peer_id) * 2 + COALESCE(LENGTH(public_key), 0)
+                                         + LENGTH(addrs) + COALESCE(LENGTH(announce), 0)
+                    FROM peers""").fetchall()
+            total = sum(r[3] for r in rows)
+            over_rows = len(rows) - b.max_rows
+            gone: list[tuple[str]] = []
+            for pid, _keep, _seen, size in sorted(rows, key=lambda r: (r[1], r[2])):
+                if over_rows <= 0 and total <= b.max_bytes:
+                    break
+                gone.append((pid,))
+                over_rows -= 1
+                total -= size
+            db.executemany("DELETE FROM peers WHERE peer_id=?", gone)
+        self.peer_bytes = total
+        self.peers_evicted += len(gone)
+        return len(gone)
 
     def set_peer_score(self, peer_id: str, score: float, banned_until_ms: int = 0) -> None:
         with self.tx() as db:
@@ -381,5 +449,5 @@ class Store:
         return [dict(producer=r[0] or None, accepted=r[1], tokens=r[2]) for r in rows]
 
 
-def open_store(home: Path, budget: LedgerBudget | None = None) -> Store:
-    return Store(Path(home) / DB_FILE, budget)
+def open_store(home: Path, budget: LedgerBudget | None = None, peer_budget: PeerBudget | None = None) -> Store:
+    return Store(Path(home) / DB_FILE, budget, peer_budget)

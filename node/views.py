@@ -145,4 +145,5 @@ def _stream_limits(transport: Any) -> dict[str, int]:
     budget = getattr(transport, "budget", None)
     if budget is None:
         return {}
-    return {**budget.counters, "inbound_streams": budget.node_streams, "buffered_bytes": budget.node_buffered}
+    return {**budget.counters, "inbound_streams": budget.node_streams, "unproven_streams": budget.pool_streams,
+            "buffered_bytes": budget.node_buffered}

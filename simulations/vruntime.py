@@ -251,7 +251,7 @@ class CoreDriver:
 
     def on_batch(self, ev: BatchArrives) -> None:
         """A copy of a batch reaches a subscriber of its shard: what `GossipService._validate_rollouts` does
-        (gate, pipeline), then GossipSub passes on what was accepted; the core hears what the producer
+        (pipeline's cheap checks, gate, verification), then GossipSub passes on what was accepted; the core hears what the producer
         delivered, and a trainer's worker gets the groups its core routes to it."""
         dst, shard = ev.node, ev.shard
         d = self.nodes[dst]
@@ -262,20 +262,19 @@ class CoreDriver:
         s = self.nodes[ev.origin]
         now = self.queue.unix()
         d.stats.received()
-        why = d.gate.admit(s.peer_id, shard, now)
-        if why is None:
-            p = d.pipeline
-            step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)  # type: ignore[union-attr]
-            if step.batch is not None:
-                d.stats.counts["received_rollouts"] += len(step.batch.rollouts)
-            if isinstance(step, Pending):
-                why = d.gate.belongs([bytes(r.lineage) for r in step.batch.rollouts], shard, d.shard_count)
-                if why is not None:
-                    p.abandon(step)  # type: ignore[union-attr]
-                else:
-                    p.verify(step)  # type: ignore[union-attr]
-                    step = p.commit(step)  # type: ignore[union-attr]
-            v = step
+        why = None
+        p = d.pipeline
+        step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)  # type: ignore[union-attr]
+        if step.batch is not None:
+            d.stats.counts["received_rollouts"] += len(step.batch.rollouts)
+        if isinstance(step, Pending):
+            why = d.gate.screen(s.peer_id, [bytes(r.lineage) for r in step.batch.rollouts], shard, d.shard_count, now)
+            if why is not None:
+                p.abandon(step)  # type: ignore[union-attr]
+            else:
+                p.verify(step)  # type: ignore[union-attr]
+                step = p.commit(step)  # type: ignore[union-attr]
+        v = step
         if why is not None:
             d.stats.drop(why)
             self.recorder.rejections[why] += 1

@@ -14,7 +14,7 @@ import msgspec
 import trio
 
 from gossip import wire
-from gossip.identity import Identity
+from gossip.identity import Identity, peer_id_from_public
 from gossip.service import GossipService
 from gossip.validation import Pipeline, PipelineConfig
 from simulations.bench.gossip import SWARM, registry
@@ -90,3 +90,56 @@ def test_an_over_rate_message_relayed_by_another_peer_is_dropped_and_charged_to_
     assert _charged(s, ORIGIN) == 0.0
     assert all(_charged(s, r) == 0.0 for r in RELAYS)
     assert s.stats.dropped["announce_rate_limited"] == 3
+
+
+def _node_announce(ident: Identity, addrs: int = 16) -> bytes:
+    body = wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=1, created_ms=wire.now_ms(),
+                             hardware="cpu", gen_tokens_per_s=0.0, rollout_latency_s=0.0, upload_bytes_per_s=0.0,
+                             memory_bytes=0, roles=["trainer"], lineages_followed=[], publish_batches_per_s=0.0,
+                             addrs=[f"/ip4/10.0.{i}.1/tcp/4001/" + "x" * 200 for i in range(addrs)])
+    return wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM)
+
+
+def test_fresh_keys_announcing_once_share_one_node_wide_admission_rate() -> None:
+    """Each fresh key's first announce passes its own per-key bucket, so 1,000 keys announcing once through
+    one relay all got in (each a peer-table row and a stored announce, relayed on to every node). Keys not
+    heard before (envelope signers) share one node-wide bucket: the flood is refused past it (counted,
+    charged to no one) and not relayed, while a key already heard and a key announcing itself on its own
+    connection still pass."""
+    from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S
+
+    s = _service()
+    relay = RELAYS[0]
+    known, direct = Identity.from_seed(b"\x61" * 32), Identity.from_seed(b"\x62" * 32)
+    flood = [_node_announce(Identity.from_seed(i.to_bytes(4, "big") * 8)) for i in range(1000)]
+    origins = [peer_id_from_public(wire.decode_envelope(d, swarm=SWARM).signer) for d in flood]
+
+    async def main() -> tuple[list[bool], bool, bool, float]:
+        assert await s._validate_announce(relay, known.peer_id, _node_announce(known, 1))  # heard before the flood
+        t0 = time.monotonic()
+        verdicts = [await s._validate_announce(relay, o, d) for o, d in zip(origins, flood)]
+        elapsed = time.monotonic() - t0
+        again = _node_announce(known, 2)
+        return (verdicts, await s._validate_announce(relay, known.peer_id, again),
+                await s._validate_announce(direct.peer_id, direct.peer_id, _node_announce(direct, 1)), elapsed)
+
+    verdicts, known_ok, direct_ok, elapsed = trio.run(main)
+    admitted = sum(verdicts)
+    assert admitted <= NEW_KEYS_BURST - 1 + NEW_KEYS_PER_S * elapsed + 1, (admitted, elapsed)
+    assert s.stats.dropped["announce_new_key_rate"] == len(flood) - admitted == s.new_keys.refused
+    assert known_ok and direct_ok
+    assert _charged(s, relay) == 0.0 and all(_charged(s, o) == 0.0 for o in origins[:50])
+    # the key admitted is the envelope's signer: one pubsub author (on its own connection, with no rate of
+    # its own to speak of) carrying announces signed by fresh keys is held to the same node-wide rate
+    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=time.time, resolve_task=REG.resolve,
+                        reward=score, head_version=lambda lineage: 0, task_set_trusted=REG.__contains__)
+    wide = GossipService(None, pipeline, SWARM, announce_rate_per_s=1e6, announce_burst=10**6)
+
+    async def carried() -> tuple[int, float]:
+        t0 = time.monotonic()
+        n = sum([await wide._validate_announce(relay, relay, d) for d in flood])
+        return n, time.monotonic() - t0
+
+    admitted, elapsed = trio.run(carried)
+    assert admitted <= NEW_KEYS_BURST + NEW_KEYS_PER_S * elapsed, (admitted, elapsed)
+    assert wide.new_keys.refused == len(flood) - admitted

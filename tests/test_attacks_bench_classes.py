@@ -64,7 +64,7 @@ def _honest_knowledge() -> tuple[attacks.Knowledge, Identity]:
 
 
 def test_the_catalogue_holds_the_issue_26_classes() -> None:
-    assert len(attacks.CATALOGUE) >= 31
+    assert len(attacks.CATALOGUE) >= 32
     for name in ("claim_throughput", "lineage_by_announce", "long_completions", "large_batches", "held_frames",
                  "idle_streams", "announce_replay", "taskset_takeover", "future_version", "poison_numbers",
                  "payload_poison", "payload_unowned_lineage", "payload_foreign_tokenizer", "credit_farming",
@@ -289,3 +289,46 @@ def test_the_unusable_work_classes_are_accepted_by_validation_and_earn_nothing_d
         assert s.counts["added"] > 0 and s.take(64) == [] and s.counts["unowned"] == s.counts["added"]
         sent = [r for data in batches for r in wire.open_envelope(data, swarm=SWARM)[1].rollouts]
         assert all(r.reward == float(r.text.startswith(attacks.PAYLOAD)) for r in sent)
+
+
+def test_sybil_announces_are_authored_each_by_a_fresh_key_and_meet_the_new_key_rate() -> None:
+    """The live class for state that strangers grow: every announce is signed, as envelope and as pubsub
+    message author, by a key of its own, near the announce size limit; relayed through one host to a
+    receiver, at most the node-wide new-key burst and rate of them pass (the in-process version)."""
+    from gossip.identity import peer_id_from_public
+    from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S
+    from gossip.service import GossipService
+
+    class AuthoredRecorder(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.authors: list[str] = []
+
+        async def publish_as(self, ident: Identity, topic: str, data: bytes) -> None:
+            self.sent.append((topic, data))
+            self.authors.append(ident.peer_id)
+
+    t = AuthoredRecorder()
+    a = attacks.Attacker(t, attacks.attack_key("sybil_announces"), SWARM)
+    trio.run(attacks.sybil_announces, a, attacks.Knowledge(SWARM), [], clock=trio.testing.MockClock(autojump_threshold=0))
+    assert a.sent == len(t.sent) == attacks.SYBIL_KEYS and "sybil_announces" in attacks.FIRST_TARGET_ONLY
+    signers = []
+    for (topic, data), author in zip(t.sent, t.authors):
+        env, body = wire.open_envelope(data, swarm=SWARM)
+        assert topic == topics.announce(SWARM) and isinstance(body, wire.NodeAnnounce)
+        assert peer_id_from_public(env.signer) == body.peer_id == author
+        assert 12 * 1024 < len(data) <= wire.KIND_LIMITS[wire.NODE_ANNOUNCE]
+        signers.append(author)
+    assert len(set(signers)) == attacks.SYBIL_KEYS and a.ident.peer_id not in signers
+    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=time.time, resolve_task=None,
+                        reward=score, head_version=lambda lineage: 0)
+    service = GossipService(None, pipeline, SWARM)
+
+    async def relayed() -> tuple[int, float]:
+        t0 = time.monotonic()
+        n = sum([await service._validate_announce(a.ident.peer_id, o, d) for (_, d), o in zip(t.sent, signers)])
+        return n, time.monotonic() - t0
+
+    admitted, elapsed = trio.run(relayed)
+    assert admitted <= NEW_KEYS_BURST + NEW_KEYS_PER_S * elapsed
+    assert service.stats.dropped["announce_new_key_rate"] == attacks.SYBIL_KEYS - admitted

@@ -108,6 +108,11 @@ def test_disk_meter_measures_each_budget_and_caches(tmp_path: Path) -> None:
     (tmp_path / "state.db").write_bytes(b"x" * 2**21)
     assert {v.name: v.used_mb for v in meter.views(now=110.0)}["ledger"] == 1.0  # cached: no walk per second
     assert {v.name: v.used_mb for v in meter.views(now=131.0)}["ledger"] == 2.0
+    # the peer table is counted against its own limit, not under the ledger
+    meter = DiskMeter(tmp_path, Config(), every_s=30.0, peer_bytes=lambda: 2**19)
+    views = {v.name: v for v in meter.views(now=100.0)}
+    assert views["peers"].used_mb == 0.5 and views["peers"].limit_mb == Config().disk.peers_max_mb
+    assert views["ledger"].used_mb == 1.5
 
 
 def test_prune_spares_a_store_in_progress(identity, tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from gossip.ratelimit import (BURST_WINDOW_S, HEADROOM, MAX_BATCHES_PER_S, MIN_SPAN_S, AnnouncedRates, Bucket,
-                              RateMeter, TokenBuckets)
+from gossip.ratelimit import (BURST_WINDOW_S, HEADROOM, MAX_BATCHES_PER_S, MIN_SPAN_S, NEW_KEYS_BURST, NEW_KEYS_PER_S,
+                              AnnouncedRates, Bucket, NewKeys, RateMeter, TokenBuckets)
 
 
 def test_bucket_starts_full_refills_at_its_rate_and_caps_at_its_burst() -> None:
@@ -129,3 +129,35 @@ def test_the_meter_states_batches_per_second_over_the_last_minute() -> None:
     m.tick(100.0)
     assert m.rate(100.0) == 1.0  # one batch just now: 1/s (divided by at least one second)
     assert m.rate(159.9) == pytest.approx(1 / 59.9) and m.rate(160.0) == 0.0  # a minute later it is gone
+
+
+def test_new_keys_share_one_bucket_and_admitted_keys_pass_freely() -> None:
+    nk = NewKeys(rate_per_s=2.0, burst=3.0, max_known=4)
+    assert [nk.admit(f"k{i}", 10.0) for i in range(4)] == [True, True, True, False]  # the burst, then refused
+    assert nk.refused == 1
+    assert all(nk.admit(f"k{i}", 10.0) for i in range(3))  # admitted once: no token needed again
+    assert not nk.admit("k3", 10.4) and nk.refused == 2  # 0.8 tokens are not one, and nothing is spent
+    assert nk.admit("k3", 10.5)  # one token exactly is enough
+    assert not nk.admit("k4", 10.5) and nk.refused == 3
+    assert nk.admit("direct", 10.5, direct=True) and nk.refused == 3  # its own connection: no token ...
+    assert nk.admit("direct", 10.5)  # ... and remembered
+    assert not nk.admit("k4", 10.5)  # the direct key spent nothing
+    assert [nk.admit(f"k{i}", 100.0) for i in range(4, 8)] == [True, True, True, False]  # refilled to the burst
+    assert nk.admit("k7", 100.5) and not nk.admit("k8", 100.5)  # then at its rate
+
+
+def test_new_keys_forget_the_least_recently_heard_and_refuse_bad_parameters() -> None:
+    nk = NewKeys(rate_per_s=1.0, burst=10.0, max_known=2)
+    assert nk.admit("a", 0.0) and nk.admit("b", 0.0)
+    assert nk.admit("a", 0.0)  # "a" is now the most recently heard
+    assert nk.admit("c", 0.0)  # forgets "b"
+    assert set(nk._known) == {"a", "c"}
+    before = nk._bucket.tokens
+    assert nk.admit("b", 0.0) and nk._bucket.tokens == before - 1  # a new key again: it takes a token
+    for rate, burst in ((0.0, 5.0), (-1.0, 5.0), (1.0, 0.5), (math.inf, 5.0), (1.0, math.inf), (math.nan, 5.0)):
+        with pytest.raises(ValueError):
+            NewKeys(rate, burst)
+    one = NewKeys(1.0, 1.0)  # the smallest allowed: one new key per second
+    assert one.admit("x", 0.0) and not one.admit("y", 0.5) and one.admit("y", 1.0)
+    d = NewKeys()
+    assert (d.rate, d.burst, d.max_known) == (NEW_KEYS_PER_S, NEW_KEYS_BURST, 10_000) == (4.0, 64.0, 10_000)

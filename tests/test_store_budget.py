@@ -94,3 +94,65 @@ def test_version_rows_are_bounded_per_lineage(tmp_path: Path) -> None:
     n = s.query("SELECT COUNT(*) FROM versions WHERE lineage_id=?", (lid,))[0][0]
     assert n <= store_mod.VERSIONS_KEPT + 256
     assert s.head_version(lid, held_only=False) == store_mod.VERSIONS_KEPT + 599
+
+
+def _file_bytes(s: Store) -> int:
+    """The database file once its write-ahead log is folded in and truncated."""
+    s.query("PRAGMA wal_checkpoint(TRUNCATE)")
+    return s.disk_bytes()
+
+
+def test_a_flood_of_fresh_keys_stays_within_the_peer_budget_and_spares_known_peers(tmp_path: Path) -> None:
+    """Every key heard once was a row with its whole signed announce, never deleted: 2,000 fresh keys with
+    16 KiB announces grew the file by about 30 MiB. The peer table holds its budget (rows and bytes) on a
+    real SQLite file: a stranger (never connected) keeps no announce and a few addresses, and past the
+    budget strangers' rows go first, never those of peers that were connected or whose rollouts were
+    accepted."""
+    budget = store_mod.PeerBudget(max_rows=200, max_bytes=96 * 1024)
+    s = Store(tmp_path / "state.db", peer_budget=budget)
+    announce = b"a" * 15_000
+    addrs = [f"/ip4/10.0.{i}.1/tcp/4001/" + "x" * 200 for i in range(16)]
+    connected = [f"12D3KooWconnected{i:035d}" for i in range(5)]
+    for pid in connected:
+        s.see_peer(pid, bytes([1, len(pid)]) * 16, addrs[:2], announce, connected=True)
+    producer = bytes([7]) * 32  # a stranger whose rollouts this node accepted: a verified history
+    s.record_rollouts([dict(rollout_id=b"r1", direction="received", status="accepted", producer=producer, tokens=8)])
+    s.see_peer("12D3KooWproducer", producer, addrs, announce)
+    before = _file_bytes(s)
+    for i in range(2000):  # each fresh key announces once, heard through another peer
+        s.see_peer(f"12D3KooWfresh{i:039d}", i.to_bytes(32, "big"), addrs, announce)
+    s.prune_peers()
+    growth = _file_bytes(s) - before
+    rows = {r[0]: r for r in s.query("SELECT peer_id, announce IS NOT NULL, connected FROM peers")}
+    assert len(rows) <= budget.max_rows and s.peer_bytes <= budget.max_bytes
+    assert growth <= 2 * budget.max_bytes, f"state.db grew by {growth} bytes"
+    assert all(rows[p][1:] == (1, 1) for p in connected)  # connected peers keep their rows and announces
+    assert rows["12D3KooWproducer"][1] == 0  # a verified producer's row stays, without a stranger's announce
+    assert sum(p.startswith("12D3KooWfresh") for p in rows) < budget.max_rows
+    assert s.peers_evicted >= 2000 - budget.max_rows
+    # reconnecting a stranger keeps its announce from then on; a later stranger's flood evicts it no sooner
+    s.see_peer("12D3KooWfresh" + "0" * 38 + "9", None, addrs[:1], None, connected=True)
+    for i in range(2000, 2400):
+        s.see_peer(f"12D3KooWfresh{i:039d}", i.to_bytes(32, "big"), addrs, announce)
+    s.prune_peers()
+    left = {r[0] for r in s.query("SELECT peer_id FROM peers")}
+    assert {*connected, "12D3KooWproducer"} <= left
+    s.close()
+
+
+def test_a_peer_table_grown_before_the_budget_is_cut_to_it_when_opened(tmp_path: Path) -> None:
+    """A state.db of an earlier version holds every announce ever heard: opening it migrates the table
+    (announces dropped, since no row says who was connected) and holds it to the budget at once."""
+    path = tmp_path / "state.db"
+    with sqlite3.connect(path) as db:
+        for number, script in enumerate(store_mod.MIGRATIONS[:2], start=1):
+            db.executescript(script + f";\nPRAGMA user_version={number};")
+        db.executemany("INSERT INTO peers(peer_id, public_key, addrs, first_seen_ms, last_seen_ms, announce) "
+                       "VALUES(?, ?, '[]', ?, ?, ?)", [(f"p{i}", bytes(32), i, i, b"a" * 10_000) for i in range(300)])
+    db.close()
+    s = Store(path, peer_budget=store_mod.PeerBudget(max_rows=100))
+    assert s.schema_version == len(store_mod.MIGRATIONS)
+    left = s.query("SELECT peer_id, announce FROM peers")
+    assert len(left) == 100 and all(a is None for _, a in left)
+    assert {p for p, _ in left} == {f"p{i}" for i in range(200, 300)}  # the most recently seen kept
+    s.close()

@@ -24,8 +24,8 @@ from sync.swarm import MAX_FRAME_BYTES
 MiB = 1 << 20
 SMALL = StreamLimits(peer_streams=16, node_streams=64, peer_buffer_bytes=3 * MiB + 4096, node_buffer_bytes=64 * MiB,
                      frame_deadline_s=2.0, offences=2)
-_UNLIMITED = StreamLimits(peer_streams=10**6, node_streams=10**6, peer_buffer_bytes=2**40, node_buffer_bytes=2**40,
-                          frame_deadline_s=1e6, offences=10**6)
+_UNLIMITED = StreamLimits(peer_streams=10**6, node_streams=10**6, unproven_streams=10**6, peer_buffer_bytes=2**40,
+                          node_buffer_bytes=2**40, frame_deadline_s=1e6, offences=10**6)
 SWARM = "limits"
 STREAMS = 4  # one more than the share holds
 
@@ -279,3 +279,35 @@ def test_the_bench_stream_classes_are_bounded_and_the_held_frames_charged() -> N
     assert attacks.attack_key("held_frames").peer_id in out["charged"]
     assert attacks.attack_key("idle_streams").peer_id not in out["charged"]  # a cap is local: no one is charged
     assert out["refused"] >= attacks.IDLE_STREAMS - 2 * limits.peer_streams
+
+
+def test_minted_keys_share_one_stream_pool_and_proven_peers_always_find_room() -> None:
+    """Keys are free: 100 fresh keys each holding their 64 inbound streams would fill the node-wide cap (4,096,
+    64 keys' worth) and lock every other peer out. Peers the node does not count as proven draw on one pool
+    below that cap, so a proven peer still opens its whole share; the pool's places come back as streams
+    close, a peer proven meanwhile gives its pooled streams back, and the refusals are counted."""
+    from gossip.limits import StreamBudget
+
+    limits = StreamLimits()
+    budget = StreamBudget(limits)
+    proven = {"established"}
+    budget.proven = proven.__contains__
+    minted = [f"minted-{i}" for i in range(100)]
+    opened = sum(budget.open_stream(k) for k in minted for _ in range(limits.peer_streams))
+    assert opened <= limits.unproven_streams < limits.node_streams
+    assert budget.counters["streams_refused_unproven"] == 100 * limits.peer_streams - opened
+    assert all(budget.open_stream("established") for _ in range(limits.peer_streams))
+    assert not budget.open_stream(minted[-1])  # the pool stays full while the minted keys hold it
+    for _ in range(limits.peer_streams):  # one minted key's streams close: their places return to the pool
+        budget.close_stream(minted[0])
+    proven.add(minted[1])  # proven while it holds pooled streams: closing them frees pool places too
+    for _ in range(limits.peer_streams):
+        budget.close_stream(minted[1])
+    assert budget.pool_streams == opened - 2 * limits.peer_streams
+    assert all(budget.open_stream(minted[-1]) for _ in range(limits.peer_streams))
+    for k in minted:
+        while budget.streams.get(k):
+            budget.close_stream(k)
+    budget.close_stream("established")
+    assert budget.pool_streams == 0 and budget.pooled == {}
+    assert budget.node_streams == limits.peer_streams - 1

@@ -446,16 +446,27 @@ def test_a_completion_longer_than_this_nodes_budget_is_refused_before_verificati
     assert q.check(long, ALICE.peer_id).accepted
 
 
+def _give_a_history(p: Pipeline, clock: Clock, reg, ident: Identity, batches: int = 8, every_s: float = 6.0) -> int:
+    """`ident`'s batches accepted for a while before the test: an established producer's verified history.
+    Returns the last seq used."""
+    for seq in range(1, batches + 1):
+        clock.t += every_s
+        assert p.check(make_batch(ident, reg, seq, n=2, tokens=8, created_ms=int(clock.t * 1000)), ident.peer_id).accepted
+    clock.t += every_s
+    return batches
+
+
 def test_a_few_keys_sending_costly_batches_cannot_crowd_out_an_honest_producer(reg) -> None:
     """Within the per-key batch rate, three keys send batches that each cost a CPU-second to verify (the I/O
     layer measures and reports it, `Pipeline.spent`): the node's verification stays within its CPU budget,
-    the honest producer's cheap batches are all verified, and the refusals cost the attackers nothing."""
+    an established producer's cheap batches are all verified, and the refusals cost the attackers nothing."""
     from gossip.cpubudget import NODE_CPU_PER_S, BURST_S
 
     p, clock = pipe(reg)
+    seq = _give_a_history(p, clock, reg, ALICE)
     attackers = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(3)]
     cpu = {k.peer_id: 0.0 for k in attackers}
-    honest_ok, refused, seq = 0, 0, 0
+    honest_ok, refused = 0, 0
     start, steps = clock.t, 160
     for i in range(steps):  # 40 s: each attacker 4 batches/s, the honest producer one a second
         clock.t = start + i * 0.25
@@ -505,3 +516,56 @@ def test_verification_cpu_is_measured_in_the_verifying_thread_and_the_pool(reg) 
         t.start()
         t.join()
         assert other == [0.0]
+
+
+@pytest.mark.parametrize("keys", [1, 32, 64])
+def test_minted_keys_cannot_dilute_an_established_producers_verification_share(reg, keys: int) -> None:
+    """Keys are free: with a share per key, an attack at a fixed CPU volume spread over 32 or 64 fresh keys
+    shrank an honest producer's guaranteed share to 1/33 or 1/65 of the node's and refused most of its
+    batches. Keys without a verified history share one bucket, so however many keys carry the attack, the
+    established producer keeps half the node's verification CPU and none of its batches is refused."""
+    from gossip.cpubudget import NODE_CPU_PER_S
+
+    p, clock = pipe(reg)
+    _give_a_history(p, clock, reg, ALICE)  # accepted batches for 48 s before the attack
+    cpu, honest, t = p.cpu, ALICE.peer_id, clock.t
+    attackers = [f"minted-{i}" for i in range(keys)]
+    volume, cost = 4.0 * NODE_CPU_PER_S, 1.0  # CPU-s/s the attack offers in all, and what one batch costs
+    refused = honest_sent = attack_spent = 0
+    dt, next_attack = 0.05, [t + i * cost * keys / volume / keys for i in range(keys)]
+    for step in range(int(60 / dt)):  # 60 s: the honest producer sends a 0.2 CPU-s batch every second
+        now = t + step * dt
+        if step % 20 == 0:
+            honest_sent += 1
+            if cpu.admit(honest, now) is None:
+                cpu.spend(honest, 0.2, now)
+            else:
+                refused += 1
+        for i, k in enumerate(attackers):  # each key offers a batch every keys * cost / volume seconds
+            if now >= next_attack[i]:
+                next_attack[i] += keys * cost / volume
+                if cpu.admit(k, now) is None:
+                    cpu.spend(k, cost, now)
+                    attack_spent += cost
+    assert honest_sent == 60 and refused <= 1, f"{refused} of the honest producer's {honest_sent} batches refused"
+    assert attack_spent <= NODE_CPU_PER_S * 60 + keys  # the node stays within its rate (+ one overdraft each)
+
+
+def test_a_verified_history_takes_enough_batches_over_enough_time_and_stays_bounded() -> None:
+    """`CpuBudget.proven`: at least PROVEN_BATCHES accepted batches, the first PROVEN_S ago; until then the
+    key's batches draw on the bucket all unproven keys share (one refusal there refuses every one of them)."""
+    from gossip.cpubudget import PROVEN_BATCHES, PROVEN_S, UNPROVEN, CpuBudget
+
+    cpu = CpuBudget(max_peers=3)
+    for i in range(PROVEN_BATCHES - 1):
+        cpu.verified("p", float(i))
+    assert not cpu.proven("p", 1e6)  # enough time, too few batches
+    cpu.verified("p", 5.0)
+    assert not cpu.proven("p", PROVEN_S - 1e-3) and cpu.proven("p", PROVEN_S)  # counted from the first
+    assert not cpu.proven("never", 1e6)
+    cpu.spend("fresh-1", 10.0, PROVEN_S)  # an unproven key's cost lands on the shared bucket ...
+    assert cpu.admit("fresh-2", PROVEN_S) is not None  # ... so another fresh key waits while the node is busy
+    assert set(cpu._peers) == {UNPROVEN} and cpu.admit("p", PROVEN_S) is None  # the proven one has its own
+    for k in ("a", "b", "c"):  # the history table is bounded: the least recently verified forgotten first
+        cpu.verified(k, 0.0)
+    assert len(cpu._history) == 3 and "p" not in cpu._history

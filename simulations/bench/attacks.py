@@ -16,6 +16,7 @@ without attack, and returns the JSON object `murmur bench attacks --json` prints
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -151,6 +152,26 @@ class DirectTransport:
             self._t.router.direct_peers.setdefault(pid, PeerInfo(pid, []))
         await self._t.pubsub.publish(topic, data)
 
+    async def publish_as(self, ident: Identity, topic: str, data: bytes) -> None:
+        """Publish `data` as a pubsub message authored and signed by `ident`, as if this host relayed it:
+        a key that never connects to anyone originates it."""
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+        from libp2p.pubsub.pb import rpc_pb2
+        from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
+
+        from gossip.host import libp2p_key_pair
+
+        for p in self._targets & set(self._t.peers()):
+            pid = ID.from_base58(p)
+            self._t.router.direct_peers.setdefault(pid, PeerInfo(pid, []))
+        kp = libp2p_key_pair(ident)
+        msg = rpc_pb2.Message(data=data, topicIDs=[topic], from_id=ID.from_pubkey(kp.public_key).to_bytes(),
+                              seqno=os.urandom(8))
+        msg.signature = kp.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
+        msg.key = kp.public_key.serialize()
+        await self._t.pubsub.push_msg(self._t.pubsub.my_id, msg)
+
     async def flush(self, timeout_s: float = 10.0) -> None:
         """Until py-libp2p's outbound queues to the targets are empty (bounded): a host that closes
         with messages still queued never sent them."""
@@ -181,6 +202,15 @@ class Attacker:
 
     async def announce(self, data: bytes) -> None:
         await self.gossip(topics.announce(self.swarm), data)
+
+    async def announce_as(self, ident: Identity, data: bytes) -> None:
+        """`data` on the announce topic as a message `ident` authored (this host only relays it)."""
+        try:
+            await self.t.publish_as(ident, topics.announce(self.swarm), data)
+            self.sent += 1
+        except Exception as e:
+            self.errors += 1
+            self.last_error = f"{type(e).__name__}: {e}"[:200]
 
     async def rollouts(self, data: bytes) -> None:
         await self.gossip(topics.rollouts(self.swarm), data)
@@ -645,6 +675,34 @@ async def taskset_takeover(a: Attacker, k: Knowledge, targets: list[str]) -> Non
 PAYLOAD = "   "
 
 
+SYBIL_KEYS = 1000  # fresh keys, each announcing once
+SYBIL_PER_S = 100.0  # ... at this rate in all (issue 43: 8,999 keys in 90 s)
+
+
+def sybil_announce(ident: Identity, swarm: str) -> bytes:
+    """`ident`'s first announce, as large as the announce limit allows (addresses and a stand-by list)."""
+    addrs = [f"/ip4/10.{i}.0.1/tcp/4001/p2p-circuit/" + "x" * 200 for i in range(16)]
+    demand = wire.LineageDemand(lineage=hashlib.blake2b(ident.public, digest_size=32).digest(), name="sybil", head_version=1,
+                                rollouts_per_step=1, step_time_s=1.0, max_staleness=1,
+                                standby=[ident.peer_id] * 200)
+    body = wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=1, created_ms=wire.now_ms(),
+                             hardware="cpu", gen_tokens_per_s=1.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
+                             memory_bytes=2**30, roles=["trainer"], lineages_followed=[], owned=[demand], addrs=addrs)
+    return wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=swarm)
+
+
+async def sybil_announces(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """State that strangers grow: `SYBIL_KEYS` fresh keys each announce once, every message authored by its
+    own key and carried by this host to the first target only; the other target hears them relayed
+    (run with `FIRST_TARGET_ONLY`). Measured by the growth of each honest node's state.db."""
+    for i in range(SYBIL_KEYS):
+        ident = Identity.from_seed(hashlib.blake2b(b"sybil/" + a.ident.public + i.to_bytes(4, "big"),
+                                                     digest_size=32).digest())
+        await a.announce_as(ident, sybil_announce(ident, a.swarm))
+        if i % 10 == 9:
+            await trio.sleep(10 / SYBIL_PER_S)  # py-libp2p's outbound queue holds 32 RPCs: a flood it drops is no flood
+
+
 def payload_text(answer: str) -> str:
     return PAYLOAD + answer
 
@@ -787,7 +845,12 @@ CATALOGUE: dict[str, Attack] = {
     "payload_foreign_tokenizer": payload_foreign_tokenizer,
     "credit_farming": credit_farming,
     "supply_to_follower": supply_to_follower,
+    "sybil_announces": sybil_announces,
 }
+
+# Classes whose host connects to the first target only (the trainer): the other honest node hears them
+# relayed, and is the one whose state must not grow although the attacker never connected to it.
+FIRST_TARGET_ONLY = frozenset({"sybil_announces"})
 
 
 # Classes whose messages are provable faults of their sender (a signature, a frame, a recomputed
@@ -810,8 +873,6 @@ FAULTS: dict[str, str] = {"crash_vocab": "bad_tokens", "mislead_ids_vs_text": "t
 
 def attack_key(name: str, round_: int = 0) -> Identity:
     """The fresh key one attack class uses (deterministic, so a report can name it)."""
-    import hashlib
-
     return Identity.from_seed(hashlib.blake2b(f"attack/{name}/{round_}".encode(), digest_size=32).digest())
 
 
@@ -857,6 +918,7 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
     from gossip.host import open_transport
 
     ident = ident or attack_key(name, round_)
+    addrs = addrs[:1] if name in FIRST_TARGET_ONLY else addrs
     res.update(attacker=ident.peer_id, sent=0, errors=0, phase="start")
     print(f"attack {name} (round {round_}) from {ident.peer_id}", file=sys.stderr, flush=True)
     async with open_transport(ident) as t:
@@ -1024,7 +1086,6 @@ class Window:
     train_steps: int = 0
     versions_applied: int = 0
     external_used: int = 0  # swarm rollouts that entered the trainer's updates
-    state_db_growth_mb: dict[str, float] = field(default_factory=dict)  # each node's state.db, end minus start
     max_stall_ms: float = 0.0
     alive: bool = True
     seconds: float = 0.0
@@ -1050,6 +1111,22 @@ def process_rss_mb(pid: int) -> float | None:
         return None
 
 
+def state_db_mb(homes: dict[str, Path]) -> dict[str, float]:
+    """Each node's state.db with its write-ahead log, in MiB."""
+    from node.store import DB_FILE
+
+    out = {}
+    for n, h in homes.items():
+        total = 0
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                total += (h / (DB_FILE + suffix)).stat().st_size
+            except OSError:
+                pass
+        out[n] = total / 2**20
+    return out
+
+
 def followers_kept(statuses: dict[str, Any]) -> bool:
     """The honest follower serves the honest trainer's own lineage and the trainer counts it (not stood by)."""
     t, f = statuses.get("trainer"), statuses.get("follower")
@@ -1067,7 +1144,6 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
     """Poll both nodes once a second for at least `seconds` and until `until()` (at most MAX_WINDOW_S);
     progress is the difference between the ends."""
     t0, f0 = sw.status("trainer"), sw.status("follower")
-    db0 = {n: _file_mb(h / "state.db") for n, h in sw.homes.items()}
     w = Window()
     start = time.monotonic()
     while time.monotonic() < start + MAX_WINDOW_S and (time.monotonic() < start + seconds or not until()):
@@ -1083,7 +1159,6 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
             break
         time.sleep(1.0)
     w.seconds = time.monotonic() - start
-    w.state_db_growth_mb = {n: round(_file_mb(h / "state.db") - db0[n], 3) for n, h in sw.homes.items()}
     t1, f1 = sw.status("trainer"), sw.status("follower")
     if None in (t0, f0, t1, f1):
         w.alive = w.alive and None not in (t1, f1)
@@ -1093,10 +1168,6 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
     w.external_used = t1.rollouts_used - t0.rollouts_used
     return w
 
-
-def _file_mb(path: Path) -> float:
-    """A SQLite database's size with its write-ahead log (0 when absent)."""
-    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists()) / 2**20
 
 
 def penalties(sw: LiveSwarm, honest: set[str], attackers: set[str]) -> tuple[float, dict[str, float]]:
@@ -1260,8 +1331,10 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         print(f"attack window from age {attack_age:.0f} s: at least {window_s:.0f} s and the whole catalogue once",
               file=sys.stderr)
         cpu0 = children_cpu_s()  # no other child is reaped until the attacker is
+        db0 = state_db_mb(sw.homes)
         hostile = start_attacker(addrs, window_s, tok, tmp / "attacker.json", model)
         under = measure(sw, window_s, until=lambda: hostile.poll() is not None)
+        db_growth = {n: round(v - db0[n], 2) for n, v in state_db_mb(sw.homes).items()}
         try:
             hostile.wait(120)
         except subprocess.TimeoutExpired:
@@ -1292,8 +1365,10 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
     try:
         control_age = start_measuring_at(started, attack_age)
         placebo = start_placebo(attacker_cores)
+        db0 = state_db_mb(control_sw.homes)
         try:
             control = measure(control_sw, under.seconds)
+            db_growth_without = {n: round(v - db0[n], 2) for n, v in state_db_mb(control_sw.homes).items()}
         finally:
             for p in placebo:
                 p.kill()
@@ -1336,6 +1411,10 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         "honest_rss_mb": {n: round(v, 1) for n, v in under.peak_rss_mb.items()},
         "honest_rss_mb_without": {n: round(v, 1) for n, v in control.peak_rss_mb.items()},
         "rss_ratio": round(max(rss_ratios), 3) if rss_ratios else None,
+        # growth of each honest node's state.db (with its log) over the window, in MiB: `sybil_announces`
+        # reaches the follower only relayed, and must not grow either within its disk budgets
+        "state_db_growth_mb": db_growth,
+        "state_db_growth_mb_without": db_growth_without,
         "honest_penalties": round(lost, 3),
         "honest_penalties_without": round(lost_without, 3),
         # the one key that ran the catalogue after the first round: graylisted on every honest node
@@ -1363,8 +1442,6 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         # swarm rollouts the trainer trained on per second, under attack / in the control at the same age
         "external_used_ratio": (round(under.rate("external_used") / control.rate("external_used"), 3)
                                 if control.external_used else None),
-        "state_db_growth_mb": under.state_db_growth_mb,
-        "state_db_growth_mb_without": control.state_db_growth_mb,
         "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
         "max_event_loop_stall_ms_without": round(control.max_stall_ms, 1),
         "control_alive": control.alive,
