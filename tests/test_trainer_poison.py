@@ -9,6 +9,7 @@ import math
 import struct
 import warnings
 
+import msgspec
 import pytest
 import torch
 
@@ -153,3 +154,17 @@ def test_a_payload_on_reward_correct_foreign_rollouts_does_not_spread(warm_engin
         trained += tr.step().trained_external_groups
     assert trained >= 120  # the attacker's groups were trained on, step after step
     assert share() <= 2 / 64  # with the claimed ratio (weight 1): 0.47 after these 60 steps
+
+
+def test_rollouts_of_our_lineage_under_a_foreign_tokenizer_train_as_another_models(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
+    """Found by `murmur bench attacks` (credit_farming): informative groups claimed for the trainer's own
+    lineage but naming a tokenizer it does not hold are re-tokenised from their text, so they carry no
+    log-probs of ours; routed to the decoupled loss as our own samples they crashed the worker. They are
+    another model's samples: the HACPO loss, whose weight needs no log-prob of theirs."""
+    engine = copy.deepcopy(warm_engine)
+    group = [msgspec.structs.replace(r, lineage=LINEAGE) for r in payload_groups(registry, engine, 2, 11_000, -0.5,
+                                                                                b"\x77" * 32)]
+    cfg = TrainerConfig(local_groups=1, external_groups=2, group_size=2, max_new_tokens=8, lr=1e-2, seed=1)
+    tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v: list(group))
+    res = tr.step()
+    assert res.n_external_groups == 2 and res.updates >= 1 and "seq_ratio_mean" in res.stats

@@ -104,4 +104,5 @@ def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: byt
         rec.logprobs = []
         rec.token_versions = []
         rec.tokenizer_hash = tokenizer_hash
+        rec.foreign = True  # whatever lineage it names: its ids and log-probs are not ours
     return rec
