@@ -1415,6 +1415,10 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         # reaches the follower only relayed, and must not grow either within its disk budgets
         "state_db_growth_mb": db_growth,
         "state_db_growth_mb_without": db_growth_without,
+        # what the attack added to a node's state.db: its growth under attack beyond the control's over the
+        # same span (the ledger grows with honest work too), the worst node
+        "state_db_growth_over_control_mb": (round(max(db_growth[n] - db_growth_without.get(n, 0.0) for n in db_growth), 2)
+                                            if db_growth and db_growth_without else None),
         "honest_penalties": round(lost, 3),
         "honest_penalties_without": round(lost_without, 3),
         # the one key that ran the catalogue after the first round: graylisted on every honest node
