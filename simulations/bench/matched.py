@@ -21,7 +21,12 @@ same value; `speedup` = iso_cpu / swarm_cpu (when the swarm never reaches it wit
 speedup is at most iso_cpu / cpu_s: reported so, with `reached` false). Across seeds: the mean and a
 bootstrap 95 % interval (seeds resampled, 2000 times), `final_acc_delta` (swarm minus isolated final
 accuracy) and `auc_delta` (the areas under the curves over the budget, per CPU-second), and
-`used_over_verified` (rollouts that entered an update over rollouts a node verified).
+`used_over_verified` (rollouts that entered an update over rollouts a node verified). Per arm,
+`generation_share`: the trainers' sampling CPU over their steps' CPU.
+
+Two answer regimes (`answers`): "short", the built-in set (answers of at most 7 characters), and "worked",
+the worked-answer set (`training.tasksets.worked_manifest`: >= 64 completion tokens of worked steps), in
+which generation is most of a step, as in real RL post-training.
 """
 
 from __future__ import annotations
@@ -47,9 +52,11 @@ WARMUP_STEPS = 100  # murmur-tiny's supervised warm-up per node: the node's stan
 # (docs/researcher.md), and a comparison with a flat baseline measures noise.
 TRAINER = dict(local_groups=16, external_groups=16, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=8)
 # The worked-answer regime (`--answers worked`): the same trainer on the worked-answer set, whose completions
-# are 66-73 tokens with EOS, so generation takes most of a node's step as it does in real RL post-training.
+# are 70-77 tokens with EOS, so generation takes most of a node's step as it does in real RL post-training.
 WORKED_NEW_TOKENS = 80
 ANSWERS = ("short", "worked")
+POOL_GROUPS = 64
+BOOTSTRAP = 2000
 
 
 def trainer_shape(answers: str) -> dict[str, Any]:
@@ -62,17 +69,16 @@ def trainer_shape(answers: str) -> dict[str, Any]:
 def task_registry(answers: str) -> tuple[Any, bytes]:
     """(a registry holding the regime's task set, that set's id): the built-in set, or the worked-answer
     set signed by the bench's coordinator key, which every node of the bench trusts."""
-    from training.tasksets import TaskRegistry, sign_task_set, worked_manifest  # noqa: PLC0415
+    from training.tasksets import TaskRegistry, sign_task_set, task_set_id, worked_manifest  # noqa: PLC0415
 
     reg = TaskRegistry(SWARM)
     if answers == "short":
         reg.add_builtin()
         return reg, reg.builtin_id
     coord = _ident(0, 7777)
-    reg.add(sign_task_set(coord, worked_manifest(), swarm=SWARM), {coord.public})
-    return reg, reg.list()[0][0]
-POOL_GROUPS = 64
-BOOTSTRAP = 2000
+    env = sign_task_set(coord, worked_manifest(), swarm=SWARM)
+    reg.add(env, {coord.public})
+    return reg, task_set_id(env, swarm=SWARM)
 
 
 @dataclass
