@@ -19,7 +19,7 @@ from training.tasksets import (
     train_generators,
     worked_manifest,
 )
-from training.tokenizer import build_tokenizer
+from training.tokenizer import CHARS
 from training.verifiers import MAX_COMPLETION_CHARS, Verdicts, score, worked_digest
 
 
@@ -29,11 +29,13 @@ def _chain(seed: int, split: str = "train") -> object:
 
 
 def test_every_worked_answer_needs_at_least_64_completion_tokens() -> None:
-    tok = build_tokenizer()
     for split in ("train", "eval"):
-        lens = [len(tok.encode(_chain(s, split).answer)) for s in range(100)]  # type: ignore[attr-defined]
-        assert min(lens) >= 64, split
-        assert max(lens) + 1 + max(len(tok.encode(_chain(s, split).prompt)) for s in range(100)) <= 128  # type: ignore[attr-defined]
+        tasks = [_chain(s, split) for s in range(300)]
+        texts = [t.answer for t in tasks] + [t.prompt for t in tasks]  # type: ignore[attr-defined]
+        assert all(c in CHARS for x in texts for c in x)  # murmur-tiny's tokenizer: one token per character
+        assert min(len(t.answer) for t in tasks) >= 64, split  # type: ignore[attr-defined]
+        # prompt, answer and EOS fit murmur-tiny's 128 positions
+        assert max(len(t.prompt) + len(t.answer) + 1 for t in tasks) <= 128  # type: ignore[attr-defined]
 
 
 def test_the_verifier_grades_the_result_after_the_marker_and_scores_malformed_work_zero() -> None:
@@ -89,9 +91,10 @@ def test_a_worked_answer_is_well_formed_with_the_reference_steps_whatever_its_nu
 
 
 def test_the_worked_regime_has_its_own_murmur_tiny_build(tmp_path: Path) -> None:
-    from training.tiny import tiny_dir
+    from training.tiny import WORKED_WARMUP_STEPS, tiny_dir
 
     assert tiny_dir(tmp_path) != tiny_dir(tmp_path, answers="worked")
+    assert tiny_dir(tmp_path, answers="worked").name == f"murmur-tiny-worked-s0-w{WORKED_WARMUP_STEPS}"
     assert tiny_dir(tmp_path, 3, 2) != tiny_dir(tmp_path, 3, 2, answers="worked")
     with pytest.raises(TaskError, match="answers"):
         answers_manifest("long")

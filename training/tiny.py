@@ -33,6 +33,9 @@ RECIPE: Final = "v3"  # v3: 100 warm-up steps on the built-in set version 3
 # Warm-up: enough supervised steps to learn the answer formats (at RL's start nearly every greedy answer
 # has its family's shape) and part of each family's rule, leaving the rest to RL.
 WARMUP_STEPS: Final = 100
+# Worked answers are ten times longer and need the format's every step: at 100 steps one seed in two still
+# wrote no well-formed work, at 200 both wrote it throughout.
+WORKED_WARMUP_STEPS: Final = 200
 WARMUP_BATCH: Final = 64
 WARMUP_LR: Final = 2e-3
 
@@ -95,10 +98,16 @@ def warmup(engine: HFEngine, steps: int, seed: int, batch: int = WARMUP_BATCH, l
     return done
 
 
-def tiny_dir(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS, answers: str = "short") -> Path:
+def default_warmup_steps(answers: str = "short") -> int:
+    """The warm-up of an answer regime's murmur-tiny build."""
+    return WORKED_WARMUP_STEPS if answers == "worked" else WARMUP_STEPS
+
+
+def tiny_dir(home: str | Path, seed: int = 0, warmup_steps: int | None = None, answers: str = "short") -> Path:
     """One directory per build, so that building one (seed, warm-up, regime) never replaces another that a
     process in the same home is about to load (two benchmark seeds run side by side did exactly that).
     The default build keeps the plain name that node homes and emulation symlinks use."""
+    warmup_steps = default_warmup_steps(answers) if warmup_steps is None else warmup_steps
     if (seed, warmup_steps, answers) == (0, WARMUP_STEPS, "short"):
         return Path(home) / "models" / TINY_NAME
     regime = "" if answers == "short" else f"-{answers}"
@@ -112,10 +121,11 @@ def _cached(d: Path, stamp: dict[str, object]) -> bool:
         return False
 
 
-def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEPS, force: bool = False,
+def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int | None = None, force: bool = False,
                 answers: str = "short") -> Path:
     """Build (once) and return the cached murmur-tiny directory under `home`, warmed up on the curriculum
-    of the answer regime `answers` (`training.tasksets.ANSWERS`).
+    of the answer regime `answers` (`training.tasksets.ANSWERS`) for `warmup_steps` (None: the regime's,
+    `default_warmup_steps`).
 
     Builders of one home take turns on a lock file: nodes started together (the demo, tests) would
     otherwise each spend the warm-up, and a late one would swap the directory under an early one
@@ -123,6 +133,7 @@ def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEP
     import fcntl  # noqa: PLC0415
 
     answers_manifest(answers)  # a clear error for an unknown regime, before any lock or build
+    warmup_steps = default_warmup_steps(answers) if warmup_steps is None else warmup_steps
     d = tiny_dir(home, seed, warmup_steps, answers)
     stamp: dict[str, object] = {"recipe": RECIPE, "seed": seed, "warmup_steps": warmup_steps}
     if answers != "short":  # the short regime's stamp stays what existing caches hold

@@ -46,7 +46,6 @@ from simulations.bench import useless
 from simulations.bench.swarm import SWARM, _ident, _seal
 from training.sampler import Sampler
 
-WARMUP_STEPS = 100  # murmur-tiny's supervised warm-up per node: the node's standard (training.tiny.WARMUP_STEPS)
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
 # (docs/researcher.md), and a comparison with a flat baseline measures noise.
@@ -222,7 +221,7 @@ class _Adversary:
 
 
 def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-            home: Path, warmup_steps: int = WARMUP_STEPS, followers: int = 0,
+            home: Path, warmup_steps: int | None = None, followers: int = 0,
             adversary: bool = False, answers: str = "short") -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
@@ -375,7 +374,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
 
 
 def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-             home: str | None = None, warmup_steps: int = WARMUP_STEPS, followers: int = 0,
+             home: str | None = None, warmup_steps: int | None = None, followers: int = 0,
              adversary: bool = False, answers: str = "short") -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
@@ -418,7 +417,7 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
-def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int, int, bool, str]) -> dict[str, Any]:
+def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str]) -> dict[str, Any]:
     return run_seed(*a)
 
 
@@ -439,7 +438,10 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     if followers and adversary:
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
     t0 = time.monotonic()
-    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, WARMUP_STEPS, followers, adversary, answers)
+    from training.tiny import default_warmup_steps  # noqa: PLC0415
+
+    warmup = default_warmup_steps(answers)
+    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, warmup, followers, adversary, answers)
             for k in range(seeds)]
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed_args, todo))
@@ -449,7 +451,7 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     return {"bench": "swarm-matched", "nodes": 1 if followers else nodes, "followers": followers,
             "with_adversary": adversary, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
             "answers": answers, "checkpoints": checkpoints, "eval_tasks": per[0]["eval_tasks"], "trainer": shape,
-            "warmup_steps": WARMUP_STEPS, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
+            "warmup_steps": warmup, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
             "reached": sum(r["reached"] for r in per),
             "final_acc_delta": round(sum(r["final_acc_delta"] for r in per) / len(per), 4),
             "auc_delta": round(sum(r["auc_delta"] for r in per) / len(per), 4),
