@@ -5,7 +5,8 @@ built locally with `tokenizers` (a BPE model with no merges is exactly a
 character tokenizer, and it saves and reloads offline as a Hugging Face
 tokenizer directory). A short supervised warm-up on the built-in task set
 teaches the answer format and part of the skill, leaving room for RL to add
-the rest; the result is cached in `<home>/models/murmur-tiny/` keyed by the
+the rest (a build for the worked-answer regime warms up on that regime's set
+instead); the result is cached in `<home>/models/murmur-tiny/` keyed by the
 recipe and seed, and is bit-for-bit deterministic given the seed (one thread).
 """
 
@@ -33,8 +34,8 @@ RECIPE: Final = "v3"  # v3: 100 warm-up steps on the built-in set version 3
 # Warm-up: enough supervised steps to learn the answer formats (at RL's start nearly every greedy answer
 # has its family's shape) and part of each family's rule, leaving the rest to RL.
 WARMUP_STEPS: Final = 100
-# Worked answers are ten times longer and need the format's every step: at 100 steps one seed in two still
-# wrote no well-formed work, at 200 both wrote it throughout.
+# Worked answers are ten times longer than short ones and their format has a step per term: it takes longer
+# to learn, and a build that has not learnt it gives its trainer no informative group to start from.
 WORKED_WARMUP_STEPS: Final = 200
 WARMUP_BATCH: Final = 64
 WARMUP_LR: Final = 2e-3

@@ -5,9 +5,10 @@ cheap (the gossip validation pipeline targets >= 2000 rollouts/s per core,
 signature check included) and must never run anything from the network: the
 verifier is named from a fixed list, the completion is only parsed.
 
-Answer extraction, shared by all verifiers: the content of the last
+Answer extraction, shared by all verifiers but `worked`: the content of the last
 `<answer>...</answer>` if present, else of the last `\\boxed{...}`, else the
-last non-empty line of the completion. Completions are cut to 8 KiB and the
+last non-empty line of the completion. `worked` judges the whole completion's
+work through a short digest (`worked_digest`). Completions are cut to 8 KiB and the
 extracted answer to 256 characters before any parsing, which bounds the
 worst-case cost of `math_verify`'s parser.
 
