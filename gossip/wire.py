@@ -159,7 +159,7 @@ class TaskSetManifest(Struct, array_like=True, forbid_unknown_fields=True):
     version: U32
     coordinator: PubKey  # must equal the envelope signer
     created_ms: U64
-    verifier: Name  # exact | numeric | math_verify | rg_score
+    verifier: Name  # exact | numeric | math_verify | rg_score | worked
     tolerance: Annotated[float, Meta(ge=0.0, le=1e6)]
     generators: Annotated[list[GeneratorSpec], Meta(min_length=1, max_length=MAX_GENERATORS)]
     description: Annotated[str, Meta(max_length=4096)] = ""

@@ -111,6 +111,8 @@ def bench_swarm(
                                                                 "but useless rollouts and some forged ones")] = False,
     workers: Annotated[int, typer.Option(min=1, max=64, help="with --matched: seeds run this many processes "
                                                              "at a time")] = 1,
+    answers: Annotated[str, typer.Option(help="with --matched: the answer regime, short (the built-in set) or "
+                                              "worked (worked steps, >= 64 completion tokens)")] = "short",
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -119,10 +121,14 @@ def bench_swarm(
     if matched:
         from simulations.bench.matched import run as run_matched
 
+        from simulations.bench.matched import ANSWERS
+
+        if answers not in ANSWERS:
+            raise typer.BadParameter(f"one of {', '.join(ANSWERS)}", param_hint="--answers")
         if adversary and (followers or 0 < nodes < 3):
             raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
         _run(run_matched, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers,
-             adversary=adversary, workers=workers)
+             adversary=adversary, workers=workers, answers=answers)
     elif seeds == 1:
         _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:

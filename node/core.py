@@ -158,7 +158,8 @@ class NodeCore:
         self.rewards: deque[float] = deque(maxlen=60)
         self.reward_first: list[float] = []
         self.step_times: deque[float] = deque(maxlen=8)
-        # per step: (external groups trained, their lineages, optimizer updates); held-out (step, accuracy)
+        # per step: (external groups trained, their lineages, optimizer updates); held-out (step, or the
+        # version a follower held, accuracy)
         self.swarm_gave: deque[tuple[int, int, int]] = deque(maxlen=STEP_WINDOW)
         self.heldout: deque[tuple[int, float]] = deque(maxlen=60)
         self.version_times: deque[float] = deque(maxlen=8)
@@ -560,6 +561,8 @@ class NodeCore:
                                     "loss": m.loss, "n_external_groups": m.n_external_groups, "step_s": m.step_s}))
         elif isinstance(m, pipe.Gen):
             self._reward(m.reward_mean)
+            if m.heldout is not None:  # a follower's, of the version it holds
+                self.heldout.append((m.version, m.heldout))
         elif isinstance(m, pipe.Published):
             now = self.clock()
             if self.last_publish:

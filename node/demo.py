@@ -81,8 +81,9 @@ def answer_tokens(m: Any, samples: int = 64, cap: int = 32) -> int:
 
 
 def family_results(homes: list[Path], names: list[str]) -> list[dict[str, Any]]:
-    """Per trainer node and task family: recent local reward and held-out accuracy (first and last eval),
-    from the status the node's worker keeps in its state database."""
+    """Per node and task family: recent local reward and held-out accuracy (first and last eval: at a
+    trainer's step, at the version a follower held), from the status the node's worker keeps in its state
+    database."""
     from node.store import open_store
     from node.taskmix import STATUS_KEY
     from training.evaluation import family_of
@@ -172,7 +173,7 @@ def summary_table(summary: dict[str, Any]) -> Any:
 def family_table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
-    t = Table("node", "task set", "family", "reward (recent)", "held-out accuracy", "eval at steps",
+    t = Table("node", "task set", "family", "reward (recent)", "held-out accuracy", "eval at step/version",
               title="per task family: local reward and greedy accuracy on held-out problems (first → last eval)")
 
     def f(x: float | None) -> str:
@@ -186,11 +187,12 @@ def family_table(rows: list[dict[str, Any]]) -> Any:
 
 
 def shown(node_roles: list[list[str]], statuses: list[NodeStatus | None], until_steps: int) -> bool:
-    """Every trainer has made `until_steps` steps and every follower applied a version (0: never)."""
+    """Every trainer has made `until_steps` steps and every follower applied a version and measured the
+    held-out accuracy of the weights it holds (0: never)."""
     if until_steps <= 0 or any(s is None for s in statuses):
         return False
     return all((s.steps >= until_steps if "trainer" in roles else True)
-               and (s.versions_applied >= 1 if "follower" in roles else True)
+               and (s.versions_applied >= 1 and s.heldout_now is not None if "follower" in roles else True)
                for roles, s in zip(node_roles, statuses) if s is not None)
 
 

@@ -127,6 +127,8 @@ class Gen(Struct, tag="gen", forbid_unknown_fields=True):
     version: int
     tokens: int = 0
     latency_s: float = 0.0
+    # held-out greedy accuracy of the weights it holds (`version`), when measured (node.worker.follower_eval_due)
+    heldout: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
 
 
 class Published(Struct, tag="published", forbid_unknown_fields=True):

@@ -227,7 +227,9 @@ class NodeStatus(Struct, kw_only=True):
     external_groups_per_step: float = 0.0  # external groups trained per step, over the last 20 steps
     external_lineages_per_step: float = 0.0  # distinct lineages they came from, per step, same window
     updates_per_step: float = 0.0  # optimizer updates per step, same window
-    heldout_trend: list[float] = []  # held-out greedy accuracy, oldest first (measured every 25 steps)
+    # held-out greedy accuracy of the weights the node holds, oldest first: a trainer's every 25 steps, a
+    # follower's when the version it holds changed (within a tenth of its generation time)
+    heldout_trend: list[float] = []
     heldout_start: float | None = None
     heldout_now: float | None = None
     rejected: dict[str, int] = {}

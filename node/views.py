@@ -45,6 +45,14 @@ def reward_window(core: NodeCore, k: int = 5) -> tuple[float | None, float | Non
     return (sum(first) / len(first) if first else None, sum(recent) / len(recent) if recent else None)
 
 
+def heldout_fields(core: NodeCore) -> dict[str, Any]:
+    """The status's held-out accuracy of the weights the node holds: a trainer's measurements every
+    `node.worker.EVAL_EVERY_STEPS` steps, a follower's of the versions it held (`follower_eval_due`)."""
+    held = [a for _, a in core.heldout]
+    return {"heldout_trend": [round(a, 4) for a in held], "heldout_start": held[0] if held else None,
+            "heldout_now": held[-1] if held else None}
+
+
 def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     """The status of a running `node.runtime.Node`: its core's views plus what only the shell knows."""
     c, led, now = node.core, node.ledger, node.clock()
@@ -61,7 +69,6 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     start, now_r = reward_window(c)
     gave = list(c.swarm_gave)
     per_step = [sum(x[k] for x in gave) / len(gave) if gave else 0.0 for k in range(3)]
-    held = [a for _, a in c.heldout]
     pids = [node.worker.pid] if node.worker and node.worker.pid else []
     live = sum(tr.session.bytes_in for tr in list(node.bcast.transfers.values())
                if not tr.session.complete) if node.bcast is not None else 0
@@ -79,8 +86,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         rollouts_accepted=accepted, rollouts_used=counts["used"], rejected=rejected,
         used_over_verified=round(counts["used"] / accepted, 4) if accepted else None,
         external_groups_per_step=round(per_step[0], 3), external_lineages_per_step=round(per_step[1], 3),
-        updates_per_step=round(per_step[2], 3), heldout_trend=[round(a, 4) for a in held],
-        heldout_start=held[0] if held else None, heldout_now=held[-1] if held else None,
+        updates_per_step=round(per_step[2], 3), **heldout_fields(c),
         spot_eligible=counts["spot_eligible"], spot_checked=counts["spot_checked"],
         spot_failed=counts["spot_failed"],
         reward_trend=list(c.rewards), reward_start=start, reward_now=now_r, gen_tokens_per_s=c.gen_tps,

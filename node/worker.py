@@ -49,6 +49,9 @@ PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
 ACCEPTED_SETS_MAX = 256  # task sets counted in the accepted-rollouts tally between two takes
 EVAL_EVERY_STEPS = 25  # a trainer measures held-out accuracy every this many steps (and at its first)
+# A follower measures the held-out accuracy of the weights it holds when they changed, while its evaluations
+# have taken at most this share of its generation time (its first is free): its rollouts are what it is for.
+FOLLOW_EVAL_SHARE = 0.1
 TASKS_WAIT_S = 2.0  # poll interval while waiting for a chosen task set to arrive
 VLLM_PYTHON_VAR = "MURMUR_VLLM_PYTHON"  # the vLLM environment's interpreter, when not the default below
 VLLM_ENV_DIR = ".venv-vllm"  # built by `install.sh --vllm cpu|gpu` next to the package
@@ -183,6 +186,15 @@ def _reader(conn: Any, inbox: Inbox) -> None:
         inbox.wake.set()
 
 
+def follower_eval_due(held: tuple[bytes, int], last: tuple[bytes, int] | None, eval_s: float, gen_s: float,
+                      share: float = FOLLOW_EVAL_SHARE) -> bool:
+    """Whether a follower holding `held` (lineage, version) evaluates it now, having last evaluated `last`
+    (None: never) and spent `eval_s` seconds evaluating against `gen_s` generating."""
+    if held == last:
+        return False
+    return last is None or eval_s <= share * gen_s
+
+
 class Worker:
     def __init__(self, conn: Any, spec: dict[str, Any]) -> None:
         self.conn = conn
@@ -199,6 +211,8 @@ class Worker:
         self._send_lock = threading.Lock()
         self.tokens = 0
         self.gen_s = 0.0
+        self.eval_s = 0.0  # a follower's time evaluating held-out accuracy (bounded by FOLLOW_EVAL_SHARE)
+        self.evaluated: tuple[bytes, int] | None = None  # the (lineage, version) a follower last evaluated
         self.need_anchor = False
         self.held_lineage = b""
         self.engine: Any = None  # loaded in run(); until then nothing is trained on
@@ -524,6 +538,20 @@ class Worker:
             self._save_checkpoint(follower)
         return True
 
+    def _measure_held(self, lineage: bytes, version: int) -> float | None:
+        """Held-out accuracy of the weights a follower holds, recorded per task set at that version."""
+        t0 = time.monotonic()
+        acc = self._evaluate(version)
+        self.eval_s += time.monotonic() - t0
+        self.evaluated = (lineage, version)
+        return acc
+
+    def _follower_heldout(self, lineage: bytes, version: int) -> float | None:
+        """The held version's held-out accuracy when an evaluation is due (`follower_eval_due`), else None."""
+        if not follower_eval_due((lineage, version), self.evaluated, self.eval_s, self.gen_s):
+            return None
+        return self._measure_held(lineage, version)
+
     def run_follower(self) -> None:
         from gossip import wire
         from training.engine import Sampling
@@ -583,6 +611,7 @@ class Worker:
                 self.inbox.wake.clear()
                 continue
             set_state("generating")
+            heldout = self._follower_heldout(follower.lineage.id, follower.version)
             tid = self.rng.choices([t for t, _ in self.tasks.mixture], [w for _, w in self.tasks.mixture])[0]
             gens = [x for x in self.registry.get(tid).generators if not is_eval(x)]
             g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
@@ -609,12 +638,15 @@ class Worker:
             self.tasks.produced(recs)
             self.tasks.save()
             self.send("gen", {"reward_mean": sum(rewards) / len(rewards), "version": version, "tokens": ntok,
-                              "latency_s": dt})
+                              "latency_s": dt, "heldout": heldout})
             self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})
             self._spot_checks(follower.lineage.id, follower.version)
             self._wait_pace(t0, group)
         if follower is not None:
             self._save_checkpoint(follower)
+            if self.evaluated != (follower.lineage.id, follower.version) and not self.need_anchor:
+                self._measure_held(follower.lineage.id, follower.version)  # the last, for the demo's summary
+                self.tasks.save()
 
     def _wait_pace(self, t0: float, produced: int) -> None:
         """Hold the next group until `produced` rollouts fit the pace (a stop ends the wait at once)."""

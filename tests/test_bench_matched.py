@@ -99,3 +99,14 @@ def test_in_a_swarm_with_the_adversary_no_provably_bad_row_is_trained_on(tmp_pat
     assert adv["rejected"] == 2 * adv["forged_batches"]  # every forgery refused by both honest nodes
     assert adv["provably_bad_rows_taken"] == 0
     assert 0 < r["generation_share"]["isolated"] < 1
+
+
+def test_the_worked_regime_trains_on_the_worked_set_and_reports_its_generation_share(tmp_path: Path) -> None:
+    # the pod arm alone (the paired runs above cover the arms' pairing): one trainer step, one follower batch
+    r = bm.run_arm(True, 1, 0, 0.3, 1, 2, tmp_path, warmup_steps=2, followers=1, answers="worked")
+    assert r["eval_tasks"] == 2 and set(r["final_wellformed"]) == {"chain"}  # chain-eval's first 2 seeds
+    # the follower's completions are as long as the regime's (up to 80 tokens, over the short regime's 8)
+    # and every one passed the trainer's pipeline, whose token budget is the regime's
+    assert r["verified_per_node"][0] >= bm.TRAINER["local_groups"] * bm.TRAINER["group_size"]
+    assert 0 < r["generation_share"] <= 1  # measured from the trainer's steps: a share of their CPU
+    assert bm.trainer_shape("worked")["max_new_tokens"] == bm.WORKED_NEW_TOKENS > bm.TRAINER["max_new_tokens"]

@@ -29,6 +29,8 @@ def test_demo_trains_publishes_follows_and_verifies(tmp_path: Path) -> None:
     for name in ("trainer", "trainer+validator"):  # they step and publish their lineages
         assert nodes[name]["steps"] >= 3 and nodes[name]["versions_published"] >= 1, nodes[name]
     assert nodes["follower+validator"]["versions_applied"] >= 1, nodes["follower+validator"]
+    # the follower shows the held-out accuracy of the weights it holds, as the trainers do
+    assert all(nodes[name]["heldout_end"] is not None for name in nodes), s
     assert sum(n["rollouts_accepted"] for n in s["nodes"]) > 0, s  # peers verified and used each other's rollouts
     assert s["families"], s  # held-out accuracy per task family
 
@@ -37,14 +39,15 @@ def test_demo_stops_once_it_has_shown_the_swarm_working() -> None:
     from node.demo import shown
     from node.status import NodeStatus
 
-    def st(steps: int = 0, applied: int = 0) -> NodeStatus:
+    def st(steps: int = 0, applied: int = 0, heldout: float | None = 0.5) -> NodeStatus:
         return NodeStatus(peer_id="p", swarm="s", roles=[], state="running", worker="training", steps=steps,
-                          versions_applied=applied)
+                          versions_applied=applied, heldout_now=heldout)
 
     roles = [["trainer"], ["trainer", "validator"], ["follower", "validator"]]
     assert shown(roles, [st(3), st(5), st(applied=1)], 3)
     assert not shown(roles, [st(3), st(2), st(applied=1)], 3)  # a trainer short of its steps
     assert not shown(roles, [st(3), st(3), st(applied=0)], 3)  # the follower applied nothing yet
+    assert not shown(roles, [st(3), st(3), st(applied=1, heldout=None)], 3)  # ... or has not measured it yet
     assert not shown(roles, [st(3), None, st(applied=1)], 3)  # a node not answering
     assert not shown(roles, [st(9), st(9), st(applied=9)], 0)  # 0: run the whole duration
 

@@ -204,6 +204,6 @@ def test_missing_toml_file(tmp_path: Path) -> None:
 
 
 def test_builtin_generator_list_is_closed() -> None:
-    assert set(BUILTIN_GENERATORS) == {"arithmetic", "digits", "sorting"}
+    assert set(BUILTIN_GENERATORS) == {"arithmetic", "digits", "sorting", "worked"}
     env, body = open_envelope(builtin_task_set(SWARM), TASK_SET, swarm=SWARM)
     assert body.coordinator == env.signer

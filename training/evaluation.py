@@ -19,7 +19,7 @@ from gossip.wire import GeneratorSpec, TaskSetManifest
 from training.engine import Sampling
 from training.tasks import RG_PREFIX, Task, generate
 from training.tasksets import EVAL_SUFFIX, check_held_out, eval_generators, train_generators
-from training.verifiers import score
+from training.verifiers import score, worked_digest
 
 if TYPE_CHECKING:  # `murmur tasks` validates held-out sets through this module without loading torch
     from training.engine_hf import HFEngine
@@ -90,7 +90,11 @@ def held_out_tasks(m: TaskSetManifest, per_family: int) -> list[EvalTask]:
 
 def well_formed(task: Task, text: str) -> bool:
     """Whether a completion has the shape of the task's answer (each digit any digit, every other
-    character itself): for the built-in families, the answer format without the skill."""
+    character itself): for the built-in families, the answer format without the skill; for worked
+    answers, work of the reference solution's number of steps closed by the marker."""
+    if task.verifier == "worked":
+        got = worked_digest(text)
+        return bool(got) and got.split("|")[0] == worked_digest(task.answer).split("|")[0]
     return re.fullmatch(re.sub(r"\d", r"\\d", re.escape(task.answer)), text.strip()) is not None
 
 

@@ -39,7 +39,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True):
 
     prompt: str
     answer: str
-    verifier: str  # exact | numeric | math_verify | rg_score
+    verifier: str  # exact | numeric | math_verify | rg_score | worked
     tolerance: float = 0.0
     generator: str = ""  # e.g. "arithmetic" or "rg:basic_arithmetic"
     config_json: str = "{}"  # canonical JSON of the generator config
@@ -184,6 +184,35 @@ def _sorting(cfg: dict[str, Any], r: random.Random) -> tuple[str, str]:
     return f"{word} {','.join(map(str, xs))}=", ",".join(map(str, ys))
 
 
+_WORKED_PARAMS: Final = {
+    "length": _Param(int, 11, 2, 26),  # labelled digits in the chain (a, b, c, ...): length - 1 worked steps
+    "min_length": _Param(int, 11, 2, 26),
+    "mod": _Param(int, 10, 2, 1000),  # running sum mod m: every step's numbers stay below m
+}
+WORKED_MARKER: Final = "####"  # opens the part of a worked answer that carries its final result
+WORKED_SEP: Final = ";"  # between a worked answer's steps (murmur-tiny's tokenizer has no newline)
+
+
+def _worked(cfg: dict[str, Any], r: random.Random) -> tuple[str, str]:
+    """A running sum mod m of a chain of labelled digits, worked one step at a time and closed by the
+    marker: `chain a4b7c2=` -> `4+b7=1;1+c2=3;#### 3` (mod 10). Each step names the term it adds, so the
+    work reads the prompt by label, not by position. The answer is the whole worked solution, which the
+    `worked` verifier reads: only the result after the marker is graded, and work of another shape
+    scores 0."""
+    if cfg["min_length"] > cfg["length"]:
+        raise TaskError("generator 'worked': config 'min_length' exceeds 'length'")
+    n = r.randint(cfg["min_length"], cfg["length"])
+    xs = [r.randrange(10) for _ in range(n)]
+    labels = [chr(ord("a") + i) for i in range(n)]
+    acc, lines = xs[0] % cfg["mod"], []
+    for lab, x in zip(labels[1:], xs[1:]):
+        nxt = (acc + x) % cfg["mod"]
+        lines.append(f"{acc}+{lab}{x}={nxt}")
+        acc = nxt
+    return (f"chain {''.join(f'{lab}{x}' for lab, x in zip(labels, xs))}=",
+            WORKED_SEP.join([*lines, f"{WORKED_MARKER} {acc}"]))
+
+
 class _Builtin(msgspec.Struct, frozen=True):
     params: dict[str, _Param]
     fn: Callable[[dict[str, Any], random.Random], tuple[str, str]]
@@ -194,6 +223,7 @@ BUILTIN_GENERATORS: Final[dict[str, _Builtin]] = {
     "arithmetic": _Builtin({**_ARITH_PARAMS, **_SPLIT_PARAMS}, _arithmetic, "numeric"),
     "digits": _Builtin({**_DIGITS_PARAMS, **_SPLIT_PARAMS}, _digits, "exact"),
     "sorting": _Builtin({**_SORT_PARAMS, **_SPLIT_PARAMS}, _sorting, "exact"),
+    "worked": _Builtin({**_WORKED_PARAMS, **_SPLIT_PARAMS}, _worked, "worked"),
 }
 
 

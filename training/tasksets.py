@@ -60,26 +60,51 @@ BUILTIN_FAMILIES: Final[tuple[tuple[str, str, dict[str, Any], str], ...]] = (
 )
 
 
-def builtin_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
+# The worked-answer regime: answers that need worked steps (>= 64 completion tokens of murmur-tiny's), as a
+# real task's completions do, graded on the result after the marker (`worked` verifier). A set of its own,
+# so that the short-answer curriculum and every model warmed up on it stay as they are.
+ANSWERS: Final = ("short", "worked")  # the answer regimes: the built-in set's, and this set's
+WORKED_NAME: Final = "murmur-worked"
+WORKED_VERSION: Final = 1
+WORKED_FAMILIES: Final[tuple[tuple[str, str, dict[str, Any], str], ...]] = (
+    ("chain", "worked", {"length": 11, "min_length": 10, "mod": 10}, "worked"),
+)
+
+
+def _families_manifest(name: str, version: int, families: tuple[tuple[str, str, dict[str, Any], str], ...],
+                       verifier: str, description: str, coordinator: bytes | None) -> TaskSetManifest:
     pub = coordinator if coordinator is not None else BUILTIN_COORDINATOR.public
     gens = []
-    for name, generator, cfg, verifier in BUILTIN_FAMILIES:
-        for split, gname in (("train", name), ("eval", name + EVAL_SUFFIX)):
+    for family, generator, cfg, fverifier in families:
+        for split, gname in (("train", family), ("eval", family + EVAL_SUFFIX)):
             gens.append(GeneratorSpec(name=gname, generator=generator, config={**cfg, "split": split},
-                                      seed_start=0, seed_end=1_000_000, verifier=verifier))
-    return TaskSetManifest(
-        v=FORMAT_VERSION,
-        name=BUILTIN_NAME,
-        version=BUILTIN_VERSION,
-        coordinator=pub,
-        created_ms=0,
-        verifier="exact",
-        tolerance=0.0,
-        generators=gens,
-        description="Built-in curriculum for murmur-tiny: digit look-ups (first, last, max, min of 4-8 "
-                    "digits), reversing 2-4 digits, sorting 2-4 digits; each '-eval' generator is the held-out "
-                    "side of its family's problem space.",
-    )
+                                      seed_start=0, seed_end=1_000_000, verifier=fverifier))
+    return TaskSetManifest(v=FORMAT_VERSION, name=name, version=version, coordinator=pub, created_ms=0,
+                           verifier=verifier, tolerance=0.0, generators=gens, description=description)
+
+
+def builtin_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
+    return _families_manifest(
+        BUILTIN_NAME, BUILTIN_VERSION, BUILTIN_FAMILIES, "exact",
+        "Built-in curriculum for murmur-tiny: digit look-ups (first, last, max, min of 4-8 "
+        "digits), reversing 2-4 digits, sorting 2-4 digits; each '-eval' generator is the held-out "
+        "side of its family's problem space.", coordinator)
+
+
+def worked_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
+    """The worked-answer set (unsigned; `sign_task_set` signs it for a coordinator, which peers must trust)."""
+    return _families_manifest(
+        WORKED_NAME, WORKED_VERSION, WORKED_FAMILIES, "worked",
+        "Worked answers: the running sum mod 10 of 10-11 labelled digits, one step at a time, then "
+        "'#### <result>' (69-76 characters); 'chain-eval' is the held-out side of its problem space.", coordinator)
+
+
+def answers_manifest(answers: str, coordinator: bytes | None = None) -> TaskSetManifest:
+    """The built-in curriculum of an answer regime: "short" (the built-in set) or "worked"."""
+    if answers not in ANSWERS:
+        raise TaskError(f"answers must be one of {', '.join(ANSWERS)}, not {answers!r}")
+    return builtin_manifest(coordinator) if answers == "short" else worked_manifest(coordinator)
+
 
 
 def builtin_task_set(swarm: str, identity: Identity | None = None) -> bytes:
@@ -165,6 +190,10 @@ def overlap(e: GeneratorSpec, t: GeneratorSpec) -> str | None:
     elif e.generator == "sorting":
         if ce["descending"] != ct["descending"] or _disjoint_spans(_span(ce, "min_length", "length"),
                                                                    _span(ct, "min_length", "length")):
+            return None
+    elif e.generator == "worked":
+        if ce["mod"] != ct["mod"] or _disjoint_spans(_span(ce, "min_length", "length"),
+                                                     _span(ct, "min_length", "length")):
             return None
     return ("the same built-in problem space (disjoint seeds are not enough for built-in generators: "
             "give the pair split = \"eval\" / \"train\" with one holdout, or operations or operand "
@@ -348,7 +377,7 @@ class TaskRegistry:
 
 
 __all__ = [
-    "BUILTIN_COORDINATOR", "BUILTIN_EVAL", "BUILTIN_FAMILIES", "BUILTIN_NAME", "BUILTIN_TRAIN", "DecodeError",
+    "ANSWERS", "BUILTIN_COORDINATOR", "BUILTIN_EVAL", "WORKED_NAME", "answers_manifest", "worked_manifest", "BUILTIN_FAMILIES", "BUILTIN_NAME", "BUILTIN_TRAIN", "DecodeError",
     "EVAL_SUFFIX", "TaskRegistry", "check_held_out", "eval_generators", "is_eval", "overlap", "train_generators",
     "GeneratorToml", "TaskSetToml", "builtin_manifest", "builtin_task_set", "check_manifest", "load_task_set_toml",
     "manifest_from_toml", "sign_task_set", "task_set_id",

@@ -5,9 +5,10 @@ cheap (the gossip validation pipeline targets >= 2000 rollouts/s per core,
 signature check included) and must never run anything from the network: the
 verifier is named from a fixed list, the completion is only parsed.
 
-Answer extraction, shared by all verifiers: the content of the last
+Answer extraction, shared by all verifiers but `worked`: the content of the last
 `<answer>...</answer>` if present, else of the last `\\boxed{...}`, else the
-last non-empty line of the completion. Completions are cut to 8 KiB and the
+last non-empty line of the completion. `worked` judges the whole completion's
+work through a short digest (`worked_digest`). Completions are cut to 8 KiB and the
 extracted answer to 256 characters before any parsing, which bounds the
 worst-case cost of `math_verify`'s parser.
 
@@ -39,7 +40,7 @@ from typing import Any, Final, NamedTuple
 
 from gossip.errors import MurmurError, TaskError
 from gossip.validation import VerifierTimeout, VerifierUnavailable
-from training.tasks import RG_PREFIX, Task, rg_entry
+from training.tasks import RG_PREFIX, WORKED_MARKER, WORKED_SEP, Task, rg_entry
 
 MAX_COMPLETION_CHARS: Final = 8192
 MAX_ANSWER_CHARS: Final = 256
@@ -80,6 +81,27 @@ def extract_answer(completion: str) -> str:
     stripped = text.strip()
     nl = stripped.rfind("\n")
     return (stripped[nl + 1:] if nl >= 0 else stripped).strip()[:MAX_ANSWER_CHARS]
+
+
+_STEP = re.compile(r"-?\d{1,12}\s*[-+*]\s*[a-z]?-?\d{1,12}\s*=\s*-?\d{1,12}")  # a term may carry its label
+_FINAL = re.compile(re.escape(WORKED_MARKER) + r"\s*(-?\d{1,64})")
+
+
+def worked_digest(completion: str) -> str:
+    """What the `worked` verifier grades in a worked answer: "<steps>|<final>" when the completion is
+    well-formed work (steps such as `4+b7=1` split by ";", then the marker and an integer, nothing else),
+    else ""."""
+    parts = [p.strip() for p in completion[:MAX_COMPLETION_CHARS].strip().split(WORKED_SEP)]
+    final = _FINAL.fullmatch(parts[-1])
+    if final is None or not all(_STEP.fullmatch(p) for p in parts[:-1]):
+        return ""
+    return f"{len(parts) - 1}|{int(final.group(1))}"
+
+
+def answer_of(task: Task, completion: str) -> str:
+    """The part of a completion that the task's verifier judges: a worked answer's digest
+    (`worked_digest`), else the extracted answer."""
+    return worked_digest(completion) if task.verifier == "worked" else extract_answer(completion)
 
 
 def normalise(text: str) -> str:
@@ -262,11 +284,18 @@ def score_rg(task: Task, ans: str) -> float:
     return min(1.0, max(0.0, s)) if s == s else 0.0
 
 
+def score_worked(task: Task, digest: str) -> float:
+    """1 when the work has as many steps as the reference solution and the same final result; work of
+    any other shape, or no marker, scores 0 (`worked_digest`)."""
+    return 1.0 if digest and digest == worked_digest(task.answer) else 0.0
+
+
 VERIFIERS: Final[dict[str, Callable[[Task, str], float]]] = {
     "exact": score_exact,
     "numeric": score_numeric,
     "math_verify": score_math_verify,
     "rg_score": score_rg,
+    "worked": score_worked,
 }
 
 
@@ -285,7 +314,7 @@ def score_answer(task: Task, answer: str) -> float:
 
 def score(task: Task, completion_text: str) -> float:
     """Reward in [0, 1] of `completion_text` for `task`, by the task's verifier."""
-    return score_answer(task, extract_answer(completion_text))
+    return score_answer(task, answer_of(task, completion_text))
 
 
 # ------------------------------------------------------------ bounded pool
@@ -310,7 +339,7 @@ class Verdicts:
         self._d: OrderedDict[tuple[Task, str], float] = OrderedDict()
 
     def score(self, task: Task, completion: str) -> float:
-        key = (task, extract_answer(completion))
+        key = (task, answer_of(task, completion))
         hit = self._d.get(key)
         if hit is not None:
             self._d.move_to_end(key)

@@ -21,7 +21,12 @@ same value; `speedup` = iso_cpu / swarm_cpu (when the swarm never reaches it wit
 speedup is at most iso_cpu / cpu_s: reported so, with `reached` false). Across seeds: the mean and a
 bootstrap 95 % interval (seeds resampled, 2000 times), `final_acc_delta` (swarm minus isolated final
 accuracy) and `auc_delta` (the areas under the curves over the budget, per CPU-second), and
-`used_over_verified` (rollouts that entered an update over rollouts a node verified).
+`used_over_verified` (rollouts that entered an update over rollouts a node verified). Per arm,
+`generation_share`: the trainers' sampling CPU over their steps' CPU.
+
+Two answer regimes (`answers`): "short", the built-in set (answers of at most 7 characters), and "worked",
+the worked-answer set (`training.tasksets.worked_manifest`: >= 64 completion tokens of worked steps), in
+which generation is most of a step, as in real RL post-training.
 """
 
 from __future__ import annotations
@@ -41,13 +46,38 @@ from simulations.bench import useless
 from simulations.bench.swarm import SWARM, _ident, _seal
 from training.sampler import Sampler
 
-WARMUP_STEPS = 100  # murmur-tiny's supervised warm-up per node: the node's standard (training.tiny.WARMUP_STEPS)
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
 # (docs/researcher.md), and a comparison with a flat baseline measures noise.
 TRAINER = dict(local_groups=16, external_groups=16, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=8)
+# The worked-answer regime (`--answers worked`): the same trainer on the worked-answer set, whose completions
+# are 70-77 tokens with EOS, so generation takes most of a node's step as it does in real RL post-training.
+WORKED_NEW_TOKENS = 80
+ANSWERS = ("short", "worked")
 POOL_GROUPS = 64
 BOOTSTRAP = 2000
+
+
+def trainer_shape(answers: str) -> dict[str, Any]:
+    """The trainer's regime for an answer regime: `TRAINER`, with room for worked answers."""
+    if answers not in ANSWERS:
+        raise ValueError(f"answers must be one of {', '.join(ANSWERS)}, not {answers!r}")
+    return TRAINER if answers == "short" else {**TRAINER, "max_new_tokens": WORKED_NEW_TOKENS}
+
+
+def task_registry(answers: str) -> tuple[Any, bytes]:
+    """(a registry holding the regime's task set, that set's id): the built-in set, or the worked-answer
+    set signed by the bench's coordinator key, which every node of the bench trusts."""
+    from training.tasksets import TaskRegistry, sign_task_set, task_set_id, worked_manifest  # noqa: PLC0415
+
+    reg = TaskRegistry(SWARM)
+    if answers == "short":
+        reg.add_builtin()
+        return reg, reg.builtin_id
+    coord = _ident(0, 7777)
+    env = sign_task_set(coord, worked_manifest(), swarm=SWARM)
+    reg.add(env, {coord.public})
+    return reg, task_set_id(env, swarm=SWARM)
 
 
 @dataclass
@@ -66,7 +96,8 @@ class _Node:
     used: int = 0  # rollouts that entered its updates
     updates: int = 0
     ext_groups: int = 0
-    gen_cpu: float = 0.0  # of `cpu`, spent sampling rollouts (the part a swarm's rollouts can save)
+    gen_cpu: float = 0.0  # of `step_cpu`, spent sampling rollouts (the part a swarm's rollouts can save)
+    step_cpu: float = 0.0  # of `cpu`, spent in the trainer's steps (generation and training)
     curve: list[float] = field(default_factory=list)
     wellformed: list[dict[str, float]] = field(default_factory=list)  # per checkpoint, per family
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
@@ -81,7 +112,8 @@ def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: Any, rng: random.Random,
-                       lineage: bytes, version: int, groups: int) -> list[Any]:
+                       lineage: bytes, version: int, groups: int, max_new_tokens: int = int(TRAINER["max_new_tokens"])
+                       ) -> list[Any]:
     """`groups` groups of a follower holding `lineage`'s `version`, as wire rollouts of that lineage (what
     ECHO-2's inference workers send their trainer)."""
     from gossip.wire import TaskRef  # noqa: PLC0415
@@ -89,7 +121,7 @@ def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: A
     from training.rollouts import RolloutRec, to_wire  # noqa: PLC0415
     from training.verifiers import score  # noqa: PLC0415
 
-    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=int(TRAINER["max_new_tokens"]))
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
     out = []
     refs = []
     for _ in range(groups):
@@ -140,7 +172,8 @@ class _Adversary:
     provably bad and goes out under a fresh key (a Sybil: the first forgery gets its key banned, so the
     main key never forges and its useless rollouts flow for the whole run)."""
 
-    def __init__(self, seed: int, engine: Any) -> None:
+    def __init__(self, seed: int, engine: Any, max_new_tokens: int = int(TRAINER["max_new_tokens"])) -> None:
+        self.max_new_tokens = max_new_tokens
         ident = _ident(seed, 99)
         self.node = _Node(99, ident, _lineage(ident), None, engine, None, None)
         self.rng = random.Random(seed * 100 + 99)
@@ -160,7 +193,7 @@ class _Adversary:
         self.last_ms = max(now_ms(), self.last_ms + 1)  # every batch's rows are told apart by it
         size = int(TRAINER["group_size"])
         rows = _follower_rollouts(self.node.engine, gens, task_set, resolve, self.rng, self.node.lineage, self.batches,
-                                  int(TRAINER["local_groups"]))
+                                  int(TRAINER["local_groups"]), self.max_new_tokens)
         rows = useless.stamp(useless.claim_low_logprobs(useless.informative(rows)), self.last_ms)
         if not rows:
             return self.node.ident.peer_id, []
@@ -188,25 +221,28 @@ class _Adversary:
 
 
 def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-            home: Path, warmup_steps: int = WARMUP_STEPS, followers: int = 0,
-            adversary: bool = False) -> dict[str, Any]:
+            home: Path, warmup_steps: int | None = None, followers: int = 0,
+            adversary: bool = False, answers: str = "short") -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
     step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched);
     with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
-    honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost."""
+    honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost.
+    `answers` picks the regime: the built-in set's short answers or the worked-answer set (`trainer_shape`)."""
     import torch  # noqa: PLC0415
 
     from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
     from training.evaluation import greedy_eval, held_out_tasks  # noqa: PLC0415
     from training.rollouts import to_wire  # noqa: PLC0415
-    from training.tasksets import TaskRegistry, train_generators  # noqa: PLC0415
+    from training.tasksets import train_generators  # noqa: PLC0415
     from training.tiny import ensure_tiny  # noqa: PLC0415
     from training.tokenizer import TINY_NAME  # noqa: PLC0415
     from training.tokencheck import for_model  # noqa: PLC0415
     from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
     from training.verifiers import score  # noqa: PLC0415
 
+    shape = trainer_shape(answers)
+    new_tokens = int(shape["max_new_tokens"])
     set_threads(1)
     torch.manual_seed(seed)
     heads: dict[bytes, int] = {}
@@ -216,19 +252,19 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     assert check_tokens is not None  # murmur-tiny's tokenizer is built in
     adv = None
     if swarm and adversary:
-        weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS)
-        adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99))
+        weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS, answers=answers)
+        adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99), new_tokens)
         heads[adv.node.lineage] = 0
     for i in range(nodes):
         ident = _ident(seed, i)
         lineage = _lineage(ident)
-        reg = TaskRegistry(SWARM)
-        m = reg.add_builtin()
-        tasks = tasks or held_out_tasks(m, eval_per_family)
-        path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps)  # each node its own warm-up
+        reg, set_id = task_registry(answers)
+        tasks = tasks or held_out_tasks(reg.get(set_id), eval_per_family)
+        # each node its own warm-up
+        path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps, answers=answers)
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
-        ext = 0 if not swarm else TRAINER["external_groups"] * max(1, followers)
-        cfg = TrainerConfig(**{**TRAINER, "external_groups": ext}, seed=seed * 100 + i)
+        ext = 0 if not swarm else shape["external_groups"] * max(1, followers)
+        cfg = TrainerConfig(**{**shape, "external_groups": ext}, seed=seed * 100 + i)
         # what a node's pipeline checks: its own token budget and tokenizer (node.runtime)
         pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6,
                                            max_completion_tokens=cfg.max_new_tokens),
@@ -239,13 +275,13 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         node = _Node(i, ident, lineage, None, engine, pipeline, sampler)
         _timed_sampling(node)
         take = None if sampler is None else sampler.take_rollouts if adv is None else adv.watch(sampler.take_rollouts)
-        node.trainer = Trainer(engine, reg, reg.builtin_id, cfg, lineage=lineage, external=take)
+        node.trainer = Trainer(engine, reg, set_id, cfg, lineage=lineage, external=take)
         heads[lineage] = 0
         ns.append(node)
     assert tasks is not None
     fols: list[tuple[Any, Any, random.Random]] = []  # (engine, identity, task rng) of node 0's followers
     for k in range(followers):
-        fpath = ensure_tiny(home, seed=seed * 64, warmup_steps=warmup_steps)  # node 0's model
+        fpath = ensure_tiny(home, seed=seed * 64, warmup_steps=warmup_steps, answers=answers)  # node 0's model
         fols.append((HFEngine.from_path(fpath, device="cpu", seed=seed * 100 + 50 + k), _ident(seed, 50 + k),
                      random.Random(seed * 100 + 50 + k)))
     fol_nodes = [_Node(50 + k, ident, ns[0].lineage, None, eng, None, None) for k, (eng, ident, _) in enumerate(fols)]
@@ -253,7 +289,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
 
     def evaluate(n: _Node) -> None:
         gen_cpu = n.gen_cpu  # evaluation is not charged
-        n.last_eval = greedy_eval(n.engine, tasks, TRAINER["max_new_tokens"])
+        n.last_eval = greedy_eval(n.engine, tasks, new_tokens)
         n.curve.append(n.last_eval[0]["all"])
         n.wellformed.append(n.last_eval[1])
         n.gen_cpu = gen_cpu
@@ -274,12 +310,14 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                 eng.model.load_state_dict(state)  # a patch applied at once: transport not modelled
                 batch = _follower_rollouts(eng, gens, node.trainer.task_set, node.trainer.registry.resolve, rng,
                                            node.lineage,
-                                           node.trainer.version, int(TRAINER["local_groups"]))
+                                           node.trainer.version, int(TRAINER["local_groups"]), new_tokens)
                 assert node.pipeline is not None and node.sampler is not None
                 _receive(node, _seal(fn, batch), fn.ident.peer_id)
         c0 = time.thread_time()
         res = node.trainer.step()
-        node.cpu += time.thread_time() - c0
+        dt = time.thread_time() - c0
+        node.cpu += dt
+        node.step_cpu += dt
         node.updates += res.updates
         node.ext_groups += res.trained_external_groups
         node.used += sum(res.used_by_set.values())
@@ -312,7 +350,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         while len(n.curve) < len(marks):
             evaluate(n)
     curve = [sum(n.curve[k] for n in ns) / len(ns) for k in range(len(marks))]
-    return {"marks": marks, "curve": curve, "per_node_final": [n.curve[-1] for n in ns],
+    return {"marks": marks, "curve": curve, "per_node_final": [n.curve[-1] for n in ns], "eval_tasks": len(tasks),
             "updates_per_node": [n.updates for n in ns], "external_groups_per_node": [n.ext_groups for n in ns],
             "steps_per_node": [n.trainer.step_no for n in ns],
             "used_over_verified": (round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4)
@@ -323,7 +361,8 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
             "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
             "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
             "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
-            "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
+            # measured: the part of the trainers' steps spent sampling (pooled over the arm's nodes)
+            "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.step_cpu for n in ns)), 4),
             "adversary": None if adv is None else {"batches": adv.batches, "forged_batches": adv.forged,
                                                   "rows_taken": adv.taken, "provably_bad_rows_taken": adv.bad_taken,
                                                   # honest nodes forge nothing: every forgery refused is its
@@ -335,8 +374,8 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
 
 
 def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-             home: str | None = None, warmup_steps: int = WARMUP_STEPS, followers: int = 0,
-             adversary: bool = False) -> dict[str, Any]:
+             home: str | None = None, warmup_steps: int | None = None, followers: int = 0,
+             adversary: bool = False, answers: str = "short") -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
     whose N-th member is the adversary."""
@@ -344,13 +383,14 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
     n = 1 if followers else nodes - 1 if adversary else nodes
-    iso = run_arm(False, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
+    iso = run_arm(False, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
     sw = run_arm(True, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, followers=followers,
-                 adversary=adversary)
+                 adversary=adversary, answers=answers)
     xs = iso["marks"]
     target = iso["curve"][-1]
     speedup, reached, iso_cpu, sw_cpu = curves.speedup(xs, iso["curve"], sw["curve"])
-    return {"seed": seed, "speedup": round(speedup, 4), "reached": reached, "iso_cpu": round(iso_cpu, 2),
+    return {"seed": seed, "answers": answers, "eval_tasks": iso["eval_tasks"], "speedup": round(speedup, 4),
+            "reached": reached, "iso_cpu": round(iso_cpu, 2),
             "swarm_cpu": None if sw_cpu is None else round(sw_cpu, 2),
             "iso_final": round(target, 4), "swarm_final": round(sw["curve"][-1], 4),
             "final_acc_delta": round(sw["curve"][-1] - target, 4),
@@ -377,26 +417,31 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
-def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int, int, bool]) -> dict[str, Any]:
+def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str]) -> dict[str, Any]:
     return run_seed(*a)
 
 
 def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, checkpoints: int = 6,
         eval_per_family: int = 30, workers: int = 1, home: str | None = None, followers: int = 0,
-        adversary: bool = False) -> dict[str, Any]:
+        adversary: bool = False, answers: str = "short") -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
-    one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone."""
+    one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone;
+    `answers`: "short" (the built-in set) or "worked" (the worked-answer set, `trainer_shape`)."""
     import multiprocessing  # noqa: PLC0415
     from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
 
     if (nodes < 2 + adversary and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
         raise ValueError("need nodes >= 2 (3 with an adversary; or followers >= 1), seeds >= 1, cpu_s > 0, "
                          "checkpoints >= 1")
+    shape = trainer_shape(answers)
     if followers and adversary:
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
     t0 = time.monotonic()
-    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, WARMUP_STEPS, followers, adversary)
+    from training.tiny import default_warmup_steps  # noqa: PLC0415
+
+    warmup = default_warmup_steps(answers)
+    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, warmup, followers, adversary, answers)
             for k in range(seeds)]
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed_args, todo))
@@ -405,8 +450,8 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     mean = sum(sp) / len(sp)
     return {"bench": "swarm-matched", "nodes": 1 if followers else nodes, "followers": followers,
             "with_adversary": adversary, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
-            "checkpoints": checkpoints, "eval_tasks": 3 * eval_per_family, "trainer": TRAINER,
-            "warmup_steps": WARMUP_STEPS, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
+            "answers": answers, "checkpoints": checkpoints, "eval_tasks": per[0]["eval_tasks"], "trainer": shape,
+            "warmup_steps": warmup, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
             "reached": sum(r["reached"] for r in per),
             "final_acc_delta": round(sum(r["final_acc_delta"] for r in per) / len(per), 4),
             "auc_delta": round(sum(r["auc_delta"] for r in per) / len(per), 4),
