@@ -50,17 +50,17 @@ def run(cores: int = 2000, peers: int = 8) -> dict[str, Any]:
     settings = C.CoreSettings(swarm=SWARM, roles=("follower", "validator"))
     keys = [Identity.from_seed(hashlib.blake2b(f"bench-core-node/{i}".encode(), digest_size=32).digest())
             for i in range(cores)]
-    clock = [1000.0]
+    now, wall_ms = 1000.0, wire.now_ms()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     t0 = time.perf_counter()
     built = []
     for ident in keys:
-        c = C.NodeCore(settings, ident, lambda: clock[0])
-        c.handle(ready)
+        c = C.NodeCore(settings, ident, now)
+        c.handle(ready, now, wall_ms)
         for ev in events:
-            c.handle(ev)
-        c.handle(C.Tick())
+            c.handle(ev, now, wall_ms)
+        c.handle(C.Tick(), now, wall_ms)
         built.append(c)
     seconds = time.perf_counter() - t0
     used = tracemalloc.get_traced_memory()[0] - base
