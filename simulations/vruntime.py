@@ -153,7 +153,7 @@ class CoreDriver:
         elif isinstance(a, RestartWorker):
             # the core asks for a restart only after a WorkerExited, which nothing here feeds: modelled workers
             # never exit
-            raise AssertionError("a simulated node's core restarted a worker that never exited")
+            raise AssertionError("a restart of a simulated worker, which never exits")  # noqa: TRY004 - a driver bug
         elif isinstance(a, (Accept, Decline)):
             pass  # answers to ManifestOffered, which the broadcast asks through `offer_manifest` (`on_manifest`)
         else:
