@@ -7,8 +7,9 @@ core returns. The core has one consumer, the core loop: every source puts its
 events on one channel (`feed`), and the loop hands them to the core one at a
 time, with one reading of the clocks, and carries out each event's actions in
 order before the next event; an action's follow-up event (a publish that went
-out, stored items loaded, a patch stored) is handled next. It never runs torch: training and generation run in a spawned
-worker process (`node.workerlink`), restarted with backoff when it dies.
+out, stored items loaded, a patch stored) is handled next. It never runs
+torch: training and generation run in a spawned worker process
+(`node.workerlink`), restarted with backoff when it dies.
 Blocking work (SQLite, file reads, pipe I/O) goes to `trio.to_thread`.
 
 Shutdown (SIGINT/SIGTERM or `Node.request_stop`): the worker is told to stop
