@@ -292,7 +292,7 @@ def _rollout() -> wire.Rollout:
                         token_versions=[], sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5)
 
 
-def test_created_ms_comes_from_the_injected_wall_clock() -> None:
+def test_created_ms_comes_from_the_wall_ms_the_driver_gives() -> None:
     """Announces and rollout batches are stamped by `wall_ms`, not the host's clock: the simulator's virtual
     time reaches its receivers' freshness checks."""
     clock = Clock()
