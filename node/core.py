@@ -9,6 +9,7 @@ API (the live runtime, the virtual-time simulator and the tests all drive it the
     core.next_deadline()                            # when the core next needs a Tick (in the drivers' `now`)
     core.offer_manifest(manifest, now)              # handle(ManifestOffered(manifest)) as the broadcast's bool
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
+    core.external_wanted(lineages)                  # whether an accepted rollout batch goes to the worker
     core.stats()                                    # a copy of the core's counters (the drivers never write them)
 
 Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
