@@ -1,14 +1,15 @@
-"""The node's decisions as one sans-IO state machine: events in, actions out, an injected clock.
+"""The node's decisions as one sans-IO state machine: events in, actions out, time given by the driver.
 
 API (the live runtime, the virtual-time simulator and the tests all drive it the same way):
 
-    core = NodeCore(settings, identity, clock, wall_ms)  # CoreSettings, gossip.identity.Identity,
-                                                          # () -> float seconds (timers), () -> int unix ms
-                                                          # (created_ms stamps; default the wall clock)
-    actions = core.handle(event)                    # one event -> a list of actions, in the order to carry out
-    core.next_deadline()                            # when the core next needs a Tick (its own clock's seconds)
-    core.offer_manifest(manifest)                   # handle(ManifestOffered(manifest)) as the broadcast's bool
+    core = NodeCore(settings, identity, now)        # CoreSettings, gossip.identity.Identity, the start (seconds)
+    actions = core.handle(event, now, wall_ms)      # one event at the driver's time -> a list of actions, in
+                                                    # the order to carry out; `now`: monotonic seconds (timers,
+                                                    # rates), `wall_ms`: unix ms (created_ms stamps)
+    core.next_deadline()                            # when the core next needs a Tick (in the drivers' `now`)
+    core.offer_manifest(manifest, now)              # handle(ManifestOffered(manifest)) as the broadcast's bool
     core.head_of(lineage)                           # the publisher-signed head, for the validation pipeline
+    core.external_wanted(lineages)                  # whether an accepted rollout batch goes to the worker
     core.stats()                                    # a copy of the core's counters (the drivers never write them)
 
 Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, expiry), `AnnounceHeard` and
@@ -34,8 +35,10 @@ evicted; the own, the served and the worker's followed lineage stay).
 `NodeCore` is the composition: it routes each event to the sub-machines that own its rules and keeps the
 glue between them (announces and the capacity rule, the follower's lineage choice, the trial and
 leaving, staleness admission and heads, the rollout exchange's plan, what the worker reports). The
-sub-machines, each sans-IO with its own tests, are given the core's clock reading as an explicit `now` (the
-lineage table, built with the core's clock, also reads it to stamp its rows):
+sub-machines, each sans-IO with its own tests, are given the `now` of the event being handled (no clock is
+read inside the core or a sub-machine, so one `handle` call sees one time), and follow one calling
+convention: a method that may act appends its actions to the caller's `out: list[Action]`, and returns only
+a query result (a bool, a row, a refusal, a need), never actions:
 `node.peertable.PeerTable` (the peer table, expiry, a new peer's greeting), `node.lineages.LineageTable`
 (lineage identity and heads), `node.catchup_machine.CatchUpMachine` (items held and in flight, the broadcast
 accept rule, catch-up attempts, when the served lineage is left), `node.supervision.WorkerSupervisor`
@@ -129,20 +132,17 @@ def _finite(x: Any, default: float = 0.0) -> float:
 
 
 class NodeCore:
-    def __init__(self, settings: CoreSettings, identity: Identity, clock: Callable[[], float],
-                 wall_ms: Callable[[], int] = wire.now_ms, *,
+    def __init__(self, settings: CoreSettings, identity: Identity, now: float, *,
                  producers_count: Callable[[float], int] | None = None,
                  supply_view: Callable[[], exchange.Supply] | None = None) -> None:
         self.s = settings
         self.ident = identity
-        self.clock = clock  # any monotonic seconds: timers and rates
-        self.wall_ms = wall_ms  # unix milliseconds: what receivers' freshness checks compare created_ms with
         self.roles = list(settings.roles)
         # the sub-machines (each owns its rules and state; the core routes events to them)
         self.peer_table = PeerTable(settings.max_peers, identity.peer_id)
-        self.table = LineageTable(settings.max_lineages, clock)
-        self.catchup = CatchUpMachine(clock())
-        self.supervisor = WorkerSupervisor(clock())
+        self.table = LineageTable(settings.max_lineages)
+        self.catchup = CatchUpMachine(now)
+        self.supervisor = WorkerSupervisor(now)
         self.sealer = RolloutSealer(settings.swarm, identity)
         self.guard = StalenessGuard(settings.max_staleness)
         self.serving_reason = ""
@@ -216,7 +216,7 @@ class NodeCore:
         return lin.head if lin is not None and lin.publisher else None
 
     def next_deadline(self) -> float:
-        """When (on the core's clock) the core next needs a `Tick`; a driver may tick earlier, never needs to."""
+        """When (in the drivers' `now`) the core next needs a `Tick`; a driver may tick earlier, never needs to."""
         return min(self._next_announce, self._next_catch_up)
 
     def stats(self) -> dict[str, int]:
@@ -251,44 +251,46 @@ class NodeCore:
         """Accepted transfers (lineage, kind, base, target) -> when accepted."""
         return self.catchup.in_flight
 
-    def dissemination_s(self) -> float:
-        now = self.clock()
+    def dissemination_s(self, now: float) -> float:
         return _median(s for t, s in self.fetch_s if now - t <= MEASURE_TTL_S)
 
-    def offer_manifest(self, m: wire.PatchManifest) -> bool:
-        """`handle(ManifestOffered(m))` as the bool the broadcast's synchronous accept callback returns."""
-        return any(type(a) is Accept for a in self.handle(ManifestOffered(m)))
+    def offer_manifest(self, m: wire.PatchManifest, now: float) -> bool:
+        """`handle(ManifestOffered(m), now, ...)` as the bool the broadcast's synchronous accept callback
+        returns (its one action is the answer: nothing to carry out)."""
+        return self._on_offered(m, now)
 
-    def _on_offered(self, m: wire.PatchManifest) -> bool:
+    def _on_offered(self, m: wire.PatchManifest, now: float) -> bool:
         """The follower's broadcast accept rule; an accepted manifest counts as in flight from now."""
         lid = bytes(m.lineage)
         # the committed lineage's patches still come while another is on trial: the worker keeps generating
         lin = self.table.rows.get(lid) if lid in (self.serving, self.committed) else None
         if lin is None or not lin.publisher or self.table.check_manifest(m) is not None:
             return False
-        return self.catchup.accept(lin, m, self.clock())
+        return self.catchup.accept(lin, m, now)
 
     # ------------------------------------------------------------ dispatch
-    def handle(self, ev: Event) -> list[Action]:
+    def handle(self, ev: Event, now: float, wall_ms: int) -> list[Action]:
+        """One event at the driver's `now` (monotonic seconds: timers and rates) and `wall_ms` (unix
+        milliseconds: the created_ms stamps receivers' freshness checks read): the actions to carry out, in order."""
         out: list[Action] = []
         if isinstance(ev, Tick):
-            self._tick(out)
+            self._tick(now, wall_ms, out)
         elif isinstance(ev, AnnounceHeard):
-            self._on_announce(ev, out)
+            self._on_announce(ev, now, out)
         elif isinstance(ev, ManifestHeard):
-            self._on_manifest(ev.body, out)
+            self._on_manifest(ev.body, now, out)
         elif isinstance(ev, FromWorker):
-            self._on_worker(ev.msg, out)
+            self._on_worker(ev.msg, now, wall_ms, out)
         elif isinstance(ev, WorkerExited):
-            self._on_worker_exit(ev.code, out)
+            self._on_worker_exit(ev.code, now, out)
         elif isinstance(ev, ListenAddrs):
             self.addrs = tuple(ev.addrs)[:16]
         elif isinstance(ev, PeerGone):
             self.peer_table.gone(ev.peer_id)
         elif isinstance(ev, WorkerStarted):
-            self.supervisor.on_started(self.clock())
+            self.supervisor.on_started(now)
         elif isinstance(ev, LineageKnown):
-            self.table.load(ev.lineage, ev.name, ev.relation, ev.publisher, ev.base, ev.held)
+            self.table.load(ev.lineage, ev.name, ev.relation, ev.publisher, ev.base, ev.held, now)
         elif isinstance(ev, RolloutsPublished):
             self.counts["rollouts_published"] += max(0, int(ev.count))
         elif isinstance(ev, OfferFailed):
@@ -296,36 +298,35 @@ class NodeCore:
         elif isinstance(ev, StoredItems):
             self.catchup.on_stored_items(ev.lineage, ev.items)
             if ev.items and ev.lineage == self.serving:
-                self._commit(out)  # stored items were fetched and hash-checked: it delivered
+                self._commit(now, out)  # stored items were fetched and hash-checked: it delivered
         elif isinstance(ev, TransferDone):
             it = item_of(ev.manifest)
             if not self.catchup.holds(bytes(ev.manifest.lineage), (it.kind, it.base, it.target)):
                 out.append(StorePatch(ev.pid))
         elif isinstance(ev, PatchStored):
-            self._on_patch_stored(ev, out)
+            self._on_patch_stored(ev, now, out)
         elif isinstance(ev, CatalogReceived):
-            self.catchup.on_catalog(ev, self.table.rows.get(ev.lineage), self.clock(), out)
+            self.catchup.on_catalog(ev, self.table.rows.get(ev.lineage), now, out)
         elif isinstance(ev, CatalogFailed):
             self.catchup.on_catalog_failed(ev, out)
         elif isinstance(ev, ManifestOffered):
-            out.append(Accept() if self._on_offered(ev.manifest) else Decline())
+            out.append(Accept() if self._on_offered(ev.manifest, now) else Decline())
         elif isinstance(ev, RolloutsVerified):
-            self._meter_inbound(sum(n for _, n in ev.lineages))
+            self._meter_inbound(sum(n for _, n in ev.lineages), now)
             for lid, tok, n in ev.usable:
                 if lid == self.own and tok == self.tokenizer:
-                    self.deliveries.add(ev.producer, n, self.clock())
+                    self.deliveries.add(ev.producer, n, now)
         else:
             assert_never(ev)
         return out
 
     # ------------------------------------------------------------ timers
-    def _tick(self, out: list[Action]) -> None:
-        now = self.clock()
+    def _tick(self, now: float, wall_ms: int, out: list[Action]) -> None:
         if now >= self._next_announce:
             self._next_announce = now + ANNOUNCE_EVERY_S
-            self._choose_serving(out)
+            self._choose_serving(now, out)
             self._plan_exchange(now, out)
-            out.append(Publish("announce", self._announce()))
+            out.append(Publish("announce", self._announce(now, wall_ms)))
             self.peer_table.expire(now)
             self.catchup.expire(now)
         if now >= self._next_catch_up:
@@ -333,24 +334,24 @@ class NodeCore:
             self._catch_up(now, out)
 
     # ------------------------------------------------------------ gossip
-    def _on_announce(self, ev: AnnounceHeard, out: list[Action]) -> None:
-        greeting = self.peer_table.on_announce(ev, self.clock())
-        if greeting is None:
+    def _on_announce(self, ev: AnnounceHeard, now: float, out: list[Action]) -> None:
+        greeting: list[Action] = []  # carried out once the announce's claims are handled
+        if not self.peer_table.on_announce(ev, now, greeting):
             return
         for d in ev.body.owned:
-            lin, why = self.table.on_demand(bytes(ev.signer), d)
+            lin, why = self.table.on_demand(bytes(ev.signer), d, now)
             if why is not None:
                 self._refused(ev.body.peer_id, "lineage claim refused", why, out)
             elif lin is not None:
-                self._observe_head(lin, out)
+                self._observe_head(lin, now, out)
         out.extend(greeting)
 
-    def _on_manifest(self, m: wire.PatchManifest, out: list[Action]) -> None:
-        lin, why = self.table.on_manifest(m)
+    def _on_manifest(self, m: wire.PatchManifest, now: float, out: list[Action]) -> None:
+        lin, why = self.table.on_manifest(m, now)
         if why is not None:
             self._refused(peer_id_from_public(bytes(m.publisher)), "manifest refused", why, out)
         elif lin is not None:
-            self._observe_head(lin, out)
+            self._observe_head(lin, now, out)
 
     def _refused(self, signer: str, msg: str, why: Refusal, out: list[Action]) -> None:
         out.append(Log(msg, {"peer": signer, "why": why.reason[:200], "fault": why.fault}))
@@ -358,9 +359,9 @@ class NodeCore:
             out.append(Penalise(signer, f"lineage: {why.reason}"[:120], FORGERY_PENALTY if why.forged else CLAIM_PENALTY))
 
     # ------------------------------------------------------------ staleness admission
-    def _observe_head(self, lin: LineageState, out: list[Action]) -> None:
+    def _observe_head(self, lin: LineageState, now: float, out: list[Action]) -> None:
         if lin.lineage in (self.serving, self.committed):
-            self._staleness(lin, self.guard.observe_head(lin.lineage, lin.head, self.clock()), out)
+            self._staleness(lin, self.guard.observe_head(lin.lineage, lin.head, now), out)
         self._tell_head(lin, out)
 
     def _tell_head(self, lin: LineageState, out: list[Action]) -> None:
@@ -389,7 +390,7 @@ class NodeCore:
             out.append(ToWorker(pipe.Admit(lid.hex(), self.admitted)))
 
     # ------------------------------------------------------------ roles and the capacity rule
-    def _demand(self) -> wire.LineageDemand | None:
+    def _demand(self, now: float) -> wire.LineageDemand | None:
         lin = self.table.rows.get(self.own) if self.own is not None else None
         if lin is None:
             return None
@@ -402,7 +403,6 @@ class NodeCore:
         d = roles.Demand(rollouts_per_step=b, step_time_s=step_t, max_staleness=self.s.max_staleness)
         offers = []
         prev_standby = set(lin.activation.standby) if lin.activation else set()
-        now = self.clock()
         for pid, p in self.peer_table.live(now):
             a = p.announce
             if "follower" not in a.roles:
@@ -411,7 +411,7 @@ class NodeCore:
                 # a claimed throughput counts only as far as this follower's verified deliveries back it
                 offers.append(roles.Offer(pid, roles.offer_rate(a.gen_tokens_per_s, self.tokens_per_rollout),
                                           a.rollout_latency_s, backed=self.deliveries.credit(pid, now)))
-        lin.activation = roles.activate(d, offers, self.dissemination_s())
+        lin.activation = roles.activate(d, offers, self.dissemination_s(now))
         self.counts["claims_capped"] += len(lin.activation.capped)
         supply = lin.activation.supply if math.isfinite(lin.activation.supply) else 0.0
         return wire.LineageDemand(lineage=lin.lineage, name=lin.name, head_version=lin.head, rollouts_per_step=b,
@@ -419,10 +419,9 @@ class NodeCore:
                                   standby=lin.activation.standby[:256],
                                   supply_rollouts_per_s=min(max(0.0, supply), 1e9))
 
-    def _choose_serving(self, out: list[Action]) -> None:
+    def _choose_serving(self, now: float, out: list[Action]) -> None:
         if "follower" not in self.roles:
             return
-        now = self.clock()
         me = roles.Offer(self.ident.peer_id, roles.offer_rate(self.gen_tps, self.tokens_per_rollout), self.latency)
         options = []
         for lin, d in self.table.followable(now, self.s.follow):
@@ -430,7 +429,7 @@ class NodeCore:
             # another follower's announced throughput is its own claim, which this node cannot observe
             mine = me.rollouts_per_s if lin.lineage == self.serving and me.peer_id not in lin.standby else 0.0
             options.append(roles.LineageOption(lin.lineage, d, max(0.0, lin.supply - mine), lin.standby))
-        choice = roles.choose_lineage(me, options, self.dissemination_s(), self.serving, configured=list(self.s.follow))
+        choice = roles.choose_lineage(me, options, self.dissemination_s(now), self.serving, configured=list(self.s.follow))
         self.serving_reason = choice.reason
         self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)
         if choice.lineage == self.serving:
@@ -444,13 +443,13 @@ class NodeCore:
         out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
                                    "reason": choice.reason}))
         if lin is None or lin.delivered or lin.lineage in self.s.follow:
-            self._commit(out)
+            self._commit(now, out)
         else:
             out.append(Log("lineage on trial", {"lineage": lin.lineage.hex()[:16], "trial_s": TRIAL_S}))
         if lin is not None:
-            self._observe_head(lin, out)
+            self._observe_head(lin, now, out)
 
-    def _commit(self, out: list[Action]) -> None:
+    def _commit(self, now: float, out: list[Action]) -> None:
         """Switch the worker to the served lineage (or stand it by)."""
         if self.serving == self.committed:
             return
@@ -461,7 +460,7 @@ class NodeCore:
         out.append(ToWorker(pipe.Follow(info)))
         if lin is not None:
             out.append(Log("following", {"lineage": lin.lineage.hex()[:16], "delivered": lin.delivered}))
-            self._observe_head(lin, out)
+            self._observe_head(lin, now, out)
             self._send_admit(lin.lineage, out)
 
     def _pace(self, demand: roles.Demand | None, out: list[Action]) -> None:
@@ -476,13 +475,13 @@ class NodeCore:
             self.pace_rate = rate
             out.append(ToWorker(pipe.Pace(rate)))
 
-    def _announce(self) -> bytes:
+    def _announce(self, now: float, wall_ms: int) -> bytes:
         # above every seq this key signed before a restart, so receivers order our announces by seq alone
-        self.announce_seq = max(self.announce_seq + 1, self.wall_ms())
-        self.announced_rate = min(self.sealer.rate(self.clock()), 1e6)
-        demand = self._demand()
+        self.announce_seq = max(self.announce_seq + 1, wall_ms)
+        self.announced_rate = min(self.sealer.rate(now), 1e6)
+        demand = self._demand(now)
         a = wire.NodeAnnounce(
-            v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=self.wall_ms(),
+            v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=wall_ms,
             hardware=self.s.hardware, gen_tokens_per_s=min(self.gen_tps, 1e9),
             rollout_latency_s=min(self.latency, 1e6), upload_bytes_per_s=min(self.s.upload_bytes_per_s, 1e12),
             memory_bytes=self.s.memory_budget_mb * 2**20, roles=self.roles,
@@ -518,37 +517,38 @@ class NodeCore:
         self.counts["lineages_left"] += 1
         out.append(Log("left lineage", {"lineage": lin.lineage.hex()[:16], "publisher":
                                         peer_id_from_public(lin.publisher), "why": why}))
-        self._choose_serving(out)
+        self._choose_serving(now, out)
 
     # ------------------------------------------------------------ patches
-    def _on_patch_stored(self, ev: PatchStored, out: list[Action]) -> None:
+    def _on_patch_stored(self, ev: PatchStored, now: float, out: list[Action]) -> None:
         m = ev.manifest
         lid = bytes(m.lineage)
         it = item_of(m)
         self.catchup.on_stored(lid, (it.kind, it.base, it.target))
         if lid == self.serving:
-            self._commit(out)  # fetched, its chunks matched the signed manifest: the worker may switch to it
+            self._commit(now, out)  # fetched, its chunks matched the signed manifest: the worker may switch to it
         self.counts["bytes_down"] += max(0, int(ev.bytes_in))
-        self.fetch_s.append((self.clock(), max(0.0, _finite(ev.seconds))))
+        self.fetch_s.append((now, max(0.0, _finite(ev.seconds))))
         out.append(Log("patch received", {"lineage": lid.hex()[:16], "kind": it.kind, "base": it.base,
                                           "target": it.target, "bytes": m.total_bytes,
                                           "seconds": round(_finite(ev.seconds), 2)}))
         out.append(ToWorker(pipe.Patch(lid.hex(), it.kind, it.base, it.target)))
 
     # ------------------------------------------------------------ worker
-    def _on_worker_exit(self, code: int | None, out: list[Action]) -> None:
-        if self.supervisor.on_exit(code, self.clock(), out):
+    def _on_worker_exit(self, code: int | None, now: float, out: list[Action]) -> None:
+        if self.supervisor.on_exit(code, now, out):
             # what the exited worker was told went with it: the next one is told afresh
             self.admitted = None
             self.pace_rate = 0.0
 
-    def _on_worker(self, m: pipe.FromWorker, out: list[Action]) -> None:  # noqa: C901 - one branch per kind
+    def _on_worker(self, m: pipe.FromWorker, now: float, wall_ms: int,  # noqa: C901 - one branch per kind
+                   out: list[Action]) -> None:
         if isinstance(m, pipe.State):
             self.supervisor.on_state(m.state, out)
         elif isinstance(m, pipe.Ready):
-            self._on_ready(m, out)
+            self._on_ready(m, now, out)
         elif isinstance(m, pipe.Rollouts):
-            self.sealer.seal(m.items, self.clock(), self.wall_ms(), self.exchange.publish_shard, out)
+            self.sealer.seal(m.items, now, wall_ms, self.exchange.publish_shard, out)
         elif isinstance(m, pipe.Step):
             self.steps += 1
             self._reward(m.reward_mean)
@@ -564,7 +564,6 @@ class NodeCore:
             if m.heldout is not None:  # a follower's, of the version it holds
                 self.heldout.append((m.version, m.heldout))
         elif isinstance(m, pipe.Published):
-            now = self.clock()
             if self.last_publish:
                 self.version_times.append(now - self.last_publish)
             self.last_publish = now
@@ -574,7 +573,7 @@ class NodeCore:
                 lin.head = lin.held = lin.signed_head = m.version
             out.append(SeedVersion(m.envelope))
         elif isinstance(m, pipe.Applied):
-            self._on_applied(m, out)
+            self._on_applied(m, now, out)
         elif isinstance(m, pipe.ApplyFailed):
             out.append(Log("patch apply failed", {"lineage": m.lineage[:16], "base": m.base, "target": m.target,
                                                   "error": m.error[:300]}))
@@ -609,12 +608,12 @@ class NodeCore:
         elif isinstance(m, pipe.Log):
             out.append(Log("worker", {"message": m.message[:500]}))
 
-    def _on_ready(self, m: pipe.Ready, out: list[Action]) -> None:
+    def _on_ready(self, m: pipe.Ready, now: float, out: list[Action]) -> None:
         base = bytes.fromhex(m.base)
         self.table.set_my_base(base, m.model_bytes)
         self.tokenizer = bytes.fromhex(m.tokenizer_hash)
         if m.lineage:
-            lin = self.table.set_own(bytes.fromhex(m.lineage), m.name, self.ident.public, base, m.version)
+            lin = self.table.set_own(bytes.fromhex(m.lineage), m.name, self.ident.public, base, m.version, now)
             self.counts["published"] = lin.held
         out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
                                         **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
@@ -626,7 +625,7 @@ class NodeCore:
             out.append(ToWorker(pipe.Follow(self.follow_info)))
             self._send_admit(self.committed, out)
 
-    def _on_applied(self, m: pipe.Applied, out: list[Action]) -> None:
+    def _on_applied(self, m: pipe.Applied, now: float, out: list[Action]) -> None:
         lin = self.table.rows.get(bytes.fromhex(m.lineage))
         if lin is None:
             return
@@ -639,9 +638,9 @@ class NodeCore:
         if lin.relation == "seen":
             lin.relation = "follow"
         if not lin.need_anchor and lin.lineage in (self.serving, self.committed):
-            self._staleness(lin, self.guard.applied(lin.lineage, lin.held, self.clock()), out)
+            self._staleness(lin, self.guard.applied(lin.lineage, lin.held, now), out)
         if lin.delivered and lin.lineage == self.serving:
-            self._commit(out)
+            self._commit(now, out)
 
     def _reward(self, r: Any) -> None:
         if not isinstance(r, (int, float)) or not math.isfinite(r):
@@ -651,10 +650,10 @@ class NodeCore:
             self.reward_first.append(float(r))
 
     # ------------------------------------------------------------ the rollout exchange
-    def _meter_inbound(self, rollouts: int) -> None:
+    def _meter_inbound(self, rollouts: int, now: float) -> None:
         """A peer's batch of `rollouts` rollouts passed verification (what the exchange measures)."""
         n = max(0, int(rollouts))
-        self.inbound.add(self.clock(), n)
+        self.inbound.add(now, n)
         self.batch_rollouts = 0.95 * self.batch_rollouts + 0.05 * max(1, n)
 
     def external_demand(self) -> float:

@@ -1,4 +1,4 @@
-"""What a follower's claimed throughput counts for: what it delivered (sans-IO, injected clock).
+"""What a follower's claimed throughput counts for: what it delivered (sans-IO, `now` given by the caller).
 
 A follower's NodeAnnounce states its throughput; nothing checks it. A trainer
 that believed it would tell every honest follower to stand by as soon as one

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gossip import wire
@@ -88,9 +87,8 @@ class LineageState:
 
 
 class LineageTable:
-    def __init__(self, max_rows: int, clock: Callable[[], float]) -> None:
+    def __init__(self, max_rows: int) -> None:
         self.max_rows = max(4, max_rows)
-        self.clock = clock
         self.rows: dict[bytes, LineageState] = {}
         self.own: bytes | None = None
         self.serving: bytes | None = None
@@ -107,17 +105,17 @@ class LineageTable:
         if model_bytes > 0:
             self.model_bytes[base] = model_bytes
 
-    def set_own(self, lid: bytes, name: str, public: bytes, base: bytes, version: int) -> LineageState:
-        lin = self.rows.get(lid) or self._insert(lid, name, "own")
+    def set_own(self, lid: bytes, name: str, public: bytes, base: bytes, version: int, now: float) -> LineageState:
+        lin = self.rows.get(lid) or self._insert(lid, name, "own", now)
         lin.relation, lin.publisher, lin.base, lin.name = "own", public, base, name
         lin.held = lin.head = lin.signed_head = max(lin.head, version)
         self.own = lid
         return lin
 
-    def load(self, lid: bytes, name: str, relation: str, publisher: bytes, base: bytes, held: int) -> None:
+    def load(self, lid: bytes, name: str, relation: str, publisher: bytes, base: bytes, held: int, now: float) -> None:
         """A lineage from the node's store (verified when it was stored)."""
         if len(publisher) == 32 and len(base) == 32 and lineage_id(publisher, base, name) == lid:
-            lin = self._insert(lid, name, relation)
+            lin = self._insert(lid, name, relation, now)
             lin.publisher, lin.base = publisher, base
             lin.head = lin.held = lin.signed_head = held
             lin.delivered = relation == "follow" and held > 0
@@ -125,7 +123,7 @@ class LineageTable:
                 self.own = lid
 
     # ------------------------------------------------------------ network
-    def on_demand(self, signer: bytes, d: wire.LineageDemand) -> tuple[LineageState | None, Refusal | None]:
+    def on_demand(self, signer: bytes, d: wire.LineageDemand, now: float) -> tuple[LineageState | None, Refusal | None]:
         """A LineageDemand in a NodeAnnounce signed by `signer`: (the row it moved, why it was refused)."""
         lid = bytes(d.lineage)
         lin = self.rows.get(lid)
@@ -142,7 +140,7 @@ class LineageTable:
             # not provably false: the lineage may grow from a base model this node has not seen
             why = Refusal("lineage id does not derive from the signer's key, a known base model and the name")
         if why is None and lin is None:
-            lin = self._insert(lid, d.name, "seen")
+            lin = self._insert(lid, d.name, "seen", now)
             if lin is None:
                 why = Refusal("lineage table full")
         if why is not None:
@@ -150,11 +148,11 @@ class LineageTable:
         assert lin is not None
         if not lin.publisher:
             lin.publisher, lin.base = signer, self.my_base
-        why = self._advance(lin, d.head_version)
+        why = self._advance(lin, d.head_version, now)
         lin.claimed = roles.Demand(d.rollouts_per_step, d.step_time_s, d.max_staleness)
         lin.standby = tuple(d.standby)
         lin.supply = float(d.supply_rollouts_per_s)
-        lin.demand_at = lin.active = self.clock()
+        lin.demand_at = lin.active = now
         return lin, self._count(why)
 
     def check_manifest(self, m: wire.PatchManifest) -> Refusal | None:
@@ -180,22 +178,22 @@ class LineageTable:
             return Refusal(f"version {m.target_version} is far ahead of the signed head {lin.signed_head}", True)
         return None
 
-    def on_manifest(self, m: wire.PatchManifest) -> tuple[LineageState | None, Refusal | None]:
+    def on_manifest(self, m: wire.PatchManifest, now: float) -> tuple[LineageState | None, Refusal | None]:
         lid = bytes(m.lineage)
         if lid == self.own:
             return None, None  # our own manifests, relayed back to us: our worker is the authority
         why = self.check_manifest(m)
         lin = self.rows.get(lid)
         if why is None and lin is None:
-            lin = self._insert(lid, m.lineage_name, "seen")
+            lin = self._insert(lid, m.lineage_name, "seen", now)
             if lin is None:
                 why = Refusal("lineage table full")
         if why is not None:
             return None, self._count(why)
         assert lin is not None
         lin.publisher, lin.base = bytes(m.publisher), bytes(m.base_model_hash)
-        lin.active = self.clock()
-        why = self._advance(lin, m.target_version)
+        lin.active = now
+        why = self._advance(lin, m.target_version, now)
         if why is None:
             lin.manifests += 1
         return lin, self._count(why)
@@ -207,10 +205,9 @@ class LineageTable:
                 self.refused[key] = self.refused.get(key, 0) + 1
         return why
 
-    def _advance(self, lin: LineageState, version: int) -> Refusal | None:
+    def _advance(self, lin: LineageState, version: int, now: float) -> Refusal | None:
         if lin.live and version > lin.signed_head + MAX_AHEAD:
             return Refusal(f"version {version} is far ahead of the signed head {lin.signed_head}", True)
-        now = self.clock()
         if version > lin.signed_head or not lin.live:
             if version > lin.signed_head:
                 lin.advances.append((now, version))
@@ -274,7 +271,7 @@ class LineageTable:
         return row is not None and row[0] > now
 
     # ------------------------------------------------------------ the memory budget
-    def _insert(self, lid: bytes, name: str, relation: str) -> LineageState | None:
+    def _insert(self, lid: bytes, name: str, relation: str, now: float) -> LineageState | None:
         if len(self.rows) >= self.max_rows:
             keep = {self.own, self.serving, self.committed}
             victims = [r for r in self.rows.values() if r.relation == "seen" and r.lineage not in keep]
@@ -282,7 +279,6 @@ class LineageTable:
                 return None
             del self.rows[min(victims, key=lambda r: r.active).lineage]
             self.evicted += 1
-        now = self.clock()
         lin = self.rows[lid] = LineageState(lid, name, relation, active=now, since=now)
         return lin
 

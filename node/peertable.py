@@ -41,16 +41,15 @@ class PeerTable:
         self.evicted = 0
         self.producers = exchange.DistinctCount(window_s=PEER_EXPIRY_S)
 
-    def on_announce(self, ev: AnnounceHeard, now: float) -> list[Action] | None:
-        """Record a verified announce. None: ignored (another key's peer id, our own, or not newer than the
-        one held); otherwise the actions to carry out once the announce's claims are handled: a new peer's
-        greeting, nothing for a known one."""
+    def on_announce(self, ev: AnnounceHeard, now: float, out: list[Action]) -> bool:
+        """Record a verified announce: whether it was taken (False: another key's peer id, our own, or not
+        newer than the one held). A new peer's greeting is appended to `out`."""
         body = ev.body
         if peer_id_from_public(ev.signer) != body.peer_id or body.peer_id == self.own_peer_id:
-            return None
+            return False
         prev = self.peers.get(body.peer_id)
         if prev is not None and prev.announce.seq >= body.seq:
-            return None
+            return False
         if prev is None and len(self.peers) >= self.max_peers:
             seen = [info.seen for info in self.peers.values()]  # the first least recently seen, in C
             del self.peers[next(itertools.islice(self.peers, seen.index(min(seen)), None))]
@@ -58,10 +57,10 @@ class PeerTable:
         self.peers[body.peer_id] = PeerInfo(body, bytes(ev.signer), now)
         if body.publish_batches_per_s > 0:
             self.producers.add(body.peer_id, now)
-        if prev is not None:
-            return []
-        return [ResendTaskSets(), Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}),
-                SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data)]
+        if prev is None:
+            out += [ResendTaskSets(), Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}),
+                    SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data)]
+        return True
 
     def gone(self, peer_id: str) -> None:
         self.peers.pop(peer_id, None)

@@ -3,8 +3,13 @@
 Every decision is made by the sans-IO core (docs/architecture.md); this
 module turns I/O into core events (gossip messages, worker messages, timer
 ticks, finished transfers, catalog replies) and carries out the actions the
-core returns. It never runs torch: training and generation run in a spawned
-worker process (`node.workerlink`), restarted with backoff when it dies.
+core returns. The core has one consumer, the core loop: every source puts its
+events on one channel (`feed`), and the loop hands them to the core one at a
+time, with one reading of the clocks, and carries out each event's actions in
+order before the next event; an action's follow-up event (a publish that went
+out, stored items loaded, a patch stored) is handled next. It never runs
+torch: training and generation run in a spawned worker process
+(`node.workerlink`), restarted with backoff when it dies.
 Blocking work (SQLite, file reads, pipe I/O) goes to `trio.to_thread`.
 
 Shutdown (SIGINT/SIGTERM or `Node.request_stop`): the worker is told to stop
@@ -22,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -52,6 +58,10 @@ TASK_SET_CHECK_S = 10.0  # between checks of the store for our own new task sets
 PARTIAL_SWEEP_S = 30.0  # between sweeps of finished partial downloads
 STREAM_FAULT_PENALTY = 20.0  # bytes that break a stream protocol: three such faults graylist the sender
 PARTIAL_KEEP_S = 600.0  # an unfinished download's chunks are kept this long for a restart to resume from
+# Events waiting for the core loop. A source that finds the queue full waits (the gossip service's drain
+# task, and so the transport's counted inboxes behind it, or the worker pipe), so a flood costs the queues
+# that already count their drops, never this node's memory.
+EVENT_QUEUE = 256
 
 
 @dataclass
@@ -66,9 +76,10 @@ class Node:
     def __init__(self, cfg: Config, home: Path, ident: Identity, opts: RunOptions, *,
                  clock: Callable[[], float] = time.monotonic,
                  spawn_worker: Callable[[dict[str, Any]], Awaitable[Link]] = spawn) -> None:
-        """`clock` is the runtime's one monotonic clock (seconds): the core's timers, the shell's loops and
-        the status read it; trio sleeps until its deadlines. A test under trio's MockClock passes
-        `trio.current_time` (and builds the node inside `trio.run`). `spawn_worker` starts the worker."""
+        """`clock` is the runtime's one monotonic clock (seconds): the core loop reads it once per event and
+        gives the core that `now`; the shell's loops and the status read it; trio sleeps until the core's
+        deadlines. A test under trio's MockClock passes `trio.current_time` (and builds the node inside
+        `trio.run`). `spawn_worker` starts the worker."""
         from node.store import open_store
 
         self.cfg = cfg
@@ -80,13 +91,18 @@ class Node:
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
         self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
                                                            hardware.available_memory())
-        self.core = C.NodeCore(C.CoreSettings.from_config(cfg, self.roles, self.hw_class), ident, clock)
+        self.core = C.NodeCore(C.CoreSettings.from_config(cfg, self.roles, self.hw_class), ident, clock())
+        # The core has one consumer (`_core_loop`): every source puts its events on this channel (`feed`).
+        self._events, self._events_out = trio.open_memory_channel[C.Event](EVENT_QUEUE)
+        # Events the loop handles before the channel's next one: the store's lineages at start, then each
+        # action's follow-up event (`_carry_out`), so they never wait behind a full channel the loop drains.
+        self._next: deque[C.Event] = deque()
         own = self.store.get("own_lineage")
         for row in self.store.lineages():
             lid = bytes(row["lineage_id"])
-            self.core.handle(C.LineageKnown(lid, row["name"], "own" if own and lid.hex() == own else row["relation"],
-                                            bytes(row["publisher"]), bytes(row["base_model_hash"]),
-                                            self.store.head_version(lid) or 0))
+            self._next.append(C.LineageKnown(lid, row["name"], "own" if own and lid.hex() == own else row["relation"],
+                                             bytes(row["publisher"]), bytes(row["base_model_hash"]),
+                                             self.store.head_version(lid) or 0))
         self.clock = clock
         self._spawn_worker = spawn_worker
         self.started = clock()
@@ -96,13 +112,11 @@ class Node:
         self.transport: Any = None
         self.service: Any = None
         self.bcast: Any = None  # sync.broadcast.BroadcastNode
-        self._storing: set[bytes] = set()  # patch ids being written to the store (one writer per patch)
         self.reach: Any = None
         self.metrics: Any = None
         self._nursery: trio.Nursery | None = None
         self._cancel: trio.CancelScope | None = None
         self._stop_requested = False
-        self._wake: trio.CancelScope | None = None  # the tick loop's sleep until the core's next deadline
         self._resend_task_sets = False
         self.verifiers: Any = None  # training.verifiers.VerifierPool, from run()
         self.drops, self.disk = Drops(), DiskMeter(home, cfg, peer_bytes=lambda: self.store.peer_bytes)
@@ -169,7 +183,7 @@ class Node:
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
                     event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
                     nursery.start_soon(stall.watch_loop, self.stall, self.gc_timer)
-                    for loop in (self._worker_loop, self._tick_loop, self._slow_loop, self._view_loop):
+                    for loop in (self._core_loop, self._worker_loop, self._slow_loop, self._view_loop):
                         nursery.start_soon(loop)
         finally:
             self.state = "stopping"
@@ -248,23 +262,42 @@ class Node:
 
     # ------------------------------------------------------------ events in
     async def feed(self, ev: C.Event) -> None:
-        await self._do(self.core.handle(ev))
-        if self._wake is not None:  # an event may have brought the core's next deadline forward
-            self._wake.deadline = min(self._wake.deadline, self._trio_deadline())
+        """Queue an event for the core loop (waits while the queue is full)."""
+        await self._events.send(ev)
+
+    def _post(self, ev: C.Event) -> None:
+        """`feed` from a synchronous callback: queued now, or by a task that waits for room."""
+        try:
+            self._events.send_nowait(ev)
+        except trio.WouldBlock:
+            assert self._nursery is not None  # the callbacks that post run only once the node's tasks are up
+            self._nursery.start_soon(self.feed, ev)
 
     def _trio_deadline(self) -> float:
         """The core's next deadline (on the runtime's clock) on trio's clock."""
         return trio.current_time() + max(0.0, self.core.next_deadline() - self.clock())
 
-    async def _tick_loop(self) -> None:
-        """Tick the core when its next deadline comes (h11-style: the core says when, the shell sleeps)."""
+    async def _core_loop(self) -> None:
+        """The core's one consumer: take the next event (a follow-up first, then the channel's; a `Tick`
+        when the core's next deadline comes first, h11-style), hand it to the core with one reading of the
+        clocks, and carry out its actions in order before the next event: the actions of two events never
+        interleave, though carrying one out may wait on I/O."""
         while True:
-            addrs = self.reach.announce_addrs() if self.reach is not None else self.transport.listen_addrs()
-            self.core.handle(C.ListenAddrs(tuple(addrs)))  # what the next announce states (no actions)
-            await self.feed(C.Tick())
-            with trio.CancelScope(deadline=self._trio_deadline()) as self._wake:
-                await trio.sleep_forever()
-            self._wake = None
+            if self._next:
+                ev = self._next.popleft()
+            else:
+                got: C.Event | None = None
+                with trio.move_on_at(self._trio_deadline()):
+                    got = await self._events_out.receive()
+                if got is None:  # the core's deadline came: the next announce states the current addresses
+                    addrs = self.reach.announce_addrs() if self.reach is not None else self.transport.listen_addrs()
+                    self._next.append(C.Tick())
+                    got = C.ListenAddrs(tuple(addrs))
+                ev = got
+            for a in self.core.handle(ev, self.clock(), wire.now_ms()):
+                follow_up = await self._carry_out(a)
+                if follow_up is not None:
+                    self._next.append(follow_up)
 
     async def _slow_loop(self) -> None:
         """The ledger counts (every second), our own task sets and the sweep of finished partial downloads."""
@@ -299,11 +332,12 @@ class Node:
         await self.feed(C.ManifestHeard(m))
 
     def _on_accept(self, v: Any) -> None:
-        if v.batch is not None:
-            self.core.handle(C.RolloutsVerified.of(v.batch))  # exchange meter; delivery backs a follower's rate (no actions)
-        if self.worker is not None and v.batch is not None:
-            if self.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
-                self.worker.send(pipe.External(v.data))
+        if v.batch is None:
+            return
+        self._post(C.RolloutsVerified.of(v.batch))  # the exchange meter; delivery backs a follower's rate
+        # a pure query of the core: whether the worker learns from (or spot-checks) the batch
+        if self.worker is not None and self.core.external_wanted({bytes(r.lineage) for r in v.batch.rollouts}):
+            self.worker.send(pipe.External(v.data))
 
     # ------------------------------------------------------------ the broadcast
     def _broadcast_node(self, t: Any) -> Any:
@@ -312,9 +346,14 @@ class Node:
 
         return BroadcastNode(t, swarm=self.cfg.node.swarm, upload_bytes_per_s=self.cfg.network.upload_bytes_per_s,
                              config=SwarmConfig(stall_timeout_s=self.cfg.sync.stall_timeout_s),
-                             partial_root=self.home / "partial", accept=self.core.offer_manifest,
+                             partial_root=self.home / "partial", accept=self._offered,
                              on_penalty=lambda peer, reason, amount: self._penalise(peer, f"broadcast: {reason}", amount),
                              on_complete=self._on_transfer_complete)
+
+    def _offered(self, m: wire.PatchManifest) -> bool:
+        """The broadcast's synchronous accept callback. It calls the core outside the core loop: its one action
+        is the answer, with nothing to carry out, and it runs between the loop's awaits, never inside `handle`."""
+        return self.core.offer_manifest(m, self.clock())
 
     def _penalise(self, peer: str, reason: str, amount: float) -> None:
         """Broadcast misbehaviour (stalls, bad frames, corrupt chunks) and failed spot checks lower the peer's score."""
@@ -328,8 +367,7 @@ class Node:
         self._penalise(peer, f"stream: {protocol}", STREAM_FAULT_PENALTY)
 
     def _on_transfer_complete(self, tr: Any) -> None:
-        if self._nursery is not None:
-            self._nursery.start_soon(self.feed, C.TransferDone(tr.pid, tr.manifest))
+        self._post(C.TransferDone(tr.pid, tr.manifest))
 
     async def _serve_catalog(self, stream: Any, remote: str) -> None:
         try:
@@ -343,57 +381,58 @@ class Node:
             await stream.close()
 
     # ------------------------------------------------------------ actions out
-    async def _do(self, actions: list[C.Action]) -> None:  # noqa: C901 - one branch per action
+    async def _carry_out(self, a: C.Action) -> C.Event | None:  # noqa: C901 - one branch per action
+        """Carry out one action; its follow-up event (what came of it, for the core), if any."""
         from gossip.transport import PublishError
 
-        for a in actions:
-            if isinstance(a, C.Log):
-                event(log, a.msg, **a.fields)
-            elif isinstance(a, C.ToWorker):
-                if self.worker is not None:
-                    self.worker.send(a.msg)
-            elif isinstance(a, C.Publish):
-                try:
-                    if a.topic == "announce":
-                        await self.service.publish_announce(a.data)
-                    else:
-                        await self.service.publish_rollouts(a.data, a.shard)
-                        await self.feed(C.RolloutsPublished(a.count))
-                except PublishError as e:
-                    if a.topic == "announce":
-                        self.drops.add("announce_unpublished")
-                    log.debug("publish %s: %s", a.topic, e)
-            elif isinstance(a, C.Subscribe):
-                await self.service.set_shards(a.shards, a.subscribe)
-            elif isinstance(a, C.RecordRollouts):
-                await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
-            elif isinstance(a, C.SeePeer):
-                connected = a.peer_id in self.transport.peers()  # a stranger's announce is not kept (node.store)
-                await trio.to_thread.run_sync(self.store.see_peer, a.peer_id, a.public, list(a.addrs), a.data, connected)
-            elif isinstance(a, C.Penalise):
-                self._penalise(a.peer, a.reason, a.amount)
-            elif isinstance(a, C.SeedVersion):
-                await self._seed_version(a.envelope)
-            elif isinstance(a, C.StorePatch):
-                await self._store_patch(a.pid)
-            elif isinstance(a, C.LoadStored):
-                store = patchsync.held_store(self.home, a.lineage)
-                items = await trio.to_thread.run_sync(store.items) if store else []
-                await self.feed(C.StoredItems(a.lineage, tuple(items)))
-            elif isinstance(a, C.DropItem):
-                await trio.to_thread.run_sync(patchsync.drop_item, self.home, a.lineage, a.base, a.target)
-            elif isinstance(a, C.FetchCatalog):
-                self._nursery.start_soon(self._fetch_catalog, a.peer, a.lineage)
-            elif isinstance(a, C.RequestOffer):
-                self._nursery.start_soon(self._request_offer, a)
-            elif isinstance(a, C.RestartWorker):
-                self._nursery.start_soon(self._restart_worker, a.delay_s)
-            elif isinstance(a, C.ResendTaskSets):
-                self._resend_task_sets = True
-            elif isinstance(a, (C.Accept, C.Decline)):
-                pass  # answers to ManifestOffered, read by offer_manifest
-            else:
-                assert_never(a)
+        if isinstance(a, C.Log):
+            event(log, a.msg, **a.fields)
+        elif isinstance(a, C.ToWorker):
+            if self.worker is not None:
+                self.worker.send(a.msg)
+        elif isinstance(a, C.Publish):
+            try:
+                if a.topic == "announce":
+                    await self.service.publish_announce(a.data)
+                else:
+                    await self.service.publish_rollouts(a.data, a.shard)
+                    return C.RolloutsPublished(a.count)
+            except PublishError as e:
+                if a.topic == "announce":
+                    self.drops.add("announce_unpublished")
+                log.debug("publish %s: %s", a.topic, e)
+        elif isinstance(a, C.Subscribe):
+            await self.service.set_shards(a.shards, a.subscribe)
+        elif isinstance(a, C.RecordRollouts):
+            await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
+        elif isinstance(a, C.SeePeer):
+            connected = a.peer_id in self.transport.peers()  # a stranger's announce is not kept (node.store)
+            await trio.to_thread.run_sync(self.store.see_peer, a.peer_id, a.public, list(a.addrs), a.data, connected)
+        elif isinstance(a, C.Penalise):
+            self._penalise(a.peer, a.reason, a.amount)
+        elif isinstance(a, C.SeedVersion):
+            await self._seed_version(a.envelope)
+        elif isinstance(a, C.StorePatch):
+            return await self._store_patch(a.pid)
+        elif isinstance(a, C.LoadStored):
+            store = patchsync.held_store(self.home, a.lineage)
+            items = await trio.to_thread.run_sync(store.items) if store else []
+            return C.StoredItems(a.lineage, tuple(items))
+        elif isinstance(a, C.DropItem):
+            await trio.to_thread.run_sync(patchsync.drop_item, self.home, a.lineage, a.base, a.target)
+        elif isinstance(a, C.FetchCatalog):
+            self._nursery.start_soon(self._fetch_catalog, a.peer, a.lineage)
+        elif isinstance(a, C.RequestOffer):
+            self._nursery.start_soon(self._request_offer, a)
+        elif isinstance(a, C.RestartWorker):
+            self._nursery.start_soon(self._restart_worker, a.delay_s)
+        elif isinstance(a, C.ResendTaskSets):
+            self._resend_task_sets = True
+        elif isinstance(a, (C.Accept, C.Decline)):
+            pass  # answers to ManifestOffered, which the broadcast asks through `_offered`
+        else:
+            assert_never(a)
+        return None
 
     async def _seed_version(self, envelope: bytes) -> None:
         """Our worker stored a new version: seed it on the broadcast (this also gossips the manifest)."""
@@ -407,23 +446,20 @@ class Node:
         except MurmurError as e:  # no gossip peers yet: the chunks are still offered to stream peers
             log.debug("manifest gossip: %s", e)
 
-    async def _store_patch(self, pid: bytes) -> None:
-        """A completed, chunk-verified patch: store it atomically, then tell the core (which tells the worker)."""
+    async def _store_patch(self, pid: bytes) -> C.PatchStored | None:
+        """A completed, chunk-verified patch: store it atomically; what to tell the core (which tells the worker)."""
         tr = self.bcast.transfers.get(pid)
-        if tr is None or pid in self._storing:  # a second completion notice while the first is written
-            return
-        self._storing.add(pid)
+        if tr is None:
+            return None
         try:
             await trio.to_thread.run_sync(patchsync.store_complete, self.home, tr.manifest, tr.envelope, tr.payload())
             await trio.to_thread.run_sync(patchsync.held_store(self.home, bytes(tr.manifest.lineage)).prune,
                                           self.cfg.sync.retain_versions)
         except (MurmurError, OSError) as e:
             log.warning("could not store patch %s: %s", pid.hex()[:12], e)
-            return
-        finally:
-            self._storing.discard(pid)
+            return None
         seconds = (tr.completed_wall or time.time()) - tr.started
-        await self.feed(C.PatchStored(tr.manifest, tr.session.bytes_in, seconds))
+        return C.PatchStored(tr.manifest, tr.session.bytes_in, seconds)
 
     async def _fetch_catalog(self, peer: str, lineage: bytes) -> None:
         try:

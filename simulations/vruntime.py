@@ -11,16 +11,18 @@ hashes are tokens) and storing is a dict per node.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, assert_never
 
 from gossip import wire
 from gossip.identity import peer_id_from_public
 from gossip.scoring import ScoreParams
 from gossip.validation import Pending, Pipeline, PipelineConfig
-from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, DropItem, FetchCatalog, FromWorker,
-                       LineageKnown, LoadStored, Log, ManifestHeard, NodeCore, OfferFailed, PatchStored, PeerGone,
-                       Penalise, Publish, RecordRollouts, RequestOffer, RolloutsPublished, RolloutsVerified, SeedVersion,
+from node.core import (Accept, Action, AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, Decline, DropItem,
+                       Event, FetchCatalog, FromWorker, LineageKnown, LoadStored, Log, ManifestHeard, NodeCore,
+                       OfferFailed, PatchStored, PeerGone, Penalise, Publish, RecordRollouts, RequestOffer,
+                       ResendTaskSets, RestartWorker, RolloutsPublished, RolloutsVerified, SeedVersion, SeePeer,
                        StoredItems, StorePatch, Subscribe, Tick, ToWorker, TransferDone)
 from simulations.scenario import Scenario
 from simulations.vcache import SharedVerification, SimPipeline
@@ -74,7 +76,7 @@ class CoreDriver:
         return Pipeline(cfg, clock=self.queue.unix, resolve_task=self.resolve, reward=self.reward, head_version=head)
 
     def new_core(self, n: VNode) -> NodeCore:
-        """A (re)started node's network process: a fresh core, as `node.runtime` builds it."""
+        """A (re)started node's network process: a fresh core (`n.core`), as `node.runtime` builds it."""
         s, tr = n.spec, self.sc.training
         follow = (self.nodes[s.follow].lineage,) if s.role == "follower" and s.follow is not None else ()
         settings = CoreSettings(swarm=self.sc.swarm, roles=(s.role,), max_staleness=tr.max_staleness,
@@ -83,83 +85,96 @@ class CoreDriver:
                                 upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
         net = self.net
         # what the live announce topic tells every node: how many producers there are, what each supplies
-        core = NodeCore(settings, n.ident, self.queue.unix, self.queue.unix_ms,
-                        producers_count=lambda now: net.alive_producers - 1, supply_view=lambda: net.supply)
+        core = n.core = NodeCore(settings, n.ident, self.queue.unix(),
+                                 producers_count=lambda now: net.alive_producers - 1, supply_view=lambda: net.supply)
         if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
             lead = self.publisher[n.held_lineage]
-            core.handle(LineageKnown(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held))
+            self.feed(n, LineageKnown(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held))
         return core
 
     # ------------------------------------------------------------ the cores' actions, carried out in virtual time
 
-    def feed(self, n: VNode, ev: Any) -> None:
-        if n.core is not None:
-            self.do(n, n.core.handle(ev))
+    def feed(self, n: VNode, ev: Event) -> None:
+        """As `node.runtime`'s core loop: the event at the virtual now, its actions carried out in order, then
+        each action's follow-up event, before anything else reaches the node."""
+        pending = deque((ev,))
+        while pending and n.core is not None:
+            for a in n.core.handle(pending.popleft(), self.queue.unix(), self.queue.unix_ms()):
+                follow_up = self.do(n, a)
+                if follow_up is not None:
+                    pending.append(follow_up)
 
-    def do(self, n: VNode, actions: list[Any]) -> None:  # noqa: C901 - one branch per action
+    def do(self, n: VNode, a: Action) -> Event | None:  # noqa: C901 - one branch per action
+        """Carry out one action in virtual time; its follow-up event, if any (as `Node._carry_out`)."""
         counts = self.recorder.counts
-        for a in actions:
-            t = type(a)
-            if t is Publish:
-                if a.topic == "announce":
-                    counts["announces"] += 1
-                    self.net.announced(n, a.data)
-                    self.net.send(n, n.ctrl, AnnounceArrives, a.data)
-                else:
-                    if self.net.publish(n, a.data, a.shard):  # as the runtime: counted once it went out
-                        self.feed(n, RolloutsPublished(a.count))
-            elif t is Subscribe:
-                self.net.subscribe(n, a.shards, a.subscribe)
-            elif t is ToWorker:
-                self.workers.receive(n, a.msg)
-            elif t is Log:
-                self.recorder.core_logs[a.msg] += 1
-            elif t is RecordRollouts:
-                counts["rollouts_recorded"] += len(a.entries)
-            elif t is SeedVersion:
-                counts["versions_seeded"] += 1
-                self.net.send(n, n.ctrl, ManifestArrives, a.envelope)
-            elif t is StorePatch:
-                self._store_patch(n, a.pid)
-            elif t is DropItem:
-                items = n.store.get(a.lineage, {})
-                for key in [k for k in items if k[1] == a.base and k[2] == a.target]:
-                    del items[key]
-            elif t is LoadStored:
-                self.feed(n, StoredItems(a.lineage, self._items(n, a.lineage)))
-            elif t is FetchCatalog:
-                counts["catalog_requests"] += 1
-                dst = self.by_peer.get(a.peer)
-                if dst is not None:
-                    self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
-                                    CatalogAsked(dst.spec.index, n.spec.index, a.lineage, n.inc))
-            elif t is RequestOffer:
-                counts["offers_requested"] += 1
-                dst = self.by_peer.get(a.peer)
-                if dst is not None:
-                    self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
-                                    OfferAsked(dst.spec.index, n.spec.index, a.lineage,
-                                               (a.item.kind, a.item.base, a.item.target), n.inc))
-            elif t is Penalise:
-                n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())  # type: ignore[union-attr]
-            # SeePeer (persist a peer for discovery), ResendTaskSets (one modelled task set): nothing to model;
-            # RestartWorker: modelled workers never exit
+        if isinstance(a, Publish):
+            if a.topic == "announce":
+                counts["announces"] += 1
+                self.net.announced(n, a.data)
+                self.net.send(n, n.ctrl, AnnounceArrives, a.data)
+            elif self.net.publish(n, a.data, a.shard):  # as the runtime: counted once it went out
+                return RolloutsPublished(a.count)
+        elif isinstance(a, Subscribe):
+            self.net.subscribe(n, a.shards, a.subscribe)
+        elif isinstance(a, ToWorker):
+            self.workers.receive(n, a.msg)
+        elif isinstance(a, Log):
+            self.recorder.core_logs[a.msg] += 1
+        elif isinstance(a, RecordRollouts):
+            counts["rollouts_recorded"] += len(a.entries)
+        elif isinstance(a, SeedVersion):
+            counts["versions_seeded"] += 1
+            self.net.send(n, n.ctrl, ManifestArrives, a.envelope)
+        elif isinstance(a, StorePatch):
+            return self._store_patch(n, a.pid)
+        elif isinstance(a, DropItem):
+            items = n.store.get(a.lineage, {})
+            for key in [k for k in items if k[1] == a.base and k[2] == a.target]:
+                del items[key]
+        elif isinstance(a, LoadStored):
+            return StoredItems(a.lineage, self._items(n, a.lineage))
+        elif isinstance(a, FetchCatalog):
+            counts["catalog_requests"] += 1
+            dst = self.by_peer.get(a.peer)
+            if dst is not None:
+                self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
+                                CatalogAsked(dst.spec.index, n.spec.index, a.lineage, n.inc))
+        elif isinstance(a, RequestOffer):
+            counts["offers_requested"] += 1
+            dst = self.by_peer.get(a.peer)
+            if dst is not None:
+                self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
+                                OfferAsked(dst.spec.index, n.spec.index, a.lineage,
+                                           (a.item.kind, a.item.base, a.item.target), n.inc))
+        elif isinstance(a, Penalise):
+            n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())  # type: ignore[union-attr]
+        elif isinstance(a, (SeePeer, ResendTaskSets)):
+            pass  # a peer persisted for discovery, our task sets sent again: the simulated swarm has one task set
+        elif isinstance(a, RestartWorker):
+            # the core asks for a restart only after a WorkerExited, which nothing here feeds: modelled workers
+            # never exit
+            raise AssertionError("a restart of a simulated worker, which never exits")  # noqa: TRY004 - a driver bug
+        elif isinstance(a, (Accept, Decline)):
+            pass  # answers to ManifestOffered, which the broadcast asks through `offer_manifest` (`on_manifest`)
+        else:
+            assert_never(a)
+        return None
 
     def _items(self, n: VNode, lineage: bytes) -> tuple[StoredItem, ...]:
         items = n.store.get(lineage, {})
         size = self.sc.sync.patch_bytes
         return tuple(StoredItem(k, b, t, item_bytes(size, k)) for (k, b, t) in list(items)[-MAX_ITEMS:])
 
-    def _store_patch(self, n: VNode, pid: bytes) -> None:
-        """The runtime's store step: a completed transfer is written to the lineage store, then reported."""
+    def _store_patch(self, n: VNode, pid: bytes) -> PatchStored | None:
+        """The runtime's store step: a completed transfer is written to the lineage store; what to report."""
         got = n.transfers.pop(pid, None)
         if got is None:
-            return
+            return None
         env, m, seconds = got
         it = item_of(m)
         n.store.setdefault(bytes(m.lineage), {})[(it.kind, it.base, it.target)] = env
         self.recorder.counts["patches_stored"] += 1
-        self.feed(n, PatchStored(m, m.total_bytes, seconds))
+        return PatchStored(m, m.total_bytes, seconds)
 
     # ------------------------------------------------------------ events that reach a node's network process
 
@@ -167,7 +182,7 @@ class CoreDriver:
         n = self.nodes[ev.node]
         if not n.alive or n.inc != ev.inc or n.core is None:
             return
-        self.do(n, n.core.handle(TICK))
+        self.feed(n, TICK)
         due = n.core.next_deadline() - EPOCH
         self.queue.push(max(due, self.queue.now + WORKER_S), Wake(ev.node, ev.inc))
 
@@ -212,7 +227,7 @@ class CoreDriver:
             return
         d, _, m = heard
         self.feed(d, ManifestHeard(m))
-        if d.core is not None and d.core.offer_manifest(m):
+        if d.core is not None and d.core.offer_manifest(m, self.queue.unix()):
             pid = wire.content_id(ev.data)
             if pid in d.transfers:
                 return

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -31,6 +33,26 @@ class Clock:
         return self.t
 
 
+class ClockedCore(C.NodeCore):
+    """The core as a driver runs it, at the test's `Clock`: `handle(ev)` is `handle(ev, clock.t, wall_ms())`
+    (one reading per call), and the queries that take `now` read `clock.t` too."""
+
+    def __init__(self, settings: C.CoreSettings, identity: Identity, clock: Clock,
+                 wall_ms: Callable[[], int] = wire.now_ms, **kw: Any) -> None:
+        super().__init__(settings, identity, clock.t, **kw)
+        self.test_clock, self.test_wall_ms = clock, wall_ms
+
+    def handle(self, ev: C.Event, now: float | None = None, wall_ms: int | None = None) -> list[C.Action]:
+        return super().handle(ev, self.test_clock.t if now is None else now,
+                              self.test_wall_ms() if wall_ms is None else wall_ms)
+
+    def offer_manifest(self, m: wire.PatchManifest, now: float | None = None) -> bool:
+        return super().offer_manifest(m, self.test_clock.t if now is None else now)
+
+    def dissemination_s(self, now: float | None = None) -> float:
+        return super().dissemination_s(self.test_clock.t if now is None else now)
+
+
 def W(kind: str, body: object) -> C.FromWorker:
     """A worker message as the network process receives it: encoded and decoded by node.pipe."""
     return C.FromWorker(pipe.decode(pipe.encode(kind, body)))
@@ -47,7 +69,7 @@ def key(i: int) -> Identity:
 def make_core(roles=("follower", "validator"), seed: int = 1, start: float = 1000.0, **kw) -> tuple[C.NodeCore, Clock]:
     clock = Clock()
     clock.t = start
-    core = C.NodeCore(C.CoreSettings(swarm="t", roles=tuple(roles), **kw), key(seed), clock)
+    core = ClockedCore(C.CoreSettings(swarm="t", roles=tuple(roles), **kw), key(seed), clock)
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     return core, clock
 
@@ -270,11 +292,11 @@ def _rollout() -> wire.Rollout:
                         token_versions=[], sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5)
 
 
-def test_created_ms_comes_from_the_injected_wall_clock() -> None:
+def test_created_ms_comes_from_the_wall_ms_the_driver_gives() -> None:
     """Announces and rollout batches are stamped by `wall_ms`, not the host's clock: the simulator's virtual
     time reaches its receivers' freshness checks."""
     clock = Clock()
-    core = C.NodeCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_234_567)
+    core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_234_567)
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
     assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in sent] == [1_234_567]
@@ -292,7 +314,7 @@ def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> N
     for mono, wall in ((10_000.0, 1_700_000_000_000), (3.0, 1_700_000_060_000)):  # before, after the reboot
         clock = Clock()
         clock.t = mono
-        core = C.NodeCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
+        core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
         core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
         out = core.handle(W("rollouts", [wire.encode(r)]))
         seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
@@ -409,7 +431,7 @@ def test_only_finite_rewards_reach_the_reward_trend() -> None:
 def test_announces_made_within_one_millisecond_still_rise() -> None:
     """Receivers ignore an announce whose seq is not above the last one seen from its key."""
     clock = Clock()
-    core = C.NodeCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
+    core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     seqs = []
     for _ in range(3):
@@ -534,7 +556,7 @@ def _producing(ident: Identity, seq: int, serving: bytes = b"", owned=(), rate: 
 
 def _trainer_with_own_lineage(supply_view=None) -> tuple[C.NodeCore, Clock, bytes]:
     clock = Clock()
-    core = C.NodeCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock, supply_view=supply_view)
+    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock, supply_view=supply_view)
     lid = lineage_id(key(1).public, BASE, "mine")
     core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0,
                             "model_bytes": MODEL_BYTES}))
@@ -583,7 +605,7 @@ def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_ow
     assert (served > mine) == (name == "lin")  # one case each way
     views = [exchange.Supply()]
     clock = Clock()
-    core = C.NodeCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock,
+    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock,
                       supply_view=lambda: views[-1])
     core.handle(W("ready", {"base": BASE.hex(), "lineage": mine.hex(), "name": "mine", "version": 0,
                             "model_bytes": MODEL_BYTES}))
@@ -793,7 +815,7 @@ def test_a_trainers_announced_rate_is_supply_for_the_first_lineage_it_owns() -> 
 def test_rollout_batches_sealed_within_one_millisecond_still_rise() -> None:
     """Receivers take a producer's batch only with a seq above the last (a reused one is a replay)."""
     clock = Clock()
-    core = C.NodeCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
+    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
     seqs = []
     for _ in range(3):
         out = core.handle(W("rollouts", [wire.encode(_rollout())]))

@@ -123,6 +123,21 @@ def test_drivers_do_not_reach_into_the_core() -> None:
     assert hits == []
 
 
+def test_the_core_reads_no_clock_and_its_drivers_drop_no_actions() -> None:
+    """Time comes with each event (`handle(event, now, wall_ms)`): no clock is read in the core or its
+    sub-machines. And every driver uses what `handle` returns: no call statement discards it."""
+    read = re.compile(r"clock\(|self\.clock|wall_ms\(\)|time\.(time|monotonic|perf_counter)\(")
+    machines = ["core", "lineages", "peertable", "catchup_machine", "supervision", "sealing", "credit"]
+    hits = [f"{m}.py:{i}" for m in machines
+            for i, line in enumerate((ROOT / "node" / f"{m}.py").read_text().splitlines(), 1) if read.search(line)]
+    assert hits == []
+    dropped = re.compile(r"^\s*(await\s+)?[\w.\[\]]+\.handle\(")
+    files = [ROOT / "node" / "runtime.py", *sorted((ROOT / "simulations").rglob("*.py"))]
+    hits = [f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
+            if dropped.search(line)]
+    assert hits == []
+
+
 def test_one_penalty_action_with_one_sign() -> None:
     import gossip.scoring
     import node.events

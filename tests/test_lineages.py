@@ -21,23 +21,23 @@ class Clock:
 
 def table(model_bytes: int = 1 << 20) -> tuple[LineageTable, Clock]:
     clock = Clock()
-    t = LineageTable(64, clock)
+    t = LineageTable(64)
     t.set_my_base(BASE, model_bytes)
     return t, clock
 
 
 def test_only_a_stored_own_lineage_becomes_this_nodes_own() -> None:
-    t, _ = table()
+    t, clock = table()
     rows = {rel: key(i) for i, rel in enumerate(("follow", "seen", "own"), start=1)}
     for rel, ident in rows.items():
-        t.load(lineage_id(ident.public, BASE, rel), rel, rel, ident.public, BASE, 5)
+        t.load(lineage_id(ident.public, BASE, rel), rel, rel, ident.public, BASE, 5, clock.t)
         assert t.own == (lineage_id(ident.public, BASE, "own") if rel == "own" else None), rel
     assert {r.relation for r in t.rows.values()} == {"follow", "seen", "own"}
 
 
 def test_a_manifest_is_refused_only_past_three_times_the_base_model_and_a_mebibyte() -> None:
     size = 1 << 20
-    t, _ = table(size)
+    t, clock = table(size)
     pub = key(9)
     limit = int(SIZE_FACTOR * size) + (1 << 20)
     assert t.check_manifest(manifest(pub, "lin", 1, 2, total=limit)) is None
@@ -49,7 +49,7 @@ def test_a_demand_is_acted_on_for_thirty_seconds() -> None:
     t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    lin, why = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=0.0))
+    lin, why = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=0.0), clock.t)
     assert why is None and lin is not None
     clock.t += DEMAND_FRESH_S
     assert t.effective_demand(lin, clock()) is not None
@@ -63,11 +63,11 @@ def test_the_observed_step_time_counts_only_versions_that_moved_the_head() -> No
     t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.load(lid, "lin", "seen", pub.public, BASE, 10)
-    lin, why = t.on_manifest(manifest(pub, "lin", 4, 5))
+    t.load(lid, "lin", "seen", pub.public, BASE, 10, clock.t)
+    lin, why = t.on_manifest(manifest(pub, "lin", 4, 5), clock.t)
     assert why is None and lin is not None and lin.head == 10 and lin.live
     clock.t += 100.0
-    lin, why = t.on_demand(pub.public, demand(lid, "lin", 11, step_time_s=1.0))
+    lin, why = t.on_demand(pub.public, demand(lid, "lin", 11, step_time_s=1.0), clock.t)
     assert why is None and [v for _, v in lin.advances] == [11]
     d = t.effective_demand(lin, clock())
     assert d is not None and d.step_time_s == 1.0  # the claim stands: one advance, heard just now
@@ -76,9 +76,9 @@ def test_the_observed_step_time_counts_only_versions_that_moved_the_head() -> No
 def test_own_lineage_listed_first_does_not_hide_the_followable_ones() -> None:
     t, clock = table()
     me, pub = key(1), key(9)
-    t.set_own(lineage_id(me.public, BASE, "mine"), "mine", me.public, BASE, 3)
+    t.set_own(lineage_id(me.public, BASE, "mine"), "mine", me.public, BASE, 3, clock.t)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(pub.public, demand(lid, "lin", 3))
+    t.on_demand(pub.public, demand(lid, "lin", 3), clock.t)
     assert [lin.lineage for lin, _ in t.followable(clock())] == [lid]
 
 
@@ -87,9 +87,9 @@ def test_the_step_time_is_no_shorter_than_the_publisher_demonstrably_takes() -> 
     t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=1.0))
+    t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=1.0), clock.t)
     clock.t += 10.0
-    lin, why = t.on_demand(pub.public, demand(lid, "lin", 4, step_time_s=1.0))
+    lin, why = t.on_demand(pub.public, demand(lid, "lin", 4, step_time_s=1.0), clock.t)
     assert why is None and lin is not None
     d = t.effective_demand(lin, clock())
     assert d is not None and d.step_time_s == 10.0
@@ -99,34 +99,34 @@ def test_the_step_time_is_no_shorter_than_the_publisher_demonstrably_takes() -> 
 
 def test_a_signed_head_may_jump_1024_versions_and_no_more() -> None:
     """docs/architecture.md: a signed head may not jump more than 1024 versions past the last one heard."""
-    t, _ = table()
+    t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(pub.public, demand(lid, "lin", 10))
-    lin, why = t.on_manifest(manifest(pub, "lin", 10 + 1024 - 1, 10 + 1024))
+    t.on_demand(pub.public, demand(lid, "lin", 10), clock.t)
+    lin, why = t.on_manifest(manifest(pub, "lin", 10 + 1024 - 1, 10 + 1024), clock.t)
     assert why is None and lin is not None and lin.signed_head == 10 + 1024
-    lin, why = t.on_manifest(manifest(pub, "lin", 10 + 2048, 10 + 2049))
+    lin, why = t.on_manifest(manifest(pub, "lin", 10 + 2048, 10 + 2049), clock.t)
     assert why is not None and why.fault and "far ahead" in why.reason and t.rows[lid].signed_head == 10 + 1024
-    _, why = t.on_demand(pub.public, demand(lid, "lin", 10 + 2049))  # an announce's head: the same bound
+    _, why = t.on_demand(pub.public, demand(lid, "lin", 10 + 2049), clock.t)  # an announce's head: the same bound
     assert why is not None and why.fault and "far ahead" in why.reason and t.rows[lid].signed_head == 10 + 1024
-    lin, why = t.on_demand(pub.public, demand(lid, "lin", 10 + 2048))
+    lin, why = t.on_demand(pub.public, demand(lid, "lin", 10 + 2048), clock.t)
     assert why is None and lin.signed_head == 10 + 2048
 
 
 def test_claims_on_a_proven_lineage_by_another_key_are_impersonation() -> None:
     """Whatever the impersonator's key sorts as: a demand for this node's own lineage or for a lineage whose
     publisher is proven, and a manifest whose id does not derive from its own fields, are forged claims."""
-    t, _ = table()
+    t, clock = table()
     me, pub = key(1), key(128)
     own = lineage_id(me.public, BASE, "mine")
-    t.set_own(own, "mine", me.public, BASE, 3)
+    t.set_own(own, "mine", me.public, BASE, 3, clock.t)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(pub.public, demand(lid, "lin", 3))
+    t.on_demand(pub.public, demand(lid, "lin", 3), clock.t)
     lower = next(key(i) for i in range(2, 100) if key(i).public < pub.public)
     higher = next(key(i) for i in range(2, 100) if key(i).public > pub.public)
     for liar in (lower, higher):  # a comparison of keys, not their equality, would let one side through
         for target, name in ((own, "mine"), (lid, "lin")):
-            lin, why = t.on_demand(liar.public, demand(target, name, 4))
+            lin, why = t.on_demand(liar.public, demand(target, name, 4), clock.t)
             assert lin is None and why is not None and why.fault and why.forged, (liar.public[:1], name)
     for wrong in (b"\x00" * 32, b"\xff" * 32):
         why = t.check_manifest(manifest(pub, "lin", 3, 4, lineage=wrong))
@@ -144,7 +144,7 @@ def test_the_observed_step_time_spans_the_last_eight_versions() -> None:
     start = clock.t
     for v, at in enumerate(times, start=1):
         clock.t = start + at
-        lin, why = t.on_demand(pub.public, demand(lid, "lin", v, step_time_s=0.5))
+        lin, why = t.on_demand(pub.public, demand(lid, "lin", v, step_time_s=0.5), clock.t)
         assert why is None
     d = t.effective_demand(lin, clock())
     assert d is not None and d.step_time_s == pytest.approx((107.0 - 1.0) / 7)  # versions 2..9: the pause counts
@@ -152,10 +152,11 @@ def test_the_observed_step_time_spans_the_last_eight_versions() -> None:
 
 def test_refusals_are_counted_under_bounded_keys() -> None:
     """The refusal counters (node status) keep at most 64 reasons, each at most 80 characters."""
-    t = LineageTable(64, Clock())  # knows no base model: nothing can be proven, every claim is refused
+    clock = Clock()
+    t = LineageTable(64)  # knows no base model: nothing can be proven, every claim is refused
     for i in range(100):
         lid = lineage_id(key(3).public, b"\x09" * 32, f"l{i}")
-        _, why = t.on_demand(key(7).public, demand(lid, f"l{i}", 1))
+        _, why = t.on_demand(key(7).public, demand(lid, f"l{i}", 1), clock.t)
         assert why is not None and not why.fault
     (reason,) = t.refused  # "lineage id does not derive from the signer's key, a known base model and the name"
     assert t.refused[reason] == 100 and len(reason) == 80 and reason.startswith("lineage id does not derive")
@@ -167,27 +168,27 @@ def test_refusals_are_counted_under_bounded_keys() -> None:
 def test_a_full_table_evicts_only_rows_merely_seen() -> None:
     """The least active row merely seen goes first; a followed or own row is never evicted for a stranger's."""
     clock = Clock()
-    t = LineageTable(4, clock)
+    t = LineageTable(4)
     t.set_my_base(BASE, 1 << 20)
     follow = key(20)
-    t.load(lineage_id(follow.public, BASE, "f"), "f", "follow", follow.public, BASE, 1)  # the least active
+    t.load(lineage_id(follow.public, BASE, "f"), "f", "follow", follow.public, BASE, 1, clock.t)  # the least active
     for i in range(3):
         clock.t += 1
         p = key(30 + i)
-        t.on_demand(p.public, demand(lineage_id(p.public, BASE, f"s{i}"), f"s{i}", 1))
+        t.on_demand(p.public, demand(lineage_id(p.public, BASE, f"s{i}"), f"s{i}", 1), clock.t)
     clock.t += 1
     newcomer = key(40)
-    lin, why = t.on_demand(newcomer.public, demand(lineage_id(newcomer.public, BASE, "n"), "n", 1))
+    lin, why = t.on_demand(newcomer.public, demand(lineage_id(newcomer.public, BASE, "n"), "n", 1), clock.t)
     assert why is None and lin is not None
     assert {r.name for r in t.rows.values()} == {"f", "s1", "s2", "n"} and t.evicted == 1
 
 
 def test_a_claimed_step_time_is_0_or_from_a_millisecond_to_a_million_seconds() -> None:
-    t, _ = table()
+    t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
     for step, ok in ((0.0, True), (0.001, True), (0.0009, False), (1e6, True), (1e6 + 1, False)):
-        _, why = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=step))
+        _, why = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=step), clock.t)
         assert (why is None) == ok and (ok or why.fault), step
 
 
@@ -211,22 +212,22 @@ def test_of_64_avoided_publishers_the_soonest_to_expire_is_forgotten_first() -> 
 
 
 def test_a_stored_row_loads_only_with_a_32_byte_key_and_base_that_derive_its_id() -> None:
-    t, _ = table()
+    t, clock = table()
     pub = key(9).public
     for publisher, base in ((pub[:31], BASE), (pub, BASE[:31]), (pub + b"\x00", BASE)):  # a damaged store
-        t.load(b"\x01" * 32, "lin", "follow", publisher, base, 4)
+        t.load(b"\x01" * 32, "lin", "follow", publisher, base, 4, clock.t)
         assert not t.rows
     lid = lineage_id(pub, BASE, "lin")
-    t.load(lid, "lin", "follow", pub, BASE, 4)
+    t.load(lid, "lin", "follow", pub, BASE, 4, clock.t)
     assert t.rows[lid].held == 4
 
 
 def test_a_publishers_demand_under_another_name_is_provably_false() -> None:
-    t, _ = table()
+    t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(pub.public, demand(lid, "lin", 3))
-    lin, why = t.on_demand(pub.public, demand(lid, "other-name", 4))
+    t.on_demand(pub.public, demand(lid, "lin", 3), clock.t)
+    lin, why = t.on_demand(pub.public, demand(lid, "other-name", 4), clock.t)
     assert lin is None and why is not None and why.fault and not why.forged and "derive" in why.reason
 
 
@@ -234,32 +235,32 @@ def test_an_unmeasured_step_time_stays_unmeasured_and_a_measured_one_is_capped()
     t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=0.0))
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 3, step_time_s=0.0), clock.t)
     clock.t += 20.0  # an observation exists (20 s since the head was heard), yet 0 means "not measured"
     assert t.effective_demand(lin, clock()).step_time_s == 0.0
     clock.t += 5e6  # the next version 5e6 s later: believed no slower than 1e6 s
-    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 4, step_time_s=1.0))
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 4, step_time_s=1.0), clock.t)
     assert t.effective_demand(lin, clock()).step_time_s == 1e6
 
 
 def test_a_table_holds_at_least_four_rows() -> None:
     """Own, served and two more, however small the configured bound."""
     clock = Clock()
-    t = LineageTable(1, clock)
+    t = LineageTable(1)
     t.set_my_base(BASE, 1 << 20)
     for i in range(5):
         clock.t += 1
         p = key(30 + i)
-        t.on_demand(p.public, demand(lineage_id(p.public, BASE, f"s{i}"), f"s{i}", 1))
+        t.on_demand(p.public, demand(lineage_id(p.public, BASE, f"s{i}"), f"s{i}", 1), clock.t)
     assert len(t.rows) == 4 and t.evicted == 1
 
 
 def test_this_nodes_own_manifests_relayed_back_change_nothing_and_count_as_no_refusal() -> None:
-    t, _ = table()
+    t, clock = table()
     me = key(1)
     own = lineage_id(me.public, BASE, "mine")
-    t.set_own(own, "mine", me.public, BASE, 3)
-    assert t.on_manifest(manifest(me, "mine", 3, 4)) == (None, None)
+    t.set_own(own, "mine", me.public, BASE, 3, clock.t)
+    assert t.on_manifest(manifest(me, "mine", 3, 4), clock.t) == (None, None)
     assert t.refused == {} and t.rows[own].signed_head == 3
     why = t.check_manifest(manifest(me, "mine", 3, 4))  # judged (an offer): provably not to be acted on
     assert why is not None and why.fault and why.forged
@@ -269,38 +270,38 @@ def test_configured_lineages_are_offered_whatever_their_order() -> None:
     t, clock = table()
     a, b = key(9), key(10)
     la, lb = lineage_id(a.public, BASE, "a"), lineage_id(b.public, BASE, "b")
-    t.on_demand(a.public, demand(la, "a", 3))
-    t.on_demand(b.public, demand(lb, "b", 3))
+    t.on_demand(a.public, demand(la, "a", 3), clock.t)
+    t.on_demand(b.public, demand(lb, "b", 3), clock.t)
     assert [lin.lineage for lin, _ in t.followable(clock(), (lb,))] == [lb]
 
 
 def test_a_lineage_first_heard_holds_the_base_model_version_0() -> None:
-    t, _ = table()
+    t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 3))
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 3), clock.t)
     assert (lin.held, lin.head, lin.signed_head) == (0, 3, 3)
 
 
 def test_claims_arrive_as_fresh_objects_and_are_compared_by_value() -> None:
     """The store and the network hand over new str and bytes objects: a stored own row is this node's own,
     a publisher's next demand is its own, however the values were built."""
-    t, _ = table()
+    t, clock = table()
     me, pub = key(1), key(9)
     own = lineage_id(me.public, BASE, "mine")
-    t.load(own, "mine", "".join(["o", "wn"]), bytes(bytearray(me.public)), BASE, 2)
+    t.load(own, "mine", "".join(["o", "wn"]), bytes(bytearray(me.public)), BASE, 2, clock.t)
     assert t.own == own
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(bytes(bytearray(pub.public)), demand(lid, "lin", 3))
-    lin, why = t.on_demand(bytes(bytearray(pub.public)), demand(lid, "lin", 4))
+    t.on_demand(bytes(bytearray(pub.public)), demand(lid, "lin", 3), clock.t)
+    lin, why = t.on_demand(bytes(bytearray(pub.public)), demand(lid, "lin", 4), clock.t)
     assert why is None and lin.signed_head == 4
 
 
 def test_an_anchor_names_one_version_and_a_manifest_far_ahead_is_refused_on_sight() -> None:
-    t, _ = table()
+    t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(pub.public, demand(lid, "lin", 10))
+    t.on_demand(pub.public, demand(lid, "lin", 10), clock.t)
     for m in (manifest(pub, "lin", 3, 4, codec="anchor-v1"), manifest(pub, "lin", 4, 4)):
         why = t.check_manifest(m)
         assert why is not None and why.fault and "fit the codec" in why.reason
@@ -315,9 +316,9 @@ def test_a_first_heard_head_is_no_advance() -> None:
     t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.on_demand(pub.public, demand(lid, "lin", 0, step_time_s=1.0))
+    t.on_demand(pub.public, demand(lid, "lin", 0, step_time_s=1.0), clock.t)
     clock.t += 20.0
-    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 1, step_time_s=1.0))
+    lin, _ = t.on_demand(pub.public, demand(lid, "lin", 1, step_time_s=1.0), clock.t)
     assert t.effective_demand(lin, clock()).step_time_s == 1.0
 
 
@@ -325,7 +326,7 @@ def test_an_avoided_publisher_listed_first_does_not_hide_the_others() -> None:
     t, clock = table()
     a, b = key(9), key(10)
     la, lb = lineage_id(a.public, BASE, "a"), lineage_id(b.public, BASE, "b")
-    t.on_demand(a.public, demand(la, "a", 3))
-    t.on_demand(b.public, demand(lb, "b", 3))
+    t.on_demand(a.public, demand(la, "a", 3), clock.t)
+    t.on_demand(b.public, demand(lb, "b", 3), clock.t)
     t.avoid(a.public, "could not fetch", clock())
     assert [lin.lineage for lin, _ in t.followable(clock())] == [lb]

@@ -24,13 +24,19 @@ def heard(ident: Identity, seq: int, rate: float = 0.0, signer: Identity | None 
     return AnnounceHeard((signer or ident).public, body, b"envelope %d" % seq)
 
 
+def take(t: PeerTable, ev: AnnounceHeard, now: float) -> list | None:
+    """`PeerTable.on_announce`'s appended actions when it took the announce, None when it did not."""
+    out: list = []
+    return out if t.on_announce(ev, now, out) else None
+
+
 def test_a_new_peer_is_greeted_once_and_a_known_one_is_updated_silently() -> None:
     t = PeerTable(16, ME.peer_id)
     p = key(9)
-    got = t.on_announce(heard(p, 1, addrs=("/ip4/1.2.3.4/tcp/1",)), 5.0)
+    got = take(t, heard(p, 1, addrs=("/ip4/1.2.3.4/tcp/1",)), 5.0)
     assert got == [ResendTaskSets(), Log("peer announced", {"peer": p.peer_id, "roles": ["trainer"]}),
                    SeePeer(p.peer_id, p.public, ("/ip4/1.2.3.4/tcp/1",), b"envelope 1")]
-    assert t.on_announce(heard(p, 2), 6.0) == []
+    assert take(t, heard(p, 2), 6.0) == []
     assert t.peers[p.peer_id].announce.seq == 2 and t.peers[p.peer_id].seen == 6.0
     assert t.peers[p.peer_id].public == p.public
 
@@ -38,16 +44,16 @@ def test_a_new_peer_is_greeted_once_and_a_known_one_is_updated_silently() -> Non
 def test_an_announce_not_newer_than_the_one_held_changes_nothing() -> None:
     t = PeerTable(16, ME.peer_id)
     p = key(9)
-    t.on_announce(heard(p, 5), 1.0)
-    assert t.on_announce(heard(p, 5), 2.0) is None  # a replay
-    assert t.on_announce(heard(p, 4), 3.0) is None  # reordered
+    take(t, heard(p, 5), 1.0)
+    assert take(t, heard(p, 5), 2.0) is None  # a replay
+    assert take(t, heard(p, 4), 3.0) is None  # reordered
     assert t.peers[p.peer_id].announce.seq == 5 and t.peers[p.peer_id].seen == 1.0
 
 
 def test_announces_for_another_key_or_for_ourselves_are_ignored() -> None:
     t = PeerTable(16, ME.peer_id)
-    assert t.on_announce(heard(key(9), 1, signer=key(10)), 1.0) is None  # signed by a key it does not name
-    assert t.on_announce(heard(ME, 1), 1.0) is None  # our own, relayed back
+    assert take(t, heard(key(9), 1, signer=key(10)), 1.0) is None  # signed by a key it does not name
+    assert take(t, heard(ME, 1), 1.0) is None  # our own, relayed back
     assert t.peers == {}
 
 
@@ -55,20 +61,20 @@ def test_a_full_table_evicts_the_least_recently_seen_peer() -> None:
     t = PeerTable(3, ME.peer_id)
     a, b, c, d = key(10), key(11), key(12), key(13)
     for i, p in enumerate((a, b, c)):
-        t.on_announce(heard(p, 1), float(i))
-    t.on_announce(heard(a, 2), 10.0)  # a heard again: b is now the least recently seen
-    assert t.on_announce(heard(d, 1), 11.0) is not None
+        take(t, heard(p, 1), float(i))
+    take(t, heard(a, 2), 10.0)  # a heard again: b is now the least recently seen
+    assert take(t, heard(d, 1), 11.0) is not None
     assert set(t.peers) == {a.peer_id, c.peer_id, d.peer_id} and t.evicted == 1
-    t.on_announce(heard(c, 2), 12.0)  # an update of a known peer evicts no one
+    take(t, heard(c, 2), 12.0)  # an update of a known peer evicts no one
     assert len(t.peers) == 3 and t.evicted == 1
 
 
 def test_live_peers_are_those_heard_within_the_expiry_and_silent_ones_are_forgotten_later() -> None:
     t = PeerTable(16, ME.peer_id)
     old, mid, new = key(10), key(11), key(12)
-    t.on_announce(heard(old, 1), 0.0)
-    t.on_announce(heard(mid, 1), PEER_FORGET_S - PEER_EXPIRY_S)
-    t.on_announce(heard(new, 1), PEER_FORGET_S)
+    take(t, heard(old, 1), 0.0)
+    take(t, heard(mid, 1), PEER_FORGET_S - PEER_EXPIRY_S)
+    take(t, heard(new, 1), PEER_FORGET_S)
     now = PEER_FORGET_S
     assert [pid for pid, _ in t.live(now)] == [mid.peer_id, new.peer_id]  # mid exactly at the expiry age
     t.expire(now)
@@ -80,18 +86,18 @@ def test_live_peers_are_those_heard_within_the_expiry_and_silent_ones_are_forgot
 def test_a_gone_peer_leaves_the_table() -> None:
     t = PeerTable(16, ME.peer_id)
     p = key(9)
-    t.on_announce(heard(p, 1), 0.0)
+    take(t, heard(p, 1), 0.0)
     t.gone(p.peer_id)
     t.gone("never heard")
     assert t.peers == {}
-    assert t.on_announce(heard(p, 1), 1.0) is not None  # heard again: a new peer, greeted again
+    assert take(t, heard(p, 1), 1.0) is not None  # heard again: a new peer, greeted again
 
 
 def test_producers_are_counted_beyond_the_table_bound_and_only_when_they_state_a_rate() -> None:
     t = PeerTable(2, ME.peer_id)
     for i in range(5):
-        t.on_announce(heard(key(20 + i), 1, rate=1.5), 1.0)
-    t.on_announce(heard(key(40), 1, rate=0.0), 1.0)
+        take(t, heard(key(20 + i), 1, rate=1.5), 1.0)
+    take(t, heard(key(40), 1, rate=0.0), 1.0)
     assert len(t.peers) == 2 and t.evicted == 4
     assert t.producers.count(1.0) == 5
     assert t.producers.count(1.0 + PEER_EXPIRY_S + 1) == 0

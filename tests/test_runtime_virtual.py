@@ -20,6 +20,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
+from gossip import wire
 from gossip.identity import Identity
 from node import core as C
 from node import supervision as SV
@@ -215,3 +216,104 @@ def test_a_signal_while_the_node_starts_stops_it_before_it_runs(tmp_path: Path) 
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
     assert seen == {"state": "stopping", "done": True, "announces": 0}  # no announce was even tried
+
+
+def _rollouts(lineages: tuple[bytes, ...]) -> pipe.Rollouts:
+    """What a worker hands its network process to sign: one rollout per lineage (one batch each)."""
+    rs = [wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=lid, version=0, completion_ids=[1, 2],
+                       text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8), token_versions=[],
+                       sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5) for lid in lineages]
+    return pipe.Rollouts([wire.encode(r) for r in rs])
+
+
+def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two sources at once, the worker pipe (rollouts to sign: two batches, each recorded and published)
+    and the announce handler (new peers: a greeting with a store write each), every action giving every
+    other task a turn: each event's actions are carried out in order, none of another event's between
+    them, while the sources keep feeding."""
+    # no rollout reaches this node's pipeline: building murmur-tiny's tokenizer for its check (a second of
+    # CPU) would check nothing
+    monkeypatch.setattr("training.tokencheck.for_model", lambda model: None)
+    ident = Identity.from_seed(b"\x34" * 32)
+    peers = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(6)]
+    trace: list[tuple] = []  # ("event", ev, actions) | ("action", action), in the order they happened
+    fed_while_busy = 0  # events a source queued while the loop was carrying out another event's actions
+    busy = False
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        nonlocal fed_while_busy
+        async with trio.open_nursery() as n:
+            workers = FakeWorkers(n)
+            node = Node(_config(["trainer"]), tmp_path / "n", ident, RunOptions(tui=False), clock=trio.current_time,
+                        spawn_worker=workers.spawn)
+            handle, carry_out, queue = node.core.handle, node._carry_out, node.feed
+
+            def recorded_handle(ev: C.Event, now: float, wall_ms: int) -> list[C.Action]:
+                acts = handle(ev, now, wall_ms)
+                trace.append(("event", ev, acts))
+                return acts
+
+            async def slow_carry_out(a: C.Action) -> C.Event | None:
+                nonlocal busy
+                busy = True
+                await trio.lowlevel.checkpoint()  # a turn for every other task: a second caller of the core would get in
+                trace.append(("action", a))
+                try:
+                    return await carry_out(a)
+                finally:
+                    busy = False
+
+            node.core.handle, node._carry_out = recorded_handle, slow_carry_out  # type: ignore[method-assign]
+
+            async def feed(ev: C.Event) -> None:
+                nonlocal fed_while_busy
+                fed_while_busy += busy
+                await queue(ev)
+
+            node.feed = feed  # type: ignore[method-assign]
+            n.start_soon(node.run_on, partial(MemNet().transport, ident))
+            await _until("node running", lambda: node.state == "running" and bool(workers.links))
+            w = workers.links[0]
+            lineages = (b"\1" * 32, b"\2" * 32)
+
+            async def worker_source() -> None:
+                for _ in range(6):
+                    w._out(_rollouts(lineages))
+                    await trio.lowlevel.checkpoint()
+
+            async def gossip_source() -> None:
+                for p in peers:
+                    body = wire.NodeAnnounce(v=1, peer_id=p.peer_id, seq=1, created_ms=1, hardware="cpu",
+                                             gen_tokens_per_s=0.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0,
+                                             memory_bytes=0, roles=["follower"], lineages_followed=[], serving=b"",
+                                             owned=[])
+                    await node._on_node_announce(p.peer_id, body, wire.seal(p, wire.NODE_ANNOUNCE, body, swarm=SWARM))
+
+            start = len(trace)
+            async with trio.open_nursery() as sources:
+                sources.start_soon(worker_source)
+                sources.start_soon(gossip_source)
+            def handled(cls: type) -> int:
+                return sum(e[0] == "event" and isinstance(e[1], cls) for e in trace[start:])
+
+            await _until("both sources handled", lambda: handled(C.FromWorker) >= 6
+                         and handled(C.AnnounceHeard) == len(peers))
+            seen["peers"] = {p.peer_id for p in peers} <= set(node.core.peers)
+            node.request_stop()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    assert seen["peers"] and fed_while_busy > 0  # the sources fed the loop while it was carrying out actions
+    i, sequences = 0, 0
+    while i < len(trace):
+        kind, *rest = trace[i]
+        assert kind == "event", f"entry {i}: an action outside its event's sequence: {rest}"
+        acts = rest[1]
+        done = [e[1] for e in trace[i + 1:i + 1 + len(acts)]]
+        if i + 1 + len(acts) <= len(trace):  # the last event may have been cut short by the stop
+            assert all(e[0] == "action" for e in trace[i + 1:i + 1 + len(acts)]), f"event {i} interleaved"
+            assert all(a is b for a, b in zip(done, acts, strict=True)), f"event {i}: actions out of order"
+        sequences += len(acts) > 1
+        i += 1 + len(acts)
+    greeted = [e for e in trace if e[0] == "event" and isinstance(e[1], C.AnnounceHeard)]
+    assert sequences >= 12 and all(any(isinstance(a, C.SeePeer) for a in e[2]) for e in greeted)

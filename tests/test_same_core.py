@@ -17,7 +17,7 @@ import sync.staleness
 import sync.transfers
 import simulations.vsim
 import training.sampler
-from node.core import NodeCore
+from node.core import ManifestOffered, NodeCore
 from simulations import scenario as S
 from simulations.virtual import VirtualSim
 
@@ -67,7 +67,8 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
     # staleness admission is the core's guard, the rule the live node runs
     assert all(type(c.guard) is sync.staleness.StalenessGuard for c in cores)
     for n in honest:
-        assert n.core.ident is n.ident and n.core.clock() == sim.queue.unix()  # virtual time, not the wall clock
+        # the driver gives the core virtual time, not the host's clock (which is years from the simulation's epoch)
+        assert n.core.ident is n.ident and abs(n.core.next_deadline() - sim.queue.unix()) < 60
         if n.spec.role == "trainer":
             assert type(n.sampler) is training.sampler.Sampler
             assert n.core.own == n.lineage and n.core.head_of(n.lineage) == n.version
@@ -83,11 +84,11 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
 
 
 class RecordingCore(NodeCore):
-    """A NodeCore that records every call a driver makes into it, with the clock readings it saw."""
+    """A NodeCore that records every call a driver makes into it, with the times the driver gave."""
 
-    def __init__(self, settings, identity, clock, wall_ms, *, producers_count=None,  # type: ignore[no-untyped-def]
+    def __init__(self, settings, identity, now, *, producers_count=None,  # type: ignore[no-untyped-def]
                  supply_view=None) -> None:
-        self.trace: list[tuple] = [("init", clock(), wall_ms(), None, None)]
+        self.trace: list[tuple] = [("init", now, None, None, None)]
         # The views a driver injects (the simulator's swarm-wide producer count and supply) are inputs too:
         # what they answered is recorded, as a copy, and replayed.
         self.views: dict[str, list] = {"producers_count": [], "supply_view": []}
@@ -102,40 +103,42 @@ class RecordingCore(NodeCore):
             return v
 
         self.injected = (producers_count is not None, supply_view is not None)
-        super().__init__(settings, identity, clock, wall_ms, producers_count=counted if producers_count else None,
+        super().__init__(settings, identity, now, producers_count=counted if producers_count else None,
                          supply_view=supplied if supply_view else None)
 
-    def handle(self, ev):  # type: ignore[no-untyped-def]
-        t, w = self.clock(), self.wall_ms()
-        out = super().handle(ev)
-        self.trace.append(("handle", t, w, ev, list(out)))
+    def handle(self, ev, now, wall_ms):  # type: ignore[no-untyped-def]
+        out = super().handle(ev, now, wall_ms)
+        self.trace.append(("handle", now, wall_ms, ev, list(out)))
         return out
 
+    def offer_manifest(self, m, now):  # type: ignore[no-untyped-def]
+        ok = super().offer_manifest(m, now)
+        self.trace.append(("offer_manifest", now, None, ManifestOffered(m), ok))
+        return ok
 
 
 def replay(core: RecordingCore) -> None:
-    """Feed a fresh core the recorded calls at the recorded times: every answer must be the same."""
-    now = [core.trace[0][1], core.trace[0][2]]
+    """Feed a fresh core the recorded calls with the recorded times: every answer must be the same."""
     answers = {k: iter(v) for k, v in core.views.items()}
-    fresh = NodeCore(core.s, core.ident, lambda: now[0], lambda: now[1],
+    fresh = NodeCore(core.s, core.ident, core.trace[0][1],
                      producers_count=(lambda t: next(answers["producers_count"])) if core.injected[0] else None,
                      supply_view=(lambda: next(answers["supply_view"])) if core.injected[1] else None)
     for i, (call, t, w, arg, want) in enumerate(core.trace[1:], 1):
-        now[0], now[1] = t, w
-        got = fresh.handle(arg)
+        got = fresh.handle(arg, t, w) if call == "handle" else fresh.offer_manifest(arg.manifest, t)
         assert got == want, f"call {i} ({call} {type(arg).__name__} at t={t}): {got!r} != {want!r}"
 
 
 def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A recorded trace of what the simulator's driver fed each core, replayed into a fresh core, gives
-    identical actions and answers: the core's decisions depend on its events and injected clocks only
-    (no hidden clock, randomness or driver-written state), so what a driver feeds is all that decides."""
+    identical actions and answers: the core's decisions depend on its events and the times the driver gives
+    with them only (no clock read, randomness or driver-written state), so what a driver feeds is all that
+    decides."""
     monkeypatch.setattr(simulations.vruntime, "NodeCore", RecordingCore)
     sim = VirtualSim(S.loads(SCENARIO))
     sim.run()
     cores = [n.core for n in sim.nodes if n.core is not None]
     assert len(cores) == 5 and all(isinstance(c, RecordingCore) and c.injected == (True, True) for c in cores)
-    kinds = {type(e[3]).__name__ for c in cores for e in c.trace if e[0] == "handle"}
+    kinds = {type(e[3]).__name__ for c in cores for e in c.trace[1:]}
     assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified", "ManifestOffered"} <= kinds
     assert sum(len(c.trace) for c in cores) > 500
     for c in cores:
