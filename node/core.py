@@ -183,6 +183,8 @@ class NodeCore:
         # ... and, likewise, what producers announce per lineage (batches/s); None: read our peer table
         self._supply_view = supply_view
         self.announced_rate = 0.0  # publish_batches_per_s of our last announce
+        # a trainer publishes its own rollouts to the demand on its shard (gossip.exchange.publish_budget)
+        self.outbox = exchange.Outbox(clock()) if "trainer" in settings.roles else None
 
     # ------------------------------------------------------------ queries
     @property
@@ -220,7 +222,8 @@ class NodeCore:
     def stats(self) -> dict[str, int]:
         """The core's counters, its sub-machines' included, as a copy."""
         return {**self.counts, "worker_restarts": self.supervisor.restarts, "peers_evicted": self.peer_table.evicted,
-                "rollouts_unpublishable": self.sealer.unpublishable}
+                "rollouts_unpublishable": self.sealer.unpublishable, "rollouts_produced": self.sealer.produced,
+                "rollouts_withheld": self.sealer.withheld}
 
     @property
     def peers(self) -> dict[str, PeerInfo]:
@@ -543,7 +546,11 @@ class NodeCore:
         elif isinstance(m, pipe.Ready):
             self._on_ready(m, out)
         elif isinstance(m, pipe.Rollouts):
-            self.sealer.seal(m.items, self.clock(), self.wall_ms(), self.exchange.publish_shard, out)
+            now = self.clock()
+            outbox = self.outbox
+            # the budget is for our own lineage's rollouts; a lineage we serve as a follower takes all we make
+            allow = None if outbox is None else (lambda lid, n: lid != self.own or outbox.take(n, now))
+            self.sealer.seal(m.items, now, self.wall_ms(), self.exchange.publish_shard, out, allow)
         elif isinstance(m, pipe.Step):
             self.steps += 1
             self._reward(m.reward_mean)
@@ -682,12 +689,43 @@ class NodeCore:
         measured = self.inbound.rate(now) if demand > 0 else None
         plan = self.exchange.plan(now, producers, supply, demand / per_batch, home,
                                   measured / per_batch if measured is not None else None, own)
+        if self.outbox is not None:
+            self.outbox.rate = self._publish_budget(now, plan.shards, per_batch)
         if (plan.shards, plan.subscribe) != self.subscribed:
             self.subscribed = (plan.shards, plan.subscribe)
             out.append(Subscribe(plan.shards, plan.subscribe))
             out.append(Log("exchange", {"shards": plan.shards, "subscribe": list(plan.subscribe),
                                         "home": list(plan.home), "producers": producers,
                                         "demand_rollouts_per_s": round(demand, 2)}))
+
+    def _publish_budget(self, now: float, shards: int, per_batch: float) -> float:
+        """Rollouts/s our trainer publishes to its lineage's shard (gossip.exchange.publish_budget), from what
+        the announces and signed versions we heard say: each other trainer's demand as far as its versions
+        back it (`LineageTable.effective_demand`), at most `DEMAND_BOUND` times our own; what followers
+        publish on the shard; the trainers there; whether a validator takes it."""
+        if self.own is None:
+            return 0.0
+        j = exchange.shard_of(self.own, shards)
+        ref = self.external_demand() or roles.offer_rate(self.gen_tps, self.tokens_per_rollout)
+        bound = exchange.DEMAND_BOUND * ref
+        demands = []
+        for lin in self.table.rows.values():
+            if lin.relation == "own" or not lin.publisher:
+                continue
+            d = self.table.effective_demand(lin, now)
+            if d is not None:
+                demands.append(exchange.consumer_demand(d.rollouts_per_step, d.step_time_s, bound))
+        followers, trainers, validated = 0.0, 1, False
+        for _, p in self.peer_table.live(now):
+            a = p.announce
+            if a.serving and exchange.shard_of(bytes(a.serving), shards) == j:
+                validated = validated or "validator" in a.roles
+                if "follower" in a.roles:
+                    followers += min(a.publish_batches_per_s, 1e3) * per_batch
+            if "trainer" in a.roles and a.owned and bytes(a.owned[0].lineage) != self.own \
+                    and exchange.shard_of(bytes(a.owned[0].lineage), shards) == j:
+                trainers += 1
+        return exchange.publish_budget(demands, followers, trainers, validated, self.s.group_size)
 
     def external_wanted(self, lineages: set[bytes]) -> bool:
         """Whether an accepted rollout batch goes to our worker (a trainer learns; a validator spot-checks)."""

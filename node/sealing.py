@@ -3,7 +3,9 @@
 A rollout that receivers would refuse as a forgery (a number out of range, log-prob bytes that do not
 match its tokens) is never signed: it is counted (`unpublishable`) and logged. The rest are grouped by
 lineage (a batch goes to its lineage's shard, so it holds one lineage), cut into batches of at most
-`BATCH_MAX_ROLLOUTS`, each signed once and recorded before it is published. Batch seqs follow the wall
+`BATCH_MAX_ROLLOUTS`, each signed once and recorded before it is published. A trainer's groups (the
+rollouts of one task) first pass its publish budget (`allow`, `gossip.exchange.Outbox`): a group no one
+asked for stays local, never signed (`withheld`). Batch seqs follow the wall
 clock in microseconds, so they still rise after a restart (a reused seq is a replay to receivers).
 The batches published per second are metered: the rate our announce states.
 """
@@ -28,11 +30,14 @@ class RolloutSealer:
         self.rollout_seq = 0
         self.publish_meter = RateMeter()  # rollout batches/s we publish, stated in our announce
         self.unpublishable = 0
+        self.produced = 0  # rollouts our worker made that could be signed
+        self.withheld = 0  # ... of them kept local: over the publish budget
 
     def seal(self, encoded: list[bytes], now: float, wall_ms: int, shard_of: Callable[[bytes], int],
-             out: list[Action]) -> None:
+             out: list[Action], allow: Callable[[bytes, int], bool] | None = None) -> None:
         """Our worker's encoded rollouts: a `RecordRollouts` then a `Publish` to `shard_of(lineage)` per batch;
-        `wall_ms` (unix milliseconds) stamps the batches' `created_ms`, which receivers' freshness checks read."""
+        `wall_ms` (unix milliseconds) stamps the batches' `created_ms`, which receivers' freshness checks read.
+        `allow(lineage, n)`: whether a group of n rollouts (one task's) goes out; None: all do."""
         from gossip.validation import rollout_id
 
         rollouts = []
@@ -50,6 +55,13 @@ class RolloutSealer:
                 out.append(Log("worker rollout not published", {"error": bad[:200]}))
                 continue
             rollouts.append(r)
+        self.produced += len(rollouts)
+        if allow is not None:
+            groups: dict[tuple[bytes, bytes, str, int], list[wire.Rollout]] = {}
+            for r in rollouts:
+                groups.setdefault((bytes(r.lineage), bytes(r.task.task_set), r.task.generator, r.task.seed), []).append(r)
+            rollouts = [r for (lid, *_), g in groups.items() if allow(lid, len(g)) for r in g]
+            self.withheld += sum(len(g) for g in groups.values()) - len(rollouts)
         by_lineage: dict[bytes, list[wire.Rollout]] = {}
         for r in rollouts:
             by_lineage.setdefault(bytes(r.lineage), []).append(r)

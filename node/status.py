@@ -156,6 +156,14 @@ class ExchangeView(Struct, kw_only=True):
 
     shards: int = 1  # the shard count this node believes
     subscribed: list[int] = []
+    produced_rollouts: int = 0  # made by our worker
+    published_rollouts: int = 0  # ... sent to a shard (a trainer: within its publish budget)
+    withheld_rollouts: int = 0  # ... a trainer kept local: no one asked for them
+    publish_budget_per_s: float | None = None  # a trainer's publish budget, rollouts/s (None: not a trainer)
+    unsampled_batches: int = 0  # a validator's: outside its sample, dropped unverified (not received work)
+    sample_fraction: float | None = None  # a validator that does not train: its stated sample (None: verifies all)
+    sample_floor_per_min: float | None = None  # ... and its floor per producer
+    sample_rate: float | None = None  # ... the share of batches it checked so far
     received_batches: int = 0
     received_rollouts: int = 0  # rollouts of received batches that decoded
     verified_batches: int = 0

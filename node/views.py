@@ -74,7 +74,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason,
         following=c.committed.hex() if c.committed else "", steps=c.steps,
         versions_published=counts["published"], versions_applied=counts["applied"],
-        rollouts_produced=led.get("produced", 0), rollouts_published=counts["rollouts_published"],
+        rollouts_produced=counts["rollouts_produced"], rollouts_published=counts["rollouts_published"],
         rollouts_received=accepted + sum(v for k2, v in led.items() if k2.startswith("rejected")),
         rollouts_accepted=accepted, rollouts_used=counts["used"], rejected=rejected,
         used_over_verified=round(counts["used"] / accepted, 4) if accepted else None,
@@ -106,10 +106,19 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
 
 def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
     st, now = service.stats, service.pipeline.clock()
-    used = core.stats()["used"]
+    counts = core.stats()
+    used = counts["used"]
     verified = st.counts["verified_rollouts"]
     rates = st.rates(now)
+    sample = service.sample
     return ExchangeView(shards=service.shards, subscribed=list(service.subscribed_shards),
+                        produced_rollouts=counts["rollouts_produced"], published_rollouts=counts["rollouts_published"],
+                        withheld_rollouts=counts["rollouts_withheld"],
+                        publish_budget_per_s=round(core.outbox.rate, 3) if core.outbox is not None else None,
+                        unsampled_batches=st.counts["unsampled_batches"],
+                        sample_fraction=sample.fraction if sample is not None else None,
+                        sample_floor_per_min=sample.floor_per_min if sample is not None else None,
+                        sample_rate=round(sample.rate(), 4) if sample is not None else None,
                         received_batches=st.counts["received_batches"], received_rollouts=st.counts["received_rollouts"],
                         verified_batches=st.counts["verified_batches"], verified_rollouts=verified,
                         used_rollouts=used, dropped=dict(st.dropped), rates=rates,

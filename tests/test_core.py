@@ -165,6 +165,18 @@ def test_catch_up_does_nothing_when_held_plus_in_flight_reach_the_head() -> None
     assert core.catching is None  # nothing is missing: the attempt begun when it chose the lineage is over
 
 
+def hear_consumer(core: C.NodeCore, clock: Clock, ident: Identity | None = None, rollouts: int = 32,
+                  step_time_s: float = 0.5) -> bytes:
+    """Another trainer announces its demand (`rollouts` external rollouts a version, a version every
+    `step_time_s`, its signed versions at that pace): our core's next tick budgets our publishing for it."""
+    ident = ident or key(5)
+    lid = lineage_id(ident.public, BASE, "theirs")
+    core.handle(announce(ident, 1, [demand(lid, "theirs", 2, step_time_s=step_time_s, rollouts=rollouts)]))
+    core.handle(C.ManifestHeard(manifest(ident, "theirs", 1, 2)))
+    core.handle(C.Tick())
+    return lid
+
+
 def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     core, clock = make_core(roles=("trainer",))
     me = key(1)
@@ -174,6 +186,9 @@ def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     env = wire.decode_envelope(of(acts, C.Publish)[0].data, swarm=SWARM)
     a = wire.decode_struct(env.body, wire.NodeAnnounce, 1 << 16)
     assert [bytes(d.lineage) for d in a.owned] == [lid] and a.owned[0].head_version == 2
+    clock.t += C.ANNOUNCE_EVERY_S
+    hear_consumer(core, clock)
+    clock.t += 10  # the budget a peer's demand gives fills up
     r = wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
                      completion_ids=[2], text="x", tokenizer_hash=bytes(32), logprobs=bytes(4), token_versions=[(0, 2)],
                      sampling=wire.SamplingParams(), reward=1.0, created_ms=1)
