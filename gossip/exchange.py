@@ -22,6 +22,15 @@ plus one shard's supply plus its home shards, none of which
 grows with N; and a shard holds a couple of lineages, so a trainer that takes
 about as much as it makes uses a large share of what it verifies.
 
+What goes on a shard follows its demand. GossipSub hands every batch of a shard to
+every subscriber, so a shard should carry about what one consumer takes: a trainer
+publishes its own rollouts within `publish_budget` (the median of the other
+trainers' counted demands, `consumer_demand`, with a margin, less what followers
+publish there, shared by the shard's trainers but one), in whole groups
+(`Outbox`), and keeps the rest local; a follower publishes all it generates (its
+generation is paced to its lineage's demand). A validator that does not train
+verifies a keyed-hash sample of each producer's batches (`Sample`).
+
 A receiver's gate (`ShardGate`) runs before verification: a batch whose lineage
 does not belong to the shard it came on is dropped (`wrong_shard`; uncharged, a
 view of S can differ by a factor of two, so S/2, S and 2S are all accepted), a

@@ -223,7 +223,7 @@ class NodeCore:
         """The core's counters, its sub-machines' included, as a copy."""
         return {**self.counts, "worker_restarts": self.supervisor.restarts, "peers_evicted": self.peer_table.evicted,
                 "rollouts_unpublishable": self.sealer.unpublishable, "rollouts_produced": self.sealer.produced,
-                "rollouts_withheld": self.sealer.withheld}
+                "rollouts_withheld": self.sealer.withheld, "rollouts_sealed": self.sealer.sealed}
 
     @property
     def peers(self) -> dict[str, PeerInfo]:
@@ -701,7 +701,8 @@ class NodeCore:
     def _publish_budget(self, now: float, shards: int, per_batch: float) -> float:
         """Rollouts/s our trainer publishes to its lineage's shard (gossip.exchange.publish_budget), from what
         the announces and signed versions we heard say: each other trainer's demand as far as its versions
-        back it (`LineageTable.effective_demand`), at most `DEMAND_BOUND` times our own; what followers
+        back it (`LineageTable.effective_demand`; one not measured yet as `DEFAULT_STEP_S`, or the time
+        since we first heard it if longer), at most `DEMAND_BOUND` times our own; what followers
         publish on the shard; the trainers there; whether a validator takes it."""
         if self.own is None:
             return 0.0
@@ -714,7 +715,10 @@ class NodeCore:
                 continue
             d = self.table.effective_demand(lin, now)
             if d is not None:
-                demands.append(exchange.consumer_demand(d.rollouts_per_step, d.step_time_s, bound))
+                # a trainer that has not measured a step yet plans with DEFAULT_STEP_S (as we do), for as long
+                # as it has been announcing: a step never measured makes the claim fade
+                step = d.step_time_s if d.step_time_s > 0 else max(DEFAULT_STEP_S, now - lin.since)
+                demands.append(exchange.consumer_demand(d.rollouts_per_step, step, bound))
         followers, trainers, validated = 0.0, 1, False
         for _, p in self.peer_table.live(now):
             a = p.announce

@@ -32,6 +32,7 @@ class RolloutSealer:
         self.unpublishable = 0
         self.produced = 0  # rollouts our worker made that could be signed
         self.withheld = 0  # ... of them kept local: over the publish budget
+        self.sealed = 0  # ... of them signed into batches to publish
 
     def seal(self, encoded: list[bytes], now: float, wall_ms: int, shard_of: Callable[[bytes], int],
              out: list[Action], allow: Callable[[bytes, int], bool] | None = None) -> None:
@@ -79,6 +80,7 @@ class RolloutSealer:
                      tokens=len(r.completion_ids), payload=data if j == 0 else None)
                 for j, r in enumerate(part))))
             self.publish_meter.tick(now)
+            self.sealed += len(part)
             out.append(Publish("rollouts", data, len(part), shard_of(lid)))
 
     def rate(self, now: float) -> float:

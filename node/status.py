@@ -159,6 +159,7 @@ class ExchangeView(Struct, kw_only=True):
     produced_rollouts: int = 0  # made by our worker
     published_rollouts: int = 0  # ... sent to a shard (a trainer: within its publish budget)
     withheld_rollouts: int = 0  # ... a trainer kept local: no one asked for them
+    unsent_rollouts: int = 0  # ... signed to publish that did not go out (no subscriber of the shard connected)
     publish_budget_per_s: float | None = None  # a trainer's publish budget, rollouts/s (None: not a trainer)
     unsampled_batches: int = 0  # a validator's: outside its sample, dropped unverified (not received work)
     sample_fraction: float | None = None  # a validator that does not train: its stated sample (None: verifies all)

@@ -16,7 +16,18 @@ from gossip.service import GossipService
 from gossip.validation import Pipeline, PipelineConfig
 from node import core as C
 from sync.ids import lineage_id
-from tests.test_core import BASE, Clock, W, announce, demand, hear_consumer, key, make_core, manifest, of
+from tests.test_core import (
+    BASE,
+    Clock,
+    W,
+    announce,
+    demand,
+    hear_consumer,
+    key,
+    make_core,
+    manifest,
+    of,
+)
 
 
 def own_trainer(**kw: object) -> tuple[C.NodeCore, Clock, bytes]:
@@ -75,6 +86,22 @@ def test_a_demand_its_versions_do_not_back_fades() -> None:
     core.handle(C.Tick())
     assert 0 < core.outbox.rate < first / 5  # type: ignore[union-attr]
     assert core.outbox.rate <= X.PUBLISH_MARGIN * 64 / 100 + 1e-9  # type: ignore[union-attr]
+
+
+def test_a_demand_with_no_step_measured_counts_as_the_default_step_then_fades() -> None:
+    """A trainer that just started asks before it has measured a step (it plans with DEFAULT_STEP_S, as we
+    do): its peers publish for it from the start; a claim that never measures a step fades."""
+    core, clock, _ = own_trainer()
+    ident = key(7)
+    lid = lineage_id(ident.public, BASE, "new")
+    core.handle(announce(ident, 1, [demand(lid, "new", 0, step_time_s=0.0, rollouts=32)]))
+    core.handle(C.Tick())
+    assert core.outbox.rate == pytest.approx(X.PUBLISH_MARGIN * 32 / C.DEFAULT_STEP_S)  # type: ignore[union-attr]
+    for seq in range(2, 8):
+        clock.t += 10
+        core.handle(announce(ident, seq, [demand(lid, "new", 0, step_time_s=0.0, rollouts=32)]))
+    core.handle(C.Tick())
+    assert core.outbox.rate == pytest.approx(X.PUBLISH_MARGIN * 32 / 60)  # type: ignore[union-attr]
 
 
 def test_a_minority_of_inflated_demands_cannot_move_the_shards_demand() -> None:
@@ -209,7 +236,7 @@ def test_a_trainer_publishes_about_its_budget_in_whole_groups() -> None:
 
 
 def test_a_trainer_publishes_less_when_followers_already_publish_on_its_shard() -> None:
-    core, clock, lid = own_trainer()
+    core, clock, _ = own_trainer()
     clock.t += C.ANNOUNCE_EVERY_S
     theirs = hear_consumer(core, clock, rollouts=16, step_time_s=2.0)
     alone = core.outbox.rate  # type: ignore[union-attr]
@@ -226,7 +253,7 @@ def test_a_trainer_publishes_less_when_followers_already_publish_on_its_shard() 
 
 
 def test_a_follower_publishes_everything_it_generates_for_its_lineage() -> None:
-    core, clock = make_core(roles=("follower",))
+    core, _ = make_core(roles=("follower",))
     assert core.outbox is None
     acts = core.handle(W("rollouts", rollouts_of(bytes(32), 2)))
     assert published(acts) == 16 and core.stats()["rollouts_withheld"] == 0
