@@ -153,6 +153,7 @@ class NodeCore:
                                        "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0,
                                        "spot_eligible": 0}
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
+        self.supplied = Deliveries(max_peers=settings.max_peers)  # verified rollouts of any lineage, per producer
         self.steps = 0
         self.rewards: deque[float] = deque(maxlen=60)
         self.reward_first: list[float] = []
@@ -312,6 +313,7 @@ class NodeCore:
             out.append(Accept() if self._on_offered(ev.manifest) else Decline())
         elif isinstance(ev, RolloutsVerified):
             self._meter_inbound(sum(n for _, n in ev.lineages))
+            self.supplied.add(ev.producer, sum(n for _, n in ev.lineages), self.clock())
             for lid, n in ev.lineages:
                 if lid == self.own:
                     self.deliveries.add(ev.producer, n, self.clock())
@@ -703,7 +705,9 @@ class NodeCore:
         the announces and signed versions we heard say: each other trainer's demand as far as its versions
         back it (`LineageTable.effective_demand`; one not measured yet as `DEFAULT_STEP_S`, or the time
         since we first heard it if longer), at most `DEMAND_BOUND` times our own; what followers
-        publish on the shard; the trainers there; whether a validator takes it."""
+        publish on the shard, as far as the rollouts we verified from each back its announced rate (a
+        claim of supply that never comes cannot silence us); the trainers there; whether a validator
+        takes it."""
         if self.own is None:
             return 0.0
         j = exchange.shard_of(self.own, shards)
@@ -720,12 +724,12 @@ class NodeCore:
                 step = d.step_time_s if d.step_time_s > 0 else max(DEFAULT_STEP_S, now - lin.since)
                 demands.append(exchange.consumer_demand(d.rollouts_per_step, step, bound))
         followers, trainers, validated = 0.0, 1, False
-        for _, p in self.peer_table.live(now):
+        for pid, p in self.peer_table.live(now):
             a = p.announce
             if a.serving and exchange.shard_of(bytes(a.serving), shards) == j:
                 validated = validated or "validator" in a.roles
-                if "follower" in a.roles:
-                    followers += min(a.publish_batches_per_s, 1e3) * per_batch
+                if "follower" in a.roles:  # as far as what we verified from it backs its claim
+                    followers += min(min(a.publish_batches_per_s, 1e3) * per_batch, self.supplied.credit(pid, now))
             if "trainer" in a.roles and a.owned and bytes(a.owned[0].lineage) != self.own \
                     and exchange.shard_of(bytes(a.owned[0].lineage), shards) == j:
                 trainers += 1

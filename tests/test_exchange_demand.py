@@ -246,10 +246,30 @@ def test_a_trainer_publishes_less_when_followers_already_publish_on_its_shard() 
                              roles=["follower", "validator"], lineages_followed=[theirs], serving=theirs,
                              publish_batches_per_s=0.5)
     core.handle(C.AnnounceHeard(f.public, body, wire.seal(f, wire.NODE_ANNOUNCE, body, swarm="t")))
+    for _ in range(5):  # what it announces arrives: we verified batches of 8 from it, 4 rollouts/s
+        core.handle(C.RolloutsVerified(f.peer_id, ((theirs, 8),)))
     clock.t += C.ANNOUNCE_EVERY_S
     core.handle(C.ManifestHeard(manifest(key(5), "theirs", 2, 3)))  # its versions keep coming
     core.handle(C.Tick())
     assert core.outbox.rate == pytest.approx(alone - 0.5 * core.batch_rollouts)  # type: ignore[union-attr]
+
+
+def test_announced_follower_supply_that_never_arrives_cannot_silence_a_trainer() -> None:
+    """A key announcing itself a follower of a lineage on our shard with the largest rate the wire allows
+    counts only as far as what we verified from it backs that rate: nothing, so we publish as before."""
+    core, clock, _ = own_trainer()
+    clock.t += C.ANNOUNCE_EVERY_S
+    theirs = hear_consumer(core, clock, rollouts=16, step_time_s=2.0)
+    alone = core.outbox.rate  # type: ignore[union-attr]
+    f = key(21)
+    body = wire.NodeAnnounce(v=1, peer_id=f.peer_id, seq=1, created_ms=1, hardware="cpu", gen_tokens_per_s=10.0,
+                             rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0, roles=["follower"],
+                             lineages_followed=[theirs], serving=theirs, publish_batches_per_s=1e6)
+    core.handle(C.AnnounceHeard(f.public, body, wire.seal(f, wire.NODE_ANNOUNCE, body, swarm="t")))
+    clock.t += C.ANNOUNCE_EVERY_S
+    core.handle(C.ManifestHeard(manifest(key(5), "theirs", 2, 3)))
+    core.handle(C.Tick())
+    assert core.outbox.rate == pytest.approx(alone)  # type: ignore[union-attr]
 
 
 def test_a_follower_publishes_everything_it_generates_for_its_lineage() -> None:
