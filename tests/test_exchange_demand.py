@@ -41,8 +41,8 @@ def rollouts_of(lid: bytes, tasks: int, group: int = 8) -> list[bytes]:
     return [wire.encode(wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=t), lineage=lid,
                                      version=2, completion_ids=[2], text="x", tokenizer_hash=bytes(32),
                                      logprobs=bytes(4), token_versions=[(0, 2)], sampling=wire.SamplingParams(),
-                                     reward=1.0, created_ms=1))
-            for t in range(tasks) for _ in range(group)]
+                                     reward=float(i == 0), created_ms=1))
+            for t in range(tasks) for i in range(group)]
 
 
 def published(acts: list[object]) -> int:
