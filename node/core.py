@@ -224,7 +224,8 @@ class NodeCore:
         """The core's counters, its sub-machines' included, as a copy."""
         return {**self.counts, "worker_restarts": self.supervisor.restarts, "peers_evicted": self.peer_table.evicted,
                 "rollouts_unpublishable": self.sealer.unpublishable, "rollouts_produced": self.sealer.produced,
-                "rollouts_withheld": self.sealer.withheld, "rollouts_sealed": self.sealer.sealed}
+                "rollouts_withheld": self.sealer.withheld, "rollouts_sealed": self.sealer.sealed,
+                "rollouts_uninformative": self.sealer.uninformative}
 
     @property
     def peers(self) -> dict[str, PeerInfo]:

@@ -130,7 +130,8 @@ def _exchange(s: NodeStatus) -> str:
             f"{r.get('received_rollouts_per_s', 0):.1f}, verified {r.get('verified_rollouts_per_s', 0):.1f}, "
             f"dropped {r.get('dropped_batches_per_s', 0):.1f} batches; used/verified {x.used_over_verified:.2f}; "
             f"{x.distinct_producers} producers"
-            + (f"; publishing {x.publish_budget_per_s:.1f}/s (withheld {x.withheld_rollouts})"
+            + f"; kept local: {x.uninformative_rollouts} uninformative"
+            + (f", {x.withheld_rollouts} over the publish budget of {x.publish_budget_per_s:.1f}/s"
                if x.publish_budget_per_s is not None else "")
             + (f"; sample {x.sample_fraction:.0%} + {x.sample_floor_per_min:g}/min a producer "
                f"(checked {x.sample_rate:.0%}, {x.unsampled_batches} batches unverified)"

@@ -108,8 +108,8 @@ class Metrics:
         for reason in DROP_REASONS:  # every reason exported, zeros included, so a dashboard can alert on any
             self.dropped.labels(reason).set(s.dropped.get(reason, 0))
         x = s.exchange
-        for kind in ("produced_rollouts", "published_rollouts", "withheld_rollouts", "unsent_rollouts", "received_batches",
-                     "received_rollouts", "verified_batches", "verified_rollouts", "used_rollouts", "unsampled_batches"):
+        for kind in ("produced_rollouts", "published_rollouts", "uninformative_rollouts", "withheld_rollouts",
+                     "unsent_rollouts", "received_batches", "received_rollouts", "verified_batches", "verified_rollouts", "used_rollouts", "unsampled_batches"):
             self.exchange.labels(kind).set(getattr(x, kind))
         if x.publish_budget_per_s is not None:
             self.publish_budget.set(x.publish_budget_per_s)

@@ -158,6 +158,7 @@ class ExchangeView(Struct, kw_only=True):
     subscribed: list[int] = []
     produced_rollouts: int = 0  # made by our worker
     published_rollouts: int = 0  # ... sent to a shard (a trainer: within its publish budget)
+    uninformative_rollouts: int = 0  # ... kept local: groups no receiver can learn from (rewards all equal, lone)
     withheld_rollouts: int = 0  # ... a trainer kept local: no one asked for them
     unsent_rollouts: int = 0  # ... signed to publish that did not go out (no subscriber of the shard connected)
     publish_budget_per_s: float | None = None  # a trainer's publish budget, rollouts/s (None: not a trainer)

@@ -114,6 +114,7 @@ def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
     return ExchangeView(shards=service.shards, subscribed=list(service.subscribed_shards),
                         produced_rollouts=counts["rollouts_produced"], published_rollouts=counts["rollouts_published"],
                         withheld_rollouts=counts["rollouts_withheld"],
+                        uninformative_rollouts=counts["rollouts_uninformative"],
                         unsent_rollouts=max(0, counts["rollouts_sealed"] - counts["rollouts_published"]),
                         publish_budget_per_s=round(core.outbox.rate, 3) if core.outbox is not None else None,
                         unsampled_batches=st.counts["unsampled_batches"],

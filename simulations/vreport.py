@@ -90,6 +90,7 @@ def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: flo
                      # totals over the nodes (a restarted node's core counts from its restart)
                      "rollouts": {"produced": sum(c["rollouts_produced"] for c in cs),
                                   "published": sum(c["rollouts_published"] for c in cs),
+                                  "uninformative": sum(c["rollouts_uninformative"] for c in cs),
                                   "withheld": sum(c["rollouts_withheld"] for c in cs),
                                   "unsent": sum(c["rollouts_sealed"] - c["rollouts_published"] for c in cs),
                                   "received": sum(n.stats.counts["received_rollouts"] for n in ns),
