@@ -321,7 +321,7 @@ class ShardGate:
 
 
 # ---------------------------------------------------------------- producers publish to demand
-PUBLISH_MARGIN: Final = 1.5  # a shard's demand is published with this margin (GRPO drops uninformative groups)
+PUBLISH_MARGIN: Final = 1.5  # a shard's demand is published with this margin (groups go stale, arrive in bursts)
 DEMAND_BOUND: Final = 2.0  # one consumer's demand counts at most this multiple of the producer's own
 OUTBOX_BURST_S: Final = 4.0  # a producer's unspent publish budget carries over at most this long
 SAMPLE_FRACTION: Final = 0.1  # a validator that does not train verifies this share of each producer's batches

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.errors import ConfigError
 from gossip.tomlfile import convert_strict, read_toml, toml_value
 from training.selection import TaskSetChoice, needs_trust, normalise
@@ -64,9 +64,10 @@ class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
     pool_max_rollouts: Annotated[int, _d("verified external rollouts a trainer keeps to sample from (bounded "
                                          "also by node.memory_budget_mb)")] = 20_000
     validator_sample: Annotated[float, _d("share of each producer's rollout batches a validator that does not "
-                                          "train verifies (0-1); it drops the rest unverified")] = 0.1
+                                          "train verifies (0-1); it drops the rest unverified")] = exchange.SAMPLE_FRACTION
     validator_sample_floor_per_min: Annotated[float, _d(
-        "... and at least this many of each producer's batches a minute (all of them when it sends fewer)")] = 2.0
+        "... and at least this many of each producer's batches a minute (all of them when it sends fewer)"
+    )] = exchange.SAMPLE_FLOOR_PER_MIN
 
 
 class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
