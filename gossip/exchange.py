@@ -364,6 +364,14 @@ class Outbox:
         self.tokens = 0.0
         self.last = now
 
+    def set_rate(self, rate: float, now: float) -> None:
+        """A new budget. One that opens (from none) starts full, as a token bucket does: a demand that
+        appears is served at once, not after its burst has filled."""
+        r = rate if math.isfinite(rate) and rate > 0 else 0.0
+        if r > 0 and self.rate <= 0:
+            self.tokens, self.last = r * OUTBOX_BURST_S, now
+        self.rate = r
+
     def take(self, n: int, now: float) -> bool:
         """Whether a group of `n` rollouts goes out now (its budget spent) or stays local."""
         n = max(0, int(n))

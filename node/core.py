@@ -693,7 +693,7 @@ class NodeCore:
         plan = self.exchange.plan(now, producers, supply, demand / per_batch, home,
                                   measured / per_batch if measured is not None else None, own)
         if self.outbox is not None:
-            self.outbox.rate = self._publish_budget(now, plan.shards, per_batch)
+            self.outbox.set_rate(self._publish_budget(now, plan.shards, per_batch), now)
         if (plan.shards, plan.subscribe) != self.subscribed:
             self.subscribed = (plan.shards, plan.subscribe)
             out.append(Subscribe(plan.shards, plan.subscribe))

@@ -198,10 +198,13 @@ def test_consumer_demand_is_bounded_and_needs_a_measured_step() -> None:
 def test_the_outbox_publishes_whole_groups_within_its_rate_and_burst() -> None:
     o = X.Outbox(0.0)
     assert not o.take(8, 10.0)  # no budget: local
-    o.rate = 4.0
+    o.set_rate(4.0, 10.0)  # a budget that opens starts full: OUTBOX_BURST_S of it
+    assert o.take(16, 10.0) and not o.take(1, 10.0)
     assert o.take(8, 12.0) and not o.take(8, 12.0)  # 8 tokens in 2 s, spent
     assert o.take(16, 100.0) and not o.take(1, 100.0)  # at most OUTBOX_BURST_S of rate carried over
     assert o.take(40, 200.0)  # a group larger than the burst still goes out once the burst is full
+    o.set_rate(float("nan"), 200.0)
+    assert o.rate == 0.0 and not o.take(8, 300.0)
 
 
 def test_a_trainer_no_one_asks_keeps_its_rollouts_local_and_counts_them() -> None:
