@@ -161,7 +161,8 @@ def node_panel(s: NodeStatus) -> Panel:
     if s.worker_error:
         rows.append(("error", Text(s.worker_error, style="red")))
     rows += [
-        ("rollouts", f"produced {s.rollouts_produced}, published {s.rollouts_published}, received "
+        ("rollouts", f"made {s.exchange.produced_rollouts} since start, signed {s.rollouts_produced}, published "
+                     f"{s.rollouts_published}, received "
                      f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}"),
         ("exchange", Text(_exchange(s))),
         ("swarm gives", f"{s.external_groups_per_step:.1f} groups per step from "

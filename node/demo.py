@@ -123,7 +123,7 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
             "node": name, "peer_id": s.peer_id, "roles": s.roles, "reward_start": s.reward_start,
             "reward_end": s.reward_now, "versions_published": s.versions_published,
             "versions_applied": s.versions_applied, "held_version": (own or fol).held if (own or fol) else None,
-            "serving": s.serving, "rollouts_produced": s.rollouts_produced,
+            "serving": s.serving, "rollouts_made": s.exchange.produced_rollouts, "rollouts_produced": s.rollouts_produced,
             "rollouts_published": s.rollouts_published, "rollouts_withheld": s.exchange.withheld_rollouts,
             "rollouts_uninformative": s.exchange.uninformative_rollouts,
             "rollouts_unsent": s.exchange.unsent_rollouts,
@@ -154,7 +154,7 @@ def summary_table(summary: dict[str, Any]) -> Any:
                       "used: external rollouts trained on; spot checks: log-prob re-computations")
     t.add_column("", style="bold", no_wrap=True)
     rows: dict[str, list[str]] = {k: [] for k in ("roles", "reward start→end", "versions published",
-                                                  "versions applied", "rollouts produced", "published",
+                                                  "versions applied", "rollouts made", "signed", "published",
                                                   "verified", "accepted", "rejected", "used", "used/verified",
                                                   "validator sample", "held-out start→end", "spot checks",
                                                   "patch bytes ↑/↓")}
@@ -165,7 +165,8 @@ def summary_table(summary: dict[str, Any]) -> Any:
                 rows[k].append(n["error"] if i == 0 else "—")
             continue
         for k, v in zip(rows, (",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
-                               str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_produced"]),
+                               str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_made"]),
+                               str(n["rollouts_produced"]),
                                str(n["rollouts_published"]), str(n["rollouts_verified"]),
                                str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
                                "—" if n["used_over_verified"] is None else f"{n['used_over_verified']:.0%}",

@@ -156,7 +156,7 @@ class ExchangeView(Struct, kw_only=True):
 
     shards: int = 1  # the shard count this node believes
     subscribed: list[int] = []
-    produced_rollouts: int = 0  # made by our worker
+    produced_rollouts: int = 0  # made by our worker since the node started
     published_rollouts: int = 0  # ... sent to a shard (a trainer: within its publish budget)
     uninformative_rollouts: int = 0  # ... kept local: groups no receiver can learn from (rewards all equal, lone)
     withheld_rollouts: int = 0  # ... a trainer kept local: no one asked for them
@@ -223,7 +223,7 @@ class NodeStatus(Struct, kw_only=True):
     steps: int = 0
     versions_published: int = 0
     versions_applied: int = 0
-    rollouts_produced: int = 0
+    rollouts_produced: int = 0  # signed and recorded (the ledger: across restarts); all made: exchange.produced_rollouts
     rollouts_published: int = 0
     rollouts_received: int = 0
     rollouts_accepted: int = 0

@@ -74,7 +74,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         serving=c.serving.hex() if c.serving else "", serving_reason=c.serving_reason,
         following=c.committed.hex() if c.committed else "", steps=c.steps,
         versions_published=counts["published"], versions_applied=counts["applied"],
-        rollouts_produced=counts["rollouts_produced"], rollouts_published=counts["rollouts_published"],
+        rollouts_produced=led.get("produced", 0), rollouts_published=counts["rollouts_published"],
         rollouts_received=accepted + sum(v for k2, v in led.items() if k2.startswith("rejected")),
         rollouts_accepted=accepted, rollouts_used=counts["used"], rejected=rejected,
         used_over_verified=round(counts["used"] / accepted, 4) if accepted else None,
