@@ -551,6 +551,8 @@ class NodeCore:
         elif isinstance(m, pipe.Rollouts):
             now = self.clock()
             outbox = self.outbox
+            if outbox is not None and outbox.rate <= 0:  # a demand heard since the last plan is served at once
+                outbox.set_rate(self._publish_budget(now, self.exchange.shards, max(1.0, self.batch_rollouts)), now)
             # the budget is for our own lineage's rollouts; a lineage we serve as a follower takes all we make
             allow = None if outbox is None else (lambda lid, n: lid != self.own or outbox.take(n, now))
             self.sealer.seal(m.items, now, self.wall_ms(), self.exchange.publish_shard, out, allow)

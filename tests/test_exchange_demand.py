@@ -280,3 +280,17 @@ def test_a_follower_publishes_everything_it_generates_for_its_lineage() -> None:
     assert core.outbox is None
     acts = core.handle(W("rollouts", rollouts_of(bytes(32), 2)))
     assert published(acts) == 16 and core.stats()["rollouts_withheld"] == 0
+
+
+def test_a_demand_heard_since_the_last_plan_is_served_at_once() -> None:
+    """A trainer that had no one to publish for hears a peer's demand between two plans: its next rollouts
+    go out, not only after the next announce tick."""
+    core, clock, lid = own_trainer()
+    core.handle(C.Tick())  # planned: no one asks
+    assert core.outbox.rate == 0.0  # type: ignore[union-attr]
+    ident = key(5)
+    theirs = lineage_id(ident.public, BASE, "theirs")
+    core.handle(announce(ident, 1, [demand(theirs, "theirs", 2, step_time_s=1.0, rollouts=32)]))
+    clock.t += 0.5  # before the next tick
+    acts = core.handle(W("rollouts", rollouts_of(lid, 2)))
+    assert published(acts) == 16 and core.outbox.rate > 0  # type: ignore[union-attr]
