@@ -22,6 +22,15 @@ plus one shard's supply plus its home shards, none of which
 grows with N; and a shard holds a couple of lineages, so a trainer that takes
 about as much as it makes uses a large share of what it verifies.
 
+What goes on a shard follows its demand. GossipSub hands every batch of a shard to
+every subscriber, so a shard should carry about what one consumer takes: a trainer
+publishes its own rollouts within `publish_budget` (the median of the other
+trainers' counted demands, `consumer_demand`, with a margin, less what followers
+publish there, shared by the shard's trainers but one), in whole groups
+(`Outbox`), and keeps the rest local; a follower publishes all it generates (its
+generation is paced to its lineage's demand). A validator that does not train
+verifies a keyed-hash sample of each producer's batches (`Sample`).
+
 A receiver's gate (`ShardGate`) runs after the cheap checks and before verification: a batch whose lineage
 does not belong to the shard it came on is dropped (`wrong_shard`; uncharged, a
 view of S can differ by a factor of two, so S/2, S and 2S are all accepted), a
@@ -316,6 +325,120 @@ class ShardGate:
         return "wrong_shard"
 
 
+# ---------------------------------------------------------------- producers publish to demand
+PUBLISH_MARGIN: Final = 1.5  # a shard's demand is published with this margin (groups go stale, arrive in bursts)
+DEMAND_BOUND: Final = 2.0  # one consumer's demand counts at most this multiple of the producer's own
+OUTBOX_BURST_S: Final = 4.0  # a producer's unspent publish budget carries over at most this long
+SAMPLE_FRACTION: Final = 0.1  # a validator that does not train verifies this share of each producer's batches
+SAMPLE_FLOOR_PER_MIN: Final = 2.0  # ... and at least this many of each producer's batches a minute (all, if fewer)
+SAMPLE_WINDOW_S: Final = 60.0
+
+
+def consumer_demand(rollouts_per_step: float, step_time_s: float, bound: float) -> float:
+    """Rollouts/s one consumer's announced demand counts for: its external rollouts per version over its
+    version interval (the caller passes the interval as its own observation of the consumer's signed versions
+    bounds it, so only training backs a demand), and never more than `bound` (per consumer)."""
+    if not (math.isfinite(rollouts_per_step) and math.isfinite(step_time_s) and step_time_s > 0 and rollouts_per_step > 0):
+        return 0.0
+    b = bound if math.isfinite(bound) and bound > 0 else 0.0
+    return min(rollouts_per_step / step_time_s, b)
+
+
+def publish_budget(demands: Iterable[float], follower_supply: float, trainers: int, validated: bool,
+                   per_batch: float) -> float:
+    """Rollouts/s one trainer publishes to its lineage's shard. GossipSub hands every batch of a shard to
+    every subscriber, so a shard carries what one consumer asks for, not the sum: the median of the counted
+    demands (an inflated few cannot move it), times `PUBLISH_MARGIN`, less what followers already publish
+    there, shared by the shard's `trainers` (this one included) but one, since a trainer there receives
+    all of it but its own; at least `SAMPLE_FLOOR_PER_MIN` batches of `per_batch` rollouts a minute while a
+    validator takes the shard (so it can spot-check this producer). The rest stay local."""
+    ds = sorted(d for d in demands if math.isfinite(d) and d > 0)
+    median = ds[len(ds) // 2] if ds else 0.0
+    sup = follower_supply if math.isfinite(follower_supply) and follower_supply > 0 else 0.0
+    share = max(0.0, PUBLISH_MARGIN * median - sup) / max(1, int(trainers) - 1)
+    floor = SAMPLE_FLOOR_PER_MIN / 60.0 * max(1.0, per_batch) if validated else 0.0
+    return max(share, floor)
+
+
+class Outbox:
+    """A trainer's own rollouts on their way out: whole groups published while the budget (`rate`,
+    rollouts/s, set from `publish_budget`) allows; the others stay local (counted, never signed)."""
+
+    def __init__(self, now: float) -> None:
+        self.rate = 0.0
+        self.tokens = 0.0
+        self.last = now
+
+    def set_rate(self, rate: float, now: float) -> None:
+        """A new budget. One that opens (from none) starts full, as a token bucket does: a demand that
+        appears is served at once, not after its burst has filled."""
+        r = rate if math.isfinite(rate) and rate > 0 else 0.0
+        if r > 0 and self.rate <= 0:
+            self.tokens, self.last = r * OUTBOX_BURST_S, now
+        self.rate = r
+
+    def take(self, n: int, now: float) -> bool:
+        """Whether a group of `n` rollouts goes out now (its budget spent) or stays local."""
+        n = max(0, int(n))
+        cap = max(self.rate * OUTBOX_BURST_S, float(n)) if self.rate > 0 else 0.0
+        self.tokens = min(cap, self.tokens + max(0.0, now - self.last) * self.rate)
+        self.last = max(self.last, now)
+        if n and self.tokens >= n:
+            self.tokens -= n
+            return True
+        return False
+
+
+class Sample:
+    """Which of a producer's batches a validator that does not train verifies: each with probability
+    max(`fraction`, `floor_per_min` / that producer's batches here over the last minute), decided by a keyed
+    hash of the batch bytes under this node's secret `key`, so a producer can neither predict nor steer
+    which ones are checked (it would need the key); a producer that sends at most the floor is checked on
+    every batch. Memory: one row per producer, at most `MAX_KNOWN`."""
+
+    def __init__(self, key: bytes, fraction: float = SAMPLE_FRACTION, floor_per_min: float = SAMPLE_FLOOR_PER_MIN
+                 ) -> None:
+        if len(key) < 16:
+            raise ValueError("a validator's sample key must be at least 16 random bytes")
+        self.key = bytes(key)[:64]
+        self.fraction = min(1.0, max(0.0, float(fraction)))
+        self.floor_per_min = max(0.0, float(floor_per_min))
+        self._seen: OrderedDict[str, list[float]] = OrderedDict()  # producer -> [window start, previous, current]
+        self.counts: Counter[str] = Counter()  # seen_batches, checked_batches
+
+    def arrivals(self, producer: str, now: float) -> float:
+        """The producer's batches seen over the last `SAMPLE_WINDOW_S` (two windows, the older one weighted
+        by how much of it still falls inside), counting one more now."""
+        row = self._seen.get(producer)
+        if row is None:
+            row = self._seen[producer] = [now, 0.0, 0.0]
+            while len(self._seen) > MAX_KNOWN:
+                self._seen.popitem(last=False)
+        self._seen.move_to_end(producer)
+        gone = (now - row[0]) // SAMPLE_WINDOW_S
+        if gone >= 1:
+            row[0] += gone * SAMPLE_WINDOW_S
+            row[1], row[2] = (row[2] if gone == 1 else 0.0), 0.0
+        row[2] += 1
+        return row[2] + row[1] * max(0.0, 1.0 - (now - row[0]) / SAMPLE_WINDOW_S)
+
+    def check(self, producer: str, batch: bytes, now: float) -> bool:
+        """Whether this batch of `producer`'s is verified (True) or dropped unverified."""
+        n = self.arrivals(producer, now)
+        q = min(1.0, max(self.fraction, self.floor_per_min / max(1.0, n)))
+        draw = int.from_bytes(hashlib.blake2b(bytes(batch), key=self.key, digest_size=8).digest(), "big") / 2**64
+        self.counts["seen_batches"] += 1
+        if draw < q:
+            self.counts["checked_batches"] += 1
+            return True
+        return False
+
+    def rate(self) -> float:
+        """The share of the batches seen that were checked so far."""
+        seen = self.counts["seen_batches"]
+        return self.counts["checked_batches"] / seen if seen else 0.0
+
+
 class Meter:
     """Rollouts/s over a sliding window (what the planner compares with demand)."""
 
@@ -362,6 +485,10 @@ class Stats:
 
     def drop(self, reason: str) -> None:
         self.dropped[reason[:40]] += 1
+
+    def unsampled(self) -> None:
+        """A batch outside a validator's sample: dropped before any work, neither received nor dropped work."""
+        self.counts["unsampled_batches"] += 1
 
     def verified(self, producer: bytes, task_sets: Iterable[bytes], rollouts: int, now: float) -> None:
         self.counts["verified_batches"] += 1

@@ -4,7 +4,8 @@ Rollout batches move on shard topics: `set_shards` joins and leaves them as the
 node's exchange plan (`gossip.exchange`) says, and `publish_rollouts` sends a
 batch to the shard of its lineage. Between the pipeline's cheap checks (decode,
 signature, ranges) and verification each batch passes the exchange's gate
-(newcomer budget per shard, then the shard of its lineages);
+(newcomer budget per shard, then the shard of its lineages); a validator that does
+not train first keeps only its sample (`sample`, `gossip.exchange.Sample`);
 `stats` counts what was received, verified and dropped, and why.
 
 Rollout batches are verified inside a py-libp2p topic validator, so a batch
@@ -62,6 +63,8 @@ class GossipService:
         self.stats = exchange.Stats()
         self.gate = exchange.ShardGate()
         self.shards = 1  # the shard count this node believes (its exchange plan's)
+        # a validator that does not train verifies a sample of each producer's batches (exchange.Sample)
+        self.sample: exchange.Sample | None = None
         self._shard_scopes: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
         self.announce_topic = topics.announce(swarm)
@@ -144,6 +147,9 @@ class GossipService:
 
     # ------------------------------------------------------------ rollouts
     async def _validate_rollouts(self, shard: int, forwarder: str, origin: str, data: bytes) -> bool:
+        if self.sample is not None and not self.sample.check(origin, data, self.pipeline.clock()):
+            self.stats.unsampled()  # not in the sample: dropped unverified, not counted as received work
+            return False
         self.stats.received()
         step = self.pipeline.admit(data, origin, forwarder)
         if step.batch is not None:

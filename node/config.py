@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.errors import ConfigError
 from gossip.tomlfile import convert_strict, read_toml, toml_value
 from training.selection import TaskSetChoice, needs_trust, normalise
@@ -63,6 +63,11 @@ class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
     replay_ttl_s: Annotated[int, _d("seconds a message id is remembered")] = 900
     pool_max_rollouts: Annotated[int, _d("verified external rollouts a trainer keeps to sample from (bounded "
                                          "also by node.memory_budget_mb)")] = 20_000
+    validator_sample: Annotated[float, _d("share of each producer's rollout batches a validator that does not "
+                                          "train verifies (0-1); it drops the rest unverified")] = exchange.SAMPLE_FRACTION
+    validator_sample_floor_per_min: Annotated[float, _d(
+        "... and at least this many of each producer's batches a minute (all of them when it sends fewer)"
+    )] = exchange.SAMPLE_FLOOR_PER_MIN
 
 
 class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -208,6 +213,10 @@ def _check_values(cfg: Config, origin: str) -> Config:
         raise bad("disk.ledger_payload_rows", "must not be negative")
     if not 0 <= cfg.training.minibatch_groups <= 1024:
         raise bad("training.minibatch_groups", "must be 0 (one update per step) to 1024")
+    if not 0.0 <= cfg.gossip.validator_sample <= 1.0:
+        raise bad("gossip.validator_sample", "must be 0 to 1")
+    if not 0.0 <= cfg.gossip.validator_sample_floor_per_min <= 600.0:
+        raise bad("gossip.validator_sample_floor_per_min", "must be 0 to 600")
     if cfg.sync.max_staleness < 0:
         raise bad("sync.max_staleness", "must not be negative")
     t = cfg.training.temperature

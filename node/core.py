@@ -154,6 +154,7 @@ class NodeCore:
                                        "spot_eligible": 0}
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.tokenizer = b""  # our worker's tokenizer hash (its Ready): deliveries under another earn no credit
+        self.supplied = Deliveries(max_peers=settings.max_peers)  # verified rollouts of any lineage, per producer
         self.steps = 0
         self.rewards: deque[float] = deque(maxlen=60)
         self.reward_first: list[float] = []
@@ -185,6 +186,8 @@ class NodeCore:
         # ... and, likewise, what producers announce per lineage (batches/s); None: read our peer table
         self._supply_view = supply_view
         self.announced_rate = 0.0  # publish_batches_per_s of our last announce
+        # a trainer publishes its own rollouts to the demand on its shard (gossip.exchange.publish_budget)
+        self.outbox = exchange.Outbox(now) if "trainer" in settings.roles else None
 
     # ------------------------------------------------------------ queries
     @property
@@ -222,7 +225,9 @@ class NodeCore:
     def stats(self) -> dict[str, int]:
         """The core's counters, its sub-machines' included, as a copy."""
         return {**self.counts, "worker_restarts": self.supervisor.restarts, "peers_evicted": self.peer_table.evicted,
-                "rollouts_unpublishable": self.sealer.unpublishable}
+                "rollouts_unpublishable": self.sealer.unpublishable, "rollouts_produced": self.sealer.produced,
+                "rollouts_withheld": self.sealer.withheld, "rollouts_sealed": self.sealer.sealed,
+                "rollouts_uninformative": self.sealer.uninformative}
 
     @property
     def peers(self) -> dict[str, PeerInfo]:
@@ -313,6 +318,7 @@ class NodeCore:
             out.append(Accept() if self._on_offered(ev.manifest, now) else Decline())
         elif isinstance(ev, RolloutsVerified):
             self._meter_inbound(sum(n for _, n in ev.lineages), now)
+            self.supplied.add(ev.producer, sum(n for _, n in ev.lineages), now)
             for lid, tok, n in ev.usable:
                 if lid == self.own and tok == self.tokenizer:
                     self.deliveries.add(ev.producer, n, now)
@@ -548,7 +554,12 @@ class NodeCore:
         elif isinstance(m, pipe.Ready):
             self._on_ready(m, now, out)
         elif isinstance(m, pipe.Rollouts):
-            self.sealer.seal(m.items, now, wall_ms, self.exchange.publish_shard, out)
+            outbox = self.outbox
+            if outbox is not None and outbox.rate <= 0:  # a demand heard since the last plan is served at once
+                outbox.set_rate(self._publish_budget(now, self.exchange.shards, max(1.0, self.batch_rollouts)), now)
+            # the budget is for our own lineage's rollouts; a lineage we serve as a follower takes all we make
+            allow = None if outbox is None else (lambda lid, n: lid != self.own or outbox.take(n, now))
+            self.sealer.seal(m.items, now, wall_ms, self.exchange.publish_shard, out, allow)
         elif isinstance(m, pipe.Step):
             self.steps += 1
             self._reward(m.reward_mean)
@@ -692,12 +703,49 @@ class NodeCore:
         measured = self.inbound.rate(now) if demand > 0 else None
         plan = self.exchange.plan(now, producers, supply, demand / per_batch, home,
                                   measured / per_batch if measured is not None else None, own)
+        if self.outbox is not None:
+            self.outbox.set_rate(self._publish_budget(now, plan.shards, per_batch), now)
         if (plan.shards, plan.subscribe) != self.subscribed:
             self.subscribed = (plan.shards, plan.subscribe)
             out.append(Subscribe(plan.shards, plan.subscribe))
             out.append(Log("exchange", {"shards": plan.shards, "subscribe": list(plan.subscribe),
                                         "home": list(plan.home), "producers": producers,
                                         "demand_rollouts_per_s": round(demand, 2)}))
+
+    def _publish_budget(self, now: float, shards: int, per_batch: float) -> float:
+        """Rollouts/s our trainer publishes to its lineage's shard (gossip.exchange.publish_budget), from what
+        the announces and signed versions we heard say: each other trainer's demand as far as its versions
+        back it (`LineageTable.effective_demand`; one not measured yet as `DEFAULT_STEP_S`, or the time
+        since we first heard it if longer), at most `DEMAND_BOUND` times our own; what followers
+        publish on the shard, as far as the rollouts we verified from each back its announced rate (a
+        claim of supply that never comes cannot silence us); the trainers there; whether a validator
+        takes it."""
+        if self.own is None:
+            return 0.0
+        j = exchange.shard_of(self.own, shards)
+        ref = self.external_demand() or roles.offer_rate(self.gen_tps, self.tokens_per_rollout)
+        bound = exchange.DEMAND_BOUND * ref
+        demands = []
+        for lin in self.table.rows.values():
+            if lin.relation == "own" or not lin.publisher:
+                continue
+            d = self.table.effective_demand(lin, now)
+            if d is not None:
+                # a trainer that has not measured a step yet plans with DEFAULT_STEP_S (as we do), for as long
+                # as it has been announcing: a step never measured makes the claim fade
+                step = d.step_time_s if d.step_time_s > 0 else max(DEFAULT_STEP_S, now - lin.since)
+                demands.append(exchange.consumer_demand(d.rollouts_per_step, step, bound))
+        followers, trainers, validated = 0.0, 1, False
+        for pid, p in self.peer_table.live(now):
+            a = p.announce
+            if a.serving and exchange.shard_of(bytes(a.serving), shards) == j:
+                validated = validated or "validator" in a.roles
+                if "follower" in a.roles:  # as far as what we verified from it backs its claim
+                    followers += min(min(a.publish_batches_per_s, 1e3) * per_batch, self.supplied.backed(pid, now))
+            if "trainer" in a.roles and a.owned and bytes(a.owned[0].lineage) != self.own \
+                    and exchange.shard_of(bytes(a.owned[0].lineage), shards) == j:
+                trainers += 1
+        return exchange.publish_budget(demands, followers, trainers, validated, self.s.group_size)
 
     def external_wanted(self, lineages: set[bytes]) -> bool:
         """Whether an accepted rollout batch goes to our worker (a trainer learns; a validator spot-checks)."""

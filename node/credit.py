@@ -80,6 +80,10 @@ class Deliveries:
         span = max(MIN_SPAN_S, min(self.window_s, now - first))
         return sum(c for _, c in events) / span
 
+    def backed(self, peer: str, now: float) -> float:
+        """The rate a claim of `peer` may count for, as far as verified delivery backs it (no check needed)."""
+        return SLACK * self.rate(peer, now)
+
     def credit(self, peer: str, now: float) -> float:
         """The rate a claim of `peer` may count for before the shared trial credit (0 until it is vouched for)."""
-        return SLACK * self.rate(peer, now) if peer in self._vouched else 0.0
+        return self.backed(peer, now) if peer in self._vouched else 0.0

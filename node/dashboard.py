@@ -129,7 +129,13 @@ def _exchange(s: NodeStatus) -> str:
     return (f"shards {','.join(map(str, x.subscribed)) or '—'} of {x.shards}; per s: received "
             f"{r.get('received_rollouts_per_s', 0):.1f}, verified {r.get('verified_rollouts_per_s', 0):.1f}, "
             f"dropped {r.get('dropped_batches_per_s', 0):.1f} batches; used/verified {x.used_over_verified:.2f}; "
-            f"{x.distinct_producers} producers")
+            f"{x.distinct_producers} producers"
+            + f"; kept local: {x.uninformative_rollouts} uninformative"
+            + (f", {x.withheld_rollouts} over the publish budget of {x.publish_budget_per_s:.1f}/s"
+               if x.publish_budget_per_s is not None else "")
+            + (f"; sample {x.sample_fraction:.0%} + {x.sample_floor_per_min:g}/min a producer "
+               f"(checked {x.sample_rate:.0%}, {x.unsampled_batches} batches unverified)"
+               if x.sample_rate is not None and x.sample_fraction is not None else ""))
 
 
 def node_panel(s: NodeStatus) -> Panel:
@@ -155,7 +161,8 @@ def node_panel(s: NodeStatus) -> Panel:
     if s.worker_error:
         rows.append(("error", Text(s.worker_error, style="red")))
     rows += [
-        ("rollouts", f"produced {s.rollouts_produced}, published {s.rollouts_published}, received "
+        ("rollouts", f"made {s.exchange.produced_rollouts} since start, signed {s.rollouts_produced}, published "
+                     f"{s.rollouts_published}, received "
                      f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}"),
         ("exchange", Text(_exchange(s))),
         ("swarm gives", f"{s.external_groups_per_step:.1f} groups per step from "

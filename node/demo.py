@@ -124,7 +124,14 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
             "node": name, "peer_id": s.peer_id, "roles": s.roles, "reward_start": s.reward_start,
             "reward_end": s.reward_now, "versions_published": s.versions_published,
             "versions_applied": s.versions_applied, "held_version": (own or fol).held if (own or fol) else None,
-            "serving": s.serving, "rollouts_produced": s.rollouts_produced, "rollouts_accepted": s.rollouts_accepted,
+            "serving": s.serving, "rollouts_made": s.exchange.produced_rollouts, "rollouts_produced": s.rollouts_produced,
+            "rollouts_published": s.rollouts_published, "rollouts_withheld": s.exchange.withheld_rollouts,
+            "rollouts_uninformative": s.exchange.uninformative_rollouts,
+            "rollouts_unsent": s.exchange.unsent_rollouts,
+            "rollouts_received": s.exchange.received_rollouts, "rollouts_verified": s.exchange.verified_rollouts,
+            "batches_unsampled": s.exchange.unsampled_batches, "sample_fraction": s.exchange.sample_fraction,
+            "sample_floor_per_min": s.exchange.sample_floor_per_min, "sample_rate": s.exchange.sample_rate,
+            "rollouts_accepted": s.rollouts_accepted,
             "rollouts_rejected": sum(s.rejected.values()), "rejected": s.rejected, "rollouts_used": s.rollouts_used,
             "spot_checked": s.spot_checked, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "steps": s.steps,
             "used_over_verified": s.used_over_verified, "external_groups_per_step": s.external_groups_per_step,
@@ -148,8 +155,9 @@ def summary_table(summary: dict[str, Any]) -> Any:
                       "used: external rollouts trained on; spot checks: log-prob re-computations")
     t.add_column("", style="bold", no_wrap=True)
     rows: dict[str, list[str]] = {k: [] for k in ("roles", "reward start→end", "versions published",
-                                                  "versions applied", "rollouts produced", "accepted", "rejected",
-                                                  "used", "used/verified", "held-out start→end", "spot checks",
+                                                  "versions applied", "rollouts made", "signed", "published",
+                                                  "verified", "accepted", "rejected", "used", "used/verified",
+                                                  "validator sample", "held-out start→end", "spot checks",
                                                   "patch bytes ↑/↓")}
     for n in summary["nodes"]:
         t.add_column(Text(n["node"].replace("-", " ")), overflow="fold")
@@ -158,9 +166,14 @@ def summary_table(summary: dict[str, Any]) -> Any:
                 rows[k].append(n["error"] if i == 0 else "—")
             continue
         for k, v in zip(rows, (",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
-                               str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_produced"]),
+                               str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_made"]),
+                               str(n["rollouts_produced"]),
+                               str(n["rollouts_published"]), str(n["rollouts_verified"]),
                                str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
                                "—" if n["used_over_verified"] is None else f"{n['used_over_verified']:.0%}",
+                               "all" if n["sample_fraction"] is None else
+                               f"{n['sample_fraction']:.0%} + {n['sample_floor_per_min']:g}/min "
+                               f"(checked {n['sample_rate']:.0%})",
                                f"{f(n['heldout_start'])}→{f(n['heldout_end'])}",
                                str(n["spot_checked"]),
                                f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")):

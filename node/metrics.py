@@ -41,14 +41,19 @@ class Metrics:
         self.disk = Gauge("murmur_disk_bytes", "disk used per budget", ["budget"], registry=r)
         self.disk_limit = Gauge("murmur_disk_limit_bytes", "configured byte limit per budget (where it is in bytes)",
                                 ["budget"], registry=r)
-        self.exchange = Gauge("murmur_exchange_total", "rollout exchange counters (received, verified, used)",
-                              ["kind"], registry=r)
+        self.exchange = Gauge("murmur_exchange_total", "rollout exchange counters (produced, published, withheld, "
+                              "received, verified, used, unsampled)", ["kind"], registry=r)
         self.exchange_rate = Gauge("murmur_exchange_per_second", "rollout exchange rates over the last 30 s",
                                    ["kind"], registry=r)
         self.exchange_dropped = Gauge("murmur_exchange_dropped_total", "rollout batches dropped, by reason",
                                       ["reason"], registry=r)
         self.producers = Gauge("murmur_exchange_distinct_producers", "producers verified in the last 10 min",
                                registry=r)
+        self.publish_budget = Gauge("murmur_exchange_publish_budget_rollouts_per_second",
+                                    "a trainer's budget for publishing its own rollouts (the demand on its shard)",
+                                    registry=r)
+        self.sample = Gauge("murmur_exchange_validator_sample", "a validator's sample: stated fraction, floor per "
+                            "producer per minute, share of batches checked so far", ["kind"], registry=r)
         self.shards = Gauge("murmur_exchange_shards", "rollout shards: count and subscribed", ["kind"], registry=r)
         self.task_sets = Gauge("murmur_exchange_task_set_rollouts",
                                "rollouts verified and used per task set (at most 64 sets, the rest as 'other')",
@@ -103,8 +108,15 @@ class Metrics:
         for reason in DROP_REASONS:  # every reason exported, zeros included, so a dashboard can alert on any
             self.dropped.labels(reason).set(s.dropped.get(reason, 0))
         x = s.exchange
-        for kind in ("received_batches", "received_rollouts", "verified_batches", "verified_rollouts", "used_rollouts"):
+        for kind in ("produced_rollouts", "published_rollouts", "uninformative_rollouts", "withheld_rollouts",
+                     "unsent_rollouts", "received_batches", "received_rollouts", "verified_batches", "verified_rollouts", "used_rollouts", "unsampled_batches"):
             self.exchange.labels(kind).set(getattr(x, kind))
+        if x.publish_budget_per_s is not None:
+            self.publish_budget.set(x.publish_budget_per_s)
+        if x.sample_rate is not None:
+            self.sample.labels("fraction").set(x.sample_fraction or 0.0)
+            self.sample.labels("floor_per_min").set(x.sample_floor_per_min or 0.0)
+            self.sample.labels("checked_share").set(x.sample_rate)
         for kind, v in x.rates.items():
             self.exchange_rate.labels(kind.removesuffix("_per_s")).set(v)
         for reason, n in x.dropped.items():

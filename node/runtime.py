@@ -38,6 +38,7 @@ from typing import Any, assert_never
 import trio
 
 from gossip import wire
+from gossip.exchange import Sample
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.transport import FrameError
@@ -234,6 +235,10 @@ class Node:
                             own_lineage=lambda lid: bytes(lid) == self.core.own,
                             reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
         self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
+        if "validator" in self.roles and "trainer" not in self.roles:
+            # a secret key of this run: no producer can tell which of its batches fall in the sample
+            self.service.sample = Sample(os.urandom(32), cfg.gossip.validator_sample,
+                                         cfg.gossip.validator_sample_floor_per_min)
         t.faults.on_fault = self._on_stream_fault
         # a graylisted key's new connections are refused while its score stays below the threshold
         t.refuse_connections(lambda peer: pipeline.scores.is_graylisted(peer, pipeline.clock())

@@ -112,10 +112,21 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
 
 def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
     st, now = service.stats, service.pipeline.clock()
-    used = core.stats()["used"]
+    counts = core.stats()
+    used = counts["used"]
     verified = st.counts["verified_rollouts"]
     rates = st.rates(now)
+    sample = service.sample
     return ExchangeView(shards=service.shards, subscribed=list(service.subscribed_shards),
+                        produced_rollouts=counts["rollouts_produced"], published_rollouts=counts["rollouts_published"],
+                        withheld_rollouts=counts["rollouts_withheld"],
+                        uninformative_rollouts=counts["rollouts_uninformative"],
+                        unsent_rollouts=max(0, counts["rollouts_sealed"] - counts["rollouts_published"]),
+                        publish_budget_per_s=round(core.outbox.rate, 3) if core.outbox is not None else None,
+                        unsampled_batches=st.counts["unsampled_batches"],
+                        sample_fraction=sample.fraction if sample is not None else None,
+                        sample_floor_per_min=sample.floor_per_min if sample is not None else None,
+                        sample_rate=round(sample.rate(), 4) if sample is not None else None,
                         received_batches=st.counts["received_batches"], received_rollouts=st.counts["received_rollouts"],
                         verified_batches=st.counts["verified_batches"], verified_rollouts=verified,
                         used_rollouts=used, dropped=dict(st.dropped), rates=rates,

@@ -85,7 +85,17 @@ def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: flo
         ver = [n.stats.counts["verified_rollouts"] / span for n in ns]
         used = sum(n.consumed_ext * g for n in ns)
         verified = sum(n.stats.counts["verified_rollouts"] for n in ns)
-        out[role] = {"nodes": len(ns), "inbound_rollouts_per_s": per_s(rec), "verified_rollouts_per_s": per_s(ver),
+        cs = [n.core.stats() for n in ns if n.core is not None]
+        out[role] = {"nodes": len(ns),
+                     # totals over the nodes (a restarted node's core counts from its restart)
+                     "rollouts": {"produced": sum(c["rollouts_produced"] for c in cs),
+                                  "published": sum(c["rollouts_published"] for c in cs),
+                                  "uninformative": sum(c["rollouts_uninformative"] for c in cs),
+                                  "withheld": sum(c["rollouts_withheld"] for c in cs),
+                                  "unsent": sum(c["rollouts_sealed"] - c["rollouts_published"] for c in cs),
+                                  "received": sum(n.stats.counts["received_rollouts"] for n in ns),
+                                  "verified": verified, "used": used},
+                     "inbound_rollouts_per_s": per_s(rec), "verified_rollouts_per_s": per_s(ver),
                      "duplicates_per_s": per_s([n.duplicates / span for n in ns]),
                      "used_over_verified": round(used / verified, 3) if verified else None,
                      "distinct_producers": per_s([float(n.stats.distinct_producers(unix_now)) for n in ns]),

@@ -25,7 +25,8 @@ from sync.ids import lineage_id
 from sync.patchstore import StoredItem
 from tests import samples
 from tests.workbound import lines_run
-from tests.test_core import BASE, MODEL_BYTES, W, announce, demand, follow_trainer, key, make_core, manifest, of, SWARM
+from tests.test_core import (BASE, MODEL_BYTES, W, announce, demand, follow_trainer, hear_consumer, key, make_core,
+                             manifest, of, SWARM)
 
 
 def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
@@ -213,15 +214,18 @@ def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
     lid = lineage_id(me.public, BASE, "mine")
     core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
 
-    def rollout(lp: float) -> bytes:
+    def rollout(lp: float, reward: float = 1.0) -> bytes:
         return wire.encode(wire.Rollout(
             task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
             completion_ids=[2, 3], text="x", tokenizer_hash=bytes(32), logprobs=struct.pack("<2f", -0.5, lp),
-            token_versions=[(0, 2)], sampling=wire.SamplingParams(), reward=1.0, created_ms=1))
+            token_versions=[(0, 2)], sampling=wire.SamplingParams(), reward=reward, created_ms=1))
 
-    acts = core.handle(W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5)]))
+    hear_consumer(core, clock)  # a peer's demand: our rollouts go out
+    clock.t += 10
+    acts = core.handle(W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5),
+                                      rollout(-2.0, reward=0.0)]))
     sent = [wire.open_envelope(p.data, swarm=SWARM)[1] for p in of(acts, C.Publish) if p.topic == "rollouts"]
-    assert [len(b.rollouts) for b in sent] == [1]  # only the honest one, and it still opens cleanly
+    assert [len(b.rollouts) for b in sent] == [2]  # only the honest ones, and they still open cleanly
     assert core.stats()["rollouts_unpublishable"] == 3
     assert sum(1 for a in of(acts, C.Log) if a.msg == "worker rollout not published") == 3
 

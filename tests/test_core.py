@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 
 from gossip import exchange, wire
@@ -188,6 +189,18 @@ def test_catch_up_does_nothing_when_held_plus_in_flight_reach_the_head() -> None
     assert core.catching is None  # nothing is missing: the attempt begun when it chose the lineage is over
 
 
+def hear_consumer(core: C.NodeCore, clock: Clock, ident: Identity | None = None, rollouts: int = 32,
+                  step_time_s: float = 0.5) -> bytes:
+    """Another trainer announces its demand (`rollouts` external rollouts a version, a version every
+    `step_time_s`, its signed versions at that pace): our core's next tick budgets our publishing for it."""
+    ident = ident or key(5)
+    lid = lineage_id(ident.public, BASE, "theirs")
+    core.handle(announce(ident, 1, [demand(lid, "theirs", 2, step_time_s=step_time_s, rollouts=rollouts)]))
+    core.handle(C.ManifestHeard(manifest(ident, "theirs", 1, 2)))
+    core.handle(C.Tick())
+    return lid
+
+
 def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     core, clock = make_core(roles=("trainer",))
     me = key(1)
@@ -197,10 +210,13 @@ def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     env = wire.decode_envelope(of(acts, C.Publish)[0].data, swarm=SWARM)
     a = wire.decode_struct(env.body, wire.NodeAnnounce, 1 << 16)
     assert [bytes(d.lineage) for d in a.owned] == [lid] and a.owned[0].head_version == 2
+    clock.t += C.ANNOUNCE_EVERY_S
+    hear_consumer(core, clock)
+    clock.t += 10  # the budget a peer's demand gives fills up
     r = wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
                      completion_ids=[2], text="x", tokenizer_hash=bytes(32), logprobs=bytes(4), token_versions=[(0, 2)],
                      sampling=wire.SamplingParams(), reward=1.0, created_ms=1)
-    acts = core.handle(W("rollouts", [wire.encode(r)] * 70))
+    acts = core.handle(W("rollouts", [wire.encode(r)] * 69 + [wire.encode(msgspec.structs.replace(r, reward=0.0))]))
     pubs = of(acts, C.Publish)
     assert len(pubs) == 2 and len(of(acts, C.RecordRollouts)) == 2
     assert acts.index(of(acts, C.RecordRollouts)[0]) < acts.index(pubs[0])  # recorded before it is sent
@@ -286,10 +302,15 @@ def test_a_stored_chain_that_does_not_apply_is_re_read_from_the_store_then_fetch
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
 
 
-def _rollout() -> wire.Rollout:
+def _rollout(reward: float = 1.0) -> wire.Rollout:
     return wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=b"\1" * 32, version=0,
                         completion_ids=[1, 2], text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8),
-                        token_versions=[], sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5)
+                        token_versions=[], sampling=wire.SamplingParams(max_new_tokens=4), reward=reward, created_ms=5)
+
+
+def _group(n: int = 2) -> list[bytes]:
+    """n completions of one task, one of them right: a group a receiver's sampler keeps (what is sealed)."""
+    return [wire.encode(_rollout(1.0 if i == 0 else 0.0)) for i in range(n)]
 
 
 def test_created_ms_comes_from_the_wall_ms_the_driver_gives() -> None:
@@ -300,8 +321,7 @@ def test_created_ms_comes_from_the_wall_ms_the_driver_gives() -> None:
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
     sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
     assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in sent] == [1_234_567]
-    r = _rollout()
-    out = core.handle(W("rollouts", [wire.encode(r)]))
+    out = core.handle(W("rollouts", _group()))
     batches = [a for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in batches] == [1_234_567]
 
@@ -309,14 +329,13 @@ def test_created_ms_comes_from_the_wall_ms_the_driver_gives() -> None:
 def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> None:
     """A reused (producer, seq) reads as a replay at every receiver (charged): after a reboot the
     monotonic clock starts again near 0, so the seq follows the wall clock."""
-    r = _rollout()
     seqs = []
     for mono, wall in ((10_000.0, 1_700_000_000_000), (3.0, 1_700_000_060_000)):  # before, after the reboot
         clock = Clock()
         clock.t = mono
         core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
         core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
-        out = core.handle(W("rollouts", [wire.encode(r)]))
+        out = core.handle(W("rollouts", _group()))
         seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert len(seqs) == 2 and seqs[1] > seqs[0]
 
@@ -529,7 +548,7 @@ def test_a_trainers_external_demand_is_its_groups_per_measured_step() -> None:
 
 def test_a_batch_of_own_rollouts_is_stored_once_with_its_first_row() -> None:
     core, clock = make_core(roles=("trainer",))
-    acts = core.handle(W("rollouts", [wire.encode(_rollout())] * 3))
+    acts = core.handle(W("rollouts", _group(3)))
     (rec,) = of(acts, C.RecordRollouts)
     (pub,) = [a for a in acts if isinstance(a, C.Publish) and a.topic == "rollouts"]
     assert [row["payload"] for row in rec.entries] == [pub.data, None, None]
@@ -583,7 +602,7 @@ def test_a_trainers_own_announced_rate_is_not_supply_for_its_own_lineage() -> No
     itself is not offered to it, so no follower producing for its lineage leaves its shard unpinned."""
     views = [exchange.Supply()]
     core, clock, lid = _trainer_with_own_lineage(supply_view=lambda: views[-1])
-    core.handle(W("rollouts", [wire.encode(_rollout())]))  # it publishes: its announce states a rate
+    core.handle(W("rollouts", _group()))  # it publishes: its announce states a rate
     core.handle(C.Tick())
     assert core.announced_rate > 0
     views.append(exchange.Supply({lid: core.announced_rate}))  # our own announce, counted for our lineage
@@ -612,7 +631,7 @@ def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_ow
     assert follow_trainer(core, clock, key(9), name=name) == served
     core.handle(C.PatchStored(manifest(key(9), name, 2, 3), 1000, 0.5))
     assert core.committed == served
-    core.handle(W("rollouts", [wire.encode(_rollout())]))
+    core.handle(W("rollouts", _group()))
     clock.t += C.ANNOUNCE_EVERY_S
     core.handle(C.Tick())
     rate = core.announced_rate
@@ -818,7 +837,7 @@ def test_rollout_batches_sealed_within_one_millisecond_still_rise() -> None:
     core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
     seqs = []
     for _ in range(3):
-        out = core.handle(W("rollouts", [wire.encode(_rollout())]))
+        out = core.handle(W("rollouts", _group()))
         seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == "rollouts"]
     assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
 

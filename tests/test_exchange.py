@@ -196,13 +196,22 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     s = NodeStatus(exchange=ExchangeView(shards=8, subscribed=[2, 5], received_rollouts=40, verified_rollouts=32,
                                          used_rollouts=16, dropped={"wrong_shard": 3}, distinct_producers=4,
                                          rates={"received_rollouts_per_s": 4.0}, used_over_verified=0.5,
-                                         task_sets={"ab" * 32: {"verified_rollouts": 32, "used_rollouts": 16}}))
-    con = Console(width=160, record=True)
+                                         task_sets={"ab" * 32: {"verified_rollouts": 32, "used_rollouts": 16}},
+                                         produced_rollouts=100, published_rollouts=30, uninformative_rollouts=50,
+                                         withheld_rollouts=20, publish_budget_per_s=2.5, unsampled_batches=7,
+                                         sample_fraction=0.1, sample_floor_per_min=2.0, sample_rate=0.25))
+    con = Console(width=400, record=True)  # one line per row: the checks below read whole phrases
     con.print(node_panel(s))
     text = con.export_text()
     assert "shards 2,5 of 8" in text and "used/verified 0.50" in text
+    assert "50 uninformative, 20 over the publish budget of 2.5/s" in text
+    assert "sample 10% + 2/min a producer (checked 25%, 7 batches unverified)" in text
     m = Metrics()
     m.update(s)
+    assert m.registry.get_sample_value("murmur_exchange_total", {"kind": "withheld_rollouts"}) == 20
+    assert m.registry.get_sample_value("murmur_exchange_total", {"kind": "unsampled_batches"}) == 7
+    assert m.registry.get_sample_value("murmur_exchange_publish_budget_rollouts_per_second") == 2.5
+    assert m.registry.get_sample_value("murmur_exchange_validator_sample", {"kind": "checked_share"}) == 0.25
     assert m.registry.get_sample_value("murmur_exchange_dropped_total", {"reason": "wrong_shard"}) == 3
     assert m.registry.get_sample_value("murmur_exchange_distinct_producers") == 4
     assert m.registry.get_sample_value("murmur_exchange_task_set_rollouts", {"task_set": "ab" * 32, "kind": "used"}) == 16

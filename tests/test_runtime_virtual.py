@@ -219,10 +219,12 @@ def test_a_signal_while_the_node_starts_stops_it_before_it_runs(tmp_path: Path) 
 
 
 def _rollouts(lineages: tuple[bytes, ...]) -> pipe.Rollouts:
-    """What a worker hands its network process to sign: one rollout per lineage (one batch each)."""
+    """What a worker hands its network process to sign: one informative group (a right and a wrong answer)
+    per lineage (one batch each; a node signs and publishes only groups a receiver can learn from)."""
     rs = [wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=lid, version=0, completion_ids=[1, 2],
                        text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8), token_versions=[],
-                       sampling=wire.SamplingParams(max_new_tokens=4), reward=1.0, created_ms=5) for lid in lineages]
+                       sampling=wire.SamplingParams(max_new_tokens=4), reward=reward, created_ms=5)
+          for lid in lineages for reward in (1.0, 0.0)]
     return pipe.Rollouts([wire.encode(r) for r in rs])
 
 
