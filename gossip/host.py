@@ -29,10 +29,10 @@ import multiaddr
 import trio
 
 from gossip import libp2p_fixes
-from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity
 from gossip.limits import Lease, StreamBudget, StreamLimits
+from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 
 log = logging.getLogger("murmur.gossip.host")
 
@@ -508,8 +508,8 @@ class Libp2pTransport:
 def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: StreamFaults,
            budget: StreamBudget) -> tuple[Any, Any, Any]:
     from libp2p import new_host
-    from libp2p.custom_types import TProtocol
     from libp2p.crypto.x25519 import create_new_key_pair as x25519_pair
+    from libp2p.custom_types import TProtocol
     from libp2p.network.config import ConnectionConfig
     from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
     from libp2p.pubsub.pubsub import Pubsub

@@ -33,9 +33,9 @@ from typing import Annotated, Any
 import msgspec
 import trio
 
+from gossip.errors import DecodeError, MurmurError
 from gossip.framing import read_frame, write_frame
 from gossip.transport import Stream, StreamError
-from gossip.errors import DecodeError, MurmurError
 
 log = logging.getLogger("murmur.gossip.reachability")
 

@@ -29,10 +29,10 @@ from typing import Any
 import trio
 
 from gossip import exchange, topics, wire
+from gossip.errors import DecodeError
 from gossip.ratelimit import TokenBuckets
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
-from gossip.errors import DecodeError
 
 log = logging.getLogger("murmur.gossip.service")
 

@@ -39,11 +39,11 @@ from typing import Any
 
 from gossip import wire
 from gossip.cpubudget import CpuBudget
+from gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
+from gossip.identity import peer_id_from_public
 from gossip.ratelimit import AnnouncedRates, TokenBuckets
 from gossip.replay import ReplayCache
 from gossip.scoring import PeerScores, ScoreParams
-from gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
-from gossip.identity import peer_id_from_public
 
 
 class Reason(enum.Enum):

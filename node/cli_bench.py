@@ -6,7 +6,8 @@ Progress goes to stderr; the last line of stdout is always one JSON object.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Callable
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 

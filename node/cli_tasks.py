@@ -15,8 +15,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from node.cli import HomeOpt, console, emit_json, resolve_home, tasks_app
 from gossip.errors import MurmurError
+from node.cli import HomeOpt, console, emit_json, resolve_home, tasks_app
 
 
 def _known(home: Path) -> list[tuple[bytes, object, bytes, str]]:

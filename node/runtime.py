@@ -35,13 +35,14 @@ from gossip import wire
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity, peer_id_from_public
 from gossip.transport import FrameError
-from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, stall, views
-from node.workerlink import Link, spawn, worker_spec
+from node import control, hardware, lifecycle, patchsync, pipe, roles, stall, views
+from node import core as C
 from node.config import Config
 from node.logs import event
 from node.stall import StallMeter
-from node.tasksync import TaskSetGossip
 from node.status import DiskMeter, Drops, NodeStatus
+from node.tasksync import TaskSetGossip
+from node.workerlink import Link, spawn, worker_spec
 
 log = logging.getLogger("murmur.node")
 
@@ -339,7 +340,7 @@ class Node:
             await stream.close()
 
     # ------------------------------------------------------------ actions out
-    async def _do(self, actions: list[C.Action]) -> None:  # noqa: C901 - one branch per action
+    async def _do(self, actions: list[C.Action]) -> None:
         from gossip.transport import PublishError
 
         for a in actions:
@@ -364,7 +365,7 @@ class Node:
             elif isinstance(a, C.RecordRollouts):
                 await trio.to_thread.run_sync(self.store.record_rollouts, list(a.entries))
             elif isinstance(a, C.SeePeer):
-                await trio.to_thread.run_sync(lambda: self.store.see_peer(a.peer_id, a.public, list(a.addrs), a.data))
+                await trio.to_thread.run_sync(self.store.see_peer, a.peer_id, a.public, list(a.addrs), a.data)
             elif isinstance(a, C.Penalise):
                 self._penalise(a.peer, a.reason, a.amount)
             elif isinstance(a, C.SeedVersion):
@@ -424,7 +425,7 @@ class Node:
         try:
             with trio.fail_after(CATALOG_TIMEOUT_S):
                 items = await patchsync.catalog(self.transport, peer, lineage)
-        except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
+        except Exception as e:  # a dial, stream or decode failure: the core tries the next source
             await self.feed(C.CatalogFailed(peer, lineage, f"{type(e).__name__}: {e}"))
             return
         await self.feed(C.CatalogReceived(peer, lineage, tuple(items)))
@@ -434,7 +435,7 @@ class Node:
             with trio.fail_after(CATALOG_TIMEOUT_S):
                 env = await patchsync.offer(self.transport, a.peer, a.lineage, a.item)
                 pid = await self.bcast.add_manifest(env)
-        except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
+        except Exception as e:  # a dial, stream or decode failure: the core tries the next source
             await self.feed(C.OfferFailed(a.peer, a.lineage, f"{type(e).__name__}: {e}"))
             return
         tr = self.bcast.transfers.get(pid) if pid is not None else None

@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import queue
 import random
 import sys
 import threading
@@ -44,6 +43,7 @@ from typing import Any
 
 from training.sampler import Sampler
 from training.spotcheck import SPOT_PER_ROUND, SPOT_RATE, SPOT_TOLERANCE
+
 EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
@@ -305,14 +305,14 @@ class Worker:
 
     # ------------------------------------------------------------ trainer
     def run_trainer(self) -> None:
-        from sync.hashing import canonical_state
-        from sync.lineage import LineagePublisher
+        from gossip import wire
         from gossip.errors import NonFiniteWeights
         from gossip.identity import Identity
         from node.policy import MasterEngine, to_published
-        from training.trainer import Trainer, TrainerConfig
+        from sync.hashing import canonical_state
+        from sync.lineage import LineagePublisher
         from training.rollouts import to_wire
-        from gossip import wire
+        from training.trainer import Trainer, TrainerConfig
 
         ident = Identity.from_seed(bytes.fromhex(self.spec["identity_seed"]))
         s = self.spec
@@ -432,6 +432,7 @@ class Worker:
 
     def _save_checkpoint(self, follower: Any) -> None:
         from safetensors.torch import save
+
         from sync.atomic import atomic_write
 
         d = self._checkpoint_dir(follower.lineage.id)
@@ -443,6 +444,7 @@ class Worker:
     def _open_follower(self, info: dict) -> Any:
         """A LineageFollower at the last durable version this node holds (checkpoint + stored patches)."""
         from safetensors.torch import load_file
+
         from gossip.errors import PatchError
         from sync.lineage import Lineage, LineageFollower
 
@@ -499,9 +501,9 @@ class Worker:
         return applied
 
     def _apply_item(self, follower: Any, kind: str, base: int, target: int) -> bool:
+        from gossip.errors import NonFiniteWeights, PatchError
         from sync import chunks as chunking
         from sync.patchstore import open_manifest
-        from gossip.errors import NonFiniteWeights, PatchError
 
         store = follower.store
         try:
@@ -679,7 +681,7 @@ class Worker:
             else:
                 self.run_follower()
             self.send("state", "stopped")
-        except BaseException as e:  # noqa: BLE001 - reported to the network process, then exit
+        except BaseException as e:  # reported to the network process, then exit
             self.send("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
             raise SystemExit(1) from None
         finally:

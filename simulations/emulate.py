@@ -86,8 +86,8 @@ class Emulation:
     # ------------------------------------------------------------ setup
 
     def _prepare(self) -> None:
-        from node.home import init_home  # noqa: PLC0415
-        from training.tiny import ensure_tiny, tiny_dir  # noqa: PLC0415
+        from node.home import init_home
+        from training.tiny import ensure_tiny, tiny_dir
 
         shared = self.out / "shared-model"
         ensure_tiny(shared, seed=0)
@@ -185,7 +185,7 @@ class Emulation:
     # ------------------------------------------------------------ run
 
     def _schedule(self) -> list[tuple[float, str, int]]:
-        import random  # noqa: PLC0415
+        import random
 
         sc = self.sc
         ev: list[tuple[float, str, int]] = []

@@ -130,7 +130,7 @@ class Network:
         _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev])
         return dev
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         try:
             self._ns(self.wan_ns)
             _run(["ip", "-n", self.wan_ns, "link", "add", "br0", "type", "bridge"])

@@ -117,10 +117,10 @@ def load_metrics(out_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _plt() -> Any:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     return plt
 
@@ -149,7 +149,7 @@ def plot_reward(rows: list[dict[str, Any]], path: Path) -> str | None:
     by_node: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
         by_node[r["node"]].append((r["t"], r["reward"]))
-    for node, pts in sorted(by_node.items(), key=lambda kv: str(kv[0]))[:64]:
+    for _, pts in sorted(by_node.items(), key=lambda kv: str(kv[0]))[:64]:
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.6, alpha=0.35)
     tmax = max(r["t"] for r in rows) or 1.0
@@ -176,7 +176,7 @@ def plot_staleness(lag: list[dict[str, Any]], stale: list[dict[str, Any]], path:
                             (axes[1], [r["staleness"] for r in stale], "staleness of consumed rollouts")):
         if data:
             top = max(data)
-            ax.hist(data, bins=range(0, int(top) + 2), color="tab:blue", edgecolor="white", align="left")
+            ax.hist(data, bins=range(int(top) + 2), color="tab:blue", edgecolor="white", align="left")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
         ax.set_xlabel("versions behind")

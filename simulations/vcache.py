@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossip import wire
-from gossip.validation import Pending, Pipeline
 from gossip.errors import SignatureError
 from gossip.identity import Identity, verify
+from gossip.validation import Pending, Pipeline
 
 _MISSING = object()
 

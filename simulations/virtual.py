@@ -100,9 +100,25 @@ from simulations.adversary import SENDERS, Adversary
 from simulations.scenario import Scenario, expand
 from simulations.vbroadcast import setup_broadcasts
 from simulations.vcache import SharedVerification
-from simulations.vevents import (AdversaryDue, AnnounceArrives, BatchArrives, CatalogAsked, Event, EventQueue, Join,
-                                 Leave, ManifestArrives, OfferAsked, PatchArrives, PeerLeft, Reply, Sample, StepDue,
-                                 Wake, WorkerSends)
+from simulations.vevents import (
+    AdversaryDue,
+    AnnounceArrives,
+    BatchArrives,
+    CatalogAsked,
+    Event,
+    EventQueue,
+    Join,
+    Leave,
+    ManifestArrives,
+    OfferAsked,
+    PatchArrives,
+    PeerLeft,
+    Reply,
+    Sample,
+    StepDue,
+    Wake,
+    WorkerSends,
+)
 from simulations.vnet import Network
 from simulations.vnode import BASE_MODEL, LINEAGE_NAME, VNode, identity_for
 from simulations.vreport import Recorder
@@ -301,7 +317,7 @@ class VirtualSim:
         """Pop events in time order; progress on a terminal as a bar, elsewhere one stderr line per 10 %."""
         progress_ctx = None
         if self.progress and sys.stderr.isatty():
-            from rich.progress import Progress  # noqa: PLC0415
+            from rich.progress import Progress
 
             progress_ctx = Progress(transient=True)
             progress_ctx.start()

@@ -18,14 +18,52 @@ from gossip import wire
 from gossip.identity import peer_id_from_public
 from gossip.scoring import ScoreParams
 from gossip.validation import Pending, Pipeline, PipelineConfig
-from node.core import (AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, DropItem, FetchCatalog, FromWorker,
-                       LineageKnown, LoadStored, Log, ManifestHeard, NodeCore, OfferFailed, PatchStored, PeerGone,
-                       Penalise, Publish, RecordRollouts, RequestOffer, RolloutsPublished, RolloutsVerified, SeedVersion,
-                       StoredItems, StorePatch, Subscribe, Tick, ToWorker, TransferDone)
+from node.core import (
+    AnnounceHeard,
+    CatalogFailed,
+    CatalogReceived,
+    CoreSettings,
+    DropItem,
+    FetchCatalog,
+    FromWorker,
+    LineageKnown,
+    LoadStored,
+    Log,
+    ManifestHeard,
+    NodeCore,
+    OfferFailed,
+    PatchStored,
+    PeerGone,
+    Penalise,
+    Publish,
+    RecordRollouts,
+    RequestOffer,
+    RolloutsPublished,
+    RolloutsVerified,
+    SeedVersion,
+    StoredItems,
+    StorePatch,
+    Subscribe,
+    Tick,
+    ToWorker,
+    TransferDone,
+)
 from simulations.scenario import Scenario
 from simulations.vcache import SharedVerification, SimPipeline
-from simulations.vevents import (EPOCH, AnnounceArrives, BatchArrives, CatalogAsked, EventQueue, ManifestArrives,
-                                 OfferAsked, PatchArrives, PeerLeft, Reply, Wake, WorkerSends)
+from simulations.vevents import (
+    EPOCH,
+    AnnounceArrives,
+    BatchArrives,
+    CatalogAsked,
+    EventQueue,
+    ManifestArrives,
+    OfferAsked,
+    PatchArrives,
+    PeerLeft,
+    Reply,
+    Wake,
+    WorkerSends,
+)
 from simulations.vnet import Network
 from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, item_bytes
 from simulations.vreport import Recorder
@@ -96,7 +134,7 @@ class CoreDriver:
         if n.core is not None:
             self.do(n, n.core.handle(ev))
 
-    def do(self, n: VNode, actions: list[Any]) -> None:  # noqa: C901 - one branch per action
+    def do(self, n: VNode, actions: list[Any]) -> None:
         counts = self.recorder.counts
         for a in actions:
             t = type(a)

@@ -62,7 +62,7 @@ from gossip.identity import Identity
 from gossip.wire import DEFAULT_SWARM, FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
 from sync.chunks import refs
 from sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession, chunk_hash
-from sync.transfers import (Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake)
+from sync.transfers import Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake
 
 _BAD = b"\xff" * 32
 
@@ -331,7 +331,7 @@ class VirtualSwarm:
             return
         self._apply(d, d.core.on_frame(src, frame, self.now))  # type: ignore[arg-type]
 
-    def _apply(self, nd: _Node, actions: list[Action]) -> None:  # noqa: C901 - one branch per action
+    def _apply(self, nd: _Node, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
                 peer = self.nodes[a.peer]  # type: ignore[index]

@@ -35,8 +35,7 @@ from gossip.transport import FrameError, PublishError, Stream, StreamError, Tran
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope
 from sync.chunks import ChunkAssembly
 from sync.swarm import MAX_FRAME_BYTES, Frame, Penalise, Send, ServeReady, SwarmConfig, decode_frame
-from sync.transfers import (Action, Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer,
-                            Wake)
+from sync.transfers import Action, Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer, Wake
 
 log = logging.getLogger("murmur.sync.broadcast")
 
@@ -212,7 +211,7 @@ class BroadcastNode:
 
     # ------------------------------------------------------------ actions out
 
-    def _apply(self, actions: list[Action]) -> None:  # noqa: C901 - one branch per action
+    def _apply(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
                 self._send(a.peer, a.frame)

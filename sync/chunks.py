@@ -12,8 +12,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, ChunkRef, PatchManifest
 from gossip.errors import PatchError
+from gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, ChunkRef, PatchManifest
 from sync.atomic import atomic_write
 
 DEFAULT_CHUNK_BYTES = 256 * 1024

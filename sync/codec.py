@@ -285,9 +285,9 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, 
             tries.append((mode | VAL_ESCAPED, lambda a=arr: _escaped(a, a.dtype.itemsize)))
             if mode == VAL_DELTA:
                 off = 1
-                tries.append((mode | VAL_PACKED, lambda a=arr: _packed(a, off)))
+                tries.append((mode | VAL_PACKED, lambda a=arr, off=off: _packed(a, off)))
                 if perm is not None:
-                    tries.append((mode | VAL_PACKED | VAL_SORTED, lambda a=arr: _packed(a[perm], off)))
+                    tries.append((mode | VAL_PACKED | VAL_SORTED, lambda a=arr, off=off: _packed(a[perm], off)))
                     tries.append((mode | VAL_ESCAPED | VAL_SORTED, lambda a=arr: _escaped(a[perm], a.dtype.itemsize)))
         for m, make in tries:
             s = packer.pack_all(make())

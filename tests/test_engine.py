@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.wire import FORMAT_VERSION, ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
 from gossip.errors import MurmurError
 from gossip.identity import Identity
+from gossip.wire import FORMAT_VERSION, ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
 from training.engine import Engine, Sampling, SparseUpdate
 from training.engine_hf import HFEngine, load_causal_lm
 from training.rollouts import expand_versions, from_wire, to_wire

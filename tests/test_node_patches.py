@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node import patchsync
 from gossip.errors import PatchError
+from node import patchsync
 from sync.hashing import canonical_state, state_hash
 from sync.lineage import LineageFollower, LineagePublisher
 from sync.patchstore import LineageStore

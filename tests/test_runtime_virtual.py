@@ -21,9 +21,8 @@ import trio
 import trio.testing
 
 from gossip.identity import Identity
-from node import core as C
-from node import supervision as SV
 from node import patchsync, pipe
+from node import supervision as SV
 from node.config import Config, NodeSection, SyncSection
 from node.pipe import WorkerState
 from node.runtime import Node, RunOptions

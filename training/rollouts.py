@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
 from gossip.errors import DecodeError
+from gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
 from training.engine import Sampling
 from training.tasks import Task
 

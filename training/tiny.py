@@ -22,9 +22,9 @@ from typing import Any, Final
 import torch
 
 from gossip.errors import MurmurError
+from gossip.wire import GeneratorSpec
 from training.engine_hf import HFEngine, set_threads
 from training.tasks import Task, generate
-from gossip.wire import GeneratorSpec
 from training.tasksets import builtin_manifest, train_generators
 from training.tokenizer import TINY_NAME, build_tokenizer
 
@@ -38,7 +38,7 @@ WARMUP_LR: Final = 2e-3
 
 
 def build_model(seed: int, vocab: int) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -115,7 +115,7 @@ def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int = WARMUP_STEP
     Builders of one home take turns on a lock file: nodes started together (the demo, tests) would
     otherwise each spend the warm-up, and a late one would swap the directory under an early one
     that is already loading it."""
-    import fcntl  # noqa: PLC0415
+    import fcntl
 
     d = tiny_dir(home, seed, warmup_steps)
     stamp = {"recipe": RECIPE, "seed": seed, "warmup_steps": warmup_steps}

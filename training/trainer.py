@@ -37,8 +37,8 @@ import msgspec
 import psutil
 import torch
 
-from gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
 from gossip.errors import ConfigError, MurmurError, TaskError
+from gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
 from training.engine import Sampling
 from training.engine_hf import HFEngine
 from training.losses import (
@@ -248,7 +248,7 @@ class Trainer:
         if not work:
             return
         res = self.engine.sample([p.prompt_ids + s.ids for p, s in work], self.sampling, max_new=chunk)
-        for (p, s), (ids, lps, eos) in zip(work, res):
+        for (_, s), (ids, lps, eos) in zip(work, res):
             room = self.cfg.max_new_tokens - len(s.ids)
             ids, lps = ids[:room], lps[:room]
             if ids and (not s.segments or s.segments[-1][1] != self.version):

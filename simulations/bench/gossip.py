@@ -13,8 +13,8 @@ pipeline alone on one core. See docs/gossip.md for why processes and the pacing.
 from __future__ import annotations
 
 import os
-import subprocess
 import struct
+import subprocess
 import time
 from typing import Any
 
@@ -145,7 +145,7 @@ def verify_messages(kind: str, reg: Any, task_set: bytes, tokens: Any, rounds: i
     out = []
     for b in range(rounds * 4):
         rollouts = []
-        for g in range(VERIFY_BATCH // VERIFY_GROUP):
+        for _ in range(VERIFY_BATCH // VERIFY_GROUP):
             ref = wire.TaskRef(task_set=task_set, generator="arith", seed=rng.randrange(2**40))
             task = reg.resolve(ref)
             for _ in range(VERIFY_GROUP):
@@ -300,7 +300,7 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
 
 
 
-def _spawn(entry: str, args: str, params: dict[str, Any]) -> "subprocess.Popen[str]":
+def _spawn(entry: str, args: str, params: dict[str, Any]) -> subprocess.Popen[str]:
     """One bench node process running `entry(*args, params)` under trio, spoken to line by line."""
     import json
     import sys
@@ -312,7 +312,7 @@ def _spawn(entry: str, args: str, params: dict[str, Any]) -> "subprocess.Popen[s
                             text=True, env=env)
 
 
-def _expect(p: "subprocess.Popen[str]", word: str) -> str:
+def _expect(p: subprocess.Popen[str], word: str) -> str:
     """The rest of the bench node's next line, which must start with `word`."""
     line = p.stdout.readline() if p.stdout else ""
     if not line.startswith(word):
@@ -320,13 +320,13 @@ def _expect(p: "subprocess.Popen[str]", word: str) -> str:
     return line[len(word):].strip()
 
 
-def _send(p: "subprocess.Popen[str]", line: str) -> None:
+def _send(p: subprocess.Popen[str], line: str) -> None:
     assert p.stdin is not None
     p.stdin.write(line + "\n")
     p.stdin.flush()
 
 
-def _start_and_collect(procs: "list[subprocess.Popen[str]]") -> list[dict[str, Any]]:
+def _start_and_collect(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
     """Start every bench node at one instant, read each one's DONE summary, then let them exit (a crashed
     node's stderr shows above)."""
     import json
@@ -340,7 +340,7 @@ def _start_and_collect(procs: "list[subprocess.Popen[str]]") -> list[dict[str, A
     return results
 
 
-def _reap(procs: "list[subprocess.Popen[str]]") -> None:
+def _reap(procs: list[subprocess.Popen[str]]) -> None:
     for p in procs:
         try:
             p.wait(timeout=10)

@@ -37,7 +37,7 @@ def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | Non
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     set_threads(threads)
     t_start = time.monotonic()
-    from training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts  # noqa: PLC0415
+    from training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts
 
     reg = TaskRegistry(DEFAULT_SWARM)  # only the built-in set, which is the same in every swarm
     m = reg.add_builtin()

@@ -84,10 +84,10 @@ def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: A
                        lineage: bytes, version: int, groups: int) -> list[Any]:
     """`groups` groups of a follower holding `lineage`'s `version`, as wire rollouts of that lineage (what
     ECHO-2's inference workers send their trainer)."""
-    from gossip.wire import TaskRef  # noqa: PLC0415
-    from training.engine import Sampling  # noqa: PLC0415
-    from training.rollouts import RolloutRec, to_wire  # noqa: PLC0415
-    from training.verifiers import score  # noqa: PLC0415
+    from gossip.wire import TaskRef
+    from training.engine import Sampling
+    from training.rollouts import RolloutRec, to_wire
+    from training.verifiers import score
 
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=int(TRAINER["max_new_tokens"]))
     out = []
@@ -154,7 +154,7 @@ class _Adversary:
 
     def payloads(self, gens: list[Any], task_set: bytes, resolve: Any) -> tuple[str, list[bytes]]:
         """(the sending key's peer id, its sealed batches) for this round."""
-        from gossip.wire import now_ms  # noqa: PLC0415
+        from gossip.wire import now_ms
 
         self.batches += 1
         self.last_ms = max(now_ms(), self.last_ms + 1)  # every batch's rows are told apart by it
@@ -195,17 +195,17 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched);
     with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
     honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
-    from training.evaluation import greedy_eval, held_out_tasks  # noqa: PLC0415
-    from training.rollouts import to_wire  # noqa: PLC0415
-    from training.tasksets import TaskRegistry, train_generators  # noqa: PLC0415
-    from training.tiny import ensure_tiny  # noqa: PLC0415
-    from training.tokenizer import TINY_NAME  # noqa: PLC0415
-    from training.tokencheck import for_model  # noqa: PLC0415
-    from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
-    from training.verifiers import score  # noqa: PLC0415
+    from training.engine_hf import HFEngine, set_threads
+    from training.evaluation import greedy_eval, held_out_tasks
+    from training.rollouts import to_wire
+    from training.tasksets import TaskRegistry, train_generators
+    from training.tiny import ensure_tiny
+    from training.tokencheck import for_model
+    from training.tokenizer import TINY_NAME
+    from training.trainer import Trainer, TrainerConfig
+    from training.verifiers import score
 
     set_threads(1)
     torch.manual_seed(seed)
@@ -387,8 +387,8 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
     one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone."""
-    import multiprocessing  # noqa: PLC0415
-    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     if (nodes < 2 + adversary and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
         raise ValueError("need nodes >= 2 (3 with an adversary; or followers >= 1), seeds >= 1, cpu_s > 0, "

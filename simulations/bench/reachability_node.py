@@ -147,10 +147,10 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
 async def main(script: dict[str, Any]) -> None:
     from gossip.holepunch import UPGRADE_TIMEOUT_S, best_path
     from gossip.host import open_transport
+    from gossip.identity import Identity
     from gossip.wire import ROLLOUT_BATCH, open_envelope
     from node.config import load_config
     from node.doctor_reachability import reachability_checks
-    from gossip.identity import Identity
     from node.reach import process_start, start_reachability
 
     imported_ms = ms()
