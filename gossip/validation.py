@@ -251,6 +251,7 @@ class Pipeline:
             batch = wire.decode_body(env)
         except DecodeError:
             return
+        assert isinstance(batch, wire.RolloutBatch)  # decode_envelope checked the kind
         now = self.clock()
         mid = wire.content_id(data)
         self.seen.put(mid, Reason.ACCEPTED, now)

@@ -68,7 +68,7 @@ def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
     except Exception as e:
         raise MurmurError(f"model path {str(p)!r}: cannot load: {str(e).splitlines()[0][:200]}") from None
-    model.to(pick_device(device))
+    model.to(pick_device(device))  # type: ignore[arg-type]  # transformers types PreTrainedModel.to through a decorator that hides its signature
     return model, tok
 
 
@@ -222,10 +222,10 @@ class HFEngine:
         ids = torch.full((b, length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, length), dtype=torch.long)
         rows, cols, tcols = [], [], []
-        for i, (p, c) in enumerate(zip(prompts, comps)):
+        for i, (p, comp) in enumerate(zip(prompts, comps)):
             ids[i, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
             mask[i, :len(seqs[i])] = 1
-            for j in range(len(c)):
+            for j in range(len(comp)):
                 rows.append(i)
                 cols.append(len(p) - 1 + j)
                 tcols.append(j)

@@ -181,7 +181,8 @@ class Sampler:
                 if len(chosen) < groups and _tokens(usable[i]) <= room:
                     chosen.add(i)
                     room -= _tokens(usable[i])
-        picked, keep = [], []
+        picked: list[Group] = []
+        keep: list[Group] = []
         for i, g in enumerate(usable):
             (picked if i in chosen else keep).append(g)
         self._pool = collections.deque(keep)

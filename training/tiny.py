@@ -42,7 +42,8 @@ def build_model(seed: int, vocab: int) -> Any:
 
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True, rope_theta=10000.0, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+                      tie_word_embeddings=True, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg)
 

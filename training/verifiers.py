@@ -481,6 +481,7 @@ class VerifierPool:
             if not self._warm(w, needs):
                 w.kill()
                 raise VerifierUnavailable("a verifier worker could not import its verifiers")
+            live = True  # false once killed: only a live worker goes back to the pool
             try:
                 w.conn.send(payload)
                 late = self._wait(w, limit_s)
@@ -488,16 +489,16 @@ class VerifierPool:
                     if isinstance(late, VerifierTimeout):  # it spent the whole limit on this call
                         self._mine.cpu = self.thread_cpu_s() + limit_s
                     w.kill()
-                    w = None
+                    live = False
                     raise late
                 ok, out, cpu = w.conn.recv()
             except (EOFError, OSError, BrokenPipeError) as e:
-                if w is not None:
+                if live:
                     w.kill()
-                w = None
+                live = False
                 raise VerifierError(f"verifier worker died: {type(e).__name__}") from None
             finally:
-                if w is not None:
+                if live:
                     self._give(w)
             with self._lock:
                 self.cpu_s += cpu
