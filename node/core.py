@@ -457,8 +457,8 @@ class NodeCore:
                 supply[lid] = supply.get(lid, 0.0) + roles.offer_rate(q.announce.gen_tokens_per_s,
                                                                       self.tokens_per_rollout)
         options = []
-        for lin, d in self.table.followable(now, self.s.follow):
-            options.append(roles.LineageOption(lin.lineage, d, supply.get(lin.lineage, 0.0), lin.standby))
+        for row, d in self.table.followable(now, self.s.follow):
+            options.append(roles.LineageOption(row.lineage, d, supply.get(row.lineage, 0.0), row.standby))
         me = roles.Offer(self.ident.peer_id, roles.offer_rate(self.gen_tps, self.tokens_per_rollout), self.latency)
         choice = roles.choose_lineage(me, options, self.dissemination_s(), self.serving, configured=list(self.s.follow))
         self.serving_reason = choice.reason

@@ -94,7 +94,7 @@ def sweep_partials(root: Path, in_flight: set[str], done: set[str], keep_s: floa
     """
     import time
 
-    removed = []
+    removed: list[str] = []
     if not root.is_dir():
         return removed
     now = time.time()

@@ -110,6 +110,13 @@ class Node:
         self.stall = StallMeter()
         self.gc_timer = stall.GcTimer()
 
+    @property
+    def nursery(self) -> trio.Nursery:
+        """The running node's nursery (actions that start tasks come only while the node runs)."""
+        if self._nursery is None:
+            raise RuntimeError("the node is not running")
+        return self._nursery
+
     # ------------------------------------------------------------ status
     def snapshot(self) -> NodeStatus:
         return views.node_status(self, trio.current_time() if self._nursery is not None else None)
@@ -379,11 +386,11 @@ class Node:
             elif isinstance(a, C.DropItem):
                 await trio.to_thread.run_sync(patchsync.drop_item, self.home, a.lineage, a.base, a.target)
             elif isinstance(a, C.FetchCatalog):
-                self._nursery.start_soon(self._fetch_catalog, a.peer, a.lineage)
+                self.nursery.start_soon(self._fetch_catalog, a.peer, a.lineage)
             elif isinstance(a, C.RequestOffer):
-                self._nursery.start_soon(self._request_offer, a)
+                self.nursery.start_soon(self._request_offer, a)
             elif isinstance(a, C.RestartWorker):
-                self._nursery.start_soon(self._restart_worker, a.delay_s)
+                self.nursery.start_soon(self._restart_worker, a.delay_s)
             elif isinstance(a, C.ResendTaskSets):
                 self._resend_task_sets = True
             elif isinstance(a, (C.Accept, C.Decline)):
@@ -411,7 +418,7 @@ class Node:
         self._storing.add(pid)
         try:
             await trio.to_thread.run_sync(patchsync.store_complete, self.home, tr.manifest, tr.envelope, tr.payload())
-            await trio.to_thread.run_sync(patchsync.held_store(self.home, bytes(tr.manifest.lineage)).prune,
+            await trio.to_thread.run_sync(patchsync.LineageStore(self.home, bytes(tr.manifest.lineage)).prune,
                                           self.cfg.sync.retain_versions)
         except (MurmurError, OSError) as e:
             log.warning("could not store patch %s: %s", pid.hex()[:12], e)

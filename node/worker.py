@@ -39,7 +39,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from training.sampler import Sampler
 from training.spotcheck import SPOT_PER_ROUND, SPOT_RATE, SPOT_TOLERANCE
@@ -126,7 +126,7 @@ class Inbox:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
-        self.follow: dict | None | str = "unset"
+        self.follow: dict | None | Literal["unset"] = "unset"
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
         self.pace = 0.0
@@ -337,7 +337,7 @@ class Worker:
         # when it was asked for: the engine opened in load())
         self.engine = MasterEngine(self.master, pub.base, seed=int(s.get("seed", 0)),
                                    gen=None if self.engine is self.master else self.engine)
-        self.checker = self.engine.gen
+        self.checker = self.engine.gen_engine
         self.held_lineage = pub.lineage.id
         self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
                             "base": pub.lineage.base_model_hash.hex(), "version": pub.version,

@@ -270,7 +270,7 @@ class Emulation:
             up, down = getattr(p, "last_bytes", (0, 0))
             self._row("bytes", node=p.spec.index, group=p.spec.group, bytes_up=up, bytes_down=down)
         rewards = self.rows.get("reward", [])
-        summary = {
+        summary: dict[str, Any] = {
             "title": f"Murmur emulation: {self.sc.name}",
             "mode": "emulate",
             "scenario": self.sc.name,

@@ -156,7 +156,7 @@ def plot_reward(rows: list[dict[str, Any]], path: Path) -> str | None:
     width = max(tmax / 40, 1e-9)
     xs, ys = _bin_mean(((r["t"], r["reward"]) for r in rows), width)
     ax.plot(xs, ys, lw=2.5, color="black", label="swarm (mean over nodes)")
-    iso = [(r["t"], r.get("isolated")) for r in rows if r.get("isolated") is not None]
+    iso = [(r["t"], r["isolated"]) for r in rows if r.get("isolated") is not None]
     if iso:
         xs, ys = _bin_mean(iso, width)
         ax.plot(xs, ys, lw=2.0, ls="--", color="tab:red", label="isolated (same nodes, no swarm)")

@@ -202,7 +202,7 @@ def _semantic_checks(sc: Scenario) -> list[tuple[str, str]]:
     if sc.total_nodes > MAX_NODES:
         bad.append(("group", f"{sc.total_nodes} nodes in all, over the limit of {MAX_NODES}"))
     honest = sc.honest_nodes
-    trainers = set()
+    trainers: set[int] = set()
     idx = 0
     for g in sc.groups:
         if g.role == "trainer":
@@ -248,7 +248,7 @@ def _ranges(xs: list[int]) -> str:
     if not xs:
         return ""
     out, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:  # type: ignore[list-item]
+    for x in xs[1:] + [None]:
         if x is not None and x == prev + 1:
             prev = x
             continue

@@ -216,10 +216,10 @@ class VirtualSim:
             return
         n.core = self.driver.new_core(n)
         self.net.alive_producers += 1
-        n.pipeline.head_version = n.core.head_of  # type: ignore[union-attr] - as node.runtime wires it
+        n.pipeline.head_version = n.core.head_of  # as node.runtime wires it
         n.shards = ()
         self.net.subscribe(n, 1, (0,))  # the live service joins shard 0 before the core's first plan
-        n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own  # type: ignore[union-attr]
+        n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own
         self.workers.start(n)
         q.push(q.now + n.rng.uniform(2 * WORKER_S, 0.5), Wake(i, n.inc))
         q.push(q.now + n.rng.uniform(0, self.workers.step_time(n)), StepDue(i, n.inc))
@@ -249,7 +249,7 @@ class VirtualSim:
         if not n.alive or n.inc != ev.inc:
             return
         b = n.spec.behaviour
-        for data, lineage in n.adversary.payloads(b):  # type: ignore[union-attr]
+        for data, lineage in n.adversary.payloads(b):  # type: ignore[arg-type,union-attr]  # adversaries have both
             self.net.publish(n, data, shard_of(lineage, self.net.shards_now()))
         if b in SENDERS:
             self.queue.push(self.queue.now + 1.0 / n.spec.rate_per_s, AdversaryDue(ev.node, ev.inc))

@@ -17,7 +17,7 @@ from typing import Any
 from gossip import wire
 from gossip.identity import peer_id_from_public
 from gossip.scoring import ScoreParams
-from gossip.validation import Pending, Pipeline, PipelineConfig
+from gossip.validation import Pending, Pipeline, PipelineConfig, Verdict
 from node.core import (
     AnnounceHeard,
     CatalogFailed,
@@ -179,7 +179,7 @@ class CoreDriver:
                                     OfferAsked(dst.spec.index, n.spec.index, a.lineage,
                                                (a.item.kind, a.item.base, a.item.target), n.inc))
             elif t is Penalise:
-                n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())  # type: ignore[union-attr]
+                n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())
             # SeePeer (persist a peer for discovery), ResendTaskSets (one modelled task set): nothing to model;
             # RestartWorker: modelled workers never exit
 
@@ -240,7 +240,7 @@ class CoreDriver:
         d, env, body = heard
         signer = bytes(env.signer)
         if peer_id_from_public(signer) == body.peer_id:
-            d.pipeline.announced(body.peer_id, body)  # type: ignore[union-attr] - the rate it states bounds it
+            d.pipeline.announced(body.peer_id, body)  # the rate it states bounds it
         self.feed(d, AnnounceHeard(signer, body, ev.data))
 
     def on_manifest(self, ev: ManifestArrives) -> None:
@@ -270,6 +270,7 @@ class CoreDriver:
         """A catch-up catalog request reaches a peer: the reply lists what its lineage store holds."""
         p = self.nodes[ev.node]
         back = self.queue.now + self.net.latency(ev.node, ev.asker)
+        reply: CatalogReceived | CatalogFailed
         if p.alive and ev.lineage in p.store:
             reply = CatalogReceived(p.peer_id, ev.lineage, self._items(p, ev.lineage))
         else:
@@ -303,21 +304,22 @@ class CoreDriver:
         why = d.gate.admit(s.peer_id, shard, now)
         if why is None:
             p = d.pipeline
-            step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)  # type: ignore[union-attr]
+            step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)
             if step.batch is not None:
                 d.stats.counts["received_rollouts"] += len(step.batch.rollouts)
             if isinstance(step, Pending):
                 why = d.gate.belongs([bytes(r.lineage) for r in step.batch.rollouts], shard, d.shard_count)
                 if why is not None:
-                    p.abandon(step)  # type: ignore[union-attr]
+                    p.abandon(step)
                 else:
-                    p.verify(step)  # type: ignore[union-attr]
-                    step = p.commit(step)  # type: ignore[union-attr]
+                    p.verify(step)
+                    step = p.commit(step)
             v = step
         if why is not None:
             d.stats.drop(why)
             self.recorder.rejections[why] += 1
             return
+        assert isinstance(v, Verdict)  # a Pending was committed, or abandoned with `why` set
         if not v.accepted:
             d.stats.drop(v.reason.value)
             self.recorder.rejections[v.reason.value] += 1

@@ -334,7 +334,7 @@ class VirtualSwarm:
     def _apply(self, nd: _Node, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
-                peer = self.nodes[a.peer]  # type: ignore[index]
+                peer = self.nodes[a.peer]  # type: ignore[call-overload]
                 if peer.alive:
                     self._push(self.now + nd.link.latency_s, "deliver", (a.peer, nd.id, a.frame, peer.inc, nd.inc))
             elif isinstance(a, ServeReady):
@@ -344,7 +344,7 @@ class VirtualSwarm:
             elif isinstance(a, Complete):
                 self._completed(nd, a.pid)
             elif isinstance(a, Penalise):
-                nd.penalties[a.peer] = nd.penalties.get(a.peer, 0.0) + a.amount  # type: ignore[index]
+                nd.penalties[a.peer] = nd.penalties.get(a.peer, 0.0) + a.amount  # type: ignore[call-overload,index]
             elif isinstance(a, Disconnect):
                 for x, y in ((nd.id, a.peer), (a.peer, nd.id)):  # both ends see the connection go
                     self._push(self.now + nd.link.latency_s, "left", (x, y))

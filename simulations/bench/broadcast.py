@@ -276,7 +276,7 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                     # the whole mesh is connected and our chunk streams are up; on a starved box some
                     # stream opens time out: go on after 90 s with the mesh we have (reported)
                     with trio.move_on_after(90):
-                        while len(node.conns) < msg["peers"] or not t.topic_peers(node.topic):  # type: ignore[attr-defined]
+                        while len(node.conns) < msg["peers"] or not t.topic_peers(node.topic):
                             await trio.sleep(0.05)
                     n.start_soon(_follow, node, say)
                     say(event="ready", conns=len(node.conns))

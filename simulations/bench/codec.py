@@ -155,4 +155,4 @@ if __name__ == "__main__":  # python -m simulations.bench.codec [params] [steps]
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = [int(float(a)) for a in sys.argv[1:3]]
-    print(json.dumps(run(*args)))
+    print(json.dumps(run(*args)))  # type: ignore[arg-type]  # at most two arguments: params and steps

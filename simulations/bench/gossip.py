@@ -226,7 +226,7 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
 
     from gossip.host import open_transport
     from gossip.service import GossipService
-    from gossip.validation import Pipeline, PipelineConfig
+    from gossip.validation import Pipeline, PipelineConfig, Verdict
     from training.verifiers import score
 
     reg = registry()
@@ -243,7 +243,12 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
     accepted: dict[str, float] = {}
     async with open_transport(ident) as t, trio.open_nursery() as nursery:
         service = GossipService(t, pipeline, SWARM)
-        service.on_accept = lambda v: accepted.setdefault(f"{v.batch.producer.hex()}:{v.batch.seq}", time.time())
+
+        def on_accept(v: Verdict) -> None:
+            if v.batch is not None:  # an accepted verdict carries its batch
+                accepted.setdefault(f"{v.batch.producer.hex()}:{v.batch.seq}", time.time())
+
+        service.on_accept = on_accept
         await nursery.start(service.run)
         say("ADDR", t.listen_addrs()[0])
         peers = (await stdin.readline()).split()[1:]
@@ -441,8 +446,9 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
                 cpu[0] += time.thread_time() - t0
         return g
 
-    pipeline.admit, pipeline.verify, pipeline.commit = timed(pipeline.admit), timed(pipeline.verify), \
-        timed(pipeline.commit)
+    pipeline.admit = timed(pipeline.admit)  # type: ignore[method-assign]  # the stage timed in place
+    pipeline.verify = timed(pipeline.verify)  # type: ignore[method-assign]  # the stage timed in place
+    pipeline.commit = timed(pipeline.commit)  # type: ignore[method-assign]  # the stage timed in place
     accepted: dict[str, float] = {}
     rate, per_batch, demand = params["rate"], params["rollouts"], params["demand"]
     async with open_transport(ident) as t, trio.open_nursery() as nursery:

@@ -28,7 +28,7 @@ from training.trainer import StepResult, Trainer, TrainerConfig
 
 EVAL_PER_FAMILY = 100
 # The built-in answers fit in 8 tokens (a sorted list of 4 digits, with EOS).
-BENCH_CONFIG = dict(local_groups=16, external_groups=0, group_size=8, lr=3e-4, max_new_tokens=8)
+BENCH_CONFIG: dict[str, Any] = dict(local_groups=16, external_groups=0, group_size=8, lr=3e-4, max_new_tokens=8)
 
 
 def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | None = None) -> dict[str, Any]:

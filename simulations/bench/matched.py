@@ -45,7 +45,7 @@ WARMUP_STEPS = 100  # murmur-tiny's supervised warm-up per node: the node's stan
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
 # (docs/researcher.md), and a comparison with a flat baseline measures noise.
-TRAINER = dict(local_groups=16, external_groups=16, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=8)
+TRAINER: dict[str, Any] = dict(local_groups=16, external_groups=16, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=8)
 POOL_GROUPS = 64
 BOOTSTRAP = 2000
 
@@ -289,7 +289,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                 assert other.sampler is not None
                 other.sampler.observe_head(node.lineage, node.trainer.version)
             c0 = time.thread_time()
-            payloads = _seal(node, [to_wire(r) for r in res.rollouts])  # type: ignore[arg-type]
+            payloads = _seal(node, [to_wire(r) for r in res.rollouts])
             dt = time.thread_time() - c0
             node.cpu += dt
             node.verify_cpu += dt

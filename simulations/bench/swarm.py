@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -173,7 +173,15 @@ def _ident(seed: int, i: int) -> Identity:
     return Identity.from_seed(hashlib.blake2b(f"murmur-bench-swarm/{seed}/{i}".encode(), digest_size=32).digest())
 
 
-def _seal(node: _Node, rollouts: list[wire.Rollout]) -> list[bytes]:
+class _Sealer(Protocol):
+    ident: Identity
+    seq: int
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _seal(node: _Sealer, rollouts: list[wire.Rollout]) -> list[bytes]:
     out = []
     for k in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
         node.seq += 1
@@ -183,7 +191,7 @@ def _seal(node: _Node, rollouts: list[wire.Rollout]) -> list[bytes]:
     return out
 
 
-def _with(r: wire.Rollout, **changes: Any) -> wire.Rollout:
+def _with(r: S, **changes: Any) -> S:
     return msgspec.structs.replace(r, **changes)
 
 
