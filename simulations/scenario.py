@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -24,7 +24,7 @@ BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan", "large", 
 MAX_NODES = 100_000
 
 Behaviour = Literal["forged_reward", "invalid_signature", "replay", "stale_spam", "corrupt_chunks", "free_ride"]
-BEHAVIOURS: tuple[str, ...] = Behaviour.__args__  # type: ignore[attr-defined]
+BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
 
 NonNeg = Annotated[float, Meta(ge=0.0)]
 Pos = Annotated[float, Meta(gt=0.0)]

@@ -327,7 +327,7 @@ class CoreDriver:
             if v.newly_banned:
                 self.recorder.row("event", t=self.queue.now, node=dst, action=f"ban {ev.origin}")
             return
-        d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]
+        d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]  # an accepted verdict carries its batch
         self.net.pass_on(d, ev.fwd, ev.origin, ev.data, shard)
         if s.spec.role == "adversary":
             s.adv_accepted += 1

@@ -29,7 +29,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import Meta, Struct
@@ -683,5 +683,5 @@ class SwarmSession:
         return out
 
 
-def session_from_manifest(pid: bytes, manifest: PatchManifest, **kw: object) -> SwarmSession:
-    return SwarmSession(pid, [c.hash for c in manifest.chunks], [c.size for c in manifest.chunks], **kw)  # type: ignore[arg-type]
+def session_from_manifest(pid: bytes, manifest: PatchManifest, **kw: Any) -> SwarmSession:
+    return SwarmSession(pid, [c.hash for c in manifest.chunks], [c.size for c in manifest.chunks], **kw)

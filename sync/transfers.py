@@ -162,7 +162,7 @@ class Transfer:
     def payload(self) -> bytes:
         if not self.session.complete:
             raise MurmurError("patch not complete yet")
-        return b"".join(self.chunks)  # type: ignore[arg-type]
+        return b"".join(self.chunks)  # type: ignore[arg-type]  # a complete session holds every chunk
 
 
 class BroadcastCore:
@@ -444,7 +444,7 @@ class BroadcastCore:
             return None, out
         if len(data) < slot.reserved:
             self.bucket.refund(slot.reserved - len(data), now)
-        return Chunk(tr.pid, idx, data), out  # type: ignore[arg-type]
+        return Chunk(tr.pid, idx, data), out  # type: ignore[arg-type]  # data is held only for a chosen index
 
     # ------------------------------------------------------------ session actions
 

@@ -92,7 +92,6 @@ def check_support(model_path: str | Path | None, threads: int = 1, memory_budget
                           "or `--vllm gpu`, see docs/training.md)")
     _prepare_environment(dist, threads, memory_budget_mb)
     try:
-        import vllm  # noqa: F401
         from vllm import ModelRegistry
         from vllm.platforms import current_platform
     except Exception as e:  # ImportError, or a CUDA/torch mismatch at import
@@ -147,7 +146,7 @@ class MurmurWorkerExtension:
     """Mixed into vLLM's worker via `worker_extension_cls`; called through `LLM.collective_rpc`."""
 
     def _murmur_model(self) -> Any:
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]  # vLLM's worker, which this class is mixed into, has it
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def murmur_apply_sparse(self, patches: list[tuple[str, tuple[int, ...], Any, Any]]) -> int:
@@ -167,7 +166,7 @@ class MurmurWorkerExtension:
         return len(objs)
 
     def murmur_reload_dense(self, tensors: list[tuple[str, Any]]) -> int:
-        self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]  # vLLM's worker, which this class is mixed into, has it
         return len(tensors)
 
 

@@ -10,6 +10,7 @@ length-normalised mean, which is all the HACPO sequence ratio needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,8 +74,8 @@ def to_wire(r: RolloutRec) -> Rollout:
                    reward=float(r.reward), created_ms=r.created_ms)
 
 
-def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes, encode: object,
-              eos_id: int | None = None) -> RolloutRec:
+def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes,
+              encode: Callable[[str], Iterable[int]], eos_id: int | None = None) -> RolloutRec:
     """A received rollout for local training; re-tokenised when its tokenizer differs from ours.
 
     `finished` says whether the producer's completion ended with its EOS (else it was cut at its
@@ -97,7 +98,7 @@ def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: byt
     else:
         rec.finished = 0 < len(ids) < w.sampling.max_new_tokens
         rec.src_logp_mean = float(np.mean(lps)) if lps else 0.0
-        rec.ids = list(encode(w.text))  # type: ignore[operator]
+        rec.ids = list(encode(w.text))
         rec.logprobs = []
         rec.token_versions = []
         rec.tokenizer_hash = tokenizer_hash

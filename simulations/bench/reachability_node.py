@@ -27,14 +27,14 @@ import time
 
 T0 = time.monotonic()  # before the heavy imports: time-to-first-message counts them
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from typing import Any  # noqa: E402
+import hashlib  # noqa: E402 - imported after T0, which times them
+import json  # noqa: E402 - imported after T0, which times them
+import os  # noqa: E402 - imported after T0, which times them
+import sys  # noqa: E402 - imported after T0, which times them
+from collections.abc import Iterator  # noqa: E402 - imported after T0, which times them
+from typing import Any  # noqa: E402 - imported after T0, which times them
 
-import trio  # noqa: E402
+import trio  # noqa: E402 - imported after T0, which times them
 
 BULK_PROTOCOL = "/murmur/bench/bulk/1"
 OPEN_ATTEMPTS = 3
