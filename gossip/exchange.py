@@ -50,7 +50,7 @@ import hashlib
 import heapq
 import itertools
 import math
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -140,7 +140,7 @@ class Supply:
     def __init__(self, by_lineage: Mapping[bytes, float] | None = None) -> None:
         self.by_lineage: dict[bytes, float] = {}
         self._s = 0
-        self._per: Counter[int] = Counter()
+        self._per: defaultdict[int, float] = defaultdict(float)
         for lid, r in (by_lineage or {}).items():
             self.add(lid, r)
 
@@ -163,9 +163,9 @@ class Supply:
     def of(self, lineage: bytes) -> float:
         return self.by_lineage.get(bytes(lineage), 0.0)
 
-    def per_shard(self, shards: int) -> Counter[int]:
+    def per_shard(self, shards: int) -> Mapping[int, float]:
         if shards != self._s:
-            self._s, self._per = shards, Counter()
+            self._s, self._per = shards, defaultdict(float)
             for lid, r in self.by_lineage.items():
                 self._per[shard_of(lid, shards)] += r
         return self._per
@@ -556,7 +556,7 @@ class DistinctCount:
         self._top: int | None = None  # max(self._seen) while full, cached
 
     def add(self, key: str | bytes, now: float) -> None:
-        h = _kmv_hash(key) if type(key) is str or type(key) is bytes else _kmv_hash(bytes(key))
+        h = _kmv_hash(key) if isinstance(key, str | bytes) else _kmv_hash(bytes(key))
         if h in self._seen or len(self._seen) < self.k:
             self._seen[h] = now
             self._top = None

@@ -118,7 +118,7 @@ async def attach_holepunch(transport: Any, auto: bool = True, dial_timeout_s: in
 
     dcutr = DCUtRProtocol(transport.host, read_timeout=10, write_timeout=10, dial_timeout=dial_timeout_s)
     if not auto:
-        dcutr._auto_drive_loop = _idle  # type: ignore[method-assign]
+        dcutr._auto_drive_loop = _idle  # type: ignore[method-assign]  # replaces py-libp2p's method on this instance
     async with background_trio_service(dcutr):
         yield HolePuncher(transport, dcutr)
 

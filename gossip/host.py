@@ -29,10 +29,10 @@ import multiaddr
 import trio
 
 from gossip import libp2p_fixes
-from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 from gossip.errors import DecodeError, MurmurError
 from gossip.identity import Identity
 from gossip.limits import Lease, StreamBudget, StreamLimits
+from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 
 log = logging.getLogger("murmur.gossip.host")
 
@@ -230,7 +230,7 @@ class _Stream:
                 return b""
             raise StreamError(f"stream read failed: {type(e).__name__}: {e}") from None
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes | bytearray) -> None:
         try:
             await self._raw.write(data)
         except _net_errors() as e:
@@ -475,7 +475,7 @@ class Libp2pTransport:
 
         try:
             raw = await self.host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol)])
-        except (*_net_errors(), ValueError) as e:  # ValueError: a malformed peer id
+        except _net_errors() + (ValueError,) as e:  # ValueError: a malformed peer id
             raise StreamError(f"cannot open {protocol} to {peer_id}: {type(e).__name__}: {e}") from None
         return _Stream(raw, peer_id, self.budget)
 
@@ -508,8 +508,8 @@ class Libp2pTransport:
 def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: StreamFaults,
            budget: StreamBudget) -> tuple[Any, Any, Any]:
     from libp2p import new_host
-    from libp2p.custom_types import TProtocol
     from libp2p.crypto.x25519 import create_new_key_pair as x25519_pair
+    from libp2p.custom_types import TProtocol
     from libp2p.network.config import ConnectionConfig
     from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
     from libp2p.pubsub.pubsub import Pubsub
@@ -547,7 +547,7 @@ def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: S
     pubsub = Pubsub(host, router, strict_signing=True)
     _guard_stream_handlers(host, faults)
     swarm = host.get_network()  # what gossip.hostlimits' hooks find
-    swarm._murmur_budget, swarm._murmur_faults, swarm._murmur_refuse = budget, faults, None
+    swarm._murmur_budget, swarm._murmur_faults, swarm._murmur_refuse = budget, faults, None  # type: ignore[attr-defined]  # gossip.hostlimits' hooks read them off the swarm
     return host, pubsub, router
 
 
@@ -584,7 +584,7 @@ async def open_transport(
             nursery.cancel_scope.cancel()
             # py-libp2p 0.8.1 leaves connections open on shutdown: peers would keep a dead
             # pubsub stream to us and never deliver to our restarted self. Close them.
-            with trio.move_on_after(2, shield=True):
+            with trio.move_on_after(2, shield=True):  # type: ignore[call-arg]  # trio-typing's stubs predate trio's shield=
                 # py-libp2p 0.8.1 closes its listeners in the swarm's shutdown path, but that path
                 # runs cancelled and stops at its first await: the listening socket stayed open, and
                 # peers that knew the address kept dialling a host whose swarm no longer ran. Close

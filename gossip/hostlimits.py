@@ -85,9 +85,9 @@ def _install_inbound_stream_caps() -> None:
         finally:
             budget.close_stream(peer)
 
-    SwarmConn.__init__ = __init__
-    SwarmConn._handle_muxed_stream = _handle_muxed_stream
-    SwarmConn._murmur_caps = True
+    SwarmConn.__init__ = __init__  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    SwarmConn._handle_muxed_stream = _handle_muxed_stream  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    SwarmConn._murmur_caps = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def _install_yamux_window_enforcement() -> None:
@@ -111,8 +111,8 @@ def _install_yamux_window_enforcement() -> None:
             raise WindowExceeded(str(err))
         self.__dict__["_murmur_recv_window"] = value
 
-    YamuxStream.recv_window = property(get, set_)  # type: ignore[assignment]
-    YamuxStream._murmur_window = True
+    YamuxStream.recv_window = property(get, set_)  # type: ignore[assignment]  # a property in place of py-libp2p's plain attribute
+    YamuxStream._murmur_window = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def _install_connection_refusal() -> None:
@@ -157,8 +157,8 @@ def _install_connection_refusal() -> None:
                 raise SwarmException(f"connection from {ip} refused: {full} holds {lim.ip_connections} connections")
         return await add(self, muxed_conn, *args, **kw)
 
-    Swarm.add_conn = add_conn
-    Swarm._murmur_refusal = True
+    Swarm.add_conn = add_conn  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    Swarm._murmur_refusal = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def remote_ip(conn: Any) -> str:

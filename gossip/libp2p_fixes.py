@@ -77,8 +77,8 @@ def _fix_go_yamux_credit() -> None:
         if delta > 0:
             await self.send_window_update(delta, skip_lock=True)
 
-    YamuxStream._auto_tune_and_send_window_update = _go_yamux_credit
-    YamuxStream._murmur_credit = True
+    YamuxStream._auto_tune_and_send_window_update = _go_yamux_credit  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    YamuxStream._murmur_credit = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 READ_AHEAD_BYTES = 256 * 1024
@@ -114,8 +114,8 @@ def _fix_buffered_tcp_reads() -> None:
         self._murmur_buf, self._murmur_off = data, n
         return data[:n]
 
-    TrioTCPStream.read = read
-    TrioTCPStream._murmur_buffered = True
+    TrioTCPStream.read = read  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    TrioTCPStream._murmur_buffered = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def _fix_lean_yamux_writes() -> None:
@@ -188,9 +188,9 @@ def _fix_lean_yamux_writes() -> None:
             await self.conn._write_frame(frame)
             sent += len(frame) - ym.HEADER_SIZE
 
-    ym.Yamux._write_frame = write_frame
-    ym.YamuxStream.write = write
-    ym.YamuxStream._murmur_lean = True
+    ym.Yamux._write_frame = write_frame  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    ym.YamuxStream.write = write  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    ym.YamuxStream._murmur_lean = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def _fix_pubsub_message_guard() -> None:
@@ -216,8 +216,8 @@ def _fix_pubsub_message_guard() -> None:
             log.warning("pubsub message from %s dropped: %s: %s", msg_forwarder, type(e).__name__, e)
             faults.count("pubsub-message (error)")
 
-    Pubsub.push_msg = push_msg
-    Pubsub._murmur_guarded = True
+    Pubsub.push_msg = push_msg  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    Pubsub._murmur_guarded = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def _fix_pubsub_oversize_charge() -> None:
@@ -237,8 +237,8 @@ def _fix_pubsub_oversize_charge() -> None:
         except MessageTooLarge as e:
             raise FrameError(f"pubsub RPC over {max_length} bytes: {e}") from None
 
-    ps.read_varint_prefixed_bytes_limited = read_limited
-    ps._murmur_oversize = True
+    ps.read_varint_prefixed_bytes_limited = read_limited  # type: ignore[assignment]  # the wrapper takes any stream, as the original does at run time
+    ps._murmur_oversize = True  # type: ignore[attr-defined]  # marks py-libp2p's module as patched
 
 
 def _fix_pubsub_stream_retry() -> None:
@@ -268,8 +268,8 @@ def _fix_pubsub_stream_retry() -> None:
                 faults.count("pubsub stream open (retried)")
             raise SwarmException(f"{type(e).__name__}: {e}") from e
 
-    Pubsub._handle_new_peer = handle_new_peer
-    Pubsub._murmur_stream_retry = True
+    Pubsub._handle_new_peer = handle_new_peer  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    Pubsub._murmur_stream_retry = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def _fix_pubsub_keep_subscriptions() -> None:
@@ -299,8 +299,8 @@ def _fix_pubsub_keep_subscriptions() -> None:
             if faults is not None:
                 faults.count("pubsub stream replaced (subscriptions kept)")
 
-    Pubsub._handle_dead_peer = handle_dead_peer
-    Pubsub._murmur_keep_subs = True
+    Pubsub._handle_dead_peer = handle_dead_peer  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    Pubsub._murmur_keep_subs = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 def _on_closed_connection(stream: Any) -> bool:
@@ -340,8 +340,8 @@ def _fix_pubsub_stream_on_closed_connection() -> None:
                         faults.count("pubsub stream re-opened (its connection closed)")
                 self._handle_dead_peer(peer_id)
 
-    Pubsub.handle_dead_peer_queue = handle_dead_peer_queue
-    Pubsub._murmur_closed_conn = True
+    Pubsub.handle_dead_peer_queue = handle_dead_peer_queue  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    Pubsub._murmur_closed_conn = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
 
 
 # How long our own signed peer record is reused before py-libp2p re-checks our addresses.
@@ -408,12 +408,12 @@ def _fix_peer_record_memo() -> None:
     for name in ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub"):  # per RPC
         mod = importlib.import_module(name)
         if getattr(mod, "env_to_send_in_RPC", None) is own_record:
-            mod.env_to_send_in_RPC = env_to_send_in_rpc  # type: ignore[attr-defined]
+            mod.env_to_send_in_RPC = env_to_send_in_rpc  # type: ignore[attr-defined]  # the module's own name for the function it imported
         if getattr(mod, "maybe_consume_signed_record", None) is check_record:
-            mod.maybe_consume_signed_record = maybe_consume_signed_record  # type: ignore[attr-defined]
+            mod.maybe_consume_signed_record = maybe_consume_signed_record  # type: ignore[attr-defined]  # the module's own name for the function it imported
     peerstore.env_to_send_in_RPC = env_to_send_in_rpc
     pubsub_utils.maybe_consume_signed_record = maybe_consume_signed_record
-    peerstore._murmur_record_memo = True
+    peerstore._murmur_record_memo = True  # type: ignore[attr-defined]  # marks py-libp2p's module as patched
 
 
 FIXES: Final = (_fix_go_yamux_credit, _fix_buffered_tcp_reads, _fix_lean_yamux_writes, _fix_pubsub_message_guard,

@@ -33,9 +33,9 @@ from typing import Annotated, Any
 import msgspec
 import trio
 
+from gossip.errors import DecodeError, MurmurError
 from gossip.framing import read_frame, write_frame
 from gossip.transport import Stream, StreamError
-from gossip.errors import DecodeError, MurmurError
 
 log = logging.getLogger("murmur.gossip.reachability")
 
@@ -170,9 +170,9 @@ def decide(verdicts: list[PeerVerdict], min_peers: int = 1, now: float | None = 
         errs = sorted({e for v in answered for e in v.failed.values()})
         return Reachability(PRIVATE, [], observed, verdicts,
                             f"{len(answered)} peer(s) could not dial any announced address ({'; '.join(errs)[:300]})", ts, kept)
-    errs = "; ".join(v.error for v in verdicts if v.error)[:300]
+    why = "; ".join(v.error for v in verdicts if v.error)[:300]
     return Reachability(UNKNOWN, [], observed, verdicts,
-                        f"{len(answered)} of {min_peers} needed peer(s) answered" + (f" ({errs})" if errs else ""), ts, kept)
+                        f"{len(answered)} of {min_peers} needed peer(s) answered" + (f" ({why})" if why else ""), ts, kept)
 
 
 # ------------------------------------------------------------------ server
@@ -200,7 +200,7 @@ class DialbackServer:
             if any("/p2p-circuit" in a for a in addrs):
                 continue
             try:
-                host, port = c.muxed_conn.secured_conn.get_remote_address()  # type: ignore[attr-defined]
+                host, port = c.muxed_conn.secured_conn.get_remote_address()
                 return str(host), f"{host}:{port}"
             except Exception:
                 for a in addrs:

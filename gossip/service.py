@@ -31,11 +31,11 @@ from typing import Any
 import trio
 
 from gossip import exchange, topics, wire
+from gossip.errors import DecodeError
+from gossip.identity import peer_id_from_public
 from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S, NewKeys, TokenBuckets
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
-from gossip.errors import DecodeError
-from gossip.identity import peer_id_from_public
 
 log = logging.getLogger("murmur.gossip.service")
 

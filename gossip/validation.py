@@ -39,11 +39,11 @@ from typing import Any
 
 from gossip import wire
 from gossip.cpubudget import CpuBudget
+from gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
+from gossip.identity import peer_id_from_public
 from gossip.ratelimit import AnnouncedRates, TokenBuckets
 from gossip.replay import ReplayCache
 from gossip.scoring import PeerScores, ScoreParams
-from gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
-from gossip.identity import peer_id_from_public
 
 
 class Reason(enum.Enum):
@@ -251,6 +251,7 @@ class Pipeline:
             batch = wire.decode_body(env)
         except DecodeError:
             return
+        assert isinstance(batch, wire.RolloutBatch)  # decode_envelope checked the kind
         now = self.clock()
         mid = wire.content_id(data)
         self.seen.put(mid, Reason.ACCEPTED, now)

@@ -66,8 +66,8 @@ def install_workarounds() -> None:
             if remove is not None:
                 remove(self.muxed_conn, self._channel_id)
 
-        forget_on_cleanup._murmur_forget = True  # type: ignore[attr-defined]
-        WebRTCStream._cleanup = forget_on_cleanup  # type: ignore[method-assign]
+        forget_on_cleanup._murmur_forget = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
+        WebRTCStream._cleanup = forget_on_cleanup  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
     _install_backpressure()
     _install_bytes_like_writes()
     _install_read_overflow_reset()
@@ -92,8 +92,8 @@ def _install_bytes_like_writes() -> None:
     async def write_bytes_like(self: Any, data: Any) -> None:
         await write(self, data if type(data) is bytes else bytes(data))
 
-    write_bytes_like._murmur_bytes_like = True  # type: ignore[attr-defined]
-    WebRTCStream.write = write_bytes_like  # type: ignore[method-assign]
+    write_bytes_like._murmur_bytes_like = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
+    WebRTCStream.write = write_bytes_like  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
 
 
 READ_QUEUE_MESSAGES = 256  # data-channel messages (<= 16 KiB each) queued for a stream's reader
@@ -140,8 +140,8 @@ def _install_read_overflow_reset() -> None:
         send, self._read_recv = trio.open_memory_channel[bytes](READ_QUEUE_MESSAGES)
         self._read_send = _ResetOnOverflow(send, self)
 
-    init_with_reset_on_overflow._murmur_overflow_reset = True  # type: ignore[attr-defined]
-    WebRTCStream.__init__ = init_with_reset_on_overflow  # type: ignore[method-assign]
+    init_with_reset_on_overflow._murmur_overflow_reset = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
+    WebRTCStream.__init__ = init_with_reset_on_overflow  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
 
 
 def _install_backpressure() -> None:
@@ -179,7 +179,7 @@ def _install_backpressure() -> None:
 
         conn._send_on_channel_cb = send_then_drain
 
-    wire_pc_to_connection._murmur_backpressure = True  # type: ignore[attr-defined]
+    wire_pc_to_connection._murmur_backpressure = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
     helpers.wire_pc_to_connection = wire_pc_to_connection
 
 

@@ -231,7 +231,8 @@ class NodeAnnounce(Struct, array_like=True, forbid_unknown_fields=True):
     publish_batches_per_s: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0
 
 
-BODY_TYPES: Final[dict[str, type[Struct]]] = {
+Body = RolloutBatch | TaskSetManifest | PatchManifest | NodeAnnounce
+BODY_TYPES: Final[dict[str, type[Body]]] = {
     ROLLOUT_BATCH: RolloutBatch,
     TASK_SET: TaskSetManifest,
     PATCH_MANIFEST: PatchManifest,
@@ -246,7 +247,7 @@ _SIGNER_FIELD: Final[dict[str, str]] = {
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
-_body_decoders = {k: msgspec.msgpack.Decoder(t) for k, t in BODY_TYPES.items()}
+_body_decoders: dict[str, msgspec.msgpack.Decoder[Body]] = {k: msgspec.msgpack.Decoder(t) for k, t in BODY_TYPES.items()}
 
 T = TypeVar("T", bound=Struct)
 
@@ -324,7 +325,7 @@ def verify_envelope(env: Envelope) -> None:
         raise SignatureError(f"{env.kind} signature does not verify for its signer")
 
 
-def decode_body(env: Envelope) -> Struct:
+def decode_body(env: Envelope) -> Body:
     """Decode the body of an (already verified) envelope into its Struct."""
     try:
         body = _body_decoders[env.kind].decode(env.body)

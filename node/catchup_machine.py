@@ -26,8 +26,7 @@ from enum import Enum
 
 from gossip import wire
 from gossip.errors import PatchError
-from node.events import (Action, CatalogFailed, CatalogReceived, FetchCatalog, LoadStored, Log, OfferFailed,
-                         RequestOffer)
+from node.events import Action, CatalogFailed, CatalogReceived, FetchCatalog, LoadStored, Log, OfferFailed, RequestOffer
 from node.lineages import LineageState
 from sync.catchup import choose
 from sync.items import KINDS, MAX_ITEMS, StoredItem, item_of, wanted

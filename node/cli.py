@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from node import __version__
 from gossip.errors import MurmurError
+from node import __version__
 
 app = typer.Typer(
     name="murmur",
@@ -38,7 +38,7 @@ app.add_typer(node_app, name="node")
 
 console = Console()
 
-HomeOpt = Annotated[Optional[Path], typer.Option("--home", help="node home (default $MURMUR_HOME or ~/.murmur)")]
+HomeOpt = Annotated[Path | None, typer.Option("--home", help="node home (default $MURMUR_HOME or ~/.murmur)")]
 
 
 def resolve_home(home: Path | None) -> Path:
@@ -102,7 +102,7 @@ def show_id(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--json
 @config_app.command("show")
 def config_show(
     home: HomeOpt = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="config file (default <home>/config.toml)")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="config file (default <home>/config.toml)")] = None,
     json_out: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Print the effective configuration and where each value came from."""
@@ -138,8 +138,11 @@ def main() -> None:
         sys.exit(130)
 
 
-# Command groups that live in their own modules register themselves on the apps above.
-from node import cli_bench  # noqa: E402,F401
-from node import cli_sim  # noqa: E402,F401
-from node import cli_tasks  # noqa: E402,F401
-from node import cli_node  # noqa: E402,F401
+# Command groups that live in their own modules register themselves on the apps above, in the order
+# `murmur --help` lists them.
+# isort: off
+from node import cli_bench  # noqa: E402, F401 - imported for that registration
+from node import cli_sim  # noqa: E402, F401 - imported for that registration
+from node import cli_tasks  # noqa: E402, F401 - imported for that registration
+from node import cli_node  # noqa: E402, F401 - imported for that registration
+# isort: on

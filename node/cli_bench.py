@@ -6,7 +6,8 @@ Progress goes to stderr; the last line of stdout is always one JSON object.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Callable
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -119,9 +120,8 @@ def bench_swarm(
     from simulations.bench.swarm import run, run_seeds
 
     if matched:
-        from simulations.bench.matched import run as run_matched
-
         from simulations.bench.matched import ANSWERS
+        from simulations.bench.matched import run as run_matched
 
         if answers not in ANSWERS:
             raise typer.BadParameter(f"one of {', '.join(ANSWERS)}", param_hint="--answers")

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from node.cli import HomeOpt, app, config_path, console, emit_json, node_app, resolve_home
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="config file (default <home>/config.toml)")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="config file (default <home>/config.toml)")]
 
 
 @node_app.command("start")
 def node_start(
     home: HomeOpt = None,
     config: ConfigOpt = None,
-    bootstrap: Annotated[Optional[list[str]], typer.Option("--bootstrap", help="bootstrap peer multiaddr (repeatable)")] = None,
-    listen: Annotated[Optional[list[str]], typer.Option("--listen", help="listen multiaddr (repeatable)")] = None,
+    bootstrap: Annotated[list[str] | None, typer.Option("--bootstrap", help="bootstrap peer multiaddr (repeatable)")] = None,
+    listen: Annotated[list[str] | None, typer.Option("--listen", help="listen multiaddr (repeatable)")] = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="JSON log lines on stderr instead of the dashboard")] = False,
 ) -> None:
     """Join a swarm: pick roles for this hardware, train/follow/validate, show a live dashboard."""
@@ -71,7 +70,7 @@ def node_status(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--
 def doctor(
     home: HomeOpt = None,
     config: ConfigOpt = None,
-    bootstrap: Annotated[Optional[list[str]], typer.Option("--bootstrap", help="extra bootstrap peer to test")] = None,
+    bootstrap: Annotated[list[str] | None, typer.Option("--bootstrap", help="extra bootstrap peer to test")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="one JSON object as the last line")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds per dial")] = 5.0,
 ) -> None:
@@ -101,10 +100,10 @@ def demo(
     duration: Annotated[float, typer.Option("--duration", help="seconds of training")] = 180.0,
     nodes: Annotated[str, typer.Option("--nodes", help="roles of the demo nodes, e.g. trainer,trainer,follower")] =
     "trainer,trainer+validator,follower+validator",
-    workdir: Annotated[Optional[Path], typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")] = None,
+    workdir: Annotated[Path | None, typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")] = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="plain progress lines instead of the live dashboard")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
-    task_set: Annotated[Optional[Path], typer.Option(
+    task_set: Annotated[Path | None, typer.Option(
         "--task-set", help="a coordinator's task-set TOML to train on instead of the built-in set")] = None,
     until_steps: Annotated[int, typer.Option(
         "--until-steps", help="stop early once every trainer made N steps and every follower applied a version "

@@ -6,24 +6,24 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
-from node.cli import app, console, emit_json
 from gossip.errors import MurmurError
+from node.cli import app, console, emit_json
 
 
 @app.command("simulate")
 def simulate(
-    scenario_file: Annotated[Optional[Path], typer.Argument(help="scenario TOML file (docs/scenarios.md)")] = None,
-    scenario: Annotated[Optional[str], typer.Option(
+    scenario_file: Annotated[Path | None, typer.Argument(help="scenario TOML file (docs/scenarios.md)")] = None,
+    scenario: Annotated[str | None, typer.Option(
         "--scenario", "-s", help="built-in scenario: default, churn, adversarial, heterogeneous, wan, large, huge")] = None,
     virtual: Annotated[bool, typer.Option("--virtual", help="virtual time: a node core per node; links, compute and learning modelled")] = False,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="report folder (default ./murmur-sim/<name>-<mode>-<time>)")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="override the scenario's seed")] = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", help="override duration_s (seconds)")] = None,
-    rebuild: Annotated[Optional[Path], typer.Option("--rebuild", help="only regenerate the HTML/plots of a report folder")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="report folder (default ./murmur-sim/<name>-<mode>-<time>)")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="override the scenario's seed")] = None,
+    duration: Annotated[float | None, typer.Option("--duration", help="override duration_s (seconds)")] = None,
+    rebuild: Annotated[Path | None, typer.Option("--rebuild", help="only regenerate the HTML/plots of a report folder")] = None,
     check: Annotated[bool, typer.Option("--check", help="validate the scenario and print its nodes; run nothing")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
     smoke: Annotated[bool, typer.Option("--smoke", help="emulation: stop once every node has taken its first step "

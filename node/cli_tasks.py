@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
 
-from node.cli import HomeOpt, console, emit_json, resolve_home, tasks_app
 from gossip.errors import MurmurError
+from node.cli import HomeOpt, console, emit_json, resolve_home, tasks_app
+
+if TYPE_CHECKING:
+    from gossip.wire import TaskSetManifest
 
 
-def _known(home: Path) -> list[tuple[bytes, object, bytes, str]]:
+def _known(home: Path) -> list[tuple[bytes, TaskSetManifest, bytes, str]]:
     """(id, manifest, envelope, origin) for the built-in set and every stored one."""
     from gossip.wire import TASK_SET, content_id, open_envelope
     from node.home import load_home_config, open_home_store

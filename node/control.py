@@ -73,7 +73,7 @@ def request(home: Path, cmd: str = "status", name: str = "control.sock", timeout
         while len(buf) <= STATUS_LIMIT:
             try:
                 part = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 raise ControlError(f"the node in {home} did not answer within {timeout} s") from None
             if not part:
                 break

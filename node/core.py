@@ -61,12 +61,47 @@ from node import pipe, roles
 from node.catchup_machine import LEAVE_AFTER_S, TRIAL_S, CatchUp, CatchUpMachine, CatchUpNeed
 from node.config import NetworkSection, NodeSection, SyncSection, TrainingSection
 from node.credit import Deliveries
-from node.events import (Tick, ListenAddrs, AnnounceHeard, ManifestHeard, PeerGone, FromWorker, WorkerExited,
-                         WorkerStarted, LineageKnown, StoredItems, TransferDone, PatchStored, CatalogReceived,
-                         CatalogFailed, OfferFailed, RolloutsVerified, RolloutsPublished,
-                         ManifestOffered, Publish, ToWorker, ResendTaskSets, Accept, Decline,
-                         RestartWorker, RecordRollouts, SeedVersion, StorePatch, DropItem, LoadStored, FetchCatalog,
-                         RequestOffer, Penalise, SeePeer, Log, Subscribe, Event, Action)  # noqa: F401 - part of the core's API
+from node.events import (
+    Accept,
+    Action,
+    AnnounceHeard,
+    CatalogFailed,
+    CatalogReceived,
+    Decline,
+    DropItem,
+    Event,
+    FromWorker,
+    LineageKnown,
+    ListenAddrs,
+    LoadStored,
+    Log,
+    ManifestHeard,
+    ManifestOffered,
+    OfferFailed,
+    PatchStored,
+    PeerGone,
+    Penalise,
+    Publish,
+    RolloutsPublished,
+    RolloutsVerified,
+    SeedVersion,
+    StoredItems,
+    StorePatch,
+    Subscribe,
+    Tick,
+    ToWorker,
+    TransferDone,
+    WorkerExited,
+    WorkerStarted,
+)
+
+# Actions the sub-machines emit, named as node.core.X by the core's callers (the redundant alias marks a re-export).
+from node.events import FetchCatalog as FetchCatalog
+from node.events import RecordRollouts as RecordRollouts
+from node.events import RequestOffer as RequestOffer
+from node.events import ResendTaskSets as ResendTaskSets
+from node.events import RestartWorker as RestartWorker
+from node.events import SeePeer as SeePeer
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from node.peertable import PeerInfo, PeerTable
 from node.pipe import WorkerState
@@ -440,20 +475,20 @@ class NodeCore:
         self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)
         if choice.lineage == self.serving:
             return
-        lin = self.table.rows[choice.lineage] if choice.lineage is not None else None
-        if lin is not None:
-            lin.relation = "follow"
-            out.append(LoadStored(lin.lineage))
+        chosen = self.table.rows[choice.lineage] if choice.lineage is not None else None
+        if chosen is not None:
+            chosen.relation = "follow"
+            out.append(LoadStored(chosen.lineage))
         self.table.serving = choice.lineage
         self.catchup.reset()
         out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
                                    "reason": choice.reason}))
-        if lin is None or lin.delivered or lin.lineage in self.s.follow:
+        if chosen is None or chosen.delivered or chosen.lineage in self.s.follow:
             self._commit(now, out)
         else:
-            out.append(Log("lineage on trial", {"lineage": lin.lineage.hex()[:16], "trial_s": TRIAL_S}))
-        if lin is not None:
-            self._observe_head(lin, now, out)
+            out.append(Log("lineage on trial", {"lineage": chosen.lineage.hex()[:16], "trial_s": TRIAL_S}))
+        if chosen is not None:
+            self._observe_head(chosen, now, out)
 
     def _commit(self, now: float, out: list[Action]) -> None:
         """Switch the worker to the served lineage (or stand it by)."""
@@ -547,7 +582,7 @@ class NodeCore:
             self.admitted = None
             self.pace_rate = 0.0
 
-    def _on_worker(self, m: pipe.FromWorker, now: float, wall_ms: int,  # noqa: C901 - one branch per kind
+    def _on_worker(self, m: pipe.FromWorker, now: float, wall_ms: int,
                    out: list[Action]) -> None:
         if isinstance(m, pipe.State):
             self.supervisor.on_state(m.state, out)

@@ -113,17 +113,18 @@ def family_results(homes: list[Path], names: list[str]) -> list[dict[str, Any]]:
 
 
 def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, Any]:
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     for name, s in zip(names, statuses):
         if s is None:
             nodes.append({"node": name, "error": "not answering"})
             continue
         own = next((x for x in s.lineages if x.relation == "own"), None)
         fol = next((x for x in s.lineages if x.lineage == s.serving), None)
+        held = own or fol
         nodes.append({
             "node": name, "peer_id": s.peer_id, "roles": s.roles, "reward_start": s.reward_start,
             "reward_end": s.reward_now, "versions_published": s.versions_published,
-            "versions_applied": s.versions_applied, "held_version": (own or fol).held if (own or fol) else None,
+            "versions_applied": s.versions_applied, "held_version": held.held if held else None,
             "serving": s.serving, "rollouts_made": s.exchange.produced_rollouts, "rollouts_produced": s.rollouts_produced,
             "rollouts_published": s.rollouts_published, "rollouts_withheld": s.exchange.withheld_rollouts,
             "rollouts_uninformative": s.exchange.uninformative_rollouts,
@@ -284,8 +285,8 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                         if s is None:
                             parts.append(f"{n}: —")
                         else:
-                            r = "—" if s.reward_now is None else f"{s.reward_now:.2f}"
-                            parts.append(f"{n}: {s.worker}, reward {r}, {s.rollouts_accepted} rollouts accepted")
+                            reward = "—" if s.reward_now is None else f"{s.reward_now:.2f}"
+                            parts.append(f"{n}: {s.worker}, reward {reward}, {s.rollouts_accepted} rollouts accepted")
                     console.print(f"[{elapsed:5.0f}s] " + " | ".join(parts))
                 if not all(p.alive() for p in procs):
                     bad = [n for n, p in zip(names, procs) if not p.alive()]

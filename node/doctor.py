@@ -94,7 +94,7 @@ def check_libp2p(ctx: Context) -> list[Check]:
     try:
         from importlib.metadata import version
 
-        import libp2p  # noqa: F401
+        import libp2p  # noqa: F401 - imported only to see that it imports
 
         v = version("libp2p")
     except Exception as e:

@@ -196,9 +196,9 @@ async def probe(cfg: Any, bootstrap: list[str], timeout_s: float = 5.0) -> Reach
     import trio
 
     from gossip.host import open_transport
+    from gossip.identity import Identity
     from gossip.reachability import DialbackServer, check_reachability
     from gossip.relay import attach_relay
-    from gossip.identity import Identity
 
     listen = [a for a in cfg.network.listen if _free(a)] or ["/ip4/0.0.0.0/tcp/0"]
     t0 = time.monotonic()

@@ -7,11 +7,10 @@ from typing import Any
 
 from gossip import wire
 from gossip.identity import peer_id_from_public
-from gossip.scoring import Penalise  # noqa: F401 - one penalty action for every machine
+from gossip.scoring import Penalise  # one penalty action for every machine
 from node import pipe
 from sync.items import StoredItem
 from training import sampler
-
 
 # ---------------------------------------------------------------- events
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from node.config import CONFIG_FILE, Config, load_config, render_default_config
 from gossip.errors import MurmurError
 from gossip.identity import KEY_FILE, Identity
+from node.config import CONFIG_FILE, Config, load_config, render_default_config
 from node.store import Store, open_store
 
 

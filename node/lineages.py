@@ -106,7 +106,7 @@ class LineageTable:
             self.model_bytes[base] = model_bytes
 
     def set_own(self, lid: bytes, name: str, public: bytes, base: bytes, version: int, now: float) -> LineageState:
-        lin = self.rows.get(lid) or self._insert(lid, name, "own", now)
+        lin = self.rows.get(lid) or self._insert_kept(lid, name, "own", now)
         lin.relation, lin.publisher, lin.base, lin.name = "own", public, base, name
         lin.held = lin.head = lin.signed_head = max(lin.head, version)
         self.own = lid
@@ -115,7 +115,7 @@ class LineageTable:
     def load(self, lid: bytes, name: str, relation: str, publisher: bytes, base: bytes, held: int, now: float) -> None:
         """A lineage from the node's store (verified when it was stored)."""
         if len(publisher) == 32 and len(base) == 32 and lineage_id(publisher, base, name) == lid:
-            lin = self._insert(lid, name, relation, now)
+            lin = self._insert_kept(lid, name, relation, now)
             lin.publisher, lin.base = publisher, base
             lin.head = lin.held = lin.signed_head = held
             lin.delivered = relation == "follow" and held > 0
@@ -272,13 +272,29 @@ class LineageTable:
 
     # ------------------------------------------------------------ the memory budget
     def _insert(self, lid: bytes, name: str, relation: str, now: float) -> LineageState | None:
+        """A row for a lineage heard from the network: None when the table is full of rows it may not evict."""
+        if not self._make_room():
+            return None
+        return self._new_row(lid, name, relation, now)
+
+    def _insert_kept(self, lid: bytes, name: str, relation: str, now: float) -> LineageState:
+        """A row for the node's own or a stored lineage: kept even when no row could be evicted for it (the
+        table then grows past max_rows by rows the node itself holds, never by rows heard from the network)."""
+        self._make_room()
+        return self._new_row(lid, name, relation, now)
+
+    def _make_room(self) -> bool:
+        """Whether a new row fits, evicting the least active seen row (not own, served or committed) when full."""
         if len(self.rows) >= self.max_rows:
             keep = {self.own, self.serving, self.committed}
             victims = [r for r in self.rows.values() if r.relation == "seen" and r.lineage not in keep]
             if not victims:
-                return None
+                return False
             del self.rows[min(victims, key=lambda r: r.active).lineage]
             self.evicted += 1
+        return True
+
+    def _new_row(self, lid: bytes, name: str, relation: str, now: float) -> LineageState:
         lin = self.rows[lid] = LineageState(lid, name, relation, active=now, since=now)
         return lin
 

@@ -33,8 +33,8 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from gossip import wire
-from gossip.framing import read_frame, write_frame
 from gossip.errors import DecodeError, PatchError
+from gossip.framing import read_frame, write_frame
 from sync.items import CODEC_KIND, KINDS, MAX_ITEMS, StoredItem, item_of, wanted  # noqa: F401 - re-exported
 from sync.patchstore import LineageStore
 
@@ -94,7 +94,7 @@ def sweep_partials(root: Path, in_flight: set[str], done: set[str], keep_s: floa
     """
     import time
 
-    removed = []
+    removed: list[str] = []
     if not root.is_dir():
         return removed
     now = time.time()

@@ -15,7 +15,7 @@ worker -> network: Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyF
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -182,12 +182,12 @@ class Engine(Struct, tag="engine", forbid_unknown_fields=True):
     error: str = ""  # why not
 
 
-ToWorker = Union[Follow, Patch, Admit, Pace, Head, External, Stop]
-FromWorker = Union[Ready, State, Rollouts, Step, Gen, Published, Applied, ApplyFailed, Perf, Spot, SpotRound, Engine,
-                   Error, Log]
-Message = Union[ToWorker, FromWorker]
+ToWorker = Follow | Patch | Admit | Pace | Head | External | Stop
+FromWorker = (Ready | State | Rollouts | Step | Gen | Published | Applied | ApplyFailed | Perf | Spot | SpotRound | Engine
+              | Error | Log)
+Message = ToWorker | FromWorker
 
-KINDS: dict[str, type[Struct]] = {t.__struct_config__.tag: t for t in Message.__args__}  # type: ignore[attr-defined]
+KINDS: dict[str, type[Struct]] = {t.__struct_config__.tag: t for t in get_args(Message)}
 # kinds whose body is one value rather than a mapping
 _SCALAR = {"follow": "info", "external": "data", "state": "state", "rollouts": "items", "error": "message",
            "log": "message"}

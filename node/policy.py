@@ -35,11 +35,11 @@ def to_published(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class MasterEngine(HFEngine):
-    """Trains the fp32 master (`model`) but samples from the published bf16 weights (`gen`).
+    """Trains the fp32 master (`model`) but samples from the published bf16 weights (`gen_engine`).
 
     The trainer loop calls `sample` for rollouts and `token_logprobs` for the
     loss: rollouts come from the version peers can hold (so they can be
-    gossiped and spot-checked), gradients flow through the master. `gen` is a
+    gossiped and spot-checked), gradients flow through the master. `gen_engine` is a
     transformers copy by default, or any engine passed in (a vLLM engine: the
     split of an fp32 torch learner and a vLLM sampler).
     """
@@ -51,7 +51,7 @@ class MasterEngine(HFEngine):
             copy_ = HFEngine(copy.deepcopy(master.model), master.tokenizer, master.memory_budget_mb, seed)
             copy_.model.requires_grad_(False)
             gen = copy_
-        self.gen = gen
+        self.gen_engine = gen  # not `gen`: HFEngine's sampling RNG has that name
         self.mode = gen.mode
         self._held: dict[str, torch.Tensor] | None = None
         self.set_published(published)
@@ -68,9 +68,9 @@ class MasterEngine(HFEngine):
                 idx = (a != b).nonzero().view(-1)
                 if idx.numel():
                     changed[n] = idx
-        self.gen.take_version(published, changed)
+        self.gen_engine.take_version(published, changed)
         self._held = {n: t.detach().clone() for n, t in published.items()}
 
     def sample(self, prefixes: list[list[int]], sampling: Any, max_new: int | None = None
                ) -> list[tuple[list[int], list[float], bool]]:
-        return self.gen.sample(prefixes, sampling, max_new)
+        return self.gen_engine.sample(prefixes, sampling, max_new)

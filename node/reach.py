@@ -34,8 +34,8 @@ from typing import Any
 import trio
 
 from gossip.discovery import Backoff
-from node.config import Config
 from gossip.errors import MurmurError
+from node.config import Config
 from node.status import ReachView
 
 log = logging.getLogger("murmur.node.reach")
@@ -374,6 +374,6 @@ async def start_reachability(transport: Any, cfg: Config, nursery: trio.Nursery,
     `known` returns the addresses peers announced (peer id -> multiaddrs, circuits included); the node
     passes its NodeAnnounce table. Returns at once (the services are attached); the verdict follows.
     """
-    state = ReachState(transport, cfg, list(bootstrap or []), known or (lambda: {}))
+    state = ReachState(transport, cfg, list(bootstrap or []), known or (dict))
     await nursery.start(_serve, state)
     return state

@@ -38,17 +38,18 @@ from typing import Any, assert_never
 import trio
 
 from gossip import wire
-from gossip.exchange import Sample
 from gossip.errors import DecodeError, MurmurError
+from gossip.exchange import Sample
 from gossip.identity import Identity, peer_id_from_public
 from gossip.transport import FrameError
-from node import control, core as C, hardware, lifecycle, patchsync, pipe, roles, stall, views
-from node.workerlink import Link, spawn, worker_spec
+from node import control, hardware, lifecycle, patchsync, pipe, roles, stall, views
+from node import core as C
 from node.config import Config
 from node.logs import event
 from node.stall import StallMeter
-from node.tasksync import TaskSetGossip
 from node.status import DiskMeter, Drops, NodeStatus
+from node.tasksync import TaskSetGossip
+from node.workerlink import Link, spawn, worker_spec
 
 log = logging.getLogger("murmur.node")
 
@@ -123,6 +124,13 @@ class Node:
         self.drops, self.disk = Drops(), DiskMeter(home, cfg, peer_bytes=lambda: self.store.peer_bytes)
         self.stall = StallMeter()
         self.gc_timer = stall.GcTimer()
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        """The running node's nursery (actions that start tasks come only while the node runs)."""
+        if self._nursery is None:
+            raise RuntimeError("the node is not running")
+        return self._nursery
 
     # ------------------------------------------------------------ status
     def snapshot(self) -> NodeStatus:
@@ -386,7 +394,7 @@ class Node:
             await stream.close()
 
     # ------------------------------------------------------------ actions out
-    async def _carry_out(self, a: C.Action) -> C.Event | None:  # noqa: C901 - one branch per action
+    async def _carry_out(self, a: C.Action) -> C.Event | None:
         """Carry out one action; its follow-up event (what came of it, for the core), if any."""
         from gossip.transport import PublishError
 
@@ -426,11 +434,11 @@ class Node:
         elif isinstance(a, C.DropItem):
             await trio.to_thread.run_sync(patchsync.drop_item, self.home, a.lineage, a.base, a.target)
         elif isinstance(a, C.FetchCatalog):
-            self._nursery.start_soon(self._fetch_catalog, a.peer, a.lineage)
+            self.nursery.start_soon(self._fetch_catalog, a.peer, a.lineage)
         elif isinstance(a, C.RequestOffer):
-            self._nursery.start_soon(self._request_offer, a)
+            self.nursery.start_soon(self._request_offer, a)
         elif isinstance(a, C.RestartWorker):
-            self._nursery.start_soon(self._restart_worker, a.delay_s)
+            self.nursery.start_soon(self._restart_worker, a.delay_s)
         elif isinstance(a, C.ResendTaskSets):
             self._resend_task_sets = True
         elif isinstance(a, (C.Accept, C.Decline)):
@@ -458,7 +466,7 @@ class Node:
             return None
         try:
             await trio.to_thread.run_sync(patchsync.store_complete, self.home, tr.manifest, tr.envelope, tr.payload())
-            await trio.to_thread.run_sync(patchsync.held_store(self.home, bytes(tr.manifest.lineage)).prune,
+            await trio.to_thread.run_sync(patchsync.LineageStore(self.home, bytes(tr.manifest.lineage)).prune,
                                           self.cfg.sync.retain_versions)
         except (MurmurError, OSError) as e:
             log.warning("could not store patch %s: %s", pid.hex()[:12], e)
@@ -470,7 +478,7 @@ class Node:
         try:
             with trio.fail_after(CATALOG_TIMEOUT_S):
                 items = await patchsync.catalog(self.transport, peer, lineage)
-        except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
+        except Exception as e:  # a dial, stream or decode failure: the core tries the next source
             await self.feed(C.CatalogFailed(peer, lineage, f"{type(e).__name__}: {e}"))
             return
         await self.feed(C.CatalogReceived(peer, lineage, tuple(items)))
@@ -480,7 +488,7 @@ class Node:
             with trio.fail_after(CATALOG_TIMEOUT_S):
                 env = await patchsync.offer(self.transport, a.peer, a.lineage, a.item)
                 pid = await self.bcast.add_manifest(env)
-        except Exception as e:  # noqa: BLE001 - a dial, stream or decode failure: the core tries the next source
+        except Exception as e:  # a dial, stream or decode failure: the core tries the next source
             await self.feed(C.OfferFailed(a.peer, a.lineage, f"{type(e).__name__}: {e}"))
             return
         tr = self.bcast.transfers.get(pid) if pid is not None else None

@@ -175,7 +175,7 @@ async def watch_loop(meter: StallMeter, gc_timer: GcTimer) -> None:
     """The node's loop health until cancelled: full collections timed, the start-up heap frozen,
     lateness measured, long stalls reported with their stack, and allocations traced when asked
     (`node.memtrace`)."""
-    from node import memtrace  # noqa: PLC0415
+    from node import memtrace
 
     gc_timer.install()
     freeze_startup_heap()

@@ -7,7 +7,7 @@ from typing import Any
 from gossip.identity import peer_id_from_public
 from node import hardware
 from node.core import NodeCore
-from node.status import ExchangeView, LineageView, NodeStatus, PeerView
+from node.status import ExchangeView, LineageView, NodeStatus, PeerView, ReachView
 
 
 def peer_views(core: NodeCore, now: float) -> list[PeerView]:
@@ -106,8 +106,8 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         stream_faults=dict(node.transport.faults.counts) if node.transport is not None else {},
         stream_limits=_stream_limits(node.transport),
         **(peer_records(node.service.pipeline) if node.service is not None else {}),
-        **({"reach": node.reach.view()} if node.reach is not None else {}),
-        **({"exchange": exchange_view(node.service, c)} if node.service is not None else {}))
+        reach=node.reach.view() if node.reach is not None else ReachView(),
+        exchange=exchange_view(node.service, c) if node.service is not None else ExchangeView())
 
 
 def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
@@ -139,7 +139,8 @@ def status_fields(s: NodeStatus) -> dict[str, Any]:
     """The periodic `status` log line of a node without a dashboard."""
     own = next((x for x in s.lineages if x.relation == "own"), None)
     fol = next((x for x in s.lineages if x.lineage == s.serving), None)
-    return dict(peers=len(s.peers), worker=s.worker, steps=s.steps, version=(own or fol).held if (own or fol) else None,
+    held = own or fol
+    return dict(peers=len(s.peers), worker=s.worker, steps=s.steps, version=held.held if held else None,
                 lag=fol.lag if fol else None, serving=s.serving[:16], reward=s.reward_now, produced=s.rollouts_produced,
                 accepted=s.rollouts_accepted, rejected=s.rejected, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
                 rss_mb=round(s.memory_rss_mb), worker_restarts=s.worker_restarts)
@@ -148,7 +149,7 @@ def status_fields(s: NodeStatus) -> dict[str, Any]:
 MAX_SCORES_SHOWN = 256  # peer scores in the status reply (it has a size limit)
 
 
-def peer_records(pipeline: Any) -> dict[str, dict[str, float]]:
+def peer_records(pipeline: Any) -> dict[str, Any]:
     """`peer_scores` (current scores), `peer_charged` (penalties charged so far, for the same peers: a
     charge a peer has since earned back still shows there) and `peer_faults` (what each charged peer was
     charged for, by reason and count), from one snapshot of the score table."""

@@ -33,17 +33,17 @@ from __future__ import annotations
 import collections
 import json
 import os
-import queue
 import random
 import sys
 import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from training.sampler import Sampler
 from training.spotcheck import SPOT_PER_ROUND, SPOT_RATE, SPOT_TOLERANCE
+
 EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
 FOLLOW_CHECKPOINT_EVERY = 5  # versions between follower checkpoints (plus one at shutdown)
@@ -129,7 +129,7 @@ class Inbox:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.wake = threading.Event()
-        self.follow: dict | None | str = "unset"
+        self.follow: dict | None | Literal["unset"] = "unset"
         self.patches: collections.deque[dict] = collections.deque(maxlen=4096)
         self.admit: dict[str, bool] = {}
         self.pace = 0.0
@@ -319,14 +319,14 @@ class Worker:
 
     # ------------------------------------------------------------ trainer
     def run_trainer(self) -> None:
-        from sync.hashing import canonical_state
-        from sync.lineage import LineagePublisher
+        from gossip import wire
         from gossip.errors import NonFiniteWeights
         from gossip.identity import Identity
         from node.policy import MasterEngine, to_published
-        from training.trainer import Trainer, TrainerConfig
+        from sync.hashing import canonical_state
+        from sync.lineage import LineagePublisher
         from training.rollouts import to_wire
-        from gossip import wire
+        from training.trainer import Trainer, TrainerConfig
 
         ident = Identity.from_seed(bytes.fromhex(self.spec["identity_seed"]))
         s = self.spec
@@ -351,7 +351,7 @@ class Worker:
         # when it was asked for: the engine opened in load())
         self.engine = MasterEngine(self.master, pub.base, seed=int(s.get("seed", 0)),
                                    gen=None if self.engine is self.master else self.engine)
-        self.checker = self.engine.gen
+        self.checker = self.engine.gen_engine
         self.held_lineage = pub.lineage.id
         self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
                             "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
@@ -447,6 +447,7 @@ class Worker:
 
     def _save_checkpoint(self, follower: Any) -> None:
         from safetensors.torch import save
+
         from sync.atomic import atomic_write
 
         d = self._checkpoint_dir(follower.lineage.id)
@@ -458,6 +459,7 @@ class Worker:
     def _open_follower(self, info: dict) -> Any:
         """A LineageFollower at the last durable version this node holds (checkpoint + stored patches)."""
         from safetensors.torch import load_file
+
         from gossip.errors import PatchError
         from sync.lineage import Lineage, LineageFollower
 
@@ -514,9 +516,9 @@ class Worker:
         return applied
 
     def _apply_item(self, follower: Any, kind: str, base: int, target: int) -> bool:
+        from gossip.errors import NonFiniteWeights, PatchError
         from sync import chunks as chunking
         from sync.patchstore import open_manifest
-        from gossip.errors import NonFiniteWeights, PatchError
 
         store = follower.store
         try:
@@ -714,7 +716,7 @@ class Worker:
             else:
                 self.run_follower()
             self.send("state", "stopped")
-        except BaseException as e:  # noqa: BLE001 - reported to the network process, then exit
+        except BaseException as e:  # reported to the network process, then exit
             self.send("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}")
             raise SystemExit(1) from None
         finally:

@@ -17,7 +17,7 @@ import multiprocessing
 import queue
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 import trio
@@ -66,7 +66,7 @@ class Link(Protocol):
     @property
     def exitcode(self) -> int | None: ...
     def send(self, msg: pipe.ToWorker) -> None: ...
-    async def receive(self) -> pipe.FromWorker | None | bool: ...
+    async def receive(self) -> pipe.FromWorker | None | Literal[False]: ...
     async def stop(self, grace: float) -> None: ...
 
 
@@ -130,15 +130,15 @@ class WorkerLink:
     def exitcode(self) -> int | None:
         return self.proc.exitcode
 
-    async def receive(self) -> pipe.FromWorker | None | bool:
+    async def receive(self) -> pipe.FromWorker | None | Literal[False]:
         """`recv` off the event loop."""
-        return await trio.to_thread.run_sync(self.recv, 0.5, abandon_on_cancel=True)
+        return await trio.to_thread.run_sync(self.recv, 0.5, abandon_on_cancel=True)  # type: ignore[call-arg]  # trio-typing's stubs predate abandon_on_cancel=
 
-    def recv(self, timeout: float = 0.5) -> pipe.FromWorker | None | bool:
+    def recv(self, timeout: float = 0.5) -> pipe.FromWorker | None | Literal[False]:
         """A message from the worker; None when there was none in time; False when the worker is gone."""
         try:
             if self.conn.poll(timeout):
-                return pipe.decode(self.conn.recv_bytes(pipe.MAX_MESSAGE))  # type: ignore[return-value]
+                return pipe.decode(self.conn.recv_bytes(pipe.MAX_MESSAGE))  # type: ignore[return-value]  # the worker sends only FromWorker kinds
         except (EOFError, OSError):
             self.closed.set()
             self.proc.join(timeout)  # the pipe closes a moment before the process is reaped: its exit code

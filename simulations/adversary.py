@@ -109,10 +109,10 @@ def for_process(ident: Identity, swarm: str, seed: int = 0, victim_lineage: byte
 
 async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstrap: list[str], listen: str,
                  duration_s: float) -> None:
-    import trio  # noqa: PLC0415
+    import trio
 
-    from gossip import topics  # noqa: PLC0415
-    from gossip.host import open_transport  # noqa: PLC0415
+    from gossip import topics
+    from gossip.host import open_transport
 
     ident = Identity.from_seed(bytes.fromhex(seed_hex))
     adversary = for_process(ident, swarm, seed=int(seed_hex[:8], 16))
@@ -121,7 +121,7 @@ async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstr
             with trio.move_on_after(10):
                 try:
                     await t.connect(addr)
-                except Exception as e:  # noqa: BLE001 - a dead bootstrap peer is not fatal here
+                except Exception as e:  # a dead bootstrap peer is not fatal here
                     print(f"adversary: connect {addr}: {e}", file=sys.stderr)
         topic = topics.rollouts(swarm)
         await t.subscribe(topic)
@@ -130,14 +130,14 @@ async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstr
                 for data, _ in adversary.payloads(behaviour):
                     try:
                         await t.publish(topic, data)
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         print(f"adversary: publish: {e}", file=sys.stderr)
                 await trio.sleep(1.0 / rate)
 
 
 def main(argv: list[str]) -> None:
     """argv: seed_hex swarm behaviour rate duration_s listen [bootstrap ...]"""
-    import trio  # noqa: PLC0415
+    import trio
 
     seed_hex, swarm, behaviour, rate, duration, listen, *boot = argv
     trio.run(_serve, seed_hex, swarm, behaviour, float(rate), boot, listen, float(duration))

@@ -98,7 +98,7 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     `own_lineage_weight` from the trainer-with-followers arms (adversarial runs are predicted, not
     fitted), `train_share` from the isolated arms' generation share and informative fraction,
     `initial` the mean start; with each run's measured and modelled speedup."""
-    from simulations import curves  # noqa: PLC0415
+    from simulations import curves
 
     arms = [_matched_arms(b) for b in benches]
 
@@ -118,7 +118,7 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
                                                  a["ext_share"], w), a["swarm"]))
 
     def best(which: list[dict[str, Any]]) -> float:
-        return min((sw_err(0.02 * i, which), 0.02 * i) for i in range(0, 151))[1] if which else 1.0
+        return min((sw_err(0.02 * i, which), 0.02 * i) for i in range(151))[1] if which else 1.0
 
     weight, own = best(peers), best(followed)
     shares = []
@@ -150,8 +150,8 @@ def virtual_speedup(fitted: dict[str, Any], run: dict[str, Any], seeds: int = 5)
     """The virtual simulator on one matched run's setup (its N trainers, or one trainer and its K
     followers; I = 16 and J = 16 (16·K) groups of 8; as many steps as its isolated nodes made) with the
     fitted `[learning]`: its `alone` speedup and final skill difference, mean over `seeds` seeds."""
-    from simulations import scenario as S  # noqa: PLC0415
-    from simulations.virtual import run_virtual  # noqa: PLC0415
+    from simulations import scenario as S
+    from simulations.virtual import run_virtual
 
     groups = (f"[[group]]\ncount = 1\n[[group]]\ncount = {run['followers']}\nrole = \"follower\"\nfollow = 0\n"
               if run["followers"] else f"[[group]]\ncount = {run['nodes']}\n")

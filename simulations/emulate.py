@@ -53,6 +53,7 @@ class _Proc:
         self.proc: launch.NodeProcess | None = None
         self.peer_id = ""
         self.last_rejected: dict[str, int] = {}
+        self.last_bytes = (0, 0)  # (up, down) at its last status
         self.first_step_s: float | None = None
 
     @property
@@ -86,8 +87,8 @@ class Emulation:
     # ------------------------------------------------------------ setup
 
     def _prepare(self) -> None:
-        from node.home import init_home  # noqa: PLC0415
-        from training.tiny import ensure_tiny, tiny_dir  # noqa: PLC0415
+        from node.home import init_home
+        from training.tiny import ensure_tiny, tiny_dir
 
         shared = self.out / "shared-model"
         ensure_tiny(shared, seed=0)
@@ -185,7 +186,7 @@ class Emulation:
     # ------------------------------------------------------------ run
 
     def _schedule(self) -> list[tuple[float, str, int]]:
-        import random  # noqa: PLC0415
+        import random
 
         sc = self.sc
         ev: list[tuple[float, str, int]] = []
@@ -231,7 +232,7 @@ class Emulation:
                 for _ in range(max(0, min(new, 1000))):
                     self._row("rejection", t=t, node=p.spec.index, peer=-1, reason=reason)
             p.last_rejected = dict(s.rejected)
-            p.last_bytes = (s.bytes_up, s.bytes_down)  # type: ignore[attr-defined]
+            p.last_bytes = (s.bytes_up, s.bytes_down)
 
     def run(self) -> dict[str, Any]:
         wall = time.monotonic()
@@ -267,10 +268,10 @@ class Emulation:
             if self.netns:
                 self.netns.down()
         for p in self.procs:
-            up, down = getattr(p, "last_bytes", (0, 0))
+            up, down = p.last_bytes
             self._row("bytes", node=p.spec.index, group=p.spec.group, bytes_up=up, bytes_down=down)
         rewards = self.rows.get("reward", [])
-        summary = {
+        summary: dict[str, Any] = {
             "title": f"Murmur emulation: {self.sc.name}",
             "mode": "emulate",
             "scenario": self.sc.name,

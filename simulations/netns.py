@@ -89,6 +89,7 @@ class Home:
     ns: str
     wan_ip: str  # the router's public address (what peers observe)
     lan_ip: str  # the host's private address
+    wan_dev: str = ""  # the router's interface on the WAN
 
 
 @dataclass
@@ -130,7 +131,7 @@ class Network:
         _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev])
         return dev
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         try:
             self._ns(self.wan_ns)
             _run(["ip", "-n", self.wan_ns, "link", "add", "br0", "type", "bridge"])
@@ -173,15 +174,14 @@ class Network:
         except BaseException:
             self.close()
             raise
-        home = Home(k, router, host, wan_ip, lan_ip)
-        home._wan_dev = wan_dev  # type: ignore[attr-defined]
+        home = Home(k, router, host, wan_ip, lan_ip, wan_dev)
         self.homes.append(home)
         return home
 
     def forward_port(self, home: Home, port: int) -> None:
         """Port forwarding on the home router: wan_ip:port -> lan_ip:port (TCP)."""
         ipt = ["ip", "netns", "exec", home.router_ns, "iptables"]
-        _run(ipt + ["-t", "nat", "-A", "PREROUTING", "-i", home._wan_dev, "-p", "tcp",  # type: ignore[attr-defined]
+        _run(ipt + ["-t", "nat", "-A", "PREROUTING", "-i", home.wan_dev, "-p", "tcp",
                     "--dport", str(port), "-j", "DNAT", "--to-destination", f"{home.lan_ip}:{port}"])
 
     def exec_prefix(self, ns: str) -> list[str]:

@@ -117,10 +117,10 @@ def load_metrics(out_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _plt() -> Any:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     return plt
 
@@ -149,14 +149,14 @@ def plot_reward(rows: list[dict[str, Any]], path: Path) -> str | None:
     by_node: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
         by_node[r["node"]].append((r["t"], r["reward"]))
-    for node, pts in sorted(by_node.items(), key=lambda kv: str(kv[0]))[:64]:
+    for _, pts in sorted(by_node.items(), key=lambda kv: str(kv[0]))[:64]:
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=0.6, alpha=0.35)
     tmax = max(r["t"] for r in rows) or 1.0
     width = max(tmax / 40, 1e-9)
     xs, ys = _bin_mean(((r["t"], r["reward"]) for r in rows), width)
     ax.plot(xs, ys, lw=2.5, color="black", label="swarm (mean over nodes)")
-    iso = [(r["t"], r.get("isolated")) for r in rows if r.get("isolated") is not None]
+    iso = [(r["t"], r["isolated"]) for r in rows if r.get("isolated") is not None]
     if iso:
         xs, ys = _bin_mean(iso, width)
         ax.plot(xs, ys, lw=2.0, ls="--", color="tab:red", label="isolated (same nodes, no swarm)")
@@ -176,7 +176,7 @@ def plot_staleness(lag: list[dict[str, Any]], stale: list[dict[str, Any]], path:
                             (axes[1], [r["staleness"] for r in stale], "staleness of consumed rollouts")):
         if data:
             top = max(data)
-            ax.hist(data, bins=range(0, int(top) + 2), color="tab:blue", edgecolor="white", align="left")
+            ax.hist(data, bins=range(int(top) + 2), color="tab:blue", edgecolor="white", align="left")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", transform=ax.transAxes)
         ax.set_xlabel("versions behind")

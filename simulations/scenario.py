@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -24,7 +24,7 @@ BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan", "large", 
 MAX_NODES = 100_000
 
 Behaviour = Literal["forged_reward", "invalid_signature", "replay", "stale_spam", "corrupt_chunks", "free_ride"]
-BEHAVIOURS: tuple[str, ...] = Behaviour.__args__  # type: ignore[attr-defined]
+BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
 
 NonNeg = Annotated[float, Meta(ge=0.0)]
 Pos = Annotated[float, Meta(gt=0.0)]
@@ -202,7 +202,7 @@ def _semantic_checks(sc: Scenario) -> list[tuple[str, str]]:
     if sc.total_nodes > MAX_NODES:
         bad.append(("group", f"{sc.total_nodes} nodes in all, over the limit of {MAX_NODES}"))
     honest = sc.honest_nodes
-    trainers = set()
+    trainers: set[int] = set()
     idx = 0
     for g in sc.groups:
         if g.role == "trainer":
@@ -248,7 +248,7 @@ def _ranges(xs: list[int]) -> str:
     if not xs:
         return ""
     out, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:  # type: ignore[list-item]
+    for x in xs[1:] + [None]:
         if x is not None and x == prev + 1:
             prev = x
             continue

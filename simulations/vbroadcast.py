@@ -55,7 +55,7 @@ def setup_broadcasts(sc: Scenario, nodes: list[VNode], rng: random.Random, row: 
     rows and counts their upload in `bytes_up`."""
     out = []
     # followers: one broadcast per followed lineage gives each follower its patch delay
-    leads = sorted({n.spec.follow for n in nodes if n.spec.role == "follower"})
+    leads = sorted({n.spec.follow for n in nodes if n.spec.role == "follower" and n.spec.follow is not None})
     for lead in leads:
         fol = [n.spec.index for n in nodes if n.spec.role == "follower" and n.spec.follow == lead]
         res = broadcast(sc, nodes, rng, lead, fol)

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gossip import wire
-from gossip.validation import Pending, Pipeline
 from gossip.errors import SignatureError
 from gossip.identity import Identity, verify
+from gossip.validation import Pending, Pipeline
 
 _MISSING = object()
 
@@ -126,7 +126,7 @@ class SharedVerification:
         if hit is _MISSING:
             hit = self._reward(task, text)
             self.rewards.put(key, hit)
-        return hit  # type: ignore[return-value]
+        return hit
 
     def decode_body(self, env: wire.Envelope) -> Any:
         """`wire.decode_body` once per distinct (kind, signer, body); failures are not memoised (they re-raise)."""
@@ -186,5 +186,5 @@ class SimPipeline(Pipeline):
             memo.put(p.msg_id, p.failure)
         else:
             memo.hits += 1
-            p.failure = hit  # type: ignore[assignment]
+            p.failure = hit
         return p

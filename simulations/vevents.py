@@ -20,37 +20,37 @@ class Event(msgspec.Struct, frozen=True, gc=False):
     """Something that happens at a virtual time (the subclasses say what)."""
 
 
-class Join(Event):
+class Join(Event, frozen=True):
     """A node (re)starts."""
 
     node: int
 
 
-class Leave(Event):
+class Leave(Event, frozen=True):
     """A node's processes stop."""
 
     node: int
 
 
-class Sample(Event):
+class Sample(Event, frozen=True):
     """The report samples the adversaries' scores."""
 
 
-class Wake(Event):
+class Wake(Event, frozen=True):
     """A node's core is due a `Tick` (its `next_deadline()`)."""
 
     node: int
     inc: int
 
 
-class StepDue(Event):
+class StepDue(Event, frozen=True):
     """A node's modelled worker takes its next step."""
 
     node: int
     inc: int
 
 
-class WorkerSends(Event):
+class WorkerSends(Event, frozen=True):
     """A message of a node's modelled worker reaches its network process."""
 
     node: int
@@ -58,7 +58,7 @@ class WorkerSends(Event):
     inc: int
 
 
-class PeerLeft(Event):
+class PeerLeft(Event, frozen=True):
     """A node notices that a connected peer's connection closed."""
 
     node: int
@@ -66,7 +66,7 @@ class PeerLeft(Event):
     inc: int
 
 
-class AnnounceArrives(Event):
+class AnnounceArrives(Event, frozen=True):
     """A signed announce from `src` reaches a node."""
 
     node: int
@@ -75,7 +75,7 @@ class AnnounceArrives(Event):
     inc: int
 
 
-class ManifestArrives(Event):
+class ManifestArrives(Event, frozen=True):
     """A signed patch manifest from `src` reaches a node."""
 
     node: int
@@ -84,7 +84,7 @@ class ManifestArrives(Event):
     inc: int
 
 
-class PatchArrives(Event):
+class PatchArrives(Event, frozen=True):
     """The modelled broadcast of an accepted manifest's bytes to a node completes."""
 
     node: int
@@ -92,7 +92,7 @@ class PatchArrives(Event):
     inc: int
 
 
-class CatalogAsked(Event):
+class CatalogAsked(Event, frozen=True):
     """A catch-up catalog request from `asker` reaches peer `node`; `asker_inc` is the asker's incarnation."""
 
     node: int
@@ -101,7 +101,7 @@ class CatalogAsked(Event):
     asker_inc: int
 
 
-class OfferAsked(Event):
+class OfferAsked(Event, frozen=True):
     """A request from `asker` to seed one stored item into the broadcast reaches peer `node`."""
 
     node: int
@@ -111,7 +111,7 @@ class OfferAsked(Event):
     asker_inc: int
 
 
-class Reply(Event):
+class Reply(Event, frozen=True):
     """A peer's answer to a catch-up request reaches the asker's core: `event` is what the core is fed
     (`CatalogReceived`, `CatalogFailed`, `OfferFailed`)."""
 
@@ -120,7 +120,7 @@ class Reply(Event):
     inc: int
 
 
-class BatchArrives(Event):
+class BatchArrives(Event, frozen=True):
     """A copy of a rollout batch on shard topic `shard` reaches a node from mesh peer `fwd`; `origin`
     published it."""
 
@@ -132,7 +132,7 @@ class BatchArrives(Event):
     inc: int
 
 
-class AdversaryDue(Event):
+class AdversaryDue(Event, frozen=True):
     """An adversary sends its next hostile batch."""
 
     node: int

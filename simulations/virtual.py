@@ -100,9 +100,25 @@ from simulations.adversary import SENDERS, Adversary
 from simulations.scenario import Scenario, expand
 from simulations.vbroadcast import setup_broadcasts
 from simulations.vcache import SharedVerification
-from simulations.vevents import (AdversaryDue, AnnounceArrives, BatchArrives, CatalogAsked, Event, EventQueue, Join,
-                                 Leave, ManifestArrives, OfferAsked, PatchArrives, PeerLeft, Reply, Sample, StepDue,
-                                 Wake, WorkerSends)
+from simulations.vevents import (
+    AdversaryDue,
+    AnnounceArrives,
+    BatchArrives,
+    CatalogAsked,
+    Event,
+    EventQueue,
+    Join,
+    Leave,
+    ManifestArrives,
+    OfferAsked,
+    PatchArrives,
+    PeerLeft,
+    Reply,
+    Sample,
+    StepDue,
+    Wake,
+    WorkerSends,
+)
 from simulations.vnet import Network
 from simulations.vnode import BASE_MODEL, LINEAGE_NAME, VNode, identity_for
 from simulations.vreport import Recorder
@@ -200,10 +216,10 @@ class VirtualSim:
             return
         n.core = self.driver.new_core(n)
         self.net.alive_producers += 1
-        n.pipeline.head_version = n.core.head_of  # type: ignore[union-attr] - as node.runtime wires it
+        n.pipeline.head_version = n.core.head_of  # as node.runtime wires it
         n.shards = ()
         self.net.subscribe(n, 1, (0,))  # the live service joins shard 0 before the core's first plan
-        n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own  # type: ignore[union-attr]
+        n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own
         self.workers.start(n)
         q.push(q.now + n.rng.uniform(2 * WORKER_S, 0.5), Wake(i, n.inc))
         q.push(q.now + n.rng.uniform(0, self.workers.step_time(n)), StepDue(i, n.inc))
@@ -233,7 +249,7 @@ class VirtualSim:
         if not n.alive or n.inc != ev.inc:
             return
         b = n.spec.behaviour
-        for data, lineage in n.adversary.payloads(b):  # type: ignore[union-attr]
+        for data, lineage in n.adversary.payloads(b):  # type: ignore[arg-type,union-attr]  # adversaries have both
             self.net.publish(n, data, shard_of(lineage, self.net.shards_now()))
         if b in SENDERS:
             self.queue.push(self.queue.now + 1.0 / n.spec.rate_per_s, AdversaryDue(ev.node, ev.inc))
@@ -301,7 +317,7 @@ class VirtualSim:
         """Pop events in time order; progress on a terminal as a bar, elsewhere one stderr line per 10 %."""
         progress_ctx = None
         if self.progress and sys.stderr.isatty():
-            from rich.progress import Progress  # noqa: PLC0415
+            from rich.progress import Progress
 
             progress_ctx = Progress(transient=True)
             progress_ctx.start()

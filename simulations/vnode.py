@@ -55,7 +55,7 @@ class VNode:
     iso_skill: float
     rng: random.Random
     alone: Alone | None = None  # trainers: the compute-matched twin
-    pipeline: Pipeline | None = None
+    pipeline: Pipeline = field(init=False)  # every node's, set up by simulations.virtual before it runs
     core: NodeCore | None = None  # None for adversaries (they send hostile bytes, they run no node)
     sampler: Sampler | None = None  # trainers: the worker's external-rollout sampler
     adversary: Adversary | None = None  # adversaries: what they send

@@ -18,16 +18,60 @@ from typing import Any, assert_never
 from gossip import wire
 from gossip.identity import peer_id_from_public
 from gossip.scoring import ScoreParams
-from gossip.validation import Pending, Pipeline, PipelineConfig
-from node.core import (Accept, Action, AnnounceHeard, CatalogFailed, CatalogReceived, CoreSettings, Decline, DropItem,
-                       Event, FetchCatalog, FromWorker, LineageKnown, LoadStored, Log, ManifestHeard, NodeCore,
-                       OfferFailed, PatchStored, PeerGone, Penalise, Publish, RecordRollouts, RequestOffer,
-                       ResendTaskSets, RestartWorker, RolloutsPublished, RolloutsVerified, SeedVersion, SeePeer,
-                       StoredItems, StorePatch, Subscribe, Tick, ToWorker, TransferDone)
+from gossip.validation import Pending, Pipeline, PipelineConfig, Verdict
+from node.core import (
+    Accept,
+    Action,
+    AnnounceHeard,
+    CatalogFailed,
+    CatalogReceived,
+    CoreSettings,
+    Decline,
+    DropItem,
+    Event,
+    FetchCatalog,
+    FromWorker,
+    LineageKnown,
+    LoadStored,
+    Log,
+    ManifestHeard,
+    NodeCore,
+    OfferFailed,
+    PatchStored,
+    PeerGone,
+    Penalise,
+    Publish,
+    RecordRollouts,
+    RequestOffer,
+    ResendTaskSets,
+    RestartWorker,
+    RolloutsPublished,
+    RolloutsVerified,
+    SeedVersion,
+    SeePeer,
+    StoredItems,
+    StorePatch,
+    Subscribe,
+    Tick,
+    ToWorker,
+    TransferDone,
+)
 from simulations.scenario import Scenario
 from simulations.vcache import SharedVerification, SimPipeline
-from simulations.vevents import (EPOCH, AnnounceArrives, BatchArrives, CatalogAsked, EventQueue, ManifestArrives,
-                                 OfferAsked, PatchArrives, PeerLeft, Reply, Wake, WorkerSends)
+from simulations.vevents import (
+    EPOCH,
+    AnnounceArrives,
+    BatchArrives,
+    CatalogAsked,
+    EventQueue,
+    ManifestArrives,
+    OfferAsked,
+    PatchArrives,
+    PeerLeft,
+    Reply,
+    Wake,
+    WorkerSends,
+)
 from simulations.vnet import Network
 from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, item_bytes
 from simulations.vreport import Recorder
@@ -104,7 +148,7 @@ class CoreDriver:
                 if follow_up is not None:
                     pending.append(follow_up)
 
-    def do(self, n: VNode, a: Action) -> Event | None:  # noqa: C901 - one branch per action
+    def do(self, n: VNode, a: Action) -> Event | None:
         """Carry out one action in virtual time; its follow-up event, if any (as `Node._carry_out`)."""
         counts = self.recorder.counts
         if isinstance(a, Publish):
@@ -147,13 +191,13 @@ class CoreDriver:
                                 OfferAsked(dst.spec.index, n.spec.index, a.lineage,
                                            (a.item.kind, a.item.base, a.item.target), n.inc))
         elif isinstance(a, Penalise):
-            n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())  # type: ignore[union-attr]
+            n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())
         elif isinstance(a, (SeePeer, ResendTaskSets)):
             pass  # a peer persisted for discovery, our task sets sent again: the simulated swarm has one task set
         elif isinstance(a, RestartWorker):
             # the core asks for a restart only after a WorkerExited, which nothing here feeds: modelled workers
             # never exit
-            raise AssertionError("a restart of a simulated worker, which never exits")  # noqa: TRY004 - a driver bug
+            raise AssertionError("a restart of a simulated worker, which never exits")
         elif isinstance(a, (Accept, Decline)):
             pass  # answers to ManifestOffered, which the broadcast asks through `offer_manifest` (`on_manifest`)
         else:
@@ -217,7 +261,7 @@ class CoreDriver:
         d, env, body = heard
         signer = bytes(env.signer)
         if peer_id_from_public(signer) == body.peer_id:
-            d.pipeline.announced(body.peer_id, body)  # type: ignore[union-attr] - the rate it states bounds it
+            d.pipeline.announced(body.peer_id, body)  # the rate it states bounds it
         self.feed(d, AnnounceHeard(signer, body, ev.data))
 
     def on_manifest(self, ev: ManifestArrives) -> None:
@@ -247,6 +291,7 @@ class CoreDriver:
         """A catch-up catalog request reaches a peer: the reply lists what its lineage store holds."""
         p = self.nodes[ev.node]
         back = self.queue.now + self.net.latency(ev.node, ev.asker)
+        reply: CatalogReceived | CatalogFailed
         if p.alive and ev.lineage in p.store:
             reply = CatalogReceived(p.peer_id, ev.lineage, self._items(p, ev.lineage))
         else:
@@ -279,21 +324,22 @@ class CoreDriver:
         d.stats.received()
         why = None
         p = d.pipeline
-        step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)  # type: ignore[union-attr]
+        step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)
         if step.batch is not None:
             d.stats.counts["received_rollouts"] += len(step.batch.rollouts)
         if isinstance(step, Pending):
             why = d.gate.screen(s.peer_id, [bytes(r.lineage) for r in step.batch.rollouts], shard, d.shard_count, now)
             if why is not None:
-                p.abandon(step)  # type: ignore[union-attr]
+                p.abandon(step)
             else:
-                p.verify(step)  # type: ignore[union-attr]
-                step = p.commit(step)  # type: ignore[union-attr]
+                p.verify(step)
+                step = p.commit(step)
         v = step
         if why is not None:
             d.stats.drop(why)
             self.recorder.rejections[why] += 1
             return
+        assert isinstance(v, Verdict)  # a Pending was committed, or abandoned with `why` set
         if not v.accepted:
             d.stats.drop(v.reason.value)
             self.recorder.rejections[v.reason.value] += 1
@@ -301,7 +347,7 @@ class CoreDriver:
             if v.newly_banned:
                 self.recorder.row("event", t=self.queue.now, node=dst, action=f"ban {ev.origin}")
             return
-        d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]
+        d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]  # an accepted verdict carries its batch
         self.net.pass_on(d, ev.fwd, ev.origin, ev.data, shard)
         if s.spec.role == "adversary":
             s.adv_accepted += 1

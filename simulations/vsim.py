@@ -62,7 +62,7 @@ from gossip.identity import Identity
 from gossip.wire import DEFAULT_SWARM, FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
 from sync.chunks import refs
 from sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession, chunk_hash
-from sync.transfers import (Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake)
+from sync.transfers import Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake
 
 _BAD = b"\xff" * 32
 
@@ -96,7 +96,7 @@ class _Node:
 
     @property
     def banned(self) -> set[int]:
-        return self.core.banned  # type: ignore[return-value]
+        return self.core.banned  # type: ignore[return-value]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
 
     @property
     def first(self) -> bytes | None:
@@ -111,7 +111,7 @@ class _Node:
     @property
     def session(self) -> SwarmSession:
         """The core's session of the first patch."""
-        return self.core.transfers[self.first].session  # type: ignore[index]
+        return self.core.transfers[self.first].session  # type: ignore[index]  # asked only once a patch was added
 
 
 class VirtualSwarm:
@@ -275,8 +275,8 @@ class VirtualSwarm:
     def _ev_connect(self, i: int, j: int) -> None:
         a, b = self.nodes[i], self.nodes[j]
         if a.alive and b.alive and j not in a.core.banned and i not in b.core.banned:
-            self._apply(a, a.core.peer_connected(j, self.now))  # type: ignore[arg-type]
-            self._apply(b, b.core.peer_connected(i, self.now))  # type: ignore[arg-type]
+            self._apply(a, a.core.peer_connected(j, self.now))  # type: ignore[arg-type]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
+            self._apply(b, b.core.peer_connected(i, self.now))  # type: ignore[arg-type]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
 
     def _ev_tick(self, i: int, inc: int) -> None:
         nd = self.nodes[i]
@@ -302,7 +302,7 @@ class VirtualSwarm:
     def _ev_left(self, j: int, i: int) -> None:
         nd = self.nodes[j]
         if nd.alive:
-            self._apply(nd, nd.core.peer_gone(i, self.now))  # type: ignore[arg-type]
+            self._apply(nd, nd.core.peer_gone(i, self.now))  # type: ignore[arg-type]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
 
     def _ev_revive(self, i: int) -> None:
         nd = self.nodes[i]
@@ -329,22 +329,22 @@ class VirtualSwarm:
         d, s = self.nodes[dst], self.nodes[src]
         if not d.alive or d.inc != dst_inc or s.inc != src_inc or src in d.core.banned:
             return
-        self._apply(d, d.core.on_frame(src, frame, self.now))  # type: ignore[arg-type]
+        self._apply(d, d.core.on_frame(src, frame, self.now))  # type: ignore[arg-type]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
 
-    def _apply(self, nd: _Node, actions: list[Action]) -> None:  # noqa: C901 - one branch per action
+    def _apply(self, nd: _Node, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
-                peer = self.nodes[a.peer]  # type: ignore[index]
+                peer = self.nodes[a.peer]  # type: ignore[call-overload]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
                 if peer.alive:
                     self._push(self.now + nd.link.latency_s, "deliver", (a.peer, nd.id, a.frame, peer.inc, nd.inc))
             elif isinstance(a, ServeReady):
-                self._write(nd, a.peer)  # type: ignore[arg-type]
+                self._write(nd, a.peer)  # type: ignore[arg-type]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
             elif isinstance(a, Stored):
                 nd.store.setdefault(a.pid, {})[a.index] = a.data
             elif isinstance(a, Complete):
                 self._completed(nd, a.pid)
             elif isinstance(a, Penalise):
-                nd.penalties[a.peer] = nd.penalties.get(a.peer, 0.0) + a.amount  # type: ignore[index]
+                nd.penalties[a.peer] = nd.penalties.get(a.peer, 0.0) + a.amount  # type: ignore[call-overload,index]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
             elif isinstance(a, Disconnect):
                 for x, y in ((nd.id, a.peer), (a.peer, nd.id)):  # both ends see the connection go
                     self._push(self.now + nd.link.latency_s, "left", (x, y))
@@ -363,7 +363,7 @@ class VirtualSwarm:
         """The peer's writer, woken: take the next slot the core schedules, unless it holds one."""
         if peer in nd.writing or not nd.alive:
             return
-        slot = nd.core.next_upload(peer, self.now)  # type: ignore[arg-type]
+        slot = nd.core.next_upload(peer, self.now)  # type: ignore[arg-type]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
         if slot is None:
             return
         nd.writing.add(peer)
@@ -374,7 +374,7 @@ class VirtualSwarm:
         if nd.inc != inc or not nd.alive:
             return
         nd.writing.discard(peer)
-        chunk, acts = nd.core.take_upload(peer, slot, self.now)  # type: ignore[arg-type]
+        chunk, acts = nd.core.take_upload(peer, slot, self.now)  # type: ignore[arg-type]  # the simulator's peers are node indices; the core keeps peer ids as opaque keys
         self._apply(nd, acts)
         if chunk is not None:
             self._send_chunk(nd, peer, chunk)

@@ -44,8 +44,8 @@ from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENIZER, TOKENS_PER_RO
 from simulations.vreport import Recorder
 from sync.items import KIND_CODEC
 from training.sampler import Sampler, split
-from training.tasksets import BUILTIN_TRAIN
 from training.tasks import Task
+from training.tasksets import BUILTIN_TRAIN
 
 WORKER_S = 0.001  # a worker message reaches the network process this long after the worker sends it
 SEED_RANGE = 1_000_000

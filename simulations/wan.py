@@ -27,8 +27,12 @@ import random
 import shutil
 import subprocess
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gossip.errors import MurmurError
+
+if TYPE_CHECKING:
+    from simulations.scenario import NodeSpec
 
 DEFAULT_RTO_S = 0.2
 MSS = 1400  # bytes per segment, for the loss model
@@ -44,11 +48,9 @@ class LinkSpec:
     rto_s: float = DEFAULT_RTO_S
 
     @classmethod
-    def of(cls, node: object) -> LinkSpec:
-        """From a `simulations.scenario.NodeSpec`."""
-        return cls(up_bps=node.upload_bytes_per_s, down_bps=node.download_bytes_per_s,  # type: ignore[attr-defined]
-                   latency_s=node.latency_ms / 1000.0, jitter_s=node.jitter_ms / 1000.0,  # type: ignore[attr-defined]
-                   loss=node.loss)  # type: ignore[attr-defined]
+    def of(cls, node: NodeSpec) -> LinkSpec:
+        return cls(up_bps=node.upload_bytes_per_s, down_bps=node.download_bytes_per_s,
+                   latency_s=node.latency_ms / 1000.0, jitter_s=node.jitter_ms / 1000.0, loss=node.loss)
 
 
 class LinkModel:

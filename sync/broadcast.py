@@ -35,8 +35,7 @@ from gossip.transport import FrameError, PublishError, Stream, StreamError, Tran
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope
 from sync.chunks import ChunkAssembly
 from sync.swarm import MAX_FRAME_BYTES, Frame, Penalise, Send, ServeReady, SwarmConfig, decode_frame
-from sync.transfers import (Action, Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer,
-                            Wake)
+from sync.transfers import Action, Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer, Wake
 
 log = logging.getLogger("murmur.sync.broadcast")
 
@@ -212,7 +211,7 @@ class BroadcastNode:
 
     # ------------------------------------------------------------ actions out
 
-    def _apply(self, actions: list[Action]) -> None:  # noqa: C901 - one branch per action
+    def _apply(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
                 self._send(a.peer, a.frame)
@@ -264,12 +263,12 @@ class BroadcastNode:
             self._apply(self.core.follow(a.pid, {}, trio.current_time(), time.time()))
             return
         self._adding[a.pid] = trio.Event()
-        self._nursery.start_soon(self._load_partial, a)  # type: ignore[union-attr]
+        self._nursery.start_soon(self._load_partial, a)  # type: ignore[union-attr]  # only while run() holds the nursery
 
     async def _load_partial(self, a: Load) -> None:
         """Reopen the patch's partial directory (files are re-verified) and start from what it holds."""
         def read() -> tuple[ChunkAssembly, dict[int, bytes]]:
-            store = ChunkAssembly(self.partial_root / a.pid.hex(), a.manifest)  # type: ignore[operator]
+            store = ChunkAssembly(self.partial_root / a.pid.hex(), a.manifest)  # type: ignore[operator]  # started only when partial_root is set
             held = {}
             for i in range(len(a.manifest.chunks)):
                 data = store.get(i)
@@ -339,7 +338,7 @@ class BroadcastNode:
                 if self.me < peer or now - first > self.open_grace_s:
                     self._first_seen.pop(peer, None)
                     self._opening.add(peer)
-                    self._nursery.start_soon(self._open_to, peer)  # type: ignore[union-attr]
+                    self._nursery.start_soon(self._open_to, peer)  # type: ignore[union-attr]  # only while run() holds the nursery
             for table in (self._first_seen, self._open_backoff):
                 for peer in [p for p in table if p not in connected]:
                     del table[peer]
@@ -379,7 +378,7 @@ class BroadcastNode:
             self._conns_change()
         conn.streams.append(stream)
         if fresh:
-            self._nursery.start_soon(self._writer, conn)  # type: ignore[union-attr]
+            self._nursery.start_soon(self._writer, conn)  # type: ignore[union-attr]  # only while run() holds the nursery
             self._apply(self.core.peer_connected(peer, trio.current_time()))
         try:
             await self._reader(conn, stream)

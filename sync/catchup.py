@@ -27,7 +27,7 @@ class Plan:
         """"none", "chain", "union", "anchor" (anchor alone) or "anchor+chain" etc."""
         if not self.steps:
             return "none"
-        kinds = []
+        kinds: list[str] = []
         for s in self.steps:
             k = {"patch": "chain"}.get(s.kind, s.kind)
             if not kinds or kinds[-1] != k:

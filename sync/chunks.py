@@ -12,8 +12,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, ChunkRef, PatchManifest
 from gossip.errors import PatchError
+from gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, ChunkRef, PatchManifest
 from sync.atomic import atomic_write
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
@@ -64,7 +64,7 @@ def join_verified(manifest: PatchManifest, chunks: Sequence[bytes | memoryview |
         raise PatchError(f"got {len(chunks)} chunks, manifest lists {len(manifest.chunks)} (missing chunk)")
     for i, c in enumerate(chunks):
         verify_chunk(manifest, i, c)
-    payload = b"".join(chunks)  # type: ignore[arg-type]
+    payload = b"".join(chunks)  # type: ignore[arg-type]  # verify_chunk refused every missing chunk
     if len(payload) != manifest.total_bytes:
         raise PatchError(f"payload is {len(payload)} bytes, manifest says {manifest.total_bytes}")
     return payload

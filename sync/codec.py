@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Final
 
@@ -247,6 +247,20 @@ def diff_tensor(b: np.ndarray, t: np.ndarray) -> np.ndarray:
     return np.flatnonzero(b != t)
 
 
+def _value_tries(mode: int, arr: np.ndarray, perm: np.ndarray | None) -> list[tuple[int, Callable[[], list[bytes]]]]:
+    """The value encodings tried for one candidate, each built only when it is measured."""
+    tries: list[tuple[int, Callable[[], list[bytes]]]] = [(mode, lambda: _planes(arr))]
+    if arr.dtype.itemsize > 1:
+        tries.append((mode | VAL_ESCAPED, lambda: _escaped(arr, arr.dtype.itemsize)))
+        if mode == VAL_DELTA:
+            off = 1
+            tries.append((mode | VAL_PACKED, lambda: _packed(arr, off)))
+            if perm is not None:
+                tries.append((mode | VAL_PACKED | VAL_SORTED, lambda: _packed(arr[perm], off)))
+                tries.append((mode | VAL_ESCAPED | VAL_SORTED, lambda: _escaped(arr[perm], arr.dtype.itemsize)))
+    return tries
+
+
 def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, t: np.ndarray,
                   idx: np.ndarray, packer: _Packer) -> tuple[TensorEntry, list[bytes], TensorChange]:
     n = b.size
@@ -277,19 +291,11 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, 
         (VAL_XOR, old ^ new),
         (VAL_ABS, new),
     ]
-    val_mode, val_streams = -1, []
+    val_mode = -1
+    val_streams: list[tuple[int, bytes]] = []
     perm = np.argsort(_sort_key(old, dtype), kind="stable") if dtype in _EXP and count > 1 else None
     for mode, arr in candidates:
-        tries = [(mode, lambda a=arr: _planes(a))]
-        if arr.dtype.itemsize > 1:
-            tries.append((mode | VAL_ESCAPED, lambda a=arr: _escaped(a, a.dtype.itemsize)))
-            if mode == VAL_DELTA:
-                off = 1
-                tries.append((mode | VAL_PACKED, lambda a=arr: _packed(a, off)))
-                if perm is not None:
-                    tries.append((mode | VAL_PACKED | VAL_SORTED, lambda a=arr: _packed(a[perm], off)))
-                    tries.append((mode | VAL_ESCAPED | VAL_SORTED, lambda a=arr: _escaped(a[perm], a.dtype.itemsize)))
-        for m, make in tries:
+        for m, make in _value_tries(mode, arr, perm):
             s = packer.pack_all(make())
             if val_mode < 0 or _size(s) < _size(val_streams):
                 val_mode, val_streams = m, s

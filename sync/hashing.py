@@ -57,9 +57,10 @@ def bits_view(t: torch.Tensor) -> np.ndarray:
         raise PatchError(f"tensor on {t.device}: patches apply to CPU tensors")
     if not t.is_contiguous():
         raise PatchError("tensor is not contiguous")
-    int_dtype, np_dtype = _BITS.get(t.dtype, (None, None))
-    if int_dtype is None:
+    bits = _BITS.get(t.dtype)
+    if bits is None:
         raise PatchError(f"unsupported tensor dtype {t.dtype}")
+    int_dtype, np_dtype = bits
     flat = t.detach().reshape(-1)
     if t.dtype == torch.bool:
         flat = flat.view(torch.uint8)
@@ -73,7 +74,7 @@ def tensor_digest(name: str, t: torch.Tensor) -> bytes:
     h = blake3.blake3(TENSOR_DOMAIN)
     h.update(struct.pack("<H", len(nb)) + nb + bytes([len(dn)]) + dn + bytes([t.dim()]))
     h.update(struct.pack(f"<{t.dim()}Q", *t.shape))
-    h.update(memoryview(bits_view(t)).cast("B"))
+    h.update(bits_view(t).data.cast("B"))
     return h.digest()
 
 

@@ -33,13 +33,24 @@ from typing import Any
 
 import torch
 
-from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
 from gossip.errors import NonFiniteWeights, PatchError
 from gossip.identity import Identity
+from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
 from sync import chunks as chunking
 from sync.catchup import Plan, choose
-from sync.codec import (FORMAT, PatchHeader, TensorChange, assemble, check_layout, count_non_finite, decode_patch,
-                        diff_tensor, encode_tensor, _Packer, DEFAULT_LEVEL)
+from sync.codec import (
+    DEFAULT_LEVEL,
+    FORMAT,
+    PatchHeader,
+    TensorChange,
+    _Packer,
+    assemble,
+    check_layout,
+    count_non_finite,
+    decode_patch,
+    diff_tensor,
+    encode_tensor,
+)
 from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, state_hash
 from sync.ids import lineage_id
 from sync.items import StoredItem, diff_kind
@@ -303,7 +314,7 @@ class LineageFollower:
         self.lineage = lineage
         self.swarm = swarm  # manifests signed for another swarm are refused
         self.live = canonical_state(state) if isinstance(state, torch.nn.Module) else dict(state)
-        for n, t in self.live.items():
+        for t in self.live.values():
             bits_view(t)  # dtype/contiguity check up front
         self.hasher = StateHasher(self.live)
         if expected_hash is not None and expected_hash != self.hasher.hash:

@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
 from gossip.errors import DecodeError, PatchError
-from sync.items import StoredItem, diff_kind
+from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
 from sync.atomic import atomic_write
+from sync.items import StoredItem, diff_kind
 
 if TYPE_CHECKING:
     import torch

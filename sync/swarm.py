@@ -29,14 +29,14 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Final, Union
+from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip.wire import KIND_LIMITS, MAX_CHUNK_BYTES, MAX_CHUNKS, PATCH_MANIFEST, PatchManifest
 from gossip.errors import DecodeError
-from gossip.scoring import Penalise  # noqa: F401 - the action this session returns (re-exported)
+from gossip.scoring import Penalise  # the action this session returns (re-exported)
+from gossip.wire import KIND_LIMITS, MAX_CHUNK_BYTES, MAX_CHUNKS, PATCH_MANIFEST, PatchManifest
 
 # ---------------------------------------------------------------- frames
 
@@ -110,7 +110,7 @@ class Manifest(Struct, tag=9, array_like=True, forbid_unknown_fields=True):
     envelope: Annotated[bytes, Meta(max_length=KIND_LIMITS[PATCH_MANIFEST])]
 
 
-Frame = Union[Have, HaveChunk, Request, Cancel, Reject, Chunk, Leave, ManifestRequest, Manifest]
+Frame = Have | HaveChunk | Request | Cancel | Reject | Chunk | Leave | ManifestRequest | Manifest
 _frame_decoder = msgspec.msgpack.Decoder(Frame)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -186,7 +186,7 @@ class Ban:
     reason: str
 
 
-Action = Union[Send, ServeReady, Verified, Completed, Penalise, Ban]
+Action = Send | ServeReady | Verified | Completed | Penalise | Ban
 
 
 class SwarmConfig(Struct, kw_only=True, frozen=True):
@@ -683,5 +683,5 @@ class SwarmSession:
         return out
 
 
-def session_from_manifest(pid: bytes, manifest: PatchManifest, **kw: object) -> SwarmSession:
-    return SwarmSession(pid, [c.hash for c in manifest.chunks], [c.size for c in manifest.chunks], **kw)  # type: ignore[arg-type]
+def session_from_manifest(pid: bytes, manifest: PatchManifest, **kw: Any) -> SwarmSession:
+    return SwarmSession(pid, [c.hash for c in manifest.chunks], [c.size for c in manifest.chunks], **kw)

@@ -42,14 +42,29 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Union
+from typing import Any, Final
 
 from gossip.errors import DecodeError, MurmurError
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
 from sync.chunks import DEFAULT_CHUNK_BYTES
 from sync.ratelimit import TokenBucket
-from sync.swarm import (Ban, Chunk, Completed, Frame, Have, HaveChunk, Manifest, ManifestRequest, Penalise, Send,
-                        ServeReady, SwarmConfig, SwarmSession, Verified, session_from_manifest)
+from sync.swarm import (
+    Ban,
+    Chunk,
+    Completed,
+    Frame,
+    Have,
+    HaveChunk,
+    Manifest,
+    ManifestRequest,
+    Penalise,
+    Send,
+    ServeReady,
+    SwarmConfig,
+    SwarmSession,
+    Verified,
+    session_from_manifest,
+)
 
 MAX_TRANSFERS: Final = 64  # patches a node tracks at once
 MAX_MANIFEST_ASKS: Final = 256  # unknown patch ids we ask peers about (and who advertised them)
@@ -109,7 +124,7 @@ class Wake:
     """`tick` has work again (it need not be called while `ticking` is false)."""
 
 
-Action = Union[Send, ServeReady, Penalise, Load, Stored, Complete, Added, Evicted, Disconnect, Wake]
+Action = Send | ServeReady | Penalise | Load | Stored | Complete | Added | Evicted | Disconnect | Wake
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +162,7 @@ class Transfer:
     def payload(self) -> bytes:
         if not self.session.complete:
             raise MurmurError("patch not complete yet")
-        return b"".join(self.chunks)  # type: ignore[arg-type]
+        return b"".join(self.chunks)  # type: ignore[arg-type]  # a complete session holds every chunk
 
 
 class BroadcastCore:
@@ -429,7 +444,7 @@ class BroadcastCore:
             return None, out
         if len(data) < slot.reserved:
             self.bucket.refund(slot.reserved - len(data), now)
-        return Chunk(tr.pid, idx, data), out  # type: ignore[arg-type]
+        return Chunk(tr.pid, idx, data), out  # type: ignore[arg-type]  # data is held only for a chosen index
 
     # ------------------------------------------------------------ session actions
 

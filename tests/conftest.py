@@ -102,10 +102,10 @@ class SoloLock:
     the slot it just gave up before the waiting one sees it free."""
 
     def __init__(self, root: Path, slot: int = 0) -> None:
-        self._gate = open(root / "gate", "a+b")  # noqa: SIM115 - held for the worker's life
-        self._main = open(root / "main", "a+b")  # noqa: SIM115
-        self._slots = [open(root / f"heavy{i}", "a+b") for i in range(HEAVY_SLOTS)]  # noqa: SIM115
-        self._slotgate = open(root / "slotgate", "a+b")  # noqa: SIM115
+        self._gate = open(root / "gate", "a+b")  # held for the worker's life
+        self._main = open(root / "main", "a+b")
+        self._slots = [open(root / f"heavy{i}", "a+b") for i in range(HEAVY_SLOTS)]
+        self._slotgate = open(root / "slotgate", "a+b")
         self._own = slot % HEAVY_SLOTS
         self._slot: Any = None
         self.held: str | None = None

@@ -8,7 +8,6 @@ honestly scored rewards.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,10 +20,10 @@ import trio.testing
 from gossip import topics, wire
 from gossip.identity import Identity
 from gossip.validation import Pipeline, PipelineConfig, Reason
-from sync.ids import lineage_id
 from simulations.bench import attacks
-from training.tasksets import TaskRegistry, builtin_manifest
+from sync.ids import lineage_id
 from training import tokencheck
+from training.tasksets import TaskRegistry, builtin_manifest
 from training.verifiers import score
 
 SWARM = attacks.SWARM

@@ -8,25 +8,37 @@ from __future__ import annotations
 
 import math
 import struct
-
-import msgspec
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gossip import wire
 from gossip.identity import Identity
-from node import core as C
 from node import catchup_machine as CM
+from node import core as C
 from node import roles
 from node.lineages import MAX_AHEAD
 from sync.catchup import choose
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
 from tests import samples
+from tests.test_core import (
+    BASE,
+    MODEL_BYTES,
+    SWARM,
+    W,
+    announce,
+    demand,
+    follow_trainer,
+    hear_consumer,
+    key,
+    make_core,
+    manifest,
+    of,
+)
 from tests.workbound import lines_run
-from tests.test_core import (BASE, MODEL_BYTES, W, announce, demand, follow_trainer, hear_consumer, key, make_core,
-                             manifest, of, SWARM)
 
 
 def test_capture_first_announcer_is_not_recorded_as_publisher() -> None:
@@ -522,7 +534,7 @@ class _WorkerView:
         return self.follows if self.follows is not None and self.admit.get(self.follows) else None
 
 
-def _follower_of_an_honest_trainer() -> tuple[Any, Any, Any, Any, bytes, bytes, "_WorkerView"]:
+def _follower_of_an_honest_trainer() -> tuple[Any, Any, Any, Any, bytes, bytes, _WorkerView]:
     """A follower whose worker generates for an honest trainer's lineage (v3 applied), and a bait's key."""
     core, clock = make_core()
     honest, attacker = key(9), key(66)
@@ -602,10 +614,11 @@ def test_an_honest_lineage_is_adopted_as_soon_as_before() -> None:
 def test_a_lineage_on_trial_shows_in_the_status_and_dashboard() -> None:
     """While a bait (or any new lineage) is on trial, the status says so: `serving` is the bait, `following`
     the lineage the worker still generates for, and the dashboard marks the trial."""
+    from rich.console import Console
+
     from node.dashboard import node_panel
     from node.status import NodeStatus
     from node.views import lineage_views
-    from rich.console import Console
 
     core, clock, honest, attacker, good, evil, worker = _follower_of_an_honest_trainer()
     assert core.on_trial is None  # a lineage that delivered is followed, not on trial

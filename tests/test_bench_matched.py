@@ -63,8 +63,8 @@ def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_
     from training.rollouts import logprobs_from_bytes
     from training.tasksets import TaskRegistry, train_generators
     from training.tiny import ensure_tiny
-    from training.tokenizer import TINY_NAME
     from training.tokencheck import for_model
+    from training.tokenizer import TINY_NAME
     from training.verifiers import score
 
     reg = TaskRegistry(SWARM)

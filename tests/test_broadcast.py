@@ -13,10 +13,10 @@ import pytest
 import trio
 import trio.testing
 
-from gossip.host import open_transport
-from gossip.wire import decode_envelope, encode
 from gossip.errors import DecodeError
+from gossip.host import open_transport
 from gossip.identity import Identity
+from gossip.wire import decode_envelope, encode
 from simulations.bench.broadcast import make_patch
 from sync.broadcast import BroadcastNode
 from sync.ratelimit import TokenBucket

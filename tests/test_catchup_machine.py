@@ -5,8 +5,18 @@ served lineage is to be left."""
 from __future__ import annotations
 
 from gossip.identity import Identity
-from node.catchup_machine import (CATALOG_SOURCES, CATCH_UP_PATIENCE_S, IN_FLIGHT_PATIENCE_S, LEAVE_AFTER_S,
-                                  MAX_IN_FLIGHT, RESYNC_AFTER_S, TRIAL_S, CatchUpMachine, CatchUpNeed, CatchUpPhase)
+from node.catchup_machine import (
+    CATALOG_SOURCES,
+    CATCH_UP_PATIENCE_S,
+    IN_FLIGHT_PATIENCE_S,
+    LEAVE_AFTER_S,
+    MAX_IN_FLIGHT,
+    RESYNC_AFTER_S,
+    TRIAL_S,
+    CatchUpMachine,
+    CatchUpNeed,
+    CatchUpPhase,
+)
 from node.events import CatalogFailed, CatalogReceived, FetchCatalog, LoadStored, Log, OfferFailed, RequestOffer
 from node.lineages import LineageState
 from sync.ids import lineage_id

@@ -14,8 +14,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossip.errors import PatchError
-from sync.codec import (FORMAT, POS_BITMASK, POS_GAPS, POS_GAPS_ESC, RAW, TRAILER_BYTES, VAL_ABS, ZSTD, PatchHeader,
-                        TensorEntry, assemble, decode_patch, encode_patch, read_header)
+from sync.codec import (
+    FORMAT,
+    POS_BITMASK,
+    POS_GAPS,
+    POS_GAPS_ESC,
+    RAW,
+    TRAILER_BYTES,
+    VAL_ABS,
+    ZSTD,
+    PatchHeader,
+    TensorEntry,
+    assemble,
+    decode_patch,
+    encode_patch,
+    read_header,
+)
 from sync.hashing import bits_view, state_hash
 
 torch.set_num_threads(1)

@@ -12,11 +12,11 @@ import pytest
 
 from gossip import exchange, wire
 from gossip.identity import Identity
-from node import core as C
 from node import catchup_machine as CM
+from node import core as C
 from node import peertable as PT
-from node import supervision as SV
 from node import pipe
+from node import supervision as SV
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gossip.errors import DecodeError
-from node import core as C
 from node import catchup_machine as CM
+from node import core as C
 from node import pipe
 from sync.ids import lineage_id
 from sync.patchstore import StoredItem

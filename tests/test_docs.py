@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 import shlex
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -80,7 +81,7 @@ def test_toml_block_loads_with_the_nodes_loader(doc: Path, line: int, body: str,
             load(f)
         else:
             load_config(f, environ={})
-    except MurmurError as e:  # noqa: PERF203
+    except MurmurError as e:
         pytest.fail(f"{where}: this TOML block is refused by the node's loader: {e}\n"
                     "(fix the block, or mark a deliberately partial one ```toml fragment)", pytrace=False)
 
@@ -208,7 +209,7 @@ def test_the_command_check_catches_a_removed_flag_and_command() -> None:
 # ------------------------------------------------------------------ paths
 
 
-PATH_SPAN = re.compile(r"^(?:(?:%s)/[\w./-]*|test_\w+\.py)?(?:::\w+(?:\[[^\]]*\])?)?$" % "|".join(CODE_DIRS))
+PATH_SPAN = re.compile(r"^(?:(?:" + "|".join(CODE_DIRS) + r")/[\w./-]*|test_\w+\.py)?(?:::\w+(?:\[[^\]]*\])?)?$")
 
 
 def _path_problem(span: str) -> str | None:
@@ -253,7 +254,7 @@ def test_every_path_a_doc_names_exists() -> None:
 # ------------------------------------------------------------------ config keys
 
 
-KEY_SPAN = re.compile(r"^(%s)\.([a-z_0-9]+)$" % "|".join(SECTIONS))
+KEY_SPAN = re.compile(r"^(" + "|".join(SECTIONS) + r")\.([a-z_0-9]+)$")
 FILE_SUFFIXES = {"py", "log", "jsonl", "json", "toml", "db", "sock", "md", "csv", "html", "bin", "env"}
 
 
@@ -312,7 +313,7 @@ def documented_defaults(docs: list[Path]) -> dict[str, list[tuple[str, Any]]]:
             cells = [c.strip() for c in row.strip().strip("|").split("|")] if row.lstrip().startswith("|") else []
             if len(cells) < 2:
                 continue
-            m = re.fullmatch(r"`((?:%s)\.[a-z_0-9]+)`" % "|".join(SECTIONS), cells[0])
+            m = re.fullmatch(r"`((?:" + "|".join(SECTIONS) + r")\.[a-z_0-9]+)`", cells[0])
             if not m:
                 continue
             span = re.match(r"`([^`]*)`", cells[1])

@@ -9,12 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gossip.identity import Identity
 from node.config import Config
 from node.doctor import CHECKS, Check, Context, check_listen_ports, passed, run_checks
-from gossip.identity import Identity
 from node.launch import free_port
-
-
 
 
 def test_unreachable_bootstrap_is_a_failed_check_with_fix(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gossip import exchange as X
 

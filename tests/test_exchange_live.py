@@ -24,8 +24,8 @@ def lineage_where(pred) -> bytes:
     raise AssertionError("no lineage found")
 
 
-ON_1 = lineage_where(lambda l: exchange.shard_of(l, 2) == 1)  # shard 1 of 2
-NOT_ON_1 = lineage_where(lambda l: not exchange.on_shard(l, 1, 2))
+ON_1 = lineage_where(lambda lid: exchange.shard_of(lid, 2) == 1)  # shard 1 of 2
+NOT_ON_1 = lineage_where(lambda lid: not exchange.on_shard(lid, 1, 2))
 
 
 async def until(pred, timeout: float = 15.0) -> None:

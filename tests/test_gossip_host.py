@@ -7,8 +7,8 @@ import trio
 
 from gossip.framing import read_frame, write_frame
 from gossip.host import MAX_PUBLISH_BYTES, ConnectError, open_transport
-from gossip.transport import PublishError
 from gossip.identity import Identity
+from gossip.transport import PublishError
 
 
 async def wait_until(pred, timeout: float = 5.0, step: float = 0.02) -> None:
@@ -83,12 +83,12 @@ def test_gossip_stream_and_publish_errors() -> None:
 
 def test_plaintext_peer_is_refused() -> None:
     """A host offering only plaintext cannot connect to ours (py-libp2p's default would accept it)."""
+    import multiaddr
     from libp2p import new_host
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.network.exceptions import SwarmDialAllFailedError
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
-    import multiaddr
 
     async def main() -> None:
         async with open_transport(Identity.from_seed(b"\x09" * 32)) as a:
@@ -250,10 +250,10 @@ def test_a_peer_record_is_checked_once_and_a_bad_one_is_counted(monkeypatch: pyt
     and no counter. Now a record is checked once per peer (and remembered), and each RPC ignored for an
     invalid one is counted."""
     import libp2p.pubsub.utils as pubsub_utils
-    from libp2p.utils.varint import encode_varint_prefixed
     from libp2p.peer.id import ID
     from libp2p.peer.peerstore import env_to_send_in_RPC
     from libp2p.pubsub.pb import rpc_pb2
+    from libp2p.utils.varint import encode_varint_prefixed
 
     checked: list[bytes] = []
     real = pubsub_utils.consume_envelope

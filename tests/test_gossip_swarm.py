@@ -10,13 +10,13 @@ from pathlib import Path
 import trio
 
 from gossip import wire
-from simulations.bench.gossip import SWARM, make_batch, registry, resign_with
 from gossip.discovery import Discovery
 from gossip.host import Libp2pTransport, open_transport
+from gossip.identity import Identity
 from gossip.service import GossipService
 from gossip.validation import Pipeline, PipelineConfig, Reason
-from gossip.identity import Identity
 from node.store import Store
+from simulations.bench.gossip import SWARM, make_batch, registry, resign_with
 from training.verifiers import score
 
 REG = registry()

@@ -16,7 +16,6 @@ from training.tasks import BUILTIN_GENERATORS, eval_side, generate
 from training.tasksets import (
     BUILTIN_FAMILIES,
     builtin_manifest,
-    eval_generators,
     load_task_set_toml,
     overlap,
     train_generators,

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import trio
 
-from gossip.hostlimits import remote_ip
 from gossip.host import open_transport
+from gossip.hostlimits import remote_ip
 from gossip.identity import Identity
 from gossip.iprange import full_range, range_of
 from gossip.limits import StreamLimits

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from gossip.wire import PATCH_MANIFEST, PatchManifest, seal
 from gossip.errors import PatchError
+from gossip.wire import PATCH_MANIFEST, PatchManifest, seal
 from sync.catchup import choose
 from sync.chunks import refs, split
 from sync.hashing import bits_view, state_hash
 from sync.ids import lineage_id
-from sync.lineage import (ANCHOR, SPARSE, UNION, Lineage, LineageFollower, LineagePublisher, encode_states,
-                          make_bundle)
+from sync.lineage import ANCHOR, SPARSE, UNION, Lineage, LineageFollower, LineagePublisher, encode_states, make_bundle
 from sync.patchstore import StoredItem
 
 SWARM = "test"
@@ -277,7 +276,7 @@ def test_chooser_matches_brute_force() -> None:
         have = int(rng.integers(0, n))
         plan = choose(have, n, items)
 
-        def best(v: int) -> float:  # brute force: cheapest cost to reach n from holding v
+        def best(v: int, n: int = n, items: list = items) -> float:  # brute force: cheapest cost to reach n from holding v
             if v == n:
                 return 0
             return min([i.bytes + best(i.target) for i in items if i.kind != "anchor" and i.base == v],

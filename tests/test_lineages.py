@@ -183,6 +183,24 @@ def test_a_full_table_evicts_only_rows_merely_seen() -> None:
     assert {r.name for r in t.rows.values()} == {"f", "s1", "s2", "n"} and t.evicted == 1
 
 
+def test_a_table_full_of_followed_rows_still_takes_the_nodes_own_and_stored_lineages_but_no_strangers() -> None:
+    """Only rows heard from the network are refused for room: the node's own lineage and those in its store
+    are its own state, so the table grows past its bound for them rather than failing."""
+    t = LineageTable(4)
+    t.set_my_base(BASE, 1 << 20)
+    for i in range(4):
+        f = key(20 + i)
+        t.load(lineage_id(f.public, BASE, f"f{i}"), f"f{i}", "follow", f.public, BASE, 1, 0.0)
+    stranger = key(40)
+    lin, why = t.on_demand(stranger.public, demand(lineage_id(stranger.public, BASE, "n"), "n", 1), 0.0)
+    assert lin is None and why is not None and why.reason == "lineage table full"
+    stored, me = key(41), key(42)
+    t.load(lineage_id(stored.public, BASE, "g"), "g", "follow", stored.public, BASE, 2, 0.0)
+    own = lineage_id(me.public, BASE, "mine")
+    assert t.set_own(own, "mine", me.public, BASE, 3, 0.0) is t.rows[own]
+    assert len(t.rows) == 6 and t.own == own and t.evicted == 0
+
+
 def test_a_claimed_step_time_is_0_or_from_a_millisecond_to_a_million_seconds() -> None:
     t, clock = table()
     pub = key(9)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node import patchsync
 from gossip.errors import PatchError
+from node import patchsync
 from sync.hashing import canonical_state, state_hash
 from sync.lineage import LineageFollower, LineagePublisher
 from sync.patchstore import LineageStore
@@ -112,7 +112,7 @@ def test_trainer_samples_the_published_bf16_weights_that_a_follower_holds(identi
     assert fol.state_hash == state_hash(pub.base)
     for name, t in canonical_state(follower_engine.model).items():
         assert torch.equal(t, pub.base[name].to(t.dtype)), name  # exactly the published values
-        assert torch.equal(canonical_state(eng.gen.model)[name], t), name
+        assert torch.equal(canonical_state(eng.gen_engine.model)[name], t), name
 
     prompt = eng.encode("1+2=")
     out = eng.sample([prompt], Sampling(temperature=1.0, max_new_tokens=4))

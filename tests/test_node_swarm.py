@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from node.status import NodeStatus
 from node import launch, worker
 from node.launch import status as _status
+from node.status import NodeStatus
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from node import launch
 from node.home import ensure_home
 from node.store import open_store
 from node.taskmix import STATUS_KEY
 from training.tasksets import BUILTIN_NAME, BUILTIN_VERSION
-from node import launch
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

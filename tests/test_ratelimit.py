@@ -7,8 +7,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from gossip.ratelimit import (BURST_WINDOW_S, HEADROOM, MAX_BATCHES_PER_S, MIN_SPAN_S, NEW_KEYS_BURST, NEW_KEYS_PER_S,
-                              AnnouncedRates, Bucket, NewKeys, RateMeter, TokenBuckets)
+from gossip.ratelimit import (
+    BURST_WINDOW_S,
+    HEADROOM,
+    MAX_BATCHES_PER_S,
+    MIN_SPAN_S,
+    NEW_KEYS_BURST,
+    NEW_KEYS_PER_S,
+    AnnouncedRates,
+    Bucket,
+    NewKeys,
+    RateMeter,
+    TokenBuckets,
+)
 
 
 def test_bucket_starts_full_refills_at_its_rate_and_caps_at_its_burst() -> None:

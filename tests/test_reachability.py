@@ -10,15 +10,25 @@ import trio
 
 from gossip.framing import read_exactly, read_frame, write_frame
 from gossip.host import open_transport
+from gossip.identity import Identity
 from gossip.reachability import (
-    PRIVATE, PROTOCOL, PUBLIC, UNKNOWN, DialbackRequest, DialbackResponse, DialbackServer, PeerVerdict, ReachabilityError,
-    check_request, check_reachability, decide,
+    PRIVATE,
+    PROTOCOL,
+    PUBLIC,
+    UNKNOWN,
+    DialbackRequest,
+    DialbackResponse,
+    DialbackServer,
+    PeerVerdict,
+    ReachabilityError,
+    check_reachability,
+    check_request,
+    decide,
 )
 from gossip.relay import RelayError, attach_relay, circuit_addr, split_circuit
 from gossip.transport import StreamError
 from node.config import NetworkSection
 from node.doctor_reachability import ReachSnapshot, classify, reachability_checks
-from gossip.identity import Identity
 
 
 def ids(*seeds: int) -> list[Identity]:
@@ -392,11 +402,11 @@ def test_a_private_verdict_is_confirmed_before_the_long_recheck() -> None:
 def test_check_loop_turns_a_false_private_into_public_at_the_next_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop itself, in virtual time: the first check answers `private` (a dial-back timed out), the
     second `public`; the node must be public one `RETRY_S` later, not `RECHECK_S` later."""
+    import trio.testing
+
     import gossip.holepunch
     import gossip.reachability
     from node.config import Config
-    import trio.testing
-
     from node.reach import RETRY_S, ReachState
 
     answers = [PeerVerdict("p", "10.0.0.1:4001", [], {"/ip4/10.0.0.1/tcp/4001": "no answer within 3.0 s"}),

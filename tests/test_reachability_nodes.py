@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from node.status import NodeStatus
 from node import launch
 from node.launch import status as _status
+from node.status import NodeStatus
 from simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()

@@ -16,11 +16,11 @@ import pytest
 import trio
 
 from gossip.host import open_transport
+from gossip.identity import Identity
 from gossip.webrtc import is_webrtc_addr, webrtc_listen_for
+from node import reach
 from node.config import Config
 from node.doctor_reachability import WEBRTC, check_path
-from gossip.identity import Identity
-from node import reach
 from node.reach import start_reachability
 
 

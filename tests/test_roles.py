@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from node import roles
 from gossip.errors import ConfigError
+from node import roles
 from node.roles import Demand, LineageOption, Offer, activate, choose_lineage, choose_roles, fits_staleness
 
 GB = 2**30

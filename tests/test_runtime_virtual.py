@@ -23,8 +23,8 @@ import trio.testing
 from gossip import wire
 from gossip.identity import Identity
 from node import core as C
-from node import supervision as SV
 from node import patchsync, pipe
+from node import supervision as SV
 from node.config import Config, NodeSection, SyncSection
 from node.pipe import WorkerState
 from node.runtime import Node, RunOptions

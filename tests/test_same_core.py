@@ -11,11 +11,11 @@ import node.worker
 import simulations.bench.swarm
 import simulations.vbroadcast
 import simulations.vruntime
+import simulations.vsim
 import simulations.vworker
 import sync.broadcast
 import sync.staleness
 import sync.transfers
-import simulations.vsim
 import training.sampler
 from node.core import ManifestOffered, NodeCore
 from simulations import scenario as S

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gossip.scoring import Penalise, PeerRecord, PeerScores, ScoreParams
+from gossip.scoring import PeerRecord, PeerScores, Penalise, ScoreParams
 
 
 def test_defaults_are_the_documented_policy() -> None:

@@ -18,7 +18,8 @@ from gossip.host import ConnectError, open_transport
 from gossip.identity import Identity
 from gossip.limits import StreamLimits
 from node.views import _stream_limits
-from sync.broadcast import PROTOCOL as CHUNKS, BroadcastNode
+from sync.broadcast import PROTOCOL as CHUNKS
+from sync.broadcast import BroadcastNode
 from sync.swarm import MAX_FRAME_BYTES
 
 MiB = 1 << 20

@@ -10,10 +10,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gossip.errors import DecodeError
-from sync.swarm import (MAX_BITFIELD_BYTES, Ban, Cancel, Chunk, Completed, Have, HaveChunk, Penalise, Reject,
-                        Request, Send, ServeReady, SwarmConfig, SwarmSession, Verified, bits_from_indices,
-                        chunk_hash, decode_frame, encode_frame, indices_from_bits)
 from simulations.vsim import SimLink, VirtualSwarm
+from sync.swarm import (
+    MAX_BITFIELD_BYTES,
+    Ban,
+    Cancel,
+    Chunk,
+    Completed,
+    Have,
+    HaveChunk,
+    Penalise,
+    Reject,
+    Request,
+    Send,
+    ServeReady,
+    SwarmConfig,
+    SwarmSession,
+    Verified,
+    bits_from_indices,
+    chunk_hash,
+    decode_frame,
+    encode_frame,
+    indices_from_bits,
+)
 
 PID = b"p" * 32
 
@@ -118,7 +137,7 @@ def test_needs_tick_until_complete_and_done_super_seeding() -> None:
     assert follower.needs_tick
     follower.peer_joined("o", 0.0)
     to_f = origin.peer_joined("f", 0.0) + origin.on_frame("f", Have(PID, b"\x00"), 0.0)
-    for step in range(10):  # relay frames between the two until nothing is left to say
+    for _ in range(10):  # relay frames between the two until nothing is left to say
         to_o = [a for s in sends(to_f, Have) + sends(to_f, HaveChunk) for a in follower.on_frame("o", s.frame, 0.0)]
         to_f = []
         for s in sends(to_o, Request) + sends(to_o, HaveChunk):

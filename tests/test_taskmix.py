@@ -10,16 +10,22 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from gossip.errors import ConfigError
 from gossip.identity import Identity
 from gossip.wire import TaskRef, content_id, decode_envelope
 from node.store import open_store
 from node.taskmix import STATUS_KEY, TaskMix
 from training.rollouts import RolloutRec
 from training.selection import TaskSetChoice, normalise, resolve
-from training.tasksets import BUILTIN_COORDINATOR, TaskRegistry, builtin_manifest, manifest_from_toml, sign_task_set
-from training.tasksets import TaskSetToml
+from training.tasksets import (
+    BUILTIN_COORDINATOR,
+    TaskRegistry,
+    TaskSetToml,
+    builtin_manifest,
+    manifest_from_toml,
+    sign_task_set,
+)
 from training.tiny import warmup_generators
-from gossip.errors import ConfigError
 
 SWARM = "test"
 
@@ -169,10 +175,10 @@ def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None
 
 
 def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tmp_path: Path) -> None:
+    from gossip.errors import TaskError
     from node.config import load_config
     from node.demo import DemoTaskSet, node_config, run_demo
     from node.launch import write_config
-    from gossip.errors import TaskError
 
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'

@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import trio
 
-from gossip.identity import Identity
 from gossip.host import open_transport
+from gossip.identity import Identity
 from node.config import Config, TrustSection
 from node.runtime import Node, RunOptions
 from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id

@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from node.config import Config
 from gossip.errors import ConfigError
+from node.config import Config
 from training.tasksets import TaskRegistry
 from training.tiny import new_tiny_engine, warmup
 from training.trainer import LOSS_NORMS, Trainer, TrainerConfig, loss_denominator

@@ -121,7 +121,7 @@ def test_a_foreign_samples_weight_rests_on_nothing_its_producer_claims(warm_engi
         engine = copy.deepcopy(warm_engine)
         group = payload_groups(registry, engine, 2, 11_000, claim, tokenizer)
         cfg = TrainerConfig(local_groups=1, external_groups=2, group_size=2, max_new_tokens=8, lr=1e-2, seed=1)
-        tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v: list(group))
+        tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v, g=group: list(g))
         res = tr.step()
         assert res.n_external_groups == 2 and res.updates >= 1
         after.append(torch.cat([p.detach().flatten() for p in engine.model.parameters()]))

@@ -16,10 +16,21 @@ from gossip.errors import DecodeError
 from gossip.identity import Identity
 from gossip.wire import content_id, decode_envelope, encode
 from simulations.bench.broadcast import make_patch
-from sync.swarm import (Cancel, Chunk, Have, HaveChunk, Manifest, ManifestRequest, Penalise, Request, Send, ServeReady,
-                        SwarmConfig, bits_from_indices)
-from sync.transfers import (Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer,
-                            UploadSlot, Wake)
+from sync.swarm import (
+    Cancel,
+    Chunk,
+    Have,
+    HaveChunk,
+    Manifest,
+    ManifestRequest,
+    Penalise,
+    Request,
+    Send,
+    ServeReady,
+    SwarmConfig,
+    bits_from_indices,
+)
+from sync.transfers import Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer, UploadSlot, Wake
 
 SWARM = "test"
 

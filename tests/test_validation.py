@@ -9,12 +9,12 @@ import msgspec
 import pytest
 
 from gossip import wire
-from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, resign_with
+from gossip.identity import Identity
 from gossip.scoring import ScoreParams
 from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
-from gossip.identity import Identity
-from training.verifiers import score
+from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, resign_with
 from tests.samples import Clock
+from training.verifiers import score
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)

@@ -17,10 +17,10 @@ from gossip.errors import DecodeError
 from gossip.identity import Identity
 from gossip.validation import Pending, Pipeline, PipelineConfig, Reason
 from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
+from tests.samples import Clock, bodies
 from training import tokencheck
 from training.tasksets import BUILTIN_TRAIN, sign_task_set
 from training.verifiers import VerifierPool, score
-from tests.samples import Clock, bodies
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -460,7 +460,7 @@ def test_a_few_keys_sending_costly_batches_cannot_crowd_out_an_honest_producer(r
     """Within the per-key batch rate, three keys send batches that each cost a CPU-second to verify (the I/O
     layer measures and reports it, `Pipeline.spent`): the node's verification stays within its CPU budget,
     an established producer's cheap batches are all verified, and the refusals cost the attackers nothing."""
-    from gossip.cpubudget import NODE_CPU_PER_S, BURST_S
+    from gossip.cpubudget import BURST_S, NODE_CPU_PER_S
 
     p, clock = pipe(reg)
     seq = _give_a_history(p, clock, reg, ALICE)

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 
 from gossip import wire
 from gossip.identity import Identity
-from gossip.validation import TASK_CACHE, Pipeline, PipelineConfig, Verdict
 from gossip.scoring import ScoreParams
+from gossip.validation import TASK_CACHE, Pipeline, PipelineConfig, Verdict
 from simulations.bench.gossip import SWARM, registry
+from tests.workbound import lines_run
 from training import tokencheck
 from training.tasksets import BUILTIN_EVAL, BUILTIN_TRAIN
 from training.verifiers import score
-from tests.workbound import lines_run
 
 MALLORY = Identity.from_seed(b"\x02" * 32)
 REG = registry()

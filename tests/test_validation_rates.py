@@ -12,8 +12,8 @@ from gossip.identity import Identity
 from gossip.ratelimit import HEADROOM, RateMeter
 from gossip.validation import Pipeline, PipelineConfig, Reason
 from simulations.bench.gossip import SWARM, make_batch, registry
-from training.verifiers import score
 from tests.samples import Clock
+from training.verifiers import score
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)

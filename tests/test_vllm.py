@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from gossip.errors import MurmurError
-from node.status import NodeStatus
 from node import launch
 from node.launch import status as _status
+from node.status import NodeStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 480.0  # a loaded CI machine: node start + the vLLM probe + engine start took up to ~2 min here

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -116,7 +116,7 @@ def open_engine(kind: str, model_path: str | Path, reference: Any, *, role: str 
         return reference
     if kind != "vllm":
         raise MurmurError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
-    from training.engine_vllm import VLLMEngine  # noqa: PLC0415
+    from training.engine_vllm import VLLMEngine
 
     return VLLMEngine(model_path, tokenizer=reference.tokenizer, role=role, memory_budget_mb=memory_budget_mb,
                       seed=seed, threads=threads)

@@ -21,8 +21,14 @@ from typing import Any
 import torch
 
 from gossip.errors import MurmurError
-from training.engine import (MODE_TRANSFORMERS, Completion, Sampling, SparseUpdate, generate_groups,
-                             tokenizer_hash_from_json)
+from training.engine import (
+    MODE_TRANSFORMERS,
+    Completion,
+    Sampling,
+    SparseUpdate,
+    generate_groups,
+    tokenizer_hash_from_json,
+)
 from training.tokenizer import load_tokenizer
 
 # transformers 5.24 renamed the cache argument; the old name works until 5.40 (we pin <6 and
@@ -42,7 +48,7 @@ def pick_device(device: str = "auto") -> torch.device:
 
 def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
     """(model, tokenizer) from a local directory, offline; one-line MurmurError if unusable."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     p = Path(path)
     if not p.is_dir():
@@ -53,7 +59,7 @@ def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
         cfg = AutoConfig.from_pretrained(p, local_files_only=True)
     except Exception as e:
         raise MurmurError(f"model path {str(p)!r}: unreadable config: {str(e).splitlines()[0][:200]}") from None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # noqa: PLC0415
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise MurmurError(f"model path {str(p)!r} is a {cfg.model_type!r} model, not a causal LM")
@@ -62,7 +68,7 @@ def load_causal_lm(path: str | Path, device: str = "auto") -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
     except Exception as e:
         raise MurmurError(f"model path {str(p)!r}: cannot load: {str(e).splitlines()[0][:200]}") from None
-    model.to(pick_device(device))
+    model.to(pick_device(device))  # type: ignore[arg-type]  # transformers types PreTrainedModel.to through a decorator that hides its signature
     return model, tok
 
 
@@ -216,10 +222,10 @@ class HFEngine:
         ids = torch.full((b, length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, length), dtype=torch.long)
         rows, cols, tcols = [], [], []
-        for i, (p, c) in enumerate(zip(prompts, comps)):
+        for i, (p, comp) in enumerate(zip(prompts, comps)):
             ids[i, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
             mask[i, :len(seqs[i])] = 1
-            for j in range(len(c)):
+            for j in range(len(comp)):
                 rows.append(i)
                 cols.append(len(p) - 1 + j)
                 tcols.append(j)

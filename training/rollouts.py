@@ -10,12 +10,13 @@ length-normalised mean, which is all the HACPO sequence ratio needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
 from gossip.errors import DecodeError
+from gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
 from training.engine import Sampling
 from training.tasks import Task
 
@@ -74,8 +75,9 @@ def to_wire(r: RolloutRec) -> Rollout:
                    reward=float(r.reward), created_ms=r.created_ms)
 
 
-def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes, encode: object,
-              eos_id: int | None = None, max_tokens: int | None = None) -> RolloutRec:
+def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes,
+              encode: Callable[[str], Iterable[int]], eos_id: int | None = None,
+              max_tokens: int | None = None) -> RolloutRec:
     """A received rollout for local training; re-tokenised when its tokenizer differs from ours.
 
     `finished` says whether the producer's completion ended with its EOS (else it was cut at its
@@ -98,7 +100,7 @@ def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: byt
         rec.finished = bool(ids) and eos_id is not None and ids[-1] == eos_id
     else:
         rec.finished = 0 < len(ids) < w.sampling.max_new_tokens
-        rec.ids = list(encode(w.text))  # type: ignore[operator]
+        rec.ids = list(encode(w.text))
         if max_tokens is not None and len(rec.ids) > max_tokens:
             rec.ids, rec.finished = rec.ids[:max_tokens], False
         rec.logprobs = []

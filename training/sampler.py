@@ -224,7 +224,8 @@ class Sampler:
                 per[g.producer] = per.get(g.producer, 0) + 1
             if room is not None:
                 room -= _tokens(g)
-        picked, keep = [], []
+        picked: list[Group] = []
+        keep: list[Group] = []
         for i, g in enumerate(usable):
             (picked if i in chosen else keep).append(g)
         self._pool = collections.deque(keep)

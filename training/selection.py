@@ -104,9 +104,9 @@ def resolve(choices: list[TaskSetChoice], held: Iterable[tuple[bytes, TaskSetMan
             if not found:
                 waiting.append(c.set)
         else:
-            found = newest.get((owner.get(c.set, b""), c.set))
-            if found:
-                add(found[1], c.weight)
+            hit = newest.get((owner.get(c.set, b""), c.set))
+            if hit:
+                add(hit[1], c.weight)
             else:
                 waiting.append(c.set)
     return Resolution(mixture=list(weights.items()), waiting=waiting)

@@ -236,14 +236,14 @@ _rg_cache: OrderedDict[tuple[str, str, int], Any] = OrderedDict()
 
 def _rg_module() -> Any:
     try:
-        import reasoning_gym  # noqa: PLC0415 - slow import, only when a task set uses it
+        import reasoning_gym  # slow import, only when a task set uses it
     except ImportError as e:  # pragma: no cover - it is a hard dependency
         raise TaskError(f"reasoning-gym is not installed: {e}") from None
     return reasoning_gym
 
 
 def rg_dataset_names() -> list[str]:
-    from reasoning_gym.factory import DATASETS  # noqa: PLC0415
+    from reasoning_gym.factory import DATASETS
 
     _rg_module()
     return sorted(DATASETS)

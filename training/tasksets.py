@@ -22,6 +22,9 @@ from typing import Any, Final
 
 import msgspec
 
+from gossip.errors import DecodeError, SignatureError, TaskError
+from gossip.identity import Identity
+from gossip.tomlfile import convert_strict, read_toml, validation_message
 from gossip.wire import (
     FORMAT_VERSION,
     TASK_SET,
@@ -34,9 +37,6 @@ from gossip.wire import (
     open_envelope,
     seal,
 )
-from gossip.errors import DecodeError, SignatureError, TaskError
-from gossip.identity import Identity
-from gossip.tomlfile import convert_strict, read_toml, validation_message
 from training.tasks import RG_PREFIX, Task, builtin_config, check_generator, generate
 from training.verifiers import check_verifier
 
@@ -245,7 +245,7 @@ class TaskSetToml(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def _wire_path(where: str) -> str:
     """Turn an array-like wire path such as `[7][0][5]` into `generators[0].seed_end`."""
-    import re  # noqa: PLC0415
+    import re
 
     idx = [int(x) for x in re.findall(r"\[(\d+)\]", where)]
     if not idx:

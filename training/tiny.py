@@ -23,9 +23,9 @@ from typing import Any, Final
 import torch
 
 from gossip.errors import MurmurError
+from gossip.wire import GeneratorSpec
 from training.engine_hf import HFEngine, set_threads
 from training.tasks import Task, generate
-from gossip.wire import GeneratorSpec
 from training.tasksets import answers_manifest, train_generators
 from training.tokenizer import TINY_NAME, build_tokenizer
 
@@ -42,11 +42,12 @@ WARMUP_LR: Final = 2e-3
 
 
 def build_model(seed: int, vocab: int) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True, rope_theta=10000.0, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+                      tie_word_embeddings=True, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg)
 
@@ -131,7 +132,7 @@ def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int | None = None
     Builders of one home take turns on a lock file: nodes started together (the demo, tests) would
     otherwise each spend the warm-up, and a late one would swap the directory under an early one
     that is already loading it."""
-    import fcntl  # noqa: PLC0415
+    import fcntl
 
     answers_manifest(answers)  # a clear error for an unknown regime, before any lock or build
     warmup_steps = default_warmup_steps(answers) if warmup_steps is None else warmup_steps

@@ -18,8 +18,8 @@ CHARS: Final = [chr(c) for c in range(32, 127)]
 
 def build_tokenizer() -> Any:
     """A character tokenizer over printable ASCII: a BPE model with no merges, as a Hugging Face fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -34,7 +34,7 @@ def load_tokenizer(p: Path) -> Any:
     PreTrainedTokenizerFast) is loaded as is: AutoTokenizer would rebuild it as the model
     type's tokenizer class (e.g. byte-level BPE for qwen2), changing the tokenization. Only that
     fallback imports AutoTokenizer, which imports torch."""
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast
 
     cls = ""
     try:
@@ -43,6 +43,6 @@ def load_tokenizer(p: Path) -> Any:
         pass
     if cls in ("TokenizersBackend", "PreTrainedTokenizerFast") and (p / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(p, local_files_only=True)
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(p, local_files_only=True)

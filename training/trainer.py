@@ -37,8 +37,8 @@ import msgspec
 import psutil
 import torch
 
-from gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
 from gossip.errors import ConfigError, MurmurError, TaskError
+from gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
 from training.engine import Sampling
 from training.engine_hf import HFEngine
 from training.losses import (
@@ -253,7 +253,7 @@ class Trainer:
         if not work:
             return
         res = self.engine.sample([p.prompt_ids + s.ids for p, s in work], self.sampling, max_new=chunk)
-        for (p, s), (ids, lps, eos) in zip(work, res):
+        for (_, s), (ids, lps, eos) in zip(work, res):
             room = self.cfg.max_new_tokens - len(s.ids)
             ids, lps = ids[:room], lps[:room]
             if ids and (not s.segments or s.segments[-1][1] != self.version):
@@ -346,7 +346,7 @@ class Trainer:
             total = sum(w * p for w, p in zip(weights, parts)) / max(1, sum(weights))
         else:  # each part is already a sum over the constant denominator
             total = sum(parts)
-        return total, stats  # type: ignore[return-value]
+        return total, stats  # type: ignore[return-value]  # sum() over tensors is typed as an int
 
     # ------------------------------------------------------------ step
 
@@ -422,7 +422,8 @@ class Trainer:
         own_adv = torch.cat([p.own_adv for p in batch]) if batch else _EMPTY
         ext_adv = torch.cat([p.ext_adv for p in batch]) if batch else _EMPTY
         ext_coef = torch.cat([p.ext_coef for p in batch]) if batch else _EMPTY
-        loss_val, stats = 0.0, {}
+        loss_val = 0.0
+        stats: dict[str, float] = {}
         applied = 0
         for _ in range(max(1, cfg.ppo_epochs)):
             loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows)
@@ -453,7 +454,8 @@ class Trainer:
             local_rewards = [r.reward for g in local for r in g]
             prepared, dropped = self._prepare(local, ext_groups)
             batches = self._minibatches(prepared)
-            loss_val, stats = 0.0, {}
+            loss_val = 0.0
+            stats: dict[str, float] = {}
             if batches:
                 self.engine.model.train()
                 lr = cfg.lr * min(1.0, (self.step_no + 1) / max(1, cfg.lr_warmup_steps))

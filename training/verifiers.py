@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import multiprocessing
 import re
-
-import psutil
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from fractions import Fraction
 from typing import Any, Final, NamedTuple
+
+import psutil
 
 from gossip.errors import MurmurError, TaskError
 from gossip.validation import VerifierTimeout, VerifierUnavailable
@@ -170,7 +170,7 @@ _mv_lock = threading.Lock()
 
 def _math_verify_pkg(gold: str, answer: str) -> bool | None:
     try:
-        from math_verify import parse, verify  # noqa: PLC0415
+        from math_verify import parse, verify
     except ImportError:
         return None
     main = threading.current_thread() is threading.main_thread()
@@ -263,11 +263,11 @@ def score_math_verify(task: Task, ans: str) -> float:
 
 def score_rg(task: Task, ans: str) -> float:
     """The reasoning-gym dataset's own scorer, on the regenerated entry."""
-    import json  # noqa: PLC0415
+    import json
 
     if not task.generator.startswith("rg:"):
         raise TaskError(f"verifier 'rg_score' needs a reasoning-gym generator, not {task.generator!r}")
-    from training.tasks import rg_dataset  # noqa: PLC0415
+    from training.tasks import rg_dataset
 
     cfg = json.loads(task.config_json)
     name = task.generator[3:]
@@ -372,9 +372,9 @@ def _warm_up(families: frozenset[str]) -> None:
     own, before the first batch that needs them, so it never counts against an honest batch's time
     limit; a node whose task sets use only the exact and numeric verifiers never imports sympy or
     reasoning-gym (docs/gossip.md says what that saves)."""
-    import resource  # noqa: PLC0415
+    import resource
 
-    from training.tasks import _rg_module  # noqa: PLC0415
+    from training.tasks import _rg_module
 
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))  # the budget is headroom over the imports
@@ -392,7 +392,7 @@ def _limit_memory(headroom_mb: int) -> None:
     """Cap this process's address space at what its imports use plus `headroom_mb`: a completion that
     makes a verifier build a huge object (sympy expanding a power tower) then fails with MemoryError,
     a named rejection, instead of swapping the volunteer's machine."""
-    import resource  # noqa: PLC0415
+    import resource
 
     limit = psutil.Process().memory_info().vms + headroom_mb * 2**20
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -412,7 +412,7 @@ class _Call(NamedTuple):
 
 def _pool_worker(conn: Any, entries: int) -> None:
     """One pool process: judge batches (or run calls) until the pipe closes. Replies (ok, result | error, cpu_s)."""
-    import signal  # noqa: PLC0415
+    import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     verdicts = Verdicts(entries)
@@ -510,6 +510,7 @@ class VerifierPool:
             if not self._warm(w, needs):
                 w.kill()
                 raise VerifierUnavailable("a verifier worker could not import its verifiers")
+            live = True  # false once killed: only a live worker goes back to the pool
             try:
                 w.conn.send(payload)
                 late = self._wait(w, limit_s)
@@ -517,16 +518,16 @@ class VerifierPool:
                     if isinstance(late, VerifierTimeout):  # it spent the whole limit on this call
                         self._mine.cpu = self.thread_cpu_s() + limit_s
                     w.kill()
-                    w = None
+                    live = False
                     raise late
                 ok, out, cpu = w.conn.recv()
             except (EOFError, OSError, BrokenPipeError) as e:
-                if w is not None:
+                if live:
                     w.kill()
-                w = None
+                live = False
                 raise VerifierError(f"verifier worker died: {type(e).__name__}") from None
             finally:
-                if w is not None:
+                if live:
                     self._give(w)
             with self._lock:
                 self.cpu_s += cpu

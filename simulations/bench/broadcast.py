@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
 from gossip.identity import Identity
+from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
 from sync.chunks import refs, split
 
 SIM_FULL_MESH_MAX = 64  # larger simulated swarms use a random overlay of this degree
@@ -63,7 +63,7 @@ def _summary(peers: int, size: int, chunk_bytes: int, upload: float, times: list
     return out
 
 
-def run(peers: int = 16, sim: bool = False, bytes: int = 8 * 2**20, chunk_bytes: int = 256 * 2**10,  # noqa: A002
+def run(peers: int = 16, sim: bool = False, bytes: int = 8 * 2**20, chunk_bytes: int = 256 * 2**10,
         upload_bytes_per_s: int = 2 * 2**20, seed: int = 0, timeout_s: float = 300.0) -> dict[str, Any]:
     if peers < 1 or bytes < 1 or chunk_bytes < 1 or upload_bytes_per_s <= 0:
         raise ValueError("peers, bytes, chunk_bytes and upload_bytes_per_s must be positive")
@@ -276,7 +276,7 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                     # the whole mesh is connected and our chunk streams are up; on a starved box some
                     # stream opens time out: go on after 90 s with the mesh we have (reported)
                     with trio.move_on_after(90):
-                        while len(node.conns) < msg["peers"] or not t.topic_peers(node.topic):  # type: ignore[attr-defined]
+                        while len(node.conns) < msg["peers"] or not t.topic_peers(node.topic):
                             await trio.sleep(0.05)
                     n.start_soon(_follow, node, say)
                     say(event="ready", conns=len(node.conns))

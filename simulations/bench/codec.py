@@ -115,7 +115,10 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
         bit_exact &= th == publisher.state_hash
     total_bytes = sum(s for s, _ in sizes)
     total_changed = sum(c for _, c in sizes)
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / max(len(xs), 1)
+
     tot_modes = max(sum(val_modes.values()), 1)
     return {
         "params": n_params,
@@ -155,4 +158,4 @@ if __name__ == "__main__":  # python -m simulations.bench.codec [params] [steps]
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = [int(float(a)) for a in sys.argv[1:3]]
-    print(json.dumps(run(*args)))
+    print(json.dumps(run(*args)))  # type: ignore[arg-type]  # at most two arguments: params and steps

@@ -45,8 +45,7 @@ def _heard(peers: int) -> list[C.Event]:
 
 def run(cores: int = 2000, peers: int = 8) -> dict[str, Any]:
     events = _heard(peers)
-    ready = C.FromWorker(pipe.decode(pipe.encode("ready", {"base": BASE.hex(), "version": 0,
-                                                           "model_bytes": 1 << 20})))
+    ready = C.FromWorker(pipe.Ready(base=BASE.hex(), version=0, model_bytes=1 << 20))
     settings = C.CoreSettings(swarm=SWARM, roles=("follower", "validator"))
     keys = [Identity.from_seed(hashlib.blake2b(f"bench-core-node/{i}".encode(), digest_size=32).digest())
             for i in range(cores)]

@@ -51,8 +51,8 @@ def build_models(root: Path) -> dict[str, Path]:
         tok = build_tokenizer()
         cfg = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                          tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=0, eos_token_id=1,
-                          bos_token_id=1)
+                          tie_word_embeddings=False, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                          pad_token_id=0, eos_token_id=1, bos_token_id=1)
         torch.manual_seed(0)
         Qwen2ForCausalLM(cfg).save_pretrained(big)
         tok.save_pretrained(big)

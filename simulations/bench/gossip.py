@@ -13,8 +13,8 @@ pipeline alone on one core. See docs/gossip.md for why processes and the pacing.
 from __future__ import annotations
 
 import os
-import subprocess
 import struct
+import subprocess
 import time
 from typing import Any
 
@@ -145,7 +145,7 @@ def verify_messages(kind: str, reg: Any, task_set: bytes, tokens: Any, rounds: i
     out = []
     for b in range(rounds * 4):
         rollouts = []
-        for g in range(VERIFY_BATCH // VERIFY_GROUP):
+        for _ in range(VERIFY_BATCH // VERIFY_GROUP):
             ref = wire.TaskRef(task_set=task_set, generator="arith", seed=rng.randrange(2**40))
             task = reg.resolve(ref)
             for _ in range(VERIFY_GROUP):
@@ -226,7 +226,7 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
 
     from gossip.host import open_transport
     from gossip.service import GossipService
-    from gossip.validation import Pipeline, PipelineConfig
+    from gossip.validation import Pipeline, PipelineConfig, Verdict
     from training.verifiers import score
 
     reg = registry()
@@ -243,7 +243,12 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
     accepted: dict[str, float] = {}
     async with open_transport(ident) as t, trio.open_nursery() as nursery:
         service = GossipService(t, pipeline, SWARM)
-        service.on_accept = lambda v: accepted.setdefault(f"{v.batch.producer.hex()}:{v.batch.seq}", time.time())
+
+        def on_accept(v: Verdict) -> None:
+            if v.batch is not None:  # an accepted verdict carries its batch
+                accepted.setdefault(f"{v.batch.producer.hex()}:{v.batch.seq}", time.time())
+
+        service.on_accept = on_accept
         await nursery.start(service.run)
         say("ADDR", t.listen_addrs()[0])
         peers = (await stdin.readline()).split()[1:]
@@ -300,7 +305,7 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
 
 
 
-def _spawn(entry: str, args: str, params: dict[str, Any]) -> "subprocess.Popen[str]":
+def _spawn(entry: str, args: str, params: dict[str, Any]) -> subprocess.Popen[str]:
     """One bench node process running `entry(*args, params)` under trio, spoken to line by line."""
     import json
     import sys
@@ -312,7 +317,7 @@ def _spawn(entry: str, args: str, params: dict[str, Any]) -> "subprocess.Popen[s
                             text=True, env=env)
 
 
-def _expect(p: "subprocess.Popen[str]", word: str) -> str:
+def _expect(p: subprocess.Popen[str], word: str) -> str:
     """The rest of the bench node's next line, which must start with `word`."""
     line = p.stdout.readline() if p.stdout else ""
     if not line.startswith(word):
@@ -320,13 +325,13 @@ def _expect(p: "subprocess.Popen[str]", word: str) -> str:
     return line[len(word):].strip()
 
 
-def _send(p: "subprocess.Popen[str]", line: str) -> None:
+def _send(p: subprocess.Popen[str], line: str) -> None:
     assert p.stdin is not None
     p.stdin.write(line + "\n")
     p.stdin.flush()
 
 
-def _start_and_collect(procs: "list[subprocess.Popen[str]]") -> list[dict[str, Any]]:
+def _start_and_collect(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
     """Start every bench node at one instant, read each one's DONE summary, then let them exit (a crashed
     node's stderr shows above)."""
     import json
@@ -340,7 +345,7 @@ def _start_and_collect(procs: "list[subprocess.Popen[str]]") -> list[dict[str, A
     return results
 
 
-def _reap(procs: "list[subprocess.Popen[str]]") -> None:
+def _reap(procs: list[subprocess.Popen[str]]) -> None:
     for p in procs:
         try:
             p.wait(timeout=10)
@@ -441,8 +446,9 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
                 cpu[0] += time.thread_time() - t0
         return g
 
-    pipeline.admit, pipeline.verify, pipeline.commit = timed(pipeline.admit), timed(pipeline.verify), \
-        timed(pipeline.commit)
+    pipeline.admit = timed(pipeline.admit)  # type: ignore[method-assign]  # the stage timed in place
+    pipeline.verify = timed(pipeline.verify)  # type: ignore[method-assign]  # the stage timed in place
+    pipeline.commit = timed(pipeline.commit)  # type: ignore[method-assign]  # the stage timed in place
     accepted: dict[str, float] = {}
     rate, per_batch, demand = params["rate"], params["rollouts"], params["demand"]
     async with open_transport(ident) as t, trio.open_nursery() as nursery:

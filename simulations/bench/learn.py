@@ -28,7 +28,7 @@ from training.trainer import StepResult, Trainer, TrainerConfig
 
 EVAL_PER_FAMILY = 100
 # The built-in answers fit in 8 tokens (a sorted list of 4 digits, with EOS).
-BENCH_CONFIG = dict(local_groups=16, external_groups=0, group_size=8, lr=3e-4, max_new_tokens=8)
+BENCH_CONFIG: dict[str, Any] = dict(local_groups=16, external_groups=0, group_size=8, lr=3e-4, max_new_tokens=8)
 
 
 def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | None = None) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | Non
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     set_threads(threads)
     t_start = time.monotonic()
-    from training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts  # noqa: PLC0415
+    from training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts
 
     reg = TaskRegistry(DEFAULT_SWARM)  # only the built-in set, which is the same in every swarm
     m = reg.add_builtin()

@@ -68,7 +68,7 @@ def trainer_shape(answers: str) -> dict[str, Any]:
 def task_registry(answers: str) -> tuple[Any, bytes]:
     """(a registry holding the regime's task set, that set's id): the built-in set, or the worked-answer
     set signed by the bench's coordinator key, which every node of the bench trusts."""
-    from training.tasksets import TaskRegistry, sign_task_set, task_set_id, worked_manifest  # noqa: PLC0415
+    from training.tasksets import TaskRegistry, sign_task_set, task_set_id, worked_manifest
 
     reg = TaskRegistry(SWARM)
     if answers == "short":
@@ -116,10 +116,10 @@ def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: A
                        ) -> list[Any]:
     """`groups` groups of a follower holding `lineage`'s `version`, as wire rollouts of that lineage (what
     ECHO-2's inference workers send their trainer)."""
-    from gossip.wire import TaskRef  # noqa: PLC0415
-    from training.engine import Sampling  # noqa: PLC0415
-    from training.rollouts import RolloutRec, to_wire  # noqa: PLC0415
-    from training.verifiers import score  # noqa: PLC0415
+    from gossip.wire import TaskRef
+    from training.engine import Sampling
+    from training.rollouts import RolloutRec, to_wire
+    from training.verifiers import score
 
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
     out = []
@@ -187,7 +187,7 @@ class _Adversary:
 
     def payloads(self, gens: list[Any], task_set: bytes, resolve: Any) -> tuple[str, list[bytes]]:
         """(the sending key's peer id, its sealed batches) for this round."""
-        from gossip.wire import now_ms  # noqa: PLC0415
+        from gossip.wire import now_ms
 
         self.batches += 1
         self.last_ms = max(now_ms(), self.last_ms + 1)  # every batch's rows are told apart by it
@@ -229,17 +229,17 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
     honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost.
     `answers` picks the regime: the built-in set's short answers or the worked-answer set (`trainer_shape`)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
-    from training.evaluation import greedy_eval, held_out_tasks  # noqa: PLC0415
-    from training.rollouts import to_wire  # noqa: PLC0415
-    from training.tasksets import train_generators  # noqa: PLC0415
-    from training.tiny import ensure_tiny  # noqa: PLC0415
-    from training.tokenizer import TINY_NAME  # noqa: PLC0415
-    from training.tokencheck import for_model  # noqa: PLC0415
-    from training.trainer import Trainer, TrainerConfig  # noqa: PLC0415
-    from training.verifiers import score  # noqa: PLC0415
+    from training.engine_hf import HFEngine, set_threads
+    from training.evaluation import greedy_eval, held_out_tasks
+    from training.rollouts import to_wire
+    from training.tasksets import train_generators
+    from training.tiny import ensure_tiny
+    from training.tokencheck import for_model
+    from training.tokenizer import TINY_NAME
+    from training.trainer import Trainer, TrainerConfig
+    from training.verifiers import score
 
     shape = trainer_shape(answers)
     new_tokens = int(shape["max_new_tokens"])
@@ -327,7 +327,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                 assert other.sampler is not None
                 other.sampler.observe_head(node.lineage, node.trainer.version)
             c0 = time.thread_time()
-            payloads = _seal(node, [to_wire(r) for r in res.rollouts])  # type: ignore[arg-type]
+            payloads = _seal(node, [to_wire(r) for r in res.rollouts])
             dt = time.thread_time() - c0
             node.cpu += dt
             node.verify_cpu += dt
@@ -428,8 +428,8 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
     one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone;
     `answers`: "short" (the built-in set) or "worked" (the worked-answer set, `trainer_shape`)."""
-    import multiprocessing  # noqa: PLC0415
-    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     if (nodes < 2 + adversary and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
         raise ValueError("need nodes >= 2 (3 with an adversary; or followers >= 1), seeds >= 1, cpu_s > 0, "
@@ -438,7 +438,7 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     if followers and adversary:
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
     t0 = time.monotonic()
-    from training.tiny import default_warmup_steps  # noqa: PLC0415
+    from training.tiny import default_warmup_steps
 
     warmup = default_warmup_steps(answers)
     todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, warmup, followers, adversary, answers)

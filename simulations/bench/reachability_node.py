@@ -27,14 +27,14 @@ import time
 
 T0 = time.monotonic()  # before the heavy imports: time-to-first-message counts them
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from typing import Any  # noqa: E402
+import hashlib  # noqa: E402 - imported after T0, which times them
+import json  # noqa: E402 - imported after T0, which times them
+import os  # noqa: E402 - imported after T0, which times them
+import sys  # noqa: E402 - imported after T0, which times them
+from collections.abc import Iterator  # noqa: E402 - imported after T0, which times them
+from typing import Any  # noqa: E402 - imported after T0, which times them
 
-import trio  # noqa: E402
+import trio  # noqa: E402 - imported after T0, which times them
 
 BULK_PROTOCOL = "/murmur/bench/bulk/1"
 OPEN_ATTEMPTS = 3
@@ -147,10 +147,10 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
 async def main(script: dict[str, Any]) -> None:
     from gossip.holepunch import UPGRADE_TIMEOUT_S, best_path
     from gossip.host import open_transport
+    from gossip.identity import Identity
     from gossip.wire import ROLLOUT_BATCH, open_envelope
     from node.config import load_config
     from node.doctor_reachability import reachability_checks
-    from gossip.identity import Identity
     from node.reach import process_start, start_reachability
 
     imported_ms = ms()

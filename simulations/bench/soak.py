@@ -155,7 +155,7 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
             rejected[k] = rejected.get(k, 0) + v
         for k, v in (s.dropped if s else {}).items():
             dropped[k] = dropped.get(k, 0) + v
-    growth = [rss_now[i] / rss_start[i] - 1 for i in range(len(ROLES)) if rss_start[i]]
+    growth = [now / start - 1 for now, start in zip(rss_now, rss_start) if start]
     steps_end = [_progress(s)[0] for s in statuses]
     applied_end = [_progress(s)[1] for s in statuses]
     return {

@@ -48,15 +48,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from gossip import wire
-from gossip.validation import Pipeline, PipelineConfig
 from gossip.errors import ConfigError
 from gossip.identity import Identity
 from gossip.tomlfile import convert_strict, parse_toml
+from gossip.validation import Pipeline, PipelineConfig
 from training.sampler import Sampler
 from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
 
@@ -132,7 +132,7 @@ def load_scenario(path: str | Path | None = None, nodes: int = 0) -> tuple[Bench
     for mix in (sc.isolated, sc.swarm):
         if mix.local_groups < 1 or mix.external_groups < 0:
             raise ConfigError(f"{origin}: local_groups must be >= 1 and external_groups >= 0")
-    from training.trainer import LOSS_NORMS  # noqa: PLC0415 - torch only when a scenario is loaded
+    from training.trainer import LOSS_NORMS  # torch only when a scenario is loaded
 
     if sc.trainer.loss_norm not in LOSS_NORMS:
         raise ConfigError(f"{origin}: trainer.loss_norm {sc.trainer.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
@@ -173,7 +173,15 @@ def _ident(seed: int, i: int) -> Identity:
     return Identity.from_seed(hashlib.blake2b(f"murmur-bench-swarm/{seed}/{i}".encode(), digest_size=32).digest())
 
 
-def _seal(node: _Node, rollouts: list[wire.Rollout]) -> list[bytes]:
+class _Sealer(Protocol):
+    ident: Identity
+    seq: int
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _seal(node: _Sealer, rollouts: list[wire.Rollout]) -> list[bytes]:
     out = []
     for k in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
         node.seq += 1
@@ -183,7 +191,7 @@ def _seal(node: _Node, rollouts: list[wire.Rollout]) -> list[bytes]:
     return out
 
 
-def _with(r: wire.Rollout, **changes: Any) -> wire.Rollout:
+def _with(r: S, **changes: Any) -> S:
     return msgspec.structs.replace(r, **changes)
 
 
@@ -207,7 +215,7 @@ def _adversarial_payloads(node: _Node, rollouts: list[wire.Rollout], adv: Advers
 def trainer_config(sc: BenchScenario, mix: Mix, seed: int, index: int) -> Any:
     """Node `index`'s `TrainerConfig`: the scenario's trainer section; everything else (overprovision
     among it) at the defaults a node's worker runs."""
-    from training.trainer import TrainerConfig  # noqa: PLC0415
+    from training.trainer import TrainerConfig
 
     t = sc.trainer
     return TrainerConfig(local_groups=mix.local_groups, external_groups=mix.external_groups,
@@ -219,13 +227,13 @@ def trainer_config(sc: BenchScenario, mix: Mix, seed: int, index: int) -> Any:
 def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenario,
             on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """mode: isolated | swarm | adversarial."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from training.engine_hf import HFEngine, set_threads  # noqa: PLC0415
-    from training.rollouts import to_wire  # noqa: PLC0415
-    from training.tasksets import TaskRegistry, task_set_id  # noqa: PLC0415
-    from training.trainer import Trainer  # noqa: PLC0415
-    from training.verifiers import score  # noqa: PLC0415
+    from training.engine_hf import HFEngine, set_threads
+    from training.rollouts import to_wire
+    from training.tasksets import TaskRegistry, task_set_id
+    from training.trainer import Trainer
+    from training.verifiers import score
 
     if mode not in ("isolated", "swarm", "adversarial"):
         raise ValueError(f"unknown mode {mode!r}")
@@ -250,8 +258,8 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
             PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
             clock=time.time, resolve_task=registry.resolve, reward=score,
             head_version=lambda lin: heads.get(bytes(lin)), task_set_trusted=registry.__contains__)
-        sampler = Sampler(sc.inbox_groups, t.max_staleness, seed=seed * 100 + i, own=lineage)
-        node = _Node(i, ident, lineage, None, pipeline, sampler)
+        node = _Node(i, ident, lineage, None, pipeline,
+                     Sampler(sc.inbox_groups, t.max_staleness, seed=seed * 100 + i, own=lineage))
         ext = None if isolated or mix.external_groups == 0 else node.sampler.take_rollouts
         node.trainer = Trainer(engine, registry, ts_id, cfg, lineage=lineage, external=ext)
         heads[lineage] = 0
@@ -348,7 +356,7 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
     (default: the packaged one)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from training.tiny import ensure_tiny  # noqa: PLC0415
+    from training.tiny import ensure_tiny
 
     sc, text = load_scenario(scenario, nodes)
     rounds = rounds or sc.rounds
@@ -421,8 +429,8 @@ def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = Non
     """`seeds` consecutive seeds from `seed`, each `run` in its own process (`workers` at a time, 0 = one
     per core), and their means: one seed's gain moves by ±0.2 with the warm-up alone (0.14 to 0.52 on
     seeds 0-3), so a claim needs several. Per-seed results are bit-identical to `run` with that seed."""
-    import multiprocessing  # noqa: PLC0415
-    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     if seeds < 1:
         raise ValueError("seeds must be >= 1")
