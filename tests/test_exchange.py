@@ -232,3 +232,23 @@ def with_rate(body):  # an announce that states a publishing rate
     import msgspec
 
     return msgspec.structs.replace(body, publish_batches_per_s=1.0)
+
+
+def test_an_honest_producer_announcing_every_few_seconds_leaves_the_newcomer_bucket() -> None:
+    gate = X.ShardGate()
+    for k in range(10):  # an announce every 3 s from t = 0
+        gate.announced("honest", 3.0 * k)
+    # a flood of fresh keys spends the shard's shared newcomer bucket
+    t = X.ESTABLISHED_S + 2.0
+    refused = sum(gate.admit(f"fresh{i}", 0, t) is not None for i in range(int(X.NEWCOMER_BURST) + 20))
+    assert refused >= 20
+    assert all(gate.admit("honest", 0, t) is None for _ in range(100))
+    assert gate.admit("fresh-late", 0, t + 0.25) is None  # the honest batches took no newcomer token
+    # until X.ESTABLISHED_S after its first announce it is a newcomer like any other
+    late = X.ShardGate()
+    for k in range(4):
+        late.announced("honest", 100.0 + 3.0 * k)
+    for t in (100.0 + X.ESTABLISHED_S - 0.5, 100.0 + X.ESTABLISHED_S):
+        while late.admit("fresh", 0, t) is None:  # the shared bucket emptied at t
+            pass
+        assert late.admit("honest", 0, t) == ("newcomer_budget" if t < 100.0 + X.ESTABLISHED_S else None), t

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from node import roles
 from gossip.errors import ConfigError
-from node.roles import Demand, LineageOption, Offer, activate, choose_lineage, choose_roles, fits_staleness
+from node.roles import (Demand, LineageOption, Offer, activate, choose_lineage, choose_roles, fits_staleness,
+                        required_rate)
 
 GB = 2**30
 
@@ -110,3 +112,43 @@ def test_follower_does_not_flap_for_a_small_gain() -> None:
     assert choose_lineage(me, [a, b], current=b"A" * 32).lineage == b"A" * 32
     c = LineageOption(b"C" * 32, Demand(30, 1.0, 4), supply_by_others=0.0)  # unmet 36: clearly worth it
     assert choose_lineage(me, [a, c], current=b"A" * 32).lineage == b"C" * 32
+
+
+_offer = st.builds(lambda i, claim, backed, cost, latency: (i, claim, backed, cost, latency),
+                   st.integers(0, 10**6),
+                   st.floats(0.0, 1e4, allow_nan=False),
+                   st.one_of(st.none(), st.floats(-10.0, 1e4, allow_nan=False)),
+                   st.floats(0.1, 10.0),
+                   st.floats(0.0, 20.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(offers=st.lists(_offer, max_size=8), rollouts=st.integers(0, 256), step=st.floats(0.1, 60.0),
+       trial=st.floats(0.0, 1.0))
+def test_the_supply_counted_for_followers_never_exceeds_their_claims(offers: list, rollouts: int, step: float,
+                                                                     trial: float) -> None:
+    d = Demand(rollouts_per_step=rollouts, step_time_s=step, max_staleness=4)
+    os_ = [Offer(f"p{i}-{n}", claim, latency, cost, backed) for n, (i, claim, backed, cost, latency) in enumerate(offers)]
+    act = activate(d, os_, trial_share=trial)
+    by_id = {o.peer_id: o for o in os_}
+    active = [by_id[p] for p in act.active]
+    assert act.supply <= sum(o.rollouts_per_s for o in active) * (1 + 1e-12)
+    for p, counted in act.capped.items():
+        assert 0.0 <= counted < by_id[p].rollouts_per_s
+    # what no delivery backs counts for the trial share of the need at most, however many claim it
+    backed = sum(min(o.rollouts_per_s, max(0.0, o.backed)) if o.backed is not None else o.rollouts_per_s
+                 for o in active)
+    assert act.supply <= backed + trial * required_rate(d) + 1e-9
+
+
+def test_claims_no_delivery_backs_share_one_trial_credit() -> None:
+    d = Demand(rollouts_per_step=64, step_time_s=2.0, max_staleness=4)
+    need = required_rate(d)
+    minted = [Offer(f"minted{i}", 1e9, 0.5, 1.0, backed=0.0) for i in range(8)]
+    act = activate(d, minted, trial_share=0.25)
+    assert act.supply == pytest.approx(0.25 * need) and not act.met
+    assert sum(act.capped.values()) == pytest.approx(0.25 * need)
+    # a follower whose delivery backs its claim is counted for all of it, beside the minted keys
+    honest = Offer("honest", need, 0.5, 1.0, backed=need)
+    act = activate(d, [*minted, honest], trial_share=0.25)
+    assert "honest" in act.active and act.met and act.supply <= need + 0.25 * need + 1e-9

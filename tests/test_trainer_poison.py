@@ -82,3 +82,17 @@ def test_the_same_group_with_finite_logprobs_moves_the_weights() -> None:
     trainer, before, res = step_with(None)
     assert "step_not_finite" not in trainer.drops and res.version == 1
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.engine.model.named_parameters())
+
+
+def test_a_step_whose_loss_is_finite_but_whose_gradient_is_infinite_is_skipped() -> None:
+    from training.trainer import guarded_step
+
+    w = torch.nn.Parameter(torch.tensor([0.0, 1.0, 4.0]))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    loss = torch.sqrt(w).sum()  # 3.0: finite; d sqrt(w) / dw at 0 is +inf
+    assert bool(torch.isfinite(loss))
+    assert guarded_step(opt, [w], loss, grad_clip=1.0) is None
+    assert w.tolist() == [0.0, 1.0, 4.0] and w.grad is None and not opt.state
+    # the same step with a finite gradient is taken
+    gn = guarded_step(opt, [w], torch.sqrt(w[1:]).sum(), grad_clip=1.0)
+    assert gn is not None and math.isfinite(gn) and w.tolist()[1:] != [1.0, 4.0]

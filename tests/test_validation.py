@@ -400,3 +400,31 @@ def test_the_staleness_bound_and_the_clock_skew_are_inclusive(reg) -> None:
     made = int(clock.t * 1000)
     assert p.check(make_batch(ALICE, reg, 3, version=20, created_ms=made + 59_500), ALICE.peer_id).accepted
     assert p.check(make_batch(ALICE, reg, 4, version=20, created_ms=made + 60_500), ALICE.peer_id).reason is Reason.EXPIRED
+
+
+PARTIAL_LINEAGE = b"\x4c" * 32
+PRODUCER = Identity.from_seed(b"\x41" * 32)
+
+
+def test_a_partial_rollout_whose_first_tokens_are_too_old_is_refused_whatever_its_later_tokens() -> None:
+    """Head 20, bound 4: a rollout begun at version 15 and continued at 20 is stale, alone or after a fresh
+    rollout of the same lineage in its batch; begun at 16 it is used."""
+    reg = registry()
+    clock = Clock()
+    p = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=clock, resolve_task=reg.resolve, reward=score,
+                 head_version=lambda lin: 20 if lin == PARTIAL_LINEAGE else None, task_set_trusted=reg.__contains__)
+
+    def partial(seed: int, first: int) -> wire.Rollout:
+        r = make_rollout(reg, seed, 16, version=first, lineage=PARTIAL_LINEAGE)
+        return msgspec.structs.replace(r, token_versions=[(0, first), (4, 18), (8, 20)])
+
+    def batch(seq: int, rollouts: list[wire.Rollout]) -> bytes:
+        b = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=PRODUCER.public, seq=seq,
+                              created_ms=int(clock() * 1000), rollouts=rollouts)
+        return wire.seal(PRODUCER, wire.ROLLOUT_BATCH, b, swarm=SWARM)
+
+    fresh = make_rollout(reg, 2, 16, version=20, lineage=PARTIAL_LINEAGE)
+    for seq, rollouts in enumerate(([partial(4, 15)], [fresh, partial(6, 15)], [partial(8, 15), fresh]), 1):
+        step = p.admit(batch(seq, rollouts), PRODUCER.peer_id)
+        assert getattr(step, "reason", None) is Reason.STALE_VERSION, (seq, step)
+    assert p.check(batch(9, [fresh, partial(10, 16)]), PRODUCER.peer_id).accepted
