@@ -3,9 +3,11 @@ not shrink an honest producer's fair share, and a new key starts with an empty b
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from gossip.cpubudget import ACTIVE_S, CpuBudget
+from gossip.cpubudget import ACTIVE_S, RECOUNT_S, CpuBudget
 
 
 def test_keys_whose_batches_keep_being_refused_do_not_dilute_the_fair_share() -> None:
@@ -37,3 +39,61 @@ def test_a_new_keys_bucket_starts_empty_even_while_the_node_is_busy() -> None:
     budget.spend("fresh", 0.3, 0.5)
     assert budget.admit("fresh", 0.6) is not None  # then in debt: refused while the node is busy
     assert budget.admit("other-fresh", 0.6) is None  # another new key gets its one batch too
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, -math.inf])
+def test_rates_and_burst_must_be_positive_numbers(bad: float) -> None:
+    for kw in ("node_cpu_per_s", "peer_cpu_per_s", "burst_s"):
+        with pytest.raises(ValueError):
+            CpuBudget(**{kw: bad})
+    assert CpuBudget(1e-6, 1e-6, 1e-6).node_rate == 1e-6
+
+
+def test_the_fair_share_divides_among_peers_that_spent_within_active_s() -> None:
+    budget = CpuBudget(node_cpu_per_s=1.0, peer_cpu_per_s=0.5)
+    assert budget.share(0.0) == 0.5
+    for k in ("a", "b", "c"):
+        budget.spend(k, 0.1, 0.0)
+    assert budget.share(0.5) == 0.5  # the count is recomputed at most every RECOUNT_S
+    assert budget.share(RECOUNT_S) == pytest.approx(1 / 3)
+    assert budget.share(ACTIVE_S) == pytest.approx(1 / 3)  # a spend exactly ACTIVE_S ago still counts
+    assert budget.share(ACTIVE_S + RECOUNT_S) == 0.5
+
+
+def test_the_node_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    budget = CpuBudget(node_cpu_per_s=1.0, peer_cpu_per_s=0.5, burst_s=4.0)
+    assert budget.admit("a", 0.0) is None
+    budget.spend("a", 6.0, 0.0)  # node: 4 - 6 = -2; a: -6
+    assert budget.admit("a", 1.0) is not None  # node -1: busy
+    assert budget.admit("a", 2.5) is None  # node +0.5: spare capacity, though a is in debt
+    # after a long idle time the node holds its burst (4 s), not everything it was owed
+    budget.spend("a", 0.5, 2.5)
+    assert budget.admit("a", 1000.0) is None
+    budget.spend("a", 3.0, 1000.0)  # a: its own burst (2 s) less 3; the node: 4 less 3
+    assert budget.admit("a", 1000.0) is None  # a is in debt: the node's spare admits it
+    budget.spend("a", 2.0, 1000.0)  # the node: 4 - 5 = -1 (with all it was owed it would not be in debt)
+    assert budget.admit("a", 1000.0) is not None
+
+
+def test_a_peer_in_debt_is_admitted_again_once_its_share_repaid_it_while_the_node_is_busy() -> None:
+    budget = CpuBudget(node_cpu_per_s=1.0, peer_cpu_per_s=0.5)
+    budget.spend("a", 1.0, 0.0)
+    budget.spend("busy", 10.0, 0.0)  # the node: 4 - 11 = -7 for seconds
+    assert budget.admit("a", 1.0) is not None  # a: -1 + 0.5
+    assert budget.admit("a", 2.5) is None  # a: -1 + 1.25 > 0 while the node is still in debt
+
+
+def test_a_node_bucket_at_exactly_zero_is_not_in_debt() -> None:
+    budget = CpuBudget(node_cpu_per_s=1.0, burst_s=4.0)
+    budget.spend("a", 4.0, 0.0)  # the node's whole burst: 0 left, a: -4
+    assert budget.admit("a", 0.0) is None
+
+
+@pytest.mark.parametrize("cost", [0.0, -1.0, math.inf, -math.inf, math.nan])
+def test_a_cost_that_is_not_a_positive_number_is_not_spent(cost: float) -> None:
+    budget = CpuBudget(node_cpu_per_s=1.0, peer_cpu_per_s=1.0)
+    budget.spend("a", cost, 0.0)
+    budget.spend("b", 0.1, 0.0)
+    assert budget.spent_s == pytest.approx(0.1)
+    assert budget.share(0.0) == 1.0  # a does not count as active: b alone
+    assert budget.admit("a", 0.0) is None and budget.admit("c", 0.0) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import trio
 
 from gossip.hostlimits import range_full
@@ -105,3 +106,141 @@ def test_stream_offences_expire_after_their_window() -> None:
     assert charged == ["a"]
     budget.offence("c", "held frame", 2600.5)  # 2300, 2600, 2600.5: three within 600 s
     assert charged == ["a", "c"]
+
+
+def test_the_stream_caps_hold_exactly_per_peer_and_per_node() -> None:
+    budget = StreamBudget(StreamLimits(peer_streams=2, node_streams=5))
+    assert [budget.open_stream(p) for p in "aabbc"] == [True] * 5
+    assert not budget.open_stream("c")  # the node holds its five
+    assert not budget.open_stream("a")  # and a holds its two
+    assert budget.counters["streams_refused_node"] == 1 and budget.counters["streams_refused_peer"] == 1
+    assert budget.node_streams == 5 and budget.streams == {"a": 2, "b": 2, "c": 1}
+    budget.close_stream("ghost")  # a close with nothing open changes nothing
+    assert budget.node_streams == 5 and "ghost" not in budget.streams
+    budget.close_stream("a")
+    assert budget.open_stream("c") and budget.streams == {"a": 1, "b": 2, "c": 2}
+
+
+def test_buffered_bytes_fit_both_shares_exactly_and_are_given_back() -> None:
+    from gossip.limits import BufferFull
+
+    charged: list[str] = []
+    budget = StreamBudget(StreamLimits(peer_buffer_bytes=100, node_buffer_bytes=250, offences=2),
+                          on_charge=lambda p, w: charged.append(p))
+    budget.reserve("a", 100, 0.0)  # exactly the peer's share
+    with pytest.raises(BufferFull):
+        budget.reserve("a", 1, 0.0)
+    assert budget.counters["buffer_full_peer"] == 1 and charged == []  # one offence of two
+    budget.reserve("b", 100, 0.0)
+    budget.reserve("c", 50, 0.0)  # exactly the node's share
+    for _ in range(3):  # the node-wide share is no one peer's fault: never an offence
+        with pytest.raises(BufferFull):
+            budget.reserve("c", 1, 0.0)
+    assert budget.counters["buffer_full_node"] == 3 and charged == []
+    assert budget.node_buffered == 250 and budget.buffered == {"a": 100, "b": 100, "c": 50}
+    budget.release("a", 40)
+    assert budget.buffered["a"] == 60 and budget.node_buffered == 210
+    budget.release("a", 1000)  # more than it holds: what it holds
+    assert "a" not in budget.buffered and budget.node_buffered == 150
+    budget.release("ghost", 10)
+    assert budget.node_buffered == 150
+    with pytest.raises(BufferFull):
+        budget.reserve("a", 101, 1.0)  # a's second offence: charged
+    assert charged == ["a"] and "a" not in budget.buffered
+
+
+def test_a_lease_gives_back_what_it_holds_and_no_more() -> None:
+    from gossip.limits import BufferFull, Lease
+
+    budget = StreamBudget(StreamLimits(peer_buffer_bytes=100, node_buffer_bytes=1000))
+    budget.reserve("p", 10, 0.0)  # another reader of the same peer
+    lease = Lease(budget, "p", lambda: 0.0)
+    lease.grow(30)
+    lease.release(10)
+    assert lease.held == 20 and budget.buffered["p"] == 30 and budget.node_buffered == 30
+    lease.release(50)  # more than the lease holds: the other reader's bytes stay reserved
+    assert lease.held == 0 and budget.buffered["p"] == 10 and budget.node_buffered == 10
+    lease.grow(60)
+    with pytest.raises(BufferFull):
+        lease.grow(31)
+    assert lease.held == 60
+    lease.free()
+    lease.free()
+    assert lease.held == 0 and budget.buffered["p"] == 10 and budget.node_buffered == 10
+
+
+def test_a_charge_starts_the_count_over_and_the_offence_table_stays_bounded() -> None:
+    charged: list[str] = []
+    budget = StreamBudget(StreamLimits(offences=3, offence_window_s=600.0), on_charge=lambda p, w: charged.append(p))
+    for t in range(6):
+        budget.offence("a", "held frame", float(t))
+    assert charged == ["a", "a"]  # the 3rd and the 6th, not the 4th and 5th
+    small = StreamBudget(StreamLimits(peer_streams=8, node_streams=2, offences=1))
+    for i in range(100):  # every offence charged at once leaves its peer nothing recent
+        small.offence(f"k{i}", "held frame", float(i))
+        assert len(small._offences) <= 4 * small.limits.node_streams + 1, i
+
+
+def test_a_yamux_receive_window_may_reach_zero_but_not_below() -> None:
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    from gossip import libp2p_fixes
+    from gossip.hostlimits import WindowExceeded
+
+    libp2p_fixes.install()
+    faults: list[str] = []
+    swarm = SimpleNamespace(_murmur_faults=SimpleNamespace(record=lambda peer, proto, err: faults.append(peer)))
+    stream = SimpleNamespace(_murmur_recv_window=10, stream_id=1,
+                             conn=SimpleNamespace(_murmur_swarm=swarm, peer_id=SimpleNamespace(to_base58=lambda: "p")))
+    window = YamuxStream.recv_window
+    window.fset(stream, 0)  # every byte of credit used: honest
+    assert window.fget(stream) == 0 and faults == []
+    with pytest.raises(WindowExceeded):
+        window.fset(stream, -1)
+    assert faults == ["p"] and window.fget(stream) == 0
+
+
+def test_an_address_without_a_host_part_has_no_ip() -> None:
+    from gossip.hostlimits import remote_ip
+
+    for addr in ("/ip4", "/dns4/example.org/tcp/1", "/ip4/198.51.100.7/tcp/1/p2p-circuit"):
+        conn = SimpleNamespace(get_connection_type=lambda: "ConnectionType.DIRECT",
+                               get_transport_addresses=lambda a=addr: [a])
+        assert remote_ip(conn) == "", addr
+
+
+def _reader(budget: StreamBudget, data: bytes) -> tuple[Any, list[int]]:
+    reads: list[int] = []
+    buf = bytearray(data)
+
+    async def read(n: int) -> bytes:
+        reads.append(n)
+        if not buf:
+            return b"\x80"  # a varint that never ends
+        part = bytes(buf[:n])
+        del buf[:n]
+        return part
+
+    stream = SimpleNamespace(read=read, swarm_conn=SimpleNamespace(swarm=SimpleNamespace(_murmur_budget=budget)),
+                             muxed_conn=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "p")))
+    return stream, reads
+
+
+def test_a_pubsub_frame_is_read_within_the_budget_and_its_bytes_given_back() -> None:
+    from gossip.hostlimits import read_varint_frame
+    from gossip.transport import FrameError
+
+    from libp2p.io.exceptions import MessageTooLarge
+
+    budget = StreamBudget(StreamLimits(peer_buffer_bytes=64))
+    stream, _ = _reader(budget, b"\x05hello")
+    assert trio.run(read_varint_frame, stream, 5, None) == b"hello"  # exactly the largest allowed
+    assert budget.node_buffered == 0 and budget.buffered == {}
+    stream, _ = _reader(budget, b"\x05hello")
+    with pytest.raises(MessageTooLarge):
+        trio.run(read_varint_frame, stream, 4, None)
+    # a u64 varint has at most 10 bytes: the 10th with its continuation bit set ends the read
+    stream, reads = _reader(budget, b"")
+    with pytest.raises(FrameError):
+        trio.run(read_varint_frame, stream, 1 << 20, None)
+    assert len(reads) == 10
