@@ -50,7 +50,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "gossip/hostlimits.py": ["tests/test_stream_budget.py", "tests/test_ip_limits.py"],
     "gossip/cpubudget.py": ["tests/test_cpubudget.py", "tests/test_validation.py"],
     "gossip/exchange.py": ["tests/test_exchange.py"],
-    "node/credit.py": ["tests/test_attacks_core.py"],
+    "node/credit.py": ["tests/test_credit.py", "tests/test_attacks_core.py"],
     "node/roles.py": ["tests/test_roles.py", "tests/test_attacks_core.py"],
     "training/trainer.py": ["tests/test_trainer_poison.py"],
     "node/core.py": ["tests/test_core.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py"],
@@ -220,6 +220,19 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("sync/codec.py", "val_mode, val_streams = - 2, []"),
     # the mode here is VAL_DELTA (2), without the packed flag (8): xor sets it as or does
     ("sync/codec.py", "tries.append((mode ^ VAL_PACKED, lambda a=arr: _packed(a, off)))"),
+    # semantic mutants (simulations/semantic.py). Table bounds off by one, as ratelimit's above:
+    ("gossip/limits.py",
+     "if len(self._offences) >= 4 * self.limits.node_streams:  # bounded: forget peers with no recent offence"),
+    ("gossip/cpubudget.py", "while len(self._peers) >= self.max_peers:"),
+    ("node/credit.py", "while len(self._d) >= self.max_peers:"),
+    # the node bucket's first refill: it starts full with `last` at -inf, and full plus anything capped is full;
+    # its tokens are never -inf (costs are finite)
+    ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
+                            "if n.tokens > -math.inf else cap"),
+    ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
+                            "if n.last >= -math.inf else cap"),
+    # NaN already fails `cpu_s > 0` before the finiteness check: only infinity needs it
+    ("gossip/cpubudget.py", "if not (cpu_s > 0 and (not math.isinf(cpu_s))):"),
 }
 
 

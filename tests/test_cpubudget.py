@@ -51,13 +51,14 @@ def test_rates_and_burst_must_be_positive_numbers(bad: float) -> None:
 
 def test_the_fair_share_divides_among_peers_that_spent_within_active_s() -> None:
     budget = CpuBudget(node_cpu_per_s=1.0, peer_cpu_per_s=0.5)
-    assert budget.share(0.0) == 0.5
+    t = 100.0
+    assert budget.share(t) == 0.5
     for k in ("a", "b", "c"):
-        budget.spend(k, 0.1, 0.0)
-    assert budget.share(0.5) == 0.5  # the count is recomputed at most every RECOUNT_S
-    assert budget.share(RECOUNT_S) == pytest.approx(1 / 3)
-    assert budget.share(ACTIVE_S) == pytest.approx(1 / 3)  # a spend exactly ACTIVE_S ago still counts
-    assert budget.share(ACTIVE_S + RECOUNT_S) == 0.5
+        budget.spend(k, 0.1, t)
+    assert budget.share(t + 0.5) == 0.5  # the count is recomputed at most every RECOUNT_S
+    assert budget.share(t + RECOUNT_S) == pytest.approx(1 / 3)
+    assert budget.share(t + ACTIVE_S) == pytest.approx(1 / 3)  # a spend exactly ACTIVE_S ago still counts
+    assert budget.share(t + ACTIVE_S + RECOUNT_S) == 0.5
 
 
 def test_the_node_bucket_refills_at_its_rate_up_to_its_burst() -> None:

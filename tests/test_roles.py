@@ -152,3 +152,54 @@ def test_claims_no_delivery_backs_share_one_trial_credit() -> None:
     honest = Offer("honest", need, 0.5, 1.0, backed=need)
     act = activate(d, [*minted, honest], trial_share=0.25)
     assert "honest" in act.active and act.met and act.supply <= need + 0.25 * need + 1e-9
+
+
+def test_the_role_and_hardware_thresholds_are_inclusive() -> None:
+    assert roles.Hardware(8, 16 * GB, "A100", roles.GPU_LARGE_BYTES).klass == "gpu-large"
+    assert roles.Hardware(8, 16 * GB, "A100", roles.GPU_LARGE_BYTES - 1).klass == "gpu-small"
+    assert choose_roles([], "cpu", roles.TRAINER_MIN_BUDGET_MB, 16 * GB)[0] == ["trainer"]
+    assert choose_roles([], "cpu", roles.TRAINER_MIN_BUDGET_MB - 1, 16 * GB)[0] == ["follower", "validator"]
+
+
+def test_offer_rate_divides_by_at_least_one_token() -> None:
+    assert roles.offer_rate(100.0, 50.0) == 2.0
+    assert roles.offer_rate(100.0, 0.0) == 100.0
+
+
+@pytest.mark.parametrize("step", [0.0, -1.0, float("nan"), float("inf")])
+def test_no_demand_without_a_measured_finite_step(step: float) -> None:
+    assert required_rate(Demand(rollouts_per_step=32, step_time_s=step, max_staleness=4)) == 0.0
+    assert required_rate(Demand(rollouts_per_step=0, step_time_s=2.0, max_staleness=4)) == 0.0
+    assert required_rate(Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=4)) == pytest.approx(1.2 * 16)
+
+
+def test_a_step_too_short_to_divide_by_gives_no_demand_and_no_lag() -> None:
+    tiny = Demand(rollouts_per_step=32, step_time_s=5e-324, max_staleness=4)  # 32 / 5e-324 overflows to inf
+    assert required_rate(tiny) == 0.0
+    assert required_rate(Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=4), margin=float("nan")) == 0.0
+    unmeasured = Demand(rollouts_per_step=32, step_time_s=0.0, max_staleness=4, publish_every=2)
+    assert roles.staleness_versions(unmeasured, latency_s=1.0, dissemination_s=1.0) == 2
+    assert roles.staleness_versions(tiny, latency_s=1.0, dissemination_s=1.0) == 2**31  # "too stale", no overflow
+
+
+def test_a_lag_at_or_past_2_31_or_not_a_number_is_too_stale() -> None:
+    d = Demand(rollouts_per_step=32, step_time_s=1.0, max_staleness=4)
+    assert roles.staleness_versions(d, latency_s=float(2**31), dissemination_s=0.0) == 2**31
+    assert roles.staleness_versions(d, latency_s=float("nan"), dissemination_s=0.0) == 2**31
+    assert not fits_staleness(d, float("nan"), 0.0)
+
+
+def test_a_demand_met_exactly_stands_the_next_follower_by() -> None:
+    d = Demand(rollouts_per_step=10, step_time_s=1.2, max_staleness=4)  # need: 1.2 * 10 / 1.2 = 10
+    need = required_rate(d)
+    act = activate(d, [Offer("a", need, 0.5), Offer("b", 5.0, 0.5, cost=2.0)])
+    assert act.supply == need and act.met
+    assert act.active == ["a"] and act.standby == ["b"]
+
+
+def test_before_a_step_is_measured_every_follower_stays_active_and_a_zero_claim_is_rejected() -> None:
+    unmeasured = Demand(rollouts_per_step=32, step_time_s=0.0, max_staleness=4)
+    act = activate(unmeasured, [Offer("a", 5.0, 0.5), Offer("b", 5.0, 0.5), Offer("zero", 0.0, 0.5)])
+    assert required_rate(unmeasured) == 0.0
+    assert act.active == ["a", "b"] and act.standby == [] and act.supply == 10.0
+    assert act.rejected == {"zero": "no measured throughput yet"}
