@@ -203,3 +203,25 @@ def test_before_a_step_is_measured_every_follower_stays_active_and_a_zero_claim_
     assert required_rate(unmeasured) == 0.0
     assert act.active == ["a", "b"] and act.standby == [] and act.supply == 10.0
     assert act.rejected == {"zero": "no measured throughput yet"}
+
+
+def test_a_move_must_gain_more_than_the_followers_own_rate_or_a_tenth_of_the_new_need() -> None:
+    a = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=12.0)  # need 12: met
+    # a tenth of B's need (10 of 100) is the larger threshold: 8 more unmet is not worth a move, 11 is
+    b8 = LineageOption(b"B" * 32, Demand(100, 1.2, 4), supply_by_others=92.0)
+    b11 = LineageOption(b"B" * 32, Demand(100, 1.2, 4), supply_by_others=89.0)
+    slow = Offer("me", 1.0, 0.5)
+    assert choose_lineage(slow, [a, b8], current=b"A" * 32).lineage == b"A" * 32
+    assert choose_lineage(slow, [a, b11], current=b"A" * 32).lineage == b"B" * 32
+    # the follower's own rate (20) is the larger: 15 more unmet is not worth moving its whole supply
+    c15 = LineageOption(b"C" * 32, Demand(10, 1.2, 4), supply_by_others=-5.0)
+    fast = Offer("me", 20.0, 0.5)
+    assert choose_lineage(fast, [a, c15], current=b"A" * 32).lineage == b"A" * 32
+
+
+def test_the_reason_says_every_demand_is_met_at_a_gap_of_exactly_zero() -> None:
+    me = Offer("me", 5.0, 1.0)
+    met = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=12.0)
+    short = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=11.0)
+    assert "every demand met" in choose_lineage(me, [met]).reason
+    assert "1.0 rollouts/s short" in choose_lineage(me, [short]).reason
