@@ -231,6 +231,11 @@ EQUIVALENT: set[tuple[str, str]] = {
                             "if n.tokens > -math.inf else cap"),
     ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
                             "if n.last >= -math.inf else cap"),
+    ("gossip/validation.py", "while len(self._tasks) >= TASK_CACHE:"),
+    # `>=` for `>` (or `<=` for `<`) where the branch assigns the value compared: equal, it changes nothing
+    ("gossip/validation.py", "if v >= top:"),
+    ("gossip/validation.py", "if lo <= s[0]:"),
+    ("gossip/validation.py", "if top >= s[1]:"),
     # NaN already fails `cpu_s > 0` before the finiteness check: only infinity needs it
     ("gossip/cpubudget.py", "if not (cpu_s > 0 and (not math.isinf(cpu_s))):"),
 }
