@@ -236,6 +236,20 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/validation.py", "if v >= top:"),
     ("gossip/validation.py", "if lo <= s[0]:"),
     ("gossip/validation.py", "if top >= s[1]:"),
+    # "not outside" for "inside" differs only on NaN: a length is an int; a temperature is a float the wire
+    # (msgspec's range) and the node's configuration both refuse when NaN
+    ("gossip/wire.py", "if not isinstance(swarm, str) or (1 > len(swarm) or len(swarm) > MAX_NAME):"),
+    ("gossip/wire.py", "if (not (0.0 >= t or t >= MIN_TEMPERATURE)):"),
+    # the two forms of the log-prob check agree at 256 values (the property test at 255-257 pins it)
+    ("gossip/wire.py", "if n < _FEW_LOGPROBS:  # the same float32 comparisons: both bounds rounded to float32 as "
+                       "numpy rounds them"),
+    # the short form's all-in-range shortcut: a value it sends on to the loop is judged there alike
+    ("gossip/wire.py", "if total == total and (not vals or (min(vals) > LOGPROB_MIN and max(vals) <= "
+                       "_LOGPROB_MAX_F32)):"),
+    ("gossip/wire.py", "if total == total and (not vals or (min(vals) >= LOGPROB_MIN and max(vals) < "
+                       "_LOGPROB_MAX_F32)):"),
+    ("gossip/wire.py", "if total == total and (not vals or ((not (min(vals) < LOGPROB_MIN or max(vals) > "
+                       "_LOGPROB_MAX_F32)))):"),
     # NaN already fails `cpu_s > 0` before the finiteness check: only infinity needs it
     ("gossip/cpubudget.py", "if not (cpu_s > 0 and (not math.isinf(cpu_s))):"),
 }

@@ -414,3 +414,32 @@ def test_both_forms_of_the_logprob_check_agree_at_their_boundary(n: int, data: A
         assert fault == ""
     else:
         assert f"at token {bad[0]} " in fault, (bad, fault)
+
+
+def test_a_message_of_exactly_its_kinds_limit_is_sealed(identity, monkeypatch):
+    body = bodies(identity)[wire.NODE_ANNOUNCE]
+    n = len(wire.seal(identity, wire.NODE_ANNOUNCE, body, swarm=SWARM))
+    monkeypatch.setitem(wire.KIND_LIMITS, wire.NODE_ANNOUNCE, n)
+    assert len(wire.seal(identity, wire.NODE_ANNOUNCE, body, swarm=SWARM)) == n
+    monkeypatch.setitem(wire.KIND_LIMITS, wire.NODE_ANNOUNCE, n - 1)
+    with pytest.raises(ValueError, match="over its limit"):
+        wire.seal(identity, wire.NODE_ANNOUNCE, body, swarm=SWARM)
+
+
+def test_two_segments_may_not_start_at_one_index(identity):
+    body = bodies(identity)[wire.ROLLOUT_BATCH]
+    _set_rollout(token_versions=[(0, 3), (2, 3), (2, 4)])(body)
+    with pytest.raises(DecodeError, match="token_versions"):
+        wire.open_envelope(wire.seal(identity, wire.ROLLOUT_BATCH, body, swarm=SWARM), swarm=SWARM)
+
+
+def test_a_patch_may_target_its_own_base_but_not_one_before_it(identity):
+    m = bodies(identity)[wire.PATCH_MANIFEST]
+    for base, target, ok in ((5, 5, True), (5, 6, True), (6, 5, False)):
+        data = wire.seal(identity, wire.PATCH_MANIFEST, msgspec.structs.replace(m, base_version=base,
+                                                                                target_version=target), swarm=SWARM)
+        if ok:
+            assert wire.open_envelope(data, swarm=SWARM)[1].target_version == target
+        else:
+            with pytest.raises(DecodeError, match="precedes its base"):
+                wire.open_envelope(data, swarm=SWARM)
