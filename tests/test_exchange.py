@@ -252,3 +252,35 @@ def test_an_honest_producer_announcing_every_few_seconds_leaves_the_newcomer_buc
         while late.admit("fresh", 0, t) is None:  # the shared bucket emptied at t
             pass
         assert late.admit("honest", 0, t) == ("newcomer_budget" if t < 100.0 + X.ESTABLISHED_S else None), t
+
+
+def test_the_shard_count_halves_only_below_three_quarters_of_a_shards_producers() -> None:
+    s = 4
+    edge = s * X.PRODUCERS_PER_SHARD * 3 // 4  # 6 producers for 4 shards: stays
+    assert X.shard_count(edge, current=s) == s
+    assert X.shard_count(edge - 1, current=s) == s // 2
+    assert X.shard_count(2 * s * X.PRODUCERS_PER_SHARD - 1, current=s) == s
+    assert X.shard_count(2 * s * X.PRODUCERS_PER_SHARD, current=s) == 2 * s
+
+
+def test_a_supply_that_is_not_a_finite_number_is_not_counted() -> None:
+    sup = X.Supply({b"a" * 32: 2.0})
+    sup.per_shard(4)
+    for bad in (float("nan"), float("inf"), float("-inf"), 0.0):
+        sup.add(b"b" * 32, bad)
+        sup.add(b"a" * 32, bad)
+    assert sup.by_lineage == {b"a" * 32: 2.0}
+    assert sum(sup.per_shard(4).values()) == 2.0
+
+
+def test_a_supply_taken_back_leaves_no_entry_behind() -> None:
+    sup = X.Supply()
+    sup.per_shard(4)  # kept incrementally from here on
+    a, b = b"a" * 32, b"b" * 32
+    sup.add(a, 2.0)
+    sup.add(b, 1.0)
+    sup.add(a, -2.0)
+    assert sup.of(a) == 0.0 and sup.by_lineage == {b: 1.0}
+    assert dict(sup.per_shard(4)) == {X.shard_of(b, 4): 1.0}
+    sup.add(b, -1.0)
+    assert sup.by_lineage == {} and dict(sup.per_shard(4)) == {}
