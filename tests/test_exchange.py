@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from gossip import exchange as X
 
@@ -158,6 +158,8 @@ def test_meter_reports_after_a_window() -> None:
 
 @settings(max_examples=10, deadline=None)
 @given(st.integers(1, 20_000))
+@example(256)  # exactly k keys: the table is full and holds every one of them
+@example(257)
 def test_distinct_count_is_exact_when_small_and_close_when_large(n: int) -> None:
     c = X.DistinctCount(k=256, window_s=30.0)
     for rep in range(2):  # repeats are not new keys
