@@ -257,6 +257,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the edge of a float tolerance: a supply of exactly 1e-9 batches/s
     ("gossip/exchange.py", "if left >= 1e-09:"),
     ("gossip/exchange.py", "if self._per[j] < 1e-09:"),
+    # no demand from no rollouts either way (B = 0 gives a rate of 0; the wire's B is unsigned); a NaN step time
+    # that passes the first check gives a NaN rate, which the rate's own finiteness check turns into 0
+    ("node/roles.py", "if not d.step_time_s > 0 or d.rollouts_per_step < 0:"),
+    ("node/roles.py", "if (d.step_time_s <= 0) or d.rollouts_per_step <= 0:"),
     # NaN already fails `cpu_s > 0` before the finiteness check: only infinity needs it
     ("gossip/cpubudget.py", "if not (cpu_s > 0 and (not math.isinf(cpu_s))):"),
 }

@@ -225,3 +225,16 @@ def test_the_reason_says_every_demand_is_met_at_a_gap_of_exactly_zero() -> None:
     short = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=11.0)
     assert "every demand met" in choose_lineage(me, [met]).reason
     assert "1.0 rollouts/s short" in choose_lineage(me, [short]).reason
+
+
+def test_a_gain_of_exactly_the_threshold_is_no_reason_to_move() -> None:
+    me = Offer("me", 5.0, 1.0)  # the threshold: max(5, 0.1 x 12) = 5
+    a = LineageOption(b"A" * 32, Demand(10, 1.0, 4), supply_by_others=12.0)  # unmet 0
+    b = LineageOption(b"B" * 32, Demand(10, 1.0, 4), supply_by_others=7.0)  # unmet 5: exactly the threshold
+    assert choose_lineage(me, [a, b], current=b"A" * 32).lineage == b"A" * 32
+    b = LineageOption(b"B" * 32, Demand(10, 1.0, 4), supply_by_others=6.5)
+    assert choose_lineage(me, [a, b], current=b"A" * 32).lineage == b"B" * 32
+
+
+def test_the_required_rate_does_not_depend_on_the_staleness_bound() -> None:
+    assert required_rate(Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=0)) == pytest.approx(1.2 * 16)
