@@ -286,3 +286,50 @@ def test_a_supply_taken_back_leaves_no_entry_behind() -> None:
     assert dict(sup.per_shard(4)) == {X.shard_of(b, 4): 1.0}
     sup.add(b, -1.0)
     assert sup.by_lineage == {} and dict(sup.per_shard(4)) == {}
+
+
+def test_a_nodes_epoch_turns_at_its_own_offset() -> None:
+    ex = X.Exchange(b"node-e")
+    assert 0 < ex.offset < X.ROTATE_S
+    turn = X.ROTATE_S - ex.offset  # its first new epoch after 0
+    assert ex.epoch(0.0) == 0 and ex.epoch(turn - 0.01) == 0 and ex.epoch(turn) == 1
+
+
+def test_a_demand_that_is_not_a_finite_number_is_no_demand() -> None:
+    n = 128
+    supply = {lid(i): 5.0 for i in range(n)}
+    for bad in (float("nan"), float("inf")):
+        ex = X.Exchange(b"node")
+        t = 0.0
+        while t < 3 * X.SHORTFALL_WINDOW_S:  # measured inbound is 0 all along: no shortfall of no demand
+            plan = ex.plan(t, n, supply, bad, home=[lid(3)], measured_rps=0.0)
+            t += 1.0
+        assert plan.subscribe == (X.shard_of(lid(3), plan.shards),) and ex.extra == 0, bad
+
+
+def _lineage_on(shard: int, shards: int) -> bytes:
+    return next(lid(i) for i in range(100_000) if X.shard_of(lid(i), shards) == shard)
+
+
+def test_within_an_epoch_a_plan_that_covers_the_demand_stays() -> None:
+    """A shard that covers the demand (between it and twice it) is kept for the rest of the epoch, even when
+    a shard earlier in this epoch's order starts to offer as much; the next epoch draws again."""
+    ex = X.Exchange(b"keep")
+    s = X.shard_count(64)
+    order = list(X.rotation(ex.node, s, ex.epoch(0.0)))
+    first = {_lineage_on(order[5], s): 3.0}
+    plan = ex.plan(0.0, 64, first, demand_rps=2.0, home=[])
+    assert plan.subscribe == (order[5],)
+    more = {**first, _lineage_on(order[0], s): 3.0}
+    assert X.Exchange(b"keep").plan(0.0, 64, more, demand_rps=2.0, home=[]).subscribe == (order[0],)  # afresh
+    assert ex.plan(1.0, 64, more, demand_rps=2.0, home=[]).subscribe == (order[5],)  # kept
+
+
+def test_a_demand_met_exactly_takes_no_further_shard() -> None:
+    ex = X.Exchange(b"exact")
+    s = X.shard_count(64)
+    order = list(X.rotation(ex.node, s, ex.epoch(0.0)))
+    supply = {_lineage_on(order[1], s): 2.0, _lineage_on(order[3], s): 2.0}
+    assert ex.plan(0.0, 64, supply, demand_rps=2.0, home=[]).subscribe == (order[1],)
+    assert X.Exchange(b"exact").plan(0.0, 64, supply, demand_rps=2.5, home=[]).subscribe == tuple(
+        sorted((order[1], order[3])))
