@@ -333,3 +333,38 @@ def test_a_demand_met_exactly_takes_no_further_shard() -> None:
     assert ex.plan(0.0, 64, supply, demand_rps=2.0, home=[]).subscribe == (order[1],)
     assert X.Exchange(b"exact").plan(0.0, 64, supply, demand_rps=2.5, home=[]).subscribe == tuple(
         sorted((order[1], order[3])))
+
+
+def test_the_shortfall_rule_at_its_edges() -> None:
+    """Measured inbound of exactly 0.9 x demand is enough; below it for exactly SHORTFALL_WINDOW_S adds one
+    shard, exactly one; exactly 3 x demand gives it back, never more than were added; a NaN or infinite
+    measurement, or no demand, changes nothing."""
+    supply = {lid(i): 1.0 for i in range(256)}
+    d = 2.0
+    ex = X.Exchange(b"short")
+    for t in range(0, 100):
+        ex.plan(float(t), 256, supply, d, home=[], measured_rps=X.SHORTFALL * d)
+    assert ex.extra == 0
+    ex.plan(100.0, 256, supply, d, home=[], measured_rps=0.0)
+    ex.plan(100.0 + X.SHORTFALL_WINDOW_S - 0.5, 256, supply, d, home=[], measured_rps=0.0)
+    assert ex.extra == 0
+    t = 100.0 + X.SHORTFALL_WINDOW_S
+    plan = ex.plan(t, 256, supply, d, home=[], measured_rps=0.0)
+    base = X.Exchange(b"short").plan(t, 256, supply, d, home=[])  # the same epoch, no shortfall
+    assert ex.extra == 1 and len(plan.subscribe) == len(base.subscribe) + 1
+    for measured, demand in ((float("nan"), d), (float("inf"), d), (100.0, 0.0)):
+        for t in range(200, 300):
+            ex.plan(float(t), 256, supply, demand, home=[], measured_rps=measured)
+        assert ex.extra == 1, (measured, demand)
+    ex.plan(300.0, 256, supply, d, home=[], measured_rps=3 * d)
+    assert ex.extra == 0
+    ex.plan(301.0, 256, supply, d, home=[], measured_rps=3 * d)
+    assert ex.extra == 0
+
+
+def test_home_shards_that_fill_every_place_leave_none_for_rotation() -> None:
+    s = X.shard_count(4096)
+    home = [_lineage_on(j, s) for j in range(X.MAX_SUBSCRIBED)]
+    supply = {lid(i): 1.0 for i in range(4096)}
+    plan = X.Exchange(b"full").plan(0.0, 4096, supply, demand_rps=50.0, home=home)
+    assert plan.subscribe == tuple(range(X.MAX_SUBSCRIBED))
