@@ -368,3 +368,22 @@ def test_home_shards_that_fill_every_place_leave_none_for_rotation() -> None:
     supply = {lid(i): 1.0 for i in range(4096)}
     plan = X.Exchange(b"full").plan(0.0, 4096, supply, demand_rps=50.0, home=home)
     assert plan.subscribe == tuple(range(X.MAX_SUBSCRIBED))
+
+
+def test_the_meter_and_the_distinct_producers_count_whole_windows() -> None:
+    m = X.Meter(window_s=10.0)
+    m.add(100.0, 50)  # the first call starts the window
+    assert m.rate(109.5) is None
+    assert m.rate(110.0) == 0.0  # the event exactly a window old has left it
+    m.add(111.0, 20)
+    assert m.rate(120.5) == 2.0 and m.rate(121.0) == 0.0
+    st = X.Stats()
+    st.verified(b"p", [], 1, 1000.0)
+    assert st.distinct_producers(1000.0 + X.DISTINCT_WINDOW_S) == 1  # exactly a window old still counts
+    assert st.distinct_producers(1000.0 + X.DISTINCT_WINDOW_S + 0.5) == 0
+
+
+def test_used_rollouts_are_counted_per_task_set() -> None:
+    st = X.Stats()
+    st.used({"ab" * 32: 5, "not hex": 3, "cd" * 32: -2})
+    assert st.counts["used_rollouts"] == 5 and st.task_sets["ab" * 32]["used_rollouts"] == 5
