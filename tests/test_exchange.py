@@ -387,3 +387,19 @@ def test_used_rollouts_are_counted_per_task_set() -> None:
     st = X.Stats()
     st.used({"ab" * 32: 5, "not hex": 3, "cd" * 32: -2})
     assert st.counts["used_rollouts"] == 5 and st.task_sets["ab" * 32]["used_rollouts"] == 5
+
+
+def test_stats_rates_are_over_the_last_rate_window() -> None:
+    st = X.Stats()
+    for t in range(1000, 1041):  # called once a second; a batch a second until 1020
+        if t < 1020:
+            st.received(1)
+        r = st.rates(float(t))
+    # the snapshot 30 s back (1010) is the base: batches 1011..1019 over 30 s
+    assert r["received_batches_per_s"] == round(9 / X.RATE_WINDOW_S, 3)
+
+
+def test_a_distinct_key_counts_until_exactly_its_window_has_passed() -> None:
+    c = X.DistinctCount(k=4, window_s=30.0)
+    c.add("a", 100.0)
+    assert c.count(130.0) == 1 and c.count(130.5) == 0
