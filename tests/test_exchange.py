@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
+import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from gossip import exchange as X
@@ -403,3 +404,12 @@ def test_a_distinct_key_counts_until_exactly_its_window_has_passed() -> None:
     c = X.DistinctCount(k=4, window_s=30.0)
     c.add("a", 100.0)
     assert c.count(130.0) == 1 and c.count(130.5) == 0
+
+
+def test_stats_called_often_still_rate_over_the_window() -> None:
+    st = X.Stats()
+    for k in range(10_000, 10_401):  # every 0.1 s for 40 s; a batch each call from 20 s to 22 s
+        if 10_200 <= k < 10_220:
+            st.received(1)
+        r = st.rates(k / 10)
+    assert r["received_batches_per_s"] == pytest.approx(20 / X.RATE_WINDOW_S, rel=0.05)
