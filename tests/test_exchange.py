@@ -413,3 +413,11 @@ def test_stats_called_often_still_rate_over_the_window() -> None:
             st.received(1)
         r = st.rates(k / 10)
     assert r["received_batches_per_s"] == pytest.approx(20 / X.RATE_WINDOW_S, rel=0.05)
+
+
+def test_extra_shards_never_take_a_node_past_its_subscription_cap() -> None:
+    supply = {lid(i): 1.0 for i in range(512)}
+    ex = X.Exchange(b"capped")
+    ex.extra = X.MAX_SUBSCRIBED  # as many as the shortfall rule ever adds
+    plan = ex.plan(0.0, 512, supply, demand_rps=2.0, home=[lid(1)])
+    assert len(plan.subscribe) == X.MAX_SUBSCRIBED
