@@ -282,6 +282,7 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/exchange.py", "if len(out) >= room or missing < 0:"),
     # a shard offering exactly what is still missing was taken by the loop before (it offers at most twice that)
     ("gossip/exchange.py", "cover = [j for j in rest if avail(j) > missing]"),
+    ("gossip/exchange.py", "if (not (measured < 3 * demand or self.extra <= 0)):"),
     # table bounds off by one
     ("gossip/exchange.py", "while len(self.first_heard) >= MAX_KNOWN:"),
     ("gossip/exchange.py", "while len(self.producers) >= MAX_KNOWN:"),
