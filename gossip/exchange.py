@@ -554,6 +554,7 @@ class DistinctCount:
         self.window_s = window_s
         self._seen: dict[int, float] = {}  # hash -> last seen
         self._top: int | None = None  # max(self._seen) while full, cached
+        self._sampled = False  # a key was left out (the table holds the k smallest, not every key)
 
     def add(self, key: str | bytes, now: float) -> None:
         h = _kmv_hash(key) if isinstance(key, str | bytes) else _kmv_hash(bytes(key))
@@ -561,6 +562,7 @@ class DistinctCount:
             self._seen[h] = now
             self._top = None
             return
+        self._sampled = True
         if self._top is None:
             self._top = max(self._seen)
         if h < self._top:  # most keys of a big swarm stop at this one comparison
@@ -573,5 +575,7 @@ class DistinctCount:
             del self._seen[h]
             self._top = None
         if len(self._seen) < self.k:
+            self._sampled = False
+        if not self._sampled:  # every key seen is in the table: exactly k of them is k
             return len(self._seen)
         return int((self.k - 1) / (max(self._seen) / 2**64))

@@ -26,12 +26,13 @@ set by `gossip.host`), and does nothing on a swarm without it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import trio
 
 from gossip.iprange import full_range
-from gossip.limits import FrameTimeout, Lease, StreamBudget
+from gossip.limits import FrameTimeout, Lease, StreamBudget, StreamLimits
 from gossip.transport import FrameError
 
 log = logging.getLogger("murmur.gossip.host")
@@ -139,15 +140,13 @@ def _install_connection_refusal() -> None:
                 raise SwarmException(f"connection with {peer} refused: graylisted")
         budget: StreamBudget | None = getattr(self, "_murmur_budget", None)
         direction = kw.get("direction", args[0] if args else "unknown")
-        if budget is not None and direction == "inbound":
-            ip = remote_ip(muxed_conn)
-            # a generator: `full_range` reads the held connections only for a counted range (not loopback)
-            held = (remote_ip(c) for conns in list(self.connections.values())
-                    for c in (conns if isinstance(conns, list) else [conns])
-                    if "INBOUND" in str(getattr(c, "direction", "")).upper())
-            lim = budget.limits
-            full = full_range(ip, held, lim.ip_connections, lim.ip_unlimited) if ip else None
+        if budget is not None:
+            held = (c for conns in list(self.connections.values())
+                    for c in (conns if isinstance(conns, list) else [conns]))
+            full = range_full(budget.limits, str(direction), muxed_conn, held)
             if full is not None:
+                lim = budget.limits
+                ip = remote_ip(muxed_conn)
                 budget.counters["connections_refused_ip"] += 1
                 with trio.move_on_after(RESET_TIMEOUT_S):
                     try:
@@ -159,6 +158,20 @@ def _install_connection_refusal() -> None:
 
     Swarm.add_conn = add_conn  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
     Swarm._murmur_refusal = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+
+
+def range_full(limits: StreamLimits, direction: str, conn: Any, held: Iterable[Any]) -> str | None:
+    """The source range that already holds `limits.ip_connections` inbound connections, when `conn` (a new
+    connection of `direction`) comes from it: then it is refused. None for an outbound connection (the node
+    chose to dial it), and only inbound connections among those `held` count."""
+    if direction != "inbound":
+        return None
+    ip = remote_ip(conn)
+    if not ip:
+        return None
+    # a generator: `full_range` reads the held connections only for a counted range (not loopback)
+    inbound = (remote_ip(c) for c in held if "INBOUND" in str(getattr(c, "direction", "")).upper())
+    return full_range(ip, inbound, limits.ip_connections, limits.ip_unlimited)
 
 
 def remote_ip(conn: Any) -> str:

@@ -2,6 +2,7 @@
 
     python -m simulations.mutation gossip/ratelimit.py [--tests tests/test_x.py ...] [--timeout 60] [--json]
     python -m simulations.mutation node/core.py --sample 150 --seed 0 --db /tmp/core.sqlite
+    python -m simulations.mutation gossip/limits.py --semantic [--operators given_back ...] [--db /tmp/limits.json]
 
 The tracked files are copied to a scratch folder first: cosmic-ray rewrites the module in place while a
 mutant's tests run, so the working tree is never touched, and an interrupted run leaves nothing behind.
@@ -10,7 +11,10 @@ a mutant whose tests fail or time out is killed. The last line printed is one JS
 the score killed / (total - equivalent) and each survivor's diff. Equivalent mutants (no test can tell
 them apart from the original) are listed by their diff line in EQUIVALENT, with the reason in
 docs/testing.md. With --sample N only a seeded uniform sample of N mutants runs: its score estimates the
-full score, given with a 95 % Wilson interval. The command and the scores per module are in docs/testing.md.
+full score, given with a 95 % Wilson interval. With --semantic the mutants are the plausible one-line bugs
+of simulations/semantic.py (wrong end of a window, a count not given back, a check on the wrong field, a
+comparison that lets NaN through), run by this script itself, one pytest process each; --db and --resume
+then name a JSON file of outcomes. The command and the scores per module are in docs/testing.md.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from simulations import semantic
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The fast test files that exercise each module (the mutants of a module run these only).
@@ -39,6 +45,14 @@ MODULE_TESTS: dict[str, list[str]] = {
     "gossip/scoring.py": ["tests/test_scoring.py", "tests/test_validation.py"],
     "gossip/validation.py": ["tests/test_validation.py", "tests/test_validation_rates.py"],
     "gossip/wire.py": ["tests/test_wire.py"],
+    # the modules of issue 43's semantic mutants (their live tests, seconds each, are left out)
+    "gossip/limits.py": ["tests/test_stream_budget.py"],
+    "gossip/hostlimits.py": ["tests/test_stream_budget.py", "tests/test_ip_limits.py"],
+    "gossip/cpubudget.py": ["tests/test_cpubudget.py", "tests/test_validation.py"],
+    "gossip/exchange.py": ["tests/test_exchange.py"],
+    "node/credit.py": ["tests/test_credit.py", "tests/test_attacks_core.py"],
+    "node/roles.py": ["tests/test_roles.py", "tests/test_attacks_core.py"],
+    "training/trainer.py": ["tests/test_trainer_poison.py"],
     "node/core.py": ["tests/test_core.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py"],
     # the core's sub-machines: their own tests, then the core's that drive them
     "node/peertable.py": ["tests/test_peertable.py", "tests/test_core.py", "tests/test_attacks_core.py"],
@@ -206,6 +220,84 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("sync/codec.py", "val_mode, val_streams = - 2, []"),
     # the mode here is VAL_DELTA (2), without the packed flag (8): xor sets it as or does
     ("sync/codec.py", "tries.append((mode ^ VAL_PACKED, lambda a=arr: _packed(a, off)))"),
+    # semantic mutants (simulations/semantic.py). Table bounds off by one, as ratelimit's above:
+    ("gossip/limits.py",
+     "if len(self._offences) >= 4 * self.limits.node_streams:  # bounded: forget peers with no recent offence"),
+    ("gossip/cpubudget.py", "while len(self._peers) >= self.max_peers:"),
+    ("node/credit.py", "while len(self._d) >= self.max_peers:"),
+    # the node bucket's first refill: it starts full with `last` at -inf, and full plus anything capped is full;
+    # its tokens are never -inf (costs are finite)
+    ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
+                            "if n.tokens > -math.inf else cap"),
+    ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
+                            "if n.last >= -math.inf else cap"),
+    ("gossip/validation.py", "while len(self._tasks) >= TASK_CACHE:"),
+    # `>=` for `>` (or `<=` for `<`) where the branch assigns the value compared: equal, it changes nothing
+    ("gossip/validation.py", "if v >= top:"),
+    ("gossip/validation.py", "if lo <= s[0]:"),
+    ("gossip/validation.py", "if top >= s[1]:"),
+    # "not outside" for "inside" differs only on NaN: a length is an int; a temperature is a float the wire
+    # (msgspec's range) and the node's configuration both refuse when NaN
+    ("gossip/wire.py", "if not isinstance(swarm, str) or (1 > len(swarm) or len(swarm) > MAX_NAME):"),
+    ("gossip/wire.py", "if (not (0.0 >= t or t >= MIN_TEMPERATURE)):"),
+    # the two forms of the log-prob check agree at 256 values (the property test at 255-257 pins it)
+    ("gossip/wire.py", "if n < _FEW_LOGPROBS:  # the same float32 comparisons: both bounds rounded to float32 as "
+                       "numpy rounds them"),
+    # the short form's all-in-range shortcut: a value it sends on to the loop is judged there alike
+    ("gossip/wire.py", "if total == total and (not vals or (min(vals) > LOGPROB_MIN and max(vals) <= "
+                       "_LOGPROB_MAX_F32)):"),
+    ("gossip/wire.py", "if total == total and (not vals or (min(vals) >= LOGPROB_MIN and max(vals) < "
+                       "_LOGPROB_MAX_F32)):"),
+    ("gossip/wire.py", "if total == total and (not vals or ((not (min(vals) < LOGPROB_MIN or max(vals) > "
+                       "_LOGPROB_MAX_F32)))):"),
+    ("gossip/exchange.py", "while (not (s >= MAX_SHARDS or n < 2 * s * PRODUCERS_PER_SHARD)):"),
+    ("gossip/exchange.py", "while (not (s <= 1 or n >= s * PRODUCERS_PER_SHARD * 3 // 4)):"),
+    # the inverse of a modulo 1 is 0, as the shortcut for one shard says
+    ("gossip/exchange.py", "inv = pow(a, -1, shards) if shards >= 1 else 0"),
+    # the edge of a float tolerance: a supply of exactly 1e-9 batches/s
+    ("gossip/exchange.py", "if left >= 1e-09:"),
+    ("gossip/exchange.py", "if self._per[j] < 1e-09:"),
+    ("gossip/exchange.py", "order = first_in_rotation(self.node, s, epoch, [j for j in supplied if j not in taken "
+                           "and avail(j) >= 1e-09],"),
+    ("gossip/exchange.py", "and (avail(j) >= 1e-09 or not supplied)), 4 * MAX_SUBSCRIBED))"),
+    ("gossip/exchange.py", "rest = [j for j in order if j not in out and avail(j) >= 1e-09]"),
+    ("gossip/exchange.py", "out.append(next((j for j in order if avail(j) >= 1e-09), order[0]))"),
+    # an own rate of 0 subtracted from its shard changes nothing; a demand of 0 is 0 either way, and NaN
+    # already fails `demand_rps > 0`
+    ("gossip/exchange.py", "own_j, own_r = (shard_of(own[0], s), own[1]) if own is not None and own[1] >= 0 "
+                           "else (-1, 0.0)"),
+    ("gossip/exchange.py", "demand = demand_rps if math.isfinite(demand_rps) and demand_rps >= 0 else 0.0"),
+    ("gossip/exchange.py", "demand = demand_rps if (not math.isinf(demand_rps)) and demand_rps > 0 else 0.0"),
+    # "not outside" for "inside" where no operand can be NaN (supplies and demand are finite, counts ints)
+    ("gossip/exchange.py", "and len(kept) == self._rotating_n and (not (missing > sum(have) or sum(have) > "
+                           "2 * missing))):"),
+    ("gossip/exchange.py", "if (not (1e-09 >= avail(j) or avail(j) > 2 * missing)):  # up to twice what is "
+                           "missing: half of it used at worst"),
+    ("gossip/exchange.py", "if (not (missing <= 0 or len(out) >= room)):"),
+    ("gossip/exchange.py", "while (not (len(self._snaps) <= 1 or now - self._snaps[0][0] <= RATE_WINDOW_S)):"),
+    # the two candidate walks give the same shards (issue 42 asks for a property test of it)
+    ("gossip/exchange.py", "if supplied and len(supplied) ** 2 <= 4 * MAX_SUBSCRIBED * s:  # few: sorting them "
+                           "beats walking the order"),
+    # nothing is missing: the loop goes on and adds nothing (every supply it could add is above 0)
+    ("gossip/exchange.py", "if len(out) >= room or missing < 0:"),
+    # a shard offering exactly what is still missing was taken by the loop before (it offers at most twice that)
+    ("gossip/exchange.py", "cover = [j for j in rest if avail(j) > missing]"),
+    ("gossip/exchange.py", "if (not (measured < 3 * demand or self.extra <= 0)):"),
+    # table bounds off by one
+    ("gossip/exchange.py", "while len(self.first_heard) >= MAX_KNOWN:"),
+    ("gossip/exchange.py", "while len(self.producers) >= MAX_KNOWN:"),
+    # the snapshot just taken is less than a second old: it is never dropped for age
+    ("gossip/exchange.py", "while len(self._snaps) >= 1 and now - self._snaps[0][0] > RATE_WINDOW_S:"),
+    # a snapshot exactly a second after the last: taken now or at the next call, the rate is over the span
+    ("gossip/exchange.py", "if not self._snaps or now - self._snaps[-1][0] > 1.0:"),
+    # a hash equal to the largest kept is that key itself, already handled as a key seen
+    ("gossip/exchange.py", "if h <= self._top:  # most keys of a big swarm stop at this one comparison"),
+    # no demand from no rollouts either way (B = 0 gives a rate of 0; the wire's B is unsigned); a NaN step time
+    # that passes the first check gives a NaN rate, which the rate's own finiteness check turns into 0
+    ("node/roles.py", "if not d.step_time_s > 0 or d.rollouts_per_step < 0:"),
+    ("node/roles.py", "if (d.step_time_s <= 0) or d.rollouts_per_step <= 0:"),
+    # NaN already fails `cpu_s > 0` before the finiteness check: only infinity needs it
+    ("gossip/cpubudget.py", "if not (cpu_s > 0 and (not math.isinf(cpu_s))):"),
 }
 
 
@@ -399,6 +491,76 @@ def summarize(module: str, tests: list[str], done: list[Any],
     return out
 
 
+def run_semantic(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, keep: str | None = None,
+                 resume: str | None = None, sample: int | None = None, seed: int = 0,
+                 operators: tuple[str, ...] = semantic.OPERATORS, log: Any = None) -> dict[str, Any]:
+    """The semantic mutants of `module` (simulations.semantic) against its fast tests, in a scratch copy of
+    the tree. `keep`: write every outcome to this JSON file; `resume`: rerun only the survivors of such a
+    file (not those counted equivalent), against the tests as they are now."""
+    tests = tests or MODULE_TESTS.get(module)
+    if not tests:
+        raise SystemExit(f"no tests chosen for {module}: pass --tests")
+    missing = [t for t in tests if not (ROOT / t).is_file()]
+    if missing or not (ROOT / module).is_file():
+        raise SystemExit(f"not found: {', '.join(missing or [module])}")
+    before: list[dict[str, Any]] = []
+    only = None
+    if resume:
+        before = json.loads(Path(resume).read_text())["outcomes"]
+        only = {o["diff"] for o in before if o["result"] == "survived" and not _equivalent_diff(module, o["diff"])}
+    with tempfile.TemporaryDirectory(prefix="murmur-semantic-") as tmp:
+        work = Path(tmp) / "tree"
+        _copy_tree(work)
+        command = test_command(tests)
+        env = dict(os.environ, PYTHONPATH=str(work), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        base = subprocess.run(command, shell=True, cwd=work, env=env, capture_output=True, text=True)
+        if base.returncode != 0:
+            raise SystemExit(f"the tests fail without any mutation:\n{base.stdout[-3000:]}{base.stderr[-3000:]}")
+        outcomes, total = semantic.run(module, tests, work, work, command, timeout_s, operators, sample, seed, only, log)
+    rows = semantic.as_dicts(outcomes)
+    if resume:  # the rerun outcomes replace the survivors' old ones
+        again = {o["diff"]: o for o in rows}
+        rows = [again.get(o["diff"], o) for o in before]
+    if keep:
+        Path(keep).write_text(json.dumps({"module": module, "tests": tests, "total": total, "sample": sample,
+                                          "seed": seed, "outcomes": rows}, indent=1))
+    return summarize_semantic(module, tests, rows, total, sample, seed)
+
+
+def _equivalent_diff(module: str, diff: str) -> bool:
+    return any((module, a) in EQUIVALENT for a in _added_lines(diff))
+
+
+def summarize_semantic(module: str, tests: list[str], rows: list[dict[str, Any]], total: int,
+                       sample: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The counts of a semantic run, per module and per operator; a timeout counts as killed."""
+    counts = {k: 0 for k in ("killed", "survived", "incompetent", "equivalent")}
+    per_op: dict[str, list[int]] = {}
+    survivors = []
+    for o in rows:
+        r = o["result"]
+        if r == "survived" and _equivalent_diff(module, o["diff"]):
+            r = "equivalent"
+        r = "killed" if r == "timeout" else r
+        counts[r] += 1
+        if r in ("killed", "survived"):
+            op = per_op.setdefault(o["operator"], [0, 0])
+            op[0] += r == "killed"
+            op[1] += 1
+        if r == "survived":
+            survivors.append({"line": o["line"], "operator": o["operator"], "diff": o["diff"]})
+    scored = counts["killed"] + counts["survived"]
+    out: dict[str, Any] = {"module": module, "kind": "semantic", "tests": tests, "mutants": len(rows), **counts,
+                           "score": round(counts["killed"] / scored, 3) if scored else None,
+                           "operators": {k: f"{a}/{b}" for k, (a, b) in sorted(per_op.items())}}
+    if sample is not None:
+        out["sampled"] = f"{len(rows)} of {total}"
+        out["seed"] = seed
+        out["interval"] = [round(x, 3) for x in wilson(counts["killed"], scored)] if scored else None
+    out["survivors"] = sorted(survivors, key=lambda s: s["line"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m simulations.mutation", description=__doc__.splitlines()[0])
     ap.add_argument("module", help="a module path, e.g. gossip/ratelimit.py")
@@ -410,11 +572,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--resume", metavar="DB", help="run only the survivors of a kept session again (new tests)")
     ap.add_argument("--sample", type=int, metavar="N", help="run only a seeded uniform sample of N mutants")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
+    ap.add_argument("--semantic", action="store_true",
+                    help="semantic mutants (simulations/semantic.py) instead of cosmic-ray's; --db and --resume "
+                         "then name a JSON file of outcomes")
+    ap.add_argument("--operators", nargs="+", choices=semantic.OPERATORS, default=list(semantic.OPERATORS),
+                    help="with --semantic: only these operators")
     a = ap.parse_args(argv)
     if a.sample is not None and a.sample < 1:
         ap.error("--sample must be at least 1")
-    out = report(a.module, a.report) if a.report else \
-        run(a.module, a.tests, a.timeout, a.db, a.resume, a.sample, a.seed)
+    if a.semantic:
+        if a.report:
+            rows = json.loads(Path(a.report).read_text())
+            out = summarize_semantic(a.module, rows["tests"], rows["outcomes"], rows["total"], rows["sample"],
+                                     rows["seed"])
+        else:
+            out = run_semantic(a.module, a.tests, a.timeout, a.db, a.resume, a.sample, a.seed, tuple(a.operators),
+                               log=None if a.json else lambda line: print(line, flush=True))
+    else:
+        out = report(a.module, a.report) if a.report else \
+            run(a.module, a.tests, a.timeout, a.db, a.resume, a.sample, a.seed)
     if not a.json:
         for s in out["survivors"]:
             print(f"survived: {a.module}:{s['line']} {s['operator']}\n{s['diff']}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gossip import exchange as X
@@ -159,6 +160,8 @@ def test_meter_reports_after_a_window() -> None:
 
 @settings(max_examples=10, deadline=None)
 @given(st.integers(1, 20_000))
+@example(256)  # exactly k keys: the table is full and holds every one of them
+@example(257)
 def test_distinct_count_is_exact_when_small_and_close_when_large(n: int) -> None:
     c = X.DistinctCount(k=256, window_s=30.0)
     for rep in range(2):  # repeats are not new keys
@@ -242,3 +245,189 @@ def with_rate(body):  # an announce that states a publishing rate
     import msgspec
 
     return msgspec.structs.replace(body, publish_batches_per_s=1.0)
+
+
+def test_an_honest_producer_announcing_every_few_seconds_leaves_the_newcomer_bucket() -> None:
+    gate = X.ShardGate()
+    for k in range(10):  # an announce every 3 s from t = 0
+        gate.announced("honest", 3.0 * k)
+    # a flood of fresh keys spends the shard's shared newcomer bucket
+    t = X.ESTABLISHED_S + 2.0
+    refused = sum(gate.admit(f"fresh{i}", 0, t) is not None for i in range(int(X.NEWCOMER_BURST) + 20))
+    assert refused >= 20
+    assert all(gate.admit("honest", 0, t) is None for _ in range(100))
+    assert gate.admit("fresh-late", 0, t + 0.25) is None  # the honest batches took no newcomer token
+    # until X.ESTABLISHED_S after its first announce it is a newcomer like any other
+    late = X.ShardGate()
+    for k in range(4):
+        late.announced("honest", 100.0 + 3.0 * k)
+    for t in (100.0 + X.ESTABLISHED_S - 0.5, 100.0 + X.ESTABLISHED_S):
+        while late.admit("fresh", 0, t) is None:  # the shared bucket emptied at t
+            pass
+        assert late.admit("honest", 0, t) == ("newcomer_budget" if t < 100.0 + X.ESTABLISHED_S else None), t
+
+
+def test_the_shard_count_halves_only_below_three_quarters_of_a_shards_producers() -> None:
+    s = 4
+    edge = s * X.PRODUCERS_PER_SHARD * 3 // 4  # 6 producers for 4 shards: stays
+    assert X.shard_count(edge, current=s) == s
+    assert X.shard_count(edge - 1, current=s) == s // 2
+    assert X.shard_count(2 * s * X.PRODUCERS_PER_SHARD - 1, current=s) == s
+    assert X.shard_count(2 * s * X.PRODUCERS_PER_SHARD, current=s) == 2 * s
+
+
+def test_a_supply_that_is_not_a_finite_number_is_not_counted() -> None:
+    sup = X.Supply({b"a" * 32: 2.0})
+    sup.per_shard(4)
+    for bad in (float("nan"), float("inf"), float("-inf"), 0.0):
+        sup.add(b"b" * 32, bad)
+        sup.add(b"a" * 32, bad)
+    assert sup.by_lineage == {b"a" * 32: 2.0}
+    assert sum(sup.per_shard(4).values()) == 2.0
+
+
+def test_a_supply_taken_back_leaves_no_entry_behind() -> None:
+    sup = X.Supply()
+    sup.per_shard(4)  # kept incrementally from here on
+    a, b = b"a" * 32, b"b" * 32
+    sup.add(a, 2.0)
+    sup.add(b, 1.0)
+    sup.add(a, -2.0)
+    assert sup.of(a) == 0.0 and sup.by_lineage == {b: 1.0}
+    assert dict(sup.per_shard(4)) == {X.shard_of(b, 4): 1.0}
+    sup.add(b, -1.0)
+    assert sup.by_lineage == {} and dict(sup.per_shard(4)) == {}
+
+
+def test_a_nodes_epoch_turns_at_its_own_offset() -> None:
+    ex = X.Exchange(b"node-e")
+    assert 0 < ex.offset < X.ROTATE_S
+    turn = X.ROTATE_S - ex.offset  # its first new epoch after 0
+    assert ex.epoch(0.0) == 0 and ex.epoch(turn - 0.01) == 0 and ex.epoch(turn) == 1
+
+
+def test_a_demand_that_is_not_a_finite_number_is_no_demand() -> None:
+    n = 128
+    supply = {lid(i): 5.0 for i in range(n)}
+    for bad in (float("nan"), float("inf")):
+        ex = X.Exchange(b"node")
+        t = 0.0
+        while t < 3 * X.SHORTFALL_WINDOW_S:  # measured inbound is 0 all along: no shortfall of no demand
+            plan = ex.plan(t, n, supply, bad, home=[lid(3)], measured_rps=0.0)
+            t += 1.0
+        assert plan.subscribe == (X.shard_of(lid(3), plan.shards),) and ex.extra == 0, bad
+
+
+def _lineage_on(shard: int, shards: int) -> bytes:
+    return next(lid(i) for i in range(100_000) if X.shard_of(lid(i), shards) == shard)
+
+
+def test_within_an_epoch_a_plan_that_covers_the_demand_stays() -> None:
+    """A shard that covers the demand (between it and twice it) is kept for the rest of the epoch, even when
+    a shard earlier in this epoch's order starts to offer as much; the next epoch draws again."""
+    ex = X.Exchange(b"keep")
+    s = X.shard_count(64)
+    order = list(X.rotation(ex.node, s, ex.epoch(0.0)))
+    first = {_lineage_on(order[5], s): 3.0}
+    plan = ex.plan(0.0, 64, first, demand_rps=2.0, home=[])
+    assert plan.subscribe == (order[5],)
+    more = {**first, _lineage_on(order[0], s): 3.0}
+    assert X.Exchange(b"keep").plan(0.0, 64, more, demand_rps=2.0, home=[]).subscribe == (order[0],)  # afresh
+    assert ex.plan(1.0, 64, more, demand_rps=2.0, home=[]).subscribe == (order[5],)  # kept
+
+
+def test_a_demand_met_exactly_takes_no_further_shard() -> None:
+    ex = X.Exchange(b"exact")
+    s = X.shard_count(64)
+    order = list(X.rotation(ex.node, s, ex.epoch(0.0)))
+    supply = {_lineage_on(order[1], s): 2.0, _lineage_on(order[3], s): 2.0}
+    assert ex.plan(0.0, 64, supply, demand_rps=2.0, home=[]).subscribe == (order[1],)
+    assert X.Exchange(b"exact").plan(0.0, 64, supply, demand_rps=2.5, home=[]).subscribe == tuple(
+        sorted((order[1], order[3])))
+
+
+def test_the_shortfall_rule_at_its_edges() -> None:
+    """Measured inbound of exactly 0.9 x demand is enough; below it for exactly SHORTFALL_WINDOW_S adds one
+    shard, exactly one; exactly 3 x demand gives it back, never more than were added; a NaN or infinite
+    measurement, or no demand, changes nothing."""
+    supply = {lid(i): 1.0 for i in range(256)}
+    d = 2.0
+    ex = X.Exchange(b"short")
+    for t in range(100):
+        ex.plan(float(t), 256, supply, d, home=[], measured_rps=X.SHORTFALL * d)
+    assert ex.extra == 0
+    ex.plan(100.0, 256, supply, d, home=[], measured_rps=0.0)
+    ex.plan(100.0 + X.SHORTFALL_WINDOW_S - 0.5, 256, supply, d, home=[], measured_rps=0.0)
+    assert ex.extra == 0
+    t = 100.0 + X.SHORTFALL_WINDOW_S
+    plan = ex.plan(t, 256, supply, d, home=[], measured_rps=0.0)
+    base = X.Exchange(b"short").plan(t, 256, supply, d, home=[])  # the same epoch, no shortfall
+    assert ex.extra == 1 and len(plan.subscribe) == len(base.subscribe) + 1
+    for measured, demand in ((float("nan"), d), (float("inf"), d), (100.0, 0.0)):
+        for t in range(200, 300):
+            ex.plan(float(t), 256, supply, demand, home=[], measured_rps=measured)
+        assert ex.extra == 1, (measured, demand)
+    ex.plan(300.0, 256, supply, d, home=[], measured_rps=3 * d)
+    assert ex.extra == 0
+    ex.plan(301.0, 256, supply, d, home=[], measured_rps=3 * d)
+    assert ex.extra == 0
+
+
+def test_home_shards_that_fill_every_place_leave_none_for_rotation() -> None:
+    s = X.shard_count(4096)
+    home = [_lineage_on(j, s) for j in range(X.MAX_SUBSCRIBED)]
+    supply = {lid(i): 1.0 for i in range(4096)}
+    plan = X.Exchange(b"full").plan(0.0, 4096, supply, demand_rps=50.0, home=home)
+    assert plan.subscribe == tuple(range(X.MAX_SUBSCRIBED))
+
+
+def test_the_meter_and_the_distinct_producers_count_whole_windows() -> None:
+    m = X.Meter(window_s=10.0)
+    m.add(100.0, 50)  # the first call starts the window
+    assert m.rate(109.5) is None
+    assert m.rate(110.0) == 0.0  # the event exactly a window old has left it
+    m.add(111.0, 20)
+    assert m.rate(120.5) == 2.0 and m.rate(121.0) == 0.0
+    st = X.Stats()
+    st.verified(b"p", [], 1, 1000.0)
+    assert st.distinct_producers(1000.0 + X.DISTINCT_WINDOW_S) == 1  # exactly a window old still counts
+    assert st.distinct_producers(1000.0 + X.DISTINCT_WINDOW_S + 0.5) == 0
+
+
+def test_used_rollouts_are_counted_per_task_set() -> None:
+    st = X.Stats()
+    st.used({"ab" * 32: 5, "not hex": 3, "cd" * 32: -2})
+    assert st.counts["used_rollouts"] == 5 and st.task_sets["ab" * 32]["used_rollouts"] == 5
+
+
+def test_stats_rates_are_over_the_last_rate_window() -> None:
+    st = X.Stats()
+    for t in range(1000, 1041):  # called once a second; a batch a second until 1020
+        if t < 1020:
+            st.received(1)
+        r = st.rates(float(t))
+    # the snapshot 30 s back (1010) is the base: batches 1011..1019 over 30 s
+    assert r["received_batches_per_s"] == round(9 / X.RATE_WINDOW_S, 3)
+
+
+def test_a_distinct_key_counts_until_exactly_its_window_has_passed() -> None:
+    c = X.DistinctCount(k=4, window_s=30.0)
+    c.add("a", 100.0)
+    assert c.count(130.0) == 1 and c.count(130.5) == 0
+
+
+def test_stats_called_often_still_rate_over_the_window() -> None:
+    st = X.Stats()
+    for k in range(10_000, 10_401):  # every 0.1 s for 40 s; a batch each call from 20 s to 22 s
+        if 10_200 <= k < 10_220:
+            st.received(1)
+        r = st.rates(k / 10)
+    assert r["received_batches_per_s"] == pytest.approx(20 / X.RATE_WINDOW_S, rel=0.05)
+
+
+def test_extra_shards_never_take_a_node_past_its_subscription_cap() -> None:
+    supply = {lid(i): 1.0 for i in range(512)}
+    ex = X.Exchange(b"capped")
+    ex.extra = X.MAX_SUBSCRIBED  # as many as the shortfall rule ever adds
+    plan = ex.plan(0.0, 512, supply, demand_rps=2.0, home=[lid(1)])
+    assert len(plan.subscribe) == X.MAX_SUBSCRIBED

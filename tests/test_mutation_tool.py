@@ -3,6 +3,7 @@ of its module survive)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from simulations.mutation import MODULE_TESTS
@@ -128,3 +129,92 @@ def test_resume_reruns_the_survivors_but_not_the_equivalent_ones(tmp_path: Path,
     module = str(tmp_path / "small.py")  # absolute: read where it is, not under the repository
     monkeypatch.setattr(mutation, "EQUIVALENT", {(module, "x = 1")})
     assert mutation.to_rerun(module, db) == [jobs[1]]
+
+
+SNIPPET = '''\
+import math
+
+
+class Budget:
+    peer_streams: int = 64
+    node_streams: int = 4096
+    name: str = ""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.count = 0
+
+    def close(self, q, now: float, window_s: float) -> None:
+        self.count -= 1
+        q.discard(now)
+        while q and q[0] <= now - window_s:
+            q.pop()
+
+    def full(self, n: int) -> bool:
+        return n >= self.peer_streams
+
+    def bad(self, x: float, a) -> bool:
+        if not x <= 1e-3 or x != x:
+            return True
+        ok = (a >= -1000.0) & (a <= 1e-3)
+        return not math.isfinite(x) or not -1000.0 <= x <= 1e-3 or min(x, self.rate) == x
+'''
+
+
+def _texts(op: str) -> set[tuple[int, str]]:
+    from simulations.semantic import mutants
+
+    return {(m.line, m.replacement) for m in mutants(SNIPPET, operators=(op,))}
+
+
+def test_each_semantic_operator_writes_its_bug() -> None:
+    # the wrong end of a window: `<=` for `<` on the expiry, `>` for `>=` on the cap; the window the wrong way
+    assert (16, "q[0] < now - window_s") in _texts("window_edge")
+    assert (20, "n > self.peer_streams") in _texts("window_edge")
+    assert (16, "(now + window_s)") in _texts("window_sign")
+    assert (26, "max(x, self.rate)") in _texts("window_sign")
+    # a count not given back; the drain loop's pop is left alone (removing it only hangs the loop)
+    assert _texts("given_back") == {(14, "pass"), (15, "pass")}
+    # the check on the other int field declared beside it, never on a field of another type
+    assert _texts("wrong_field") == {(20, "self.node_streams")}
+    nan = _texts("nan_through")
+    assert (23, "(x > 0.001)") in nan  # `not x <= hi` written `x > hi`
+    assert (23, "False") in nan  # the NaN self-test made false
+    assert (25, "(~((a < -1000.0) | (a > 0.001)))") in nan  # numpy's range check as "not outside"
+    assert {(26, "True"), (26, "(not math.isinf(x))"), (26, "(not math.isnan(x))")} <= nan  # isfinite removed
+    assert (26, "(-1000.0 > x or x > 0.001)") in nan  # `not lo <= x <= hi` written "outside"
+
+
+def test_a_semantic_mutant_changes_only_its_span_and_lets_nan_through() -> None:
+    from simulations.semantic import mutants
+
+    ns: dict[str, object] = {}
+    exec(compile(SNIPPET, "snippet", "exec"), ns)
+    assert ns["Budget"](1.0).bad(math.nan, None) is True  # type: ignore[operator]
+    (m,) = [m for m in mutants(SNIPPET, operators=("nan_through",)) if m.line == 23 and m.replacement == "(x > 0.001)"]
+    mutated = m.apply(SNIPPET)
+    diff = m.diff(SNIPPET, "snippet.py")
+    assert [x for x in diff.splitlines() if x[:1] in "+-" and x[:3] not in ("+++", "---")] == [
+        "-        if not x <= 1e-3 or x != x:", "+        if (x > 0.001) or x != x:"]
+    assert mutated.splitlines()[:22] == SNIPPET.splitlines()[:22]
+    ns = {}
+    exec(compile(mutated, "snippet", "exec"), ns)
+    budget = ns["Budget"](-5.0)  # type: ignore[operator]
+    assert budget.bad(0.5, None) is True and budget.bad(-1.0, -1.0) is False
+    assert not (math.nan > 0.001)  # the mutant's own check lets NaN through (the self-test behind it does not)
+
+
+def test_semantic_outcomes_are_summarised_per_operator_with_equivalents_apart(monkeypatch) -> None:
+    from simulations import mutation
+
+    rows = [{"operator": "window_edge", "line": 3, "diff": "--- a\n+++ b\n-x\n+y = 1\n", "result": "killed"},
+            {"operator": "window_edge", "line": 4, "diff": "--- a\n+++ b\n-x\n+y = 2\n", "result": "survived"},
+            {"operator": "given_back", "line": 5, "diff": "--- a\n+++ b\n-x\n+pass\n", "result": "timeout"},
+            {"operator": "nan_through", "line": 6, "diff": "--- a\n+++ b\n-x\n+y = 3\n", "result": "survived"},
+            {"operator": "nan_through", "line": 7, "diff": "--- a\n+++ b\n-x\n+y = 4\n", "result": "incompetent"}]
+    monkeypatch.setattr(mutation, "EQUIVALENT", {("m.py", "y = 3")})
+    out = mutation.summarize_semantic("m.py", [], rows, total=5)
+    assert (out["killed"], out["survived"], out["equivalent"], out["incompetent"]) == (2, 1, 1, 1)
+    assert out["score"] == round(2 / 3, 3)
+    assert out["operators"] == {"given_back": "1/1", "window_edge": "1/2"}
+    assert [s["line"] for s in out["survivors"]] == [4]

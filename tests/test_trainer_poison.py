@@ -168,3 +168,38 @@ def test_rollouts_of_our_lineage_under_a_foreign_tokenizer_train_as_another_mode
     tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v: list(group))
     res = tr.step()
     assert res.n_external_groups == 2 and res.updates >= 1 and "seq_ratio_mean" in res.stats
+
+
+def test_a_step_whose_loss_is_finite_but_whose_gradient_is_infinite_is_skipped() -> None:
+    from training.trainer import guarded_step
+
+    w = torch.nn.Parameter(torch.tensor([0.0, 1.0, 4.0]))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    loss = torch.sqrt(w).sum()  # 3.0: finite; d sqrt(w) / dw at 0 is +inf
+    assert bool(torch.isfinite(loss))
+    assert guarded_step(opt, [w], loss, grad_clip=1.0) is None
+    assert w.tolist() == [0.0, 1.0, 4.0] and w.grad is None and not opt.state
+    # the same step with a finite gradient is taken
+    gn = guarded_step(opt, [w], torch.sqrt(w[1:]).sum(), grad_clip=1.0)
+    assert gn is not None and math.isfinite(gn) and w.tolist()[1:] != [1.0, 4.0]
+
+
+def test_a_step_with_a_nan_gradient_or_a_non_finite_loss_is_skipped() -> None:
+    """A NaN gradient under a finite loss (the gradient of `where`'s untaken branch), and a NaN or infinite
+    loss whose gradient is finite: each is skipped by its own check, not by the other's."""
+    from training.trainer import guarded_step
+
+    def fresh() -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+        w = torch.nn.Parameter(torch.tensor([-1.0, 1.0, 4.0]))
+        return w, torch.optim.AdamW([w], lr=0.1)
+
+    w, opt = fresh()
+    loss = torch.where(w > 0, torch.sqrt(w), torch.zeros_like(w)).sum()
+    assert bool(torch.isfinite(loss))
+    assert guarded_step(opt, [w], loss, grad_clip=1.0) is None
+    assert w.tolist() == [-1.0, 1.0, 4.0] and not opt.state
+    for bad in (math.nan, math.inf):
+        w, opt = fresh()
+        loss = (w * 0.0).sum() + bad  # d loss / dw = 0: finite
+        assert guarded_step(opt, [w], loss, grad_clip=1.0) is None, bad
+        assert w.tolist() == [-1.0, 1.0, 4.0] and w.grad is None and not opt.state

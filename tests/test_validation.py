@@ -11,7 +11,7 @@ import pytest
 from gossip import wire
 from gossip.identity import Identity
 from gossip.scoring import ScoreParams
-from gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
+from gossip.validation import PENALTIES, Pending, Pipeline, PipelineConfig, Reason
 from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, resign_with
 from tests.samples import Clock
 from training.verifiers import score
@@ -400,3 +400,78 @@ def test_the_staleness_bound_and_the_clock_skew_are_inclusive(reg) -> None:
     made = int(clock.t * 1000)
     assert p.check(make_batch(ALICE, reg, 3, version=20, created_ms=made + 59_500), ALICE.peer_id).accepted
     assert p.check(make_batch(ALICE, reg, 4, version=20, created_ms=made + 60_500), ALICE.peer_id).reason is Reason.EXPIRED
+
+
+PARTIAL_LINEAGE = b"\x4c" * 32
+PRODUCER = Identity.from_seed(b"\x41" * 32)
+
+
+def test_a_partial_rollout_whose_first_tokens_are_too_old_is_refused_whatever_its_later_tokens() -> None:
+    """Head 20, bound 4: a rollout begun at version 15 and continued at 20 is stale, alone or after a fresh
+    rollout of the same lineage in its batch; begun at 16 it is used."""
+    reg = registry()
+    clock = Clock()
+    p = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=clock, resolve_task=reg.resolve, reward=score,
+                 head_version=lambda lin: 20 if lin == PARTIAL_LINEAGE else None, task_set_trusted=reg.__contains__)
+
+    def partial(seed: int, first: int) -> wire.Rollout:
+        r = make_rollout(reg, seed, 16, version=first, lineage=PARTIAL_LINEAGE)
+        return msgspec.structs.replace(r, token_versions=[(0, first), (4, 18), (8, 20)])
+
+    def batch(seq: int, rollouts: list[wire.Rollout]) -> bytes:
+        b = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=PRODUCER.public, seq=seq,
+                              created_ms=int(clock() * 1000), rollouts=rollouts)
+        return wire.seal(PRODUCER, wire.ROLLOUT_BATCH, b, swarm=SWARM)
+
+    fresh = make_rollout(reg, 2, 16, version=20, lineage=PARTIAL_LINEAGE)
+    for seq, rollouts in enumerate(([partial(4, 15)], [fresh, partial(6, 15)], [partial(8, 15), fresh]), 1):
+        step = p.admit(batch(seq, rollouts), PRODUCER.peer_id)
+        assert getattr(step, "reason", None) is Reason.STALE_VERSION, (seq, step)
+    assert p.check(batch(9, [fresh, partial(10, 16)]), PRODUCER.peer_id).accepted
+
+
+def test_the_byte_length_ttl_and_token_budget_edges_are_inclusive(reg) -> None:
+    """Exactly the byte limit is read (and fails to decode, not for its size); a batch made exactly the
+    replay TTL ago, or exactly MAX_FUTURE_S ahead, is fresh; a completion of exactly this node's budget is
+    verified."""
+    from gossip.validation import MAX_FUTURE_S
+
+    p, clock = pipe(reg, max_completion_tokens=64)
+    limit = wire.KIND_LIMITS[wire.ROLLOUT_BATCH]
+    assert p.check(b"\x00" * limit, MALLORY.peer_id).reason is Reason.MALFORMED
+    assert p.check(b"\x00" * (limit + 1), MALLORY.peer_id).reason is Reason.OVERSIZED
+    clock.t = float(int(clock.t))
+    made = int(clock.t * 1000)
+    ttl_ms = int(p.config.replay_ttl_s * 1000)
+    assert p.check(make_batch(ALICE, reg, 1, created_ms=made - ttl_ms), ALICE.peer_id).accepted
+    assert p.check(make_batch(ALICE, reg, 2, created_ms=made - ttl_ms - 1), ALICE.peer_id).reason is Reason.EXPIRED
+    assert p.check(make_batch(ALICE, reg, 3, created_ms=made + int(MAX_FUTURE_S * 1000)), ALICE.peer_id).accepted
+    assert p.check(make_batch(ALICE, reg, 4, tokens=64), ALICE.peer_id).accepted
+    assert p.check(make_batch(ALICE, reg, 5, tokens=65), ALICE.peer_id).reason is Reason.TOO_LONG
+
+
+def test_an_abandoned_batch_can_be_verified_again(reg) -> None:
+    p, _ = pipe(reg)
+    data = make_batch(ALICE, reg, 1)
+    step = p.admit(data, ALICE.peer_id)
+    assert isinstance(step, Pending)
+    p.abandon(step)  # the I/O layer was cancelled between stages
+    assert p.check(data, ALICE.peer_id).accepted
+
+
+def test_a_reward_within_the_tolerance_is_accepted_and_a_nan_recomputation_never_is(reg) -> None:
+    from gossip.validation import REWARD_TOLERANCE
+
+    def claiming(reward: float, seq: int) -> bytes:
+        r = msgspec.structs.replace(make_rollout(reg, 3, 8), reward=reward)
+        b = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=ALICE.public, seq=seq,
+                              created_ms=wire.now_ms(), rollouts=[r])
+        return wire.seal(ALICE, wire.ROLLOUT_BATCH, b, swarm=SWARM)
+
+    p, clock = pipe(reg)
+    p.reward = lambda task, text: 0.0
+    assert p.check(claiming(REWARD_TOLERANCE, 1), ALICE.peer_id).accepted
+    assert p.check(claiming(2 * REWARD_TOLERANCE, 2), ALICE.peer_id).reason is Reason.FORGED_REWARD
+    p, clock = pipe(reg)  # a fresh pipeline: the forgery above banned Alice
+    p.reward = lambda task, text: float("nan")
+    assert not p.check(claiming(0.0, 3), ALICE.peer_id).accepted

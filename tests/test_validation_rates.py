@@ -158,3 +158,30 @@ def test_the_announced_bucket_runs_on_the_producers_signed_milliseconds(reg, all
         reasons.append(p.check(data, ALICE.peer_id).reason)
     ok, over = Reason.ACCEPTED, Reason.OVER_ANNOUNCED_RATE
     assert reasons == ([ok] * 5 if allowed > 1 else [ok, over, ok, over, ok])
+
+
+def test_a_burst_relayed_late_does_not_count_against_the_producers_fresh_burst(reg) -> None:
+    """A late joiner gets Alice's burst made 61 s ago from a relay, then her new burst made now: each is
+    within her rate on her own clock (a minute of refill between them), so neither is charged."""
+    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
+    p.announced(ALICE.peer_id, announce(ALICE, 0.5))  # 1 batch/s, burst 60
+    burst = int(p.announced_rates.bucket(ALICE.peer_id).burst)
+    now_ms = int(clock() * 1000)
+    for made, first_seq in ((now_ms - 61_000, 1), (now_ms, 1000)):
+        reasons = [p.check(make_batch(ALICE, reg, first_seq + i, n=1, tokens=4, created_ms=made), ALICE.peer_id).reason
+                   for i in range(burst)]
+        assert set(reasons) == {Reason.ACCEPTED}, {r.value: reasons.count(r) for r in set(reasons)}
+    assert p.scores.record(ALICE.peer_id).rejections == {}
+
+
+def test_more_than_the_burst_made_in_one_millisecond_is_charged(reg) -> None:
+    """Batches signed with the same creation time as the last one spent are held to the announced bucket,
+    not passed to the default one (which would drop them uncharged)."""
+    p, clock = pipe(reg, rate_per_s=1.0, burst=2)
+    p.announced(MALLORY.peer_id, announce(MALLORY, 0.5))
+    burst = int(p.announced_rates.bucket(MALLORY.peer_id).burst)
+    made = int(clock() * 1000)
+    reasons = [p.check(make_batch(MALLORY, reg, seq, n=1, tokens=4, created_ms=made), MALLORY.peer_id).reason
+               for seq in range(1, burst + 11)]
+    assert reasons.count(Reason.ACCEPTED) == burst
+    assert Reason.OVER_ANNOUNCED_RATE in reasons and Reason.RATE_LIMITED not in reasons

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import struct
+from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gossip import wire
 from gossip.errors import DecodeError, SignatureError
@@ -366,3 +370,76 @@ def test_an_announce_that_omits_its_trailing_fields_states_nothing_for_them(iden
     raw = msgspec.msgpack.decode(wire.encode(bodies(identity)[wire.NODE_ANNOUNCE]))[:11]
     _, a = wire.open_envelope(_sealed_raw(identity, wire.NODE_ANNOUNCE, raw), swarm=SWARM)
     assert (a.serving, a.owned, a.addrs, a.publish_batches_per_s) == (b"", [], [], 0.0)
+
+
+def _logprobs(values: list[float]) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1000.5, 0.5])
+def test_a_non_finite_logprob_is_refused_in_a_rollout_longer_than_256_tokens(bad: float) -> None:
+    for n in (300, 4096):
+        for j in (0, n // 2, n - 1):
+            values = [-0.25] * n
+            values[j] = bad
+            fault = wire.logprob_fault(_logprobs(values))
+            assert fault and f"at token {j} " in fault, (n, j, fault)
+        assert wire.logprob_fault(_logprobs([-0.25] * n)) == ""
+
+
+_MAX_F32 = struct.unpack("<f", struct.pack("<f", wire.LOGPROB_MAX))[0]
+_EDGES = [math.nan, math.inf, -math.inf, wire.LOGPROB_MIN, _MAX_F32, math.nextafter(wire.LOGPROB_MIN, -math.inf),
+          float(struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", _MAX_F32))[0] + 1))[0]),
+          -0.0, 0.0, -104.0]
+
+
+def _in_range(x: float) -> bool:
+    return wire.LOGPROB_MIN <= x <= _MAX_F32
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.sampled_from([255, 256, 257]), data=st.data())
+def test_both_forms_of_the_logprob_check_agree_at_their_boundary(n: int, data: Any) -> None:
+    """Up to 256 values are checked in Python, more with numpy: at 255, 256 and 257 values, with NaN, +-inf,
+    the bounds and the float32 just past each, both forms refuse exactly the out-of-range values and name
+    the first one."""
+    f32 = st.floats(min_value=wire.LOGPROB_MIN, max_value=_MAX_F32, width=32)
+    values = [data.draw(f32)] * n
+    for _ in range(data.draw(st.integers(0, 4))):
+        values[data.draw(st.integers(0, n - 1))] = data.draw(st.one_of(st.sampled_from(_EDGES), f32))
+    values = list(struct.unpack(f"<{n}f", _logprobs(values)))  # as the receiver reads them
+    fault = wire.logprob_fault(_logprobs(values))
+    bad = [j for j, x in enumerate(values) if not _in_range(x)]
+    if not bad:
+        assert fault == ""
+    else:
+        assert f"at token {bad[0]} " in fault, (bad, fault)
+
+
+def test_a_message_of_exactly_its_kinds_limit_is_sealed(identity, monkeypatch):
+    body = bodies(identity)[wire.NODE_ANNOUNCE]
+    n = len(wire.seal(identity, wire.NODE_ANNOUNCE, body, swarm=SWARM))
+    monkeypatch.setitem(wire.KIND_LIMITS, wire.NODE_ANNOUNCE, n)
+    assert len(wire.seal(identity, wire.NODE_ANNOUNCE, body, swarm=SWARM)) == n
+    monkeypatch.setitem(wire.KIND_LIMITS, wire.NODE_ANNOUNCE, n - 1)
+    with pytest.raises(ValueError, match="over its limit"):
+        wire.seal(identity, wire.NODE_ANNOUNCE, body, swarm=SWARM)
+
+
+def test_two_segments_may_not_start_at_one_index(identity):
+    body = bodies(identity)[wire.ROLLOUT_BATCH]
+    _set_rollout(token_versions=[(0, 3), (2, 3), (2, 4)])(body)
+    with pytest.raises(DecodeError, match="token_versions"):
+        wire.open_envelope(wire.seal(identity, wire.ROLLOUT_BATCH, body, swarm=SWARM), swarm=SWARM)
+
+
+def test_a_patch_may_target_its_own_base_but_not_one_before_it(identity):
+    m = bodies(identity)[wire.PATCH_MANIFEST]
+    for base, target, ok in ((5, 5, True), (5, 6, True), (6, 5, False)):
+        data = wire.seal(identity, wire.PATCH_MANIFEST, msgspec.structs.replace(m, base_version=base,
+                                                                                target_version=target), swarm=SWARM)
+        if ok:
+            assert wire.open_envelope(data, swarm=SWARM)[1].target_version == target
+        else:
+            with pytest.raises(DecodeError, match="precedes its base"):
+                wire.open_envelope(data, swarm=SWARM)
