@@ -380,6 +380,17 @@ def _added_lines(diff: str) -> list[str]:
     return [x[1:].strip() for x in diff.splitlines() if x.startswith("+") and not x.startswith("+++")]
 
 
+def _chosen_tests(module: str, tests: list[str] | None) -> list[str]:
+    """The test files a module's mutants run against: those given, else its entry in MODULE_TESTS; each must exist."""
+    chosen = tests or MODULE_TESTS.get(module)
+    if not chosen:
+        raise SystemExit(f"no tests chosen for {module}: pass --tests")
+    missing = [t for t in chosen if not (ROOT / t).is_file()]
+    if missing or not (ROOT / module).is_file():
+        raise SystemExit(f"not found: {', '.join(missing or [module])}")
+    return chosen
+
+
 def test_command(tests: list[str]) -> str:
     """One mutant's tests: the fast ones, stopping at the first failure, with no plugin or report a
     mutant does not need (pyproject's addopts asks for --durations)."""
@@ -394,12 +405,7 @@ def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, k
     survivors run again, against the tests as they are now: the check after writing tests for them."""
     from cosmic_ray.work_db import WorkDB, use_db
 
-    tests = tests or MODULE_TESTS.get(module)
-    if not tests:
-        raise SystemExit(f"no tests chosen for {module}: pass --tests")
-    missing = [t for t in tests if not (ROOT / t).is_file()]
-    if missing or not (ROOT / module).is_file():
-        raise SystemExit(f"not found: {', '.join(missing or [module])}")
+    tests = _chosen_tests(module, tests)
     with tempfile.TemporaryDirectory(prefix="murmur-mutation-") as tmp:
         work = Path(tmp) / "tree"
         _copy_tree(work)
@@ -497,12 +503,7 @@ def run_semantic(module: str, tests: list[str] | None = None, timeout_s: float =
     """The semantic mutants of `module` (simulations.semantic) against its fast tests, in a scratch copy of
     the tree. `keep`: write every outcome to this JSON file; `resume`: rerun only the survivors of such a
     file (not those counted equivalent), against the tests as they are now."""
-    tests = tests or MODULE_TESTS.get(module)
-    if not tests:
-        raise SystemExit(f"no tests chosen for {module}: pass --tests")
-    missing = [t for t in tests if not (ROOT / t).is_file()]
-    if missing or not (ROOT / module).is_file():
-        raise SystemExit(f"not found: {', '.join(missing or [module])}")
+    tests = _chosen_tests(module, tests)
     before: list[dict[str, Any]] = []
     only = None
     if resume:
