@@ -5,6 +5,7 @@ The runtime starts a worker (`WorkerStarted`); the worker reports its state (`no
 ready, its engine and its errors. When it exits, it is restarted (`RestartWorker`) after a backoff that
 grows with each exit in a row (`RESTART_BACKOFF_S`) and starts over once a worker ran for
 `WORKER_STABLE_S`; an exit while a restart is already due is the same exit, not another (one restart each).
+A restart the core asks for itself (its roles changed: `restart_for`) is not an exit and costs no backoff.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class WorkerSupervisor:
                                          "restarts": self.restarts}))
         out.append(RestartWorker(delay))
         return True
+
+    def restart_for(self, now: float, out: list[Action]) -> None:
+        """The core restarts the worker on purpose (its roles changed): the old worker's exit is this restart,
+        not a failure, so it schedules no other and leaves the backoff as it was."""
+        self.state = WorkerState.RESTARTING
+        self.error = ""
+        out.append(Log("worker restarting", {"why": "roles changed"}))
 
     def on_state(self, state: WorkerState, out: list[Action]) -> None:
         self.state = state
