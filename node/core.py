@@ -105,6 +105,7 @@ from node.events import SeePeer as SeePeer
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from node.peertable import PeerInfo, PeerTable
 from node.pipe import WorkerState
+from node.roles import ROLE_OBSERVE_S
 from node.sealing import RolloutSealer
 from node.supervision import WorkerSupervisor
 from sync.items import diff_kind, item_of
@@ -141,7 +142,7 @@ class CoreSettings:
     follow: tuple[bytes, ...] = ()  # configured lineages (empty: choose by demand)
     # roles not configured and the hardware lets it train: train or follow by the swarm's need (roles.PodRule)
     choose_mode: bool = False
-    role_observe_s: float = roles.ROLE_OBSERVE_S
+    role_observe_s: float = ROLE_OBSERVE_S
     role_dwell_s: float = NodeSection().role_dwell_s
     max_peers: int = 1024
     max_lineages: int = 256

@@ -33,8 +33,8 @@ from typing import Any
 
 from gossip.errors import MurmurError
 from node import launch
-from simulations.report import MetricsWriter, write_report
 from node.roles import TRAINER_MIN_BUDGET_MB
+from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vnode import identity_for
 from simulations.wan import LinkSpec, NetnsLab, node_env
