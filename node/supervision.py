@@ -29,6 +29,7 @@ class WorkerSupervisor:
         self.started = now
         self.in_row = 0  # exits since the last stable run
         self.restarts = 0
+        self.replacing = False  # a restart the core asked for is under way: the old worker's last words are not news
 
     @property
     def down(self) -> bool:
@@ -37,6 +38,7 @@ class WorkerSupervisor:
     def on_started(self, now: float) -> None:
         self.started = now
         self.state = WorkerState.STARTING
+        self.replacing = False
 
     def on_exit(self, code: int | None, now: float, out: list[Action]) -> bool:
         """The worker process exited: whether a restart was scheduled (False: one is already due)."""
@@ -56,13 +58,17 @@ class WorkerSupervisor:
         return True
 
     def restart_for(self, now: float, out: list[Action]) -> None:
-        """The core restarts the worker on purpose (its roles changed): the old worker's exit is this restart,
-        not a failure, so it schedules no other and leaves the backoff as it was."""
+        """The core restarts the worker on purpose (its roles changed): until the new worker starts, the old
+        one's exit is this restart, not a failure (it schedules no other and leaves the backoff as it was), and
+        what it still reports while it finishes its step (its state) does not undo that."""
+        self.replacing = True
         self.state = WorkerState.RESTARTING
         self.error = ""
         out.append(Log("worker restarting", {"why": "roles changed"}))
 
     def on_state(self, state: WorkerState, out: list[Action]) -> None:
+        if self.replacing:
+            return
         self.state = state
         out.append(Log("worker state", {"state": state.value}))
 

@@ -7,7 +7,9 @@ import math
 
 from gossip.identity import Identity
 from node import core as C
+from node import pipe
 from node import roles as R
+from node.pipe import WorkerState
 from node import supervision as SV
 from sync.ids import lineage_id
 from tests.test_core import BASE, W, announce, demand, key, make_core, manifest, of
@@ -154,8 +156,11 @@ def test_the_core_switches_its_worker_to_follow_a_short_lineage_keeping_what_it_
     assert [a.fields["roles"] for a in of(acts, C.Log) if a.msg == "role"] == [["follower", "validator"]]
     assert "short" in core.role_reason and core.serving == p.lid
     assert core.own == own and core.lineages[own].relation == "own"  # its lineage's history stays
-    # the old worker's exit is the planned restart, not a crash: no second restart, no backoff
-    assert core.handle(C.WorkerExited(0)) == []
+    # the old worker, still busy with its step, reports its state, then is killed at the end of its grace: that
+    # exit is the planned restart, not a crash (no second restart, no backoff)
+    core.handle(C.FromWorker(pipe.State(WorkerState.TRAINING)))
+    assert of(core.handle(C.WorkerExited(-15)), C.RestartWorker) == []
+    assert core.stats()["worker_restarts"] == 0
     core.handle(C.WorkerStarted())
     core.handle(W("ready", {"base": BASE.hex(), "version": 0}))
     clock.t += C.ANNOUNCE_EVERY_S

@@ -12,6 +12,8 @@ import trio
 import trio.testing
 
 from gossip.identity import Identity
+from node import pipe
+from node.pipe import WorkerState
 from node.roles import PodRule
 from node.runtime import Node, RunOptions
 from tests.fakeworker import FakeLink, FakeWorkers
@@ -52,9 +54,13 @@ def test_a_node_with_default_roles_becomes_a_follower_of_a_short_lineage(tmp_pat
             await b.transport.connect(a.transport.listen_addrs()[0])
             wa = workers.links[0]
 
+            wb = workers.links[1]
+
             async def publish() -> None:  # a trainer that publishes a version every 2 s, with no follower
                 while True:
                     wa.publish()
+                    if not wb.done.is_set():  # b's trainer worker reports its state each step, as a real one does
+                        wb._out(pipe.State(WorkerState.TRAINING))
                     await trio.sleep(2.0)
 
             n.start_soon(publish)
@@ -64,13 +70,16 @@ def test_a_node_with_default_roles_becomes_a_follower_of_a_short_lineage(tmp_pat
             await _until("b's new worker follows a", lambda: len(workers.links) == 3
                          and workers.links[2].follower is not None)
             assert specs[1]["roles"] == ["trainer"] and specs[2]["roles"] == ["follower"]
-            assert workers.links[1].done.is_set()  # the trainer worker was stopped, not left running
+            assert wb.done.is_set()  # the trainer worker was stopped, not left running
             await _until("b applies a's versions", lambda: (f := _lin(b.snapshot(), "follow")) is not None
                          and f.held >= 1)
             assert b.snapshot().serving == wa.pub.lineage.id.hex()
             own = _lin(b.snapshot(), "own")
             assert own is not None and own.lineage == own_b  # its own lineage stays in its store
             assert b.store.get("own_lineage") == own_b
+            # the old worker's exit was the planned restart: nothing restarts the new one
+            await trio.sleep(30.0)
+            assert len(workers.links) == 3 and b.snapshot().worker_restarts == 0
             seen["ok"] = True
             n.cancel_scope.cancel()
 
