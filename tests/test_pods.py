@@ -9,8 +9,8 @@ from gossip.identity import Identity
 from node import core as C
 from node import pipe
 from node import roles as R
-from node.pipe import WorkerState
 from node import supervision as SV
+from node.pipe import WorkerState
 from sync.ids import lineage_id
 from tests.test_core import BASE, W, announce, demand, key, make_core, manifest, of
 
