@@ -98,7 +98,8 @@ def doctor(
 @app.command()
 def demo(
     duration: Annotated[float, typer.Option("--duration", help="seconds of training")] = 180.0,
-    nodes: Annotated[str, typer.Option("--nodes", help="roles of the demo nodes, e.g. trainer,trainer,follower")] =
+    nodes: Annotated[str, typer.Option("--nodes", help="roles of the demo nodes, e.g. trainer,trainer,follower; "
+                                                          "auto: roles chosen by the node, as with no node.roles")] =
     "trainer,trainer+validator,follower+validator",
     workdir: Annotated[Path | None, typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")] = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="plain progress lines instead of the live dashboard")] = False,

@@ -36,6 +36,9 @@ class NodeSection(Struct, forbid_unknown_fields=True, kw_only=True):
     roles: Annotated[list[str], _d("roles to hold (trainer, follower, validator); empty = pick from hardware")] = []
     hardware: Annotated[str, _d("hardware class: auto, cpu, gpu-small, gpu-large")] = "auto"
     memory_budget_mb: Annotated[int, _d("upper bound for pools, queues and caches, in MiB")] = 4096
+    role_dwell_s: Annotated[float, Meta(ge=0.0, le=86_400.0,
+                                        description="with roles chosen by the node: least seconds between two "
+                                                    "switches between training and generating")] = 300.0
     log_level: Annotated[str, _d("debug, info, warning or error")] = "info"
 
 

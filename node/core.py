@@ -105,6 +105,7 @@ from node.events import SeePeer as SeePeer
 from node.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from node.peertable import PeerInfo, PeerTable
 from node.pipe import WorkerState
+from node.roles import ROLE_OBSERVE_S
 from node.sealing import RolloutSealer
 from node.supervision import WorkerSupervisor
 from sync.items import diff_kind, item_of
@@ -139,6 +140,10 @@ class CoreSettings:
     upload_bytes_per_s: float = float(NetworkSection().upload_bytes_per_s)
     memory_budget_mb: int = NodeSection().memory_budget_mb
     follow: tuple[bytes, ...] = ()  # configured lineages (empty: choose by demand)
+    # roles not configured and the hardware lets it train: train or follow by the swarm's need (roles.PodRule)
+    choose_mode: bool = False
+    role_observe_s: float = ROLE_OBSERVE_S
+    role_dwell_s: float = NodeSection().role_dwell_s
     max_peers: int = 1024
     max_lineages: int = 256
 
@@ -146,6 +151,7 @@ class CoreSettings:
     def from_config(cls, cfg: Any, node_roles: list[str], hardware_class: str) -> CoreSettings:
         t = cfg.training
         return cls(swarm=cfg.node.swarm, roles=tuple(node_roles), hardware=hardware_class,
+                   choose_mode=roles.chooses_mode(cfg.node.roles, node_roles), role_dwell_s=cfg.node.role_dwell_s,
                    max_staleness=cfg.sync.max_staleness, publish_every=max(1, cfg.sync.publish_every),
                    external_rollouts=t.external_rollouts, group_size=t.group_size, max_new_tokens=t.max_new_tokens,
                    upload_bytes_per_s=float(cfg.network.upload_bytes_per_s),
@@ -173,6 +179,11 @@ class NodeCore:
         self.s = settings
         self.ident = identity
         self.roles = list(settings.roles)
+        # trains or follows by the swarm's need; its jitter (from the key) spreads the decisions of nodes
+        # that started together
+        self.pods = (roles.PodRule("trainer" if "trainer" in self.roles else "follower", now,
+                                   settings.role_observe_s, settings.role_dwell_s, identity.public[0] / 256)
+                     if settings.choose_mode else None)
         # the sub-machines (each owns its rules and state; the core routes events to them)
         self.peer_table = PeerTable(settings.max_peers, identity.peer_id)
         self.table = LineageTable(settings.max_lineages)
@@ -186,7 +197,7 @@ class NodeCore:
         self.counts: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
                                        "used": 0, "rollouts_published": 0, "bytes_down": 0,
                                        "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0,
-                                       "spot_eligible": 0}
+                                       "spot_eligible": 0, "role_switches": 0}
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.tokenizer = b""  # our worker's tokenizer hash (its Ready): deliveries under another earn no credit
         self.supplied = Deliveries(max_peers=settings.max_peers)  # verified rollouts of any lineage, per producer
@@ -365,6 +376,7 @@ class NodeCore:
     def _tick(self, now: float, wall_ms: int, out: list[Action]) -> None:
         if now >= self._next_announce:
             self._next_announce = now + ANNOUNCE_EVERY_S
+            self._choose_mode(now, out)
             self._choose_serving(now, out)
             self._plan_exchange(now, out)
             out.append(Publish("announce", self._announce(now, wall_ms)))
@@ -433,7 +445,7 @@ class NodeCore:
     # ------------------------------------------------------------ roles and the capacity rule
     def _demand(self, now: float) -> wire.LineageDemand | None:
         lin = self.table.rows.get(self.own) if self.own is not None else None
-        if lin is None:
+        if lin is None or "trainer" not in self.roles:  # a trainer turned follower no longer asks for its lineage
             return None
         # The capacity rule counts in published versions (the staleness bound is in versions): one
         # version spans `publish_every` optimizer steps, and needs that many steps' external rollouts.
@@ -459,6 +471,45 @@ class NodeCore:
                                   step_time_s=step_t, max_staleness=self.s.max_staleness,
                                   standby=lin.activation.standby[:256],
                                   supply_rollouts_per_s=min(max(0.0, supply), 1e9))
+
+    @property
+    def role_reason(self) -> str:
+        """Why this node trains or follows, when it chooses (else "")."""
+        return self.pods.reason if self.pods is not None else ""
+
+    def _choose_mode(self, now: float, out: list[Action]) -> None:
+        """Pods by default (`roles.want_mode`, `roles.PodRule`): train our own lineage or generate for a published
+        one short of rollouts. Only what publishers sign counts: their demand, bounded by the cadence of their
+        signed versions, and the supply they count (followers' claims capped by verified delivery)."""
+        if self.pods is None:
+            return
+        mode = self.pods.mode
+        me = roles.Offer(self.ident.peer_id, roles.offer_rate(self.gen_tps, self.tokens_per_rollout), self.latency)
+        options = []
+        for lin, d in self.table.followable(now):
+            if not lin.manifests and not lin.delivered:
+                continue  # announced, never published: a head moved by announces proves no training
+            mine = me.rollouts_per_s if mode == "follower" and lin.lineage == self.committed else 0.0
+            options.append(roles.PodOption(lin.lineage, d, max(0.0, lin.supply - mine), lin.signed_head,
+                                           me.peer_id in lin.standby))
+        own = self.table.rows.get(self.own) if self.own is not None else None
+        act = own.activation if own is not None and mode == "trainer" else None
+        wanted = roles.want_mode(mode, options, me, (own.head, own.lineage) if own is not None else None,
+                                 act.supply if act is not None and act.active else 0.0, self.dissemination_s(now))
+        new = self.pods.step(now, wanted)
+        if new is None:
+            return
+        self.roles = roles.switch_roles(self.roles, new)
+        # the new worker starts afresh: nothing followed, nothing told; the store keeps every lineage it held
+        self.table.serving = self.table.committed = None
+        self.follow_info, self.admitted, self.pace_rate = None, None, 0.0
+        self.serving_reason = ""
+        self.catchup.reset()
+        self.outbox = exchange.Outbox(now) if new == "trainer" else None
+        self.counts["role_switches"] += 1
+        out.append(Log("role", {"roles": list(self.roles), "reason": self.pods.reason}))
+        self.supervisor.restart_for(now, out)
+        out.append(RestartWorker(0.0, tuple(self.roles)))
 
     def _choose_serving(self, now: float, out: list[Action]) -> None:
         if "follower" not in self.roles:

@@ -138,12 +138,21 @@ def _exchange(s: NodeStatus) -> str:
                if x.sample_rate is not None and x.sample_fraction is not None else ""))
 
 
+def roles_line(s: NodeStatus) -> str:
+    """The roles, and why: chosen by the swarm's need (with the switches so far), configured, or the hardware's."""
+    roles = ", ".join(s.roles) or "—"
+    how = "chosen by the swarm's need" + (f", switched {s.role_switches}×" if s.role_switches else "") \
+        if s.roles_chosen else ""
+    why = "; ".join(x for x in (how, s.roles_reason) if x)
+    return f"{roles}  ({why})" if why else roles
+
+
 def node_panel(s: NodeStatus) -> Panel:
     serving = short(s.serving) if s.serving else "—"
     if any(lin.on_trial and lin.lineage == s.serving for lin in s.lineages):  # the worker still serves `following`
         serving += f" on trial; worker follows {short(s.following) if s.following else '—'}"
     rows: list[tuple[str, str | Text]] = [
-        ("peer", s.peer_id), ("roles", ", ".join(s.roles) or "—"),
+        ("peer", s.peer_id), ("roles", Text(roles_line(s))),
         ("state", f"{s.state} / worker {s.worker}"
                   + (f" (restarted {s.worker_restarts}×)" if s.worker_restarts else "") + f", up {s.uptime_s:.0f} s"),
         ("serving", Text(f"{serving}  ({s.serving_reason})" if s.serving_reason else serving)),
@@ -201,7 +210,8 @@ def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = 
             for k in cells:
                 cells[k].append("not answering" if k == "worker" else "—")
             continue
-        own = next((lin for lin in s.lineages if lin.relation == "own"), None)
+        # a trainer turned follower keeps its lineage (relation own) on disk: it shows what it serves now
+        own = next((lin for lin in s.lineages if lin.relation == "own"), None) if "trainer" in s.roles else None
         fol = next((lin for lin in s.lineages if lin.lineage == s.serving), None)
         lin = own or fol
         where = f"own {short(own.lineage, 8)}" if own else (f"→ {short(s.serving, 8)}" if s.serving else "—")
@@ -211,7 +221,7 @@ def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = 
             where += " (stale: paused, catching up)"
         elif not own and s.serving_reason:
             where += f" ({s.serving_reason[:40]})"
-        cells["roles"].append(",".join(s.roles))
+        cells["roles"].append(",".join(s.roles) + (f" (auto, {s.role_switches}×)" if s.roles_chosen else ""))
         cells["worker"].append(s.worker)
         cells["lineage"].append(Text(where))
         cells["version"].append(f"{lin.held} (lag {lin.lag})" if lin else "—")

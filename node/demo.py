@@ -22,6 +22,9 @@ STARTUP_ALLOWANCE_S = 240.0  # process start + model load on a busy 2-core machi
 DEMO_SWARM = "murmur-demo"
 
 
+AUTO = "auto"  # a demo node with no configured roles: it trains or generates by the swarm's need
+
+
 def node_config(roles: list[str], model: str, swarm: str = DEMO_SWARM, task_set: str = "builtin",
                 coordinator: str = "", max_new_tokens: int = 8, seed: int = 0) -> dict[str, dict[str, Any]]:
     """A demo node's config sections (`launch.NodeLaunch.config`); `seed`: its trainer's (task draws, sampling),
@@ -118,11 +121,13 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
         if s is None:
             nodes.append({"node": name, "error": "not answering"})
             continue
-        own = next((x for x in s.lineages if x.relation == "own"), None)
+        # a trainer turned follower keeps its lineage (relation own) on disk: what it holds now is what it serves
+        own = next((x for x in s.lineages if x.relation == "own"), None) if "trainer" in s.roles else None
         fol = next((x for x in s.lineages if x.lineage == s.serving), None)
         held = own or fol
         nodes.append({
-            "node": name, "peer_id": s.peer_id, "roles": s.roles, "reward_start": s.reward_start,
+            "node": name, "peer_id": s.peer_id, "roles": s.roles, "roles_reason": s.roles_reason,
+            "roles_chosen": s.roles_chosen, "role_switches": s.role_switches, "reward_start": s.reward_start,
             "reward_end": s.reward_now, "versions_published": s.versions_published,
             "versions_applied": s.versions_applied, "held_version": held.held if held else None,
             "serving": s.serving, "rollouts_made": s.exchange.produced_rollouts, "rollouts_produced": s.rollouts_produced,
@@ -166,7 +171,8 @@ def summary_table(summary: dict[str, Any]) -> Any:
             for i, k in enumerate(rows):
                 rows[k].append(n["error"] if i == 0 else "—")
             continue
-        for k, v in zip(rows, (",".join(n["roles"]), f"{f(n['reward_start'])}→{f(n['reward_end'])}",
+        auto = f" (auto, {n['role_switches']}×)" if n.get("roles_chosen") else ""
+        for k, v in zip(rows, (",".join(n["roles"]) + auto, f"{f(n['reward_start'])}→{f(n['reward_end'])}",
                                str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_made"]),
                                str(n["rollouts_produced"]),
                                str(n["rollouts_published"]), str(n["rollouts_verified"]),
@@ -205,9 +211,10 @@ def shown(node_roles: list[list[str]], statuses: list[NodeStatus | None], until_
     held-out accuracy of the weights it holds (0: never)."""
     if until_steps <= 0 or any(s is None for s in statuses):
         return False
-    return all((s.steps >= until_steps if "trainer" in roles else True)
-               and (s.versions_applied >= 1 and s.heldout_now is not None if "follower" in roles else True)
-               for roles, s in zip(node_roles, statuses) if s is not None)
+    return all((s.steps >= until_steps if "trainer" in now else True)
+               and (s.versions_applied >= 1 and s.heldout_now is not None if "follower" in now else True)
+               for roles, s in zip(node_roles, statuses) if s is not None
+               for now in [s.roles if roles == [AUTO] else roles])
 
 
 def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = None, workdir: Path | None = None,
@@ -223,7 +230,8 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
     console = console or Console()
     node_roles = node_roles or [["trainer"], ["trainer", "validator"], ["follower", "validator"]]
     for r in node_roles:
-        check_roles(r)
+        if r != [AUTO]:
+            check_roles(r)
     demo_set = DemoTaskSet(task_set) if task_set is not None else None  # bad file: one-line error, nothing started
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="murmur-demo-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -241,10 +249,10 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
     for index, (home, roles) in enumerate(zip(homes, node_roles)):
         home.mkdir(parents=True, exist_ok=True)
         if demo_set is None:
-            cfg = node_config(roles, str(model), seed=index)
+            cfg = node_config([] if roles == [AUTO] else roles, str(model), seed=index)
         else:
             demo_set.install(home)
-            cfg = node_config(roles, str(model), task_set=demo_set.manifest.name,
+            cfg = node_config([] if roles == [AUTO] else roles, str(model), task_set=demo_set.manifest.name,
                               coordinator=demo_set.coordinator.public.hex(), max_new_tokens=demo_set.max_new_tokens,
                               seed=index)
         specs.append(launch.NodeLaunch(home=str(home), config=cfg))

@@ -185,6 +185,7 @@ class ToWorker:
 @dataclass(frozen=True, slots=True)
 class RestartWorker:
     delay_s: float
+    roles: tuple[str, ...] = ()  # the roles the new worker runs with (empty: the node's roles as they are)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,11 @@ class Metrics:
         self.task_sets = Gauge("murmur_exchange_task_set_rollouts",
                                "rollouts verified and used per task set (at most 64 sets, the rest as 'other')",
                                ["task_set", "kind"], registry=r)
+        self.role = Gauge("murmur_role", "1 for each role the node holds now (trainer, follower, validator); "
+                          "`reason` says why (a switch replaces the series)", ["role", "reason"], registry=r)
+        self.role_switches = Gauge("murmur_role_switches_total", "switches between training and generating "
+                                   "(roles chosen by the swarm's need)", registry=r)
+        self._role_key: tuple[str, ...] = ()
         self._server: Any = None
         self.port = 0
 
@@ -76,6 +81,14 @@ class Metrics:
 
     def update(self, s: NodeStatus) -> None:
         self.peers.set(len(s.peers))
+        reason = s.roles_reason[:120]
+        key = tuple(s.roles) + (reason,)
+        if key != self._role_key:  # one series per role held now, labelled with the reason
+            self.role.clear()
+            self._role_key = key
+            for role in s.roles:
+                self.role.labels(role, reason).set(1)
+        self.role_switches.set(s.role_switches)
         for lin in s.lineages:
             self.version.labels(lin.lineage[:16], lin.relation).set(lin.held)
             self.lag.labels(lin.lineage[:16]).set(lin.lag)

@@ -1,8 +1,13 @@
 """Role choice and the capacity rule (sans-IO: pure functions of announces and a clock reading).
 
-Roles follow the hardware: a node that can hold a trainable copy of the model
-within its memory budget trains its own lineage; weaker nodes follow a
+Roles start from the hardware: a node that can hold a trainable copy of the
+model within its memory budget may train its own lineage; weaker nodes follow a
 stronger node's lineage and generate rollouts for it; GPU nodes also validate.
+A node that may train and has no configured roles then chooses by the swarm's
+need (`want_mode`, `PodRule`): it generates for a published lineage that is
+short of rollouts and trains its own when every lineage's demand is met, so
+nodes that start alike form pods (a trainer and its followers) rather than
+lone lineages; it switches at most once a dwell.
 
 The capacity rule (docs/architecture.md, after ECHO-2): a trainer needing B
 rollouts per version, a version every T_L seconds, staleness bound S, needs a
@@ -72,6 +77,12 @@ def choose_roles(configured: Sequence[str], hardware_class: str, memory_budget_m
     if hardware_class.startswith("gpu"):
         return ["trainer", "validator"], f"{hardware_class}: train own lineage and spot-check rollouts"
     return ["trainer"], f"cpu with {usable_mb} MiB usable: train own lineage (swarm sampling)"
+
+
+def chooses_mode(configured: Sequence[str], node_roles: Sequence[str]) -> bool:
+    """Whether the node trains or follows by the swarm's need (`PodRule`): no configured roles, and the
+    hardware lets it train."""
+    return not configured and "trainer" in node_roles
 
 
 # ---------------------------------------------------------------- capacity rule
@@ -240,3 +251,108 @@ def choose_lineage(me: Offer, options: Iterable[LineageOption], dissemination_s:
     if len(eligible) == 1 and len(opts) == 1:
         reason = "only lineage announced; " + reason
     return Choice(best.lineage, reason)
+
+
+# ---------------------------------------------------------------- pods by default: train or generate
+
+# A node whose roles come from its hardware (none configured) and that may train starts as a trainer, watches
+# the swarm this long, then trains or follows by the swarm's need; after that it switches at most once a dwell.
+ROLE_OBSERVE_S = 60.0
+ROLE_DWELL_S = 300.0
+# Each node's dwell is stretched by its own fraction (from its key) of this much: nodes that started together
+# decide at different times, so each sees what those before it chose.
+ROLE_JITTER = 0.5
+# A trainer follows a lineage only if what it lacks is at least this share of what the trainer would generate.
+FOLLOW_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class PodOption:
+    """A published lineage (a signed manifest of it was accepted) as a node that may train sees it.
+
+    `demand`: its publisher's signed demand, its step time no shorter than the signed versions' cadence
+    (`node.lineages.LineageTable.effective_demand`); `supply`: the supply its publisher signs (followers'
+    claims capped by their verified delivery), less this node's own share; `standby`: its publisher told
+    this node to stand by. Nothing a follower says of itself enters."""
+
+    lineage: bytes
+    demand: Demand
+    supply: float
+    head: int
+    standby: bool = False
+
+
+def pod_unmet(o: PodOption, margin: float = DEFAULT_MARGIN) -> float:
+    return required_rate(o.demand, margin) - max(0.0, o.supply)
+
+
+def want_mode(mode: str, options: Iterable[PodOption], me: Offer, own: tuple[int, bytes] | None,
+              own_supply: float = 0.0, dissemination_s: float = 0.0,
+              margin: float = DEFAULT_MARGIN) -> tuple[str, str]:
+    """("trainer" | "follower", why): what a node able to train should be, from what it observes now.
+
+    It follows while a lineage it can serve within the staleness bound, and was not told to stand by for,
+    has unmet demand (a trainer: at least `FOLLOW_SHARE` of its own generation rate); it trains when every
+    such lineage's demand is met. A trainer whose own lineage has
+    followers (`own_supply`, what its activation counts) keeps its pod; and a trainer follows only a lineage
+    at least as far along as its own (`own`: its head and id; ties by id), so trainers that start together
+    never all leave their lineages on the same evidence: the one furthest along keeps training.
+    """
+    # a trainer leaves its lineage only for a gap worth a share of what it would generate: a publisher whose
+    # signed versions come slowly asks for little (its demand is bounded by their cadence) and pulls no one
+    floor = FOLLOW_SHARE * me.rollouts_per_s if mode == "trainer" else 0.0
+    best: tuple[float, PodOption] | None = None
+    for o in options:
+        gap = pod_unmet(o, margin)
+        if gap <= max(floor, 1e-9) or o.standby or not fits_staleness(o.demand, me.rollout_latency_s, dissemination_s):
+            continue
+        if mode == "trainer" and own is not None and (o.head, o.lineage) <= own:
+            continue
+        if best is None or (gap, o.lineage) > (best[0], best[1].lineage):
+            best = (gap, o)
+    if mode == "trainer" and own_supply > 0:
+        return "trainer", f"my lineage has followers ({own_supply:.1f} rollouts/s): keep training it"
+    if best is not None:
+        return "follower", f"lineage {best[1].lineage.hex()[:8]} is {best[0]:.1f} rollouts/s short: generate for it"
+    return "trainer", "no published lineage I can serve in time is short of rollouts: train my own"
+
+
+class PodRule:
+    """The mode of a node able to train whose roles are not configured (sans-IO: `now` passed in).
+
+    The first decision comes `observe_s` after start; after a switch the node stays `dwell_s` (stretched by
+    its `jitter` in [0, 1) times `ROLE_JITTER`) in its mode, however the announces it hears change: it
+    switches at most once a dwell. `reason` says why it is in its mode (and when it may leave it).
+    """
+
+    def __init__(self, mode: str, now: float, observe_s: float = ROLE_OBSERVE_S, dwell_s: float = ROLE_DWELL_S,
+                 jitter: float = 0.0) -> None:
+        if mode not in ("trainer", "follower"):
+            raise ValueError(f"mode {mode!r}")
+        self.mode = mode
+        self.stretch = 1.0 + ROLE_JITTER * min(max(jitter, 0.0), 1.0)
+        self.dwell_s = max(0.0, dwell_s)
+        self.since = now
+        self.next_at = now + max(0.0, observe_s) * self.stretch
+        self.switches = 0
+        self.reason = f"{mode} from the hardware; watching the swarm before choosing"
+
+    def step(self, now: float, wanted: tuple[str, str]) -> str | None:
+        """Feed `want_mode`'s answer at `now`: the new mode when the node switches now, else None."""
+        mode, why = wanted
+        if mode == self.mode:
+            watching = not self.switches and now < self.next_at
+            self.reason = f"{why} (watching the swarm: first choice in {self.next_at - now:.0f} s)" if watching else why
+            return None
+        if now < self.next_at:
+            self.reason = f"{why} (in {self.next_at - now:.0f} s: a node keeps its mode {self.dwell_s:.0f} s)"
+            return None
+        self.mode, self.since, self.reason = mode, now, why
+        self.next_at = now + self.dwell_s * self.stretch
+        self.switches += 1
+        return mode
+
+
+def switch_roles(roles: Sequence[str], mode: str) -> list[str]:
+    """`roles` with trainer/follower set to `mode`; validator kept as it was."""
+    return [mode] + [r for r in roles if r not in ("trainer", "follower")]

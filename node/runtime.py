@@ -438,7 +438,10 @@ class Node:
         elif isinstance(a, C.RequestOffer):
             self.nursery.start_soon(self._request_offer, a)
         elif isinstance(a, C.RestartWorker):
-            self.nursery.start_soon(self._restart_worker, a.delay_s)
+            if a.roles:  # the core chose to train or to generate: the next worker runs that role
+                self.roles = list(a.roles)
+            # a live worker being replaced gets the shutdown grace to write its follower checkpoint
+            self.nursery.start_soon(self._restart_worker, a.delay_s, STOP_GRACE_S if a.roles else 0.5)
         elif isinstance(a, C.ResendTaskSets):
             self._resend_task_sets = True
         elif isinstance(a, (C.Accept, C.Decline)):
@@ -502,11 +505,11 @@ class Node:
         self.worker = await self._spawn_worker(worker_spec(self.cfg, self.home, self.ident, self.roles, self.opts))
         await self.feed(C.WorkerStarted())
 
-    async def _restart_worker(self, delay_s: float) -> None:
+    async def _restart_worker(self, delay_s: float, grace_s: float = 0.5) -> None:
         await trio.sleep(delay_s)
         old = self.worker
         if old is not None:
-            await old.stop(0.5)
+            await old.stop(grace_s)
         await self._start_worker()
         event(log, "worker restarted", restarts=self.core.stats()["worker_restarts"])
 

@@ -211,6 +211,11 @@ class NodeStatus(Struct, kw_only=True):
     peer_id: str = ""
     swarm: str = ""
     roles: list[str] = []
+    # why it holds them: "configured", the hardware's reason, or (roles chosen by the swarm's need) why it
+    # trains or generates now
+    roles_reason: str = ""
+    roles_chosen: bool = False  # it trains or generates by the swarm's need (no configured roles)
+    role_switches: int = 0  # switches between training and generating in this run
     hardware: str = ""
     listen: list[str] = []
     state: str = "starting"  # starting | running | stopping

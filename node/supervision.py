@@ -5,6 +5,7 @@ The runtime starts a worker (`WorkerStarted`); the worker reports its state (`no
 ready, its engine and its errors. When it exits, it is restarted (`RestartWorker`) after a backoff that
 grows with each exit in a row (`RESTART_BACKOFF_S`) and starts over once a worker ran for
 `WORKER_STABLE_S`; an exit while a restart is already due is the same exit, not another (one restart each).
+A restart the core asks for itself (its roles changed: `restart_for`) is not an exit and costs no backoff.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class WorkerSupervisor:
         self.started = now
         self.in_row = 0  # exits since the last stable run
         self.restarts = 0
+        self.replacing = False  # a restart the core asked for is under way: the old worker's last words are not news
 
     @property
     def down(self) -> bool:
@@ -36,6 +38,7 @@ class WorkerSupervisor:
     def on_started(self, now: float) -> None:
         self.started = now
         self.state = WorkerState.STARTING
+        self.replacing = False
 
     def on_exit(self, code: int | None, now: float, out: list[Action]) -> bool:
         """The worker process exited: whether a restart was scheduled (False: one is already due)."""
@@ -54,7 +57,18 @@ class WorkerSupervisor:
         out.append(RestartWorker(delay))
         return True
 
+    def restart_for(self, now: float, out: list[Action]) -> None:
+        """The core restarts the worker on purpose (its roles changed): until the new worker starts, the old
+        one's exit is this restart, not a failure (it schedules no other and leaves the backoff as it was), and
+        what it still reports while it finishes its step (its state) does not undo that."""
+        self.replacing = True
+        self.state = WorkerState.RESTARTING
+        self.error = ""
+        out.append(Log("worker restarting", {"why": "roles changed"}))
+
     def on_state(self, state: WorkerState, out: list[Action]) -> None:
+        if self.replacing:
+            return
         self.state = state
         out.append(Log("worker state", {"state": state.value}))
 

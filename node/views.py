@@ -73,7 +73,9 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
     live = sum(tr.session.bytes_in for tr in list(node.bcast.transfers.values())
                if not tr.session.complete) if node.bcast is not None else 0
     return NodeStatus(
-        peer_id=node.ident.peer_id, swarm=node.cfg.node.swarm, roles=node.roles, hardware=node.hw_class,
+        peer_id=node.ident.peer_id, swarm=node.cfg.node.swarm, roles=list(c.roles), hardware=node.hw_class,
+        roles_reason=c.role_reason or node.roles_reason, roles_chosen=c.pods is not None,
+        role_switches=counts["role_switches"],
         listen=node.transport.listen_addrs() if node.transport else [], state=node.state,
         uptime_s=now - node.started, worker=c.worker_state.value, worker_error=c.worker_error[:2000], engine=c.engine,
         worker_restarts=counts["worker_restarts"], worker_pid=pids[0] if pids else 0,
@@ -137,10 +139,10 @@ def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
 
 def status_fields(s: NodeStatus) -> dict[str, Any]:
     """The periodic `status` log line of a node without a dashboard."""
-    own = next((x for x in s.lineages if x.relation == "own"), None)
+    own = next((x for x in s.lineages if x.relation == "own"), None) if "trainer" in s.roles else None
     fol = next((x for x in s.lineages if x.lineage == s.serving), None)
     held = own or fol
-    return dict(peers=len(s.peers), worker=s.worker, steps=s.steps, version=held.held if held else None,
+    return dict(peers=len(s.peers), roles=s.roles, worker=s.worker, steps=s.steps, version=held.held if held else None,
                 lag=fol.lag if fol else None, serving=s.serving[:16], reward=s.reward_now, produced=s.rollouts_produced,
                 accepted=s.rollouts_accepted, rejected=s.rejected, bytes_up=s.bytes_up, bytes_down=s.bytes_down,
                 rss_mb=round(s.memory_rss_mb), worker_restarts=s.worker_restarts)

@@ -33,6 +33,7 @@ from typing import Any
 
 from gossip.errors import MurmurError
 from node import launch
+from node.roles import TRAINER_MIN_BUDGET_MB
 from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vnode import identity_for
@@ -113,8 +114,10 @@ class Emulation:
 
     def _config(self, p: _Proc) -> dict[str, dict[str, Any]]:
         tr, s, sc = self.sc.training, p.spec, self.sc
-        return {"node": {"swarm": sc.swarm, "roles": ["trainer" if s.role == "trainer" else "follower"],
-                         "hardware": "cpu", "memory_budget_mb": 1024},
+        # an auto node configures no roles and the least budget a trainer needs: it chooses, as a volunteer's does
+        roles = [] if s.role == "auto" else ["trainer" if s.role == "trainer" else "follower"]
+        return {"node": {"swarm": sc.swarm, "roles": roles, "hardware": "cpu",
+                         "memory_budget_mb": TRAINER_MIN_BUDGET_MB if s.role == "auto" else 1024},
                 "network": {"dht": False},
                 "training": {"local_rollouts": tr.local_groups, "external_rollouts": tr.external_groups,
                              "group_size": tr.group_size, "seed": sc.seed * 1000 + s.index, "threads": 1},

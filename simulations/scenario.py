@@ -35,7 +35,9 @@ class NodeGroup(Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: Annotated[str, Meta(min_length=1, max_length=64)] = "node"
     count: Annotated[int, Meta(ge=1, le=MAX_NODES)] = 1
-    role: Literal["trainer", "follower"] = "trainer"
+    # auto: no configured roles, as a volunteer's default node: it trains or generates by the swarm's need
+    # (node.roles.PodRule), starting as a trainer
+    role: Literal["trainer", "follower", "auto"] = "trainer"
     follow: Annotated[int, Meta(ge=0)] = 0  # followers: index of the trainer node whose lineage they track
     upload_bytes_per_s: Annotated[float, Meta(gt=0.0, le=1e12)] = 12_500_000.0  # 100 Mbit/s
     download_bytes_per_s: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0  # 0 = unlimited
@@ -205,11 +207,11 @@ def _semantic_checks(sc: Scenario) -> list[tuple[str, str]]:
     trainers: set[int] = set()
     idx = 0
     for g in sc.groups:
-        if g.role == "trainer":
+        if g.role in ("trainer", "auto"):
             trainers.update(range(idx, idx + g.count))
         idx += g.count
     if not trainers:
-        bad.append(("group", 'no group has role = "trainer": nothing would train'))
+        bad.append(("group", 'no group has role = "trainer" or "auto": nothing would train'))
     for i, g in enumerate(sc.groups):
         if g.leave_s is not None and g.leave_s <= g.join_s:
             bad.append((f"group[{i}].leave_s", f"leave_s ({g.leave_s}) must come after join_s ({g.join_s})"))

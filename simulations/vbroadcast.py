@@ -63,7 +63,7 @@ def setup_broadcasts(sc: Scenario, nodes: list[VNode], rng: random.Random, row: 
             nodes[i].patch_delay = t if t is not None else sc.duration_s
     # measured swarm-wide broadcasts, sample of receivers (adversaries included)
     every = [n.spec.index for n in nodes]
-    trainers = [n.spec.index for n in nodes if n.spec.role == "trainer"]
+    trainers = [n.spec.index for n in nodes if n.spec.role in ("trainer", "auto")]
     for b in range(sc.sync.broadcasts):
         origin = trainers[b % len(trainers)]
         pool = [i for i in every if i != origin]
@@ -81,4 +81,9 @@ def setup_broadcasts(sc: Scenario, nodes: list[VNode], rng: random.Random, row: 
                     "bans": res["bans"], "hashes_ok": res["all_hashes_match"]})
         for i, bo in res["bytes_out"].items():
             bytes_up[i] += bo
+    # a node whose core may turn it into a follower fetches patches as a measured swarm-wide broadcast did
+    measured = max((b["max_s"] for b in out if b["max_s"] is not None and math.isfinite(b["max_s"])), default=0.0)
+    for n in nodes:
+        if n.spec.role == "auto" and not n.patch_delay:
+            n.patch_delay = measured
     return out

@@ -168,10 +168,10 @@ class VirtualSim:
         self.net = Network(sc, self.nodes, self.queue, self.rng, self.recorder.counts, self.shared, MEMO_HORIZON_S)
         self.driver = CoreDriver(sc, self.nodes, self.queue, self.net, self.workers, self.recorder, self.shared,
                                  resolve, reward)
-        trainers = [n.lineage for n in self.nodes if n.spec.role == "trainer"]
+        trainers = [n.lineage for n in self.nodes if n.role == "trainer"]
         for n in self.nodes:
             n.pipeline = self.driver.pipeline(n)
-            if n.spec.role == "trainer":
+            if n.role == "trainer":
                 self.workers.equip(n)
             elif n.spec.role == "adversary":
                 n.adversary = self._adversary(n, trainers)

@@ -84,3 +84,9 @@ class VNode:
     shards: tuple[int, ...] = ()  # rollout shards subscribed
     shard_count: int = 1
     duplicates: int = 0  # copies of a batch it already had
+    # what its worker runs now: trainer | follower | adversary (an auto node starts as a trainer, and its
+    # core may switch it: `Workers.restart`)
+    role: str = ""
+
+    def __post_init__(self) -> None:
+        self.role = self.role or ("trainer" if self.spec.role == "auto" else self.spec.role)

@@ -51,7 +51,7 @@ class Recorder:
 def core_summary(nodes: list[VNode], recorder: Recorder) -> dict[str, Any]:
     """What the nodes' cores decided and what the simulator carried out for them."""
     cores = [n.core for n in nodes if n.core is not None]
-    followers = [n for n in nodes if n.spec.role == "follower"]
+    followers = [n for n in nodes if n.role == "follower"]
     return {
         "actions": dict(sorted(recorder.counts.items())),
         "logs": dict(recorder.core_logs.most_common(24)),
@@ -66,6 +66,30 @@ def core_summary(nodes: list[VNode], recorder: Recorder) -> dict[str, Any]:
     }
 
 
+def pods_summary(nodes: list[VNode], recorder: Recorder) -> dict[str, Any]:
+    """The shape the roles took by the end: live trainers, how many lead a pod (at least one live follower's
+    worker generates for its lineage), followers per pod, and the switches the auto nodes' cores made."""
+    live = [n for n in nodes if n.alive and n.core is not None]
+    lineage_of = {n.lineage: n for n in live if n.role == "trainer"}
+    pod: Counter[bytes] = Counter()
+    unattached = 0
+    for n in live:
+        if n.role != "follower":
+            continue
+        lid = n.core.committed if n.core is not None else None
+        if lid in lineage_of:
+            pod[lid] += 1
+        else:
+            unattached += 1
+    sizes = sorted(pod.values(), reverse=True)
+    return {"auto_nodes": sum(1 for n in nodes if n.spec.role == "auto"), "trainers": len(lineage_of),
+            "pods": len(sizes), "lone_trainers": len(lineage_of) - len(sizes),
+            "followers_per_pod": round(sum(sizes) / len(sizes), 3) if sizes else 0.0,
+            "followers_per_trainer": round(sum(sizes) / len(lineage_of), 3) if lineage_of else 0.0,
+            "largest_pod": sizes[0] if sizes else 0, "followers_unattached": unattached,
+            "role_switches": recorder.core_logs["role"]}
+
+
 def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: float, shard_count: int
                      ) -> dict[str, Any]:
     """Per-node load of the rollout exchange over `end` virtual seconds: what each trainer (a consumer)
@@ -78,7 +102,7 @@ def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: flo
 
     out: dict[str, Any] = {}
     for role in ("trainer", "follower"):
-        ns = [n for n in nodes if n.spec.role == role and n.core is not None]
+        ns = [n for n in nodes if n.role == role and n.core is not None]
         if not ns:
             continue
         rec = [n.stats.counts["received_rollouts"] / span for n in ns]
@@ -139,7 +163,7 @@ def summary(sc: Scenario, nodes: list[VNode], recorder: Recorder, *, end: float,
             wall_s: float, cpu_s: float, build_s: float, setup_s: float, broadcasts: list[dict[str, Any]],
             skill_at: dict[bytes, list[float]], exchange: dict[str, Any]) -> dict[str, Any]:
     """The run's summary (`docs/researcher.md` lists its keys); `end`: the virtual seconds it ran."""
-    trainers = [n for n in nodes if n.spec.role == "trainer"]
+    trainers = [n for n in nodes if n.sampler is not None]  # every node that trained (some may follow now)
     swarm = sum(n.reward_sum for n in trainers)
     iso = sum(n.iso_sum for n in trainers)
     return {
@@ -172,6 +196,7 @@ def summary(sc: Scenario, nodes: list[VNode], recorder: Recorder, *, end: float,
         "broadcasts": broadcasts,
         "graylist_threshold": sc.gossip.graylist_threshold,
         "cores": core_summary(nodes, recorder),
+        "pods": pods_summary(nodes, recorder),
         "exchange": exchange,
         "modelled": MODELLED,
     }

@@ -123,7 +123,10 @@ class CoreDriver:
         """A (re)started node's network process: a fresh core (`n.core`), as `node.runtime` builds it."""
         s, tr = n.spec, self.sc.training
         follow = (self.nodes[s.follow].lineage,) if s.role == "follower" and s.follow is not None else ()
-        settings = CoreSettings(swarm=self.sc.swarm, roles=(s.role,), max_staleness=tr.max_staleness,
+        auto = s.role == "auto"
+        if auto:  # a (re)started node with no configured roles starts as its hardware says: a trainer
+            n.role = "trainer"
+        settings = CoreSettings(swarm=self.sc.swarm, roles=(n.role,), choose_mode=auto, max_staleness=tr.max_staleness,
                                 publish_every=self.sc.sync.publish_every, external_rollouts=tr.external_groups,
                                 group_size=tr.group_size, max_new_tokens=TOKENS_PER_ROLLOUT,
                                 upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
@@ -195,9 +198,11 @@ class CoreDriver:
         elif isinstance(a, (SeePeer, ResendTaskSets)):
             pass  # a peer persisted for discovery, our task sets sent again: the simulated swarm has one task set
         elif isinstance(a, RestartWorker):
-            # the core asks for a restart only after a WorkerExited, which nothing here feeds: modelled workers
-            # never exit
-            raise AssertionError("a restart of a simulated worker, which never exits")
+            # a change of roles (an auto node's core chose to train or to generate); the core asks for any other
+            # restart only after a WorkerExited, which nothing here feeds: modelled workers never exit
+            if not a.roles:
+                raise AssertionError("a restart of a simulated worker, which never exits")
+            self.workers.restart(n, a.roles)
         elif isinstance(a, (Accept, Decline)):
             pass  # answers to ManifestOffered, which the broadcast asks through `offer_manifest` (`on_manifest`)
         else:

@@ -87,10 +87,23 @@ class Workers:
 
     def start(self, n: VNode) -> None:
         """A (re)started worker: a clean slate from its core, and its Ready."""
-        n.following, n.admitted, n.pace = None, False, 0.0
         n.transfers.clear()
+        self.ready(n)
+
+    def restart(self, n: VNode, roles: tuple[str, ...]) -> None:
+        """The core restarts the worker with new roles (it chose to train or to generate): the node keeps its
+        store, its transfers in flight and its own lineage's history; the new worker starts from them."""
+        n.role = "trainer" if "trainer" in roles else "follower"
+        if n.role == "trainer" and n.sampler is None:
+            self.equip(n)
+        self.recorder.row("event", t=self.queue.now, node=n.spec.index, action=f"role {n.role}")
+        self.ready(n)
+
+    def ready(self, n: VNode) -> None:
+        """A new worker: nothing followed, admitted or paced until its core says so; its Ready."""
+        n.following, n.admitted, n.pace = None, False, 0.0
         model_bytes = item_bytes(self.sc.sync.patch_bytes, "anchor")
-        if n.spec.role == "trainer":
+        if n.role == "trainer":
             ready = pipe.Ready(BASE_MODEL.hex(), n.version, TOKENIZER.hex(), model_bytes, n.lineage.hex(), LINEAGE_NAME)
         else:
             ready = pipe.Ready(BASE_MODEL.hex(), 0, TOKENIZER.hex(), model_bytes)
@@ -198,7 +211,7 @@ class Workers:
         if tr.max_steps and n.steps >= tr.max_steps:
             return
         dt = self.step_time(n)
-        if n.spec.role == "trainer":
+        if n.role == "trainer":
             dt = self._train_step(n, dt)
             n.steps += 1
         else:
