@@ -107,8 +107,8 @@ def demo(
     task_set: Annotated[Path | None, typer.Option(
         "--task-set", help="a coordinator's task-set TOML to train on instead of the built-in set")] = None,
     until_steps: Annotated[int, typer.Option(
-        "--until-steps", help="stop early once every trainer made N steps and every follower applied a version "
-                                     "and measured its held-out accuracy")] = 0,
+        "--until-steps", help="stop early once every trainer made N steps and published a version and every "
+                              "follower applied a version and measured its held-out accuracy")] = 0,
 ) -> None:
     """A local swarm on loopback with the built-in model and tasks (or --task-set FILE.toml): watch it learn,
     then a summary with reward and held-out accuracy per task family."""

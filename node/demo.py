@@ -207,11 +207,12 @@ def family_table(rows: list[dict[str, Any]]) -> Any:
 
 
 def shown(node_roles: list[list[str]], statuses: list[NodeStatus | None], until_steps: int) -> bool:
-    """Every trainer has made `until_steps` steps and every follower applied a version and measured the
-    held-out accuracy of the weights it holds (0: never)."""
+    """Every trainer has made `until_steps` steps and published a version, and every follower applied a
+    version and measured the held-out accuracy of the weights it holds (0: never). A step with no
+    informative group updates nothing, so steps alone do not say a trainer published."""
     if until_steps <= 0 or any(s is None for s in statuses):
         return False
-    return all((s.steps >= until_steps if "trainer" in now else True)
+    return all((s.steps >= until_steps and s.versions_published >= 1 if "trainer" in now else True)
                and (s.versions_applied >= 1 and s.heldout_now is not None if "follower" in now else True)
                for roles, s in zip(node_roles, statuses) if s is not None
                for now in [s.roles if roles == [AUTO] else roles])

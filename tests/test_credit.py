@@ -14,6 +14,9 @@ def test_a_rate_divides_by_the_time_since_the_first_delivery_at_least_min_span_s
     d.add("p", 30, 120.0)
     assert d.rate("p", 120.0) == pytest.approx(60 / 20.0)
     assert d.rate("p", 101.0) == pytest.approx(60 / MIN_SPAN_S)  # one batch is not a rate
+    assert d.backed("p", 120.0) == pytest.approx(SLACK * 3.0)
+    assert d.credit("p", 120.0) == 0.0  # no sampled check passed yet: delivery earns no credit
+    d.vouch("p")
     assert d.credit("p", 120.0) == pytest.approx(SLACK * 3.0)
     assert d.rate("never", 120.0) == 0.0
 

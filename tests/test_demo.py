@@ -39,13 +39,14 @@ def test_demo_stops_once_it_has_shown_the_swarm_working() -> None:
     from node.demo import shown
     from node.status import NodeStatus
 
-    def st(steps: int = 0, applied: int = 0, heldout: float | None = 0.5) -> NodeStatus:
+    def st(steps: int = 0, applied: int = 0, heldout: float | None = 0.5, published: int = 1) -> NodeStatus:
         return NodeStatus(peer_id="p", swarm="s", roles=[], state="running", worker="training", steps=steps,
-                          versions_applied=applied, heldout_now=heldout)
+                          versions_applied=applied, heldout_now=heldout, versions_published=published)
 
     roles = [["trainer"], ["trainer", "validator"], ["follower", "validator"]]
     assert shown(roles, [st(3), st(5), st(applied=1)], 3)
     assert not shown(roles, [st(3), st(2), st(applied=1)], 3)  # a trainer short of its steps
+    assert not shown(roles, [st(3), st(3, published=0), st(applied=1)], 3)  # steps that updated nothing yet
     assert not shown(roles, [st(3), st(3), st(applied=0)], 3)  # the follower applied nothing yet
     assert not shown(roles, [st(3), st(3), st(applied=1, heldout=None)], 3)  # ... or has not measured it yet
     assert not shown(roles, [st(3), None, st(applied=1)], 3)  # a node not answering
