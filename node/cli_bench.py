@@ -56,13 +56,16 @@ def bench_gossip(
     exchange_only: Annotated[bool, typer.Option("--exchange-only", help="only the rollout exchange run")] = False,
     demand: Annotated[float, typer.Option(help="exchange run: rollouts/s each consumer uses")] = 8.0,
     duration: Annotated[float, typer.Option(help="exchange run: seconds of publishing")] = 30.0,
+    real_producers: Annotated[bool, typer.Option(
+        "--real-producers", help="exchange run: producers make 5x a consumer's demand and publish by the "
+                                 "exchange's publish rule, as trainers do")] = False,
 ) -> None:
     """Rollout gossip between real libp2p nodes: the exchange's per-node load at a fixed rate and demand;
     delivery, latency, verification rate and an adversary on one shard."""
     from simulations.bench.gossip import run
 
     _run(run, nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node,
-         exchange_only=exchange_only, demand=demand, duration_s=duration)
+         exchange_only=exchange_only, demand=demand, duration_s=duration, real_producers=real_producers)
 
 
 @bench_app.command("broadcast")

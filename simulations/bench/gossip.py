@@ -406,6 +406,9 @@ def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_
 # ------------------------------------------------------------ the rollout exchange at a fixed rate and demand
 
 
+REAL_PRODUCER_FACTOR = 5.0  # a real producer makes this many times one consumer's demand (generation outruns use)
+
+
 def bench_lineage(ident: Identity) -> bytes:
     import hashlib
 
@@ -415,7 +418,10 @@ def bench_lineage(ident: Identity) -> bytes:
 async def _exchange_child(index: int, params: dict[str, Any]) -> None:
     """One producer and consumer: publishes `rate` batches/s of its own lineage to that lineage's shard and
     joins the shards `gossip.exchange` plans for its demand (the node core's rule, fed as the announces
-    would feed it: every peer produces for its own lineage at the fixed rate)."""
+    would feed it: every peer produces for its own lineage at the fixed rate). With `real` it is a producer
+    as a trainer is: it makes `rate` batches/s (as fast as it can generate) and publishes what the
+    exchange's publish rule lets out (`publish_budget` over the other consumers' demands on its shard,
+    through an `Outbox`, as the node core does); the rest stays local."""
     import json
     import sys
 
@@ -472,11 +478,17 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
         for o in others:  # heard announcing long enough ago: not newcomers
             service.gate.announced(o.peer_id, now - exchange.ESTABLISHED_S)
         supply = {bench_lineage(o): rate * per_batch for o in others}
+        outbox = exchange.Outbox(time.monotonic()) if params.get("real") else None
 
         async def replan() -> None:
             plan = ex.plan(time.monotonic(), params["nodes"], supply, demand, home=[],
                            measured_rps=meter.rate(time.monotonic()))
             await service.set_shards(plan.shards, plan.subscribe)
+            if outbox is not None:  # every other peer consumes `demand`; those publishing on our shard share it
+                mine = ex.publish_shard(lineage)
+                sharing = 1 + sum(1 for o in others if ex.publish_shard(bench_lineage(o)) == mine)
+                outbox.set_rate(exchange.publish_budget([demand] * len(others), 0.0, sharing, False, per_batch),
+                                time.monotonic())
 
         await replan()
         print("READY", flush=True)
@@ -494,12 +506,16 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
         await trio.sleep(gap * index / params["nodes"])  # stagger publishers
         t_end = time.time() + params["duration"]
         next_plan = time.monotonic() + 2.0
-        seq = 0
+        seq = made = 0
         stats0 = dict(service.stats.counts), cpu[0], time.time()
         while time.time() < t_end:
+            made += 1
+            t_pub = time.time()
+            if outbox is not None and not outbox.take(per_batch, time.monotonic()):
+                await trio.sleep(max(0.0, gap - (time.time() - t_pub)))  # kept local, as a trainer keeps it
+                continue
             seq += 1
             data = make_batch(ident, reg, seq, n=per_batch, tokens=params["tokens"], lineage=lineage)
-            t_pub = time.time()
             try:
                 await service.publish_rollouts(data, ex.publish_shard(lineage))
                 sent[f"{ident.public.hex()}:{seq}"] = t_pub
@@ -513,7 +529,7 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
         await trio.sleep(2.0)  # batches in flight arrive
         st = service.stats
         print("DONE", json.dumps(dict(
-            sent=sent, accepted=accepted, errors=errors, span=span, cpu=cpu[0] - stats0[1],
+            sent=sent, accepted=accepted, errors=errors, span=span, cpu=cpu[0] - stats0[1], made=made,
             counts={k: st.counts[k] - stats0[0].get(k, 0) for k in st.counts}, dropped=dict(st.dropped),
             distinct=st.distinct_producers(pipeline.clock()), shards=service.shards,
             subscribed=list(service.subscribed_shards))), flush=True)
@@ -522,11 +538,15 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
 
 
 def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int = 8, tokens: int = 64,
-                 demand: float = 8.0, duration_s: float = 30.0) -> dict[str, Any]:
+                 demand: float = 8.0, duration_s: float = 30.0, real_producers: bool = False) -> dict[str, Any]:
     """`nodes` processes, each a producer (`rate_per_node` batches/s of `rollouts_per_batch`) and a consumer
-    of `demand` rollouts/s, on the rollout exchange; per-consumer inbound, verification CPU, use, reach."""
+    of `demand` rollouts/s, on the rollout exchange; per-consumer inbound, verification CPU, use, reach.
+    `real_producers`: each makes `REAL_PRODUCER_FACTOR` times the demand and publishes by the exchange's
+    publish rule, as a trainer does (`produced` and `published` say how much went out)."""
+    if real_producers:
+        rate_per_node = REAL_PRODUCER_FACTOR * demand / rollouts_per_batch
     params = dict(nodes=nodes, rate=rate_per_node, rollouts=rollouts_per_batch, tokens=tokens, demand=demand,
-                  duration=duration_s)
+                  duration=duration_s, real=real_producers)
     procs: list[subprocess.Popen] = []
     try:
         for i in range(nodes):
@@ -569,17 +589,19 @@ def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int
         distinct_producers=mm([float(d) for d in distinct]),
         delivery_p50_ms=round(lat[len(lat) // 2], 1) if lat else None,
         delivery_p95_ms=round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 1) if lat else None,
-        batches_published=len(sent), publish_errors=sum(r["errors"] for r in results), dropped=dropped)
+        batches_published=len(sent), batches_made=sum(r["made"] for r in results), real_producers=real_producers,
+        publish_errors=sum(r["errors"] for r in results), dropped=dropped)
 
 
 def run(nodes: int = 8, batches_per_node: int = 10, rate_per_node: float = 0.5, rollouts_per_batch: int = 4,
         tokens: int = 64, adversarial: bool = True, timeout_s: float = 60.0, exchange_only: bool = False,
-        demand: float = 8.0, duration_s: float = 30.0) -> dict[str, Any]:
+        demand: float = 8.0, duration_s: float = 30.0, real_producers: bool = False) -> dict[str, Any]:
     """The rollout exchange at a fixed rate and demand (`exchange`), then (unless `exchange_only`) the
     adversarial delivery run on one shard (`nodes` processes, the last one adversarial) and the pipeline alone."""
     if nodes < 3:
         raise ValueError("the gossip benchmark needs at least 3 nodes")
-    out: dict[str, Any] = {"exchange": run_exchange(nodes, demand=demand, duration_s=duration_s)}
+    out: dict[str, Any] = {"exchange": run_exchange(nodes, demand=demand, duration_s=duration_s,
+                                                    real_producers=real_producers)}
     out.update({k: out["exchange"][k] for k in ("inbound_rollouts_per_s", "verify_cpu_s_per_s", "used_over_verified",
                                                 "distinct_producers", "delivery_p95_ms", "demand_met")})
     if exchange_only:
