@@ -172,6 +172,11 @@ class CoreDriver:
         elif isinstance(a, SeedVersion):
             counts["versions_seeded"] += 1
             self.net.send(n, n.ctrl, ManifestArrives, a.envelope)
+            got = self.net.open(a.envelope, wire.PATCH_MANIFEST)
+            if got is not None:  # the swarm-wide head view every node's announce topic gives it (vworker.py)
+                m = got[1]
+                lid = bytes(m.lineage)
+                self.workers.published_heads[lid] = max(self.workers.published_heads.get(lid, 0), m.target_version)
         elif isinstance(a, StorePatch):
             return self._store_patch(n, a.pid)
         elif isinstance(a, DropItem):

@@ -67,6 +67,10 @@ class Workers:
         self.resolve = resolve
         self.reward = reward
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
+        # lineage -> newest version a signed manifest of it went out for: the live announce topic carries every
+        # manifest to every node, whose core then tells its trainer's worker that head (`NodeCore._tell_head`);
+        # the simulator sends announces and manifests one hop, so a trainer's sampler reads the swarm-wide view
+        self.published_heads: dict[bytes, int] = {}
         # accepted batch id -> its split, for the receivers still to come (in flight only, like the memos)
         self.groups = Memo(1_000_000, queue.unix, memo_horizon_s)
 
@@ -196,6 +200,10 @@ class Workers:
         groups, dropped = cut
         for k, c in dropped.items():  # what `Sampler.add_rollouts` counts, per receiver
             d.sampler.counts[k] += c
+        for g in groups:
+            head = self.published_heads.get(g.lineage)
+            if head is not None:
+                d.sampler.observe_head(g.lineage, head)
         d.sampler.add(groups)
 
     # ------------------------------------------------------------ steps
