@@ -52,9 +52,6 @@ class Deliveries:
         """`peer` failed a check: nothing it delivers counts until it passes one again."""
         self._vouched.pop(peer, None)
 
-    def vouched(self, peer: str) -> bool:
-        return peer in self._vouched
-
     def add(self, peer: str, count: int, now: float) -> None:
         if count <= 0:
             return
