@@ -216,14 +216,18 @@ async def _echo(stream) -> None:  # type: ignore[no-untyped-def]
 
 @asynccontextmanager
 async def _raw_webrtc_pair(handlers: dict[str, Any]) -> AsyncIterator[tuple[Any, Any]]:
-    """Two bare py-libp2p hosts, `b` listening on /webrtc-direct only, `a` connected to it; `handlers`
-    (protocol -> handler) on both. The connect is retried: a WebRTC negotiation stalls now and then."""
+    """Two bare py-libp2p hosts, `b` listening on /webrtc-direct only, `a` connected to it and a first
+    stream through the connection answered; `handlers` (protocol -> handler) on both. The connect is
+    retried: a WebRTC negotiation stalls now and then, and on a loaded machine a fresh connection's
+    first stream can wait past multistream-select's timeout; the tests below are about what a working
+    connection does, so a connection that does not carry a probe is dropped and dialled again."""
     import os
 
     import multiaddr
     from libp2p import new_host
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.custom_types import TProtocol
+    from libp2p.host.exceptions import StreamFailure
     from libp2p.peer.peerinfo import PeerInfo
 
     from gossip.webrtc import install_workarounds
@@ -233,16 +237,26 @@ async def _raw_webrtc_pair(handlers: dict[str, Any]) -> AsyncIterator[tuple[Any,
     b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
     async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
             a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-        for proto, handler in handlers.items():
+        probe_p = TProtocol("/test/probe/1")
+        for proto, handler in {**handlers, probe_p: _echo}.items():
             a.set_stream_handler(TProtocol(proto), handler)
             b.set_stream_handler(TProtocol(proto), handler)
         target = PeerInfo(b.get_id(), [x for x in b.get_addrs() if "webrtc-direct" in str(x)])
         for _ in range(3):
             with trio.move_on_after(30):
-                await a.connect(target)
-                break
+                try:
+                    await a.connect(target)
+                    probe = await a.new_stream(b.get_id(), [probe_p])
+                    await probe.write(b"probe")
+                    answered = await probe.read(100) == b"probe"
+                    await probe.close()
+                    if answered:
+                        break
+                except StreamFailure:
+                    pass
+            await a.disconnect(b.get_id())
         else:
-            raise AssertionError("no WebRTC-direct connection in 3 attempts of 30 s")
+            raise AssertionError("no working WebRTC-direct connection in 3 attempts of 30 s")
         yield a, b
 
 
