@@ -123,13 +123,60 @@ MIGRATIONS: list[str] = [
     ALTER TABLE peers ADD COLUMN connected INTEGER NOT NULL DEFAULT 0;
     UPDATE peers SET announce=NULL;
     """,
+    # 4: a compact ledger. A row names its producer, forwarder, lineage, task set and generator by a small id
+    # (a few distinct values fill thousands of rows); signed bytes live in their own table, so dropping them
+    # frees whole pages for reuse instead of leaving holes in the rows' pages; no index that no query uses.
+    # `rollouts` stays as a view with the old columns.
+    """
+    CREATE TABLE ledger_names (id INTEGER PRIMARY KEY, value NOT NULL UNIQUE);
+    INSERT OR IGNORE INTO ledger_names(value)
+        SELECT producer FROM rollouts WHERE producer IS NOT NULL
+        UNION SELECT from_peer FROM rollouts WHERE from_peer != ''
+        UNION SELECT lineage FROM rollouts WHERE lineage IS NOT NULL
+        UNION SELECT task_set FROM rollouts WHERE task_set IS NOT NULL
+        UNION SELECT generator FROM rollouts WHERE generator IS NOT NULL;
+    CREATE TABLE ledger (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        rollout_id BLOB NOT NULL,
+        direction TEXT NOT NULL CHECK (direction IN ('produced', 'received')),
+        status TEXT NOT NULL CHECK (status IN ('produced', 'accepted', 'rejected')),
+        reason TEXT NOT NULL DEFAULT '',
+        producer INTEGER,
+        from_peer INTEGER,
+        lineage INTEGER,
+        version INTEGER,
+        task_set INTEGER,
+        generator INTEGER,
+        task_seed INTEGER,
+        reward REAL,
+        tokens INTEGER,
+        ts_ms INTEGER NOT NULL
+    );
+    CREATE TABLE ledger_payloads (seq INTEGER PRIMARY KEY, payload BLOB NOT NULL);
+    INSERT INTO ledger SELECT r.seq, r.rollout_id, r.direction, r.status, r.reason,
+        (SELECT id FROM ledger_names WHERE value = r.producer), (SELECT id FROM ledger_names WHERE value = r.from_peer),
+        (SELECT id FROM ledger_names WHERE value = r.lineage), r.version,
+        (SELECT id FROM ledger_names WHERE value = r.task_set), (SELECT id FROM ledger_names WHERE value = r.generator),
+        r.task_seed, r.reward, r.tokens, r.ts_ms FROM rollouts r;
+    INSERT INTO ledger_payloads SELECT seq, payload FROM rollouts WHERE payload IS NOT NULL;
+    DROP TABLE rollouts;
+    CREATE VIEW rollouts AS SELECT l.seq, l.rollout_id, l.direction, l.status, l.reason, p.value AS producer,
+        COALESCE(f.value, '') AS from_peer, n.value AS lineage, l.version, t.value AS task_set, g.value AS generator,
+        l.task_seed, l.reward, l.tokens, l.ts_ms, lp.payload
+        FROM ledger l LEFT JOIN ledger_names p ON p.id = l.producer LEFT JOIN ledger_names f ON f.id = l.from_peer
+        LEFT JOIN ledger_names n ON n.id = l.lineage LEFT JOIN ledger_names t ON t.id = l.task_set
+        LEFT JOIN ledger_names g ON g.id = l.generator LEFT JOIN ledger_payloads lp ON lp.seq = l.seq;
+    """,
 ]
+_NAMED = ("producer", "from_peer", "lineage", "task_set", "generator")  # ledger columns stored as `ledger_names` ids
 
 # Two subqueries so SQLite answers each from the primary key's ends (MIN and MAX together would scan).
-_SEQ_RANGE = "SELECT (SELECT MIN(seq) FROM rollouts), (SELECT MAX(seq) FROM rollouts)"
+_SEQ_RANGE = "SELECT (SELECT MIN(seq) FROM ledger), (SELECT MAX(seq) FROM ledger)"
 VERSIONS_KEPT = 4096  # version rows kept per lineage (far beyond any retained patch window)
 PRUNE_EVERY = 256  # inserted rows between budget checks
 PRUNE_BATCH = 5000  # rows deleted (or stripped of payload) per check: bounded work per call
+NAMES_SWEEP_EVERY = 1024  # new `ledger_names` rows between sweeps of the names no ledger row uses
+NAMES_CACHED = 4096  # name -> id lookups kept in memory
 
 
 STRANGER_ADDRS = 4  # addresses kept for a peer never connected (discovery redials at most a few)
@@ -169,6 +216,8 @@ class Store:
         self.pruned = 0  # ledger rows deleted by the budget since open
         self._since_prune = 0
         self._payload_floor = 0  # rows at or below this seq have had their payload stripped
+        self._names: dict[Any, int] = {}  # a cache of `ledger_names`
+        self._names_added = 0  # names added since the last sweep
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -357,40 +406,62 @@ class Store:
         """Append ledger rows in one transaction. Keys: rollout_id, direction, status, and optional
         reason, producer, from_peer, lineage, version, task_set, generator, task_seed, reward, tokens, payload."""
         now = _now_ms()
-        rows = [
-            (e["rollout_id"], e["direction"], e["status"], e.get("reason", ""), e.get("producer"), e.get("from_peer", ""),
-             e.get("lineage"), e.get("version"), e.get("task_set"), e.get("generator"), e.get("task_seed"),
-             e.get("reward"), e.get("tokens"), e.get("ts_ms", now), e.get("payload"))
-            for e in entries
-        ]
+        entries = list(entries)
         totals: dict[tuple[str, str], int] = {}
         producers: dict[bytes, list[int]] = {}
-        for r in rows:
-            totals[(r[2], r[3])] = totals.get((r[2], r[3]), 0) + 1
-            if r[2] == "accepted":
-                acc = producers.setdefault(bytes(r[4] or b""), [0, 0])
+        for e in entries:
+            key = (e["status"], e.get("reason", ""))
+            totals[key] = totals.get(key, 0) + 1
+            if e["status"] == "accepted":
+                acc = producers.setdefault(bytes(e.get("producer") or b""), [0, 0])
                 acc[0] += 1
-                acc[1] += int(r[12] or 0)
+                acc[1] += int(e.get("tokens") or 0)
         with self.tx() as db:
-            db.executemany(
-                """INSERT INTO rollouts(rollout_id, direction, status, reason, producer, from_peer, lineage, version,
-                   task_set, generator, task_seed, reward, tokens, ts_ms, payload) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
-                rows,
-            )
+            ids = self._name_ids(db, {e[c] for e in entries for c in _NAMED if e.get(c) not in (None, "")})
+            for e in entries:
+                named = [ids.get(e.get(c)) if e.get(c) not in (None, "") else None for c in _NAMED]
+                seq = db.execute(
+                    """INSERT INTO ledger(rollout_id, direction, status, reason, producer, from_peer, lineage, version,
+                       task_set, generator, task_seed, reward, tokens, ts_ms) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
+                    (e["rollout_id"], e["direction"], e["status"], e.get("reason", ""), named[0], named[1], named[2],
+                     e.get("version"), named[3], named[4], e.get("task_seed"), e.get("reward"), e.get("tokens"),
+                     e.get("ts_ms", now)),
+                ).lastrowid
+                if e.get("payload") is not None:
+                    db.execute("INSERT INTO ledger_payloads VALUES(?, ?)", (seq, e["payload"]))
             db.executemany("""INSERT INTO ledger_totals VALUES(?, ?, ?)
                               ON CONFLICT DO UPDATE SET n = n + excluded.n""",
                            [(st, rs, n) for (st, rs), n in totals.items()])
             db.executemany("""INSERT INTO producer_totals VALUES(?, ?, ?) ON CONFLICT DO UPDATE SET
                               accepted = accepted + excluded.accepted, tokens = tokens + excluded.tokens""",
                            [(p, a, t) for p, (a, t) in producers.items()])
-        self._since_prune += len(rows)
+        self._since_prune += len(entries)
         if self._since_prune >= PRUNE_EVERY:
             self._since_prune = 0
             self.prune_ledger()
-        return len(rows)
+        return len(entries)
+
+    def _name_ids(self, db: sqlite3.Connection, values: set[Any]) -> dict[Any, int]:
+        """The `ledger_names` id of each value, adding the new ones (inside the caller's transaction)."""
+        out: dict[Any, int] = {}
+        for v in values:
+            known = self._names.get(v)
+            if known is None:
+                row = db.execute("SELECT id FROM ledger_names WHERE value = ?", (v,)).fetchone()
+                if row is None:
+                    row = db.execute("INSERT INTO ledger_names(value) VALUES(?) RETURNING id", (v,)).fetchone()
+                    self._names_added += 1
+                known = int(row[0])
+                if len(self._names) >= NAMES_CACHED:
+                    self._names.clear()
+                self._names[v] = known
+            out[v] = known
+        return out
 
     def prune_ledger(self, now_ms: int | None = None) -> int:
-        """Enforce the ledger budget on the oldest rows, at most `PRUNE_BATCH` of each kind; returns rows deleted."""
+        """Enforce the ledger budget on the oldest rows, at most `PRUNE_BATCH` of each kind; returns rows deleted.
+        Every `NAMES_SWEEP_EVERY` new names, the names no row uses any more are deleted (one pass over the
+        ledger, which the budget bounds)."""
         b = self.budget
         now_ms = _now_ms() if now_ms is None else now_ms
         with self.tx() as db:
@@ -399,16 +470,20 @@ class Store:
                 return 0
             # Sequence numbers are dense and ts_ms grows with them: both cuts walk the primary key from the oldest row.
             cut = min(top - b.max_rows, lo + PRUNE_BATCH - 1)
-            aged = db.execute("SELECT MAX(seq) FROM (SELECT seq FROM rollouts WHERE seq < ? AND ts_ms < ? ORDER BY seq)",
+            aged = db.execute("SELECT MAX(seq) FROM (SELECT seq FROM ledger WHERE seq < ? AND ts_ms < ? ORDER BY seq)",
                               (lo + PRUNE_BATCH, now_ms - int(b.max_age_s * 1000))).fetchone()[0]
             cut = max(cut, aged or 0)
-            deleted = db.execute("DELETE FROM rollouts WHERE seq <= ?", (cut,)).rowcount if cut >= lo else 0
+            deleted = db.execute("DELETE FROM ledger WHERE seq <= ?", (cut,)).rowcount if cut >= lo else 0
             base = max(self._payload_floor, cut, lo - 1)
             strip_to = min(top - b.payload_rows, base + PRUNE_BATCH)
+            db.execute("DELETE FROM ledger_payloads WHERE seq <= ?", (max(strip_to, cut),))
             if strip_to > base:
-                db.execute("UPDATE rollouts SET payload=NULL WHERE seq > ? AND seq <= ? AND payload IS NOT NULL",
-                           (base, strip_to))
                 self._payload_floor = strip_to
+            if self._names_added >= NAMES_SWEEP_EVERY:
+                self._names_added = 0
+                self._names.clear()
+                used = " UNION ".join(f"SELECT {c} FROM ledger WHERE {c} IS NOT NULL" for c in _NAMED)
+                db.execute(f"DELETE FROM ledger_names WHERE id NOT IN ({used})")
         self.pruned += deleted
         return deleted
 
@@ -438,7 +513,8 @@ class Store:
     def accepted_payloads(self, limit: int) -> list[bytes]:
         """The signed batches of the newest `limit` accepted rows that still keep a payload, oldest first."""
         rows = self.query(
-            "SELECT payload FROM rollouts WHERE status='accepted' AND payload IS NOT NULL ORDER BY seq DESC LIMIT ?",
+            """SELECT p.payload FROM ledger_payloads p JOIN ledger l ON l.seq = p.seq WHERE l.status = 'accepted'
+               ORDER BY p.seq DESC LIMIT ?""",
             (limit,),
         )
         return [r[0] for r in reversed(rows)]
