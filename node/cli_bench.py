@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -117,6 +118,8 @@ def bench_swarm(
                                                              "at a time")] = 1,
     answers: Annotated[str, typer.Option(help="with --matched: the answer regime, short (the built-in set) or "
                                               "worked (worked steps, >= 64 completion tokens)")] = "short",
+    out: Annotated[Path | None, typer.Option(help="with --matched: also write the run's JSON, its curves and an "
+                                                  "HTML page (index.html) into this folder")] = None,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -130,8 +133,14 @@ def bench_swarm(
             raise typer.BadParameter(f"one of {', '.join(ANSWERS)}", param_hint="--answers")
         if adversary and (followers or 0 < nodes < 3):
             raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
-        _run(run_matched, nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers,
-             adversary=adversary, workers=workers, answers=answers)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        result = run_matched(nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers,
+                             adversary=adversary, workers=workers, answers=answers)
+        if out is not None:
+            from simulations.bench.matched_page import write_page
+
+            result["page"] = str(write_page(result, out))
+        emit_json(result)
     elif seeds == 1:
         _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:

@@ -116,7 +116,7 @@ def load_metrics(out_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 # ------------------------------------------------------------------ plots
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,10 +125,10 @@ def _plt() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> str:
+def save_figure(fig: Any, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
-    _plt().close(fig)
+    pyplot().close(fig)
     return path.name
 
 
@@ -144,7 +144,7 @@ def _bin_mean(points: Iterable[tuple[float, float]], width: float) -> tuple[list
 def plot_reward(rows: list[dict[str, Any]], path: Path) -> str | None:
     if not rows:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by_node: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     for r in rows:
@@ -164,13 +164,13 @@ def plot_reward(rows: list[dict[str, Any]], path: Path) -> str | None:
     ax.set_ylabel("reward")
     ax.set_title("Reward over time: each node (thin), swarm vs isolated")
     ax.legend(loc="lower right")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_staleness(lag: list[dict[str, Any]], stale: list[dict[str, Any]], path: Path) -> str | None:
     if not lag and not stale:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for ax, data, title in ((axes[0], [r["lag"] for r in lag], "follower version lag"),
                             (axes[1], [r["staleness"] for r in stale], "staleness of consumed rollouts")):
@@ -182,13 +182,13 @@ def plot_staleness(lag: list[dict[str, Any]], stale: list[dict[str, Any]], path:
         ax.set_xlabel("versions behind")
         ax.set_ylabel("count")
         ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_broadcast(rows: list[dict[str, Any]], path: Path) -> str | None:
     if not rows:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by_n: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -205,13 +205,13 @@ def plot_broadcast(rows: list[dict[str, Any]], path: Path) -> str | None:
     ax.set_ylabel("fraction of receivers done")
     ax.set_title("Patch broadcast completion vs the lower bound")
     ax.legend(fontsize=7, loc="lower right")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_bytes(rows: list[dict[str, Any]], path: Path) -> str | None:
     if not rows:
         return None
-    plt = _plt()
+    plt = pyplot()
     rows = sorted(rows, key=lambda r: r["node"])[:128]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.25), 4))
     xs = range(len(rows))
@@ -223,13 +223,13 @@ def plot_bytes(rows: list[dict[str, Any]], path: Path) -> str | None:
     ax.set_ylabel("MiB on the wire")
     ax.set_title("Bytes on the wire per node")
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_rejections(rows: list[dict[str, Any]], path: Path) -> str | None:
     if not rows:
         return None
-    plt = _plt()
+    plt = pyplot()
     c = Counter(r["reason"] for r in rows)
     reasons = sorted(c, key=lambda k: -c[k])
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -237,13 +237,13 @@ def plot_rejections(rows: list[dict[str, Any]], path: Path) -> str | None:
     ax.invert_yaxis()
     ax.set_xlabel("rejected messages (all receivers)")
     ax.set_title("Rejections by reason")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_scores(rows: list[dict[str, Any]], path: Path, threshold: float | None = None) -> str | None:
     if not rows:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by_peer: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     label: dict[Any, str] = {}
@@ -259,7 +259,7 @@ def plot_scores(rows: list[dict[str, Any]], path: Path, threshold: float | None 
     ax.set_ylabel("mean score given by honest peers")
     ax.set_title("Adversary scores over time")
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ page

@@ -110,3 +110,27 @@ def test_the_worked_regime_trains_on_the_worked_set_and_reports_its_generation_s
     assert r["verified_per_node"][0] >= bm.TRAINER["local_groups"] * bm.TRAINER["group_size"]
     assert 0 < r["generation_share"] <= 1  # measured from the trainer's steps: a share of their CPU
     assert bm.trainer_shape("worked")["max_new_tokens"] == bm.WORKED_NEW_TOKENS > bm.TRAINER["max_new_tokens"]
+
+
+def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_on_what(tmp_path: Path) -> None:
+    from simulations.bench.matched_page import accuracy_bands, write_page
+
+    per = [bm.run_seed(2, s, 0.6, 2, 2, home=str(tmp_path / "home"), warmup_steps=2) for s in (0, 1)]
+    result = bm.summarise(per, nodes=2, followers=0, adversary=False, cpu_s=0.6, answers="short", checkpoints=2,
+                          seed=0, warmup=2)
+    assert result["seeds"] == [0, 1] and result["speedup"] == round((per[0]["speedup"] + per[1]["speedup"]) / 2, 4)
+    for arm in ("isolated", "swarm"):
+        b = accuracy_bands(result, arm)
+        assert b["cpu_s"] == per[0]["curves"]["cpu_s"]
+        for k in range(len(b["cpu_s"])):
+            ys = [r["curves"][arm][k] for r in per]
+            assert abs(b["mean"][k] - sum(ys) / 2) < 1e-9
+            assert min(ys) - 1e-9 <= b["lo"][k] <= b["mean"][k] <= b["hi"][k] <= max(ys) + 1e-9
+    page = write_page(result, tmp_path / "out")
+    text = page.read_text()
+    for name in ("accuracy.png", "generation_share.png", "result.json"):
+        assert f'"{name}"' in text
+        assert (tmp_path / "out" / name).stat().st_size > 1000 or name == "result.json"
+    assert json.loads((tmp_path / "out" / "result.json").read_text()) == json.loads(json.dumps(result))
+    assert f"Speedup to the alone arm's final accuracy: {result['speedup']}" in text
+    assert f"{per[1]['updates_per_node']['isolated']} → {per[1]['updates_per_node']['swarm']}" in text

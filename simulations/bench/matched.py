@@ -434,7 +434,7 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     if (nodes < 2 + adversary and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
         raise ValueError("need nodes >= 2 (3 with an adversary; or followers >= 1), seeds >= 1, cpu_s > 0, "
                          "checkpoints >= 1")
-    shape = trainer_shape(answers)
+    trainer_shape(answers)  # an unknown regime is refused before any process starts
     if followers and adversary:
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
     t0 = time.monotonic()
@@ -445,6 +445,16 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
             for k in range(seeds)]
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed_args, todo))
+    out = summarise(per, nodes=nodes, followers=followers, adversary=adversary, cpu_s=cpu_s, answers=answers,
+                    checkpoints=checkpoints, seed=seed, warmup=warmup)
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    return out
+
+
+def summarise(per: list[dict[str, Any]], *, nodes: int, followers: int, adversary: bool, cpu_s: float,
+              answers: str, checkpoints: int, seed: int, warmup: int | None) -> dict[str, Any]:
+    """The run's summary of its seeds' results (`run_seed`): means, the speedup's interval, the seeds."""
+    shape = trainer_shape(answers)
     sp = [r["speedup"] for r in per]
     lo, hi = bootstrap_ci(sp, random.Random(seed))
     mean = sum(sp) / len(sp)
@@ -462,7 +472,7 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
             "adversary": None if not adversary else {
                 k: sum(r["adversary"][k] for r in per)
                 for k in ("batches", "forged_batches", "rows_taken", "provably_bad_rows_taken", "rejected")},
-            "per_seed": per, "wall_s": round(time.monotonic() - t0, 1),
+            "per_seed": per,
             "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "
                       "nodes stepped least-CPU-first to an equal budget, held-out greedy accuracy at equal CPU "
                       "marks, paired seeds (same nodes, warm-ups and trainer seeds in both arms)"}
