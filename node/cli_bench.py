@@ -118,6 +118,9 @@ def bench_swarm(
                                                              "at a time")] = 1,
     answers: Annotated[str, typer.Option(help="with --matched: the answer regime, short (the built-in set) or "
                                               "worked (worked steps, >= 64 completion tokens)")] = "short",
+    default_roles: Annotated[bool, typer.Option("--default-roles", help="with --matched: the swarm of --nodes "
+                                                                       "with roles chosen by the node's own rule, "
+                                                                       "nothing forced")] = False,
     out: Annotated[Path | None, typer.Option(help="with --matched: also write the run's JSON, its curves and an "
                                                   "HTML page (index.html) into this folder")] = None,
 ) -> None:
@@ -131,11 +134,14 @@ def bench_swarm(
 
         if answers not in ANSWERS:
             raise typer.BadParameter(f"one of {', '.join(ANSWERS)}", param_hint="--answers")
+        if default_roles and (followers or adversary):
+            raise typer.BadParameter("roles are the nodes' own choice: no --followers or --adversary",
+                                     param_hint="--default-roles")
         if adversary and (followers or 0 < nodes < 3):
             raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         result = run_matched(nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers,
-                             adversary=adversary, workers=workers, answers=answers)
+                             adversary=adversary, workers=workers, answers=answers, default_roles=default_roles)
         if out is not None:
             from simulations.bench.matched_page import write_page
 

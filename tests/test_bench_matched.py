@@ -134,3 +134,25 @@ def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_o
     assert json.loads((tmp_path / "out" / "result.json").read_text()) == json.loads(json.dumps(result))
     assert f"Speedup to the alone arm's final accuracy: {result['speedup']}" in text
     assert f"{per[1]['updates_per_node']['isolated']} → {per[1]['updates_per_node']['swarm']}" in text
+
+
+def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu(tmp_path: Path) -> None:
+    """Nothing forced: every node starts as a trainer and the node's rule (`node.roles.want_mode` with its
+    dwell) moves some to generate for a published lineage short of rollouts; a follower's rollouts reach its
+    trainer through its pipeline, and every node still spends the same CPU."""
+    from simulations.bench.matched_auto import DWELL_SHARE
+
+    cpu_s = 1.5
+    r = bm.run_seed(3, 0, cpu_s, 2, 2, home=str(tmp_path), warmup_steps=2, default_roles=True)
+    roles = r["roles"]
+    assert sorted(set(roles["final"])) == ["follower", "trainer"], roles
+    for i, mode in enumerate(roles["final"]):
+        if mode == "follower":
+            assert roles["follower_rollouts"][i] > 0
+            assert any(i in f for f in roles["pods"].values())
+    # the dwell holds: at most one switch per dwell after the first choice
+    assert max(roles["switches"]) <= 1 + int(1 / DWELL_SHARE)
+    trainers = [i for i, mode in enumerate(roles["final"]) if mode == "trainer"]
+    assert sum(r["verified_per_node"][i] for i in trainers) > 0
+    for arm in ("isolated", "swarm"):
+        assert all(cpu_s <= c < cpu_s + 1.5 for c in r["cpu_per_node"][arm]), r["cpu_per_node"]

@@ -220,21 +220,13 @@ class _Adversary:
         return counted
 
 
-def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-            home: Path, warmup_steps: int | None = None, followers: int = 0,
-            adversary: bool = False, answers: str = "short") -> dict[str, Any]:
-    """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
-    and K followers that hold its current weights and generate I groups each for its lineage per trainer
-    step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched);
-    with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
-    honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost.
-    `answers` picks the regime: the built-in set's short answers or the worked-answer set (`trainer_shape`)."""
-    import torch
-
-    from training.engine_hf import HFEngine, set_threads
-    from training.evaluation import greedy_eval, held_out_tasks
-    from training.rollouts import to_wire
-    from training.tasksets import train_generators
+def make_nodes(nodes: int, seed: int, home: Path, warmup_steps: int | None, answers: str, eval_per_family: int,
+               external_groups: int, swarm: bool, watch: Any = None) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
+    """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
+    swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it.
+    Returns the nodes, the held-out tasks and the heads table their pipelines read."""
+    from training.engine_hf import HFEngine
+    from training.evaluation import held_out_tasks
     from training.tiny import ensure_tiny
     from training.tokencheck import for_model
     from training.tokenizer import TINY_NAME
@@ -242,19 +234,11 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     from training.verifiers import score
 
     shape = trainer_shape(answers)
-    new_tokens = int(shape["max_new_tokens"])
-    set_threads(1)
-    torch.manual_seed(seed)
     heads: dict[bytes, int] = {}
     ns: list[_Node] = []
     tasks = None
     check_tokens = for_model(TINY_NAME)
     assert check_tokens is not None  # murmur-tiny's tokenizer is built in
-    adv = None
-    if swarm and adversary:
-        weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS, answers=answers)
-        adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99), new_tokens)
-        heads[adv.node.lineage] = 0
     for i in range(nodes):
         ident = _ident(seed, i)
         lineage = _lineage(ident)
@@ -263,8 +247,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         # each node its own warm-up
         path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps, answers=answers)
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
-        ext = 0 if not swarm else shape["external_groups"] * max(1, followers)
-        cfg = TrainerConfig(**{**shape, "external_groups": ext}, seed=seed * 100 + i)
+        cfg = TrainerConfig(**{**shape, "external_groups": external_groups}, seed=seed * 100 + i)
         # what a node's pipeline checks: its own token budget and tokenizer (node.runtime)
         pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6,
                                            max_completion_tokens=cfg.max_new_tokens),
@@ -274,11 +257,62 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         sampler = Sampler(POOL_GROUPS, cfg.max_staleness, seed=seed * 100 + i, own=lineage) if swarm else None
         node = _Node(i, ident, lineage, None, engine, pipeline, sampler)
         _timed_sampling(node)
-        take = None if sampler is None else sampler.take_rollouts if adv is None else adv.watch(sampler.take_rollouts)
+        take = None if sampler is None else sampler.take_rollouts if watch is None else watch(sampler.take_rollouts)
         node.trainer = Trainer(engine, reg, set_id, cfg, lineage=lineage, external=take)
         heads[lineage] = 0
         ns.append(node)
     assert tasks is not None
+    return ns, tasks, heads
+
+
+def seed_torch(seed: int) -> None:
+    """One torch thread (the CPU matching measures thread time) and the arm's seed."""
+    import torch
+
+    from training.engine_hf import set_threads
+
+    set_threads(1)
+    torch.manual_seed(seed)
+
+
+def evaluate_node(n: _Node, tasks: list[Any], new_tokens: int) -> None:
+    """Held-out greedy accuracy of the weights `n` holds, appended to its curve; not charged as CPU."""
+    from training.evaluation import greedy_eval
+
+    gen_cpu = n.gen_cpu
+    n.last_eval = greedy_eval(n.engine, tasks, new_tokens)
+    n.curve.append(n.last_eval[0]["all"])
+    n.wellformed.append(n.last_eval[1])
+    n.gen_cpu = gen_cpu
+
+
+
+def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
+            home: Path, warmup_steps: int | None = None, followers: int = 0,
+            adversary: bool = False, answers: str = "short") -> dict[str, Any]:
+    """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
+    and K followers that hold its current weights and generate I groups each for its lineage per trainer
+    step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched);
+    with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
+    honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost.
+    `answers` picks the regime: the built-in set's short answers or the worked-answer set (`trainer_shape`)."""
+    from training.engine_hf import HFEngine
+    from training.rollouts import to_wire
+    from training.tasksets import train_generators
+    from training.tiny import ensure_tiny
+
+    shape = trainer_shape(answers)
+    new_tokens = int(shape["max_new_tokens"])
+    seed_torch(seed)
+    adv = None
+    if swarm and adversary:
+        weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS, answers=answers)
+        adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99), new_tokens)
+    ext = 0 if not swarm else int(shape["external_groups"]) * max(1, followers)
+    ns, tasks, heads = make_nodes(nodes, seed, home, warmup_steps, answers, eval_per_family, ext, swarm,
+                                  None if adv is None else adv.watch)
+    if adv is not None:
+        heads[adv.node.lineage] = 0
     fols: list[tuple[Any, Any, random.Random]] = []  # (engine, identity, task rng) of node 0's followers
     for k in range(followers):
         fpath = ensure_tiny(home, seed=seed * 64, warmup_steps=warmup_steps, answers=answers)  # node 0's model
@@ -288,11 +322,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
 
     def evaluate(n: _Node) -> None:
-        gen_cpu = n.gen_cpu  # evaluation is not charged
-        n.last_eval = greedy_eval(n.engine, tasks, new_tokens)
-        n.curve.append(n.last_eval[0]["all"])
-        n.wellformed.append(n.last_eval[1])
-        n.gen_cpu = gen_cpu
+        evaluate_node(n, tasks, new_tokens)
 
     for n in ns:
         evaluate(n)
@@ -375,17 +405,23 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
 
 def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
              home: str | None = None, warmup_steps: int | None = None, followers: int = 0,
-             adversary: bool = False, answers: str = "short") -> dict[str, Any]:
+             adversary: bool = False, answers: str = "short", default_roles: bool = False) -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
-    whose N-th member is the adversary."""
+    whose N-th member is the adversary; with `default_roles`, the swarm's roles chosen by the node's own
+    rule (`simulations.bench.matched_auto`)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
     n = 1 if followers else nodes - 1 if adversary else nodes
     iso = run_arm(False, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
-    sw = run_arm(True, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, followers=followers,
-                 adversary=adversary, answers=answers)
+    if default_roles:
+        from simulations.bench.matched_auto import run_auto_arm
+
+        sw = run_auto_arm(n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
+    else:
+        sw = run_arm(True, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, followers=followers,
+                     adversary=adversary, answers=answers)
     xs = iso["marks"]
     target = iso["curve"][-1]
     speedup, reached, iso_cpu, sw_cpu = curves.speedup(xs, iso["curve"], sw["curve"])
@@ -407,7 +443,7 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
             "wellformed_curve": {"isolated": iso["wellformed_curve"], "swarm": sw["wellformed_curve"]},
             "verified_per_node": sw["verified_per_node"], "verify_share": sw["verify_share"], "sampler": sw["sampler"],
             "generation_share": {"isolated": iso["generation_share"], "swarm": sw["generation_share"]},
-            "adversary": sw["adversary"],
+            "adversary": sw["adversary"], "roles": sw.get("roles"),
             "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]}}
 
 
@@ -417,17 +453,18 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
-def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str]) -> dict[str, Any]:
+def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str, bool]) -> dict[str, Any]:
     return run_seed(*a)
 
 
 def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, checkpoints: int = 6,
         eval_per_family: int = 30, workers: int = 1, home: str | None = None, followers: int = 0,
-        adversary: bool = False, answers: str = "short") -> dict[str, Any]:
+        adversary: bool = False, answers: str = "short", default_roles: bool = False) -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
     one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone;
-    `answers`: "short" (the built-in set) or "worked" (the worked-answer set, `trainer_shape`)."""
+    `answers`: "short" (the built-in set) or "worked" (the worked-answer set, `trainer_shape`);
+    `default_roles`: the swarm of `nodes` with roles chosen by the node's own rule, nothing forced."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -437,29 +474,34 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     trainer_shape(answers)  # an unknown regime is refused before any process starts
     if followers and adversary:
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
+    if default_roles and (followers or adversary):
+        raise ValueError("default roles choose trainers and followers themselves: no --followers or --adversary")
     t0 = time.monotonic()
     from training.tiny import default_warmup_steps
 
     warmup = default_warmup_steps(answers)
-    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, warmup, followers, adversary, answers)
-            for k in range(seeds)]
+    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, warmup, followers, adversary, answers,
+             default_roles) for k in range(seeds)]
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed_args, todo))
     out = summarise(per, nodes=nodes, followers=followers, adversary=adversary, cpu_s=cpu_s, answers=answers,
-                    checkpoints=checkpoints, seed=seed, warmup=warmup)
+                    checkpoints=checkpoints, seed=seed, warmup=warmup, default_roles=default_roles)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
 
 
 def summarise(per: list[dict[str, Any]], *, nodes: int, followers: int, adversary: bool, cpu_s: float,
-              answers: str, checkpoints: int, seed: int, warmup: int | None) -> dict[str, Any]:
+              answers: str, checkpoints: int, seed: int, warmup: int | None,
+              default_roles: bool = False) -> dict[str, Any]:
     """The run's summary of its seeds' results (`run_seed`): means, the speedup's interval, the seeds."""
     shape = trainer_shape(answers)
     sp = [r["speedup"] for r in per]
     lo, hi = bootstrap_ci(sp, random.Random(seed))
     mean = sum(sp) / len(sp)
     return {"bench": "swarm-matched", "nodes": 1 if followers else nodes, "followers": followers,
-            "with_adversary": adversary, "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
+            "with_adversary": adversary, "default_roles": default_roles,
+            "pods": None if not default_roles else [sorted(len(f) for f in r["roles"]["pods"].values())
+                                                    for r in per], "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
             "answers": answers, "checkpoints": checkpoints, "eval_tasks": per[0]["eval_tasks"], "trainer": shape,
             "warmup_steps": warmup, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
             "reached": sum(r["reached"] for r in per),

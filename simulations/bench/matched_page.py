@@ -18,6 +18,8 @@ BAND_RESAMPLES = 2000
 
 def arm_label(result: dict[str, Any]) -> str:
     """The second arm in words: what the isolated nodes were compared with."""
+    if result.get("default_roles"):
+        return f"{result['nodes']} nodes with their own roles"
     if result.get("followers"):
         return f"a trainer with {result['followers']} follower(s)"
     if result.get("with_adversary"):
@@ -90,6 +92,12 @@ def write_page(result: dict[str, Any], out: Path) -> Path:
         seeds.append(_row([r["seed"], r["speedup"], r["reached"], r["iso_final"], r["swarm_final"],
                            f"{r['updates_per_node']['isolated']} → {r['updates_per_node']['swarm']}",
                            r["external_groups_per_node"], r["used_over_verified"]]))
+    if result.get("default_roles"):
+        seeds.append(_row(["seed", "final roles", "pods (trainer: followers)", "switches per node"], head=True))
+        for r in result["per_seed"]:
+            ro = r["roles"]
+            seeds.append(_row([r["seed"], " ".join(ro["final"]),
+                               "; ".join(f"{t}: {len(f)}" for t, f in ro["pods"].items()), ro["switches"]]))
     adv = result.get("adversary")
     adversary = "" if not adv else (
         "<h2>The adversary</h2><p>" + html.escape(", ".join(f"{k}: {v}" for k, v in adv.items())) + "</p>")

@@ -1,0 +1,202 @@
+"""The default-roles arm of `murmur bench swarm --matched --default-roles`: N identical nodes with nothing
+forced. Each starts as a node able to train does (a trainer of its own lineage) and its mode is then chosen
+by the node's own rule, `node.roles.want_mode` held to its dwell by `node.roles.PodRule`, from what it
+observes: the published lineages' demand (the trainer's `local_groups x group_size` rollouts a step over its
+measured step time, as `node.core` announces it), the supply their followers measurably deliver, and its own
+measured generation rate. A follower picks its lineage with `node.roles.choose_lineage`, holds that
+lineage's current weights (a patch applied at once: transport is not modelled), generates `local_groups`
+groups per turn on its own CPU and sends them to the trainer, which verifies them on its own CPU and trains
+on them as its own lineage's. A trainer takes up to `external_groups` external groups a step per follower it
+has (at least one follower's worth, as a peer). Trainers exchange their rollouts as the peers arm does;
+followers verify nothing they do not use. Every node's accuracy is that of the weights it holds.
+
+Time is each node's own CPU (nodes step least-CPU-first, so their CPU is a shared clock): the rule's
+observation and dwell are fixed shares of the CPU budget (`OBSERVE_SHARE`, `DWELL_SHARE`), the compressed
+form of the live node's 60 s and 300 s in a run of hours."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node import roles as R
+from simulations.bench.matched import (
+    _follower_rollouts,
+    _mean_dicts,
+    _Node,
+    _receive,
+    _seal,
+    evaluate_node,
+    make_nodes,
+    seed_torch,
+    trainer_shape,
+)
+
+OBSERVE_SHARE = 1 / 12  # of the CPU budget, watched before the first choice
+DWELL_SHARE = 1 / 4  # of the CPU budget, kept in a mode after a switch
+
+
+@dataclass
+class _Mode:
+    """One node's role state: its rule, what it serves, and what its rates are measured from."""
+
+    rule: R.PodRule
+    serving: int | None = None  # index of the trainer node it generates for
+    own_state: dict[str, Any] | None = None  # its own lineage's weights while it follows
+    made: int = 0  # rollouts it generated as a follower
+    made_cpu: float = 0.0  # and the CPU they took
+    steps: int = 0  # its trainer steps
+    history: list[tuple[float, str, str]] = field(default_factory=list)  # (cpu, mode, reason) per switch
+
+    @property
+    def mode(self) -> str:
+        return self.rule.mode
+
+
+def _gen_rate(n: _Node, m: _Mode, rollouts_per_step: int) -> float:
+    """Rollouts per CPU-second this node generates, as measured (its trainer steps' sampling, or its own
+    follower turns); 0 before any."""
+    made = m.made + m.steps * rollouts_per_step
+    cpu = m.made_cpu + n.gen_cpu
+    return made / cpu if cpu > 0 and made else 0.0
+
+
+def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int, home: Path,
+                 warmup_steps: int | None = None, answers: str = "short") -> dict[str, Any]:
+    from training.rollouts import to_wire
+    from training.tasksets import train_generators
+
+    shape = trainer_shape(answers)
+    new_tokens = int(shape["max_new_tokens"])
+    per_step = int(shape["local_groups"]) * int(shape["group_size"])
+    j = int(shape["external_groups"])
+    seed_torch(seed)
+    ns, tasks, heads = make_nodes(nodes, seed, home, warmup_steps, answers, eval_per_family, j, True)
+    modes = [_Mode(R.PodRule("trainer", 0.0, cpu_s * OBSERVE_SHARE, cpu_s * DWELL_SHARE, n.ident.public[0] / 256))
+             for n in ns]
+    rngs = [random.Random(seed * 100 + 70 + n.index) for n in ns]
+    marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
+    for n in ns:
+        evaluate_node(n, tasks, new_tokens)
+    wall0 = time.monotonic()
+
+    def followers_of(t: int) -> list[int]:
+        return [i for i, m in enumerate(modes) if m.mode == "follower" and m.serving == t]
+
+    def supply(t: int, but: int | None = None) -> float:
+        return sum(_gen_rate(ns[i], modes[i], per_step) for i in followers_of(t) if i != but)
+
+    def demand(t: int) -> R.Demand:
+        m = modes[t]
+        step_t = ns[t].step_cpu / m.steps if m.steps else 0.0
+        return R.Demand(rollouts_per_step=per_step, step_time_s=step_t,
+                        max_staleness=ns[t].trainer.cfg.max_staleness)
+
+    def offer(i: int) -> R.Offer:
+        rate = _gen_rate(ns[i], modes[i], per_step)
+        # the time one turn's rollouts take to make: what a follower's lag behind the head is made of
+        return R.Offer(ns[i].ident.peer_id, rate, per_step / rate if rate > 0 else 0.0)
+
+    def published(i: int) -> list[int]:
+        return [t for t, m in enumerate(modes) if t != i and m.mode == "trainer" and m.steps > 0]
+
+    def decide(i: int) -> None:
+        m = modes[i]
+        me = offer(i)
+        options = [R.PodOption(ns[t].lineage, demand(t), supply(t, but=i), ns[t].trainer.version)
+                   for t in published(i)]
+        own = (ns[i].trainer.version, ns[i].lineage) if m.mode == "trainer" else None
+        wanted = R.want_mode(m.mode, options, me, own, supply(i) if m.mode == "trainer" else 0.0)
+        new = m.rule.step(ns[i].cpu, wanted)
+        if new == "follower":
+            m.own_state = {k: v.clone() for k, v in ns[i].engine.model.state_dict().items()}
+            m.serving = None
+        elif new == "trainer":
+            assert m.own_state is not None
+            ns[i].engine.model.load_state_dict(m.own_state)  # back to its own lineage, where it left it
+            m.own_state, m.serving = None, None
+        if new is not None:
+            m.history.append((round(ns[i].cpu, 2), new, m.rule.reason))
+        if m.mode == "follower":
+            choice = R.choose_lineage(me, [R.LineageOption(ns[t].lineage, demand(t), supply(t, but=i))
+                                           for t in published(i)], current=None if m.serving is None
+                                      else ns[m.serving].lineage)
+            m.serving = next((t for t in published(i) if ns[t].lineage == choice.lineage), None)
+
+    while True:
+        todo = [n for n in ns if n.cpu < cpu_s]
+        if not todo:
+            break
+        node = min(todo, key=lambda n: n.cpu)
+        m = modes[node.index]
+        if m.mode == "trainer":
+            node.trainer.cfg.external_groups = j * max(1, len(followers_of(node.index)))
+            c0 = time.thread_time()
+            res = node.trainer.step()
+            dt = time.thread_time() - c0
+            node.cpu += dt
+            node.step_cpu += dt
+            m.steps += 1
+            node.updates += res.updates
+            node.ext_groups += res.trained_external_groups
+            node.used += sum(res.used_by_set.values())
+            heads[node.lineage] = node.trainer.version
+            if res.rollouts:
+                peers = [o for o in ns if o is not node and modes[o.index].mode == "trainer"]
+                for other in ns:
+                    assert other.sampler is not None
+                    other.sampler.observe_head(node.lineage, node.trainer.version)
+                c0 = time.thread_time()
+                payloads = _seal(node, [to_wire(r) for r in res.rollouts])
+                dt = time.thread_time() - c0
+                node.cpu += dt
+                node.verify_cpu += dt
+                for other in peers:
+                    _receive(other, payloads, node.ident.peer_id)
+        elif m.serving is not None and modes[m.serving].mode == "trainer":
+            t = ns[m.serving]
+            node.engine.model.load_state_dict(t.engine.model.state_dict())  # a patch applied at once
+            gens = train_generators(t.trainer.registry.get(t.trainer.task_set))
+            gen_cpu = node.gen_cpu
+            c0 = time.thread_time()
+            batch = _follower_rollouts(node.engine, gens, t.trainer.task_set, t.trainer.registry.resolve,
+                                       rngs[node.index], t.lineage, t.trainer.version, int(shape["local_groups"]),
+                                       new_tokens)
+            payloads = _seal(node, batch)
+            dt = time.thread_time() - c0
+            node.gen_cpu = gen_cpu  # `gen_cpu` is the trainer steps' sampling: a follower turn counts in `made_cpu`
+            node.cpu += dt
+            m.made += len(batch)
+            m.made_cpu += dt
+            _receive(t, payloads, node.ident.peer_id)
+        else:
+            # a follower with no lineage to serve (its trainer stopped training) waits a turn: its CPU idles
+            node.cpu = min(cpu_s, node.cpu + 0.01 * cpu_s)
+        decide(node.index)
+        while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
+            evaluate_node(node, tasks, new_tokens)
+    for n in ns:
+        while len(n.curve) < len(marks):
+            evaluate_node(n, tasks, new_tokens)
+    curve = [sum(n.curve[k] for n in ns) / len(ns) for k in range(len(marks))]
+    pods = {ns[t].index: followers_of(t) for t, mm in enumerate(modes) if mm.mode == "trainer"}
+    return {"marks": marks, "curve": curve, "per_node_final": [n.curve[-1] for n in ns], "eval_tasks": len(tasks),
+            "updates_per_node": [n.updates for n in ns], "external_groups_per_node": [n.ext_groups for n in ns],
+            "steps_per_node": [modes[n.index].steps for n in ns],
+            "used_over_verified": round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4),
+            "cpu_per_node": [round(n.cpu, 3) for n in ns], "verified_per_node": [n.verified for n in ns],
+            "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
+            "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.step_cpu for n in ns)), 4),
+            "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
+            "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
+            "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
+            "roles": {"final": [modes[n.index].mode for n in ns], "pods": pods,
+                      "switches": [len(modes[n.index].history) for n in ns],
+                      "history": [modes[n.index].history for n in ns],
+                      "follower_rollouts": [modes[n.index].made for n in ns]},
+            "sampler": {k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
+                        for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})},
+            "adversary": None, "wall_s": round(time.monotonic() - wall0, 1)}
