@@ -1,7 +1,8 @@
 """Every change Murmur makes to py-libp2p 0.8.1's own code, installed by one explicit `install()`.
 
 `gossip.host.open_transport` calls `install()` before it builds a host; `install_webrtc()` adds the
-WebRTC-direct fixes once aiortc imports (`gossip.webrtc` calls it before any WebRTC connection). Each
+WebRTC-direct fixes once aiortc imports (`gossip.webrtc` calls it before any WebRTC connection), and
+`install_dcutr()` the DCUtR one (`gossip.holepunch` calls it before it starts the service). Each
 fix replaces a py-libp2p function or method that misbehaves in 0.8.1 (docs/architecture.md lists
 them, one line each: what py-libp2p does wrong, what the fix does). They were written against that
 release's internals, so both refuse any other installed version with `UnsupportedLibp2p` rather than
@@ -520,6 +521,23 @@ def _fix_webrtc_read_overflow_reset() -> None:
     _replace("webrtc_read_overflow_reset", WebRTCStream, "__init__", __init__)
 
 
+def _fix_dcutr_manual_drive() -> None:
+    """py-libp2p 0.8.1's DCUtR service always runs its auto-drive loop (a hole punch toward every relayed peer,
+    checked every 2 s) and has no option to turn it off; a node whose reachability decides when to punch
+    (`gossip.holepunch.attach_holepunch(auto=False)`) needs it off. A service with `_murmur_manual` set
+    waits instead; any other drives as py-libp2p does."""
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    drive = DCUtRProtocol._auto_drive_loop
+
+    async def _auto_drive_loop(self: Any) -> None:
+        if getattr(self, "_murmur_manual", False):
+            await trio.sleep_forever()
+        await drive(self)
+
+    _replace("dcutr_manual_drive", DCUtRProtocol, "_auto_drive_loop", _auto_drive_loop)
+
+
 FIXES: Final = (_fix_go_yamux_credit, _fix_buffered_tcp_reads, _fix_lean_yamux_writes, _fix_pubsub_message_guard,
                 _fix_pubsub_oversize_charge, _fix_pubsub_stream_retry, _fix_pubsub_keep_subscriptions,
                 _fix_pubsub_stream_on_closed_connection, _fix_peer_record_memo, _fix_stream_caps,
@@ -527,6 +545,8 @@ FIXES: Final = (_fix_go_yamux_credit, _fix_buffered_tcp_reads, _fix_lean_yamux_w
 # py-libp2p's WebRTC transport imports aiortc, so these are installed apart, once it imports
 WEBRTC_FIXES: Final = (_fix_webrtc_forget_closed_streams, _fix_webrtc_backpressure, _fix_webrtc_bytes_like_writes,
                        _fix_webrtc_read_overflow_reset)
+# py-libp2p's DCUtR module takes half a second to import, so its fix waits for the first hole puncher
+DCUTR_FIXES: Final = (_fix_dcutr_manual_drive,)
 
 
 def _install(fixes: tuple[Callable[[], None], ...]) -> None:
@@ -552,3 +572,8 @@ def install_webrtc() -> bool:
         return False
     _install(WEBRTC_FIXES)
     return True
+
+
+def install_dcutr() -> None:
+    """Check the py-libp2p version, then install the DCUtR fix (once per process)."""
+    _install(DCUTR_FIXES)

@@ -579,3 +579,30 @@ def test_a_full_webrtc_read_queue_resets_the_stream_instead_of_dropping_a_messag
         except trio.WouldBlock:  # py-libp2p's `on_data` logs this and drops the message: a hole
             refused += 1
     assert refused == READ_QUEUE_MESSAGES + 1 - 64 and resets == [fixed]
+
+
+def test_a_manual_dcutr_service_does_not_drive_hole_punches() -> None:
+    """py-libp2p's DCUtR service checks every relayed peer for a hole punch every 2 s and has no switch; with
+    the fix (`dcutr_manual_drive`) a service marked manual waits instead, and any other drives as before."""
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    F.install_dcutr()
+    looked: list[str] = []
+
+    def service(manual: bool) -> object:
+        def get_network() -> object:
+            looked.append("manual" if manual else "auto")
+            return types.SimpleNamespace(connections={})
+
+        return types.SimpleNamespace(_murmur_manual=manual, host=types.SimpleNamespace(get_network=get_network))
+
+    async def main() -> None:
+        for manual in (True, False):
+            with trio.move_on_after(9):
+                await DCUtRProtocol._auto_drive_loop(service(manual))  # type: ignore[arg-type]
+        assert looked == ["auto"] * 4  # every 2 s, 9 s of mock time
+        with trio.move_on_after(9):
+            await F.original("dcutr_manual_drive")(service(True))
+        assert looked.count("manual") == 4  # py-libp2p's loop drives whatever is asked
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
