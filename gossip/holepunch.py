@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from gossip import libp2p_fixes
 from gossip.errors import MurmurError
 
 log = logging.getLogger("murmur.gossip.holepunch")
@@ -116,12 +117,8 @@ async def attach_holepunch(transport: Any, auto: bool = True, dial_timeout_s: in
     from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
     from libp2p.tools.anyio_service import background_trio_service
 
+    libp2p_fixes.install_dcutr()
     dcutr = DCUtRProtocol(transport.host, read_timeout=10, write_timeout=10, dial_timeout=dial_timeout_s)
-    if not auto:
-        dcutr._auto_drive_loop = _idle  # type: ignore[method-assign]  # replaces py-libp2p's method on this instance
+    dcutr._murmur_manual = not auto  # type: ignore[attr-defined]  # read by libp2p_fixes' dcutr_manual_drive
     async with background_trio_service(dcutr):
         yield HolePuncher(transport, dcutr)
-
-
-async def _idle() -> None:
-    await trio.sleep_forever()

@@ -1,8 +1,9 @@
-"""py-libp2p 0.8.1 hooks that hold each peer to the stream budget of `gossip.limits`.
+"""What holds each peer to the stream budget of `gossip.limits` inside py-libp2p 0.8.1.
 
-Installed by `gossip.libp2p_fixes.install()` with py-libp2p's other fixes; each hook
-finds its host's state on the swarm (`_murmur_budget`, `_murmur_faults`, `_murmur_refuse`,
-set by `gossip.host`), and does nothing on a swarm without it.
+Plain functions: `gossip.libp2p_fixes` installs the py-libp2p methods that call them (its fixes
+`stream_caps`, `yamux_window_limit`, `connection_refusal` and `pubsub_oversize_charge`), and
+nothing here patches py-libp2p. Each finds its host's state on the swarm (`_murmur_budget`,
+`_murmur_faults`, `_murmur_refuse`, set by `gossip.host`), and does nothing on a swarm without it.
 
 - Inbound stream caps: `SwarmConn._handle_muxed_stream` runs for every stream a peer opens,
   before py-libp2p's host-wide semaphore (which queues, so a full host stalled every new
@@ -26,7 +27,7 @@ set by `gossip.host`), and does nothing on a swarm without it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
@@ -52,112 +53,73 @@ def _peer_of(conn: Any) -> str:
         return "?"
 
 
-def _install_inbound_stream_caps() -> None:
-    from libp2p.network.connection.swarm_connection import SwarmConn
-
-    if getattr(SwarmConn, "_murmur_caps", False):
+async def admit_inbound_stream(conn: Any, muxed_stream: Any, handle: Callable[[Any, Any], Awaitable[None]]) -> None:
+    """`SwarmConn._handle_muxed_stream` under the stream budget: a stream over the peer's or the node's cap
+    is reset; one within both goes to `handle` (py-libp2p's own method) and gives its place back however
+    that ends. A swarm without a budget is handled as py-libp2p does."""
+    budget: StreamBudget | None = getattr(conn.swarm, "_murmur_budget", None)
+    if budget is None:
+        await handle(conn, muxed_stream)
         return
-    handle = SwarmConn._handle_muxed_stream
-    init = SwarmConn.__init__
-
-    def __init__(self: Any, muxed_conn: Any, swarm: Any, *args: Any, **kw: Any) -> None:
-        init(self, muxed_conn, swarm, *args, **kw)
-        try:
-            muxed_conn._murmur_swarm = swarm  # the yamux window hook finds the host's state through it
-        except AttributeError:
-            pass
-
-    async def _handle_muxed_stream(self: Any, muxed_stream: Any) -> None:
-        budget: StreamBudget | None = getattr(self.swarm, "_murmur_budget", None)
-        if budget is None:
-            await handle(self, muxed_stream)
-            return
-        peer = _peer_of(self.muxed_conn)
-        if not budget.open_stream(peer):
-            log.debug("inbound stream from %s refused: stream cap (%d open)", peer, budget.streams.get(peer, 0))
-            with trio.move_on_after(RESET_TIMEOUT_S):
-                try:
-                    await muxed_stream.reset()
-                except Exception:
-                    pass
-            return
-        try:
-            await handle(self, muxed_stream)
-        finally:
-            budget.close_stream(peer)
-
-    SwarmConn.__init__ = __init__  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    SwarmConn._handle_muxed_stream = _handle_muxed_stream  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    SwarmConn._murmur_caps = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
-
-
-def _install_yamux_window_enforcement() -> None:
-    from libp2p.stream_muxer.yamux.yamux import YamuxStream
-
-    if getattr(YamuxStream, "_murmur_window", False):
+    peer = _peer_of(conn.muxed_conn)
+    if not budget.open_stream(peer):
+        log.debug("inbound stream from %s refused: stream cap (%d open)", peer, budget.streams.get(peer, 0))
+        with trio.move_on_after(RESET_TIMEOUT_S):
+            try:
+                await muxed_stream.reset()
+            except Exception:  # the stream is being refused: a failed reset changes nothing
+                pass
         return
-
-    def get(self: Any) -> int:
-        return self.__dict__["_murmur_recv_window"]
-
-    def set_(self: Any, value: int) -> None:
-        if value < 0 and "_murmur_recv_window" in self.__dict__:
-            self.__dict__["_murmur_recv_window"] = 0
-            peer = _peer_of(self.conn)
-            swarm = getattr(self.conn, "_murmur_swarm", None)
-            faults = getattr(swarm, "_murmur_faults", None)
-            err = FrameError(f"yamux stream {self.stream_id}: {-value} bytes beyond the receive window")
-            if faults is not None:
-                faults.record(peer, "/yamux/1.0.0", err)
-            raise WindowExceeded(str(err))
-        self.__dict__["_murmur_recv_window"] = value
-
-    YamuxStream.recv_window = property(get, set_)  # type: ignore[assignment]  # a property in place of py-libp2p's plain attribute
-    YamuxStream._murmur_window = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    try:
+        await handle(conn, muxed_stream)
+    finally:
+        budget.close_stream(peer)
 
 
-def _install_connection_refusal() -> None:
+def window_exceeded(stream: Any, overrun: int) -> WindowExceeded:
+    """The error for a yamux `stream` whose sender went `overrun` bytes beyond its receive window, recorded
+    against the peer in its swarm's `_murmur_faults` (py-libp2p's `SwarmConn` sets `muxed_conn.swarm`)."""
+    swarm = getattr(stream.conn, "swarm", None)
+    faults = getattr(swarm, "_murmur_faults", None)
+    err = FrameError(f"yamux stream {stream.stream_id}: {overrun} bytes beyond the receive window")
+    if faults is not None:
+        faults.record(_peer_of(stream.conn), "/yamux/1.0.0", err)
+    return WindowExceeded(str(err))
+
+
+async def refuse_connection(swarm: Any, muxed_conn: Any, direction: str) -> None:
+    """Close `muxed_conn` and raise SwarmException when `swarm` refuses it: its peer is graylisted or banned
+    (`_murmur_refuse`), or it is inbound from a source range that already holds `StreamLimits.ip_connections`
+    inbound connections. Returns for a connection py-libp2p may add."""
     from libp2p.network.exceptions import SwarmException
-    from libp2p.network.swarm import Swarm
 
-    if getattr(Swarm, "_murmur_refusal", False):
+    refuse = getattr(swarm, "_murmur_refuse", None)
+    if refuse is not None:
+        peer = _peer_of(muxed_conn)
+        if refuse(peer):
+            faults = getattr(swarm, "_murmur_faults", None)
+            if faults is not None:
+                faults.count("connection refused (graylisted)")
+            await _close(muxed_conn)
+            raise SwarmException(f"connection with {peer} refused: graylisted")
+    budget: StreamBudget | None = getattr(swarm, "_murmur_budget", None)
+    if budget is None:
         return
-    add = Swarm.add_conn
+    held = (c for conns in list(swarm.connections.values()) for c in (conns if isinstance(conns, list) else [conns]))
+    full = range_full(budget.limits, direction, muxed_conn, held)
+    if full is not None:
+        budget.counters["connections_refused_ip"] += 1
+        await _close(muxed_conn)
+        raise SwarmException(f"connection from {remote_ip(muxed_conn)} refused: {full} holds "
+                             f"{budget.limits.ip_connections} connections")
 
-    async def add_conn(self: Any, muxed_conn: Any, *args: Any, **kw: Any) -> Any:
-        refuse = getattr(self, "_murmur_refuse", None)
-        if refuse is not None:
-            peer = _peer_of(muxed_conn)
-            if refuse(peer):
-                faults = getattr(self, "_murmur_faults", None)
-                if faults is not None:
-                    faults.count("connection refused (graylisted)")
-                with trio.move_on_after(RESET_TIMEOUT_S):
-                    try:
-                        await muxed_conn.close()
-                    except Exception:
-                        pass
-                raise SwarmException(f"connection with {peer} refused: graylisted")
-        budget: StreamBudget | None = getattr(self, "_murmur_budget", None)
-        direction = kw.get("direction", args[0] if args else "unknown")
-        if budget is not None:
-            held = (c for conns in list(self.connections.values())
-                    for c in (conns if isinstance(conns, list) else [conns]))
-            full = range_full(budget.limits, str(direction), muxed_conn, held)
-            if full is not None:
-                lim = budget.limits
-                ip = remote_ip(muxed_conn)
-                budget.counters["connections_refused_ip"] += 1
-                with trio.move_on_after(RESET_TIMEOUT_S):
-                    try:
-                        await muxed_conn.close()
-                    except Exception:  # the connection is being refused: a failed close changes nothing
-                        pass
-                raise SwarmException(f"connection from {ip} refused: {full} holds {lim.ip_connections} connections")
-        return await add(self, muxed_conn, *args, **kw)
 
-    Swarm.add_conn = add_conn  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    Swarm._murmur_refusal = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+async def _close(muxed_conn: Any) -> None:
+    with trio.move_on_after(RESET_TIMEOUT_S):
+        try:
+            await muxed_conn.close()
+        except Exception:  # the connection is being refused: a failed close changes nothing
+            pass
 
 
 def range_full(limits: StreamLimits, direction: str, conn: Any, held: Iterable[Any]) -> str | None:
@@ -193,6 +155,9 @@ def remote_ip(conn: Any) -> str:
 async def read_varint_frame(stream: Any, max_length: int, unbudgeted: Any) -> bytes:
     """py-libp2p's `read_varint_prefixed_bytes_limited`, with the body's bytes reserved from the peer's budget
     as they arrive and the whole RPC due within the frame deadline from its first byte."""
+    # A copy of py-libp2p's function, not a wrapper: its reads happen inside it, so wrapping would need a
+    # stand-in stream that leases each read and arms the deadline on the first byte, and an over-long
+    # prefix would leave it as py-libp2p's ParseError rather than our FrameError, which the guard charges.
     from libp2p.io.exceptions import IncompleteReadError, MessageTooLarge
     from libp2p.utils.varint import decode_uvarint
 
@@ -232,9 +197,3 @@ async def read_varint_frame(stream: Any, max_length: int, unbudgeted: Any) -> by
         raise FrameTimeout(f"pubsub RPC from {lease.peer} incomplete after {lease.deadline_s:g} s")
     finally:
         lease.free()
-
-
-def install() -> None:
-    _install_inbound_stream_caps()
-    _install_yamux_window_enforcement()
-    _install_connection_refusal()

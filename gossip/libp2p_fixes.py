@@ -1,16 +1,19 @@
-"""Every fix Murmur makes to py-libp2p 0.8.1's internals, installed by one explicit `install()`.
+"""Every change Murmur makes to py-libp2p 0.8.1's own code, installed by one explicit `install()`.
 
-`gossip.host.open_transport` calls `install()` before it builds a host. Each fix replaces a
-py-libp2p function or method that misbehaves in 0.8.1 (docs/architecture.md lists them, one line
-each: what py-libp2p does wrong, what the fix does). They were written against that release's
-internals, so `install()` refuses any other installed version with `UnsupportedLibp2p` rather
-than patching code it was not written for. The replaced originals stay reachable through
-`original(name)`, so a test can show the unpatched behaviour on the same input.
+`gossip.host.open_transport` calls `install()` before it builds a host; `install_webrtc()` adds the
+WebRTC-direct fixes once aiortc imports (`gossip.webrtc` calls it before any WebRTC connection), and
+`install_dcutr()` the DCUtR one (`gossip.holepunch` calls it before it starts the service). Each
+fix replaces a py-libp2p function or method that misbehaves in 0.8.1 (docs/architecture.md lists
+them, one line each: what py-libp2p does wrong, what the fix does). They were written against that
+release's internals, so both refuse any other installed version with `UnsupportedLibp2p` rather than
+patching code they were not written for. `_replace` is the one place that assigns into py-libp2p; it
+keeps each replaced original under the fix's name, so `original(name)` lets a test show the
+unpatched behaviour on the same input. Where a fix's policy is larger than the hook (the stream
+budget, WebRTC backpressure) it is a plain function in `gossip.hostlimits` or `gossip.webrtc`.
 
 Installing is process-wide (the patched classes are py-libp2p's) and idempotent. The fixes that
 need a host's state (its `StreamFaults`, its `StreamBudget`) find it on the host or its swarm
 (`_murmur_faults`, `_murmur_budget`, set by `gossip.host`) and do nothing on a host without it.
-The per-peer stream limits (`gossip/hostlimits.py`) are installed from here too.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import importlib.metadata
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Final
 
 import trio
 
-from gossip import hostlimits
+from gossip import hostlimits, webrtc
 from gossip.errors import MurmurError
 from gossip.transport import FrameError
 
@@ -48,11 +52,26 @@ def check_version(installed: str) -> None:
 
 
 _originals: dict[str, Any] = {}
+_installed: set[Callable[[], None]] = set()
 
 
 def original(name: str) -> Any:
-    """The py-libp2p function or method that fix `name` replaced (after `install()`)."""
+    """The py-libp2p function or method that fix `name` replaced (once installed); None for
+    `yamux_window_limit`, which puts a property where py-libp2p has only an instance attribute."""
     return _originals[name]
+
+
+def _replace(name: str, owner: Any, attr: str, new: Any, imported_by: tuple[str, ...] = ()) -> None:
+    """Put `new` in place of `owner.attr` (a py-libp2p class's method or a module's function), keeping what
+    was there as `original(name)`. `imported_by`: modules that imported the function by name (`from m import
+    f`), whose own name for it is replaced too. The only assignment into py-libp2p in the project."""
+    old = getattr(owner, attr, None)
+    for module in imported_by:
+        mod = importlib.import_module(module)
+        if getattr(mod, attr, None) is old:
+            setattr(mod, attr, new)
+    setattr(owner, attr, new)
+    _originals[name] = old
 
 
 def _fix_go_yamux_credit() -> None:
@@ -63,10 +82,7 @@ def _fix_go_yamux_credit() -> None:
     has the other half when the update leaves)."""
     from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
-    if getattr(YamuxStream, "_murmur_credit", False):
-        return
-    _originals["go_yamux_credit"] = YamuxStream._auto_tune_and_send_window_update
-
+    # not a wrapper: py-libp2p's method sends the update itself, and the fix is to send fewer
     async def _go_yamux_credit(self: Any, *, bytes_read: int = 0) -> None:
         async with self.window_lock:
             buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
@@ -77,8 +93,7 @@ def _fix_go_yamux_credit() -> None:
         if delta > 0:
             await self.send_window_update(delta, skip_lock=True)
 
-    YamuxStream._auto_tune_and_send_window_update = _go_yamux_credit  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    YamuxStream._murmur_credit = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    _replace("go_yamux_credit", YamuxStream, "_auto_tune_and_send_window_update", _go_yamux_credit)
 
 
 READ_AHEAD_BYTES = 256 * 1024
@@ -92,9 +107,7 @@ def _fix_buffered_tcp_reads() -> None:
     it), so the buffer needs no lock of its own."""
     from libp2p.io.trio import TrioTCPStream
 
-    if getattr(TrioTCPStream, "_murmur_buffered", False):
-        return
-    unbuffered = _originals["buffered_tcp_reads"] = TrioTCPStream.read
+    unbuffered = TrioTCPStream.read
 
     async def read(self: Any, n: int | None = None) -> bytes:
         buf: bytes = getattr(self, "_murmur_buf", b"")
@@ -114,8 +127,7 @@ def _fix_buffered_tcp_reads() -> None:
         self._murmur_buf, self._murmur_off = data, n
         return data[:n]
 
-    TrioTCPStream.read = read  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    TrioTCPStream._murmur_buffered = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    _replace("buffered_tcp_reads", TrioTCPStream, "read", read)
 
 
 def _fix_lean_yamux_writes() -> None:
@@ -138,10 +150,7 @@ def _fix_lean_yamux_writes() -> None:
     from libp2p.stream_muxer.exceptions import MuxedStreamError
     from libp2p.stream_muxer.yamux import yamux as ym
 
-    if getattr(ym.YamuxStream, "_murmur_lean", False):
-        return
-    _originals["lean_yamux_writes"] = ym.YamuxStream.write
-    _originals["lean_yamux_writes.frame"] = ym.Yamux._write_frame
+    # not wrappers: the per-frame work they do is what this fix removes
     header = struct.Struct(ym.YAMUX_HEADER_FORMAT)
     max_payload = ym.MAX_MESSAGE_SIZE - ym.HEADER_SIZE
 
@@ -188,9 +197,8 @@ def _fix_lean_yamux_writes() -> None:
             await self.conn._write_frame(frame)
             sent += len(frame) - ym.HEADER_SIZE
 
-    ym.Yamux._write_frame = write_frame  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    ym.YamuxStream.write = write  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    ym.YamuxStream._murmur_lean = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    _replace("lean_yamux_writes.frame", ym.Yamux, "_write_frame", write_frame)
+    _replace("lean_yamux_writes", ym.YamuxStream, "write", write)
 
 
 def _fix_pubsub_message_guard() -> None:
@@ -202,9 +210,7 @@ def _fix_pubsub_message_guard() -> None:
     """
     from libp2p.pubsub.pubsub import Pubsub
 
-    if getattr(Pubsub, "_murmur_guarded", False):
-        return
-    unguarded = _originals["pubsub_message_guard"] = Pubsub.push_msg
+    unguarded = Pubsub.push_msg
 
     async def push_msg(self: Any, msg_forwarder: Any, msg: Any) -> None:
         try:
@@ -216,8 +222,7 @@ def _fix_pubsub_message_guard() -> None:
             log.warning("pubsub message from %s dropped: %s: %s", msg_forwarder, type(e).__name__, e)
             faults.count("pubsub-message (error)")
 
-    Pubsub.push_msg = push_msg  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    Pubsub._murmur_guarded = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    _replace("pubsub_message_guard", Pubsub, "push_msg", push_msg)
 
 
 def _fix_pubsub_oversize_charge() -> None:
@@ -227,9 +232,7 @@ def _fix_pubsub_oversize_charge() -> None:
     import libp2p.pubsub.pubsub as ps
     from libp2p.io.exceptions import MessageTooLarge
 
-    if getattr(ps, "_murmur_oversize", False):
-        return
-    read = _originals["pubsub_oversize_charge"] = ps.read_varint_prefixed_bytes_limited
+    read = ps.read_varint_prefixed_bytes_limited
 
     async def read_limited(stream: Any, max_length: int) -> bytes:
         try:
@@ -237,8 +240,7 @@ def _fix_pubsub_oversize_charge() -> None:
         except MessageTooLarge as e:
             raise FrameError(f"pubsub RPC over {max_length} bytes: {e}") from None
 
-    ps.read_varint_prefixed_bytes_limited = read_limited  # type: ignore[assignment]  # the wrapper takes any stream, as the original does at run time
-    ps._murmur_oversize = True  # type: ignore[attr-defined]  # marks py-libp2p's module as patched
+    _replace("pubsub_oversize_charge", ps, "read_varint_prefixed_bytes_limited", read_limited)
 
 
 def _fix_pubsub_stream_retry() -> None:
@@ -255,9 +257,7 @@ def _fix_pubsub_stream_retry() -> None:
     from libp2p.network.stream.exceptions import StreamError
     from libp2p.pubsub.pubsub import Pubsub
 
-    if getattr(Pubsub, "_murmur_stream_retry", False):
-        return
-    once = _originals["pubsub_stream_retry"] = Pubsub._handle_new_peer
+    once = Pubsub._handle_new_peer
 
     async def handle_new_peer(self: Any, peer_id: Any) -> None:
         try:
@@ -268,8 +268,7 @@ def _fix_pubsub_stream_retry() -> None:
                 faults.count("pubsub stream open (retried)")
             raise SwarmException(f"{type(e).__name__}: {e}") from e
 
-    Pubsub._handle_new_peer = handle_new_peer  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    Pubsub._murmur_stream_retry = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    _replace("pubsub_stream_retry", Pubsub, "_handle_new_peer", handle_new_peer)
 
 
 def _fix_pubsub_keep_subscriptions() -> None:
@@ -281,9 +280,7 @@ def _fix_pubsub_keep_subscriptions() -> None:
     the subscriptions it told us (it would send an unsubscribe if one changed)."""
     from libp2p.pubsub.pubsub import Pubsub
 
-    if getattr(Pubsub, "_murmur_keep_subs", False):
-        return
-    forget = _originals["pubsub_keep_subscriptions"] = Pubsub._handle_dead_peer
+    forget = Pubsub._handle_dead_peer
 
     def handle_dead_peer(self: Any, peer_id: Any) -> None:
         keep = [t for t, peers in self.peer_topics.items() if peer_id in peers] \
@@ -299,8 +296,7 @@ def _fix_pubsub_keep_subscriptions() -> None:
             if faults is not None:
                 faults.count("pubsub stream replaced (subscriptions kept)")
 
-    Pubsub._handle_dead_peer = handle_dead_peer  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    Pubsub._murmur_keep_subs = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    _replace("pubsub_keep_subscriptions", Pubsub, "_handle_dead_peer", handle_dead_peer)
 
 
 def _on_closed_connection(stream: Any) -> bool:
@@ -324,10 +320,7 @@ def _fix_pubsub_stream_on_closed_connection() -> None:
     the same, tells us its own)."""
     from libp2p.pubsub.pubsub import Pubsub
 
-    if getattr(Pubsub, "_murmur_closed_conn", False):
-        return
-    _originals["pubsub_stream_on_closed_connection"] = Pubsub.handle_dead_peer_queue
-
+    # not a wrapper: the loop's filter is what changes, and py-libp2p's loop has no hook for it
     async def handle_dead_peer_queue(self: Any) -> None:
         async with self.dead_peer_receive_channel:
             self.event_handle_dead_peer_queue_started.set()
@@ -340,8 +333,7 @@ def _fix_pubsub_stream_on_closed_connection() -> None:
                         faults.count("pubsub stream re-opened (its connection closed)")
                 self._handle_dead_peer(peer_id)
 
-    Pubsub.handle_dead_peer_queue = handle_dead_peer_queue  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    Pubsub._murmur_closed_conn = True  # type: ignore[attr-defined]  # marks py-libp2p's class as patched
+    _replace("pubsub_stream_on_closed_connection", Pubsub, "handle_dead_peer_queue", handle_dead_peer_queue)
 
 
 # How long our own signed peer record is reused before py-libp2p re-checks our addresses.
@@ -366,10 +358,8 @@ def _fix_peer_record_memo() -> None:
     import libp2p.peer.peerstore as peerstore
     import libp2p.pubsub.utils as pubsub_utils
 
-    if getattr(peerstore, "_murmur_record_memo", False):
-        return
-    own_record = _originals["peer_record_memo.own"] = peerstore.env_to_send_in_RPC
-    check_record = _originals["peer_record_memo"] = pubsub_utils.maybe_consume_signed_record
+    own_record = peerstore.env_to_send_in_RPC
+    check_record = pubsub_utils.maybe_consume_signed_record
 
     def env_to_send_in_rpc(host: Any) -> tuple[bytes, bool]:
         now = time.monotonic()
@@ -405,25 +395,185 @@ def _fix_peer_record_memo() -> None:
                 faults.count("pubsub signed record (invalid)")
         return ok
 
-    for name in ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub"):  # per RPC
-        mod = importlib.import_module(name)
-        if getattr(mod, "env_to_send_in_RPC", None) is own_record:
-            mod.env_to_send_in_RPC = env_to_send_in_rpc  # type: ignore[attr-defined]  # the module's own name for the function it imported
-        if getattr(mod, "maybe_consume_signed_record", None) is check_record:
-            mod.maybe_consume_signed_record = maybe_consume_signed_record  # type: ignore[attr-defined]  # the module's own name for the function it imported
-    peerstore.env_to_send_in_RPC = env_to_send_in_rpc
-    pubsub_utils.maybe_consume_signed_record = maybe_consume_signed_record
-    peerstore._murmur_record_memo = True  # type: ignore[attr-defined]  # marks py-libp2p's module as patched
+    per_rpc = ("libp2p.pubsub.pubsub", "libp2p.pubsub.gossipsub", "libp2p.pubsub.floodsub")  # pubsub's users only
+    _replace("peer_record_memo.own", peerstore, "env_to_send_in_RPC", env_to_send_in_rpc, per_rpc)
+    _replace("peer_record_memo", pubsub_utils, "maybe_consume_signed_record", maybe_consume_signed_record, per_rpc)
+
+
+def _fix_stream_caps() -> None:
+    """py-libp2p 0.8.1 limits inbound streams per host only, with a semaphore that queues: one peer's idle
+    streams fill it and every other peer's new streams wait behind them. Each inbound stream is held to the
+    peer's and the node's caps of the host's `StreamBudget` first (`hostlimits.admit_inbound_stream`): one
+    over a cap is reset before py-libp2p's semaphore and before negotiation."""
+    from libp2p.network.connection.swarm_connection import SwarmConn
+
+    handle = SwarmConn._handle_muxed_stream
+
+    async def _handle_muxed_stream(self: Any, muxed_stream: Any) -> None:
+        await hostlimits.admit_inbound_stream(self, muxed_stream, handle)
+
+    _replace("stream_caps", SwarmConn, "_handle_muxed_stream", _handle_muxed_stream)
+
+
+def _fix_yamux_window_limit() -> None:
+    """py-libp2p 0.8.1 logs a DATA frame beyond a stream's receive window and buffers it anyway, so a peer
+    can push unbounded bytes into a stream nobody reads. Here it is what go-yamux makes it, a protocol error:
+    `hostlimits.WindowExceeded` (a TooSlowError, which py-libp2p's muxer loop answers by closing the
+    connection), the sender charged. An honest sender never exceeds the credit we granted.
+
+    A property in place of the stream's plain `recv_window` attribute: the window is checked inline in
+    `Yamux.handle_incoming`, a 400-line loop, so the only smaller override is the assignment it makes."""
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    def get(self: Any) -> int:
+        return self.__dict__["_murmur_recv_window"]
+
+    def set_(self: Any, value: int) -> None:
+        if value < 0 and "_murmur_recv_window" in self.__dict__:
+            self.__dict__["_murmur_recv_window"] = 0
+            raise hostlimits.window_exceeded(self, -value)
+        self.__dict__["_murmur_recv_window"] = value
+
+    _replace("yamux_window_limit", YamuxStream, "recv_window", property(get, set_))
+
+
+def _fix_connection_refusal() -> None:
+    """py-libp2p 0.8.1 adds every connection that completes its handshake: a graylisted or banned key that
+    reconnects starts afresh, and one machine's many keys can take every connection a node accepts. A
+    connection the host refuses (`hostlimits.refuse_connection`: its peer refused, or inbound from a source
+    range already holding `StreamLimits.ip_connections`) is closed as it is added."""
+    from libp2p.network.swarm import Swarm
+
+    add = Swarm.add_conn
+
+    async def add_conn(self: Any, muxed_conn: Any, *args: Any, **kw: Any) -> Any:
+        await hostlimits.refuse_connection(self, muxed_conn, str(kw.get("direction", args[0] if args else "unknown")))
+        return await add(self, muxed_conn, *args, **kw)
+
+    _replace("connection_refusal", Swarm, "add_conn", add_conn)
+
+
+def _fix_webrtc_forget_closed_streams() -> None:
+    """py-libp2p 0.8.1 never removes a closed WebRTC stream from its connection's registry
+    (`WebRTCConnection.remove_stream` exists, nothing calls it), so every stream a connection ever opened
+    counts against its 256-stream limit and the 253rd fails at once. A stream's cleanup (close, reset)
+    removes it (`webrtc.forget_stream`)."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    cleanup = WebRTCStream._cleanup
+
+    def _cleanup(self: Any) -> None:
+        cleanup(self)
+        webrtc.forget_stream(self)
+
+    _replace("webrtc_forget_closed_streams", WebRTCStream, "_cleanup", _cleanup)
+
+
+def _fix_webrtc_backpressure() -> None:
+    """py-libp2p 0.8.1 completes a WebRTC stream write once aiortc queued it, so a bulk writer runs megabytes
+    ahead of the wire and a stream opened meanwhile waits behind that backlog past the negotiation timeout.
+    Each send on a wired connection then waits while the association's queue is over
+    `webrtc.SEND_QUEUE_HIGH` (`webrtc.drain_send_queue`)."""
+    from libp2p.transport.webrtc import _aiortc_helpers as helpers
+
+    wire = helpers.wire_pc_to_connection
+
+    def wire_pc_to_connection(pc: Any, conn: Any) -> None:
+        wire(pc, conn)
+        send = conn._send_on_channel_cb
+
+        async def send_then_drain(channel_id: int, data: bytes) -> None:
+            await send(channel_id, data)
+            await webrtc.drain_send_queue(pc)
+
+        conn._send_on_channel_cb = send_then_drain
+
+    # py-libp2p's dialler and listener import it from the module when they wire a connection
+    _replace("webrtc_backpressure", helpers, "wire_pc_to_connection", wire_pc_to_connection)
+
+
+def _fix_webrtc_bytes_like_writes() -> None:
+    """py-libp2p 0.8.1's WebRTC stream writes `bytes` only (each slice goes into a protobuf field that
+    rejects a bytearray: TypeError), where yamux streams take any bytes-like object; the chunk broadcast
+    writes one bytearray. A non-`bytes` write is copied to `bytes` once."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    write = WebRTCStream.write
+
+    async def write_bytes_like(self: Any, data: Any) -> None:
+        await write(self, data if type(data) is bytes else bytes(data))
+
+    _replace("webrtc_bytes_like_writes", WebRTCStream, "write", write_bytes_like)
+
+
+def _fix_webrtc_read_overflow_reset() -> None:
+    """py-libp2p 0.8.1 queues 64 incoming data-channel messages for a WebRTC stream's reader and drops the
+    next with a log line: the stream goes on with a hole. Each new stream gets a queue of
+    `webrtc.READ_QUEUE_MESSAGES` whose overflow resets the stream (`webrtc.reset_on_overflow`)."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    init = WebRTCStream.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        webrtc.reset_on_overflow(self)
+
+    _replace("webrtc_read_overflow_reset", WebRTCStream, "__init__", __init__)
+
+
+def _fix_dcutr_manual_drive() -> None:
+    """py-libp2p 0.8.1's DCUtR service always runs its auto-drive loop (a hole punch toward every relayed peer,
+    checked every 2 s) and has no option to turn it off; a node whose reachability decides when to punch
+    (`gossip.holepunch.attach_holepunch(auto=False)`) needs it off. A service with `_murmur_manual` set
+    waits instead; any other drives as py-libp2p does."""
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    drive = DCUtRProtocol._auto_drive_loop
+
+    async def _auto_drive_loop(self: Any) -> None:
+        if getattr(self, "_murmur_manual", False):
+            await trio.sleep_forever()
+        await drive(self)
+
+    _replace("dcutr_manual_drive", DCUtRProtocol, "_auto_drive_loop", _auto_drive_loop)
 
 
 FIXES: Final = (_fix_go_yamux_credit, _fix_buffered_tcp_reads, _fix_lean_yamux_writes, _fix_pubsub_message_guard,
                 _fix_pubsub_oversize_charge, _fix_pubsub_stream_retry, _fix_pubsub_keep_subscriptions,
-                _fix_pubsub_stream_on_closed_connection, _fix_peer_record_memo)
+                _fix_pubsub_stream_on_closed_connection, _fix_peer_record_memo, _fix_stream_caps,
+                _fix_yamux_window_limit, _fix_connection_refusal)
+# py-libp2p's WebRTC transport imports aiortc, so these are installed apart, once it imports
+WEBRTC_FIXES: Final = (_fix_webrtc_forget_closed_streams, _fix_webrtc_backpressure, _fix_webrtc_bytes_like_writes,
+                       _fix_webrtc_read_overflow_reset)
+# py-libp2p's DCUtR module takes half a second to import, so its fix waits for the first hole puncher
+DCUTR_FIXES: Final = (_fix_dcutr_manual_drive,)
+
+
+def _install(fixes: tuple[Callable[[], None], ...]) -> None:
+    check_version(importlib.metadata.version("libp2p"))
+    for fix in fixes:
+        if fix not in _installed:
+            fix()
+            _installed.add(fix)
 
 
 def install() -> None:
-    """Check the py-libp2p version, then install every fix (once per process)."""
-    check_version(importlib.metadata.version("libp2p"))
-    for fix in FIXES:
-        fix()
-    hostlimits.install()
+    """Check the py-libp2p version, then install every fix but the WebRTC-direct ones (once per process)."""
+    _install(FIXES)
+
+
+def install_webrtc() -> bool:
+    """Check the py-libp2p version, then install the WebRTC-direct fixes (once per process), if aiortc
+    imports; False, with nothing installed, where it does not. Importing aiortc takes a while: a caller on
+    a running event loop imports it in a thread first (`gossip.webrtc.attach_webrtc` does)."""
+    try:
+        importlib.import_module("aiortc")
+    except ImportError:
+        return False
+    _install(WEBRTC_FIXES)
+    return True
+
+
+def install_dcutr() -> None:
+    """Check the py-libp2p version, then install the DCUtR fix (once per process)."""
+    _install(DCUTR_FIXES)

@@ -8,6 +8,10 @@ thread); it was measured at 1.4–3.1 MB/s py<->py with one negotiation in six t
 fallback for UDP-only networks, never the default path. When aiortc is missing everything here
 reports why instead of failing.
 
+py-libp2p 0.8.1's `/webrtc-direct` needs four fixes before a node can use it; `gossip.libp2p_fixes`
+installs them (`install_webrtc`, called here before any connection), and their policy is here as plain
+functions (`forget_stream`, `drain_send_queue`, `reset_on_overflow`).
+
 `measure_loopback` builds two throwaway hosts with py-libp2p's `/webrtc-direct` transport (listener
 on 127.0.0.1 UDP) and times one bulk stream; the benchmark reports it as `webrtc_mb_s`.
 """
@@ -40,60 +44,33 @@ def send_queue_bytes(sctp: Any) -> int:
     return sum(len(item[2]) for item in queue)
 
 
-def install_workarounds() -> None:
-    """Four fixes to py-libp2p 0.8.1's /webrtc-direct, without which a node's connection stops opening
-    streams or carrying patch chunks; idempotent, applied before any WebRTC connection is made.
-
-    1. Closed streams are forgotten: `WebRTCConnection.remove_stream` exists but nothing calls it, so
-       every stream ever opened counts against `max_concurrent_streams` (256) and the 253rd stream of
-       a connection's life fails at once ("Failed to create stream"). A node opens catalog, chunk and
-       fetch streams all the time; measured: streams 1-252 opened, the rest failed. (SwarmConn also
-       shadows the connection's `remove_stream(channel_id)` with an async hook of another signature.)
-       Now a stream's own cleanup (close, reset) removes it from its connection's registry.
-    2. Backpressure on writes (`_install_backpressure`).
-    3. bytearray and memoryview writes (`_install_bytes_like_writes`).
-    4. A full read queue resets the stream instead of dropping a message (`_install_read_overflow_reset`)."""
-    from libp2p.transport.webrtc.stream import WebRTCStream
-
-    if not getattr(WebRTCStream._cleanup, "_murmur_forget", False):
-        cleanup = WebRTCStream._cleanup
-
-        def forget_on_cleanup(self: Any) -> None:
-            cleanup(self)
-            # the class's method: py-libp2p's SwarmConn shadows `remove_stream` on the instance with an
-            # async NetStream hook, which is part of why nothing ever removed a WebRTC stream
-            remove = getattr(type(self.muxed_conn), "remove_stream", None)
-            if remove is not None:
-                remove(self.muxed_conn, self._channel_id)
-
-        forget_on_cleanup._murmur_forget = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
-        WebRTCStream._cleanup = forget_on_cleanup  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-    _install_backpressure()
-    _install_bytes_like_writes()
-    _install_read_overflow_reset()
+def forget_stream(stream: Any) -> None:
+    """Remove a WebRTC stream that was cleaned up (closed, reset) from its connection's registry, so closed
+    streams stop counting against the connection's `max_concurrent_streams` (256)."""
+    # the class's method: py-libp2p's SwarmConn shadows `remove_stream` on the instance with an async
+    # NetStream hook of another signature, which is part of why nothing ever removed a WebRTC stream
+    remove = getattr(type(stream.muxed_conn), "remove_stream", None)
+    if remove is not None:
+        remove(stream.muxed_conn, stream._channel_id)
 
 
-def _install_bytes_like_writes() -> None:
-    """Let a WebRTC stream write any bytes-like object, as yamux streams do.
+async def drain_send_queue(pc: Any) -> None:
+    """Wait (on aiortc's asyncio thread, which py-libp2p's WebRTC write awaits) while the peer connection's
+    SCTP association holds more than `SEND_QUEUE_HIGH` bytes for data channels.
 
-    Why: py-libp2p 0.8.1 wraps each slice of the written data in a protobuf `Message`, whose
-    `message` field takes `bytes` only: a `bytearray` write raised "TypeError: expected bytes,
-    bytearray found". The chunk broadcast writes coalesced frames as one bytearray
-    (`gossip.framing.encode_frames`), so over WebRTC-direct every chunk-stream write failed, the stream
-    was dropped and reopened (hundreds of times in a 2-minute real-node run) and not one patch chunk
-    arrived. One copy to `bytes`; nothing changes for callers that already pass bytes. Idempotent.
-    """
-    from libp2p.transport.webrtc.stream import WebRTCStream
+    Why: aiortc's `RTCDataChannel.send` never blocks and its association sends all channels' messages from
+    one FIFO, so a bulk writer queued megabytes ahead of the wire and a stream opened meanwhile (its DCEP
+    open and multistream-select behind that backlog) took 4-10 s on loopback, and real nodes behind a
+    UDP-only NAT never fetched a patch. aiortc has no event for the association-wide queue, so it is
+    polled, bounded by `SEND_DRAIN_MAX_S`."""
+    import asyncio
 
-    if getattr(WebRTCStream.write, "_murmur_bytes_like", False):
-        return
-    write = WebRTCStream.write
-
-    async def write_bytes_like(self: Any, data: Any) -> None:
-        await write(self, data if type(data) is bytes else bytes(data))
-
-    write_bytes_like._murmur_bytes_like = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
-    WebRTCStream.write = write_bytes_like  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
+    waited = 0.0
+    while (sctp := pc.sctp) is not None and send_queue_bytes(sctp) > SEND_QUEUE_HIGH:
+        if waited >= SEND_DRAIN_MAX_S or getattr(sctp, "state", "") == "closed":
+            return
+        await asyncio.sleep(SEND_DRAIN_POLL_S)
+        waited += SEND_DRAIN_POLL_S
 
 
 READ_QUEUE_MESSAGES = 256  # data-channel messages (<= 16 KiB each) queued for a stream's reader
@@ -119,68 +96,13 @@ class _ResetOnOverflow:
         return getattr(self._inner, name)
 
 
-def _install_read_overflow_reset() -> None:
-    """Turn py-libp2p's silent drop of an incoming message into a stream reset.
-
-    Why: py-libp2p 0.8.1 queues at most 64 incoming data-channel messages for a stream's reader and
-    drops the next one with a log line ("read buffer full, dropping message"). The stream then goes
-    on with a hole in it: our length-prefixed frames would decode as garbage, and the honest sender
-    would be penalised for it. Now the queue holds `READ_QUEUE_MESSAGES` (4 MiB at most per stream)
-    and a message that still does not fit resets the stream: the reader gets an error, nothing is
-    lost silently, and the chunk broadcast reopens the stream and asks again. Idempotent.
-    """
-    from libp2p.transport.webrtc.stream import WebRTCStream
-
-    if getattr(WebRTCStream.__init__, "_murmur_overflow_reset", False):
-        return
-    init = WebRTCStream.__init__
-
-    def init_with_reset_on_overflow(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        send, self._read_recv = trio.open_memory_channel[bytes](READ_QUEUE_MESSAGES)
-        self._read_send = _ResetOnOverflow(send, self)
-
-    init_with_reset_on_overflow._murmur_overflow_reset = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
-    WebRTCStream.__init__ = init_with_reset_on_overflow  # type: ignore[method-assign]  # this fix replaces py-libp2p's method
-
-
-def _install_backpressure() -> None:
-    """Make writes over py-libp2p's /webrtc-direct wait while the association's send queue is full.
-
-    Why: py-libp2p 0.8.1 completes a stream write as soon as aiortc *queued* it (`RTCDataChannel.send`
-    never blocks), and aiortc sends queued messages in order across all data channels. A node's
-    gossip and chunk streams then pile megabytes into one FIFO, and opening a new stream (its DCEP open
-    and multistream-select travel behind that backlog) timed out after 10 s: measured on loopback, a
-    stream opened during a bulk write took 4-10 s, and real nodes behind a UDP-only NAT never fetched
-    a patch. Waiting (on the aiortc thread, which is what py-libp2p's write awaits) until the queue is
-    under `SEND_QUEUE_HIGH` bounds that backlog to a fraction of a second. aiortc has no event for the
-    association-wide queue, so it is polled, bounded by `SEND_DRAIN_MAX_S`. Idempotent.
-    """
-    from libp2p.transport.webrtc import _aiortc_helpers as helpers
-
-    if getattr(helpers.wire_pc_to_connection, "_murmur_backpressure", False):
-        return
-    original = helpers.wire_pc_to_connection
-
-    def wire_pc_to_connection(pc: Any, conn: Any) -> None:
-        original(pc, conn)
-        send = conn._send_on_channel_cb
-
-        async def send_then_drain(channel_id: int, data: bytes) -> None:
-            import asyncio
-
-            await send(channel_id, data)
-            waited = 0.0
-            while (sctp := pc.sctp) is not None and send_queue_bytes(sctp) > SEND_QUEUE_HIGH:
-                if waited >= SEND_DRAIN_MAX_S or getattr(sctp, "state", "") == "closed":
-                    break
-                await asyncio.sleep(SEND_DRAIN_POLL_S)
-                waited += SEND_DRAIN_POLL_S
-
-        conn._send_on_channel_cb = send_then_drain
-
-    wire_pc_to_connection._murmur_backpressure = True  # type: ignore[attr-defined]  # marks the function as the fix's replacement
-    helpers.wire_pc_to_connection = wire_pc_to_connection
+def reset_on_overflow(stream: Any) -> None:
+    """Give a new WebRTC stream a read queue of `READ_QUEUE_MESSAGES` (4 MiB at most) whose overflow resets
+    the stream: the reader gets an error, nothing is lost silently, and the chunk broadcast reopens the
+    stream and asks again (a dropped message would leave a hole our length-prefixed frames decode as
+    garbage, and the honest sender penalised for it)."""
+    send, stream._read_recv = trio.open_memory_channel[bytes](READ_QUEUE_MESSAGES)
+    stream._read_send = _ResetOnOverflow(send, stream)
 
 
 def webrtc_unavailable() -> str | None:
@@ -201,7 +123,9 @@ async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> d
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import PeerInfo
 
-    install_workarounds()
+    from gossip import libp2p_fixes  # not at the top: libp2p_fixes imports this module for the fixes' policy
+
+    libp2p_fixes.install_webrtc()
     proto = TProtocol("/murmur/bench/webrtc-bulk/1")
     a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
     b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
@@ -289,7 +213,9 @@ async def attach_webrtc(transport: Any, listen: list[str]) -> list[str]:
     await trio.to_thread.run_sync(importlib.import_module, "aiortc")
     from libp2p.transport.webrtc.transport import WebRTCDirectTransport
 
-    install_workarounds()
+    from gossip import libp2p_fixes  # not at the top: libp2p_fixes imports this module for the fixes' policy
+
+    libp2p_fixes.install_webrtc()
 
     swarm = transport.host.get_network()
     tm = swarm.transport_manager

@@ -1,4 +1,5 @@
-"""gossip/libp2p_fixes.py: the version guard, and one focused test per fix of py-libp2p 0.8.1.
+"""gossip/libp2p_fixes.py: the version guard, and one focused test per fix of py-libp2p 0.8.1 (the host
+limits and the WebRTC-direct fixes included; the WebRTC ones skip where aiortc does not import).
 
 Each test shows the fixed behaviour, then runs py-libp2p's own code (`libp2p_fixes.original`) on the
 same input and shows the defect the fix is for. Fixes whose defect needs a whole swarm to show are
@@ -31,22 +32,28 @@ def test_any_other_py_libp2p_version_is_refused_by_name() -> None:
 
 def test_install_is_explicit_idempotent_and_keeps_the_originals() -> None:
     from libp2p.io.trio import TrioTCPStream
+    from libp2p.network.connection.swarm_connection import SwarmConn
+    from libp2p.network.swarm import Swarm
     from libp2p.pubsub.pubsub import Pubsub
     from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
     F.install()
-    patched = (TrioTCPStream.read, YamuxStream.write, YamuxStream._auto_tune_and_send_window_update,
-               Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer, Pubsub.handle_dead_peer_queue)
+
+    def now() -> dict[str, object]:
+        return {"buffered_tcp_reads": TrioTCPStream.read, "lean_yamux_writes": YamuxStream.write,
+                "go_yamux_credit": YamuxStream._auto_tune_and_send_window_update,
+                "pubsub_message_guard": Pubsub.push_msg, "pubsub_stream_retry": Pubsub._handle_new_peer,
+                "pubsub_keep_subscriptions": Pubsub._handle_dead_peer,
+                "pubsub_stream_on_closed_connection": Pubsub.handle_dead_peer_queue,
+                "stream_caps": SwarmConn._handle_muxed_stream, "connection_refusal": Swarm.add_conn}
+
+    patched = now()
     F.install()
-    assert (TrioTCPStream.read, YamuxStream.write, YamuxStream._auto_tune_and_send_window_update,
-            Pubsub.push_msg, Pubsub._handle_new_peer, Pubsub._handle_dead_peer,
-            Pubsub.handle_dead_peer_queue) == patched
-    for name, now in (("buffered_tcp_reads", TrioTCPStream.read), ("lean_yamux_writes", YamuxStream.write),
-                      ("go_yamux_credit", YamuxStream._auto_tune_and_send_window_update),
-                      ("pubsub_message_guard", Pubsub.push_msg), ("pubsub_stream_retry", Pubsub._handle_new_peer),
-                      ("pubsub_keep_subscriptions", Pubsub._handle_dead_peer),
-                      ("pubsub_stream_on_closed_connection", Pubsub.handle_dead_peer_queue)):
-        assert F.original(name) is not now and F.original(name).__module__.startswith("libp2p."), name
+    assert now() == patched
+    for name, fix in patched.items():
+        assert F.original(name) is not fix and F.original(name).__module__.startswith("libp2p."), name
+    # the receive window was a plain instance attribute: nothing to keep, a property in its place
+    assert F.original("yamux_window_limit") is None and isinstance(vars(YamuxStream)["recv_window"], property)
 
 
 class _CountingSocket:
@@ -390,3 +397,212 @@ def test_a_peer_record_already_checked_is_not_checked_again(monkeypatch: pytest.
             assert len(checks) == 4  # py-libp2p: one signature check per RPC
 
     trio.run(main)
+
+
+def test_a_stream_over_its_peers_cap_is_reset_before_negotiation() -> None:
+    """py-libp2p hands every inbound stream to negotiation (behind a host-wide semaphore that queues); the
+    fix (`stream_caps`) resets a stream over its peer's cap first, and gives a place back when one closes."""
+    from libp2p.network.connection.swarm_connection import SwarmConn
+
+    from gossip.limits import StreamBudget, StreamLimits
+
+    F.install()
+    budget = StreamBudget(StreamLimits(peer_streams=1, node_streams=8))
+    assert budget.open_stream("p")  # the peer's one stream, held
+    handled: list[object] = []
+    resets: list[object] = []
+
+    async def handler(net_stream: object) -> None:
+        handled.append(net_stream)
+
+    async def add_stream(muxed: object) -> object:
+        return types.SimpleNamespace(muxed=muxed, _resource_released=True)
+
+    conn = types.SimpleNamespace(
+        swarm=types.SimpleNamespace(_murmur_budget=budget, common_stream_handler=handler),
+        muxed_conn=types.SimpleNamespace(peer_id=types.SimpleNamespace(to_base58=lambda: "p")),
+        _add_stream=add_stream, remove_stream=lambda s: None)
+
+    class Muxed:
+        async def reset(self) -> None:
+            resets.append(self)
+
+    async def main() -> None:
+        await SwarmConn._handle_muxed_stream(conn, Muxed())
+        assert (len(resets), len(handled)) == (1, 0)
+        await F.original("stream_caps")(conn, Muxed())
+        assert (len(resets), len(handled)) == (1, 1)  # py-libp2p: handed on, over the cap
+        budget.close_stream("p")
+        await SwarmConn._handle_muxed_stream(conn, Muxed())
+        assert (len(resets), len(handled)) == (1, 2) and budget.node_streams == 0
+
+    trio.run(main)
+
+
+def test_data_beyond_a_yamux_receive_window_is_a_charged_protocol_error() -> None:
+    """py-libp2p's muxer lowers `recv_window` by each DATA frame and, below zero, logs and keeps the bytes;
+    with the fix (`yamux_window_limit`) that assignment raises WindowExceeded (which the muxer loop answers
+    by closing the connection) and charges the sender. py-libp2p had a plain attribute there
+    (`original` is None), which takes any value."""
+    from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, YamuxStream
+
+    from gossip.hostlimits import WindowExceeded
+
+    F.install()
+    charged: list[str] = []
+    faults = types.SimpleNamespace(record=lambda peer, proto, err: charged.append(f"{peer} {proto}"))
+    conn = types.SimpleNamespace(swarm=types.SimpleNamespace(_murmur_faults=faults),
+                                 peer_id=types.SimpleNamespace(to_base58=lambda: "sender"))
+    stream = YamuxStream(1, conn, True)  # type: ignore[arg-type]
+    stream.recv_window -= DEFAULT_WINDOW_SIZE  # all the credit we granted: honest
+    assert stream.recv_window == 0 and charged == []
+    with pytest.raises(WindowExceeded):
+        stream.recv_window -= 1
+    assert charged == ["sender /yamux/1.0.0"] and stream.recv_window == 0
+    assert F.original("yamux_window_limit") is None
+
+
+def test_a_refused_peers_connection_is_closed_before_py_libp2p_adds_it() -> None:
+    """py-libp2p adds every connection that completed its handshake; with the fix (`connection_refusal`) one
+    with a peer the host refuses is closed and never reaches py-libp2p's `add_conn`. The real-host test is
+    test_stream_limits.py::test_a_refused_peer_cannot_reconnect_until_the_refusal_lifts."""
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.network.swarm import Swarm
+
+    F.install()
+    closed: list[str] = []
+    counted: list[str] = []
+
+    class Muxed:
+        peer_id = types.SimpleNamespace(to_base58=lambda: "graylisted")
+
+        async def close(self) -> None:
+            closed.append("closed")
+
+    swarm = types.SimpleNamespace(_murmur_refuse=lambda peer: peer == "graylisted",
+                                  _murmur_faults=types.SimpleNamespace(count=counted.append))
+
+    async def main() -> None:
+        with pytest.raises(SwarmException, match="refused: graylisted"):
+            await Swarm.add_conn(swarm, Muxed(), "inbound")  # type: ignore[arg-type]
+
+    trio.run(main)
+    assert closed == ["closed"] and counted == ["connection refused (graylisted)"]
+
+
+def _webrtc_fixes() -> None:
+    if not F.install_webrtc():
+        pytest.skip("aiortc does not import: py-libp2p's WebRTC transport needs it")
+
+
+def test_webrtc_fixes_are_installed_apart_with_their_originals() -> None:
+    from libp2p.transport.webrtc import _aiortc_helpers as helpers
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    _webrtc_fixes()
+    patched = {"webrtc_forget_closed_streams": WebRTCStream._cleanup, "webrtc_bytes_like_writes": WebRTCStream.write,
+               "webrtc_read_overflow_reset": WebRTCStream.__init__,
+               "webrtc_backpressure": helpers.wire_pc_to_connection}
+    assert F.install_webrtc()
+    assert {"webrtc_forget_closed_streams": WebRTCStream._cleanup, "webrtc_bytes_like_writes": WebRTCStream.write,
+            "webrtc_read_overflow_reset": WebRTCStream.__init__,
+            "webrtc_backpressure": helpers.wire_pc_to_connection} == patched
+    for name, fix in patched.items():
+        assert F.original(name) is not fix and F.original(name).__module__.startswith("libp2p."), name
+
+
+def test_a_closed_webrtc_stream_leaves_its_connections_registry() -> None:
+    """py-libp2p never removes a closed WebRTC stream from its connection (so the 253rd stream of a
+    connection's life failed); with the fix (`webrtc_forget_closed_streams`) its cleanup does."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    _webrtc_fixes()
+
+    class Connection:
+        def __init__(self) -> None:
+            self.registry = {2: "open"}
+
+        def remove_stream(self, channel_id: int) -> None:
+            del self.registry[channel_id]
+
+    fixed, unfixed = Connection(), Connection()
+    WebRTCStream(connection=fixed, channel_id=2, is_initiator=True)._cleanup()
+    F.original("webrtc_forget_closed_streams")(WebRTCStream(connection=unfixed, channel_id=2, is_initiator=True))
+    assert fixed.registry == {} and unfixed.registry == {2: "open"}
+
+
+def test_a_webrtc_stream_takes_a_bytearray_write() -> None:
+    """py-libp2p's WebRTC write raised TypeError for a bytearray (the chunk broadcast's coalesced frames);
+    with the fix (`webrtc_bytes_like_writes`) it goes out as bytes."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    _webrtc_fixes()
+    wire: list[bytes] = []
+
+    async def send(framed: bytes) -> None:
+        wire.append(framed)
+
+    async def main() -> None:
+        stream = WebRTCStream(connection=object(), channel_id=2, is_initiator=True)
+        stream._send_callback = send
+        await stream.write(bytearray(b"frames"))
+        assert len(wire) == 1 and b"frames" in wire[0]
+        with pytest.raises(TypeError):
+            await F.original("webrtc_bytes_like_writes")(stream, bytearray(b"frames"))
+
+    trio.run(main)
+
+
+def test_a_full_webrtc_read_queue_resets_the_stream_instead_of_dropping_a_message() -> None:
+    """py-libp2p queues 64 messages for a WebRTC stream's reader and silently drops the 65th; with the fix
+    (`webrtc_read_overflow_reset`) the queue is larger and a message that does not fit resets the stream.
+    The end-to-end reads are in test_reachability_webrtc.py."""
+    from libp2p.transport.webrtc.stream import WebRTCStream
+
+    from gossip.webrtc import READ_QUEUE_MESSAGES
+
+    _webrtc_fixes()
+    resets: list[WebRTCStream] = []
+
+    def stream_made_by(init) -> WebRTCStream:  # type: ignore[no-untyped-def]
+        stream = WebRTCStream.__new__(WebRTCStream)
+        init(stream, connection=object(), channel_id=1, is_initiator=False)
+        stream._reset_on_trio_thread = lambda: resets.append(stream)  # type: ignore[method-assign]
+        return stream
+
+    fixed, unfixed = stream_made_by(WebRTCStream.__init__), stream_made_by(F.original("webrtc_read_overflow_reset"))
+    refused = 0
+    for i in range(READ_QUEUE_MESSAGES + 1):
+        fixed._read_send.send_nowait(b"m%d" % i)
+        try:
+            unfixed._read_send.send_nowait(b"m%d" % i)
+        except trio.WouldBlock:  # py-libp2p's `on_data` logs this and drops the message: a hole
+            refused += 1
+    assert refused == READ_QUEUE_MESSAGES + 1 - 64 and resets == [fixed]
+
+
+def test_a_manual_dcutr_service_does_not_drive_hole_punches() -> None:
+    """py-libp2p's DCUtR service checks every relayed peer for a hole punch every 2 s and has no switch; with
+    the fix (`dcutr_manual_drive`) a service marked manual waits instead, and any other drives as before."""
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    F.install_dcutr()
+    looked: list[str] = []
+
+    def service(manual: bool) -> object:
+        def get_network() -> object:
+            looked.append("manual" if manual else "auto")
+            return types.SimpleNamespace(connections={})
+
+        return types.SimpleNamespace(_murmur_manual=manual, host=types.SimpleNamespace(get_network=get_network))
+
+    async def main() -> None:
+        for manual in (True, False):
+            with trio.move_on_after(9):
+                await DCUtRProtocol._auto_drive_loop(service(manual))  # type: ignore[arg-type]
+        assert looked == ["auto"] * 4  # every 2 s, 9 s of mock time
+        with trio.move_on_after(9):
+            await F.original("dcutr_manual_drive")(service(True))
+        assert looked.count("manual") == 4  # py-libp2p's loop drives whatever is asked
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

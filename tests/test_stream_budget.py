@@ -191,7 +191,7 @@ def test_a_yamux_receive_window_may_reach_zero_but_not_below() -> None:
     faults: list[str] = []
     swarm = SimpleNamespace(_murmur_faults=SimpleNamespace(record=lambda peer, proto, err: faults.append(peer)))
     stream = SimpleNamespace(_murmur_recv_window=10, stream_id=1,
-                             conn=SimpleNamespace(_murmur_swarm=swarm, peer_id=SimpleNamespace(to_base58=lambda: "p")))
+                             conn=SimpleNamespace(swarm=swarm, peer_id=SimpleNamespace(to_base58=lambda: "p")))
     window = YamuxStream.recv_window
     window.fset(stream, 0)  # every byte of credit used: honest
     assert window.fget(stream) == 0 and faults == []
