@@ -11,8 +11,8 @@
 - learning: a node's policy is one number, its skill p = probability that a
   completion is correct. A step draws the completions' correctness from p,
   writes correct or wrong answer text, and scores it with the real verifier.
-  A group is informative when its rewards are not all equal (GRPO drops the
-  others). After a step, p += rate * (ceiling - p) * (u_local + w_own * u_own
+  A group is informative when its rewards are not all equal
+  (`training.sampler.informative`; GRPO drops the others). After a step, p += rate * (ceiling - p) * (u_local + w_own * u_own
   + w * u_other) / 8, with u the informative groups used (local, and the
   external ones its sampler gave: of its own lineage, from its followers, and
   of other lineages). The isolated twin of each node trains on I + J local groups
@@ -43,7 +43,7 @@ from simulations.vevents import EventQueue, StepDue, WorkerSends
 from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENIZER, TOKENS_PER_ROLLOUT, Alone, VNode, item_bytes
 from simulations.vreport import Recorder
 from sync.items import KIND_CODEC
-from training.sampler import Sampler, split
+from training.sampler import Sampler, informative, split
 from training.tasks import Task
 from training.tasksets import BUILTIN_TRAIN
 
@@ -182,11 +182,6 @@ class Workers:
                                     reward=self.reward(task, text), created_ms=created))
         return out
 
-    @staticmethod
-    def _informative(rollouts: list[wire.Rollout]) -> bool:
-        rewards = [r.reward for r in rollouts]
-        return max(rewards) != min(rewards)
-
     def intake(self, d: VNode, v: Verdict) -> None:
         """An accepted batch at a trainer: the groups its core routes to the worker go to its sampler."""
         if d.sampler is None or v.batch is None or d.core is None:
@@ -197,14 +192,11 @@ class Workers:
         if cut is None:  # a batch's groups depend on its content only: split once per process (Groups are frozen)
             cut = split(v.batch.rollouts, bytes(v.batch.producer))
             self.groups.put(v.msg_id, cut)
-        groups, dropped = cut
-        for k, c in dropped.items():  # what `Sampler.add_rollouts` counts, per receiver
-            d.sampler.counts[k] += c
-        for g in groups:
+        for g in cut[0]:
             head = self.published_heads.get(g.lineage)
             if head is not None:
                 d.sampler.observe_head(g.lineage, head)
-        d.sampler.add(groups)
+        d.sampler.add_split(cut)
 
     # ------------------------------------------------------------ steps
 
@@ -277,7 +269,7 @@ class Workers:
             head = n.core.head_of(g.lineage)
             self.recorder.row("staleness", t=now, node=n.spec.index,
                               staleness=max(0, (head if head is not None else g.version) - g.version))
-        u_local = sum(self._informative(g) for g in local)
+        u_local = sum(informative(r.reward for r in g) for g in local)
         u_ext = len(ext)
         n.consumed_ext += len(ext)
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
