@@ -97,7 +97,7 @@ class GossipService:
         announces = await self.transport.subscribe(self.announce_topic)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await self.set_shards(1, (0,))
+            await self.set_shards(*exchange.first_subscription())
             nursery.start_soon(self._drain_announces, announces)
             task_status.started()
 

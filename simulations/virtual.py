@@ -94,7 +94,7 @@ from pathlib import Path
 from typing import Any
 
 from gossip import wire
-from gossip.exchange import shard_of
+from gossip.exchange import first_subscription, shard_of
 from simulations import vreport
 from simulations.adversary import SENDERS, Adversary
 from simulations.scenario import Scenario, expand
@@ -218,7 +218,7 @@ class VirtualSim:
         self.net.alive_producers += 1
         n.pipeline.head_version = n.core.head_of  # as node.runtime wires it
         n.shards = ()
-        self.net.subscribe(n, 1, (0,))  # the live service joins shard 0 before the core's first plan
+        self.net.subscribe(n, *first_subscription())  # as the live service, before the core's first plan
         n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own
         self.workers.start(n)
         q.push(q.now + n.rng.uniform(2 * WORKER_S, 0.5), Wake(i, n.inc))
