@@ -13,6 +13,7 @@ from gossip.validation import Pipeline
 from node.core import NodeCore
 from simulations.adversary import Adversary
 from simulations.scenario import NodeSpec
+from sync.items import StoredItem
 from training.sampler import Sampler
 
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
@@ -29,6 +30,11 @@ def identity_for(seed: int, index: int) -> Identity:
 def item_bytes(patch_bytes: int, kind: str) -> int:
     """The size of a stored item of `kind`: a patch, or an anchor (the whole modelled model)."""
     return patch_bytes * (MODEL_PATCHES if kind == "anchor" else 1)
+
+
+def stored_items(items: dict[tuple[str, int, int], bytes], patch_bytes: int) -> list[StoredItem]:
+    """What a node's lineage store holds of one lineage (`VNode.store`), as the runtime lists it."""
+    return [StoredItem(k, b, t, item_bytes(patch_bytes, k)) for (k, b, t) in items]
 
 
 @dataclass

@@ -73,7 +73,7 @@ from simulations.vevents import (
     WorkerSends,
 )
 from simulations.vnet import Network
-from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, item_bytes
+from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, stored_items
 from simulations.vreport import Recorder
 from simulations.vworker import WORKER_S, Workers
 from sync.items import MAX_ITEMS, StoredItem, item_of
@@ -215,9 +215,7 @@ class CoreDriver:
         return None
 
     def _items(self, n: VNode, lineage: bytes) -> tuple[StoredItem, ...]:
-        items = n.store.get(lineage, {})
-        size = self.sc.sync.patch_bytes
-        return tuple(StoredItem(k, b, t, item_bytes(size, k)) for (k, b, t) in list(items)[-MAX_ITEMS:])
+        return tuple(stored_items(n.store.get(lineage, {}), self.sc.sync.patch_bytes)[-MAX_ITEMS:])
 
     def _store_patch(self, n: VNode, pid: bytes) -> PatchStored | None:
         """The runtime's store step: a completed transfer is written to the lineage store; what to report."""

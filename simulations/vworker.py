@@ -2,8 +2,9 @@
 
 - the pipe: a worker answers its core through the node's pipe messages
   (`node.pipe`: Ready, Rollouts, Step, Gen, Perf, Published, Applied) and
-  obeys Follow, Admit, Pace, Head and Patch; it applies stored patches in
-  order from the version it holds, as `node/worker.py` does;
+  obeys Follow, Admit, Pace, Head and Patch; it applies what its store holds
+  beyond the version it holds by `node/worker.py`'s plan
+  (`sync.catchup.local_plan`);
 - compute: a step takes `step_s / compute` virtual seconds (a follower's no
   less than its core's pace allows); a trainer's step that trains on u groups
   (local and external) takes `1 - train_share * (1 - u / I)` times that, so
@@ -40,8 +41,18 @@ from node import pipe
 from simulations.scenario import Scenario
 from simulations.vcache import Memo
 from simulations.vevents import EventQueue, StepDue, WorkerSends
-from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENIZER, TOKENS_PER_ROLLOUT, Alone, VNode, item_bytes
+from simulations.vnode import (
+    BASE_MODEL,
+    LINEAGE_NAME,
+    TOKENIZER,
+    TOKENS_PER_ROLLOUT,
+    Alone,
+    VNode,
+    item_bytes,
+    stored_items,
+)
 from simulations.vreport import Recorder
+from sync.catchup import local_plan
 from sync.items import KIND_CODEC
 from training.sampler import Sampler, informative, split
 from training.tasks import Task
@@ -134,18 +145,14 @@ class Workers:
             self.apply_held(n, bytes.fromhex(m.lineage))
 
     def apply_held(self, n: VNode, lineage: bytes) -> None:
-        """The worker applies what its store holds, in order from the version it holds (as node/worker.py)."""
+        """The worker applies what its store holds beyond the version it holds, by `node/worker.py`'s plan
+        (`sync.catchup.local_plan`); modelled items always apply. The simulated swarm shares one base model,
+        so a worker never needs an anchor to start (`need_anchor` stays false)."""
         if lineage != n.held_lineage:
             return
-        items = n.store.get(lineage, {})
-        moved = False
-        while True:
-            nxt = [t for (k, b, t) in items if t > n.held and (k == "anchor" or b == n.held)]
-            if not nxt:
-                break
-            n.held = max(nxt)
-            moved = True
-        if moved:
+        plan = local_plan(n.held, stored_items(n.store.get(lineage, {}), self.sc.sync.patch_bytes))
+        if plan is not None and plan.steps:
+            n.held = plan.steps[-1].target
             self.send(n, pipe.Applied(lineage.hex(), n.held))
 
     def _perf(self, n: VNode, rollouts: int, seconds: float) -> None:
