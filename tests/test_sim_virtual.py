@@ -292,34 +292,3 @@ def test_the_swarm_reaches_the_alone_target_sooner_when_its_groups_pay() -> None
     assert s["reached"] and s["speedup"] > 1.2 and s["final_skill_delta"] > 0
     assert len(s["skill"]) == len(s["alone_skill"]) == len(s["marks_s"]) == 21
     assert s["skill"][0] == s["alone_skill"][0]  # both start from the same skills
-
-
-def test_the_modelled_worker_applies_what_node_workers_plan_would() -> None:
-    """A follower's modelled worker applies its store by `sync.catchup.local_plan`, as `node/worker.py`
-    does: to the newest stored version, over a gap only through a stored anchor ahead of it, and nothing
-    of a chain that no stored item carries to the newest version."""
-    text = """
-seed = 3
-duration_s = 1.0
-[[group]]
-count = 1
-[[group]]
-count = 1
-role = "follower"
-follow = 0
-[sync]
-patch_bytes = 65536
-chunk_bytes = 16384
-broadcasts = 0
-"""
-    sim = VirtualSim(S.loads(text))
-    lead, f = sim.nodes[0].lineage, sim.nodes[1]
-    sent: list = []
-    sim.workers.send = lambda n, msg, delay=0.0: sent.append(msg)  # type: ignore[method-assign]  # record what the worker tells its core
-    f.held_lineage, f.held = lead, 0
-    f.store[lead] = {("patch", 0, 2): b"", ("patch", 2, 4): b"", ("patch", 6, 8): b""}
-    sim.workers.apply_held(f, lead)
-    assert f.held == 0 and sent == []  # 0 -> 4 then a gap: the plan to 8 does not exist, so nothing applies
-    f.store[lead][("anchor", 0, 6)] = b""
-    sim.workers.apply_held(f, lead)
-    assert f.held == 8 and [m.version for m in sent] == [8]  # the anchor bridges the gap
