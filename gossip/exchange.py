@@ -171,13 +171,20 @@ class Supply:
         return self._per
 
 
+def first_subscription() -> tuple[int, tuple[int, ...]]:
+    """What a node joins before its exchange's first plan, as (shard count, shards): shard 0 of one shard, where
+    every swarm starts and where a node that has heard no producer yet can reach the others."""
+    return 1, (0,)
+
+
 class Exchange:
     """One node's side of the exchange: the shard count it believes, and what it subscribes to."""
 
     def __init__(self, node: bytes) -> None:
         self.node = bytes(node)
-        self.shards = 1
-        self.plan_: Plan = Plan(1, (0,), (0,), 0)
+        shards, first = first_subscription()
+        self.shards = shards
+        self.plan_: Plan = Plan(shards, first, first, 0)
         self.extra = 0  # rotating shards added because measured inbound fell short of demand
         self.short_since: float | None = None
         self._rotating_n = 0  # rotating shards in the last plan (a shortfall's extra one changes it)

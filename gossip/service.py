@@ -2,11 +2,13 @@
 
 Rollout batches move on shard topics: `set_shards` joins and leaves them as the
 node's exchange plan (`gossip.exchange`) says, and `publish_rollouts` sends a
-batch to the shard of its lineage. Between the pipeline's cheap checks (decode,
-signature, ranges) and verification each batch passes the exchange's gate
-(newcomer budget per shard, then the shard of its lineages); a validator that does
-not train first keeps only its sample (`sample`, `gossip.exchange.Sample`);
-`stats` counts what was received, verified and dropped, and why.
+batch to the shard of its lineage. What happens to each batch copy is
+`gossip.intake.BatchIntake`'s rule (sans-IO, shared with the virtual-time
+simulator): a validator that does not train first keeps only its sample
+(`sample`, `gossip.exchange.Sample`); between the pipeline's cheap checks
+(decode, signature, ranges) and verification each batch passes the exchange's
+gate (newcomer budget per shard, then the shard of its lineages); `stats`
+counts what was received, verified and dropped, and why.
 
 Rollout batches are verified inside a py-libp2p topic validator, so a batch
 that fails is neither delivered nor forwarded: the cheap stages run on the
@@ -33,6 +35,7 @@ import trio
 from gossip import exchange, topics, wire
 from gossip.errors import DecodeError
 from gossip.identity import peer_id_from_public
+from gossip.intake import BatchIntake, Dropped
 from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S, NewKeys, TokenBuckets
 from gossip.transport import PublishError
 from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
@@ -60,11 +63,8 @@ class GossipService:
         self.swarm = swarm
         self.store = store
         self.rollout_topic = topics.rollouts(swarm, 0)  # the only shard while the swarm has one
-        self.stats = exchange.Stats()
-        self.gate = exchange.ShardGate()
-        self.shards = 1  # the shard count this node believes (its exchange plan's)
-        # a validator that does not train verifies a sample of each producer's batches (exchange.Sample)
-        self.sample: exchange.Sample | None = None
+        # what decides each batch copy (sans-IO): its `stats`, `gate`, `shards` and `sample` are this service's
+        self.intake = BatchIntake(pipeline)
         self._shard_scopes: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
         self.announce_topic = topics.announce(swarm)
@@ -97,7 +97,7 @@ class GossipService:
         announces = await self.transport.subscribe(self.announce_topic)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await self.set_shards(1, (0,))
+            await self.set_shards(*exchange.first_subscription())
             nursery.start_soon(self._drain_announces, announces)
             task_status.started()
 
@@ -120,6 +120,30 @@ class GossipService:
     @property
     def subscribed_shards(self) -> tuple[int, ...]:
         return tuple(sorted(self._shard_scopes))
+
+    @property
+    def stats(self) -> exchange.Stats:
+        return self.intake.stats
+
+    @property
+    def gate(self) -> exchange.ShardGate:
+        return self.intake.gate
+
+    @property
+    def shards(self) -> int:
+        return self.intake.shards
+
+    @shards.setter
+    def shards(self, value: int) -> None:
+        self.intake.shards = value
+
+    @property
+    def sample(self) -> exchange.Sample | None:
+        return self.intake.sample
+
+    @sample.setter
+    def sample(self, value: exchange.Sample | None) -> None:
+        self.intake.sample = value
 
     def on_announce(self, kind: str, handler: AnnounceHandler) -> None:
         if kind not in ANNOUNCE_KINDS:
@@ -147,40 +171,23 @@ class GossipService:
 
     # ------------------------------------------------------------ rollouts
     async def _validate_rollouts(self, shard: int, forwarder: str, origin: str, data: bytes) -> bool:
-        if self.sample is not None and not self.sample.check(origin, data, self.pipeline.clock()):
-            self.stats.unsampled()  # not in the sample: dropped unverified, not counted as received work
+        step = self.intake.admit(shard, forwarder, origin, data)
+        if isinstance(step, Dropped):
             return False
-        self.stats.received()
-        step = self.pipeline.admit(data, origin, forwarder)
-        if step.batch is not None:
-            self.stats.counts["received_rollouts"] += len(step.batch.rollouts)
         if isinstance(step, Pending):
-            # The shared newcomer token goes only to a batch that passed the cheap checks: junk refused
-            # there (uncharged or not) never spends what an honest newcomer's first batches need.
-            why = self.gate.screen(origin, [bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards,
-                                   self.pipeline.clock())
-            if why is not None:  # fresh keys over their shared budget, or our count of shards and the publisher's differ: uncharged
-                self.pipeline.abandon(step)
-                self.stats.drop(why)
-                return False
             try:
                 cpu_s = await trio.to_thread.run_sync(verify_timed, self.pipeline.verify, step, self.child_cpu,
                                                       limiter=self._verify_limiter)
             except BaseException:
                 self.pipeline.abandon(step)
                 raise
-            self.pipeline.spent(step, cpu_s)
-            verdict = self.pipeline.commit(step)
-        else:
-            verdict = step
-        await self._settle(verdict, forwarder)
-        return verdict.accepted
+            step = self.intake.commit(step, cpu_s)
+        await self._settle(step, forwarder)
+        return step.accepted
 
     async def _settle(self, v: Verdict, forwarder: str) -> None:
         if v.accepted and v.batch is not None:
             self.accepted_batches += 1
-            self.stats.verified(bytes(v.batch.producer), [bytes(r.task.task_set) for r in v.batch.rollouts],
-                                len(v.batch.rollouts), self.pipeline.clock())
             if self.store is not None:
                 await trio.to_thread.run_sync(self.store.record_rollouts, _accepted_entries(v.batch, v.data, forwarder))
             if self.on_accept is not None:
@@ -188,7 +195,6 @@ class GossipService:
             self._changed.set()
             self._changed = trio.Event()
             return
-        self.stats.drop(v.reason.value)
         if self.store is not None and v.reason not in _UNRECORDED:
             entry = dict(rollout_id=v.msg_id or wire.content_id(v.data[:4096]), direction="received",
                          status="rejected", reason=v.reason.value, from_peer=v.origin,

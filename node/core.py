@@ -225,7 +225,7 @@ class NodeCore:
         self.exchange = exchange.Exchange(identity.public)
         self.inbound = exchange.Meter()
         self.batch_rollouts = float(settings.group_size)  # mean rollouts per accepted batch (supply estimate)
-        self.subscribed: tuple[int, tuple[int, ...]] = (1, (0,))  # what the runtime joined first
+        self.subscribed: tuple[int, tuple[int, ...]] = exchange.first_subscription()  # what the runtime joined first
         # How many producers the announce topic told us of. The virtual simulator, whose announces go one
         # hop, injects the count the live announce topic would have given (a view read, never written).
         self._producers_count = producers_count or self.peer_table.producers.count

@@ -56,7 +56,8 @@ What runs for real (the same code a live node runs):
 - the rollout exchange is `gossip.exchange`, run by each core (its shard
   count, the shards it joins and rotates, the shard it publishes to) and by
   each receiver's `ShardGate` (newcomer budget, wrong shard) before its
-  pipeline.
+  pipeline verifies, both in the receiver's `gossip.intake.BatchIntake`, the
+  object a node's gossip service runs on each batch copy.
 
 What is modelled (each module's docstring says how):
 - the network (`simulations.vnet`): the live announce topic reaches every
@@ -94,7 +95,8 @@ from pathlib import Path
 from typing import Any
 
 from gossip import wire
-from gossip.exchange import shard_of
+from gossip.exchange import first_subscription, shard_of
+from gossip.intake import BatchIntake
 from simulations import vreport
 from simulations.adversary import SENDERS, Adversary
 from simulations.scenario import Scenario, expand
@@ -170,7 +172,8 @@ class VirtualSim:
                                  resolve, reward)
         trainers = [n.lineage for n in self.nodes if n.role == "trainer"]
         for n in self.nodes:
-            n.pipeline = self.driver.pipeline(n)
+            n.intake = BatchIntake(self.driver.pipeline(n))
+            n.intake.gate.first_heard = self.net.heard.first_heard  # the announce topic's table, as every gate reads it
             if n.role == "trainer":
                 self.workers.equip(n)
             elif n.spec.role == "adversary":
@@ -218,7 +221,7 @@ class VirtualSim:
         self.net.alive_producers += 1
         n.pipeline.head_version = n.core.head_of  # as node.runtime wires it
         n.shards = ()
-        self.net.subscribe(n, 1, (0,))  # the live service joins shard 0 before the core's first plan
+        self.net.subscribe(n, *first_subscription())  # as the live service, before the core's first plan
         n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own
         self.workers.start(n)
         q.push(q.now + n.rng.uniform(2 * WORKER_S, 0.5), Wake(i, n.inc))
@@ -232,7 +235,7 @@ class VirtualSim:
         if n.core is not None:
             self.net.alive_producers -= 1
             self.net.withdraw(i)
-            self.net.subscribe(n, n.shard_count, ())  # its connections close: the meshes lose it
+            self.net.subscribe(n, n.intake.shards, ())  # its connections close: the meshes lose it
         n.alive = False
         n.inc += 1
         n.core = None  # the process is gone; a rejoin starts a new one

@@ -57,8 +57,6 @@ class Network:
         self.alive_producers = 0
         self.supply = exchange.Supply()  # batches/s per lineage, as the announces of live nodes state
         self.heard = ShardGate()  # when each node first announced: one table every node's gate reads
-        for n in nodes:
-            n.gate.first_heard = self.heard.first_heard
         self.supplied: dict[int, tuple[bytes, float]] = {}  # node -> what its last announce added
         # the rollout shard topics: subscribers and each subscriber's mesh peers
         self.subs: dict[int, set[int]] = {}
@@ -163,7 +161,7 @@ class Network:
     def subscribe(self, n: VNode, shards: int, subscribe: tuple[int, ...]) -> None:
         """What `GossipService.set_shards` does: leave (PRUNE) and join (GRAFT up to D subscribers)."""
         i = n.spec.index
-        n.shard_count = shards
+        n.intake.shards = shards
         self.shards_seen = max(self.shards_seen, shards)
         want = set(subscribe)
         for j in [j for j in n.shards if j not in want]:

@@ -7,12 +7,13 @@ import random
 from dataclasses import dataclass, field
 
 from gossip import wire
-from gossip.exchange import ShardGate, Stats
 from gossip.identity import Identity
+from gossip.intake import BatchIntake
 from gossip.validation import Pipeline
 from node.core import NodeCore
 from simulations.adversary import Adversary
 from simulations.scenario import NodeSpec
+from sync.items import StoredItem
 from training.sampler import Sampler
 
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
@@ -29,6 +30,11 @@ def identity_for(seed: int, index: int) -> Identity:
 def item_bytes(patch_bytes: int, kind: str) -> int:
     """The size of a stored item of `kind`: a patch, or an anchor (the whole modelled model)."""
     return patch_bytes * (MODEL_PATCHES if kind == "anchor" else 1)
+
+
+def stored_items(items: dict[tuple[str, int, int], bytes], patch_bytes: int) -> list[StoredItem]:
+    """What a node's lineage store holds of one lineage (`VNode.store`), as the runtime lists it."""
+    return [StoredItem(k, b, t, item_bytes(patch_bytes, k)) for (k, b, t) in items]
 
 
 @dataclass
@@ -55,7 +61,9 @@ class VNode:
     iso_skill: float
     rng: random.Random
     alone: Alone | None = None  # trainers: the compute-matched twin
-    pipeline: Pipeline = field(init=False)  # every node's, set up by simulations.virtual before it runs
+    # its gossip service's batch intake (pipeline, exchange gate, counters, shard count): every node's, set up by
+    # simulations.virtual before it runs
+    intake: BatchIntake = field(init=False)
     core: NodeCore | None = None  # None for adversaries (they send hostile bytes, they run no node)
     sampler: Sampler | None = None  # trainers: the worker's external-rollout sampler
     adversary: Adversary | None = None  # adversaries: what they send
@@ -79,10 +87,7 @@ class VNode:
     consumed_ext: int = 0
     adv_accepted: int = 0
     patch_delay: float = 0.0
-    gate: ShardGate = field(default_factory=ShardGate)  # the gossip service's exchange gate
-    stats: Stats = field(default_factory=Stats)  # received, verified, dropped, distinct producers
     shards: tuple[int, ...] = ()  # rollout shards subscribed
-    shard_count: int = 1
     duplicates: int = 0  # copies of a batch it already had
     # what its worker runs now: trainer | follower | adversary (an auto node starts as a trainer, and its
     # core may switch it: `Workers.restart`)
@@ -90,3 +95,8 @@ class VNode:
 
     def __post_init__(self) -> None:
         self.role = self.role or ("trainer" if self.spec.role == "auto" else self.spec.role)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """Its gossip service's validation pipeline (scores outlive its cores, as a node's do)."""
+        return self.intake.pipeline

@@ -105,10 +105,10 @@ def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: flo
         ns = [n for n in nodes if n.role == role and n.core is not None]
         if not ns:
             continue
-        rec = [n.stats.counts["received_rollouts"] / span for n in ns]
-        ver = [n.stats.counts["verified_rollouts"] / span for n in ns]
+        rec = [n.intake.stats.counts["received_rollouts"] / span for n in ns]
+        ver = [n.intake.stats.counts["verified_rollouts"] / span for n in ns]
         used = sum(n.consumed_ext * g for n in ns)
-        verified = sum(n.stats.counts["verified_rollouts"] for n in ns)
+        verified = sum(n.intake.stats.counts["verified_rollouts"] for n in ns)
         cs = [n.core.stats() for n in ns if n.core is not None]
         out[role] = {"nodes": len(ns),
                      # totals over the nodes (a restarted node's core counts from its restart)
@@ -117,17 +117,17 @@ def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: flo
                                   "uninformative": sum(c["rollouts_uninformative"] for c in cs),
                                   "withheld": sum(c["rollouts_withheld"] for c in cs),
                                   "unsent": sum(c["rollouts_sealed"] - c["rollouts_published"] for c in cs),
-                                  "received": sum(n.stats.counts["received_rollouts"] for n in ns),
+                                  "received": sum(n.intake.stats.counts["received_rollouts"] for n in ns),
                                   "verified": verified, "used": used},
                      "inbound_rollouts_per_s": per_s(rec), "verified_rollouts_per_s": per_s(ver),
                      "duplicates_per_s": per_s([n.duplicates / span for n in ns]),
                      "used_over_verified": round(used / verified, 3) if verified else None,
-                     "distinct_producers": per_s([float(n.stats.distinct_producers(unix_now)) for n in ns]),
+                     "distinct_producers": per_s([float(n.intake.stats.distinct_producers(unix_now)) for n in ns]),
                      "shards_subscribed": per_s([float(len(n.shards)) for n in ns])}
     out["shard_count"] = shard_count
     dropped: Counter[str] = Counter()
     for n in nodes:
-        dropped.update(n.stats.dropped)
+        dropped.update(n.intake.stats.dropped)
     out["dropped"] = dict(dropped.most_common(16))
     return out
 

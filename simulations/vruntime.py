@@ -17,8 +17,9 @@ from typing import Any, assert_never
 
 from gossip import wire
 from gossip.identity import peer_id_from_public
+from gossip.intake import Dropped
 from gossip.scoring import ScoreParams
-from gossip.validation import Pending, Pipeline, PipelineConfig, Verdict
+from gossip.validation import Pending, Pipeline, PipelineConfig
 from node.core import (
     Accept,
     Action,
@@ -73,7 +74,7 @@ from simulations.vevents import (
     WorkerSends,
 )
 from simulations.vnet import Network
-from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, item_bytes
+from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, stored_items
 from simulations.vreport import Recorder
 from simulations.vworker import WORKER_S, Workers
 from sync.items import MAX_ITEMS, StoredItem, item_of
@@ -215,9 +216,7 @@ class CoreDriver:
         return None
 
     def _items(self, n: VNode, lineage: bytes) -> tuple[StoredItem, ...]:
-        items = n.store.get(lineage, {})
-        size = self.sc.sync.patch_bytes
-        return tuple(StoredItem(k, b, t, item_bytes(size, k)) for (k, b, t) in list(items)[-MAX_ITEMS:])
+        return tuple(stored_items(n.store.get(lineage, {}), self.sc.sync.patch_bytes)[-MAX_ITEMS:])
 
     def _store_patch(self, n: VNode, pid: bytes) -> PatchStored | None:
         """The runtime's store step: a completed transfer is written to the lineage store; what to report."""
@@ -320,47 +319,33 @@ class CoreDriver:
                                         ev.asker_inc))
 
     def on_batch(self, ev: BatchArrives) -> None:
-        """A copy of a batch reaches a subscriber of its shard: what `GossipService._validate_rollouts` does
-        (pipeline's cheap checks, gate, verification), then GossipSub passes on what was accepted; the core hears what the producer
-        delivered, and a trainer's worker gets the groups its core routes to it."""
-        dst, shard = ev.node, ev.shard
+        """A copy of a batch reaches a subscriber of its shard: its gossip service's intake
+        (`gossip.intake.BatchIntake`, as `GossipService._validate_rollouts` runs it), then GossipSub passes on
+        what was accepted; the core hears what the producer delivered, and a trainer's worker gets the groups
+        its core routes to it."""
+        dst = ev.node
         d = self.nodes[dst]
-        if not d.alive or d.inc != ev.inc or shard not in d.shards:
+        if not d.alive or d.inc != ev.inc or ev.shard not in d.shards:
             return
         if not self.net.first_copy(d, ev.data):
             return
         s = self.nodes[ev.origin]
-        now = self.queue.unix()
-        d.stats.received()
-        why = None
-        p = d.pipeline
-        step = p.admit(ev.data, s.peer_id, self.nodes[ev.fwd].peer_id)
-        if step.batch is not None:
-            d.stats.counts["received_rollouts"] += len(step.batch.rollouts)
+        step = d.intake.admit(ev.shard, self.nodes[ev.fwd].peer_id, s.peer_id, ev.data)
         if isinstance(step, Pending):
-            why = d.gate.screen(s.peer_id, [bytes(r.lineage) for r in step.batch.rollouts], shard, d.shard_count, now)
-            if why is not None:
-                p.abandon(step)
-            else:
-                p.verify(step)
-                step = p.commit(step)
-        v = step
-        if why is not None:
-            d.stats.drop(why)
-            self.recorder.rejections[why] += 1
+            d.pipeline.verify(step)
+            step = d.intake.commit(step, 0.0)  # verification costs no virtual time: no CPU to charge
+        if isinstance(step, Dropped):
+            self.recorder.rejections[step.reason] += 1
             return
-        assert isinstance(v, Verdict)  # a Pending was committed, or abandoned with `why` set
-        if not v.accepted:
-            d.stats.drop(v.reason.value)
-            self.recorder.rejections[v.reason.value] += 1
-            self.recorder.row("rejection", t=self.queue.now, node=dst, peer=ev.origin, reason=v.reason.value)
-            if v.newly_banned:
+        if not step.accepted:
+            self.recorder.rejections[step.reason.value] += 1
+            self.recorder.row("rejection", t=self.queue.now, node=dst, peer=ev.origin, reason=step.reason.value)
+            if step.newly_banned:
                 self.recorder.row("event", t=self.queue.now, node=dst, action=f"ban {ev.origin}")
             return
-        d.stats.verified(bytes(v.batch.producer), (), len(v.batch.rollouts), now)  # type: ignore[union-attr]  # an accepted verdict carries its batch
-        self.net.pass_on(d, ev.fwd, ev.origin, ev.data, shard)
+        assert step.batch is not None  # an accepted verdict carries its batch
+        self.net.pass_on(d, ev.fwd, ev.origin, ev.data, ev.shard)
         if s.spec.role == "adversary":
             s.adv_accepted += 1
-        if v.batch is not None:
-            self.feed(d, RolloutsVerified.of(v.batch))  # what the producer delivered, as the runtime feeds it
-        self.workers.intake(d, v)
+        self.feed(d, RolloutsVerified.of(step.batch))  # what the producer delivered, as the runtime feeds it
+        self.workers.intake(d, step)

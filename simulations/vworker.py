@@ -2,8 +2,9 @@
 
 - the pipe: a worker answers its core through the node's pipe messages
   (`node.pipe`: Ready, Rollouts, Step, Gen, Perf, Published, Applied) and
-  obeys Follow, Admit, Pace, Head and Patch; it applies stored patches in
-  order from the version it holds, as `node/worker.py` does;
+  obeys Follow, Admit, Pace, Head and Patch; it applies what its store holds
+  beyond the version it holds by `node/worker.py`'s plan
+  (`sync.catchup.local_plan`);
 - compute: a step takes `step_s / compute` virtual seconds (a follower's no
   less than its core's pace allows); a trainer's step that trains on u groups
   (local and external) takes `1 - train_share * (1 - u / I)` times that, so
@@ -11,8 +12,8 @@
 - learning: a node's policy is one number, its skill p = probability that a
   completion is correct. A step draws the completions' correctness from p,
   writes correct or wrong answer text, and scores it with the real verifier.
-  A group is informative when its rewards are not all equal (GRPO drops the
-  others). After a step, p += rate * (ceiling - p) * (u_local + w_own * u_own
+  A group is informative when its rewards are not all equal
+  (`training.sampler.informative`; GRPO drops the others). After a step, p += rate * (ceiling - p) * (u_local + w_own * u_own
   + w * u_other) / 8, with u the informative groups used (local, and the
   external ones its sampler gave: of its own lineage, from its followers, and
   of other lineages). The isolated twin of each node trains on I + J local groups
@@ -40,10 +41,20 @@ from node import pipe
 from simulations.scenario import Scenario
 from simulations.vcache import Memo
 from simulations.vevents import EventQueue, StepDue, WorkerSends
-from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENIZER, TOKENS_PER_ROLLOUT, Alone, VNode, item_bytes
+from simulations.vnode import (
+    BASE_MODEL,
+    LINEAGE_NAME,
+    TOKENIZER,
+    TOKENS_PER_ROLLOUT,
+    Alone,
+    VNode,
+    item_bytes,
+    stored_items,
+)
 from simulations.vreport import Recorder
+from sync.catchup import local_plan
 from sync.items import KIND_CODEC
-from training.sampler import Sampler, split
+from training.sampler import Sampler, informative, split
 from training.tasks import Task
 from training.tasksets import BUILTIN_TRAIN
 
@@ -134,18 +145,14 @@ class Workers:
             self.apply_held(n, bytes.fromhex(m.lineage))
 
     def apply_held(self, n: VNode, lineage: bytes) -> None:
-        """The worker applies what its store holds, in order from the version it holds (as node/worker.py)."""
+        """The worker applies what its store holds beyond the version it holds, by `node/worker.py`'s plan
+        (`sync.catchup.local_plan`); modelled items always apply. The simulated swarm shares one base model,
+        so a worker never needs an anchor to start (`need_anchor` stays false)."""
         if lineage != n.held_lineage:
             return
-        items = n.store.get(lineage, {})
-        moved = False
-        while True:
-            nxt = [t for (k, b, t) in items if t > n.held and (k == "anchor" or b == n.held)]
-            if not nxt:
-                break
-            n.held = max(nxt)
-            moved = True
-        if moved:
+        plan = local_plan(n.held, stored_items(n.store.get(lineage, {}), self.sc.sync.patch_bytes))
+        if plan is not None and plan.steps:
+            n.held = plan.steps[-1].target
             self.send(n, pipe.Applied(lineage.hex(), n.held))
 
     def _perf(self, n: VNode, rollouts: int, seconds: float) -> None:
@@ -182,11 +189,6 @@ class Workers:
                                     reward=self.reward(task, text), created_ms=created))
         return out
 
-    @staticmethod
-    def _informative(rollouts: list[wire.Rollout]) -> bool:
-        rewards = [r.reward for r in rollouts]
-        return max(rewards) != min(rewards)
-
     def intake(self, d: VNode, v: Verdict) -> None:
         """An accepted batch at a trainer: the groups its core routes to the worker go to its sampler."""
         if d.sampler is None or v.batch is None or d.core is None:
@@ -197,14 +199,11 @@ class Workers:
         if cut is None:  # a batch's groups depend on its content only: split once per process (Groups are frozen)
             cut = split(v.batch.rollouts, bytes(v.batch.producer))
             self.groups.put(v.msg_id, cut)
-        groups, dropped = cut
-        for k, c in dropped.items():  # what `Sampler.add_rollouts` counts, per receiver
-            d.sampler.counts[k] += c
-        for g in groups:
+        for g in cut[0]:
             head = self.published_heads.get(g.lineage)
             if head is not None:
                 d.sampler.observe_head(g.lineage, head)
-        d.sampler.add(groups)
+        d.sampler.add_split(cut)
 
     # ------------------------------------------------------------ steps
 
@@ -277,7 +276,7 @@ class Workers:
             head = n.core.head_of(g.lineage)
             self.recorder.row("staleness", t=now, node=n.spec.index,
                               staleness=max(0, (head if head is not None else g.version) - g.version))
-        u_local = sum(self._informative(g) for g in local)
+        u_local = sum(informative(r.reward for r in g) for g in local)
         u_ext = len(ext)
         n.consumed_ext += len(ext)
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+import gossip.intake
+import gossip.service
 import node.runtime
 import node.worker
 import simulations.bench.swarm
@@ -14,6 +16,7 @@ import simulations.vruntime
 import simulations.vsim
 import simulations.vworker
 import sync.broadcast
+import sync.catchup
 import sync.staleness
 import sync.transfers
 import training.sampler
@@ -47,6 +50,19 @@ def test_simulator_and_runtime_import_one_core_and_one_sampler() -> None:
     sampler = training.sampler.Sampler
     assert simulations.vworker.Sampler is simulations.bench.swarm.Sampler is node.worker.Sampler is sampler
     assert simulations.vworker.split is training.sampler.split
+    assert simulations.vworker.informative is training.sampler.informative
+    assert simulations.vworker.local_plan is sync.catchup.local_plan  # what node/worker.py applies by
+
+
+def test_simulator_and_gossip_service_run_one_batch_intake() -> None:
+    """Every batch copy a simulated node receives goes through the object a live node's gossip service runs."""
+    assert gossip.service.BatchIntake is gossip.intake.BatchIntake
+    sim = VirtualSim(S.loads(SCENARIO))
+    sim.run()
+    honest = [n for n in sim.nodes if n.spec.role != "adversary"]
+    assert all(type(n.intake) is gossip.intake.BatchIntake for n in honest)
+    assert len({id(n.intake) for n in honest}) == len(honest)
+    assert sum(n.intake.stats.counts["verified_batches"] for n in honest) > 0
 
 
 def test_simulated_broadcasts_run_the_live_nodes_broadcast_core() -> None:

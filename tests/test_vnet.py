@@ -7,6 +7,8 @@ import heapq
 import random
 from collections import Counter
 
+from gossip.intake import BatchIntake
+from gossip.validation import Pipeline, PipelineConfig
 from simulations import scenario as S
 from simulations.vevents import AnnounceArrives, BatchArrives, EventQueue
 from simulations.vnet import MESH_D, MESH_D_HIGH, Network
@@ -25,6 +27,9 @@ def swarm(text: str, seed: int = 0) -> tuple[Network, list[VNode], EventQueue]:
     net = Network(sc, nodes, queue, random.Random(seed), Counter(), None, memo_horizon_s=5.0)
     for n in nodes:
         n.alive = True
+        # the shard count it believes lives in its intake; no batch is validated here
+        n.intake = BatchIntake(Pipeline(PipelineConfig(swarm=sc.swarm), clock=queue.unix, resolve_task=None,  # type: ignore[arg-type]
+                                        reward=None, head_version=lambda lineage: None))  # type: ignore[arg-type]
     return net, nodes, queue
 
 

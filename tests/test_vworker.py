@@ -72,14 +72,20 @@ def sent(queue: EventQueue) -> list[tuple[float, object]]:
     return out
 
 
-def test_stored_patches_are_applied_in_order_from_the_held_version() -> None:
+def test_stored_items_are_applied_by_the_node_workers_plan() -> None:
+    """As `node/worker.py` (`sync.catchup.local_plan`): to the newest stored version, over a gap only through
+    a stored anchor ahead, and nothing of a chain that no stored item carries to the newest version."""
     workers, nodes, queue, _ = setup()
     f = nodes[1]
     f.store[LINEAGE] = {("patch", 0, 1): b"", ("patch", 1, 2): b"", ("patch", 3, 4): b""}
     workers.receive(f, pipe.Follow(pipe.FollowInfo(LINEAGE.hex(), "sim", "", "")))
     assert f.following == f.held_lineage == LINEAGE and not f.admitted
-    # it reports the base model it holds, then what it applied: 1 and 2 chain, 3 -> 4 waits for 3
-    assert [m for _, m in sent(queue)] == [pipe.Applied(LINEAGE.hex(), 0), pipe.Applied(LINEAGE.hex(), 2)]
+    # it reports the base model it holds; 1 and 2 chain, but 2 -> 3 is missing, so no plan reaches 4: it
+    # applies nothing until an item bridges the gap
+    assert [m for _, m in sent(queue)] == [pipe.Applied(LINEAGE.hex(), 0)] and f.held == 0
+    f.store[LINEAGE][("anchor", 0, 3)] = b""
+    workers.receive(f, pipe.Patch(LINEAGE.hex(), "anchor", 0, 3))
+    assert [m for _, m in sent(queue)] == [pipe.Applied(LINEAGE.hex(), 4)] and f.held == 4  # anchor, then 3 -> 4
     f.store[LINEAGE][("anchor", 0, 5)] = b""
     workers.receive(f, pipe.Patch(LINEAGE.hex(), "anchor", 0, 5))
     assert [m for _, m in sent(queue)] == [pipe.Applied(LINEAGE.hex(), 5)] and f.held == 5

@@ -49,8 +49,8 @@ their producer failed a log-prob check, `drop_producer`), `taken`.
 
 Usage (the simulator, per receiving node)::
 
-    groups = sampler.split(batch.rollouts, batch.producer)  # once per verified message; Groups are shareable
-    node_sampler.add(groups)                 # per receiver
+    cut = sampler.split(batch.rollouts, batch.producer)  # once per verified message; Groups are shareable
+    node_sampler.add_split(cut)              # per receiver: its groups, and the dropped ones counted
     node_sampler.observe_head(lineage, v)    # whenever the node learns a head (its own: every step)
     picked = node_sampler.take(4)            # list[Group]: .rollouts, .lineage, .version, .key (random draw)
 """
@@ -85,6 +85,13 @@ def task_key(ref: wire.TaskRef) -> TaskKey:
     return (bytes(ref.task_set), ref.generator, int(ref.seed))
 
 
+def informative(rewards: Iterable[float]) -> bool:
+    """Whether a group with these rewards has something to learn: rewards not all equal (GRPO's advantage is
+    zero otherwise), up to float noise."""
+    rs = list(rewards)
+    return max(rs) - min(rs) > 1e-9
+
+
 def split(rollouts: Iterable[wire.Rollout], producer: bytes = b"") -> tuple[list[Group], dict[str, int]]:
     """Cut a verified batch (signed by `producer`) into groups; returns (informative groups, counts of the
     dropped ones)."""
@@ -97,8 +104,7 @@ def split(rollouts: Iterable[wire.Rollout], producer: bytes = b"") -> tuple[list
         if len(rs) < 2:
             dropped["too_small"] += 1
             continue
-        rewards = [r.reward for r in rs]
-        if max(rewards) - min(rewards) <= 1e-9:
+        if not informative(r.reward for r in rs):
             dropped["uninformative"] += 1
             continue
         out.append(Group(key, lineage, min(r.version for r in rs), tuple(rs), bytes(producer)))
@@ -154,12 +160,17 @@ class Sampler:
         self.counts["added"] += n
         return n
 
-    def add_rollouts(self, rollouts: Iterable[wire.Rollout], producer: bytes = b"") -> int:
-        """Split a verified batch's rollouts and pool its informative groups; returns groups added."""
-        groups, dropped = split(rollouts, producer)
+    def add_split(self, cut: tuple[Iterable[Group], dict[str, int]]) -> int:
+        """Pool what `split` returned for one batch: its groups, and the counts of those it dropped; returns
+        groups added. A caller with many receivers of one batch splits it once and hands each the same cut."""
+        groups, dropped = cut
         for k, v in dropped.items():
             self.counts[k] += v
         return self.add(groups)
+
+    def add_rollouts(self, rollouts: Iterable[wire.Rollout], producer: bytes = b"") -> int:
+        """Split a verified batch's rollouts and pool its informative groups; returns groups added."""
+        return self.add_split(split(rollouts, producer))
 
     def drop_producer(self, producer: bytes) -> int:
         """Drop every pooled group `producer` signed (it failed a log-prob check); returns how many."""
