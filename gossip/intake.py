@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gossip import exchange
+from gossip import exchange, wire
+from gossip.identity import peer_id_from_public
 from gossip.validation import Pending, Pipeline, Verdict
 
 UNSAMPLED = "unsampled"
@@ -70,6 +71,15 @@ class BatchIntake:
             self.stats.drop(why)
             return Dropped(why)
         return step
+
+    def heard_announce(self, signer: bytes, body: wire.NodeAnnounce) -> None:
+        """A NodeAnnounce whose envelope `signer` signed reached us: when the signer announces itself, the
+        rate it states bounds what we accept from it (`Pipeline.announced`) and it stops being a newcomer
+        once established (`ShardGate.announced`); an announce of another peer, relayed or forged, does
+        neither."""
+        if peer_id_from_public(signer) == body.peer_id:
+            self.pipeline.announced(body.peer_id, body)
+            self.gate.announced(body.peer_id, self.pipeline.clock())
 
     def commit(self, step: Pending, cpu_s: float) -> Verdict:
         """`step` was verified (`Pipeline.verify`), which cost `cpu_s` CPU-seconds (0: not measured): the

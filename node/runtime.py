@@ -40,7 +40,7 @@ import trio
 from gossip import wire
 from gossip.errors import DecodeError, MurmurError
 from gossip.exchange import Sample
-from gossip.identity import Identity, peer_id_from_public
+from gossip.identity import Identity
 from gossip.transport import FrameError
 from node import control, hardware, lifecycle, patchsync, pipe, roles, stall, views
 from node import core as C
@@ -336,9 +336,7 @@ class Node:
 
     async def _on_node_announce(self, origin: str, body: wire.NodeAnnounce, data: bytes) -> None:
         signer = bytes(wire.decode_envelope(data, swarm=self.cfg.node.swarm).signer)
-        if peer_id_from_public(signer) == body.peer_id:
-            self.service.pipeline.announced(body.peer_id, body)  # the rate it states bounds what we accept
-            self.service.gate.announced(body.peer_id, self.service.pipeline.clock())  # no newcomer soon
+        self.service.intake.heard_announce(signer, body)
         await self.feed(C.AnnounceHeard(signer, body, data))
 
     async def _on_manifest(self, origin: str, m: wire.PatchManifest, data: bytes) -> None:

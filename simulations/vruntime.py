@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any, assert_never
 
 from gossip import wire
-from gossip.identity import peer_id_from_public
 from gossip.intake import Dropped
 from gossip.scoring import ScoreParams
 from gossip.validation import Pending, Pipeline, PipelineConfig
@@ -269,8 +268,7 @@ class CoreDriver:
             return
         d, env, body = heard
         signer = bytes(env.signer)
-        if peer_id_from_public(signer) == body.peer_id:
-            d.pipeline.announced(body.peer_id, body)  # the rate it states bounds it
+        d.intake.heard_announce(signer, body)
         self.feed(d, AnnounceHeard(signer, body, ev.data))
 
     def on_manifest(self, ev: ManifestArrives) -> None:

@@ -51,3 +51,25 @@ def test_junk_refused_by_the_cheap_checks_does_not_spend_an_honest_newcomers_tok
     assert service.gate.counts["newcomer_budget"] == 0
     assert not service.gate.established(HONEST.peer_id, clock.t)  # it was a newcomer all along
     assert exchange.NEWCOMER_BURST < 120  # the junk alone would have emptied the shard's bucket
+
+
+def test_only_a_peers_own_announce_sets_its_rate_and_ends_its_newcomer_time() -> None:
+    """`BatchIntake.heard_announce`, which the live node and the simulator both call for every NodeAnnounce:
+    the announce of HONEST signed by JUNK (a relay re-signing, or a forgery) changes neither HONEST's
+    announced-rate bucket nor when it was first heard; HONEST's own announce sets both."""
+    from gossip.intake import BatchIntake
+    from tests.test_validation_rates import announce
+
+    clock = Clock()
+    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=clock, resolve_task=REG.resolve,
+                        reward=score, head_version=lambda lineage: 0, task_set_trusted=REG.__contains__)
+    intake = BatchIntake(pipeline)
+    intake.heard_announce(JUNK.public, announce(HONEST, 50.0))
+    assert pipeline.announced_rates.bucket(HONEST.peer_id) is None
+    assert HONEST.peer_id not in intake.gate.first_heard
+    intake.heard_announce(HONEST.public, announce(HONEST, 50.0))
+    bucket = pipeline.announced_rates.bucket(HONEST.peer_id)
+    assert bucket is not None and bucket.rate == pipeline.announced_rates.limits(50.0)[0]
+    assert intake.gate.first_heard[HONEST.peer_id] == clock.t
+    clock.t += exchange.ESTABLISHED_S
+    assert intake.gate.established(HONEST.peer_id, clock.t)
