@@ -473,6 +473,8 @@ class Meter:
 DISTINCT_WINDOW_S: Final = 600.0  # "distinct producers" counts those verified within this window
 RATE_WINDOW_S: Final = 30.0
 MAX_TASK_SETS: Final = 64  # task sets counted per node (the rest under "other")
+MAX_LINEAGES_PER_SET: Final = 32  # lineages whose generators are counted per task set (the rest not shown)
+GENERATORS_K: Final = 64  # distinct producers counted exactly per lineage and task set (estimated beyond)
 
 
 class Stats:
@@ -484,6 +486,8 @@ class Stats:
         self.dropped: Counter[str] = Counter()  # reason -> batches
         self.producers: OrderedDict[bytes, float] = OrderedDict()  # producer key -> last verified
         self.task_sets: dict[str, Counter[str]] = {}  # task set hex -> verified_rollouts, used_rollouts
+        # task set hex -> lineage hex -> the producers whose verified rollouts of that lineage were on that set
+        self.generators: dict[str, dict[str, DistinctCount]] = {}
         self._snaps: deque[tuple[float, dict[str, int]]] = deque(maxlen=64)
 
     def received(self, rollouts: int = 0) -> None:
@@ -497,15 +501,46 @@ class Stats:
         """A batch outside a validator's sample: dropped before any work, neither received nor dropped work."""
         self.counts["unsampled_batches"] += 1
 
-    def verified(self, producer: bytes, task_sets: Iterable[bytes], rollouts: int, now: float) -> None:
+    def verified(self, producer: bytes, work: Iterable[tuple[bytes, bytes]], rollouts: int, now: float) -> None:
+        """A verified batch of `rollouts` from `producer`; `work`: each rollout's (task set, lineage)."""
         self.counts["verified_batches"] += 1
         self.counts["verified_rollouts"] += rollouts
         self.producers[bytes(producer)] = now
         self.producers.move_to_end(bytes(producer))
         while len(self.producers) > MAX_KNOWN:
             self.producers.popitem(last=False)
-        for ts in task_sets:
+        pairs = set()
+        for ts, lineage in work:
             self._per_set(ts)["verified_rollouts"] += 1
+            pairs.add((bytes(ts), bytes(lineage)))
+        for ts, lineage in pairs:
+            count = self._generators(ts, lineage)
+            if count is not None:
+                count.add(bytes(producer), now)
+
+    def _generators(self, ts: bytes, lineage: bytes) -> DistinctCount | None:
+        """The producer count of `lineage` on task set `ts` (None past `MAX_LINEAGES_PER_SET` lineages)."""
+        key = ts.hex()[:64]
+        if key not in self.generators and len(self.generators) >= MAX_TASK_SETS - 1:  # "other" counts too
+            key = "other"
+        per = self.generators.setdefault(key, {})
+        got = per.get(lineage.hex())
+        if got is None:
+            if len(per) >= MAX_LINEAGES_PER_SET:
+                return None
+            got = per[lineage.hex()] = DistinctCount(GENERATORS_K, DISTINCT_WINDOW_S)
+        return got
+
+    def lineages_by_set(self, now: float) -> dict[str, dict[str, int]]:
+        """Per task set: each lineage trained on it (a producer's verified rollouts of it within
+        `DISTINCT_WINDOW_S`) and how many distinct producers generated for it on that set."""
+        out: dict[str, dict[str, int]] = {}
+        for ts, per in self.generators.items():
+            for lineage in [k for k, c in per.items() if not c.count(now)]:
+                del per[lineage]
+            if per:
+                out[ts] = {lineage: c.count(now) for lineage, c in per.items()}
+        return out
 
     def used(self, by_set: Mapping[str, int]) -> None:
         """External rollouts that entered the trainer's updates, per task set (hex id)."""

@@ -91,7 +91,8 @@ class BatchIntake:
 
     def _count(self, v: Verdict) -> None:
         if v.accepted and v.batch is not None:
-            self.stats.verified(bytes(v.batch.producer), [bytes(r.task.task_set) for r in v.batch.rollouts],
+            self.stats.verified(bytes(v.batch.producer), [(bytes(r.task.task_set), bytes(r.lineage))
+                                                          for r in v.batch.rollouts],
                                 len(v.batch.rollouts), self.pipeline.clock())
         else:
             self.stats.drop(v.reason.value)

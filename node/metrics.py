@@ -58,6 +58,9 @@ class Metrics:
         self.task_sets = Gauge("murmur_exchange_task_set_rollouts",
                                "rollouts verified and used per task set (at most 64 sets, the rest as 'other')",
                                ["task_set", "kind"], registry=r)
+        self.generators = Gauge("murmur_exchange_task_set_generators",
+                                "distinct producers of a lineage's verified rollouts on a task set in the last "
+                                "10 min (at most 32 lineages a set)", ["task_set", "lineage"], registry=r)
         self.role = Gauge("murmur_role", "1 for each role the node holds now (trainer, follower, validator); "
                           "`reason` says why (a switch replaces the series)", ["role", "reason"], registry=r)
         self.role_switches = Gauge("murmur_role_switches_total", "switches between training and generating "
@@ -140,6 +143,10 @@ class Metrics:
         for ts, c in x.task_sets.items():
             for kind in ("verified_rollouts", "used_rollouts"):
                 self.task_sets.labels(ts, kind.removesuffix("_rollouts")).set(c.get(kind, 0))
+        self.generators.clear()  # a lineage that stopped generating leaves the gauge
+        for ts, per in x.lineages_by_task_set.items():
+            for lineage, n in per.items():
+                self.generators.labels(ts, lineage).set(n)
         for d in s.disk:
             self.disk.labels(d.name).set(d.used_mb * 2**20)
             if d.limit_mb:

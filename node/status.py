@@ -181,6 +181,8 @@ class ExchangeView(Struct, kw_only=True):
     used_over_verified: float = 0.0
     distinct_producers: int = 0
     task_sets: dict[str, dict[str, int]] = {}  # task set hex -> verified_rollouts, used_rollouts (coordinators)
+    # task set hex -> lineage hex -> distinct producers whose verified rollouts of it were on that set (10 min)
+    lineages_by_task_set: dict[str, dict[str, int]] = {}
 
 
 class ReachView(Struct, kw_only=True):

@@ -134,7 +134,8 @@ def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
                         used_rollouts=used, dropped=dict(st.dropped), rates=rates,
                         used_over_verified=round(used / verified, 3) if verified else 0.0,
                         distinct_producers=st.distinct_producers(now),
-                        task_sets={k: dict(v) for k, v in st.task_sets.items()})
+                        task_sets={k: dict(v) for k, v in st.task_sets.items()},
+                        lineages_by_task_set=st.lineages_by_set(now))
 
 
 def status_fields(s: NodeStatus) -> dict[str, Any]:

@@ -181,7 +181,7 @@ def test_stats_count_rates_distinct_producers_and_task_sets_within_bounds() -> N
     assert st.rates(0.0) == {}
     for k in range(100):
         st.received(8)
-        st.verified(b"p%d" % (k % 5), [b"ts%d" % k], 8, float(k))
+        st.verified(b"p%d" % (k % 5), [(b"ts%d" % k, b"L")], 8, float(k))
     st.drop("wrong_shard")
     r = st.rates(10.0)
     assert r["received_rollouts_per_s"] == 80.0 and r["dropped_batches_per_s"] == 0.1
@@ -203,7 +203,8 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
                                          task_sets={"ab" * 32: {"verified_rollouts": 32, "used_rollouts": 16}},
                                          produced_rollouts=100, published_rollouts=30, uninformative_rollouts=50,
                                          withheld_rollouts=20, publish_budget_per_s=2.5, unsampled_batches=7,
-                                         sample_fraction=0.1, sample_floor_per_min=2.0, sample_rate=0.25))
+                                         sample_fraction=0.1, sample_floor_per_min=2.0, sample_rate=0.25,
+                                         lineages_by_task_set={"ab" * 32: {"cd" * 32: 3}}))
     con = Console(width=400, record=True)  # one line per row: the checks below read whole phrases
     con.print(node_panel(s))
     text = con.export_text()
@@ -219,6 +220,8 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     assert m.registry.get_sample_value("murmur_exchange_dropped_total", {"reason": "wrong_shard"}) == 3
     assert m.registry.get_sample_value("murmur_exchange_distinct_producers") == 4
     assert m.registry.get_sample_value("murmur_exchange_task_set_rollouts", {"task_set": "ab" * 32, "kind": "used"}) == 16
+    assert m.registry.get_sample_value("murmur_exchange_task_set_generators",
+                                       {"task_set": "ab" * 32, "lineage": "cd" * 32}) == 3
 
 
 def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm_size() -> None:
@@ -431,3 +434,24 @@ def test_extra_shards_never_take_a_node_past_its_subscription_cap() -> None:
     ex.extra = X.MAX_SUBSCRIBED  # as many as the shortfall rule ever adds
     plan = ex.plan(0.0, 512, supply, demand_rps=2.0, home=[lid(1)])
     assert len(plan.subscribe) == X.MAX_SUBSCRIBED
+
+
+def test_per_task_set_a_coordinator_sees_each_lineage_and_how_many_nodes_generate_for_it() -> None:
+    """Three producers generate for lineage A on set T (a trainer and two followers), one for lineage B on
+    T and on U; a producer counts once however many of its rollouts a batch holds; a lineage nobody
+    generated for within the window leaves the table; the tables stay bounded."""
+    st = X.Stats()
+    T, U, A, B = b"T" * 32, b"U" * 32, b"A" * 32, b"B" * 32
+    for p in (b"t", b"f1", b"f2"):
+        st.verified(p, [(T, A)] * 8, 8, 0.0)
+    st.verified(b"b", [(T, B), (U, B)], 2, 10.0)
+    got = st.lineages_by_set(20.0)
+    assert got == {T.hex(): {A.hex(): 3, B.hex(): 1}, U.hex(): {B.hex(): 1}}
+    assert st.task_sets[T.hex()]["verified_rollouts"] == 25  # still per rollout
+    assert st.lineages_by_set(5.0 + X.DISTINCT_WINDOW_S) == {T.hex(): {B.hex(): 1}, U.hex(): {B.hex(): 1}}
+    for k in range(X.MAX_LINEAGES_PER_SET + 10):
+        st.verified(b"x", [(T, b"%031d" % k + b"L")], 1, 30.0)
+    assert len(st.generators[T.hex()]) == X.MAX_LINEAGES_PER_SET
+    for k in range(X.MAX_TASK_SETS + 10):
+        st.verified(b"y", [(b"%032d" % k, A)], 1, 30.0)
+    assert len(st.generators) == X.MAX_TASK_SETS and "other" in st.generators
