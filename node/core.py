@@ -423,16 +423,16 @@ class NodeCore:
         trains on no lineage whose head it was never told. A lineage publishes once its publisher is proven
         and a signed manifest of it was accepted (or a version of it applied): announcing one is not enough,
         so rollouts under a lineage no one publishes are never trained on."""
-        publishes = lin.manifests > 0 or lin.delivered
-        if "trainer" in self.roles and lin.publisher and publishes and lin.head > lin.worker_head:
-            lin.worker_head = lin.head
-            out.append(ToWorker(pipe.Head(lin.lineage.hex(), lin.head)))
+        if "trainer" in self.roles:
+            head = self.table.head_to_tell(lin)
+            if head is not None:
+                out.append(ToWorker(pipe.Head(lin.lineage.hex(), head)))
 
     def _staleness(self, lin: LineageState, events: list[Any], out: list[Action]) -> None:
         for ev in events:
             out.append(Log("staleness", {"lineage": lin.lineage.hex()[:16], "state": ev.state,
                                          "message": ev.message}))
-            lin.admission, lin.admission_note = ev.state, ev.message
+            self.table.admission_changed(lin, ev.state, ev.message)
         if events:
             self._send_admit(lin.lineage, out)
 
@@ -464,12 +464,13 @@ class NodeCore:
                 # a claimed throughput counts only as far as this follower's verified deliveries back it
                 offers.append(roles.Offer(pid, roles.offer_rate(a.gen_tokens_per_s, self.tokens_per_rollout),
                                           a.rollout_latency_s, backed=self.deliveries.credit(pid, now)))
-        lin.activation = roles.activate(d, offers, self.dissemination_s(now))
-        self.counts["claims_capped"] += len(lin.activation.capped)
-        supply = lin.activation.supply if math.isfinite(lin.activation.supply) else 0.0
+        act = roles.activate(d, offers, self.dissemination_s(now))
+        self.table.activated(lin, act)
+        self.counts["claims_capped"] += len(act.capped)
+        supply = act.supply if math.isfinite(act.supply) else 0.0
         return wire.LineageDemand(lineage=lin.lineage, name=lin.name, head_version=lin.head, rollouts_per_step=b,
                                   step_time_s=step_t, max_staleness=self.s.max_staleness,
-                                  standby=lin.activation.standby[:256],
+                                  standby=act.standby[:256],
                                   supply_rollouts_per_s=min(max(0.0, supply), 1e9))
 
     @property
@@ -501,7 +502,7 @@ class NodeCore:
             return
         self.roles = roles.switch_roles(self.roles, new)
         # the new worker starts afresh: nothing followed, nothing told; the store keeps every lineage it held
-        self.table.serving = self.table.committed = None
+        self.table.drop_choice()
         self.follow_info, self.admitted, self.pace_rate = None, None, 0.0
         self.serving_reason = ""
         self.catchup.reset()
@@ -526,11 +527,9 @@ class NodeCore:
         self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)
         if choice.lineage == self.serving:
             return
-        chosen = self.table.rows[choice.lineage] if choice.lineage is not None else None
+        chosen = self.table.serve(choice.lineage)
         if chosen is not None:
-            chosen.relation = "follow"
             out.append(LoadStored(chosen.lineage))
-        self.table.serving = choice.lineage
         self.catchup.reset()
         out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
                                    "reason": choice.reason}))
@@ -547,7 +546,7 @@ class NodeCore:
             return
         lin = self.table.rows.get(self.serving) if self.serving is not None else None
         info = pipe.FollowInfo(lin.lineage.hex(), lin.name, lin.publisher.hex(), lin.base.hex()) if lin else None
-        self.table.committed = lin.lineage if lin else None
+        self.table.commit(lin.lineage if lin else None)
         self.follow_info = info
         out.append(ToWorker(pipe.Follow(info)))
         if lin is not None:
@@ -665,9 +664,7 @@ class NodeCore:
                 self.version_times.append(now - self.last_publish)
             self.last_publish = now
             self.counts["published"] = m.version
-            lin = self.table.rows.get(self.own) if self.own is not None else None
-            if lin is not None:
-                lin.head = lin.held = lin.signed_head = m.version
+            self.table.published(m.version)
             out.append(SeedVersion(m.envelope))
         elif isinstance(m, pipe.Applied):
             self._on_applied(m, now, out)
@@ -715,25 +712,18 @@ class NodeCore:
         out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
                                         **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
         self.supervisor.on_ready()
-        for lin in self.table.rows.values():  # a restarted worker's sampler starts with no heads
-            lin.worker_head = -1
+        self.table.worker_restarted()
+        for lin in self.table.rows.values():
             self._tell_head(lin, out)
         if self.committed is not None and self.follow_info is not None:  # a restarted worker resumes where we are
             out.append(ToWorker(pipe.Follow(self.follow_info)))
             self._send_admit(self.committed, out)
 
     def _on_applied(self, m: pipe.Applied, now: float, out: list[Action]) -> None:
-        lin = self.table.rows.get(bytes.fromhex(m.lineage))
+        lin, gained = self.table.version_applied(bytes.fromhex(m.lineage), m.version, m.need_anchor)
         if lin is None:
             return
-        if m.version > lin.held:
-            self.counts["applied"] += m.version - lin.held
-            lin.delivered = True
-        lin.held = m.version
-        lin.need_anchor = m.need_anchor
-        lin.head = max(lin.head, lin.held)
-        if lin.relation == "seen":
-            lin.relation = "follow"
+        self.counts["applied"] += gained
         if not lin.need_anchor and lin.lineage in (self.serving, self.committed):
             self._staleness(lin, self.guard.applied(lin.lineage, lin.held, now), out)
         if lin.delivered and lin.lineage == self.serving:

@@ -122,6 +122,71 @@ class LineageTable:
             if relation == "own":
                 self.own = lid
 
+    # ------------------------------------------------------------ what this node does with a lineage
+    def serve(self, lid: bytes | None) -> LineageState | None:
+        """The follower chose `lid` (None: none): served, and followed from now on (its row, if any)."""
+        self.serving = lid
+        lin = self.rows.get(lid) if lid is not None else None
+        if lin is not None:
+            lin.relation = "follow"
+        return lin
+
+    def commit(self, lid: bytes | None) -> None:
+        """The worker follows `lid` (the served lineage, once it delivered; None: it stands by)."""
+        self.committed = lid
+
+    def drop_choice(self) -> None:
+        """The node's roles changed: its new worker follows nothing and serves nothing yet."""
+        self.serving = self.committed = None
+
+    def published(self, version: int) -> LineageState | None:
+        """Our worker published `version` of our own lineage: what we hold is its head (the worker is the
+        authority over our own lineage)."""
+        lin = self.rows.get(self.own) if self.own is not None else None
+        if lin is not None:
+            lin.head = lin.held = lin.signed_head = version
+        return lin
+
+    def version_applied(self, lid: bytes, version: int, need_anchor: bool) -> tuple[LineageState | None, int]:
+        """Our worker now holds `version` of `lid` (a patch applied or an anchor loaded; `need_anchor`: it
+        needs an anchor before any patch applies): the row, and the versions it moved forward (0 if none).
+        A lineage of which this node applied a version is followed, and has delivered."""
+        lin = self.rows.get(lid)
+        if lin is None:
+            return None, 0
+        gained = max(0, version - lin.held)
+        if gained:
+            lin.delivered = True
+        lin.held = version
+        lin.need_anchor = need_anchor
+        lin.head = max(lin.head, lin.held)
+        if lin.relation == "seen":
+            lin.relation = "follow"
+        return lin, gained
+
+    def admission_changed(self, lin: LineageState, state: str, note: str) -> None:
+        """The staleness guard moved the served lineage's admission (`note`: its message, as logged)."""
+        lin.admission, lin.admission_note = state, note
+
+    def activated(self, lin: LineageState, activation: roles.Activation) -> None:
+        """Our own lineage's capacity rule ran: the followers it counts and stands by."""
+        lin.activation = activation
+
+    def head_to_tell(self, lin: LineageState) -> int | None:
+        """The head to tell a trainer's worker about `lin`, counted as told (None: nothing new to tell). A
+        lineage publishes once its publisher is proven and a signed manifest of it was accepted (or a version
+        of it applied): announcing one is not enough."""
+        publishes = lin.manifests > 0 or lin.delivered
+        if lin.publisher and publishes and lin.head > lin.worker_head:
+            lin.worker_head = lin.head
+            return lin.head
+        return None
+
+    def worker_restarted(self) -> None:
+        """A new worker's sampler starts with no heads: every head is told again."""
+        for lin in self.rows.values():
+            lin.worker_head = -1
+
     # ------------------------------------------------------------ network
     def on_demand(self, signer: bytes, d: wire.LineageDemand, now: float) -> tuple[LineageState | None, Refusal | None]:
         """A LineageDemand in a NodeAnnounce signed by `signer`: (the row it moved, why it was refused)."""
