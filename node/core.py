@@ -23,7 +23,7 @@ the rollout exchange meters),
 `RolloutsPublished` (a rollout Publish that went out). An event of another type is a driver bug:
 `handle` ends in `assert_never`.
 
-Actions: `Publish` (topic announce|rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
+Actions: `Publish` (its `Topic`: announce or rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
 `SeedVersion`, `StorePatch`, `DropItem`, `LoadStored`, `FetchCatalog`, `RequestOffer`, `Penalise`
 (a positive amount: what the peer loses), `SeePeer` (persist a peer), `ResendTaskSets` (a new peer
 appeared), `Log`.
@@ -89,6 +89,7 @@ from node.events import (
     StorePatch,
     Subscribe,
     Tick,
+    Topic,
     ToWorker,
     TransferDone,
     WorkerExited,
@@ -108,8 +109,9 @@ from node.pipe import WorkerState
 from node.roles import ROLE_OBSERVE_S
 from node.sealing import RolloutSealer
 from node.supervision import WorkerSupervisor
+from sync.ids import Relation
 from sync.items import diff_kind, item_of
-from sync.staleness import StalenessGuard
+from sync.staleness import StalenessEvent, StalenessGuard
 
 ANNOUNCE_EVERY_S = 2.0
 CATCH_UP_EVERY_S = 0.5
@@ -379,7 +381,7 @@ class NodeCore:
             self._choose_mode(now, out)
             self._choose_serving(now, out)
             self._plan_exchange(now, out)
-            out.append(Publish("announce", self._announce(now, wall_ms)))
+            out.append(Publish(Topic.ANNOUNCE, self._announce(now, wall_ms)))
             self.peer_table.expire(now)
             self.catchup.expire(now)
         if now >= self._next_catch_up:
@@ -428,7 +430,7 @@ class NodeCore:
             if head is not None:
                 out.append(ToWorker(pipe.Head(lin.lineage.hex(), head)))
 
-    def _staleness(self, lin: LineageState, events: list[Any], out: list[Action]) -> None:
+    def _staleness(self, lin: LineageState, events: list[StalenessEvent], out: list[Action]) -> None:
         for ev in events:
             out.append(Log("staleness", {"lineage": lin.lineage.hex()[:16], "state": ev.state,
                                          "message": ev.message}))
@@ -803,7 +805,7 @@ class NodeCore:
         bound = exchange.DEMAND_BOUND * ref
         demands = []
         for lin in self.table.rows.values():
-            if lin.relation == "own" or not lin.publisher:
+            if lin.relation == Relation.OWN or not lin.publisher:
                 continue
             d = self.table.effective_demand(lin, now)
             if d is not None:

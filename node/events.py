@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from gossip import wire
 from gossip.identity import peer_id_from_public
 from gossip.scoring import Penalise  # one penalty action for every machine
 from node import pipe
+from sync.ids import Relation
 from sync.items import StoredItem
 from training import sampler
 
@@ -104,7 +106,7 @@ class LineageKnown:
 
     lineage: bytes
     name: str
-    relation: str  # own | follow | seen
+    relation: Relation
     publisher: bytes
     base: bytes
     held: int
@@ -112,7 +114,7 @@ class LineageKnown:
 
 @dataclass(frozen=True, slots=True)
 class RolloutsPublished:
-    """A `Publish("rollouts")` went out: its rollouts count as published (a failed publish is not fed)."""
+    """A `Publish(Topic.ROLLOUTS)` went out: its rollouts count as published (a failed publish is not fed)."""
 
     count: int
 
@@ -161,9 +163,16 @@ Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | ManifestOffered | 
 # ---------------------------------------------------------------- actions
 
 
+class Topic(StrEnum):
+    """Where a `Publish` goes: the announce topic, or a rollout shard topic (`Publish.shard`)."""
+
+    ANNOUNCE = "announce"
+    ROLLOUTS = "rollouts"
+
+
 @dataclass(frozen=True, slots=True)
 class Publish:
-    topic: str  # announce | rollouts
+    topic: Topic
     data: bytes
     count: int = 0  # rollouts in a rollout batch
     shard: int = 0  # rollouts: the shard topic (gossip.exchange.shard_of its lineage)

@@ -85,23 +85,23 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/ratelimit.py", 'seq = int(getattr(announce, "seq", 1))'),
     ("gossip/ratelimit.py", 'seq = int(getattr(announce, "seq", -1))'),
     ("gossip/ratelimit.py", 'announced = float(getattr(announce, "publish_batches_per_s", -1.0))'),
-    # the states are the module's own string constants: `is` equals `==` on them, and an ordering that
+    # the states are the module's own enum members (singletons): `is` equals `==` on them, and an ordering that
     # only differs on a state no event can hold (an event is a change: never unknown, never fresh -> fresh)
-    ("sync/staleness.py", "if self.state >= STALE:"),
-    ("sync/staleness.py", "if self.state is STALE:"),
-    ("sync/staleness.py", "if self.state <= FRESH and self.previous == STALE:"),
-    ("sync/staleness.py", "if self.state == FRESH and self.previous <= STALE:"),
-    ("sync/staleness.py", "if self.state >= FRESH and self.previous == STALE:"),
-    ("sync/staleness.py", "if self.state is FRESH and self.previous == STALE:"),
-    ("sync/staleness.py", "if self.state == FRESH and self.previous is STALE:"),
+    ("sync/staleness.py", "if self.state >= Admission.STALE:"),
+    ("sync/staleness.py", "if self.state is Admission.STALE:"),
+    ("sync/staleness.py", "if self.state <= Admission.FRESH and self.previous == Admission.STALE:"),
+    ("sync/staleness.py", "if self.state == Admission.FRESH and self.previous <= Admission.STALE:"),
+    ("sync/staleness.py", "if self.state >= Admission.FRESH and self.previous == Admission.STALE:"),
+    ("sync/staleness.py", "if self.state is Admission.FRESH and self.previous == Admission.STALE:"),
+    ("sync/staleness.py", "if self.state == Admission.FRESH and self.previous is Admission.STALE:"),
     ("sync/staleness.py", "if new is t.state:"),
-    ("sync/staleness.py", "return t is not None and t.state <= FRESH"),
-    ("sync/staleness.py", "return t is not None and t.state is FRESH"),
+    ("sync/staleness.py", "return t is not None and t.state <= Admission.FRESH"),
+    ("sync/staleness.py", "return t is not None and t.state is Admission.FRESH"),
     # a head equal to the version held is set to itself
     ("sync/staleness.py", "if t.head is None or version >= t.head:"),
     # `t.head or ...`: a lineage with a version held always has a head (applied sets it)
-    ("sync/staleness.py", "new = FRESH if (t.head or 1) - t.local <= self.k else STALE"),
-    ("sync/staleness.py", "new = FRESH if (t.head or -1) - t.local <= self.k else STALE"),
+    ("sync/staleness.py", "new = Admission.FRESH if (t.head or 1) - t.local <= self.k else Admission.STALE"),
+    ("sync/staleness.py", "new = Admission.FRESH if (t.head or -1) - t.local <= self.k else Admission.STALE"),
     ("gossip/scoring.py", "max_peers: int = 10001) -> None:"),
     ("gossip/scoring.py", "max_peers: int = 9999) -> None:"),
     # the table grows by one peer at a time, so it is full exactly at the bound

@@ -53,6 +53,7 @@ from node.core import (
     StorePatch,
     Subscribe,
     Tick,
+    Topic,
     ToWorker,
     TransferDone,
 )
@@ -76,6 +77,7 @@ from simulations.vnet import Network
 from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, item_bytes
 from simulations.vreport import Recorder
 from simulations.vworker import WORKER_S, Workers
+from sync.ids import Relation
 from sync.items import MAX_ITEMS, StoredItem, item_of
 from training.tasks import Task
 
@@ -136,7 +138,7 @@ class CoreDriver:
                                  producers_count=lambda now: net.alive_producers - 1, supply_view=lambda: net.supply)
         if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
             lead = self.publisher[n.held_lineage]
-            self.feed(n, LineageKnown(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held))
+            self.feed(n, LineageKnown(n.held_lineage, LINEAGE_NAME, Relation.FOLLOW, lead.ident.public, BASE_MODEL, n.held))
         return core
 
     # ------------------------------------------------------------ the cores' actions, carried out in virtual time
@@ -155,7 +157,7 @@ class CoreDriver:
         """Carry out one action in virtual time; its follow-up event, if any (as `Node._carry_out`)."""
         counts = self.recorder.counts
         if isinstance(a, Publish):
-            if a.topic == "announce":
+            if a.topic == Topic.ANNOUNCE:
                 counts["announces"] += 1
                 self.net.announced(n, a.data)
                 self.net.send(n, n.ctrl, AnnounceArrives, a.data)

@@ -17,8 +17,9 @@ from node import core as C
 from node import peertable as PT
 from node import pipe
 from node import supervision as SV
-from sync.ids import lineage_id
+from sync.ids import Relation, lineage_id
 from sync.patchstore import StoredItem
+from sync.staleness import Admission
 
 SWARM = "t"
 
@@ -121,7 +122,7 @@ def test_follower_serves_the_announced_lineage_and_tells_the_worker() -> None:
     acts = core.handle(C.Tick())
     assert core.serving == lid
     assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
-    assert of(acts, C.Publish)[0].topic == "announce"
+    assert of(acts, C.Publish)[0].topic == C.Topic.ANNOUNCE
     # on trial: the worker is switched once an item of the lineage is stored (fetched, hash-checked)
     assert to_worker(acts, pipe.Follow) == [] and core.committed is None
     acts = core.handle(C.PatchStored(manifest(trainer, "lin", 0, 1), 1000, 0.5))
@@ -140,7 +141,7 @@ def test_staleness_admission_pauses_and_resumes_generation() -> None:
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
     acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))  # 6 behind > bound 4
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
-    assert core.lineages[lid].admission == "stale"
+    assert core.lineages[lid].admission == Admission.STALE
     acts = core.handle(W("applied", {"lineage": lid.hex(), "version": 9}))
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
 
@@ -319,10 +320,10 @@ def test_created_ms_comes_from_the_wall_ms_the_driver_gives() -> None:
     clock = Clock()
     core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_234_567)
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
-    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
+    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == C.Topic.ANNOUNCE]
     assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in sent] == [1_234_567]
     out = core.handle(W("rollouts", _group()))
-    batches = [a for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
+    batches = [a for a in out if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS]
     assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in batches] == [1_234_567]
 
 
@@ -336,7 +337,7 @@ def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> N
         core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
         core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
         out = core.handle(W("rollouts", _group()))
-        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
+        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS]
     assert len(seqs) == 2 and seqs[1] > seqs[0]
 
 
@@ -434,10 +435,10 @@ def test_a_lineage_stored_as_seen_is_followed_once_a_version_of_it_applies() -> 
     core, clock = make_core()
     trainer = key(9)
     lid = lineage_id(trainer.public, BASE, "lin")
-    seen = "".join(["se", "en"])  # as the store returns it: equal to "seen", not the same object
+    seen = Relation("".join(["se", "en"]))  # as the runtime reads the text the store returns
     core.handle(C.LineageKnown(lid, "lin", seen, trainer.public, BASE, 2))
     core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
-    assert core.lineages[lid].relation == "follow"
+    assert core.lineages[lid].relation == Relation.FOLLOW
 
 
 def test_only_finite_rewards_reach_the_reward_trend() -> None:
@@ -456,7 +457,7 @@ def test_announces_made_within_one_millisecond_still_rise() -> None:
     for _ in range(3):
         clock.t += 60
         seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(core.handle(C.Tick()), C.Publish)
-                 if a.topic == "announce"]
+                 if a.topic == C.Topic.ANNOUNCE]
     assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
 
 
@@ -503,7 +504,7 @@ def test_measured_throughput_is_smoothed_and_the_announce_stays_in_range() -> No
     core.handle(W("perf", {"gen_tokens_per_s": 200.0, "rollout_latency_s": 5e6}))
     assert core.gen_tps == pytest.approx(0.7 * 100.0 + 0.3 * 200.0)
     clock.t += 60
-    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
+    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == C.Topic.ANNOUNCE]
     _, a = wire.open_envelope(sent[0].data, swarm=SWARM)  # a latency past 1e6 s would make it invalid
     assert a.rollout_latency_s == 1e6 and a.gen_tokens_per_s == pytest.approx(130.0)
 
@@ -550,7 +551,7 @@ def test_a_batch_of_own_rollouts_is_stored_once_with_its_first_row() -> None:
     core, clock = make_core(roles=("trainer",))
     acts = core.handle(W("rollouts", _group(3)))
     (rec,) = of(acts, C.RecordRollouts)
-    (pub,) = [a for a in acts if isinstance(a, C.Publish) and a.topic == "rollouts"]
+    (pub,) = [a for a in acts if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS]
     assert [row["payload"] for row in rec.entries] == [pub.data, None, None]
 
 
@@ -781,7 +782,7 @@ def test_a_followed_lineage_the_store_reports_again_still_gets_its_admission() -
     lid = follow_trainer(core, clock, trainer, head=3)
     core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
     assert core.committed == lid
-    core.handle(C.LineageKnown(bytes(bytearray(lid)), "lin", "follow", trainer.public, BASE, 3))
+    core.handle(C.LineageKnown(bytes(bytearray(lid)), "lin", Relation.FOLLOW, trainer.public, BASE, 3))
     acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
     core.handle(announce(trainer, 2, [demand(lid, "lin", 9)]))
@@ -838,7 +839,7 @@ def test_rollout_batches_sealed_within_one_millisecond_still_rise() -> None:
     seqs = []
     for _ in range(3):
         out = core.handle(W("rollouts", _group()))
-        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == "rollouts"]
+        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == C.Topic.ROLLOUTS]
     assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
 
 
