@@ -20,7 +20,8 @@ Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, ex
 `CatalogReceived`/`CatalogFailed` (catch-up replies), `OfferFailed`, `ListenAddrs`,
 `RolloutsVerified` (a batch the pipeline accepted: what each follower delivered, `node.credit`, and what
 the rollout exchange meters),
-`RolloutsPublished` (a rollout Publish that went out). An event of another type is a driver bug:
+`RolloutsPublished` (a rollout Publish that went out), `SwarmHeard` (the announce topic's swarm-wide sums, from a
+driver that does not feed every announce the topic carries). An event of another type is a driver bug:
 `handle` ends in `assert_never`.
 
 Actions: `Publish` (its `Topic`: announce or rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -88,6 +88,7 @@ from node.events import (
     StoredItems,
     StorePatch,
     Subscribe,
+    SwarmHeard,
     Tick,
     Topic,
     ToWorker,
@@ -175,9 +176,7 @@ def _finite(x: Any, default: float = 0.0) -> float:
 
 
 class NodeCore:
-    def __init__(self, settings: CoreSettings, identity: Identity, now: float, *,
-                 producers_count: Callable[[float], int] | None = None,
-                 supply_view: Callable[[], exchange.Supply] | None = None) -> None:
+    def __init__(self, settings: CoreSettings, identity: Identity, now: float) -> None:
         self.s = settings
         self.ident = identity
         self.roles = list(settings.roles)
@@ -228,11 +227,6 @@ class NodeCore:
         self.inbound = exchange.Meter()
         self.batch_rollouts = float(settings.group_size)  # mean rollouts per accepted batch (supply estimate)
         self.subscribed: tuple[int, tuple[int, ...]] = (1, (0,))  # what the runtime joined first
-        # How many producers the announce topic told us of. The virtual simulator, whose announces go one
-        # hop, injects the count the live announce topic would have given (a view read, never written).
-        self._producers_count = producers_count or self.peer_table.producers.count
-        # ... and, likewise, what producers announce per lineage (batches/s); None: read our peer table
-        self._supply_view = supply_view
         self.announced_rate = 0.0  # publish_batches_per_s of our last announce
         # a trainer publishes its own rollouts to the demand on its shard (gossip.exchange.publish_budget)
         self.outbox = exchange.Outbox(now) if "trainer" in settings.roles else None
@@ -346,6 +340,8 @@ class NodeCore:
             self.table.load(ev.lineage, ev.name, ev.relation, ev.publisher, ev.base, ev.held, now)
         elif isinstance(ev, RolloutsPublished):
             self.counts["rollouts_published"] += max(0, int(ev.count))
+        elif isinstance(ev, SwarmHeard):
+            self.peer_table.on_swarm(ev, now)
         elif isinstance(ev, OfferFailed):
             self.catchup.on_offer_failed(ev, out)
         elif isinstance(ev, StoredItems):
@@ -754,22 +750,12 @@ class NodeCore:
 
     def _plan_exchange(self, now: float, out: list[Action]) -> None:
         """Which rollout shards to join (gossip.exchange), from what the announces say, in batches/s."""
-        producers = int("trainer" in self.roles or "follower" in self.roles) + self._producers_count(now)
-        own = None
-        if self._supply_view is not None:
-            supply = self._supply_view()
-            mine = self.committed if self.committed is not None else self.own
-            if mine is not None:  # the view counts our own last announce too: not offered to ourselves
-                own = (mine, min(self.announced_rate, 1e3))
-        else:
-            supply = exchange.Supply()
-            for _, p in self.peer_table.live(now):
-                a = p.announce
-                if not a.publish_batches_per_s > 0:
-                    continue
-                lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
-                if lid:
-                    supply.add(lid, min(a.publish_batches_per_s, 1e3))
+        swarm = self.peer_table.swarm(now)
+        producers = int("trainer" in self.roles or "follower" in self.roles) + swarm.producers
+        supply, own = swarm.supply, None
+        mine = self.committed if self.committed is not None else self.own
+        if swarm.counts_self and mine is not None:  # our own last announce: not offered to ourselves
+            own = (mine, min(self.announced_rate, 1e3))
         per_batch = max(1.0, self.batch_rollouts)
         demand = self.external_demand()
         # home: our own lineage's shard when followers produce for it, the validated lineage's shard

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.identity import peer_id_from_public
 from gossip.scoring import Penalise  # one penalty action for every machine
 from node import pipe
@@ -155,9 +155,23 @@ class RolloutsVerified:
                    tuple((lid, tok, c) for (lid, tok), c in u.items()))
 
 
+@dataclass(frozen=True, slots=True)
+class SwarmHeard:
+    """What the announce topic says swarm-wide, summed: the producers other than this node that announce a
+    publishing rate, and the rollout batches/s announced per lineage, this node's own last announce included
+    (the core takes its own out). The peer table sums the announces a node is fed as `AnnounceHeard`; a driver
+    that delivers fewer announces than the live topic carries sums the topic itself and feeds the sums here
+    (the virtual simulator, whose announces travel one hop, before each `Tick`). The core plans the rollout
+    exchange from the last sums fed while they are no older than `node.peertable.PEER_EXPIRY_S`, as it
+    counts a peer's announce, and from its peer table otherwise. `supply` is read when the core plans."""
+
+    producers: int
+    supply: exchange.Supply
+
+
 Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | ManifestOffered | PeerGone | FromWorker | WorkerExited | WorkerStarted
          | LineageKnown | StoredItems | TransferDone | PatchStored | CatalogReceived | CatalogFailed | OfferFailed
-         | RolloutsVerified | RolloutsPublished)
+         | RolloutsVerified | RolloutsPublished | SwarmHeard)
 
 
 # ---------------------------------------------------------------- actions

@@ -52,6 +52,7 @@ from node.core import (
     StoredItems,
     StorePatch,
     Subscribe,
+    SwarmHeard,
     Tick,
     Topic,
     ToWorker,
@@ -132,10 +133,7 @@ class CoreDriver:
                                 publish_every=self.sc.sync.publish_every, external_rollouts=tr.external_groups,
                                 group_size=tr.group_size, max_new_tokens=TOKENS_PER_ROLLOUT,
                                 upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
-        net = self.net
-        # what the live announce topic tells every node: how many producers there are, what each supplies
-        core = n.core = NodeCore(settings, n.ident, self.queue.unix(),
-                                 producers_count=lambda now: net.alive_producers - 1, supply_view=lambda: net.supply)
+        core = n.core = NodeCore(settings, n.ident, self.queue.unix())
         if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
             lead = self.publisher[n.held_lineage]
             self.feed(n, LineageKnown(n.held_lineage, LINEAGE_NAME, Relation.FOLLOW, lead.ident.public, BASE_MODEL, n.held))
@@ -238,6 +236,9 @@ class CoreDriver:
         n = self.nodes[ev.node]
         if not n.alive or n.inc != ev.inc or n.core is None:
             return
+        # what the live announce topic tells every node, which the one-hop announces here do not: how many
+        # producers there are, what each supplies
+        self.feed(n, SwarmHeard(self.net.alive_producers - 1, self.net.supply))
         self.feed(n, TICK)
         due = n.core.next_deadline() - EPOCH
         self.queue.push(max(due, self.queue.now + WORKER_S), Wake(ev.node, ev.inc))

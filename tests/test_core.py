@@ -574,9 +574,9 @@ def _producing(ident: Identity, seq: int, serving: bytes = b"", owned=(), rate: 
     return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM))
 
 
-def _trainer_with_own_lineage(supply_view=None) -> tuple[C.NodeCore, Clock, bytes]:
+def _trainer_with_own_lineage() -> tuple[C.NodeCore, Clock, bytes]:
     clock = Clock()
-    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock, supply_view=supply_view)
+    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock)
     lid = lineage_id(key(1).public, BASE, "mine")
     core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0,
                             "model_bytes": MODEL_BYTES}))
@@ -598,35 +598,53 @@ def test_a_trainer_hears_its_own_shard_only_while_a_fresh_announce_says_someone_
     assert key(9).peer_id in core.peers and core.exchange.plan_.home == ()
 
 
+def tick_hearing(core: C.NodeCore, supply: exchange.Supply, producers: int = 0) -> list[C.Action]:
+    """A tick after the announce topic's swarm-wide sums (`SwarmHeard`), as the simulator feeds them."""
+    core.handle(C.SwarmHeard(producers, supply))
+    return core.handle(C.Tick())
+
+
 def test_a_trainers_own_announced_rate_is_not_supply_for_its_own_lineage() -> None:
-    """With a supply view (the simulator's), the view counts this node's own last announce: what it publishes
+    """The announce topic's sums (`SwarmHeard`) count this node's own last announce: what it publishes
     itself is not offered to it, so no follower producing for its lineage leaves its shard unpinned."""
-    views = [exchange.Supply()]
-    core, clock, lid = _trainer_with_own_lineage(supply_view=lambda: views[-1])
+    core, clock, lid = _trainer_with_own_lineage()
     core.handle(W("rollouts", _group()))  # it publishes: its announce states a rate
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply())
     assert core.announced_rate > 0
-    views.append(exchange.Supply({lid: core.announced_rate}))  # our own announce, counted for our lineage
+    own = exchange.Supply({lid: core.announced_rate})  # our own announce, counted for our lineage
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, own)
     assert core.exchange.plan_.home == ()
-    views.append(exchange.Supply({lid: views[-1].of(lid) + 1.0}))  # a follower publishes for it too
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply({lid: own.of(lid) + 1.0}))  # a follower publishes for it too
     assert core.exchange.plan_.home == (core.exchange.publish_shard(lid),)
+
+
+def test_the_swarm_sums_fed_stand_while_fresh_then_the_peer_table_counts() -> None:
+    """Sums a driver fed (`SwarmHeard`) are planned from for `PEER_EXPIRY_S`, as a peer's announce counts;
+    once stale, the core plans from the announces it took itself."""
+    core, clock = make_core(roles=("trainer",))
+    core.handle(C.SwarmHeard(2 * exchange.PRODUCERS_PER_SHARD, exchange.Supply()))
+    core.handle(C.Tick())
+    assert core.exchange.shards == 2
+    clock.t += PT.PEER_EXPIRY_S
+    core.handle(C.Tick())
+    assert core.exchange.shards == 2
+    clock.t += C.ANNOUNCE_EVERY_S  # no sums fed since: this node heard no producer
+    core.handle(C.Tick())
+    assert core.exchange.shards == 1
 
 
 @pytest.mark.parametrize("name", ["lin", "other"])
 def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_own_lineage(name: str) -> None:
     """A trainer that also follows another lineage announces its rate for the lineage it serves: the supply
-    view's count for its own lineage is all other producers', and pins its shard however the ids sort."""
+    topic's sums for its own lineage are all other producers', and pin its shard however the ids sort."""
     mine = lineage_id(key(1).public, BASE, "mine")
     served = lineage_id(key(9).public, BASE, name)
     assert (served > mine) == (name == "lin")  # one case each way
-    views = [exchange.Supply()]
     clock = Clock()
-    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock,
-                      supply_view=lambda: views[-1])
+    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock)
+    core.handle(C.SwarmHeard(0, exchange.Supply()))
     core.handle(W("ready", {"base": BASE.hex(), "lineage": mine.hex(), "name": "mine", "version": 0,
                             "model_bytes": MODEL_BYTES}))
     assert follow_trainer(core, clock, key(9), name=name) == served
@@ -634,12 +652,11 @@ def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_ow
     assert core.committed == served
     core.handle(W("rollouts", _group()))
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply())
     rate = core.announced_rate
     assert rate > 0
-    views.append(exchange.Supply({served: rate, mine: rate}))  # ours for the served one, a follower's for ours
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply({served: rate, mine: rate}))  # ours for the served one, a follower's for ours
     assert core.exchange.plan_.home == (core.exchange.publish_shard(mine),)
 
 
