@@ -188,7 +188,7 @@ EQUIVALENT: set[tuple[str, str]] = {
     # ... and the status's reward trend and the announced standby list (the wire's 256) likewise
     ("node/core.py", "self.rewards: deque[float] = deque(maxlen= 59)"),
     ("node/core.py", "self.rewards: deque[float] = deque(maxlen=61)"),
-    ("node/core.py", "standby=lin.activation.standby[: 255])"),
+    ("node/core.py", "standby=act.standby[: 255],"),
     # a row's publisher is a 32-byte key or empty (set from verified signatures; the store checks the length)
     ("node/core.py", 'if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) >= 32:'),
     # a configuration with publish_every below 1 is refused when it is loaded (node.config)
@@ -199,8 +199,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     # on its exact value, only that a hostile claim is bounded
     ("node/core.py", "own = (mine, min(self.announced_rate, 999.0))"),
     ("node/core.py", "own = (mine, min(self.announced_rate, 1001.0))"),
-    ("node/core.py", "supply.add(lid, min(a.publish_batches_per_s, 999.0))"),
-    ("node/core.py", "supply.add(lid, min(a.publish_batches_per_s, 1001.0))"),
+    ("node/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 999.0))"),
+    ("node/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 1001.0))"),
     # the first announce's seq follows the wall clock (unix ms); from any start, a key's seqs rise by one or more
     ("node/core.py", "self.announce_seq = 1"),
     ("node/core.py", "self.announce_seq = -1"),
