@@ -416,11 +416,10 @@ class NodeCore:
         self._tell_head(lin, out)
 
     def _tell_head(self, lin: LineageState, out: list[Action]) -> None:
-        """A trainer's worker learns the head of every lineage that publishes: its sampler ages every
-        lineage's external groups out against them, not only its own (one message per head advance), and
-        trains on no lineage whose head it was never told. A lineage publishes once its publisher is proven
-        and a signed manifest of it was accepted (or a version of it applied): announcing one is not enough,
-        so rollouts under a lineage no one publishes are never trained on."""
+        """A trainer's worker learns the head of every lineage that publishes (`LineageTable.head_to_tell`:
+        announcing one is not enough, so rollouts under a lineage no one publishes are never trained on): its
+        sampler ages every lineage's external groups out against them, not only its own (one message per head
+        advance), and trains on no lineage whose head it was never told."""
         if "trainer" in self.roles:
             head = self.table.head_to_tell(lin)
             if head is not None:

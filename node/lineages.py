@@ -21,6 +21,10 @@ costs the signer a penalty): a manifest whose id does not derive from its own
 fields, a demand for a lineage whose publisher is proven by another key,
 numbers out of range, a version far past the signed head. A claim this node
 merely cannot check (a lineage on a base model it has not seen) costs nothing.
+
+A row (`LineageState`) and the table's choice (`serving`, `committed`) are changed only here: the core
+calls the table's methods named for what happened (`version_applied`, `published`, `serve`, `commit`, ...),
+which hold the rule, and only reads the rows (`tests/test_lineages_home.py`).
 """
 
 from __future__ import annotations
