@@ -20,10 +20,11 @@ Events (`node.events`, re-exported here): `Tick` (timers: announce, catch-up, ex
 `CatalogReceived`/`CatalogFailed` (catch-up replies), `OfferFailed`, `ListenAddrs`,
 `RolloutsVerified` (a batch the pipeline accepted: what each follower delivered, `node.credit`, and what
 the rollout exchange meters),
-`RolloutsPublished` (a rollout Publish that went out). An event of another type is a driver bug:
+`RolloutsPublished` (a rollout Publish that went out), `SwarmHeard` (the announce topic's swarm-wide sums, from a
+driver that does not feed every announce the topic carries). An event of another type is a driver bug:
 `handle` ends in `assert_never`.
 
-Actions: `Publish` (topic announce|rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
+Actions: `Publish` (its `Topic`: announce or rollouts, with the rollout shard), `Subscribe` (rollout shards), `ToWorker`, `RestartWorker`, `RecordRollouts`,
 `SeedVersion`, `StorePatch`, `DropItem`, `LoadStored`, `FetchCatalog`, `RequestOffer`, `Penalise`
 (a positive amount: what the peer loses), `SeePeer` (persist a peer), `ResendTaskSets` (a new peer
 appeared), `Log`.
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
@@ -88,7 +88,9 @@ from node.events import (
     StoredItems,
     StorePatch,
     Subscribe,
+    SwarmHeard,
     Tick,
+    Topic,
     ToWorker,
     TransferDone,
     WorkerExited,
@@ -108,8 +110,9 @@ from node.pipe import WorkerState
 from node.roles import ROLE_OBSERVE_S
 from node.sealing import RolloutSealer
 from node.supervision import WorkerSupervisor
+from sync.ids import Relation
 from sync.items import diff_kind, item_of
-from sync.staleness import StalenessGuard
+from sync.staleness import StalenessEvent, StalenessGuard
 
 ANNOUNCE_EVERY_S = 2.0
 CATCH_UP_EVERY_S = 0.5
@@ -173,9 +176,7 @@ def _finite(x: Any, default: float = 0.0) -> float:
 
 
 class NodeCore:
-    def __init__(self, settings: CoreSettings, identity: Identity, now: float, *,
-                 producers_count: Callable[[float], int] | None = None,
-                 supply_view: Callable[[], exchange.Supply] | None = None) -> None:
+    def __init__(self, settings: CoreSettings, identity: Identity, now: float) -> None:
         self.s = settings
         self.ident = identity
         self.roles = list(settings.roles)
@@ -226,11 +227,6 @@ class NodeCore:
         self.inbound = exchange.Meter()
         self.batch_rollouts = float(settings.group_size)  # mean rollouts per accepted batch (supply estimate)
         self.subscribed: tuple[int, tuple[int, ...]] = exchange.first_subscription()  # what the runtime joined first
-        # How many producers the announce topic told us of. The virtual simulator, whose announces go one
-        # hop, injects the count the live announce topic would have given (a view read, never written).
-        self._producers_count = producers_count or self.peer_table.producers.count
-        # ... and, likewise, what producers announce per lineage (batches/s); None: read our peer table
-        self._supply_view = supply_view
         self.announced_rate = 0.0  # publish_batches_per_s of our last announce
         # a trainer publishes its own rollouts to the demand on its shard (gossip.exchange.publish_budget)
         self.outbox = exchange.Outbox(now) if "trainer" in settings.roles else None
@@ -344,6 +340,8 @@ class NodeCore:
             self.table.load(ev.lineage, ev.name, ev.relation, ev.publisher, ev.base, ev.held, now)
         elif isinstance(ev, RolloutsPublished):
             self.counts["rollouts_published"] += max(0, int(ev.count))
+        elif isinstance(ev, SwarmHeard):
+            self.peer_table.on_swarm(ev, now)
         elif isinstance(ev, OfferFailed):
             self.catchup.on_offer_failed(ev, out)
         elif isinstance(ev, StoredItems):
@@ -379,7 +377,7 @@ class NodeCore:
             self._choose_mode(now, out)
             self._choose_serving(now, out)
             self._plan_exchange(now, out)
-            out.append(Publish("announce", self._announce(now, wall_ms)))
+            out.append(Publish(Topic.ANNOUNCE, self._announce(now, wall_ms)))
             self.peer_table.expire(now)
             self.catchup.expire(now)
         if now >= self._next_catch_up:
@@ -418,21 +416,20 @@ class NodeCore:
         self._tell_head(lin, out)
 
     def _tell_head(self, lin: LineageState, out: list[Action]) -> None:
-        """A trainer's worker learns the head of every lineage that publishes: its sampler ages every
-        lineage's external groups out against them, not only its own (one message per head advance), and
-        trains on no lineage whose head it was never told. A lineage publishes once its publisher is proven
-        and a signed manifest of it was accepted (or a version of it applied): announcing one is not enough,
-        so rollouts under a lineage no one publishes are never trained on."""
-        publishes = lin.manifests > 0 or lin.delivered
-        if "trainer" in self.roles and lin.publisher and publishes and lin.head > lin.worker_head:
-            lin.worker_head = lin.head
-            out.append(ToWorker(pipe.Head(lin.lineage.hex(), lin.head)))
+        """A trainer's worker learns the head of every lineage that publishes (`LineageTable.head_to_tell`:
+        announcing one is not enough, so rollouts under a lineage no one publishes are never trained on): its
+        sampler ages every lineage's external groups out against them, not only its own (one message per head
+        advance), and trains on no lineage whose head it was never told."""
+        if "trainer" in self.roles:
+            head = self.table.head_to_tell(lin)
+            if head is not None:
+                out.append(ToWorker(pipe.Head(lin.lineage.hex(), head)))
 
-    def _staleness(self, lin: LineageState, events: list[Any], out: list[Action]) -> None:
+    def _staleness(self, lin: LineageState, events: list[StalenessEvent], out: list[Action]) -> None:
         for ev in events:
             out.append(Log("staleness", {"lineage": lin.lineage.hex()[:16], "state": ev.state,
                                          "message": ev.message}))
-            lin.admission, lin.admission_note = ev.state, ev.message
+            self.table.admission_changed(lin, ev.state, ev.message)
         if events:
             self._send_admit(lin.lineage, out)
 
@@ -464,12 +461,13 @@ class NodeCore:
                 # a claimed throughput counts only as far as this follower's verified deliveries back it
                 offers.append(roles.Offer(pid, roles.offer_rate(a.gen_tokens_per_s, self.tokens_per_rollout),
                                           a.rollout_latency_s, backed=self.deliveries.credit(pid, now)))
-        lin.activation = roles.activate(d, offers, self.dissemination_s(now))
-        self.counts["claims_capped"] += len(lin.activation.capped)
-        supply = lin.activation.supply if math.isfinite(lin.activation.supply) else 0.0
+        act = roles.activate(d, offers, self.dissemination_s(now))
+        self.table.activated(lin, act)
+        self.counts["claims_capped"] += len(act.capped)
+        supply = act.supply if math.isfinite(act.supply) else 0.0
         return wire.LineageDemand(lineage=lin.lineage, name=lin.name, head_version=lin.head, rollouts_per_step=b,
                                   step_time_s=step_t, max_staleness=self.s.max_staleness,
-                                  standby=lin.activation.standby[:256],
+                                  standby=act.standby[:256],
                                   supply_rollouts_per_s=min(max(0.0, supply), 1e9))
 
     @property
@@ -501,7 +499,7 @@ class NodeCore:
             return
         self.roles = roles.switch_roles(self.roles, new)
         # the new worker starts afresh: nothing followed, nothing told; the store keeps every lineage it held
-        self.table.serving = self.table.committed = None
+        self.table.drop_choice()
         self.follow_info, self.admitted, self.pace_rate = None, None, 0.0
         self.serving_reason = ""
         self.catchup.reset()
@@ -526,11 +524,9 @@ class NodeCore:
         self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)
         if choice.lineage == self.serving:
             return
-        chosen = self.table.rows[choice.lineage] if choice.lineage is not None else None
+        chosen = self.table.serve(choice.lineage)
         if chosen is not None:
-            chosen.relation = "follow"
             out.append(LoadStored(chosen.lineage))
-        self.table.serving = choice.lineage
         self.catchup.reset()
         out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
                                    "reason": choice.reason}))
@@ -547,7 +543,7 @@ class NodeCore:
             return
         lin = self.table.rows.get(self.serving) if self.serving is not None else None
         info = pipe.FollowInfo(lin.lineage.hex(), lin.name, lin.publisher.hex(), lin.base.hex()) if lin else None
-        self.table.committed = lin.lineage if lin else None
+        self.table.commit(lin.lineage if lin else None)
         self.follow_info = info
         out.append(ToWorker(pipe.Follow(info)))
         if lin is not None:
@@ -665,9 +661,7 @@ class NodeCore:
                 self.version_times.append(now - self.last_publish)
             self.last_publish = now
             self.counts["published"] = m.version
-            lin = self.table.rows.get(self.own) if self.own is not None else None
-            if lin is not None:
-                lin.head = lin.held = lin.signed_head = m.version
+            self.table.published(m.version)
             out.append(SeedVersion(m.envelope))
         elif isinstance(m, pipe.Applied):
             self._on_applied(m, now, out)
@@ -715,25 +709,18 @@ class NodeCore:
         out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
                                         **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
         self.supervisor.on_ready()
-        for lin in self.table.rows.values():  # a restarted worker's sampler starts with no heads
-            lin.worker_head = -1
+        self.table.worker_restarted()
+        for lin in self.table.rows.values():
             self._tell_head(lin, out)
         if self.committed is not None and self.follow_info is not None:  # a restarted worker resumes where we are
             out.append(ToWorker(pipe.Follow(self.follow_info)))
             self._send_admit(self.committed, out)
 
     def _on_applied(self, m: pipe.Applied, now: float, out: list[Action]) -> None:
-        lin = self.table.rows.get(bytes.fromhex(m.lineage))
+        lin, gained = self.table.version_applied(bytes.fromhex(m.lineage), m.version, m.need_anchor)
         if lin is None:
             return
-        if m.version > lin.held:
-            self.counts["applied"] += m.version - lin.held
-            lin.delivered = True
-        lin.held = m.version
-        lin.need_anchor = m.need_anchor
-        lin.head = max(lin.head, lin.held)
-        if lin.relation == "seen":
-            lin.relation = "follow"
+        self.counts["applied"] += gained
         if not lin.need_anchor and lin.lineage in (self.serving, self.committed):
             self._staleness(lin, self.guard.applied(lin.lineage, lin.held, now), out)
         if lin.delivered and lin.lineage == self.serving:
@@ -762,22 +749,12 @@ class NodeCore:
 
     def _plan_exchange(self, now: float, out: list[Action]) -> None:
         """Which rollout shards to join (gossip.exchange), from what the announces say, in batches/s."""
-        producers = int("trainer" in self.roles or "follower" in self.roles) + self._producers_count(now)
-        own = None
-        if self._supply_view is not None:
-            supply = self._supply_view()
-            mine = self.committed if self.committed is not None else self.own
-            if mine is not None:  # the view counts our own last announce too: not offered to ourselves
-                own = (mine, min(self.announced_rate, 1e3))
-        else:
-            supply = exchange.Supply()
-            for _, p in self.peer_table.live(now):
-                a = p.announce
-                if not a.publish_batches_per_s > 0:
-                    continue
-                lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
-                if lid:
-                    supply.add(lid, min(a.publish_batches_per_s, 1e3))
+        swarm = self.peer_table.swarm(now)
+        producers = int("trainer" in self.roles or "follower" in self.roles) + swarm.producers
+        supply, own = swarm.supply, None
+        mine = self.committed if self.committed is not None else self.own
+        if swarm.counts_self and mine is not None:  # our own last announce: not offered to ourselves
+            own = (mine, min(self.announced_rate, 1e3))
         per_batch = max(1.0, self.batch_rollouts)
         demand = self.external_demand()
         # home: our own lineage's shard when followers produce for it, the validated lineage's shard
@@ -813,7 +790,7 @@ class NodeCore:
         bound = exchange.DEMAND_BOUND * ref
         demands = []
         for lin in self.table.rows.values():
-            if lin.relation == "own" or not lin.publisher:
+            if lin.relation == Relation.OWN or not lin.publisher:
                 continue
             d = self.table.effective_demand(lin, now)
             if d is not None:

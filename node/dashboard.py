@@ -18,6 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from node.status import NodeStatus, PeerView
+from sync.ids import Relation
+from sync.staleness import Admission
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -81,7 +83,7 @@ def _lineage_lines(s: NodeStatus) -> RenderableType:
         parts = [lin.relation, f"held {lin.held} of head {lin.head} (lag {lin.lag})"]
         if lin.admission:
             parts.append(f"admission {lin.admission}")
-        if lin.relation == "own":
+        if lin.relation == Relation.OWN:
             parts.append(f"need {lin.need_rollouts_per_s:.1f}/s, supply {lin.supply_rollouts_per_s:.1f}/s")
             parts.append(f"active {', '.join(short(p) for p in lin.active) or '—'}")
             if lin.standby:
@@ -96,8 +98,8 @@ def _lineage_table(s: NodeStatus) -> Table:
     for lin in s.lineages:
         lins.add_row(short(lin.lineage), Text(lin.name), lin.relation, str(lin.held), str(lin.head), str(lin.lag),
                      lin.admission or "",
-                     f"{lin.need_rollouts_per_s:.1f}" if lin.relation == "own" else "",
-                     f"{lin.supply_rollouts_per_s:.1f}" if lin.relation == "own" else "",
+                     f"{lin.need_rollouts_per_s:.1f}" if lin.relation == Relation.OWN else "",
+                     f"{lin.supply_rollouts_per_s:.1f}" if lin.relation == Relation.OWN else "",
                      ", ".join(short(p) for p in lin.active), ", ".join(short(p) for p in lin.standby))
     return lins
 
@@ -211,13 +213,13 @@ def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = 
                 cells[k].append("not answering" if k == "worker" else "—")
             continue
         # a trainer turned follower keeps its lineage (relation own) on disk: it shows what it serves now
-        own = next((lin for lin in s.lineages if lin.relation == "own"), None) if "trainer" in s.roles else None
+        own = next((lin for lin in s.lineages if lin.relation == Relation.OWN), None) if "trainer" in s.roles else None
         fol = next((lin for lin in s.lineages if lin.lineage == s.serving), None)
         lin = own or fol
         where = f"own {short(own.lineage, 8)}" if own else (f"→ {short(s.serving, 8)}" if s.serving else "—")
         if fol is not None and fol.on_trial:
             where += " (on trial)"
-        elif fol is not None and fol.admission == "stale":
+        elif fol is not None and fol.admission == Admission.STALE:
             where += " (stale: paused, catching up)"
         elif not own and s.serving_reason:
             where += f" ({s.serving_reason[:40]})"

@@ -17,6 +17,7 @@ from typing import Any
 
 from node import launch
 from node.status import NodeStatus
+from sync.ids import Relation
 
 STARTUP_ALLOWANCE_S = 240.0  # process start + model load on a busy 2-core machine, on top of --duration
 DEMO_SWARM = "murmur-demo"
@@ -122,7 +123,7 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
             nodes.append({"node": name, "error": "not answering"})
             continue
         # a trainer turned follower keeps its lineage (relation own) on disk: what it holds now is what it serves
-        own = next((x for x in s.lineages if x.relation == "own"), None) if "trainer" in s.roles else None
+        own = next((x for x in s.lineages if x.relation == Relation.OWN), None) if "trainer" in s.roles else None
         fol = next((x for x in s.lineages if x.lineage == s.serving), None)
         held = own or fol
         nodes.append({

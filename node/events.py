@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.identity import peer_id_from_public
 from gossip.scoring import Penalise  # one penalty action for every machine
 from node import pipe
+from sync.ids import Relation
 from sync.items import StoredItem
 from training import sampler
 
@@ -104,7 +106,7 @@ class LineageKnown:
 
     lineage: bytes
     name: str
-    relation: str  # own | follow | seen
+    relation: Relation
     publisher: bytes
     base: bytes
     held: int
@@ -112,7 +114,7 @@ class LineageKnown:
 
 @dataclass(frozen=True, slots=True)
 class RolloutsPublished:
-    """A `Publish("rollouts")` went out: its rollouts count as published (a failed publish is not fed)."""
+    """A `Publish(Topic.ROLLOUTS)` went out: its rollouts count as published (a failed publish is not fed)."""
 
     count: int
 
@@ -153,17 +155,38 @@ class RolloutsVerified:
                    tuple((lid, tok, c) for (lid, tok), c in u.items()))
 
 
+@dataclass(frozen=True, slots=True)
+class SwarmHeard:
+    """What the announce topic says swarm-wide, summed: the producers other than this node that announce a
+    publishing rate, and the rollout batches/s announced per lineage, this node's own last announce included
+    (the core takes its own out). The peer table sums the announces a node is fed as `AnnounceHeard`; a driver
+    that delivers fewer announces than the live topic carries sums the topic itself and feeds the sums here
+    (the virtual simulator, whose announces travel one hop, before each `Tick`). The core plans the rollout
+    exchange from the last sums fed while they are no older than `node.peertable.PEER_EXPIRY_S`, as it
+    counts a peer's announce, and from its peer table otherwise. `supply` is read when the core plans."""
+
+    producers: int
+    supply: exchange.Supply
+
+
 Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | ManifestOffered | PeerGone | FromWorker | WorkerExited | WorkerStarted
          | LineageKnown | StoredItems | TransferDone | PatchStored | CatalogReceived | CatalogFailed | OfferFailed
-         | RolloutsVerified | RolloutsPublished)
+         | RolloutsVerified | RolloutsPublished | SwarmHeard)
 
 
 # ---------------------------------------------------------------- actions
 
 
+class Topic(StrEnum):
+    """Where a `Publish` goes: the announce topic, or a rollout shard topic (`Publish.shard`)."""
+
+    ANNOUNCE = "announce"
+    ROLLOUTS = "rollouts"
+
+
 @dataclass(frozen=True, slots=True)
 class Publish:
-    topic: str  # announce | rollouts
+    topic: Topic
     data: bytes
     count: int = 0  # rollouts in a rollout batch
     shard: int = 0  # rollouts: the shard topic (gossip.exchange.shard_of its lineage)

@@ -21,6 +21,10 @@ costs the signer a penalty): a manifest whose id does not derive from its own
 fields, a demand for a lineage whose publisher is proven by another key,
 numbers out of range, a version far past the signed head. A claim this node
 merely cannot check (a lineage on a base model it has not seen) costs nothing.
+
+A row (`LineageState`) and the table's choice (`serving`, `committed`) are changed only here: the core
+calls the table's methods named for what happened (`version_applied`, `published`, `serve`, `commit`, ...),
+which hold the rule, and only reads the rows (`tests/test_lineages_home.py`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from dataclasses import dataclass, field
 
 from gossip import wire
 from node import roles
-from sync.ids import lineage_id
+from sync.ids import Relation, lineage_id
 from sync.items import CODEC_KIND
+from sync.staleness import Admission
 
 MIN_STEP_S = 0.001  # a claimed version interval below this is not a measurement (and would overflow the rule)
 MAX_AHEAD = 1024  # versions a signed head may move past the last signed head heard in this run
@@ -63,7 +68,7 @@ class Refusal:
 class LineageState:
     lineage: bytes
     name: str
-    relation: str  # own | follow | seen
+    relation: Relation
     publisher: bytes = b""  # proven by derivation; b"" until then
     base: bytes = b""
     head: int = 0  # publisher-signed head (or what we hold, if more)
@@ -72,7 +77,7 @@ class LineageState:
     live: bool = False  # signed_head was heard from the network in this run
     need_anchor: bool = False
     activation: roles.Activation | None = None
-    admission: str = ""  # staleness state of a served lineage: unknown | fresh | stale
+    admission: Admission | None = None  # staleness state of a served lineage (None: never served)
     admission_note: str = ""  # the last StalenessEvent message
     claimed: roles.Demand | None = None  # the publisher's last demand, range-checked
     standby: tuple[str, ...] = ()
@@ -106,21 +111,86 @@ class LineageTable:
             self.model_bytes[base] = model_bytes
 
     def set_own(self, lid: bytes, name: str, public: bytes, base: bytes, version: int, now: float) -> LineageState:
-        lin = self.rows.get(lid) or self._insert_kept(lid, name, "own", now)
-        lin.relation, lin.publisher, lin.base, lin.name = "own", public, base, name
+        lin = self.rows.get(lid) or self._insert_kept(lid, name, Relation.OWN, now)
+        lin.relation, lin.publisher, lin.base, lin.name = Relation.OWN, public, base, name
         lin.held = lin.head = lin.signed_head = max(lin.head, version)
         self.own = lid
         return lin
 
-    def load(self, lid: bytes, name: str, relation: str, publisher: bytes, base: bytes, held: int, now: float) -> None:
+    def load(self, lid: bytes, name: str, relation: Relation, publisher: bytes, base: bytes, held: int, now: float) -> None:
         """A lineage from the node's store (verified when it was stored)."""
         if len(publisher) == 32 and len(base) == 32 and lineage_id(publisher, base, name) == lid:
             lin = self._insert_kept(lid, name, relation, now)
             lin.publisher, lin.base = publisher, base
             lin.head = lin.held = lin.signed_head = held
-            lin.delivered = relation == "follow" and held > 0
-            if relation == "own":
+            lin.delivered = relation == Relation.FOLLOW and held > 0
+            if relation == Relation.OWN:
                 self.own = lid
+
+    # ------------------------------------------------------------ what this node does with a lineage
+    def serve(self, lid: bytes | None) -> LineageState | None:
+        """The follower chose `lid` (None: none): served, and followed from now on (its row, if any)."""
+        self.serving = lid
+        lin = self.rows.get(lid) if lid is not None else None
+        if lin is not None:
+            lin.relation = Relation.FOLLOW
+        return lin
+
+    def commit(self, lid: bytes | None) -> None:
+        """The worker follows `lid` (the served lineage, once it delivered; None: it stands by)."""
+        self.committed = lid
+
+    def drop_choice(self) -> None:
+        """The node's roles changed: its new worker follows nothing and serves nothing yet."""
+        self.serving = self.committed = None
+
+    def published(self, version: int) -> LineageState | None:
+        """Our worker published `version` of our own lineage: what we hold is its head (the worker is the
+        authority over our own lineage)."""
+        lin = self.rows.get(self.own) if self.own is not None else None
+        if lin is not None:
+            lin.head = lin.held = lin.signed_head = version
+        return lin
+
+    def version_applied(self, lid: bytes, version: int, need_anchor: bool) -> tuple[LineageState | None, int]:
+        """Our worker now holds `version` of `lid` (a patch applied or an anchor loaded; `need_anchor`: it
+        needs an anchor before any patch applies): the row, and the versions it moved forward (0 if none).
+        A lineage of which this node applied a version is followed, and has delivered."""
+        lin = self.rows.get(lid)
+        if lin is None:
+            return None, 0
+        gained = max(0, version - lin.held)
+        if gained:
+            lin.delivered = True
+        lin.held = version
+        lin.need_anchor = need_anchor
+        lin.head = max(lin.head, lin.held)
+        if lin.relation == Relation.SEEN:
+            lin.relation = Relation.FOLLOW
+        return lin, gained
+
+    def admission_changed(self, lin: LineageState, state: Admission, note: str) -> None:
+        """The staleness guard moved the served lineage's admission (`note`: its message, as logged)."""
+        lin.admission, lin.admission_note = state, note
+
+    def activated(self, lin: LineageState, activation: roles.Activation) -> None:
+        """Our own lineage's capacity rule ran: the followers it counts and stands by."""
+        lin.activation = activation
+
+    def head_to_tell(self, lin: LineageState) -> int | None:
+        """The head to tell a trainer's worker about `lin`, counted as told (None: nothing new to tell). A
+        lineage publishes once its publisher is proven and a signed manifest of it was accepted (or a version
+        of it applied): announcing one is not enough."""
+        publishes = lin.manifests > 0 or lin.delivered
+        if lin.publisher and publishes and lin.head > lin.worker_head:
+            lin.worker_head = lin.head
+            return lin.head
+        return None
+
+    def worker_restarted(self) -> None:
+        """A new worker's sampler starts with no heads: every head is told again."""
+        for lin in self.rows.values():
+            lin.worker_head = -1
 
     # ------------------------------------------------------------ network
     def on_demand(self, signer: bytes, d: wire.LineageDemand, now: float) -> tuple[LineageState | None, Refusal | None]:
@@ -140,7 +210,7 @@ class LineageTable:
             # not provably false: the lineage may grow from a base model this node has not seen
             why = Refusal("lineage id does not derive from the signer's key, a known base model and the name")
         if why is None and lin is None:
-            lin = self._insert(lid, d.name, "seen", now)
+            lin = self._insert(lid, d.name, Relation.SEEN, now)
             if lin is None:
                 why = Refusal("lineage table full")
         if why is not None:
@@ -185,7 +255,7 @@ class LineageTable:
         why = self.check_manifest(m)
         lin = self.rows.get(lid)
         if why is None and lin is None:
-            lin = self._insert(lid, m.lineage_name, "seen", now)
+            lin = self._insert(lid, m.lineage_name, Relation.SEEN, now)
             if lin is None:
                 why = Refusal("lineage table full")
         if why is not None:
@@ -245,7 +315,7 @@ class LineageTable:
         """
         out, published = [], []
         for lin in self.rows.values():
-            if lin.relation == "own" or not lin.publisher or not lin.base:
+            if lin.relation == Relation.OWN or not lin.publisher or not lin.base:
                 continue
             if configured and lin.lineage not in configured:
                 continue
@@ -271,13 +341,13 @@ class LineageTable:
         return row is not None and row[0] > now
 
     # ------------------------------------------------------------ the memory budget
-    def _insert(self, lid: bytes, name: str, relation: str, now: float) -> LineageState | None:
+    def _insert(self, lid: bytes, name: str, relation: Relation, now: float) -> LineageState | None:
         """A row for a lineage heard from the network: None when the table is full of rows it may not evict."""
         if not self._make_room():
             return None
         return self._new_row(lid, name, relation, now)
 
-    def _insert_kept(self, lid: bytes, name: str, relation: str, now: float) -> LineageState:
+    def _insert_kept(self, lid: bytes, name: str, relation: Relation, now: float) -> LineageState:
         """A row for the node's own or a stored lineage: kept even when no row could be evicted for it (the
         table then grows past max_rows by rows the node itself holds, never by rows heard from the network)."""
         self._make_room()
@@ -287,14 +357,14 @@ class LineageTable:
         """Whether a new row fits, evicting the least active seen row (not own, served or committed) when full."""
         if len(self.rows) >= self.max_rows:
             keep = {self.own, self.serving, self.committed}
-            victims = [r for r in self.rows.values() if r.relation == "seen" and r.lineage not in keep]
+            victims = [r for r in self.rows.values() if r.relation == Relation.SEEN and r.lineage not in keep]
             if not victims:
                 return False
             del self.rows[min(victims, key=lambda r: r.active).lineage]
             self.evicted += 1
         return True
 
-    def _new_row(self, lid: bytes, name: str, relation: str, now: float) -> LineageState:
+    def _new_row(self, lid: bytes, name: str, relation: Relation, now: float) -> LineageState:
         lin = self.rows[lid] = LineageState(lid, name, relation, active=now, since=now)
         return lin
 

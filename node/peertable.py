@@ -9,7 +9,9 @@ yields its greeting: `ResendTaskSets` (our task sets are not re-gossiped otherwi
 `SeePeer` (persist it for discovery).
 
 The distinct producers heard (announces that state a publishing rate, within `PEER_EXPIRY_S`) are counted
-apart from the table, so the count is not bounded by `max_peers`.
+apart from the table, so the count is not bounded by `max_peers`. With the rollout batches/s the live peers
+announce per lineage, they are what the announce topic says swarm-wide (`swarm`): from the announces taken,
+or from the topic's sums a driver fed (`SwarmHeard`, no older than `PEER_EXPIRY_S`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from gossip import exchange, wire
 from gossip.identity import peer_id_from_public
-from node.events import Action, AnnounceHeard, Log, ResendTaskSets, SeePeer
+from node.events import Action, AnnounceHeard, Log, ResendTaskSets, SeePeer, SwarmHeard
 
 PEER_EXPIRY_S = 30.0  # a peer silent this long no longer counts for roles and demand
 PEER_FORGET_S = 120.0  # ... and this long is dropped from the table
@@ -33,6 +35,15 @@ class PeerInfo:
     seen: float
 
 
+@dataclass(frozen=True, slots=True)
+class SwarmFigures:
+    """What the announce topic says swarm-wide (`PeerTable.swarm`)."""
+
+    producers: int  # producers other than this node
+    supply: exchange.Supply  # rollout batches/s announced per lineage
+    counts_self: bool  # `supply` includes this node's own last announce
+
+
 class PeerTable:
     def __init__(self, max_peers: int, own_peer_id: str) -> None:
         self.max_peers = max_peers
@@ -40,6 +51,7 @@ class PeerTable:
         self.peers: dict[str, PeerInfo] = {}
         self.evicted = 0
         self.producers = exchange.DistinctCount(window_s=PEER_EXPIRY_S)
+        self.topic_sums: tuple[float, SwarmHeard] | None = None  # the last SwarmHeard fed, and when
 
     def on_announce(self, ev: AnnounceHeard, now: float, out: list[Action]) -> bool:
         """Record a verified announce: whether it was taken (False: another key's peer id, our own, or not
@@ -61,6 +73,27 @@ class PeerTable:
             out += [ResendTaskSets(), Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}),
                     SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data)]
         return True
+
+    def on_swarm(self, ev: SwarmHeard, now: float) -> None:
+        """A driver fed the announce topic's swarm-wide sums."""
+        self.topic_sums = (now, ev)
+
+    def swarm(self, now: float) -> SwarmFigures:
+        """What the announce topic says swarm-wide: the sums fed last, while no older than `PEER_EXPIRY_S`;
+        else the distinct producers heard and what the live peers announce, each on the lineage it serves
+        (or else owns)."""
+        if self.topic_sums is not None and now - self.topic_sums[0] <= PEER_EXPIRY_S:
+            fed = self.topic_sums[1]
+            return SwarmFigures(fed.producers, fed.supply, True)
+        supply = exchange.Supply()
+        for _, p in self.live(now):
+            a = p.announce
+            if not a.publish_batches_per_s > 0:
+                continue
+            lid = bytes(a.serving) or (bytes(a.owned[0].lineage) if a.owned else b"")
+            if lid:
+                supply.add(lid, min(a.publish_batches_per_s, 1e3))
+        return SwarmFigures(self.producers.count(now), supply, False)
 
     def gone(self, peer_id: str) -> None:
         self.peers.pop(peer_id, None)

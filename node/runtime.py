@@ -50,6 +50,7 @@ from node.stall import StallMeter
 from node.status import DiskMeter, Drops, NodeStatus
 from node.tasksync import TaskSetGossip
 from node.workerlink import Link, spawn, worker_spec
+from sync.ids import Relation
 
 log = logging.getLogger("murmur.node")
 
@@ -102,7 +103,7 @@ class Node:
         own = self.store.get("own_lineage")
         for row in self.store.lineages():
             lid = bytes(row["lineage_id"])
-            self._next.append(C.LineageKnown(lid, row["name"], "own" if own and lid.hex() == own else row["relation"],
+            self._next.append(C.LineageKnown(lid, row["name"], Relation.OWN if own and lid.hex() == own else Relation(row["relation"]),
                                              bytes(row["publisher"]), bytes(row["base_model_hash"]),
                                              self.store.head_version(lid) or 0))
         self.clock = clock
@@ -403,13 +404,13 @@ class Node:
                 self.worker.send(a.msg)
         elif isinstance(a, C.Publish):
             try:
-                if a.topic == "announce":
+                if a.topic == C.Topic.ANNOUNCE:
                     await self.service.publish_announce(a.data)
                 else:
                     await self.service.publish_rollouts(a.data, a.shard)
                     return C.RolloutsPublished(a.count)
             except PublishError as e:
-                if a.topic == "announce":
+                if a.topic == C.Topic.ANNOUNCE:
                     self.drops.add("announce_unpublished")
                 log.debug("publish %s: %s", a.topic, e)
         elif isinstance(a, C.Subscribe):

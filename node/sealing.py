@@ -19,7 +19,7 @@ from gossip import wire
 from gossip.errors import DecodeError
 from gossip.identity import Identity
 from gossip.ratelimit import RateMeter
-from node.events import Action, Log, Publish, RecordRollouts
+from node.events import Action, Log, Publish, RecordRollouts, Topic
 from training.sampler import split
 
 BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
@@ -85,7 +85,7 @@ class RolloutSealer:
                 for j, r in enumerate(part))))
             self.publish_meter.tick(now)
             self.sealed += len(part)
-            out.append(Publish("rollouts", data, len(part), shard_of(lid)))
+            out.append(Publish(Topic.ROLLOUTS, data, len(part), shard_of(lid)))
 
     def rate(self, now: float) -> float:
         """Rollout batches/s published lately."""

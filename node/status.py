@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from msgspec import Struct
 
+from sync.ids import Relation
+
 if TYPE_CHECKING:
     from node.config import Config
 
@@ -140,7 +142,7 @@ class PeerView(Struct, kw_only=True):
 class LineageView(Struct, kw_only=True):
     lineage: str  # id hex
     name: str
-    relation: str  # own | follow | seen
+    relation: Relation
     publisher: str = ""  # peer id
     head: int = 0  # newest version announced
     held: int = 0  # version this node holds
@@ -150,7 +152,7 @@ class LineageView(Struct, kw_only=True):
     active: list[str] = []  # followers counted towards the demand
     standby: list[str] = []  # followers told to stand by
     rejected: dict[str, str] = {}  # follower -> why it does not count (e.g. staleness)
-    admission: str = ""  # served lineage: unknown | fresh (generating) | stale (paused, catching up)
+    admission: str = ""  # a served lineage's `sync.staleness.Admission` (fresh: generating, stale: paused); "" if none
     admission_note: str = ""  # the last staleness transition, as logged
     on_trial: bool = False  # chosen, none of its versions delivered yet: the worker still serves `following`
 

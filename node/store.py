@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from gossip.errors import StoreError
+from sync.ids import Relation
 
 DB_FILE = "state.db"
 
@@ -345,7 +346,8 @@ class Store:
         return [dict(peer_id=r[0], addrs=json.loads(r[1]), last_seen_ms=r[2], score=r[3], banned_until_ms=r[4]) for r in rows]
 
     # ------------------------------------------------------------ lineages and versions
-    def add_lineage(self, lineage_id: bytes, name: str, publisher: bytes, base_model_hash: bytes, relation: str) -> None:
+    def add_lineage(self, lineage_id: bytes, name: str, publisher: bytes, base_model_hash: bytes,
+                    relation: Relation) -> None:
         with self.tx() as db:
             db.execute(
                 """INSERT INTO lineages VALUES(?, ?, ?, ?, ?, ?)

@@ -8,6 +8,7 @@ from gossip.identity import peer_id_from_public
 from node import hardware
 from node.core import NodeCore
 from node.status import ExchangeView, LineageView, NodeStatus, PeerView, ReachView
+from sync.ids import Relation
 
 
 def peer_views(core: NodeCore, now: float) -> list[PeerView]:
@@ -28,12 +29,12 @@ def lineage_views(core: NodeCore) -> list[LineageView]:
         out.append(LineageView(lineage=lin.lineage.hex(), name=lin.name, relation=relation,
                                publisher=peer_id_from_public(lin.publisher) if len(lin.publisher) == 32 else "",
                                head=lin.head, held=lin.held,
-                               lag=max(0, lin.head - lin.held) if relation != "seen" else 0,
+                               lag=max(0, lin.head - lin.held) if relation != Relation.SEEN else 0,
                                need_rollouts_per_s=act.need if act else 0.0,
                                supply_rollouts_per_s=act.supply if act else 0.0,
                                active=list(act.active) if act else [], standby=list(act.standby) if act else [],
                                rejected=dict(act.rejected) if act else {},
-                               admission=lin.admission, admission_note=lin.admission_note,
+                               admission=lin.admission or "", admission_note=lin.admission_note,
                                on_trial=lin.lineage == core.on_trial))
     return out
 
@@ -140,7 +141,7 @@ def exchange_view(service: Any, core: NodeCore) -> ExchangeView:
 
 def status_fields(s: NodeStatus) -> dict[str, Any]:
     """The periodic `status` log line of a node without a dashboard."""
-    own = next((x for x in s.lineages if x.relation == "own"), None) if "trainer" in s.roles else None
+    own = next((x for x in s.lineages if x.relation == Relation.OWN), None) if "trainer" in s.roles else None
     fol = next((x for x in s.lineages if x.lineage == s.serving), None)
     held = own or fol
     return dict(peers=len(s.peers), roles=s.roles, worker=s.worker, steps=s.steps, version=held.held if held else None,

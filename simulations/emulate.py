@@ -38,6 +38,7 @@ from simulations.report import MetricsWriter, write_report
 from simulations.scenario import NodeSpec, Scenario, dumps, expand
 from simulations.vnode import identity_for
 from simulations.wan import LinkSpec, NetnsLab, node_env
+from sync.ids import Relation
 
 MAX_REAL_NODES = 32
 STOP_WAIT_S = 8.0
@@ -228,7 +229,7 @@ class Emulation:
                 self._row("reward", t=t, node=p.spec.index, reward=s.reward_now, isolated=None,
                           version=s.versions_published, group=p.spec.group)
             for lin in s.lineages:
-                if lin.relation == "follow":
+                if lin.relation == Relation.FOLLOW:
                     self._row("lag", t=t, node=p.spec.index, lag=lin.lag)
             for reason, n in s.rejected.items():
                 new = n - p.last_rejected.get(reason, 0)

@@ -85,23 +85,23 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/ratelimit.py", 'seq = int(getattr(announce, "seq", 1))'),
     ("gossip/ratelimit.py", 'seq = int(getattr(announce, "seq", -1))'),
     ("gossip/ratelimit.py", 'announced = float(getattr(announce, "publish_batches_per_s", -1.0))'),
-    # the states are the module's own string constants: `is` equals `==` on them, and an ordering that
+    # the states are the module's own enum members (singletons): `is` equals `==` on them, and an ordering that
     # only differs on a state no event can hold (an event is a change: never unknown, never fresh -> fresh)
-    ("sync/staleness.py", "if self.state >= STALE:"),
-    ("sync/staleness.py", "if self.state is STALE:"),
-    ("sync/staleness.py", "if self.state <= FRESH and self.previous == STALE:"),
-    ("sync/staleness.py", "if self.state == FRESH and self.previous <= STALE:"),
-    ("sync/staleness.py", "if self.state >= FRESH and self.previous == STALE:"),
-    ("sync/staleness.py", "if self.state is FRESH and self.previous == STALE:"),
-    ("sync/staleness.py", "if self.state == FRESH and self.previous is STALE:"),
+    ("sync/staleness.py", "if self.state >= Admission.STALE:"),
+    ("sync/staleness.py", "if self.state is Admission.STALE:"),
+    ("sync/staleness.py", "if self.state <= Admission.FRESH and self.previous == Admission.STALE:"),
+    ("sync/staleness.py", "if self.state == Admission.FRESH and self.previous <= Admission.STALE:"),
+    ("sync/staleness.py", "if self.state >= Admission.FRESH and self.previous == Admission.STALE:"),
+    ("sync/staleness.py", "if self.state is Admission.FRESH and self.previous == Admission.STALE:"),
+    ("sync/staleness.py", "if self.state == Admission.FRESH and self.previous is Admission.STALE:"),
     ("sync/staleness.py", "if new is t.state:"),
-    ("sync/staleness.py", "return t is not None and t.state <= FRESH"),
-    ("sync/staleness.py", "return t is not None and t.state is FRESH"),
+    ("sync/staleness.py", "return t is not None and t.state <= Admission.FRESH"),
+    ("sync/staleness.py", "return t is not None and t.state is Admission.FRESH"),
     # a head equal to the version held is set to itself
     ("sync/staleness.py", "if t.head is None or version >= t.head:"),
     # `t.head or ...`: a lineage with a version held always has a head (applied sets it)
-    ("sync/staleness.py", "new = FRESH if (t.head or 1) - t.local <= self.k else STALE"),
-    ("sync/staleness.py", "new = FRESH if (t.head or -1) - t.local <= self.k else STALE"),
+    ("sync/staleness.py", "new = Admission.FRESH if (t.head or 1) - t.local <= self.k else Admission.STALE"),
+    ("sync/staleness.py", "new = Admission.FRESH if (t.head or -1) - t.local <= self.k else Admission.STALE"),
     ("gossip/scoring.py", "max_peers: int = 10001) -> None:"),
     ("gossip/scoring.py", "max_peers: int = 9999) -> None:"),
     # the table grows by one peer at a time, so it is full exactly at the bound
@@ -188,7 +188,7 @@ EQUIVALENT: set[tuple[str, str]] = {
     # ... and the status's reward trend and the announced standby list (the wire's 256) likewise
     ("node/core.py", "self.rewards: deque[float] = deque(maxlen= 59)"),
     ("node/core.py", "self.rewards: deque[float] = deque(maxlen=61)"),
-    ("node/core.py", "standby=lin.activation.standby[: 255])"),
+    ("node/core.py", "standby=act.standby[: 255],"),
     # a row's publisher is a 32-byte key or empty (set from verified signatures; the store checks the length)
     ("node/core.py", 'if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) >= 32:'),
     # a configuration with publish_every below 1 is refused when it is loaded (node.config)
@@ -199,8 +199,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     # on its exact value, only that a hostile claim is bounded
     ("node/core.py", "own = (mine, min(self.announced_rate, 999.0))"),
     ("node/core.py", "own = (mine, min(self.announced_rate, 1001.0))"),
-    ("node/core.py", "supply.add(lid, min(a.publish_batches_per_s, 999.0))"),
-    ("node/core.py", "supply.add(lid, min(a.publish_batches_per_s, 1001.0))"),
+    ("node/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 999.0))"),
+    ("node/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 1001.0))"),
     # the first announce's seq follows the wall clock (unix ms); from any start, a key's seqs rise by one or more
     ("node/core.py", "self.announce_seq = 1"),
     ("node/core.py", "self.announce_seq = -1"),

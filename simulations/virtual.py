@@ -61,7 +61,8 @@ What runs for real (the same code a live node runs):
 
 What is modelled (each module's docstring says how):
 - the network (`simulations.vnet`): the live announce topic reaches every
-  node, so each core's exchange is given the number of live producers (what
+  node, so each core is fed the topic's sums before each tick (`SwarmHeard`:
+  the number of live producers and the batches/s announced per lineage, what
   that topic would have told it) instead of counting the few it heard;
 - the clock: virtual seconds (`EPOCH` + t as unix time);
 - compute, the worker and learning (`simulations.vworker`);

@@ -52,7 +52,9 @@ from node.core import (
     StoredItems,
     StorePatch,
     Subscribe,
+    SwarmHeard,
     Tick,
+    Topic,
     ToWorker,
     TransferDone,
 )
@@ -76,6 +78,7 @@ from simulations.vnet import Network
 from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, stored_items
 from simulations.vreport import Recorder
 from simulations.vworker import WORKER_S, Workers
+from sync.ids import Relation
 from sync.items import MAX_ITEMS, StoredItem, item_of
 from training.tasks import Task
 
@@ -130,13 +133,10 @@ class CoreDriver:
                                 publish_every=self.sc.sync.publish_every, external_rollouts=tr.external_groups,
                                 group_size=tr.group_size, max_new_tokens=TOKENS_PER_ROLLOUT,
                                 upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
-        net = self.net
-        # what the live announce topic tells every node: how many producers there are, what each supplies
-        core = n.core = NodeCore(settings, n.ident, self.queue.unix(),
-                                 producers_count=lambda now: net.alive_producers - 1, supply_view=lambda: net.supply)
+        core = n.core = NodeCore(settings, n.ident, self.queue.unix())
         if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
             lead = self.publisher[n.held_lineage]
-            self.feed(n, LineageKnown(n.held_lineage, LINEAGE_NAME, "follow", lead.ident.public, BASE_MODEL, n.held))
+            self.feed(n, LineageKnown(n.held_lineage, LINEAGE_NAME, Relation.FOLLOW, lead.ident.public, BASE_MODEL, n.held))
         return core
 
     # ------------------------------------------------------------ the cores' actions, carried out in virtual time
@@ -155,7 +155,7 @@ class CoreDriver:
         """Carry out one action in virtual time; its follow-up event, if any (as `Node._carry_out`)."""
         counts = self.recorder.counts
         if isinstance(a, Publish):
-            if a.topic == "announce":
+            if a.topic == Topic.ANNOUNCE:
                 counts["announces"] += 1
                 self.net.announced(n, a.data)
                 self.net.send(n, n.ctrl, AnnounceArrives, a.data)
@@ -234,6 +234,9 @@ class CoreDriver:
         n = self.nodes[ev.node]
         if not n.alive or n.inc != ev.inc or n.core is None:
             return
+        # what the live announce topic tells every node, which the one-hop announces here do not: how many
+        # producers there are, what each supplies
+        self.feed(n, SwarmHeard(self.net.alive_producers - 1, self.net.supply))
         self.feed(n, TICK)
         due = n.core.next_deadline() - EPOCH
         self.queue.push(max(due, self.queue.now + WORKER_S), Wake(ev.node, ev.inc))

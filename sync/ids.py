@@ -1,12 +1,23 @@
-"""Lineage ids: pure hashing with no torch, so the network process can check manifests cheaply."""
+"""Lineage ids: pure hashing with no torch, so the network process can check manifests cheaply; and how a node
+relates to a lineage (`Relation`)."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import struct
+from enum import StrEnum
 
 LINEAGE_DOMAIN = b"murmur/lineage/v1\x00"
+
+
+class Relation(StrEnum):
+    """How this node relates to a lineage; the values are what the node's store keeps (its `lineages.relation`
+    CHECK) and what status shows."""
+
+    OWN = "own"  # this node's key publishes it
+    FOLLOW = "follow"  # this node served it, or applied a version of it
+    SEEN = "seen"  # heard of only
 
 
 def lineage_id(publisher: bytes, base_model_hash: bytes, name: str) -> bytes:

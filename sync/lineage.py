@@ -52,7 +52,7 @@ from sync.codec import (
     encode_tensor,
 )
 from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, state_hash
-from sync.ids import lineage_id
+from sync.ids import Relation, lineage_id
 from sync.items import StoredItem, diff_kind
 from sync.patchstore import LineageStore, open_manifest
 
@@ -186,7 +186,7 @@ class LineagePublisher:
         self.level = level
         self.db = db
         if db is not None:
-            db.add_lineage(self.lineage.id, name, identity.public, self.lineage.base_model_hash, "own")
+            db.add_lineage(self.lineage.id, name, identity.public, self.lineage.base_model_hash, Relation.OWN)
         self.store = LineageStore(home, self.lineage.id) if home is not None else None
         if self.store is not None:
             self.store.write_info({"id": self.lineage.id.hex(), "name": name, "publisher": identity.public.hex(),
@@ -327,7 +327,7 @@ class LineageFollower:
         self.keep_patches = keep_patches
         self.db = db
         if db is not None:
-            db.add_lineage(lineage.id, lineage.name, lineage.publisher, lineage.base_model_hash, "follow")
+            db.add_lineage(lineage.id, lineage.name, lineage.publisher, lineage.base_model_hash, Relation.FOLLOW)
 
     @property
     def state_hash(self) -> bytes:

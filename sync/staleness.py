@@ -11,17 +11,22 @@ bound in the verification pipeline, `gossip/validation.py`.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-UNKNOWN = "unknown"  # no local version yet: nothing to generate with
-FRESH = "fresh"  # within the bound: generating
-STALE = "stale"  # beyond the bound: paused, catching up
+
+class Admission(StrEnum):
+    """A followed lineage's staleness state (the values are what logs and status show)."""
+
+    UNKNOWN = "unknown"  # no local version yet: nothing to generate with
+    FRESH = "fresh"  # within the bound: generating
+    STALE = "stale"  # beyond the bound: paused, catching up
 
 
 @dataclass(frozen=True, slots=True)
 class StalenessEvent:
     lineage: bytes
-    state: str  # the new state
-    previous: str
+    state: Admission  # the new state
+    previous: Admission
     local: int | None
     head: int | None
     at: float
@@ -29,10 +34,10 @@ class StalenessEvent:
     @property
     def message(self) -> str:
         name = self.lineage.hex()[:12]
-        if self.state == STALE:
+        if self.state == Admission.STALE:
             return f"lineage {name}: {self.head - (self.local or 0) if self.head is not None else '?'} versions behind " \
                    f"(local {self.local}, head {self.head}); rollouts paused, catching up"
-        if self.state == FRESH and self.previous == STALE:
+        if self.state == Admission.FRESH and self.previous == Admission.STALE:
             return f"lineage {name}: caught up to {self.local} (head {self.head}); rollouts resumed"
         return f"lineage {name}: {self.previous} -> {self.state} (local {self.local}, head {self.head})"
 
@@ -43,7 +48,7 @@ class _Track:
     def __init__(self) -> None:
         self.local: int | None = None
         self.head: int | None = None
-        self.state = UNKNOWN
+        self.state = Admission.UNKNOWN
 
 
 class StalenessGuard:
@@ -78,9 +83,9 @@ class StalenessGuard:
 
     def _update(self, lineage: bytes, t: _Track, now: float) -> list[StalenessEvent]:
         if t.local is None:
-            new = UNKNOWN
+            new = Admission.UNKNOWN
         else:
-            new = FRESH if (t.head or 0) - t.local <= self.k else STALE
+            new = Admission.FRESH if (t.head or 0) - t.local <= self.k else Admission.STALE
         if new == t.state:
             return []
         ev = StalenessEvent(lineage, new, t.state, t.local, t.head, now)
@@ -89,4 +94,4 @@ class StalenessGuard:
 
     def may_generate(self, lineage: bytes) -> bool:
         t = self._t.get(lineage)
-        return t is not None and t.state == FRESH
+        return t is not None and t.state == Admission.FRESH

@@ -236,7 +236,7 @@ def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
     clock.t += 10
     acts = core.handle(W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5),
                                       rollout(-2.0, reward=0.0)]))
-    sent = [wire.open_envelope(p.data, swarm=SWARM)[1] for p in of(acts, C.Publish) if p.topic == "rollouts"]
+    sent = [wire.open_envelope(p.data, swarm=SWARM)[1] for p in of(acts, C.Publish) if p.topic == C.Topic.ROLLOUTS]
     assert [len(b.rollouts) for b in sent] == [2]  # only the honest ones, and they still open cleanly
     assert core.stats()["rollouts_unpublishable"] == 3
     assert sum(1 for a in of(acts, C.Log) if a.msg == "worker rollout not published") == 3

@@ -17,8 +17,9 @@ from node import core as C
 from node import peertable as PT
 from node import pipe
 from node import supervision as SV
-from sync.ids import lineage_id
+from sync.ids import Relation, lineage_id
 from sync.patchstore import StoredItem
+from sync.staleness import Admission
 
 SWARM = "t"
 
@@ -121,7 +122,7 @@ def test_follower_serves_the_announced_lineage_and_tells_the_worker() -> None:
     acts = core.handle(C.Tick())
     assert core.serving == lid
     assert of(acts, C.LoadStored) == [C.LoadStored(lid)]
-    assert of(acts, C.Publish)[0].topic == "announce"
+    assert of(acts, C.Publish)[0].topic == C.Topic.ANNOUNCE
     # on trial: the worker is switched once an item of the lineage is stored (fetched, hash-checked)
     assert to_worker(acts, pipe.Follow) == [] and core.committed is None
     acts = core.handle(C.PatchStored(manifest(trainer, "lin", 0, 1), 1000, 0.5))
@@ -140,7 +141,7 @@ def test_staleness_admission_pauses_and_resumes_generation() -> None:
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
     acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))  # 6 behind > bound 4
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
-    assert core.lineages[lid].admission == "stale"
+    assert core.lineages[lid].admission == Admission.STALE
     acts = core.handle(W("applied", {"lineage": lid.hex(), "version": 9}))
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [True]
 
@@ -319,10 +320,10 @@ def test_created_ms_comes_from_the_wall_ms_the_driver_gives() -> None:
     clock = Clock()
     core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_234_567)
     core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
-    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
+    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == C.Topic.ANNOUNCE]
     assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in sent] == [1_234_567]
     out = core.handle(W("rollouts", _group()))
-    batches = [a for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
+    batches = [a for a in out if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS]
     assert [wire.open_envelope(a.data, swarm=SWARM)[1].created_ms for a in batches] == [1_234_567]
 
 
@@ -336,7 +337,7 @@ def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> N
         core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
         core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
         out = core.handle(W("rollouts", _group()))
-        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == "rollouts"]
+        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS]
     assert len(seqs) == 2 and seqs[1] > seqs[0]
 
 
@@ -434,10 +435,10 @@ def test_a_lineage_stored_as_seen_is_followed_once_a_version_of_it_applies() -> 
     core, clock = make_core()
     trainer = key(9)
     lid = lineage_id(trainer.public, BASE, "lin")
-    seen = "".join(["se", "en"])  # as the store returns it: equal to "seen", not the same object
+    seen = Relation("".join(["se", "en"]))  # as the runtime reads the text the store returns
     core.handle(C.LineageKnown(lid, "lin", seen, trainer.public, BASE, 2))
     core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
-    assert core.lineages[lid].relation == "follow"
+    assert core.lineages[lid].relation == Relation.FOLLOW
 
 
 def test_only_finite_rewards_reach_the_reward_trend() -> None:
@@ -456,7 +457,7 @@ def test_announces_made_within_one_millisecond_still_rise() -> None:
     for _ in range(3):
         clock.t += 60
         seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(core.handle(C.Tick()), C.Publish)
-                 if a.topic == "announce"]
+                 if a.topic == C.Topic.ANNOUNCE]
     assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
 
 
@@ -503,7 +504,7 @@ def test_measured_throughput_is_smoothed_and_the_announce_stays_in_range() -> No
     core.handle(W("perf", {"gen_tokens_per_s": 200.0, "rollout_latency_s": 5e6}))
     assert core.gen_tps == pytest.approx(0.7 * 100.0 + 0.3 * 200.0)
     clock.t += 60
-    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == "announce"]
+    sent = [a for a in core.handle(C.Tick()) if isinstance(a, C.Publish) and a.topic == C.Topic.ANNOUNCE]
     _, a = wire.open_envelope(sent[0].data, swarm=SWARM)  # a latency past 1e6 s would make it invalid
     assert a.rollout_latency_s == 1e6 and a.gen_tokens_per_s == pytest.approx(130.0)
 
@@ -550,7 +551,7 @@ def test_a_batch_of_own_rollouts_is_stored_once_with_its_first_row() -> None:
     core, clock = make_core(roles=("trainer",))
     acts = core.handle(W("rollouts", _group(3)))
     (rec,) = of(acts, C.RecordRollouts)
-    (pub,) = [a for a in acts if isinstance(a, C.Publish) and a.topic == "rollouts"]
+    (pub,) = [a for a in acts if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS]
     assert [row["payload"] for row in rec.entries] == [pub.data, None, None]
 
 
@@ -573,9 +574,9 @@ def _producing(ident: Identity, seq: int, serving: bytes = b"", owned=(), rate: 
     return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM))
 
 
-def _trainer_with_own_lineage(supply_view=None) -> tuple[C.NodeCore, Clock, bytes]:
+def _trainer_with_own_lineage() -> tuple[C.NodeCore, Clock, bytes]:
     clock = Clock()
-    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock, supply_view=supply_view)
+    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock)
     lid = lineage_id(key(1).public, BASE, "mine")
     core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0,
                             "model_bytes": MODEL_BYTES}))
@@ -597,35 +598,53 @@ def test_a_trainer_hears_its_own_shard_only_while_a_fresh_announce_says_someone_
     assert key(9).peer_id in core.peers and core.exchange.plan_.home == ()
 
 
+def tick_hearing(core: C.NodeCore, supply: exchange.Supply, producers: int = 0) -> list[C.Action]:
+    """A tick after the announce topic's swarm-wide sums (`SwarmHeard`), as the simulator feeds them."""
+    core.handle(C.SwarmHeard(producers, supply))
+    return core.handle(C.Tick())
+
+
 def test_a_trainers_own_announced_rate_is_not_supply_for_its_own_lineage() -> None:
-    """With a supply view (the simulator's), the view counts this node's own last announce: what it publishes
+    """The announce topic's sums (`SwarmHeard`) count this node's own last announce: what it publishes
     itself is not offered to it, so no follower producing for its lineage leaves its shard unpinned."""
-    views = [exchange.Supply()]
-    core, clock, lid = _trainer_with_own_lineage(supply_view=lambda: views[-1])
+    core, clock, lid = _trainer_with_own_lineage()
     core.handle(W("rollouts", _group()))  # it publishes: its announce states a rate
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply())
     assert core.announced_rate > 0
-    views.append(exchange.Supply({lid: core.announced_rate}))  # our own announce, counted for our lineage
+    own = exchange.Supply({lid: core.announced_rate})  # our own announce, counted for our lineage
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, own)
     assert core.exchange.plan_.home == ()
-    views.append(exchange.Supply({lid: views[-1].of(lid) + 1.0}))  # a follower publishes for it too
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply({lid: own.of(lid) + 1.0}))  # a follower publishes for it too
     assert core.exchange.plan_.home == (core.exchange.publish_shard(lid),)
+
+
+def test_the_swarm_sums_fed_stand_while_fresh_then_the_peer_table_counts() -> None:
+    """Sums a driver fed (`SwarmHeard`) are planned from for `PEER_EXPIRY_S`, as a peer's announce counts;
+    once stale, the core plans from the announces it took itself."""
+    core, clock = make_core(roles=("trainer",))
+    core.handle(C.SwarmHeard(2 * exchange.PRODUCERS_PER_SHARD, exchange.Supply()))
+    core.handle(C.Tick())
+    assert core.exchange.shards == 2
+    clock.t += PT.PEER_EXPIRY_S
+    core.handle(C.Tick())
+    assert core.exchange.shards == 2
+    clock.t += C.ANNOUNCE_EVERY_S  # no sums fed since: this node heard no producer
+    core.handle(C.Tick())
+    assert core.exchange.shards == 1
 
 
 @pytest.mark.parametrize("name", ["lin", "other"])
 def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_own_lineage(name: str) -> None:
     """A trainer that also follows another lineage announces its rate for the lineage it serves: the supply
-    view's count for its own lineage is all other producers', and pins its shard however the ids sort."""
+    topic's sums for its own lineage are all other producers', and pin its shard however the ids sort."""
     mine = lineage_id(key(1).public, BASE, "mine")
     served = lineage_id(key(9).public, BASE, name)
     assert (served > mine) == (name == "lin")  # one case each way
-    views = [exchange.Supply()]
     clock = Clock()
-    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock,
-                      supply_view=lambda: views[-1])
+    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock)
+    core.handle(C.SwarmHeard(0, exchange.Supply()))
     core.handle(W("ready", {"base": BASE.hex(), "lineage": mine.hex(), "name": "mine", "version": 0,
                             "model_bytes": MODEL_BYTES}))
     assert follow_trainer(core, clock, key(9), name=name) == served
@@ -633,12 +652,11 @@ def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_ow
     assert core.committed == served
     core.handle(W("rollouts", _group()))
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply())
     rate = core.announced_rate
     assert rate > 0
-    views.append(exchange.Supply({served: rate, mine: rate}))  # ours for the served one, a follower's for ours
     clock.t += C.ANNOUNCE_EVERY_S
-    core.handle(C.Tick())
+    tick_hearing(core, exchange.Supply({served: rate, mine: rate}))  # ours for the served one, a follower's for ours
     assert core.exchange.plan_.home == (core.exchange.publish_shard(mine),)
 
 
@@ -781,7 +799,7 @@ def test_a_followed_lineage_the_store_reports_again_still_gets_its_admission() -
     lid = follow_trainer(core, clock, trainer, head=3)
     core.handle(W("applied", {"lineage": lid.hex(), "version": 3}))
     assert core.committed == lid
-    core.handle(C.LineageKnown(bytes(bytearray(lid)), "lin", "follow", trainer.public, BASE, 3))
+    core.handle(C.LineageKnown(bytes(bytearray(lid)), "lin", Relation.FOLLOW, trainer.public, BASE, 3))
     acts = core.handle(C.ManifestHeard(manifest(trainer, "lin", 8, 9)))
     assert [a.generate for a in to_worker(acts, pipe.Admit)] == [False]
     core.handle(announce(trainer, 2, [demand(lid, "lin", 9)]))
@@ -838,7 +856,7 @@ def test_rollout_batches_sealed_within_one_millisecond_still_rise() -> None:
     seqs = []
     for _ in range(3):
         out = core.handle(W("rollouts", _group()))
-        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == "rollouts"]
+        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == C.Topic.ROLLOUTS]
     assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
 
 

@@ -12,7 +12,7 @@ from gossip.errors import DecodeError
 from node import catchup_machine as CM
 from node import core as C
 from node import pipe
-from sync.ids import lineage_id
+from sync.ids import Relation, lineage_id
 from sync.patchstore import StoredItem
 from tests.test_core import BASE, W, announce, demand, key, make_core, of
 
@@ -29,7 +29,7 @@ def test_next_deadline_is_when_the_core_acts_again() -> None:
     core.handle(C.Tick())
     assert core.next_deadline() > start
     clock.t = 1000.0 + C.ANNOUNCE_EVERY_S
-    assert [a.topic for a in of(core.handle(C.Tick()), C.Publish)] == ["announce"]
+    assert [a.topic for a in of(core.handle(C.Tick()), C.Publish)] == [C.Topic.ANNOUNCE]
 
 
 def _catching_up_with_two_sources(core: C.NodeCore):
@@ -91,8 +91,8 @@ def test_a_lineage_known_from_the_store_is_loaded_through_an_event() -> None:
     core, clock = make_core()
     trainer = key(9)
     lid = lineage_id(trainer.public, BASE, "lin")
-    assert core.handle(C.LineageKnown(lid, "lin", "follow", trainer.public, BASE, 7)) == []
-    assert core.lineages[lid].held == 7 and core.lineages[lid].relation == "follow"
+    assert core.handle(C.LineageKnown(lid, "lin", Relation.FOLLOW, trainer.public, BASE, 7)) == []
+    assert core.lineages[lid].held == 7 and core.lineages[lid].relation == Relation.FOLLOW
 
 
 def test_worker_state_is_explicit() -> None:

@@ -46,7 +46,7 @@ def rollouts_of(lid: bytes, tasks: int, group: int = 8) -> list[bytes]:
 
 
 def published(acts: list[object]) -> int:
-    return sum(a.count for a in of(acts, C.Publish) if a.topic == "rollouts")
+    return sum(a.count for a in of(acts, C.Publish) if a.topic == C.Topic.ROLLOUTS)
 
 
 # ---------------------------------------------------------------- bad input
@@ -229,7 +229,7 @@ def test_a_trainer_publishes_about_its_budget_in_whole_groups() -> None:
         acts = core.handle(W("rollouts", rollouts_of(lid, 4)))
         sent.append(published(acts))
         for p in of(acts, C.Publish):
-            if p.topic == "rollouts":
+            if p.topic == C.Topic.ROLLOUTS:
                 groups = {}
                 for r in wire.open_envelope(p.data, swarm="t")[1].rollouts:
                     groups[r.task.seed] = groups.get(r.task.seed, 0) + 1

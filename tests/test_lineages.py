@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from node.lineages import DEMAND_FRESH_S, SIZE_FACTOR, LineageTable, Refusal
-from sync.ids import lineage_id
+from sync.ids import Relation, lineage_id
 from tests.test_core import BASE, demand, key, manifest
 
 
@@ -28,11 +28,11 @@ def table(model_bytes: int = 1 << 20) -> tuple[LineageTable, Clock]:
 
 def test_only_a_stored_own_lineage_becomes_this_nodes_own() -> None:
     t, clock = table()
-    rows = {rel: key(i) for i, rel in enumerate(("follow", "seen", "own"), start=1)}
+    rows = {rel: key(i) for i, rel in enumerate((Relation.FOLLOW, Relation.SEEN, Relation.OWN), start=1)}
     for rel, ident in rows.items():
         t.load(lineage_id(ident.public, BASE, rel), rel, rel, ident.public, BASE, 5, clock.t)
-        assert t.own == (lineage_id(ident.public, BASE, "own") if rel == "own" else None), rel
-    assert {r.relation for r in t.rows.values()} == {"follow", "seen", "own"}
+        assert t.own == (lineage_id(ident.public, BASE, "own") if rel == Relation.OWN else None), rel
+    assert {r.relation for r in t.rows.values()} == set(Relation)
 
 
 def test_a_manifest_is_refused_only_past_three_times_the_base_model_and_a_mebibyte() -> None:
@@ -63,7 +63,7 @@ def test_the_observed_step_time_counts_only_versions_that_moved_the_head() -> No
     t, clock = table()
     pub = key(9)
     lid = lineage_id(pub.public, BASE, "lin")
-    t.load(lid, "lin", "seen", pub.public, BASE, 10, clock.t)
+    t.load(lid, "lin", Relation.SEEN, pub.public, BASE, 10, clock.t)
     lin, why = t.on_manifest(manifest(pub, "lin", 4, 5), clock.t)
     assert why is None and lin is not None and lin.head == 10 and lin.live
     clock.t += 100.0
@@ -171,7 +171,7 @@ def test_a_full_table_evicts_only_rows_merely_seen() -> None:
     t = LineageTable(4)
     t.set_my_base(BASE, 1 << 20)
     follow = key(20)
-    t.load(lineage_id(follow.public, BASE, "f"), "f", "follow", follow.public, BASE, 1, clock.t)  # the least active
+    t.load(lineage_id(follow.public, BASE, "f"), "f", Relation.FOLLOW, follow.public, BASE, 1, clock.t)  # the least active
     for i in range(3):
         clock.t += 1
         p = key(30 + i)
@@ -190,12 +190,12 @@ def test_a_table_full_of_followed_rows_still_takes_the_nodes_own_and_stored_line
     t.set_my_base(BASE, 1 << 20)
     for i in range(4):
         f = key(20 + i)
-        t.load(lineage_id(f.public, BASE, f"f{i}"), f"f{i}", "follow", f.public, BASE, 1, 0.0)
+        t.load(lineage_id(f.public, BASE, f"f{i}"), f"f{i}", Relation.FOLLOW, f.public, BASE, 1, 0.0)
     stranger = key(40)
     lin, why = t.on_demand(stranger.public, demand(lineage_id(stranger.public, BASE, "n"), "n", 1), 0.0)
     assert lin is None and why is not None and why.reason == "lineage table full"
     stored, me = key(41), key(42)
-    t.load(lineage_id(stored.public, BASE, "g"), "g", "follow", stored.public, BASE, 2, 0.0)
+    t.load(lineage_id(stored.public, BASE, "g"), "g", Relation.FOLLOW, stored.public, BASE, 2, 0.0)
     own = lineage_id(me.public, BASE, "mine")
     assert t.set_own(own, "mine", me.public, BASE, 3, 0.0) is t.rows[own]
     assert len(t.rows) == 6 and t.own == own and t.evicted == 0
@@ -233,10 +233,10 @@ def test_a_stored_row_loads_only_with_a_32_byte_key_and_base_that_derive_its_id(
     t, clock = table()
     pub = key(9).public
     for publisher, base in ((pub[:31], BASE), (pub, BASE[:31]), (pub + b"\x00", BASE)):  # a damaged store
-        t.load(b"\x01" * 32, "lin", "follow", publisher, base, 4, clock.t)
+        t.load(b"\x01" * 32, "lin", Relation.FOLLOW, publisher, base, 4, clock.t)
         assert not t.rows
     lid = lineage_id(pub, BASE, "lin")
-    t.load(lid, "lin", "follow", pub, BASE, 4, clock.t)
+    t.load(lid, "lin", Relation.FOLLOW, pub, BASE, 4, clock.t)
     assert t.rows[lid].held == 4
 
 

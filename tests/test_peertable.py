@@ -1,11 +1,11 @@
 """The peer table (`node.peertable`) on its own: which announces enter, the greeting of a new peer, the bound
-and its eviction order, expiry and forgetting, and the producer count."""
+and its eviction order, expiry and forgetting, the producer count and the swarm-wide figures."""
 
 from __future__ import annotations
 
-from gossip import wire
+from gossip import exchange, wire
 from gossip.identity import Identity
-from node.events import AnnounceHeard, Log, ResendTaskSets, SeePeer
+from node.events import AnnounceHeard, Log, ResendTaskSets, SeePeer, SwarmHeard
 from node.peertable import PEER_EXPIRY_S, PEER_FORGET_S, PeerTable
 
 ME = Identity.from_seed(b"\1" * 32)
@@ -16,10 +16,10 @@ def key(i: int) -> Identity:
 
 
 def heard(ident: Identity, seq: int, rate: float = 0.0, signer: Identity | None = None,
-          addrs: tuple[str, ...] = ()) -> AnnounceHeard:
+          addrs: tuple[str, ...] = (), serving: bytes = b"") -> AnnounceHeard:
     body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=seq, created_ms=1, hardware="cpu", gen_tokens_per_s=0.0,
                              rollout_latency_s=0.0, upload_bytes_per_s=0.0, memory_bytes=0, roles=["trainer"],
-                             lineages_followed=[], serving=b"", owned=[], addrs=list(addrs),
+                             lineages_followed=[], serving=serving, owned=[], addrs=list(addrs),
                              publish_batches_per_s=rate)
     return AnnounceHeard((signer or ident).public, body, b"envelope %d" % seq)
 
@@ -101,3 +101,18 @@ def test_producers_are_counted_beyond_the_table_bound_and_only_when_they_state_a
     assert len(t.peers) == 2 and t.evicted == 4
     assert t.producers.count(1.0) == 5
     assert t.producers.count(1.0 + PEER_EXPIRY_S + 1) == 0
+
+
+def test_the_swarm_figures_are_the_announces_taken_or_the_topic_sums_fed_while_fresh() -> None:
+    t = PeerTable(16, ME.peer_id)
+    lin, other = b"\7" * 32, b"\x08" * 32
+    take(t, heard(key(9), 1, rate=2.0, serving=lin), 0.0)
+    take(t, heard(key(8), 1, serving=lin), 0.0)  # states no rate: neither a producer nor supply
+    f = t.swarm(1.0)
+    assert (f.producers, f.supply.by_lineage, f.counts_self) == (1, {lin: 2.0}, False)
+    fed = exchange.Supply({lin: 5.0, other: 1.0})
+    t.on_swarm(SwarmHeard(40, fed), 2.0)
+    f = t.swarm(2.0 + PEER_EXPIRY_S)
+    assert (f.producers, f.supply, f.counts_self) == (40, fed, True)  # the sums count this node's announce too
+    f = t.swarm(2.5 + PEER_EXPIRY_S)  # the sums are stale, and so are the announces taken
+    assert (f.producers, f.supply.by_lineage, f.counts_self) == (0, {}, False)

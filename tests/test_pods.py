@@ -11,7 +11,7 @@ from node import pipe
 from node import roles as R
 from node import supervision as SV
 from node.pipe import WorkerState
-from sync.ids import lineage_id
+from sync.ids import Relation, lineage_id
 from tests.test_core import BASE, W, announce, demand, key, make_core, manifest, of
 
 D = R.Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=4)  # needs 1.2 * 32 / 2 = 19.2 rollouts/s
@@ -155,7 +155,7 @@ def test_the_core_switches_its_worker_to_follow_a_short_lineage_keeping_what_it_
     assert core.roles == ["follower", "validator"] and core.stats()["role_switches"] == 1
     assert [a.fields["roles"] for a in of(acts, C.Log) if a.msg == "role"] == [["follower", "validator"]]
     assert "short" in core.role_reason and core.serving == p.lid
-    assert core.own == own and core.lineages[own].relation == "own"  # its lineage's history stays
+    assert core.own == own and core.lineages[own].relation == Relation.OWN  # its lineage's history stays
     # the old worker, still busy with its step, reports its state, then is killed at the end of its grace: that
     # exit is the planned restart, not a crash (no second restart, no backoff)
     core.handle(C.FromWorker(pipe.State(WorkerState.TRAINING)))

@@ -20,7 +20,7 @@ import sync.catchup
 import sync.staleness
 import sync.transfers
 import training.sampler
-from node.core import ManifestOffered, NodeCore
+from node.core import ManifestOffered, NodeCore, SwarmHeard
 from simulations import scenario as S
 from simulations.virtual import VirtualSim
 
@@ -102,29 +102,16 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
 class RecordingCore(NodeCore):
     """A NodeCore that records every call a driver makes into it, with the times the driver gave."""
 
-    def __init__(self, settings, identity, now, *, producers_count=None,  # type: ignore[no-untyped-def]
-                 supply_view=None) -> None:
+    def __init__(self, settings, identity, now) -> None:  # type: ignore[no-untyped-def]
         self.trace: list[tuple] = [("init", now, None, None, None)]
-        # The views a driver injects (the simulator's swarm-wide producer count and supply) are inputs too:
-        # what they answered is recorded, as a copy, and replayed.
-        self.views: dict[str, list] = {"producers_count": [], "supply_view": []}
-
-        def counted(now):  # type: ignore[no-untyped-def]
-            self.views["producers_count"].append(producers_count(now))
-            return self.views["producers_count"][-1]
-
-        def supplied():  # type: ignore[no-untyped-def]
-            v = supply_view()
-            self.views["supply_view"].append(copy.deepcopy(v))
-            return v
-
-        self.injected = (producers_count is not None, supply_view is not None)
-        super().__init__(settings, identity, now, producers_count=counted if producers_count else None,
-                         supply_view=supplied if supply_view else None)
+        super().__init__(settings, identity, now)
 
     def handle(self, ev, now, wall_ms):  # type: ignore[no-untyped-def]
+        # the simulator's swarm sums are its live tally, read when the core plans (at the Tick fed right
+        # after): recorded as a copy taken before the driver's next event changes it
+        rec = copy.deepcopy(ev) if isinstance(ev, SwarmHeard) else ev
         out = super().handle(ev, now, wall_ms)
-        self.trace.append(("handle", now, wall_ms, ev, list(out)))
+        self.trace.append(("handle", now, wall_ms, rec, list(out)))
         return out
 
     def offer_manifest(self, m, now):  # type: ignore[no-untyped-def]
@@ -135,10 +122,7 @@ class RecordingCore(NodeCore):
 
 def replay(core: RecordingCore) -> None:
     """Feed a fresh core the recorded calls with the recorded times: every answer must be the same."""
-    answers = {k: iter(v) for k, v in core.views.items()}
-    fresh = NodeCore(core.s, core.ident, core.trace[0][1],
-                     producers_count=(lambda t: next(answers["producers_count"])) if core.injected[0] else None,
-                     supply_view=(lambda: next(answers["supply_view"])) if core.injected[1] else None)
+    fresh = NodeCore(core.s, core.ident, core.trace[0][1])
     for i, (call, t, w, arg, want) in enumerate(core.trace[1:], 1):
         got = fresh.handle(arg, t, w) if call == "handle" else fresh.offer_manifest(arg.manifest, t)
         assert got == want, f"call {i} ({call} {type(arg).__name__} at t={t}): {got!r} != {want!r}"
@@ -153,9 +137,10 @@ def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore
     sim = VirtualSim(S.loads(SCENARIO))
     sim.run()
     cores = [n.core for n in sim.nodes if n.core is not None]
-    assert len(cores) == 5 and all(isinstance(c, RecordingCore) and c.injected == (True, True) for c in cores)
+    assert len(cores) == 5 and all(isinstance(c, RecordingCore) for c in cores)
     kinds = {type(e[3]).__name__ for c in cores for e in c.trace[1:]}
-    assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified", "ManifestOffered"} <= kinds
+    assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified", "ManifestOffered",
+            "SwarmHeard"} <= kinds
     assert sum(len(c.trace) for c in cores) > 500
     for c in cores:
         replay(c)

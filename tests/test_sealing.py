@@ -10,7 +10,7 @@ import pytest
 
 from gossip import wire
 from gossip.identity import Identity
-from node.events import Log, Publish, RecordRollouts
+from node.events import Log, Publish, RecordRollouts, Topic
 from node.sealing import BATCH_MAX_ROLLOUTS, RolloutSealer
 
 SWARM = "t"
@@ -47,7 +47,7 @@ def test_batches_hold_at_most_the_limit_and_each_is_recorded_before_it_is_publis
     assert [type(a) for a in out] == [RecordRollouts, Publish] * 3
     pubs = [a for a in out if isinstance(a, Publish)]
     assert [p.count for p in pubs] == [BATCH_MAX_ROLLOUTS, BATCH_MAX_ROLLOUTS, 6]
-    assert {p.topic for p in pubs} == {"rollouts"} and {p.shard for p in pubs} == {SHARDS[A]}
+    assert {p.topic for p in pubs} == {Topic.ROLLOUTS} and {p.shard for p in pubs} == {SHARDS[A]}
     batches = opened(out)
     assert [len(b.rollouts) for b in batches] == [p.count for p in pubs]
     assert [r.task.seed for b in batches for r in b.rollouts] == [i for i in range(n) for _ in (0, 1)]  # in order

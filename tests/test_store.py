@@ -6,6 +6,7 @@ import pytest
 
 from gossip.errors import StoreError
 from node.store import MIGRATIONS, Store
+from sync.ids import Relation
 
 
 def test_schema_and_wal(tmp_path):
@@ -28,7 +29,7 @@ def test_ledger_peers_lineages_tasksets(tmp_path):
     s.see_peer("12D3KooWx", b"k" * 32, ["/ip4/127.0.0.1/tcp/1"])
     s.see_peer("12D3KooWx")
     assert s.peers()[0]["addrs"] == ["/ip4/127.0.0.1/tcp/1"]
-    s.add_lineage(b"L" * 32, "main", b"p" * 32, b"b" * 32, "follow")
+    s.add_lineage(b"L" * 32, "main", b"p" * 32, b"b" * 32, Relation.FOLLOW)
     s.add_version(b"L" * 32, 1, b"h1", "patch", 0, held=True)
     s.add_version(b"L" * 32, 2, b"h2", "patch", 1, held=False)
     assert s.head_version(b"L" * 32) == 1
@@ -67,3 +68,14 @@ def test_newer_schema_refused(tmp_path):
     db.close()
     with pytest.raises(StoreError, match="newer"):
         Store(path)
+
+
+def test_the_stored_relations_are_the_relation_enum(tmp_path):
+    """The lineages table's CHECK admits exactly `Relation`'s values (the runtime reads them back as it)."""
+    s = Store(tmp_path / "state.db")
+    for i, rel in enumerate(Relation):
+        s.add_lineage(bytes([i]) * 32, "l", b"p" * 32, b"b" * 32, rel)
+    assert {Relation(r["relation"]) for r in s.lineages()} == set(Relation)
+    with pytest.raises(sqlite3.IntegrityError):
+        s.add_lineage(b"x" * 32, "l", b"p" * 32, b"b" * 32, "watch")
+    s.close()

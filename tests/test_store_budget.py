@@ -8,6 +8,7 @@ from pathlib import Path
 
 from node import store as store_mod
 from node.store import LedgerBudget, Store
+from sync.ids import Relation
 
 
 def _rows(n: int, start: int = 0, status: str = "accepted", ts_ms: int | None = None) -> list[dict]:
@@ -88,7 +89,7 @@ def test_counts_do_not_scan_the_ledger(tmp_path: Path) -> None:
 def test_version_rows_are_bounded_per_lineage(tmp_path: Path) -> None:
     s = Store(tmp_path / "state.db")
     lid = b"\x01" * 32
-    s.add_lineage(lid, "l", b"\x02" * 32, b"\x03" * 32, "own")
+    s.add_lineage(lid, "l", b"\x02" * 32, b"\x03" * 32, Relation.OWN)
     for v in range(store_mod.VERSIONS_KEPT + 600):
         s.add_version(lid, v, b"h" * 32, "patch", v - 1, manifest=b"m" * 400)
     n = s.query("SELECT COUNT(*) FROM versions WHERE lineage_id=?", (lid,))[0][0]

@@ -38,6 +38,7 @@ from gossip import topics, wire
 from gossip.identity import Identity
 from node import launch
 from node.config import GossipSection
+from sync.ids import Relation
 
 SWARM = "attack-swarm"
 GRAYLIST = -50.0
@@ -1132,12 +1133,12 @@ def followers_kept(statuses: dict[str, Any]) -> bool:
     t, f = statuses.get("trainer"), statuses.get("follower")
     if t is None or f is None:
         return False
-    own = [v for v in t.lineages if v.relation == "own"]
+    own = [v for v in t.lineages if v.relation == Relation.OWN]
     return any(f.serving == v.lineage and f.peer_id not in v.standby for v in own)
 
 
 def own_lineage(status: Any) -> str | None:
-    return next((v.lineage for v in status.lineages if v.relation == "own"), None) if status is not None else None
+    return next((v.lineage for v in status.lineages if v.relation == Relation.OWN), None) if status is not None else None
 
 
 def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: True) -> Window:
