@@ -33,8 +33,9 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from gossip import wire
-from gossip.errors import DecodeError, PatchError
+from gossip.errors import DecodeError
 from gossip.framing import read_frame, write_frame
+from sync.errors import PatchError
 from sync.items import KINDS, MAX_ITEMS, StoredItem, item_of
 from sync.patchstore import LineageStore
 

@@ -31,9 +31,14 @@ from typing import Any
 
 import msgspec
 
-from gossip.errors import StoreError
+from gossip.errors import MurmurError
 
 DB_FILE = "state.db"
+
+
+class StoreError(MurmurError):
+    """The state database cannot be opened or migrated."""
+
 
 MIGRATIONS: list[str] = [
     # 1: initial schema

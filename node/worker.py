@@ -332,9 +332,9 @@ class Worker:
     # ------------------------------------------------------------ trainer
     def run_trainer(self) -> None:
         from gossip import wire
-        from gossip.errors import NonFiniteWeights
         from gossip.identity import Identity
         from node.policy import MasterEngine, to_published
+        from sync.errors import NonFiniteWeights
         from sync.hashing import canonical_state
         from sync.lineage import LineagePublisher
         from training.rollouts import to_wire
@@ -472,7 +472,7 @@ class Worker:
         """A LineageFollower at the last durable version this node holds (checkpoint + stored patches)."""
         from safetensors.torch import load_file
 
-        from gossip.errors import PatchError
+        from sync.errors import PatchError
         from sync.lineage import Lineage, LineageFollower
 
         lin = Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"])
@@ -528,7 +528,7 @@ class Worker:
         return applied
 
     def _apply_item(self, follower: Any, kind: str, base: int, target: int) -> bool:
-        from gossip.errors import NonFiniteWeights, PatchError
+        from sync.errors import NonFiniteWeights, PatchError
 
         store = follower.store
         try:

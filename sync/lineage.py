@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from gossip.errors import NonFiniteWeights, PatchError
 from gossip.identity import Identity
 from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
 from sync import chunks as chunking
@@ -51,6 +50,7 @@ from sync.codec import (
     diff_tensor,
     encode_tensor,
 )
+from sync.errors import NonFiniteWeights, PatchError
 from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, state_hash
 from sync.ids import lineage_id
 from sync.items import StoredItem, diff_kind

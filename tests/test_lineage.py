@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from gossip.errors import DecodeError, PatchError
+from gossip.errors import DecodeError
 from gossip.wire import PATCH_MANIFEST, PatchManifest, open_envelope, seal
 from sync.catchup import choose
 from sync.chunks import refs, split
+from sync.errors import PatchError
 from sync.hashing import bits_view, state_hash
 from sync.ids import lineage_id
 from sync.lineage import ANCHOR, SPARSE, UNION, Lineage, LineageFollower, LineagePublisher, encode_states, make_bundle

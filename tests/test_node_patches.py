@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.errors import PatchError
 from node import patchsync
+from sync.errors import PatchError
 from sync.hashing import canonical_state, state_hash
 from sync.items import wanted
 from sync.lineage import LineageFollower, LineagePublisher

@@ -4,8 +4,7 @@ import sqlite3
 
 import pytest
 
-from gossip.errors import StoreError
-from node.store import MIGRATIONS, Store
+from node.store import MIGRATIONS, Store, StoreError
 
 
 def test_schema_and_wal(tmp_path):
