@@ -1,8 +1,9 @@
-"""The project's own error types.
+"""The project's own error types: `MurmurError`, their common base, and the errors the gossip layer raises
+or, like `TaskError` (the validation pipeline's task resolver raises it), catches.
 
-Every decoder, handler and CLI command raises (or catches and reports) one of
-these, so a caller can tell bad input from a bug: anything else escaping a
-decoder is a bug.
+Every decoder, handler and CLI command raises (or catches and reports) a `MurmurError`, so a caller can
+tell bad input from a bug: anything else escaping a decoder is a bug. The other layers' own errors live
+beside them (`sync/errors.py`: patches; `node/store.py`: the state database).
 """
 
 from __future__ import annotations
@@ -28,19 +29,5 @@ class SignatureError(DecodeError):
     """A signature does not verify for the claimed key and signing domain."""
 
 
-class StoreError(MurmurError):
-    """The state database cannot be opened or migrated."""
-
-
 class TaskError(MurmurError):
     """A task reference or task set cannot be resolved, or names unknown parts."""
-
-
-class PatchError(MurmurError):
-    """A patch cannot be applied: wrong base, corrupt or missing chunk, bad hash."""
-
-
-class NonFiniteWeights(PatchError):
-    """A state, patch or anchor would put a non-finite value (NaN, +-inf) into a weight. Raised by a
-    follower for a patch whose signed, hash-checked content does so (the publisher's provable fault),
-    and by a publisher that refuses to sign such a version."""

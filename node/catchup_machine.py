@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from gossip import wire
-from gossip.errors import PatchError
 from node.events import Action, CatalogFailed, CatalogReceived, FetchCatalog, LoadStored, Log, OfferFailed, RequestOffer
 from node.lineages import LineageState
 from sync.catchup import choose
+from sync.errors import PatchError
 from sync.items import KINDS, MAX_ITEMS, StoredItem, item_of, wanted
 
 CATCH_UP_PATIENCE_S = 120.0  # a catch-up attempt with no progress after this is retried from scratch

@@ -236,6 +236,8 @@ class LineageTable:
             return Refusal(f"unknown codec {m.codec[:32]!r}", True)
         if m.base_version > m.target_version or (m.codec == "anchor-v1") != (m.base_version == m.target_version):
             return Refusal("versions do not fit the codec", True)
+        # defence in depth: gossip/wire.py refuses such a manifest where it is decoded (authoritative); the size
+        # bound below reads total_bytes, which bounds the download only when the chunks add up to it
         if sum(c.size for c in m.chunks) != m.total_bytes:
             return Refusal("chunk sizes do not add up to the total", True)
         known = self.model_bytes.get(bytes(m.base_model_hash), 0)

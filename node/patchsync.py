@@ -2,7 +2,7 @@
 
 Steady state runs on the swarming broadcast (`sync.broadcast.BroadcastNode`,
 protocol `/murmur/chunks/1`): the publisher's signed manifest travels by
-gossip on the announce topic, a follower's `accept` callback (`wanted`) takes
+gossip on the announce topic, a follower's `accept` callback (`sync.items.wanted`) takes
 it only for the lineage it serves and only when it does not hold it yet, the
 chunks swarm over long-lived streams (every follower serves what it has
 verified), and a completed transfer is stored atomically in the lineage
@@ -33,9 +33,10 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from gossip import wire
-from gossip.errors import DecodeError, PatchError
+from gossip.errors import DecodeError
 from gossip.framing import read_frame, write_frame
-from sync.items import CODEC_KIND, KINDS, MAX_ITEMS, StoredItem, item_of, wanted  # noqa: F401 - re-exported
+from sync.errors import PatchError
+from sync.items import KINDS, MAX_ITEMS, StoredItem, item_of
 from sync.patchstore import LineageStore
 
 PROTOCOL = "/murmur/catalog/1"

@@ -51,6 +51,8 @@ from node.status import DiskMeter, Drops, NodeStatus
 from node.tasksync import TaskSetGossip
 from node.workerlink import Link, spawn, worker_spec
 from sync.ids import Relation
+from sync.items import item_of
+from sync.patchstore import LineageStore
 
 log = logging.getLogger("murmur.node")
 
@@ -455,7 +457,7 @@ class Node:
 
         m = open_manifest(envelope, swarm=self.cfg.node.swarm)
         env, chunks = await trio.to_thread.run_sync(partial(patchsync.read_item, swarm=self.cfg.node.swarm),
-                                                    self.home, bytes(m.lineage), patchsync.item_of(m))
+                                                    self.home, bytes(m.lineage), item_of(m))
         try:
             await self.bcast.publish(env, chunks)
         except MurmurError as e:  # no gossip peers yet: the chunks are still offered to stream peers
@@ -468,7 +470,7 @@ class Node:
             return None
         try:
             await trio.to_thread.run_sync(patchsync.store_complete, self.home, tr.manifest, tr.envelope, tr.payload())
-            await trio.to_thread.run_sync(patchsync.LineageStore(self.home, bytes(tr.manifest.lineage)).prune,
+            await trio.to_thread.run_sync(LineageStore(self.home, bytes(tr.manifest.lineage)).prune,
                                           self.cfg.sync.retain_versions)
         except (MurmurError, OSError) as e:
             log.warning("could not store patch %s: %s", pid.hex()[:12], e)

@@ -31,10 +31,15 @@ from typing import Any
 
 import msgspec
 
-from gossip.errors import StoreError
+from gossip.errors import MurmurError
 from sync.ids import Relation
 
 DB_FILE = "state.db"
+
+
+class StoreError(MurmurError):
+    """The state database cannot be opened or migrated."""
+
 
 MIGRATIONS: list[str] = [
     # 1: initial schema

@@ -82,11 +82,11 @@ class WorkerLink:
         ctx = multiprocessing.get_context("spawn")
         from multiprocessing import spawn as mp_spawn
 
-        from node import worker
+        from node import worker, workerboot
 
         python = worker.worker_python(spec)  # MurmurError at start when the engine asked for cannot run
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker.main, args=(child, spec), name="murmur-worker", daemon=True)
+        self.proc = ctx.Process(target=workerboot.main, args=(child, spec), name="murmur-worker", daemon=True)
         before = mp_spawn.get_executable()
         ctx.set_executable(python)  # the vLLM environment's interpreter when engine = "vllm"
         try:

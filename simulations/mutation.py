@@ -257,9 +257,9 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the edge of a float tolerance: a supply of exactly 1e-9 batches/s
     ("gossip/exchange.py", "if left >= 1e-09:"),
     ("gossip/exchange.py", "if self._per[j] < 1e-09:"),
-    ("gossip/exchange.py", "order = first_in_rotation(self.node, s, epoch, [j for j in supplied if j not in taken "
-                           "and avail(j) >= 1e-09],"),
-    ("gossip/exchange.py", "and (avail(j) >= 1e-09 or not supplied)), 4 * MAX_SUBSCRIBED))"),
+    ("gossip/exchange.py", "return first_in_rotation(node, s, epoch, [j for j in supplied if j not in taken "
+                           "and avail(j) >= 1e-09], k)"),
+    ("gossip/exchange.py", "and (avail(j) >= 1e-09 or not supplied)), k))"),
     ("gossip/exchange.py", "rest = [j for j in order if j not in out and avail(j) >= 1e-09]"),
     ("gossip/exchange.py", "out.append(next((j for j in order if avail(j) >= 1e-09), order[0]))"),
     # an own rate of 0 subtracted from its shard changes nothing; a demand of 0 is 0 either way, and NaN
@@ -275,7 +275,7 @@ EQUIVALENT: set[tuple[str, str]] = {
                            "missing: half of it used at worst"),
     ("gossip/exchange.py", "if (not (missing <= 0 or len(out) >= room)):"),
     ("gossip/exchange.py", "while (not (len(self._snaps) <= 1 or now - self._snaps[0][0] <= RATE_WINDOW_S)):"),
-    # the two candidate walks give the same shards (issue 42 asks for a property test of it)
+    # the two candidate walks give the same shards (a property test in tests/test_exchange.py pins it)
     ("gossip/exchange.py", "if supplied and len(supplied) ** 2 <= 4 * MAX_SUBSCRIBED * s:  # few: sorting them "
                            "beats walking the order"),
     # nothing is missing: the loop goes on and adds nothing (every supply it could add is above 0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gossip.errors import PatchError
+from sync.errors import PatchError
 from sync.items import StoredItem
 
 

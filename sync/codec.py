@@ -35,7 +35,7 @@ import torch
 import zstandard
 from msgspec import Meta, Struct
 
-from gossip.errors import PatchError
+from sync.errors import PatchError
 from sync.hashing import DTYPES_BY_NAME, FLOAT_DTYPES, bits_view, dtype_name
 
 if sys.byteorder != "little":  # byte planes are taken from native-order views

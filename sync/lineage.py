@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from gossip.errors import NonFiniteWeights, PatchError
 from gossip.identity import Identity
 from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
 from sync import chunks as chunking
@@ -51,6 +50,7 @@ from sync.codec import (
     diff_tensor,
     encode_tensor,
 )
+from sync.errors import NonFiniteWeights, PatchError
 from sync.hashing import StateHasher, bits_view, canonical_state, dtype_name, state_hash
 from sync.ids import Relation, lineage_id
 from sync.items import StoredItem, diff_kind
@@ -339,6 +339,8 @@ class LineageFollower:
 
     def check_manifest(self, envelope: bytes) -> PatchManifest:
         """Signature, publisher and lineage checks; raises PatchError naming the problem."""
+        # the signature again, as defence in depth: the network process verified it when the manifest arrived
+        # (sync/transfers.py, authoritative), but what is applied here is read back from the lineage store
         m = open_manifest(envelope, swarm=self.swarm)
         if m.publisher != self.lineage.publisher:
             raise PatchError("manifest signed by a key that is not the lineage publisher")
@@ -365,7 +367,14 @@ class LineageFollower:
     def apply(self, envelope: bytes, chunks: Sequence[bytes | memoryview | None]) -> Applied:
         """Apply a signed patch, union or anchor; all-or-nothing (see the module docstring)."""
         m = self.check_manifest(envelope)
-        payload = chunking.join_verified(m, chunks)
+        return self._apply(m, envelope, chunking.join_verified(m, chunks))
+
+    def apply_stored(self, envelope: bytes, payload: bytes) -> Applied:
+        """`apply` of an item as a lineage store holds it, its payload whole (each chunk's hash still checked)."""
+        m = self.check_manifest(envelope)
+        return self._apply(m, envelope, chunking.join_verified(m, chunking.split(payload, m.chunk_bytes)))
+
+    def _apply(self, m: PatchManifest, envelope: bytes, payload: bytes) -> Applied:
         applied = self._apply_anchor(m, payload) if m.codec == ANCHOR else self._apply_patch(m, payload)
         self._record(m, envelope, payload)
         return applied

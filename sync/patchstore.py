@@ -25,9 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gossip.errors import DecodeError, PatchError
+from gossip.errors import DecodeError
 from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
 from sync.atomic import atomic_write
+from sync.errors import PatchError
 from sync.items import StoredItem, diff_kind
 
 if TYPE_CHECKING:

@@ -19,12 +19,13 @@ import msgspec
 import torch
 import trio
 
-from gossip.errors import DecodeError, PatchError
+from gossip.errors import DecodeError
 from gossip.identity import Identity
 from node import pipe
 from node.pipe import WorkerState
 from sync import chunks as chunking
 from sync.catchup import local_plan
+from sync.errors import PatchError
 from sync.hashing import state_hash
 from sync.lineage import Lineage, LineageFollower, LineagePublisher
 from sync.patchstore import open_manifest

@@ -13,7 +13,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossip.errors import PatchError
 from sync.codec import (
     FORMAT,
     POS_BITMASK,
@@ -30,6 +29,7 @@ from sync.codec import (
     encode_patch,
     read_header,
 )
+from sync.errors import PatchError
 from sync.hashing import bits_view, state_hash
 
 torch.set_num_threads(1)

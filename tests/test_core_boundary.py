@@ -166,13 +166,12 @@ def test_the_core_imports_no_io_module() -> None:
 
 
 def test_items_are_one_vocabulary() -> None:
-    import node.patchsync
     import sync.catchup
     import sync.items
     import sync.patchstore
 
-    assert sync.patchstore.StoredItem is node.patchsync.StoredItem is sync.catchup.StoredItem is sync.items.StoredItem
-    assert node.patchsync.wanted is sync.items.wanted and C.item_of is sync.items.item_of
+    assert sync.patchstore.StoredItem is sync.catchup.StoredItem is sync.items.StoredItem
+    assert C.item_of is sync.items.item_of
     assert {sync.items.KIND_CODEC[k] for k in sync.items.KINDS} == set(sync.items.CODEC_KIND)
 
 

@@ -223,7 +223,7 @@ def _path_problem(span: str) -> str | None:
         name = f"tests/{name}"
     p = ROOT / name
     if not p.exists():
-        # `node/patchsync.wanted`: a module and a name in it
+        # `sync/items.wanted`: a module and a name in it
         module, _, attr = name.rpartition(".")
         mod = ROOT / f"{module}.py"
         if attr and mod.is_file() and re.search(rf"\b{re.escape(attr)}\b", mod.read_text()):

@@ -455,3 +455,26 @@ def test_per_task_set_a_coordinator_sees_each_lineage_and_how_many_nodes_generat
     for k in range(X.MAX_TASK_SETS + 10):
         st.verified(b"y", [(b"%032d" % k, A)], 1, 30.0)
     assert len(st.generators) == X.MAX_TASK_SETS and "other" in st.generators
+
+
+@settings(max_examples=300, deadline=None)
+@given(shards=st.sampled_from([1, 2, 8, 64, 512, X.MAX_SHARDS]), epoch=st.integers(-5, 10**6),
+       node=st.binary(min_size=1, max_size=8), data=st.data())
+def test_both_candidate_walks_give_the_same_shards(shards: int, epoch: int, node: bytes, data) -> None:
+    """`_rotating` finds its candidates by sorting the supplied shards by position when they are few, by
+    walking the rotation otherwise: on any supply (some shards offering nothing or less than nothing, as the
+    node's own shard does), any shards already taken and any count, both give the same shards in the same
+    order, on either side of the threshold."""
+    shard = st.integers(0, shards - 1)
+    offers = st.one_of(st.just(0.0), st.just(-1.5), st.floats(1e-6, 100.0))
+    per_shard = data.draw(st.dictionaries(shard, offers, min_size=1, max_size=min(shards, 200)))
+    taken = data.draw(st.sets(shard, max_size=X.MAX_SUBSCRIBED))
+    k = data.draw(st.sampled_from([1, 4, 4 * X.MAX_SUBSCRIBED, shards + 1]))
+
+    def avail(j: int) -> float:
+        return per_shard.get(j, 0.0)
+
+    args = (node, shards, epoch, avail, per_shard.keys(), taken, k)
+    got = X.candidates_by_position(*args)
+    assert got == X.candidates_by_walk(*args)
+    assert len(got) == min(k, sum(1 for j, r in per_shard.items() if r > 1e-9 and j not in taken))

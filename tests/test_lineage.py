@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from gossip.errors import PatchError
-from gossip.wire import PATCH_MANIFEST, PatchManifest, seal
+from gossip.errors import DecodeError
+from gossip.wire import PATCH_MANIFEST, PatchManifest, open_envelope, seal
 from sync.catchup import choose
 from sync.chunks import refs, split
+from sync.errors import PatchError
 from sync.hashing import bits_view, state_hash
 from sync.ids import lineage_id
 from sync.lineage import ANCHOR, SPARSE, UNION, Lineage, LineageFollower, LineagePublisher, encode_states, make_bundle
@@ -147,6 +148,22 @@ def test_manifest_from_the_wrong_key_is_rejected(setup, other_identity) -> None:
     with pytest.raises(PatchError, match="signature|manifest"):
         fol.apply(bytes(env2), b.chunks)
     assert_untouched(live, snap)
+
+
+def test_a_stored_manifest_the_network_would_refuse_is_refused_by_the_follower_too(setup) -> None:
+    """A manifest's signature is checked where it reaches the node (sync/transfers.py opens it before taking
+    any chunk: the authoritative check); the follower checks it again, as defence in depth, before applying
+    what the lineage store holds. An envelope the first refuses is refused by the second, the state untouched."""
+    b, fol, live = _one_patch(setup)
+    env = bytearray(b.envelope)
+    env[-5] ^= 0xFF  # in the signature
+    with pytest.raises(DecodeError, match="signature"):
+        open_envelope(bytes(env), expect=PATCH_MANIFEST, swarm=SWARM)
+    snap = snapshot(live)
+    with pytest.raises(PatchError, match="signature"):
+        fol.apply_stored(bytes(env), b.payload)
+    assert_untouched(live, snap)
+    assert fol.apply_stored(b.envelope, b.payload).version == 1
 
 
 def test_target_hash_mismatch_reverts_in_place_changes(setup, identity) -> None:

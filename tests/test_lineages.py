@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from gossip import wire
+from gossip.errors import DecodeError
 from node.lineages import DEMAND_FRESH_S, SIZE_FACTOR, LineageTable, Refusal
 from sync.ids import Relation, lineage_id
 from tests.test_core import BASE, demand, key, manifest
@@ -24,6 +26,24 @@ def table(model_bytes: int = 1 << 20) -> tuple[LineageTable, Clock]:
     t = LineageTable(64)
     t.set_my_base(BASE, model_bytes)
     return t, clock
+
+
+def test_a_manifest_whose_chunks_do_not_add_up_is_refused_by_the_wire_and_again_by_the_table() -> None:
+    """The chunk sum is checked where a manifest is decoded (gossip/wire.py, the authoritative check); the
+    table checks it again, as defence in depth, before its size bound reads `total_bytes`: what the wire
+    refuses the table refuses too, and what it lets through the table takes."""
+    t, _ = table()
+    pub = key(9)
+    lying = manifest(pub, "lin", 1, 2, total=1000)
+    lying.v, lying.total_bytes = wire.FORMAT_VERSION, 10
+    with pytest.raises(DecodeError, match="add up"):
+        wire.open_envelope(wire.seal(pub, wire.PATCH_MANIFEST, lying, swarm="t"), swarm="t")
+    why = t.check_manifest(lying)
+    assert why is not None and why.fault and "add up" in why.reason
+    honest = manifest(pub, "lin", 1, 2, total=1000)
+    honest.v = wire.FORMAT_VERSION
+    wire.open_envelope(wire.seal(pub, wire.PATCH_MANIFEST, honest, swarm="t"), swarm="t")
+    assert t.check_manifest(honest) is None
 
 
 def test_only_a_stored_own_lineage_becomes_this_nodes_own() -> None:

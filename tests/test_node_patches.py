@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.errors import PatchError
 from node import patchsync
+from sync.errors import PatchError
 from sync.hashing import canonical_state, state_hash
+from sync.items import wanted
 from sync.lineage import LineageFollower, LineagePublisher
 from sync.patchstore import LineageStore
 
@@ -38,12 +39,12 @@ def lineage(identity, tmp_path: Path):
 def test_wanted_takes_only_the_served_lineage_from_its_publisher(lineage, other_identity) -> None:
     pub, bundle = lineage
     m, lid, key = bundle.manifest, pub.lineage.id, pub.lineage.publisher
-    assert patchsync.wanted(m, lid, key, held=0, need_anchor=False, have=set())
-    assert not patchsync.wanted(m, None, key, 0, False, set())  # serving nothing
-    assert not patchsync.wanted(m, bytes(32), key, 0, False, set())  # another lineage
-    assert not patchsync.wanted(m, lid, other_identity.public, 0, False, set())  # not the lineage's publisher
-    assert not patchsync.wanted(m, lid, key, held=1, need_anchor=False, have=set())  # already held
-    assert not patchsync.wanted(m, lid, key, 0, False, {("patch", 0, 1)})  # already stored
+    assert wanted(m, lid, key, held=0, need_anchor=False, have=set())
+    assert not wanted(m, None, key, 0, False, set())  # serving nothing
+    assert not wanted(m, bytes(32), key, 0, False, set())  # another lineage
+    assert not wanted(m, lid, other_identity.public, 0, False, set())  # not the lineage's publisher
+    assert not wanted(m, lid, key, held=1, need_anchor=False, have=set())  # already held
+    assert not wanted(m, lid, key, 0, False, {("patch", 0, 1)})  # already stored
 
 
 def test_wanted_takes_an_old_anchor_only_when_patches_cannot_start(lineage) -> None:
@@ -52,8 +53,8 @@ def test_wanted_takes_an_old_anchor_only_when_patches_cannot_start(lineage) -> N
     from sync.patchstore import open_manifest
 
     m = open_manifest(env, swarm=SWARM)
-    assert not patchsync.wanted(m, pub.lineage.id, pub.lineage.publisher, held=0, need_anchor=False, have=set())
-    assert patchsync.wanted(m, pub.lineage.id, pub.lineage.publisher, held=0, need_anchor=True, have=set())
+    assert not wanted(m, pub.lineage.id, pub.lineage.publisher, held=0, need_anchor=False, have=set())
+    assert wanted(m, pub.lineage.id, pub.lineage.publisher, held=0, need_anchor=True, have=set())
 
 
 def test_store_complete_then_read_item_round_trips(lineage, tmp_path: Path) -> None:

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from gossip.errors import PatchError
 from node.store import open_store
 from sync.chunks import ChunkAssembly
+from sync.errors import PatchError
 from sync.hashing import canonical_state, state_hash
 from sync.lineage import LineageFollower, LineagePublisher
 from sync.patchstore import LineageStore

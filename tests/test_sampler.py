@@ -156,6 +156,29 @@ def test_the_worker_and_the_swarm_benchmark_share_this_sampler() -> None:
     assert worker.Sampler is Sampler and bench_swarm.Sampler is Sampler
 
 
+def test_the_worker_refuses_an_external_batch_the_network_process_would_refuse(tmp_path) -> None:
+    """The network process verifies a batch's signature before sending it to the worker (gossip/validation.py,
+    the authoritative check: `wire.verify_envelope`); the worker opens it in full again, as defence in depth:
+    a batch whose signature the first refuses is refused by the second and nothing of it is taken."""
+    from gossip.errors import DecodeError
+    from gossip.identity import Identity
+    from node import worker
+
+    w = worker.Worker(None, {"home": str(tmp_path), "swarm": "t"})
+    ident = Identity.generate()
+    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
+                              rollouts=group(1, lineage=LIN_B))
+    data = wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm="t")
+    forged = bytearray(data)
+    forged[-5] ^= 0xFF  # in the signature
+    with pytest.raises(DecodeError, match="signature"):
+        wire.verify_envelope(wire.decode_envelope(bytes(forged), wire.ROLLOUT_BATCH, swarm="t"))
+    assert not worker.take_external(w.inbox, bytes(forged))
+    assert not w.inbox.spot and not w.inbox.accepted and w.inbox.sampler.counts["added"] == 0
+    assert worker.take_external(w.inbox, data)
+    assert len(w.inbox.spot) == 1 and w.inbox.sampler.counts["added"] == 1
+
+
 def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them(tmp_path) -> None:
     """The worker's real reader thread on a real pipe; the trainer hook then takes from the same sampler."""
     import multiprocessing

@@ -4,8 +4,7 @@ import sqlite3
 
 import pytest
 
-from gossip.errors import StoreError
-from node.store import MIGRATIONS, Store
+from node.store import MIGRATIONS, Store, StoreError
 from sync.ids import Relation
 
 

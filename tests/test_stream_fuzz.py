@@ -22,12 +22,12 @@ import pytest
 import trio
 
 from gossip import topics, wire
-from gossip.errors import PatchError
 from gossip.host import open_transport
 from gossip.identity import Identity
 from node import patchsync
 from node.config import Config, NetworkSection, NodeSection
 from node.runtime import Node, RunOptions
+from sync.errors import PatchError
 from sync.swarm import Have, ManifestRequest, encode_frame
 
 SEED = 15

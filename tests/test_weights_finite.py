@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gossip.errors import NonFiniteWeights
 from sync.codec import count_non_finite
+from sync.errors import NonFiniteWeights
 from sync.hashing import bits_view, state_hash
 from sync.lineage import ANCHOR, SPARSE, LineageFollower, LineagePublisher, anchor_bytes, encode_states, make_bundle
 from tests.test_lineage import Trainer, assert_untouched, snapshot

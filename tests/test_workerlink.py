@@ -47,3 +47,25 @@ def test_a_killed_worker_reads_as_gone_with_its_exit_code(tmp_path: Path) -> Non
     assert got["first"] == pipe.State(pipe.WorkerState.LOADING)
     assert got["exitcode"] == -signal.SIGKILL
     assert got["dropped"] == 1
+
+
+def test_importing_node_leaves_sys_path_alone_and_the_worker_entry_swaps_a_foreign_environment(tmp_path: Path) -> None:
+    """A worker spawned under another environment's interpreter is handed the network process's sys.path:
+    importing `node` keeps it as it is; the worker's entry point (`node.workerboot`) drops that other
+    environment's site-packages and puts this interpreter's own on it."""
+    import subprocess
+    import sys
+
+    foreign = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    foreign.mkdir(parents=True)
+    (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    code = ("import sys, sysconfig; foreign = sys.argv[1]; sys.path.insert(1, foreign); before = list(sys.path)\n"
+            "import node, node.workerlink\n"
+            "assert sys.path == before, 'importing node changed sys.path'\n"
+            "from node.workerboot import own_site_packages\n"
+            "own_site_packages()\n"
+            "assert foreign not in sys.path and sysconfig.get_path('purelib') in sys.path, sys.path\n")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code, str(foreign)], cwd=root, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

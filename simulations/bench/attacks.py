@@ -1252,7 +1252,7 @@ def models_finite(home: Path, swarm: str) -> tuple[bool, int]:
     import torch
     from safetensors.torch import load_file
 
-    from gossip.errors import PatchError
+    from sync.errors import PatchError
     from sync.patchstore import LineageStore
 
     states: list[dict[str, Any]] = []
@@ -1279,7 +1279,7 @@ def payload_share(home: Path, model: Path, lineage: str, swarm: str = SWARM) -> 
     tasks) that start with the poisoning payload; None when the node holds no replayable state of it."""
     import torch
 
-    from gossip.errors import PatchError
+    from sync.errors import PatchError
     from sync.patchstore import LineageStore
     from training.engine import Sampling
     from training.engine_hf import HFEngine

@@ -103,10 +103,8 @@ def side(kind: str, model_dir: str, work: str, n: int, batch: int, max_new: int,
     import torch
 
     from node.policy import to_published
-    from sync import chunks as chunking
     from sync.hashing import canonical_state
     from sync.lineage import Lineage, LineageFollower
-    from sync.patchstore import open_manifest
     from training.engine import Sampling, open_engine
     from training.engine_hf import HFEngine, set_threads
 
@@ -131,7 +129,7 @@ def side(kind: str, model_dir: str, work: str, n: int, batch: int, max_new: int,
     for v in range(1, n + 1):
         env = (Path(work) / f"{v}.env").read_bytes()
         payload = (Path(work) / f"{v}.bin").read_bytes()
-        applied = follower.apply(env, chunking.split(payload, open_manifest(env, swarm=BENCH_SWARM).chunk_bytes))
+        applied = follower.apply_stored(env, payload)
         t0 = time.monotonic()
         eng.take_version(follower.live, applied.changed)
         apply_s.append(time.monotonic() - t0)
