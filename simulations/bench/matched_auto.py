@@ -44,7 +44,7 @@ class _Mode:
     """One node's role state: its rule, what it serves, and what its rates are measured from."""
 
     rule: R.PodRule
-    serving: int | None = None  # index of the trainer node it generates for
+    serves: int | None = None  # index of the trainer node it generates for
     own_state: dict[str, Any] | None = None  # its own lineage's weights while it follows
     made: int = 0  # rollouts it generated as a follower
     made_cpu: float = 0.0  # and the CPU they took
@@ -84,7 +84,7 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
     wall0 = time.monotonic()
 
     def followers_of(t: int) -> list[int]:
-        return [i for i, m in enumerate(modes) if m.mode == "follower" and m.serving == t]
+        return [i for i, m in enumerate(modes) if m.mode == "follower" and m.serves == t]
 
     def supply(t: int, but: int | None = None) -> float:
         return sum(_gen_rate(ns[i], modes[i], per_step) for i in followers_of(t) if i != but)
@@ -113,18 +113,18 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
         new = m.rule.step(ns[i].cpu, wanted)
         if new == "follower":
             m.own_state = {k: v.clone() for k, v in ns[i].engine.model.state_dict().items()}
-            m.serving = None
+            m.serves = None
         elif new == "trainer":
             assert m.own_state is not None
             ns[i].engine.model.load_state_dict(m.own_state)  # back to its own lineage, where it left it
-            m.own_state, m.serving = None, None
+            m.own_state, m.serves = None, None
         if new is not None:
             m.history.append((round(ns[i].cpu, 2), new, m.rule.reason))
         if m.mode == "follower":
             choice = R.choose_lineage(me, [R.LineageOption(ns[t].lineage, demand(t), supply(t, but=i))
-                                           for t in published(i)], current=None if m.serving is None
-                                      else ns[m.serving].lineage)
-            m.serving = next((t for t in published(i) if ns[t].lineage == choice.lineage), None)
+                                           for t in published(i)], current=None if m.serves is None
+                                      else ns[m.serves].lineage)
+            m.serves = next((t for t in published(i) if ns[t].lineage == choice.lineage), None)
 
     while True:
         todo = [n for n in ns if n.cpu < cpu_s]
@@ -156,8 +156,8 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
                 node.verify_cpu += dt
                 for other in peers:
                     _receive(other, payloads, node.ident.peer_id)
-        elif m.serving is not None and modes[m.serving].mode == "trainer":
-            t = ns[m.serving]
+        elif m.serves is not None and modes[m.serves].mode == "trainer":
+            t = ns[m.serves]
             node.engine.model.load_state_dict(t.engine.model.state_dict())  # a patch applied at once
             gens = train_generators(t.trainer.registry.get(t.trainer.task_set))
             gen_cpu = node.gen_cpu
