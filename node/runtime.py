@@ -180,6 +180,8 @@ class Node:
         event(log, "starting", peer_id=self.ident.peer_id, roles=self.roles, why=self.roles_reason)
         try:
             await self._start_worker()  # it loads its model while the transport starts
+            if self._stop_requested:  # a signal while the worker started: nothing else is opened
+                return
             async with transport() as t:
                 await self.attach(t)
                 async with trio.open_nursery() as nursery:
