@@ -20,7 +20,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from gossip import wire
+from gossip import exchange, topics, wire
 from gossip.identity import Identity
 from node import core as C
 from node import patchsync, pipe
@@ -319,3 +319,119 @@ def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path:
         i += 1 + len(acts)
     greeted = [e for e in trace if e[0] == "event" and isinstance(e[1], C.AnnounceHeard)]
     assert sequences >= 12 and all(any(isinstance(a, C.SeePeer) for a in e[2]) for e in greeted)
+
+
+def test_a_recorded_trace_gives_the_same_actions_from_the_runtime_and_the_simulators_driver(tmp_path: Path,
+                                                                                          monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The runtime's core loop and the simulator's driver (`simulations.vruntime.CoreDriver.feed`) order a
+    core's events alike: the runtime runs two sources at once (worker rollouts to sign, peers' announces)
+    with every event, its time and each action's follow-up recorded; a copy of the core taken when the
+    recording starts is then driven by the simulator's loop with the same events at the same times, each
+    action answered with the follow-up the runtime got for it, and gives the same action sequence."""
+    import copy
+    from types import SimpleNamespace
+
+    from simulations.vruntime import CoreDriver
+
+    monkeypatch.setattr("training.tokencheck.for_model", lambda model: None)
+    ident = Identity.from_seed(b"\x35" * 32)
+    peers = [Identity.from_seed(bytes([0x50 + i]) * 32) for i in range(4)]
+    rec: dict[str, object] = {"on": False, "core": None}
+    handled: list[tuple[C.Event, float, int, list[C.Action]]] = []
+    follow_ups: list[C.Event | None] = []  # what carrying out each action gave back, in order
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            workers = FakeWorkers(n)
+            node = Node(_config(["trainer"]), tmp_path / "n", ident, RunOptions(tui=False), clock=trio.current_time,
+                        spawn_worker=workers.spawn)
+            handle, carry_out = node.core.handle, node._carry_out
+
+            def recorded_handle(ev: C.Event, now: float, wall_ms: int) -> list[C.Action]:
+                if rec["on"] and rec["core"] is None:
+                    rec["core"] = copy.deepcopy(node.core)
+                acts = handle(ev, now, wall_ms)
+                if rec["core"] is not None:
+                    handled.append((ev, now, wall_ms, list(acts)))
+                return acts
+
+            async def recorded_carry_out(a: C.Action) -> C.Event | None:
+                got = await carry_out(a)
+                if rec["core"] is not None:
+                    follow_ups.append(got)
+                return got
+
+            node.core.handle, node._carry_out = recorded_handle, recorded_carry_out  # type: ignore[method-assign]
+            net, ready, done = MemNet(), trio.Event(), trio.Event()
+            n.start_soon(node.run_on, partial(net.transport, ident))
+            await _until("node running", lambda: node.state == "running" and bool(workers.links))
+            w = workers.links[0]
+
+            async def subscriber() -> None:  # a peer on our shard: a publish goes out and its follow-up comes back
+                async with net.transport(peers[-1]) as t:
+                    await t.subscribe(topics.rollouts(SWARM, exchange.shard_of(node.core.own or b"", 1)))
+                    await t.connect(node.transport.listen_addrs()[0])
+                    ready.set()
+                    await done.wait()
+
+            n.start_soon(subscriber)
+            await ready.wait()
+            rec["on"] = True
+
+            async def worker_source() -> None:
+                for _ in range(4):
+                    w._out(_rollouts((node.core.own or b"", b"\2" * 32)))
+                    await trio.lowlevel.checkpoint()
+
+            async def gossip_source() -> None:
+                for k, p in enumerate(peers):
+                    # the first a validator of our lineage: its sample is demand, so our rollouts are published
+                    # (a publish that went out comes back to the core as a follow-up event)
+                    body = wire.NodeAnnounce(v=1, peer_id=p.peer_id, seq=1, created_ms=1, hardware="cpu",
+                                             gen_tokens_per_s=0.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0,
+                                             memory_bytes=0, roles=["follower", "validator"] if k == 0 else ["follower"],
+                                             lineages_followed=[], serving=node.core.own or b"" if k == 0 else b"",
+                                             owned=[])
+                    await node._on_node_announce(p.peer_id, body, wire.seal(p, wire.NODE_ANNOUNCE, body, swarm=SWARM))
+
+            async with trio.open_nursery() as sources:
+                sources.start_soon(worker_source)
+                sources.start_soon(gossip_source)
+            await _until("both sources handled", lambda: sum(isinstance(h[0], C.FromWorker) for h in handled) >= 4
+                         and sum(isinstance(h[0], C.AnnounceHeard) for h in handled) == len(peers))
+            await trio.sleep(1.0)  # a tick or two more, in virtual time
+            rec["on"] = False
+            node.request_stop()
+            done.set()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
+    actions = sum(len(h[3]) for h in handled)
+    # the stop may cut the last event's actions short: compare what the runtime carried out in full
+    while actions > len(follow_ups):
+        actions -= len(handled.pop()[3])
+    made_by_follow_up = {id(f) for f in follow_ups if f is not None}
+    sources = [h for h in handled if id(h[0]) not in made_by_follow_up]
+    assert len(sources) >= 8 and len(made_by_follow_up) >= 4  # both sources, and publishes answered
+    times = iter([(h[1], h[2]) for h in handled])
+    answers = iter(follow_ups)
+    replayed: list[tuple[C.Event, list[C.Action]]] = []
+    core = rec["core"]
+    assert isinstance(core, C.NodeCore)
+    clock = SimpleNamespace(now=(0.0, 0))
+
+    def sim_handle(ev: C.Event, now: float, wall_ms: int) -> list[C.Action]:
+        clock.now = next(times)
+        acts = handle_copy(ev, *clock.now)
+        replayed.append((ev, list(acts)))
+        return acts
+
+    handle_copy = partial(C.NodeCore.handle, core)  # the copy's own (the recording wrapper was copied with it)
+    core.handle = sim_handle  # type: ignore[method-assign]
+    driver = SimpleNamespace(queue=SimpleNamespace(unix=lambda: clock.now[0], unix_ms=lambda: clock.now[1]),
+                             do=lambda n, a: next(answers))
+    vnode = SimpleNamespace(core=core)
+    for ev, *_ in sources:
+        CoreDriver.feed(driver, vnode, ev)  # type: ignore[arg-type]
+    assert [type(e).__name__ for e, _ in replayed] == [type(h[0]).__name__ for h in handled]
+    assert all(e is h[0] or e == h[0] for (e, _), h in zip(replayed, handled, strict=True))
+    assert [a for _, acts in replayed for a in acts] == [a for h in handled for a in h[3]]
