@@ -217,6 +217,21 @@ async def _echo(stream) -> None:  # type: ignore[no-untyped-def]
     await stream.close()
 
 
+async def _open_stream(src: Any, dst: Any, protocol: Any, attempts: int = 3) -> Any:
+    """A stream from `src` to `dst`, opened again (at most `attempts` times) when its negotiation fails: a
+    stray WebRTC stream open stalls past multistream-select's timeout now and then, with or without the
+    workarounds, and a node retries it. A stream stuck behind a flood fails every attempt."""
+    from libp2p.host.exceptions import StreamFailure
+
+    for k in range(attempts):
+        try:
+            return await src.new_stream(dst.get_id(), [protocol])
+        except StreamFailure:
+            if k == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @asynccontextmanager
 async def _raw_webrtc_pair(handlers: dict[str, Any]) -> AsyncIterator[tuple[Any, Any]]:
     """Two bare py-libp2p hosts, `b` listening on /webrtc-direct only, `a` connected to it and a first
@@ -289,7 +304,7 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
     async def main() -> None:
         async with _raw_webrtc_pair({sink_p: sink, echo_p: _echo}) as (a, b):
             with trio.fail_after(60):
-                s = await a.new_stream(b.get_id(), [sink_p])
+                s = await _open_stream(a, b, sink_p)
             block, sent, ahead = os.urandom(16384), 0, []
             opened = trio.Event()
 
@@ -297,7 +312,7 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
                 while sent < total // 3:  # bounded by the flood below, which is bounded by `total`
                     await trio.sleep(0.01)
                 for src, dst in ((a, b), (b, a)):
-                    e = await src.new_stream(dst.get_id(), [echo_p])
+                    e = await _open_stream(src, dst, echo_p, attempts=2)
                     await e.write(b"ping")
                     assert await e.read(100) == b"ping"
                 opened.set()
