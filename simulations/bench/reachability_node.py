@@ -179,6 +179,7 @@ async def main(script: dict[str, Any]) -> None:
         emit("ready", name=name, peer_id=t.peer_id, addrs=t.listen_addrs(), imported_ms=imported_ms,
              before_t0_ms=since_exec_ms, webrtc_addrs=state.webrtc_addrs, webrtc_error=state.webrtc_error)
         ready_ms = ms()
+        dialled_ms: list[float] = []  # when the first bootstrap dial returned
         first = trio.Event()
 
         async def watch_rollouts() -> None:
@@ -195,7 +196,11 @@ async def main(script: dict[str, Any]) -> None:
                          breakdown_ms={"before_t0": since_exec_ms, "imports": imported_ms,
                                        "host": round(host_ms - imported_ms, 1),
                                        "relay_dcutr_dialback": round(ready_ms - host_ms, 1),
-                                       "connect_and_mesh": round(ms() - ready_ms, 1)})
+                                       "connect_and_mesh": round(ms() - ready_ms, 1),
+                                       # its two parts: our bootstrap dial, then subscriptions + mesh + delivery
+                                       "connect_and_mesh_parts": {
+                                           "dial": round(dialled_ms[0] - ready_ms, 1) if dialled_ms else None,
+                                           "after_dial": round(ms() - dialled_ms[0], 1) if dialled_ms else None}})
 
         nursery.start_soon(watch_rollouts)
         if script.get("publish_rollouts"):
@@ -213,6 +218,7 @@ async def main(script: dict[str, Any]) -> None:
             try:
                 with trio.fail_after(5):
                     pid = await t.connect(a)
+                dialled_ms.append(ms())
                 emit("bootstrap", addr=a, peer=pid)
             except Exception as e:
                 emit("bootstrap_failed", addr=a, error=str(e)[:200])
