@@ -115,7 +115,7 @@ def process_start() -> float:
 
     From the kernel's start time (clock ticks since boot) against CLOCK_BOOTTIME, both on the same clock.
     Not psutil's `create_time()`: it adds the ticks to /proc/stat's `btime`, which is whole seconds,
-    so every process looked older than it is by the boot time's lost fraction (up to a second).
+    so it makes every process older than it is by the boot time's lost fraction (up to a second).
     """
     try:
         with open("/proc/self/stat") as f:
@@ -243,8 +243,8 @@ class ReachState:
 
         In the background, and not while the first connection brings up gossip: the attach takes CPU and
         the event loop's thread (aiortc's import holds the GIL even on a worker thread) exactly when the
-        first connection's handshakes, subscriptions and first message need them, and on a loaded machine
-        that cost the first message hundreds of milliseconds. WebRTC-direct is a fallback for peers that
+        first connection's handshakes, subscriptions and first message need them, so the first message
+        would wait on a fallback path. WebRTC-direct is a fallback for peers that
         TCP cannot reach, so it starts `WEBRTC_SETTLE_S` after the first connection, or `WEBRTC_NO_PEER_S`
         after the host is ready if none comes (then TCP is what fails, and the fallback is needed)."""
         from gossip.webrtc import WebRTCUnavailable, attach_webrtc, webrtc_listen_for
