@@ -26,6 +26,7 @@ verdict is not yet confirmed. `ReachState.view()` is the
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,12 @@ TCP_DIAL_S = 3.0  # a public peer's TCP address: Noise + yamux under load
 LAN_DIAL_S = 1.0  # a private peer's own (LAN) address: answers in milliseconds on the same LAN, or never
 BOOTSTRAP_GRACE_S = 5.0  # Discovery dials bootstrap peers over TCP first; WebRTC-direct only if that failed
 WEBRTC_AFTER_S = 30.0  # an announced peer without circuits this long after we first saw it is not a NATed one
+# The WebRTC-direct listener (aiortc's import, the transport, UDP sockets: CPU and GIL time on the event loop's
+# thread) starts after the first connection has had this long to bring up gossip, ...
+WEBRTC_SETTLE_S = 1.0
+# ... or this long after the host is ready when no peer connects (a UDP-only network, where TCP dials fail
+# after TCP_DIAL_S: WebRTC is then up before the next dial round needs it).
+WEBRTC_NO_PEER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -104,12 +111,18 @@ def recheck_after(status: str, streak: int) -> float:
 
 
 def process_start() -> float:
-    """Wall-clock time this process started (so startup costs, imports included, are measured honestly)."""
-    try:
-        import psutil
+    """Wall-clock time this process started (so startup costs, imports included, are measured honestly).
 
-        return float(psutil.Process().create_time())
-    except Exception:
+    From the kernel's start time (clock ticks since boot) against CLOCK_BOOTTIME, both on the same clock.
+    Not psutil's `create_time()`: it adds the ticks to /proc/stat's `btime`, which is whole seconds,
+    so it makes every process older than it is by the boot time's lost fraction (up to a second).
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime; comm may hold spaces
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux: no /proc, no CLOCK_BOOTTIME
         return time.time()
 
 
@@ -128,6 +141,7 @@ class ReachState:
     started_unix: float = field(default_factory=process_start)
     host_ready_s: float | None = None
     first_peer_s: float | None = None
+    first_peer: trio.Event = field(default_factory=trio.Event)  # set at the first connection
     circuit_dialled: set[str] = field(default_factory=set)  # peers we reached through a relay
     relayed_seen: set[str] = field(default_factory=set)  # peers we were ever relayed to
     upgrade_tries: dict[str, int] = field(default_factory=dict)
@@ -227,13 +241,21 @@ class ReachState:
     async def start_webrtc(self) -> None:
         """Listen on UDP /webrtc-direct next to the TCP listen addresses (config `network.webrtc`, aiortc).
 
-        In the background, after the host is ready: importing aiortc costs a second or more, and the first
-        message should not wait for a fallback path."""
+        In the background, and not while the first connection brings up gossip: the attach takes CPU and
+        the event loop's thread (aiortc's import holds the GIL even on a worker thread) exactly when the
+        first connection's handshakes, subscriptions and first message need them, so the first message
+        would wait on a fallback path. WebRTC-direct is a fallback for peers that
+        TCP cannot reach, so it starts `WEBRTC_SETTLE_S` after the first connection, or `WEBRTC_NO_PEER_S`
+        after the host is ready if none comes (then TCP is what fails, and the fallback is needed)."""
         from gossip.webrtc import WebRTCUnavailable, attach_webrtc, webrtc_listen_for
 
         if not self.cfg.network.webrtc:
             self.webrtc_error = "disabled in config (network.webrtc = false)"
             return
+        with trio.move_on_after(WEBRTC_NO_PEER_S) as waiting:
+            await self.first_peer.wait()
+        if not waiting.cancelled_caught:
+            await trio.sleep(WEBRTC_SETTLE_S)
         try:
             self.webrtc_addrs = await attach_webrtc(self.transport, webrtc_listen_for(self.transport.listen_addrs()))
             log.info("listening on WebRTC-direct: %s", self.webrtc_addrs)
@@ -365,6 +387,7 @@ async def _serve(state: ReachState, *, task_status: Any = trio.TASK_STATUS_IGNOR
                 while not t.peers():
                     await trio.sleep(0.05)
                 state.first_peer_s = round(time.time() - state.started_unix, 3)
+                state.first_peer.set()
 
 
 async def start_reachability(transport: Any, cfg: Config, nursery: trio.Nursery, bootstrap: list[str] | None = None,

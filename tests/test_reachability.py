@@ -447,3 +447,22 @@ def test_check_loop_turns_a_false_private_into_public_at_the_next_retry(monkeypa
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert seen[0][1] == PRIVATE and seen[1][1] == PUBLIC
     assert asked[1] - asked[0] == pytest.approx(RETRY_S, abs=0.5)
+
+
+def test_process_start_is_when_the_process_started() -> None:
+    """The start-up phase the benchmark reports (before_t0) and host_ready_s count from `process_start()`:
+    it must lie between the spawn and the child's first line, not up to a second earlier (psutil's
+    create_time() adds start ticks to a boot time cut to whole seconds)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    code = "import time; t = time.time(); from node.reach import process_start; print(process_start(), t)"
+    repo = str(Path(__file__).resolve().parent.parent)
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,
+                         env={"PYTHONPATH": repo, "PATH": "/usr/bin:/bin"}).stdout.split()
+    started, first_line = float(out[0]), float(out[1])
+    tick = 0.011  # the kernel keeps the start time in clock ticks (10 ms), plus float rounding
+    assert before - tick <= started <= first_line

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from gossip.host import open_transport
 from gossip.identity import Identity
@@ -46,6 +47,48 @@ def test_webrtc_disabled_in_config_is_reported() -> None:
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_webrtc_attach_waits_until_the_first_connection_had_its_gossip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The WebRTC-direct attach (aiortc's import, its transport, UDP sockets) takes the event loop's thread:
+    it must not run while the first connection brings up gossip (that cost the first message hundreds of
+    ms), and must still start when no peer comes (UDP-only networks need it). Virtual time."""
+    import gossip.webrtc
+
+    attached: list[float] = []
+
+    async def fake_attach(transport: Any, listen: list[str]) -> list[str]:
+        attached.append(trio.current_time())
+        return ["/ip4/127.0.0.1/udp/4001/webrtc-direct/p2p/X"]
+
+    monkeypatch.setattr(gossip.webrtc, "attach_webrtc", fake_attach)
+
+    class Host:
+        def listen_addrs(self) -> list[str]:
+            return ["/ip4/127.0.0.1/tcp/4001/p2p/X"]
+
+    async def run(first_peer_at: float | None) -> float:
+        attached.clear()
+        state = reach.ReachState(Host(), Config(), [], dict)
+        async with trio.open_nursery() as n:
+            n.start_soon(state.start_webrtc)
+            if first_peer_at is not None:
+                await trio.sleep(first_peer_at)
+                state.first_peer.set()
+            with trio.fail_after(60):
+                while not state.webrtc_addrs:
+                    await trio.sleep(0.01)
+        assert len(attached) == 1
+        return attached[0]
+
+    async def main() -> None:
+        t0 = trio.current_time()
+        assert await run(0.3) - t0 >= 0.3 + reach.WEBRTC_SETTLE_S  # not during the first connection's start
+        t1 = trio.current_time()
+        assert await run(None) - t1 == pytest.approx(reach.WEBRTC_NO_PEER_S, abs=0.02)  # nobody came
+        assert reach.WEBRTC_NO_PEER_S < reach.TCP_DIAL_S  # up before a failed TCP dial's retry needs it
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def _stream_pair_on_a_list() -> tuple[Any, Any, list[bytes]]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+# the repository root: node subprocesses must run this checkout, not whatever the environment installed
+REPO = Path(__file__).resolve().parents[2]
 PORT = 4001
 SEEDS = {"pub": 11, "h1": 12, "h2": 13, "udp": 14}
 

@@ -51,7 +51,7 @@ def ms() -> float:
 
 
 def emit(ev: str, **kw: Any) -> None:
-    sys.stdout.write(json.dumps({"ev": ev, "t_ms": ms(), **kw}) + "\n")
+    sys.stdout.write(json.dumps({"ev": ev, "t_ms": ms(), "wall": round(time.time(), 4), **kw}) + "\n")
     sys.stdout.flush()
 
 
@@ -179,6 +179,7 @@ async def main(script: dict[str, Any]) -> None:
         emit("ready", name=name, peer_id=t.peer_id, addrs=t.listen_addrs(), imported_ms=imported_ms,
              before_t0_ms=since_exec_ms, webrtc_addrs=state.webrtc_addrs, webrtc_error=state.webrtc_error)
         ready_ms = ms()
+        dialled_ms: list[float] = []  # when the first bootstrap dial returned
         first = trio.Event()
 
         async def watch_rollouts() -> None:
@@ -195,17 +196,43 @@ async def main(script: dict[str, Any]) -> None:
                          breakdown_ms={"before_t0": since_exec_ms, "imports": imported_ms,
                                        "host": round(host_ms - imported_ms, 1),
                                        "relay_dcutr_dialback": round(ready_ms - host_ms, 1),
-                                       "connect_and_mesh": round(ms() - ready_ms, 1)})
+                                       "connect_and_mesh": round(ms() - ready_ms, 1),
+                                       # its two parts: our bootstrap dial, then subscriptions + mesh + delivery
+                                       "connect_and_mesh_parts": {
+                                           "dial": round(dialled_ms[0] - ready_ms, 1) if dialled_ms else None,
+                                           "after_dial": round(ms() - dialled_ms[0], 1) if dialled_ms else None}})
 
         nursery.start_soon(watch_rollouts)
+
+        async def watch_link(pid: str) -> None:
+            """Events (no polling) for the steps between our dial and the first message: our pubsub
+            stream to the peer is up, then its rollout subscription has reached us."""
+            from libp2p.peer.id import ID
+
+            try:
+                await t.pubsub.wait_for_peer(ID.from_base58(pid), timeout=30)
+                emit("pubsub_stream", peer=pid)
+                await t.pubsub.wait_for_subscription(ID.from_base58(pid), ROLLOUT_TOPIC, timeout=30)
+                emit("peer_subscribed", peer=pid)
+            except trio.TooSlowError:
+                emit("link_timeout", peer=pid)
         if script.get("publish_rollouts"):
             async def publish_loop() -> None:
                 # fast while nobody listens (time-to-first-message), then 1/s to keep the CPU for the rest
+                seen: set[str] = set()
+                last_error = ""
                 for seq in range(1, 100_000):
+                    for p in set(t.topic_peers(ROLLOUT_TOPIC)) - seen:  # when each subscriber was first seen here
+                        seen.add(p)
+                        emit("subscriber", peer=p)
                     try:
                         await t.publish(ROLLOUT_TOPIC, sample_batch(ident, seq))
-                    except Exception:
-                        pass  # no subscriber yet
+                    except Exception as e:  # no subscriber (or mesh peer) yet
+                        if str(e) != last_error:
+                            emit("publish_failed", error=str(e)[:120])
+                        last_error = str(e)
+                    else:
+                        last_error = ""
                     await trio.sleep(0.05 if len(t.topic_peers(ROLLOUT_TOPIC)) < 2 else 1.0)
             nursery.start_soon(publish_loop)
 
@@ -213,7 +240,9 @@ async def main(script: dict[str, Any]) -> None:
             try:
                 with trio.fail_after(5):
                     pid = await t.connect(a)
+                dialled_ms.append(ms())
                 emit("bootstrap", addr=a, peer=pid)
+                nursery.start_soon(watch_link, pid)
             except Exception as e:
                 emit("bootstrap_failed", addr=a, error=str(e)[:200])
         names: dict[str, str] = {}
@@ -317,4 +346,5 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=getattr(logging, os.environ.get("MURMUR_NODE_LOG", "CRITICAL")),
                         format="%(relativeCreated)d %(name)s %(levelname)s %(message)s")
+    logging.getLogger("multiaddr").setLevel(logging.WARNING)  # a DEBUG line per address parsed drowns the rest
     trio.run(main, json.loads(sys.argv[1]))
