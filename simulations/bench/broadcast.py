@@ -189,7 +189,7 @@ def _children_cpu(procs: list[subprocess.Popen[str]]) -> float:
 def _spawn(tmp: str, role: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "simulations.bench.broadcast", role, tmp, str(idx), str(upload), str(chunk_bytes), str(seed)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                            cwd=str(Path(__file__).resolve().parent.parent))
+                            cwd=str(Path(__file__).resolve().parents[2]))  # the checkout this module is in
 
 
 def _tell(p: subprocess.Popen[str], msg: dict[str, Any]) -> None:
