@@ -265,6 +265,34 @@ def make_nodes(nodes: int, seed: int, home: Path, warmup_steps: int | None, answ
     return ns, tasks, heads
 
 
+def trainer_turn(node: _Node, ns: list[_Node], heads: dict[bytes, int], peers: list[_Node]) -> None:
+    """One trainer step of `node` on its own CPU; in a swarm (`ns` have samplers) every node learns its new
+    head, and its rollouts, sealed on its CPU, go to `peers`, each verifying them on its own."""
+    from training.rollouts import to_wire
+
+    c0 = time.thread_time()
+    res = node.trainer.step()
+    dt = time.thread_time() - c0
+    node.cpu += dt
+    node.step_cpu += dt
+    node.updates += res.updates
+    node.ext_groups += res.trained_external_groups
+    node.used += sum(res.used_by_set.values())
+    heads[node.lineage] = node.trainer.version
+    if node.sampler is None or not res.rollouts:
+        return
+    for other in ns:
+        assert other.sampler is not None
+        other.sampler.observe_head(node.lineage, node.trainer.version)
+    c0 = time.thread_time()
+    payloads = _seal(node, [to_wire(r) for r in res.rollouts])
+    dt = time.thread_time() - c0
+    node.cpu += dt
+    node.verify_cpu += dt
+    for other in peers:
+        _receive(other, payloads, node.ident.peer_id)
+
+
 def seed_torch(seed: int) -> None:
     """One torch thread (the CPU matching measures thread time) and the arm's seed."""
     import torch
@@ -297,7 +325,6 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost.
     `answers` picks the regime: the built-in set's short answers or the worked-answer set (`trainer_shape`)."""
     from training.engine_hf import HFEngine
-    from training.rollouts import to_wire
     from training.tasksets import train_generators
     from training.tiny import ensure_tiny
 
@@ -343,28 +370,7 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
                                            node.trainer.version, int(TRAINER["local_groups"]), new_tokens)
                 assert node.pipeline is not None and node.sampler is not None
                 _receive(node, _seal(fn, batch), fn.ident.peer_id)
-        c0 = time.thread_time()
-        res = node.trainer.step()
-        dt = time.thread_time() - c0
-        node.cpu += dt
-        node.step_cpu += dt
-        node.updates += res.updates
-        node.ext_groups += res.trained_external_groups
-        node.used += sum(res.used_by_set.values())
-        heads[node.lineage] = node.trainer.version
-        if swarm and res.rollouts:
-            for other in ns:
-                assert other.sampler is not None
-                other.sampler.observe_head(node.lineage, node.trainer.version)
-            c0 = time.thread_time()
-            payloads = _seal(node, [to_wire(r) for r in res.rollouts])
-            dt = time.thread_time() - c0
-            node.cpu += dt
-            node.verify_cpu += dt
-            for other in ns:
-                if other is node:
-                    continue
-                _receive(other, payloads, node.ident.peer_id)
+        trainer_turn(node, ns, heads, [o for o in ns if o is not node] if swarm else [])
         honest_steps += 1
         if adv is not None and honest_steps % nodes == 0:
             sender, payloads = adv.payloads(train_generators(node.trainer.registry.get(node.trainer.task_set)),

@@ -33,6 +33,7 @@ from simulations.bench.matched import (
     make_nodes,
     seed_torch,
     trainer_shape,
+    trainer_turn,
 )
 
 OBSERVE_SHARE = 1 / 12  # of the CPU budget, watched before the first choice
@@ -66,7 +67,6 @@ def _gen_rate(n: _Node, m: _Mode, rollouts_per_step: int) -> float:
 
 def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int, home: Path,
                  warmup_steps: int | None = None, answers: str = "short") -> dict[str, Any]:
-    from training.rollouts import to_wire
     from training.tasksets import train_generators
 
     shape = trainer_shape(answers)
@@ -134,28 +134,8 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
         m = modes[node.index]
         if m.mode == "trainer":
             node.trainer.cfg.external_groups = j * max(1, len(followers_of(node.index)))
-            c0 = time.thread_time()
-            res = node.trainer.step()
-            dt = time.thread_time() - c0
-            node.cpu += dt
-            node.step_cpu += dt
+            trainer_turn(node, ns, heads, [o for o in ns if o is not node and modes[o.index].mode == "trainer"])
             m.steps += 1
-            node.updates += res.updates
-            node.ext_groups += res.trained_external_groups
-            node.used += sum(res.used_by_set.values())
-            heads[node.lineage] = node.trainer.version
-            if res.rollouts:
-                peers = [o for o in ns if o is not node and modes[o.index].mode == "trainer"]
-                for other in ns:
-                    assert other.sampler is not None
-                    other.sampler.observe_head(node.lineage, node.trainer.version)
-                c0 = time.thread_time()
-                payloads = _seal(node, [to_wire(r) for r in res.rollouts])
-                dt = time.thread_time() - c0
-                node.cpu += dt
-                node.verify_cpu += dt
-                for other in peers:
-                    _receive(other, payloads, node.ident.peer_id)
         elif m.serves is not None and modes[m.serves].mode == "trainer":
             t = ns[m.serves]
             node.engine.model.load_state_dict(t.engine.model.state_dict())  # a patch applied at once
