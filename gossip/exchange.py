@@ -538,10 +538,7 @@ class Stats:
 
     def _generators(self, ts: bytes, lineage: bytes) -> DistinctCount | None:
         """The producer count of `lineage` on task set `ts` (None past `MAX_LINEAGES_PER_SET` lineages)."""
-        key = ts.hex()[:64]
-        if key not in self.generators and len(self.generators) >= MAX_TASK_SETS - 1:  # "other" counts too
-            key = "other"
-        per = self.generators.setdefault(key, {})
+        per = self.generators.setdefault(_set_key(self.generators, ts), {})
         got = per.get(lineage.hex())
         if got is None:
             if len(per) >= MAX_LINEAGES_PER_SET:
@@ -554,10 +551,11 @@ class Stats:
         `DISTINCT_WINDOW_S`) and how many distinct producers generated for it on that set."""
         out: dict[str, dict[str, int]] = {}
         for ts, per in self.generators.items():
-            for lineage in [k for k, c in per.items() if not c.count(now)]:
-                del per[lineage]
-            if per:
-                out[ts] = {lineage: c.count(now) for lineage, c in per.items()}
+            counts = {lineage: c.count(now) for lineage, c in per.items()}
+            for lineage in [k for k, n in counts.items() if not n]:
+                del per[lineage], counts[lineage]
+            if counts:
+                out[ts] = counts
         return out
 
     def used(self, by_set: Mapping[str, int]) -> None:
@@ -572,10 +570,7 @@ class Stats:
             self._per_set(key)["used_rollouts"] += k
 
     def _per_set(self, ts: bytes) -> Counter[str]:
-        key = bytes(ts).hex()[:64]
-        if key not in self.task_sets and len(self.task_sets) >= MAX_TASK_SETS - 1:  # "other" counts too
-            key = "other"
-        return self.task_sets.setdefault(key, Counter())
+        return self.task_sets.setdefault(_set_key(self.task_sets, ts), Counter())
 
     def distinct_producers(self, now: float) -> int:
         while self.producers and now - next(iter(self.producers.values())) > DISTINCT_WINDOW_S:
@@ -597,6 +592,14 @@ class Stats:
         if span <= 0:
             return {}
         return {k + "_per_s": round((cur.get(k, 0) - old.get(k, 0)) / span, 3) for k in cur}
+
+
+def _set_key(table: Mapping[str, object], ts: bytes) -> str:
+    """A task set's key in a per-set table: its hex id, or "other" once the table holds `MAX_TASK_SETS`."""
+    key = bytes(ts).hex()[:64]
+    if key not in table and len(table) >= MAX_TASK_SETS - 1:  # "other" counts too
+        key = "other"
+    return key
 
 
 @functools.lru_cache(maxsize=16_384)  # a node hashes the key of every announce it hears
