@@ -106,8 +106,8 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
     def decide(i: int) -> None:
         m = modes[i]
         me = offer(i)
-        options = [R.PodOption(ns[t].lineage, demand(t), supply(t, but=i), ns[t].trainer.version)
-                   for t in published(i)]
+        seen = [(t, demand(t), supply(t, but=i)) for t in published(i)]  # what this node observes now
+        options = [R.PodOption(ns[t].lineage, d, sup, ns[t].trainer.version) for t, d, sup in seen]
         own = (ns[i].trainer.version, ns[i].lineage) if m.mode == "trainer" else None
         wanted = R.want_mode(m.mode, options, me, own, supply(i) if m.mode == "trainer" else 0.0)
         new = m.rule.step(ns[i].cpu, wanted)
@@ -121,10 +121,9 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
         if new is not None:
             m.history.append((round(ns[i].cpu, 2), new, m.rule.reason))
         if m.mode == "follower":
-            choice = R.choose_lineage(me, [R.LineageOption(ns[t].lineage, demand(t), supply(t, but=i))
-                                           for t in published(i)], current=None if m.serves is None
-                                      else ns[m.serves].lineage)
-            m.serves = next((t for t in published(i) if ns[t].lineage == choice.lineage), None)
+            choice = R.choose_lineage(me, [R.LineageOption(ns[t].lineage, d, sup) for t, d, sup in seen],
+                                      current=None if m.serves is None else ns[m.serves].lineage)
+            m.serves = next((t for t, _, _ in seen if ns[t].lineage == choice.lineage), None)
 
     while True:
         todo = [n for n in ns if n.cpu < cpu_s]
