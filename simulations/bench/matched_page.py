@@ -46,11 +46,13 @@ def accuracy_bands(result: dict[str, Any], arm: str, seed: int = 0) -> dict[str,
 def _plot_accuracy(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    top = 0.1
     for arm, label, colour in (("isolated", "alone", "tab:red"), ("swarm", arm_label(result), "tab:blue")):
         b = accuracy_bands(result, arm)
         ax.plot(b["cpu_s"], b["mean"], lw=2, color=colour, label=f"{label} (mean of {len(result['per_seed'])} seeds)")
         ax.fill_between(b["cpu_s"], b["lo"], b["hi"], color=colour, alpha=0.2, lw=0)
-    ax.set_ylim(0, max(0.1, *(max(accuracy_bands(result, a)["hi"]) for a in ("isolated", "swarm"))) * 1.15)
+        top = max(top, *b["hi"])
+    ax.set_ylim(0, top * 1.15)
     ax.set_xlabel("CPU-seconds per node (measured)")
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.set_title(f"Held-out accuracy at equal CPU, {result['answers']} answers (band: 95 % interval of the mean)")
