@@ -405,7 +405,7 @@ def test_webrtc_carries_broadcast_frames_written_as_a_bytearray(webrtc_extra: No
     async def main() -> None:
         async with _raw_webrtc_pair({proto: digest}) as (a, b):
             with trio.fail_after(60):
-                s = await a.new_stream(b.get_id(), [proto])
+                s = await _open_stream(a, b, proto)
                 await s.write(payload)
                 answer = await s.read(32)
             assert answer == hashlib.blake2b(bytes(payload), digest_size=32).digest()
