@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from gossip.host import ConnectError
+from murmur.gossip.host import ConnectError
 
 log = logging.getLogger("murmur.gossip.discovery")
 

@@ -55,7 +55,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from gossip.ratelimit import Bucket
+from murmur.gossip.ratelimit import Bucket
 
 PRODUCERS_PER_SHARD: Final = 2  # swarm-wide: every node must size S alike, so it is a protocol constant
 MAX_KNOWN: Final = 10_000  # producers remembered by a gate (least recently announced forgotten)

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 import msgspec
 import trio
 
-from gossip.limits import FrameTimeout, Lease
-from gossip.transport import FrameError, Stream, StreamError
+from murmur.gossip.limits import FrameTimeout, Lease
+from murmur.gossip.transport import FrameError, Stream, StreamError
 
 _LEN = struct.Struct(">I")
 READ_SIZE = 1 << 20  # one buffered read takes whatever the muxer holds, up to this

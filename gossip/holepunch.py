@@ -22,8 +22,8 @@ from typing import Any
 
 import trio
 
-from gossip import libp2p_fixes
-from gossip.errors import MurmurError
+from murmur.gossip import libp2p_fixes
+from murmur.gossip.errors import MurmurError
 
 log = logging.getLogger("murmur.gossip.holepunch")
 

@@ -28,11 +28,11 @@ from typing import Any
 import multiaddr
 import trio
 
-from gossip import libp2p_fixes
-from gossip.errors import DecodeError, MurmurError
-from gossip.identity import Identity
-from gossip.limits import Lease, StreamBudget, StreamLimits
-from gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
+from murmur.gossip import libp2p_fixes
+from murmur.gossip.errors import DecodeError, MurmurError
+from murmur.gossip.identity import Identity
+from murmur.gossip.limits import Lease, StreamBudget, StreamLimits
+from murmur.gossip.transport import FrameError, MessageChannel, PublishError, Stream, StreamError, StreamHandler
 
 log = logging.getLogger("murmur.gossip.host")
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import trio
 
-from gossip.iprange import full_range
-from gossip.limits import FrameTimeout, Lease, StreamBudget, StreamLimits
-from gossip.transport import FrameError
+from murmur.gossip.iprange import full_range
+from murmur.gossip.limits import FrameTimeout, Lease, StreamBudget, StreamLimits
+from murmur.gossip.transport import FrameError
 
 log = logging.getLogger("murmur.gossip.host")
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gossip import exchange, wire
-from gossip.identity import peer_id_from_public
-from gossip.validation import Pending, Pipeline, Verdict
+from murmur.gossip import exchange, wire
+from murmur.gossip.identity import peer_id_from_public
+from murmur.gossip.validation import Pending, Pipeline, Verdict
 
 UNSAMPLED = "unsampled"
 

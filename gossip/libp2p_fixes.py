@@ -29,9 +29,9 @@ from typing import Any, Final
 
 import trio
 
-from gossip import hostlimits, webrtc
-from gossip.errors import MurmurError
-from gossip.transport import FrameError
+from murmur.gossip import hostlimits, webrtc
+from murmur.gossip.errors import MurmurError
+from murmur.gossip.transport import FrameError
 
 log = logging.getLogger("murmur.gossip.host")
 

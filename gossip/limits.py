@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from gossip.transport import StreamError
+from murmur.gossip.transport import StreamError
 
 MiB = 1 << 20
 

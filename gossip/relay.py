@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import multiaddr
 import trio
 
-from gossip.errors import MurmurError
+from murmur.gossip.errors import MurmurError
 
 log = logging.getLogger("murmur.gossip.relay")
 

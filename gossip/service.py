@@ -32,13 +32,13 @@ from typing import Any
 
 import trio
 
-from gossip import exchange, topics, wire
-from gossip.errors import DecodeError
-from gossip.identity import peer_id_from_public
-from gossip.intake import BatchIntake, Dropped
-from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S, NewKeys, TokenBuckets
-from gossip.transport import PublishError
-from gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
+from murmur.gossip import exchange, topics, wire
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.identity import peer_id_from_public
+from murmur.gossip.intake import BatchIntake, Dropped
+from murmur.gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S, NewKeys, TokenBuckets
+from murmur.gossip.transport import PublishError
+from murmur.gossip.validation import Pending, Pipeline, Reason, Verdict, rollout_id
 
 log = logging.getLogger("murmur.gossip.service")
 

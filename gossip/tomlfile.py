@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from gossip.errors import ConfigError, MurmurError
+from murmur.gossip.errors import ConfigError, MurmurError
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ Rollouts move on shard topics (`gossip.exchange` decides which a node joins and 
 
 from __future__ import annotations
 
-from gossip.errors import ConfigError
+from murmur.gossip.errors import ConfigError
 
 TOPIC_VERSION = 1
 ROLLOUTS_VERSION = 2  # 2: sharded

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from gossip.errors import MurmurError
+from murmur.gossip.errors import MurmurError
 
 
 class PublishError(MurmurError):

@@ -37,13 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gossip import wire
-from gossip.cpubudget import CpuBudget
-from gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
-from gossip.identity import peer_id_from_public
-from gossip.ratelimit import AnnouncedRates, TokenBuckets
-from gossip.replay import ReplayCache
-from gossip.scoring import PeerScores, ScoreParams
+from murmur.gossip import wire
+from murmur.gossip.cpubudget import CpuBudget
+from murmur.gossip.errors import DecodeError, MurmurError, SignatureError, TaskError
+from murmur.gossip.identity import peer_id_from_public
+from murmur.gossip.ratelimit import AnnouncedRates, TokenBuckets
+from murmur.gossip.replay import ReplayCache
+from murmur.gossip.scoring import PeerScores, ScoreParams
 
 
 class Reason(enum.Enum):

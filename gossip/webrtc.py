@@ -1,6 +1,6 @@
 """WebRTC-direct fallback (aiortc, a default dependency), imported lazily.
 
-`attach_webrtc` adds the `/webrtc-direct` transport to a running node's host (node.reach does, with
+`attach_webrtc` adds the `/webrtc-direct` transport to a running node's host (node.shell.reachability does, with
 `network.webrtc`); `measure_loopback` is the benchmark's throughput figure.
 
 Why a fallback only: aiortc pulls in av/ffmpeg wheels and runs on asyncio (py-libp2p bridges it to trio in a
@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from gossip.errors import MurmurError
+from murmur.gossip.errors import MurmurError
 
 
 class WebRTCUnavailable(MurmurError):
@@ -123,7 +123,7 @@ async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> d
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import PeerInfo
 
-    from gossip import libp2p_fixes  # not at the top: libp2p_fixes imports this module for the fixes' policy
+    from murmur.gossip import libp2p_fixes  # not at the top: libp2p_fixes imports this module for the fixes' policy
 
     libp2p_fixes.install_webrtc()
     proto = TProtocol("/murmur/bench/webrtc-bulk/1")
@@ -213,7 +213,7 @@ async def attach_webrtc(transport: Any, listen: list[str]) -> list[str]:
     await trio.to_thread.run_sync(importlib.import_module, "aiortc")
     from libp2p.transport.webrtc.transport import WebRTCDirectTransport
 
-    from gossip import libp2p_fixes  # not at the top: libp2p_fixes imports this module for the fixes' policy
+    from murmur.gossip import libp2p_fixes  # not at the top: libp2p_fixes imports this module for the fixes' policy
 
     libp2p_fixes.install_webrtc()
 

@@ -25,8 +25,8 @@ import msgspec
 import numpy as np
 from msgspec import Meta, Struct
 
-from gossip.errors import DecodeError, SignatureError
-from gossip.identity import Identity, verify
+from murmur.gossip.errors import DecodeError, SignatureError
+from murmur.gossip.identity import Identity, verify
 
 # v2: the envelope names its swarm (signed), NodeAnnounce states its publishing rate.
 FORMAT_VERSION: Final = 2

@@ -19,10 +19,10 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip import exchange, wire
-from gossip.errors import ConfigError
-from gossip.tomlfile import convert_strict, read_toml, toml_value
-from training.selection import TaskSetChoice, needs_trust, normalise
+from murmur.gossip import exchange, wire
+from murmur.gossip.errors import ConfigError
+from murmur.gossip.tomlfile import convert_strict, read_toml, toml_value
+from murmur.training.selection import TaskSetChoice, needs_trust, normalise
 
 CONFIG_FILE = "config.toml"
 
@@ -120,13 +120,13 @@ class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):
     peers_max_mb: Annotated[float, _d("peer table bytes kept in state.db, in MiB (deleted in the same order)")] = 8.0
 
     def ledger_budget(self) -> Any:
-        from node.store import LedgerBudget
+        from murmur.node.store import LedgerBudget
 
         return LedgerBudget(max_rows=self.ledger_max_rows, payload_rows=self.ledger_payload_rows,
                             max_age_s=self.ledger_max_age_h * 3600.0)
 
     def peer_budget(self) -> Any:
-        from node.store import PeerBudget
+        from murmur.node.store import PeerBudget
 
         return PeerBudget(max_rows=self.peers_max_rows, max_bytes=int(self.peers_max_mb * 2**20))
 

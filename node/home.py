@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gossip.errors import MurmurError
-from gossip.identity import KEY_FILE, Identity
-from node.config import CONFIG_FILE, Config, load_config, render_default_config
-from node.store import Store, open_store
+from murmur.gossip.errors import MurmurError
+from murmur.gossip.identity import KEY_FILE, Identity
+from murmur.node.config import CONFIG_FILE, Config, load_config, render_default_config
+from murmur.node.store import Store, open_store
 
 
 def init_home(home: Path, force: bool = False) -> Identity:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, get_args
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip.errors import DecodeError
+from murmur.gossip.errors import DecodeError
 
 MAX_MESSAGE = 64 * 1024 * 1024  # a batch of encoded rollouts, or one signed envelope
 MAX_VERSION = 2**63 - 1  # a policy version, as the wire bounds it (gossip.wire.U64)
@@ -127,7 +127,7 @@ class Gen(Struct, tag="gen", forbid_unknown_fields=True):
     version: int
     tokens: int = 0
     latency_s: float = 0.0
-    # held-out greedy accuracy of the weights it holds (`version`), when measured (node.worker.follower_eval_due)
+    # held-out greedy accuracy of the weights it holds (`version`), when measured (node.worker.main.follower_eval_due)
     heldout: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
 
 

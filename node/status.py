@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import msgspec
 from msgspec import Struct
 
-from sync.ids import Relation
+from murmur.sync.ids import Relation
 
 if TYPE_CHECKING:
-    from node.config import Config
+    from murmur.node.config import Config
 
 STATUS_LIMIT = 4 * 1024 * 1024  # bytes of one status reply on the control socket
 TREND_POINTS = 60
@@ -188,7 +188,7 @@ class ExchangeView(Struct, kw_only=True):
 
 
 class ReachView(Struct, kw_only=True):
-    """How this node is reachable (node.reach / node.doctor_reachability): the path, why, what helps."""
+    """How this node is reachable (node.shell.reachability / node.cli.doctor_reachability): the path, why, what helps."""
 
     path: str = "offline"  # direct | hole-punched | relayed | webrtc | offline
     status: str = "unknown"  # public | private | unknown (peers' dial-back verdict)
@@ -267,7 +267,7 @@ class NodeStatus(Struct, kw_only=True):
     metrics_port: int = 0
     dropped: dict[str, int] = {}  # reason (DROP_REASONS) -> count since start
     disk: list[DiskView] = []
-    # robustness (node.stall, gossip.host.StreamFaults, gossip.scoring): see docs/security.md
+    # robustness (node.shell.stall, gossip.host.StreamFaults, gossip.scoring): see docs/security.md
     loop_stall_max_ms: float = 0.0  # worst event-loop lateness since start
     loop_stall_recent_ms: float = 0.0  # worst over the last 5 s
     gc_pause_max_ms: float = 0.0  # longest full (generation 2) garbage collection since start
@@ -287,7 +287,7 @@ def encode_status(s: NodeStatus) -> bytes:
 
 
 def decode_status(data: bytes) -> NodeStatus:
-    from gossip.errors import DecodeError
+    from murmur.gossip.errors import DecodeError
 
     if len(data) > STATUS_LIMIT:
         raise DecodeError(f"status reply is {len(data)} bytes, over {STATUS_LIMIT}")

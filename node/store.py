@@ -31,8 +31,8 @@ from typing import Any
 
 import msgspec
 
-from gossip.errors import MurmurError
-from sync.ids import Relation
+from murmur.gossip.errors import MurmurError
+from murmur.sync.ids import Relation
 
 DB_FILE = "state.db"
 

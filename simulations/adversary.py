@@ -12,7 +12,7 @@ give it their own rollout draws and clock. Every payload is a real signed
   corrupt_chunks     (broadcast plane) serves chunks that fail their hash
   free_ride          consumes, never publishes rollouts or uploads chunks
 
-An adversary process (`python -m simulations.adversary ...`) joins the swarm
+An adversary process (`python -m murmur.simulations.adversary ...`) joins the swarm
 with a real libp2p host and publishes on the rollouts topic at a fixed rate.
 """
 
@@ -24,10 +24,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gossip import wire
-from gossip.identity import Identity
-from training.tasksets import BUILTIN_TRAIN, TaskRegistry
-from training.verifiers import score
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
+from murmur.training.verifiers import score
 
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
 SENDERS = ("forged_reward", "invalid_signature", "replay", "stale_spam")  # the behaviours that publish batches
@@ -111,8 +111,8 @@ async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstr
                  duration_s: float) -> None:
     import trio
 
-    from gossip import topics
-    from gossip.host import open_transport
+    from murmur.gossip import topics
+    from murmur.gossip.host import open_transport
 
     ident = Identity.from_seed(bytes.fromhex(seed_hex))
     adversary = for_process(ident, swarm, seed=int(seed_hex[:8], 16))

@@ -10,7 +10,7 @@ groups of g completions; in expectation u = k (1 − p^g − (1 − p)^g). The f
 is a grid search minimising the squared error between the model's expected
 block means and the measured ones (the benchmark's `block_means.isolated`,
 or block means of `curves.isolated`), so a fit needs only numbers the
-benchmark prints. `python -m simulations.calibrate BENCH.json` reads
+benchmark prints. `python -m murmur.simulations.calibrate BENCH.json` reads
 `murmur bench swarm --json` output; docs/researcher.md records the fit.
 """
 
@@ -98,7 +98,7 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     `own_lineage_weight` from the trainer-with-followers arms (adversarial runs are predicted, not
     fitted), `train_share` from the isolated arms' generation share and informative fraction,
     `initial` the mean start; with each run's measured and modelled speedup."""
-    from simulations import curves
+    from murmur.simulations import curves
 
     arms = [_matched_arms(b) for b in benches]
 
@@ -150,8 +150,8 @@ def virtual_speedup(fitted: dict[str, Any], run: dict[str, Any], seeds: int = 5)
     """The virtual simulator on one matched run's setup (its N trainers, or one trainer and its K
     followers; I = 16 and J = 16 (16·K) groups of 8; as many steps as its isolated nodes made) with the
     fitted `[learning]`: its `alone` speedup and final skill difference, mean over `seeds` seeds."""
-    from simulations import scenario as S
-    from simulations.virtual import run_virtual
+    from murmur.simulations import scenario as S
+    from murmur.simulations.virtual import run_virtual
 
     groups = (f"[[group]]\ncount = 1\n[[group]]\ncount = {run['followers']}\nrole = \"follower\"\nfollow = 0\n"
               if run["followers"] else f"[[group]]\ncount = {run['nodes']}\n")

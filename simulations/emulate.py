@@ -31,14 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossip.errors import MurmurError
-from node import launch
-from node.roles import TRAINER_MIN_BUDGET_MB
-from simulations.report import MetricsWriter, write_report
-from simulations.scenario import NodeSpec, Scenario, dumps, expand
-from simulations.vnode import identity_for
-from simulations.wan import LinkSpec, NetnsLab, node_env
-from sync.ids import Relation
+from murmur.gossip.errors import MurmurError
+from murmur.node.cli import launch
+from murmur.node.core.roles import TRAINER_MIN_BUDGET_MB
+from murmur.simulations.report import MetricsWriter, write_report
+from murmur.simulations.scenario import NodeSpec, Scenario, dumps, expand
+from murmur.simulations.vnode import identity_for
+from murmur.simulations.wan import LinkSpec, NetnsLab, node_env
+from murmur.sync.ids import Relation
 
 MAX_REAL_NODES = 32
 STOP_WAIT_S = 8.0
@@ -89,8 +89,8 @@ class Emulation:
     # ------------------------------------------------------------ setup
 
     def _prepare(self) -> None:
-        from node.home import init_home
-        from training.tiny import ensure_tiny, tiny_dir
+        from murmur.node.home import init_home
+        from murmur.training.tiny import ensure_tiny, tiny_dir
 
         shared = self.out / "shared-model"
         ensure_tiny(shared, seed=0)
@@ -139,7 +139,7 @@ class Emulation:
         listen = f"/ip4/{p.addr}/tcp/{p.port}"
         boot = self._bootstrap(p.spec.index) if p.spec.index != self.procs[0].spec.index else []
         if p.spec.role == "adversary":
-            cmd = [sys.executable, "-m", "simulations.adversary",
+            cmd = [sys.executable, "-m", "murmur.simulations.adversary",
                    identity_for(self.sc.seed, p.spec.index).seed.hex(), self.sc.swarm, p.spec.behaviour or "",
                    str(p.spec.rate_per_s), str(self.sc.duration_s), listen, *boot]
             p.proc = launch.spawn(prefix + cmd, p.home, LOG, env)

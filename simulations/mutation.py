@@ -1,8 +1,8 @@
 """Mutation testing of chosen modules with the fast tests only (cosmic-ray, pinned in the `test` extras).
 
-    python -m simulations.mutation gossip/ratelimit.py [--tests tests/test_x.py ...] [--timeout 60] [--json]
-    python -m simulations.mutation node/core.py --sample 150 --seed 0 --db /tmp/core.sqlite
-    python -m simulations.mutation gossip/limits.py --semantic [--operators given_back ...] [--db /tmp/limits.json]
+    python -m murmur.simulations.mutation gossip/ratelimit.py [--tests tests/test_x.py ...] [--timeout 60] [--json]
+    python -m murmur.simulations.mutation node/core/machine.py --sample 150 --seed 0 --db /tmp/core.sqlite
+    python -m murmur.simulations.mutation gossip/limits.py --semantic [--operators given_back ...] [--db /tmp/limits.json]
 
 The tracked files are copied to a scratch folder first: cosmic-ray rewrites the module in place while a
 mutant's tests run, so the working tree is never touched, and an interrupted run leaves nothing behind.
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from simulations import semantic
+from murmur.simulations import semantic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,18 +50,18 @@ MODULE_TESTS: dict[str, list[str]] = {
     "gossip/hostlimits.py": ["tests/test_stream_budget.py", "tests/test_ip_limits.py"],
     "gossip/cpubudget.py": ["tests/test_cpubudget.py", "tests/test_validation.py"],
     "gossip/exchange.py": ["tests/test_exchange.py"],
-    "node/credit.py": ["tests/test_credit.py", "tests/test_attacks_core.py"],
-    "node/roles.py": ["tests/test_roles.py", "tests/test_attacks_core.py"],
+    "node/core/credit.py": ["tests/test_credit.py", "tests/test_attacks_core.py"],
+    "node/core/roles.py": ["tests/test_roles.py", "tests/test_attacks_core.py"],
     "training/trainer.py": ["tests/test_trainer_poison.py"],
-    "node/core.py": ["tests/test_core.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py"],
+    "node/core/machine.py": ["tests/test_core.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py"],
     # the core's sub-machines: their own tests, then the core's that drive them
-    "node/peertable.py": ["tests/test_peertable.py", "tests/test_core.py", "tests/test_attacks_core.py"],
-    "node/catchup_machine.py": ["tests/test_catchup_machine.py", "tests/test_core.py", "tests/test_core_boundary.py",
+    "node/core/peertable.py": ["tests/test_peertable.py", "tests/test_core.py", "tests/test_attacks_core.py"],
+    "node/core/catchup.py": ["tests/test_catchup_machine.py", "tests/test_core.py", "tests/test_core_boundary.py",
                                 "tests/test_attacks_core.py"],
-    "node/supervision.py": ["tests/test_supervision.py", "tests/test_core.py", "tests/test_core_boundary.py"],
-    "node/sealing.py": ["tests/test_sealing.py", "tests/test_core.py", "tests/test_attacks_core.py"],
-    # tests/test_lineage.py is sync/lineage.py's (publisher and follower), not the node's lineage table
-    "node/lineages.py": ["tests/test_lineages.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py",
+    "node/core/supervision.py": ["tests/test_supervision.py", "tests/test_core.py", "tests/test_core_boundary.py"],
+    "node/core/sealing.py": ["tests/test_sealing.py", "tests/test_core.py", "tests/test_attacks_core.py"],
+    # tests/test_lineage.py is sync/versions.py's (publisher and follower), not the node's lineage table
+    "node/core/lineages.py": ["tests/test_lineages.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py",
                          "tests/test_core.py"],
     "sync/codec.py": ["tests/test_codec.py"],
     "training/losses.py": ["tests/test_losses.py"],
@@ -133,25 +133,25 @@ EQUIVALENT: set[tuple[str, str]] = {
     # a decoded small int is CPython's cached object: `is not 2` is `!= 2`
     ("gossip/wire.py", "if body.v is not FORMAT_VERSION:"),
     # only whether a lineage has published in this run is read, never how many manifests
-    ("node/lineages.py", "lin.manifests += 2"),
+    ("node/core/lineages.py", "lin.manifests += 2"),
     # the reason a publisher is avoided is stored and never read (only the expiry is)
-    ("node/lineages.py", "self.avoided[publisher] = (now + AVOID_S, reason[: 201])"),
+    ("node/core/lineages.py", "self.avoided[publisher] = (now + AVOID_S, reason[: 201])"),
     # `is not` between two bools is `!=`
-    ("node/lineages.py", 'if m.base_version > m.target_version or (m.codec == "anchor-v1") is not '
+    ("node/core/lineages.py", 'if m.base_version > m.target_version or (m.codec == "anchor-v1") is not '
                          '(m.base_version == m.target_version):'),
     # a live row hearing a version at or below its signed head changes nothing either way
-    ("node/lineages.py", "if version != lin.signed_head or not lin.live:"),
+    ("node/core/lineages.py", "if version != lin.signed_head or not lin.live:"),
     # a publisher whose avoidance ends exactly now is not avoided either way (`is_avoided` asks until > now);
     # the entry left for the next call is the first the size bound removes
-    ("node/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until < now]:"),
+    ("node/core/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until < now]:"),
     # expired entries left in place: `is_avoided` compares the expiry, and the size bound removes the
     # soonest to expire (the expired ones) first
-    ("node/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until is now]:"),
-    ("node/lineages.py", "for p in []:"),
+    ("node/core/lineages.py", "for p in [p for p, (until, _) in self.avoided.items() if until is now]:"),
+    ("node/core/lineages.py", "for p in []:"),
     # the wire refuses a negative step time before this check sees it
-    ("node/lineages.py", "if not math.isfinite(t) or (t > 0.0 and not MIN_STEP_S <= t <= 1e6):"),
+    ("node/core/lineages.py", "if not math.isfinite(t) or (t > 0.0 and not MIN_STEP_S <= t <= 1e6):"),
     # receivers need a producer's seqs unique and increasing, not consecutive
-    ("node/sealing.py", "self.rollout_seq = max(self.rollout_seq + 2, int(wall_ms) * 1000)"),
+    ("node/core/sealing.py", "self.rollout_seq = max(self.rollout_seq + 2, int(wall_ms) * 1000)"),
     # EOS is a special token, so skip_special_tokens drops it whether or not this filter does
     ("training/tokencheck.py", "ids = [i for i in ids if i is not self.eos_id]"),
     ("training/tokencheck.py", "if not self.eos_id in ids:"),
@@ -178,32 +178,32 @@ EQUIVALENT: set[tuple[str, str]] = {
     # a payload under 24 bytes has no room for its header length: refused by the next check instead
     ("sync/codec.py", "if len(mv) < len(MAGIC) - 4 + TRAILER_BYTES:"),
     # the time of a progress that never was: a held version is never -1, so the first catch-up replaces it
-    ("node/catchup_machine.py",
+    ("node/core/catchup.py",
      "self.progress = (-1, -1.0)  # (held version of the served lineage, when it last changed)"),
     # a row's head is never below what it holds (every write of `held` raises `head` to it)
-    ("node/catchup_machine.py", "if lin is None or (lin.head == lin.held and not lin.need_anchor):"),
+    ("node/core/catchup.py", "if lin is None or (lin.head == lin.held and not lin.need_anchor):"),
     # the lineage table's default bound off by one (as ratelimit's and scoring's)
-    ("node/core.py", "max_lineages: int = 255"),
-    ("node/core.py", "max_lineages: int = 257"),
+    ("node/core/machine.py", "max_lineages: int = 255"),
+    ("node/core/machine.py", "max_lineages: int = 257"),
     # ... and the status's reward trend and the announced standby list (the wire's 256) likewise
-    ("node/core.py", "self.rewards: deque[float] = deque(maxlen= 59)"),
-    ("node/core.py", "self.rewards: deque[float] = deque(maxlen=61)"),
-    ("node/core.py", "standby=act.standby[: 255],"),
+    ("node/core/machine.py", "self.rewards: deque[float] = deque(maxlen= 59)"),
+    ("node/core/machine.py", "self.rewards: deque[float] = deque(maxlen=61)"),
+    ("node/core/machine.py", "standby=act.standby[: 255],"),
     # a row's publisher is a 32-byte key or empty (set from verified signatures; the store checks the length)
-    ("node/core.py", 'if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) >= 32:'),
+    ("node/core/machine.py", 'if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) >= 32:'),
     # a configuration with publish_every below 1 is refused when it is loaded (node.config)
-    ("node/core.py", "max_staleness=cfg.sync.max_staleness, publish_every=max( 0, cfg.sync.publish_every),"),
+    ("node/core/machine.py", "max_staleness=cfg.sync.max_staleness, publish_every=max( 0, cfg.sync.publish_every),"),
     # the tokens per rollout are read only by roles.offer_rate, which divides by at least 1 itself
-    ("node/core.py", "self.tokens_per_rollout = float(max( 0, settings.max_new_tokens))"),
+    ("node/core/machine.py", "self.tokens_per_rollout = float(max( 0, settings.max_new_tokens))"),
     # the cap on an announced publishing rate, 1e3 batches/s (the wire allows 1e6): no stated behaviour depends
     # on its exact value, only that a hostile claim is bounded
-    ("node/core.py", "own = (mine, min(self.announced_rate, 999.0))"),
-    ("node/core.py", "own = (mine, min(self.announced_rate, 1001.0))"),
-    ("node/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 999.0))"),
-    ("node/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 1001.0))"),
+    ("node/core/machine.py", "own = (mine, min(self.announced_rate, 999.0))"),
+    ("node/core/machine.py", "own = (mine, min(self.announced_rate, 1001.0))"),
+    ("node/core/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 999.0))"),
+    ("node/core/peertable.py", "supply.add(lid, min(a.publish_batches_per_s, 1001.0))"),
     # the first announce's seq follows the wall clock (unix ms); from any start, a key's seqs rise by one or more
-    ("node/core.py", "self.announce_seq = 1"),
-    ("node/core.py", "self.announce_seq = -1"),
+    ("node/core/machine.py", "self.announce_seq = 1"),
+    ("node/core/machine.py", "self.announce_seq = -1"),
     ("sync/codec.py", "if len(mv) < len(MAGIC) + 4 >> TRAILER_BYTES:"),
     ("sync/codec.py", "if len(mv) < len(MAGIC) | 4 + TRAILER_BYTES:"),
     # element widths are 1, 2, 4 or 8 bytes
@@ -224,7 +224,7 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/limits.py",
      "if len(self._offences) >= 4 * self.limits.node_streams:  # bounded: forget peers with no recent offence"),
     ("gossip/cpubudget.py", "while len(self._peers) >= self.max_peers:"),
-    ("node/credit.py", "while len(self._d) >= self.max_peers:"),
+    ("node/core/credit.py", "while len(self._d) >= self.max_peers:"),
     # the node bucket's first refill: it starts full with `last` at -inf, and full plus anything capped is full;
     # its tokens are never -inf (costs are finite)
     ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
@@ -294,8 +294,8 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/exchange.py", "if h <= self._top:  # most keys of a big swarm stop at this one comparison"),
     # no demand from no rollouts either way (B = 0 gives a rate of 0; the wire's B is unsigned); a NaN step time
     # that passes the first check gives a NaN rate, which the rate's own finiteness check turns into 0
-    ("node/roles.py", "if not d.step_time_s > 0 or d.rollouts_per_step < 0:"),
-    ("node/roles.py", "if (d.step_time_s <= 0) or d.rollouts_per_step <= 0:"),
+    ("node/core/roles.py", "if not d.step_time_s > 0 or d.rollouts_per_step < 0:"),
+    ("node/core/roles.py", "if (d.step_time_s <= 0) or d.rollouts_per_step <= 0:"),
     # NaN already fails `cpu_s > 0` before the finiteness check: only infinity needs it
     ("gossip/cpubudget.py", "if not (cpu_s > 0 and (not math.isinf(cpu_s))):"),
 }
@@ -563,7 +563,7 @@ def summarize_semantic(module: str, tests: list[str], rows: list[dict[str, Any]]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m simulations.mutation", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m murmur.simulations.mutation", description=__doc__.splitlines()[0])
     ap.add_argument("module", help="a module path, e.g. gossip/ratelimit.py")
     ap.add_argument("--tests", nargs="+", help="test files to run per mutant (default: MODULE_TESTS)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's tests (over: killed)")

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gossip.errors import MurmurError
+from murmur.gossip.errors import MurmurError
 
 KINDS = ("reward", "lag", "staleness", "broadcast", "bytes", "rejection", "score", "event")
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal, get_args
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip.errors import ConfigError
-from gossip.tomlfile import convert_strict, parse_toml, read_toml, toml_value
+from murmur.gossip.errors import ConfigError
+from murmur.gossip.tomlfile import convert_strict, parse_toml, read_toml, toml_value
 
 BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan", "large", "huge")
 MAX_NODES = 100_000
@@ -36,7 +36,7 @@ class NodeGroup(Struct, forbid_unknown_fields=True, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)] = "node"
     count: Annotated[int, Meta(ge=1, le=MAX_NODES)] = 1
     # auto: no configured roles, as a volunteer's default node: it trains or generates by the swarm's need
-    # (node.roles.PodRule), starting as a trainer
+    # (node.core.roles.PodRule), starting as a trainer
     role: Literal["trainer", "follower", "auto"] = "trainer"
     follow: Annotated[int, Meta(ge=0)] = 0  # followers: index of the trainer node whose lineage they track
     upload_bytes_per_s: Annotated[float, Meta(gt=0.0, le=1e12)] = 12_500_000.0  # 100 Mbit/s
@@ -104,7 +104,7 @@ class Sync(Struct, forbid_unknown_fields=True, kw_only=True):
 class Learning(Struct, forbid_unknown_fields=True, kw_only=True):
     """Virtual mode's learning model (see docs/scenarios.md).
 
-    Defaults: `python -m simulations.calibrate --matched` fitted to the compute-matched benchmark
+    Defaults: `python -m murmur.simulations.calibrate --matched` fitted to the compute-matched benchmark
     (`murmur bench swarm --matched`, 5 seeds each of N = 2, 4, 8 peers and one trainer with 1 and 3
     followers; the runs are in tests/data/matched_runs.json); skill is held-out accuracy and one
     update is 8 informative groups.
@@ -281,7 +281,7 @@ def load(path: str | Path) -> Scenario:
 def builtin_text(name: str) -> str:
     if name not in BUILTINS:
         raise ConfigError(f"no built-in scenario {name!r} (choose from {', '.join(BUILTINS)})")
-    return resources.files("simulations").joinpath("scenarios", f"{name}.toml").read_text("utf-8")
+    return resources.files("murmur.simulations").joinpath("scenarios", f"{name}.toml").read_text("utf-8")
 
 
 def builtin(name: str) -> Scenario:

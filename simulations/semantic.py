@@ -1,6 +1,6 @@
 """Semantic mutants: the plausible one-line bugs that operator mutants (cosmic-ray's) do not write.
 
-    python -m simulations.mutation gossip/limits.py --semantic [--operators window_sign given_back] [--json]
+    python -m murmur.simulations.mutation gossip/limits.py --semantic [--operators window_sign given_back] [--json]
 
 cosmic-ray swaps one operator or number for another; the bugs that slip past a suite of defence tests
 are of another kind (issue 43). Each operator here writes one family of them, one mutant per site:

@@ -14,10 +14,10 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from simulations.scenario import Scenario
-from simulations.vnode import VNode
-from simulations.vsim import SimLink, VirtualSwarm
-from simulations.wan import broadcast_lower_bound
+from murmur.simulations.scenario import Scenario
+from murmur.simulations.vnode import VNode
+from murmur.simulations.vsim import SimLink, VirtualSwarm
+from murmur.simulations.wan import broadcast_lower_bound
 
 
 def broadcast(sc: Scenario, nodes: list[VNode], rng: random.Random, origin: int, receivers: list[int]

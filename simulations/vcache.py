@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gossip import wire
-from gossip.errors import SignatureError
-from gossip.identity import Identity, verify
-from gossip.validation import Pending, Pipeline
+from murmur.gossip import wire
+from murmur.gossip.errors import SignatureError
+from murmur.gossip.identity import Identity, verify
+from murmur.gossip.validation import Pending, Pipeline
 
 _MISSING = object()
 

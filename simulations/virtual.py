@@ -17,8 +17,8 @@ event to the cores' driver. The parts:
 - `simulations.vreport`: the metric rows, counters, summary and report folder.
 
 What runs for real (the same code a live node runs):
-- each honest node's network process is a `node.core.NodeCore` (the class
-  `node.runtime` drives), built from its scenario spec, on the virtual
+- each honest node's network process is a `node.core.machine.NodeCore` (the class
+  `node.shell.runtime` drives), built from its scenario spec, on the virtual
   clock (`clock` and `wall_ms` injected). The simulator feeds it events
   (`Tick` when its next timer is due, `AnnounceHeard` / `ManifestHeard` for
   messages that reach it, `FromWorker` messages of the modelled worker,
@@ -95,15 +95,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gossip import wire
-from gossip.exchange import first_subscription, shard_of
-from gossip.intake import BatchIntake
-from simulations import vreport
-from simulations.adversary import SENDERS, Adversary
-from simulations.scenario import Scenario, expand
-from simulations.vbroadcast import setup_broadcasts
-from simulations.vcache import SharedVerification
-from simulations.vevents import (
+from murmur.gossip import wire
+from murmur.gossip.exchange import first_subscription, shard_of
+from murmur.gossip.intake import BatchIntake
+from murmur.simulations import vreport
+from murmur.simulations.adversary import SENDERS, Adversary
+from murmur.simulations.scenario import Scenario, expand
+from murmur.simulations.vbroadcast import setup_broadcasts
+from murmur.simulations.vcache import SharedVerification
+from murmur.simulations.vevents import (
     AdversaryDue,
     AnnounceArrives,
     BatchArrives,
@@ -122,14 +122,14 @@ from simulations.vevents import (
     Wake,
     WorkerSends,
 )
-from simulations.vnet import Network
-from simulations.vnode import BASE_MODEL, LINEAGE_NAME, VNode, identity_for
-from simulations.vreport import Recorder
-from simulations.vruntime import CoreDriver
-from simulations.vworker import WORKER_S, Workers
-from sync.ids import lineage_id
-from training.tasksets import TaskRegistry
-from training.verifiers import score
+from murmur.simulations.vnet import Network
+from murmur.simulations.vnode import BASE_MODEL, LINEAGE_NAME, VNode, identity_for
+from murmur.simulations.vreport import Recorder
+from murmur.simulations.vruntime import CoreDriver
+from murmur.simulations.vworker import WORKER_S, Workers
+from murmur.sync.ids import lineage_id
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.verifiers import score
 
 MEMO_HORIZON_S = 5.0  # virtual seconds a per-message memo entry is kept: a batch reaches its receivers sooner
 
@@ -220,7 +220,7 @@ class VirtualSim:
             return
         n.core = self.driver.new_core(n)
         self.net.alive_producers += 1
-        n.pipeline.head_version = n.core.head_of  # as node.runtime wires it
+        n.pipeline.head_version = n.core.head_of  # as node.shell.runtime wires it
         n.shards = ()
         self.net.subscribe(n, *first_subscription())  # as the live service, before the core's first plan
         n.pipeline.own_lineage = lambda lid, core=n.core: bytes(lid) == core.own

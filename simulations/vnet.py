@@ -25,14 +25,14 @@ from collections import Counter
 from itertools import filterfalse
 from typing import Any
 
-from gossip import exchange, wire
-from gossip.errors import MurmurError
-from gossip.exchange import ShardGate
-from simulations.scenario import Scenario
-from simulations.vcache import Memo, SharedVerification
-from simulations.vevents import BatchArrives, EventQueue
-from simulations.vnode import VNode
-from simulations.wan import LinkModel, LinkSpec
+from murmur.gossip import exchange, wire
+from murmur.gossip.errors import MurmurError
+from murmur.gossip.exchange import ShardGate
+from murmur.simulations.scenario import Scenario
+from murmur.simulations.vcache import Memo, SharedVerification
+from murmur.simulations.vevents import BatchArrives, EventQueue
+from murmur.simulations.vnode import VNode
+from murmur.simulations.wan import LinkModel, LinkSpec
 
 MESH_D, MESH_D_LOW, MESH_D_HIGH = 6, 4, 12  # GossipSub's mesh degree as the live host sets it (gossip/host.py)
 

@@ -6,15 +6,15 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
-from gossip import wire
-from gossip.identity import Identity
-from gossip.intake import BatchIntake
-from gossip.validation import Pipeline
-from node.core import NodeCore
-from simulations.adversary import Adversary
-from simulations.scenario import NodeSpec
-from sync.items import StoredItem
-from training.sampler import Sampler
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.gossip.intake import BatchIntake
+from murmur.gossip.validation import Pipeline
+from murmur.node.core.machine import NodeCore
+from murmur.simulations.adversary import Adversary
+from murmur.simulations.scenario import NodeSpec
+from murmur.sync.items import StoredItem
+from murmur.training.sampler import Sampler
 
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
 BASE_MODEL = hashlib.blake2b(b"murmur/sim-base-model", digest_size=32).digest()  # every node's base model

@@ -15,10 +15,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from simulations import curves
-from simulations.report import MetricsWriter, write_report
-from simulations.scenario import Scenario, dumps
-from simulations.vnode import VNode
+from murmur.simulations import curves
+from murmur.simulations.report import MetricsWriter, write_report
+from murmur.simulations.scenario import Scenario, dumps
+from murmur.simulations.vnode import VNode
 
 ALONE_POINTS = 20  # marks of virtual time at which the alone comparison is read
 MODELLED = ("the network (rollouts: GossipSub meshes of degree 6 on the shard topics the cores "

@@ -1,4 +1,4 @@
-"""What `node.runtime` and its gossip service do around each simulated node's real `NodeCore`, in virtual
+"""What `node.shell.runtime` and its gossip service do around each simulated node's real `NodeCore`, in virtual
 time: build the core and the node's validation pipeline, feed the core the events that reach the node,
 and carry out the actions it returns (publish and subscribe through `simulations.vnet`, worker messages
 through `simulations.vworker`, the lineage store, catch-up requests, penalties).
@@ -15,11 +15,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, assert_never
 
-from gossip import wire
-from gossip.intake import Dropped
-from gossip.scoring import ScoreParams
-from gossip.validation import Pending, Pipeline, PipelineConfig
-from node.core import (
+from murmur.gossip import wire
+from murmur.gossip.intake import Dropped
+from murmur.gossip.scoring import ScoreParams
+from murmur.gossip.validation import Pending, Pipeline, PipelineConfig
+from murmur.node.core.machine import (
     Accept,
     Action,
     AnnounceHeard,
@@ -58,9 +58,9 @@ from node.core import (
     ToWorker,
     TransferDone,
 )
-from simulations.scenario import Scenario
-from simulations.vcache import SharedVerification, SimPipeline
-from simulations.vevents import (
+from murmur.simulations.scenario import Scenario
+from murmur.simulations.vcache import SharedVerification, SimPipeline
+from murmur.simulations.vevents import (
     EPOCH,
     AnnounceArrives,
     BatchArrives,
@@ -74,13 +74,13 @@ from simulations.vevents import (
     Wake,
     WorkerSends,
 )
-from simulations.vnet import Network
-from simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, stored_items
-from simulations.vreport import Recorder
-from simulations.vworker import WORKER_S, Workers
-from sync.ids import Relation
-from sync.items import MAX_ITEMS, StoredItem, item_of
-from training.tasks import Task
+from murmur.simulations.vnet import Network
+from murmur.simulations.vnode import BASE_MODEL, LINEAGE_NAME, TOKENS_PER_ROLLOUT, VNode, stored_items
+from murmur.simulations.vreport import Recorder
+from murmur.simulations.vworker import WORKER_S, Workers
+from murmur.sync.ids import Relation
+from murmur.sync.items import MAX_ITEMS, StoredItem, item_of
+from murmur.training.tasks import Task
 
 TICK = Tick()
 
@@ -123,7 +123,7 @@ class CoreDriver:
         return Pipeline(cfg, clock=self.queue.unix, resolve_task=self.resolve, reward=self.reward, head_version=head)
 
     def new_core(self, n: VNode) -> NodeCore:
-        """A (re)started node's network process: a fresh core (`n.core`), as `node.runtime` builds it."""
+        """A (re)started node's network process: a fresh core (`n.core`), as `node.shell.runtime` builds it."""
         s, tr = n.spec, self.sc.training
         follow = (self.nodes[s.follow].lineage,) if s.role == "follower" and s.follow is not None else ()
         auto = s.role == "auto"
@@ -142,7 +142,7 @@ class CoreDriver:
     # ------------------------------------------------------------ the cores' actions, carried out in virtual time
 
     def feed(self, n: VNode, ev: Event) -> None:
-        """As `node.runtime`'s core loop: the event at the virtual now, its actions carried out in order, then
+        """As `node.shell.runtime`'s core loop: the event at the virtual now, its actions carried out in order, then
         each action's follow-up event, before anything else reaches the node."""
         pending = deque((ev,))
         while pending and n.core is not None:

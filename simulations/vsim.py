@@ -58,11 +58,11 @@ from typing import Any
 
 from msgspec import Struct
 
-from gossip.identity import Identity
-from gossip.wire import DEFAULT_SWARM, FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
-from sync.chunks import refs
-from sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession, chunk_hash
-from sync.transfers import Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import DEFAULT_SWARM, FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, content_id, seal
+from murmur.sync.chunks import refs
+from murmur.sync.swarm import Chunk, Penalise, Send, ServeReady, SwarmConfig, SwarmSession, chunk_hash
+from murmur.sync.transfers import Action, BroadcastCore, Complete, Disconnect, Load, Stored, UploadSlot, Wake
 
 _BAD = b"\xff" * 32
 

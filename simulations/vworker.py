@@ -3,7 +3,7 @@
 - the pipe: a worker answers its core through the node's pipe messages
   (`node.pipe`: Ready, Rollouts, Step, Gen, Perf, Published, Applied) and
   obeys Follow, Admit, Pace, Head and Patch; it applies what its store holds
-  beyond the version it holds by `node/worker.py`'s plan
+  beyond the version it holds by `node/worker/main.py`'s plan
   (`sync.catchup.local_plan`);
 - compute: a step takes `step_s / compute` virtual seconds (a follower's no
   less than its core's pace allows); a trainer's step that trains on u groups
@@ -35,13 +35,13 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from gossip import wire
-from gossip.validation import Verdict
-from node import pipe
-from simulations.scenario import Scenario
-from simulations.vcache import Memo
-from simulations.vevents import EventQueue, StepDue, WorkerSends
-from simulations.vnode import (
+from murmur.gossip import wire
+from murmur.gossip.validation import Verdict
+from murmur.node import pipe
+from murmur.simulations.scenario import Scenario
+from murmur.simulations.vcache import Memo
+from murmur.simulations.vevents import EventQueue, StepDue, WorkerSends
+from murmur.simulations.vnode import (
     BASE_MODEL,
     LINEAGE_NAME,
     TOKENIZER,
@@ -51,12 +51,12 @@ from simulations.vnode import (
     item_bytes,
     stored_items,
 )
-from simulations.vreport import Recorder
-from sync.catchup import local_plan
-from sync.items import KIND_CODEC
-from training.sampler import Sampler, informative, split
-from training.tasks import Task
-from training.tasksets import BUILTIN_TRAIN
+from murmur.simulations.vreport import Recorder
+from murmur.sync.catchup import local_plan
+from murmur.sync.items import KIND_CODEC
+from murmur.training.sampler import Sampler, informative, split
+from murmur.training.tasks import Task
+from murmur.training.tasksets import BUILTIN_TRAIN
 
 WORKER_S = 0.001  # a worker message reaches the network process this long after the worker sends it
 SEED_RANGE = 1_000_000
@@ -133,19 +133,19 @@ class Workers:
                 if n.held_lineage != n.following:
                     n.held_lineage, n.held = n.following, 0  # a lineage new to it starts from the base model
                 self.send(n, pipe.Applied(n.following.hex(), n.held))
-                self.apply_held(n, n.following)  # as node/worker.py does on opening a lineage
+                self.apply_held(n, n.following)  # as node/worker/main.py does on opening a lineage
         elif isinstance(m, pipe.Admit):
             n.admitted = m.generate and bytes.fromhex(m.lineage) == n.following
         elif isinstance(m, pipe.Pace):
             n.pace = m.rollouts_per_s
         elif isinstance(m, pipe.Head):
-            if n.sampler is not None:  # as node/worker.py's reader does
+            if n.sampler is not None:  # as node/worker/main.py's reader does
                 n.sampler.observe_head(bytes.fromhex(m.lineage), m.version)
         elif isinstance(m, pipe.Patch):
             self.apply_held(n, bytes.fromhex(m.lineage))
 
     def apply_held(self, n: VNode, lineage: bytes) -> None:
-        """The worker applies what its store holds beyond the version it holds, by `node/worker.py`'s plan
+        """The worker applies what its store holds beyond the version it holds, by `node/worker/main.py`'s plan
         (`sync.catchup.local_plan`); modelled items always apply. The simulated swarm shares one base model,
         so a worker never needs an anchor to start (`need_anchor` stays false)."""
         if lineage != n.held_lineage:
@@ -296,7 +296,7 @@ class Workers:
         n.reward_sum += reward
         n.iso_sum += iso_reward
         n.version += 1
-        sampler.observe_head(n.lineage, n.version)  # its own head, as node/worker.py reports it
+        sampler.observe_head(n.lineage, n.version)  # its own head, as node/worker/main.py reports it
         self.skill_at[n.lineage].append(n.skill)
         self.recorder.row("reward", t=now, node=n.spec.index, reward=reward, isolated=iso_reward, version=n.version,
                           group=n.spec.group)

@@ -29,10 +29,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gossip.errors import MurmurError
+from murmur.gossip.errors import MurmurError
 
 if TYPE_CHECKING:
-    from simulations.scenario import NodeSpec
+    from murmur.simulations.scenario import NodeSpec
 
 DEFAULT_RTO_S = 0.2
 MSS = 1400  # bytes per segment, for the loss model

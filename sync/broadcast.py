@@ -28,14 +28,25 @@ from typing import Any
 
 import trio
 
-from gossip import topics
-from gossip.errors import DecodeError, MurmurError
-from gossip.framing import FrameReader, encode_frames
-from gossip.transport import FrameError, PublishError, Stream, StreamError, Transport
-from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope
-from sync.chunks import ChunkAssembly
-from sync.swarm import MAX_FRAME_BYTES, Frame, Penalise, Send, ServeReady, SwarmConfig, decode_frame
-from sync.transfers import Action, Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer, Wake
+from murmur.gossip import topics
+from murmur.gossip.errors import DecodeError, MurmurError
+from murmur.gossip.framing import FrameReader, encode_frames
+from murmur.gossip.transport import FrameError, PublishError, Stream, StreamError, Transport
+from murmur.gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, decode_envelope
+from murmur.sync.chunks import ChunkAssembly
+from murmur.sync.swarm import MAX_FRAME_BYTES, Frame, Penalise, Send, ServeReady, SwarmConfig, decode_frame
+from murmur.sync.transfers import (
+    Action,
+    Added,
+    BroadcastCore,
+    Complete,
+    Disconnect,
+    Evicted,
+    Load,
+    Stored,
+    Transfer,
+    Wake,
+)
 
 log = logging.getLogger("murmur.sync.broadcast")
 

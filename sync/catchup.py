@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sync.errors import PatchError
-from sync.items import StoredItem
+from murmur.sync.errors import PatchError
+from murmur.sync.items import StoredItem
 
 
 @dataclass(frozen=True)

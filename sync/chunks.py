@@ -12,9 +12,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, ChunkRef, PatchManifest
-from sync.atomic import atomic_write
-from sync.errors import PatchError
+from murmur.gossip.wire import MAX_CHUNK_BYTES, MAX_CHUNKS, ChunkRef, PatchManifest
+from murmur.sync.atomic import atomic_write
+from murmur.sync.errors import PatchError
 
 DEFAULT_CHUNK_BYTES = 256 * 1024
 

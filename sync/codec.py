@@ -35,8 +35,8 @@ import torch
 import zstandard
 from msgspec import Meta, Struct
 
-from sync.errors import PatchError
-from sync.hashing import DTYPES_BY_NAME, FLOAT_DTYPES, bits_view, dtype_name
+from murmur.sync.errors import PatchError
+from murmur.sync.hashing import DTYPES_BY_NAME, FLOAT_DTYPES, bits_view, dtype_name
 
 if sys.byteorder != "little":  # byte planes are taken from native-order views
     raise ImportError("the patch codec needs a little-endian machine")

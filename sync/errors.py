@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gossip.errors import MurmurError
+from murmur.gossip.errors import MurmurError
 
 
 class PatchError(MurmurError):

@@ -21,7 +21,7 @@ import blake3
 import numpy as np
 import torch
 
-from sync.errors import PatchError
+from murmur.sync.errors import PatchError
 
 STATE_DOMAIN = b"murmur/state/v1\x00"
 TENSOR_DOMAIN = b"murmur/tensor/v1\x00"

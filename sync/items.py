@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gossip import wire
-from sync.ids import lineage_id
+from murmur.gossip import wire
+from murmur.sync.ids import lineage_id
 
 KINDS = ("patch", "union", "anchor")
 CODEC_KIND = {"sparse-v1": "patch", "union-v1": "union", "anchor-v1": "anchor"}

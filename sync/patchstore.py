@@ -25,11 +25,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gossip.errors import DecodeError
-from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
-from sync.atomic import atomic_write
-from sync.errors import PatchError
-from sync.items import StoredItem, diff_kind
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
+from murmur.sync.atomic import atomic_write
+from murmur.sync.errors import PatchError
+from murmur.sync.items import StoredItem, diff_kind
 
 if TYPE_CHECKING:
     import torch
@@ -149,8 +149,8 @@ class LineageStore:
         # Local imports: the network process stores patches as bytes and never needs torch.
         from safetensors.torch import load_file
 
-        from sync.codec import decode_patch
-        from sync.hashing import bits_view, state_hash
+        from murmur.sync.codec import decode_patch
+        from murmur.sync.hashing import bits_view, state_hash
 
         start = anchors[-1]
         env, _ = self.read_anchor(start)

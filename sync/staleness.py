@@ -2,7 +2,7 @@
 
 A follower generates rollouts for a lineage only while its local version is
 within `max_staleness` of the newest publisher-signed head it knows; beyond
-that it pauses, catches up (`node.core`, by the cheapest plan
+that it pauses, catches up (`node.core.machine`, by the cheapest plan
 `sync.catchup.choose` finds), and resumes. Each transition is an event the
 node core logs and the dashboard shows. (Receivers drop rollouts beyond the
 bound in the verification pipeline, `gossip/validation.py`.)

@@ -34,9 +34,9 @@ from typing import Annotated, Any, Final
 import msgspec
 from msgspec import Meta, Struct
 
-from gossip.errors import DecodeError
-from gossip.scoring import Penalise  # the action this session returns (re-exported)
-from gossip.wire import KIND_LIMITS, MAX_CHUNK_BYTES, MAX_CHUNKS, PATCH_MANIFEST, PatchManifest
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.scoring import Penalise  # the action this session returns (re-exported)
+from murmur.gossip.wire import KIND_LIMITS, MAX_CHUNK_BYTES, MAX_CHUNKS, PATCH_MANIFEST, PatchManifest
 
 # ---------------------------------------------------------------- frames
 

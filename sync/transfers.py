@@ -44,11 +44,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gossip.errors import DecodeError, MurmurError
-from gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
-from sync.chunks import DEFAULT_CHUNK_BYTES
-from sync.ratelimit import TokenBucket
-from sync.swarm import (
+from murmur.gossip.errors import DecodeError, MurmurError
+from murmur.gossip.wire import PATCH_MANIFEST, PatchManifest, content_id, open_envelope
+from murmur.sync.chunks import DEFAULT_CHUNK_BYTES
+from murmur.sync.swarm import (
     Ban,
     Chunk,
     Completed,
@@ -65,6 +64,7 @@ from sync.swarm import (
     Verified,
     session_from_manifest,
 )
+from murmur.sync.uplink import TokenBucket
 
 MAX_TRANSFERS: Final = 64  # patches a node tracks at once
 MAX_MANIFEST_ASKS: Final = 256  # unknown patch ids we ask peers about (and who advertised them)

@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from gossip.identity import Identity  # noqa: E402
+from murmur.gossip.identity import Identity  # noqa: E402
 
 
 @pytest.fixture
@@ -41,14 +41,14 @@ def home(tmp_path, monkeypatch):
     return h
 
 
-_TINY_BUILD: list[Any] = []  # the session's murmur-tiny build (node.launch.TinyBuild), once started
+_TINY_BUILD: list[Any] = []  # the session's murmur-tiny build (node.cli.launch.TinyBuild), once started
 
 
 _SHARED_TINY = "MURMUR_TEST_TINY_ROOT"  # set by an xdist controller: its workers build murmur-tiny there, once
 
 
 def _tiny_build() -> Any:
-    from node.launch import TinyBuild
+    from murmur.node.cli.launch import TinyBuild
 
     if not _TINY_BUILD:
         shared = os.environ.get(_SHARED_TINY)
@@ -271,7 +271,7 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="module")
 def registry() -> Any:
     """The built-in task set, one per test module."""
-    from training.tasksets import TaskRegistry
+    from murmur.training.tasksets import TaskRegistry
 
     reg = TaskRegistry(SWARM)
     reg.add_builtin()
@@ -282,7 +282,7 @@ def registry() -> Any:
 def warm_engine() -> Any:
     """murmur-tiny after 40 warm-up steps, one per test module (trained on, so never shared across modules):
     format learnt and some answers right, so rewards vary within groups."""
-    from training.tiny import new_tiny_engine, warmup
+    from murmur.training.tiny import new_tiny_engine, warmup
 
     e = new_tiny_engine(seed=0)
     warmup(e, 40, seed=0)
@@ -292,7 +292,7 @@ def warm_engine() -> Any:
 @pytest.fixture
 def webrtc_extra() -> None:
     """Skip, with the reason, where aiortc (a core dependency) failed to install or import; CI must run these."""
-    from gossip.webrtc import webrtc_unavailable
+    from murmur.gossip.webrtc import webrtc_unavailable
 
     reason = webrtc_unavailable()
     if reason:

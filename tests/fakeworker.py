@@ -1,11 +1,11 @@
-"""A worker for `node.runtime.Node` that runs as a trio task instead of a torch process.
+"""A worker for `node.shell.runtime.Node` that runs as a trio task instead of a torch process.
 
-It replaces only the process behind `node.workerlink.Link`: the runtime's messages reach it as
+It replaces only the process behind `node.shell.workerlink.Link`: the runtime's messages reach it as
 `node.pipe`-encoded bytes and its replies go back as pipe bytes through `pipe.decode`, so the runtime
 and its core handle them exactly as a real worker's. What it does with them is real where the node
-depends on it: a trainer keeps a real `sync.lineage.LineagePublisher` in the node home (a tiny bf16
+depends on it: a trainer keeps a real `sync.versions.LineagePublisher` in the node home (a tiny bf16
 state instead of a model) and publishes a version when the test says so; a follower applies what the
-node stored with a real `LineageFollower` along `sync.catchup.local_plan`, as `node.worker` does.
+node stored with a real `LineageFollower` along `sync.catchup.local_plan`, as `node.worker.main` does.
 A crash (`crash`) ends the task and closes the pipe, as a killed process would.
 """
 
@@ -19,16 +19,16 @@ import msgspec
 import torch
 import trio
 
-from gossip.errors import DecodeError
-from gossip.identity import Identity
-from node import pipe
-from node.pipe import WorkerState
-from sync import chunks as chunking
-from sync.catchup import local_plan
-from sync.errors import PatchError
-from sync.hashing import state_hash
-from sync.lineage import Lineage, LineageFollower, LineagePublisher
-from sync.patchstore import open_manifest
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.identity import Identity
+from murmur.node import pipe
+from murmur.node.pipe import WorkerState
+from murmur.sync import chunks as chunking
+from murmur.sync.catchup import local_plan
+from murmur.sync.errors import PatchError
+from murmur.sync.hashing import state_hash
+from murmur.sync.patchstore import open_manifest
+from murmur.sync.versions import Lineage, LineageFollower, LineagePublisher
 
 _pids = itertools.count(70001)
 QUEUE = 1024
@@ -79,7 +79,7 @@ class FakeLink:
         self.follower: LineageFollower | None = None
         self.admitted: dict[str, bool] = {}
 
-    # ------------------------------------------------------------ node.workerlink.Link
+    # ------------------------------------------------------------ node.shell.workerlink.Link
     @property
     def pid(self) -> int:
         return self._pid
@@ -131,7 +131,7 @@ class FakeLink:
 
     # ------------------------------------------------------------ the worker
     async def main(self) -> None:
-        from node.store import open_store
+        from murmur.node.store import open_store
 
         db = open_store(self.home)
         try:

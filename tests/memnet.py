@@ -1,4 +1,4 @@
-"""An in-memory network of `gossip.transport.Transport`s, for running `node.runtime.Node`s in one trio run.
+"""An in-memory network of `gossip.transport.Transport`s, for running `node.shell.runtime.Node`s in one trio run.
 
 Everything is trio memory channels and memory streams, nothing waits on a socket or a thread, so a test
 may run under `trio.testing.MockClock(autojump_threshold=...)`: virtual time jumps whenever every task
@@ -21,9 +21,9 @@ from typing import Any
 import trio
 import trio.testing
 
-from gossip.errors import DecodeError, MurmurError
-from gossip.identity import Identity
-from gossip.transport import FrameError, PublishError, StreamError
+from murmur.gossip.errors import DecodeError, MurmurError
+from murmur.gossip.identity import Identity
+from murmur.gossip.transport import FrameError, PublishError, StreamError
 
 log = logging.getLogger("tests.memnet")
 INBOUND = 1024  # messages queued for a transport's validators; more are dropped and counted

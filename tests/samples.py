@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import struct
 
-from gossip import wire
-from gossip.identity import Identity
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
 
 
 def rollout(task_set: bytes = b"\x01" * 32, seed: int = 7, n_tokens: int = 8, reward: float = 1.0) -> wire.Rollout:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from gossip import wire
-from gossip.errors import SignatureError
-from gossip.identity import Identity
-from simulations.adversary import SENDERS, Adversary, for_process
-from training.tasksets import TaskRegistry
-from training.verifiers import score
+from murmur.gossip import wire
+from murmur.gossip.errors import SignatureError
+from murmur.gossip.identity import Identity
+from murmur.simulations.adversary import SENDERS, Adversary, for_process
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.verifiers import score
 
 SWARM = "adv-test"
 IDENT = Identity.from_seed(bytes(range(32)))

@@ -13,13 +13,13 @@ import time
 import msgspec
 import trio
 
-from gossip import wire
-from gossip.identity import Identity, peer_id_from_public
-from gossip.service import GossipService
-from gossip.validation import Pipeline, PipelineConfig
-from simulations.bench.gossip import SWARM, registry
-from training.tasksets import builtin_manifest
-from training.verifiers import score
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity, peer_id_from_public
+from murmur.gossip.service import GossipService
+from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.simulations.bench.gossip import SWARM, registry
+from murmur.training.tasksets import builtin_manifest
+from murmur.training.verifiers import score
 
 REG = registry()
 SIGNER = Identity.from_seed(bytes([7]) * 32)
@@ -106,7 +106,7 @@ def test_fresh_keys_announcing_once_share_one_node_wide_admission_rate() -> None
     heard before (envelope signers) share one node-wide bucket: the flood is refused past it (counted,
     charged to no one) and not relayed, while a key already heard and a key announcing itself on its own
     connection still pass."""
-    from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S
+    from murmur.gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S
 
     s = _service()
     relay = RELAYS[0]

@@ -17,14 +17,14 @@ import pytest
 import trio
 import trio.testing
 
-from gossip import topics, wire
-from gossip.identity import Identity
-from gossip.validation import Pipeline, PipelineConfig, Reason
-from simulations.bench import attacks
-from sync.ids import lineage_id
-from training import tokencheck
-from training.tasksets import TaskRegistry, builtin_manifest
-from training.verifiers import score
+from murmur.gossip import topics, wire
+from murmur.gossip.identity import Identity
+from murmur.gossip.validation import Pipeline, PipelineConfig, Reason
+from murmur.simulations.bench import attacks
+from murmur.sync.ids import lineage_id
+from murmur.training import tokencheck
+from murmur.training.tasksets import TaskRegistry, builtin_manifest
+from murmur.training.verifiers import score
 
 SWARM = attacks.SWARM
 
@@ -109,13 +109,13 @@ def test_taskset_takeover_names_every_seen_set_at_a_higher_version_under_our_key
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from training.tiny import ensure_tiny
+    from murmur.training.tiny import ensure_tiny
 
     return ensure_tiny(tmp_path_factory.mktemp("model"), warmup_steps=0)
 
 
 def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(tiny: Path) -> None:
-    from training.tokenizer import load_tokenizer
+    from murmur.training.tokenizer import load_tokenizer
 
     k, _ = _honest_knowledge()
     k.model = str(tiny)
@@ -236,7 +236,7 @@ def test_a_first_round_class_redials_a_target_whose_connection_failed(monkeypatc
     """py-libp2p now and then closes a new connection while it starts. A first-round class (a fresh key,
     which no defence refuses) redials, so it attacks its target instead of publishing to nobody (its
     `sent` would count either way)."""
-    from gossip.host import open_transport
+    from murmur.gossip.host import open_transport
 
     real, calls = attacks._connect_all, []
 
@@ -269,8 +269,8 @@ def test_the_unusable_work_classes_are_accepted_by_validation_and_earn_nothing_d
     refused before the rule it targets), and what a trainer learns or credits from them is nothing: the
     payload classes name a lineage no one publishes (the sampler drops it as unowned), credit farming's
     rollouts are one-rollout groups or under a tokenizer no receiver holds (no creditable rollout)."""
-    from node.events import RolloutsVerified
-    from training.sampler import Sampler
+    from murmur.node.core.events import RolloutsVerified
+    from murmur.training.sampler import Sampler
 
     k, check, reg, lid = _observed_trainer()
     a, batches = _attack_batches(name, k)
@@ -294,9 +294,9 @@ def test_sybil_announces_are_authored_each_by_a_fresh_key_and_meet_the_new_key_r
     """The live class for state that strangers grow: every announce is signed, as envelope and as pubsub
     message author, by a key of its own, near the announce size limit; relayed through one host to a
     receiver, at most the node-wide new-key burst and rate of them pass (the in-process version)."""
-    from gossip.identity import peer_id_from_public
-    from gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S
-    from gossip.service import GossipService
+    from murmur.gossip.identity import peer_id_from_public
+    from murmur.gossip.ratelimit import NEW_KEYS_BURST, NEW_KEYS_PER_S
+    from murmur.gossip.service import GossipService
 
     class AuthoredRecorder(Recorder):
         def __init__(self) -> None:

@@ -14,15 +14,15 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossip import wire
-from gossip.identity import Identity
-from node import catchup_machine as CM
-from node import core as C
-from node import roles
-from node.lineages import MAX_AHEAD
-from sync.catchup import choose
-from sync.ids import lineage_id
-from sync.patchstore import StoredItem
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.node.core import catchup as CM
+from murmur.node.core import machine as C
+from murmur.node.core import roles
+from murmur.node.core.lineages import MAX_AHEAD
+from murmur.sync.catchup import choose
+from murmur.sync.ids import lineage_id
+from murmur.sync.patchstore import StoredItem
 from tests import samples
 from tests.test_core import (
     BASE,
@@ -244,7 +244,7 @@ def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
 
 def test_a_patch_that_would_make_weights_non_finite_costs_its_publisher() -> None:
     """The worker refused a patch whose signed, hash-checked content makes a weight NaN
-    (`sync.lineage`, `tests/test_weights_finite.py`): the publisher signed it, so it is charged, and the
+    (`sync.versions`, `tests/test_weights_finite.py`): the publisher signed it, so it is charged, and the
     item is dropped to be fetched again; any other failure to apply charges no one."""
     core, clock = make_core()
     poisoner = key(70)
@@ -463,8 +463,8 @@ def test_a_flood_of_sybil_producers_cannot_widen_a_nodes_subscriptions() -> None
     MAX_SUBSCRIBED shards (no more inbound than a few shards carry), and the shard count stays capped."""
     import hashlib
 
-    from gossip import exchange
-    from gossip.identity import Identity
+    from murmur.gossip import exchange
+    from murmur.gossip.identity import Identity
 
     core, clock = make_core(roles=("trainer",))
     for i in range(3000):
@@ -616,9 +616,9 @@ def test_a_lineage_on_trial_shows_in_the_status_and_dashboard() -> None:
     the lineage the worker still generates for, and the dashboard marks the trial."""
     from rich.console import Console
 
-    from node.dashboard import node_panel
-    from node.status import NodeStatus
-    from node.views import lineage_views
+    from murmur.node.shell.views import lineage_views
+    from murmur.node.status import NodeStatus
+    from murmur.node.ui.dashboard import node_panel
 
     core, clock, honest, attacker, good, evil, worker = _follower_of_an_honest_trainer()
     assert core.on_trial is None  # a lineage that delivered is followed, not on trial

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from node import launch
-from simulations.bench import attacks
+from murmur.node.cli import launch
+from murmur.simulations.bench import attacks
 
 pytestmark = pytest.mark.slow
 

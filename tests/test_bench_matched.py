@@ -8,8 +8,8 @@ import random
 import time
 from pathlib import Path
 
-from simulations import curves
-from simulations.bench import matched as bm
+from murmur.simulations import curves
+from murmur.simulations.bench import matched as bm
 
 
 def test_first_reach_by_hand() -> None:
@@ -56,16 +56,16 @@ def test_a_trainer_with_followers_verifies_and_pools_their_groups_on_its_own_cpu
 
 
 def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_path: Path) -> None:
-    from gossip.validation import Pipeline, PipelineConfig, Reason
-    from simulations.bench.swarm import SWARM
-    from simulations.bench.useless import CLAIMED_LOGPROB, claim_low_logprobs, forge, informative
-    from training.engine_hf import HFEngine
-    from training.rollouts import logprobs_from_bytes
-    from training.tasksets import TaskRegistry, train_generators
-    from training.tiny import ensure_tiny
-    from training.tokencheck import for_model
-    from training.tokenizer import TINY_NAME
-    from training.verifiers import score
+    from murmur.gossip.validation import Pipeline, PipelineConfig, Reason
+    from murmur.simulations.bench.swarm import SWARM
+    from murmur.simulations.bench.useless import CLAIMED_LOGPROB, claim_low_logprobs, forge, informative
+    from murmur.training.engine_hf import HFEngine
+    from murmur.training.rollouts import logprobs_from_bytes
+    from murmur.training.tasksets import TaskRegistry, train_generators
+    from murmur.training.tiny import ensure_tiny
+    from murmur.training.tokencheck import for_model
+    from murmur.training.tokenizer import TINY_NAME
+    from murmur.training.verifiers import score
 
     reg = TaskRegistry(SWARM)
     reg.add_builtin()
@@ -113,7 +113,7 @@ def test_the_worked_regime_trains_on_the_worked_set_and_reports_its_generation_s
 
 
 def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_on_what(tmp_path: Path) -> None:
-    from simulations.bench.matched_page import accuracy_bands, write_page
+    from murmur.simulations.bench.matched_page import accuracy_bands, write_page
 
     per = [bm.run_seed(2, s, 0.6, 2, 2, home=str(tmp_path / "home"), warmup_steps=2) for s in (0, 1)]
     result = bm.summarise(per, nodes=2, followers=0, adversary=False, cpu_s=0.6, answers="short", checkpoints=2,
@@ -137,10 +137,10 @@ def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_o
 
 
 def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu(tmp_path: Path) -> None:
-    """Nothing forced: every node starts as a trainer and the node's rule (`node.roles.want_mode` with its
+    """Nothing forced: every node starts as a trainer and the node's rule (`node.core.roles.want_mode` with its
     dwell) moves some to generate for a published lineage short of rollouts; a follower's rollouts reach its
     trainer through its pipeline, and every node still spends the same CPU."""
-    from simulations.bench.matched_auto import DWELL_SHARE
+    from murmur.simulations.bench.matched_auto import DWELL_SHARE
 
     cpu_s = 1.5
     r = bm.run_seed(3, 0, cpu_s, 2, 2, home=str(tmp_path), warmup_steps=2, default_roles=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gossip.errors import ConfigError
-from simulations.bench import swarm as bench_swarm
+from murmur.gossip.errors import ConfigError
+from murmur.simulations.bench import swarm as bench_swarm
 
 REQUIRED = ("rounds", "isolated_cumulative_reward", "swarm_cumulative_reward", "adversarial_cumulative_reward",
             "gain_swarm", "gain_adversarial", "adversarial_accepted")
@@ -27,7 +27,7 @@ def test_packaged_scenario_is_the_issue_setup() -> None:
 
 
 def test_task_set_is_signed_deterministic_and_verifiable() -> None:
-    from training.tasksets import TaskRegistry, task_set_id
+    from murmur.training.tasksets import TaskRegistry, task_set_id
 
     sc, _ = bench_swarm.load_scenario()
     env = bench_swarm.bench_task_set(sc)
@@ -36,14 +36,14 @@ def test_task_set_is_signed_deterministic_and_verifiable() -> None:
     m = reg.add(env, {bench_swarm.COORDINATOR.public})
     assert {g.name for g in m.generators} == {g.name for g in sc.task_set.generators}
     assert task_set_id(env, swarm=bench_swarm.SWARM) in reg
-    from gossip.errors import SignatureError
+    from murmur.gossip.errors import SignatureError
 
     with pytest.raises(SignatureError):
         TaskRegistry(bench_swarm.SWARM).add(env, set())  # not trusted without the coordinator
 
 
 def test_scenario_rejects_unknown_keys_and_bad_adversary(tmp_path: Path) -> None:
-    text = bench_swarm.resources.files("simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
+    text = bench_swarm.resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
     bad = tmp_path / "bad.toml"
     bad.write_text(text.replace("inbox_groups = 64", "inbox_groups = 64\nturbo = true"))
     with pytest.raises(ConfigError, match="turbo"):
@@ -60,7 +60,7 @@ def test_scenario_rejects_unknown_keys_and_bad_adversary(tmp_path: Path) -> None
 
 def _small_scenario(tmp_path: Path) -> Path:
     """Small and fast (2-step warm-up, groups of 4), same code path as the full benchmark."""
-    text = bench_swarm.resources.files("simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
+    text = bench_swarm.resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
     small = tmp_path / "small.toml"
     small.write_text(text.replace("model_warmup_steps = 60", "model_warmup_steps = 2")
                      .replace("group_size = 8", "group_size = 4"))

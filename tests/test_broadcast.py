@@ -13,15 +13,15 @@ import pytest
 import trio
 import trio.testing
 
-from gossip.errors import DecodeError
-from gossip.host import open_transport
-from gossip.identity import Identity
-from gossip.wire import decode_envelope, encode
-from simulations.bench.broadcast import make_patch
-from sync.broadcast import BroadcastNode
-from sync.ratelimit import TokenBucket
-from sync.swarm import SwarmConfig
-from sync.transfers import Stored
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import decode_envelope, encode
+from murmur.simulations.bench.broadcast import make_patch
+from murmur.sync.broadcast import BroadcastNode
+from murmur.sync.swarm import SwarmConfig
+from murmur.sync.transfers import Stored
+from murmur.sync.uplink import TokenBucket
 
 CHUNK = 64 * 1024
 
@@ -266,9 +266,9 @@ class _TrioStream:
 
 
 def test_coalesced_frames_parse_back_and_limits_hold() -> None:
-    from gossip.framing import FrameReader, encode_frames
-    from gossip.transport import StreamError
-    from sync.swarm import Chunk, Have, HaveChunk, Request, decode_frame
+    from murmur.gossip.framing import FrameReader, encode_frames
+    from murmur.gossip.transport import StreamError
+    from murmur.sync.swarm import Chunk, Have, HaveChunk, Request, decode_frame
 
     pid = b"p" * 32
     frames = [Have(pid, b"\x01", True), HaveChunk(pid, 3), Request(pid, 7), Chunk(pid, 2, b"z" * 300_000)]
@@ -330,7 +330,7 @@ def test_concurrent_add_manifest_makes_one_transfer(tmp_path: Path) -> None:
 def test_wait_complete_on_an_unknown_or_evicted_transfer_is_a_clear_error() -> None:
     """The node's catch-up loop waits on transfers that the 64-transfer limit may evict: that must be an
     error it can handle, not a KeyError that kills the node."""
-    from gossip.transport import StreamError
+    from murmur.gossip.transport import StreamError
 
     async def main() -> None:
         async with live_node(0) as (_, node):
@@ -344,8 +344,8 @@ def test_stuck_transfers_never_block_new_patches() -> None:
     """Patches whose chunks never come (pruned at every peer, or manifests a publisher signs and never
     serves) must not fill the transfer table for good: the oldest unfinished transfer gives way, is
     counted, and waiting on it is the clear error catch-up already handles."""
-    from gossip.transport import StreamError
-    from sync.transfers import MAX_TRANSFERS
+    from murmur.gossip.transport import StreamError
+    from murmur.sync.transfers import MAX_TRANSFERS
 
     publisher = ident(70)
 

@@ -1,9 +1,9 @@
-"""`python -m simulations.calibrate --matched`: the fit recovers the parameters that made a curve, and
+"""`python -m murmur.simulations.calibrate --matched`: the fit recovers the parameters that made a curve, and
 the virtual simulator run on a measured setup reports the alone comparison."""
 
 from __future__ import annotations
 
-from simulations.calibrate import fit_matched, matched_curve, virtual_speedup
+from murmur.simulations.calibrate import fit_matched, matched_curve, virtual_speedup
 
 
 def _bench(rate: float, ceil: float, weight: float, nodes: int = 4, followers: int = 0) -> dict:

@@ -1,11 +1,11 @@
-"""Catch-up (`node.catchup_machine`) on its own: sources asked in turn and rotated on failure, the patience, plans
+"""Catch-up (`node.core.catchup`) on its own: sources asked in turn and rotated on failure, the patience, plans
 around what is held and in flight, the broadcast accept rule and its bound, the store re-read, and when the
 served lineage is to be left."""
 
 from __future__ import annotations
 
-from gossip.identity import Identity
-from node.catchup_machine import (
+from murmur.gossip.identity import Identity
+from murmur.node.core.catchup import (
     CATALOG_SOURCES,
     CATCH_UP_PATIENCE_S,
     IN_FLIGHT_PATIENCE_S,
@@ -17,10 +17,18 @@ from node.catchup_machine import (
     CatchUpNeed,
     CatchUpPhase,
 )
-from node.events import CatalogFailed, CatalogReceived, FetchCatalog, LoadStored, Log, OfferFailed, RequestOffer
-from node.lineages import LineageState
-from sync.ids import lineage_id
-from sync.items import StoredItem
+from murmur.node.core.events import (
+    CatalogFailed,
+    CatalogReceived,
+    FetchCatalog,
+    LoadStored,
+    Log,
+    OfferFailed,
+    RequestOffer,
+)
+from murmur.node.core.lineages import LineageState
+from murmur.sync.ids import lineage_id
+from murmur.sync.items import StoredItem
 from tests.test_core import BASE, manifest
 
 PUB = Identity.from_seed(b"\x09" * 32)

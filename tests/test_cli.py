@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-MURMUR = [sys.executable, "-m", "node"]
+MURMUR = [sys.executable, "-m", "murmur.node"]
 
 
 def run(*args: str, home: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,8 +75,8 @@ def run_in_process(*args: str, home: Path, env: dict[str, str] | None = None) ->
     command does, where the console script's own start (covered by the subprocess tests here) is not the subject."""
     from typer.testing import CliRunner
 
-    from gossip.errors import MurmurError
-    from node.cli import app
+    from murmur.gossip.errors import MurmurError
+    from murmur.node.cli.app import app
 
     res = CliRunner().invoke(app, list(args), env={**(env or {}), "MURMUR_HOME": str(home)})
     if isinstance(res.exception, MurmurError):

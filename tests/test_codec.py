@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sync.codec import (
+from murmur.sync.codec import (
     FORMAT,
     POS_BITMASK,
     POS_GAPS,
@@ -29,8 +29,8 @@ from sync.codec import (
     encode_patch,
     read_header,
 )
-from sync.errors import PatchError
-from sync.hashing import bits_view, state_hash
+from murmur.sync.errors import PatchError
+from murmur.sync.hashing import bits_view, state_hash
 
 torch.set_num_threads(1)
 
@@ -244,7 +244,7 @@ def test_dense_changes_cost_at_most_a_bitmask(density: float, bits_per_element: 
 def test_values_turning_non_finite_are_counted_whatever_they_were() -> None:
     """Only positions that were finite count with `was`: a zero (all bits clear) or a negative value that
     becomes NaN or infinite counts, one that was already NaN does not."""
-    from sync.codec import count_non_finite
+    from murmur.sync.codec import count_non_finite
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         name = str(dtype).split(".")[1]
@@ -280,7 +280,7 @@ def test_the_changed_element_budget_admits_exactly_its_size() -> None:
 def test_sorted_values_follow_the_base_exponent_as_documented(dtype: torch.dtype) -> None:
     """docs/patches.md: with the sorted flag, values are stored in the stable order of the base element's
     exponent field. A payload written from that text alone (not by the encoder) decodes as it says."""
-    from sync.codec import POS_ALL, VAL_SORTED
+    from murmur.sync.codec import POS_ALL, VAL_SORTED
 
     base = {"w": torch.tensor([4.0, 1.0, 2.0, 1.5], dtype=dtype)}  # exponents 2, 0, 1, 0 above the bias
     target = {"w": torch.tensor([40.0, 10.0, 20.0, 15.0], dtype=dtype)}

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from gossip.errors import ConfigError
-from node.config import Config, load_config, load_config_with_sources, render_default_config
+from murmur.gossip.errors import ConfigError
+from murmur.node.config import Config, load_config, load_config_with_sources, render_default_config
 
 
 def test_default_config_round_trips(tmp_path):

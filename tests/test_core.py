@@ -10,16 +10,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from gossip import exchange, wire
-from gossip.identity import Identity
-from node import catchup_machine as CM
-from node import core as C
-from node import peertable as PT
-from node import pipe
-from node import supervision as SV
-from sync.ids import Relation, lineage_id
-from sync.patchstore import StoredItem
-from sync.staleness import Admission
+from murmur.gossip import exchange, wire
+from murmur.gossip.identity import Identity
+from murmur.node import pipe
+from murmur.node.core import catchup as CM
+from murmur.node.core import machine as C
+from murmur.node.core import peertable as PT
+from murmur.node.core import supervision as SV
+from murmur.sync.ids import Relation, lineage_id
+from murmur.sync.patchstore import StoredItem
+from murmur.sync.staleness import Admission
 
 SWARM = "t"
 
@@ -263,7 +263,7 @@ def test_worker_exit_restarts_with_growing_backoff_and_resumes_following() -> No
 def test_a_patch_lost_after_its_transfer_completed_is_offered_and_stored_again() -> None:
     """A completed transfer whose stored copy is lost (apply failed and it was dropped, or the write failed)
     leaves a gap the broadcast will not fill by itself: catch-up offers exactly that item, and the same
-    completed transfer handed in again (`node.runtime` re-feeds it after the offer) is stored anew."""
+    completed transfer handed in again (`node.shell.runtime` re-feeds it after the offer) is stored anew."""
     core, clock = make_core()
     trainer = key(9)
     lid = follow_trainer(core, clock, trainer, head=3)
@@ -992,7 +992,7 @@ def test_a_hostile_codec_name_is_logged_and_charged_bounded() -> None:
 
 
 def test_the_reward_at_start_is_the_mean_of_the_first_five() -> None:
-    from node.views import reward_window
+    from murmur.node.shell.views import reward_window
 
     core, _ = make_core()
     for r in (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0):

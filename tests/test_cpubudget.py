@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from gossip.cpubudget import ACTIVE_S, PROVEN_BATCHES, PROVEN_S, RECOUNT_S, CpuBudget
+from murmur.gossip.cpubudget import ACTIVE_S, PROVEN_BATCHES, PROVEN_S, RECOUNT_S, CpuBudget
 
 
 def prove(budget: CpuBudget, *keys: str) -> CpuBudget:

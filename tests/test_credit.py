@@ -1,11 +1,11 @@
-"""Delivery credit per follower (node/credit.py, sans-IO, explicit time): the window's ends, where a rate's span
+"""Delivery credit per follower (node/core/credit.py, sans-IO, explicit time): the window's ends, where a rate's span
 starts, and rows forgotten once their deliveries left the window."""
 
 from __future__ import annotations
 
 import pytest
 
-from node.credit import MIN_SPAN_S, SLACK, WINDOW_S, Deliveries
+from murmur.node.core.credit import MIN_SPAN_S, SLACK, WINDOW_S, Deliveries
 
 
 def test_a_rate_divides_by_the_time_since_the_first_delivery_at_least_min_span_s() -> None:

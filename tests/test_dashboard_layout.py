@@ -9,10 +9,10 @@ import sys
 import pytest
 from rich.console import Console
 
-from node.dashboard import node_panel, swarm_table
-from node.demo import summarize, summary_table
-from node.metrics import Metrics
-from node.status import DROP_REASONS, DiskView, Drops, LineageView, NodeStatus, PeerView
+from murmur.node.cli.demo import summarize, summary_table
+from murmur.node.status import DROP_REASONS, DiskView, Drops, LineageView, NodeStatus, PeerView
+from murmur.node.ui.dashboard import node_panel, swarm_table
+from murmur.node.ui.metrics import Metrics
 
 HOSTILE = ["[/]", "[bold red]x[/", "[link=http://x]y", "\\[/]"]
 
@@ -67,7 +67,7 @@ def test_swarm_and_summary_fit_80_columns_without_cutting_cells(width: int) -> N
 
 def test_summary_in_a_pipe_at_80_columns() -> None:
     """A real pipe: rich falls back to 80 columns; the summary still shows every cell whole."""
-    code = ("from node.demo import summary_table, summarize\n"
+    code = ("from murmur.node.cli.demo import summary_table, summarize\n"
             "from tests.test_dashboard_layout import _status\n"
             "from rich.console import Console\n"
             "Console().print(summary_table(summarize(['node0-trainer', 'node1-follower+validator'], "
@@ -103,7 +103,7 @@ def test_drop_reasons_in_status_and_metrics() -> None:
 def test_every_drop_reason_and_disk_key_is_documented() -> None:
     from pathlib import Path
 
-    from node.config import DiskSection
+    from murmur.node.config import DiskSection
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "volunteer.md").read_text()
     for reason in DROP_REASONS:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_trains_publishes_follows_and_verifies(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     # it ends on events (--until-steps), not after a time: the duration is only the backstop
-    r = subprocess.run([sys.executable, "-m", "node", "demo", "--duration", "400", "--until-steps", "3", "--no-tui",
+    r = subprocess.run([sys.executable, "-m", "murmur.node", "demo", "--duration", "400", "--until-steps", "3", "--no-tui",
                         "--json", "--dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=590,
                        env=env, cwd=str(ROOT))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -36,8 +36,8 @@ def test_demo_trains_publishes_follows_and_verifies(tmp_path: Path) -> None:
 
 
 def test_demo_stops_once_it_has_shown_the_swarm_working() -> None:
-    from node.demo import shown
-    from node.status import NodeStatus
+    from murmur.node.cli.demo import shown
+    from murmur.node.status import NodeStatus
 
     def st(steps: int = 0, applied: int = 0, heldout: float | None = 0.5, published: int = 1) -> NodeStatus:
         return NodeStatus(peer_id="p", swarm="s", roles=[], state="running", worker="training", steps=steps,
@@ -54,9 +54,9 @@ def test_demo_stops_once_it_has_shown_the_swarm_working() -> None:
 
 
 def test_demo_nodes_differ_and_load_as_node_configs(tmp_path: Path) -> None:
-    from node.config import load_config
-    from node.demo import node_config
-    from node.launch import write_config
+    from murmur.node.cli.demo import node_config
+    from murmur.node.cli.launch import write_config
+    from murmur.node.config import load_config
 
     seeds = []
     for i in range(3):

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from node import logs
-from node.config import Config, load_config
-from node.patchsync import store_complete
-from sync.lineage import LineagePublisher
-from sync.patchstore import LineageStore, open_manifest
+from murmur.node import logs
+from murmur.node.config import Config, load_config
+from murmur.node.shell.patches import store_complete
+from murmur.sync.patchstore import LineageStore, open_manifest
+from murmur.sync.versions import LineagePublisher
 
 SWARM = "test"
 
@@ -62,7 +62,7 @@ def test_follower_store_with_anchors_stays_replayable(identity, tmp_path: Path) 
     patches = [i for i in store.items() if i.kind == "patch"]
     assert min(i.base for i in patches) in store.anchors()
     assert len(patches) <= 8 + 8
-    from sync.hashing import state_hash
+    from murmur.sync.hashing import state_hash
     assert state_hash(store.load_state(40, swarm=SWARM)) == pub.state_hash
 
 
@@ -92,7 +92,7 @@ def test_disk_section_in_config(tmp_path: Path) -> None:
 
 
 def test_disk_meter_measures_each_budget_and_caches(tmp_path: Path) -> None:
-    from node.status import DiskMeter
+    from murmur.node.status import DiskMeter
 
     (tmp_path / "state.db").write_bytes(b"x" * 2**20)
     (tmp_path / "node.log").write_bytes(b"x" * 2**19)
@@ -121,7 +121,7 @@ def test_prune_spares_a_store_in_progress(identity, tmp_path: Path) -> None:
     import os
     import time
 
-    from sync import patchstore
+    from murmur.sync import patchstore
 
     pub = _publish(identity, tmp_path / "pub", 12)
     store = _copy_as_follower(pub, tmp_path / "fol", anchors=True)

@@ -19,9 +19,9 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from gossip.errors import MurmurError
-from node.cli import app
-from node.config import SECTIONS, Config, env_overrides, load_config
+from murmur.gossip.errors import MurmurError
+from murmur.node.cli.app import app
+from murmur.node.config import SECTIONS, Config, env_overrides, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -72,11 +72,11 @@ def test_toml_block_loads_with_the_nodes_loader(doc: Path, line: int, body: str,
     f.write_text(body)
     try:
         if "generators" in raw:
-            from training.tasksets import load_task_set_toml
+            from murmur.training.tasksets import load_task_set_toml
 
             load_task_set_toml(f)
         elif "group" in raw:
-            from simulations.scenario import load
+            from murmur.simulations.scenario import load
 
             load(f)
         else:
@@ -262,7 +262,7 @@ def _scenario_keys(section: str) -> tuple[str, ...]:
     """Fields of a scenario file's section of that name (docs/scenarios.md): `training.step_s` is one."""
     import typing
 
-    from simulations.scenario import Scenario
+    from murmur.simulations.scenario import Scenario
 
     typ = typing.get_type_hints(Scenario).get(section)
     return getattr(typ, "__struct_fields__", ())

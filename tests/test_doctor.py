@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gossip.identity import Identity
-from node.config import Config
-from node.doctor import CHECKS, Check, Context, check_listen_ports, passed, run_checks
-from node.launch import free_port
+from murmur.gossip.identity import Identity
+from murmur.node.cli.doctor import CHECKS, Check, Context, check_listen_ports, passed, run_checks
+from murmur.node.cli.launch import free_port
+from murmur.node.config import Config
 
 
 def test_unreachable_bootstrap_is_a_failed_check_with_fix(tmp_path: Path) -> None:
@@ -20,7 +20,7 @@ def test_unreachable_bootstrap_is_a_failed_check_with_fix(tmp_path: Path) -> Non
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\nbootstrap = ["{dead}"]\n')
     env = dict(os.environ, MURMUR_HOME=str(tmp_path / "home"))
-    r = subprocess.run([sys.executable, "-m", "node", "doctor", "--json", "--config", str(cfg), "--timeout", "3"],
+    r = subprocess.run([sys.executable, "-m", "murmur.node", "doctor", "--json", "--config", str(cfg), "--timeout", "3"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 1, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

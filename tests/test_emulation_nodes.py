@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from node.config import env_overrides
-from simulations import scenario as sc_mod
-from simulations.emulate import MAX_REAL_NODES
-from simulations.wan import LinkSpec, node_env
+from murmur.node.config import env_overrides
+from murmur.simulations import scenario as sc_mod
+from murmur.simulations.emulate import MAX_REAL_NODES
+from murmur.simulations.wan import LinkSpec, node_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGED = sorted(p for p in (ROOT / "simulations" / "scenarios").glob("*.toml") if p.stem != "bench_swarm")
@@ -34,7 +34,7 @@ def _out(tmp_path: Path, tiny: Path) -> Path:
 
 
 def _simulate(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> tuple[int, dict, str]:
-    r = subprocess.run([sys.executable, "-m", "node", "simulate", *args, "--json"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "murmur.node", "simulate", *args, "--json"], capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     return r.returncode, json.loads(lines[-1]) if lines else {}, r.stderr[-2000:]
@@ -102,7 +102,7 @@ def test_a_planned_leave_and_rejoin_are_not_failures(full_run: tuple[int, dict, 
 
 
 def test_a_smoke_moves_on_to_the_next_event_only_once_no_running_node_waits_for_its_first_step() -> None:
-    from simulations.emulate import smoke_skip
+    from murmur.simulations.emulate import smoke_skip
 
     assert smoke_skip(10.0, 60.0, waiting_for_a_step=True) == 0.0
     assert smoke_skip(10.0, 60.0, waiting_for_a_step=False) == 50.0
@@ -157,7 +157,7 @@ def test_packaged_scenario_starts_in_virtual_time(path: Path, tmp_path: Path) ->
 def test_packaged_scenario_too_big_to_run_here_is_valid(path: Path) -> None:
     from typer.testing import CliRunner
 
-    from node.cli import app
+    from murmur.node.cli.app import app
 
     r = CliRunner().invoke(app, ["simulate", str(path), "--check"])
     assert r.exit_code == 0 and f"{len(sc_mod.expand(sc_mod.load(path)))} nodes" in r.output, r.output[-500:]

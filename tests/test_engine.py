@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.errors import MurmurError
-from gossip.identity import Identity
-from gossip.wire import FORMAT_VERSION, ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
-from training.engine import Engine, Sampling, SparseUpdate
-from training.engine_hf import HFEngine, load_causal_lm
-from training.rollouts import expand_versions, from_wire, to_wire
-from training.tasksets import TaskRegistry
-from training.tiny import ensure_tiny, load_policy, new_tiny_engine, tiny_dir
+from murmur.gossip.errors import MurmurError
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import FORMAT_VERSION, ROLLOUT_BATCH, RolloutBatch, TaskRef, open_envelope, seal
+from murmur.training.engine import Engine, Sampling, SparseUpdate
+from murmur.training.engine_hf import HFEngine, load_causal_lm
+from murmur.training.rollouts import expand_versions, from_wire, to_wire
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.tiny import ensure_tiny, load_policy, new_tiny_engine, tiny_dir
 
 SWARM = "t"
 
@@ -109,7 +109,7 @@ def test_concurrent_builders_of_one_home_build_once(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys, json; from training.tiny import ensure_tiny; from training.engine_hf import HFEngine; "
+    code = ("import sys, json; from murmur.training.tiny import ensure_tiny; from murmur.training.engine_hf import HFEngine; "
             "d = ensure_tiny(sys.argv[1], seed=3, warmup_steps=2); HFEngine.from_path(d, device='cpu'); "
             "print(json.loads((d / 'murmur-tiny.json').read_text())['warmup_s'])")
     root = Path(__file__).resolve().parent.parent
@@ -154,7 +154,7 @@ def test_murmur_tiny_is_cached_deterministic_and_loads_offline(tmp_path: Path, m
 def test_rollout_wire_round_trip_and_retokenisation(engine: HFEngine) -> None:
     reg = TaskRegistry(SWARM)
     reg.add_builtin()
-    from training.trainer import Trainer, TrainerConfig
+    from murmur.training.trainer import Trainer, TrainerConfig
 
     tr = Trainer(engine, reg, reg.builtin_id, TrainerConfig(local_groups=1, group_size=4, max_new_tokens=4,
                                                             external_groups=0, lr=1e-5), lineage=b"\x07" * 32)
@@ -183,9 +183,9 @@ def test_expand_versions() -> None:
 
 def test_engine_selection_never_falls_back(tmp_path: Path) -> None:
     """The node's environment has no vLLM: asking for it is an error that says so, not transformers."""
-    import training.engine_vllm as ev
-    from training.engine import open_engine
-    from training.tiny import new_tiny_engine
+    import murmur.training.engine_vllm as ev
+    from murmur.training.engine import open_engine
+    from murmur.training.tiny import new_tiny_engine
 
     ref = new_tiny_engine(seed=0)
     assert open_engine("transformers", tmp_path, ref) is ref

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gossip import exchange as X
+from murmur.gossip import exchange as X
 
 
 def lid(i: int) -> bytes:
@@ -193,9 +193,9 @@ def test_stats_count_rates_distinct_producers_and_task_sets_within_bounds() -> N
 def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     from rich.console import Console
 
-    from node.dashboard import node_panel
-    from node.metrics import Metrics
-    from node.status import ExchangeView, NodeStatus
+    from murmur.node.status import ExchangeView, NodeStatus
+    from murmur.node.ui.dashboard import node_panel
+    from murmur.node.ui.metrics import Metrics
 
     s = NodeStatus(exchange=ExchangeView(shards=8, subscribed=[2, 5], received_rollouts=40, verified_rollouts=32,
                                          used_rollouts=16, dropped={"wrong_shard": 3}, distinct_producers=4,
@@ -227,7 +227,7 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
 def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm_size() -> None:
     """Every producer of a lineage publishes to that lineage's shard, so a validator of the lineage that joins
     it sees every producer of it (and spot-checks each at its worker's rate), however many shards there are."""
-    from node import core as C
+    from murmur.node.core import machine as C
     from tests.test_core import W, announce, follow_trainer, key, make_core, of
 
     core, clock = make_core(roles=("follower", "validator"))

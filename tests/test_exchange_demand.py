@@ -1,4 +1,4 @@
-"""Producers publish to demand, validators check a sample (gossip/exchange.py, node/core.py, gossip/service.py).
+"""Producers publish to demand, validators check a sample (gossip/exchange.py, node/core/machine.py, gossip/service.py).
 The attacks first: an inflated demand, a producer steering a validator's sample."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import time
 import pytest
 import trio
 
-from gossip import exchange as X
-from gossip import wire
-from gossip.identity import Identity
-from gossip.service import GossipService
-from gossip.validation import Pipeline, PipelineConfig
-from node import core as C
-from sync.ids import lineage_id
+from murmur.gossip import exchange as X
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.gossip.service import GossipService
+from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.node.core import machine as C
+from murmur.sync.ids import lineage_id
 from tests.test_core import (
     BASE,
     Clock,
@@ -144,8 +144,8 @@ def test_every_producer_is_checked_at_least_the_floor_a_minute() -> None:
 
 
 def test_a_validator_drops_what_is_not_in_its_sample_unverified_and_uncounted() -> None:
-    from simulations.bench.gossip import SWARM, make_batch, registry
-    from training.verifiers import score
+    from murmur.simulations.bench.gossip import SWARM, make_batch, registry
+    from murmur.training.verifiers import score
 
     reg = registry()
     producer = Identity.from_seed(b"\x32" * 32)

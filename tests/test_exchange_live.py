@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from gossip import exchange, topics
-from gossip.host import open_transport
-from gossip.transport import PublishError
-from simulations.bench.gossip import SWARM, make_batch
+from murmur.gossip import exchange, topics
+from murmur.gossip.host import open_transport
+from murmur.gossip.transport import PublishError
+from murmur.simulations.bench.gossip import SWARM, make_batch
 from tests.test_gossip_swarm import REG, full_mesh, ids, node
 
 

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 import torch
 
-from gossip import wire
-from training.losses import hacpo_coefficient
-from training.rollouts import logprobs_to_bytes, to_wire
-from training.sampler import Sampler
-from training.tasksets import TaskRegistry
-from training.trainer import Trainer, TrainerConfig
+from murmur.gossip import wire
+from murmur.training.losses import hacpo_coefficient
+from murmur.training.rollouts import logprobs_to_bytes, to_wire
+from murmur.training.sampler import Sampler
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.trainer import Trainer, TrainerConfig
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
@@ -99,8 +99,8 @@ def test_a_cut_external_completion_is_masked_not_given_an_eos(warm_engine, regis
 
 
 def test_a_foreign_tokenizer_completion_shorter_than_its_cap_finished() -> None:
-    from training.rollouts import from_wire
-    from training.tasks import Task
+    from murmur.training.rollouts import from_wire
+    from murmur.training.tasks import Task
 
     task = Task(prompt="p", answer="1", verifier="exact")
     ref = wire.TaskRef(bytes(32), "g", 1)
@@ -123,11 +123,11 @@ def test_a_foreign_tokenizer_completion_shorter_than_its_cap_finished() -> None:
 
 
 def test_nodes_and_benchmarks_overprovision_alike(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from gossip.identity import Identity
-    from node.config import Config
-    from node.runtime import RunOptions
-    from node.workerlink import worker_spec
-    from simulations.bench import swarm as bench_swarm
+    from murmur.gossip.identity import Identity
+    from murmur.node.config import Config
+    from murmur.node.shell.runtime import RunOptions
+    from murmur.node.shell.workerlink import worker_spec
+    from murmur.simulations.bench import swarm as bench_swarm
 
     spec = worker_spec(Config(), tmp_path, Identity.generate(), ["trainer"], RunOptions())
     node = TrainerConfig(**spec["trainer"])
@@ -137,10 +137,10 @@ def test_nodes_and_benchmarks_overprovision_alike(tmp_path) -> None:  # type: ig
 
 
 def test_the_nodes_training_keys_reach_its_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from gossip.identity import Identity
-    from node.config import Config, TrainingSection
-    from node.runtime import RunOptions
-    from node.workerlink import worker_spec
+    from murmur.gossip.identity import Identity
+    from murmur.node.config import Config, TrainingSection
+    from murmur.node.shell.runtime import RunOptions
+    from murmur.node.shell.workerlink import worker_spec
 
     cfg = Config(training=TrainingSection(loss_norm="constant", minibatch_groups=6))
     got = TrainerConfig(**worker_spec(cfg, tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
@@ -191,7 +191,7 @@ def _groups(rollouts: list) -> list[list]:  # type: ignore[type-arg]
 
 
 def test_minibatch_groups_is_checked() -> None:
-    from gossip.errors import ConfigError
+    from murmur.gossip.errors import ConfigError
 
     with pytest.raises(ConfigError, match="minibatch_groups"):
         TrainerConfig(minibatch_groups=-1)

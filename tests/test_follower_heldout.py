@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node import pipe
-from node.worker import FOLLOW_EVAL_SHARE, Worker, follower_eval_due
+from murmur.node import pipe
+from murmur.node.worker.main import FOLLOW_EVAL_SHARE, Worker, follower_eval_due
 from tests.test_core import W, make_core
 
 torch.set_num_threads(1)
@@ -34,10 +34,10 @@ def test_a_follower_evaluates_each_new_version_while_evaluation_stays_within_its
 
 @pytest.fixture
 def follower(tmp_path: Path):  # type: ignore[no-untyped-def]
-    from node.store import open_store
-    from node.taskmix import TaskMix
-    from training.tasksets import TaskRegistry
-    from training.tiny import new_tiny_engine, warmup_generators
+    from murmur.node.store import open_store
+    from murmur.node.worker.taskmix import TaskMix
+    from murmur.training.tasksets import TaskRegistry
+    from murmur.training.tiny import new_tiny_engine, warmup_generators
 
     ours, theirs = multiprocessing.Pipe()
     w = Worker(ours, {"home": str(tmp_path), "swarm": "test", "roles": ["follower"],
@@ -55,7 +55,7 @@ def follower(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_followers_worker_measures_the_weights_it_holds_at_a_bounded_cadence(follower) -> None:  # type: ignore[no-untyped-def]
-    from training.evaluation import accuracy_by_family
+    from murmur.training.evaluation import accuracy_by_family
 
     w = follower
     got = w._follower_heldout(LINEAGE, 3)
@@ -75,11 +75,11 @@ def test_a_followers_worker_measures_the_weights_it_holds_at_a_bounded_cadence(f
 def test_a_followers_held_out_accuracy_shows_in_status_dashboard_metrics_and_demo_summary() -> None:
     from rich.console import Console
 
-    from node.dashboard import node_panel
-    from node.demo import summarize, summary_table
-    from node.metrics import Metrics
-    from node.status import NodeStatus
-    from node.views import heldout_fields
+    from murmur.node.cli.demo import summarize, summary_table
+    from murmur.node.shell.views import heldout_fields
+    from murmur.node.status import NodeStatus
+    from murmur.node.ui.dashboard import node_panel
+    from murmur.node.ui.metrics import Metrics
 
     core, _ = make_core(roles=("follower",))
     core.handle(W("gen", {"reward_mean": 0.5, "version": 2, "tokens": 64, "latency_s": 0.1, "heldout": 0.4}))
@@ -103,7 +103,7 @@ def test_a_followers_held_out_accuracy_shows_in_status_dashboard_metrics_and_dem
 
 
 def test_a_held_out_accuracy_outside_zero_to_one_is_refused_at_the_pipe() -> None:
-    from gossip.errors import DecodeError
+    from murmur.gossip.errors import DecodeError
 
     with pytest.raises(DecodeError, match="heldout"):
         pipe.decode(pipe.encode("gen", {"reward_mean": 0.5, "version": 2, "heldout": 1.5}))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import trio
 
-from gossip.framing import read_frame, write_frame
-from gossip.host import MAX_PUBLISH_BYTES, ConnectError, open_transport
-from gossip.identity import Identity
-from gossip.transport import PublishError
+from murmur.gossip.framing import read_frame, write_frame
+from murmur.gossip.host import MAX_PUBLISH_BYTES, ConnectError, open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.transport import PublishError
 
 
 async def wait_until(pred, timeout: float = 5.0, step: float = 0.02) -> None:
@@ -333,7 +333,7 @@ def test_own_record_is_reused_and_the_record_memo_is_bounded() -> None:
     import libp2p.pubsub.pubsub as ps
     from libp2p.pubsub.pb import rpc_pb2
 
-    from gossip import libp2p_fixes as H
+    from murmur.gossip import libp2p_fixes as H
 
     async def main() -> None:
         async with open_transport(Identity.from_seed(b"\x0b" * 32)) as a, \
@@ -454,7 +454,7 @@ def test_a_peer_that_never_heard_our_subscriptions_hears_them_again(monkeypatch:
     """A hello lost as its connection closed leaves a peer not knowing we subscribe: py-libp2p sends
     subscriptions only in a stream's hello and on a change, so that peer would send us nothing for as long as
     the link lasts. Each host tells its pubsub peers its subscriptions again every SUBSCRIPTIONS_REFRESH_S."""
-    from gossip import host as host_mod
+    from murmur.gossip import host as host_mod
 
     monkeypatch.setattr(host_mod, "SUBSCRIPTIONS_REFRESH_S", 0.3)
     ids = [Identity.from_seed(bytes([i]) * 32) for i in (51, 52)]

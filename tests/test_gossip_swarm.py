@@ -9,15 +9,15 @@ from pathlib import Path
 
 import trio
 
-from gossip import wire
-from gossip.discovery import Discovery
-from gossip.host import Libp2pTransport, open_transport
-from gossip.identity import Identity
-from gossip.service import GossipService
-from gossip.validation import Pipeline, PipelineConfig, Reason
-from node.store import Store
-from simulations.bench.gossip import SWARM, make_batch, registry, resign_with
-from training.verifiers import score
+from murmur.gossip import wire
+from murmur.gossip.discovery import Discovery
+from murmur.gossip.host import Libp2pTransport, open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.service import GossipService
+from murmur.gossip.validation import Pipeline, PipelineConfig, Reason
+from murmur.node.store import Store
+from murmur.simulations.bench.gossip import SWARM, make_batch, registry, resign_with
+from murmur.training.verifiers import score
 
 REG = registry()
 HEADS: dict[bytes, int] = {}

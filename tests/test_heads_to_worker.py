@@ -10,10 +10,10 @@ import threading
 
 import msgspec
 
-from node import core as C
-from node import pipe
-from node.worker import Inbox, _reader
-from sync.ids import lineage_id
+from murmur.node import pipe
+from murmur.node.core import machine as C
+from murmur.node.worker.main import Inbox, _reader
+from murmur.sync.ids import lineage_id
 from tests import samples
 from tests.test_core import BASE, W, announce, demand, key, make_core, manifest, of, to_worker
 

@@ -9,18 +9,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gossip.errors import TaskError
-from gossip.wire import GeneratorSpec
-from training.evaluation import check_evaluation, held_out_tasks, rg_collisions, well_formed
-from training.tasks import BUILTIN_GENERATORS, eval_side, generate
-from training.tasksets import (
+from murmur.gossip.errors import TaskError
+from murmur.gossip.wire import GeneratorSpec
+from murmur.training.evaluation import check_evaluation, held_out_tasks, rg_collisions, well_formed
+from murmur.training.tasks import BUILTIN_GENERATORS, eval_side, generate
+from murmur.training.tasksets import (
     BUILTIN_FAMILIES,
     builtin_manifest,
     load_task_set_toml,
     overlap,
     train_generators,
 )
-from training.tiny import warmup_generators, warmup_prompts
+from murmur.training.tiny import warmup_generators, warmup_prompts
 
 
 def spec(name: str, generator: str, config: dict, start: int = 0, end: int = 1_000_000) -> GeneratorSpec:

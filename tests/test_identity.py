@@ -5,8 +5,8 @@ import stat
 
 import pytest
 
-from gossip.errors import IdentityError
-from gossip.identity import Identity, peer_id_from_public, verify
+from murmur.gossip.errors import IdentityError
+from murmur.gossip.identity import Identity, peer_id_from_public, verify
 
 
 def test_peer_id_matches_libp2p(identity):

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import trio
 
-from gossip.host import open_transport
-from gossip.hostlimits import remote_ip
-from gossip.identity import Identity
-from gossip.iprange import full_range, range_of
-from gossip.limits import StreamLimits
+from murmur.gossip.host import open_transport
+from murmur.gossip.hostlimits import remote_ip
+from murmur.gossip.identity import Identity
+from murmur.gossip.iprange import full_range, range_of
+from murmur.gossip.limits import StreamLimits
 
 
 def test_ranges_are_one_ipv4_address_or_one_ipv6_slash_56() -> None:

@@ -1,4 +1,4 @@
-"""The one node launcher (node/launch.py): the config it writes is the node's, a node that dies is
+"""The one node launcher (node/cli/launch.py): the config it writes is the node's, a node that dies is
 reported at once with its last log line, and a stop leaves no process of the node's group behind. Live nodes
 started, bootstrapped and stopped through it: tests/test_node_swarm.py."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gossip.errors import ConfigError
-from node import launch
-from node.config import load_config
+from murmur.gossip.errors import ConfigError
+from murmur.node.cli import launch
+from murmur.node.config import load_config
 
 START_S = 180.0  # a loaded 2-core machine starts a node (imports, host) well within this
 
@@ -68,7 +68,7 @@ def test_stop_kills_a_process_that_ignores_sigterm_and_its_children(tmp_path: Pa
 
 def test_a_dead_nodes_last_line_is_its_exception_not_the_traceback_frame() -> None:
     trace = ('{"level": "info", "msg": "starting"}\n  + Exception Group Traceback (most recent call last):\n'
-             '  |   File "node/runtime.py", line 1, in run\n  | ExceptionGroup: unhandled errors (1 sub-exception)\n'
+             '  |   File "node/shell/runtime.py", line 1, in run\n  | ExceptionGroup: unhandled errors (1 sub-exception)\n'
              '  +-+---------------- 1 ----------------\n    | Traceback (most recent call last):\n'
              '    | RuntimeError: Nursery is closed to new arrivals\n    +------------------------------------\n')
     assert launch.last_line(trace) == "RuntimeError: Nursery is closed to new arrivals"

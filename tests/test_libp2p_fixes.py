@@ -16,10 +16,10 @@ import pytest
 import trio
 import trio.testing
 
-from gossip import libp2p_fixes as F
-from gossip.host import open_transport
-from gossip.identity import Identity
-from gossip.transport import FrameError
+from murmur.gossip import libp2p_fixes as F
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.transport import FrameError
 
 
 def test_any_other_py_libp2p_version_is_refused_by_name() -> None:
@@ -404,7 +404,7 @@ def test_a_stream_over_its_peers_cap_is_reset_before_negotiation() -> None:
     fix (`stream_caps`) resets a stream over its peer's cap first, and gives a place back when one closes."""
     from libp2p.network.connection.swarm_connection import SwarmConn
 
-    from gossip.limits import StreamBudget, StreamLimits
+    from murmur.gossip.limits import StreamBudget, StreamLimits
 
     F.install()
     budget = StreamBudget(StreamLimits(peer_streams=1, node_streams=8))
@@ -446,7 +446,7 @@ def test_data_beyond_a_yamux_receive_window_is_a_charged_protocol_error() -> Non
     (`original` is None), which takes any value."""
     from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, YamuxStream
 
-    from gossip.hostlimits import WindowExceeded
+    from murmur.gossip.hostlimits import WindowExceeded
 
     F.install()
     charged: list[str] = []
@@ -559,7 +559,7 @@ def test_a_full_webrtc_read_queue_resets_the_stream_instead_of_dropping_a_messag
     The end-to-end reads are in test_reachability_webrtc.py."""
     from libp2p.transport.webrtc.stream import WebRTCStream
 
-    from gossip.webrtc import READ_QUEUE_MESSAGES
+    from murmur.gossip.webrtc import READ_QUEUE_MESSAGES
 
     _webrtc_fixes()
     resets: list[WebRTCStream] = []

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A process whose shutdown hangs: SIGTERM reaches its handler, the loop never gets to stop.
 HUNG = """
 import sys, threading, time, trio
-from node import lifecycle
+from murmur.node.shell import lifecycle
 
 async def main():
     lifecycle.install_signals(threading.Event(), lambda signum: None, 0.5)

@@ -6,15 +6,24 @@ import numpy as np
 import pytest
 import torch
 
-from gossip.errors import DecodeError
-from gossip.wire import PATCH_MANIFEST, PatchManifest, open_envelope, seal
-from sync.catchup import choose
-from sync.chunks import refs, split
-from sync.errors import PatchError
-from sync.hashing import bits_view, state_hash
-from sync.ids import lineage_id
-from sync.lineage import ANCHOR, SPARSE, UNION, Lineage, LineageFollower, LineagePublisher, encode_states, make_bundle
-from sync.patchstore import StoredItem
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.wire import PATCH_MANIFEST, PatchManifest, open_envelope, seal
+from murmur.sync.catchup import choose
+from murmur.sync.chunks import refs, split
+from murmur.sync.errors import PatchError
+from murmur.sync.hashing import bits_view, state_hash
+from murmur.sync.ids import lineage_id
+from murmur.sync.patchstore import StoredItem
+from murmur.sync.versions import (
+    ANCHOR,
+    SPARSE,
+    UNION,
+    Lineage,
+    LineageFollower,
+    LineagePublisher,
+    encode_states,
+    make_bundle,
+)
 
 SWARM = "test"
 
@@ -172,7 +181,7 @@ def test_target_hash_mismatch_reverts_in_place_changes(setup, identity) -> None:
     new = tr.step()
     payload, _, _, _ = encode_states(pub.base, new, pub.state_hash)
     # sign the payload against a lie: payload header and manifest agree, the result does not
-    from sync.codec import PatchHeader, assemble, read_header
+    from murmur.sync.codec import PatchHeader, assemble, read_header
     header, off = read_header(payload)
     lie = b"\x07" * 32
     body = payload[off:-16]

@@ -1,15 +1,15 @@
-"""The node's lineage table (node/lineages.py), sans-IO: which signed claims move a row, which are refused,
-and what a follower may believe of a publisher's demand. (sync/lineage.py's publisher and follower are
+"""The node's lineage table (node/core/lineages.py), sans-IO: which signed claims move a row, which are refused,
+and what a follower may believe of a publisher's demand. (sync/versions.py's publisher and follower are
 tests/test_lineage.py's.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from gossip import wire
-from gossip.errors import DecodeError
-from node.lineages import DEMAND_FRESH_S, SIZE_FACTOR, LineageTable, Refusal
-from sync.ids import Relation, lineage_id
+from murmur.gossip import wire
+from murmur.gossip.errors import DecodeError
+from murmur.node.core.lineages import DEMAND_FRESH_S, SIZE_FACTOR, LineageTable, Refusal
+from murmur.sync.ids import Relation, lineage_id
 from tests.test_core import BASE, demand, key, manifest
 
 

@@ -1,5 +1,5 @@
-"""A lineage row (`node.lineages.LineageState`) and the table's choice (`LineageTable.serving`/`committed`) are
-changed only by `node/lineages.py`: the rules that move a head, what is held, delivered, followed and served
+"""A lineage row (`node.core.lineages.LineageState`) and the table's choice (`LineageTable.serving`/`committed`) are
+changed only by `node/core/lineages.py`: the rules that move a head, what is held, delivered, followed and served
 live there, in methods named for the event (`version_applied`, `serve`, `commit`, ...), and every other
 module calls them. This walker fails on any other product module that assigns one of those attributes."""
 
@@ -9,19 +9,19 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from node.lineages import LineageState, LineageTable
+from murmur.node.core.lineages import LineageState, LineageTable
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gossip", "sync", "training", "node", "simulations")
-HOME = Path("node/lineages.py")
+HOME = Path("node/core/lineages.py")
 ROW = {f.name for f in dataclasses.fields(LineageState)}
 TABLE = set(vars(LineageTable(4)))
 # Objects of other classes that happen to have an attribute of the same name (what each is, in the comment).
 OTHERS = {
     ("sync/staleness.py", "t.head"),  # the staleness guard's own track of a lineage
-    ("node/roles.py", "act.supply"),  # a roles.Activation being built
+    ("node/core/roles.py", "act.supply"),  # a roles.Activation being built
     ("simulations/vworker.py", "n.held"),  # the simulated node's modelled worker state (vnode.VNode)
-    ("node/worker.py", "self.inbox.sampler.own"),  # the worker's sampler's own lineage (training.sampler)
+    ("node/worker/main.py", "self.inbox.sampler.own"),  # the worker's sampler's own lineage (training.sampler)
 }
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sync.catchup import local_plan
-from sync.patchstore import StoredItem
+from murmur.sync.catchup import local_plan
+from murmur.sync.patchstore import StoredItem
 
 
 def chain(a: int, b: int) -> list[StoredItem]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from training.losses import (
+from murmur.training.losses import (
     EPS_HI,
     EPS_LO,
     CapabilityTracker,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from node import memtrace
+from murmur.node.shell import memtrace
 
 _held: list[bytes] = []
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.errors import ConfigError
-from node import modelplan
-from node.config import Config, NodeSection, TrainingSection
-from node.doctor import Context, check_model
+from murmur.gossip.errors import ConfigError
+from murmur.node.cli.doctor import Context, check_model
+from murmur.node.config import Config, NodeSection, TrainingSection
+from murmur.node.worker import modelplan
 
 torch.set_num_threads(1)
 
@@ -23,7 +23,7 @@ def build_qwen2(d: Path, hidden: int = 320, layers: int = 5) -> int:
     """A Qwen2-shaped causal LM with random weights and murmur-tiny's tokenizer, saved like a downloaded one."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.tokenizer import build_tokenizer
+    from murmur.training.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
@@ -113,7 +113,7 @@ def test_node_start_refuses_a_model_over_budget(qwen: tuple[Path, int], tmp_path
     (home / "config.toml").write_text(f'[node]\nroles = ["trainer"]\nmemory_budget_mb = 600\n'
                                       f'[training]\nmodel = "{d}"\n')
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    r = subprocess.run([sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"],
+    r = subprocess.run([sys.executable, "-m", "murmur.node", "node", "start", "--home", str(home), "--no-tui"],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "needs about" in r.stderr and "MiB as trainer" in r.stderr
@@ -128,7 +128,7 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
     worker generates for a new lineage only once it holds an item of it), comes within seconds instead of
     at a rare chance of a one-digit answer followed by end-of-text. Applying many versions is what the
     tiny-model swarm tests cover."""
-    from node import launch
+    from murmur.node.cli import launch
 
     d, _ = qwen
     homes = [tmp_path / f"n{i}" for i in range(2)]
@@ -156,7 +156,7 @@ def qwen2_config_only(d: Path, hidden: int = 512, layers: int = 10) -> int:
     """A Qwen2-shaped model directory (10 layers, width 512), config.json only, counted on the meta device: 30M."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.tokenizer import build_tokenizer
+    from murmur.training.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
@@ -168,8 +168,8 @@ def qwen2_config_only(d: Path, hidden: int = 512, layers: int = 10) -> int:
 
 def test_fresh_home_trains_a_large_model_at_the_documented_rate(tmp_path: Path) -> None:
     """A new home's config.toml, model given by path: the node trains at 1e-6, not murmur-tiny's 3e-4."""
-    from node.doctor import Context, check_model
-    from node.home import init_home
+    from murmur.node.cli.doctor import Context, check_model
+    from murmur.node.home import init_home
 
     d = tmp_path / "model"
     d.mkdir()
@@ -185,7 +185,7 @@ def test_fresh_home_trains_a_large_model_at_the_documented_rate(tmp_path: Path) 
     assert warnings == [] and any("training.lr 1e-06" in n for n in notes)
     from typer.testing import CliRunner
 
-    from node.cli import app
+    from murmur.node.cli.app import app
 
     shown = CliRunner().invoke(app, ["config", "show", "--home", str(home), "--json"])
     assert json.loads(shown.stdout.splitlines()[-1])["training.lr"] == {"value": 1e-6,

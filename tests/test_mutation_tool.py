@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from simulations.mutation import MODULE_TESTS
+from murmur.simulations.mutation import MODULE_TESTS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def _kept(db: Path) -> list[tuple]:
 
 
 def test_sample_is_n_of_the_mutants_and_the_same_for_the_same_seed(tmp_path: Path) -> None:
-    from simulations.mutation import sample_session
+    from murmur.simulations.mutation import sample_session
 
     a, b, c, full = (_init_session(tmp_path, x) for x in "abcf")
     everything = _kept(full)
@@ -63,7 +63,7 @@ def test_sample_is_n_of_the_mutants_and_the_same_for_the_same_seed(tmp_path: Pat
 
 
 def test_the_summary_of_a_sample_says_so_with_its_interval(tmp_path: Path) -> None:
-    from simulations.mutation import report, sample_session
+    from murmur.simulations.mutation import report, sample_session
 
     db = _init_session(tmp_path, "s")
     _, total = sample_session(db, 7, seed=3)
@@ -73,7 +73,7 @@ def test_the_summary_of_a_sample_says_so_with_its_interval(tmp_path: Path) -> No
 
 
 def test_wilson_interval_on_known_cases() -> None:
-    from simulations.mutation import wilson
+    from murmur.simulations.mutation import wilson
 
     # published values of the 95 % Wilson score interval
     lo, hi = wilson(5, 10)
@@ -101,7 +101,7 @@ def _position(module: str, line_text: str, token: str) -> tuple[int, int]:
 
 
 def test_only_mutated_signature_annotations_count_as_equivalent() -> None:
-    from simulations.mutation import _annotation_only
+    from murmur.simulations.mutation import _annotation_only
 
     # a parameter of a signature spread over lines, and a return annotation: strings, never evaluated
     assert _annotation_only("gossip/validation.py", _position("gossip/validation.py", "reward_batch: BatchReward | None", "|"))
@@ -118,7 +118,7 @@ def test_resume_reruns_the_survivors_but_not_the_equivalent_ones(tmp_path: Path,
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
-    from simulations import mutation
+    from murmur.simulations import mutation
 
     db = _init_session(tmp_path, "r")
     with use_db(str(db), WorkDB.Mode.open) as wdb:
@@ -162,7 +162,7 @@ class Budget:
 
 
 def _texts(op: str) -> set[tuple[int, str]]:
-    from simulations.semantic import mutants
+    from murmur.simulations.semantic import mutants
 
     return {(m.line, m.replacement) for m in mutants(SNIPPET, operators=(op,))}
 
@@ -186,7 +186,7 @@ def test_each_semantic_operator_writes_its_bug() -> None:
 
 
 def test_a_semantic_mutant_changes_only_its_span_and_lets_nan_through() -> None:
-    from simulations.semantic import mutants
+    from murmur.simulations.semantic import mutants
 
     ns: dict[str, object] = {}
     exec(compile(SNIPPET, "snippet", "exec"), ns)
@@ -205,7 +205,7 @@ def test_a_semantic_mutant_changes_only_its_span_and_lets_nan_through() -> None:
 
 
 def test_semantic_outcomes_are_summarised_per_operator_with_equivalents_apart(monkeypatch) -> None:
-    from simulations import mutation
+    from murmur.simulations import mutation
 
     rows = [{"operator": "window_edge", "line": 3, "diff": "--- a\n+++ b\n-x\n+y = 1\n", "result": "killed"},
             {"operator": "window_edge", "line": 4, "diff": "--- a\n+++ b\n-x\n+y = 2\n", "result": "survived"},

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from node import control
-from node.dashboard import node_panel, sparkline, swarm_table
-from node.metrics import Metrics
-from node.status import LineageView, NodeStatus, PeerView
-from sync.ids import Relation
+from murmur.node.shell import control
+from murmur.node.status import LineageView, NodeStatus, PeerView
+from murmur.node.ui.dashboard import node_panel, sparkline, swarm_table
+from murmur.node.ui.metrics import Metrics
+from murmur.sync.ids import Relation
 
 
 def sample_status() -> NodeStatus:

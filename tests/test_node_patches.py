@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from node import patchsync
-from sync.errors import PatchError
-from sync.hashing import canonical_state, state_hash
-from sync.items import wanted
-from sync.lineage import LineageFollower, LineagePublisher
-from sync.patchstore import LineageStore
+from murmur.node.shell import patches as patchsync
+from murmur.sync.errors import PatchError
+from murmur.sync.hashing import canonical_state, state_hash
+from murmur.sync.items import wanted
+from murmur.sync.patchstore import LineageStore
+from murmur.sync.versions import LineageFollower, LineagePublisher
 
 SWARM = "test"
 
@@ -50,7 +50,7 @@ def test_wanted_takes_only_the_served_lineage_from_its_publisher(lineage, other_
 def test_wanted_takes_an_old_anchor_only_when_patches_cannot_start(lineage) -> None:
     pub, _ = lineage
     env, _ = pub.store.read_anchor(0)
-    from sync.patchstore import open_manifest
+    from murmur.sync.patchstore import open_manifest
 
     m = open_manifest(env, swarm=SWARM)
     assert not wanted(m, pub.lineage.id, pub.lineage.publisher, held=0, need_anchor=False, have=set())
@@ -83,9 +83,9 @@ def test_sweep_partials_keeps_downloads_in_flight(tmp_path: Path) -> None:
 
 def test_trainer_samples_the_published_bf16_weights_that_a_follower_holds(identity, tmp_path: Path) -> None:
     """The fp32 master trains; rollouts and spot checks use the published bf16 version, bit for bit."""
-    from node.policy import MasterEngine, to_published
-    from training.engine import Sampling
-    from training.tiny import new_tiny_engine
+    from murmur.node.worker.policy import MasterEngine, to_published
+    from murmur.training.engine import Sampling
+    from murmur.training.tiny import new_tiny_engine
 
     master = new_tiny_engine(seed=3)
     base = to_published(canonical_state(master.model))

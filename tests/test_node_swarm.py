@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from node import launch, worker
-from node.launch import status as _status
-from node.status import NodeStatus
+from murmur.node.cli import launch
+from murmur.node.cli.launch import status as _status
+from murmur.node.status import NodeStatus
+from murmur.node.worker import main as worker
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from node import launch
-from node.home import ensure_home
-from node.store import open_store
-from node.taskmix import STATUS_KEY
-from training.tasksets import BUILTIN_NAME, BUILTIN_VERSION
+from murmur.node.cli import launch
+from murmur.node.home import ensure_home
+from murmur.node.store import open_store
+from murmur.node.worker.taskmix import STATUS_KEY
+from murmur.training.tasksets import BUILTIN_NAME, BUILTIN_VERSION
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _set_file(tmp: Path, version: int) -> Path:
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "node", *args, "--home", str(home)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "murmur.node", *args, "--home", str(home)], capture_output=True, text=True,
                           timeout=300, env=ENV, cwd=str(ROOT))
 
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from node.store import open_store
-from sync.chunks import ChunkAssembly
-from sync.errors import PatchError
-from sync.hashing import canonical_state, state_hash
-from sync.lineage import LineageFollower, LineagePublisher
-from sync.patchstore import LineageStore
+from murmur.node.store import open_store
+from murmur.sync.chunks import ChunkAssembly
+from murmur.sync.errors import PatchError
+from murmur.sync.hashing import canonical_state, state_hash
+from murmur.sync.patchstore import LineageStore
+from murmur.sync.versions import LineageFollower, LineagePublisher
 
 SWARM = "test"
 

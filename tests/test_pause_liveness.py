@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import trio
 
-from gossip.host import open_transport
-from gossip.identity import Identity
-from gossip.transport import PublishError
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.transport import PublishError
 
 TOPIC = "/murmur/pause/announce/1"
 RECOVER_S = 30.0
@@ -31,8 +31,8 @@ PAUSE_S = 15.0  # long enough to fill the publisher's queue to the peer (60 s be
 
 PEER = r"""
 import sys, trio
-from gossip.host import open_transport
-from gossip.identity import Identity
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
 
 async def main():
     async with open_transport(Identity.from_seed(b"\x52" * 32)) as t:

@@ -1,12 +1,12 @@
-"""The peer table (`node.peertable`) on its own: which announces enter, the greeting of a new peer, the bound
+"""The peer table (`node.core.peertable`) on its own: which announces enter, the greeting of a new peer, the bound
 and its eviction order, expiry and forgetting, the producer count and the swarm-wide figures."""
 
 from __future__ import annotations
 
-from gossip import exchange, wire
-from gossip.identity import Identity
-from node.events import AnnounceHeard, Log, ResendTaskSets, SeePeer, SwarmHeard
-from node.peertable import PEER_EXPIRY_S, PEER_FORGET_S, PeerTable
+from murmur.gossip import exchange, wire
+from murmur.gossip.identity import Identity
+from murmur.node.core.events import AnnounceHeard, Log, ResendTaskSets, SeePeer, SwarmHeard
+from murmur.node.core.peertable import PEER_EXPIRY_S, PEER_FORGET_S, PeerTable
 
 ME = Identity.from_seed(b"\1" * 32)
 

@@ -6,8 +6,8 @@ import multiprocessing
 
 import pytest
 
-from gossip.errors import DecodeError
-from node import pipe
+from murmur.gossip.errors import DecodeError
+from murmur.node import pipe
 
 
 def test_every_kind_round_trips_with_bytes_as_bytes() -> None:

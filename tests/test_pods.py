@@ -1,17 +1,17 @@
 """Pods by default: a node whose roles are not configured trains or generates by the swarm's need
-(node.roles.want_mode / PodRule, wired through node.core), in explicit time."""
+(node.core.roles.want_mode / PodRule, wired through node.core.machine), in explicit time."""
 
 from __future__ import annotations
 
 import math
 
-from gossip.identity import Identity
-from node import core as C
-from node import pipe
-from node import roles as R
-from node import supervision as SV
-from node.pipe import WorkerState
-from sync.ids import Relation, lineage_id
+from murmur.gossip.identity import Identity
+from murmur.node import pipe
+from murmur.node.core import machine as C
+from murmur.node.core import roles as R
+from murmur.node.core import supervision as SV
+from murmur.node.pipe import WorkerState
+from murmur.sync.ids import Relation, lineage_id
 from tests.test_core import BASE, W, announce, demand, key, make_core, manifest, of
 
 D = R.Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=4)  # needs 1.2 * 32 / 2 = 19.2 rollouts/s
@@ -266,8 +266,8 @@ plots = false
 
 
 def test_identical_nodes_with_default_roles_form_pods_in_the_simulator(tmp_path) -> None:
-    from simulations import scenario as S
-    from simulations.virtual import run_virtual
+    from murmur.simulations import scenario as S
+    from murmur.simulations.virtual import run_virtual
 
     s = run_virtual(S.loads(PODS, "pods.toml"), tmp_path)
     pods = s["pods"]

@@ -11,11 +11,11 @@ import pytest
 import trio
 import trio.testing
 
-from gossip.identity import Identity
-from node import pipe
-from node.pipe import WorkerState
-from node.roles import PodRule
-from node.runtime import Node, RunOptions
+from murmur.gossip.identity import Identity
+from murmur.node import pipe
+from murmur.node.core.roles import PodRule
+from murmur.node.pipe import WorkerState
+from murmur.node.shell.runtime import Node, RunOptions
 from tests.fakeworker import FakeLink, FakeWorkers
 from tests.memnet import MemNet
 from tests.test_runtime_virtual import AUTOJUMP_S, _config, _lin, _until

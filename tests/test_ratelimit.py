@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gossip.ratelimit import (
+from murmur.gossip.ratelimit import (
     BURST_WINDOW_S,
     HEADROOM,
     MAX_BATCHES_PER_S,
@@ -125,7 +125,7 @@ def test_rate_meter_counts_over_its_window_and_the_span_it_saw() -> None:
 def test_the_limits_are_the_documented_ones() -> None:
     """docs/protocol.md: an announced rate r allows min(50, max(rate_limit_per_s, 2r)) batches/s with a burst of a
     minute of that (at least rate_burst); the floors default to the node's [gossip] defaults."""
-    from node.config import GossipSection
+    from murmur.node.config import GossipSection
 
     g = GossipSection()
     ar = AnnouncedRates()

@@ -8,10 +8,10 @@ import msgspec
 import pytest
 import trio
 
-from gossip.framing import read_exactly, read_frame, write_frame
-from gossip.host import open_transport
-from gossip.identity import Identity
-from gossip.reachability import (
+import murmur.gossip.dialback
+import murmur.gossip.holepunch
+import murmur.node.shell.reachability
+from murmur.gossip.dialback import (
     PRIVATE,
     PROTOCOL,
     PUBLIC,
@@ -25,10 +25,13 @@ from gossip.reachability import (
     check_request,
     decide,
 )
-from gossip.relay import RelayError, attach_relay, circuit_addr, split_circuit
-from gossip.transport import StreamError
-from node.config import NetworkSection
-from node.doctor_reachability import ReachSnapshot, classify, reachability_checks
+from murmur.gossip.framing import read_exactly, read_frame, write_frame
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.relay import RelayError, attach_relay, circuit_addr, split_circuit
+from murmur.gossip.transport import StreamError
+from murmur.node.cli.doctor_reachability import ReachSnapshot, classify, reachability_checks
+from murmur.node.config import NetworkSection
 
 
 def ids(*seeds: int) -> list[Identity]:
@@ -69,7 +72,7 @@ def test_circuit_addresses() -> None:
 
 
 def test_dial_plan_skips_webrtc_and_long_tcp_for_private_peers() -> None:
-    from node.reach import LAN_DIAL_S, TCP_DIAL_S, WEBRTC_DIAL_S, dial_plan
+    from murmur.node.shell.reachability import LAN_DIAL_S, TCP_DIAL_S, WEBRTC_DIAL_S, dial_plan
 
     peer, relay = "12D3KooWPeer", "/ip4/10.0.0.10/tcp/4001/p2p/12D3KooWRelay"
     rtc = "/ip4/10.1.1.2/udp/4001/webrtc-direct/certhash/uEiAbc/p2p/" + peer
@@ -157,7 +160,7 @@ def test_relay_circuit_carries_gossip_and_bulk_with_hash() -> None:
                 got.set()
             b.set_stream_handler("/test/bulk/1", handler)
             assert await ar.dial(res.circuit_addr, timeout_s=20) == b.peer_id
-            from gossip.holepunch import best_path
+            from murmur.gossip.holepunch import best_path
             assert best_path(a, b.peer_id) == "relayed"
             s = await a.open_stream(b.peer_id, "/test/bulk/1")
             await s.write(len(payload).to_bytes(8, "big"))
@@ -246,7 +249,7 @@ def test_relay_closes_a_circuit_over_its_byte_limit() -> None:
     async def main() -> None:
         from contextlib import AsyncExitStack
 
-        from gossip.holepunch import best_path
+        from murmur.gossip.holepunch import best_path
 
         async with open_transport(r_id) as r, open_transport(a_id) as a, open_transport(b_id) as b, AsyncExitStack() as st:
             await _relayed_pair(NetworkSection(relay_service=True, relay_max_circuit_bytes=limit), r, a, b, st)
@@ -287,8 +290,8 @@ def test_relay_closes_a_circuit_over_its_duration_limit() -> None:
 
 
 def test_start_reachability_on_loopback_serves_view_and_announces() -> None:
-    from node.config import Config
-    from node.reach import start_reachability
+    from murmur.node.config import Config
+    from murmur.node.shell.reachability import start_reachability
 
     a_id, b_id = ids(71, 72)
 
@@ -317,7 +320,7 @@ def test_start_reachability_on_loopback_serves_view_and_announces() -> None:
 @pytest.mark.slow
 def test_webrtc_direct_loopback_transfer_with_hash(webrtc_extra: None) -> None:
     """The WebRTC-direct fallback (aiortc, a core dependency): a loopback transfer with its hash."""
-    from gossip.webrtc import WebRTCUnavailable, measure_loopback
+    from murmur.gossip.webrtc import WebRTCUnavailable, measure_loopback
 
     errors = []
     for _ in range(3):  # py-libp2p's WebRTC negotiation times out about once in six (docs/reachability.md)
@@ -339,7 +342,7 @@ def test_a_stalled_bulk_is_sent_again_on_a_new_stream() -> None:
 
     import trio.testing
 
-    from simulations.bench import reachability_node as rn
+    from murmur.simulations.bench import reachability_node as rn
 
     class FakeStream:
         def __init__(self, stall: bool) -> None:
@@ -390,7 +393,7 @@ def test_a_private_verdict_is_confirmed_before_the_long_recheck() -> None:
     """One dial-back that timed out on a loaded machine must not pin a public node at `private` for
     `RECHECK_S`: a private verdict is re-checked every `RETRY_S` until `CONFIRM_PRIVATE` checks in a
     row agree. A public verdict is proof (a peer reached us as ourselves) and is kept for `RECHECK_S`."""
-    from node.reach import CONFIRM_PRIVATE, RECHECK_S, RETRY_S, recheck_after
+    from murmur.node.shell.reachability import CONFIRM_PRIVATE, RECHECK_S, RETRY_S, recheck_after
 
     assert recheck_after(UNKNOWN, 1) == RETRY_S
     assert recheck_after(PUBLIC, 1) == RECHECK_S
@@ -404,10 +407,8 @@ def test_check_loop_turns_a_false_private_into_public_at_the_next_retry(monkeypa
     second `public`; the node must be public one `RETRY_S` later, not `RECHECK_S` later."""
     import trio.testing
 
-    import gossip.holepunch
-    import gossip.reachability
-    from node.config import Config
-    from node.reach import RETRY_S, ReachState
+    from murmur.node.config import Config
+    from murmur.node.shell.reachability import RETRY_S, ReachState
 
     answers = [PeerVerdict("p", "10.0.0.1:4001", [], {"/ip4/10.0.0.1/tcp/4001": "no answer within 3.0 s"}),
                PeerVerdict("p", "10.0.0.1:4001", ["/ip4/10.0.0.1/tcp/4001"], {})]
@@ -426,8 +427,8 @@ def test_check_loop_turns_a_false_private_into_public_at_the_next_retry(monkeypa
         def peers(self) -> list[str]:
             return ["p"]
 
-    monkeypatch.setattr(gossip.reachability, "check_reachability", fake_check)
-    monkeypatch.setattr(gossip.holepunch, "best_path", lambda t, p: "direct")
+    monkeypatch.setattr(murmur.gossip.dialback, "check_reachability", fake_check)
+    monkeypatch.setattr(murmur.gossip.holepunch, "best_path", lambda t, p: "direct")
     cfg = Config()
     cfg.network.relays = ["r"]
     state = ReachState(Transport(), cfg, [], dict, relay=Relay())
@@ -458,7 +459,7 @@ def test_process_start_is_when_the_process_started() -> None:
     import time
     from pathlib import Path
 
-    code = "import time; t = time.time(); from node.reach import process_start; print(process_start(), t)"
+    code = "import time; t = time.time(); from murmur.node.shell.reachability import process_start; print(process_start(), t)"
     repo = str(Path(__file__).resolve().parent.parent)
     before = time.time()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,

@@ -1,5 +1,5 @@
 """NAT traversal paths measured by the benchmark harness (simulations.bench.reachability_node: the real host and
-node.reach wiring plus a raw bulk stream), one subprocess per network namespace behind iptables NATs.
+node.shell.reachability wiring plus a raw bulk stream), one subprocess per network namespace behind iptables NATs.
 
 The real node (`murmur node start`) behind NATs is tested in tests/test_reachability_nodes.py; here:
 bulk transfers with hashes per path (direct, relayed, hole-punched), symmetric NAT staying relayed,
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from simulations.netns import Network, netns_unavailable
+from murmur.simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
@@ -25,7 +25,7 @@ def networks() -> dict[str, dict]:
     """The three NAT cases at once, each in its own namespaces: cone NAT (hole-punch), port forwarding, and
     symmetric NAT. Most of a case's time is waiting (dials, reservations, a punch that must fail), so
     running them side by side costs about as long as the longest."""
-    from simulations.bench.reachability import scenario
+    from murmur.simulations.bench.reachability import scenario
 
     cases = {"cone": dict(bulk_bytes=1 << 20, holepunch=True),
              "forwarded": dict(bulk_bytes=0, holepunch=False, forward_h2=True),
@@ -129,7 +129,7 @@ def test_udp_only_home_reaches_public_node_over_webrtc_direct(webrtc_extra: None
     """A home whose router drops all outbound TCP: the node tries the public node's TCP address (times
     out), then its announced /webrtc-direct address through the NAT (UDP masqueraded); a signed rollout
     verifies, hellos cross, a bulk keeps its hash, and the doctor says webrtc."""
-    from simulations.bench.reachability import webrtc_scenario
+    from murmur.simulations.bench.reachability import webrtc_scenario
 
     got = webrtc_scenario(bulk_bytes=1 << 20, timeout_s=240)
     h, pub = got["udp"], got["pub"]

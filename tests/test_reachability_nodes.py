@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from node import launch
-from node.launch import status as _status
-from node.status import NodeStatus
-from simulations.netns import Network, netns_unavailable
+from murmur.node.cli import launch
+from murmur.node.cli.launch import status as _status
+from murmur.node.status import NodeStatus
+from murmur.simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
@@ -56,7 +56,7 @@ def _start(net: Network, ns: str, home: Path, config: dict, bootstrap: list[str]
 
 
 def _doctor(net: Network, ns: str, home: Path, extra: list[str]) -> dict:
-    cmd = net.exec_prefix(ns) + [sys.executable, "-m", "node", "doctor", "--json", "--home", str(home),
+    cmd = net.exec_prefix(ns) + [sys.executable, "-m", "murmur.node", "doctor", "--json", "--home", str(home),
                                  "--timeout", "5"] + extra
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=str(REPO))
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""WebRTC-direct as the node's fallback path (node.reach): TCP fails, UDP /webrtc-direct connects, gossip flows.
+"""WebRTC-direct as the node's fallback path (murmur.node.shell.reachability): TCP fails, UDP /webrtc-direct connects, gossip flows.
 
 Loopback only: two real py-libp2p hosts with `start_reachability`; the "blocked" TCP path is a sink that
 accepts connections and never speaks (like a filtering middlebox), so the TCP dial times out. The test
@@ -16,13 +16,16 @@ import pytest
 import trio
 import trio.testing
 
-from gossip.host import open_transport
-from gossip.identity import Identity
-from gossip.webrtc import is_webrtc_addr, webrtc_listen_for
-from node import reach
-from node.config import Config
-from node.doctor_reachability import WEBRTC, check_path
-from node.reach import start_reachability
+import murmur.gossip.framing
+import murmur.gossip.webrtc
+import murmur.node.shell.reachability
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.webrtc import is_webrtc_addr, webrtc_listen_for
+from murmur.node.cli.doctor_reachability import WEBRTC, check_path
+from murmur.node.config import Config
+from murmur.node.shell import reachability as reach
+from murmur.node.shell.reachability import start_reachability
 
 
 def test_webrtc_listen_addresses_follow_tcp() -> None:
@@ -53,7 +56,6 @@ def test_webrtc_attach_waits_until_the_first_connection_had_its_gossip(monkeypat
     """The WebRTC-direct attach (aiortc's import, its transport, UDP sockets) takes the event loop's thread:
     it must not run while the first connection brings up gossip (that cost the first message hundreds of
     ms), and must still start when no peer comes (UDP-only networks need it). Virtual time."""
-    import gossip.webrtc
 
     attached: list[float] = []
 
@@ -61,7 +63,7 @@ def test_webrtc_attach_waits_until_the_first_connection_had_its_gossip(monkeypat
         attached.append(trio.current_time())
         return ["/ip4/127.0.0.1/udp/4001/webrtc-direct/p2p/X"]
 
-    monkeypatch.setattr(gossip.webrtc, "attach_webrtc", fake_attach)
+    monkeypatch.setattr(murmur.gossip.webrtc, "attach_webrtc", fake_attach)
 
     class Host:
         def listen_addrs(self) -> list[str]:
@@ -112,7 +114,7 @@ def test_webrtc_stream_takes_bytearray_writes() -> None:
     chunk ever arrived. With the workaround a bytearray or memoryview write goes out, and the frames,
     fed to a receiving WebRTCStream, read back as the same bytes. py-libp2p's own stream class; only
     the wire is a list (no aiortc needed)."""
-    from gossip import libp2p_fixes
+    from murmur.gossip import libp2p_fixes
 
     if not libp2p_fixes.install_webrtc():
         pytest.skip("aiortc does not import: py-libp2p's WebRTC transport needs it")
@@ -141,8 +143,8 @@ def test_webrtc_stream_resets_instead_of_dropping_when_its_read_queue_is_full() 
     sent and then an error, never bytes after a gap. No aiortc needed."""
     from libp2p.transport.webrtc.exceptions import WebRTCStreamError
 
-    from gossip import libp2p_fixes
-    from gossip.webrtc import READ_QUEUE_MESSAGES
+    from murmur.gossip import libp2p_fixes
+    from murmur.gossip.webrtc import READ_QUEUE_MESSAGES
 
     if not libp2p_fixes.install_webrtc():
         pytest.skip("aiortc does not import: py-libp2p's WebRTC transport needs it")
@@ -291,7 +293,7 @@ async def _raw_webrtc_pair(handlers: dict[str, Any]) -> AsyncIterator[tuple[Any,
     from libp2p.host.exceptions import StreamFailure
     from libp2p.peer.peerinfo import PeerInfo
 
-    from gossip import libp2p_fixes
+    from murmur.gossip import libp2p_fixes
 
     libp2p_fixes.install_webrtc()
     a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
@@ -331,7 +333,7 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
 
     from libp2p.custom_types import TProtocol
 
-    from gossip.webrtc import SEND_QUEUE_HIGH
+    from murmur.gossip.webrtc import SEND_QUEUE_HIGH
 
     sink_p, echo_p = TProtocol("/test/sink/1"), TProtocol("/test/echo/1")
     got = [0]
@@ -376,15 +378,15 @@ def test_webrtc_writes_wait_for_the_send_queue_and_new_streams_open_during_a_flo
 
 @pytest.mark.slow
 def test_webrtc_carries_broadcast_frames_written_as_a_bytearray(webrtc_extra: None) -> None:
-    """The chunk broadcast's coalesced write (`gossip.framing.encode_frames`, a bytearray) over a real
+    """The chunk broadcast's coalesced write (`murmur.gossip.framing.encode_frames`, a bytearray) over a real
     WebRTC-direct connection arrives intact: without `libp2p_fixes.install_webrtc()` the write raised TypeError."""
     import hashlib
     import os
 
     from libp2p.custom_types import TProtocol
 
-    from gossip.framing import encode_frames
-    from sync.swarm import Have
+    from murmur.gossip.framing import encode_frames
+    from murmur.sync.swarm import Have
 
     proto = TProtocol("/test/frames/1")
     payload = encode_frames([Have(os.urandom(32), os.urandom(8)) for _ in range(40)])

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gossip.errors import MurmurError
-from simulations.report import MetricsWriter, load_metrics, rebuild, write_report
+from murmur.gossip.errors import MurmurError
+from murmur.simulations.report import MetricsWriter, load_metrics, rebuild, write_report
 
 
 def _fill(w: MetricsWriter) -> None:

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip.errors import ConfigError
-from node import roles
-from node.roles import (
+from murmur.gossip.errors import ConfigError
+from murmur.node.core import roles
+from murmur.node.core.roles import (
     Demand,
     LineageOption,
     Offer,

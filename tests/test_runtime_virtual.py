@@ -1,4 +1,4 @@
-"""The trio runtime (`node.runtime.Node`) in virtual time: two real nodes in one process under trio's
+"""The trio runtime (`node.shell.runtime.Node`) in virtual time: two real nodes in one process under trio's
 MockClock, on an in-memory transport (`tests/memnet.py`), each with a fake worker that speaks the real
 pipe messages (`tests/fakeworker.py`). Everything between the transport and the worker pipe is the
 node's own: its handlers, gossip service, validation, broadcast, catalog, store, core and timers.
@@ -20,15 +20,16 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from gossip import exchange, topics, wire
-from gossip.identity import Identity
-from node import core as C
-from node import patchsync, pipe
-from node import supervision as SV
-from node.config import Config, NodeSection, SyncSection
-from node.pipe import WorkerState
-from node.runtime import Node, RunOptions
-from node.status import LineageView, NodeStatus
+from murmur.gossip import exchange, topics, wire
+from murmur.gossip.identity import Identity
+from murmur.node import pipe
+from murmur.node.config import Config, NodeSection, SyncSection
+from murmur.node.core import machine as C
+from murmur.node.core import supervision as SV
+from murmur.node.pipe import WorkerState
+from murmur.node.shell import patches as patchsync
+from murmur.node.shell.runtime import Node, RunOptions
+from murmur.node.status import LineageView, NodeStatus
 from tests.fakeworker import FakeLink, FakeWorkers
 from tests.memnet import MemNet
 
@@ -235,7 +236,7 @@ def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path:
     them, while the sources keep feeding."""
     # no rollout reaches this node's pipeline: building murmur-tiny's tokenizer for its check (a second of
     # CPU) would check nothing
-    monkeypatch.setattr("training.tokencheck.for_model", lambda model: None)
+    monkeypatch.setattr("murmur.training.tokencheck.for_model", lambda model: None)
     ident = Identity.from_seed(b"\x34" * 32)
     peers = [Identity.from_seed(bytes([0x40 + i]) * 32) for i in range(6)]
     trace: list[tuple] = []  # ("event", ev, actions) | ("action", action), in the order they happened
@@ -331,9 +332,9 @@ def test_a_recorded_trace_gives_the_same_actions_from_the_runtime_and_the_simula
     import copy
     from types import SimpleNamespace
 
-    from simulations.vruntime import CoreDriver
+    from murmur.simulations.vruntime import CoreDriver
 
-    monkeypatch.setattr("training.tokencheck.for_model", lambda model: None)
+    monkeypatch.setattr("murmur.training.tokencheck.for_model", lambda model: None)
     ident = Identity.from_seed(b"\x35" * 32)
     peers = [Identity.from_seed(bytes([0x50 + i]) * 32) for i in range(4)]
     rec: dict[str, object] = {"on": False, "core": None}

@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import copy
 
-import gossip.intake
-import gossip.service
-import node.runtime
-import node.worker
-import simulations.bench.swarm
-import simulations.vbroadcast
-import simulations.vruntime
-import simulations.vsim
-import simulations.vworker
-import sync.broadcast
-import sync.catchup
-import sync.staleness
-import sync.transfers
-import training.sampler
-from node.core import ManifestOffered, NodeCore, SwarmHeard
-from simulations import scenario as S
-from simulations.virtual import VirtualSim
+import murmur.gossip.intake
+import murmur.gossip.service
+import murmur.node.shell.runtime
+import murmur.node.worker.main
+import murmur.simulations.bench.swarm
+import murmur.simulations.vbroadcast
+import murmur.simulations.vruntime
+import murmur.simulations.vsim
+import murmur.simulations.vworker
+import murmur.sync.broadcast
+import murmur.sync.catchup
+import murmur.sync.staleness
+import murmur.sync.transfers
+import murmur.training.sampler
+from murmur.node.core.machine import ManifestOffered, NodeCore, SwarmHeard
+from murmur.simulations import scenario as S
+from murmur.simulations.virtual import VirtualSim
 
 SCENARIO = """
 seed = 5
@@ -45,31 +45,31 @@ broadcasts = 0
 
 
 def test_simulator_and_runtime_import_one_core_and_one_sampler() -> None:
-    assert simulations.vruntime.NodeCore is node.runtime.C.NodeCore is NodeCore
-    assert simulations.vruntime.CoreSettings is node.runtime.C.CoreSettings
-    sampler = training.sampler.Sampler
-    assert simulations.vworker.Sampler is simulations.bench.swarm.Sampler is node.worker.Sampler is sampler
-    assert simulations.vworker.split is training.sampler.split
-    assert simulations.vworker.informative is training.sampler.informative
-    assert simulations.vworker.local_plan is sync.catchup.local_plan  # what node/worker.py applies by
+    assert murmur.simulations.vruntime.NodeCore is murmur.node.shell.runtime.C.NodeCore is NodeCore
+    assert murmur.simulations.vruntime.CoreSettings is murmur.node.shell.runtime.C.CoreSettings
+    sampler = murmur.training.sampler.Sampler
+    assert murmur.simulations.vworker.Sampler is murmur.simulations.bench.swarm.Sampler is murmur.node.worker.main.Sampler is sampler
+    assert murmur.simulations.vworker.split is murmur.training.sampler.split
+    assert murmur.simulations.vworker.informative is murmur.training.sampler.informative
+    assert murmur.simulations.vworker.local_plan is murmur.sync.catchup.local_plan  # what node/worker/main.py applies by
 
 
 def test_simulator_and_gossip_service_run_one_batch_intake() -> None:
     """Every batch copy a simulated node receives goes through the object a live node's gossip service runs."""
-    assert gossip.service.BatchIntake is gossip.intake.BatchIntake
+    assert murmur.gossip.service.BatchIntake is murmur.gossip.intake.BatchIntake
     sim = VirtualSim(S.loads(SCENARIO))
     sim.run()
     honest = [n for n in sim.nodes if n.spec.role != "adversary"]
-    assert all(type(n.intake) is gossip.intake.BatchIntake for n in honest)
+    assert all(type(n.intake) is murmur.gossip.intake.BatchIntake for n in honest)
     assert len({id(n.intake) for n in honest}) == len(honest)
     assert sum(n.intake.stats.counts["verified_batches"] for n in honest) > 0
 
 
 def test_simulated_broadcasts_run_the_live_nodes_broadcast_core() -> None:
-    core = sync.transfers.BroadcastCore
-    assert simulations.vsim.BroadcastCore is sync.broadcast.BroadcastCore is core
-    assert simulations.vbroadcast.VirtualSwarm is simulations.vsim.VirtualSwarm  # the start-up broadcasts' driver
-    sw = simulations.vsim.VirtualSwarm(3, [4096] * 2, seed=0)
+    core = murmur.sync.transfers.BroadcastCore
+    assert murmur.simulations.vsim.BroadcastCore is murmur.sync.broadcast.BroadcastCore is core
+    assert murmur.simulations.vbroadcast.VirtualSwarm is murmur.simulations.vsim.VirtualSwarm  # the start-up broadcasts' driver
+    sw = murmur.simulations.vsim.VirtualSwarm(3, [4096] * 2, seed=0)
     assert all(type(nd.core) is core for nd in sw.nodes) and len({id(nd.core) for nd in sw.nodes}) == 4
 
 
@@ -81,12 +81,12 @@ def test_every_simulated_node_is_driven_by_its_own_core() -> None:
     cores = [n.core for n in honest]
     assert all(type(c) is NodeCore for c in cores) and len({id(c) for c in cores}) == 5
     # staleness admission is the core's guard, the rule the live node runs
-    assert all(type(c.guard) is sync.staleness.StalenessGuard for c in cores)
+    assert all(type(c.guard) is murmur.sync.staleness.StalenessGuard for c in cores)
     for n in honest:
         # the driver gives the core virtual time, not the host's clock (which is years from the simulation's epoch)
         assert n.core.ident is n.ident and abs(n.core.next_deadline() - sim.queue.unix()) < 60
         if n.spec.role == "trainer":
-            assert type(n.sampler) is training.sampler.Sampler
+            assert type(n.sampler) is murmur.training.sampler.Sampler
             assert n.core.own == n.lineage and n.core.head_of(n.lineage) == n.version
     # the cores stamp created_ms with the virtual clock the receivers' freshness checks read (a wall-clock
     # stamp is years away from the simulation's epoch: every honest batch would be `expired`)
@@ -133,7 +133,7 @@ def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore
     identical actions and answers: the core's decisions depend on its events and the times the driver gives
     with them only (no clock read, randomness or driver-written state), so what a driver feeds is all that
     decides."""
-    monkeypatch.setattr(simulations.vruntime, "NodeCore", RecordingCore)
+    monkeypatch.setattr(murmur.simulations.vruntime, "NodeCore", RecordingCore)
     sim = VirtualSim(S.loads(SCENARIO))
     sim.run()
     cores = [n.core for n in sim.nodes if n.core is not None]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gossip import wire
+from murmur.gossip import wire
+from murmur.training import sampler as sampling
+from murmur.training.sampler import Sampler, split
 from tests import samples
-from training import sampler as sampling
-from training.sampler import Sampler, split
 
 LIN_A, LIN_B = b"\x0a" * 32, b"\x0b" * 32
 
@@ -150,8 +150,8 @@ def test_take_rollouts_is_the_trainer_hook_shape() -> None:
 
 
 def test_the_worker_and_the_swarm_benchmark_share_this_sampler() -> None:
-    from node import worker
-    from simulations.bench import swarm as bench_swarm
+    from murmur.node.worker import main as worker
+    from murmur.simulations.bench import swarm as bench_swarm
 
     assert worker.Sampler is Sampler and bench_swarm.Sampler is Sampler
 
@@ -160,9 +160,9 @@ def test_the_worker_refuses_an_external_batch_the_network_process_would_refuse(t
     """The network process verifies a batch's signature before sending it to the worker (gossip/validation.py,
     the authoritative check: `wire.verify_envelope`); the worker opens it in full again, as defence in depth:
     a batch whose signature the first refuses is refused by the second and nothing of it is taken."""
-    from gossip.errors import DecodeError
-    from gossip.identity import Identity
-    from node import worker
+    from murmur.gossip.errors import DecodeError
+    from murmur.gossip.identity import Identity
+    from murmur.node.worker import main as worker
 
     w = worker.Worker(None, {"home": str(tmp_path), "swarm": "t"})
     ident = Identity.generate()
@@ -185,8 +185,9 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     import threading
     import time
 
-    from gossip.identity import Identity
-    from node import pipe, worker
+    from murmur.gossip.identity import Identity
+    from murmur.node import pipe
+    from murmur.node.worker import main as worker
 
     net, end = multiprocessing.Pipe()
     w = worker.Worker(end, {"home": str(tmp_path), "swarm": "t", "trainer": {"max_staleness": 4}})
@@ -254,7 +255,7 @@ def test_a_steps_external_work_is_bounded_in_tokens_not_only_groups() -> None:
 
 def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) -> None:
     """The trainer hook takes at most J groups' worth of its own group size and max_new_tokens."""
-    from node import worker
+    from murmur.node.worker import main as worker
 
     end = object()
     w = worker.Worker(end, {"home": str(tmp_path), "swarm": "t",

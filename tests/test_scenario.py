@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gossip.errors import ConfigError
-from simulations import scenario as S
+from murmur.gossip.errors import ConfigError
+from murmur.simulations import scenario as S
 
 
 @pytest.mark.parametrize("name", S.BUILTINS)

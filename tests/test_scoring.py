@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gossip.scoring import PeerRecord, PeerScores, Penalise, ScoreParams
+from murmur.gossip.scoring import PeerRecord, PeerScores, Penalise, ScoreParams
 
 
 def test_defaults_are_the_documented_policy() -> None:
@@ -100,7 +100,7 @@ def test_a_large_table_stays_at_its_bound() -> None:
 
 
 def test_a_peer_keeps_at_most_max_reasons_distinct_reasons() -> None:
-    from gossip.scoring import MAX_REASONS
+    from murmur.gossip.scoring import MAX_REASONS
 
     s = PeerScores()
     for i in range(MAX_REASONS + 50):  # reasons that carry a number the peer chose ("chunk index 12345 ...")

@@ -1,4 +1,4 @@
-"""Rollout sealing (`node.sealing`) on its own: batch limits and one lineage per batch, record before publish,
+"""Rollout sealing (`node.core.sealing`) on its own: batch limits and one lineage per batch, record before publish,
 what is never signed, seqs that keep rising, and the published rate."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import struct
 
 import pytest
 
-from gossip import wire
-from gossip.identity import Identity
-from node.events import Log, Publish, RecordRollouts, Topic
-from node.sealing import BATCH_MAX_ROLLOUTS, RolloutSealer
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.node.core.events import Log, Publish, RecordRollouts, Topic
+from murmur.node.core.sealing import BATCH_MAX_ROLLOUTS, RolloutSealer
 
 SWARM = "t"
 ME = Identity.from_seed(b"\7" * 32)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import trio
 
-from gossip import exchange
-from gossip.identity import Identity
-from gossip.service import GossipService
-from gossip.validation import Pipeline, PipelineConfig
-from simulations.bench.gossip import SWARM, make_batch, registry
+from murmur.gossip import exchange
+from murmur.gossip.identity import Identity
+from murmur.gossip.service import GossipService
+from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.simulations.bench.gossip import SWARM, make_batch, registry
+from murmur.training.verifiers import score
 from tests.samples import Clock
-from training.verifiers import score
 
 REG = registry()
 HONEST = Identity.from_seed(b"\x51" * 32)
@@ -57,7 +57,7 @@ def test_only_a_peers_own_announce_sets_its_rate_and_ends_its_newcomer_time() ->
     """`BatchIntake.heard_announce`, which the live node and the simulator both call for every NodeAnnounce:
     the announce of HONEST signed by JUNK (a relay re-signing, or a forgery) changes neither HONEST's
     announced-rate bucket nor when it was first heard; HONEST's own announce sets both."""
-    from gossip.intake import BatchIntake
+    from murmur.gossip.intake import BatchIntake
     from tests.test_validation_rates import announce
 
     clock = Clock()

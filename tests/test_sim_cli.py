@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _murmur(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "node", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "murmur.node", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

@@ -7,9 +7,9 @@ import resource
 
 import pytest
 
-from simulations import scenario as S
-from simulations.virtual import VirtualSim, run_virtual
-from simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound, netem_args
+from murmur.simulations import scenario as S
+from murmur.simulations.virtual import VirtualSim, run_virtual
+from murmur.simulations.wan import LinkModel, LinkSpec, broadcast_lower_bound, netem_args
 
 SMALL = """
 name = "small"
@@ -186,7 +186,7 @@ def test_learning_defaults_are_the_fit_of_the_matched_benchmark() -> None:
     compute-matched benchmark's recorded runs."""
     from pathlib import Path
 
-    from simulations.calibrate import fit_matched
+    from murmur.simulations.calibrate import fit_matched
 
     runs = json.loads((Path(__file__).parent / "data" / "matched_runs.json").read_text())
     got = fit_matched(runs)
@@ -239,7 +239,7 @@ broadcasts = 0
 
 
 def test_memo_keeps_only_what_is_in_flight() -> None:
-    from simulations.vcache import Memo
+    from murmur.simulations.vcache import Memo
 
     now = [0.0]
     m = Memo(1000, lambda: now[0], horizon_s=5.0)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import msgspec
 
-from gossip import wire
-from gossip.identity import Identity
-from node import core as C
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.node.core import machine as C
+from murmur.training.spotcheck import SPOT_PER_ROUND, SPOT_RATE, SpotSampler, checkable
 from tests.samples import rollout
 from tests.test_core import W, make_core
-from training.spotcheck import SPOT_PER_ROUND, SPOT_RATE, SpotSampler, checkable
 
 LIN, TOK = b"\x02" * 32, b"\x03" * 32  # tests.samples.rollout's lineage and tokenizer (version 3)
 BIG, SMALL = b"\xb1" * 32, b"\x5e" * 32
@@ -75,11 +75,11 @@ def test_a_trainer_worker_spot_checks_its_own_lineage_and_names_fabrication(tmp_
     import multiprocessing
     import struct
 
-    from node import pipe
-    from node.worker import Worker
-    from training.engine import Sampling
-    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
-    from training.tiny import new_tiny_engine
+    from murmur.node import pipe
+    from murmur.node.worker.main import Worker
+    from murmur.training.engine import Sampling
+    from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
+    from murmur.training.tiny import new_tiny_engine
 
     reg = TaskRegistry("t")
     reg.add_builtin()
@@ -113,7 +113,7 @@ def test_an_unproven_producer_is_checked_first_and_always_until_it_has_passed() 
     """Attack (issue 43, trust before any check): a fresh key's fabricated log-probs were trained on for
     hundreds of rows before a sampled check found them. An unproven producer's eligible rollouts are drawn
     first, every time, within the round's cap, until it has passed TRUST_AFTER checks; then the stated rate."""
-    from training.spotcheck import TRUST_AFTER
+    from murmur.training.spotcheck import TRUST_AFTER
 
     s = SpotSampler(SPOT_RATE, SPOT_PER_ROUND, seed=3)
     r = rollout()

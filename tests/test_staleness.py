@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from sync.staleness import Admission, StalenessEvent, StalenessGuard
+from murmur.sync.staleness import Admission, StalenessEvent, StalenessGuard
 
 L = b"l" * 32
 

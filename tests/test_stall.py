@@ -6,7 +6,7 @@ import time
 
 import trio
 
-from node.stall import StallMeter, StallReporter, run
+from murmur.node.shell.stall import StallMeter, StallReporter, run
 
 
 def test_meter_keeps_the_worst_since_start_and_over_the_recent_window() -> None:

@@ -4,8 +4,8 @@ import sqlite3
 
 import pytest
 
-from node.store import MIGRATIONS, Store, StoreError
-from sync.ids import Relation
+from murmur.node.store import MIGRATIONS, Store, StoreError
+from murmur.sync.ids import Relation
 
 
 def test_schema_and_wal(tmp_path):

@@ -6,9 +6,9 @@ import sqlite3
 import time
 from pathlib import Path
 
-from node import store as store_mod
-from node.store import LedgerBudget, Store
-from sync.ids import Relation
+from murmur.node import store as store_mod
+from murmur.node.store import LedgerBudget, Store
+from murmur.sync.ids import Relation
 
 
 def _rows(n: int, start: int = 0, status: str = "accepted", ts_ms: int | None = None) -> list[dict]:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import trio
 
-from gossip.hostlimits import range_full
-from gossip.limits import StreamBudget, StreamLimits
+from murmur.gossip.hostlimits import range_full
+from murmur.gossip.limits import StreamBudget, StreamLimits
 
 
 def test_the_node_wide_stream_count_returns_to_zero_as_one_peers_streams_close() -> None:
@@ -49,7 +49,7 @@ def _swarm_conn(budget: StreamBudget, peer: str, handled: list[Any]) -> Any:
 def test_the_stream_hook_gives_each_stream_back_however_its_handler_ends() -> None:
     from libp2p.network.connection.swarm_connection import SwarmConn
 
-    from gossip import libp2p_fixes
+    from murmur.gossip import libp2p_fixes
 
     libp2p_fixes.install()
     budget = StreamBudget(StreamLimits(peer_streams=4, node_streams=8))
@@ -122,7 +122,7 @@ def test_the_stream_caps_hold_exactly_per_peer_and_per_node() -> None:
 
 
 def test_buffered_bytes_fit_both_shares_exactly_and_are_given_back() -> None:
-    from gossip.limits import BufferFull
+    from murmur.gossip.limits import BufferFull
 
     charged: list[str] = []
     budget = StreamBudget(StreamLimits(peer_buffer_bytes=100, node_buffer_bytes=250, offences=2),
@@ -150,7 +150,7 @@ def test_buffered_bytes_fit_both_shares_exactly_and_are_given_back() -> None:
 
 
 def test_a_lease_gives_back_what_it_holds_and_no_more() -> None:
-    from gossip.limits import BufferFull, Lease
+    from murmur.gossip.limits import BufferFull, Lease
 
     budget = StreamBudget(StreamLimits(peer_buffer_bytes=100, node_buffer_bytes=1000))
     budget.reserve("p", 10, 0.0)  # another reader of the same peer
@@ -184,8 +184,8 @@ def test_a_charge_starts_the_count_over_and_the_offence_table_stays_bounded() ->
 def test_a_yamux_receive_window_may_reach_zero_but_not_below() -> None:
     from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
-    from gossip import libp2p_fixes
-    from gossip.hostlimits import WindowExceeded
+    from murmur.gossip import libp2p_fixes
+    from murmur.gossip.hostlimits import WindowExceeded
 
     libp2p_fixes.install()
     faults: list[str] = []
@@ -201,7 +201,7 @@ def test_a_yamux_receive_window_may_reach_zero_but_not_below() -> None:
 
 
 def test_an_address_without_a_host_part_has_no_ip() -> None:
-    from gossip.hostlimits import remote_ip
+    from murmur.gossip.hostlimits import remote_ip
 
     for addr in ("/ip4", "/dns4/example.org/tcp/1", "/ip4/198.51.100.7/tcp/1/p2p-circuit"):
         conn = SimpleNamespace(get_connection_type=lambda: "ConnectionType.DIRECT",
@@ -229,8 +229,8 @@ def _reader(budget: StreamBudget, data: bytes) -> tuple[Any, list[int]]:
 def test_a_pubsub_frame_is_read_within_the_budget_and_its_bytes_given_back() -> None:
     from libp2p.io.exceptions import MessageTooLarge
 
-    from gossip.hostlimits import read_varint_frame
-    from gossip.transport import FrameError
+    from murmur.gossip.hostlimits import read_varint_frame
+    from murmur.gossip.transport import FrameError
 
     budget = StreamBudget(StreamLimits(peer_buffer_bytes=64))
     stream, _ = _reader(budget, b"\x05hello")

@@ -1,6 +1,6 @@
 """Stream fuzzer: a connected real libp2p peer sends random and mutated frames on every protocol the node serves.
 
-The victim is a real `node.runtime.Node` attached to an in-process transport (`Node.attach`: its own
+The victim is a real `node.shell.runtime.Node` attached to an in-process transport (`Node.attach`: its own
 validation pipeline and gossip service, stream-fault penalty wiring, chunk broadcast and catalog handler),
 plus dial-back, circuit relay with HOP, DCUtR, Kademlia, and what py-libp2p serves by itself (identify,
 ping, ...); the protocol list is read from the host's multistream table, so a protocol added later is
@@ -21,14 +21,14 @@ import msgspec
 import pytest
 import trio
 
-from gossip import topics, wire
-from gossip.host import open_transport
-from gossip.identity import Identity
-from node import patchsync
-from node.config import Config, NetworkSection, NodeSection
-from node.runtime import Node, RunOptions
-from sync.errors import PatchError
-from sync.swarm import Have, ManifestRequest, encode_frame
+from murmur.gossip import topics, wire
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
+from murmur.node.config import Config, NetworkSection, NodeSection
+from murmur.node.shell import patches as patchsync
+from murmur.node.shell.runtime import Node, RunOptions
+from murmur.sync.errors import PatchError
+from murmur.sync.swarm import Have, ManifestRequest, encode_frame
 
 SEED = 15
 EXTRA_MUTATIONS = 4  # per protocol, on top of one payload of every kind
@@ -80,7 +80,7 @@ def _valid_frames(protocol: str, attacker: Identity) -> list[bytes]:
         req = wire.encode(patchsync.CatalogRequest("catalog", b"\x33" * 32))
         return [len(req).to_bytes(4, "big") + req]
     if protocol == "/murmur/dialback/1":
-        from gossip.reachability import DialbackRequest
+        from murmur.gossip.dialback import DialbackRequest
 
         req = msgspec.msgpack.encode(DialbackRequest(1, b"\x55" * 16, ["/ip4/127.0.0.1/tcp/1"]))
         return [len(req).to_bytes(4, "big") + req]
@@ -159,8 +159,8 @@ def test_every_protocol_survives_random_and_mutated_frames(tmp_path: Path) -> No
     node = Node(cfg, tmp_path / "victim", victim_id, RunOptions())
 
     async def main() -> None:
-        from gossip.discovery import Discovery
-        from node.reach import start_reachability
+        from murmur.gossip.discovery import Discovery
+        from murmur.node.shell.reachability import start_reachability
 
         async with open_transport(victim_id) as v, open_transport(attacker_id) as a, open_transport(honest_id) as h:
             await node.attach(v)  # the runtime's own handlers and penalty wiring

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import trio
 
-from gossip import topics
-from gossip.host import ConnectError, open_transport
-from gossip.identity import Identity
-from gossip.limits import StreamLimits
-from node.views import _stream_limits
-from sync.broadcast import PROTOCOL as CHUNKS
-from sync.broadcast import BroadcastNode
-from sync.swarm import MAX_FRAME_BYTES
+from murmur.gossip import topics
+from murmur.gossip.host import ConnectError, open_transport
+from murmur.gossip.identity import Identity
+from murmur.gossip.limits import StreamLimits
+from murmur.node.shell.views import _stream_limits
+from murmur.sync.broadcast import PROTOCOL as CHUNKS
+from murmur.sync.broadcast import BroadcastNode
+from murmur.sync.swarm import MAX_FRAME_BYTES
 
 MiB = 1 << 20
 SMALL = StreamLimits(peer_streams=16, node_streams=64, peer_buffer_bytes=3 * MiB + 4096, node_buffer_bytes=64 * MiB,
@@ -243,7 +243,7 @@ def test_a_held_pubsub_rpc_is_reset_at_its_deadline() -> None:
 
 def test_the_bench_stream_classes_are_bounded_and_the_held_frames_charged() -> None:
     """`murmur bench attacks`' held_frames and idle_streams against a node's default limits."""
-    from simulations.bench import attacks
+    from murmur.simulations.bench import attacks
 
     victim = Identity.from_seed(bytes([84]) * 32)
     out: dict[str, Any] = {"max_buffered": 0, "max_streams": 0}
@@ -287,7 +287,7 @@ def test_minted_keys_share_one_stream_pool_and_proven_peers_always_find_room() -
     64 keys' worth) and lock every other peer out. Peers the node does not count as proven draw on one pool
     below that cap, so a proven peer still opens its whole share; the pool's places come back as streams
     close, a peer proven meanwhile gives its pooled streams back, and the refusals are counted."""
-    from gossip.limits import StreamBudget
+    from murmur.gossip.limits import StreamBudget
 
     limits = StreamLimits()
     budget = StreamBudget(limits)

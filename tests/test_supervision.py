@@ -1,12 +1,12 @@
-"""Worker supervision (`node.supervision`) on its own: the restart backoff and its reset, one restart per
+"""Worker supervision (`node.core.supervision`) on its own: the restart backoff and its reset, one restart per
 exit, the worker's state, error and engine as the status shows them."""
 
 from __future__ import annotations
 
-from node import pipe
-from node.events import Log, RestartWorker
-from node.pipe import WorkerState
-from node.supervision import RESTART_BACKOFF_S, WORKER_STABLE_S, WorkerSupervisor
+from murmur.node import pipe
+from murmur.node.core.events import Log, RestartWorker
+from murmur.node.core.supervision import RESTART_BACKOFF_S, WORKER_STABLE_S, WorkerSupervisor
+from murmur.node.pipe import WorkerState
 
 
 def delays(out: list) -> list[float]:

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip.errors import DecodeError
-from simulations.vsim import SimLink, VirtualSwarm
-from sync.swarm import (
+from murmur.gossip.errors import DecodeError
+from murmur.simulations.vsim import SimLink, VirtualSwarm
+from murmur.sync.swarm import (
     MAX_BITFIELD_BYTES,
     Ban,
     Cancel,

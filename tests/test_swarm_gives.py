@@ -9,11 +9,11 @@ import io
 from prometheus_client import generate_latest
 from rich.console import Console
 
-from node import core as C
-from node.dashboard import node_panel
-from node.demo import summarize, summary_table
-from node.metrics import Metrics
-from node.status import NodeStatus
+from murmur.node.cli.demo import summarize, summary_table
+from murmur.node.core import machine as C
+from murmur.node.status import NodeStatus
+from murmur.node.ui.dashboard import node_panel
+from murmur.node.ui.metrics import Metrics
 from tests.test_core import W, make_core
 
 

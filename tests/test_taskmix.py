@@ -1,4 +1,4 @@
-"""Task-set selection at a node (node/taskmix.py) on a real SQLite store and real signed sets: a chosen
+"""Task-set selection at a node (node/worker/taskmix.py) on a real SQLite store and real signed sets: a chosen
 set not held yet is waited for (never replaced by the built-in one), a coordinator's new version
 replaces the old one, "trusted" and weights, a set whose evaluation overlaps training is refused
 with a reason, and the per-set counters and status that `murmur tasks list` shows."""
@@ -10,14 +10,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gossip.errors import ConfigError
-from gossip.identity import Identity
-from gossip.wire import TaskRef, content_id, decode_envelope
-from node.store import open_store
-from node.taskmix import STATUS_KEY, TaskMix
-from training.rollouts import RolloutRec
-from training.selection import TaskSetChoice, normalise, resolve
-from training.tasksets import (
+from murmur.gossip.errors import ConfigError
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import TaskRef, content_id, decode_envelope
+from murmur.node.store import open_store
+from murmur.node.worker.taskmix import STATUS_KEY, TaskMix
+from murmur.training.rollouts import RolloutRec
+from murmur.training.selection import TaskSetChoice, normalise, resolve
+from murmur.training.tasksets import (
     BUILTIN_COORDINATOR,
     TaskRegistry,
     TaskSetToml,
@@ -25,7 +25,7 @@ from training.tasksets import (
     manifest_from_toml,
     sign_task_set,
 )
-from training.tiny import warmup_generators
+from murmur.training.tiny import warmup_generators
 
 SWARM = "test"
 
@@ -154,7 +154,7 @@ def test_selection_entries_are_checked() -> None:
     ('[training]\ntask_set = "builtin"\n', "unknown key 'training.task_set'"),
 ])
 def test_bad_task_set_config_is_a_one_line_error(tmp_path: Path, body: str, msg: str) -> None:
-    from node.config import load_config
+    from murmur.node.config import load_config
 
     f = tmp_path / "config.toml"
     f.write_text(body)
@@ -164,7 +164,7 @@ def test_bad_task_set_config_is_a_one_line_error(tmp_path: Path, body: str, msg:
 
 
 def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None:
-    from node.config import flatten, load_config
+    from murmur.node.config import flatten, load_config
 
     f = tmp_path / "config.toml"
     f.write_text(f'[training]\ntask_sets = ["builtin", {{ set = "trusted", weight = 2.0 }}]\n'
@@ -175,10 +175,10 @@ def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None
 
 
 def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tmp_path: Path) -> None:
-    from gossip.errors import TaskError
-    from node.config import load_config
-    from node.demo import DemoTaskSet, node_config, run_demo
-    from node.launch import write_config
+    from murmur.gossip.errors import TaskError
+    from murmur.node.cli.demo import DemoTaskSet, node_config, run_demo
+    from murmur.node.cli.launch import write_config
+    from murmur.node.config import load_config
 
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'

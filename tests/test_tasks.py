@@ -7,11 +7,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gossip.errors import DecodeError, SignatureError, TaskError
-from gossip.identity import Identity
-from gossip.wire import TASK_SET, Envelope, TaskRef, decode_envelope, encode, open_envelope, seal
-from training.tasks import BUILTIN_GENERATORS, generate
-from training.tasksets import (
+from murmur.gossip.errors import DecodeError, SignatureError, TaskError
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import TASK_SET, Envelope, TaskRef, decode_envelope, encode, open_envelope, seal
+from murmur.training.tasks import BUILTIN_GENERATORS, generate
+from murmur.training.tasksets import (
     BUILTIN_COORDINATOR,
     BUILTIN_EVAL,
     BUILTIN_TRAIN,
@@ -22,7 +22,7 @@ from training.tasksets import (
     sign_task_set,
     task_set_id,
 )
-from training.verifiers import extract_answer, parse_number, score
+from murmur.training.verifiers import extract_answer, parse_number, score
 
 SWARM = "test"
 

@@ -1,4 +1,4 @@
-"""A coordinator's task set reaches another node over gossip: real `node.runtime.Node`s attached to in-process
+"""A coordinator's task set reaches another node over gossip: real `node.shell.runtime.Node`s attached to in-process
 libp2p transports (their own gossip service and task-set handler). The node that trusts the coordinator
 adds the set to its registry and its store; one that does not refuses it and counts the refusal."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import msgspec
 import trio
 
-from gossip.host import open_transport
-from gossip.identity import Identity
-from node.config import Config, TrustSection
-from node.runtime import Node, RunOptions
-from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id
+from murmur.gossip.host import open_transport
+from murmur.gossip.identity import Identity
+from murmur.node.config import Config, TrustSection
+from murmur.node.shell.runtime import Node, RunOptions
+from murmur.training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id
 
 SWARM = Config().node.swarm  # the swarm of the nodes below (the default config's)
 

@@ -14,14 +14,14 @@ import msgspec
 import pytest
 import trio
 
-from gossip.errors import MurmurError
-from gossip.identity import Identity
-from gossip.wire import TASK_SET, TaskRef, TaskSetManifest, content_id, decode_envelope, open_envelope, seal
-from node.status import Drops
-from node.store import open_store
-from node.tasksync import TaskSetGossip
-from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
-from training.verifiers import VerifierPool
+from murmur.gossip.errors import MurmurError
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import TASK_SET, TaskRef, TaskSetManifest, content_id, decode_envelope, open_envelope, seal
+from murmur.node.shell.tasksync import TaskSetGossip
+from murmur.node.status import Drops
+from murmur.node.store import open_store
+from murmur.training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
+from murmur.training.verifiers import VerifierPool
 
 SWARM = "test"
 

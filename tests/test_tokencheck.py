@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gossip import wire
-from gossip.validation import Reason
+from murmur.gossip import wire
+from murmur.gossip.validation import Reason
+from murmur.training import tokencheck
 from tests import samples
-from training import tokencheck
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def tiny() -> tokencheck.TokenCheck:
 
 @pytest.fixture(scope="module")
 def engine():
-    from training.tiny import new_tiny_engine
+    from murmur.training.tiny import new_tiny_engine
 
     return new_tiny_engine()
 
@@ -70,7 +70,7 @@ def test_the_vocabulary_bound_is_checked_before_decoding(tiny) -> None:
 
 def test_the_models_vocabulary_when_known_bounds_the_ids_not_the_tokenizers() -> None:
     """A model's embedding may have fewer rows than its tokenizer has ids (or more): `vocab` is the bound."""
-    from training.tokenizer import build_tokenizer
+    from murmur.training.tokenizer import build_tokenizer
 
     small = tokencheck.TokenCheck(build_tokenizer(), vocab=40)
     assert small.vocab == 40
@@ -84,7 +84,7 @@ def test_the_models_vocabulary_when_known_bounds_the_ids_not_the_tokenizers() ->
 
 
 def save_tokenizer(path, config: str | None) -> None:
-    from training.tokenizer import build_tokenizer
+    from murmur.training.tokenizer import build_tokenizer
 
     build_tokenizer().save_pretrained(path)
     if config is not None:
@@ -176,7 +176,7 @@ def wordpiece_tokenizer():
 
 def test_a_tokenizer_that_cleans_up_spaces_is_checked_with_its_full_decode(engine) -> None:
     """With clean-up on, only transformers' full decode is the engine's ("1 , 2 ." decodes to "1, 2.")."""
-    from training.engine_hf import HFEngine
+    from murmur.training.engine_hf import HFEngine
 
     tok = wordpiece_tokenizer()
     check = tokencheck.TokenCheck(tok)
@@ -191,14 +191,15 @@ def test_the_node_process_checks_tokens_without_torch(tiny_model) -> None:
     """What a node process loads of its model (the token checks, the engine check, the model plan) imports no
     torch: only its worker pays for torch, at start and in memory."""
     code = ("import sys\n"
-            "import node.runtime\n"
-            "from node import modelplan, worker\n"
-            "from training import tokencheck\n"
+            "import murmur.node.shell.runtime\n"
+            "from murmur.node.worker import modelplan\n"
+            "from murmur.node.worker import main as worker\n"
+            "from murmur.training import tokencheck\n"
             "m = sys.argv[1]\n"
             "assert tokencheck.for_model(m) is not None and tokencheck.for_model('murmur-tiny') is not None\n"
             "worker.engine_check({'engine': 'transformers', 'model': m})\n"
             "modelplan.plan(m, 4096)\n"
-            "print(sorted(x for x in ('torch', 'training.engine_hf', 'training.tiny') if x in sys.modules))\n")
+            "print(sorted(x for x in ('torch', 'murmur.training.engine_hf', 'murmur.training.tiny') if x in sys.modules))\n")
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True, timeout=120,
                        cwd=str(root), env={**os.environ, "PYTHONPATH": str(root)})

@@ -10,11 +10,11 @@ import warnings
 import pytest
 import torch
 
-from gossip.errors import ConfigError
-from node.config import Config
-from training.tasksets import TaskRegistry
-from training.tiny import new_tiny_engine, warmup
-from training.trainer import LOSS_NORMS, Trainer, TrainerConfig, loss_denominator
+from murmur.gossip.errors import ConfigError
+from murmur.node.config import Config
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.tiny import new_tiny_engine, warmup
+from murmur.training.trainer import LOSS_NORMS, Trainer, TrainerConfig, loss_denominator
 
 SWARM = "test"
 

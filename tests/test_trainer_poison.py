@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import torch
 
-from gossip import wire
-from training.engine import Sampling
-from training.tasksets import BUILTIN_TRAIN, TaskRegistry
-from training.tiny import new_tiny_engine
-from training.trainer import Trainer, TrainerConfig
+from murmur.gossip import wire
+from murmur.training.engine import Sampling
+from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
+from murmur.training.tiny import new_tiny_engine
+from murmur.training.trainer import Trainer, TrainerConfig
 
 SWARM = "test"
 
@@ -171,7 +171,7 @@ def test_rollouts_of_our_lineage_under_a_foreign_tokenizer_train_as_another_mode
 
 
 def test_a_step_whose_loss_is_finite_but_whose_gradient_is_infinite_is_skipped() -> None:
-    from training.trainer import guarded_step
+    from murmur.training.trainer import guarded_step
 
     w = torch.nn.Parameter(torch.tensor([0.0, 1.0, 4.0]))
     opt = torch.optim.AdamW([w], lr=0.1)
@@ -187,7 +187,7 @@ def test_a_step_whose_loss_is_finite_but_whose_gradient_is_infinite_is_skipped()
 def test_a_step_with_a_nan_gradient_or_a_non_finite_loss_is_skipped() -> None:
     """A NaN gradient under a finite loss (the gradient of `where`'s untaken branch), and a NaN or infinite
     loss whose gradient is finite: each is skipped by its own check, not by the other's."""
-    from training.trainer import guarded_step
+    from murmur.training.trainer import guarded_step
 
     def fresh() -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
         w = torch.nn.Parameter(torch.tensor([-1.0, 1.0, 4.0]))

@@ -9,12 +9,12 @@ import msgspec
 import pytest
 import torch
 
-from gossip.wire import Rollout
-from node.config import Config
-from training.rollouts import to_wire
-from training.tasksets import TaskRegistry
-from training.tiny import new_tiny_engine
-from training.trainer import StepResult, Trainer, TrainerConfig
+from murmur.gossip.wire import Rollout
+from murmur.node.config import Config
+from murmur.training.rollouts import to_wire
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.tiny import new_tiny_engine
+from murmur.training.trainer import StepResult, Trainer, TrainerConfig
 
 SWARM = "test"
 
@@ -95,7 +95,7 @@ REWARD_MARGIN = 0.03
 @pytest.mark.slow
 def test_rl_raises_the_reward() -> None:
     """A fixed, seeded number of RL steps, not a time budget: the same run, and outcome, on a loaded machine."""
-    from simulations.bench.learn import run
+    from murmur.simulations.bench.learn import run
 
     out = run(seed=0, steps=LEARN_STEPS)
     assert out["rl_steps"] == LEARN_STEPS
@@ -107,8 +107,8 @@ def test_rl_raises_the_reward() -> None:
 
 def _other_set(registry: TaskRegistry) -> bytes:
     """A second trusted task set (its coordinator trusted by this registry)."""
-    from gossip.identity import Identity
-    from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id
+    from murmur.gossip.identity import Identity
+    from murmur.training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id
 
     coord = Identity.from_seed(b"\x09" * 32)
     t = msgspec.convert({"name": "other", "verifier": "exact", "created_ms": 1, "generators": [
@@ -121,7 +121,7 @@ def _other_set(registry: TaskRegistry) -> bytes:
 
 
 def test_mixture_weights_and_held_out_generators(registry) -> None:  # type: ignore[no-untyped-def]
-    from gossip.errors import TaskError
+    from murmur.gossip.errors import TaskError
 
     other = _other_set(registry)
     tr = Trainer(new_tiny_engine(seed=1), registry, registry.builtin_id, TrainerConfig(**SMALL))

@@ -12,11 +12,11 @@ import random
 import msgspec
 import pytest
 
-from gossip.errors import DecodeError
-from gossip.identity import Identity
-from gossip.wire import content_id, decode_envelope, encode
-from simulations.bench.broadcast import make_patch
-from sync.swarm import (
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import content_id, decode_envelope, encode
+from murmur.simulations.bench.broadcast import make_patch
+from murmur.sync.swarm import (
     Cancel,
     Chunk,
     Have,
@@ -30,7 +30,18 @@ from sync.swarm import (
     SwarmConfig,
     bits_from_indices,
 )
-from sync.transfers import Added, BroadcastCore, Complete, Disconnect, Evicted, Load, Stored, Transfer, UploadSlot, Wake
+from murmur.sync.transfers import (
+    Added,
+    BroadcastCore,
+    Complete,
+    Disconnect,
+    Evicted,
+    Load,
+    Stored,
+    Transfer,
+    UploadSlot,
+    Wake,
+)
 
 SWARM = "test"
 
@@ -397,7 +408,7 @@ def test_two_cores_move_a_patch_through_their_actions_only() -> None:
 def test_the_default_upload_burst_is_one_full_chunk() -> None:
     """A chunk is the unit written: with a burst under one chunk, the first chunk after every idle gap
     waited for its own tokens."""
-    from sync.chunks import DEFAULT_CHUNK_BYTES
+    from murmur.sync.chunks import DEFAULT_CHUNK_BYTES
 
     core = BroadcastCore(ROOMY, upload_bytes_per_s=2 * 2**20, swarm=SWARM)
     assert core.bucket.burst >= DEFAULT_CHUNK_BYTES

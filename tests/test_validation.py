@@ -8,13 +8,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gossip import wire
-from gossip.identity import Identity
-from gossip.scoring import ScoreParams
-from gossip.validation import PENALTIES, Pending, Pipeline, PipelineConfig, Reason
-from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, resign_with
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.gossip.scoring import ScoreParams
+from murmur.gossip.validation import PENALTIES, Pending, Pipeline, PipelineConfig, Reason
+from murmur.simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, resign_with
+from murmur.training.verifiers import score
 from tests.samples import Clock
-from training.verifiers import score
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -99,7 +99,7 @@ def test_one_process_holds_two_swarms(reg) -> None:
 def test_a_gossip_service_refuses_a_pipeline_of_another_swarm(reg) -> None:
     """The service's topics and the pipeline's envelope check must name the same swarm, or every batch
     on the service's topics would be refused as a cross-swarm replay."""
-    from gossip.service import GossipService
+    from murmur.gossip.service import GossipService
 
     p, _ = pipe(reg, swarm="swarm-a")
     with pytest.raises(ValueError, match="swarm-b"):
@@ -239,7 +239,7 @@ def test_rate_limit_refills(reg) -> None:
 def test_a_default_pipeline_judges_as_a_default_node(reg) -> None:
     """The simulator and the benchmarks build pipelines without a node config: they must judge with a
     default node's limits (staleness bound, rates, caches, score thresholds)."""
-    from node.config import Config
+    from murmur.node.config import Config
 
     cfg = Config()
     assert PipelineConfig(swarm=SWARM) == PipelineConfig.from_config(SWARM, cfg.gossip, cfg.sync.max_staleness)
@@ -297,7 +297,7 @@ def test_a_token_check_finding_is_the_verdict(reg) -> None:
 
 
 def test_the_per_peer_counters_are_bounded_like_the_score_table(reg) -> None:
-    from gossip.scoring import PeerScores
+    from murmur.gossip.scoring import PeerScores
 
     clock = Clock()
     p = Pipeline(PipelineConfig(swarm=SWARM), clock=clock, resolve_task=reg.resolve, reward=score,
@@ -434,7 +434,7 @@ def test_the_byte_length_ttl_and_token_budget_edges_are_inclusive(reg) -> None:
     """Exactly the byte limit is read (and fails to decode, not for its size); a batch made exactly the
     replay TTL ago, or exactly MAX_FUTURE_S ahead, is fresh; a completion of exactly this node's budget is
     verified."""
-    from gossip.validation import MAX_FUTURE_S
+    from murmur.gossip.validation import MAX_FUTURE_S
 
     p, clock = pipe(reg, max_completion_tokens=64)
     limit = wire.KIND_LIMITS[wire.ROLLOUT_BATCH]
@@ -460,7 +460,7 @@ def test_an_abandoned_batch_can_be_verified_again(reg) -> None:
 
 
 def test_a_reward_within_the_tolerance_is_accepted_and_a_nan_recomputation_never_is(reg) -> None:
-    from gossip.validation import REWARD_TOLERANCE
+    from murmur.gossip.validation import REWARD_TOLERANCE
 
     def claiming(reward: float, seq: int) -> bytes:
         r = msgspec.structs.replace(make_rollout(reg, 3, 8), reward=reward)

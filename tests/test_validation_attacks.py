@@ -12,15 +12,15 @@ import struct
 import msgspec
 import pytest
 
-from gossip import wire
-from gossip.errors import DecodeError
-from gossip.identity import Identity
-from gossip.validation import Pending, Pipeline, PipelineConfig, Reason
-from simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
+from murmur.gossip import wire
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.identity import Identity
+from murmur.gossip.validation import Pending, Pipeline, PipelineConfig, Reason
+from murmur.simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
+from murmur.training import tokencheck
+from murmur.training.tasksets import BUILTIN_TRAIN, sign_task_set
+from murmur.training.verifiers import VerifierPool, score
 from tests.samples import Clock, bodies
-from training import tokencheck
-from training.tasksets import BUILTIN_TRAIN, sign_task_set
-from training.verifiers import VerifierPool, score
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -124,8 +124,8 @@ def tiny_rollout(reg, check: tokencheck.TokenCheck, seed: int, ids: list[int] | 
 def test_model_directory_check_is_the_engines_tokenizer(reg, tmp_path) -> None:
     """A node started on a model directory (config.json names qwen2) checks the hash its producers
     send: the check loads the tokenizer as the engine does, or every rollout looks foreign to it."""
-    from training.engine_hf import HFEngine, load_causal_lm
-    from training.tiny import new_tiny_engine
+    from murmur.training.engine_hf import HFEngine, load_causal_lm
+    from murmur.training.tiny import new_tiny_engine
 
     built = new_tiny_engine()
     built.model.save_pretrained(tmp_path)
@@ -241,7 +241,7 @@ def test_verifier_workers_run_under_a_memory_budget(reg) -> None:
     budget (MemoryError: a charged `verifier_error`), not swap the volunteer's machine."""
     import psutil
 
-    from training.verifiers import MEMORY_HEADROOM_MB
+    from murmur.training.verifiers import MEMORY_HEADROOM_MB
 
     with VerifierPool(workers=1) as pool:
         p, clock = pipe(reg, reward_batch=pool.score_batch)
@@ -264,8 +264,8 @@ def test_a_verifier_worker_imports_only_what_its_batches_need(reg) -> None:
     """Exact and numeric verdicts need neither sympy nor reasoning-gym, so a node on such task sets never
     pays for them; the first math_verify batch makes the worker import math-verify first, and that
     import is charged to nobody: the batch still fits a limit far below the import's cost."""
-    from training.tasks import generate
-    from training.verifiers import WARM_MATH, WARM_RG, _Call
+    from murmur.training.tasks import generate
+    from murmur.training.verifiers import WARM_MATH, WARM_RG, _Call
 
     def imported(pool: VerifierPool) -> list[str]:  # a bare call: `call` itself would import everything
         return pool._run(_Call(loaded_verifier_modules, (), {}), 5.0, frozenset())
@@ -373,7 +373,7 @@ def test_every_float_field_of_every_kind_refuses_non_finite_values() -> None:
 
 
 def test_the_dialback_frames_only_float_refuses_non_finite_values() -> None:
-    from gossip.reachability import DialbackResponse, DialResult, MalformedDialback, _decode
+    from murmur.gossip.dialback import DialbackResponse, DialResult, MalformedDialback, _decode
 
     ok = DialbackResponse(1, b"\x00" * 16, "", [DialResult("/ip4/127.0.0.1/tcp/1", True, "", 12.5)])
     assert _decode(msgspec.msgpack.encode(ok), DialbackResponse).results[0].ms == 12.5
@@ -460,7 +460,7 @@ def test_a_few_keys_sending_costly_batches_cannot_crowd_out_an_honest_producer(r
     """Within the per-key batch rate, three keys send batches that each cost a CPU-second to verify (the I/O
     layer measures and reports it, `Pipeline.spent`): the node's verification stays within its CPU budget,
     an established producer's cheap batches are all verified, and the refusals cost the attackers nothing."""
-    from gossip.cpubudget import BURST_S, NODE_CPU_PER_S
+    from murmur.gossip.cpubudget import BURST_S, NODE_CPU_PER_S
 
     p, clock = pipe(reg)
     seq = _give_a_history(p, clock, reg, ALICE)
@@ -500,7 +500,7 @@ def test_verification_cpu_is_measured_in_the_verifying_thread_and_the_pool(reg) 
     processes spent on that thread's calls (and only that thread's)."""
     import threading
 
-    from gossip.service import verify_timed
+    from murmur.gossip.service import verify_timed
 
     with VerifierPool(workers=1, time_limit_s=30) as pool:
         p, clock = pipe(reg, reward_batch=pool.score_batch)
@@ -524,7 +524,7 @@ def test_minted_keys_cannot_dilute_an_established_producers_verification_share(r
     shrank an honest producer's guaranteed share to 1/33 or 1/65 of the node's and refused most of its
     batches. Keys without a verified history share one bucket, so however many keys carry the attack, the
     established producer keeps half the node's verification CPU and none of its batches is refused."""
-    from gossip.cpubudget import NODE_CPU_PER_S
+    from murmur.gossip.cpubudget import NODE_CPU_PER_S
 
     p, clock = pipe(reg)
     _give_a_history(p, clock, reg, ALICE)  # accepted batches for 48 s before the attack
@@ -554,7 +554,7 @@ def test_minted_keys_cannot_dilute_an_established_producers_verification_share(r
 def test_a_verified_history_takes_enough_batches_over_enough_time_and_stays_bounded() -> None:
     """`CpuBudget.proven`: at least PROVEN_BATCHES accepted batches, the first PROVEN_S ago; until then the
     key's batches draw on the bucket all unproven keys share (one refusal there refuses every one of them)."""
-    from gossip.cpubudget import PROVEN_BATCHES, PROVEN_S, UNPROVEN, CpuBudget
+    from murmur.gossip.cpubudget import PROVEN_BATCHES, PROVEN_S, UNPROVEN, CpuBudget
 
     cpu = CpuBudget(max_peers=3)
     for i in range(PROVEN_BATCHES - 1):

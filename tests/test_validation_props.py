@@ -15,15 +15,15 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossip import wire
-from gossip.identity import Identity
-from gossip.scoring import ScoreParams
-from gossip.validation import TASK_CACHE, Pipeline, PipelineConfig, Verdict
-from simulations.bench.gossip import SWARM, registry
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.gossip.scoring import ScoreParams
+from murmur.gossip.validation import TASK_CACHE, Pipeline, PipelineConfig, Verdict
+from murmur.simulations.bench.gossip import SWARM, registry
+from murmur.training import tokencheck
+from murmur.training.tasksets import BUILTIN_EVAL, BUILTIN_TRAIN
+from murmur.training.verifiers import score
 from tests.workbound import lines_run
-from training import tokencheck
-from training.tasksets import BUILTIN_EVAL, BUILTIN_TRAIN
-from training.verifiers import score
 
 MALLORY = Identity.from_seed(b"\x02" * 32)
 REG = registry()

@@ -7,13 +7,13 @@ import itertools
 
 import pytest
 
-from gossip import wire
-from gossip.identity import Identity
-from gossip.ratelimit import HEADROOM, RateMeter
-from gossip.validation import Pipeline, PipelineConfig, Reason
-from simulations.bench.gossip import SWARM, make_batch, registry
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.gossip.ratelimit import HEADROOM, RateMeter
+from murmur.gossip.validation import Pipeline, PipelineConfig, Reason
+from murmur.simulations.bench.gossip import SWARM, make_batch, registry
+from murmur.training.verifiers import score
 from tests.samples import Clock
-from training.verifiers import score
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)

@@ -9,11 +9,11 @@ import time
 
 import trio
 
-from gossip.identity import Identity
-from gossip.service import VERIFY_THREADS, GossipService
-from gossip.validation import Pipeline, PipelineConfig
-from simulations.bench.gossip import SWARM, make_batch, registry
-from training.verifiers import score
+from murmur.gossip.identity import Identity
+from murmur.gossip.service import VERIFY_THREADS, GossipService
+from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.simulations.bench.gossip import SWARM, make_batch, registry
+from murmur.training.verifiers import score
 
 REG = registry()
 BATCHES = VERIFY_THREADS + 4

@@ -9,7 +9,7 @@ import heapq
 import msgspec
 import pytest
 
-from simulations.vevents import EPOCH, BatchArrives, EventQueue, Join, Leave, Reply, Sample
+from murmur.simulations.vevents import EPOCH, BatchArrives, EventQueue, Join, Leave, Reply, Sample
 
 
 def test_events_pop_in_time_order_ties_in_the_order_pushed() -> None:

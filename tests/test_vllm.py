@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from gossip.errors import MurmurError
-from node import launch
-from node.launch import status as _status
-from node.status import NodeStatus
+from murmur.gossip.errors import MurmurError
+from murmur.node.cli import launch
+from murmur.node.cli.launch import status as _status
+from murmur.node.status import NodeStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 480.0  # a loaded CI machine: node start + the vLLM probe + engine start took up to ~2 min here
@@ -30,7 +30,7 @@ CROSS_TOL = 1e-3  # fp32 on both sides (CPU): measured ≤ 2e-6 per token; see d
 
 @pytest.fixture(scope="module")
 def vllm_py() -> str:
-    from node.worker import vllm_python
+    from murmur.node.worker.main import vllm_python
 
     py = vllm_python()
     if not py or py == sys.executable:
@@ -58,7 +58,7 @@ def _spec(model: str = "murmur-tiny") -> dict:
 
 
 def test_vllm_asked_without_an_environment_fails_at_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from node.worker import worker_python
+    from murmur.node.worker.main import worker_python
 
     monkeypatch.setenv("MURMUR_VLLM_PYTHON", str(tmp_path / "nowhere" / "python"))
     with pytest.raises(MurmurError, match="no vLLM environment was found"):
@@ -71,7 +71,7 @@ def test_node_start_with_vllm_and_no_environment_exits_2_with_the_reason(tmp_pat
     home.mkdir()
     (home / "config.toml").write_text('[node]\nroles = ["follower"]\n[network]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
                                       'dht = false\n[training]\nengine = "vllm"\n')
-    r = subprocess.run([sys.executable, "-m", "node", "node", "start", "--home", str(home), "--no-tui"],
+    r = subprocess.run([sys.executable, "-m", "murmur.node", "node", "start", "--home", str(home), "--no-tui"],
                        capture_output=True, text=True, timeout=120, cwd=str(ROOT),
                        env=dict(_env(), MURMUR_VLLM_PYTHON=str(tmp_path / "nowhere" / "python")))
     assert r.returncode == 2, r.stderr[-2000:]
@@ -79,8 +79,8 @@ def test_node_start_with_vllm_and_no_environment_exits_2_with_the_reason(tmp_pat
 
 
 def test_vllm_asked_in_an_environment_without_vllm_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from node.worker import worker_python
-    from training.engine_vllm import installed_build
+    from murmur.node.worker.main import worker_python
+    from murmur.training.engine_vllm import installed_build
 
     assert installed_build() == ("", "")  # the node's own environment has no vLLM (it lives in .venv-vllm)
     monkeypatch.setenv("MURMUR_VLLM_PYTHON", sys.executable)
@@ -89,7 +89,7 @@ def test_vllm_asked_in_an_environment_without_vllm_fails_at_start(monkeypatch: p
 
 
 def test_dense_set_sends_fused_parts_and_the_tied_head_together() -> None:
-    from training.engine_vllm import TIED_HEAD, dense_set
+    from murmur.training.engine_vllm import TIED_HEAD, dense_set
 
     names = {f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkvo" for k in ("weight", "bias") if p != "o" or k == "weight"}
     names |= {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
@@ -111,7 +111,7 @@ def test_dense_set_sends_fused_parts_and_the_tied_head_together() -> None:
 @pytest.mark.vllm
 def test_unsupported_architecture_fails_at_start(vllm_py: str, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from node.worker import worker_python
+    from murmur.node.worker.main import worker_python
 
     d = tmp_path / "odd"
     d.mkdir()
@@ -163,7 +163,7 @@ def _lin(s: NodeStatus | None, relation: str):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, model: Path, tmp_path: Path) -> None:
-    from sync.patchstore import LineageStore, open_manifest
+    from murmur.sync.patchstore import LineageStore, open_manifest
 
     homes = {n: tmp_path / n for n in ("trainer", "follower")}
     configs = {"trainer": _config(["trainer", "validator"], model, "transformers"),

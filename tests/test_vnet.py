@@ -7,12 +7,12 @@ import heapq
 import random
 from collections import Counter
 
-from gossip.intake import BatchIntake
-from gossip.validation import Pipeline, PipelineConfig
-from simulations import scenario as S
-from simulations.vevents import AnnounceArrives, BatchArrives, EventQueue
-from simulations.vnet import MESH_D, MESH_D_HIGH, Network
-from simulations.vnode import VNode, identity_for
+from murmur.gossip.intake import BatchIntake
+from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.simulations import scenario as S
+from murmur.simulations.vevents import AnnounceArrives, BatchArrives, EventQueue
+from murmur.simulations.vnet import MESH_D, MESH_D_HIGH, Network
+from murmur.simulations.vnode import VNode, identity_for
 
 DATA = b"a batch" * 100
 

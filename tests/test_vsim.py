@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from simulations.vsim import SimLink, VirtualSwarm
-from sync.swarm import SwarmSession
-from sync.transfers import BroadcastCore
+from murmur.simulations.vsim import SimLink, VirtualSwarm
+from murmur.sync.swarm import SwarmSession
+from murmur.sync.transfers import BroadcastCore
 
 C, B = 64 * 2**10, 2**20
 M = 12  # chunks per patch

@@ -6,14 +6,14 @@ from __future__ import annotations
 import heapq
 import random
 
-from node import pipe
-from simulations import scenario as S
-from simulations.vevents import EventQueue, StepDue, WorkerSends
-from simulations.vnode import VNode, identity_for
-from simulations.vreport import Recorder
-from simulations.vworker import WORKER_S, Workers
-from training.tasksets import TaskRegistry
-from training.verifiers import score
+from murmur.node import pipe
+from murmur.simulations import scenario as S
+from murmur.simulations.vevents import EventQueue, StepDue, WorkerSends
+from murmur.simulations.vnode import VNode, identity_for
+from murmur.simulations.vreport import Recorder
+from murmur.simulations.vworker import WORKER_S, Workers
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.verifiers import score
 
 LINEAGE = b"L" * 32
 SCENARIO = """
@@ -73,7 +73,7 @@ def sent(queue: EventQueue) -> list[tuple[float, object]]:
 
 
 def test_stored_items_are_applied_by_the_node_workers_plan() -> None:
-    """As `node/worker.py` (`sync.catchup.local_plan`): to the newest stored version, over a gap only through
+    """As `node/worker/main.py` (`sync.catchup.local_plan`): to the newest stored version, over a gap only through
     a stored anchor ahead, and nothing of a chain that no stored item carries to the newest version."""
     workers, nodes, queue, _ = setup()
     f = nodes[1]

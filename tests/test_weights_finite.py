@@ -10,10 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from sync.codec import count_non_finite
-from sync.errors import NonFiniteWeights
-from sync.hashing import bits_view, state_hash
-from sync.lineage import ANCHOR, SPARSE, LineageFollower, LineagePublisher, anchor_bytes, encode_states, make_bundle
+from murmur.sync.codec import count_non_finite
+from murmur.sync.errors import NonFiniteWeights
+from murmur.sync.hashing import bits_view, state_hash
+from murmur.sync.versions import (
+    ANCHOR,
+    SPARSE,
+    LineageFollower,
+    LineagePublisher,
+    anchor_bytes,
+    encode_states,
+    make_bundle,
+)
 from tests.test_lineage import Trainer, assert_untouched, snapshot
 
 SWARM = "test"
@@ -96,7 +104,7 @@ def test_the_attack_bench_scans_every_state_a_node_holds(identity, tmp_path) -> 
     follower checkpoint, scanned; one NaN anywhere makes it false."""
     from safetensors.torch import save_file
 
-    from simulations.bench.attacks import models_finite
+    from murmur.simulations.bench.attacks import models_finite
 
     tr = Trainer(4)
     pub = LineagePublisher(identity, "scan", tr.state(), tmp_path, anchor_every=2, swarm=SWARM)

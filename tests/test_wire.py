@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossip import wire
-from gossip.errors import DecodeError, SignatureError
+from murmur.gossip import wire
+from murmur.gossip.errors import DecodeError, SignatureError
 from tests.samples import bodies, rollout
 
 KINDS = list(wire.BODY_TYPES)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossip import wire
-from gossip.errors import DecodeError
+from murmur.gossip import wire
+from murmur.gossip.errors import DecodeError
 from tests.samples import bodies
 
 KINDS = list(wire.BODY_TYPES)
@@ -23,7 +23,7 @@ _VALID: dict[str, bytes] = {}
 
 def _valid(kind: str) -> bytes:
     if kind not in _VALID:
-        from gossip.identity import Identity
+        from murmur.gossip.identity import Identity
 
         ident = Identity.from_seed(b"\x11" * 32)
         _VALID[kind] = wire.seal(ident, kind, bodies(ident)[kind], swarm=SWARM)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gossip.errors import TaskError
-from training.evaluation import check_evaluation, held_out_tasks, well_formed
-from training.tasks import generate
-from training.tasksets import (
+from murmur.gossip.errors import TaskError
+from murmur.training.evaluation import check_evaluation, held_out_tasks, well_formed
+from murmur.training.tasks import generate
+from murmur.training.tasksets import (
     answers_manifest,
     check_manifest,
     eval_generators,
@@ -19,8 +19,8 @@ from training.tasksets import (
     train_generators,
     worked_manifest,
 )
-from training.tokenizer import CHARS
-from training.verifiers import MAX_COMPLETION_CHARS, Verdicts, score, worked_digest
+from murmur.training.tokenizer import CHARS
+from murmur.training.verifiers import MAX_COMPLETION_CHARS, Verdicts, score, worked_digest
 
 
 def _chain(seed: int, split: str = "train") -> object:
@@ -91,7 +91,7 @@ def test_a_worked_answer_is_well_formed_with_the_reference_steps_whatever_its_nu
 
 
 def test_the_worked_regime_has_its_own_murmur_tiny_build(tmp_path: Path) -> None:
-    from training.tiny import WORKED_WARMUP_STEPS, tiny_dir
+    from murmur.training.tiny import WORKED_WARMUP_STEPS, tiny_dir
 
     assert tiny_dir(tmp_path) != tiny_dir(tmp_path, answers="worked")
     assert tiny_dir(tmp_path, answers="worked").name == f"murmur-tiny-worked-s0-w{WORKED_WARMUP_STEPS}"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip import wire
-from node import pipe
-from node.worker import Worker
-from training.rollouts import logprobs_to_bytes
-from training.tasksets import TaskRegistry
-from training.tiny import new_tiny_engine
+from murmur.gossip import wire
+from murmur.node import pipe
+from murmur.node.worker.main import Worker
+from murmur.training.rollouts import logprobs_to_bytes
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.tiny import new_tiny_engine
 
 SWARM = "test"
 

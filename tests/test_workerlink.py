@@ -11,11 +11,11 @@ from pathlib import Path
 
 import trio
 
-from gossip.identity import Identity
-from node import pipe
-from node.config import Config
-from node.runtime import RunOptions
-from node.workerlink import spawn, worker_spec
+from murmur.gossip.identity import Identity
+from murmur.node import pipe
+from murmur.node.config import Config
+from murmur.node.shell.runtime import RunOptions
+from murmur.node.shell.workerlink import spawn, worker_spec
 
 
 def test_a_killed_worker_reads_as_gone_with_its_exit_code(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_a_killed_worker_reads_as_gone_with_its_exit_code(tmp_path: Path) -> Non
 
 def test_importing_node_leaves_sys_path_alone_and_the_worker_entry_swaps_a_foreign_environment(tmp_path: Path) -> None:
     """A worker spawned under another environment's interpreter is handed the network process's sys.path:
-    importing `node` keeps it as it is; the worker's entry point (`node.workerboot`) drops that other
+    importing `node` keeps it as it is; the worker's entry point (`node.worker.boot`) drops that other
     environment's site-packages and puts this interpreter's own on it."""
     import subprocess
     import sys
@@ -60,9 +60,9 @@ def test_importing_node_leaves_sys_path_alone_and_the_worker_entry_swaps_a_forei
     foreign.mkdir(parents=True)
     (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
     code = ("import sys, sysconfig; foreign = sys.argv[1]; sys.path.insert(1, foreign); before = list(sys.path)\n"
-            "import node, node.workerlink\n"
+            "import murmur.node, murmur.node.shell.workerlink\n"
             "assert sys.path == before, 'importing node changed sys.path'\n"
-            "from node.workerboot import own_site_packages\n"
+            "from murmur.node.worker.boot import own_site_packages\n"
             "own_site_packages()\n"
             "assert foreign not in sys.path and sysconfig.get_path('purelib') in sys.path, sys.path\n")
     root = Path(__file__).resolve().parents[1]

@@ -17,10 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(model_dir: str) -> dict:
     import torch
 
-    from node.policy import to_published
-    from sync.hashing import canonical_state
-    from training.engine import Sampling, open_engine
-    from training.engine_hf import HFEngine
+    from murmur.node.worker.policy import to_published
+    from murmur.sync.hashing import canonical_state
+    from murmur.training.engine import Sampling, open_engine
+    from murmur.training.engine_hf import HFEngine
 
     hf = HFEngine.from_path(model_dir, device="cpu")
     state = to_published(canonical_state(hf.model))

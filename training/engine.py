@@ -18,7 +18,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
 
-from gossip.errors import MurmurError
+from murmur.gossip.errors import MurmurError
 
 ENGINES: Final = ("transformers", "vllm")
 MODE_TRANSFORMERS: Final = "transformers"
@@ -116,7 +116,7 @@ def open_engine(kind: str, model_path: str | Path, reference: Any, *, role: str 
         return reference
     if kind != "vllm":
         raise MurmurError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
-    from training.engine_vllm import VLLMEngine
+    from murmur.training.engine_vllm import VLLMEngine
 
     return VLLMEngine(model_path, tokenizer=reference.tokenizer, role=role, memory_budget_mb=memory_budget_mb,
                       seed=seed, threads=threads)

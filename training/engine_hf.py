@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from gossip.errors import MurmurError
-from training.engine import (
+from murmur.gossip.errors import MurmurError
+from murmur.training.engine import (
     MODE_TRANSFORMERS,
     Completion,
     Sampling,
@@ -29,7 +29,7 @@ from training.engine import (
     generate_groups,
     tokenizer_hash_from_json,
 )
-from training.tokenizer import load_tokenizer
+from murmur.training.tokenizer import load_tokenizer
 
 # transformers 5.24 renamed the cache argument; the old name works until 5.40 (we pin <6 and
 # test the loop), so silence the per-call deprecation notice.

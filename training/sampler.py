@@ -1,6 +1,6 @@
 """The external-rollout sampler: which verified swarm rollouts a trainer learns from (sans-IO, bounded).
 
-One rule, used by the node's worker (`node/worker.py`), `murmur bench swarm`
+One rule, used by the node's worker (`node/worker/main.py`), `murmur bench swarm`
 (`simulations/bench/swarm.py`) and the virtual-time simulator
 (`simulations/virtual.py`), so a benchmark or a simulation samples exactly as
 a node does. Swarm sampling (SAPO): each step mixes I local and J external
@@ -62,7 +62,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gossip import wire
+from murmur.gossip import wire
 
 TaskKey = tuple[bytes, str, int]  # (task set id, generator, seed)
 

@@ -20,8 +20,8 @@ from typing import Final
 
 import msgspec
 
-from gossip.errors import ConfigError
-from gossip.wire import MAX_NAME, TaskSetManifest
+from murmur.gossip.errors import ConfigError
+from murmur.gossip.wire import MAX_NAME, TaskSetManifest
 
 BUILTIN: Final = "builtin"
 TRUSTED: Final = "trusted"

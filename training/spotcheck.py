@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from gossip.wire import Rollout, RolloutBatch
+from murmur.gossip.wire import Rollout, RolloutBatch
 
 SPOT_TOLERANCE = 0.05  # mean |delta log-prob| per token allowed between a claim and the recomputation
 SPOT_RATE = 0.25  # of the rollouts a node could check, each drawn with this probability ...

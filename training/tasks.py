@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import msgspec
 
-from gossip.errors import TaskError
+from murmur.gossip.errors import TaskError
 
 ConfigValue = int | float | str | bool
 

@@ -22,10 +22,10 @@ from typing import Any, Final
 
 import msgspec
 
-from gossip.errors import DecodeError, SignatureError, TaskError
-from gossip.identity import Identity
-from gossip.tomlfile import convert_strict, read_toml, validation_message
-from gossip.wire import (
+from murmur.gossip.errors import DecodeError, SignatureError, TaskError
+from murmur.gossip.identity import Identity
+from murmur.gossip.tomlfile import convert_strict, read_toml, validation_message
+from murmur.gossip.wire import (
     FORMAT_VERSION,
     TASK_SET,
     GeneratorSpec,
@@ -37,8 +37,8 @@ from gossip.wire import (
     open_envelope,
     seal,
 )
-from training.tasks import RG_PREFIX, Task, builtin_config, check_generator, generate
-from training.verifiers import check_verifier
+from murmur.training.tasks import RG_PREFIX, Task, builtin_config, check_generator, generate
+from murmur.training.verifiers import check_verifier
 
 BUILTIN_COORDINATOR: Final = Identity.from_seed(hashlib.blake2b(b"murmur/builtin-task-set/v1", digest_size=32).digest())
 

@@ -22,12 +22,12 @@ from typing import Any, Final
 
 import torch
 
-from gossip.errors import MurmurError
-from gossip.wire import GeneratorSpec
-from training.engine_hf import HFEngine, set_threads
-from training.tasks import Task, generate
-from training.tasksets import answers_manifest, train_generators
-from training.tokenizer import TINY_NAME, build_tokenizer
+from murmur.gossip.errors import MurmurError
+from murmur.gossip.wire import GeneratorSpec
+from murmur.training.engine_hf import HFEngine, set_threads
+from murmur.training.tasks import Task, generate
+from murmur.training.tasksets import answers_manifest, train_generators
+from murmur.training.tokenizer import TINY_NAME, build_tokenizer
 
 RECIPE: Final = "v3"  # v3: 100 warm-up steps on the built-in set version 3
 

@@ -18,9 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gossip import wire
-from gossip.validation import Reason
-from training.engine import tokenizer_hash_from_json
+from murmur.gossip import wire
+from murmur.gossip.validation import Reason
+from murmur.training.engine import tokenizer_hash_from_json
 
 
 class TokenCheck:
@@ -63,14 +63,14 @@ def for_model(model: str) -> TokenCheck | None:
     """The check for `[training] model`: murmur-tiny's built-in tokenizer, or a local model directory's.
     None when the model's tokenizer is not on this machine (then no rollout's ids are checked here,
     and docs/security.md says so)."""
-    from training.tokenizer import TINY_NAME, build_tokenizer
+    from murmur.training.tokenizer import TINY_NAME, build_tokenizer
 
     if model == TINY_NAME:
         return TokenCheck(build_tokenizer())
     path = Path(model).expanduser()
     if not (path / "tokenizer.json").is_file():
         return None
-    from training.tokenizer import load_tokenizer
+    from murmur.training.tokenizer import load_tokenizer
 
     # Loaded exactly as the engine loads it, so `hash` is the one honest producers put in their rollouts.
     tok = load_tokenizer(path)

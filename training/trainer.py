@@ -37,11 +37,11 @@ import msgspec
 import psutil
 import torch
 
-from gossip.errors import ConfigError, MurmurError, TaskError
-from gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
-from training.engine import Sampling
-from training.engine_hf import HFEngine
-from training.losses import (
+from murmur.gossip.errors import ConfigError, MurmurError, TaskError
+from murmur.gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
+from murmur.training.engine import Sampling
+from murmur.training.engine_hf import HFEngine
+from murmur.training.losses import (
     CapabilityTracker,
     decoupled_loss,
     group_advantages,
@@ -50,9 +50,9 @@ from training.losses import (
     hacpo_loss,
     is_degenerate,
 )
-from training.rollouts import RolloutRec, from_wire
-from training.tasksets import TaskRegistry, is_eval
-from training.verifiers import score
+from murmur.training.rollouts import RolloutRec, from_wire
+from murmur.training.tasksets import TaskRegistry, is_eval
+from murmur.training.verifiers import score
 
 LOSS_NORMS = ("informative", "constant")
 REF_DECAY = 0.9  # running mean of the own-sample log-prob reference: about the last ten steps

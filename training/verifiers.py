@@ -38,9 +38,9 @@ from typing import Any, Final, NamedTuple
 
 import psutil
 
-from gossip.errors import MurmurError, TaskError
-from gossip.validation import VerifierTimeout, VerifierUnavailable
-from training.tasks import RG_PREFIX, WORKED_MARKER, WORKED_SEP, Task, rg_entry
+from murmur.gossip.errors import MurmurError, TaskError
+from murmur.gossip.validation import VerifierTimeout, VerifierUnavailable
+from murmur.training.tasks import RG_PREFIX, WORKED_MARKER, WORKED_SEP, Task, rg_entry
 
 MAX_COMPLETION_CHARS: Final = 8192
 MAX_ANSWER_CHARS: Final = 256
@@ -267,7 +267,7 @@ def score_rg(task: Task, ans: str) -> float:
 
     if not task.generator.startswith("rg:"):
         raise TaskError(f"verifier 'rg_score' needs a reasoning-gym generator, not {task.generator!r}")
-    from training.tasks import rg_dataset
+    from murmur.training.tasks import rg_dataset
 
     cfg = json.loads(task.config_json)
     name = task.generator[3:]
@@ -374,7 +374,7 @@ def _warm_up(families: frozenset[str]) -> None:
     reasoning-gym (docs/gossip.md says what that saves)."""
     import resource
 
-    from training.tasks import _rg_module
+    from murmur.training.tasks import _rg_module
 
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (hard, hard))  # the budget is headroom over the imports

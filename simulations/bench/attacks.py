@@ -34,11 +34,11 @@ from typing import Any
 import msgspec
 import trio
 
-from gossip import topics, wire
-from gossip.identity import Identity
-from node import launch
-from node.config import GossipSection
-from sync.ids import Relation
+from murmur.gossip import topics, wire
+from murmur.gossip.identity import Identity
+from murmur.node.cli import launch
+from murmur.node.config import GossipSection
+from murmur.sync.ids import Relation
 
 SWARM = "attack-swarm"
 GRAYLIST = -50.0
@@ -67,7 +67,7 @@ class Knowledge:
         """Manifests signed by their lineage's publisher (its id derives from the signer's key): the
         hostile hosts' own manifests naming an honest lineage (freeze_manifest_head, capture_lineage)
         are relayed on the announce topic too, and their heads are not the lineage's."""
-        from sync.ids import lineage_id
+        from murmur.sync.ids import lineage_id
 
         out = []
         for m, _ in self.manifests:
@@ -102,7 +102,7 @@ class Knowledge:
         """The public model's tokenizer as a receiver checks ids with it, loaded once (None: no model
         directory known, or it has no tokenizer)."""
         if self._check is None and self.model is not None:
-            from training.tokencheck import for_model
+            from murmur.training.tokencheck import for_model
 
             self._check = for_model(self.model)
         return self._check
@@ -161,7 +161,7 @@ class DirectTransport:
         from libp2p.pubsub.pb import rpc_pb2
         from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 
-        from gossip.host import libp2p_key_pair
+        from murmur.gossip.host import libp2p_key_pair
 
         for p in self._targets & set(self._t.peers()):
             pid = ID.from_base58(p)
@@ -270,8 +270,8 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
                   version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True,
                   tokenizer: bytes = b"\x54" * 32) -> wire.Rollout:
     """A rollout on the built-in task set that passes today's reward check (the text answers the task)."""
-    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
-    from training.verifiers import score
+    from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
+    from murmur.training.verifiers import score
 
     reg = TaskRegistry(wire.DEFAULT_SWARM)  # only the built-in set, the same in every swarm
     reg.add_builtin()
@@ -549,7 +549,7 @@ async def future_version(a: Attacker, k: Knowledge, targets: list[str]) -> None:
 
 async def flood_announces(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Exhaust: announces, manifests of ever-new lineages and task sets, far past any rate limit."""
-    from training.tasksets import builtin_manifest
+    from murmur.training.tasksets import builtin_manifest
 
     for i in range(60):
         await a.announce(_announce(a, 100 + i))
@@ -609,7 +609,7 @@ async def claim_throughput(a: Attacker, k: Knowledge, targets: list[str]) -> Non
 async def lineage_by_announce(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Our own lineage on the honest base model, its head rising by announces and by manifests whose
     chunks we never serve, with a huge demand: bait for followers."""
-    from sync.ids import lineage_id
+    from murmur.sync.ids import lineage_id
 
     _, _, bmh, _ = _honest_lineage(k)
     lid = lineage_id(a.ident.public, bmh, "bait-announce")
@@ -652,7 +652,7 @@ async def announce_replay(a: Attacker, k: Knowledge, targets: list[str]) -> None
 async def taskset_takeover(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Every task-set name seen (the built-in one at least) published again under our key at a higher
     version, with a generator of our own: a takeover of another coordinator's name."""
-    from training.tasksets import builtin_manifest
+    from murmur.training.tasksets import builtin_manifest
 
     seen: list[wire.TaskSetManifest] = []
     for data in k.task_sets:
@@ -713,7 +713,7 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     answers carrying our prefix (reward 1), half wrong answers without it (reward 0), all honestly scored,
     with behaviour log-probs claiming the policy already samples them (near 0): trained on, they teach
     the trainer's own policy to emit the prefix."""
-    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
+    from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
 
     check = k.token_check()
     if check is None:
@@ -746,8 +746,8 @@ async def _payload_elsewhere(a: Attacker, k: Knowledge, name: str, tokenizer: by
     lineage on the honest base model, which we never publish, claiming -999 per token: a claimed
     importance ratio pinned at its cap, on rollouts no receiver can re-score. `tokenizer` None: the public
     model's (its ids are checked); else a tokenizer no receiver holds (re-tokenised from the text)."""
-    from sync.ids import lineage_id
-    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
+    from murmur.sync.ids import lineage_id
+    from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
 
     check = k.token_check()
     if check is None:
@@ -916,7 +916,7 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
                   attacked: trio.Event | None = None) -> None:
     """Run one attack class from its own host, with `ident` or the class's fresh key; `res` says what it
     sent and how far it got. `attacked` is set once it has sent all it will send, before it settles."""
-    from gossip.host import open_transport
+    from murmur.gossip.host import open_transport
 
     ident = ident or attack_key(name, round_)
     addrs = addrs[:1] if name in FIRST_TARGET_ONLY else addrs
@@ -969,7 +969,7 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
     With `rounds` ≥ 2 both the per-class round and one round of the single attacker always run.
     `tokenizer_hash` is that of the model the swarm runs (public knowledge), for forged rollouts when
     no honest rollout was seen to copy it from; `model` that model's directory (its tokenizer)."""
-    from gossip.host import open_transport
+    from murmur.gossip.host import open_transport
 
     k = Knowledge(swarm, model=model)
     if tokenizer_hash is not None:
@@ -1029,7 +1029,7 @@ def node_config(roles: list[str], model: Path, swarm: str = SWARM) -> dict[str, 
 
 
 def model_tokenizer_hash(model: Path) -> bytes | None:
-    from training.tokencheck import for_model
+    from murmur.training.tokencheck import for_model
 
     check = for_model(str(model))
     return check.hash if check is not None else None
@@ -1114,7 +1114,7 @@ def process_rss_mb(pid: int) -> float | None:
 
 def state_db_mb(homes: dict[str, Path]) -> dict[str, float]:
     """Each node's state.db with its write-ahead log, in MiB."""
-    from node.store import DB_FILE
+    from murmur.node.store import DB_FILE
 
     out = {}
     for n, h in homes.items():
@@ -1197,7 +1197,7 @@ def start_attacker(addrs: list[str], window_s: float, tokenizer_hash: bytes | No
     lose the race for the two cores and half the classes never reach the mesh)."""
     args = json.dumps({"addrs": addrs, "window_s": window_s, "out": str(out), "model": str(model) if model else None,
                        "tokenizer_hash": tokenizer_hash.hex() if tokenizer_hash else None})
-    return subprocess.Popen([sys.executable, "-m", "simulations.bench.attacks", args],
+    return subprocess.Popen([sys.executable, "-m", "murmur.simulations.bench.attacks", args],
                             preexec_fn=lambda: os.nice(NICE), cwd=str(Path(__file__).resolve().parents[2]))
 
 
@@ -1252,8 +1252,8 @@ def models_finite(home: Path, swarm: str) -> tuple[bool, int]:
     import torch
     from safetensors.torch import load_file
 
-    from sync.errors import PatchError
-    from sync.patchstore import LineageStore
+    from murmur.sync.errors import PatchError
+    from murmur.sync.patchstore import LineageStore
 
     states: list[dict[str, Any]] = []
     for d in sorted((home / "lineages").glob("*")) if (home / "lineages").is_dir() else []:
@@ -1279,11 +1279,11 @@ def payload_share(home: Path, model: Path, lineage: str, swarm: str = SWARM) -> 
     tasks) that start with the poisoning payload; None when the node holds no replayable state of it."""
     import torch
 
-    from sync.errors import PatchError
-    from sync.patchstore import LineageStore
-    from training.engine import Sampling
-    from training.engine_hf import HFEngine
-    from training.tasksets import BUILTIN_TRAIN, TaskRegistry
+    from murmur.sync.errors import PatchError
+    from murmur.sync.patchstore import LineageStore
+    from murmur.training.engine import Sampling
+    from murmur.training.engine_hf import HFEngine
+    from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
 
     try:
         store = LineageStore(home, bytes.fromhex(lineage))

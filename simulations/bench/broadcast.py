@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossip.identity import Identity
-from gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
-from sync.chunks import refs, split
+from murmur.gossip.identity import Identity
+from murmur.gossip.wire import FORMAT_VERSION, PATCH_MANIFEST, PatchManifest, now_ms, seal
+from murmur.sync.chunks import refs, split
 
 SIM_FULL_MESH_MAX = 64  # larger simulated swarms use a random overlay of this degree
 SIM_DEGREE = 16
@@ -73,7 +73,7 @@ def run(peers: int = 16, sim: bool = False, bytes: int = 8 * 2**20, chunk_bytes:
 
 
 def _run_sim(peers: int, size: int, chunk_bytes: int, upload: int, seed: int) -> dict[str, Any]:
-    from simulations.vsim import SimLink, VirtualSwarm
+    from murmur.simulations.vsim import SimLink, VirtualSwarm
 
     sizes = [min(chunk_bytes, size - o) for o in range(0, size, chunk_bytes)]
     degree = None if peers <= SIM_FULL_MESH_MAX else SIM_DEGREE
@@ -187,7 +187,7 @@ def _children_cpu(procs: list[subprocess.Popen[str]]) -> float:
 
 
 def _spawn(tmp: str, role: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "simulations.bench.broadcast", role, tmp, str(idx), str(upload), str(chunk_bytes), str(seed)]
+    cmd = [sys.executable, "-m", "murmur.simulations.bench.broadcast", role, tmp, str(idx), str(upload), str(chunk_bytes), str(seed)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                             cwd=str(Path(__file__).resolve().parents[2]))  # the checkout this module is in
 
@@ -233,8 +233,8 @@ def _expect(p: subprocess.Popen[str], event: str, deadline: float) -> dict[str, 
 async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> None:
     import trio
 
-    from gossip.host import open_transport
-    from sync.broadcast import BroadcastNode
+    from murmur.gossip.host import open_transport
+    from murmur.sync.broadcast import BroadcastNode
 
     def say(**kw: Any) -> None:
         sys.stdout.write(json.dumps(kw) + "\n")
@@ -321,7 +321,7 @@ async def _connect(t: Any, addr: str, attempts: int = 5) -> None:
     """Dial with retries: on a loaded 2-core box a Noise handshake can miss the dial timeout."""
     import trio
 
-    from gossip.errors import MurmurError
+    from murmur.gossip.errors import MurmurError
 
     for i in range(attempts):
         try:

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from gossip import wire
-from gossip.identity import Identity
-from sync.codec import read_header
-from sync.hashing import state_hash
-from sync.lineage import LineageFollower, LineagePublisher, encode_states
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.sync.codec import read_header
+from murmur.sync.hashing import state_hash
+from murmur.sync.versions import LineageFollower, LineagePublisher, encode_states
 
 
 def _config(params: int) -> Any:
@@ -153,7 +153,7 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
     }
 
 
-if __name__ == "__main__":  # python -m simulations.bench.codec [params] [steps]
+if __name__ == "__main__":  # python -m murmur.simulations.bench.codec [params] [steps]
     import json
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""`murmur bench core`: memory and time of many node cores (node.core.NodeCore) in one process.
+"""`murmur bench core`: memory and time of many node cores (node.core.machine.NodeCore) in one process.
 
 Each core is built as a simulator would build it, then hears the same swarm: `peers` trainers'
 signed announces (one lineage each, with its demand) and one manifest per lineage, and takes one
@@ -14,11 +14,11 @@ import time
 import tracemalloc
 from typing import Any
 
-from gossip import wire
-from gossip.identity import Identity
-from node import core as C
-from node import pipe
-from sync.ids import lineage_id
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.node import pipe
+from murmur.node.core import machine as C
+from murmur.sync.ids import lineage_id
 
 BASE = hashlib.blake2b(b"murmur bench core base model", digest_size=32).digest()
 SWARM = "bench"

@@ -15,8 +15,8 @@ process and environment (vLLM under `.venv-vllm`, as a node's worker):
 engines, both directions (a vLLM sample re-scored by transformers and the
 reverse) and on the fixed sequences, at the last version.
 
-The vLLM side runs `python -m simulations.bench.engines --side ...` under the
-vLLM interpreter (`node.worker.vllm_python`).
+The vLLM side runs `python -m murmur.simulations.bench.engines --side ...` under the
+vLLM interpreter (`node.worker.main.vllm_python`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def build_models(root: Path) -> dict[str, Path]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from training.tiny import ensure_tiny
-    from training.tokenizer import build_tokenizer
+    from murmur.training.tiny import ensure_tiny
+    from murmur.training.tokenizer import build_tokenizer
 
     out = {"murmur-tiny": ensure_tiny(root)}
     big = root / "models" / "qwen2-28m"
@@ -64,11 +64,11 @@ def make_patches(model_dir: Path, work: Path, n: int, seed: int) -> dict[str, An
     """n versions of a lineage over the model, written as (envelope, payload) files under `work`."""
     import torch
 
-    from gossip.identity import Identity
-    from node.policy import to_published
-    from sync.hashing import canonical_state
-    from sync.lineage import LineagePublisher
-    from training.engine_hf import HFEngine
+    from murmur.gossip.identity import Identity
+    from murmur.node.worker.policy import to_published
+    from murmur.sync.hashing import canonical_state
+    from murmur.sync.versions import LineagePublisher
+    from murmur.training.engine_hf import HFEngine
 
     eng = HFEngine.from_path(model_dir, device="cpu")
     master = canonical_state(eng.model)
@@ -102,11 +102,11 @@ def side(kind: str, model_dir: str, work: str, n: int, batch: int, max_new: int,
     """One engine's measurements (run in the environment of that engine)."""
     import torch
 
-    from node.policy import to_published
-    from sync.hashing import canonical_state
-    from sync.lineage import Lineage, LineageFollower
-    from training.engine import Sampling, open_engine
-    from training.engine_hf import HFEngine, set_threads
+    from murmur.node.worker.policy import to_published
+    from murmur.sync.hashing import canonical_state
+    from murmur.sync.versions import Lineage, LineageFollower
+    from murmur.training.engine import Sampling, open_engine
+    from murmur.training.engine_hf import HFEngine, set_threads
 
     set_threads(1)
     info = json.loads((Path(work) / "lineage.json").read_text())
@@ -151,7 +151,7 @@ def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 
 def _run_side(python: str, kind: str, model_dir: Path, work: Path, n: int, batch: int, max_new: int,
               rescore: Path | None) -> dict[str, Any]:
-    cmd = [python, "-m", "simulations.bench.engines", "--side", kind, str(model_dir), str(work), str(n), str(batch),
+    cmd = [python, "-m", "murmur.simulations.bench.engines", "--side", kind, str(model_dir), str(work), str(n), str(batch),
            str(max_new), str(rescore or "")]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x))
@@ -164,7 +164,7 @@ def _run_side(python: str, kind: str, model_dir: Path, work: Path, n: int, batch
 
 def run(patches: int = 5, batch: int = 32, max_new: int = 32, seed: int = 0, models: str = "murmur-tiny,qwen2-28m"
         ) -> dict[str, Any]:
-    from node.worker import vllm_python
+    from murmur.node.worker.main import vllm_python
 
     vpy = vllm_python()
     if not vpy:

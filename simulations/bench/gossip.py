@@ -18,9 +18,9 @@ import subprocess
 import time
 from typing import Any
 
-from gossip import wire
-from gossip.identity import Identity
-from training.tasksets import BUILTIN_TRAIN
+from murmur.gossip import wire
+from murmur.gossip.identity import Identity
+from murmur.training.tasksets import BUILTIN_TRAIN
 
 SWARM = "bench"
 LINEAGE = b"\x4c" * 32
@@ -28,7 +28,7 @@ TOKENIZER = b"\x54" * 32
 
 
 def registry() -> Any:
-    from training.tasksets import TaskRegistry
+    from murmur.training.tasksets import TaskRegistry
 
     reg = TaskRegistry(SWARM)
     reg.add_builtin()
@@ -38,7 +38,7 @@ def registry() -> Any:
 def make_rollout(reg: Any, seed: int, tokens: int = 256, version: int = 0, lineage: bytes = LINEAGE,
                  forge: bool = False, task_set: bytes | None = None, generator: str | None = None) -> wire.Rollout:
     """A rollout on the built-in task set whose claimed reward is the true one (unless `forge`)."""
-    from training.verifiers import score
+    from murmur.training.verifiers import score
 
     task_set = task_set if task_set is not None else reg.builtin_id
     if generator is None:  # the set's first training generator (the built-in set's: BUILTIN_TRAIN)
@@ -86,7 +86,7 @@ _COORDINATOR = Identity.from_seed(b"\x0b" * 32)
 
 def verify_registry() -> tuple[Any, dict[str, bytes]]:
     """The built-in set plus one task set per verifier kind, trusted."""
-    from training.tasksets import sign_task_set
+    from murmur.training.tasksets import sign_task_set
 
     reg = registry()
     ids: dict[str, bytes] = {}
@@ -138,7 +138,7 @@ def verify_messages(kind: str, reg: Any, task_set: bytes, tokens: Any, rounds: i
     VERIFY_GROUP on one task), named for murmur-tiny's tokenizer so the token check runs."""
     import random
 
-    from training.verifiers import score
+    from murmur.training.verifiers import score
 
     rng = random.Random(seed)
     ident = Identity.from_seed(b"\x78" * 32)
@@ -166,9 +166,9 @@ def verify_throughput(rounds: int = 8) -> dict[str, Any]:
     """Rollouts per CPU-second through the whole pipeline as a node runs it, per verifier kind:
     signature, decode, token check (murmur-tiny tokenizer), task regeneration and reward in
     the time-limited verifier pool (one worker process). CPU = this process + the pool worker."""
-    from gossip.validation import Pipeline, PipelineConfig
-    from training.tokencheck import for_model
-    from training.verifiers import TIME_LIMIT_S, VerifierPool, score
+    from murmur.gossip.validation import Pipeline, PipelineConfig
+    from murmur.training.tokencheck import for_model
+    from murmur.training.verifiers import TIME_LIMIT_S, VerifierPool, score
 
     reg, ids = verify_registry()
     tokens = for_model("murmur-tiny")
@@ -224,10 +224,10 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
 
     import trio
 
-    from gossip.host import open_transport
-    from gossip.service import GossipService
-    from gossip.validation import Pipeline, PipelineConfig, Verdict
-    from training.verifiers import score
+    from murmur.gossip.host import open_transport
+    from murmur.gossip.service import GossipService
+    from murmur.gossip.validation import Pipeline, PipelineConfig, Verdict
+    from murmur.training.verifiers import score
 
     reg = registry()
     ident = Identity.from_seed(bytes([index + 1]) * 32)
@@ -311,7 +311,7 @@ def _spawn(entry: str, args: str, params: dict[str, Any]) -> subprocess.Popen[st
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    code = (f"import trio, json; from simulations.bench.gossip import {entry}; "
+    code = (f"import trio, json; from murmur.simulations.bench.gossip import {entry}; "
             f"trio.run({entry}, {args}, json.loads({json.dumps(json.dumps(params))}))")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=env)
@@ -427,12 +427,12 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
 
     import trio
 
-    from gossip import exchange, topics
-    from gossip.host import open_transport
-    from gossip.service import GossipService
-    from gossip.transport import PublishError
-    from gossip.validation import Pipeline, PipelineConfig
-    from training.verifiers import score
+    from murmur.gossip import exchange, topics
+    from murmur.gossip.host import open_transport
+    from murmur.gossip.service import GossipService
+    from murmur.gossip.transport import PublishError
+    from murmur.gossip.validation import Pipeline, PipelineConfig
+    from murmur.training.verifiers import score
 
     reg = registry()
     ident = Identity.from_seed(bytes([index + 1]) * 32)

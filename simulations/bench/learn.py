@@ -20,11 +20,11 @@ import time
 import warnings
 from typing import Any
 
-from gossip.wire import DEFAULT_SWARM
-from training.engine_hf import HFEngine, set_threads
-from training.evaluation import check_evaluation, greedy_eval, held_out_tasks
-from training.tasksets import TaskRegistry
-from training.trainer import StepResult, Trainer, TrainerConfig
+from murmur.gossip.wire import DEFAULT_SWARM
+from murmur.training.engine_hf import HFEngine, set_threads
+from murmur.training.evaluation import check_evaluation, greedy_eval, held_out_tasks
+from murmur.training.tasksets import TaskRegistry
+from murmur.training.trainer import StepResult, Trainer, TrainerConfig
 
 EVAL_PER_FAMILY = 100
 # The built-in answers fit in 8 tokens (a sorted list of 4 digits, with EOS).
@@ -37,7 +37,7 @@ def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | Non
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     set_threads(threads)
     t_start = time.monotonic()
-    from training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts
+    from murmur.training.tiny import WARMUP_STEPS, ensure_tiny, warmup_generators, warmup_prompts
 
     reg = TaskRegistry(DEFAULT_SWARM)  # only the built-in set, which is the same in every swarm
     m = reg.add_builtin()

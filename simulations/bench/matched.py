@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gossip.validation import Pipeline, PipelineConfig
-from simulations import curves
-from simulations.bench import useless
-from simulations.bench.swarm import SWARM, _ident, _seal
-from training.sampler import Sampler
+from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.simulations import curves
+from murmur.simulations.bench import useless
+from murmur.simulations.bench.swarm import SWARM, _ident, _seal
+from murmur.training.sampler import Sampler
 
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
@@ -68,7 +68,7 @@ def trainer_shape(answers: str) -> dict[str, Any]:
 def task_registry(answers: str) -> tuple[Any, bytes]:
     """(a registry holding the regime's task set, that set's id): the built-in set, or the worked-answer
     set signed by the bench's coordinator key, which every node of the bench trusts."""
-    from training.tasksets import TaskRegistry, sign_task_set, task_set_id, worked_manifest
+    from murmur.training.tasksets import TaskRegistry, sign_task_set, task_set_id, worked_manifest
 
     reg = TaskRegistry(SWARM)
     if answers == "short":
@@ -116,10 +116,10 @@ def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: A
                        ) -> list[Any]:
     """`groups` groups of a follower holding `lineage`'s `version`, as wire rollouts of that lineage (what
     ECHO-2's inference workers send their trainer)."""
-    from gossip.wire import TaskRef
-    from training.engine import Sampling
-    from training.rollouts import RolloutRec, to_wire
-    from training.verifiers import score
+    from murmur.gossip.wire import TaskRef
+    from murmur.training.engine import Sampling
+    from murmur.training.rollouts import RolloutRec, to_wire
+    from murmur.training.verifiers import score
 
     sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
     out = []
@@ -187,7 +187,7 @@ class _Adversary:
 
     def payloads(self, gens: list[Any], task_set: bytes, resolve: Any) -> tuple[str, list[bytes]]:
         """(the sending key's peer id, its sealed batches) for this round."""
-        from gossip.wire import now_ms
+        from murmur.gossip.wire import now_ms
 
         self.batches += 1
         self.last_ms = max(now_ms(), self.last_ms + 1)  # every batch's rows are told apart by it
@@ -225,13 +225,13 @@ def make_nodes(nodes: int, seed: int, home: Path, warmup_steps: int | None, answ
     """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
     swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it.
     Returns the nodes, the held-out tasks and the heads table their pipelines read."""
-    from training.engine_hf import HFEngine
-    from training.evaluation import held_out_tasks
-    from training.tiny import ensure_tiny
-    from training.tokencheck import for_model
-    from training.tokenizer import TINY_NAME
-    from training.trainer import Trainer, TrainerConfig
-    from training.verifiers import score
+    from murmur.training.engine_hf import HFEngine
+    from murmur.training.evaluation import held_out_tasks
+    from murmur.training.tiny import ensure_tiny
+    from murmur.training.tokencheck import for_model
+    from murmur.training.tokenizer import TINY_NAME
+    from murmur.training.trainer import Trainer, TrainerConfig
+    from murmur.training.verifiers import score
 
     shape = trainer_shape(answers)
     heads: dict[bytes, int] = {}
@@ -248,7 +248,7 @@ def make_nodes(nodes: int, seed: int, home: Path, warmup_steps: int | None, answ
         path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps, answers=answers)
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
         cfg = TrainerConfig(**{**shape, "external_groups": external_groups}, seed=seed * 100 + i)
-        # what a node's pipeline checks: its own token budget and tokenizer (node.runtime)
+        # what a node's pipeline checks: its own token budget and tokenizer (node.shell.runtime)
         pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6,
                                            max_completion_tokens=cfg.max_new_tokens),
                             clock=time.time, resolve_task=reg.resolve, reward=score,
@@ -268,7 +268,7 @@ def make_nodes(nodes: int, seed: int, home: Path, warmup_steps: int | None, answ
 def trainer_turn(node: _Node, ns: list[_Node], heads: dict[bytes, int], peers: list[_Node]) -> None:
     """One trainer step of `node` on its own CPU; in a swarm (`ns` have samplers) every node learns its new
     head, and its rollouts, sealed on its CPU, go to `peers`, each verifying them on its own."""
-    from training.rollouts import to_wire
+    from murmur.training.rollouts import to_wire
 
     c0 = time.thread_time()
     res = node.trainer.step()
@@ -297,7 +297,7 @@ def seed_torch(seed: int) -> None:
     """One torch thread (the CPU matching measures thread time) and the arm's seed."""
     import torch
 
-    from training.engine_hf import set_threads
+    from murmur.training.engine_hf import set_threads
 
     set_threads(1)
     torch.manual_seed(seed)
@@ -305,7 +305,7 @@ def seed_torch(seed: int) -> None:
 
 def evaluate_node(n: _Node, tasks: list[Any], new_tokens: int) -> None:
     """Held-out greedy accuracy of the weights `n` holds, appended to its curve; not charged as CPU."""
-    from training.evaluation import greedy_eval
+    from murmur.training.evaluation import greedy_eval
 
     gen_cpu = n.gen_cpu
     n.last_eval = greedy_eval(n.engine, tasks, new_tokens)
@@ -324,9 +324,9 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
     with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
     honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost.
     `answers` picks the regime: the built-in set's short answers or the worked-answer set (`trainer_shape`)."""
-    from training.engine_hf import HFEngine
-    from training.tasksets import train_generators
-    from training.tiny import ensure_tiny
+    from murmur.training.engine_hf import HFEngine
+    from murmur.training.tasksets import train_generators
+    from murmur.training.tiny import ensure_tiny
 
     shape = trainer_shape(answers)
     new_tokens = int(shape["max_new_tokens"])
@@ -422,7 +422,7 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
     n = 1 if followers else nodes - 1 if adversary else nodes
     iso = run_arm(False, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
     if default_roles:
-        from simulations.bench.matched_auto import run_auto_arm
+        from murmur.simulations.bench.matched_auto import run_auto_arm
 
         sw = run_auto_arm(n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
     else:
@@ -483,7 +483,7 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     if default_roles and (followers or adversary):
         raise ValueError("default roles choose trainers and followers themselves: no --followers or --adversary")
     t0 = time.monotonic()
-    from training.tiny import default_warmup_steps
+    from murmur.training.tiny import default_warmup_steps
 
     warmup = default_warmup_steps(answers)
     todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, warmup, followers, adversary, answers,

@@ -1,9 +1,9 @@
 """The default-roles arm of `murmur bench swarm --matched --default-roles`: N identical nodes with nothing
 forced. Each starts as a node able to train does (a trainer of its own lineage) and its mode is then chosen
-by the node's own rule, `node.roles.want_mode` held to its dwell by `node.roles.PodRule`, from what it
+by the node's own rule, `node.core.roles.want_mode` held to its dwell by `node.core.roles.PodRule`, from what it
 observes: the published lineages' demand (the trainer's `local_groups x group_size` rollouts a step over its
-measured step time, as `node.core` announces it), the supply their followers measurably deliver, and its own
-measured generation rate. A follower picks its lineage with `node.roles.choose_lineage`, holds that
+measured step time, as `node.core.machine` announces it), the supply their followers measurably deliver, and its own
+measured generation rate. A follower picks its lineage with `node.core.roles.choose_lineage`, holds that
 lineage's current weights (a patch applied at once: transport is not modelled), generates `local_groups`
 groups per turn on its own CPU and sends them to the trainer, which verifies them on its own CPU and trains
 on them as its own lineage's. A trainer takes up to `external_groups` external groups a step per follower it
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node import roles as R
-from simulations.bench.matched import (
+from murmur.node.core import roles as R
+from murmur.simulations.bench.matched import (
     _follower_rollouts,
     _mean_dicts,
     _Node,
@@ -67,7 +67,7 @@ def _gen_rate(n: _Node, m: _Mode, rollouts_per_step: int) -> float:
 
 def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int, home: Path,
                  warmup_steps: int | None = None, answers: str = "short") -> dict[str, Any]:
-    from training.tasksets import train_generators
+    from murmur.training.tasksets import train_generators
 
     shape = trainer_shape(answers)
     new_tokens = int(shape["max_new_tokens"])

@@ -10,8 +10,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from simulations.bench.matched import bootstrap_ci
-from simulations.report import pyplot, save_figure
+from murmur.simulations.bench.matched import bootstrap_ci
+from murmur.simulations.report import pyplot, save_figure
 
 BAND_RESAMPLES = 2000
 

@@ -28,7 +28,7 @@ SEEDS = {"pub": 11, "h1": 12, "h2": 13, "udp": 14}
 
 
 def peer_id_for(seed: int) -> str:
-    from gossip.identity import Identity
+    from murmur.gossip.identity import Identity
 
     return Identity.from_seed(bytes([seed]) * 32).peer_id
 
@@ -82,7 +82,7 @@ def _start(prefix: list[str], name: str, script: dict[str, Any]) -> NodeProc:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_dir = os.environ.get("MURMUR_NODE_LOG_DIR")
     err = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
-    p = subprocess.Popen(prefix + [sys.executable, "-m", "simulations.bench.reachability_node", json.dumps(script)],
+    p = subprocess.Popen(prefix + [sys.executable, "-m", "murmur.simulations.bench.reachability_node", json.dumps(script)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                          text=True, cwd=str(REPO), env=env)
     node = NodeProc(name, p)
@@ -110,7 +110,7 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
              forward_h2: bool = False, timeout_s: float = 240.0) -> dict[str, NodeProc]:
     """Public node + two NATed homes; every node gossips and bulk-transfers to every other. Returns the nodes."""
     sys.path.insert(0, str(REPO))
-    from simulations.netns import Network
+    from murmur.simulations.netns import Network
 
     ids = {k: peer_id_for(s) for k, s in SEEDS.items()}
     with Network() as net:
@@ -122,7 +122,7 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
 
         def home_script(me: str, other: str, other_home: Any, seed: int) -> dict[str, Any]:
             # what the other home's NodeAnnounce would carry: its WAN address (dialable only with port
-            # forwarding) and its circuit through the relay; node.reach decides which side dials
+            # forwarding) and its circuit through the relay; node.shell.reachability decides which side dials
             peer = {"name": other, "id": ids[other],
                     "addrs": [f"/ip4/{other_home.wan_ip}/tcp/{PORT}/p2p/{ids[other]}",
                               f"{pub_addr}/p2p-circuit/p2p/{ids[other]}"]}
@@ -151,11 +151,11 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
 
 def webrtc_scenario(bulk_bytes: int = 1 << 20, timeout_s: float = 180.0) -> dict[str, NodeProc]:
     """A public node and one home whose router drops all outbound TCP (UDP masqueraded): the home
-    knows the public node's TCP and /webrtc-direct addresses, as its announce carries them; node.reach
+    knows the public node's TCP and /webrtc-direct addresses, as its announce carries them; node.shell.reachability
     must try TCP, fail, and connect over WebRTC-direct; then rollouts, hellos and a bulk with hash flow.
     Needs aiortc in both processes (returns whatever they printed; callers check)."""
     sys.path.insert(0, str(REPO))
-    from simulations.netns import Network
+    from murmur.simulations.netns import Network
 
     ids = {k: peer_id_for(s) for k, s in SEEDS.items()}
     with Network() as net:
@@ -187,7 +187,7 @@ def webrtc_scenario(bulk_bytes: int = 1 << 20, timeout_s: float = 180.0) -> dict
 
 def _webrtc_nat(bulk_bytes: int) -> dict[str, Any]:
     """`webrtc_nat_*` keys: WebRTC-direct through an emulated NAT that lets only UDP out."""
-    from gossip.webrtc import webrtc_unavailable
+    from murmur.gossip.webrtc import webrtc_unavailable
 
     reason = webrtc_unavailable()
     if reason:
@@ -212,7 +212,7 @@ def _webrtc_nat(bulk_bytes: int) -> dict[str, Any]:
 def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
     """Measure every path once. Keys: direct_mb_s, relayed_mb_s, holepunched, holepunched_mb_s, webrtc_mb_s,
     time_to_first_message_ms (NATed node, from process start, incl. imports), plus reasons where null."""
-    from simulations.netns import netns_unavailable
+    from murmur.simulations.netns import netns_unavailable
 
     out: dict[str, Any] = {"bench": "reachability", "bulk_bytes": bulk_bytes}
     reason = netns_unavailable()
@@ -251,7 +251,7 @@ def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
     out.update(_webrtc())
     if not reason:
         out.update(_webrtc_nat(min(bulk_bytes, 4 << 20)))
-    out["node_runtime_import_s"] = _import_cost("node.runtime")
+    out["node_runtime_import_s"] = _import_cost("murmur.node.shell.runtime")
     out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     out["cpus"] = os.cpu_count()
     return out
@@ -268,7 +268,7 @@ def _import_cost(module: str) -> float | None:
 def _webrtc() -> dict[str, Any]:
     import trio
 
-    from gossip.webrtc import WebRTCUnavailable, measure_loopback, webrtc_unavailable
+    from murmur.gossip.webrtc import WebRTCUnavailable, measure_loopback, webrtc_unavailable
 
     reason = webrtc_unavailable()
     if reason:

@@ -1,9 +1,9 @@
-"""A measurement node for the reachability benchmark: `python -m simulations.bench.reachability_node '<json>'`.
+"""A measurement node for the reachability benchmark: `python -m murmur.simulations.bench.reachability_node '<json>'`.
 
 Why it exists next to the real node: the benchmark needs what a node does not do — a raw bulk stream
 to time MB/s per path, a rollout publisher at a fixed cadence to time the first verified message —
 and JSON events to read them. Everything about reachability is the real node's code: the host
-(`gossip.host.open_transport`) and `node.reach.start_reachability` (dial-back, relay reservation,
+(`gossip.host.open_transport`) and `node.shell.reachability.start_reachability` (dial-back, relay reservation,
 announce-driven direct/circuit dials with the one-side-dials rule, DCUtR upgrade), and the doctor's
 view (`ReachState.view`). The node tests (tests/test_reachability_nodes.py) run `murmur node start`.
 It reports JSON lines on stdout (key "ev"), then waits for "quit" on stdin (bounded).
@@ -15,7 +15,7 @@ Script (JSON object; every key optional except name and seed):
     bulk_bytes (int), publish_rollouts (bool), expect_hello ([names]), linger_s (float),
     wait_webrtc_s (float: before "ready", wait for our /webrtc-direct listener and report its addresses),
     check_s (float, default 60: how long a node without bootstrap peers waits for its verdict),
-    reach_bootstrap ([addr]: bootstrap addresses node.reach knows (WebRTC-direct is tried to them at once)
+    reach_bootstrap ([addr]: bootstrap addresses node.shell.reachability knows (WebRTC-direct is tried to them at once)
     but this harness does not dial itself)
 The config is the defaults plus MURMUR_NETWORK_<KEY> overrides (MURMUR_NETWORK_WEBRTC=false turns
 WebRTC-direct off, as in a node without the extra).
@@ -59,7 +59,7 @@ def sample_batch(identity: Any, seq: int) -> bytes:
     """A small signed RolloutBatch: what a receiver must verify before it counts as received."""
     import struct
 
-    from gossip import wire
+    from murmur.gossip import wire
 
     r = wire.Rollout(
         task=wire.TaskRef(task_set=b"\x01" * 32, generator="add", seed=seq),
@@ -74,7 +74,7 @@ def sample_batch(identity: Any, seq: int) -> bytes:
 
 async def serve_bulk(stream: Any, remote: str) -> None:
     """Read an 8-byte length then that many bytes; answer their blake2b-256 digest."""
-    from gossip.framing import read_exactly
+    from murmur.gossip.framing import read_exactly
 
     n = int.from_bytes(await read_exactly(stream, 8), "big")
     if n > MAX_BULK:
@@ -99,8 +99,8 @@ def _chunks(block: bytes, n: int) -> Iterator[bytes]:
 
 
 async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -> dict[str, Any]:
-    from gossip.framing import read_exactly
-    from gossip.holepunch import best_path
+    from murmur.gossip.framing import read_exactly
+    from murmur.gossip.holepunch import best_path
 
     block = os.urandom(WRITE)
     h = hashlib.blake2b(digest_size=32)
@@ -145,13 +145,13 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
 
 
 async def main(script: dict[str, Any]) -> None:
-    from gossip.holepunch import UPGRADE_TIMEOUT_S, best_path
-    from gossip.host import open_transport
-    from gossip.identity import Identity
-    from gossip.wire import ROLLOUT_BATCH, open_envelope
-    from node.config import load_config
-    from node.doctor_reachability import reachability_checks
-    from node.reach import process_start, start_reachability
+    from murmur.gossip.holepunch import UPGRADE_TIMEOUT_S, best_path
+    from murmur.gossip.host import open_transport
+    from murmur.gossip.identity import Identity
+    from murmur.gossip.wire import ROLLOUT_BATCH, open_envelope
+    from murmur.node.cli.doctor_reachability import reachability_checks
+    from murmur.node.config import load_config
+    from murmur.node.shell.reachability import process_start, start_reachability
 
     imported_ms = ms()
     name = script["name"]
@@ -254,7 +254,7 @@ async def main(script: dict[str, Any]) -> None:
                  observed=getattr(r, "observed_ips", []), port_preserved=getattr(r, "port_preserved", None))
             emit("reserved", circuits=state.relay.circuit_addrs(), errors=state.relay.errors)
             names.update({p: "pub" for p in t.peers()})
-        # node.reach dials the peers from their announced addresses (one side per pair); wait for it
+        # node.shell.reachability dials the peers from their announced addresses (one side per pair); wait for it
         for pid, p in peers.items():
             t_c = time.perf_counter()
             with trio.move_on_after(float(script.get("connect_s", 90))):
@@ -298,7 +298,7 @@ async def main(script: dict[str, Any]) -> None:
                 except Exception as e:
                     emit("bulk_failed", peer=pname, path=best_path(t, pid), error=f"{type(e).__name__}: {e}"[:300])
             if first_path == "relayed" and script.get("holepunch", True):
-                # as node.reach does: the side that dialled the circuit drives DCUtR; the other waits as long as
+                # as node.shell.reachability does: the side that dialled the circuit drives DCUtR; the other waits as long as
                 # an attempt may last, plus the other side's start-up margin
                 t_hp = time.perf_counter()
                 if pid in state.circuit_dialled:
@@ -324,7 +324,7 @@ async def main(script: dict[str, Any]) -> None:
                  reason=getattr(state.reach, "reason", ""), observed=getattr(state.reach, "observed_ips", []))
         view = state.view()
         view.peer_paths = {p: x for p, x in view.peer_paths.items() if p in names or not names}
-        from node.doctor_reachability import classify
+        from murmur.node.cli.doctor_reachability import classify
 
         view.path = classify(view)
         emit("doctor", path=view.path, port_preserved=view.port_preserved,

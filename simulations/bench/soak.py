@@ -23,8 +23,8 @@ from typing import Any
 
 import psutil
 
-from node import demo, launch
-from node.status import NodeStatus
+from murmur.node.cli import demo, launch
+from murmur.node.status import NodeStatus
 
 ROLES = [["trainer"], ["follower", "validator"], ["trainer"]]
 SAMPLE_S = 10.0

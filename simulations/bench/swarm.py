@@ -52,13 +52,13 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from gossip import wire
-from gossip.errors import ConfigError
-from gossip.identity import Identity
-from gossip.tomlfile import convert_strict, parse_toml
-from gossip.validation import Pipeline, PipelineConfig
-from training.sampler import Sampler
-from training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
+from murmur.gossip import wire
+from murmur.gossip.errors import ConfigError
+from murmur.gossip.identity import Identity
+from murmur.gossip.tomlfile import convert_strict, parse_toml
+from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.training.sampler import Sampler
+from murmur.training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
 
 SWARM = "murmur-bench-swarm"
 COORDINATOR = Identity.from_seed(hashlib.blake2b(b"murmur-bench-swarm/task-set-coordinator", digest_size=32).digest())
@@ -112,7 +112,7 @@ def load_scenario(path: str | Path | None = None, nodes: int = 0) -> tuple[Bench
     `nodes` > 0 replaces the scenario's node count (`--nodes`); the adversary keeps its slot, or takes
     the last one when the swarm is smaller than that."""
     if path is None:
-        text, origin = resources.files("simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8"), \
+        text, origin = resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8"), \
             "scenario:bench_swarm"
     else:
         try:
@@ -132,7 +132,7 @@ def load_scenario(path: str | Path | None = None, nodes: int = 0) -> tuple[Bench
     for mix in (sc.isolated, sc.swarm):
         if mix.local_groups < 1 or mix.external_groups < 0:
             raise ConfigError(f"{origin}: local_groups must be >= 1 and external_groups >= 0")
-    from training.trainer import LOSS_NORMS  # torch only when a scenario is loaded
+    from murmur.training.trainer import LOSS_NORMS  # torch only when a scenario is loaded
 
     if sc.trainer.loss_norm not in LOSS_NORMS:
         raise ConfigError(f"{origin}: trainer.loss_norm {sc.trainer.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
@@ -215,7 +215,7 @@ def _adversarial_payloads(node: _Node, rollouts: list[wire.Rollout], adv: Advers
 def trainer_config(sc: BenchScenario, mix: Mix, seed: int, index: int) -> Any:
     """Node `index`'s `TrainerConfig`: the scenario's trainer section; everything else (overprovision
     among it) at the defaults a node's worker runs."""
-    from training.trainer import TrainerConfig
+    from murmur.training.trainer import TrainerConfig
 
     t = sc.trainer
     return TrainerConfig(local_groups=mix.local_groups, external_groups=mix.external_groups,
@@ -229,11 +229,11 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
     """mode: isolated | swarm | adversarial."""
     import torch
 
-    from training.engine_hf import HFEngine, set_threads
-    from training.rollouts import to_wire
-    from training.tasksets import TaskRegistry, task_set_id
-    from training.trainer import Trainer
-    from training.verifiers import score
+    from murmur.training.engine_hf import HFEngine, set_threads
+    from murmur.training.rollouts import to_wire
+    from murmur.training.tasksets import TaskRegistry, task_set_id
+    from murmur.training.trainer import Trainer
+    from murmur.training.verifiers import score
 
     if mode not in ("isolated", "swarm", "adversarial"):
         raise ValueError(f"unknown mode {mode!r}")
@@ -356,7 +356,7 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
     (default: the packaged one)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from training.tiny import ensure_tiny
+    from murmur.training.tiny import ensure_tiny
 
     sc, text = load_scenario(scenario, nodes)
     rounds = rounds or sc.rounds

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import msgspec
 
-from gossip import wire
-from training.rollouts import logprobs_to_bytes
-from training.sampler import split
+from murmur.gossip import wire
+from murmur.training.rollouts import logprobs_to_bytes
+from murmur.training.sampler import split
 
 WEAK_WARMUP_STEPS = 10
 CLAIMED_LOGPROB = -8.0  # per token: below what a real sample of this vocabulary gets, so the ratio caps at 1

@@ -1,0 +1,1 @@
+"""What a running node shows its user: the terminal dashboard and the Prometheus metrics."""
