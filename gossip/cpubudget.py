@@ -58,8 +58,13 @@ class _Bucket:
 
 
 class CpuBudget:
-    def __init__(self, node_cpu_per_s: float = NODE_CPU_PER_S, peer_cpu_per_s: float = PEER_CPU_PER_S,
-                 burst_s: float = BURST_S, max_peers: int = 10_000) -> None:
+    def __init__(
+        self,
+        node_cpu_per_s: float = NODE_CPU_PER_S,
+        peer_cpu_per_s: float = PEER_CPU_PER_S,
+        burst_s: float = BURST_S,
+        max_peers: int = 10_000,
+    ) -> None:
         if not (node_cpu_per_s > 0 and peer_cpu_per_s > 0 and burst_s > 0):
             raise ValueError("cpu budget rates and burst must be > 0")
         self.node_rate = float(node_cpu_per_s)
@@ -123,8 +128,10 @@ class CpuBudget:
         b = self._peer(self._key(peer, now), now)
         if b.tokens >= 0.0 or self.node.tokens >= 0.0:
             return None  # within its own share, or from spare capacity no one else is using
-        return (f"over its share of verification CPU ({self.share(now):.3g} CPU-s/s, "
-                f"{-b.tokens:.2f} s owed) while the node is busy")
+        return (
+            f"over its share of verification CPU ({self.share(now):.3g} CPU-s/s, "
+            f"{-b.tokens:.2f} s owed) while the node is busy"
+        )
 
     def spend(self, peer: str, cpu_s: float, now: float) -> None:
         """What verifying one of `peer`'s batches cost (measured by the I/O layer)."""

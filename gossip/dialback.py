@@ -165,14 +165,30 @@ def decide(verdicts: list[PeerVerdict], min_peers: int = 1, now: float | None = 
     kept = port_preserved(verdicts)
     if reachable:
         who = sum(1 for v in answered if v.reachable)
-        return Reachability(PUBLIC, reachable, observed, verdicts, f"{who} peer(s) dialled back {reachable[0]}", ts, kept)
+        return Reachability(
+            PUBLIC, reachable, observed, verdicts, f"{who} peer(s) dialled back {reachable[0]}", ts, kept
+        )
     if len(answered) >= min_peers and answered:
         errs = sorted({e for v in answered for e in v.failed.values()})
-        return Reachability(PRIVATE, [], observed, verdicts,
-                            f"{len(answered)} peer(s) could not dial any announced address ({'; '.join(errs)[:300]})", ts, kept)
+        return Reachability(
+            PRIVATE,
+            [],
+            observed,
+            verdicts,
+            f"{len(answered)} peer(s) could not dial any announced address ({'; '.join(errs)[:300]})",
+            ts,
+            kept,
+        )
     why = "; ".join(v.error for v in verdicts if v.error)[:300]
-    return Reachability(UNKNOWN, [], observed, verdicts,
-                        f"{len(answered)} of {min_peers} needed peer(s) answered" + (f" ({why})" if why else ""), ts, kept)
+    return Reachability(
+        UNKNOWN,
+        [],
+        observed,
+        verdicts,
+        f"{len(answered)} of {min_peers} needed peer(s) answered" + (f" ({why})" if why else ""),
+        ts,
+        kept,
+    )
 
 
 # ------------------------------------------------------------------ server
@@ -324,7 +340,9 @@ def candidate_addrs(transport: Any, observed_ips: list[str] | None = None) -> li
     return out[:MAX_ADDRS]
 
 
-async def ask_dialback(transport: Any, peer: str, addrs: list[str], timeout_s: float = REQUEST_TIMEOUT_S) -> PeerVerdict:
+async def ask_dialback(
+    transport: Any, peer: str, addrs: list[str], timeout_s: float = REQUEST_TIMEOUT_S
+) -> PeerVerdict:
     """Ask one connected peer to dial `addrs` back."""
     nonce = os.urandom(16)
     req = DialbackRequest(1, nonce, addrs[:MAX_ADDRS])
@@ -349,8 +367,9 @@ async def ask_dialback(transport: Any, peer: str, addrs: list[str], timeout_s: f
     return PeerVerdict(peer, resp.observed[:64], ok, failed, local_port=local_port(transport, peer))
 
 
-async def check_reachability(transport: Any, peers: list[str], min_peers: int = 1,
-                             timeout_s: float = REQUEST_TIMEOUT_S) -> Reachability:
+async def check_reachability(
+    transport: Any, peers: list[str], min_peers: int = 1, timeout_s: float = REQUEST_TIMEOUT_S
+) -> Reachability:
     """Two rounds: learn how peers see us, then ask them to dial our listen and observed addresses."""
     direct_peers = [p for p in peers if p != transport.peer_id][:8]
     if not direct_peers:
@@ -379,7 +398,14 @@ async def check_reachability(transport: Any, peers: list[str], min_peers: int = 
         if w is None or w.error:
             merged.append(v)
         else:
-            merged.append(PeerVerdict(v.peer, v.observed or w.observed, v.reachable + w.reachable,
-                                      {**v.failed, **w.failed}, v.error if not w.reachable else "",
-                                      v.local_port or w.local_port))
+            merged.append(
+                PeerVerdict(
+                    v.peer,
+                    v.observed or w.observed,
+                    v.reachable + w.reachable,
+                    {**v.failed, **w.failed},
+                    v.error if not w.reachable else "",
+                    v.local_port or w.local_port,
+                )
+            )
     return decide(merged, min_peers)

@@ -56,8 +56,16 @@ def peer_of(addr: str) -> str:
 
 
 class Discovery:
-    def __init__(self, transport: Any, bootstrap: list[str], store: Any | None = None, dht: bool = True,
-                 target_peers: int = 16, interval_s: float = 0.5, backoff: Backoff | None = None) -> None:
+    def __init__(
+        self,
+        transport: Any,
+        bootstrap: list[str],
+        store: Any | None = None,
+        dht: bool = True,
+        target_peers: int = 16,
+        interval_s: float = 0.5,
+        backoff: Backoff | None = None,
+    ) -> None:
         self.transport = transport
         self.bootstrap = [a for a in bootstrap if a]
         self.store = store
@@ -129,8 +137,9 @@ class Discovery:
             from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
             from libp2p.tools.anyio_service import background_trio_service
 
-            self.dht = KadDHT(self.transport.host, DHTMode.SERVER, enable_random_walk=False,
-                              max_peers_per_subnet=1_000_000)
+            self.dht = KadDHT(
+                self.transport.host, DHTMode.SERVER, enable_random_walk=False, max_peers_per_subnet=1_000_000
+            )
         except Exception as e:  # the DHT is an optimisation: bootstrap still works without it
             log.warning("DHT unavailable: %s", e)
             self.dht = None
@@ -145,7 +154,8 @@ class Discovery:
                     try:  # Kademlia self-lookup: asks known peers for the peers closest to us
                         with trio.move_on_after(10):
                             found = await self.dht.peer_routing.find_closest_peers_network(
-                                self.dht.local_peer_id.to_bytes())
+                                self.dht.local_peer_id.to_bytes()
+                            )
                         for pid in found or ():
                             addrs = [str(a) for a in self.transport.host.get_peerstore().addrs(pid)]
                             self.remember(pid.to_base58(), addrs)

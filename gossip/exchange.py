@@ -133,19 +133,36 @@ def first_in_rotation(node: bytes, shards: int, epoch: int, among: Iterable[int]
     return heapq.nsmallest(k, among, key=lambda j: (j - b) * inv % shards)
 
 
-def candidates_by_position(node: bytes, s: int, epoch: int, avail: Callable[[int], float], supplied: Collection[int],
-                           taken: Collection[int], k: int) -> list[int]:
+def candidates_by_position(
+    node: bytes,
+    s: int,
+    epoch: int,
+    avail: Callable[[int], float],
+    supplied: Collection[int],
+    taken: Collection[int],
+    k: int,
+) -> list[int]:
     """The first `k` shards of `rotation(node, s, epoch)` that are not `taken` and offer supply (`avail` above
     1e-9), found by sorting `supplied` by position; `supplied` must hold every shard that offers any."""
     return first_in_rotation(node, s, epoch, [j for j in supplied if j not in taken and avail(j) > 1e-9], k)
 
 
-def candidates_by_walk(node: bytes, s: int, epoch: int, avail: Callable[[int], float], supplied: Collection[int],
-                       taken: Collection[int], k: int) -> list[int]:
+def candidates_by_walk(
+    node: bytes,
+    s: int,
+    epoch: int,
+    avail: Callable[[int], float],
+    supplied: Collection[int],
+    taken: Collection[int],
+    k: int,
+) -> list[int]:
     """`candidates_by_position`'s shards, found by walking the rotation; with nothing `supplied`, the first
     `k` shards not `taken`."""
-    return list(itertools.islice((j for j in rotation(node, s, epoch) if j not in taken
-                                  and (avail(j) > 1e-9 or not supplied)), k))
+    return list(
+        itertools.islice(
+            (j for j in rotation(node, s, epoch) if j not in taken and (avail(j) > 1e-9 or not supplied)), k
+        )
+    )
 
 
 class Supply:
@@ -211,9 +228,16 @@ class Exchange:
     def publish_shard(self, lineage: bytes) -> int:
         return shard_of(lineage, self.shards)
 
-    def plan(self, now: float, producers: int, supply: Supply | Mapping[bytes, float], demand_rps: float,
-             home: Iterable[bytes], measured_rps: float | None = None, own: tuple[bytes, float] | None = None
-             ) -> Plan:
+    def plan(
+        self,
+        now: float,
+        producers: int,
+        supply: Supply | Mapping[bytes, float],
+        demand_rps: float,
+        home: Iterable[bytes],
+        measured_rps: float | None = None,
+        own: tuple[bytes, float] | None = None,
+    ) -> Plan:
         """Re-plan: `producers` counts the publishing nodes heard (self included), `supply` what others
         announce per lineage, `demand_rps` what this node uses from others in the same unit (0: it consumes
         nothing), `home` the lineages it must hear (published for, validated), `measured_rps` what it
@@ -235,8 +259,13 @@ class Exchange:
             missing = DEMAND_MARGIN * demand - sum(avail(j) for j in chosen)
             kept = [j for j in self.plan_.subscribe if j not in self.plan_.home and j not in chosen]
             have = [avail(j) for j in kept]
-            if (s == self.plan_.shards and self.epoch(now) == self.plan_.epoch and kept
-                    and len(kept) == self._rotating_n and missing <= sum(have) <= 2 * missing):
+            if (
+                s == self.plan_.shards
+                and self.epoch(now) == self.plan_.epoch
+                and kept
+                and len(kept) == self._rotating_n
+                and missing <= sum(have) <= 2 * missing
+            ):
                 chosen += kept  # within an epoch a plan that covers the demand without twice too much stays
             else:
                 rot = self._rotating(now, s, avail, per_shard.keys(), missing, set(chosen))
@@ -245,8 +274,15 @@ class Exchange:
         self.plan_ = Plan(s, tuple(sorted(chosen)), tuple(pinned), self.epoch(now))
         return self.plan_
 
-    def _rotating(self, now: float, s: int, avail: Callable[[int], float], supplied: Collection[int],
-                  missing: float, taken: set[int]) -> list[int]:
+    def _rotating(
+        self,
+        now: float,
+        s: int,
+        avail: Callable[[int], float],
+        supplied: Collection[int],
+        missing: float,
+        taken: set[int],
+    ) -> list[int]:
         """Rotating shards for `missing` rollouts/s: in this epoch's order, those offering at most twice what is
         still missing, then the smallest that covers the rest; at least one (diversity), plus `extra`.
         `supplied`: the shards with announced supply (no other has any to offer)."""
@@ -363,14 +399,17 @@ def consumer_demand(rollouts_per_step: float, step_time_s: float, bound: float) 
     """Rollouts/s one consumer's announced demand counts for: its external rollouts per version over its
     version interval (the caller passes the interval as its own observation of the consumer's signed versions
     bounds it, so only training backs a demand), and never more than `bound` (per consumer)."""
-    if not (math.isfinite(rollouts_per_step) and math.isfinite(step_time_s) and step_time_s > 0 and rollouts_per_step > 0):
+    if not (
+        math.isfinite(rollouts_per_step) and math.isfinite(step_time_s) and step_time_s > 0 and rollouts_per_step > 0
+    ):
         return 0.0
     b = bound if math.isfinite(bound) and bound > 0 else 0.0
     return min(rollouts_per_step / step_time_s, b)
 
 
-def publish_budget(demands: Iterable[float], follower_supply: float, trainers: int, validated: bool,
-                   per_batch: float) -> float:
+def publish_budget(
+    demands: Iterable[float], follower_supply: float, trainers: int, validated: bool, per_batch: float
+) -> float:
     """Rollouts/s one trainer publishes to its lineage's shard. GossipSub hands every batch of a shard to
     every subscriber, so a shard carries what one consumer asks for, not the sum: the median of the counted
     demands (an inflated few cannot move it), times `PUBLISH_MARGIN`, less what followers already publish
@@ -421,8 +460,9 @@ class Sample:
     which ones are checked (it would need the key); a producer that sends at most the floor is checked on
     every batch. Memory: one row per producer, at most `MAX_KNOWN`."""
 
-    def __init__(self, key: bytes, fraction: float = SAMPLE_FRACTION, floor_per_min: float = SAMPLE_FLOOR_PER_MIN
-                 ) -> None:
+    def __init__(
+        self, key: bytes, fraction: float = SAMPLE_FRACTION, floor_per_min: float = SAMPLE_FLOOR_PER_MIN
+    ) -> None:
         if len(key) < 16:
             raise ValueError("a validator's sample key must be at least 16 random bytes")
         self.key = bytes(key)[:64]

@@ -144,7 +144,7 @@ class FrameReader:
                     raise FrameError(f"frame of {n} bytes exceeds the {self.max_len}-byte limit")
                 if avail >= 4 + n:
                     start = self.pos + 4
-                    data = bytes(self.buf[start:start + n])
+                    data = bytes(self.buf[start : start + n])
                     self.pos = start + n
                     if self.pos == len(self.buf):
                         self.buf.clear()
@@ -154,7 +154,7 @@ class FrameReader:
                         self.started = trio.current_time()  # what is left begins the next frame
                     return data
             if self.pos:
-                del self.buf[:self.pos]
+                del self.buf[: self.pos]
                 self.pos = 0
             part = await self._read()
             if not part:
@@ -174,5 +174,6 @@ class FrameReader:
         with trio.move_on_at(self.started + lease.deadline_s):
             return await self.stream.read(READ_SIZE)
         lease.timed_out()
-        raise FrameTimeout(f"frame from {lease.peer} incomplete after {lease.deadline_s:g} s "
-                           f"({len(self.buf)} bytes buffered)")
+        raise FrameTimeout(
+            f"frame from {lease.peer} incomplete after {lease.deadline_s:g} s ({len(self.buf)} bytes buffered)"
+        )

@@ -111,8 +111,9 @@ def _is_peer_fault(error: BaseException) -> bool:
     from libp2p.exceptions import ParseError
     from libp2p.io.exceptions import MessageTooLarge
 
-    return isinstance(error, (ProtobufDecodeError, ParseError, MessageTooLarge, DecodeError, FrameError,
-                              UnicodeDecodeError))
+    return isinstance(
+        error, (ProtobufDecodeError, ParseError, MessageTooLarge, DecodeError, FrameError, UnicodeDecodeError)
+    )
 
 
 # py-libp2p handlers that return without closing their stream: pubsub's reader when a peer's RPC is
@@ -120,8 +121,9 @@ def _is_peer_fault(error: BaseException) -> bool:
 # the stream, or it would stay half-open in the connection's table for as long as the connection
 # lives. Not for every protocol: the relay STOP handler hands its stream over to the relayed
 # connection it carries.
-_CLOSE_AFTER_HANDLER = frozenset({"/libp2p/circuit/relay/0.2.0/hop", "/meshsub/1.0.0", "/meshsub/1.1.0",
-                                  "/meshsub/1.2.0"})
+_CLOSE_AFTER_HANDLER = frozenset(
+    {"/libp2p/circuit/relay/0.2.0/hop", "/meshsub/1.0.0", "/meshsub/1.1.0", "/meshsub/1.2.0"}
+)
 
 
 def _guard_stream_handlers(host: Any, faults: StreamFaults) -> None:
@@ -263,8 +265,16 @@ class _Inbox:
 class Libp2pTransport:
     """A running py-libp2p host. Create with `open_transport(...)`; use only inside that context."""
 
-    def __init__(self, identity: Identity, host: Any, pubsub: Any, router: Any, nursery: trio.Nursery,
-                 faults: StreamFaults | None = None, budget: StreamBudget | None = None) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        host: Any,
+        pubsub: Any,
+        router: Any,
+        nursery: trio.Nursery,
+        faults: StreamFaults | None = None,
+        budget: StreamBudget | None = None,
+    ) -> None:
         self.identity = identity
         self.faults = faults or StreamFaults()
         self.budget = budget or StreamBudget()
@@ -275,8 +285,13 @@ class Libp2pTransport:
         self._nursery = nursery
         self._inboxes: dict[str, list[_Inbox]] = {}
         self._subs: dict[str, Any] = {}
-        self.counters: dict[str, int] = {"published": 0, "publish_errors": 0, "inbox_dropped": 0, "multi_topic": 0,
-                                         "subscriptions_refresh_dropped": 0}
+        self.counters: dict[str, int] = {
+            "published": 0,
+            "publish_errors": 0,
+            "inbox_dropped": 0,
+            "multi_topic": 0,
+            "subscriptions_refresh_dropped": 0,
+        }
         self.on_multi_topic: Callable[[str], None] | None = None  # originator of a message naming several topics
 
     # ------------------------------------------------------------ peers
@@ -302,7 +317,9 @@ class Libp2pTransport:
             raise ConnectError(f"{addr}: that is this node")
         try:
             await self.host.connect(info)
-        except Exception as e:  # py-libp2p's dial path also raises outside its hierarchy (a KeyError from the peerstore)
+        except (
+            Exception
+        ) as e:  # py-libp2p's dial path also raises outside its hierarchy (a KeyError from the peerstore)
             raise ConnectError(f"cannot connect to {addr}: {type(e).__name__}: {e}") from None
         return info.peer_id.to_base58()
 
@@ -342,8 +359,10 @@ class Libp2pTransport:
     async def publish(self, topic: str, data: bytes) -> None:
         if len(data) > MAX_PUBLISH_BYTES:
             self.counters["publish_errors"] += 1
-            raise PublishError(f"{len(data)}-byte message exceeds the {MAX_PUBLISH_BYTES}-byte gossip limit; "
-                               "bulk data moves over the broadcast's chunk streams")
+            raise PublishError(
+                f"{len(data)}-byte message exceeds the {MAX_PUBLISH_BYTES}-byte gossip limit; "
+                "bulk data moves over the broadcast's chunk streams"
+            )
         targets = list(self.pubsub.peer_topics.get(topic, ()))
         if not targets:
             self.counters["publish_errors"] += 1
@@ -365,7 +384,9 @@ class Libp2pTransport:
             raise PublishError(f"outbound queues full to every subscriber of {topic}: {full}")
         try:
             await self.pubsub.publish(topic, data)
-        except Exception as e:  # py-libp2p's publish path raises outside its hierarchy too; the caller gets PublishError
+        except (
+            Exception
+        ) as e:  # py-libp2p's publish path raises outside its hierarchy too; the caller gets PublishError
             self.counters["publish_errors"] += 1
             raise PublishError(f"publish to {topic} failed: {type(e).__name__}: {e}") from None
         self.counters["published"] += 1
@@ -505,8 +526,9 @@ class Libp2pTransport:
         self.host.set_stream_handler(TProtocol(protocol), _h)
 
 
-def _build(identity: Identity, websocket: bool, dial_timeout_s: float, faults: StreamFaults,
-           budget: StreamBudget) -> tuple[Any, Any, Any]:
+def _build(
+    identity: Identity, websocket: bool, dial_timeout_s: float, faults: StreamFaults, budget: StreamBudget
+) -> tuple[Any, Any, Any]:
     from libp2p import new_host
     from libp2p.crypto.x25519 import create_new_key_pair as x25519_pair
     from libp2p.custom_types import TProtocol

@@ -110,8 +110,9 @@ async def refuse_connection(swarm: Any, muxed_conn: Any, direction: str) -> None
     if full is not None:
         budget.counters["connections_refused_ip"] += 1
         await _close(muxed_conn)
-        raise SwarmException(f"connection from {remote_ip(muxed_conn)} refused: {full} holds "
-                             f"{budget.limits.ip_connections} connections")
+        raise SwarmException(
+            f"connection from {remote_ip(muxed_conn)} refused: {full} holds {budget.limits.ip_connections} connections"
+        )
 
 
 async def _close(muxed_conn: Any) -> None:
@@ -167,8 +168,7 @@ async def read_varint_frame(stream: Any, max_length: int, unbudgeted: Any) -> by
         return await unbudgeted(stream, max_length)
     first = await stream.read(1)
     if not first:
-        raise IncompleteReadError("Stream ended while reading varint length prefix", expected_bytes=1,
-                                  received_bytes=0)
+        raise IncompleteReadError("Stream ended while reading varint length prefix", expected_bytes=1, received_bytes=0)
     lease = Lease(budget, _peer_of(stream.muxed_conn), trio.current_time)
     try:
         with trio.move_on_after(lease.deadline_s):
@@ -178,8 +178,9 @@ async def read_varint_frame(stream: Any, max_length: int, unbudgeted: Any) -> by
                     raise FrameError("varint length prefix over 64 bits")
                 b = await stream.read(1)
                 if not b:
-                    raise IncompleteReadError("Stream ended while reading varint length prefix",
-                                              expected_bytes=1, received_bytes=0)
+                    raise IncompleteReadError(
+                        "Stream ended while reading varint length prefix", expected_bytes=1, received_bytes=0
+                    )
                 prefix += b
             n = decode_uvarint(bytes(prefix))
             if n > max_length:
@@ -188,8 +189,9 @@ async def read_varint_frame(stream: Any, max_length: int, unbudgeted: Any) -> by
             while len(body) < n:
                 part = await stream.read(n - len(body))
                 if not part:
-                    raise IncompleteReadError(f"Incomplete message: expected {n}, got {len(body)}",
-                                              expected_bytes=n, received_bytes=len(body))
+                    raise IncompleteReadError(
+                        f"Incomplete message: expected {n}, got {len(body)}", expected_bytes=n, received_bytes=len(body)
+                    )
                 lease.grow(len(part))
                 body += part
             return bytes(body)

@@ -83,9 +83,7 @@ class Identity:
 
     @cached_property  # derived from the private key on every call otherwise (a node asks per message)
     def public(self) -> bytes:
-        return self.private.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
+        return self.private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
     @property
     def seed(self) -> bytes:

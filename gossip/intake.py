@@ -64,9 +64,12 @@ class BatchIntake:
             return step
         # The shared newcomer token goes only to a batch that passed the cheap checks: junk refused
         # there (uncharged or not) never spends what an honest newcomer's first batches need.
-        why = self.gate.screen(origin, [bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards,
-                               self.pipeline.clock())
-        if why is not None:  # fresh keys over their shared budget, or our count of shards and the publisher's differ: uncharged
+        why = self.gate.screen(
+            origin, [bytes(r.lineage) for r in step.batch.rollouts], shard, self.shards, self.pipeline.clock()
+        )
+        if (
+            why is not None
+        ):  # fresh keys over their shared budget, or our count of shards and the publisher's differ: uncharged
             self.pipeline.abandon(step)
             self.stats.drop(why)
             return Dropped(why)
@@ -91,8 +94,11 @@ class BatchIntake:
 
     def _count(self, v: Verdict) -> None:
         if v.accepted and v.batch is not None:
-            self.stats.verified(bytes(v.batch.producer), [(bytes(r.task.task_set), bytes(r.lineage))
-                                                          for r in v.batch.rollouts],
-                                len(v.batch.rollouts), self.pipeline.clock())
+            self.stats.verified(
+                bytes(v.batch.producer),
+                [(bytes(r.task.task_set), bytes(r.lineage)) for r in v.batch.rollouts],
+                len(v.batch.rollouts),
+                self.pipeline.clock(),
+            )
         else:
             self.stats.drop(v.reason.value)

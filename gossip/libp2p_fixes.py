@@ -48,7 +48,8 @@ def check_version(installed: str) -> None:
         raise UnsupportedLibp2p(
             f"py-libp2p {installed} is installed, but gossip/libp2p_fixes.py patches the internals of "
             f"py-libp2p {SUPPORTED_VERSION} only: install libp2p=={SUPPORTED_VERSION}, or port each fix "
-            "and raise SUPPORTED_VERSION")
+            "and raise SUPPORTED_VERSION"
+        )
 
 
 _originals: dict[str, Any] = {}
@@ -184,7 +185,7 @@ def _fix_lean_yamux_writes() -> None:
                     if self.send_window > 0:
                         n = min(self.send_window, max_payload, total - sent)
                         self.send_window -= n
-                        frame = header.pack(0, ym.TYPE_DATA, 0, self.stream_id, n) + view[sent:sent + n]
+                        frame = header.pack(0, ym.TYPE_DATA, 0, self.stream_id, n) + view[sent : sent + n]
             finally:
                 writers.release()
             if frame is None:
@@ -283,8 +284,9 @@ def _fix_pubsub_keep_subscriptions() -> None:
     forget = Pubsub._handle_dead_peer
 
     def handle_dead_peer(self: Any, peer_id: Any) -> None:
-        keep = [t for t, peers in self.peer_topics.items() if peer_id in peers] \
-            if self._peer_is_connected(peer_id) else []
+        keep = (
+            [t for t, peers in self.peer_topics.items() if peer_id in peers] if self._peer_is_connected(peer_id) else []
+        )
         count = self._peer_subscription_count.get(peer_id)
         forget(self, peer_id)
         if keep and self._peer_is_connected(peer_id):
@@ -538,13 +540,27 @@ def _fix_dcutr_manual_drive() -> None:
     _replace("dcutr_manual_drive", DCUtRProtocol, "_auto_drive_loop", _auto_drive_loop)
 
 
-FIXES: Final = (_fix_go_yamux_credit, _fix_buffered_tcp_reads, _fix_lean_yamux_writes, _fix_pubsub_message_guard,
-                _fix_pubsub_oversize_charge, _fix_pubsub_stream_retry, _fix_pubsub_keep_subscriptions,
-                _fix_pubsub_stream_on_closed_connection, _fix_peer_record_memo, _fix_stream_caps,
-                _fix_yamux_window_limit, _fix_connection_refusal)
+FIXES: Final = (
+    _fix_go_yamux_credit,
+    _fix_buffered_tcp_reads,
+    _fix_lean_yamux_writes,
+    _fix_pubsub_message_guard,
+    _fix_pubsub_oversize_charge,
+    _fix_pubsub_stream_retry,
+    _fix_pubsub_keep_subscriptions,
+    _fix_pubsub_stream_on_closed_connection,
+    _fix_peer_record_memo,
+    _fix_stream_caps,
+    _fix_yamux_window_limit,
+    _fix_connection_refusal,
+)
 # py-libp2p's WebRTC transport imports aiortc, so these are installed apart, once it imports
-WEBRTC_FIXES: Final = (_fix_webrtc_forget_closed_streams, _fix_webrtc_backpressure, _fix_webrtc_bytes_like_writes,
-                       _fix_webrtc_read_overflow_reset)
+WEBRTC_FIXES: Final = (
+    _fix_webrtc_forget_closed_streams,
+    _fix_webrtc_backpressure,
+    _fix_webrtc_bytes_like_writes,
+    _fix_webrtc_read_overflow_reset,
+)
 # py-libp2p's DCUtR module takes half a second to import, so its fix waits for the first hole puncher
 DCUTR_FIXES: Final = (_fix_dcutr_manual_drive,)
 

@@ -60,8 +60,7 @@ class FrameTimeout(StreamError):
 class StreamBudget:
     """Per-peer and node-wide counts of open inbound streams and of buffered frame bytes."""
 
-    def __init__(self, limits: StreamLimits | None = None,
-                 on_charge: Callable[[str, str], None] | None = None) -> None:
+    def __init__(self, limits: StreamLimits | None = None, on_charge: Callable[[str, str], None] | None = None) -> None:
         self.limits = limits or StreamLimits()
         self.on_charge = on_charge  # (peer, what): repeated offences
         self.proven: Callable[[str], bool] = lambda peer: False  # set by the node: who may leave the pool
@@ -72,10 +71,16 @@ class StreamBudget:
         self.buffered: dict[str, int] = {}
         self.node_buffered = 0
         self._offences: dict[str, deque[float]] = {}
-        self.counters: dict[str, int] = {"streams_refused_peer": 0, "streams_refused_node": 0,
-                                         "streams_refused_unproven": 0,
-                                         "buffer_full_peer": 0, "buffer_full_node": 0, "frame_timeouts": 0,
-                                         "charged": 0, "connections_refused_ip": 0}
+        self.counters: dict[str, int] = {
+            "streams_refused_peer": 0,
+            "streams_refused_node": 0,
+            "streams_refused_unproven": 0,
+            "buffer_full_peer": 0,
+            "buffer_full_node": 0,
+            "frame_timeouts": 0,
+            "charged": 0,
+            "connections_refused_ip": 0,
+        }
 
     # ------------------------------------------------------------ streams
     def open_stream(self, peer: str) -> bool:
@@ -120,8 +125,9 @@ class StreamBudget:
         if held + n > self.limits.peer_buffer_bytes:
             self.counters["buffer_full_peer"] += 1
             self.offence(peer, "buffered bytes over the peer's share", now)
-            raise BufferFull(f"{peer} would hold {held + n} buffered bytes, over its "
-                             f"{self.limits.peer_buffer_bytes}-byte share")
+            raise BufferFull(
+                f"{peer} would hold {held + n} buffered bytes, over its {self.limits.peer_buffer_bytes}-byte share"
+            )
         if self.node_buffered + n > self.limits.node_buffer_bytes:
             self.counters["buffer_full_node"] += 1
             raise BufferFull(f"node-wide frame buffers full ({self.node_buffered} bytes)")

@@ -73,8 +73,9 @@ class TokenBuckets:
 class NewKeys:
     """Node-wide admission of keys not heard before: one bucket shared by all of them (sans-IO)."""
 
-    def __init__(self, rate_per_s: float = NEW_KEYS_PER_S, burst: float = NEW_KEYS_BURST,
-                 max_known: int = 10_000) -> None:
+    def __init__(
+        self, rate_per_s: float = NEW_KEYS_PER_S, burst: float = NEW_KEYS_BURST, max_known: int = 10_000
+    ) -> None:
         if not (rate_per_s > 0 and burst >= 1 and math.isfinite(rate_per_s) and math.isfinite(burst)):
             raise ValueError("new-key admission needs finite rate_per_s > 0 and burst >= 1")
         self.rate, self.burst, self.max_known = float(rate_per_s), float(burst), max_known

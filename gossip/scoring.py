@@ -48,8 +48,12 @@ class PeerRecord:
 
 
 class PeerScores:
-    def __init__(self, params: ScoreParams | None = None, on_change: Callable[[str, PeerRecord], None] | None = None,
-                 max_peers: int = 10_000) -> None:
+    def __init__(
+        self,
+        params: ScoreParams | None = None,
+        on_change: Callable[[str, PeerRecord], None] | None = None,
+        max_peers: int = 10_000,
+    ) -> None:
         self.params = params or ScoreParams()
         self.on_change = on_change
         self.max_peers = max_peers
@@ -102,6 +106,13 @@ class PeerScores:
         rec.score = min(self.params.max_score, rec.score + self.params.accept_reward)
 
     def snapshot(self, now: float) -> dict[str, dict]:
-        return {p: dict(score=round(self.score(p, now), 3), banned=self.is_blacklisted(p, now),
-                        accepted=r.accepted, rejections=dict(r.rejections),
-                        charged=round(r.charged, 3)) for p, r in list(self._peers.items())}
+        return {
+            p: dict(
+                score=round(self.score(p, now), 3),
+                banned=self.is_blacklisted(p, now),
+                accepted=r.accepted,
+                rejections=dict(r.rejections),
+                charged=round(r.charged, 3),
+            )
+            for p, r in list(self._peers.items())
+        }

@@ -53,9 +53,17 @@ AnnounceHandler = Callable[[str, Any, bytes], Awaitable[None]]  # (originator, b
 
 
 class GossipService:
-    def __init__(self, transport: Any, pipeline: Pipeline, swarm: str, store: Any | None = None,
-                 announce_rate_per_s: float = 10.0, announce_burst: int = 40,
-                 new_keys_per_s: float = NEW_KEYS_PER_S, new_keys_burst: float = NEW_KEYS_BURST) -> None:
+    def __init__(
+        self,
+        transport: Any,
+        pipeline: Pipeline,
+        swarm: str,
+        store: Any | None = None,
+        announce_rate_per_s: float = 10.0,
+        announce_burst: int = 40,
+        new_keys_per_s: float = NEW_KEYS_PER_S,
+        new_keys_burst: float = NEW_KEYS_BURST,
+    ) -> None:
         if swarm != pipeline.config.swarm:
             raise ValueError(f"gossip service for swarm {swarm!r} given a pipeline for {pipeline.config.swarm!r}")
         self.transport = transport
@@ -176,8 +184,9 @@ class GossipService:
             return False
         if isinstance(step, Pending):
             try:
-                cpu_s = await trio.to_thread.run_sync(verify_timed, self.pipeline.verify, step, self.child_cpu,
-                                                      limiter=self._verify_limiter)
+                cpu_s = await trio.to_thread.run_sync(
+                    verify_timed, self.pipeline.verify, step, self.child_cpu, limiter=self._verify_limiter
+                )
             except BaseException:
                 self.pipeline.abandon(step)
                 raise
@@ -196,9 +205,14 @@ class GossipService:
             self._changed = trio.Event()
             return
         if self.store is not None and v.reason not in _UNRECORDED:
-            entry = dict(rollout_id=v.msg_id or wire.content_id(v.data[:4096]), direction="received",
-                         status="rejected", reason=v.reason.value, from_peer=v.origin,
-                         producer=bytes(v.batch.producer) if v.batch is not None else None)
+            entry = dict(
+                rollout_id=v.msg_id or wire.content_id(v.data[:4096]),
+                direction="received",
+                status="rejected",
+                reason=v.reason.value,
+                from_peer=v.origin,
+                producer=bytes(v.batch.producer) if v.batch is not None else None,
+            )
             await trio.to_thread.run_sync(self.store.record_rollouts, [entry])
         if v.newly_banned:
             log.warning("banning %s: %s (%s)", v.origin, v.reason.value, v.detail)
@@ -210,8 +224,12 @@ class GossipService:
             if self.store is not None:
                 rec = self.pipeline.scores.record(v.origin)
                 until = int(rec.banned_until * 1000) if rec is not None else 0
-                await trio.to_thread.run_sync(self.store.set_peer_score, v.origin,
-                                              self.pipeline.scores.score(v.origin, self.pipeline.clock()), until)
+                await trio.to_thread.run_sync(
+                    self.store.set_peer_score,
+                    v.origin,
+                    self.pipeline.scores.score(v.origin, self.pipeline.clock()),
+                    until,
+                )
 
     async def _drain_rollouts(self, channel: Any, scope: trio.CancelScope) -> None:
         # Delivery already happened in the validator; draining keeps py-libp2p's 32-slot buffer empty.
@@ -292,8 +310,21 @@ def verify_timed(verify: Callable[[Pending], Any], step: Pending, child_cpu: Cal
 
 def _accepted_entries(batch: wire.RolloutBatch, data: bytes, forwarder: str) -> list[dict[str, Any]]:
     """Ledger rows of an accepted batch, its signed bytes on the first row."""
-    return [dict(rollout_id=rollout_id(r), direction="received", status="accepted", producer=bytes(batch.producer),
-                 from_peer=forwarder, lineage=bytes(r.lineage), version=r.version, task_set=bytes(r.task.task_set),
-                 generator=r.task.generator, task_seed=r.task.seed, reward=r.reward, tokens=len(r.completion_ids),
-                 payload=data if i == 0 else None)
-            for i, r in enumerate(batch.rollouts)]
+    return [
+        dict(
+            rollout_id=rollout_id(r),
+            direction="received",
+            status="accepted",
+            producer=bytes(batch.producer),
+            from_peer=forwarder,
+            lineage=bytes(r.lineage),
+            version=r.version,
+            task_set=bytes(r.task.task_set),
+            generator=r.task.generator,
+            task_seed=r.task.seed,
+            reward=r.reward,
+            tokens=len(r.completion_ids),
+            payload=data if i == 0 else None,
+        )
+        for i, r in enumerate(batch.rollouts)
+    ]

@@ -47,8 +47,9 @@ def parse_toml(text: str, origin: str, error: type[MurmurError] = ConfigError) -
         raise error(f"{origin}: not valid TOML: {e}") from None
 
 
-def validation_message(e: msgspec.ValidationError, origin: str,
-                       path_of: Callable[[str], str] = lambda where: where) -> str:
+def validation_message(
+    e: msgspec.ValidationError, origin: str, path_of: Callable[[str], str] = lambda where: where
+) -> str:
     """'<origin>: unknown key 'a.b'' / 'missing key' / 'key 'a.b': <why>' from a msgspec error."""
     text = str(e).replace("\n", " ")
     m = _AT.search(text)

@@ -26,7 +26,7 @@ def rollouts(swarm: str, shard: int = 0) -> str:
 def rollout_shard(swarm: str, topic: str) -> int | None:
     """The shard index of a rollouts topic of `swarm`, or None when `topic` is not one."""
     prefix = f"/murmur/{_check(swarm)}/rollouts/{ROLLOUTS_VERSION}/"
-    tail = topic[len(prefix):] if topic.startswith(prefix) else ""
+    tail = topic[len(prefix) :] if topic.startswith(prefix) else ""
     return int(tail) if tail.isdigit() and len(tail) <= 7 else None
 
 

@@ -131,13 +131,20 @@ class PipelineConfig:
     max_completion_tokens: int = wire.MAX_COMPLETION_TOKENS
 
     @classmethod
-    def from_config(cls, swarm: str, gossip: Any, max_staleness: int,
-                    max_completion_tokens: int = wire.MAX_COMPLETION_TOKENS) -> PipelineConfig:
+    def from_config(
+        cls, swarm: str, gossip: Any, max_staleness: int, max_completion_tokens: int = wire.MAX_COMPLETION_TOKENS
+    ) -> PipelineConfig:
         """From `node.config.GossipSection` (+ sync.max_staleness, training.max_new_tokens)."""
-        return cls(swarm=swarm, max_staleness=max_staleness, max_completion_tokens=max_completion_tokens,
-                   rate_per_s=gossip.rate_limit_per_s,
-                   burst=gossip.rate_burst, replay_entries=gossip.replay_cache, replay_ttl_s=float(gossip.replay_ttl_s),
-                   score=ScoreParams(graylist_threshold=gossip.graylist_threshold, blacklist_s=float(gossip.blacklist_s)))
+        return cls(
+            swarm=swarm,
+            max_staleness=max_staleness,
+            max_completion_tokens=max_completion_tokens,
+            rate_per_s=gossip.rate_limit_per_s,
+            burst=gossip.rate_burst,
+            replay_entries=gossip.replay_cache,
+            replay_ttl_s=float(gossip.replay_ttl_s),
+            score=ScoreParams(graylist_threshold=gossip.graylist_threshold, blacklist_s=float(gossip.blacklist_s)),
+        )
 
 
 @dataclass
@@ -273,8 +280,9 @@ class Pipeline:
             if who and self.scores.is_graylisted(who, now):
                 return self._reject(Reason.GRAYLISTED, origin, data, b"", None, f"{who} is graylisted")
         if not isinstance(data, (bytes, bytearray)) or len(data) > wire.KIND_LIMITS[wire.ROLLOUT_BATCH]:
-            return self._reject(Reason.OVERSIZED, origin, b"", b"", None,
-                                f"{len(data)} bytes > {wire.KIND_LIMITS[wire.ROLLOUT_BATCH]}")
+            return self._reject(
+                Reason.OVERSIZED, origin, b"", b"", None, f"{len(data)} bytes > {wire.KIND_LIMITS[wire.ROLLOUT_BATCH]}"
+            )
         data = bytes(data)
         mid = wire.content_id(data)
         limited = self._rate_limit(origin, data, mid, now)
@@ -292,8 +300,9 @@ class Pipeline:
         # never cached by content, so a relay cannot change the verdict on the signer's copy.
         signer = peer_id_from_public(env.signer)
         if origin and signer != origin:
-            return self._reject(Reason.SIGNER_MISMATCH, origin, data, mid, None,
-                                "envelope signer is not the gossip originator")
+            return self._reject(
+                Reason.SIGNER_MISMATCH, origin, data, mid, None, "envelope signer is not the gossip originator"
+            )
         prior = self.seen.get(mid, now)
         if prior is not None:
             if prior is Reason.ACCEPTED:
@@ -321,13 +330,26 @@ class Pipeline:
             return over
         prev = self.seqs.get((batch.producer, batch.seq), now)
         if prev is not None and prev != mid:
-            return self._reject(Reason.REPLAY, origin, data, mid, batch,
-                                f"seq {batch.seq} of this producer already seen with other content", remember=True)
+            return self._reject(
+                Reason.REPLAY,
+                origin,
+                data,
+                mid,
+                batch,
+                f"seq {batch.seq} of this producer already seen with other content",
+                remember=True,
+            )
         if self.task_set_trusted is not None:
             for r in batch.rollouts:
                 if not self.task_set_trusted(r.task.task_set):
-                    return self._reject(Reason.UNKNOWN_TASK_SET, origin, data, mid, batch,
-                                        f"task set {r.task.task_set.hex()[:16]} not known/trusted")
+                    return self._reject(
+                        Reason.UNKNOWN_TASK_SET,
+                        origin,
+                        data,
+                        mid,
+                        batch,
+                        f"task set {r.task.task_set.hex()[:16]} not known/trusted",
+                    )
         long = self._too_long(batch)
         if long is not None:
             return self._reject(long[0], origin, data, mid, batch, long[1], remember=True)
@@ -354,13 +376,21 @@ class Pipeline:
         self._inflight.discard(p.msg_id)
         if p.failure is not None:
             reason, detail = p.failure
-            return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
-                                remember=reason not in (Reason.UNKNOWN_TASK_SET, Reason.VERIFIER_UNAVAILABLE))
+            return self._reject(
+                reason,
+                p.origin,
+                p.data,
+                p.msg_id,
+                p.batch,
+                detail,
+                remember=reason not in (Reason.UNKNOWN_TASK_SET, Reason.VERIFIER_UNAVAILABLE),
+            )
         stale = self._versions(p.batch)
         if stale is not None:
             reason, detail = stale
-            return self._reject(reason, p.origin, p.data, p.msg_id, p.batch, detail,
-                                remember=reason is Reason.FUTURE_VERSION)
+            return self._reject(
+                reason, p.origin, p.data, p.msg_id, p.batch, detail, remember=reason is Reason.FUTURE_VERSION
+            )
         now = self.clock()
         self.seen.put(p.msg_id, Reason.ACCEPTED, now)
         self.seqs.put((p.batch.producer, p.batch.seq), p.msg_id, now)
@@ -388,8 +418,9 @@ class Pipeline:
             return None  # a copy: the later stages name it (duplicate, or a relay's signer mismatch)
         if self.announced_rates.bucket(origin) is not None or self.buckets.take(origin, now):
             return None
-        return self._reject(Reason.RATE_LIMITED, origin, data, b"", None,
-                            f"over {self.config.rate_per_s}/s (burst {self.config.burst})")
+        return self._reject(
+            Reason.RATE_LIMITED, origin, data, b"", None, f"over {self.config.rate_per_s}/s (burst {self.config.burst})"
+        )
 
     def _announced_limit(self, origin: str, data: bytes, batch: wire.RolloutBatch, now: float) -> Verdict | None:
         """A peer that announced its rate is held to it, and charged when above it. The bucket is spent
@@ -403,13 +434,24 @@ class Pipeline:
         if made >= bucket.last:
             if bucket.take(min(made, now + MAX_FUTURE_S), 1.0):
                 return None
-            return self._reject(Reason.OVER_ANNOUNCED_RATE, origin, data, b"", batch,
-                                f"made faster than its announced {bucket.rate:.2f} batches/s "
-                                f"(burst {bucket.burst:.0f})")
+            return self._reject(
+                Reason.OVER_ANNOUNCED_RATE,
+                origin,
+                data,
+                b"",
+                batch,
+                f"made faster than its announced {bucket.rate:.2f} batches/s (burst {bucket.burst:.0f})",
+            )
         if self.buckets.take(origin, now):
             return None
-        return self._reject(Reason.RATE_LIMITED, origin, data, b"", batch,
-                            f"out of order and over {self.config.rate_per_s}/s (burst {self.config.burst})")
+        return self._reject(
+            Reason.RATE_LIMITED,
+            origin,
+            data,
+            b"",
+            batch,
+            f"out of order and over {self.config.rate_per_s}/s (burst {self.config.burst})",
+        )
 
     def _too_long(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:
         """Work in proportion: a completion longer than its own signed `max_new_tokens` is provably not
@@ -419,7 +461,10 @@ class Pipeline:
         for i, r in enumerate(batch.rollouts):
             n = len(r.completion_ids)
             if n > r.sampling.max_new_tokens:
-                return Reason.OVER_OWN_SAMPLING, f"rollout {i}: {n} tokens > its max_new_tokens {r.sampling.max_new_tokens}"
+                return (
+                    Reason.OVER_OWN_SAMPLING,
+                    f"rollout {i}: {n} tokens > its max_new_tokens {r.sampling.max_new_tokens}",
+                )
             if n > limit:
                 return Reason.TOO_LONG, f"rollout {i}: {n} tokens > this node's budget {limit}"
         return None
@@ -452,8 +497,10 @@ class Pipeline:
                 continue
             if newest > head:
                 own = self.own_lineage is not None and self.own_lineage(lineage)
-                return (Reason.FUTURE_VERSION if own else Reason.UNKNOWN_VERSION,
-                        f"version {newest} is beyond the {'published' if own else 'known'} head {head}")
+                return (
+                    Reason.FUTURE_VERSION if own else Reason.UNKNOWN_VERSION,
+                    f"version {newest} is beyond the {'published' if own else 'known'} head {head}",
+                )
             if oldest + self.config.max_staleness < head:
                 return Reason.STALE_VERSION, f"version {oldest} vs head {head} (bound {self.config.max_staleness})"
         return None
@@ -511,8 +558,16 @@ class Pipeline:
             while len(self.per_peer) > self.scores.max_peers:  # bounded like the score table
                 self.per_peer.pop(next(iter(self.per_peer)))
 
-    def _reject(self, reason: Reason, origin: str, data: bytes, mid: bytes, batch: wire.RolloutBatch | None,
-                detail: str, remember: bool = False) -> Verdict:
+    def _reject(
+        self,
+        reason: Reason,
+        origin: str,
+        data: bytes,
+        mid: bytes,
+        batch: wire.RolloutBatch | None,
+        detail: str,
+        remember: bool = False,
+    ) -> Verdict:
         now = self.clock()
         if remember and mid:
             self.seen.put(mid, reason, now)

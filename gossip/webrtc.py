@@ -147,8 +147,10 @@ async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> d
 
     try:
         with trio.fail_after(timeout_s):
-            async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
-                    a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            async with (
+                b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]),
+                a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]),
+            ):
                 b.set_stream_handler(proto, handler)
                 addrs = [x for x in b.get_addrs() if "webrtc-direct" in str(x)]
                 if not addrs:
@@ -168,8 +170,12 @@ async def measure_loopback(n_bytes: int = 4 << 20, timeout_s: float = 60.0) -> d
                     sent += len(c)
                 await done.wait()
                 dt = time.perf_counter() - t
-                return {"mb_s": round(n_bytes / dt / 1e6, 2), "connect_s": round(connect_s, 3),
-                        "hash_ok": result.get("digest") == h.digest(), "addr": str(addrs[0])}
+                return {
+                    "mb_s": round(n_bytes / dt / 1e6, 2),
+                    "connect_s": round(connect_s, 3),
+                    "hash_ok": result.get("digest") == h.digest(),
+                    "addr": str(addrs[0]),
+                }
     except WebRTCUnavailable:
         raise
     except trio.TooSlowError:

@@ -247,7 +247,9 @@ _SIGNER_FIELD: Final[dict[str, str]] = {
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
-_body_decoders: dict[str, msgspec.msgpack.Decoder[Body]] = {k: msgspec.msgpack.Decoder(t) for k, t in BODY_TYPES.items()}
+_body_decoders: dict[str, msgspec.msgpack.Decoder[Body]] = {
+    k: msgspec.msgpack.Decoder(t) for k, t in BODY_TYPES.items()
+}
 
 T = TypeVar("T", bound=Struct)
 

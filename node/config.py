@@ -36,14 +36,22 @@ class NodeSection(Struct, forbid_unknown_fields=True, kw_only=True):
     roles: Annotated[list[str], _d("roles to hold (trainer, follower, validator); empty = pick from hardware")] = []
     hardware: Annotated[str, _d("hardware class: auto, cpu, gpu-small, gpu-large")] = "auto"
     memory_budget_mb: Annotated[int, _d("upper bound for pools, queues and caches, in MiB")] = 4096
-    role_dwell_s: Annotated[float, Meta(ge=0.0, le=86_400.0,
-                                        description="with roles chosen by the node: least seconds between two "
-                                                    "switches between training and generating")] = 300.0
+    role_dwell_s: Annotated[
+        float,
+        Meta(
+            ge=0.0,
+            le=86_400.0,
+            description="with roles chosen by the node: least seconds between two "
+            "switches between training and generating",
+        ),
+    ] = 300.0
     log_level: Annotated[str, _d("debug, info, warning or error")] = "info"
 
 
 class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
-    listen: Annotated[list[str], _d("libp2p listen multiaddrs")] = msgspec.field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4001"])
+    listen: Annotated[list[str], _d("libp2p listen multiaddrs")] = msgspec.field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/4001"]
+    )
     bootstrap: Annotated[list[str], _d("bootstrap peers: full multiaddrs with /p2p/<peer id>")] = []
     dht: Annotated[bool, _d("use the Kademlia DHT for peer discovery")] = True
     upload_bytes_per_s: Annotated[int, _d("upload limit for bulk transfers, bytes/s; 0 = unlimited")] = 0
@@ -52,25 +60,41 @@ class NetworkSection(Struct, forbid_unknown_fields=True, kw_only=True):
     relay_max_circuit_bytes: Annotated[int, _d("relay: bytes per circuit before it is closed")] = 64 * 1024 * 1024
     relay_max_circuit_s: Annotated[int, _d("relay: seconds per circuit before it is closed")] = 600
     relays: Annotated[list[str], _d("relay peers to reserve a slot on when not publicly reachable")] = []
-    webrtc: Annotated[bool, _d("also listen on UDP /webrtc-direct (same port number as TCP) and dial it when TCP fails; "
-                               "needs aiortc (a default dependency of murmur-swarm: bash install.sh), ignored without it")] = True
+    webrtc: Annotated[
+        bool,
+        _d(
+            "also listen on UDP /webrtc-direct (same port number as TCP) and dial it when TCP fails; "
+            "needs aiortc (a default dependency of murmur-swarm: bash install.sh), ignored without it"
+        ),
+    ] = True
 
 
 class GossipSection(Struct, forbid_unknown_fields=True, kw_only=True):
-    rate_limit_per_s: Annotated[float, _d("rollout batches per second accepted from a peer that announced no rate, "
-                                          "and the floor of an announced peer's limit")] = 20.0
+    rate_limit_per_s: Annotated[
+        float,
+        _d(
+            "rollout batches per second accepted from a peer that announced no rate, "
+            "and the floor of an announced peer's limit"
+        ),
+    ] = 20.0
     rate_burst: Annotated[int, _d("burst of rollout batches accepted from a peer that announced no rate")] = 40
     graylist_threshold: Annotated[float, _d("score below which a peer's messages are dropped unread")] = -50.0
     blacklist_s: Annotated[int, _d("seconds a peer proven to forge stays banned")] = 3600
     replay_cache: Annotated[int, _d("entries in the replay/duplicate cache")] = 100_000
     replay_ttl_s: Annotated[int, _d("seconds a message id is remembered")] = 900
-    pool_max_rollouts: Annotated[int, _d("verified external rollouts a trainer keeps to sample from (bounded "
-                                         "also by node.memory_budget_mb)")] = 20_000
-    validator_sample: Annotated[float, _d("share of each producer's rollout batches a validator that does not "
-                                          "train verifies (0-1); it drops the rest unverified")] = exchange.SAMPLE_FRACTION
-    validator_sample_floor_per_min: Annotated[float, _d(
-        "... and at least this many of each producer's batches a minute (all of them when it sends fewer)"
-    )] = exchange.SAMPLE_FLOOR_PER_MIN
+    pool_max_rollouts: Annotated[
+        int, _d("verified external rollouts a trainer keeps to sample from (bounded also by node.memory_budget_mb)")
+    ] = 20_000
+    validator_sample: Annotated[
+        float,
+        _d(
+            "share of each producer's rollout batches a validator that does not "
+            "train verifies (0-1); it drops the rest unverified"
+        ),
+    ] = exchange.SAMPLE_FRACTION
+    validator_sample_floor_per_min: Annotated[
+        float, _d("... and at least this many of each producer's batches a minute (all of them when it sends fewer)")
+    ] = exchange.SAMPLE_FLOOR_PER_MIN
 
 
 class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -87,25 +111,41 @@ class SyncSection(Struct, forbid_unknown_fields=True, kw_only=True):
 class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[str, _d("murmur-tiny, or a local path to a Hugging Face causal LM")] = "murmur-tiny"
     engine: Annotated[str, _d("transformers or vllm")] = "transformers"
-    task_sets: Annotated[list[str | TaskSetChoice], _d(
-        "task sets to train on, mixed by weight: \"builtin\", \"trusted\" (every set from a trusted coordinator), "
-        "a set name (its newest version) or a 64-hex set id; a string (weight 1) or { set = \"...\", weight = 2.0 }. "
-        "A set not received yet is waited for")] = msgspec.field(default_factory=lambda: ["builtin"])
+    task_sets: Annotated[
+        list[str | TaskSetChoice],
+        _d(
+            'task sets to train on, mixed by weight: "builtin", "trusted" (every set from a trusted coordinator), '
+            'a set name (its newest version) or a 64-hex set id; a string (weight 1) or { set = "...", weight = 2.0 }. '
+            "A set not received yet is waited for"
+        ),
+    ] = msgspec.field(default_factory=lambda: ["builtin"])
     local_rollouts: Annotated[int, _d("I: own rollouts per step")] = 4
     external_rollouts: Annotated[int, _d("J: verified swarm rollouts per step")] = 4
     group_size: Annotated[int, _d("completions per prompt (GRPO group)")] = 8
-    minibatch_groups: Annotated[int, _d(
-        "informative groups per optimizer update, own and the swarm's: a step makes as many updates as they "
-        "fill, so swarm rollouts add updates instead of displacing local ones (0: one update per step over "
-        "all of them)")] = 4
-    lr: Annotated[float, _d("learning rate; unset: 3e-4 for models up to 5M parameters (murmur-tiny), 1e-6 above")] = 3e-4
+    minibatch_groups: Annotated[
+        int,
+        _d(
+            "informative groups per optimizer update, own and the swarm's: a step makes as many updates as they "
+            "fill, so swarm rollouts add updates instead of displacing local ones (0: one update per step over "
+            "all of them)"
+        ),
+    ] = 4
+    lr: Annotated[float, _d("learning rate; unset: 3e-4 for models up to 5M parameters (murmur-tiny), 1e-6 above")] = (
+        3e-4
+    )
     max_new_tokens: Annotated[int, _d("completion length limit")] = 16
-    temperature: Annotated[float, _d("sampling temperature: 0 (greedy) or 0.01-10 (receivers refuse a rollout "
-                                     "sampled outside that range)")] = 1.0
+    temperature: Annotated[
+        float, _d("sampling temperature: 0 (greedy) or 0.01-10 (receivers refuse a rollout sampled outside that range)")
+    ] = 1.0
     seed: Annotated[int, _d("random seed")] = 0
-    loss_norm: Annotated[str, _d("GRPO loss normaliser: informative (token mean over informative groups' rows) "
-                                 "or constant (Dr. GRPO / TRL dr_grpo: token sum over batch rows x "
-                                 "max_new_tokens, zero-advantage rows counted)")] = "informative"
+    loss_norm: Annotated[
+        str,
+        _d(
+            "GRPO loss normaliser: informative (token mean over informative groups' rows) "
+            "or constant (Dr. GRPO / TRL dr_grpo: token sum over batch rows x "
+            "max_new_tokens, zero-advantage rows counted)"
+        ),
+    ] = "informative"
     threads: Annotated[int, _d("torch threads for training and generation")] = 1
     device: Annotated[str, _d("auto, cpu or cuda")] = "auto"
 
@@ -115,15 +155,23 @@ class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):
     ledger_payload_rows: Annotated[int, _d("newest ledger rows that keep the rollout's signed bytes")] = 2_000
     ledger_max_age_h: Annotated[float, _d("ledger rows older than this many hours are deleted")] = 168.0
     logs_max_mb: Annotated[int, _d("node.log plus its one rotated copy, in MiB")] = 64
-    peers_max_rows: Annotated[int, _d("peer table rows kept in state.db (least recently seen strangers deleted "
-                                      "first, then peers once connected or with accepted rollouts)")] = 4096
+    peers_max_rows: Annotated[
+        int,
+        _d(
+            "peer table rows kept in state.db (least recently seen strangers deleted "
+            "first, then peers once connected or with accepted rollouts)"
+        ),
+    ] = 4096
     peers_max_mb: Annotated[float, _d("peer table bytes kept in state.db, in MiB (deleted in the same order)")] = 8.0
 
     def ledger_budget(self) -> Any:
         from murmur.node.store import LedgerBudget
 
-        return LedgerBudget(max_rows=self.ledger_max_rows, payload_rows=self.ledger_payload_rows,
-                            max_age_s=self.ledger_max_age_h * 3600.0)
+        return LedgerBudget(
+            max_rows=self.ledger_max_rows,
+            payload_rows=self.ledger_payload_rows,
+            max_age_s=self.ledger_max_age_h * 3600.0,
+        )
 
     def peer_budget(self) -> Any:
         from murmur.node.store import PeerBudget
@@ -184,6 +232,7 @@ _HEX32 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 def _check_values(cfg: Config, origin: str) -> Config:
     """Rules a type cannot express: closed choices, key formats, positive sizes."""
+
     def bad(key: str, why: str) -> ConfigError:
         return ConfigError(f"{origin}: key '{key}': {why}")
 
@@ -206,9 +255,18 @@ def _check_values(cfg: Config, origin: str) -> Config:
         for addr in getattr(getattr(cfg, section), name):
             if not addr.startswith("/"):
                 raise bad(key, f"{addr!r} is not a multiaddr (starts with /ip4/, /ip6/ or /dns/)")
-    for key in ("sync.chunk_bytes", "sync.publish_every", "sync.anchor_every", "training.group_size",
-                "node.memory_budget_mb", "disk.ledger_max_rows", "disk.ledger_max_age_h", "disk.logs_max_mb",
-                "disk.peers_max_rows", "disk.peers_max_mb"):
+    for key in (
+        "sync.chunk_bytes",
+        "sync.publish_every",
+        "sync.anchor_every",
+        "training.group_size",
+        "node.memory_budget_mb",
+        "disk.ledger_max_rows",
+        "disk.ledger_max_age_h",
+        "disk.logs_max_mb",
+        "disk.peers_max_rows",
+        "disk.peers_max_mb",
+    ):
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) <= 0:
             raise bad(key, "must be positive")
@@ -225,13 +283,18 @@ def _check_values(cfg: Config, origin: str) -> Config:
     t = cfg.training.temperature
     if not (t == 0.0 or wire.MIN_TEMPERATURE <= t <= wire.MAX_TEMPERATURE):
         # every receiver refuses such a rollout as bad_number: refuse the config, not each rollout silently
-        raise bad("training.temperature", f"{t!r} is neither 0 (greedy) nor in "
-                                          f"{wire.MIN_TEMPERATURE:g}-{wire.MAX_TEMPERATURE:g}")
+        raise bad(
+            "training.temperature",
+            f"{t!r} is neither 0 (greedy) nor in {wire.MIN_TEMPERATURE:g}-{wire.MAX_TEMPERATURE:g}",
+        )
     choices = normalise(cfg.training.task_sets, f"{origin}: key 'training.task_sets'")
     untrusted = needs_trust(choices, "murmur-builtin")
     if untrusted and not cfg.trust.coordinators:
-        raise bad("training.task_sets", f"{untrusted[0]!r} can only come from a trusted coordinator and "
-                                        "[trust] coordinators is empty (use \"builtin\" or add the coordinator's key)")
+        raise bad(
+            "training.task_sets",
+            f"{untrusted[0]!r} can only come from a trusted coordinator and "
+            '[trust] coordinators is empty (use "builtin" or add the coordinator\'s key)',
+        )
     return cfg
 
 
@@ -255,7 +318,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[tuple[str, str]
     for var, text in environ.items():
         if not var.startswith("MURMUR_") or var == "MURMUR_HOME":
             continue
-        rest = var[len("MURMUR_"):].lower()
+        rest = var[len("MURMUR_") :].lower()
         section, _, key = rest.partition("_")
         if section in SECTIONS and key:
             if key not in SECTIONS[section].__struct_fields__:
@@ -294,9 +357,12 @@ UNSET_IN_NEW_FILE = {"training.lr"}
 def render_default_config() -> str:
     """A commented config.toml; every key shown with its default and meaning."""
     config = Config()
-    lines = ["# Murmur node configuration. Every key is optional; shown with its default "
-             "(a key shown commented out is chosen by the node unless you set it).",
-             "# Override any key with MURMUR_<SECTION>_<KEY>, e.g. MURMUR_NETWORK_UPLOAD_BYTES_PER_S=2097152.", ""]
+    lines = [
+        "# Murmur node configuration. Every key is optional; shown with its default "
+        "(a key shown commented out is chosen by the node unless you set it).",
+        "# Override any key with MURMUR_<SECTION>_<KEY>, e.g. MURMUR_NETWORK_UPLOAD_BYTES_PER_S=2097152.",
+        "",
+    ]
     for section, typ in SECTIONS.items():
         lines.append(f"[{section}]")
         values = getattr(config, section)
@@ -313,5 +379,8 @@ def render_default_config() -> str:
 
 
 def flatten(config: Config) -> dict[str, Any]:
-    return {f"{s}.{k}": msgspec.to_builtins(getattr(getattr(config, s), k))
-            for s, t in SECTIONS.items() for k in t.__struct_fields__}
+    return {
+        f"{s}.{k}": msgspec.to_builtins(getattr(getattr(config, s), k))
+        for s, t in SECTIONS.items()
+        for k in t.__struct_fields__
+    }

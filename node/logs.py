@@ -17,8 +17,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, plus any `extra={"data": {...}}` fields."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
-                               "logger": record.name, "msg": record.getMessage()}
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         data = getattr(record, "data", None)
         if isinstance(data, dict):
             out.update(data)
@@ -27,8 +31,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, sort_keys=False)
 
 
-def setup(level: str = "info", stream: TextIO | None = None, logfile: Path | None = None,
-          max_bytes: int = 64 * 2**20) -> None:
+def setup(
+    level: str = "info", stream: TextIO | None = None, logfile: Path | None = None, max_bytes: int = 64 * 2**20
+) -> None:
     """JSON lines to `stream` (None: none) and to `logfile` (None: none); noisy libraries held at warning.
 
     The log file rotates at half of `max_bytes` with one older copy kept, so the two stay within it.
@@ -47,8 +52,17 @@ def setup(level: str = "info", stream: TextIO | None = None, logfile: Path | Non
         fh = logging.handlers.RotatingFileHandler(logfile, maxBytes=max(1, max_bytes // 2), backupCount=1)
         fh.setFormatter(fmt)
         root.addHandler(fh)
-    for noisy in ("libp2p", "multiaddr", "async_service", "trio-websocket", "aioquic", "zeroconf", "urllib3",
-                  "transformers", "filelock"):
+    for noisy in (
+        "libp2p",
+        "multiaddr",
+        "async_service",
+        "trio-websocket",
+        "aioquic",
+        "zeroconf",
+        "urllib3",
+        "transformers",
+        "filelock",
+    ):
         logging.getLogger(noisy).setLevel(logging.WARNING if level != "debug" else logging.INFO)
     logging.captureWarnings(True)
     logging.getLogger("py.warnings").setLevel(logging.ERROR)

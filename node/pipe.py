@@ -183,14 +183,34 @@ class Engine(Struct, tag="engine", forbid_unknown_fields=True):
 
 
 ToWorker = Follow | Patch | Admit | Pace | Head | External | Stop
-FromWorker = (Ready | State | Rollouts | Step | Gen | Published | Applied | ApplyFailed | Perf | Spot | SpotRound | Engine
-              | Error | Log)
+FromWorker = (
+    Ready
+    | State
+    | Rollouts
+    | Step
+    | Gen
+    | Published
+    | Applied
+    | ApplyFailed
+    | Perf
+    | Spot
+    | SpotRound
+    | Engine
+    | Error
+    | Log
+)
 Message = ToWorker | FromWorker
 
 KINDS: dict[str, type[Struct]] = {t.__struct_config__.tag: t for t in get_args(Message)}
 # kinds whose body is one value rather than a mapping
-_SCALAR = {"follow": "info", "external": "data", "state": "state", "rollouts": "items", "error": "message",
-           "log": "message"}
+_SCALAR = {
+    "follow": "info",
+    "external": "data",
+    "state": "state",
+    "rollouts": "items",
+    "error": "message",
+    "log": "message",
+}
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

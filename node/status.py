@@ -97,8 +97,9 @@ def dir_mb(path: Path, prefix: str = "") -> float:
 class DiskMeter:
     """Disk use per budget of one node home, re-measured at most every `every_s` (a walk is not free)."""
 
-    def __init__(self, home: Path, cfg: Config, every_s: float = 30.0,
-                 peer_bytes: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self, home: Path, cfg: Config, every_s: float = 30.0, peer_bytes: Callable[[], int] = lambda: 0
+    ) -> None:
         self.home = Path(home)
         self.cfg = cfg
         self.peer_bytes = peer_bytes  # the peer table's share of state.db (the store's last count)
@@ -114,17 +115,34 @@ class DiskMeter:
         d, s = c.disk, c.sync
         peers_mb = self.peer_bytes() / 2**20
         self._views = [
-            DiskView(name="ledger", used_mb=round(max(0.0, dir_mb(self.home, "state.db") - peers_mb), 2),
-                     rule=f"newest {d.ledger_max_rows} rows (signed bytes on {d.ledger_payload_rows}), "
-                          f"{d.ledger_max_age_h:g} h"),
-            DiskView(name="peers", used_mb=round(peers_mb, 2), limit_mb=float(d.peers_max_mb),
-                     rule=f"{d.peers_max_rows} rows in state.db; announces of connected peers only"),
-            DiskView(name="patches", used_mb=round(dir_mb(self.home / "lineages"), 2),
-                     rule=f"{s.retain_versions} versions + {s.max_anchors} anchors per lineage"),
-            DiskView(name="partial", used_mb=round(dir_mb(self.home / "partial"), 2),
-                     rule="unfinished downloads, swept when done or abandoned"),
-            DiskView(name="logs", used_mb=round(dir_mb(self.home, "node.log"), 2), limit_mb=float(d.logs_max_mb),
-                     rule="node.log + 1 rotated copy"),
+            DiskView(
+                name="ledger",
+                used_mb=round(max(0.0, dir_mb(self.home, "state.db") - peers_mb), 2),
+                rule=f"newest {d.ledger_max_rows} rows (signed bytes on {d.ledger_payload_rows}), "
+                f"{d.ledger_max_age_h:g} h",
+            ),
+            DiskView(
+                name="peers",
+                used_mb=round(peers_mb, 2),
+                limit_mb=float(d.peers_max_mb),
+                rule=f"{d.peers_max_rows} rows in state.db; announces of connected peers only",
+            ),
+            DiskView(
+                name="patches",
+                used_mb=round(dir_mb(self.home / "lineages"), 2),
+                rule=f"{s.retain_versions} versions + {s.max_anchors} anchors per lineage",
+            ),
+            DiskView(
+                name="partial",
+                used_mb=round(dir_mb(self.home / "partial"), 2),
+                rule="unfinished downloads, swept when done or abandoned",
+            ),
+            DiskView(
+                name="logs",
+                used_mb=round(dir_mb(self.home, "node.log"), 2),
+                limit_mb=float(d.logs_max_mb),
+                rule="node.log + 1 rotated copy",
+            ),
         ]
         return self._views
 
@@ -237,7 +255,9 @@ class NodeStatus(Struct, kw_only=True):
     steps: int = 0
     versions_published: int = 0
     versions_applied: int = 0
-    rollouts_produced: int = 0  # signed and recorded (the ledger: across restarts); all made: exchange.produced_rollouts
+    rollouts_produced: int = (
+        0  # signed and recorded (the ledger: across restarts); all made: exchange.produced_rollouts
+    )
     rollouts_published: int = 0
     rollouts_received: int = 0
     rollouts_accepted: int = 0

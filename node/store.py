@@ -284,12 +284,20 @@ class Store:
 
     def put(self, key: str, value: Any) -> None:
         with self.tx() as db:
-            db.execute("INSERT INTO kv(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                       (key, json.dumps(value)))
+            db.execute(
+                "INSERT INTO kv(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                (key, json.dumps(value)),
+            )
 
     # ------------------------------------------------------------ peers
-    def see_peer(self, peer_id: str, public_key: bytes | None = None, addrs: list[str] | None = None,
-                 announce: bytes | None = None, connected: bool = False) -> None:
+    def see_peer(
+        self,
+        peer_id: str,
+        public_key: bytes | None = None,
+        addrs: list[str] | None = None,
+        announce: bytes | None = None,
+        connected: bool = False,
+    ) -> None:
         """Record a peer heard or connected. Its `announce` is kept only if it is or was once `connected`
         (directly to this node); a stranger's row keeps at most `STRANGER_ADDRS` addresses."""
         now = _now_ms()
@@ -306,8 +314,15 @@ class Store:
                      announce=CASE WHEN MAX(peers.connected, excluded.connected)
                        THEN COALESCE(excluded.announce, peers.announce) END
                    RETURNING first_seen_ms = last_seen_ms""",
-                (peer_id, public_key, json.dumps(addrs or []), now, now, announce if connected else None,
-                 int(connected)),
+                (
+                    peer_id,
+                    public_key,
+                    json.dumps(addrs or []),
+                    now,
+                    now,
+                    announce if connected else None,
+                    int(connected),
+                ),
             )
             new = bool(cur.fetchone()[0])
         if new:
@@ -327,7 +342,8 @@ class Store:
                                                        WHERE producer = peers.public_key AND accepted > 0),
                            last_seen_ms, {PEER_ROW_OVERHEAD} + LENGTH(peer_id) * 2 + COALESCE(LENGTH(public_key), 0)
                                          + LENGTH(addrs) + COALESCE(LENGTH(announce), 0)
-                    FROM peers""").fetchall()
+                    FROM peers"""
+            ).fetchall()
             total = sum(r[3] for r in rows)
             over_rows = len(rows) - b.max_rows
             gone: list[tuple[str]] = []
@@ -347,12 +363,18 @@ class Store:
             db.execute("UPDATE peers SET score=?, banned_until_ms=? WHERE peer_id=?", (score, banned_until_ms, peer_id))
 
     def peers(self) -> list[dict[str, Any]]:
-        rows = self.query("SELECT peer_id, addrs, last_seen_ms, score, banned_until_ms FROM peers ORDER BY last_seen_ms DESC")
-        return [dict(peer_id=r[0], addrs=json.loads(r[1]), last_seen_ms=r[2], score=r[3], banned_until_ms=r[4]) for r in rows]
+        rows = self.query(
+            "SELECT peer_id, addrs, last_seen_ms, score, banned_until_ms FROM peers ORDER BY last_seen_ms DESC"
+        )
+        return [
+            dict(peer_id=r[0], addrs=json.loads(r[1]), last_seen_ms=r[2], score=r[3], banned_until_ms=r[4])
+            for r in rows
+        ]
 
     # ------------------------------------------------------------ lineages and versions
-    def add_lineage(self, lineage_id: bytes, name: str, publisher: bytes, base_model_hash: bytes,
-                    relation: Relation) -> None:
+    def add_lineage(
+        self, lineage_id: bytes, name: str, publisher: bytes, base_model_hash: bytes, relation: Relation
+    ) -> None:
         with self.tx() as db:
             db.execute(
                 """INSERT INTO lineages VALUES(?, ?, ?, ?, ?, ?)
@@ -365,8 +387,17 @@ class Store:
         rows = self.query("SELECT lineage_id, name, publisher, base_model_hash, relation FROM lineages")
         return [dict(lineage_id=r[0], name=r[1], publisher=r[2], base_model_hash=r[3], relation=r[4]) for r in rows]
 
-    def add_version(self, lineage_id: bytes, version: int, state_hash: bytes, kind: str, base_version: int,
-                    manifest: bytes | None = None, path: str | None = None, held: bool = False) -> None:
+    def add_version(
+        self,
+        lineage_id: bytes,
+        version: int,
+        state_hash: bytes,
+        kind: str,
+        base_version: int,
+        manifest: bytes | None = None,
+        path: str | None = None,
+        held: bool = False,
+    ) -> None:
         with self.tx() as db:
             db.execute(
                 """INSERT INTO versions VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)
@@ -376,7 +407,9 @@ class Store:
                 (lineage_id, version, state_hash, kind, base_version, manifest, path, int(held), _now_ms()),
             )
             if version % 256 == 0:  # the primary key's range: bounded work, a bounded table per lineage
-                db.execute("DELETE FROM versions WHERE lineage_id=? AND version<?", (lineage_id, version - VERSIONS_KEPT))
+                db.execute(
+                    "DELETE FROM versions WHERE lineage_id=? AND version<?", (lineage_id, version - VERSIONS_KEPT)
+                )
 
     def head_version(self, lineage_id: bytes, held_only: bool = True) -> int | None:
         sql = "SELECT MAX(version) FROM versions WHERE lineage_id=?" + (" AND held=1" if held_only else "")
@@ -388,25 +421,36 @@ class Store:
             "SELECT version, state_hash, kind, base_version, manifest, path, held FROM versions WHERE lineage_id=? ORDER BY version, kind",
             (lineage_id,),
         )
-        return [dict(version=r[0], state_hash=r[1], kind=r[2], base_version=r[3], manifest=r[4], path=r[5], held=bool(r[6]))
-                for r in rows]
+        return [
+            dict(version=r[0], state_hash=r[1], kind=r[2], base_version=r[3], manifest=r[4], path=r[5], held=bool(r[6]))
+            for r in rows
+        ]
 
     def forget_versions_before(self, lineage_id: bytes, version: int, keep_anchors: bool = True) -> None:
         with self.tx() as db:
-            sql = "DELETE FROM versions WHERE lineage_id=? AND version<?" + (" AND kind!='anchor'" if keep_anchors else "")
+            sql = "DELETE FROM versions WHERE lineage_id=? AND version<?" + (
+                " AND kind!='anchor'" if keep_anchors else ""
+            )
             db.execute(sql, (lineage_id, version))
 
     # ------------------------------------------------------------ task sets
     def add_task_set(self, task_set_id: bytes, name: str, version: int, coordinator: bytes, envelope: bytes) -> bool:
         """True when new."""
         with self.tx() as db:
-            cur = db.execute("INSERT OR IGNORE INTO task_sets VALUES(?, ?, ?, ?, ?, ?)",
-                             (task_set_id, name, version, coordinator, envelope, _now_ms()))
+            cur = db.execute(
+                "INSERT OR IGNORE INTO task_sets VALUES(?, ?, ?, ?, ?, ?)",
+                (task_set_id, name, version, coordinator, envelope, _now_ms()),
+            )
             return cur.rowcount == 1
 
     def task_sets(self) -> list[dict[str, Any]]:
-        rows = self.query("SELECT task_set_id, name, version, coordinator, envelope, received_ms FROM task_sets ORDER BY received_ms, rowid")
-        return [dict(task_set_id=r[0], name=r[1], version=r[2], coordinator=r[3], envelope=r[4], received_ms=r[5]) for r in rows]
+        rows = self.query(
+            "SELECT task_set_id, name, version, coordinator, envelope, received_ms FROM task_sets ORDER BY received_ms, rowid"
+        )
+        return [
+            dict(task_set_id=r[0], name=r[1], version=r[2], coordinator=r[3], envelope=r[4], received_ms=r[5])
+            for r in rows
+        ]
 
     # ------------------------------------------------------------ rollout ledger
     def record_rollouts(self, entries: Iterable[dict[str, Any]]) -> int:
@@ -430,18 +474,35 @@ class Store:
                 seq = db.execute(
                     """INSERT INTO ledger(rollout_id, direction, status, reason, producer, from_peer, lineage, version,
                        task_set, generator, task_seed, reward, tokens, ts_ms) VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)""",
-                    (e["rollout_id"], e["direction"], e["status"], e.get("reason", ""), named[0], named[1], named[2],
-                     e.get("version"), named[3], named[4], e.get("task_seed"), e.get("reward"), e.get("tokens"),
-                     e.get("ts_ms", now)),
+                    (
+                        e["rollout_id"],
+                        e["direction"],
+                        e["status"],
+                        e.get("reason", ""),
+                        named[0],
+                        named[1],
+                        named[2],
+                        e.get("version"),
+                        named[3],
+                        named[4],
+                        e.get("task_seed"),
+                        e.get("reward"),
+                        e.get("tokens"),
+                        e.get("ts_ms", now),
+                    ),
                 ).lastrowid
                 if e.get("payload") is not None:
                     db.execute("INSERT INTO ledger_payloads VALUES(?, ?)", (seq, e["payload"]))
-            db.executemany("""INSERT INTO ledger_totals VALUES(?, ?, ?)
+            db.executemany(
+                """INSERT INTO ledger_totals VALUES(?, ?, ?)
                               ON CONFLICT DO UPDATE SET n = n + excluded.n""",
-                           [(st, rs, n) for (st, rs), n in totals.items()])
-            db.executemany("""INSERT INTO producer_totals VALUES(?, ?, ?) ON CONFLICT DO UPDATE SET
+                [(st, rs, n) for (st, rs), n in totals.items()],
+            )
+            db.executemany(
+                """INSERT INTO producer_totals VALUES(?, ?, ?) ON CONFLICT DO UPDATE SET
                               accepted = accepted + excluded.accepted, tokens = tokens + excluded.tokens""",
-                           [(p, a, t) for p, (a, t) in producers.items()])
+                [(p, a, t) for p, (a, t) in producers.items()],
+            )
         self._since_prune += len(entries)
         if self._since_prune >= PRUNE_EVERY:
             self._since_prune = 0
@@ -477,8 +538,10 @@ class Store:
                 return 0
             # Sequence numbers are dense and ts_ms grows with them: both cuts walk the primary key from the oldest row.
             cut = min(top - b.max_rows, lo + PRUNE_BATCH - 1)
-            aged = db.execute("SELECT MAX(seq) FROM (SELECT seq FROM ledger WHERE seq < ? AND ts_ms < ? ORDER BY seq)",
-                              (lo + PRUNE_BATCH, now_ms - int(b.max_age_s * 1000))).fetchone()[0]
+            aged = db.execute(
+                "SELECT MAX(seq) FROM (SELECT seq FROM ledger WHERE seq < ? AND ts_ms < ? ORDER BY seq)",
+                (lo + PRUNE_BATCH, now_ms - int(b.max_age_s * 1000)),
+            ).fetchone()[0]
             cut = max(cut, aged or 0)
             deleted = db.execute("DELETE FROM ledger WHERE seq <= ?", (cut,)).rowcount if cut >= lo else 0
             base = max(self._payload_floor, cut, lo - 1)

@@ -40,8 +40,15 @@ Draw = Callable[[bytes, bool], list[wire.Rollout]]
 class Adversary:
     """What one misbehaving peer sends next: the one place its batches are built and sealed."""
 
-    def __init__(self, ident: Identity, swarm: str, lineage: bytes, now_ms: Callable[[], int], draw: Draw,
-                 victim: Callable[[], bytes]) -> None:
+    def __init__(
+        self,
+        ident: Identity,
+        swarm: str,
+        lineage: bytes,
+        now_ms: Callable[[], int],
+        draw: Draw,
+        victim: Callable[[], bytes],
+    ) -> None:
         self.ident = ident
         self.swarm = swarm
         self.lineage = lineage  # the lineage its own batches name
@@ -55,16 +62,24 @@ class Adversary:
         if seq is None:
             self.seq += 1
             seq = self.seq
-        batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.swarm, producer=self.ident.public, seq=seq,
-                                  created_ms=self.now_ms(), rollouts=rollouts)
+        batch = wire.RolloutBatch(
+            v=wire.FORMAT_VERSION,
+            swarm=self.swarm,
+            producer=self.ident.public,
+            seq=seq,
+            created_ms=self.now_ms(),
+            rollouts=rollouts,
+        )
         return wire.seal(self.ident, wire.ROLLOUT_BATCH, batch, swarm=self.swarm)
 
     def payloads(self, behaviour: str) -> list[tuple[bytes, bytes]]:
         """The next bad message(s) of this behaviour, each with the lineage its rollouts name; [] for
         behaviours that act by omission or on the broadcast plane."""
         if behaviour == "forged_reward":
-            forged = [wire.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "reward": 1.0})
-                      for r in self.draw(self.lineage, True)]  # all wrong, each claiming full reward
+            forged = [
+                wire.Rollout(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "reward": 1.0})
+                for r in self.draw(self.lineage, True)
+            ]  # all wrong, each claiming full reward
             return [(self.seal(forged), self.lineage)]
         if behaviour == "invalid_signature":
             data = bytearray(self.seal(self.draw(self.lineage, False)))
@@ -97,18 +112,30 @@ def for_process(ident: Identity, swarm: str, seed: int = 0, victim_lineage: byte
         for _ in range(n):
             text = str(int(task.answer) + rng.choice((1, 2, 3))) if wrong else task.answer
             ids = [ord(c) for c in text] + [1]
-            out.append(wire.Rollout(task=ref, lineage=lineage, version=0, completion_ids=ids, text=text,
-                                    tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
-                                    sampling=wire.SamplingParams(max_new_tokens=8),
-                                    reward=score(task, text), created_ms=wire.now_ms()))
+            out.append(
+                wire.Rollout(
+                    task=ref,
+                    lineage=lineage,
+                    version=0,
+                    completion_ids=ids,
+                    text=text,
+                    tokenizer_hash=TOKENIZER,
+                    logprobs=bytes(4 * len(ids)),
+                    token_versions=[],
+                    sampling=wire.SamplingParams(max_new_tokens=8),
+                    reward=score(task, text),
+                    created_ms=wire.now_ms(),
+                )
+            )
         return out
 
     lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
     return Adversary(ident, swarm, lineage, wire.now_ms, draw, lambda: victim)
 
 
-async def _serve(seed_hex: str, swarm: str, behaviour: str, rate: float, bootstrap: list[str], listen: str,
-                 duration_s: float) -> None:
+async def _serve(
+    seed_hex: str, swarm: str, behaviour: str, rate: float, bootstrap: list[str], listen: str, duration_s: float
+) -> None:
     import trio
 
     from murmur.gossip import topics
@@ -144,8 +171,10 @@ def main(argv: list[str]) -> None:
 
 
 def describe() -> dict[str, Any]:
-    return {b: (__doc__ or "").split(b, 1)[1].split("\n", 1)[0].strip() for b in
-            ("forged_reward", "invalid_signature", "replay", "stale_spam", "corrupt_chunks", "free_ride")}
+    return {
+        b: (__doc__ or "").split(b, 1)[1].split("\n", 1)[0].strip()
+        for b in ("forged_reward", "invalid_signature", "replay", "stale_spam", "corrupt_chunks", "free_ride")
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover - run as a subprocess by the emulator

@@ -21,19 +21,20 @@ import sys
 from typing import Any
 
 
-def expected_curve(initial: float, rate: float, ceiling: float, steps: int, groups: int = 8,
-                   group_size: int = 8) -> list[float]:
+def expected_curve(
+    initial: float, rate: float, ceiling: float, steps: int, groups: int = 8, group_size: int = 8
+) -> list[float]:
     p, out = initial, []
     for _ in range(steps):
         out.append(p)
-        u = groups * (1 - p ** group_size - (1 - p) ** group_size)
+        u = groups * (1 - p**group_size - (1 - p) ** group_size)
         p = min(ceiling, p + rate * (ceiling - p) * u / 8.0)
     return out
 
 
 def block_means(curve: list[float], blocks: int = 5) -> list[float]:
     n = max(1, len(curve) // blocks)
-    return [sum(curve[k:k + n]) / len(curve[k:k + n]) for k in range(0, n * blocks, n)]
+    return [sum(curve[k : k + n]) / len(curve[k : k + n]) for k in range(0, n * blocks, n)]
 
 
 def _err(p0: float, rate: float, ceil: float, target: list[float], steps: int, groups: int, size: int) -> float:
@@ -43,20 +44,34 @@ def _err(p0: float, rate: float, ceil: float, target: list[float], steps: int, g
 
 def fit(target_blocks: list[float], steps: int, groups: int = 8, group_size: int = 8) -> dict[str, Any]:
     """Grid search, coarse then fine: initial 0.005–0.30, rate 0.002–0.4, ceiling 0.05–0.95."""
-    def search(p0s: list[float], rates: list[float], ceils: list[float]) -> tuple[float, float, float, float]:
-        return min((_err(p0, r, c, target_blocks, steps, groups, group_size), p0, r, c)
-                   for p0 in p0s for r in rates for c in ceils if p0 <= c)
 
-    _, p0, rate, ceil = search([i * 0.02 for i in range(1, 16)], [i * 0.01 for i in range(1, 41)],
-                               [i * 0.04 for i in range(2, 24)])
-    err, p0, rate, ceil = search([x for i in range(-4, 5) if (x := round(p0 + i * 0.005, 4)) > 0],
-                                 [x for i in range(-6, 7) if (x := round(rate + i * 0.002, 4)) > 0],
-                                 [x for i in range(-4, 5) if (x := round(ceil + i * 0.01, 4)) > 0])
+    def search(p0s: list[float], rates: list[float], ceils: list[float]) -> tuple[float, float, float, float]:
+        return min(
+            (_err(p0, r, c, target_blocks, steps, groups, group_size), p0, r, c)
+            for p0 in p0s
+            for r in rates
+            for c in ceils
+            if p0 <= c
+        )
+
+    _, p0, rate, ceil = search(
+        [i * 0.02 for i in range(1, 16)], [i * 0.01 for i in range(1, 41)], [i * 0.04 for i in range(2, 24)]
+    )
+    err, p0, rate, ceil = search(
+        [x for i in range(-4, 5) if (x := round(p0 + i * 0.005, 4)) > 0],
+        [x for i in range(-6, 7) if (x := round(rate + i * 0.002, 4)) > 0],
+        [x for i in range(-4, 5) if (x := round(ceil + i * 0.01, 4)) > 0],
+    )
     model = expected_curve(p0, rate, ceil, steps, groups, group_size)
-    return {"initial": p0, "rate": rate, "ceiling": ceil,
-            "rmse": round((err / len(target_blocks)) ** 0.5, 4),
-            "model_block_means": [round(x, 4) for x in block_means(model, len(target_blocks))],
-            "target_block_means": target_blocks, "model_cumulative": round(sum(model), 3)}
+    return {
+        "initial": p0,
+        "rate": rate,
+        "ceiling": ceil,
+        "rmse": round((err / len(target_blocks)) ** 0.5, 4),
+        "model_block_means": [round(x, 4) for x in block_means(model, len(target_blocks))],
+        "target_block_means": target_blocks,
+        "model_cumulative": round(sum(model), 3),
+    }
 
 
 def _matched_arms(bench: dict[str, Any]) -> dict[str, Any]:
@@ -73,19 +88,32 @@ def _matched_arms(bench: dict[str, Any]) -> dict[str, Any]:
     ext = mean([mean(r["external_groups_per_node"]) for r in per])
     steps = [r.get("steps_per_node") for r in per]
     gen = [r.get("generation_share", {}).get("isolated") for r in per]
-    return {"iso": [mean([r["curves"]["isolated"][j] for r in per]) for j in range(k)],
-            "swarm": [mean([r["curves"]["swarm"][j] for r in per]) for j in range(k)],
-            "marks": per[0]["curves"]["cpu_s"], "u_iso": per_node("updates_per_node", "isolated"),
-            "u_swarm": per_node("updates_per_node", "swarm"), "ext_share": ext / (8.0 * per_node("updates_per_node", "swarm")),
-            "steps_iso": mean([mean(s["isolated"]) for s in steps]) if all(steps) else None,
-            "gen_iso": mean(gen) if all(g is not None for g in gen) else None,
-            "local_groups": int(bench["trainer"]["local_groups"]), "followers": int(bench.get("followers", 0)),
-            "nodes": int(bench["nodes"]), "speedup": float(bench["speedup"]),
-            "adversary": bool(bench.get("with_adversary"))}
+    return {
+        "iso": [mean([r["curves"]["isolated"][j] for r in per]) for j in range(k)],
+        "swarm": [mean([r["curves"]["swarm"][j] for r in per]) for j in range(k)],
+        "marks": per[0]["curves"]["cpu_s"],
+        "u_iso": per_node("updates_per_node", "isolated"),
+        "u_swarm": per_node("updates_per_node", "swarm"),
+        "ext_share": ext / (8.0 * per_node("updates_per_node", "swarm")),
+        "steps_iso": mean([mean(s["isolated"]) for s in steps]) if all(steps) else None,
+        "gen_iso": mean(gen) if all(g is not None for g in gen) else None,
+        "local_groups": int(bench["trainer"]["local_groups"]),
+        "followers": int(bench.get("followers", 0)),
+        "nodes": int(bench["nodes"]),
+        "speedup": float(bench["speedup"]),
+        "adversary": bool(bench.get("with_adversary")),
+    }
 
 
-def matched_curve(p0: float, rate: float, ceiling: float, updates: float, marks: int, ext_share: float = 0.0,
-                  external_weight: float = 1.0) -> list[float]:
+def matched_curve(
+    p0: float,
+    rate: float,
+    ceiling: float,
+    updates: float,
+    marks: int,
+    ext_share: float = 0.0,
+    external_weight: float = 1.0,
+) -> list[float]:
     """The model's skill at `marks` + 1 equal CPU marks over `updates` updates of 8 informative groups, a
     share `ext_share` of them external and worth `external_weight` each."""
     eff = rate * (1.0 - ext_share + external_weight * ext_share)
@@ -103,8 +131,11 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     arms = [_matched_arms(b) for b in benches]
 
     def iso_err(rate: float, ceil: float) -> float:
-        return sum((m - y) ** 2 for a in arms
-                   for m, y in zip(matched_curve(a["iso"][0], rate, ceil, a["u_iso"], len(a["marks"]) - 1), a["iso"]))
+        return sum(
+            (m - y) ** 2
+            for a in arms
+            for m, y in zip(matched_curve(a["iso"][0], rate, ceil, a["u_iso"], len(a["marks"]) - 1), a["iso"])
+        )
 
     rates = [0.0005 * i for i in range(1, 101)]
     ceils = [0.02 * i for i in range(5, 50)]
@@ -113,9 +144,14 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     followed = [a for a in arms if a["followers"]]
 
     def sw_err(w: float, which: list[dict[str, Any]]) -> float:
-        return sum((m - y) ** 2 for a in which
-                   for m, y in zip(matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], len(a["marks"]) - 1,
-                                                 a["ext_share"], w), a["swarm"]))
+        return sum(
+            (m - y) ** 2
+            for a in which
+            for m, y in zip(
+                matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], len(a["marks"]) - 1, a["ext_share"], w),
+                a["swarm"],
+            )
+        )
 
     def best(which: list[dict[str, Any]]) -> float:
         return min((sw_err(0.02 * i, which), 0.02 * i) for i in range(151))[1] if which else 1.0
@@ -131,19 +167,38 @@ def fit_matched(benches: list[dict[str, Any]]) -> dict[str, Any]:
     for a in arms:
         k = len(a["marks"]) - 1
         iso = matched_curve(a["iso"][0], rate, ceil, a["u_iso"], k)
-        sw = matched_curve(a["swarm"][0], rate, ceil, a["u_swarm"], k, a["ext_share"], own if a["followers"] else weight)
-        runs.append({"nodes": a["nodes"], "followers": a["followers"], "adversary": a["adversary"],
-                     "start": round(a["iso"][0], 4), "steps_iso": a["steps_iso"],
-                     "final_delta_measured": round(a["swarm"][-1] - a["iso"][-1], 4),
-                     "speedup_measured": a["speedup"], "speedup_model": round(curves.speedup(a["marks"], iso, sw)[0], 3),
-                     "ext_share": round(a["ext_share"], 3), "updates_iso_swarm": [round(a["u_iso"], 1), round(a["u_swarm"], 1)]})
-    return {"initial": round(sum(a["iso"][0] for a in arms) / len(arms), 3), "rate": rate, "ceiling": ceil,
-            "external_weight": round(weight, 2), "own_lineage_weight": round(own, 2),
-            "train_share": round(sum(shares) / len(shares), 3) if shares else None,
-            "rmse_isolated": round((iso_err(rate, ceil) / sum(len(a["iso"]) for a in arms)) ** 0.5, 4),
-            "rmse_swarm": round(((sw_err(weight, peers) + sw_err(own, followed))
-                                 / max(1, sum(len(a["swarm"]) for a in peers + followed))) ** 0.5, 4),
-            "runs": runs}
+        sw = matched_curve(
+            a["swarm"][0], rate, ceil, a["u_swarm"], k, a["ext_share"], own if a["followers"] else weight
+        )
+        runs.append(
+            {
+                "nodes": a["nodes"],
+                "followers": a["followers"],
+                "adversary": a["adversary"],
+                "start": round(a["iso"][0], 4),
+                "steps_iso": a["steps_iso"],
+                "final_delta_measured": round(a["swarm"][-1] - a["iso"][-1], 4),
+                "speedup_measured": a["speedup"],
+                "speedup_model": round(curves.speedup(a["marks"], iso, sw)[0], 3),
+                "ext_share": round(a["ext_share"], 3),
+                "updates_iso_swarm": [round(a["u_iso"], 1), round(a["u_swarm"], 1)],
+            }
+        )
+    return {
+        "initial": round(sum(a["iso"][0] for a in arms) / len(arms), 3),
+        "rate": rate,
+        "ceiling": ceil,
+        "external_weight": round(weight, 2),
+        "own_lineage_weight": round(own, 2),
+        "train_share": round(sum(shares) / len(shares), 3) if shares else None,
+        "rmse_isolated": round((iso_err(rate, ceil) / sum(len(a["iso"]) for a in arms)) ** 0.5, 4),
+        "rmse_swarm": round(
+            ((sw_err(weight, peers) + sw_err(own, followed)) / max(1, sum(len(a["swarm"]) for a in peers + followed)))
+            ** 0.5,
+            4,
+        ),
+        "runs": runs,
+    }
 
 
 def virtual_speedup(fitted: dict[str, Any], run: dict[str, Any], seeds: int = 5) -> dict[str, Any]:
@@ -153,21 +208,30 @@ def virtual_speedup(fitted: dict[str, Any], run: dict[str, Any], seeds: int = 5)
     from murmur.simulations import scenario as S
     from murmur.simulations.virtual import run_virtual
 
-    groups = (f"[[group]]\ncount = 1\n[[group]]\ncount = {run['followers']}\nrole = \"follower\"\nfollow = 0\n"
-              if run["followers"] else f"[[group]]\ncount = {run['nodes']}\n")
+    groups = (
+        f'[[group]]\ncount = 1\n[[group]]\ncount = {run["followers"]}\nrole = "follower"\nfollow = 0\n'
+        if run["followers"]
+        else f"[[group]]\ncount = {run['nodes']}\n"
+    )
     j = 16 * max(1, run["followers"])
-    learning = "".join(f"{k} = {fitted[k]}\n" for k in ("rate", "ceiling", "external_weight", "own_lineage_weight",
-                                                                "train_share")
-                       if fitted.get(k) is not None)
+    learning = "".join(
+        f"{k} = {fitted[k]}\n"
+        for k in ("rate", "ceiling", "external_weight", "own_lineage_weight", "train_share")
+        if fitted.get(k) is not None
+    )
     out = []
     for seed in range(seeds):
-        text = (f"seed = {seed}\nduration_s = {max(2.0, round(run['steps_iso']))}\n{groups}"
-                f"[training]\nlocal_groups = 16\nexternal_groups = {j}\nstep_s = 1.0\n"
-                f"[sync]\nbroadcasts = 0\n[report]\nplots = false\n"
-                f"[learning]\ninitial = {round(run['start'], 4)}\nspread = 0.0\n{learning}")
+        text = (
+            f"seed = {seed}\nduration_s = {max(2.0, round(run['steps_iso']))}\n{groups}"
+            f"[training]\nlocal_groups = 16\nexternal_groups = {j}\nstep_s = 1.0\n"
+            f"[sync]\nbroadcasts = 0\n[report]\nplots = false\n"
+            f"[learning]\ninitial = {round(run['start'], 4)}\nspread = 0.0\n{learning}"
+        )
         out.append(run_virtual(S.loads(text, "matched.toml"))["alone"])
-    return {"speedup_virtual": round(sum(a["speedup"] for a in out) / seeds, 3),
-            "final_delta_virtual": round(sum(a["final_skill_delta"] for a in out) / seeds, 4)}
+    return {
+        "speedup_virtual": round(sum(a["speedup"] for a in out) / seeds, 3),
+        "final_delta_virtual": round(sum(a["final_skill_delta"] for a in out) / seeds, 4),
+    }
 
 
 def main(argv: list[str]) -> None:

@@ -72,8 +72,10 @@ class Emulation:
         self.failed: list[dict[str, Any]] = []
         self.specs = expand(sc)
         if len(self.specs) > MAX_REAL_NODES:
-            raise MurmurError(f"{sc.name}: {len(self.specs)} nodes is over the emulator's limit of {MAX_REAL_NODES} "
-                              "real processes; use --virtual")
+            raise MurmurError(
+                f"{sc.name}: {len(self.specs)} nodes is over the emulator's limit of {MAX_REAL_NODES} "
+                "real processes; use --virtual"
+            )
         self.netns = None
         if os.environ.get("MURMUR_SIM_NETNS") == "1":
             self.netns = NetnsLab()
@@ -117,15 +119,32 @@ class Emulation:
         tr, s, sc = self.sc.training, p.spec, self.sc
         # an auto node configures no roles and the least budget a trainer needs: it chooses, as a volunteer's does
         roles = [] if s.role == "auto" else ["trainer" if s.role == "trainer" else "follower"]
-        return {"node": {"swarm": sc.swarm, "roles": roles, "hardware": "cpu",
-                         "memory_budget_mb": TRAINER_MIN_BUDGET_MB if s.role == "auto" else 1024},
-                "network": {"dht": False},
-                "training": {"local_rollouts": tr.local_groups, "external_rollouts": tr.external_groups,
-                             "group_size": tr.group_size, "seed": sc.seed * 1000 + s.index, "threads": 1},
-                "sync": {"max_staleness": tr.max_staleness, "publish_every": sc.sync.publish_every,
-                         "chunk_bytes": sc.sync.chunk_bytes},
-                "gossip": {"rate_limit_per_s": sc.gossip.rate_limit_per_s, "rate_burst": sc.gossip.rate_burst,
-                           "graylist_threshold": sc.gossip.graylist_threshold}}
+        return {
+            "node": {
+                "swarm": sc.swarm,
+                "roles": roles,
+                "hardware": "cpu",
+                "memory_budget_mb": TRAINER_MIN_BUDGET_MB if s.role == "auto" else 1024,
+            },
+            "network": {"dht": False},
+            "training": {
+                "local_rollouts": tr.local_groups,
+                "external_rollouts": tr.external_groups,
+                "group_size": tr.group_size,
+                "seed": sc.seed * 1000 + s.index,
+                "threads": 1,
+            },
+            "sync": {
+                "max_staleness": tr.max_staleness,
+                "publish_every": sc.sync.publish_every,
+                "chunk_bytes": sc.sync.chunk_bytes,
+            },
+            "gossip": {
+                "rate_limit_per_s": sc.gossip.rate_limit_per_s,
+                "rate_burst": sc.gossip.rate_burst,
+                "graylist_threshold": sc.gossip.graylist_threshold,
+            },
+        }
 
     def _bootstrap(self, exclude: int) -> list[str]:
         first = next(p for p in self.procs if p.spec.role != "adversary" and p.spec.index != exclude)
@@ -139,13 +158,23 @@ class Emulation:
         listen = f"/ip4/{p.addr}/tcp/{p.port}"
         boot = self._bootstrap(p.spec.index) if p.spec.index != self.procs[0].spec.index else []
         if p.spec.role == "adversary":
-            cmd = [sys.executable, "-m", "murmur.simulations.adversary",
-                   identity_for(self.sc.seed, p.spec.index).seed.hex(), self.sc.swarm, p.spec.behaviour or "",
-                   str(p.spec.rate_per_s), str(self.sc.duration_s), listen, *boot]
+            cmd = [
+                sys.executable,
+                "-m",
+                "murmur.simulations.adversary",
+                identity_for(self.sc.seed, p.spec.index).seed.hex(),
+                self.sc.swarm,
+                p.spec.behaviour or "",
+                str(p.spec.rate_per_s),
+                str(self.sc.duration_s),
+                listen,
+                *boot,
+            ]
             p.proc = launch.spawn(prefix + cmd, p.home, LOG, env)
         else:  # the config was written once in _prepare: a restart keeps it
-            p.proc = launch.start(launch.NodeLaunch(home=str(p.home), listen=[listen], bootstrap=boot, env=env,
-                                                    prefix=prefix, log=LOG))
+            p.proc = launch.start(
+                launch.NodeLaunch(home=str(p.home), listen=[listen], bootstrap=boot, env=env, prefix=prefix, log=LOG)
+            )
         self._row("event", t=self._t(), node=p.spec.index, action="join")
 
     def _stop(self, p: _Proc) -> None:
@@ -171,15 +200,24 @@ class Emulation:
         """Record a process that exited although the scenario did not stop it."""
         if p.proc is None or p.proc.alive():
             return
-        self.failed.append({"node": p.spec.index, "group": p.spec.group, "role": p.spec.role, "t": round(self._t(), 1),
-                            "exit_code": p.proc.returncode(), "last_log_line": p.proc.last_log_line()})
+        self.failed.append(
+            {
+                "node": p.spec.index,
+                "group": p.spec.group,
+                "role": p.spec.role,
+                "t": round(self._t(), 1),
+                "exit_code": p.proc.returncode(),
+                "last_log_line": p.proc.last_log_line(),
+            }
+        )
         self._row("event", t=self._t(), node=p.spec.index, action="failed")
         p.proc = None
 
     def _done(self) -> bool:
         """Smoke runs end once every honest node has taken its first step, or at the first failure."""
-        return self.smoke and (bool(self.failed) or all(
-            p.first_step_s is not None for p in self.procs if p.spec.role != "adversary"))
+        return self.smoke and (
+            bool(self.failed) or all(p.first_step_s is not None for p in self.procs if p.spec.role != "adversary")
+        )
 
     def _t(self) -> float:
         return time.monotonic() - self.t0 if self.t0 else 0.0
@@ -226,8 +264,15 @@ class Emulation:
             if p.first_step_s is None and (s.steps > 0 or s.versions_applied > 0):
                 p.first_step_s = t
             if s.reward_now is not None:
-                self._row("reward", t=t, node=p.spec.index, reward=s.reward_now, isolated=None,
-                          version=s.versions_published, group=p.spec.group)
+                self._row(
+                    "reward",
+                    t=t,
+                    node=p.spec.index,
+                    reward=s.reward_now,
+                    isolated=None,
+                    version=s.versions_published,
+                    group=p.spec.group,
+                )
             for lin in s.lineages:
                 if lin.relation == Relation.FOLLOW:
                     self._row("lag", t=t, node=p.spec.index, lag=lin.lag)
@@ -245,7 +290,9 @@ class Emulation:
         self.t0 = time.monotonic()
         by_index = {p.spec.index: p for p in self.procs}
         next_sample = 0.0
-        sample_every = min(self.sc.report.sample_every_s, SMOKE_SAMPLE_S) if self.smoke else self.sc.report.sample_every_s
+        sample_every = (
+            min(self.sc.report.sample_every_s, SMOKE_SAMPLE_S) if self.smoke else self.sc.report.sample_every_s
+        )
         k = 0
         try:
             while self._t() < self.sc.duration_s and not self._done():
@@ -263,8 +310,13 @@ class Emulation:
                     self._sample()
                     next_sample = now + sample_every
                     if self.progress:
-                        print(f"\remulate {self.sc.name}: {now:6.0f}/{self.sc.duration_s:g} s, "
-                              f"{sum(p.alive for p in self.procs)} up", end="", file=sys.stderr, flush=True)
+                        print(
+                            f"\remulate {self.sc.name}: {now:6.0f}/{self.sc.duration_s:g} s, "
+                            f"{sum(p.alive for p in self.procs)} up",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 wake = min(next_sample, events[k][0] if k < len(events) else self.sc.duration_s, self.sc.duration_s)
                 time.sleep(max(0.05, min(1.0, wake - self._t())))
         finally:
@@ -283,21 +335,37 @@ class Emulation:
             "nodes": len(self.specs),
             "nodes_failed": self.failed,
             "nodes_stepped": sum(p.first_step_s is not None for p in self.procs),
-            "slowest_first_step_s": max((p.first_step_s for p in self.procs if p.first_step_s is not None), default=None),
+            "slowest_first_step_s": max(
+                (p.first_step_s for p in self.procs if p.first_step_s is not None), default=None
+            ),
             "wall_s": round(time.monotonic() - wall, 1),
-            "links": "upload via node limiter; download, latency, loss via netem namespaces" if self.netns
+            "links": "upload via node limiter; download, latency, loss via netem namespaces"
+            if self.netns
             else "upload via node limiter only (download rate, latency, jitter, loss not emulated: "
-                 "set MURMUR_SIM_NETNS=1 as root)",
+            "set MURMUR_SIM_NETNS=1 as root)",
             "reward_samples": len(rewards),
-            "final_reward_mean": (sum(r["reward"] for r in rewards[-len(self.procs):]) / len(rewards[-len(self.procs):])
-                                  if rewards else None),
-            "rejections": {r: sum(1 for x in self.rows.get("rejection", []) if x["reason"] == r)
-                           for r in {x["reason"] for x in self.rows.get("rejection", [])}},
+            "final_reward_mean": (
+                sum(r["reward"] for r in rewards[-len(self.procs) :]) / len(rewards[-len(self.procs) :])
+                if rewards
+                else None
+            ),
+            "rejections": {
+                r: sum(1 for x in self.rows.get("rejection", []) if x["reason"] == r)
+                for r in {x["reason"] for x in self.rows.get("rejection", [])}
+            },
             "graylist_threshold": self.sc.gossip.graylist_threshold,
         }
         self.metrics.close()
-        write_report(self.out, self.rows, summary, dumps(self.sc), title=summary["title"], notes=summary["links"],
-                     threshold=self.sc.gossip.graylist_threshold, plots=self.sc.report.plots)
+        write_report(
+            self.out,
+            self.rows,
+            summary,
+            dumps(self.sc),
+            title=summary["title"],
+            notes=summary["links"],
+            threshold=self.sc.gossip.graylist_threshold,
+            plots=self.sc.report.plots,
+        )
         return summary
 
 

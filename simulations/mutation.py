@@ -56,13 +56,21 @@ MODULE_TESTS: dict[str, list[str]] = {
     "node/core/machine.py": ["tests/test_core.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py"],
     # the core's sub-machines: their own tests, then the core's that drive them
     "node/core/peertable.py": ["tests/test_peertable.py", "tests/test_core.py", "tests/test_attacks_core.py"],
-    "node/core/catchup.py": ["tests/test_catchup_machine.py", "tests/test_core.py", "tests/test_core_boundary.py",
-                                "tests/test_attacks_core.py"],
+    "node/core/catchup.py": [
+        "tests/test_catchup_machine.py",
+        "tests/test_core.py",
+        "tests/test_core_boundary.py",
+        "tests/test_attacks_core.py",
+    ],
     "node/core/supervision.py": ["tests/test_supervision.py", "tests/test_core.py", "tests/test_core_boundary.py"],
     "node/core/sealing.py": ["tests/test_sealing.py", "tests/test_core.py", "tests/test_attacks_core.py"],
     # tests/test_lineage.py is sync/versions.py's (publisher and follower), not the node's lineage table
-    "node/core/lineages.py": ["tests/test_lineages.py", "tests/test_heads_to_worker.py", "tests/test_attacks_core.py",
-                         "tests/test_core.py"],
+    "node/core/lineages.py": [
+        "tests/test_lineages.py",
+        "tests/test_heads_to_worker.py",
+        "tests/test_attacks_core.py",
+        "tests/test_core.py",
+    ],
     "sync/codec.py": ["tests/test_codec.py"],
     "training/losses.py": ["tests/test_losses.py"],
     "training/sampler.py": ["tests/test_sampler.py"],
@@ -72,10 +80,14 @@ MODULE_TESTS: dict[str, list[str]] = {
 # each with its reason in docs/testing.md.
 EQUIVALENT: set[tuple[str, str]] = {
     # a table bound off by one: no behaviour anyone states depends on the exact count
-    ("gossip/ratelimit.py",
-     "def __init__(self, floor_rate: float = 20.0, floor_burst: float = 40.0, max_peers: int = 9999) -> None:"),
-    ("gossip/ratelimit.py",
-     "def __init__(self, floor_rate: float = 20.0, floor_burst: float = 40.0, max_peers: int = 10001) -> None:"),
+    (
+        "gossip/ratelimit.py",
+        "def __init__(self, floor_rate: float = 20.0, floor_burst: float = 40.0, max_peers: int = 9999) -> None:",
+    ),
+    (
+        "gossip/ratelimit.py",
+        "def __init__(self, floor_rate: float = 20.0, floor_burst: float = 40.0, max_peers: int = 10001) -> None:",
+    ),
     ("gossip/ratelimit.py", "def __init__(self, window_s: float = METER_WINDOW_S, max_events: int = 100001) -> None:"),
     ("gossip/ratelimit.py", "def __init__(self, window_s: float = METER_WINDOW_S, max_events: int = 99999) -> None:"),
     ("gossip/ratelimit.py", "def __init__(self, rate_per_s: float, burst: float, max_peers: int = 9999) -> None:"),
@@ -108,8 +120,14 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/scoring.py", "if len(self._peers) == self.max_peers:  # forget the most neutral peer"),
     # no time passed: decaying by 0.5 ** 0 changes nothing
     ("gossip/scoring.py", "elif now >= rec.updated:"),
-    ("training/sampler.py", "MAX_HEADS = 4097  # lineages whose reported head is remembered (least recently reported forgotten first)"),
-    ("training/sampler.py", "MAX_HEADS = 4095  # lineages whose reported head is remembered (least recently reported forgotten first)"),
+    (
+        "training/sampler.py",
+        "MAX_HEADS = 4097  # lineages whose reported head is remembered (least recently reported forgotten first)",
+    ),
+    (
+        "training/sampler.py",
+        "MAX_HEADS = 4095  # lineages whose reported head is remembered (least recently reported forgotten first)",
+    ),
     # slots only saves memory: a frozen Group refuses assignment either way
     ("training/sampler.py", "@dataclass(frozen=True, slots=False)"),
     # the edge of a float tolerance: rewards exactly 1e-9 apart
@@ -120,8 +138,14 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the count grows by one from 0 and `groups` is at least 1 there: `!=` stops where `<` does
     ("training/sampler.py", "if len(chosen) != groups and _tokens(usable[i]) <= room:"),
     # the trainer hook's version floor is accepted and unused (the heads rule replaces it)
-    ("training/sampler.py", "def take_rollouts(self, groups: int, _min_version: int = 1, max_tokens: int | None = None) -> list[wire.Rollout]:"),
-    ("training/sampler.py", "def take_rollouts(self, groups: int, _min_version: int = -1, max_tokens: int | None = None) -> list[wire.Rollout]:"),
+    (
+        "training/sampler.py",
+        "def take_rollouts(self, groups: int, _min_version: int = 1, max_tokens: int | None = None) -> list[wire.Rollout]:",
+    ),
+    (
+        "training/sampler.py",
+        "def take_rollouts(self, groups: int, _min_version: int = -1, max_tokens: int | None = None) -> list[wire.Rollout]:",
+    ),
     # enum members are singletons and Enum's == is identity
     ("gossip/validation.py", "return self.reason == Reason.ACCEPTED"),
     ("gossip/validation.py", "remember=reason == Reason.FUTURE_VERSION)"),
@@ -137,8 +161,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the reason a publisher is avoided is stored and never read (only the expiry is)
     ("node/core/lineages.py", "self.avoided[publisher] = (now + AVOID_S, reason[: 201])"),
     # `is not` between two bools is `!=`
-    ("node/core/lineages.py", 'if m.base_version > m.target_version or (m.codec == "anchor-v1") is not '
-                         '(m.base_version == m.target_version):'),
+    (
+        "node/core/lineages.py",
+        'if m.base_version > m.target_version or (m.codec == "anchor-v1") is not (m.base_version == m.target_version):',
+    ),
     # a live row hearing a version at or below its signed head changes nothing either way
     ("node/core/lineages.py", "if version != lin.signed_head or not lin.live:"),
     # a publisher whose avoidance ends exactly now is not avoided either way (`is_avoided` asks until > now);
@@ -156,11 +182,16 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("training/tokencheck.py", "ids = [i for i in ids if i is not self.eos_id]"),
     ("training/tokencheck.py", "if not self.eos_id in ids:"),
     # transformers tokenizers always carry clean_up_tokenization_spaces: the default is never read
-    ("training/tokencheck.py", 'self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) '
-                               'else tokenizer.backend_tokenizer'),
+    (
+        "training/tokencheck.py",
+        'self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", False) '
+        "else tokenizer.backend_tokenizer",
+    ),
     # HF fast tokenizers decode every u32 id (an unknown one to nothing): the guard is for ones that raise
-    ("training/tokencheck.py",
-     "except CosmicRayTestingException as e:  # an id the tokenizer cannot map: not a text it ever produced"),
+    (
+        "training/tokencheck.py",
+        "except CosmicRayTestingException as e:  # an id the tokenizer cannot map: not a text it ever produced",
+    ),
     ("training/tokencheck.py", "except CosmicRayTestingException:"),
     # M2 exactly at tau: the removal loop stops before its first removal on the same test
     ("training/losses.py", "if total / n < tau:"),
@@ -178,8 +209,10 @@ EQUIVALENT: set[tuple[str, str]] = {
     # a payload under 24 bytes has no room for its header length: refused by the next check instead
     ("sync/codec.py", "if len(mv) < len(MAGIC) - 4 + TRAILER_BYTES:"),
     # the time of a progress that never was: a held version is never -1, so the first catch-up replaces it
-    ("node/core/catchup.py",
-     "self.progress = (-1, -1.0)  # (held version of the served lineage, when it last changed)"),
+    (
+        "node/core/catchup.py",
+        "self.progress = (-1, -1.0)  # (held version of the served lineage, when it last changed)",
+    ),
     # a row's head is never below what it holds (every write of `held` raises `head` to it)
     ("node/core/catchup.py", "if lin is None or (lin.head == lin.held and not lin.need_anchor):"),
     # the lineage table's default bound off by one (as ratelimit's and scoring's)
@@ -221,16 +254,22 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the mode here is VAL_DELTA (2), without the packed flag (8): xor sets it as or does
     ("sync/codec.py", "tries.append((mode ^ VAL_PACKED, lambda a=arr: _packed(a, off)))"),
     # semantic mutants (simulations/semantic.py). Table bounds off by one, as ratelimit's above:
-    ("gossip/limits.py",
-     "if len(self._offences) >= 4 * self.limits.node_streams:  # bounded: forget peers with no recent offence"),
+    (
+        "gossip/limits.py",
+        "if len(self._offences) >= 4 * self.limits.node_streams:  # bounded: forget peers with no recent offence",
+    ),
     ("gossip/cpubudget.py", "while len(self._peers) >= self.max_peers:"),
     ("node/core/credit.py", "while len(self._d) >= self.max_peers:"),
     # the node bucket's first refill: it starts full with `last` at -inf, and full plus anything capped is full;
     # its tokens are never -inf (costs are finite)
-    ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
-                            "if n.tokens > -math.inf else cap"),
-    ("gossip/cpubudget.py", "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) "
-                            "if n.last >= -math.inf else cap"),
+    (
+        "gossip/cpubudget.py",
+        "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) if n.tokens > -math.inf else cap",
+    ),
+    (
+        "gossip/cpubudget.py",
+        "n.tokens = min(cap, n.tokens + max(0.0, now - n.last) * self.node_rate) if n.last >= -math.inf else cap",
+    ),
     ("gossip/validation.py", "while len(self._tasks) >= TASK_CACHE:"),
     # `>=` for `>` (or `<=` for `<`) where the branch assigns the value compared: equal, it changes nothing
     ("gossip/validation.py", "if v >= top:"),
@@ -241,15 +280,23 @@ EQUIVALENT: set[tuple[str, str]] = {
     ("gossip/wire.py", "if not isinstance(swarm, str) or (1 > len(swarm) or len(swarm) > MAX_NAME):"),
     ("gossip/wire.py", "if (not (0.0 >= t or t >= MIN_TEMPERATURE)):"),
     # the two forms of the log-prob check agree at 256 values (the property test at 255-257 pins it)
-    ("gossip/wire.py", "if n < _FEW_LOGPROBS:  # the same float32 comparisons: both bounds rounded to float32 as "
-                       "numpy rounds them"),
+    (
+        "gossip/wire.py",
+        "if n < _FEW_LOGPROBS:  # the same float32 comparisons: both bounds rounded to float32 as numpy rounds them",
+    ),
     # the short form's all-in-range shortcut: a value it sends on to the loop is judged there alike
-    ("gossip/wire.py", "if total == total and (not vals or (min(vals) > LOGPROB_MIN and max(vals) <= "
-                       "_LOGPROB_MAX_F32)):"),
-    ("gossip/wire.py", "if total == total and (not vals or (min(vals) >= LOGPROB_MIN and max(vals) < "
-                       "_LOGPROB_MAX_F32)):"),
-    ("gossip/wire.py", "if total == total and (not vals or ((not (min(vals) < LOGPROB_MIN or max(vals) > "
-                       "_LOGPROB_MAX_F32)))):"),
+    (
+        "gossip/wire.py",
+        "if total == total and (not vals or (min(vals) > LOGPROB_MIN and max(vals) <= _LOGPROB_MAX_F32)):",
+    ),
+    (
+        "gossip/wire.py",
+        "if total == total and (not vals or (min(vals) >= LOGPROB_MIN and max(vals) < _LOGPROB_MAX_F32)):",
+    ),
+    (
+        "gossip/wire.py",
+        "if total == total and (not vals or ((not (min(vals) < LOGPROB_MIN or max(vals) > _LOGPROB_MAX_F32)))):",
+    ),
     ("gossip/exchange.py", "while (not (s >= MAX_SHARDS or n < 2 * s * PRODUCERS_PER_SHARD)):"),
     ("gossip/exchange.py", "while (not (s <= 1 or n >= s * PRODUCERS_PER_SHARD * 3 // 4)):"),
     # the inverse of a modulo 1 is 0, as the shortcut for one shard says
@@ -257,27 +304,38 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the edge of a float tolerance: a supply of exactly 1e-9 batches/s
     ("gossip/exchange.py", "if left >= 1e-09:"),
     ("gossip/exchange.py", "if self._per[j] < 1e-09:"),
-    ("gossip/exchange.py", "return first_in_rotation(node, s, epoch, [j for j in supplied if j not in taken "
-                           "and avail(j) >= 1e-09], k)"),
+    (
+        "gossip/exchange.py",
+        "return first_in_rotation(node, s, epoch, [j for j in supplied if j not in taken and avail(j) >= 1e-09], k)",
+    ),
     ("gossip/exchange.py", "and (avail(j) >= 1e-09 or not supplied)), k))"),
     ("gossip/exchange.py", "rest = [j for j in order if j not in out and avail(j) >= 1e-09]"),
     ("gossip/exchange.py", "out.append(next((j for j in order if avail(j) >= 1e-09), order[0]))"),
     # an own rate of 0 subtracted from its shard changes nothing; a demand of 0 is 0 either way, and NaN
     # already fails `demand_rps > 0`
-    ("gossip/exchange.py", "own_j, own_r = (shard_of(own[0], s), own[1]) if own is not None and own[1] >= 0 "
-                           "else (-1, 0.0)"),
+    (
+        "gossip/exchange.py",
+        "own_j, own_r = (shard_of(own[0], s), own[1]) if own is not None and own[1] >= 0 else (-1, 0.0)",
+    ),
     ("gossip/exchange.py", "demand = demand_rps if math.isfinite(demand_rps) and demand_rps >= 0 else 0.0"),
     ("gossip/exchange.py", "demand = demand_rps if (not math.isinf(demand_rps)) and demand_rps > 0 else 0.0"),
     # "not outside" for "inside" where no operand can be NaN (supplies and demand are finite, counts ints)
-    ("gossip/exchange.py", "and len(kept) == self._rotating_n and (not (missing > sum(have) or sum(have) > "
-                           "2 * missing))):"),
-    ("gossip/exchange.py", "if (not (1e-09 >= avail(j) or avail(j) > 2 * missing)):  # up to twice what is "
-                           "missing: half of it used at worst"),
+    (
+        "gossip/exchange.py",
+        "and len(kept) == self._rotating_n and (not (missing > sum(have) or sum(have) > 2 * missing))):",
+    ),
+    (
+        "gossip/exchange.py",
+        "if (not (1e-09 >= avail(j) or avail(j) > 2 * missing)):  # up to twice what is "
+        "missing: half of it used at worst",
+    ),
     ("gossip/exchange.py", "if (not (missing <= 0 or len(out) >= room)):"),
     ("gossip/exchange.py", "while (not (len(self._snaps) <= 1 or now - self._snaps[0][0] <= RATE_WINDOW_S)):"),
     # the two candidate walks give the same shards (a property test in tests/test_exchange.py pins it)
-    ("gossip/exchange.py", "if supplied and len(supplied) ** 2 <= 4 * MAX_SUBSCRIBED * s:  # few: sorting them "
-                           "beats walking the order"),
+    (
+        "gossip/exchange.py",
+        "if supplied and len(supplied) ** 2 <= 4 * MAX_SUBSCRIBED * s:  # few: sorting them beats walking the order",
+    ),
     # nothing is missing: the loop goes on and adds nothing (every supply it could add is above 0)
     ("gossip/exchange.py", "if len(out) >= room or missing < 0:"),
     # a shard offering exactly what is still missing was taken by the loop before (it offers at most twice that)
@@ -365,8 +423,12 @@ def _sample_of(db: Path) -> tuple[int, int, int] | None:
 
 
 def _copy_tree(dst: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.split(b"\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     for f in files:
         if not f:
             continue
@@ -394,12 +456,21 @@ def _chosen_tests(module: str, tests: list[str] | None) -> list[str]:
 def test_command(tests: list[str]) -> str:
     """One mutant's tests: the fast ones, stopping at the first failure, with no plugin or report a
     mutant does not need (pyproject's addopts asks for --durations)."""
-    return (f"{sys.executable} -m pytest -x -q -o addopts= -p no:cacheprovider -p no:hypothesispytest "
-            f"-m 'not slow' {' '.join(tests)}")
+    return (
+        f"{sys.executable} -m pytest -x -q -o addopts= -p no:cacheprovider -p no:hypothesispytest "
+        f"-m 'not slow' {' '.join(tests)}"
+    )
 
 
-def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, keep_db: str | None = None,
-        resume: str | None = None, sample: int | None = None, seed: int = 0) -> dict[str, Any]:
+def run(
+    module: str,
+    tests: list[str] | None = None,
+    timeout_s: float = 120.0,
+    keep_db: str | None = None,
+    resume: str | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Mutate `module` (a path under the repository) and run its fast tests against every mutant (or a
     seeded sample of `sample` of them). With `resume` (a session kept with --db), only that session's
     survivors run again, against the tests as they are now: the check after writing tests for them."""
@@ -415,8 +486,9 @@ def run(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, k
             f'module-path = "{module}"\n'
             f"timeout = {timeout_s}\n"
             "excluded-modules = []\n"
-            f"test-command = \"{test_command(tests)}\"\n"
-            "[cosmic-ray.distributor]\nname = \"local\"\n")
+            f'test-command = "{test_command(tests)}"\n'
+            '[cosmic-ray.distributor]\nname = "local"\n'
+        )
         db = Path(tmp) / "session.sqlite"
         env = dict(os.environ, PYTHONPATH=str(work), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         cr = [sys.executable, "-m", "cosmic_ray.cli"]
@@ -455,19 +527,24 @@ def to_rerun(module: str, db: Path) -> list[str]:
     from cosmic_ray.work_item import TestOutcome
 
     with use_db(str(db), WorkDB.Mode.open) as wdb:
-        return [item.job_id for item, result in wdb.completed_work_items
-                if result.test_outcome == TestOutcome.SURVIVED and not _equivalent(module, item, result)]
+        return [
+            item.job_id
+            for item, result in wdb.completed_work_items
+            if result.test_outcome == TestOutcome.SURVIVED and not _equivalent(module, item, result)
+        ]
 
 
 def _equivalent(module: str, item: Any, result: Any) -> bool:
     """A surviving mutant no test can tell from the original (EQUIVALENT, or a mutated annotation)."""
     m = item.mutations[0]
-    return any((module, a) in EQUIVALENT for a in _added_lines(result.diff or "")) or \
-        _annotation_only(module, m.start_pos)
+    return any((module, a) in EQUIVALENT for a in _added_lines(result.diff or "")) or _annotation_only(
+        module, m.start_pos
+    )
 
 
-def summarize(module: str, tests: list[str], done: list[Any],
-              sampled: tuple[int, int, int] | None = None) -> dict[str, Any]:
+def summarize(
+    module: str, tests: list[str], done: list[Any], sampled: tuple[int, int, int] | None = None
+) -> dict[str, Any]:
     from cosmic_ray.work_item import TestOutcome
 
     killed = survived = incompetent = equivalent = 0
@@ -486,9 +563,15 @@ def summarize(module: str, tests: list[str], done: list[Any],
             survivors.append({"line": m.start_pos[0], "operator": m.operator_name, "diff": result.diff})
     total = killed + survived
     out: dict[str, Any] = {
-        "module": module, "tests": tests, "mutants": len(done), "killed": killed, "survived": survived,
-        "incompetent": incompetent, "equivalent": equivalent,
-        "score": round(killed / total, 3) if total else None}
+        "module": module,
+        "tests": tests,
+        "mutants": len(done),
+        "killed": killed,
+        "survived": survived,
+        "incompetent": incompetent,
+        "equivalent": equivalent,
+        "score": round(killed / total, 3) if total else None,
+    }
     if sampled is not None:
         out["sampled"] = f"{sampled[0]} of {sampled[1]}"
         out["seed"] = sampled[2]
@@ -497,9 +580,17 @@ def summarize(module: str, tests: list[str], done: list[Any],
     return out
 
 
-def run_semantic(module: str, tests: list[str] | None = None, timeout_s: float = 120.0, keep: str | None = None,
-                 resume: str | None = None, sample: int | None = None, seed: int = 0,
-                 operators: tuple[str, ...] = semantic.OPERATORS, log: Any = None) -> dict[str, Any]:
+def run_semantic(
+    module: str,
+    tests: list[str] | None = None,
+    timeout_s: float = 120.0,
+    keep: str | None = None,
+    resume: str | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+    operators: tuple[str, ...] = semantic.OPERATORS,
+    log: Any = None,
+) -> dict[str, Any]:
     """The semantic mutants of `module` (simulations.semantic) against its fast tests, in a scratch copy of
     the tree. `keep`: write every outcome to this JSON file; `resume`: rerun only the survivors of such a
     file (not those counted equivalent), against the tests as they are now."""
@@ -517,14 +608,20 @@ def run_semantic(module: str, tests: list[str] | None = None, timeout_s: float =
         base = subprocess.run(command, shell=True, cwd=work, env=env, capture_output=True, text=True)
         if base.returncode != 0:
             raise SystemExit(f"the tests fail without any mutation:\n{base.stdout[-3000:]}{base.stderr[-3000:]}")
-        outcomes, total = semantic.run(module, tests, work, work, command, timeout_s, operators, sample, seed, only, log)
+        outcomes, total = semantic.run(
+            module, tests, work, work, command, timeout_s, operators, sample, seed, only, log
+        )
     rows = semantic.as_dicts(outcomes)
     if resume:  # the rerun outcomes replace the survivors' old ones
         again = {o["diff"]: o for o in rows}
         rows = [again.get(o["diff"], o) for o in before]
     if keep:
-        Path(keep).write_text(json.dumps({"module": module, "tests": tests, "total": total, "sample": sample,
-                                          "seed": seed, "outcomes": rows}, indent=1))
+        Path(keep).write_text(
+            json.dumps(
+                {"module": module, "tests": tests, "total": total, "sample": sample, "seed": seed, "outcomes": rows},
+                indent=1,
+            )
+        )
     return summarize_semantic(module, tests, rows, total, sample, seed)
 
 
@@ -532,8 +629,9 @@ def _equivalent_diff(module: str, diff: str) -> bool:
     return any((module, a) in EQUIVALENT for a in _added_lines(diff))
 
 
-def summarize_semantic(module: str, tests: list[str], rows: list[dict[str, Any]], total: int,
-                       sample: int | None = None, seed: int = 0) -> dict[str, Any]:
+def summarize_semantic(
+    module: str, tests: list[str], rows: list[dict[str, Any]], total: int, sample: int | None = None, seed: int = 0
+) -> dict[str, Any]:
     """The counts of a semantic run, per module and per operator; a timeout counts as killed."""
     counts = {k: 0 for k in ("killed", "survived", "incompetent", "equivalent")}
     per_op: dict[str, list[int]] = {}
@@ -551,9 +649,15 @@ def summarize_semantic(module: str, tests: list[str], rows: list[dict[str, Any]]
         if r == "survived":
             survivors.append({"line": o["line"], "operator": o["operator"], "diff": o["diff"]})
     scored = counts["killed"] + counts["survived"]
-    out: dict[str, Any] = {"module": module, "kind": "semantic", "tests": tests, "mutants": len(rows), **counts,
-                           "score": round(counts["killed"] / scored, 3) if scored else None,
-                           "operators": {k: f"{a}/{b}" for k, (a, b) in sorted(per_op.items())}}
+    out: dict[str, Any] = {
+        "module": module,
+        "kind": "semantic",
+        "tests": tests,
+        "mutants": len(rows),
+        **counts,
+        "score": round(counts["killed"] / scored, 3) if scored else None,
+        "operators": {k: f"{a}/{b}" for k, (a, b) in sorted(per_op.items())},
+    }
     if sample is not None:
         out["sampled"] = f"{len(rows)} of {total}"
         out["seed"] = seed
@@ -573,25 +677,46 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--resume", metavar="DB", help="run only the survivors of a kept session again (new tests)")
     ap.add_argument("--sample", type=int, metavar="N", help="run only a seeded uniform sample of N mutants")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
-    ap.add_argument("--semantic", action="store_true",
-                    help="semantic mutants (simulations/semantic.py) instead of cosmic-ray's; --db and --resume "
-                         "then name a JSON file of outcomes")
-    ap.add_argument("--operators", nargs="+", choices=semantic.OPERATORS, default=list(semantic.OPERATORS),
-                    help="with --semantic: only these operators")
+    ap.add_argument(
+        "--semantic",
+        action="store_true",
+        help="semantic mutants (simulations/semantic.py) instead of cosmic-ray's; --db and --resume "
+        "then name a JSON file of outcomes",
+    )
+    ap.add_argument(
+        "--operators",
+        nargs="+",
+        choices=semantic.OPERATORS,
+        default=list(semantic.OPERATORS),
+        help="with --semantic: only these operators",
+    )
     a = ap.parse_args(argv)
     if a.sample is not None and a.sample < 1:
         ap.error("--sample must be at least 1")
     if a.semantic:
         if a.report:
             rows = json.loads(Path(a.report).read_text())
-            out = summarize_semantic(a.module, rows["tests"], rows["outcomes"], rows["total"], rows["sample"],
-                                     rows["seed"])
+            out = summarize_semantic(
+                a.module, rows["tests"], rows["outcomes"], rows["total"], rows["sample"], rows["seed"]
+            )
         else:
-            out = run_semantic(a.module, a.tests, a.timeout, a.db, a.resume, a.sample, a.seed, tuple(a.operators),
-                               log=None if a.json else lambda line: print(line, flush=True))
+            out = run_semantic(
+                a.module,
+                a.tests,
+                a.timeout,
+                a.db,
+                a.resume,
+                a.sample,
+                a.seed,
+                tuple(a.operators),
+                log=None if a.json else lambda line: print(line, flush=True),
+            )
     else:
-        out = report(a.module, a.report) if a.report else \
-            run(a.module, a.tests, a.timeout, a.db, a.resume, a.sample, a.seed)
+        out = (
+            report(a.module, a.report)
+            if a.report
+            else run(a.module, a.tests, a.timeout, a.db, a.resume, a.sample, a.seed)
+        )
     if not a.json:
         for s in out["survivors"]:
             print(f"survived: {a.module}:{s['line']} {s['operator']}\n{s['diff']}")

@@ -70,8 +70,23 @@ def netns_unavailable() -> str | None:
             _run(["ip", "netns", "add", ns])
             try:
                 _run(["ip", "netns", "exec", ns, "ip", "link", "add", "pb0", "type", "bridge"])
-                _run(["ip", "netns", "exec", ns, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "pb0",
-                      "-j", "MASQUERADE"])
+                _run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "iptables",
+                        "-t",
+                        "nat",
+                        "-A",
+                        "POSTROUTING",
+                        "-o",
+                        "pb0",
+                        "-j",
+                        "MASQUERADE",
+                    ]
+                )
             finally:
                 _run(["ip", "netns", "del", ns], check=False)
         except NetnsError as e:
@@ -165,11 +180,28 @@ class Network:
             if block_tcp:  # before the ACCEPT: SYNs vanish (no RST), as behind a filtering firewall
                 _run(ipt + ["-A", "FORWARD", "-i", lan_dev, "-o", wan_dev, "-p", "tcp", "-j", "DROP"])
             _run(ipt + ["-A", "FORWARD", "-i", lan_dev, "-o", wan_dev, "-j", "ACCEPT"])
-            _run(ipt + ["-A", "FORWARD", "-i", wan_dev, "-o", lan_dev, "-m", "conntrack",
-                        "--ctstate", "RELATED,ESTABLISHED,DNAT", "-j", "ACCEPT"])
+            _run(
+                ipt
+                + [
+                    "-A",
+                    "FORWARD",
+                    "-i",
+                    wan_dev,
+                    "-o",
+                    lan_dev,
+                    "-m",
+                    "conntrack",
+                    "--ctstate",
+                    "RELATED,ESTABLISHED,DNAT",
+                    "-j",
+                    "ACCEPT",
+                ]
+            )
             _run(ipt + ["-A", "FORWARD", "-j", "DROP"])
-            _run(ipt + ["-A", "INPUT", "-i", wan_dev, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED",
-                        "-j", "ACCEPT"])
+            _run(
+                ipt
+                + ["-A", "INPUT", "-i", wan_dev, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"]
+            )
             _run(ipt + ["-A", "INPUT", "-i", wan_dev, "-j", "DROP"])
         except BaseException:
             self.close()
@@ -181,8 +213,25 @@ class Network:
     def forward_port(self, home: Home, port: int) -> None:
         """Port forwarding on the home router: wan_ip:port -> lan_ip:port (TCP)."""
         ipt = ["ip", "netns", "exec", home.router_ns, "iptables"]
-        _run(ipt + ["-t", "nat", "-A", "PREROUTING", "-i", home.wan_dev, "-p", "tcp",
-                    "--dport", str(port), "-j", "DNAT", "--to-destination", f"{home.lan_ip}:{port}"])
+        _run(
+            ipt
+            + [
+                "-t",
+                "nat",
+                "-A",
+                "PREROUTING",
+                "-i",
+                home.wan_dev,
+                "-p",
+                "tcp",
+                "--dport",
+                str(port),
+                "-j",
+                "DNAT",
+                "--to-destination",
+                f"{home.lan_ip}:{port}",
+            ]
+        )
 
     def exec_prefix(self, ns: str) -> list[str]:
         """Prefix a command with this to run it inside namespace `ns`."""

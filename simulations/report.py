@@ -107,7 +107,7 @@ def load_metrics(out_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     if not csvs:
         raise MurmurError(f"{d}: no metrics.jsonl or metrics-*.csv here")
     for p in csvs:
-        kind = p.stem[len("metrics-"):]
+        kind = p.stem[len("metrics-") :]
         with open(p, newline="", encoding="utf-8") as f:
             rows[kind] = [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
     return rows
@@ -172,8 +172,10 @@ def plot_staleness(lag: list[dict[str, Any]], stale: list[dict[str, Any]], path:
         return None
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    for ax, data, title in ((axes[0], [r["lag"] for r in lag], "follower version lag"),
-                            (axes[1], [r["staleness"] for r in stale], "staleness of consumed rollouts")):
+    for ax, data, title in (
+        (axes[0], [r["lag"] for r in lag], "follower version lag"),
+        (axes[1], [r["staleness"] for r in stale], "staleness of consumed rollouts"),
+    ):
         if data:
             top = max(data)
             ax.hist(data, bins=range(int(top) + 2), color="tab:blue", edgecolor="white", align="left")
@@ -194,7 +196,9 @@ def plot_broadcast(rows: list[dict[str, Any]], path: Path) -> str | None:
     for r in rows:
         by_n[r["n"]].append(r)
     for n, rs in sorted(by_n.items()):
-        times = sorted(r["completion_s"] for r in rs if r["completion_s"] is not None and math.isfinite(r["completion_s"]))
+        times = sorted(
+            r["completion_s"] for r in rs if r["completion_s"] is not None and math.isfinite(r["completion_s"])
+        )
         if not times:
             continue
         line = ax.plot(times, [(i + 1) / len(rs) for i in range(len(times))], label=f"broadcast {n}: receivers")
@@ -266,8 +270,11 @@ def plot_scores(rows: list[dict[str, Any]], path: Path, threshold: float | None 
 
 
 def _summary_table(summary: dict[str, Any]) -> str:
-    cells = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
-                    for k, v in summary.items() if not isinstance(v, (dict, list)))
+    cells = "".join(
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
+        for k, v in summary.items()
+        if not isinstance(v, (dict, list))
+    )
     return f"<table>{cells}</table>"
 
 
@@ -277,9 +284,16 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_report(out_dir: str | Path, rows: dict[str, list[dict[str, Any]]], summary: dict[str, Any],
-                 scenario_toml: str | None = None, title: str = "Murmur simulation",
-                 notes: str = "", threshold: float | None = None, plots: bool = True) -> Path:
+def write_report(
+    out_dir: str | Path,
+    rows: dict[str, list[dict[str, Any]]],
+    summary: dict[str, Any],
+    scenario_toml: str | None = None,
+    title: str = "Murmur simulation",
+    notes: str = "",
+    threshold: float | None = None,
+    plots: bool = True,
+) -> Path:
     """Write summary.json, the PNG plots and index.html; returns the HTML path."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -290,8 +304,10 @@ def write_report(out_dir: str | Path, rows: dict[str, list[dict[str, Any]]], sum
     if plots:
         for caption, make in (
             ("Reward over time", lambda: plot_reward(rows.get("reward", []), d / "reward.png")),
-            ("Version lag and staleness", lambda: plot_staleness(rows.get("lag", []), rows.get("staleness", []),
-                                                                 d / "staleness.png")),
+            (
+                "Version lag and staleness",
+                lambda: plot_staleness(rows.get("lag", []), rows.get("staleness", []), d / "staleness.png"),
+            ),
             ("Broadcast completion", lambda: plot_broadcast(rows.get("broadcast", []), d / "broadcast.png")),
             ("Bytes on the wire", lambda: plot_bytes(rows.get("bytes", []), d / "bytes.png")),
             ("Rejections by reason", lambda: plot_rejections(rows.get("rejection", []), d / "rejections.png")),
@@ -305,14 +321,17 @@ def write_report(out_dir: str | Path, rows: dict[str, list[dict[str, Any]]], sum
         body.append(f"<p>{html.escape(notes)}</p>")
     body.append("<h2>Summary</h2>" + _summary_table(summary))
     for caption, name in images:
-        body.append(f"<h2>{html.escape(caption)}</h2><img src=\"{html.escape(name)}\" alt=\"{html.escape(caption)}\">")
+        body.append(f'<h2>{html.escape(caption)}</h2><img src="{html.escape(name)}" alt="{html.escape(caption)}">')
     if scenario_toml is not None:
         body.append("<h2>Scenario</h2><pre>" + html.escape(scenario_toml) + "</pre>")
-    page = ("<!doctype html><html><head><meta charset=\"utf-8\"><title>" + html.escape(title) + "</title>"
-            "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}"
-            "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:2px 8px;text-align:left}"
-            "img{max-width:100%}pre{background:#f4f4f4;padding:8px}</style></head><body>"
-            + "\n".join(body) + "</body></html>\n")
+    page = (
+        '<!doctype html><html><head><meta charset="utf-8"><title>' + html.escape(title) + "</title>"
+        "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}"
+        "table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:2px 8px;text-align:left}"
+        "img{max-width:100%}pre{background:#f4f4f4;padding:8px}</style></head><body>"
+        + "\n".join(body)
+        + "</body></html>\n"
+    )
     out = d / "index.html"
     out.write_text(page, "utf-8")
     return out
@@ -324,5 +343,11 @@ def rebuild(out_dir: str | Path) -> Path:
     rows = load_metrics(d)
     summary = json.loads((d / "summary.json").read_text("utf-8")) if (d / "summary.json").is_file() else {}
     toml = (d / "scenario.toml").read_text("utf-8") if (d / "scenario.toml").is_file() else None
-    return write_report(d, rows, summary, toml, title=str(summary.get("title", "Murmur simulation")),
-                        threshold=summary.get("graylist_threshold"))
+    return write_report(
+        d,
+        rows,
+        summary,
+        toml,
+        title=str(summary.get("title", "Murmur simulation")),
+        threshold=summary.get("graylist_threshold"),
+    )

@@ -177,19 +177,44 @@ def expand(sc: Scenario) -> list[NodeSpec]:
     out: list[NodeSpec] = []
     for g in sc.groups:
         for _ in range(g.count):
-            out.append(NodeSpec(index=len(out), group=g.name, role=g.role,
-                                follow=g.follow if g.role == "follower" else None,
-                                upload_bytes_per_s=g.upload_bytes_per_s, download_bytes_per_s=g.download_bytes_per_s,
-                                latency_ms=g.latency_ms, jitter_ms=g.jitter_ms, loss=g.loss, compute=g.compute,
-                                join_s=g.join_s, leave_s=g.leave_s))
+            out.append(
+                NodeSpec(
+                    index=len(out),
+                    group=g.name,
+                    role=g.role,
+                    follow=g.follow if g.role == "follower" else None,
+                    upload_bytes_per_s=g.upload_bytes_per_s,
+                    download_bytes_per_s=g.download_bytes_per_s,
+                    latency_ms=g.latency_ms,
+                    jitter_ms=g.jitter_ms,
+                    loss=g.loss,
+                    compute=g.compute,
+                    join_s=g.join_s,
+                    leave_s=g.leave_s,
+                )
+            )
     for a in sc.adversaries:
         g = sc.groups[a.group]
         for _ in range(a.count):
-            out.append(NodeSpec(index=len(out), group=f"adversary:{a.behaviour}", role="adversary", follow=None,
-                                upload_bytes_per_s=g.upload_bytes_per_s, download_bytes_per_s=g.download_bytes_per_s,
-                                latency_ms=g.latency_ms, jitter_ms=g.jitter_ms, loss=g.loss, compute=g.compute,
-                                join_s=max(g.join_s, a.start_s), leave_s=g.leave_s, behaviour=a.behaviour,
-                                rate_per_s=a.rate_per_s, start_s=a.start_s))
+            out.append(
+                NodeSpec(
+                    index=len(out),
+                    group=f"adversary:{a.behaviour}",
+                    role="adversary",
+                    follow=None,
+                    upload_bytes_per_s=g.upload_bytes_per_s,
+                    download_bytes_per_s=g.download_bytes_per_s,
+                    latency_ms=g.latency_ms,
+                    jitter_ms=g.jitter_ms,
+                    loss=g.loss,
+                    compute=g.compute,
+                    join_s=max(g.join_s, a.start_s),
+                    leave_s=g.leave_s,
+                    behaviour=a.behaviour,
+                    rate_per_s=a.rate_per_s,
+                    start_s=a.start_s,
+                )
+            )
     return out
 
 
@@ -218,8 +243,12 @@ def _semantic_checks(sc: Scenario) -> list[tuple[str, str]]:
         if g.join_s >= sc.duration_s:
             bad.append((f"group[{i}].join_s", f"join_s ({g.join_s}) is not before duration_s ({sc.duration_s})"))
         if g.role == "follower" and g.follow not in trainers:
-            bad.append((f"group[{i}].follow", f"node {g.follow} is not a trainer (trainers: "
-                        f"{_ranges(sorted(trainers)) or 'none'})"))
+            bad.append(
+                (
+                    f"group[{i}].follow",
+                    f"node {g.follow} is not a trainer (trainers: {_ranges(sorted(trainers)) or 'none'})",
+                )
+            )
         if g.download_bytes_per_s and g.download_bytes_per_s < 1024:
             bad.append((f"group[{i}].download_bytes_per_s", "below 1024 B/s: use 0 for unlimited"))
     for i, e in enumerate(sc.events):

@@ -48,8 +48,9 @@ OPERATORS = ("window_edge", "window_sign", "given_back", "wrong_field", "nan_thr
 _FLIP: dict[type, type] = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
 _COMPLEMENT: dict[type, type] = {ast.Lt: ast.GtE, ast.LtE: ast.Gt, ast.Gt: ast.LtE, ast.GtE: ast.Lt}
 _ORDER = tuple(_FLIP)
-_TIME = re.compile(r"(^|_)(now|t|t0|window|deadline|ttl|until|since|last|age|expiry|updated|started)($|_)|_s$|_at$",
-                   re.IGNORECASE)
+_TIME = re.compile(
+    r"(^|_)(now|t|t0|window|deadline|ttl|until|since|last|age|expiry|updated|started)($|_)|_s$|_at$", re.IGNORECASE
+)
 _GIVE_BACK = {"release", "discard", "close_stream", "free", "remove", "pop", "clear"}
 
 
@@ -69,8 +70,15 @@ class Mutant:
         return "".join(lines[: l0 - 1]) + head + self.replacement + tail + "".join(lines[l1:])
 
     def diff(self, source: str, name: str) -> str:
-        return "".join(difflib.unified_diff(source.splitlines(keepends=True), self.apply(source).splitlines(keepends=True),
-                                            f"a/{name}", f"b/{name}", n=0))
+        return "".join(
+            difflib.unified_diff(
+                source.splitlines(keepends=True),
+                self.apply(source).splitlines(keepends=True),
+                f"a/{name}",
+                f"b/{name}",
+                n=0,
+            )
+        )
 
 
 def _span(node: ast.AST) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -138,8 +146,11 @@ def _annotation_types(tree: ast.Module) -> dict[str, dict[str, str]]:
                     fields.setdefault(walked.target.attr, ast.unparse(walked.annotation))  # type: ignore[union-attr]  # _self_attr proved an Attribute
                 elif isinstance(walked, ast.Assign):
                     for target in walked.targets:
-                        pairs = (zip(target.elts, walked.value.elts) if isinstance(target, ast.Tuple)
-                                 and isinstance(walked.value, ast.Tuple) else [(target, walked.value)])
+                        pairs = (
+                            zip(target.elts, walked.value.elts)
+                            if isinstance(target, ast.Tuple) and isinstance(walked.value, ast.Tuple)
+                            else [(target, walked.value)]
+                        )
                         for t, v in pairs:
                             typ = _type_of(v, params)
                             if _self_attr(t) and typ:
@@ -204,12 +215,20 @@ def mutants(source: str, root: Path | None = None, operators: tuple[str, ...] = 
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], _ORDER):
             flipped = ast.Compare(node.left, [_FLIP[type(node.ops[0])]()], node.comparators)
             add("window_edge", node, ast.unparse(flipped))
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)) and \
-                (_timeish(node.left) or _timeish(node.right)):
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, (ast.Add, ast.Sub))
+            and (_timeish(node.left) or _timeish(node.right))
+        ):
             other = ast.Sub() if isinstance(node.op, ast.Add) else ast.Add()
             add("window_sign", node, _paren(ast.BinOp(node.left, other, node.right)))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max") \
-                and len(node.args) == 2 and not node.keywords:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("min", "max")
+            and len(node.args) == 2
+            and not node.keywords
+        ):
             swapped = "max" if node.func.id == "min" else "min"
             add("window_sign", node, ast.unparse(ast.Call(ast.Name(swapped), node.args, [])))
         if isinstance(node, ast.stmt) and _gives_back(node) and not _in_while(node, parents):
@@ -261,7 +280,7 @@ def _same_typed(attr: str, types: dict[str, dict[str, str]]) -> list[str]:
         if typ:
             same = [f for f, t in fields.items() if t == typ]
             i = same.index(attr)
-            out |= set(same[max(0, i - 1): i] + same[i + 1: i + 2])
+            out |= set(same[max(0, i - 1) : i] + same[i + 1 : i + 2])
     return sorted(out)
 
 
@@ -270,22 +289,39 @@ def _nan(node: ast.AST, parents: dict[ast.AST, ast.AST], add: Any) -> None:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and _ordering(node.operand):
         add("nan_through", node, _paren(_complement(node.operand, numpy=False)))  # type: ignore[arg-type]  # _ordering proved a Compare
     # a chained range check, not under `not`: `lo <= x <= hi` -> `not (x < lo or x > hi)`
-    elif _ordering(node) and len(node.ops) > 1 and not (  # type: ignore[attr-defined]  # _ordering proved a Compare
-            isinstance(parents.get(node), ast.UnaryOp) and isinstance(parents[node].op, ast.Not)):  # type: ignore[attr-defined]  # the isinstance before it proved a UnaryOp
-        add("nan_through", node, f"(not {_paren(_complement(node, numpy=False))})")  # type: ignore[arg-type]  # _ordering proved a Compare
+    elif (
+        isinstance(node, ast.Compare)
+        and _ordering(node)
+        and len(node.ops) > 1
+        and not (isinstance(up := parents.get(node), ast.UnaryOp) and isinstance(up.op, ast.Not))
+    ):
+        add("nan_through", node, f"(not {_paren(_complement(node, numpy=False))})")
     # `x >= lo and x <= hi` -> `not (x < lo or x > hi)`
-    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And) and len(node.values) > 1 \
-            and all(_ordering(v) for v in node.values):
+    if (
+        isinstance(node, ast.BoolOp)
+        and isinstance(node.op, ast.And)
+        and len(node.values) > 1
+        and all(_ordering(v) for v in node.values)
+    ):
         parts = [_complement(v, numpy=False) for v in node.values]  # type: ignore[arg-type]  # _ordering proved a Compare
         add("nan_through", node, f"(not {_paren(ast.BoolOp(ast.Or(), parts))})")
     # numpy: `(x >= lo) & (x <= hi)` -> `~((x < lo) | (x > hi))`
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitAnd) and _ordering(node.left) \
-            and _ordering(node.right):
+    if (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.BitAnd)
+        and _ordering(node.left)
+        and _ordering(node.right)
+    ):
         inner = ast.BinOp(_complement(node.left, True), ast.BitOr(), _complement(node.right, True))  # type: ignore[arg-type]  # _ordering proved a Compare
         add("nan_through", node, f"(~{_paren(inner)})")
     # isfinite removed or narrowed
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "isfinite" \
-            and isinstance(node.func.value, ast.Name) and len(node.args) == 1:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "isfinite"
+        and isinstance(node.func.value, ast.Name)
+        and len(node.args) == 1
+    ):
         mod, arg = node.func.value.id, ast.unparse(node.args[0])
         if mod == "math":
             add("nan_through", node, "True")
@@ -295,8 +331,12 @@ def _nan(node: ast.AST, parents: dict[ast.AST, ast.AST], add: Any) -> None:
             add("nan_through", node, f"(~{mod}.isinf({arg}))")
             add("nan_through", node, f"(~{mod}.isnan({arg}))")
     # the NaN self-test made blind: `x == x` always true, `x != x` always false
-    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)) \
-            and ast.dump(node.left) == ast.dump(node.comparators[0]):
+    if (
+        isinstance(node, ast.Compare)
+        and len(node.ops) == 1
+        and isinstance(node.ops[0], (ast.Eq, ast.NotEq))
+        and ast.dump(node.left) == ast.dump(node.comparators[0])
+    ):
         add("nan_through", node, "True" if isinstance(node.ops[0], ast.Eq) else "False")
 
 
@@ -312,9 +352,19 @@ class Outcome:
     seconds: float
 
 
-def run(module: str, tests: list[str], root: Path, work: Path, command: str, timeout_s: float,
-        operators: tuple[str, ...] = OPERATORS, sample: int | None = None, seed: int = 0,
-        only: set[str] | None = None, log: Any = None) -> tuple[list[Outcome], int]:
+def run(
+    module: str,
+    tests: list[str],
+    root: Path,
+    work: Path,
+    command: str,
+    timeout_s: float,
+    operators: tuple[str, ...] = OPERATORS,
+    sample: int | None = None,
+    seed: int = 0,
+    only: set[str] | None = None,
+    log: Any = None,
+) -> tuple[list[Outcome], int]:
     """Run `command` (the module's tests) in `work` (a copy of the repository) against each mutant of
     `module`; with `only` (diffs), just those mutants. Returns the outcomes and how many mutants there were."""
     path = work / module
@@ -322,8 +372,10 @@ def run(module: str, tests: list[str], root: Path, work: Path, command: str, tim
     every = mutants(source, root, operators)
     chosen = every
     if sample is not None:
-        chosen = sorted(random.Random(seed).sample(every, min(sample, len(every))),
-                        key=lambda m: (m.start, m.end, m.operator, m.replacement))
+        chosen = sorted(
+            random.Random(seed).sample(every, min(sample, len(every))),
+            key=lambda m: (m.start, m.end, m.operator, m.replacement),
+        )
     env = dict(os.environ, PYTHONPATH=str(work), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     outcomes: list[Outcome] = []
     try:
@@ -340,8 +392,14 @@ def run(module: str, tests: list[str], root: Path, work: Path, command: str, tim
             path.write_text(text)
             t0 = time.monotonic()
             # its own process group: a mutant that hangs is stopped with every process its tests started
-            proc = subprocess.Popen(shlex.split(command), cwd=work, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                shlex.split(command),
+                cwd=work,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             try:
                 rc = proc.wait(timeout=timeout_s)
                 # pytest: 1 tests failed, 2 collection or import errors (the mutant does not import)

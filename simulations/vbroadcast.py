@@ -20,8 +20,9 @@ from murmur.simulations.vsim import SimLink, VirtualSwarm
 from murmur.simulations.wan import broadcast_lower_bound
 
 
-def broadcast(sc: Scenario, nodes: list[VNode], rng: random.Random, origin: int, receivers: list[int]
-              ) -> dict[str, Any]:
+def broadcast(
+    sc: Scenario, nodes: list[VNode], rng: random.Random, origin: int, receivers: list[int]
+) -> dict[str, Any]:
     """One patch from `origin` to `receivers` (node indices); `VirtualSwarm.run`'s result, plus each
     receiver's completion time, the bans, each node's bytes out and the lower bound."""
     sy = sc.sync
@@ -33,10 +34,15 @@ def broadcast(sc: Scenario, nodes: list[VNode], rng: random.Random, origin: int,
     for k, i in enumerate(ids):
         s = nodes[i].spec
         up = s.upload_bytes_per_s if s.behaviour != "free_ride" else 1.0  # a free-rider uploads nothing
-        links[k] = SimLink(up_bps=up, down_bps=s.download_bytes_per_s, latency_s=s.latency_ms / 1000.0,
-                           loss=s.loss)
-    vs = VirtualSwarm(len(receivers), sizes, links=links, degree=min(sc.gossip.degree, len(receivers)),
-                      seed=rng.randrange(2**32), swarm=sc.swarm)
+        links[k] = SimLink(up_bps=up, down_bps=s.download_bytes_per_s, latency_s=s.latency_ms / 1000.0, loss=s.loss)
+    vs = VirtualSwarm(
+        len(receivers),
+        sizes,
+        links=links,
+        degree=min(sc.gossip.degree, len(receivers)),
+        seed=rng.randrange(2**32),
+        swarm=sc.swarm,
+    )
     for k, i in enumerate(ids):
         if nodes[i].spec.behaviour == "corrupt_chunks":
             vs.make_corrupt(k)
@@ -49,8 +55,9 @@ def broadcast(sc: Scenario, nodes: list[VNode], rng: random.Random, origin: int,
     return res
 
 
-def setup_broadcasts(sc: Scenario, nodes: list[VNode], rng: random.Random, row: Callable[..., None],
-                     bytes_up: list[int]) -> list[dict[str, Any]]:
+def setup_broadcasts(
+    sc: Scenario, nodes: list[VNode], rng: random.Random, row: Callable[..., None], bytes_up: list[int]
+) -> list[dict[str, Any]]:
     """Sets each follower's `patch_delay`; returns the measured broadcasts' summaries, adds their `broadcast`
     rows and counts their upload in `bytes_up`."""
     out = []
@@ -74,11 +81,25 @@ def setup_broadcasts(sc: Scenario, nodes: list[VNode], rng: random.Random, row: 
             continue
         res = broadcast(sc, nodes, rng, origin, sorted(recv))
         for i, t in res["times"].items():
-            row("broadcast", n=b, receiver=i, completion_s=t if t is not None else math.inf,
-                lower_bound_s=res["lower_bound_s"], bytes=sc.sync.patch_bytes)
-        out.append({"n": b, "receivers": len(recv), "p50_s": res["completion_s_p50"],
-                    "max_s": res["completion_s_max"], "lower_bound_s": res["lower_bound_s"],
-                    "bans": res["bans"], "hashes_ok": res["all_hashes_match"]})
+            row(
+                "broadcast",
+                n=b,
+                receiver=i,
+                completion_s=t if t is not None else math.inf,
+                lower_bound_s=res["lower_bound_s"],
+                bytes=sc.sync.patch_bytes,
+            )
+        out.append(
+            {
+                "n": b,
+                "receivers": len(recv),
+                "p50_s": res["completion_s_p50"],
+                "max_s": res["completion_s_max"],
+                "lower_bound_s": res["lower_bound_s"],
+                "bans": res["bans"],
+                "hashes_ok": res["all_hashes_match"],
+            }
+        )
         for i, bo in res["bytes_out"].items():
             bytes_up[i] += bo
     # a node whose core may turn it into a follower fetches patches as a measured swarm-wide broadcast did

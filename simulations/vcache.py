@@ -79,8 +79,14 @@ class Memo(OrderedDict):
 class SharedVerification:
     """The memo tables of one simulation (one process), and the hooks that use them."""
 
-    def __init__(self, resolve_task: Callable[[wire.TaskRef], Any], reward: Callable[[Any, str], float],
-                 limit: int = 1_000_000, clock: Callable[[], float] | None = None, horizon_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        resolve_task: Callable[[wire.TaskRef], Any],
+        reward: Callable[[Any, str], float],
+        limit: int = 1_000_000,
+        clock: Callable[[], float] | None = None,
+        horizon_s: float = 5.0,
+    ) -> None:
         self._resolve = resolve_task
         self._reward = reward
         # per-message tables keep what is in flight (decoded batches are large: a table of them as long as
@@ -146,9 +152,14 @@ class SharedVerification:
             raise SignatureError(f"{env.kind} signature does not verify for its signer")
 
     def stats(self) -> dict[str, int]:
-        return {"signature_checks": self.signatures.misses, "signature_memo_hits": self.signatures.hits,
-                "batch_verifications": self.failures.misses, "batch_verify_memo_hits": self.failures.hits,
-                "body_decodes": self.bodies.misses, "body_memo_hits": self.bodies.hits}
+        return {
+            "signature_checks": self.signatures.misses,
+            "signature_memo_hits": self.signatures.hits,
+            "batch_verifications": self.failures.misses,
+            "batch_verify_memo_hits": self.failures.hits,
+            "body_decodes": self.bodies.misses,
+            "body_memo_hits": self.bodies.hits,
+        }
 
 
 @dataclass(frozen=True)

@@ -138,8 +138,15 @@ class VirtualSim:
     """One run of a scenario in virtual time: `run()` returns its summary (and writes the report folder
     when given `out_dir`)."""
 
-    def __init__(self, sc: Scenario, out_dir: str | Path | None = None, *,
-                 progress: bool = False, max_events: int = 50_000_000, shared_verify: bool = True) -> None:
+    def __init__(
+        self,
+        sc: Scenario,
+        out_dir: str | Path | None = None,
+        *,
+        progress: bool = False,
+        max_events: int = 50_000_000,
+        shared_verify: bool = True,
+    ) -> None:
         self.created, self.created_cpu = time.perf_counter(), time.process_time()  # building the nodes counts too
         self.sc = sc
         self.out_dir = Path(out_dir) if out_dir else None
@@ -153,24 +160,30 @@ class VirtualSim:
         registry = TaskRegistry(sc.swarm)
         registry.add_builtin()
         # one memo of the pure verification work per process (simulations/vcache.py says why it is faithful)
-        self.shared = (SharedVerification(registry.resolve, score, clock=self.queue.unix, horizon_s=MEMO_HORIZON_S)
-                       if shared_verify else None)
+        self.shared = (
+            SharedVerification(registry.resolve, score, clock=self.queue.unix, horizon_s=MEMO_HORIZON_S)
+            if shared_verify
+            else None
+        )
         resolve = self.shared.resolve_task if self.shared else registry.resolve
         reward = self.shared.reward if self.shared else score
         self.nodes: list[VNode] = []
-        self.workers = Workers(sc, self.nodes, self.queue, self.recorder, registry.builtin_id, resolve, reward,
-                               MEMO_HORIZON_S)
+        self.workers = Workers(
+            sc, self.nodes, self.queue, self.recorder, registry.builtin_id, resolve, reward, MEMO_HORIZON_S
+        )
         for s in expand(sc):
             ident = identity_for(sc.seed, s.index)
             if self.shared is not None:  # what it signs enters the signature memo as valid (vcache.py says why)
                 ident = self.shared.signer(ident)
             node_rng = random.Random(self.rng.randrange(2**63))
             p0 = min(sc.learning.ceiling, max(0.0, sc.learning.initial + node_rng.uniform(-1, 1) * sc.learning.spread))
-            self.nodes.append(VNode(s, ident, ident.peer_id, lineage_id(ident.public, BASE_MODEL, LINEAGE_NAME),
-                                    p0, p0, node_rng))
+            self.nodes.append(
+                VNode(s, ident, ident.peer_id, lineage_id(ident.public, BASE_MODEL, LINEAGE_NAME), p0, p0, node_rng)
+            )
         self.net = Network(sc, self.nodes, self.queue, self.rng, self.recorder.counts, self.shared, MEMO_HORIZON_S)
-        self.driver = CoreDriver(sc, self.nodes, self.queue, self.net, self.workers, self.recorder, self.shared,
-                                 resolve, reward)
+        self.driver = CoreDriver(
+            sc, self.nodes, self.queue, self.net, self.workers, self.recorder, self.shared, resolve, reward
+        )
         trainers = [n.lineage for n in self.nodes if n.role == "trainer"]
         for n in self.nodes:
             n.intake = BatchIntake(self.driver.pipeline(n))
@@ -181,12 +194,21 @@ class VirtualSim:
                 n.adversary = self._adversary(n, trainers)
         self.net.connect()
         self.handlers: dict[type[Event], Callable[[Any], None]] = {
-            Join: self._join, Leave: self._leave, Sample: self._sample, AdversaryDue: self._adversary_sends,
-            StepDue: self.workers.on_step, Wake: self.driver.on_wake, WorkerSends: self.driver.on_worker,
-            PeerLeft: self.driver.on_peer_left, Reply: self.driver.on_reply,
-            AnnounceArrives: self.driver.on_announce, ManifestArrives: self.driver.on_manifest,
-            PatchArrives: self.driver.on_patch, CatalogAsked: self.driver.on_catalog,
-            OfferAsked: self.driver.on_offer, BatchArrives: self.driver.on_batch,
+            Join: self._join,
+            Leave: self._leave,
+            Sample: self._sample,
+            AdversaryDue: self._adversary_sends,
+            StepDue: self.workers.on_step,
+            Wake: self.driver.on_wake,
+            WorkerSends: self.driver.on_worker,
+            PeerLeft: self.driver.on_peer_left,
+            Reply: self.driver.on_reply,
+            AnnounceArrives: self.driver.on_announce,
+            ManifestArrives: self.driver.on_manifest,
+            PatchArrives: self.driver.on_patch,
+            CatalogAsked: self.driver.on_catalog,
+            OfferAsked: self.driver.on_offer,
+            BatchArrives: self.driver.on_batch,
         }
 
     def _adversary(self, n: VNode, trainers: list[bytes]) -> Adversary:
@@ -266,8 +288,13 @@ class VirtualSim:
             honest = (self.nodes[j] for j in a.neighbours)  # the graph is symmetric; index order as before
             vals = [h.pipeline.scores.score(a.peer_id, now) for h in honest if h.spec.role != "adversary" and h.alive]
             if vals:
-                self.recorder.row("score", t=self.queue.now, peer=a.spec.index, behaviour=a.spec.behaviour,
-                                  score=sum(vals) / len(vals))
+                self.recorder.row(
+                    "score",
+                    t=self.queue.now,
+                    peer=a.spec.index,
+                    behaviour=a.spec.behaviour,
+                    score=sum(vals) / len(vals),
+                )
 
     # ------------------------------------------------------------ schedule and run
 
@@ -303,8 +330,10 @@ class VirtualSim:
     def run(self, on_progress: Callable[[float], None] | None = None) -> dict[str, Any]:
         wall = time.perf_counter()
         self.build_s = wall - self.created
-        self._say(f"virtual: {self.sc.name}: {len(self.nodes)} nodes, measuring "
-                  f"{self.sc.sync.broadcasts} broadcast(s) with the real swarm core")
+        self._say(
+            f"virtual: {self.sc.name}: {len(self.nodes)} nodes, measuring "
+            f"{self.sc.sync.broadcasts} broadcast(s) with the real swarm core"
+        )
         broadcasts = setup_broadcasts(self.sc, self.nodes, self.rng, self.recorder.row, self.net.links.bytes_up)
         self.setup_s = time.perf_counter() - wall
         self._schedule()
@@ -345,8 +374,10 @@ class VirtualSim:
                     elif self.progress and t >= next_line:
                         next_line += tenth
                         w = time.perf_counter() - start
-                        self._say(f"virtual: t={t:.0f}/{end:g} s, {self.events} events, wall {w:.1f} s "
-                                  f"({self.events / max(w, 1e-9):.0f} events/s)")
+                        self._say(
+                            f"virtual: t={t:.0f}/{end:g} s, {self.events} events, wall {w:.1f} s "
+                            f"({self.events / max(w, 1e-9):.0f} events/s)"
+                        )
                     if on_progress is not None:
                         on_progress(t)
         finally:
@@ -357,9 +388,19 @@ class VirtualSim:
         rec, end = self.recorder, min(self.queue.now, self.sc.duration_s)
         vreport.record_bytes(rec, self.nodes, self.net.links.bytes_up, self.net.links.bytes_down)
         summary = vreport.summary(
-            self.sc, self.nodes, rec, end=end, events=self.events, wall_s=wall_s, cpu_s=self.cpu_s,
-            build_s=self.build_s, setup_s=self.setup_s, broadcasts=broadcasts, skill_at=self.workers.skill_at,
-            exchange=vreport.exchange_summary(self.sc, self.nodes, end, self.queue.unix(), self.net.shards_seen))
+            self.sc,
+            self.nodes,
+            rec,
+            end=end,
+            events=self.events,
+            wall_s=wall_s,
+            cpu_s=self.cpu_s,
+            build_s=self.build_s,
+            setup_s=self.setup_s,
+            broadcasts=broadcasts,
+            skill_at=self.workers.skill_at,
+            exchange=vreport.exchange_summary(self.sc, self.nodes, end, self.queue.unix(), self.net.shards_seen),
+        )
         if self.shared is not None:
             summary["verification"] = self.shared.stats()
         if self.out_dir:

@@ -41,8 +41,16 @@ class Network:
     """Every link, connection and topic of one simulated swarm. `rng` is the simulation's shared draw
     stream (topology, mesh grafts, fanout), so a seed gives one run."""
 
-    def __init__(self, sc: Scenario, nodes: list[VNode], queue: EventQueue, rng: random.Random,
-                 counts: Counter[str], shared: SharedVerification | None, memo_horizon_s: float) -> None:
+    def __init__(
+        self,
+        sc: Scenario,
+        nodes: list[VNode],
+        queue: EventQueue,
+        rng: random.Random,
+        counts: Counter[str],
+        shared: SharedVerification | None,
+        memo_horizon_s: float,
+    ) -> None:
         self.sc = sc
         self.nodes = nodes
         self.queue = queue
@@ -192,8 +200,10 @@ class Network:
         full = self.full.setdefault(j, set())
         # the subscribers but i, its mesh peers and the full ones, in the set's order; filtered in C (a shard
         # every node joins at start has thousands of subscribers)
-        cands = list(filterfalse(i.__eq__, filterfalse(mine.__contains__, filterfalse(full.__contains__, self.subs[j]))))
-        for k in (self.rng.sample(cands, need) if len(cands) > need else cands):
+        cands = list(
+            filterfalse(i.__eq__, filterfalse(mine.__contains__, filterfalse(full.__contains__, self.subs[j])))
+        )
+        for k in self.rng.sample(cands, need) if len(cands) > need else cands:
             mine.add(k)
             peers = mesh[k]
             peers.add(i)

@@ -21,13 +21,15 @@ from murmur.simulations.scenario import Scenario, dumps
 from murmur.simulations.vnode import VNode
 
 ALONE_POINTS = 20  # marks of virtual time at which the alone comparison is read
-MODELLED = ("the network (rollouts: GossipSub meshes of degree 6 on the shard topics the cores "
-            "join, forwarded once per mesh link, duplicates counted; announces and manifests: one hop; "
-            "modelled links), the clock, compute time, learning (skill curve), patch transfer time; "
-            "real: one node core per node (announces, roles and lineage choice, staleness admission, "
-            "heads from messages, catch-up plans, rollout batching and sealing, the rollout exchange's "
-            "shards), the exchange gate, signatures, verification pipeline, scoring, the worker's "
-            "sampler, swarm broadcast core")
+MODELLED = (
+    "the network (rollouts: GossipSub meshes of degree 6 on the shard topics the cores "
+    "join, forwarded once per mesh link, duplicates counted; announces and manifests: one hop; "
+    "modelled links), the clock, compute time, learning (skill curve), patch transfer time; "
+    "real: one node core per node (announces, roles and lineage choice, staleness admission, "
+    "heads from messages, catch-up plans, rollout batching and sealing, the rollout exchange's "
+    "shards), the exchange gate, signatures, verification pipeline, scoring, the worker's "
+    "sampler, swarm broadcast core"
+)
 
 
 class Recorder:
@@ -82,16 +84,20 @@ def pods_summary(nodes: list[VNode], recorder: Recorder) -> dict[str, Any]:
         else:
             unattached += 1
     sizes = sorted(pod.values(), reverse=True)
-    return {"auto_nodes": sum(1 for n in nodes if n.spec.role == "auto"), "trainers": len(lineage_of),
-            "pods": len(sizes), "lone_trainers": len(lineage_of) - len(sizes),
-            "followers_per_pod": round(sum(sizes) / len(sizes), 3) if sizes else 0.0,
-            "followers_per_trainer": round(sum(sizes) / len(lineage_of), 3) if lineage_of else 0.0,
-            "largest_pod": sizes[0] if sizes else 0, "followers_unattached": unattached,
-            "role_switches": recorder.core_logs["role"]}
+    return {
+        "auto_nodes": sum(1 for n in nodes if n.spec.role == "auto"),
+        "trainers": len(lineage_of),
+        "pods": len(sizes),
+        "lone_trainers": len(lineage_of) - len(sizes),
+        "followers_per_pod": round(sum(sizes) / len(sizes), 3) if sizes else 0.0,
+        "followers_per_trainer": round(sum(sizes) / len(lineage_of), 3) if lineage_of else 0.0,
+        "largest_pod": sizes[0] if sizes else 0,
+        "followers_unattached": unattached,
+        "role_switches": recorder.core_logs["role"],
+    }
 
 
-def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: float, shard_count: int
-                     ) -> dict[str, Any]:
+def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: float, shard_count: int) -> dict[str, Any]:
     """Per-node load of the rollout exchange over `end` virtual seconds: what each trainer (a consumer)
     received, verified and used per virtual second, and from how many producers; followers' inbound apart."""
     span = max(1e-9, end)
@@ -110,20 +116,26 @@ def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: flo
         used = sum(n.consumed_ext * g for n in ns)
         verified = sum(n.intake.stats.counts["verified_rollouts"] for n in ns)
         cs = [n.core.stats() for n in ns if n.core is not None]
-        out[role] = {"nodes": len(ns),
-                     # totals over the nodes (a restarted node's core counts from its restart)
-                     "rollouts": {"produced": sum(c["rollouts_produced"] for c in cs),
-                                  "published": sum(c["rollouts_published"] for c in cs),
-                                  "uninformative": sum(c["rollouts_uninformative"] for c in cs),
-                                  "withheld": sum(c["rollouts_withheld"] for c in cs),
-                                  "unsent": sum(c["rollouts_sealed"] - c["rollouts_published"] for c in cs),
-                                  "received": sum(n.intake.stats.counts["received_rollouts"] for n in ns),
-                                  "verified": verified, "used": used},
-                     "inbound_rollouts_per_s": per_s(rec), "verified_rollouts_per_s": per_s(ver),
-                     "duplicates_per_s": per_s([n.duplicates / span for n in ns]),
-                     "used_over_verified": round(used / verified, 3) if verified else None,
-                     "distinct_producers": per_s([float(n.intake.stats.distinct_producers(unix_now)) for n in ns]),
-                     "shards_subscribed": per_s([float(len(n.shards)) for n in ns])}
+        out[role] = {
+            "nodes": len(ns),
+            # totals over the nodes (a restarted node's core counts from its restart)
+            "rollouts": {
+                "produced": sum(c["rollouts_produced"] for c in cs),
+                "published": sum(c["rollouts_published"] for c in cs),
+                "uninformative": sum(c["rollouts_uninformative"] for c in cs),
+                "withheld": sum(c["rollouts_withheld"] for c in cs),
+                "unsent": sum(c["rollouts_sealed"] - c["rollouts_published"] for c in cs),
+                "received": sum(n.intake.stats.counts["received_rollouts"] for n in ns),
+                "verified": verified,
+                "used": used,
+            },
+            "inbound_rollouts_per_s": per_s(rec),
+            "verified_rollouts_per_s": per_s(ver),
+            "duplicates_per_s": per_s([n.duplicates / span for n in ns]),
+            "used_over_verified": round(used / verified, 3) if verified else None,
+            "distinct_producers": per_s([float(n.intake.stats.distinct_producers(unix_now)) for n in ns]),
+            "shards_subscribed": per_s([float(len(n.shards)) for n in ns]),
+        }
     out["shard_count"] = shard_count
     dropped: Counter[str] = Counter()
     for n in nodes:
@@ -154,14 +166,31 @@ def alone_summary(trainers: list[VNode], end: float, skill_at: dict[bytes, list[
     sw = [mean_at(swarm, t) for t in xs]
     al = [mean_at(alone, t) for t in xs]
     speedup, reached, _, _ = curves.speedup(xs, al, sw)
-    return {"marks_s": [round(x, 2) for x in xs], "skill": [round(v, 4) for v in sw],
-            "alone_skill": [round(v, 4) for v in al], "speedup": round(speedup, 4), "reached": reached,
-            "final_skill_delta": round(sw[-1] - al[-1], 4)}
+    return {
+        "marks_s": [round(x, 2) for x in xs],
+        "skill": [round(v, 4) for v in sw],
+        "alone_skill": [round(v, 4) for v in al],
+        "speedup": round(speedup, 4),
+        "reached": reached,
+        "final_skill_delta": round(sw[-1] - al[-1], 4),
+    }
 
 
-def summary(sc: Scenario, nodes: list[VNode], recorder: Recorder, *, end: float, events: int,
-            wall_s: float, cpu_s: float, build_s: float, setup_s: float, broadcasts: list[dict[str, Any]],
-            skill_at: dict[bytes, list[float]], exchange: dict[str, Any]) -> dict[str, Any]:
+def summary(
+    sc: Scenario,
+    nodes: list[VNode],
+    recorder: Recorder,
+    *,
+    end: float,
+    events: int,
+    wall_s: float,
+    cpu_s: float,
+    build_s: float,
+    setup_s: float,
+    broadcasts: list[dict[str, Any]],
+    skill_at: dict[bytes, list[float]],
+    exchange: dict[str, Any],
+) -> dict[str, Any]:
     """The run's summary (`docs/researcher.md` lists its keys); `end`: the virtual seconds it ran."""
     trainers = [n for n in nodes if n.sampler is not None]  # every node that trained (some may follow now)
     swarm = sum(n.reward_sum for n in trainers)
@@ -188,10 +217,13 @@ def summary(sc: Scenario, nodes: list[VNode], recorder: Recorder, *, end: float,
         "final_isolated_skill_mean": round(sum(n.iso_skill for n in trainers) / max(1, len(trainers)), 4),
         "alone": alone_summary(trainers, end, skill_at),
         "external_groups_consumed": sum(n.consumed_ext for n in trainers),
-        "sampler": {k: sum(n.sampler.counts[k] for n in trainers if n.sampler is not None)
-                    for k in (trainers[0].sampler.counts if trainers and trainers[0].sampler else {})},
-        "adversarial_accepted": sum(n.adv_accepted for n in nodes
-                                    if n.spec.behaviour in ("forged_reward", "invalid_signature")),
+        "sampler": {
+            k: sum(n.sampler.counts[k] for n in trainers if n.sampler is not None)
+            for k in (trainers[0].sampler.counts if trainers and trainers[0].sampler else {})
+        },
+        "adversarial_accepted": sum(
+            n.adv_accepted for n in nodes if n.spec.behaviour in ("forged_reward", "invalid_signature")
+        ),
         "rejections": dict(recorder.rejections),
         "broadcasts": broadcasts,
         "graylist_threshold": sc.gossip.graylist_threshold,
@@ -205,17 +237,29 @@ def summary(sc: Scenario, nodes: list[VNode], recorder: Recorder, *, end: float,
 def record_bytes(recorder: Recorder, nodes: list[VNode], bytes_up: list[int], bytes_down: list[int]) -> None:
     """One `bytes` row per node: what its link carried over the run."""
     for n in nodes:
-        recorder.row("bytes", node=n.spec.index, group=n.spec.group, bytes_up=bytes_up[n.spec.index],
-                     bytes_down=bytes_down[n.spec.index])
+        recorder.row(
+            "bytes",
+            node=n.spec.index,
+            group=n.spec.group,
+            bytes_up=bytes_up[n.spec.index],
+            bytes_down=bytes_down[n.spec.index],
+        )
 
 
 def write(out_dir: Path, recorder: Recorder, summary: dict[str, Any], sc: Scenario) -> None:
     """The report folder: metrics, summary, scenario, page and plots."""
     if recorder.metrics is not None:
         recorder.metrics.close()
-    write_report(out_dir, recorder.rows, summary, dumps(sc), title=summary["title"],
-                 notes="Virtual time. " + summary["modelled"] + ".",
-                 threshold=sc.gossip.graylist_threshold, plots=sc.report.plots)
+    write_report(
+        out_dir,
+        recorder.rows,
+        summary,
+        dumps(sc),
+        title=summary["title"],
+        notes="Virtual time. " + summary["modelled"] + ".",
+        threshold=sc.gossip.graylist_threshold,
+        plots=sc.report.plots,
+    )
 
 
 def peak_rss_mb() -> float:

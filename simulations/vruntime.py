@@ -88,9 +88,18 @@ TICK = Tick()
 class CoreDriver:
     """Drives every honest node's core: the events it is fed and the actions it returns."""
 
-    def __init__(self, sc: Scenario, nodes: list[VNode], queue: EventQueue, net: Network, workers: Workers,
-                 recorder: Recorder, shared: SharedVerification | None,
-                 resolve: Callable[[wire.TaskRef], Task], reward: Callable[[Task, str], float]) -> None:
+    def __init__(
+        self,
+        sc: Scenario,
+        nodes: list[VNode],
+        queue: EventQueue,
+        net: Network,
+        workers: Workers,
+        recorder: Recorder,
+        shared: SharedVerification | None,
+        resolve: Callable[[wire.TaskRef], Task],
+        reward: Callable[[Task, str], float],
+    ) -> None:
         self.sc = sc
         self.nodes = nodes
         self.queue = queue
@@ -102,24 +111,37 @@ class CoreDriver:
         self.reward = reward
         self.by_peer = {n.peer_id: n for n in nodes}
         self.publisher = {n.lineage: n for n in nodes}  # lineage -> the node that publishes it
-        self.score_params = ScoreParams(graylist_threshold=sc.gossip.graylist_threshold,
-                                        blacklist_s=sc.gossip.blacklist_s)
+        self.score_params = ScoreParams(
+            graylist_threshold=sc.gossip.graylist_threshold, blacklist_s=sc.gossip.blacklist_s
+        )
 
     # ------------------------------------------------------------ building a node's network process
 
     def pipeline(self, n: VNode) -> Pipeline:
         """The node's gossip service's validation pipeline (its scores outlive its cores, as a node's do)."""
         sc = self.sc
-        cfg = PipelineConfig(swarm=sc.swarm, max_staleness=sc.training.max_staleness,
-                             rate_per_s=sc.gossip.rate_limit_per_s, burst=sc.gossip.rate_burst,
-                             replay_entries=50_000, replay_ttl_s=900.0, score=self.score_params)
+        cfg = PipelineConfig(
+            swarm=sc.swarm,
+            max_staleness=sc.training.max_staleness,
+            rate_per_s=sc.gossip.rate_limit_per_s,
+            burst=sc.gossip.rate_burst,
+            replay_entries=50_000,
+            replay_ttl_s=900.0,
+            score=self.score_params,
+        )
 
         def head(lineage: bytes) -> int | None:  # no core yet: no head known (replaced by the core's on join)
             return None
 
         if self.shared is not None:
-            return SimPipeline(cfg, clock=self.queue.unix, resolve_task=self.resolve, reward=self.reward,
-                               head_version=head, shared=self.shared)
+            return SimPipeline(
+                cfg,
+                clock=self.queue.unix,
+                resolve_task=self.resolve,
+                reward=self.reward,
+                head_version=head,
+                shared=self.shared,
+            )
         return Pipeline(cfg, clock=self.queue.unix, resolve_task=self.resolve, reward=self.reward, head_version=head)
 
     def new_core(self, n: VNode) -> NodeCore:
@@ -129,14 +151,24 @@ class CoreDriver:
         auto = s.role == "auto"
         if auto:  # a (re)started node with no configured roles starts as its hardware says: a trainer
             n.role = "trainer"
-        settings = CoreSettings(swarm=self.sc.swarm, roles=(n.role,), choose_mode=auto, max_staleness=tr.max_staleness,
-                                publish_every=self.sc.sync.publish_every, external_rollouts=tr.external_groups,
-                                group_size=tr.group_size, max_new_tokens=TOKENS_PER_ROLLOUT,
-                                upload_bytes_per_s=s.upload_bytes_per_s, follow=follow)
+        settings = CoreSettings(
+            swarm=self.sc.swarm,
+            roles=(n.role,),
+            choose_mode=auto,
+            max_staleness=tr.max_staleness,
+            publish_every=self.sc.sync.publish_every,
+            external_rollouts=tr.external_groups,
+            group_size=tr.group_size,
+            max_new_tokens=TOKENS_PER_ROLLOUT,
+            upload_bytes_per_s=s.upload_bytes_per_s,
+            follow=follow,
+        )
         core = n.core = NodeCore(settings, n.ident, self.queue.unix())
         if n.held_lineage is not None and n.held_lineage != n.lineage:  # what its store holds, as the runtime loads it
             lead = self.publisher[n.held_lineage]
-            self.feed(n, LineageKnown(n.held_lineage, LINEAGE_NAME, Relation.FOLLOW, lead.ident.public, BASE_MODEL, n.held))
+            self.feed(
+                n, LineageKnown(n.held_lineage, LINEAGE_NAME, Relation.FOLLOW, lead.ident.public, BASE_MODEL, n.held)
+            )
         return core
 
     # ------------------------------------------------------------ the cores' actions, carried out in virtual time
@@ -189,15 +221,20 @@ class CoreDriver:
             counts["catalog_requests"] += 1
             dst = self.by_peer.get(a.peer)
             if dst is not None:
-                self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
-                                CatalogAsked(dst.spec.index, n.spec.index, a.lineage, n.inc))
+                self.queue.push(
+                    self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
+                    CatalogAsked(dst.spec.index, n.spec.index, a.lineage, n.inc),
+                )
         elif isinstance(a, RequestOffer):
             counts["offers_requested"] += 1
             dst = self.by_peer.get(a.peer)
             if dst is not None:
-                self.queue.push(self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
-                                OfferAsked(dst.spec.index, n.spec.index, a.lineage,
-                                           (a.item.kind, a.item.base, a.item.target), n.inc))
+                self.queue.push(
+                    self.queue.now + self.net.latency(n.spec.index, dst.spec.index),
+                    OfferAsked(
+                        dst.spec.index, n.spec.index, a.lineage, (a.item.kind, a.item.base, a.item.target), n.inc
+                    ),
+                )
         elif isinstance(a, Penalise):
             n.pipeline.scores.penalise(a.peer, a.reason[:120], a.amount, self.queue.unix())
         elif isinstance(a, (SeePeer, ResendTaskSets)):
@@ -316,8 +353,9 @@ class CoreDriver:
         if env is not None:
             self.queue.push(back, ManifestArrives(ev.asker, ev.node, env, ev.asker_inc))
         else:  # as the runtime's failed offer request: the asker's core moves to its next source
-            self.queue.push(back, Reply(ev.asker, OfferFailed(p.peer_id, ev.lineage, "unreachable or not held"),
-                                        ev.asker_inc))
+            self.queue.push(
+                back, Reply(ev.asker, OfferFailed(p.peer_id, ev.lineage, "unreachable or not held"), ev.asker_inc)
+            )
 
     def on_batch(self, ev: BatchArrives) -> None:
         """A copy of a batch reaches a subscriber of its shard: its gossip service's intake

@@ -156,7 +156,9 @@ class VirtualSwarm:
         self._heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
         self._seq = 0
         self.events = 0
-        self._waiting = followers  # alive followers not yet complete: O(1) end test (an O(N) scan per event is quadratic)
+        self._waiting = (
+            followers  # alive followers not yet complete: O(1) end test (an O(N) scan per event is quadratic)
+        )
 
     @property
     def pid(self) -> bytes:
@@ -166,16 +168,33 @@ class VirtualSwarm:
         chunks = [self.rng.randbytes(s) for s in self.sizes]
         me = self.identity.public
         m = PatchManifest(
-            v=FORMAT_VERSION, lineage=hashlib.blake2b(b"vsim" + me, digest_size=32).digest(), lineage_name="vsim",
-            base_model_hash=b"\0" * 32, publisher=me, base_version=version - 1, target_version=version,
-            base_hash=b"\1" * 32, target_hash=self.rng.randbytes(32), codec="sparse-v1", total_bytes=sum(self.sizes),
-            chunk_bytes=max(self.sizes), chunks=refs(chunks), created_ms=0)
+            v=FORMAT_VERSION,
+            lineage=hashlib.blake2b(b"vsim" + me, digest_size=32).digest(),
+            lineage_name="vsim",
+            base_model_hash=b"\0" * 32,
+            publisher=me,
+            base_version=version - 1,
+            target_version=version,
+            base_hash=b"\1" * 32,
+            target_hash=self.rng.randbytes(32),
+            codec="sparse-v1",
+            total_bytes=sum(self.sizes),
+            chunk_bytes=max(self.sizes),
+            chunks=refs(chunks),
+            created_ms=0,
+        )
         env = seal(self.identity, PATCH_MANIFEST, m, swarm=self.swarm)
         return content_id(env), env, chunks
 
     def _core(self, link: SimLink) -> BroadcastCore:
-        return BroadcastCore(self.cfg, swarm=self.swarm, upload_bytes_per_s=link.up_bps, seed=self.rng.randrange(2**32),
-                             now=self.now, check=self._check)
+        return BroadcastCore(
+            self.cfg,
+            swarm=self.swarm,
+            upload_bytes_per_s=link.up_bps,
+            seed=self.rng.randrange(2**32),
+            now=self.now,
+            check=self._check,
+        )
 
     def _check(self, expected: bytes, size: int, data: bytes) -> bool:
         """A session's chunk check (`sync.swarm`'s: size, then blake2b against the manifest), with each distinct

@@ -67,9 +67,17 @@ MAX_ALONE_STEPS = 64  # alone-twin steps per node step: its steps are never much
 class Workers:
     """Every simulated node's modelled worker."""
 
-    def __init__(self, sc: Scenario, nodes: list[VNode], queue: EventQueue, recorder: Recorder, task_set: bytes,
-                 resolve: Callable[[wire.TaskRef], Task], reward: Callable[[Task, str], float],
-                 memo_horizon_s: float) -> None:
+    def __init__(
+        self,
+        sc: Scenario,
+        nodes: list[VNode],
+        queue: EventQueue,
+        recorder: Recorder,
+        task_set: bytes,
+        resolve: Callable[[wire.TaskRef], Task],
+        reward: Callable[[Task, str], float],
+        memo_horizon_s: float,
+    ) -> None:
         self.sc = sc
         self.nodes = nodes
         self.queue = queue
@@ -183,10 +191,21 @@ class Workers:
         for _ in range(g):
             text = task.answer if node.rng.random() < skill else self._wrong(task.answer, node.rng)
             ids = [ord(c) % 256 for c in text] + [1]
-            out.append(wire.Rollout(task=ref, lineage=lineage, version=version, completion_ids=ids, text=text,
-                                    tokenizer_hash=TOKENIZER, logprobs=bytes(4 * len(ids)), token_versions=[],
-                                    sampling=wire.SamplingParams(max_new_tokens=TOKENS_PER_ROLLOUT),
-                                    reward=self.reward(task, text), created_ms=created))
+            out.append(
+                wire.Rollout(
+                    task=ref,
+                    lineage=lineage,
+                    version=version,
+                    completion_ids=ids,
+                    text=text,
+                    tokenizer_hash=TOKENIZER,
+                    logprobs=bytes(4 * len(ids)),
+                    token_versions=[],
+                    sampling=wire.SamplingParams(max_new_tokens=TOKENS_PER_ROLLOUT),
+                    reward=self.reward(task, text),
+                    created_ms=created,
+                )
+            )
         return out
 
     def intake(self, d: VNode, v: Verdict) -> None:
@@ -274,8 +293,12 @@ class Workers:
         ext = sampler.take(tr.external_groups)  # the worker's rule: informative only, a uniform draw, within the bound
         for g in ext:
             head = n.core.head_of(g.lineage)
-            self.recorder.row("staleness", t=now, node=n.spec.index,
-                              staleness=max(0, (head if head is not None else g.version) - g.version))
+            self.recorder.row(
+                "staleness",
+                t=now,
+                node=n.spec.index,
+                staleness=max(0, (head if head is not None else g.version) - g.version),
+            )
         u_local = sum(informative(r.reward for r in g) for g in local)
         u_ext = len(ext)
         n.consumed_ext += len(ext)
@@ -298,12 +321,31 @@ class Workers:
         n.version += 1
         sampler.observe_head(n.lineage, n.version)  # its own head, as node/worker/main.py reports it
         self.skill_at[n.lineage].append(n.skill)
-        self.recorder.row("reward", t=now, node=n.spec.index, reward=reward, isolated=iso_reward, version=n.version,
-                          group=n.spec.group)
+        self.recorder.row(
+            "reward",
+            t=now,
+            node=n.spec.index,
+            reward=reward,
+            isolated=iso_reward,
+            version=n.version,
+            group=n.spec.group,
+        )
         self._rollouts_out(n, local)
-        self.send(n, pipe.Step(n.steps + 1, n.version, reward, None, len(ext), dt,
-                               used=sum(len(g.rollouts) for g in ext), external_groups=len(ext),
-                               external_lineages=len({g.lineage for g in ext}), updates=1))
+        self.send(
+            n,
+            pipe.Step(
+                n.steps + 1,
+                n.version,
+                reward,
+                None,
+                len(ext),
+                dt,
+                used=sum(len(g.rollouts) for g in ext),
+                external_groups=len(ext),
+                external_lineages=len({g.lineage for g in ext}),
+                updates=1,
+            ),
+        )
         self._perf(n, tr.local_groups * tr.group_size, dt)
         if n.version % self.sc.sync.publish_every == 0:
             base = n.version - self.sc.sync.publish_every
@@ -319,16 +361,24 @@ class Workers:
         lid = n.following
         if lid is not None:
             head = core.head_of(lid)
-            self.recorder.row("lag", t=self.queue.now, node=n.spec.index,
-                              lag=max(0, (head if head is not None else n.held) - n.held))
+            self.recorder.row(
+                "lag", t=self.queue.now, node=n.spec.index, lag=max(0, (head if head is not None else n.held) - n.held)
+            )
         if lid is None or not n.admitted or lid != n.held_lineage:
             return False
         skills = self.skill_at[lid]
         skill = skills[min(n.held, len(skills) - 1)]
         local = [self.group(n, lid, n.held, skill) for _ in range(self.sc.training.local_groups)]
         reward = sum(r.reward for g in local for r in g) / max(1, sum(len(g) for g in local))
-        self.recorder.row("reward", t=self.queue.now, node=n.spec.index, reward=reward, isolated=None,
-                          version=n.held, group=n.spec.group)
+        self.recorder.row(
+            "reward",
+            t=self.queue.now,
+            node=n.spec.index,
+            reward=reward,
+            isolated=None,
+            version=n.held,
+            group=n.spec.group,
+        )
         self._rollouts_out(n, local)
         self.send(n, pipe.Gen(reward, n.held, sum(len(r.completion_ids) for g in local for r in g), dt))
         self._perf(n, sum(len(g) for g in local), dt)
@@ -338,12 +388,25 @@ class Workers:
         """The publisher's signed manifest of one item (chunk contents are modelled: their hashes are tokens)."""
         sy = self.sc.sync
         total = item_bytes(sy.patch_bytes, kind)
-        sizes = [sy.chunk_bytes] * (total // sy.chunk_bytes) + ([total % sy.chunk_bytes] if total % sy.chunk_bytes else [])
+        sizes = [sy.chunk_bytes] * (total // sy.chunk_bytes) + (
+            [total % sy.chunk_bytes] if total % sy.chunk_bytes else []
+        )
         tag = hashlib.blake2b(b"%s/%d/%d" % (owner.lineage, base, target), digest_size=32).digest()
         codec = KIND_CODEC[kind]
-        m = wire.PatchManifest(v=wire.FORMAT_VERSION, lineage=owner.lineage, lineage_name=LINEAGE_NAME,
-                               base_model_hash=BASE_MODEL, publisher=owner.ident.public, base_version=base,
-                               target_version=target, base_hash=b"" if kind == "anchor" else tag[:16] + b"base",
-                               target_hash=tag[:16], codec=codec, total_bytes=total, chunk_bytes=sy.chunk_bytes,
-                               chunks=[wire.ChunkRef(tag, s) for s in sizes], created_ms=self.queue.unix_ms())
+        m = wire.PatchManifest(
+            v=wire.FORMAT_VERSION,
+            lineage=owner.lineage,
+            lineage_name=LINEAGE_NAME,
+            base_model_hash=BASE_MODEL,
+            publisher=owner.ident.public,
+            base_version=base,
+            target_version=target,
+            base_hash=b"" if kind == "anchor" else tag[:16] + b"base",
+            target_hash=tag[:16],
+            codec=codec,
+            total_bytes=total,
+            chunk_bytes=sy.chunk_bytes,
+            chunks=[wire.ChunkRef(tag, s) for s in sizes],
+            created_ms=self.queue.unix_ms(),
+        )
         return wire.seal(owner.ident, wire.PATCH_MANIFEST, m, swarm=self.sc.swarm)

@@ -49,8 +49,13 @@ class LinkSpec:
 
     @classmethod
     def of(cls, node: NodeSpec) -> LinkSpec:
-        return cls(up_bps=node.upload_bytes_per_s, down_bps=node.download_bytes_per_s,
-                   latency_s=node.latency_ms / 1000.0, jitter_s=node.jitter_ms / 1000.0, loss=node.loss)
+        return cls(
+            up_bps=node.upload_bytes_per_s,
+            down_bps=node.download_bytes_per_s,
+            latency_s=node.latency_ms / 1000.0,
+            jitter_s=node.jitter_ms / 1000.0,
+            loss=node.loss,
+        )
 
 
 class LinkModel:
@@ -70,8 +75,12 @@ class LinkModel:
         start = max(now, self.up_free[src])
         left = start + nbytes / s.up_bps
         self.up_free[src] = left
-        arrive = left + s.latency_s + d.latency_s + (self.rng.uniform(0, s.jitter_s + d.jitter_s)
-                                                     if s.jitter_s or d.jitter_s else 0.0)
+        arrive = (
+            left
+            + s.latency_s
+            + d.latency_s
+            + (self.rng.uniform(0, s.jitter_s + d.jitter_s) if s.jitter_s or d.jitter_s else 0.0)
+        )
         p = 1.0 - (1.0 - s.loss) * (1.0 - d.loss) if s.loss or d.loss else 0.0
         if p > 0:
             segments = max(1, -(-nbytes // MSS))

@@ -95,8 +95,15 @@ class BroadcastNode:
         self.me = transport.peer_id
         self.topic = topics.announce(swarm)
         self.swarm = swarm
-        self.core = BroadcastCore(config, swarm=swarm, upload_bytes_per_s=upload_bytes_per_s, accept=accept, seed=seed,
-                                  manifest_retry_s=manifest_retry_s, now=trio.current_time())
+        self.core = BroadcastCore(
+            config,
+            swarm=swarm,
+            upload_bytes_per_s=upload_bytes_per_s,
+            accept=accept,
+            seed=seed,
+            manifest_retry_s=manifest_retry_s,
+            now=trio.current_time(),
+        )
         self.partial_root = partial_root
         self.on_penalty = on_penalty
         self.on_complete = on_complete
@@ -167,8 +174,9 @@ class BroadcastNode:
             except PublishError as e:
                 # not fatal: every peer on a chunk stream sees the patch id in our Have and asks for
                 # the manifest (ManifestRequest); gossip only reaches the others sooner
-                log.warning("patch %s: manifest gossip failed (%s); peers learn it over chunk streams",
-                            pid.hex()[:12], e)
+                log.warning(
+                    "patch %s: manifest gossip failed (%s); peers learn it over chunk streams", pid.hex()[:12], e
+                )
         return pid
 
     async def add_manifest(self, envelope: bytes) -> bytes | None:
@@ -278,6 +286,7 @@ class BroadcastNode:
 
     async def _load_partial(self, a: Load) -> None:
         """Reopen the patch's partial directory (files are re-verified) and start from what it holds."""
+
         def read() -> tuple[ChunkAssembly, dict[int, bytes]]:
             store = ChunkAssembly(self.partial_root / a.pid.hex(), a.manifest)  # type: ignore[operator]  # started only when partial_root is set
             held = {}

@@ -24,7 +24,7 @@ class Plan:
 
     @property
     def kind(self) -> str:
-        """"none", "chain", "union", "anchor" (anchor alone) or "anchor+chain" etc."""
+        """ "none", "chain", "union", "anchor" (anchor alone) or "anchor+chain" etc."""
         if not self.steps:
             return "none"
         kinds: list[str] = []

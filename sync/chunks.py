@@ -38,7 +38,7 @@ def effective_chunk_bytes(total: int, chunk_bytes: int) -> int:
 
 def split(payload: bytes | memoryview, chunk_bytes: int) -> list[bytes]:
     mv = memoryview(payload)
-    return [bytes(mv[i:i + chunk_bytes]) for i in range(0, len(mv), chunk_bytes)]
+    return [bytes(mv[i : i + chunk_bytes]) for i in range(0, len(mv), chunk_bytes)]
 
 
 def refs(chunks: Sequence[bytes]) -> list[ChunkRef]:

@@ -261,8 +261,9 @@ def _value_tries(mode: int, arr: np.ndarray, perm: np.ndarray | None) -> list[tu
     return tries
 
 
-def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, t: np.ndarray,
-                  idx: np.ndarray, packer: _Packer) -> tuple[TensorEntry, list[bytes], TensorChange]:
+def encode_tensor(
+    name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, t: np.ndarray, idx: np.ndarray, packer: _Packer
+) -> tuple[TensorEntry, list[bytes], TensorChange]:
     n = b.size
     count = int(idx.size)
     old = b[idx]
@@ -300,14 +301,19 @@ def encode_tensor(name: str, dtype: str, shape: tuple[int, ...], b: np.ndarray, 
             if val_mode < 0 or _size(s) < _size(val_streams):
                 val_mode, val_streams = m, s
     streams = pos_streams + val_streams
-    entry = TensorEntry(name, dtype, list(shape), count, pos_mode, pos_width, val_mode,
-                        [(m, len(s)) for m, s in streams])
+    entry = TensorEntry(
+        name, dtype, list(shape), count, pos_mode, pos_width, val_mode, [(m, len(s)) for m, s in streams]
+    )
     return entry, [s for _, s in streams], TensorChange(name, idx, new)
 
 
-def encode_patch(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
-                 base_hash: bytes = b"", target_hash: bytes = b"",
-                 level: int = DEFAULT_LEVEL) -> tuple[bytes, dict[str, TensorChange]]:
+def encode_patch(
+    base: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    base_hash: bytes = b"",
+    target_hash: bytes = b"",
+    level: int = DEFAULT_LEVEL,
+) -> tuple[bytes, dict[str, TensorChange]]:
     """Payload turning `base` into `target` bit-exactly, and the per-tensor changes."""
     check_layout(base, target)
     packer = _Packer(level)
@@ -421,7 +427,7 @@ def read_header(payload: bytes | memoryview) -> tuple[PatchHeader, int]:
     if 8 + hlen > len(mv) - TRAILER_BYTES:
         raise PatchError("patch header length runs past the payload")
     try:
-        header = _header_decoder.decode(mv[8:8 + hlen])
+        header = _header_decoder.decode(mv[8 : 8 + hlen])
     except (msgspec.MsgspecError, ValueError, OverflowError, RecursionError) as e:
         raise PatchError(f"malformed patch header: {e}") from None
     if header.v != FORMAT:
@@ -429,9 +435,11 @@ def read_header(payload: bytes | memoryview) -> tuple[PatchHeader, int]:
     return header, 8 + hlen
 
 
-def decode_patch(payload: bytes | memoryview,
-                 layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
-                 max_elements: int = 1 << 31) -> tuple[PatchHeader, list[StagedTensor]]:
+def decode_patch(
+    payload: bytes | memoryview,
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+    max_elements: int = 1 << 31,
+) -> tuple[PatchHeader, list[StagedTensor]]:
     """Decode and check a payload into staged tensors; nothing is applied.
 
     `layout` (name -> (dtype, shape) of the state it will be applied to) is
@@ -458,7 +466,9 @@ def decode_patch(payload: bytes | memoryview,
                 raise PatchError(f"{what}: not in the target model")
             ldt, lshape = layout[e.name]
             if dtype_name(ldt) != e.dtype or tuple(lshape) != shape:
-                raise PatchError(f"{what}: {e.dtype}{shape} does not match the model's {dtype_name(ldt)}{tuple(lshape)}")
+                raise PatchError(
+                    f"{what}: {e.dtype}{shape} does not match the model's {dtype_name(ldt)}{tuple(lshape)}"
+                )
         if n > MAX_NUMEL or not 1 <= e.count <= n:
             raise PatchError(f"{what}: bad changed count {e.count} for {n} elements")
         total += e.count
@@ -517,7 +527,7 @@ class _StreamReader:
         self.i += 1
         if self.off + length > self.end:
             raise PatchError(f"{self.what}: stream runs past the payload (truncated)")
-        data = _unpack(method, bytes(self.mv[self.off:self.off + length]), raw_len, self.what)
+        data = _unpack(method, bytes(self.mv[self.off : self.off + length]), raw_len, self.what)
         self.off += length
         return data
 

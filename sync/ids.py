@@ -36,5 +36,6 @@ def _lineage_id(publisher: bytes, base_model_hash: bytes, name: str) -> bytes:
     if len(publisher) != 32 or len(base_model_hash) != 32:
         raise ValueError("publisher key and base model hash must be 32 bytes")
     nb = name.encode()
-    return hashlib.blake2b(LINEAGE_DOMAIN + publisher + base_model_hash + struct.pack("<H", len(nb)) + nb,
-                           digest_size=32).digest()
+    return hashlib.blake2b(
+        LINEAGE_DOMAIN + publisher + base_model_hash + struct.pack("<H", len(nb)) + nb, digest_size=32
+    ).digest()

@@ -32,8 +32,14 @@ def item_of(m: wire.PatchManifest) -> StoredItem:
     return StoredItem(CODEC_KIND.get(m.codec, m.codec), m.base_version, m.target_version, m.total_bytes)
 
 
-def wanted(m: wire.PatchManifest, serving: bytes | None, publisher: bytes, held: int, need_anchor: bool,
-           have: set[tuple[str, int, int]]) -> bool:
+def wanted(
+    m: wire.PatchManifest,
+    serving: bytes | None,
+    publisher: bytes,
+    held: int,
+    need_anchor: bool,
+    have: set[tuple[str, int, int]],
+) -> bool:
     """The accept rule of a follower's broadcast node (the signature was already checked).
 
     Only the lineage it serves, only from that lineage's publisher (whose key

@@ -91,8 +91,9 @@ class LineageStore:
     def anchor_dir(self, version: int) -> Path:
         return self.root / "anchors" / f"{version:012d}"
 
-    def put_anchor(self, version: int, file_bytes: bytes, envelope: bytes,
-                   config_json: Mapping[str, Any] | None = None) -> Path:
+    def put_anchor(
+        self, version: int, file_bytes: bytes, envelope: bytes, config_json: Mapping[str, Any] | None = None
+    ) -> Path:
         d = self.anchor_dir(version)
         atomic_write(d / ANCHOR_FILE, file_bytes)
         if config_json is not None:
@@ -193,7 +194,7 @@ class LineageStore:
         anchors = self.anchors()
         # Without any anchor nothing can be replayed from here: only the window serves peers' catch-up.
         floor = max([a for a in anchors if a <= window_start], default=anchors[0] if anchors else window_start)
-        keep_anchors = [a for a in anchors if a >= floor][-max(1, max_anchors):]
+        keep_anchors = [a for a in anchors if a >= floor][-max(1, max_anchors) :]
         floor = keep_anchors[0] if keep_anchors else floor
         for a in anchors:
             if a not in keep_anchors:
@@ -208,8 +209,7 @@ class LineageStore:
             if not m:
                 continue
             base = int(m.group(1))
-            orphan = (m.group(3) == "bin" and not p.with_suffix(".env").exists()
-                      and _older_than(p, now, WRITE_GRACE_S))
+            orphan = m.group(3) == "bin" and not p.with_suffix(".env").exists() and _older_than(p, now, WRITE_GRACE_S)
             if orphan or base < floor:
                 p.unlink(missing_ok=True)
                 removed.append(f"patches/{p.name}")

@@ -35,8 +35,10 @@ class StalenessEvent:
     def message(self) -> str:
         name = self.lineage.hex()[:12]
         if self.state == Admission.STALE:
-            return f"lineage {name}: {self.head - (self.local or 0) if self.head is not None else '?'} versions behind " \
-                   f"(local {self.local}, head {self.head}); rollouts paused, catching up"
+            return (
+                f"lineage {name}: {self.head - (self.local or 0) if self.head is not None else '?'} versions behind "
+                f"(local {self.local}, head {self.head}); rollouts paused, catching up"
+            )
         if self.state == Admission.FRESH and self.previous == Admission.STALE:
             return f"lineage {name}: caught up to {self.local} (head {self.head}); rollouts resumed"
         return f"lineage {name}: {self.previous} -> {self.state} (local {self.local}, head {self.head})"

@@ -213,8 +213,23 @@ class SwarmConfig(Struct, kw_only=True, frozen=True):
 
 
 class _Peer:
-    __slots__ = ("id", "has", "nhas", "inflight", "serve", "queued", "last_rx", "stalls", "corrupt",
-                 "avoid_until", "bytes_in", "bytes_out", "assigned", "known", "cancelled")
+    __slots__ = (
+        "id",
+        "has",
+        "nhas",
+        "inflight",
+        "serve",
+        "queued",
+        "last_rx",
+        "stalls",
+        "corrupt",
+        "avoid_until",
+        "bytes_in",
+        "bytes_out",
+        "assigned",
+        "known",
+        "cancelled",
+    )
 
     def __init__(self, pid: str, n: int, now: float) -> None:
         self.id = pid
@@ -311,9 +326,17 @@ class SwarmSession:
         return bool(p and p.serve)
 
     def peer_stats(self) -> dict[str, dict[str, float]]:
-        return {p.id: {"bytes_in": p.bytes_in, "bytes_out": p.bytes_out, "has": p.nhas,
-                       "inflight": len(p.inflight), "queued": len(p.serve), "stalls": p.stalls}
-                for p in self.peers.values()}
+        return {
+            p.id: {
+                "bytes_in": p.bytes_in,
+                "bytes_out": p.bytes_out,
+                "has": p.nhas,
+                "inflight": len(p.inflight),
+                "queued": len(p.serve),
+                "stalls": p.stalls,
+            }
+            for p in self.peers.values()
+        }
 
     def my_bits(self) -> bytes:
         return bits_from_indices((i for i in range(self.n) if self.have[i]), self.n)
@@ -609,8 +632,11 @@ class SwarmSession:
         budget = cfg.max_inflight_total - sum(len(p.inflight) for p in self.peers.values())
         if budget <= 0:
             return
-        peers = [p for p in self.peers.values()
-                 if p.nhas and p.avoid_until <= now and len(p.inflight) < cfg.max_inflight_per_peer]
+        peers = [
+            p
+            for p in self.peers.values()
+            if p.nhas and p.avoid_until <= now and len(p.inflight) < cfg.max_inflight_per_peer
+        ]
         if not peers:
             return
         # least loaded first, then fastest measured; random among equals so load spreads

@@ -144,8 +144,15 @@ class Transfer:
 
     __slots__ = ("pid", "envelope", "manifest", "session", "chunks", "started")
 
-    def __init__(self, pid: bytes, envelope: bytes, manifest: PatchManifest, session: SwarmSession,
-                 chunks: list[bytes | None], started: float) -> None:
+    def __init__(
+        self,
+        pid: bytes,
+        envelope: bytes,
+        manifest: PatchManifest,
+        session: SwarmSession,
+        chunks: list[bytes | None],
+        started: float,
+    ) -> None:
         self.pid = pid
         self.envelope = envelope
         self.manifest = manifest
@@ -189,8 +196,11 @@ class BroadcastCore:
         self.swarm = swarm  # manifests signed for another swarm are refused
         # a burst of one chunk: a chunk is the unit written, so with less every first chunk after an
         # idle gap waits for its own tokens (most of a chunk's transfer time at volunteer rates)
-        burst = upload_burst_bytes if upload_burst_bytes is not None else max(DEFAULT_CHUNK_BYTES,
-                                                                               0.05 * upload_bytes_per_s)
+        burst = (
+            upload_burst_bytes
+            if upload_burst_bytes is not None
+            else max(DEFAULT_CHUNK_BYTES, 0.05 * upload_bytes_per_s)
+        )
         self.bucket = TokenBucket(upload_bytes_per_s, burst, now=now)
         self.accept = accept or (lambda m: True)
         self.seed = seed
@@ -220,9 +230,18 @@ class BroadcastCore:
     def stats(self, pid: bytes) -> dict[str, Any]:
         tr = self.transfers[pid]
         s = tr.session
-        return {"pid": pid.hex(), "chunks": s.n, "have": s.nhave, "complete": s.complete,
-                "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "wasted_in": s.wasted_in,
-                "started": tr.started, "completed": tr.completed_wall, "peers": s.peer_stats()}
+        return {
+            "pid": pid.hex(),
+            "chunks": s.n,
+            "have": s.nhave,
+            "complete": s.complete,
+            "bytes_in": s.bytes_in,
+            "bytes_out": s.bytes_out,
+            "wasted_in": s.wasted_in,
+            "started": tr.started,
+            "completed": tr.completed_wall,
+            "peers": s.peer_stats(),
+        }
 
     # ------------------------------------------------------------ peers
 
@@ -319,8 +338,15 @@ class BroadcastCore:
         for i, data in held.items():
             if 0 <= i < len(chunks):
                 chunks[i] = data
-        session = session_from_manifest(pid, manifest, have=[i for i, c in enumerate(chunks) if c is not None],
-                                        config=self.cfg, now=now, seed=self.seed, check=self.check)
+        session = session_from_manifest(
+            pid,
+            manifest,
+            have=[i for i, c in enumerate(chunks) if c is not None],
+            config=self.cfg,
+            now=now,
+            seed=self.seed,
+            check=self.check,
+        )
         out = self._add(Transfer(pid, envelope, manifest, session, chunks, wall), now)
         if session.complete:
             out.append(Complete(pid))
@@ -340,8 +366,16 @@ class BroadcastCore:
         if len(chunks) != len(manifest.chunks):
             raise MurmurError(f"{len(chunks)} chunks for a manifest listing {len(manifest.chunks)}")
         pid = content_id(envelope)
-        session = session_from_manifest(pid, manifest, have=range(len(chunks)), origin=True, config=self.cfg,
-                                        now=now, seed=self.seed, check=self.check)
+        session = session_from_manifest(
+            pid,
+            manifest,
+            have=range(len(chunks)),
+            origin=True,
+            config=self.cfg,
+            now=now,
+            seed=self.seed,
+            check=self.check,
+        )
         self.transfers.pop(pid, None)  # we hold every chunk now: an earlier session of it starts over as origin
         self.loading.pop(pid, None)
         return pid, self._add(Transfer(pid, envelope, manifest, session, list(chunks), wall), now)

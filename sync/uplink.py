@@ -44,4 +44,3 @@ class TokenBucket:
         if self.rate:
             self._refill(now)
             self.tokens = min(self.burst, self.tokens + n)
-

@@ -100,8 +100,19 @@ def _layout(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, t
     return {n: (t.dtype, tuple(t.shape)) for n, t in state.items()}
 
 
-def make_bundle(identity: Identity, lineage: Lineage, codec: str, base_version: int, target_version: int,
-                base_hash: bytes, target_hash: bytes, payload: bytes, chunk_bytes: int, *, swarm: str) -> Bundle:
+def make_bundle(
+    identity: Identity,
+    lineage: Lineage,
+    codec: str,
+    base_version: int,
+    target_version: int,
+    base_hash: bytes,
+    target_hash: bytes,
+    payload: bytes,
+    chunk_bytes: int,
+    *,
+    swarm: str,
+) -> Bundle:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec}")
     if identity.public != lineage.publisher:
@@ -109,17 +120,31 @@ def make_bundle(identity: Identity, lineage: Lineage, codec: str, base_version: 
     cb = chunking.effective_chunk_bytes(len(payload), chunk_bytes)
     parts = chunking.split(payload, cb)
     manifest = PatchManifest(
-        v=FORMAT_VERSION, lineage=lineage.id, lineage_name=lineage.name, base_model_hash=lineage.base_model_hash,
-        publisher=lineage.publisher, base_version=base_version, target_version=target_version,
-        base_hash=base_hash, target_hash=target_hash, codec=codec, total_bytes=len(payload),
-        chunk_bytes=cb, chunks=chunking.refs(parts), created_ms=now_ms(),
+        v=FORMAT_VERSION,
+        lineage=lineage.id,
+        lineage_name=lineage.name,
+        base_model_hash=lineage.base_model_hash,
+        publisher=lineage.publisher,
+        base_version=base_version,
+        target_version=target_version,
+        base_hash=base_hash,
+        target_hash=target_hash,
+        codec=codec,
+        total_bytes=len(payload),
+        chunk_bytes=cb,
+        chunks=chunking.refs(parts),
+        created_ms=now_ms(),
     )
     return Bundle(manifest, seal(identity, PATCH_MANIFEST, manifest, swarm=swarm), parts)
 
 
-def encode_states(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], base_hash: bytes,
-                  target_hasher: StateHasher | None = None, level: int = DEFAULT_LEVEL
-                  ) -> tuple[bytes, bytes, dict[str, TensorChange], dict[str, bytes]]:
+def encode_states(
+    base: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    base_hash: bytes,
+    target_hasher: StateHasher | None = None,
+    level: int = DEFAULT_LEVEL,
+) -> tuple[bytes, bytes, dict[str, TensorChange], dict[str, bytes]]:
     """(payload, target hash, changes, new per-tensor digests) for base -> target.
 
     With `target_hasher` holding the digests of `base`, only the changed
@@ -133,8 +158,9 @@ def encode_states(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.T
         idx = diff_tensor(b, t)
         if idx.size == 0:
             continue
-        entry, streams, change = encode_tensor(name, dtype_name(base[name].dtype), tuple(base[name].shape),
-                                               b, t, idx, packer)
+        entry, streams, change = encode_tensor(
+            name, dtype_name(base[name].dtype), tuple(base[name].shape), b, t, idx, packer
+        )
         entries.append(entry)
         blobs.extend(streams)
         changes[name] = change
@@ -148,8 +174,12 @@ def anchor_bytes(state: Mapping[str, torch.Tensor], lineage: Lineage, version: i
     """The anchor payload: a safetensors file of the state (transformers-loadable)."""
     from safetensors.torch import save
 
-    meta = {"format": "pt", "murmur_lineage": lineage.id.hex(), "murmur_version": str(version),
-            "murmur_state_hash": target_hash.hex()}
+    meta = {
+        "format": "pt",
+        "murmur_lineage": lineage.id.hex(),
+        "murmur_version": str(version),
+        "murmur_state_hash": target_hash.hex(),
+    }
     return save({n: t.detach().contiguous() for n, t in state.items()}, metadata=meta)
 
 
@@ -164,11 +194,24 @@ class LineagePublisher:
     published state, updated in place from each patch (no full copy per step).
     """
 
-    def __init__(self, identity: Identity, name: str, state: Mapping[str, torch.Tensor] | torch.nn.Module,
-                 home: Path | None = None, *, swarm: str, anchor_every: int = 16, chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
-                 retain_versions: int = 64, max_anchors: int = 4, config_json: Mapping[str, Any] | None = None,
-                 version: int = 0, base_model_hash: bytes | None = None, db: Any = None,
-                 level: int = DEFAULT_LEVEL) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        name: str,
+        state: Mapping[str, torch.Tensor] | torch.nn.Module,
+        home: Path | None = None,
+        *,
+        swarm: str,
+        anchor_every: int = 16,
+        chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES,
+        retain_versions: int = 64,
+        max_anchors: int = 4,
+        config_json: Mapping[str, Any] | None = None,
+        version: int = 0,
+        base_model_hash: bytes | None = None,
+        db: Any = None,
+        level: int = DEFAULT_LEVEL,
+    ) -> None:
         if anchor_every < 1:
             raise ValueError("anchor_every must be >= 1")
         self.identity = identity
@@ -189,8 +232,14 @@ class LineagePublisher:
             db.add_lineage(self.lineage.id, name, identity.public, self.lineage.base_model_hash, Relation.OWN)
         self.store = LineageStore(home, self.lineage.id) if home is not None else None
         if self.store is not None:
-            self.store.write_info({"id": self.lineage.id.hex(), "name": name, "publisher": identity.public.hex(),
-                                   "base_model_hash": self.lineage.base_model_hash.hex()})
+            self.store.write_info(
+                {
+                    "id": self.lineage.id.hex(),
+                    "name": name,
+                    "publisher": identity.public.hex(),
+                    "base_model_hash": self.lineage.base_model_hash.hex(),
+                }
+            )
             if self.version % anchor_every == 0 and self.version not in self.store.anchors():
                 self._write_anchor()
 
@@ -203,8 +252,16 @@ class LineagePublisher:
         if info is None or head is None:
             raise PatchError(f"no stored lineage {lineage.hex()} in {home}")
         state = store.load_state(head, swarm=swarm)
-        return cls(identity, info["name"], state, home, swarm=swarm, version=head,
-                   base_model_hash=bytes.fromhex(info["base_model_hash"]), **kw)
+        return cls(
+            identity,
+            info["name"],
+            state,
+            home,
+            swarm=swarm,
+            version=head,
+            base_model_hash=bytes.fromhex(info["base_model_hash"]),
+            **kw,
+        )
 
     @property
     def state_hash(self) -> bytes:
@@ -219,8 +276,18 @@ class LineagePublisher:
             bad = count_non_finite(ch.new, dtype_name(self.base[name].dtype))
             if bad:
                 raise NonFiniteWeights(f"version {self.version + 1} not published: {bad} non-finite values in {name}")
-        bundle = make_bundle(self.identity, self.lineage, SPARSE, self.version, self.version + 1,
-                             base_hash, target_hash, payload, self.chunk_bytes, swarm=self.swarm)
+        bundle = make_bundle(
+            self.identity,
+            self.lineage,
+            SPARSE,
+            self.version,
+            self.version + 1,
+            base_hash,
+            target_hash,
+            payload,
+            self.chunk_bytes,
+            swarm=self.swarm,
+        )
         for name, ch in changes.items():
             bits_view(self.base[name])[ch.idx] = ch.new
         self.hasher.commit(digests, target_hash)
@@ -229,8 +296,9 @@ class LineagePublisher:
         if self.store is not None:
             path = str(self.store.put_patch(bundle.manifest, bundle.envelope, payload))
         if self.db is not None:
-            self.db.add_version(self.lineage.id, self.version, target_hash, "patch", self.version - 1,
-                                bundle.envelope, path, held=True)
+            self.db.add_version(
+                self.lineage.id, self.version, target_hash, "patch", self.version - 1, bundle.envelope, path, held=True
+            )
         if self.store is not None and self.version % self.anchor_every == 0:
             self._write_anchor()
         if self.store is not None:
@@ -239,13 +307,31 @@ class LineagePublisher:
 
     def _write_anchor(self) -> Bundle:
         data = anchor_bytes(self.base, self.lineage, self.version, self.hasher.hash)
-        bundle = make_bundle(self.identity, self.lineage, ANCHOR, self.version, self.version, b"",
-                             self.hasher.hash, data, self.chunk_bytes, swarm=self.swarm)
+        bundle = make_bundle(
+            self.identity,
+            self.lineage,
+            ANCHOR,
+            self.version,
+            self.version,
+            b"",
+            self.hasher.hash,
+            data,
+            self.chunk_bytes,
+            swarm=self.swarm,
+        )
         assert self.store is not None
         d = self.store.put_anchor(self.version, data, bundle.envelope, self.config_json)
         if self.db is not None:
-            self.db.add_version(self.lineage.id, self.version, self.hasher.hash, "anchor", self.version,
-                                bundle.envelope, str(d), held=True)
+            self.db.add_version(
+                self.lineage.id,
+                self.version,
+                self.hasher.hash,
+                "anchor",
+                self.version,
+                bundle.envelope,
+                str(d),
+                held=True,
+            )
         return bundle
 
     # ------------------------------------------------------------ serving catch-up
@@ -257,8 +343,9 @@ class LineagePublisher:
     def stored(self, item: StoredItem) -> Bundle:
         """The bundle of a stored patch, union or anchor."""
         store = self._need_store()
-        env, payload = (store.read_anchor(item.target) if item.kind == "anchor"
-                        else store.read_patch(item.base, item.target))
+        env, payload = (
+            store.read_anchor(item.target) if item.kind == "anchor" else store.read_patch(item.base, item.target)
+        )
         manifest = open_manifest(env, swarm=self.swarm)
         return Bundle(manifest, env, chunking.split(payload, manifest.chunk_bytes))
 
@@ -274,8 +361,18 @@ class LineagePublisher:
         target = self.base if b == self.version else store.load_state(b, swarm=self.swarm)
         bh = state_hash(base)
         payload, th, _, _ = encode_states(base, target, bh, None, self.level)
-        bundle = make_bundle(self.identity, self.lineage, UNION if b > a + 1 else SPARSE, a, b, bh, th,
-                             payload, self.chunk_bytes, swarm=self.swarm)
+        bundle = make_bundle(
+            self.identity,
+            self.lineage,
+            UNION if b > a + 1 else SPARSE,
+            a,
+            b,
+            bh,
+            th,
+            payload,
+            self.chunk_bytes,
+            swarm=self.swarm,
+        )
         store.put_patch(bundle.manifest, bundle.envelope, payload)
         return bundle
 
@@ -308,9 +405,18 @@ class LineageFollower:
     what a patch touches. `verify_state()` rehashes everything.
     """
 
-    def __init__(self, lineage: Lineage, state: Mapping[str, torch.Tensor] | torch.nn.Module, version: int = 0,
-                 expected_hash: bytes | None = None, home: Path | None = None, db: Any = None,
-                 keep_patches: bool = True, *, swarm: str) -> None:
+    def __init__(
+        self,
+        lineage: Lineage,
+        state: Mapping[str, torch.Tensor] | torch.nn.Module,
+        version: int = 0,
+        expected_hash: bytes | None = None,
+        home: Path | None = None,
+        db: Any = None,
+        keep_patches: bool = True,
+        *,
+        swarm: str,
+    ) -> None:
         self.lineage = lineage
         self.swarm = swarm  # manifests signed for another swarm are refused
         self.live = canonical_state(state) if isinstance(state, torch.nn.Module) else dict(state)
@@ -359,9 +465,11 @@ class LineageFollower:
             if m.codec == UNION and m.target_version <= m.base_version:
                 raise PatchError("union patch does not advance")
             if m.base_version != self.version or m.base_hash != self.hasher.hash:
-                raise PatchError(f"wrong base: patch is {m.base_version}->{m.target_version}, "
-                                 f"held version is {self.version}"
-                                 + ("" if m.base_version != self.version else " with a different hash"))
+                raise PatchError(
+                    f"wrong base: patch is {m.base_version}->{m.target_version}, "
+                    f"held version is {self.version}"
+                    + ("" if m.base_version != self.version else " with a different hash")
+                )
         return m
 
     def apply(self, envelope: bytes, chunks: Sequence[bytes | memoryview | None]) -> Applied:
@@ -389,8 +497,9 @@ class LineageFollower:
         for s in staged:  # before any write: a signed patch that makes a weight NaN is refused whole
             bad = count_non_finite(new[s.name], s.dtype, was=old[s.name])
             if bad:
-                raise NonFiniteWeights(f"patch {m.base_version}->{m.target_version} makes {bad} values of "
-                                       f"{s.name} non-finite")
+                raise NonFiniteWeights(
+                    f"patch {m.base_version}->{m.target_version} makes {bad} values of {s.name} non-finite"
+                )
         positions = {s.name: s.idx for s in staged}
         done: list[str] = []
         try:
@@ -430,8 +539,7 @@ class LineageFollower:
                 self.live[n].copy_(t)
         self.hasher = hasher
         self.version = m.target_version
-        return Applied(self.version, hasher.hash, m.codec,
-                       {n: torch.arange(t.numel()) for n, t in self.live.items()})
+        return Applied(self.version, hasher.hash, m.codec, {n: torch.arange(t.numel()) for n, t in self.live.items()})
 
     def _record(self, m: PatchManifest, envelope: bytes, payload: bytes) -> None:
         path = None
@@ -442,16 +550,22 @@ class LineageFollower:
                 path = str(self.store.put_patch(m, envelope, payload))
         if self.db is not None:
             kind = {SPARSE: "patch", UNION: "union", ANCHOR: "anchor"}[m.codec]
-            self.db.add_version(self.lineage.id, m.target_version, m.target_hash, kind, m.base_version,
-                                envelope, path, held=True)
+            self.db.add_version(
+                self.lineage.id, m.target_version, m.target_hash, kind, m.base_version, envelope, path, held=True
+            )
 
     def catch_up_plan(self, head: int, items: Sequence[StoredItem]) -> Plan:
         """Cheapest plan from the held version to `head` over what peers offer (`items`)."""
         return choose(self.version, head, items)
 
 
-def save_anchor_dir(directory: Path, state: Mapping[str, torch.Tensor], config_json: Mapping[str, Any] | None,
-                    metadata_lineage: Lineage | None = None, version: int = 0) -> Path:
+def save_anchor_dir(
+    directory: Path,
+    state: Mapping[str, torch.Tensor],
+    config_json: Mapping[str, Any] | None,
+    metadata_lineage: Lineage | None = None,
+    version: int = 0,
+) -> Path:
     """Write a transformers-loadable folder (model.safetensors + config.json) from a state."""
     from murmur.sync.atomic import atomic_write
 
@@ -463,5 +577,17 @@ def save_anchor_dir(directory: Path, state: Mapping[str, torch.Tensor], config_j
     return directory
 
 
-__all__ = ["Lineage", "Bundle", "Applied", "LineagePublisher", "LineageFollower", "make_bundle",
-           "encode_states", "anchor_bytes", "save_anchor_dir", "SPARSE", "UNION", "ANCHOR"]
+__all__ = [
+    "Lineage",
+    "Bundle",
+    "Applied",
+    "LineagePublisher",
+    "LineageFollower",
+    "make_bundle",
+    "encode_states",
+    "anchor_bytes",
+    "save_anchor_dir",
+    "SPARSE",
+    "UNION",
+    "ANCHOR",
+]

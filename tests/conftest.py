@@ -183,13 +183,25 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 # Live swarms that take longest start first among the heavy tests, so that short ones end the run on every
 # worker instead of one long swarm running alone at the end.
-LONGEST_FIRST = ("test_vllm.py", "test_attacks_live.py", "test_node_swarm.py", "test_emulation_nodes.py",
-                 "test_demo.py", "test_training.py", "test_modelplan.py", "test_broadcast.py")
+LONGEST_FIRST = (
+    "test_vllm.py",
+    "test_attacks_live.py",
+    "test_node_swarm.py",
+    "test_emulation_nodes.py",
+    "test_demo.py",
+    "test_training.py",
+    "test_modelplan.py",
+    "test_broadcast.py",
+)
 # Within the solo unit: the WebRTC pairs and the namespace benches mostly wait, and the ordinary tests beside
 # them fill the cores; the NATed live swarms, which fill both cores themselves, end the unit, so the slow
 # tests that follow start on a machine that was busy anyway.
-SOLO_ORDER = ("test_reachability_webrtc.py", "test_reachability.py", "test_reachability_netns.py",
-              "test_reachability_nodes.py")
+SOLO_ORDER = (
+    "test_reachability_webrtc.py",
+    "test_reachability.py",
+    "test_reachability_netns.py",
+    "test_reachability_nodes.py",
+)
 
 
 def _shares_module_state(item: pytest.Item) -> bool:
@@ -211,8 +223,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not root or not worker:
         return
-    unit = {id(it): SOLO if is_solo(it) else (it.path.name if _shares_module_state(it) else it.nodeid)
-            for it in items}
+    unit = {id(it): SOLO if is_solo(it) else (it.path.name if _shares_module_state(it) else it.nodeid) for it in items}
     rank = {SOLO: 0, LIGHT: 1, HEAVY: 2}
     unit_rank: dict[str, int] = {}
     for it in items:
@@ -299,7 +310,6 @@ def webrtc_extra() -> None:
         pytest.skip(f"WebRTC extra not installed: {reason}")
 
 
-
 # Tests that may skip where CI runs (env CI=true), by node-id prefix, with the reason. Any other skip
 # there fails the run: a test that quietly stops running (no root for network namespaces, aiortc not
 # importable, the vLLM environment missing) guards nothing.
@@ -308,8 +318,9 @@ ALLOWED_CI_SKIPS: dict[str, str] = {}
 
 def unexpected_skips(skipped: list[Any], allowed: dict[str, str]) -> list[str]:
     """Node ids of skipped (not xfailed) reports that no allowed prefix covers."""
-    return sorted({r.nodeid for r in skipped if not hasattr(r, "wasxfail")
-                   and not any(r.nodeid.startswith(p) for p in allowed)})
+    return sorted(
+        {r.nodeid for r in skipped if not hasattr(r, "wasxfail") and not any(r.nodeid.startswith(p) for p in allowed)}
+    )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -330,8 +341,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     bad = unexpected_skips(reporter.stats.get("skipped", []) if reporter else [], ALLOWED_CI_SKIPS)
     if bad:
         if reporter:
-            reporter.write_line(f"CI: {len(bad)} test(s) skipped that must run here (tests/conftest.py "
-                                "ALLOWED_CI_SKIPS):", red=True)
+            reporter.write_line(
+                f"CI: {len(bad)} test(s) skipped that must run here (tests/conftest.py ALLOWED_CI_SKIPS):", red=True
+            )
             for nodeid in bad:
                 reporter.write_line(f"  {nodeid}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -37,8 +37,10 @@ QUEUE = 1024
 def base_state() -> dict[str, torch.Tensor]:
     """The 'model' every fake worker starts from (so a follower's base is its trainer's)."""
     g = torch.Generator().manual_seed(0)
-    return {"w": (torch.randn(32, 16, generator=g) * 0.02).to(torch.bfloat16),
-            "b": torch.zeros(16, dtype=torch.bfloat16)}
+    return {
+        "w": (torch.randn(32, 16, generator=g) * 0.02).to(torch.bfloat16),
+        "b": torch.zeros(16, dtype=torch.bfloat16),
+    }
 
 
 def _bytes(state: dict[str, torch.Tensor]) -> int:
@@ -162,15 +164,30 @@ class FakeLink:
     def _start_trainer(self, db: Any, base: dict[str, torch.Tensor]) -> None:
         s = self.spec
         ident = Identity.from_seed(bytes.fromhex(s["identity_seed"]))
-        kw = dict(swarm=s["swarm"], anchor_every=s["anchor_every"], chunk_bytes=s["chunk_bytes"],
-                  retain_versions=s["retain_versions"], db=db)
+        kw = dict(
+            swarm=s["swarm"],
+            anchor_every=s["anchor_every"],
+            chunk_bytes=s["chunk_bytes"],
+            retain_versions=s["retain_versions"],
+            db=db,
+        )
         own = db.get("own_lineage")
-        self.pub = (LineagePublisher.resume(ident, self.home, bytes.fromhex(own), **kw) if own
-                    else LineagePublisher(ident, s["lineage_name"], base, self.home, **kw))
+        self.pub = (
+            LineagePublisher.resume(ident, self.home, bytes.fromhex(own), **kw)
+            if own
+            else LineagePublisher(ident, s["lineage_name"], base, self.home, **kw)
+        )
         db.put("own_lineage", self.pub.lineage.id.hex())
         lin = self.pub.lineage
-        self._out(pipe.Ready(base=lin.base_model_hash.hex(), version=self.pub.version, model_bytes=_bytes(base),
-                             lineage=lin.id.hex(), name=lin.name))
+        self._out(
+            pipe.Ready(
+                base=lin.base_model_hash.hex(),
+                version=self.pub.version,
+                model_bytes=_bytes(base),
+                lineage=lin.id.hex(),
+                name=lin.name,
+            )
+        )
         self._out(pipe.State(WorkerState.TRAINING))
 
     def _on(self, m: pipe.Message, db: Any, base: dict[str, torch.Tensor]) -> None:
@@ -190,8 +207,16 @@ class FakeLink:
             return
         lin = Lineage(bytes.fromhex(info.publisher), bytes.fromhex(info.base), info.name)
         state, version, h = self.workers.checkpoints.get(lin.id, (base, 0, None))
-        self.follower = LineageFollower(lin, {n: t.clone() for n, t in state.items()}, version, expected_hash=h,
-                                        home=self.home, db=db, keep_patches=False, swarm=self.spec["swarm"])
+        self.follower = LineageFollower(
+            lin,
+            {n: t.clone() for n, t in state.items()},
+            version,
+            expected_hash=h,
+            home=self.home,
+            db=db,
+            keep_patches=False,
+            swarm=self.spec["swarm"],
+        )
         self._out(pipe.Applied(lin.id.hex(), self.follower.version))
 
     def _apply_held(self) -> None:
@@ -200,12 +225,18 @@ class FakeLink:
         while (plan := local_plan(f.version, f.store.items())) is not None:
             step = plan.steps[0]
             try:
-                env, payload = (f.store.read_anchor(step.target) if step.kind == "anchor"
-                                else f.store.read_patch(step.base, step.target))
+                env, payload = (
+                    f.store.read_anchor(step.target)
+                    if step.kind == "anchor"
+                    else f.store.read_patch(step.base, step.target)
+                )
                 f.apply(env, chunking.split(payload, open_manifest(env, swarm=f.swarm).chunk_bytes))
             except PatchError as e:
                 self._out(pipe.ApplyFailed(f.lineage.id.hex(), step.base, step.target, str(e)))
                 return
-            self.workers.checkpoints[f.lineage.id] = ({n: t.clone() for n, t in f.live.items()}, f.version,
-                                                      f.state_hash)
+            self.workers.checkpoints[f.lineage.id] = (
+                {n: t.clone() for n, t in f.live.items()},
+                f.version,
+                f.state_hash,
+            )
             self._out(pipe.Applied(f.lineage.id.hex(), f.version))

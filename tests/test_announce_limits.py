@@ -29,8 +29,14 @@ BURST = 3
 
 
 def _service() -> GossipService:
-    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=time.time, resolve_task=REG.resolve,
-                        reward=score, head_version=lambda lineage: 0, task_set_trusted=REG.__contains__)
+    pipeline = Pipeline(
+        PipelineConfig(swarm=SWARM, max_staleness=4),
+        clock=time.time,
+        resolve_task=REG.resolve,
+        reward=score,
+        head_version=lambda lineage: 0,
+        task_set_trusted=REG.__contains__,
+    )
     # a rate so low that no token comes back while the test runs
     return GossipService(None, pipeline, SWARM, announce_rate_per_s=1e-6, announce_burst=BURST)
 
@@ -93,10 +99,21 @@ def test_an_over_rate_message_relayed_by_another_peer_is_dropped_and_charged_to_
 
 
 def _node_announce(ident: Identity, addrs: int = 16) -> bytes:
-    body = wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=1, created_ms=wire.now_ms(),
-                             hardware="cpu", gen_tokens_per_s=0.0, rollout_latency_s=0.0, upload_bytes_per_s=0.0,
-                             memory_bytes=0, roles=["trainer"], lineages_followed=[], publish_batches_per_s=0.0,
-                             addrs=[f"/ip4/10.0.{i}.1/tcp/4001/" + "x" * 200 for i in range(addrs)])
+    body = wire.NodeAnnounce(
+        v=wire.FORMAT_VERSION,
+        peer_id=ident.peer_id,
+        seq=1,
+        created_ms=wire.now_ms(),
+        hardware="cpu",
+        gen_tokens_per_s=0.0,
+        rollout_latency_s=0.0,
+        upload_bytes_per_s=0.0,
+        memory_bytes=0,
+        roles=["trainer"],
+        lineages_followed=[],
+        publish_batches_per_s=0.0,
+        addrs=[f"/ip4/10.0.{i}.1/tcp/4001/" + "x" * 200 for i in range(addrs)],
+    )
     return wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM)
 
 
@@ -120,8 +137,12 @@ def test_fresh_keys_announcing_once_share_one_node_wide_admission_rate() -> None
         verdicts = [await s._validate_announce(relay, o, d) for o, d in zip(origins, flood)]
         elapsed = time.monotonic() - t0
         again = _node_announce(known, 2)
-        return (verdicts, await s._validate_announce(relay, known.peer_id, again),
-                await s._validate_announce(direct.peer_id, direct.peer_id, _node_announce(direct, 1)), elapsed)
+        return (
+            verdicts,
+            await s._validate_announce(relay, known.peer_id, again),
+            await s._validate_announce(direct.peer_id, direct.peer_id, _node_announce(direct, 1)),
+            elapsed,
+        )
 
     verdicts, known_ok, direct_ok, elapsed = trio.run(main)
     admitted = sum(verdicts)
@@ -131,8 +152,14 @@ def test_fresh_keys_announcing_once_share_one_node_wide_admission_rate() -> None
     assert _charged(s, relay) == 0.0 and all(_charged(s, o) == 0.0 for o in origins[:50])
     # the key admitted is the envelope's signer: one pubsub author (on its own connection, with no rate of
     # its own to speak of) carrying announces signed by fresh keys is held to the same node-wide rate
-    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=time.time, resolve_task=REG.resolve,
-                        reward=score, head_version=lambda lineage: 0, task_set_trusted=REG.__contains__)
+    pipeline = Pipeline(
+        PipelineConfig(swarm=SWARM, max_staleness=4),
+        clock=time.time,
+        resolve_task=REG.resolve,
+        reward=score,
+        head_version=lambda lineage: 0,
+        task_set_trusted=REG.__contains__,
+    )
     wide = GossipService(None, pipeline, SWARM, announce_rate_per_s=1e6, announce_burst=10**6)
 
     async def carried() -> tuple[int, float]:

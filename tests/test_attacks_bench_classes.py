@@ -64,10 +64,23 @@ def _honest_knowledge() -> tuple[attacks.Knowledge, Identity]:
 
 def test_the_catalogue_holds_the_issue_26_classes() -> None:
     assert len(attacks.CATALOGUE) >= 32
-    for name in ("claim_throughput", "lineage_by_announce", "long_completions", "large_batches", "held_frames",
-                 "idle_streams", "announce_replay", "taskset_takeover", "future_version", "poison_numbers",
-                 "payload_poison", "payload_unowned_lineage", "payload_foreign_tokenizer", "credit_farming",
-                 "supply_to_follower"):
+    for name in (
+        "claim_throughput",
+        "lineage_by_announce",
+        "long_completions",
+        "large_batches",
+        "held_frames",
+        "idle_streams",
+        "announce_replay",
+        "taskset_takeover",
+        "future_version",
+        "poison_numbers",
+        "payload_poison",
+        "payload_unowned_lineage",
+        "payload_foreign_tokenizer",
+        "credit_farming",
+        "supply_to_follower",
+    ):
         assert name in attacks.CATALOGUE
     assert attacks.PROVABLE <= set(attacks.CATALOGUE)
 
@@ -134,7 +147,9 @@ def test_payload_poison_sends_honestly_scored_groups_half_carrying_the_payload(t
         assert list(r.completion_ids) == list(tok(r.text, add_special_tokens=False)["input_ids"])
         assert r.reward == score(reg.resolve(r.task), r.text)  # honestly scored: not forged_reward
         assert r.version <= head and not wire.rollout_number_fault(r)
-        assert bytes(r.tokenizer_hash) == check.hash and check(r) is None  # ids and text agree: its only fault is the claimed log-probs
+        assert (
+            bytes(r.tokenizer_hash) == check.hash and check(r) is None
+        )  # ids and text agree: its only fault is the claimed log-probs
     assert all(r.reward == 1.0 for r in carrying)  # the payload rides on correct answers
 
 
@@ -176,8 +191,12 @@ def _observed_trainer() -> tuple[attacks.Knowledge, Any, TaskRegistry, bytes]:
     k.take(attacks._manifest(h, lid, "honest", b"\x00" * 32, 11, 12))
     tpl = attacks._rollout_like(None, seed=1, version=7, lineage=lid)  # a follower's, five versions behind
     ids = attacks._encode(check, tpl.text)
-    k.take(attacks._batch(h, [msgspec.structs.replace(tpl, completion_ids=ids, tokenizer_hash=check.hash,
-                                                      logprobs=bytes(4 * len(ids)))]))
+    k.take(
+        attacks._batch(
+            h,
+            [msgspec.structs.replace(tpl, completion_ids=ids, tokenizer_hash=check.hash, logprobs=bytes(4 * len(ids)))],
+        )
+    )
     mallory = attacks.Attacker(Recorder(), attacks.attack_key("freeze_manifest_head"), SWARM)
     k.take(attacks._manifest(mallory, lid, "honest", b"\x00" * 32, attacks.U64_MAX - 1, attacks.U64_MAX))
     return k, check, reg, lid
@@ -192,9 +211,16 @@ def _attack_batches(name: str, k: attacks.Knowledge) -> tuple[attacks.Attacker, 
 
 def _trainer_pipeline(check: Any, reg: TaskRegistry, lid: bytes) -> Pipeline:
     """The trainer's own pipeline: token check, built-in verifier, its lineage's published head (13)."""
-    return Pipeline(PipelineConfig(swarm=SWARM, max_completion_tokens=16), clock=time.time, resolve_task=reg.resolve,
-                    reward=score, head_version=lambda lin: 13 if bytes(lin) == lid else None,
-                    own_lineage=lambda lin: bytes(lin) == lid, check_tokens=check, task_set_trusted=reg.__contains__)
+    return Pipeline(
+        PipelineConfig(swarm=SWARM, max_completion_tokens=16),
+        clock=time.time,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: 13 if bytes(lin) == lid else None,
+        own_lineage=lambda lin: bytes(lin) == lid,
+        check_tokens=check,
+        task_set_trusted=reg.__contains__,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(attacks.FAULTS))
@@ -309,7 +335,9 @@ def test_sybil_announces_are_authored_each_by_a_fresh_key_and_meet_the_new_key_r
 
     t = AuthoredRecorder()
     a = attacks.Attacker(t, attacks.attack_key("sybil_announces"), SWARM)
-    trio.run(attacks.sybil_announces, a, attacks.Knowledge(SWARM), [], clock=trio.testing.MockClock(autojump_threshold=0))
+    trio.run(
+        attacks.sybil_announces, a, attacks.Knowledge(SWARM), [], clock=trio.testing.MockClock(autojump_threshold=0)
+    )
     assert a.sent == len(t.sent) == attacks.SYBIL_KEYS and "sybil_announces" in attacks.FIRST_TARGET_ONLY
     signers = []
     for (topic, data), author in zip(t.sent, t.authors):
@@ -319,8 +347,13 @@ def test_sybil_announces_are_authored_each_by_a_fresh_key_and_meet_the_new_key_r
         assert 12 * 1024 < len(data) <= wire.KIND_LIMITS[wire.NODE_ANNOUNCE]
         signers.append(author)
     assert len(set(signers)) == attacks.SYBIL_KEYS and a.ident.peer_id not in signers
-    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=time.time, resolve_task=None,
-                        reward=score, head_version=lambda lineage: 0)
+    pipeline = Pipeline(
+        PipelineConfig(swarm=SWARM, max_staleness=4),
+        clock=time.time,
+        resolve_task=None,
+        reward=score,
+        head_version=lambda lineage: 0,
+    )
     service = GossipService(None, pipeline, SWARM)
 
     async def relayed() -> tuple[int, float]:

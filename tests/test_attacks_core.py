@@ -80,11 +80,17 @@ def test_freeze_far_ahead_head_is_refused_and_planning_is_o_items() -> None:
     acts = core.handle(C.ManifestHeard(manifest(honest, "lin", 3, 3 + MAX_AHEAD)))
     assert not [a for a in of(acts, C.Log) if "refused" in a.msg] and core.head_of(lid) == 3 + MAX_AHEAD
     # and planning to any head costs O(items), not O(versions): a few hundred Python lines (tests/workbound.py)
-    plan, _ = lines_run(choose, 0, 2**62, [StoredItem("patch", 0, 1, 5), StoredItem("anchor", 2**62, 2**62, 9),
-                                           StoredItem("union", 1, 2**62, 3)], limit=2_000)
+    plan, _ = lines_run(
+        choose,
+        0,
+        2**62,
+        [StoredItem("patch", 0, 1, 5), StoredItem("anchor", 2**62, 2**62, 9), StoredItem("union", 1, 2**62, 3)],
+        limit=2_000,
+    )
     assert plan.total_bytes == 8
-    lines_run(core.handle, C.CatalogReceived(honest.peer_id, lid, (StoredItem("anchor", 2**62, 2**62, 9),)),
-              limit=2_000)
+    lines_run(
+        core.handle, C.CatalogReceived(honest.peer_id, lid, (StoredItem("anchor", 2**62, 2**62, 9),)), limit=2_000
+    )
 
 
 def test_crash_tiny_step_time_is_refused_and_roles_do_not_overflow() -> None:
@@ -154,22 +160,41 @@ def test_tables_stay_bounded_under_a_flood_of_keys() -> None:
 def test_out_of_range_worker_numbers_do_not_poison_the_announce() -> None:
     core, clock = make_core()
     core.handle(W("perf", {"gen_tokens_per_s": float("inf"), "rollout_latency_s": float("nan")}))
-    core.handle(W("step", {"step": 1, "version": 0, "reward_mean": float("nan"), "loss": None, "n_external_groups": 0,
-                         "step_s": float("inf")}))
+    core.handle(
+        W(
+            "step",
+            {
+                "step": 1,
+                "version": 0,
+                "reward_mean": float("nan"),
+                "loss": None,
+                "n_external_groups": 0,
+                "step_s": float("inf"),
+            },
+        )
+    )
     acts = core.handle(C.Tick())
     assert of(acts, C.Publish)  # the announce still seals within the wire's ranges
 
 
 demands = st.builds(
-    wire.LineageDemand, lineage=st.binary(min_size=32, max_size=32), name=st.text(min_size=1, max_size=8),
-    head_version=st.integers(0, 2**63 - 1), rollouts_per_step=st.integers(0, 1_000_000),
-    step_time_s=st.one_of(st.floats(0.0, 1e6), st.just(5e-324)), max_staleness=st.integers(0, 1_000_000),
-    standby=st.lists(st.text(max_size=8), max_size=4))
+    wire.LineageDemand,
+    lineage=st.binary(min_size=32, max_size=32),
+    name=st.text(min_size=1, max_size=8),
+    head_version=st.integers(0, 2**63 - 1),
+    rollouts_per_step=st.integers(0, 1_000_000),
+    step_time_s=st.one_of(st.floats(0.0, 1e6), st.just(5e-324)),
+    max_staleness=st.integers(0, 1_000_000),
+    standby=st.lists(st.text(max_size=8), max_size=4),
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ds=st.lists(demands, max_size=4), heads=st.lists(st.integers(0, 2**63 - 1), max_size=4),
-       total=st.integers(0, 64 * MODEL_BYTES))
+@given(
+    ds=st.lists(demands, max_size=4),
+    heads=st.lists(st.integers(0, 2**63 - 1), max_size=4),
+    total=st.integers(0, 64 * MODEL_BYTES),
+)
 def test_any_well_signed_numbers_leave_the_core_alive_with_bounded_work(ds, heads, total) -> None:
     core, clock = make_core()
     honest = key(9)
@@ -182,8 +207,9 @@ def test_any_well_signed_numbers_leave_the_core_alive_with_bounded_work(ds, head
             m = manifest(honest, "lin", h, h, total=min(total, 1 << 16), codec="anchor-v1")
             core.handle(C.ManifestHeard(m))
             core.offer_manifest(m)
-            core.handle(C.CatalogReceived(honest.peer_id, good, (StoredItem("anchor", h, h, 1),
-                                                                StoredItem("union", 0, h, 1))))
+            core.handle(
+                C.CatalogReceived(honest.peer_id, good, (StoredItem("anchor", h, h, 1), StoredItem("union", 0, h, 1)))
+            )
         clock.t += 3
         core.handle(C.Tick())
 
@@ -198,8 +224,9 @@ def test_a_publisher_spamming_distinct_manifests_gets_a_bounded_number_of_transf
     lid = lineage_id(honest.public, BASE, "lin")
     core.handle(announce(honest, 1, [demand(lid, "lin", 3)]))
     core.handle(C.Tick())
-    accepted = sum(core.offer_manifest(manifest(honest, "lin", b, b + 1 + (i % 7)))
-                   for i, b in enumerate(range(3, 3 + 1000)))
+    accepted = sum(
+        core.offer_manifest(manifest(honest, "lin", b, b + 1 + (i % 7))) for i, b in enumerate(range(3, 3 + 1000))
+    )
     assert accepted == CM.MAX_IN_FLIGHT and len(core.in_flight) == CM.MAX_IN_FLIGHT
 
 
@@ -212,8 +239,9 @@ def test_honest_traffic_costs_no_one_anything() -> None:
         clock.t += 2.0
         penalties += of(core.handle(announce(trainer, v, [demand(lid, "lin", v, step_time_s=0.002)])), C.Penalise)
         penalties += of(core.handle(C.ManifestHeard(manifest(trainer, "lin", v, v + 1))), C.Penalise)
-        penalties += of(core.handle(C.ManifestHeard(manifest(trainer, "lin", v + 1, v + 1, codec="anchor-v1"))),
-                        C.Penalise)
+        penalties += of(
+            core.handle(C.ManifestHeard(manifest(trainer, "lin", v + 1, v + 1, codec="anchor-v1"))), C.Penalise
+        )
         penalties += of(core.handle(C.Tick()), C.Penalise)
     assert penalties == [] and core.serving == lid and core.head_of(lid) == 30
 
@@ -227,15 +255,27 @@ def test_own_rollouts_with_poisoned_logprobs_are_never_signed() -> None:
     core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
 
     def rollout(lp: float, reward: float = 1.0) -> bytes:
-        return wire.encode(wire.Rollout(
-            task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
-            completion_ids=[2, 3], text="x", tokenizer_hash=bytes(32), logprobs=struct.pack("<2f", -0.5, lp),
-            token_versions=[(0, 2)], sampling=wire.SamplingParams(), reward=reward, created_ms=1))
+        return wire.encode(
+            wire.Rollout(
+                task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1),
+                lineage=lid,
+                version=2,
+                completion_ids=[2, 3],
+                text="x",
+                tokenizer_hash=bytes(32),
+                logprobs=struct.pack("<2f", -0.5, lp),
+                token_versions=[(0, 2)],
+                sampling=wire.SamplingParams(),
+                reward=reward,
+                created_ms=1,
+            )
+        )
 
     hear_consumer(core, clock)  # a peer's demand: our rollouts go out
     clock.t += 10
-    acts = core.handle(W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5),
-                                      rollout(-2.0, reward=0.0)]))
+    acts = core.handle(
+        W("rollouts", [rollout(-1.0), rollout(math.nan), rollout(math.inf), rollout(0.5), rollout(-2.0, reward=0.0)])
+    )
     sent = [wire.open_envelope(p.data, swarm=SWARM)[1] for p in of(acts, C.Publish) if p.topic == C.Topic.ROLLOUTS]
     assert [len(b.rollouts) for b in sent] == [2]  # only the honest ones, and they still open cleanly
     assert core.stats()["rollouts_unpublishable"] == 3
@@ -252,10 +292,15 @@ def test_a_patch_that_would_make_weights_non_finite_costs_its_publisher() -> Non
     core.handle(announce(poisoner, 1, [demand(lid, "lin", 3)]))
     acts = core.handle(W("apply_failed", {"lineage": lid.hex(), "base": 1, "target": 2, "error": "target hash"}))
     assert of(acts, C.Penalise) == [] and of(acts, C.DropItem)
-    acts = core.handle(W("apply_failed", {"lineage": lid.hex(), "base": 1, "target": 2, "error": "makes 2 values",
-                                          "fault": "non_finite_patch"}))
+    acts = core.handle(
+        W(
+            "apply_failed",
+            {"lineage": lid.hex(), "base": 1, "target": 2, "error": "makes 2 values", "fault": "non_finite_patch"},
+        )
+    )
     assert [(p.peer, p.reason, p.amount) for p in of(acts, C.Penalise)] == [
-        (poisoner.peer_id, "non_finite_patch", C.FORGERY_PENALTY)]
+        (poisoner.peer_id, "non_finite_patch", C.FORGERY_PENALTY)
+    ]
     assert of(acts, C.DropItem) and core.stats()["patches_not_finite"] == 1
 
 
@@ -263,8 +308,12 @@ def _trainer_with_need(step_s: float = 4.0) -> tuple[C.NodeCore, object, bytes]:
     """A trainer whose versions come every `step_s`: it needs (1+m)*16/step_s rollouts/s from followers."""
     core, clock = make_core(roles=("trainer",))
     lid = lineage_id(key(1).public, BASE, "mine")
-    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0,
-                            "tokenizer_hash": TOK.hex()}))
+    core.handle(
+        W(
+            "ready",
+            {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0, "tokenizer_hash": TOK.hex()},
+        )
+    )
     for v in (1, 2, 3):
         clock.t += step_s
         core.handle(W("published", {"version": v, "envelope": b"env"}))
@@ -314,7 +363,9 @@ def test_a_claimed_throughput_no_delivery_backs_does_not_stand_honest_followers_
         for k in honest:
             core.handle(delivered(k, lid, 6))
         acts = round_({honest[0]: _rate_tps(3.0), honest[1]: _rate_tps(3.0), attacker: 1e9})
-        a = wire.decode_struct(wire.decode_envelope(of(acts, C.Publish)[0].data, swarm=SWARM).body, wire.NodeAnnounce, 1 << 16)
+        a = wire.decode_struct(
+            wire.decode_envelope(of(acts, C.Publish)[0].data, swarm=SWARM).body, wire.NodeAnnounce, 1 << 16
+        )
         assert not {k.peer_id for k in honest} & set(a.owned[0].standby)  # no honest follower is told to stand by
     act = core.lineages[lid].activation
     assert {k.peer_id for k in honest} <= set(act.active) and act.met
@@ -341,12 +392,26 @@ def test_credit_farming_with_work_nobody_can_use_or_check_stands_no_honest_follo
     vouch(core, honest)
     vouch(core, farmer)  # even a key that once passed a check earns nothing for unusable work
     r = samples.rollout(seed=1)
-    single = [msgspec.structs.replace(r, lineage=lid, tokenizer_hash=TOK, reward=1.0,
-                                      task=msgspec.structs.replace(r.task, seed=i)) for i in range(32)]
-    foreign = [msgspec.structs.replace(r, lineage=lid, tokenizer_hash=b"\x77" * 32, reward=float(i % 2))
-               for i in range(32)]
-    batches = [wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=farmer.public, seq=i, created_ms=1,
-                                 rollouts=single if i % 2 else foreign) for i in range(2)]
+    single = [
+        msgspec.structs.replace(
+            r, lineage=lid, tokenizer_hash=TOK, reward=1.0, task=msgspec.structs.replace(r.task, seed=i)
+        )
+        for i in range(32)
+    ]
+    foreign = [
+        msgspec.structs.replace(r, lineage=lid, tokenizer_hash=b"\x77" * 32, reward=float(i % 2)) for i in range(32)
+    ]
+    batches = [
+        wire.RolloutBatch(
+            v=wire.FORMAT_VERSION,
+            swarm=SWARM,
+            producer=farmer.public,
+            seq=i,
+            created_ms=1,
+            rollouts=single if i % 2 else foreign,
+        )
+        for i in range(2)
+    ]
     seq = 0
     for _ in range(30):
         clock.t += C.ANNOUNCE_EVERY_S
@@ -470,10 +535,21 @@ def test_a_flood_of_sybil_producers_cannot_widen_a_nodes_subscriptions() -> None
     for i in range(3000):
         ident = Identity.from_seed(hashlib.blake2b(b"sybil%d" % i, digest_size=32).digest())
         lid = lineage_id(ident.public, BASE, "s")
-        body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=1, created_ms=1, hardware="cpu",
-                                 gen_tokens_per_s=0.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
-                                 roles=["trainer"], lineages_followed=[], owned=[demand(lid, "s", 1)],
-                                 publish_batches_per_s=1e-6)
+        body = wire.NodeAnnounce(
+            v=1,
+            peer_id=ident.peer_id,
+            seq=1,
+            created_ms=1,
+            hardware="cpu",
+            gen_tokens_per_s=0.0,
+            rollout_latency_s=0.5,
+            upload_bytes_per_s=0.0,
+            memory_bytes=0,
+            roles=["trainer"],
+            lineages_followed=[],
+            owned=[demand(lid, "s", 1)],
+            publish_batches_per_s=1e-6,
+        )
         core.handle(C.AnnounceHeard(ident.public, body, b""))
     clock.t += C.ANNOUNCE_EVERY_S
     subs = of(core.handle(C.Tick()), C.Subscribe)
@@ -560,8 +636,9 @@ def test_a_lineage_baited_with_manifests_never_served_costs_one_catch_up_not_gen
     served, penalties, asked = [], [], []
     for i in range(160):  # 400 s
         clock.t += 2.5
-        acts = core.handle(announce(attacker, i + 1, [demand(evil, "evil", 1 + min(3, i // 30), step_time_s=0.5,
-                                                              rollouts=16384)]))
+        acts = core.handle(
+            announce(attacker, i + 1, [demand(evil, "evil", 1 + min(3, i // 30), step_time_s=0.5, rollouts=16384)])
+        )
         acts += core.handle(C.ManifestHeard(manifest(attacker, "evil", min(3, i // 30), 1 + min(3, i // 30))))
         acts += core.handle(announce(honest, i + 2, [demand(good, "lin", 3 + i // 40, step_time_s=5.0)]))
         if i % 40 == 39:  # the honest trainer publishes, and its patch still comes while the bait is tried
@@ -630,8 +707,17 @@ def test_a_lineage_on_trial_shows_in_the_status_and_dashboard() -> None:
     assert core.serving == evil and core.on_trial == evil and core.committed == good
     views = {v.lineage: v for v in lineage_views(core)}
     assert views[evil.hex()].on_trial and not views[good.hex()].on_trial
-    s = NodeStatus(peer_id="p", swarm="s", roles=["follower"], hardware="cpu", listen=[], state="running",
-                   lineages=list(views.values()), serving=evil.hex(), following=good.hex())
+    s = NodeStatus(
+        peer_id="p",
+        swarm="s",
+        roles=["follower"],
+        hardware="cpu",
+        listen=[],
+        state="running",
+        lineages=list(views.values()),
+        serving=evil.hex(),
+        following=good.hex(),
+    )
     con = Console(width=120, record=True)
     con.print(node_panel(s))
     assert "on trial" in con.export_text()

@@ -75,15 +75,28 @@ def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_
     rows = bm._follower_rollouts(engine, gens, reg.builtin_id, reg.resolve, random.Random(0), adv.node.lineage, 1, 8)
     size = bm.TRAINER["group_size"]
     kept = informative(rows)
-    assert all(len({r.reward for r in kept[k:k + size]}) > 1 for k in range(0, len(kept), size))
-    dropped = [rows[k:k + size] for k in range(0, len(rows), size) if len({r.reward for r in rows[k:k + size]}) == 1]
+    assert all(len({r.reward for r in kept[k : k + size]}) > 1 for k in range(0, len(kept), size))
+    dropped = [
+        rows[k : k + size] for k in range(0, len(rows), size) if len({r.reward for r in rows[k : k + size]}) == 1
+    ]
     assert len(kept) + size * len(dropped) == len(rows)
     claimed = claim_low_logprobs(kept or rows[:size])
     assert all(set(logprobs_from_bytes(r.logprobs)) == {CLAIMED_LOGPROB} for r in claimed)
-    pipe = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4, rate_per_s=1e6, burst=10**6,
-                                   max_completion_tokens=bm.TRAINER["max_new_tokens"]),
-                    clock=time.time, resolve_task=reg.resolve, reward=score, head_version=lambda _: 1,
-                    task_set_trusted=reg.__contains__, check_tokens=for_model(TINY_NAME))
+    pipe = Pipeline(
+        PipelineConfig(
+            swarm=SWARM,
+            max_staleness=4,
+            rate_per_s=1e6,
+            burst=10**6,
+            max_completion_tokens=bm.TRAINER["max_new_tokens"],
+        ),
+        clock=time.time,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda _: 1,
+        task_set_trusted=reg.__contains__,
+        check_tokens=for_model(TINY_NAME),
+    )
     peer = adv.node.ident.peer_id
     assert pipe.check(bm._seal(adv.node, claimed)[0], peer).reason is Reason.ACCEPTED  # nothing provably wrong
     assert pipe.check(bm._seal(adv.node, forge(claimed, size))[0], peer).reason is Reason.FORGED_REWARD
@@ -116,8 +129,9 @@ def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_o
     from murmur.simulations.bench.matched_page import accuracy_bands, write_page
 
     per = [bm.run_seed(2, s, 0.6, 2, 2, home=str(tmp_path / "home"), warmup_steps=2) for s in (0, 1)]
-    result = bm.summarise(per, nodes=2, followers=0, adversary=False, cpu_s=0.6, answers="short", checkpoints=2,
-                          seed=0, warmup=2)
+    result = bm.summarise(
+        per, nodes=2, followers=0, adversary=False, cpu_s=0.6, answers="short", checkpoints=2, seed=0, warmup=2
+    )
     assert result["seeds"] == [0, 1] and result["speedup"] == round((per[0]["speedup"] + per[1]["speedup"]) / 2, 4)
     for arm in ("isolated", "swarm"):
         b = accuracy_bands(result, arm)

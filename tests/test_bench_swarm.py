@@ -10,8 +10,15 @@ import pytest
 from murmur.gossip.errors import ConfigError
 from murmur.simulations.bench import swarm as bench_swarm
 
-REQUIRED = ("rounds", "isolated_cumulative_reward", "swarm_cumulative_reward", "adversarial_cumulative_reward",
-            "gain_swarm", "gain_adversarial", "adversarial_accepted")
+REQUIRED = (
+    "rounds",
+    "isolated_cumulative_reward",
+    "swarm_cumulative_reward",
+    "adversarial_cumulative_reward",
+    "gain_swarm",
+    "gain_adversarial",
+    "adversarial_accepted",
+)
 
 
 def test_packaged_scenario_is_the_issue_setup() -> None:
@@ -43,7 +50,9 @@ def test_task_set_is_signed_deterministic_and_verifiable() -> None:
 
 
 def test_scenario_rejects_unknown_keys_and_bad_adversary(tmp_path: Path) -> None:
-    text = bench_swarm.resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
+    text = (
+        bench_swarm.resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
+    )
     bad = tmp_path / "bad.toml"
     bad.write_text(text.replace("inbox_groups = 64", "inbox_groups = 64\nturbo = true"))
     with pytest.raises(ConfigError, match="turbo"):
@@ -60,10 +69,13 @@ def test_scenario_rejects_unknown_keys_and_bad_adversary(tmp_path: Path) -> None
 
 def _small_scenario(tmp_path: Path) -> Path:
     """Small and fast (2-step warm-up, groups of 4), same code path as the full benchmark."""
-    text = bench_swarm.resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
+    text = (
+        bench_swarm.resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8")
+    )
     small = tmp_path / "small.toml"
-    small.write_text(text.replace("model_warmup_steps = 60", "model_warmup_steps = 2")
-                     .replace("group_size = 8", "group_size = 4"))
+    small.write_text(
+        text.replace("model_warmup_steps = 60", "model_warmup_steps = 2").replace("group_size = 8", "group_size = 4")
+    )
     return small
 
 
@@ -140,8 +152,7 @@ def test_nodes_override_keeps_per_node_compute_and_the_adversary_slot(tmp_path: 
     for bad in (1, bench_swarm.MAX_NODES + 1):
         with pytest.raises(ConfigError, match="nodes"):
             bench_swarm.load_scenario(nodes=bad)
-    out = bench_swarm.run(rounds=1, seed=0, home=seed0_home, scenario=str(_small_scenario(tmp_path)),
-                          nodes=2)
+    out = bench_swarm.run(rounds=1, seed=0, home=seed0_home, scenario=str(_small_scenario(tmp_path)), nodes=2)
     assert out["nodes"] == 2 and out["adversary_node"] == 1
     assert out["swarm_verdicts"] == {"accepted": 2}  # one batch each way
     assert len(out["per_node_cumulative"]["adversarial"]) == 1 and out["adversarial_accepted"] == 0

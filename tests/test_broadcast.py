@@ -74,11 +74,25 @@ class CorruptNode(BroadcastNode):
 
 
 @asynccontextmanager
-async def live_node(i: int, *, upload: int = 0, partial: Path | None = None, cls: type = BroadcastNode,
-                    penalties: list | None = None, cfg: SwarmConfig | None = None):
+async def live_node(
+    i: int,
+    *,
+    upload: int = 0,
+    partial: Path | None = None,
+    cls: type = BroadcastNode,
+    penalties: list | None = None,
+    cfg: SwarmConfig | None = None,
+):
     async with open_transport(ident(i)) as t:
-        node = cls(t, swarm="test", upload_bytes_per_s=upload, partial_root=partial, seed=i, config=cfg,
-                   on_penalty=(lambda p, r, a: penalties.append((p, r, a))) if penalties is not None else None)
+        node = cls(
+            t,
+            swarm="test",
+            upload_bytes_per_s=upload,
+            partial_root=partial,
+            seed=i,
+            config=cfg,
+            on_penalty=(lambda p, r, a: penalties.append((p, r, a))) if penalties is not None else None,
+        )
         async with trio.open_nursery() as n:
             await n.start(node.run)
             yield t, node
@@ -154,9 +168,13 @@ def test_live_corrupt_server_is_banned_and_others_complete() -> None:
     penalties: list = []
 
     async def main() -> None:
-        async with live_node(20, upload=1 * 2**20) as o, live_node(21, cls=CorruptNode) as bad, \
-                live_node(22, penalties=penalties) as f2, live_node(23, penalties=penalties) as f3, \
-                live_node(24, penalties=penalties) as f4:
+        async with (
+            live_node(20, upload=1 * 2**20) as o,
+            live_node(21, cls=CorruptNode) as bad,
+            live_node(22, penalties=penalties) as f2,
+            live_node(23, penalties=penalties) as f3,
+            live_node(24, penalties=penalties) as f4,
+        ):
             nodes = [o, bad, f2, f3, f4]
             await mesh(nodes)
             env, chunks = make_patch(ident(20), data, CHUNK, swarm="test")

@@ -10,15 +10,27 @@ def _bench(rate: float, ceil: float, weight: float, nodes: int = 4, followers: i
     u_iso, u_sw, share = 100.0, 140.0, 0.5
     per = []
     for start in (0.30, 0.34):
-        per.append({"curves": {"cpu_s": [0.0, 6.0, 12.0, 18.0, 24.0],
-                               "isolated": matched_curve(start, rate, ceil, u_iso, 4),
-                               "swarm": matched_curve(start, rate, ceil, u_sw, 4, share, weight)},
-                    "updates_per_node": {"isolated": [u_iso] * nodes, "swarm": [u_sw] * nodes},
-                    "external_groups_per_node": [share * 8 * u_sw] * nodes,
-                    "steps_per_node": {"isolated": [40] * nodes, "swarm": [30] * nodes},
-                    "generation_share": {"isolated": 0.4, "swarm": 0.3}})
-    return {"per_seed": per, "trainer": {"local_groups": 16}, "followers": followers, "nodes": nodes,
-            "speedup": 1.0, "with_adversary": False}
+        per.append(
+            {
+                "curves": {
+                    "cpu_s": [0.0, 6.0, 12.0, 18.0, 24.0],
+                    "isolated": matched_curve(start, rate, ceil, u_iso, 4),
+                    "swarm": matched_curve(start, rate, ceil, u_sw, 4, share, weight),
+                },
+                "updates_per_node": {"isolated": [u_iso] * nodes, "swarm": [u_sw] * nodes},
+                "external_groups_per_node": [share * 8 * u_sw] * nodes,
+                "steps_per_node": {"isolated": [40] * nodes, "swarm": [30] * nodes},
+                "generation_share": {"isolated": 0.4, "swarm": 0.3},
+            }
+        )
+    return {
+        "per_seed": per,
+        "trainer": {"local_groups": 16},
+        "followers": followers,
+        "nodes": nodes,
+        "speedup": 1.0,
+        "with_adversary": False,
+    }
 
 
 def test_the_fit_recovers_the_parameters_that_made_the_curves() -> None:

@@ -37,8 +37,18 @@ OTHER = b"\5" * 32
 
 
 def row(held: int = 0, head: int = 6, delivered: bool = True, need_anchor: bool = False) -> LineageState:
-    return LineageState(LID, "lin", "follow", publisher=PUB.public, base=BASE, head=head, held=held,
-                        signed_head=head, delivered=delivered, need_anchor=need_anchor)
+    return LineageState(
+        LID,
+        "lin",
+        "follow",
+        publisher=PUB.public,
+        base=BASE,
+        head=head,
+        held=held,
+        signed_head=head,
+        delivered=delivered,
+        need_anchor=need_anchor,
+    )
 
 
 def of(out: list, cls: type) -> list:
@@ -58,8 +68,10 @@ def test_sources_are_asked_one_at_a_time_and_each_failure_moves_to_the_next() ->
     assert out == []
     out = []
     m.on_catalog_failed(CatalogFailed("a", LID, "refused"), out)
-    assert out == [Log("catch-up source failed", {"lineage": LID.hex()[:16], "peer": "a", "error": "refused"}),
-                   FetchCatalog("b", LID)]
+    assert out == [
+        Log("catch-up source failed", {"lineage": LID.hex()[:16], "peer": "a", "error": "refused"}),
+        FetchCatalog("b", LID),
+    ]
     out = []
     m.on_catalog(CatalogReceived("b", LID, (StoredItem("patch", 0, 1, 10),)), row(head=1), 1.0, out)
     assert of(out, RequestOffer) == [RequestOffer("b", LID, StoredItem("patch", 0, 1, 10))]

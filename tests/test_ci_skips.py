@@ -16,12 +16,19 @@ def _run(tmp_path: Path, ci: str) -> subprocess.CompletedProcess:
         "import pytest\n\n"
         "def test_runs():\n    assert True\n\n"
         "def test_quietly_skips():\n    pytest.skip('no network namespaces')\n\n"
-        "@pytest.mark.xfail(reason='known')\ndef test_known_failure():\n    assert False\n")
+        "@pytest.mark.xfail(reason='known')\ndef test_known_failure():\n    assert False\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["CI"] = ci
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=str(tmp_path),
+    )
 
 
 def test_unexpected_skip_fails_the_run_in_ci(tmp_path: Path) -> None:
@@ -42,6 +49,9 @@ def test_allowed_prefixes_cover_their_skips() -> None:
 
     from tests.conftest import unexpected_skips
 
-    reps = [SimpleNamespace(nodeid="tests/test_a.py::test_x"), SimpleNamespace(nodeid="tests/test_b.py::test_y"),
-            SimpleNamespace(nodeid="tests/test_c.py::test_z", wasxfail="known")]
+    reps = [
+        SimpleNamespace(nodeid="tests/test_a.py::test_x"),
+        SimpleNamespace(nodeid="tests/test_b.py::test_y"),
+        SimpleNamespace(nodeid="tests/test_c.py::test_z", wasxfail="known"),
+    ]
     assert unexpected_skips(reps, {"tests/test_a.py": "why"}) == ["tests/test_b.py::test_y"]

@@ -106,10 +106,14 @@ def test_tasks_publish_list_show(tmp_path):
 def test_tasks_publish_bad_input(tmp_path):
     home = tmp_path / "h"
     cases = {
-        "unknown_verifier.toml": ('name="x"\nversion=1\nverifier="nope"\n[[generators]]\nname="a"\n'
-                                  'generator="arithmetic"\nseed_end=5\n', "unknown verifier"),
-        "unknown_generator.toml": ('name="x"\nversion=1\nverifier="exact"\n[[generators]]\nname="a"\n'
-                                   'generator="nosuch"\nseed_end=5\n', "unknown generator"),
+        "unknown_verifier.toml": (
+            'name="x"\nversion=1\nverifier="nope"\n[[generators]]\nname="a"\ngenerator="arithmetic"\nseed_end=5\n',
+            "unknown verifier",
+        ),
+        "unknown_generator.toml": (
+            'name="x"\nversion=1\nverifier="exact"\n[[generators]]\nname="a"\ngenerator="nosuch"\nseed_end=5\n',
+            "unknown generator",
+        ),
         "malformed.toml": ("[[[", "not valid TOML"),
     }
     for i, (name, (text, needle)) in enumerate(cases.items()):

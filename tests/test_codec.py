@@ -34,8 +34,18 @@ from murmur.sync.hashing import bits_view, state_hash
 
 torch.set_num_threads(1)
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+]
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...], rng: np.random.Generator) -> torch.Tensor:
@@ -223,8 +233,10 @@ def test_an_unknown_stream_method_is_a_patch_error() -> None:
     k = next(i for i, (m, _) in enumerate(entry.streams) if m == ZSTD)  # a zstd frame: would decode as one
     for method in (ZSTD + 1, 255):
         streams = [(method if i == k else m, n) for i, (m, n) in enumerate(entry.streams)]
-        forged = assemble(msgspec.structs.replace(header, tensors=[msgspec.structs.replace(entry, streams=streams)]),
-                          [payload[off:-TRAILER_BYTES]])
+        forged = assemble(
+            msgspec.structs.replace(header, tensors=[msgspec.structs.replace(entry, streams=streams)]),
+            [payload[off:-TRAILER_BYTES]],
+        )
         with pytest.raises(PatchError, match="unknown stream method"):
             decode_patch(forged, {"w": (torch.bfloat16, (100, 100))})
 
@@ -251,7 +263,7 @@ def test_values_turning_non_finite_are_counted_whatever_they_were() -> None:
         now = bits_view(torch.tensor([math.nan, math.inf, -math.inf, math.nan, 2.0], dtype=dtype))
         was = bits_view(torch.tensor([0.0, -0.0, -3.0, math.nan, math.nan], dtype=dtype))
         assert count_non_finite(now, name, was=was) == 3, name
-        each = [count_non_finite(now[i:i + 1], name, was=was[i:i + 1]) for i in range(5)]
+        each = [count_non_finite(now[i : i + 1], name, was=was[i : i + 1]) for i in range(5)]
         assert each == [1, 1, 1, 0, 0], name
         assert count_non_finite(now, name) == 4, name
         assert count_non_finite(now[:0], name) == 0, name
@@ -321,8 +333,9 @@ def test_a_position_past_the_tensor_end_is_named() -> None:
     entry = TensorEntry("w", "uint8", [12], 2, POS_GAPS, 1, VAL_ABS, [(RAW, 2), (RAW, 2)])
     with pytest.raises(PatchError, match="position 12 past the tensor end 12"):
         decode_patch(_one_tensor(entry, [bytes([5, 6]), bytes([7, 9])]), U8_12)
-    assert [s.idx.tolist() for s in decode_patch(_one_tensor(entry, [bytes([5, 5]), bytes([7, 9])]), U8_12)[1]] \
-        == [[5, 11]]
+    assert [s.idx.tolist() for s in decode_patch(_one_tensor(entry, [bytes([5, 5]), bytes([7, 9])]), U8_12)[1]] == [
+        [5, 11]
+    ]
 
 
 def test_bytes_after_the_last_stream_are_counted_in_the_refusal() -> None:
@@ -336,9 +349,13 @@ def test_the_header_format_version_is_a_u32_and_must_be_this_format() -> None:
     payload, _ = encode_patch({"w": torch.zeros(4)}, {"w": torch.ones(4)})
     header, off = read_header(payload)
     streams = payload[off:-TRAILER_BYTES]
-    for v, why in ((2, "unsupported patch format version 2"), (100, "unsupported patch format version 100"),
-                   (2**32 - 1, "unsupported patch format version"), (2**32, "malformed patch header"),
-                   (2**33, "malformed patch header")):
+    for v, why in (
+        (2, "unsupported patch format version 2"),
+        (100, "unsupported patch format version 100"),
+        (2**32 - 1, "unsupported patch format version"),
+        (2**32, "malformed patch header"),
+        (2**33, "malformed patch header"),
+    ):
         with pytest.raises(PatchError, match=why):
             decode_patch(assemble(msgspec.structs.replace(header, v=v), [streams]))
 

@@ -39,14 +39,21 @@ class ClockedCore(C.NodeCore):
     """The core as a driver runs it, at the test's `Clock`: `handle(ev)` is `handle(ev, clock.t, wall_ms())`
     (one reading per call), and the queries that take `now` read `clock.t` too."""
 
-    def __init__(self, settings: C.CoreSettings, identity: Identity, clock: Clock,
-                 wall_ms: Callable[[], int] = wire.now_ms, **kw: Any) -> None:
+    def __init__(
+        self,
+        settings: C.CoreSettings,
+        identity: Identity,
+        clock: Clock,
+        wall_ms: Callable[[], int] = wire.now_ms,
+        **kw: Any,
+    ) -> None:
         super().__init__(settings, identity, clock.t, **kw)
         self.test_clock, self.test_wall_ms = clock, wall_ms
 
     def handle(self, ev: C.Event, now: float | None = None, wall_ms: int | None = None) -> list[C.Action]:
-        return super().handle(ev, self.test_clock.t if now is None else now,
-                              self.test_wall_ms() if wall_ms is None else wall_ms)
+        return super().handle(
+            ev, self.test_clock.t if now is None else now, self.test_wall_ms() if wall_ms is None else wall_ms
+        )
 
     def offer_manifest(self, m: wire.PatchManifest, now: float | None = None) -> bool:
         return super().offer_manifest(m, self.test_clock.t if now is None else now)
@@ -76,30 +83,76 @@ def make_core(roles=("follower", "validator"), seed: int = 1, start: float = 100
     return core, clock
 
 
-def demand(lid: bytes, name: str, head: int, step_time_s: float = 2.0, rollouts: int = 32,
-           standby: list[str] | None = None, supply: float = 0.0) -> wire.LineageDemand:
-    return wire.LineageDemand(lineage=lid, name=name, head_version=head, rollouts_per_step=rollouts,
-                              step_time_s=step_time_s, max_staleness=4, standby=standby or [],
-                              supply_rollouts_per_s=supply)
+def demand(
+    lid: bytes,
+    name: str,
+    head: int,
+    step_time_s: float = 2.0,
+    rollouts: int = 32,
+    standby: list[str] | None = None,
+    supply: float = 0.0,
+) -> wire.LineageDemand:
+    return wire.LineageDemand(
+        lineage=lid,
+        name=name,
+        head_version=head,
+        rollouts_per_step=rollouts,
+        step_time_s=step_time_s,
+        max_staleness=4,
+        standby=standby or [],
+        supply_rollouts_per_s=supply,
+    )
 
 
-def announce(ident: Identity, seq: int, owned=(), serving: bytes = b"", roles=("trainer",),
-             gen_tps: float = 0.0) -> C.AnnounceHeard:
-    body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=seq, created_ms=1, hardware="cpu",
-                             gen_tokens_per_s=gen_tps, rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
-                             roles=list(roles), lineages_followed=[], serving=serving, owned=list(owned))
+def announce(
+    ident: Identity, seq: int, owned=(), serving: bytes = b"", roles=("trainer",), gen_tps: float = 0.0
+) -> C.AnnounceHeard:
+    body = wire.NodeAnnounce(
+        v=1,
+        peer_id=ident.peer_id,
+        seq=seq,
+        created_ms=1,
+        hardware="cpu",
+        gen_tokens_per_s=gen_tps,
+        rollout_latency_s=0.5,
+        upload_bytes_per_s=0.0,
+        memory_bytes=0,
+        roles=list(roles),
+        lineages_followed=[],
+        serving=serving,
+        owned=list(owned),
+    )
     return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM))
 
 
-def manifest(ident: Identity, name: str, base_v: int, target_v: int, total: int = 1000,
-             codec: str = "sparse-v1", lineage: bytes | None = None) -> wire.PatchManifest:
+def manifest(
+    ident: Identity,
+    name: str,
+    base_v: int,
+    target_v: int,
+    total: int = 1000,
+    codec: str = "sparse-v1",
+    lineage: bytes | None = None,
+) -> wire.PatchManifest:
     lid = lineage if lineage is not None else lineage_id(ident.public, BASE, name)
     n = max(1, -(-total // 4096))
     chunks = [wire.ChunkRef(hash=bytes(32), size=min(4096, total - i * 4096)) for i in range(n)] if total else []
-    return wire.PatchManifest(v=1, lineage=lid, lineage_name=name, base_model_hash=BASE, publisher=ident.public,
-                              base_version=base_v, target_version=target_v, base_hash=b"" if codec == "anchor-v1"
-                              else bytes(32), target_hash=bytes(32), codec=codec, total_bytes=total,
-                              chunk_bytes=4096, chunks=chunks, created_ms=1)
+    return wire.PatchManifest(
+        v=1,
+        lineage=lid,
+        lineage_name=name,
+        base_model_hash=BASE,
+        publisher=ident.public,
+        base_version=base_v,
+        target_version=target_v,
+        base_hash=b"" if codec == "anchor-v1" else bytes(32),
+        target_hash=bytes(32),
+        codec=codec,
+        total_bytes=total,
+        chunk_bytes=4096,
+        chunks=chunks,
+        created_ms=1,
+    )
 
 
 def of(actions, cls):
@@ -170,11 +223,18 @@ def test_catch_up_asks_the_publisher_then_offers_the_cheapest_plan() -> None:
     acts = core.handle(C.Tick())
     assert core.serving == lid
     assert of(acts, C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
-    items = (StoredItem("anchor", 4, 4, 900), StoredItem("patch", 4, 5, 10), StoredItem("patch", 5, 6, 10),
-             StoredItem("union", 0, 6, 5000))
+    items = (
+        StoredItem("anchor", 4, 4, 900),
+        StoredItem("patch", 4, 5, 10),
+        StoredItem("patch", 5, 6, 10),
+        StoredItem("union", 0, 6, 5000),
+    )
     acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, items))
-    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == \
-        [("anchor", 4, 4), ("patch", 4, 5), ("patch", 5, 6)]
+    assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [
+        ("anchor", 4, 4),
+        ("patch", 4, 5),
+        ("patch", 5, 6),
+    ]
     clock.t += 1
     assert of(core.handle(C.Tick()), C.FetchCatalog) == []  # one attempt at a time
 
@@ -190,8 +250,9 @@ def test_catch_up_does_nothing_when_held_plus_in_flight_reach_the_head() -> None
     assert core.catching is None  # nothing is missing: the attempt begun when it chose the lineage is over
 
 
-def hear_consumer(core: C.NodeCore, clock: Clock, ident: Identity | None = None, rollouts: int = 32,
-                  step_time_s: float = 0.5) -> bytes:
+def hear_consumer(
+    core: C.NodeCore, clock: Clock, ident: Identity | None = None, rollouts: int = 32, step_time_s: float = 0.5
+) -> bytes:
     """Another trainer announces its demand (`rollouts` external rollouts a version, a version every
     `step_time_s`, its signed versions at that pace): our core's next tick budgets our publishing for it."""
     ident = ident or key(5)
@@ -214,9 +275,19 @@ def test_trainer_announces_its_demand_and_seals_rollouts_in_batches() -> None:
     clock.t += C.ANNOUNCE_EVERY_S
     hear_consumer(core, clock)
     clock.t += 10  # the budget a peer's demand gives fills up
-    r = wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1), lineage=lid, version=2,
-                     completion_ids=[2], text="x", tokenizer_hash=bytes(32), logprobs=bytes(4), token_versions=[(0, 2)],
-                     sampling=wire.SamplingParams(), reward=1.0, created_ms=1)
+    r = wire.Rollout(
+        task=wire.TaskRef(task_set=bytes(32), generator="g", seed=1),
+        lineage=lid,
+        version=2,
+        completion_ids=[2],
+        text="x",
+        tokenizer_hash=bytes(32),
+        logprobs=bytes(4),
+        token_versions=[(0, 2)],
+        sampling=wire.SamplingParams(),
+        reward=1.0,
+        created_ms=1,
+    )
     acts = core.handle(W("rollouts", [wire.encode(r)] * 69 + [wire.encode(msgspec.structs.replace(r, reward=0.0))]))
     pubs = of(acts, C.Publish)
     assert len(pubs) == 2 and len(of(acts, C.RecordRollouts)) == 2
@@ -275,8 +346,9 @@ def test_a_patch_lost_after_its_transfer_completed_is_offered_and_stored_again()
     assert of(acts, C.DropItem) == [C.DropItem(lid, 1, 2)]
     clock.t += 1
     assert of(core.handle(C.Tick()), C.FetchCatalog) == [C.FetchCatalog(trainer.peer_id, lid)]
-    acts = core.handle(C.CatalogReceived(trainer.peer_id, lid, (StoredItem("patch", 1, 2, 10),
-                                                                StoredItem("patch", 2, 3, 10))))
+    acts = core.handle(
+        C.CatalogReceived(trainer.peer_id, lid, (StoredItem("patch", 1, 2, 10), StoredItem("patch", 2, 3, 10)))
+    )
     assert [(a.item.kind, a.item.base, a.item.target) for a in of(acts, C.RequestOffer)] == [("patch", 1, 2)]
     lost = manifest(trainer, "lin", 1, 2)
     assert core.handle(C.TransferDone(b"q" * 32, lost)) == [C.StorePatch(b"q" * 32)]
@@ -304,9 +376,19 @@ def test_a_stored_chain_that_does_not_apply_is_re_read_from_the_store_then_fetch
 
 
 def _rollout(reward: float = 1.0) -> wire.Rollout:
-    return wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=b"\1" * 32, version=0,
-                        completion_ids=[1, 2], text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8),
-                        token_versions=[], sampling=wire.SamplingParams(max_new_tokens=4), reward=reward, created_ms=5)
+    return wire.Rollout(
+        task=wire.TaskRef(b"\0" * 32, "arith", 1),
+        lineage=b"\1" * 32,
+        version=0,
+        completion_ids=[1, 2],
+        text="4",
+        tokenizer_hash=b"\2" * 32,
+        logprobs=bytes(8),
+        token_versions=[],
+        sampling=wire.SamplingParams(max_new_tokens=4),
+        reward=reward,
+        created_ms=5,
+    )
 
 
 def _group(n: int = 2) -> list[bytes]:
@@ -337,7 +419,11 @@ def test_rollout_seq_keeps_increasing_across_a_restart_with_a_reset_clock() -> N
         core = ClockedCore(C.CoreSettings(swarm="t", roles=("trainer",)), key(7), clock, wall_ms=lambda w=wall: w)
         core.handle(W("ready", {"base": BASE.hex(), "version": 0, "model_bytes": MODEL_BYTES}))
         out = core.handle(W("rollouts", _group()))
-        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in out if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS]
+        seqs += [
+            wire.open_envelope(a.data, swarm=SWARM)[1].seq
+            for a in out
+            if isinstance(a, C.Publish) and a.topic == C.Topic.ROLLOUTS
+        ]
     assert len(seqs) == 2 and seqs[1] > seqs[0]
 
 
@@ -407,8 +493,9 @@ def test_a_trainers_announce_states_its_memory_in_bytes_and_its_step_time_in_ran
     me = key(1)
     lid = lineage_id(me.public, BASE, "mine")
     core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 2}))
-    core.handle(W("step", {"step": 1, "version": 2, "reward_mean": 0.5, "loss": 0.1, "n_external_groups": 0,
-                           "step_s": 5e6}))
+    core.handle(
+        W("step", {"step": 1, "version": 2, "reward_mean": 0.5, "loss": 0.1, "n_external_groups": 0, "step_s": 5e6})
+    )
     env, a = wire.open_envelope(of(core.handle(C.Tick()), C.Publish)[0].data, swarm=SWARM)
     assert a.memory_bytes == 3 * 1024 * 1024
     assert a.owned[0].step_time_s == 1e6
@@ -456,8 +543,11 @@ def test_announces_made_within_one_millisecond_still_rise() -> None:
     seqs = []
     for _ in range(3):
         clock.t += 60
-        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(core.handle(C.Tick()), C.Publish)
-                 if a.topic == C.Topic.ANNOUNCE]
+        seqs += [
+            wire.open_envelope(a.data, swarm=SWARM)[1].seq
+            for a in of(core.handle(C.Tick()), C.Publish)
+            if a.topic == C.Topic.ANNOUNCE
+        ]
     assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
 
 
@@ -539,8 +629,9 @@ def test_a_catalog_item_beyond_the_signed_head_is_not_requested() -> None:
 def test_a_trainers_external_demand_is_its_groups_per_measured_step() -> None:
     core, clock = make_core(roles=("trainer",), external_rollouts=3, group_size=4)
     for s in (2.0, 2.0, 2.0):
-        core.handle(W("step", {"step": 1, "version": 0, "reward_mean": None, "loss": None, "n_external_groups": 0,
-                               "step_s": s}))
+        core.handle(
+            W("step", {"step": 1, "version": 0, "reward_mean": None, "loss": None, "n_external_groups": 0, "step_s": s})
+        )
     assert core.external_demand() == pytest.approx(3 * 4 / 2.0)
     assert core.steps == 3
     follower, _ = make_core()
@@ -567,10 +658,22 @@ def test_a_catalog_that_offers_only_versions_below_what_is_held_plans_nothing() 
 
 def _producing(ident: Identity, seq: int, serving: bytes = b"", owned=(), rate: float = 2.0) -> C.AnnounceHeard:
     """An announce of a peer that states it publishes `rate` rollout batches/s."""
-    body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=seq, created_ms=1, hardware="cpu",
-                             gen_tokens_per_s=10.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
-                             roles=["follower"], lineages_followed=[], serving=serving, owned=list(owned),
-                             publish_batches_per_s=rate)
+    body = wire.NodeAnnounce(
+        v=1,
+        peer_id=ident.peer_id,
+        seq=seq,
+        created_ms=1,
+        hardware="cpu",
+        gen_tokens_per_s=10.0,
+        rollout_latency_s=0.5,
+        upload_bytes_per_s=0.0,
+        memory_bytes=0,
+        roles=["follower"],
+        lineages_followed=[],
+        serving=serving,
+        owned=list(owned),
+        publish_batches_per_s=rate,
+    )
     return C.AnnounceHeard(ident.public, body, wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=SWARM))
 
 
@@ -578,8 +681,9 @@ def _trainer_with_own_lineage() -> tuple[C.NodeCore, Clock, bytes]:
     clock = Clock()
     core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(1), clock)
     lid = lineage_id(key(1).public, BASE, "mine")
-    core.handle(W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0,
-                            "model_bytes": MODEL_BYTES}))
+    core.handle(
+        W("ready", {"base": BASE.hex(), "lineage": lid.hex(), "name": "mine", "version": 0, "model_bytes": MODEL_BYTES})
+    )
     return core, clock, lid
 
 
@@ -645,8 +749,12 @@ def test_a_node_serving_another_lineage_counts_its_own_rate_there_not_for_its_ow
     clock = Clock()
     core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer", "follower")), key(1), clock)
     core.handle(C.SwarmHeard(0, exchange.Supply()))
-    core.handle(W("ready", {"base": BASE.hex(), "lineage": mine.hex(), "name": "mine", "version": 0,
-                            "model_bytes": MODEL_BYTES}))
+    core.handle(
+        W(
+            "ready",
+            {"base": BASE.hex(), "lineage": mine.hex(), "name": "mine", "version": 0, "model_bytes": MODEL_BYTES},
+        )
+    )
     assert follow_trainer(core, clock, key(9), name=name) == served
     core.handle(C.PatchStored(manifest(key(9), name, 2, 3), 1000, 0.5))
     assert core.committed == served
@@ -695,8 +803,11 @@ def test_catch_up_runs_at_its_cadence_not_on_every_tick() -> None:
     trainer = key(9)
     lid = lineage_id(trainer.public, BASE, "lin")
     core.handle(announce(trainer, 1, [demand(lid, "lin", 3)]))
-    core.handle(C.StoredItems(lid, (StoredItem("patch", 0, 1, 10), StoredItem("patch", 1, 2, 10),
-                                    StoredItem("patch", 2, 3, 10))))
+    core.handle(
+        C.StoredItems(
+            lid, (StoredItem("patch", 0, 1, 10), StoredItem("patch", 1, 2, 10), StoredItem("patch", 2, 3, 10))
+        )
+    )
     assert of(core.handle(C.Tick()), C.FetchCatalog) == []  # what is stored reaches the head
     core.handle(C.ManifestHeard(manifest(trainer, "lin", 3, 4)))  # a new head, not offered to this node
     clock.t += C.CATCH_UP_EVERY_S / 2
@@ -852,11 +963,15 @@ def test_a_trainers_announced_rate_is_supply_for_the_first_lineage_it_owns() -> 
 def test_rollout_batches_sealed_within_one_millisecond_still_rise() -> None:
     """Receivers take a producer's batch only with a seq above the last (a reused one is a replay)."""
     clock = Clock()
-    core = ClockedCore(C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000)
+    core = ClockedCore(
+        C.CoreSettings(swarm=SWARM, roles=("trainer",)), key(7), clock, wall_ms=lambda: 1_700_000_000_000
+    )
     seqs = []
     for _ in range(3):
         out = core.handle(W("rollouts", _group()))
-        seqs += [wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == C.Topic.ROLLOUTS]
+        seqs += [
+            wire.open_envelope(a.data, swarm=SWARM)[1].seq for a in of(out, C.Publish) if a.topic == C.Topic.ROLLOUTS
+        ]
     assert len(seqs) == 3 and seqs[0] < seqs[1] < seqs[2]
 
 
@@ -915,8 +1030,9 @@ def test_the_shard_count_follows_the_producers_heard_and_the_node_itself() -> No
     for others, rate, shards in ((2, 2.0, 1), (3, 2.0, 2), (3, 0.0, 1)):  # an announce of no publishing: no producer
         core, clock, lid = _trainer_with_own_lineage()
         for i in range(others):
-            core.handle(_producing(key(20 + i), 1, owned=[demand(lineage_id(key(20 + i).public, BASE, "l"), "l", 1)],
-                                   rate=rate))
+            core.handle(
+                _producing(key(20 + i), 1, owned=[demand(lineage_id(key(20 + i).public, BASE, "l"), "l", 1)], rate=rate)
+            )
         core.handle(C.Tick())
         assert core.exchange.shards == shards
 

@@ -125,9 +125,13 @@ def test_an_unknown_event_is_a_driver_bug_not_silence() -> None:
 def test_drivers_do_not_reach_into_the_core() -> None:
     # the check on the node core's former timer fields (`next_deadline()` is its query, and
     # simulations/vsim.py's `core.next_upload` is the broadcast core's); and no driver assigns into a core
-    reach = re.compile(r"core\.(next_(announce|catch_up)|counters|new_peer|table)|core\.[a-z_]+(\.[a-z_]+)* *[-+*/]?=[^=]")
+    reach = re.compile(
+        r"core\.(next_(announce|catch_up)|counters|new_peer|table)|core\.[a-z_]+(\.[a-z_]+)* *[-+*/]?=[^=]"
+    )
     files = [ROOT / "node" / "shell" / "runtime.py", *sorted((ROOT / "simulations").rglob("*.py"))]
-    hits = [f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1) if reach.search(line)]
+    hits = [
+        f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1) if reach.search(line)
+    ]
     assert hits == []
 
 
@@ -137,12 +141,15 @@ def test_the_core_reads_no_clock_and_its_drivers_drop_no_actions() -> None:
     read = re.compile(r"clock\(|self\.clock|wall_ms\(\)|time\.(time|monotonic|perf_counter)\(")
     machines = sorted((ROOT / "node" / "core").glob("*.py"))  # the core's room: the core and its sub-machines
     assert len(machines) >= 9
-    hits = [f"{m.name}:{i}" for m in machines for i, line in enumerate(m.read_text().splitlines(), 1) if read.search(line)]
+    hits = [
+        f"{m.name}:{i}" for m in machines for i, line in enumerate(m.read_text().splitlines(), 1) if read.search(line)
+    ]
     assert hits == []
     dropped = re.compile(r"^\s*(await\s+)?[\w.\[\]]+\.handle\(")
     files = [ROOT / "node" / "shell" / "runtime.py", *sorted((ROOT / "simulations").rglob("*.py"))]
-    hits = [f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1)
-            if dropped.search(line)]
+    hits = [
+        f"{f.name}:{i}" for f in files for i, line in enumerate(f.read_text().splitlines(), 1) if dropped.search(line)
+    ]
     assert hits == []
 
 
@@ -150,7 +157,12 @@ def test_one_penalty_action_with_one_sign() -> None:
     from murmur.gossip.scoring import PeerScores, ScoreParams
     from murmur.sync.swarm import SwarmConfig
 
-    assert murmur.sync.swarm.Penalise is murmur.sync.transfers.Penalise is murmur.node.core.events.Penalise is murmur.gossip.scoring.Penalise
+    assert (
+        murmur.sync.swarm.Penalise
+        is murmur.sync.transfers.Penalise
+        is murmur.node.core.events.Penalise
+        is murmur.gossip.scoring.Penalise
+    )
     cfg = SwarmConfig()
     scores = PeerScores(ScoreParams())
     for amount in (cfg.penalty_corrupt, cfg.penalty_stall, cfg.penalty_protocol, C.SPOT_PENALTY, C.CLAIM_PENALTY):
@@ -163,8 +175,10 @@ def test_the_core_imports_no_io_module() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, murmur.node.core.machine; print(sorted(m for m in ('trio', 'murmur.node.shell.patches', 'murmur.sync.patchstore', 'torch', "
-            "'libp2p', 'sqlite3') if m in sys.modules))")
+    code = (
+        "import sys, murmur.node.core.machine; print(sorted(m for m in ('trio', 'murmur.node.shell.patches', 'murmur.sync.patchstore', 'torch', "
+        "'libp2p', 'sqlite3') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 

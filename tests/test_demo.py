@@ -18,9 +18,27 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_trains_publishes_follows_and_verifies(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     # it ends on events (--until-steps), not after a time: the duration is only the backstop
-    r = subprocess.run([sys.executable, "-m", "murmur.node", "demo", "--duration", "400", "--until-steps", "3", "--no-tui",
-                        "--json", "--dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=590,
-                       env=env, cwd=str(ROOT))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "murmur.node",
+            "demo",
+            "--duration",
+            "400",
+            "--until-steps",
+            "3",
+            "--no-tui",
+            "--json",
+            "--dir",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=590,
+        env=env,
+        cwd=str(ROOT),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout.strip().splitlines()[-1])
     nodes = {n["node"].split("-", 1)[1]: n for n in s["nodes"]}
@@ -40,8 +58,17 @@ def test_demo_stops_once_it_has_shown_the_swarm_working() -> None:
     from murmur.node.status import NodeStatus
 
     def st(steps: int = 0, applied: int = 0, heldout: float | None = 0.5, published: int = 1) -> NodeStatus:
-        return NodeStatus(peer_id="p", swarm="s", roles=[], state="running", worker="training", steps=steps,
-                          versions_applied=applied, heldout_now=heldout, versions_published=published)
+        return NodeStatus(
+            peer_id="p",
+            swarm="s",
+            roles=[],
+            state="running",
+            worker="training",
+            steps=steps,
+            versions_applied=applied,
+            heldout_now=heldout,
+            versions_published=published,
+        )
 
     roles = [["trainer"], ["trainer", "validator"], ["follower", "validator"]]
     assert shown(roles, [st(3), st(5), st(applied=1)], 3)
@@ -61,8 +88,7 @@ def test_demo_nodes_differ_and_load_as_node_configs(tmp_path: Path) -> None:
     seeds = []
     for i in range(3):
         (tmp_path / f"n{i}").mkdir()
-        cfg = load_config(write_config(tmp_path / f"n{i}", node_config(["trainer"], "murmur-tiny", seed=i)),
-                          environ={})
+        cfg = load_config(write_config(tmp_path / f"n{i}", node_config(["trainer"], "murmur-tiny", seed=i)), environ={})
         seeds.append(cfg.training.seed)
         assert cfg.training.minibatch_groups == 8 and cfg.training.local_rollouts == 16
     assert seeds == [0, 1, 2]

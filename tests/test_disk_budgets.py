@@ -23,8 +23,17 @@ torch.set_num_threads(1)
 def _publish(identity, home: Path, n: int) -> LineagePublisher:
     g = torch.Generator().manual_seed(3)
     s = {"w": (torch.randn(32, 32, generator=g) * 0.02).to(torch.bfloat16)}
-    pub = LineagePublisher(identity, "budget", s, home, anchor_every=8, retain_versions=10**6, max_anchors=100,
-                             chunk_bytes=4096, swarm=SWARM)
+    pub = LineagePublisher(
+        identity,
+        "budget",
+        s,
+        home,
+        anchor_every=8,
+        retain_versions=10**6,
+        max_anchors=100,
+        chunk_bytes=4096,
+        swarm=SWARM,
+    )
     for _ in range(n):
         s = {"w": s["w"].clone()}
         mask = torch.rand(s["w"].shape, generator=g) < 0.05
@@ -63,6 +72,7 @@ def test_follower_store_with_anchors_stays_replayable(identity, tmp_path: Path) 
     assert min(i.base for i in patches) in store.anchors()
     assert len(patches) <= 8 + 8
     from murmur.sync.hashing import state_hash
+
     assert state_hash(store.load_state(40, swarm=SWARM)) == pub.state_hash
 
 

@@ -62,8 +62,9 @@ def toml_blocks() -> list[Any]:
 
 
 @pytest.mark.parametrize("doc,line,body,fragment", toml_blocks())
-def test_toml_block_loads_with_the_nodes_loader(doc: Path, line: int, body: str, fragment: bool,
-                                                 tmp_path: Path) -> None:
+def test_toml_block_loads_with_the_nodes_loader(
+    doc: Path, line: int, body: str, fragment: bool, tmp_path: Path
+) -> None:
     where = f"{_rel(doc)}:{line}"
     raw = tomllib.loads(body)  # even a fragment is TOML
     if fragment:
@@ -82,8 +83,11 @@ def test_toml_block_loads_with_the_nodes_loader(doc: Path, line: int, body: str,
         else:
             load_config(f, environ={})
     except MurmurError as e:
-        pytest.fail(f"{where}: this TOML block is refused by the node's loader: {e}\n"
-                    "(fix the block, or mark a deliberately partial one ```toml fragment)", pytrace=False)
+        pytest.fail(
+            f"{where}: this TOML block is refused by the node's loader: {e}\n"
+            "(fix the block, or mark a deliberately partial one ```toml fragment)",
+            pytrace=False,
+        )
 
 
 # ------------------------------------------------------------------ murmur command lines
@@ -132,12 +136,13 @@ def resolve_command(line: str) -> tuple[list[str], list[str]]:
     while hasattr(cmd, "commands") and i < len(tokens) and not tokens[i].startswith(("-", "<")):  # <command>
         if "|" in tokens[i]:  # `bench codec|gossip --json`: each alternative
             for alt in tokens[i].split("|"):
-                problems += resolve_command(" ".join(["murmur", *path, alt, *tokens[i + 1:]]))[1]
+                problems += resolve_command(" ".join(["murmur", *path, alt, *tokens[i + 1 :]]))[1]
             return path, problems
         sub = cmd.commands.get(tokens[i])
         if sub is None:
-            problems.append(f"`murmur {' '.join(path)}` has no command {tokens[i]!r} "
-                            f"(commands: {', '.join(sorted(cmd.commands))})")
+            problems.append(
+                f"`murmur {' '.join(path)}` has no command {tokens[i]!r} (commands: {', '.join(sorted(cmd.commands))})"
+            )
             return path, problems
         path.append(tokens[i])
         cmd = sub
@@ -149,8 +154,7 @@ def resolve_command(line: str) -> tuple[list[str], list[str]]:
         if re.match(r"^--?[A-Za-z]", tok):
             name = tok.split("=", 1)[0]
             if name not in known:
-                problems.append(f"`murmur {' '.join(path)}` has no option {name} "
-                                f"(options: {', '.join(sorted(known))})")
+                problems.append(f"`murmur {' '.join(path)}` has no option {name} (options: {', '.join(sorted(known))})")
     return path, problems
 
 
@@ -216,8 +220,10 @@ def _path_problem(span: str) -> str | None:
     name, _, func = span.partition("::")
     func = func.split("[")[0]  # `test_x[param]`: the test function
     if not name:  # `::test_x` after a file named earlier in the same sentence: some test file defines it
-        defined = any(re.search(rf"^\s*(?:async )?def {re.escape(func)}\(", f.read_text(), re.M)
-                      for f in (ROOT / "tests").glob("*.py"))
+        defined = any(
+            re.search(rf"^\s*(?:async )?def {re.escape(func)}\(", f.read_text(), re.M)
+            for f in (ROOT / "tests").glob("*.py")
+        )
         return None if defined else f"no test file defines {func}"
     if name.startswith("test_"):
         name = f"tests/{name}"
@@ -246,7 +252,9 @@ def test_every_path_a_doc_names_exists() -> None:
         text = doc.read_text()
         for m in re.finditer(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text):
             if not (doc.parent / m.group(1)).exists():
-                problems.append(f"{_rel(doc)}:{text.count(chr(10), 0, m.start()) + 1}: link {m.group(1)} does not exist")
+                problems.append(
+                    f"{_rel(doc)}:{text.count(chr(10), 0, m.start()) + 1}: link {m.group(1)} does not exist"
+                )
     assert seen > 50, "the path scan found almost nothing"
     assert not problems, "\n".join(problems)
 
@@ -266,6 +274,8 @@ def _scenario_keys(section: str) -> tuple[str, ...]:
 
     typ = typing.get_type_hints(Scenario).get(section)
     return getattr(typ, "__struct_fields__", ())
+
+
 ENV_SPAN = re.compile(r"^MURMUR_[A-Z0-9_]+")
 
 
@@ -277,11 +287,17 @@ def test_docs_name_only_config_keys_that_exist() -> None:
             m = KEY_SPAN.match(span.split(" ")[0].split("=")[0])  # `sync.follow = [...]`: the key
             if m:
                 section, key = m.groups()
-                elsewhere = ((ROOT / section / f"{key}.py").exists() or (ROOT / section / key).is_dir()
-                             or key in FILE_SUFFIXES or key in _scenario_keys(section))
+                elsewhere = (
+                    (ROOT / section / f"{key}.py").exists()
+                    or (ROOT / section / key).is_dir()
+                    or key in FILE_SUFFIXES
+                    or key in _scenario_keys(section)
+                )
                 if key not in SECTIONS[section].__struct_fields__ and not elsewhere:
-                    problems.append(f"{_rel(doc)}:{line}: `{span}` names no config key (section [{section}] has: "
-                                    f"{', '.join(SECTIONS[section].__struct_fields__)})")
+                    problems.append(
+                        f"{_rel(doc)}:{line}: `{span}` names no config key (section [{section}] has: "
+                        f"{', '.join(SECTIONS[section].__struct_fields__)})"
+                    )
             e = ENV_SPAN.match(span)
             if e:
                 try:
@@ -331,19 +347,24 @@ def test_every_config_key_is_documented_for_volunteers_with_its_real_default() -
         for key in typ.__struct_fields__:
             name, real = f"{section}.{key}", defaults[section][key]
             if name not in found:
-                problems.append(f"{name} (default {real!r}) is in no table row `| `{name}` | default | ... |` of "
-                                f"docs/volunteer.md or a guide it links ({', '.join(d.name for d in docs)})")
+                problems.append(
+                    f"{name} (default {real!r}) is in no table row `| `{name}` | default | ... |` of "
+                    f"docs/volunteer.md or a guide it links ({', '.join(d.name for d in docs)})"
+                )
             for where, doc_default in found.get(name, []):
                 if doc_default != real:
-                    problems.append(f"{where}: {name} is documented with default {doc_default!r}; "
-                                    f"the code's default is {real!r}")
+                    problems.append(
+                        f"{where}: {name} is documented with default {doc_default!r}; the code's default is {real!r}"
+                    )
     assert not problems, "\n".join(problems)
 
 
 def test_the_defaults_check_catches_a_wrong_default(tmp_path: Path) -> None:
     doc = tmp_path / "guide.md"
-    doc.write_text("| key | default |\n|---|---|\n| `sync.max_staleness` | `5` | versions |\n"
-                   "| `node.swarm` | `\"murmur-default\"` | name |\n")
+    doc.write_text(
+        "| key | default |\n|---|---|\n| `sync.max_staleness` | `5` | versions |\n"
+        '| `node.swarm` | `"murmur-default"` | name |\n'
+    )
     found = documented_defaults([doc])
     assert found["sync.max_staleness"][0][1] == 5 != Config().sync.max_staleness
     assert found["node.swarm"][0][1] == Config().node.swarm

@@ -20,8 +20,13 @@ def test_unreachable_bootstrap_is_a_failed_check_with_fix(tmp_path: Path) -> Non
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'[network]\nlisten = ["/ip4/127.0.0.1/tcp/{free_port()}"]\nbootstrap = ["{dead}"]\n')
     env = dict(os.environ, MURMUR_HOME=str(tmp_path / "home"))
-    r = subprocess.run([sys.executable, "-m", "murmur.node", "doctor", "--json", "--config", str(cfg), "--timeout", "3"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "murmur.node", "doctor", "--json", "--config", str(cfg), "--timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["ok"] is False

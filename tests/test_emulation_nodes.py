@@ -34,8 +34,14 @@ def _out(tmp_path: Path, tiny: Path) -> Path:
 
 
 def _simulate(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> tuple[int, dict, str]:
-    r = subprocess.run([sys.executable, "-m", "murmur.node", "simulate", *args, "--json"], capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    r = subprocess.run(
+        [sys.executable, "-m", "murmur.node", "simulate", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     return r.returncode, json.loads(lines[-1]) if lines else {}, r.stderr[-2000:]
 
@@ -50,8 +56,9 @@ def test_an_emulated_node_that_exits_early_is_reported_and_fails_the_run(tmp_pat
     f = tmp_path / "two.toml"
     f.write_text('name = "two"\nduration_s = 60.0\n[[group]]\nname = "trainer"\ncount = 2\n')
     # a key the nodes refuse at start, as the removed download-rate key was
-    rc, summary, err = _simulate([str(f), "--smoke", "--out", str(_out(tmp_path, tiny))],
-                                 env={"MURMUR_NETWORK_NO_SUCH_KEY": "1"}, timeout=300)
+    rc, summary, err = _simulate(
+        [str(f), "--smoke", "--out", str(_out(tmp_path, tiny))], env={"MURMUR_NETWORK_NO_SUCH_KEY": "1"}, timeout=300
+    )
     assert rc == 1, err
     assert summary["nodes"] == 2 and summary["nodes_stepped"] == 0
     failed = summary["nodes_failed"]
@@ -66,11 +73,13 @@ def full_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> tupl
     and a planned leave of node 1 at 30 s that comes back (the same home and key) at 40 s."""
     tmp = tmp_path_factory.mktemp("full-run")
     f = tmp / "emu.toml"
-    f.write_text('name = "emu"\nduration_s = 60.0\n[[group]]\ncount = 2\nupload_bytes_per_s = 2000000.0\n'
-                 '[[adversary]]\nbehaviour = "forged_reward"\nrate_per_s = 1.0\nstart_s = 10.0\n'
-                 '[[event]]\nat_s = 30.0\naction = "leave"\nnode = 1\n'
-                 '[[event]]\nat_s = 40.0\naction = "join"\nnode = 1\n'
-                 "[report]\nsample_every_s = 5.0\n")
+    f.write_text(
+        'name = "emu"\nduration_s = 60.0\n[[group]]\ncount = 2\nupload_bytes_per_s = 2000000.0\n'
+        '[[adversary]]\nbehaviour = "forged_reward"\nrate_per_s = 1.0\nstart_s = 10.0\n'
+        '[[event]]\nat_s = 30.0\naction = "leave"\nnode = 1\n'
+        '[[event]]\nat_s = 40.0\naction = "join"\nnode = 1\n'
+        "[report]\nsample_every_s = 5.0\n"
+    )
     out = _out(tmp, tiny_model)
     rc, summary, err = _simulate([str(f), "--out", str(out)], timeout=500)
     return rc, summary, err, out
@@ -96,8 +105,9 @@ def test_a_planned_leave_and_rejoin_are_not_failures(full_run: tuple[int, dict, 
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     leaves = [r for r in rows if r["kind"] == "event" and r["action"] == "leave" and r["node"] == 1]
     assert leaves and leaves[0]["t"] < 60.0, leaves  # it left during the run, not only when the run ended
-    joins = [r for r in rows if r["kind"] == "event" and r["action"] == "join" and r["node"] == 1
-             and r["t"] > leaves[0]["t"]]
+    joins = [
+        r for r in rows if r["kind"] == "event" and r["action"] == "join" and r["node"] == 1 and r["t"] > leaves[0]["t"]
+    ]
     assert joins and joins[0]["t"] < 60.0, joins  # and came back during it, as a restart does
 
 

@@ -109,13 +109,23 @@ def test_concurrent_builders_of_one_home_build_once(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys, json; from murmur.training.tiny import ensure_tiny; from murmur.training.engine_hf import HFEngine; "
-            "d = ensure_tiny(sys.argv[1], seed=3, warmup_steps=2); HFEngine.from_path(d, device='cpu'); "
-            "print(json.loads((d / 'murmur-tiny.json').read_text())['warmup_s'])")
+    code = (
+        "import sys, json; from murmur.training.tiny import ensure_tiny; from murmur.training.engine_hf import HFEngine; "
+        "d = ensure_tiny(sys.argv[1], seed=3, warmup_steps=2); HFEngine.from_path(d, device='cpu'); "
+        "print(json.loads((d / 'murmur-tiny.json').read_text())['warmup_s'])"
+    )
     root = Path(__file__).resolve().parent.parent
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
     # every process read the marker of one and the same build
@@ -156,14 +166,23 @@ def test_rollout_wire_round_trip_and_retokenisation(engine: HFEngine) -> None:
     reg.add_builtin()
     from murmur.training.trainer import Trainer, TrainerConfig
 
-    tr = Trainer(engine, reg, reg.builtin_id, TrainerConfig(local_groups=1, group_size=4, max_new_tokens=4,
-                                                            external_groups=0, lr=1e-5), lineage=b"\x07" * 32)
+    tr = Trainer(
+        engine,
+        reg,
+        reg.builtin_id,
+        TrainerConfig(local_groups=1, group_size=4, max_new_tokens=4, external_groups=0, lr=1e-5),
+        lineage=b"\x07" * 32,
+    )
     res = tr.step()
     assert len(res.rollouts) == 4
     ident = Identity.from_seed(b"\x09" * 32)
     wires = [to_wire(r) for r in res.rollouts]
-    env = seal(ident, ROLLOUT_BATCH, RolloutBatch(v=FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
-                                                  rollouts=wires), swarm=SWARM)
+    env = seal(
+        ident,
+        ROLLOUT_BATCH,
+        RolloutBatch(v=FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1, rollouts=wires),
+        swarm=SWARM,
+    )
     _, batch = open_envelope(env, ROLLOUT_BATCH, swarm=SWARM)
     for r, w in zip(res.rollouts, batch.rollouts):
         task = reg.resolve(w.task)

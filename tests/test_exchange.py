@@ -197,14 +197,30 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     from murmur.node.ui.dashboard import node_panel
     from murmur.node.ui.metrics import Metrics
 
-    s = NodeStatus(exchange=ExchangeView(shards=8, subscribed=[2, 5], received_rollouts=40, verified_rollouts=32,
-                                         used_rollouts=16, dropped={"wrong_shard": 3}, distinct_producers=4,
-                                         rates={"received_rollouts_per_s": 4.0}, used_over_verified=0.5,
-                                         task_sets={"ab" * 32: {"verified_rollouts": 32, "used_rollouts": 16}},
-                                         produced_rollouts=100, published_rollouts=30, uninformative_rollouts=50,
-                                         withheld_rollouts=20, publish_budget_per_s=2.5, unsampled_batches=7,
-                                         sample_fraction=0.1, sample_floor_per_min=2.0, sample_rate=0.25,
-                                         lineages_by_task_set={"ab" * 32: {"cd" * 32: 3}}))
+    s = NodeStatus(
+        exchange=ExchangeView(
+            shards=8,
+            subscribed=[2, 5],
+            received_rollouts=40,
+            verified_rollouts=32,
+            used_rollouts=16,
+            dropped={"wrong_shard": 3},
+            distinct_producers=4,
+            rates={"received_rollouts_per_s": 4.0},
+            used_over_verified=0.5,
+            task_sets={"ab" * 32: {"verified_rollouts": 32, "used_rollouts": 16}},
+            produced_rollouts=100,
+            published_rollouts=30,
+            uninformative_rollouts=50,
+            withheld_rollouts=20,
+            publish_budget_per_s=2.5,
+            unsampled_batches=7,
+            sample_fraction=0.1,
+            sample_floor_per_min=2.0,
+            sample_rate=0.25,
+            lineages_by_task_set={"ab" * 32: {"cd" * 32: 3}},
+        )
+    )
     con = Console(width=400, record=True)  # one line per row: the checks below read whole phrases
     con.print(node_panel(s))
     text = con.export_text()
@@ -219,9 +235,15 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     assert m.registry.get_sample_value("murmur_exchange_validator_sample", {"kind": "checked_share"}) == 0.25
     assert m.registry.get_sample_value("murmur_exchange_dropped_total", {"reason": "wrong_shard"}) == 3
     assert m.registry.get_sample_value("murmur_exchange_distinct_producers") == 4
-    assert m.registry.get_sample_value("murmur_exchange_task_set_rollouts", {"task_set": "ab" * 32, "kind": "used"}) == 16
-    assert m.registry.get_sample_value("murmur_exchange_task_set_generators",
-                                       {"task_set": "ab" * 32, "lineage": "cd" * 32}) == 3
+    assert (
+        m.registry.get_sample_value("murmur_exchange_task_set_rollouts", {"task_set": "ab" * 32, "kind": "used"}) == 16
+    )
+    assert (
+        m.registry.get_sample_value(
+            "murmur_exchange_task_set_generators", {"task_set": "ab" * 32, "lineage": "cd" * 32}
+        )
+        == 3
+    )
 
 
 def test_a_validator_joins_the_shard_of_the_lineage_it_checks_whatever_the_swarm_size() -> None:
@@ -346,7 +368,8 @@ def test_a_demand_met_exactly_takes_no_further_shard() -> None:
     supply = {_lineage_on(order[1], s): 2.0, _lineage_on(order[3], s): 2.0}
     assert ex.plan(0.0, 64, supply, demand_rps=2.0, home=[]).subscribe == (order[1],)
     assert X.Exchange(b"exact").plan(0.0, 64, supply, demand_rps=2.5, home=[]).subscribe == tuple(
-        sorted((order[1], order[3])))
+        sorted((order[1], order[3]))
+    )
 
 
 def test_the_shortfall_rule_at_its_edges() -> None:
@@ -458,8 +481,12 @@ def test_per_task_set_a_coordinator_sees_each_lineage_and_how_many_nodes_generat
 
 
 @settings(max_examples=300, deadline=None)
-@given(shards=st.sampled_from([1, 2, 8, 64, 512, X.MAX_SHARDS]), epoch=st.integers(-5, 10**6),
-       node=st.binary(min_size=1, max_size=8), data=st.data())
+@given(
+    shards=st.sampled_from([1, 2, 8, 64, 512, X.MAX_SHARDS]),
+    epoch=st.integers(-5, 10**6),
+    node=st.binary(min_size=1, max_size=8),
+    data=st.data(),
+)
 def test_both_candidate_walks_give_the_same_shards(shards: int, epoch: int, node: bytes, data) -> None:
     """`_rotating` finds its candidates by sorting the supplied shards by position when they are few, by
     walking the rotation otherwise: on any supply (some shards offering nothing or less than nothing, as the

@@ -38,11 +38,25 @@ def own_trainer(**kw: object) -> tuple[C.NodeCore, Clock, bytes]:
 
 
 def rollouts_of(lid: bytes, tasks: int, group: int = 8) -> list[bytes]:
-    return [wire.encode(wire.Rollout(task=wire.TaskRef(task_set=bytes(32), generator="g", seed=t), lineage=lid,
-                                     version=2, completion_ids=[2], text="x", tokenizer_hash=bytes(32),
-                                     logprobs=bytes(4), token_versions=[(0, 2)], sampling=wire.SamplingParams(),
-                                     reward=float(i == 0), created_ms=1))
-            for t in range(tasks) for i in range(group)]
+    return [
+        wire.encode(
+            wire.Rollout(
+                task=wire.TaskRef(task_set=bytes(32), generator="g", seed=t),
+                lineage=lid,
+                version=2,
+                completion_ids=[2],
+                text="x",
+                tokenizer_hash=bytes(32),
+                logprobs=bytes(4),
+                token_versions=[(0, 2)],
+                sampling=wire.SamplingParams(),
+                reward=float(i == 0),
+                created_ms=1,
+            )
+        )
+        for t in range(tasks)
+        for i in range(group)
+    ]
 
 
 def published(acts: list[object]) -> int:
@@ -119,8 +133,11 @@ def test_a_producer_cannot_predict_or_steer_which_of_its_batches_a_validator_che
     assert 300 < len(picked_a) < 500 and 300 < len(picked_b) < 500  # 10 %
     assert len(picked_a & picked_b) < 80  # independent: about 1 % of 4000 = 40, not 400
     # an unkeyed hash (what a producer could compute) does not tell which are checked
-    unkeyed = {i for i, d in enumerate(batches)
-               if int.from_bytes(hashlib.blake2b(d, digest_size=8).digest(), "big") / 2**64 < 0.1}
+    unkeyed = {
+        i
+        for i, d in enumerate(batches)
+        if int.from_bytes(hashlib.blake2b(d, digest_size=8).digest(), "big") / 2**64 < 0.1
+    }
     assert len(unkeyed & picked_a) < 80
     # a producer grinding batches: the ones it sends are checked at the same rate as any
     c = X.Sample(b"\x03" * 32, 0.1, 0.0)
@@ -155,9 +172,15 @@ def test_a_validator_drops_what_is_not_in_its_sample_unverified_and_uncounted() 
         calls[0] += 1
         return [score(task, text) for task, text in items]
 
-    pipeline = Pipeline(PipelineConfig(swarm=SWARM, rate_per_s=50.0, burst=200, max_staleness=4), clock=time.time,
-                        resolve_task=reg.resolve, reward=score, head_version=lambda lineage: 0,
-                        task_set_trusted=reg.__contains__, reward_batch=counted)
+    pipeline = Pipeline(
+        PipelineConfig(swarm=SWARM, rate_per_s=50.0, burst=200, max_staleness=4),
+        clock=time.time,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lineage: 0,
+        task_set_trusted=reg.__contains__,
+        reward_batch=counted,
+    )
     service = GossipService(None, pipeline, SWARM)
     service.sample = X.Sample(b"\x05" * 32, 0.2, 0.0)
 
@@ -244,10 +267,21 @@ def test_a_trainer_publishes_less_when_followers_already_publish_on_its_shard() 
     theirs = hear_consumer(core, clock, rollouts=16, step_time_s=2.0)
     alone = core.outbox.rate  # type: ignore[union-attr]
     f = key(20)  # a follower of that trainer publishes half a batch/s of 8 rollouts on the same (only) shard
-    body = wire.NodeAnnounce(v=1, peer_id=f.peer_id, seq=1, created_ms=1, hardware="cpu", gen_tokens_per_s=10.0,
-                             rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0,
-                             roles=["follower", "validator"], lineages_followed=[theirs], serving=theirs,
-                             publish_batches_per_s=0.5)
+    body = wire.NodeAnnounce(
+        v=1,
+        peer_id=f.peer_id,
+        seq=1,
+        created_ms=1,
+        hardware="cpu",
+        gen_tokens_per_s=10.0,
+        rollout_latency_s=0.5,
+        upload_bytes_per_s=0.0,
+        memory_bytes=0,
+        roles=["follower", "validator"],
+        lineages_followed=[theirs],
+        serving=theirs,
+        publish_batches_per_s=0.5,
+    )
     core.handle(C.AnnounceHeard(f.public, body, wire.seal(f, wire.NODE_ANNOUNCE, body, swarm="t")))
     for _ in range(5):  # what it announces arrives: we verified batches of 8 from it, 4 rollouts/s
         core.handle(C.RolloutsVerified(f.peer_id, ((theirs, 8),)))
@@ -265,9 +299,21 @@ def test_announced_follower_supply_that_never_arrives_cannot_silence_a_trainer()
     theirs = hear_consumer(core, clock, rollouts=16, step_time_s=2.0)
     alone = core.outbox.rate  # type: ignore[union-attr]
     f = key(21)
-    body = wire.NodeAnnounce(v=1, peer_id=f.peer_id, seq=1, created_ms=1, hardware="cpu", gen_tokens_per_s=10.0,
-                             rollout_latency_s=0.5, upload_bytes_per_s=0.0, memory_bytes=0, roles=["follower"],
-                             lineages_followed=[theirs], serving=theirs, publish_batches_per_s=1e6)
+    body = wire.NodeAnnounce(
+        v=1,
+        peer_id=f.peer_id,
+        seq=1,
+        created_ms=1,
+        hardware="cpu",
+        gen_tokens_per_s=10.0,
+        rollout_latency_s=0.5,
+        upload_bytes_per_s=0.0,
+        memory_bytes=0,
+        roles=["follower"],
+        lineages_followed=[theirs],
+        serving=theirs,
+        publish_batches_per_s=1e6,
+    )
     core.handle(C.AnnounceHeard(f.public, body, wire.seal(f, wire.NODE_ANNOUNCE, body, swarm="t")))
     clock.t += C.ANNOUNCE_EVERY_S
     core.handle(C.ManifestHeard(manifest(key(5), "theirs", 2, 3)))

@@ -68,6 +68,7 @@ def test_shards_are_joined_and_left_and_a_batch_off_its_shard_is_dropped(tmp_pat
 
 def test_a_message_on_several_topics_is_refused_and_charged_to_its_originator(tmp_path: Path) -> None:
     """One signed pubsub message naming every shard would reach every shard's subscribers."""
+
     async def main() -> None:
         async with AsyncExitStack() as stack:
             (a,) = [await stack.enter_async_context(node(i, tmp_path)) for i in ids(1, base=50)]

@@ -46,8 +46,9 @@ def test_hacpo_capabilities_of_equal_skill_are_equal(warm_engine, registry) -> N
         informative += sum(len({x.reward for x in g}) > 1 for g in groups.values())
         sampler.add_rollouts([msgspec.structs.replace(to_wire(r), lineage=OTHER) for r in res.rollouts])
         if OTHER in tr.capability.rate:
-            ratios.append(float(hacpo_coefficient(torch.tensor([tr.capability.get(OTHER)]),
-                                                  tr.capability.get(tr.lineage))[0]))
+            ratios.append(
+                float(hacpo_coefficient(torch.tensor([tr.capability.get(OTHER)]), tr.capability.get(tr.lineage))[0])
+            )
     assert informative >= 10 and len(ratios) >= 20  # the source was seen, through enough groups
     mean = sum(ratios) / len(ratios)
     assert 0.85 <= mean <= 1.15, mean
@@ -61,10 +62,19 @@ def _ref(registry: TaskRegistry, seed: int) -> wire.TaskRef:
 
 def _rollout(engine, registry, ref: wire.TaskRef, text: str, eos: bool, cap: int) -> wire.Rollout:  # type: ignore[no-untyped-def]
     ids = engine.encode(text) + ([engine.eos_id] if eos else [])
-    return wire.Rollout(task=ref, lineage=OTHER, version=0, completion_ids=ids, text=text,
-                        tokenizer_hash=engine.tokenizer_hash, logprobs=logprobs_to_bytes([-1.0] * len(ids)),
-                        token_versions=[(0, 0)], sampling=wire.SamplingParams(max_new_tokens=cap),
-                        reward=0.0, created_ms=1)
+    return wire.Rollout(
+        task=ref,
+        lineage=OTHER,
+        version=0,
+        completion_ids=ids,
+        text=text,
+        tokenizer_hash=engine.tokenizer_hash,
+        logprobs=logprobs_to_bytes([-1.0] * len(ids)),
+        token_versions=[(0, 0)],
+        sampling=wire.SamplingParams(max_new_tokens=cap),
+        reward=0.0,
+        created_ms=1,
+    )
 
 
 @pytest.mark.parametrize("eos", [False, True])
@@ -83,10 +93,8 @@ def test_a_cut_external_completion_is_masked_not_given_an_eos(warm_engine, regis
         n = len(eng.encode(text)) + (1 if eos else 0)
         group.append(_rollout(eng, registry, ref, text, eos, cap=n if not eos else n + 4))
 
-    cfg = TrainerConfig(local_groups=0, external_groups=1, group_size=2, max_new_tokens=8, lr=1e-3,
-                        lr_warmup_steps=1)
-    tr = Trainer(eng, registry, registry.builtin_id, cfg, lineage=b"\x0a" * 32,
-                 external=lambda n, v: list(group))
+    cfg = TrainerConfig(local_groups=0, external_groups=1, group_size=2, max_new_tokens=8, lr=1e-3, lr_warmup_steps=1)
+    tr = Trainer(eng, registry, registry.builtin_id, cfg, lineage=b"\x0a" * 32, external=lambda n, v: list(group))
     before = [p.detach().clone() for p in eng.model.parameters()]
     res = tr.step()
     moved = any(not torch.equal(a, b.detach()) for a, b in zip(before, eng.model.parameters()))
@@ -106,10 +114,19 @@ def test_a_foreign_tokenizer_completion_shorter_than_its_cap_finished() -> None:
     ref = wire.TaskRef(bytes(32), "g", 1)
 
     def w(n: int, cap: int) -> wire.Rollout:
-        return wire.Rollout(task=ref, lineage=OTHER, version=0, completion_ids=[7] * n, text="12",
-                            tokenizer_hash=b"\x05" * 32, logprobs=logprobs_to_bytes([-0.5] * n),
-                            token_versions=[(0, 0)], sampling=wire.SamplingParams(max_new_tokens=cap),
-                            reward=0.0, created_ms=1)
+        return wire.Rollout(
+            task=ref,
+            lineage=OTHER,
+            version=0,
+            completion_ids=[7] * n,
+            text="12",
+            tokenizer_hash=b"\x05" * 32,
+            logprobs=logprobs_to_bytes([-0.5] * n),
+            token_versions=[(0, 0)],
+            sampling=wire.SamplingParams(max_new_tokens=cap),
+            reward=0.0,
+            created_ms=1,
+        )
 
     def enc(text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -118,8 +135,9 @@ def test_a_foreign_tokenizer_completion_shorter_than_its_cap_finished() -> None:
     assert not from_wire(w(8, 8), task, [1], b"\x06" * 32, enc, 2).finished  # reached the cap: cut
     same = msgspec.structs.replace(w(3, 8), tokenizer_hash=b"\x06" * 32, completion_ids=[7, 7, 2])
     assert from_wire(same, task, [1], b"\x06" * 32, enc, 2).finished  # our tokenizer: its EOS shows
-    assert not from_wire(msgspec.structs.replace(same, completion_ids=[7, 7, 7]), task, [1], b"\x06" * 32,
-                         enc, 2).finished
+    assert not from_wire(
+        msgspec.structs.replace(same, completion_ids=[7, 7, 7]), task, [1], b"\x06" * 32, enc, 2
+    ).finished
 
 
 def test_nodes_and_benchmarks_overprovision_alike(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -146,15 +164,22 @@ def test_the_nodes_training_keys_reach_its_trainer(tmp_path) -> None:  # type: i
     got = TrainerConfig(**worker_spec(cfg, tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
     assert (got.loss_norm, got.minibatch_groups) == ("constant", 6)
     assert got == TrainerConfig.from_config(cfg)  # the worker's path and the in-process one agree
-    default = TrainerConfig(**worker_spec(Config(), tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
+    default = TrainerConfig(
+        **worker_spec(Config(), tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"]
+    )
     assert default.minibatch_groups == Config().training.minibatch_groups > 0  # swarm data adds updates
 
 
 def test_with_a_fixed_minibatch_swarm_groups_add_updates_and_never_displace_local_ones(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
     import copy
 
-    peer = Trainer(copy.deepcopy(warm_engine), registry, registry.builtin_id,
-                   TrainerConfig(local_groups=4, group_size=4, max_new_tokens=4, lr=0.0, seed=9), lineage=OTHER)
+    peer = Trainer(
+        copy.deepcopy(warm_engine),
+        registry,
+        registry.builtin_id,
+        TrainerConfig(local_groups=4, group_size=4, max_new_tokens=4, lr=0.0, seed=9),
+        lineage=OTHER,
+    )
     sampler = Sampler(max_groups=64, seed=1)
     sampler.observe_head(OTHER, 0)
 
@@ -164,10 +189,12 @@ def test_with_a_fixed_minibatch_swarm_groups_add_updates_and_never_displace_loca
         return sampler.take_rollouts(n)
 
     m = 2
-    cfg = TrainerConfig(local_groups=2, external_groups=6, group_size=4, max_new_tokens=4, lr=1e-4, seed=4,
-                        minibatch_groups=m)
-    tr = Trainer(copy.deepcopy(warm_engine), registry, registry.builtin_id, cfg, lineage=b"\x0a" * 32,
-                 external=external)
+    cfg = TrainerConfig(
+        local_groups=2, external_groups=6, group_size=4, max_new_tokens=4, lr=1e-4, seed=4, minibatch_groups=m
+    )
+    tr = Trainer(
+        copy.deepcopy(warm_engine), registry, registry.builtin_id, cfg, lineage=b"\x0a" * 32, external=external
+    )
     local_informative = updates = trained = trained_ext = 0
     for _ in range(6):
         res = tr.step()

@@ -40,8 +40,7 @@ def follower(tmp_path: Path):  # type: ignore[no-untyped-def]
     from murmur.training.tiny import new_tiny_engine, warmup_generators
 
     ours, theirs = multiprocessing.Pipe()
-    w = Worker(ours, {"home": str(tmp_path), "swarm": "test", "roles": ["follower"],
-                      "trainer": {"max_new_tokens": 8}})
+    w = Worker(ours, {"home": str(tmp_path), "swarm": "test", "roles": ["follower"], "trainer": {"max_new_tokens": 8}})
     w.engine = w.checker = new_tiny_engine(seed=0)
     w.registry = TaskRegistry("test")
     w.registry.add_builtin()
@@ -86,8 +85,9 @@ def test_a_followers_held_out_accuracy_shows_in_status_dashboard_metrics_and_dem
     core.handle(W("gen", {"reward_mean": 0.5, "version": 2, "tokens": 64, "latency_s": 0.1}))  # not measured
     core.handle(W("gen", {"reward_mean": 0.6, "version": 5, "tokens": 64, "latency_s": 0.1, "heldout": 0.55}))
     assert list(core.heldout) == [(2, 0.4), (5, 0.55)]
-    s = NodeStatus(peer_id="p", swarm="s", roles=["follower"], hardware="cpu", listen=[], state="running",
-                   **heldout_fields(core))
+    s = NodeStatus(
+        peer_id="p", swarm="s", roles=["follower"], hardware="cpu", listen=[], state="running", **heldout_fields(core)
+    )
     assert (s.heldout_start, s.heldout_now) == (0.4, 0.55)
     con = Console(width=120, record=True)
     con.print(node_panel(s))

@@ -38,8 +38,13 @@ def test_gossip_stream_and_publish_errors() -> None:
             await c.connect(a.listen_addrs()[0])
             await wait_until(lambda: set(a.peers()) == {b.peer_id, c.peer_id})
             chans = [await x.subscribe("/murmur/t/rollouts/1") for x in (a, b, c)]
-            await wait_until(lambda: len(a.topic_peers("/murmur/t/rollouts/1")) == 2
-                             and b.topic_peers("/murmur/t/rollouts/1") and c.topic_peers("/murmur/t/rollouts/1"))
+            await wait_until(
+                lambda: (
+                    len(a.topic_peers("/murmur/t/rollouts/1")) == 2
+                    and b.topic_peers("/murmur/t/rollouts/1")
+                    and c.topic_peers("/murmur/t/rollouts/1")
+                )
+            )
             await b.publish("/murmur/t/rollouts/1", b"hello")
             with trio.fail_after(5):
                 assert await chans[0].receive() == (b.peer_id, b"hello")
@@ -48,6 +53,7 @@ def test_gossip_stream_and_publish_errors() -> None:
             # a validator that refuses stops delivery and forwarding
             async def refuse(fwd: str, origin: str, data: bytes) -> bool:
                 return data != b"bad"
+
             for x in (a, c):
                 x.set_validator("/murmur/t/rollouts/1", refuse)
             await b.publish("/murmur/t/rollouts/1", b"bad")
@@ -114,7 +120,7 @@ def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytes
     orig = Y.Yamux._write_frame
 
     async def counting(self, data: bytes) -> None:  # type: ignore[no-untyped-def]
-        _, typ, flags, sid, increment = struct.unpack(Y.YAMUX_HEADER_FORMAT, data[:Y.HEADER_SIZE])
+        _, typ, flags, sid, increment = struct.unpack(Y.YAMUX_HEADER_FORMAT, data[: Y.HEADER_SIZE])
         if typ == Y.TYPE_WINDOW_UPDATE and not flags & (Y.FLAG_SYN | Y.FLAG_ACK) and increment > 0:
             updates.append((sid, increment))  # credit, not a stream opening
         await orig(self, data)
@@ -136,8 +142,10 @@ def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytes
                 await changed.wait()
 
     async def main() -> None:
-        async with open_transport(Identity.from_seed(b"\x21" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x22" * 32)) as b:
+        async with (
+            open_transport(Identity.from_seed(b"\x21" * 32)) as a,
+            open_transport(Identity.from_seed(b"\x22" * 32)) as b,
+        ):
             b.set_stream_handler("/murmur/test-sink/1", sink)
             await a.connect(b.listen_addrs()[0] + "/p2p/" + b.peer_id)
             s = await a.open_stream(b.peer_id, "/murmur/test-sink/1")
@@ -154,8 +162,11 @@ def test_yamux_credit_returns_at_half_window_and_never_stalls(monkeypatch: pytes
     trio.run(main)
 
 
-@pytest.mark.parametrize("garbage", [bytes.fromhex("03ffffff"), b"\x80\x80\x80\x01" + b"\x00" * 4096],
-                         ids=["not-protobuf", "length-over-the-limit"])
+@pytest.mark.parametrize(
+    "garbage",
+    [bytes.fromhex("03ffffff"), b"\x80\x80\x80\x01" + b"\x00" * 4096],
+    ids=["not-protobuf", "length-over-the-limit"],
+)
 def test_garbage_on_a_pubsub_stream_costs_the_sender_not_the_host(garbage: bytes) -> None:
     """Four bytes that are not a protobuf RPC on /meshsub/1.1.0 used to end the receiving process; a
     length prefix over the RPC limit was swallowed by py-libp2p's reader without charging anyone."""
@@ -165,8 +176,11 @@ def test_garbage_on_a_pubsub_stream_costs_the_sender_not_the_host(garbage: bytes
     faults: list[tuple[str, str]] = []
 
     async def main() -> None:
-        async with open_transport(ids[0]) as victim, open_transport(ids[1]) as hostile, \
-                open_transport(ids[2]) as honest:
+        async with (
+            open_transport(ids[0]) as victim,
+            open_transport(ids[1]) as hostile,
+            open_transport(ids[2]) as honest,
+        ):
             victim.faults.on_fault = lambda peer, proto, err: faults.append((peer, proto))
             await hostile.connect(victim.listen_addrs()[0])
             raw = await hostile.host.new_stream(ID.from_base58(victim.peer_id), ["/meshsub/1.1.0"])
@@ -179,8 +193,10 @@ def test_garbage_on_a_pubsub_stream_costs_the_sender_not_the_host(garbage: bytes
             chan = await victim.subscribe("/murmur/t/rollouts/1")
             await honest.subscribe("/murmur/t/rollouts/1")
             await honest.connect(victim.listen_addrs()[0])
-            await wait_until(lambda: honest.topic_peers("/murmur/t/rollouts/1")
-                             and victim.topic_peers("/murmur/t/rollouts/1"), timeout=10)
+            await wait_until(
+                lambda: honest.topic_peers("/murmur/t/rollouts/1") and victim.topic_peers("/murmur/t/rollouts/1"),
+                timeout=10,
+            )
             await wait_until(lambda: honest.router.mesh.get("/murmur/t/rollouts/1"), timeout=10)
             await honest.publish("/murmur/t/rollouts/1", b"still here")
             with trio.fail_after(10):
@@ -273,8 +289,12 @@ def test_a_peer_record_is_checked_once_and_a_bad_one_is_counted(monkeypatch: pyt
             record, _ = env_to_send_in_RPC(hostile.host)
             bad = record[:-1] + bytes([record[-1] ^ 1])  # the signature's last byte flipped
             raw = await hostile.host.new_stream(ID.from_base58(victim.peer_id), ["/meshsub/1.1.0"])
-            await raw.write(b"".join(encode_varint_prefixed(rpc_pb2.RPC(senderRecord=r).SerializeToString())
-                                     for r in [record] * n + [bad] * n))
+            await raw.write(
+                b"".join(
+                    encode_varint_prefixed(rpc_pb2.RPC(senderRecord=r).SerializeToString())
+                    for r in [record] * n + [bad] * n
+                )
+            )
             await wait_until(lambda: victim.faults.counts.get(key, 0) >= n, timeout=20)
             assert victim.faults.counts[key] == n
             assert checked.count(bad) == 1
@@ -336,8 +356,10 @@ def test_own_record_is_reused_and_the_record_memo_is_bounded() -> None:
     from murmur.gossip import libp2p_fixes as H
 
     async def main() -> None:
-        async with open_transport(Identity.from_seed(b"\x0b" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x0c" * 32)) as b:
+        async with (
+            open_transport(Identity.from_seed(b"\x0b" * 32)) as a,
+            open_transport(Identity.from_seed(b"\x0c" * 32)) as b,
+        ):
             env, _ = ps.env_to_send_in_RPC(a.host)
             stamp = a.host._murmur_own_record[0]
             again, fresh = ps.env_to_send_in_RPC(a.host)
@@ -346,7 +368,7 @@ def test_own_record_is_reused_and_the_record_memo_is_bounded() -> None:
             peer = b.host.get_id()
             junk = rpc_pb2.RPC(senderRecord=b"\x01junk")
             assert ps.maybe_consume_signed_record(junk, a.host, peer) is False
-            (key, (checked_at, ok)), = a.host._murmur_records.items()
+            ((key, (checked_at, ok)),) = a.host._murmur_records.items()
             assert ps.maybe_consume_signed_record(junk, a.host, peer) is False
             assert a.host._murmur_records[key] == (checked_at, False)  # a memo hit: not checked again
             assert a.faults.counts["pubsub signed record (invalid)"] == 2  # each ignored RPC counted
@@ -386,7 +408,8 @@ def test_no_backlog_is_kept_for_peers_that_have_not_subscribed() -> None:
 
 
 def test_pubsub_heals_both_ways_when_the_connection_under_its_streams_closes_and_a_duplicate_stays(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two hosts that dial each other at once hold two connections. Here the pubsub streams both ways run
     on the first one, X, whose hellos (the subscriptions) are written as X dies and never arrive; the
     second, Y, stays. py-libp2p keeps the dead streams as each side's pubsub stream to the other (the
@@ -409,8 +432,10 @@ def test_pubsub_heals_both_ways_when_the_connection_under_its_streams_closes_and
                 async def hello_lost_on_x(peer_id, protocols, *args, _t=t, _real=real, **kw):  # type: ignore[no-untyped-def]
                     stream = await _real(peer_id, protocols, *args, **kw)
                     if any("meshsub" in str(p) for p in protocols) and on_x[0]:
+
                         async def written_as_x_dies(data: bytes) -> None:
                             lost.append(_t.peer_id)
+
                         stream.write = written_as_x_dies  # only the hello: nothing else is written before X closes
                     return stream
 
@@ -424,14 +449,23 @@ def test_pubsub_heals_both_ways_when_the_connection_under_its_streams_closes_and
 
             on_x[0] = False
             await b.host.get_network().dial_addr(multiaddr.Multiaddr(a.listen_addrs()[0]), a_id)  # Y
-            await wait_until(lambda: len(a.host.get_network().get_connections(b_id)) == 2
-                             and len(b.host.get_network().get_connections(a_id)) == 2)
+            await wait_until(
+                lambda: (
+                    len(a.host.get_network().get_connections(b_id)) == 2
+                    and len(b.host.get_network().get_connections(a_id)) == 2
+                )
+            )
             await x.close()
-            await wait_until(lambda: len(a.host.get_network().get_connections(b_id)) == 1
-                             and len(b.host.get_network().get_connections(a_id)) == 1)
+            await wait_until(
+                lambda: (
+                    len(a.host.get_network().get_connections(b_id)) == 1
+                    and len(b.host.get_network().get_connections(a_id)) == 1
+                )
+            )
 
-            await wait_until(lambda: a.topic_peers(topic) == [b.peer_id] and b.topic_peers(topic) == [a.peer_id],
-                             timeout=20)
+            await wait_until(
+                lambda: a.topic_peers(topic) == [b.peer_id] and b.topic_peers(topic) == [a.peer_id], timeout=20
+            )
             for src, dst, chan in ((a, b, chans[1]), (b, a, chans[0])):
                 sent = False
                 with trio.move_on_after(10):  # a re-opened stream's peer joins the mesh within a heartbeat

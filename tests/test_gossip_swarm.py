@@ -34,12 +34,25 @@ class Node:
 
 
 @asynccontextmanager
-async def node(ident: Identity, home: Path, bootstrap: list[str] = (), dht: bool = False, listen: str | None = None,
-               rate: float = 50.0, burst: int = 100):
+async def node(
+    ident: Identity,
+    home: Path,
+    bootstrap: list[str] = (),
+    dht: bool = False,
+    listen: str | None = None,
+    rate: float = 50.0,
+    burst: int = 100,
+):
     store = Store(home / f"{ident.peer_id[-8:]}.db")
     cfg = PipelineConfig(swarm=SWARM, rate_per_s=rate, burst=burst, max_staleness=4)
-    pipeline = Pipeline(cfg, clock=time.time, resolve_task=REG.resolve, reward=score,
-                        head_version=HEADS.get, task_set_trusted=REG.__contains__)
+    pipeline = Pipeline(
+        cfg,
+        clock=time.time,
+        resolve_task=REG.resolve,
+        reward=score,
+        head_version=HEADS.get,
+        task_set_trusted=REG.__contains__,
+    )
     try:
         async with open_transport(ident, [listen] if listen else None) as t, trio.open_nursery() as nursery:
             service = GossipService(t, pipeline, SWARM, store)
@@ -93,6 +106,7 @@ def test_five_nodes_every_batch_reaches_every_node_once(tmp_path: Path) -> None:
                 assert n.service.accepted_batches == 12
                 assert n.store.ledger_counts().get("accepted") == 12 * 4
                 assert n.pipeline.counts[Reason.ACCEPTED.value] == 12
+
     trio.run(main)
 
 
@@ -158,16 +172,21 @@ def test_adversary_is_rejected_and_graylisted_while_honest_delivery_goes_on(tmp_
             bad_ids = {wire.content_id(d) for d in bad.values()}
             threshold = honest[0].pipeline.config.score.graylist_threshold
             with trio.move_on_after(60) as waited:  # all mallory sent is processed; every honest node graylists it
-                while mal_queued() or not all(h.pipeline.scores.score(mallory_id.peer_id, time.time()) < threshold
-                                              for h in honest):
+                while mal_queued() or not all(
+                    h.pipeline.scores.score(mallory_id.peer_id, time.time()) < threshold for h in honest
+                ):
                     await trio.sleep(0.05)
-            assert not waited.cancelled_caught, (mal_queued(), [h.pipeline.per_peer.get(mallory_id.peer_id) for h in honest])
+            assert not waited.cancelled_caught, (
+                mal_queued(),
+                [h.pipeline.per_peer.get(mallory_id.peer_id) for h in honest],
+            )
             elapsed = trio.current_time() - t0  # receivers refill buckets over their processing time
             for h in honest:
                 await h.service.wait_for(lambda h=h: h.service.accepted_batches >= 12, timeout=30)
             for h in honest:
-                accepted = {bytes(r[0]) for r in h.store.query(
-                    "SELECT rollout_id FROM rollouts WHERE status='accepted'")}
+                accepted = {
+                    bytes(r[0]) for r in h.store.query("SELECT rollout_id FROM rollouts WHERE status='accepted'")
+                }
                 accepted_msgs = set(h.pipeline.seen._d)  # msg ids with ACCEPTED or a reason
                 ok_msgs = {k for k, (_, v) in h.pipeline.seen._d.items() if v is Reason.ACCEPTED}
                 assert not (ok_msgs & bad_ids), "an honest node accepted a bad message"
@@ -182,6 +201,7 @@ def test_adversary_is_rejected_and_graylisted_while_honest_delivery_goes_on(tmp_
                 assert h.service.accepted_batches - len(ok_msgs & flood_ids) == 12
                 assert accepted and accepted_msgs
             HEADS.clear()
+
     trio.run(main)
 
 
@@ -215,6 +235,7 @@ def test_restarted_node_rejoins_and_receives_again(tmp_path: Path) -> None:
                 await c2.service.wait_for(lambda: accepted(c2) == 6, timeout=15)
                 assert c2.pipeline.counts[Reason.ACCEPTED.value] == 2
             assert b.pipeline.counts[Reason.ACCEPTED.value] == 2
+
     trio.run(main)
 
 
@@ -235,6 +256,7 @@ def test_dht_discovers_peers_beyond_bootstrap(tmp_path: Path) -> None:
             with trio.fail_after(10):  # and records it in its peer table on its next round
                 while not any(p["peer_id"] == b_id.peer_id and p["addrs"] for p in c.store.peers()):
                     await trio.sleep(0.1)
+
     trio.run(main)
 
 
@@ -247,9 +269,18 @@ def test_batches_accepted_before_a_restart_are_duplicates_after_it(tmp_path: Pat
     async def main() -> None:
         async with node(receiver, tmp_path) as r:
             assert r.pipeline.check(data, producer.peer_id).accepted
-            r.store.record_rollouts([dict(rollout_id=b"r%d" % i, direction="received", status="accepted",
-                                          producer=producer.public, payload=data if i == 0 else None)
-                                     for i in range(2)])
+            r.store.record_rollouts(
+                [
+                    dict(
+                        rollout_id=b"r%d" % i,
+                        direction="received",
+                        status="accepted",
+                        producer=producer.public,
+                        payload=data if i == 0 else None,
+                    )
+                    for i in range(2)
+                ]
+            )
         async with node(receiver, tmp_path) as r2:
             assert r2.pipeline.check(data, producer.peer_id).reason is Reason.DUPLICATE
 

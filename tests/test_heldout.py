@@ -40,8 +40,10 @@ def test_the_two_sides_of_a_builtin_split_never_share_a_problem(family: str, gen
 
 def test_split_all_draws_what_the_generator_drew_before_splits_existed() -> None:
     # the first draw of the seed's stream: existing task sets keep their tasks and ids
-    assert generate("arithmetic", {"digits": 2, "ops": "+-*"}, 7).prompt == \
-        generate("arithmetic", {"digits": 2, "ops": "+-*", "split": "all"}, 7).prompt
+    assert (
+        generate("arithmetic", {"digits": 2, "ops": "+-*"}, 7).prompt
+        == generate("arithmetic", {"digits": 2, "ops": "+-*", "split": "all"}, 7).prompt
+    )
     assert set(BUILTIN_GENERATORS["sorting"].params) >= {"split", "holdout"}
 
 
@@ -77,19 +79,23 @@ def test_disjoint_seeds_of_one_builtin_space_are_not_held_out() -> None:
     e, t = spec("add-eval", "arithmetic", cfg, 1_000_000, 1_010_000), spec("add", "arithmetic", cfg, 0, 1_000_000)
     assert "disjoint seeds are not enough" in (overlap(e, t) or "")
     # and indeed they collide: the old built-in set's 'add-eval' was in training's 100 problems
-    assert {generate("arithmetic", cfg, s).prompt for s in range(1_000_000, 1_000_200)} <= \
-        {generate("arithmetic", cfg, s).prompt for s in range(2000)}
+    assert {generate("arithmetic", cfg, s).prompt for s in range(1_000_000, 1_000_200)} <= {
+        generate("arithmetic", cfg, s).prompt for s in range(2000)
+    }
 
 
-@pytest.mark.parametrize("e_cfg,t_cfg,held", [
-    ({"digits": 2, "ops": "*"}, {"digits": 2, "ops": "+-"}, True),  # operations never trained on
-    ({"digits": 3, "min_digits": 3}, {"digits": 2}, True),  # operand lengths never trained on
-    ({"digits": 2, "mod": 7}, {"digits": 2}, True),
-    ({"digits": 2, "split": "eval"}, {"digits": 2, "split": "train"}, True),
-    ({"digits": 2, "split": "eval", "holdout": 4}, {"digits": 2, "split": "train"}, False),  # other partition
-    ({"digits": 2, "split": "eval"}, {"digits": 2}, False),  # training draws from the whole space
-    ({"digits": 3, "min_digits": 2}, {"digits": 2}, False),  # two-digit operands on both sides
-])
+@pytest.mark.parametrize(
+    "e_cfg,t_cfg,held",
+    [
+        ({"digits": 2, "ops": "*"}, {"digits": 2, "ops": "+-"}, True),  # operations never trained on
+        ({"digits": 3, "min_digits": 3}, {"digits": 2}, True),  # operand lengths never trained on
+        ({"digits": 2, "mod": 7}, {"digits": 2}, True),
+        ({"digits": 2, "split": "eval"}, {"digits": 2, "split": "train"}, True),
+        ({"digits": 2, "split": "eval", "holdout": 4}, {"digits": 2, "split": "train"}, False),  # other partition
+        ({"digits": 2, "split": "eval"}, {"digits": 2}, False),  # training draws from the whole space
+        ({"digits": 3, "min_digits": 2}, {"digits": 2}, False),  # two-digit operands on both sides
+    ],
+)
 def test_overlap_rules_for_arithmetic(e_cfg: dict, t_cfg: dict, held: bool) -> None:
     assert (overlap(spec("x-eval", "arithmetic", e_cfg), spec("x", "arithmetic", t_cfg)) is None) == held
 
@@ -104,8 +110,10 @@ def test_reasoning_gym_seed_ranges_and_collision_counts() -> None:
         assert rg_collisions(spec("e", name, {}, 10**6), spec("t", name, {}), 1000, 1000) == 0
     # ... a small configuration of basic_arithmetic collides, and the start check refuses it
     cfg = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
-    small_t, small_e = spec("ar", "rg:basic_arithmetic", cfg, 0, 10**6), spec("ar-eval", "rg:basic_arithmetic", cfg,
-                                                                            10**6, 2 * 10**6)
+    small_t, small_e = (
+        spec("ar", "rg:basic_arithmetic", cfg, 0, 10**6),
+        spec("ar-eval", "rg:basic_arithmetic", cfg, 10**6, 2 * 10**6),
+    )
     assert rg_collisions(small_e, small_t) > 0
     m = msgspec.structs.replace(builtin_manifest(), generators=[small_t, small_e])
     with pytest.raises(TaskError, match="too small for disjoint seeds"):
@@ -116,17 +124,26 @@ TOML_HEAD = 'name = "t"\nverifier = "exact"\n'
 
 
 def _gen(name: str, generator: str, config: str, start: int = 0, end: int = 1000) -> str:
-    return (f'[[generators]]\nname = "{name}"\ngenerator = "{generator}"\nseed_start = {start}\nseed_end = {end}\n'
-            f"config = {config}\n")
+    return (
+        f'[[generators]]\nname = "{name}"\ngenerator = "{generator}"\nseed_start = {start}\nseed_end = {end}\n'
+        f"config = {config}\n"
+    )
 
 
-@pytest.mark.parametrize("body,msg", [
-    (_gen("add", "arithmetic", '{ digits = 1 }') + _gen("add-eval", "arithmetic", '{ digits = 1 }', 1000, 2000),
-     "eval generator 'add-eval' overlaps training generator 'add'"),
-    (_gen("look", "digits", '{ length = 1, min_length = 1, ops = "first", split = "eval", holdout = 1000 }'),
-     "no 'eval' problem in 256 draws"),
-    (_gen("add", "arithmetic", '{ split = "test" }'), "config 'split'='test' not one of all, train, eval"),
-])
+@pytest.mark.parametrize(
+    "body,msg",
+    [
+        (
+            _gen("add", "arithmetic", "{ digits = 1 }") + _gen("add-eval", "arithmetic", "{ digits = 1 }", 1000, 2000),
+            "eval generator 'add-eval' overlaps training generator 'add'",
+        ),
+        (
+            _gen("look", "digits", '{ length = 1, min_length = 1, ops = "first", split = "eval", holdout = 1000 }'),
+            "no 'eval' problem in 256 draws",
+        ),
+        (_gen("add", "arithmetic", '{ split = "test" }'), "config 'split'='test' not one of all, train, eval"),
+    ],
+)
 def test_bad_task_sets_get_a_one_line_error(tmp_path: Path, body: str, msg: str) -> None:
     f = tmp_path / "ts.toml"
     f.write_text(TOML_HEAD + body)
@@ -136,10 +153,14 @@ def test_bad_task_sets_get_a_one_line_error(tmp_path: Path, body: str, msg: str)
 
 
 def test_a_coordinator_eval_generator_that_overlaps_the_warmup_is_refused_at_start() -> None:
-    m = msgspec.structs.replace(builtin_manifest(), name="coord", generators=[
-        spec("sort", "sorting", {"length": 5, "min_length": 4}),
-        spec("max-eval", "digits", {"length": 4, "ops": "max"}),  # murmur-tiny's warm-up trains on these
-    ])
+    m = msgspec.structs.replace(
+        builtin_manifest(),
+        name="coord",
+        generators=[
+            spec("sort", "sorting", {"length": 5, "min_length": 4}),
+            spec("max-eval", "digits", {"length": 4, "ops": "max"}),  # murmur-tiny's warm-up trains on these
+        ],
+    )
     check_evaluation([m], [])  # held out from the set's own training generators ...
     with pytest.raises(TaskError, match="'max-eval' overlaps training generator 'lookup' \\(task set 'coord'\\)"):
         check_evaluation([m], warmup_generators())  # ... but not from the warm-up

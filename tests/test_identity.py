@@ -37,7 +37,9 @@ def test_save_load_mode_and_refusal(tmp_path, identity):
     assert Identity.load(path).public != identity.public
 
 
-@pytest.mark.parametrize("content", [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"])
+@pytest.mark.parametrize(
+    "content", [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"]
+)
 def test_corrupt_key_is_one_line_error(tmp_path, content):
     path = tmp_path / "k.pem"
     path.write_bytes(content)

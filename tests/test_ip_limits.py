@@ -36,10 +36,14 @@ def test_a_range_holds_its_cap_and_others_are_unaffected() -> None:
 
 
 def test_a_relayed_connection_has_no_address_of_its_own() -> None:
-    relayed = SimpleNamespace(get_connection_type=lambda: "ConnectionType.RELAYED",
-                              get_transport_addresses=lambda: ["/ip4/198.51.100.7/tcp/4001"])
-    direct = SimpleNamespace(get_connection_type=lambda: "ConnectionType.DIRECT",
-                             get_transport_addresses=lambda: ["/ip4/198.51.100.7/tcp/4001"])
+    relayed = SimpleNamespace(
+        get_connection_type=lambda: "ConnectionType.RELAYED",
+        get_transport_addresses=lambda: ["/ip4/198.51.100.7/tcp/4001"],
+    )
+    direct = SimpleNamespace(
+        get_connection_type=lambda: "ConnectionType.DIRECT",
+        get_transport_addresses=lambda: ["/ip4/198.51.100.7/tcp/4001"],
+    )
     assert remote_ip(relayed) == "" and remote_ip(direct) == "198.51.100.7"
     assert remote_ip(object()) == ""
 

@@ -79,14 +79,20 @@ def test_imports_run_one_way() -> None:
 
 
 def test_every_import_of_ours_is_under_the_namespace() -> None:
-    bad = [f"{f.relative_to(ROOT)}:{line}" for d in (*ALLOWED, "tests") for f in sorted((ROOT / d).rglob("*.py"))
-           for line in _unprefixed(ast.parse(f.read_text(), str(f)))]
+    bad = [
+        f"{f.relative_to(ROOT)}:{line}"
+        for d in (*ALLOWED, "tests")
+        for f in sorted((ROOT / d).rglob("*.py"))
+        for line in _unprefixed(ast.parse(f.read_text(), str(f)))
+    ]
     assert bad == []
 
 
 def test_the_walker_sees_an_upward_import() -> None:
-    tree = ast.parse("import os\nfrom murmur.node.config import Config\ndef f():\n    from murmur.simulations import x\n"
-                     "from murmur import sync\n")
+    tree = ast.parse(
+        "import os\nfrom murmur.node.config import Config\ndef f():\n    from murmur.simulations import x\n"
+        "from murmur import sync\n"
+    )
     assert [m for _, m in _imports(tree)] == ["os", "node.config", "sync", "simulations"]
     assert _unprefixed(ast.parse("import os\nfrom node.config import Config\nimport sync.ids\n")) == [2, 3]
 
@@ -99,8 +105,12 @@ def test_the_walker_sees_a_room_importing_upward() -> None:
 def test_benchmarks_live_under_simulations_bench_only() -> None:
     """A product package (or simulations/ outside bench/) holds no benchmark module: `murmur bench` reaches
     every benchmark in simulations/bench/."""
-    stray = [str(f.relative_to(ROOT)) for pkg in ALLOWED for f in sorted((ROOT / pkg).rglob("bench*.py"))
-             if f.parent != ROOT / "simulations" / "bench"]
+    stray = [
+        str(f.relative_to(ROOT))
+        for pkg in ALLOWED
+        for f in sorted((ROOT / pkg).rglob("bench*.py"))
+        if f.parent != ROOT / "simulations" / "bench"
+    ]
     assert stray == []
 
 
@@ -110,8 +120,23 @@ def test_a_wheel_installs_only_the_murmur_namespace(tmp_path: Path) -> None:
     import sys
     import zipfile
 
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", str(ROOT), "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"murmur"}

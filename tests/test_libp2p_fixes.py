@@ -40,12 +40,17 @@ def test_install_is_explicit_idempotent_and_keeps_the_originals() -> None:
     F.install()
 
     def now() -> dict[str, object]:
-        return {"buffered_tcp_reads": TrioTCPStream.read, "lean_yamux_writes": YamuxStream.write,
-                "go_yamux_credit": YamuxStream._auto_tune_and_send_window_update,
-                "pubsub_message_guard": Pubsub.push_msg, "pubsub_stream_retry": Pubsub._handle_new_peer,
-                "pubsub_keep_subscriptions": Pubsub._handle_dead_peer,
-                "pubsub_stream_on_closed_connection": Pubsub.handle_dead_peer_queue,
-                "stream_caps": SwarmConn._handle_muxed_stream, "connection_refusal": Swarm.add_conn}
+        return {
+            "buffered_tcp_reads": TrioTCPStream.read,
+            "lean_yamux_writes": YamuxStream.write,
+            "go_yamux_credit": YamuxStream._auto_tune_and_send_window_update,
+            "pubsub_message_guard": Pubsub.push_msg,
+            "pubsub_stream_retry": Pubsub._handle_new_peer,
+            "pubsub_keep_subscriptions": Pubsub._handle_dead_peer,
+            "pubsub_stream_on_closed_connection": Pubsub.handle_dead_peer_queue,
+            "stream_caps": SwarmConn._handle_muxed_stream,
+            "connection_refusal": Swarm.add_conn,
+        }
 
     patched = now()
     F.install()
@@ -123,8 +128,10 @@ def test_go_yamux_credit_sends_no_window_update_for_a_small_read() -> None:
             arrived.set()
             await trio.sleep_forever()
 
-        async with open_transport(Identity.from_seed(b"\x61" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x62" * 32)) as b:
+        async with (
+            open_transport(Identity.from_seed(b"\x61" * 32)) as a,
+            open_transport(Identity.from_seed(b"\x62" * 32)) as b,
+        ):
             b.set_stream_handler("/murmur/test-credit/1", keep)
             await a.connect(b.listen_addrs()[0])
             s = await a.open_stream(b.peer_id, "/murmur/test-credit/1")
@@ -137,7 +144,7 @@ def test_go_yamux_credit_sends_no_window_update_for_a_small_read() -> None:
             frame = Y.Yamux._write_frame
 
             async def record(self, data: bytes) -> None:  # type: ignore[no-untyped-def]
-                if struct.unpack(Y.YAMUX_HEADER_FORMAT, data[:Y.HEADER_SIZE])[1] == Y.TYPE_WINDOW_UPDATE:
+                if struct.unpack(Y.YAMUX_HEADER_FORMAT, data[: Y.HEADER_SIZE])[1] == Y.TYPE_WINDOW_UPDATE:
                     sent.append(data)
                 await frame(self, data)
 
@@ -190,6 +197,7 @@ def test_a_failed_pubsub_negotiation_is_made_retryable() -> None:
 
     async def main() -> None:
         async with open_transport(Identity.from_seed(b"\x64" * 32)) as a:
+
             async def negotiation_fails(peer_id, protocols, *args, **kw):  # type: ignore[no-untyped-def]
                 raise StreamFailure(f"failed to negotiate with {peer_id}")
 
@@ -223,6 +231,7 @@ def test_a_hello_write_on_a_reset_stream_is_made_retryable() -> None:
 
     async def main() -> None:
         async with open_transport(Identity.from_seed(b"\x62" * 32)) as a:
+
             async def negotiated(peer_id, protocols, *args, **kw):  # type: ignore[no-untyped-def]
                 return OnAClosedConnection()
 
@@ -290,8 +299,10 @@ def test_a_still_connected_peer_keeps_its_subscriptions_when_our_stream_to_it_di
     topic = "/murmur/t/fixes/1"
 
     async def main() -> None:
-        async with open_transport(Identity.from_seed(b"\x65" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x66" * 32)) as b:
+        async with (
+            open_transport(Identity.from_seed(b"\x65" * 32)) as a,
+            open_transport(Identity.from_seed(b"\x66" * 32)) as b,
+        ):
             await a.subscribe(topic)
             await b.subscribe(topic)
             await b.connect(a.listen_addrs()[0])
@@ -319,8 +330,11 @@ def test_a_pubsub_message_task_that_raises_is_counted_not_fatal(monkeypatch: pyt
 
     async def main() -> None:
         async with open_transport(Identity.from_seed(b"\x67" * 32)) as a:
+
             def pool_closed(forwarder, msg) -> bool:  # type: ignore[no-untyped-def]
-                raise OSError("verifier pool closed")  # py-libp2p turns only an async validator's errors into a rejection
+                raise OSError(
+                    "verifier pool closed"
+                )  # py-libp2p turns only an async validator's errors into a rejection
 
             a.pubsub.set_topic_validator(topic, pool_closed, False)
             await a.pubsub.publish(topic, b"x")  # runs push_msg, as an inbound message's task does
@@ -339,8 +353,10 @@ def test_two_writers_on_one_yamux_stream_never_interleave_their_frames() -> None
     size = 150 * 1024  # three frames each
 
     async def main() -> tuple[bytes, bytes]:
-        async with open_transport(Identity.from_seed(b"\x68" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x69" * 32)) as b:
+        async with (
+            open_transport(Identity.from_seed(b"\x68" * 32)) as a,
+            open_transport(Identity.from_seed(b"\x69" * 32)) as b,
+        ):
             received: list[bytes] = []
             done = trio.Event()
 
@@ -361,7 +377,7 @@ def test_two_writers_on_one_yamux_stream_never_interleave_their_frames() -> None
                     n.start_soon(write, ys, b"B" * size)
             with trio.fail_after(20):
                 await done.wait()
-            return received[0][:2 * size], received[0][2 * size:]
+            return received[0][: 2 * size], received[0][2 * size :]
 
     fixed, unfixed = trio.run(main)
     assert fixed in (b"A" * size + b"B" * size, b"B" * size + b"A" * size)
@@ -386,8 +402,10 @@ def test_a_peer_record_already_checked_is_not_checked_again(monkeypatch: pytest.
     monkeypatch.setattr(pubsub_utils, "consume_envelope", counted)
 
     async def main() -> None:
-        async with open_transport(Identity.from_seed(b"\x6a" * 32)) as a, \
-                open_transport(Identity.from_seed(b"\x6b" * 32)) as b:
+        async with (
+            open_transport(Identity.from_seed(b"\x6a" * 32)) as a,
+            open_transport(Identity.from_seed(b"\x6b" * 32)) as b,
+        ):
             record, _ = ps.env_to_send_in_RPC(b.host)
             rpc, peer = rpc_pb2.RPC(senderRecord=record), b.host.get_id()
             assert [ps.maybe_consume_signed_record(rpc, a.host, peer) for _ in range(3)] == [True] * 3
@@ -421,7 +439,9 @@ def test_a_stream_over_its_peers_cap_is_reset_before_negotiation() -> None:
     conn = types.SimpleNamespace(
         swarm=types.SimpleNamespace(_murmur_budget=budget, common_stream_handler=handler),
         muxed_conn=types.SimpleNamespace(peer_id=types.SimpleNamespace(to_base58=lambda: "p")),
-        _add_stream=add_stream, remove_stream=lambda s: None)
+        _add_stream=add_stream,
+        remove_stream=lambda s: None,
+    )
 
     class Muxed:
         async def reset(self) -> None:
@@ -451,8 +471,9 @@ def test_data_beyond_a_yamux_receive_window_is_a_charged_protocol_error() -> Non
     F.install()
     charged: list[str] = []
     faults = types.SimpleNamespace(record=lambda peer, proto, err: charged.append(f"{peer} {proto}"))
-    conn = types.SimpleNamespace(swarm=types.SimpleNamespace(_murmur_faults=faults),
-                                 peer_id=types.SimpleNamespace(to_base58=lambda: "sender"))
+    conn = types.SimpleNamespace(
+        swarm=types.SimpleNamespace(_murmur_faults=faults), peer_id=types.SimpleNamespace(to_base58=lambda: "sender")
+    )
     stream = YamuxStream(1, conn, True)  # type: ignore[arg-type]
     stream.recv_window -= DEFAULT_WINDOW_SIZE  # all the credit we granted: honest
     assert stream.recv_window == 0 and charged == []
@@ -479,8 +500,9 @@ def test_a_refused_peers_connection_is_closed_before_py_libp2p_adds_it() -> None
         async def close(self) -> None:
             closed.append("closed")
 
-    swarm = types.SimpleNamespace(_murmur_refuse=lambda peer: peer == "graylisted",
-                                  _murmur_faults=types.SimpleNamespace(count=counted.append))
+    swarm = types.SimpleNamespace(
+        _murmur_refuse=lambda peer: peer == "graylisted", _murmur_faults=types.SimpleNamespace(count=counted.append)
+    )
 
     async def main() -> None:
         with pytest.raises(SwarmException, match="refused: graylisted"):
@@ -500,13 +522,19 @@ def test_webrtc_fixes_are_installed_apart_with_their_originals() -> None:
     from libp2p.transport.webrtc.stream import WebRTCStream
 
     _webrtc_fixes()
-    patched = {"webrtc_forget_closed_streams": WebRTCStream._cleanup, "webrtc_bytes_like_writes": WebRTCStream.write,
-               "webrtc_read_overflow_reset": WebRTCStream.__init__,
-               "webrtc_backpressure": helpers.wire_pc_to_connection}
+    patched = {
+        "webrtc_forget_closed_streams": WebRTCStream._cleanup,
+        "webrtc_bytes_like_writes": WebRTCStream.write,
+        "webrtc_read_overflow_reset": WebRTCStream.__init__,
+        "webrtc_backpressure": helpers.wire_pc_to_connection,
+    }
     assert F.install_webrtc()
-    assert {"webrtc_forget_closed_streams": WebRTCStream._cleanup, "webrtc_bytes_like_writes": WebRTCStream.write,
-            "webrtc_read_overflow_reset": WebRTCStream.__init__,
-            "webrtc_backpressure": helpers.wire_pc_to_connection} == patched
+    assert {
+        "webrtc_forget_closed_streams": WebRTCStream._cleanup,
+        "webrtc_bytes_like_writes": WebRTCStream.write,
+        "webrtc_read_overflow_reset": WebRTCStream.__init__,
+        "webrtc_backpressure": helpers.wire_pc_to_connection,
+    } == patched
     for name, fix in patched.items():
         assert F.original(name) is not fix and F.original(name).__module__.startswith("libp2p."), name
 

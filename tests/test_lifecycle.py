@@ -25,8 +25,9 @@ trio.run(main)
 
 
 def test_sigterm_exits_a_hung_process_through_the_watchdog() -> None:
-    p = subprocess.Popen([sys.executable, "-c", HUNG], cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", HUNG], cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         p.send_signal(signal.SIGTERM)

@@ -134,8 +134,18 @@ def test_truncated_payload_in_a_signed_manifest_is_rejected(setup, identity) -> 
     """Even a publisher-signed manifest over a cut payload must not apply."""
     b, fol, live = _one_patch(setup)
     m = b.manifest
-    bad = make_bundle(identity, fol.lineage, SPARSE, m.base_version, m.target_version, m.base_hash,
-                      m.target_hash, b.payload[:-40], 1024, swarm=SWARM)
+    bad = make_bundle(
+        identity,
+        fol.lineage,
+        SPARSE,
+        m.base_version,
+        m.target_version,
+        m.base_hash,
+        m.target_hash,
+        b.payload[:-40],
+        1024,
+        swarm=SWARM,
+    )
     snap = snapshot(live)
     with pytest.raises(PatchError, match="truncated|checksum"):
         fol.apply(bad.envelope, bad.chunks)
@@ -182,6 +192,7 @@ def test_target_hash_mismatch_reverts_in_place_changes(setup, identity) -> None:
     payload, _, _, _ = encode_states(pub.base, new, pub.state_hash)
     # sign the payload against a lie: payload header and manifest agree, the result does not
     from murmur.sync.codec import PatchHeader, assemble, read_header
+
     header, off = read_header(payload)
     lie = b"\x07" * 32
     body = payload[off:-16]
@@ -219,8 +230,16 @@ def test_union_equals_chain(setup) -> None:
 
 def test_publisher_store_serves_union_anchor_and_chain(identity, tmp_path) -> None:
     tr = Trainer(1)
-    pub = LineagePublisher(identity, "stored", tr.state(), tmp_path, anchor_every=4, chunk_bytes=2048,
-                           config_json={"model_type": "test"}, swarm=SWARM)
+    pub = LineagePublisher(
+        identity,
+        "stored",
+        tr.state(),
+        tmp_path,
+        anchor_every=4,
+        chunk_bytes=2048,
+        config_json={"model_type": "test"},
+        swarm=SWARM,
+    )
     base0 = tr.state()
     for _ in range(10):
         pub.publish(tr.step())
@@ -252,8 +271,13 @@ def test_anchor_with_wrong_layout_is_rejected(identity, tmp_path) -> None:
     b = pub.stored(StoredItem("anchor", 2, 2, 0))
     live = Trainer(2).state()
     live["extra"] = torch.zeros(3)
-    fol = LineageFollower(Lineage(identity.public, pub.lineage.base_model_hash, "anc"), live, 0,
-                          expected_hash=state_hash(live), swarm=SWARM)
+    fol = LineageFollower(
+        Lineage(identity.public, pub.lineage.base_model_hash, "anc"),
+        live,
+        0,
+        expected_hash=state_hash(live),
+        swarm=SWARM,
+    )
     snap = snapshot(live)
     with pytest.raises(PatchError, match="do not match"):
         fol.apply(b.envelope, b.chunks)
@@ -302,11 +326,14 @@ def test_chooser_matches_brute_force() -> None:
         have = int(rng.integers(0, n))
         plan = choose(have, n, items)
 
-        def best(v: int, n: int = n, items: list = items) -> float:  # brute force: cheapest cost to reach n from holding v
+        def best(
+            v: int, n: int = n, items: list = items
+        ) -> float:  # brute force: cheapest cost to reach n from holding v
             if v == n:
                 return 0
-            return min([i.bytes + best(i.target) for i in items if i.kind != "anchor" and i.base == v],
-                       default=float("inf"))
+            return min(
+                [i.bytes + best(i.target) for i in items if i.kind != "anchor" and i.base == v], default=float("inf")
+            )
 
         brute = min([best(have)] + [a + best(v) for v, a in anchors.items()])
         assert plan.total_bytes == brute

@@ -191,7 +191,9 @@ def test_a_full_table_evicts_only_rows_merely_seen() -> None:
     t = LineageTable(4)
     t.set_my_base(BASE, 1 << 20)
     follow = key(20)
-    t.load(lineage_id(follow.public, BASE, "f"), "f", Relation.FOLLOW, follow.public, BASE, 1, clock.t)  # the least active
+    t.load(
+        lineage_id(follow.public, BASE, "f"), "f", Relation.FOLLOW, follow.public, BASE, 1, clock.t
+    )  # the least active
     for i in range(3):
         clock.t += 1
         p = key(30 + i)

@@ -42,11 +42,20 @@ def writes(tree: ast.AST) -> list[tuple[int, str]]:
     found = []
     for node in ast.walk(tree):
         for t in _targets(node):
-            if isinstance(t, ast.Attribute) and t.attr in ROW | TABLE and not (
-                    isinstance(t.value, ast.Name) and t.value.id == "self"):
+            if (
+                isinstance(t, ast.Attribute)
+                and t.attr in ROW | TABLE
+                and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+            ):
                 found.append((node.lineno, ast.unparse(t)))
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ROW | TABLE):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in ROW | TABLE
+        ):
             found.append((node.lineno, ast.unparse(node)))
     return found
 
@@ -69,8 +78,10 @@ def test_only_node_lineages_changes_a_lineage_row() -> None:
 
 
 def test_the_walker_sees_each_kind_of_write() -> None:
-    src = ("lin.head = 3\nself.table.serving = None\nlin.held, x = 1, 2\nlin.relation: str = 'x'\n"
-           "lin.advances += []\nsetattr(lin, 'delivered', True)\nself.head = 1\nlin.other = 1\n")
+    src = (
+        "lin.head = 3\nself.table.serving = None\nlin.held, x = 1, 2\nlin.relation: str = 'x'\n"
+        "lin.advances += []\nsetattr(lin, 'delivered', True)\nself.head = 1\nlin.other = 1\n"
+    )
     assert [line for line, _ in writes(ast.parse(src))] == [1, 2, 3, 4, 5, 6]
 
 

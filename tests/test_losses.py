@@ -101,8 +101,7 @@ def test_decoupled_loss_by_hand() -> None:
 def test_decoupled_behaviour_weight_is_truncated() -> None:
     behav = torch.log(torch.tensor([[0.01]]))
     prox = torch.log(torch.tensor([[0.5]]))
-    loss, _ = decoupled_loss(prox.clone(), prox, behav, torch.tensor([1.0]), torch.ones(1, 1), tau=0.0,
-                             behav_cap=2.0)
+    loss, _ = decoupled_loss(prox.clone(), prox, behav, torch.tensor([1.0]), torch.ones(1, 1), tau=0.0, behav_cap=2.0)
     assert loss.item() == pytest.approx(-2.0)
 
 
@@ -196,13 +195,16 @@ def test_capability_tracker() -> None:
 # ------------------------------------------------------------ the asymmetric clip, one side at a time
 
 
-@pytest.mark.parametrize("ratio,adv,want,clipped", [
-    (1.25, 1.0, 1.25, False),   # inside 1 + 0.28: unclipped (swapped bounds would clip it at 1.2)
-    (1.30, 1.0, 1.28, True),    # above 1 + 0.28: clipped at 1.28
-    (0.75, -1.0, -0.80, True),  # below 1 - 0.2: clipped at 0.8 (swapped bounds would keep 0.75)
-    (0.78, 1.0, 0.78, False),   # A > 0 below the floor: min keeps the ratio, gradient flows
-    (1.25, -1.0, -1.25, False), # A < 0 above: min keeps the ratio
-])
+@pytest.mark.parametrize(
+    "ratio,adv,want,clipped",
+    [
+        (1.25, 1.0, 1.25, False),  # inside 1 + 0.28: unclipped (swapped bounds would clip it at 1.2)
+        (1.30, 1.0, 1.28, True),  # above 1 + 0.28: clipped at 1.28
+        (0.75, -1.0, -0.80, True),  # below 1 - 0.2: clipped at 0.8 (swapped bounds would keep 0.75)
+        (0.78, 1.0, 0.78, False),  # A > 0 below the floor: min keeps the ratio, gradient flows
+        (1.25, -1.0, -1.25, False),  # A < 0 above: min keeps the ratio
+    ],
+)
 def test_each_clip_bound_alone(ratio: float, adv: float, want: float, clipped: bool) -> None:
     assert (EPS_LO, EPS_HI) == (0.2, 0.28)
     for fn in ("ppo", "decoupled"):
@@ -225,15 +227,18 @@ def test_decoupled_without_stale_tokens_masks_nothing() -> None:
     theta = torch.tensor([[0.0, 0.0, 1.0]])  # M2 = 1/3 >> tau: M2PO would act on stale tokens
     loss, st = decoupled_loss(theta, theta, behav, torch.tensor([1.0]), torch.ones(1, 3), stale=None)
     assert st["m2_masked_frac"] == 0.0
-    full, _ = decoupled_loss(theta, theta, behav, torch.tensor([1.0]), torch.ones(1, 3),
-                             stale=torch.zeros(1, 3, dtype=torch.bool))
+    full, _ = decoupled_loss(
+        theta, theta, behav, torch.tensor([1.0]), torch.ones(1, 3), stale=torch.zeros(1, 3, dtype=torch.bool)
+    )
     assert loss.item() == pytest.approx(full.item())
 
 
 # ------------------------------------------------------------ against TRL's GRPO loss definitions
 
-def _trl_per_token_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_low: float,
-                        eps_high: float) -> torch.Tensor:
+
+def _trl_per_token_loss(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+) -> torch.Tensor:
     """TRL GRPOTrainer._compute_loss, beta = 0: coef_1 = exp(logp - old), coef_2 = clamp(coef_1, 1-eps_low,
     1+eps_high), per-token loss -min(coef_1 A, coef_2 A) (written from its published definition)."""
     coef_1 = torch.exp(logp - old)

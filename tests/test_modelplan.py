@@ -26,10 +26,19 @@ def build_qwen2(d: Path, hidden: int = 320, layers: int = 5) -> int:
     from murmur.training.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.eos_token_id)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(d)
@@ -43,11 +52,10 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     return d, build_qwen2(d)
 
 
-
-
 def _cfg(model: Path, budget: int, roles: list[str] | None = None, lr: float = 3e-4) -> Config:
-    return Config(node=NodeSection(memory_budget_mb=budget, roles=roles or []),
-                  training=TrainingSection(model=str(model), lr=lr))
+    return Config(
+        node=NodeSection(memory_budget_mb=budget, roles=roles or []), training=TrainingSection(model=str(model), lr=lr)
+    )
 
 
 def test_params_counted_without_loading_weights(qwen: tuple[Path, int], tmp_path: Path) -> None:
@@ -110,11 +118,17 @@ def test_node_start_refuses_a_model_over_budget(qwen: tuple[Path, int], tmp_path
     d, _ = qwen
     home = tmp_path / "home"
     home.mkdir()
-    (home / "config.toml").write_text(f'[node]\nroles = ["trainer"]\nmemory_budget_mb = 600\n'
-                                      f'[training]\nmodel = "{d}"\n')
+    (home / "config.toml").write_text(
+        f'[node]\nroles = ["trainer"]\nmemory_budget_mb = 600\n[training]\nmodel = "{d}"\n'
+    )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    r = subprocess.run([sys.executable, "-m", "murmur.node", "node", "start", "--home", str(home), "--no-tui"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "murmur.node", "node", "start", "--home", str(home), "--no-tui"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "needs about" in r.stderr and "MiB as trainer" in r.stderr
 
@@ -132,17 +146,33 @@ def test_own_model_trains_and_is_followed(qwen: tuple[Path, int], tmp_path: Path
 
     d, _ = qwen
     homes = [tmp_path / f"n{i}" for i in range(2)]
-    specs = [launch.NodeLaunch(home=str(h), config={
-        "node": {"swarm": "byo", "roles": roles, "memory_budget_mb": 4096}, "network": {"dht": False},
-        "sync": {"publish_every": 1, "anchor_every": 8},
-        "training": {"model": str(d), "max_new_tokens": 1, "local_rollouts": 4}})
-        for h, roles in zip(homes, (["trainer"], ["follower", "validator"]))]
+    specs = [
+        launch.NodeLaunch(
+            home=str(h),
+            config={
+                "node": {"swarm": "byo", "roles": roles, "memory_budget_mb": 4096},
+                "network": {"dht": False},
+                "sync": {"publish_every": 1, "anchor_every": 8},
+                "training": {"model": str(d), "max_new_tokens": 1, "local_rollouts": 4},
+            },
+        )
+        for h, roles in zip(homes, (["trainer"], ["follower", "validator"]))
+    ]
     procs = launch.start_bootstrapped(specs, 300)
     try:
-        launch.wait_until("trainer steps on the follower's rollouts", lambda: bool(
-            (a := procs[0].status()) and (b := procs[1].status()) and a.steps >= 3 and a.rollouts_accepted > 0
-            and b.serving and b.serving == next((x.lineage for x in a.lineages if x.relation == "own"), None)),
-            procs, 300)  # under pytest-timeout's 600 s, so the wait reports its own failure
+        launch.wait_until(
+            "trainer steps on the follower's rollouts",
+            lambda: bool(
+                (a := procs[0].status())
+                and (b := procs[1].status())
+                and a.steps >= 3
+                and a.rollouts_accepted > 0
+                and b.serving
+                and b.serving == next((x.lineage for x in a.lineages if x.relation == "own"), None)
+            ),
+            procs,
+            300,
+        )  # under pytest-timeout's 600 s, so the wait reports its own failure
     finally:
         launch.stop_all(procs)
     log = (homes[0] / "stderr.log").read_text()
@@ -159,8 +189,15 @@ def qwen2_config_only(d: Path, hidden: int = 512, layers: int = 10) -> int:
     from murmur.training.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     cfg.save_pretrained(d)
     with torch.device("meta"):
         return sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters())
@@ -188,8 +225,10 @@ def test_fresh_home_trains_a_large_model_at_the_documented_rate(tmp_path: Path) 
     from murmur.node.cli.app import app
 
     shown = CliRunner().invoke(app, ["config", "show", "--home", str(home), "--json"])
-    assert json.loads(shown.stdout.splitlines()[-1])["training.lr"] == {"value": 1e-6,
-                                                                         "source": "default for the model's size"}
+    assert json.loads(shown.stdout.splitlines()[-1])["training.lr"] == {
+        "value": 1e-6,
+        "source": "default for the model's size",
+    }
     # a rate the volunteer sets stands, and is flagged when it would hurt a model this size
     cfg_file.write_text(cfg_file.read_text().replace("[training]\n", "[training]\nlr = 3e-4\n"))
     cfg, _, warnings = modelplan.start_config(cfg_file)

@@ -24,11 +24,15 @@ def _init_session(tmp: Path, name: str) -> Path:
 
     module = tmp / "small.py"
     if not module.exists():
-        module.write_text("def f(a, b):\n    if a < b and a != 0:\n        return a + b * 2 - 1\n"
-                          "    return a // 3 if a >= 5 else b % 4\n")
+        module.write_text(
+            "def f(a, b):\n    if a < b and a != 0:\n        return a + b * 2 - 1\n"
+            "    return a // 3 if a >= 5 else b % 4\n"
+        )
     cfg = tmp / "cr.toml"
-    cfg.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = 10\nexcluded-modules = []\n'
-                   'test-command = "true"\n[cosmic-ray.distributor]\nname = "local"\n')
+    cfg.write_text(
+        f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = 10\nexcluded-modules = []\n'
+        'test-command = "true"\n[cosmic-ray.distributor]\nname = "local"\n'
+    )
     db = tmp / f"{name}.sqlite"
     subprocess.run([sys.executable, "-m", "cosmic_ray.cli", "init", str(cfg), str(db)], cwd=tmp, check=True)
     return db
@@ -38,8 +42,10 @@ def _kept(db: Path) -> list[tuple]:
     import sqlite3
 
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT s.operator_name, s.occurrence, s.start_pos_row, s.start_pos_col "
-                           "FROM mutation_specs s JOIN work_items w ON w.job_id = s.job_id").fetchall()
+        rows = con.execute(
+            "SELECT s.operator_name, s.occurrence, s.start_pos_row, s.start_pos_col "
+            "FROM mutation_specs s JOIN work_items w ON w.job_id = s.job_id"
+        ).fetchall()
         assert con.execute("SELECT COUNT(*) FROM work_items").fetchone()[0] == len(rows)
     return sorted(rows)
 
@@ -89,7 +95,7 @@ def test_wilson_interval_on_known_cases() -> None:
     for k, n in ((1, 3), (37, 40), (140, 150), (149, 150)):
         for p in wilson(k, n):
             if 0.0 < p < 1.0:
-                assert abs((k / n - p) ** 2 - 1.96 ** 2 * p * (1 - p) / n) < 1e-12
+                assert abs((k / n - p) ** 2 - 1.96**2 * p * (1 - p) / n) < 1e-12
 
 
 def _position(module: str, line_text: str, token: str) -> tuple[int, int]:
@@ -104,10 +110,14 @@ def test_only_mutated_signature_annotations_count_as_equivalent() -> None:
     from murmur.simulations.mutation import _annotation_only
 
     # a parameter of a signature spread over lines, and a return annotation: strings, never evaluated
-    assert _annotation_only("gossip/validation.py", _position("gossip/validation.py", "reward_batch: BatchReward | None", "|"))
+    assert _annotation_only(
+        "gossip/validation.py", _position("gossip/validation.py", "reward_batch: BatchReward | None", "|")
+    )
     assert _annotation_only("gossip/validation.py", _position("gossip/validation.py", "-> Verdict | None:", "|"))
     # a class field (msgspec and dataclasses read these) and a runtime union are code
-    assert not _annotation_only("gossip/validation.py", _position("gossip/validation.py", "    batch: wire.RolloutBatch | None = None", "|"))
+    assert not _annotation_only(
+        "gossip/validation.py", _position("gossip/validation.py", "    batch: wire.RolloutBatch | None = None", "|")
+    )
     assert not _annotation_only("gossip/wire.py", _position("gossip/wire.py", "ConfigValue = int | Finite", "|"))
     # the default value after an annotation is code too
     row, col = _position("gossip/validation.py", "reward_batch: BatchReward | None = None", "= None")
@@ -124,14 +134,20 @@ def test_resume_reruns_the_survivors_but_not_the_equivalent_ones(tmp_path: Path,
     with use_db(str(db), WorkDB.Mode.open) as wdb:
         jobs = [item.job_id for item in wdb.work_items][:3]
         for job, outcome, line in zip(jobs, ("SURVIVED", "SURVIVED", "KILLED"), ("x = 1", "x = 2", "x = 3")):
-            wdb.set_result(job, WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=TestOutcome[outcome],
-                                           diff=f"--- a\n+++ b\n-x = 0\n+{line}\n"))
+            wdb.set_result(
+                job,
+                WorkResult(
+                    worker_outcome=WorkerOutcome.NORMAL,
+                    test_outcome=TestOutcome[outcome],
+                    diff=f"--- a\n+++ b\n-x = 0\n+{line}\n",
+                ),
+            )
     module = str(tmp_path / "small.py")  # absolute: read where it is, not under the repository
     monkeypatch.setattr(mutation, "EQUIVALENT", {(module, "x = 1")})
     assert mutation.to_rerun(module, db) == [jobs[1]]
 
 
-SNIPPET = '''\
+SNIPPET = """\
 import math
 
 
@@ -158,7 +174,7 @@ class Budget:
             return True
         ok = (a >= -1000.0) & (a <= 1e-3)
         return not math.isfinite(x) or not -1000.0 <= x <= 1e-3 or min(x, self.rate) == x
-'''
+"""
 
 
 def _texts(op: str) -> set[tuple[int, str]]:
@@ -195,7 +211,9 @@ def test_a_semantic_mutant_changes_only_its_span_and_lets_nan_through() -> None:
     mutated = m.apply(SNIPPET)
     diff = m.diff(SNIPPET, "snippet.py")
     assert [x for x in diff.splitlines() if x[:1] in "+-" and x[:3] not in ("+++", "---")] == [
-        "-        if not x <= 1e-3 or x != x:", "+        if (x > 0.001) or x != x:"]
+        "-        if not x <= 1e-3 or x != x:",
+        "+        if (x > 0.001) or x != x:",
+    ]
     assert mutated.splitlines()[:22] == SNIPPET.splitlines()[:22]
     ns = {}
     exec(compile(mutated, "snippet", "exec"), ns)
@@ -207,11 +225,13 @@ def test_a_semantic_mutant_changes_only_its_span_and_lets_nan_through() -> None:
 def test_semantic_outcomes_are_summarised_per_operator_with_equivalents_apart(monkeypatch) -> None:
     from murmur.simulations import mutation
 
-    rows = [{"operator": "window_edge", "line": 3, "diff": "--- a\n+++ b\n-x\n+y = 1\n", "result": "killed"},
-            {"operator": "window_edge", "line": 4, "diff": "--- a\n+++ b\n-x\n+y = 2\n", "result": "survived"},
-            {"operator": "given_back", "line": 5, "diff": "--- a\n+++ b\n-x\n+pass\n", "result": "timeout"},
-            {"operator": "nan_through", "line": 6, "diff": "--- a\n+++ b\n-x\n+y = 3\n", "result": "survived"},
-            {"operator": "nan_through", "line": 7, "diff": "--- a\n+++ b\n-x\n+y = 4\n", "result": "incompetent"}]
+    rows = [
+        {"operator": "window_edge", "line": 3, "diff": "--- a\n+++ b\n-x\n+y = 1\n", "result": "killed"},
+        {"operator": "window_edge", "line": 4, "diff": "--- a\n+++ b\n-x\n+y = 2\n", "result": "survived"},
+        {"operator": "given_back", "line": 5, "diff": "--- a\n+++ b\n-x\n+pass\n", "result": "timeout"},
+        {"operator": "nan_through", "line": 6, "diff": "--- a\n+++ b\n-x\n+y = 3\n", "result": "survived"},
+        {"operator": "nan_through", "line": 7, "diff": "--- a\n+++ b\n-x\n+y = 4\n", "result": "incompetent"},
+    ]
     monkeypatch.setattr(mutation, "EQUIVALENT", {("m.py", "y = 3")})
     out = mutation.summarize_semantic("m.py", [], rows, total=5)
     assert (out["killed"], out["survived"], out["equivalent"], out["incompetent"]) == (2, 1, 1, 1)

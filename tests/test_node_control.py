@@ -19,12 +19,25 @@ from murmur.sync.ids import Relation
 
 
 def sample_status() -> NodeStatus:
-    return NodeStatus(peer_id="12D3KooWtest", swarm="s", roles=["follower", "validator"], state="running",
-                      worker="generating", worker_restarts=2, serving="ab" * 32, serving_reason="largest unmet demand",
-                      peers=[PeerView(peer_id="12D3KooWpeer", roles=["trainer"])],
-                      lineages=[LineageView(lineage="ab" * 32, name="l", relation=Relation.FOLLOW, head=9, held=7, lag=2)],
-                      rollouts_produced=40, rollouts_accepted=12, rejected={"forged_reward": 3},
-                      reward_trend=[0.1, 0.4, 0.8], reward_start=0.1, reward_now=0.8, bytes_down=12345)
+    return NodeStatus(
+        peer_id="12D3KooWtest",
+        swarm="s",
+        roles=["follower", "validator"],
+        state="running",
+        worker="generating",
+        worker_restarts=2,
+        serving="ab" * 32,
+        serving_reason="largest unmet demand",
+        peers=[PeerView(peer_id="12D3KooWpeer", roles=["trainer"])],
+        lineages=[LineageView(lineage="ab" * 32, name="l", relation=Relation.FOLLOW, head=9, held=7, lag=2)],
+        rollouts_produced=40,
+        rollouts_accepted=12,
+        rejected={"forged_reward": 3},
+        reward_trend=[0.1, 0.4, 0.8],
+        reward_start=0.1,
+        reward_now=0.8,
+        bytes_down=12345,
+    )
 
 
 def _serve_and_query(home: Path, cmd: str) -> dict:

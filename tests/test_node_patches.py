@@ -24,7 +24,10 @@ torch.set_num_threads(1)
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": (torch.randn(64, 32, generator=g) * 0.02).to(torch.bfloat16), "b": torch.zeros(32, dtype=torch.bfloat16)}
+    return {
+        "w": (torch.randn(64, 32, generator=g) * 0.02).to(torch.bfloat16),
+        "b": torch.zeros(32, dtype=torch.bfloat16),
+    }
 
 
 @pytest.fixture

@@ -30,13 +30,14 @@ MAX_STALENESS = 4
 WAIT_S = 300.0
 
 
-
-
 def _config(roles: list[str], model: Path) -> dict[str, dict[str, object]]:
-    return {"node": {"swarm": "test-swarm", "roles": roles, "memory_budget_mb": 1536}, "network": {"dht": False},
-            "sync": {"publish_every": 2, "anchor_every": 8, "retain_versions": 32, "max_staleness": MAX_STALENESS},
-            # a demand two followers cannot meet, so neither is put on standby by the capacity rule
-            "training": {"model": str(model), "external_rollouts": 64}}
+    return {
+        "node": {"swarm": "test-swarm", "roles": roles, "memory_budget_mb": 1536},
+        "network": {"dht": False},
+        "sync": {"publish_every": 2, "anchor_every": 8, "retain_versions": 32, "max_staleness": MAX_STALENESS},
+        # a demand two followers cannot meet, so neither is put on standby by the capacity rule
+        "training": {"model": str(model), "external_rollouts": 64},
+    }
 
 
 def _start(home: Path, bootstrap: list[str], config: dict | None = None) -> launch.NodeProcess:
@@ -101,16 +102,26 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
 
         def flows() -> bool:
             t, f1, f2 = (_status(homes[n]) for n in ("trainer", "f1", "f2"))
-            return (t is not None and f1 is not None and f2 is not None
-                    and t.rollouts_accepted > 0 and t.rollouts_used > 0  # follower rollouts reach the trainer
-                    and f1.rollouts_accepted > 0 and f2.rollouts_accepted > 0  # trainer rollouts reach followers
-                    and f1.rollouts_produced > 0 and f2.rollouts_produced > 0)
+            return (
+                t is not None
+                and f1 is not None
+                and f2 is not None
+                and t.rollouts_accepted > 0
+                and t.rollouts_used > 0  # follower rollouts reach the trainer
+                and f1.rollouts_accepted > 0
+                and f2.rollouts_accepted > 0  # trainer rollouts reach followers
+                and f1.rollouts_produced > 0
+                and f2.rollouts_produced > 0
+            )
 
         _wait("rollouts flowing both ways", flows, allp())
         for n, p in procs.items():  # each worker yields the cores to its node's network process
             pid = _status(homes[n]).worker_pid
-            assert pid > 0 and os.getpriority(os.PRIO_PROCESS, pid) == \
-                os.getpriority(os.PRIO_PROCESS, p.proc.pid) + worker.WORKER_NICE, n
+            assert (
+                pid > 0
+                and os.getpriority(os.PRIO_PROCESS, pid)
+                == os.getpriority(os.PRIO_PROCESS, p.proc.pid) + worker.WORKER_NICE
+            ), n
 
         # kill -9 a follower, restart it: same identity, ledger kept, resumes at its held version
         before = _status(homes["f1"])
@@ -120,8 +131,15 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
         log_offset = (homes["f1"] / "stderr.log").stat().st_size
         procs["f1"] = _start(homes["f1"], boot)
         _wait("f1 back", lambda: _status(homes["f1"]) is not None, allp())
-        _wait("f1 resumed", lambda: (_lin(_status(homes["f1"]), "follow") or NodeStatus()).held >= held_before
-              if _lin(_status(homes["f1"]), "follow") else False, allp())
+        _wait(
+            "f1 resumed",
+            lambda: (
+                (_lin(_status(homes["f1"]), "follow") or NodeStatus()).held >= held_before
+                if _lin(_status(homes["f1"]), "follow")
+                else False
+            ),
+            allp(),
+        )
         after = _status(homes["f1"])
         assert after.peer_id == before.peer_id
         assert after.rollouts_accepted >= before.rollouts_accepted
@@ -134,14 +152,19 @@ def test_three_nodes_learn_follow_resume_and_stop(tmp_path: Path, model: Path) -
         events = [r for r in map(_json_line, lines) if r]
         assert events, "the restarted node wrote no log lines"
         received = [r for r in events if r.get("msg") == "patch received"]
-        assert all(int(r["target"]) > held_before for r in received), \
-            [(r["kind"], r["base"], r["target"]) for r in received]
+        assert all(int(r["target"]) > held_before for r in received), [
+            (r["kind"], r["base"], r["target"]) for r in received
+        ]
 
         # the trainer's reward rises
         def reward_rose() -> bool:
             t = _status(homes["trainer"])
-            return t is not None and t.reward_start is not None and t.reward_now is not None \
+            return (
+                t is not None
+                and t.reward_start is not None
+                and t.reward_now is not None
                 and t.reward_now > t.reward_start + 0.05
+            )
 
         _wait("trainer reward rising", reward_rose, allp())
 

@@ -26,17 +26,25 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE=
 
 def _set_file(tmp: Path, version: int) -> Path:
     f = tmp / f"e2e-v{version}.toml"
-    f.write_text(f'name = "e2e"\nversion = {version}\nverifier = "exact"\n'
-                 '[[generators]]\nname = "sort"\ngenerator = "sorting"\nseed_end = 100000\n'
-                 'config = { length = 3, min_length = 2, split = "train" }\n'
-                 '[[generators]]\nname = "sort-eval"\ngenerator = "sorting"\nseed_end = 100000\n'
-                 'config = { length = 3, min_length = 2, split = "eval" }\n')
+    f.write_text(
+        f'name = "e2e"\nversion = {version}\nverifier = "exact"\n'
+        '[[generators]]\nname = "sort"\ngenerator = "sorting"\nseed_end = 100000\n'
+        'config = { length = 3, min_length = 2, split = "train" }\n'
+        '[[generators]]\nname = "sort-eval"\ngenerator = "sorting"\nseed_end = 100000\n'
+        'config = { length = 3, min_length = 2, split = "eval" }\n'
+    )
     return f
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "murmur.node", *args, "--home", str(home)], capture_output=True, text=True,
-                          timeout=300, env=ENV, cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "murmur.node", *args, "--home", str(home)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+        cwd=str(ROOT),
+    )
 
 
 def _status(home: Path) -> dict:
@@ -48,24 +56,42 @@ def _status(home: Path) -> dict:
 
 
 def _training(home: Path, version: int) -> bool:
-    return any(s["name"] == "e2e" and s["version"] == version and s["training"] and s["produced"] > 0
-               for s in _status(home).get("sets", []))
+    return any(
+        s["name"] == "e2e" and s["version"] == version and s["training"] and s["produced"] > 0
+        for s in _status(home).get("sets", [])
+    )
 
 
 def test_node_waits_for_its_task_set_trains_on_it_and_follows_new_versions(tmp_path: Path, tiny_model: Path) -> None:
     model = tiny_model
     home = tmp_path / "node"
     key = ensure_home(home).public.hex()
-    proc = launch.start(launch.NodeLaunch(home=str(home), config={
-        "node": {"roles": ["trainer"], "memory_budget_mb": 1536}, "network": {"dht": False},
-        "training": {"model": str(model), "local_rollouts": 2, "group_size": 4, "max_new_tokens": 6,
-                     "task_sets": ["e2e"]},
-        "trust": {"coordinators": [key]}}))
+    proc = launch.start(
+        launch.NodeLaunch(
+            home=str(home),
+            config={
+                "node": {"roles": ["trainer"], "memory_budget_mb": 1536},
+                "network": {"dht": False},
+                "training": {
+                    "model": str(model),
+                    "local_rollouts": 2,
+                    "group_size": 4,
+                    "max_new_tokens": 6,
+                    "task_sets": ["e2e"],
+                },
+                "trust": {"coordinators": [key]},
+            },
+        )
+    )
     try:
         launch.wait_until("the worker to wait for 'e2e'", lambda: _status(home).get("waiting") == ["e2e"], [proc], 300)
         # the control socket says so too (it must answer: a node that does not is a failure, not a pass)
-        launch.wait_until("the node to report waiting-for-tasks", lambda: (s := proc.status()) is not None
-                 and s.worker == "waiting-for-tasks", [proc], 60)
+        launch.wait_until(
+            "the node to report waiting-for-tasks",
+            lambda: (s := proc.status()) is not None and s.worker == "waiting-for-tasks",
+            [proc],
+            60,
+        )
         assert not any(x["produced"] for x in _status(home).get("sets", []))  # nothing trained meanwhile
         assert _cli("tasks", "publish", str(_set_file(tmp_path, 1)), home=home).returncode == 0
         launch.wait_until("training on e2e v1", lambda: _training(home, 1), [proc], 300)

@@ -35,8 +35,9 @@ def _step(state: dict[str, torch.Tensor], g: torch.Generator) -> dict[str, torch
 def test_retention_keeps_a_replayable_window(identity, tmp_path) -> None:
     g = torch.Generator().manual_seed(1)
     s = _state()
-    pub = LineagePublisher(identity, "ret", s, tmp_path, anchor_every=5, retain_versions=6, max_anchors=2,
-                           chunk_bytes=4096, swarm=SWARM)
+    pub = LineagePublisher(
+        identity, "ret", s, tmp_path, anchor_every=5, retain_versions=6, max_anchors=2, chunk_bytes=4096, swarm=SWARM
+    )
     for _ in range(23):
         s = _step(s, g)
         pub.publish(s)
@@ -101,8 +102,16 @@ def test_chunk_assembly_resumes_and_drops_bad_files(identity, tmp_path) -> None:
 def test_anchor_loads_with_transformers(identity, tmp_path) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     state = canonical_state(model)

@@ -66,8 +66,10 @@ def test_a_dead_outbound_pubsub_stream_is_replaced_and_the_peer_stays_subscribed
     out: dict[str, Any] = {}
 
     async def main() -> None:
-        async with open_transport(Identity.from_seed(b"\x53" * 32)) as pub, \
-                open_transport(Identity.from_seed(b"\x54" * 32)) as peer:
+        async with (
+            open_transport(Identity.from_seed(b"\x53" * 32)) as pub,
+            open_transport(Identity.from_seed(b"\x54" * 32)) as peer,
+        ):
             await pub.subscribe(TOPIC)
             chan = await peer.subscribe(TOPIC)
             await pub.connect(peer.listen_addrs()[0])
@@ -89,6 +91,7 @@ def test_a_paused_peer_gets_gossip_again_after_it_resumes(tmp_path: Path) -> Non
     proc = subprocess.Popen([sys.executable, "-c", PEER, TOPIC], stdout=subprocess.PIPE, env=env, text=True)
     out: dict[str, float] = {}
     try:
+
         async def main() -> None:
             lines = trio.open_memory_channel[str](1000)
 

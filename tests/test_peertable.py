@@ -15,12 +15,31 @@ def key(i: int) -> Identity:
     return Identity.from_seed(bytes([i]) * 32)
 
 
-def heard(ident: Identity, seq: int, rate: float = 0.0, signer: Identity | None = None,
-          addrs: tuple[str, ...] = (), serving: bytes = b"") -> AnnounceHeard:
-    body = wire.NodeAnnounce(v=1, peer_id=ident.peer_id, seq=seq, created_ms=1, hardware="cpu", gen_tokens_per_s=0.0,
-                             rollout_latency_s=0.0, upload_bytes_per_s=0.0, memory_bytes=0, roles=["trainer"],
-                             lineages_followed=[], serving=serving, owned=[], addrs=list(addrs),
-                             publish_batches_per_s=rate)
+def heard(
+    ident: Identity,
+    seq: int,
+    rate: float = 0.0,
+    signer: Identity | None = None,
+    addrs: tuple[str, ...] = (),
+    serving: bytes = b"",
+) -> AnnounceHeard:
+    body = wire.NodeAnnounce(
+        v=1,
+        peer_id=ident.peer_id,
+        seq=seq,
+        created_ms=1,
+        hardware="cpu",
+        gen_tokens_per_s=0.0,
+        rollout_latency_s=0.0,
+        upload_bytes_per_s=0.0,
+        memory_bytes=0,
+        roles=["trainer"],
+        lineages_followed=[],
+        serving=serving,
+        owned=[],
+        addrs=list(addrs),
+        publish_batches_per_s=rate,
+    )
     return AnnounceHeard((signer or ident).public, body, b"envelope %d" % seq)
 
 
@@ -34,8 +53,11 @@ def test_a_new_peer_is_greeted_once_and_a_known_one_is_updated_silently() -> Non
     t = PeerTable(16, ME.peer_id)
     p = key(9)
     got = take(t, heard(p, 1, addrs=("/ip4/1.2.3.4/tcp/1",)), 5.0)
-    assert got == [ResendTaskSets(), Log("peer announced", {"peer": p.peer_id, "roles": ["trainer"]}),
-                   SeePeer(p.peer_id, p.public, ("/ip4/1.2.3.4/tcp/1",), b"envelope 1")]
+    assert got == [
+        ResendTaskSets(),
+        Log("peer announced", {"peer": p.peer_id, "roles": ["trainer"]}),
+        SeePeer(p.peer_id, p.public, ("/ip4/1.2.3.4/tcp/1",), b"envelope 1"),
+    ]
     assert take(t, heard(p, 2), 6.0) == []
     assert t.peers[p.peer_id].announce.seq == 2 and t.peers[p.peer_id].seen == 6.0
     assert t.peers[p.peer_id].public == p.public

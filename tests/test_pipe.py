@@ -13,20 +13,38 @@ from murmur.node import pipe
 def test_every_kind_round_trips_with_bytes_as_bytes() -> None:
     env = bytes(range(256)) * 4
     cases = {
-        "follow": {"id": "ab", "name": "n", "publisher": "cd", "base": "ef"}, "patch": {"lineage": "ab", "kind": "patch",
-                                                                                       "base": 1, "target": 2},
-        "admit": {"lineage": "ab", "generate": True}, "pace": {"rollouts_per_s": 1.5},
-        "head": {"lineage": "ab", "version": 7}, "external": env, "stop": None,
-        "ready": {"base": "ab", "version": 0, "model_bytes": 10}, "state": "training", "rollouts": [env, b""],
-        "step": {"step": 1, "version": 2, "reward_mean": 0.5, "loss": None, "n_external_groups": 3, "step_s": 1.0,
-                 "used": 3, "published": 2, "rollouts_per_step": 8},
+        "follow": {"id": "ab", "name": "n", "publisher": "cd", "base": "ef"},
+        "patch": {"lineage": "ab", "kind": "patch", "base": 1, "target": 2},
+        "admit": {"lineage": "ab", "generate": True},
+        "pace": {"rollouts_per_s": 1.5},
+        "head": {"lineage": "ab", "version": 7},
+        "external": env,
+        "stop": None,
+        "ready": {"base": "ab", "version": 0, "model_bytes": 10},
+        "state": "training",
+        "rollouts": [env, b""],
+        "step": {
+            "step": 1,
+            "version": 2,
+            "reward_mean": 0.5,
+            "loss": None,
+            "n_external_groups": 3,
+            "step_s": 1.0,
+            "used": 3,
+            "published": 2,
+            "rollouts_per_step": 8,
+        },
         "gen": {"reward_mean": 0.1, "version": 1, "tokens": 5, "latency_s": 0.2},
-        "published": {"version": 3, "envelope": env, "bytes": 99}, "applied": {"lineage": "ab", "version": 3},
+        "published": {"version": 3, "envelope": env, "bytes": 99},
+        "applied": {"lineage": "ab", "version": 3},
         "apply_failed": {"lineage": "ab", "base": 2, "target": 3, "error": "x"},
         "perf": {"gen_tokens_per_s": 10.0, "rollout_latency_s": 1.0},
         "spot": {"ok": False, "producer": "ab", "diff": 0.3, "lineage": "cd", "version": 1},
         "spot_round": {"eligible": 7},
-        "engine": {"requested": "vllm", "mode": "", "error": "vLLM is not installed"}, "error": "boom", "log": "hi"}
+        "engine": {"requested": "vllm", "mode": "", "error": "vLLM is not installed"},
+        "error": "boom",
+        "log": "hi",
+    }
     assert set(cases) == set(pipe.KINDS)
     for kind, body in cases.items():
         m = pipe.decode(pipe.encode(kind, body))

@@ -19,8 +19,9 @@ ME = R.Offer("me", rollouts_per_s=16.0, rollout_latency_s=0.5)
 OWN = (10, b"\x10" * 32)
 
 
-def opt(lid: bytes = b"\x20" * 32, supply: float = 0.0, head: int = 20, standby: bool = False,
-        d: R.Demand = D) -> R.PodOption:
+def opt(
+    lid: bytes = b"\x20" * 32, supply: float = 0.0, head: int = 20, standby: bool = False, d: R.Demand = D
+) -> R.PodOption:
     return R.PodOption(lid, d, supply, head, standby)
 
 
@@ -61,7 +62,9 @@ def test_a_trainer_follows_only_a_lineage_ahead_of_its_own_and_keeps_a_pod_it_le
     a, b = (10, b"\x0a" * 32), (10, b"\x0b" * 32)
     a_sees, b_sees = opt(b[1], head=b[0]), opt(a[1], head=a[0])
     assert {R.want_mode("trainer", [a_sees], ME, a)[0], R.want_mode("trainer", [b_sees], ME, b)[0]} == {
-        "trainer", "follower"}
+        "trainer",
+        "follower",
+    }
     mode, why = R.want_mode("trainer", [opt()], ME, OWN, own_supply=12.0)
     assert mode == "trainer" and "followers" in why
 
@@ -105,8 +108,9 @@ class Publisher:
     """Another trainer's lineage, as this node hears it: signed announces (its demand and supply) and, unless
     `manifests` is off, signed manifests, a version every `every` seconds."""
 
-    def __init__(self, ident: Identity, name: str = "lin", manifests: bool = True, every: float = 2.0,
-                 rollouts: int = 32) -> None:
+    def __init__(
+        self, ident: Identity, name: str = "lin", manifests: bool = True, every: float = 2.0, rollouts: int = 32
+    ) -> None:
         self.ident, self.name, self.manifests, self.every, self.rollouts = ident, name, manifests, every, rollouts
         self.last = -math.inf
         self.lid = lineage_id(ident.public, BASE, name)
@@ -119,15 +123,20 @@ class Publisher:
             self.head += 1
         if self.manifests:
             core.handle(C.ManifestHeard(manifest(self.ident, self.name, self.head - 1, self.head)))
-        core.handle(announce(self.ident, self.seq, [demand(self.lid, self.name, self.head, 2.0, self.rollouts,
-                                                           supply=supply)]))
+        core.handle(
+            announce(self.ident, self.seq, [demand(self.lid, self.name, self.head, 2.0, self.rollouts, supply=supply)])
+        )
 
 
 def auto_core(roles=("trainer",), seed: int = 1, **kw) -> tuple[C.NodeCore, object]:
     core, clock = make_core(roles=roles, seed=seed, choose_mode=True, role_observe_s=60.0, role_dwell_s=300.0, **kw)
     me = key(seed)
-    core.handle(W("ready", {"base": BASE.hex(), "lineage": lineage_id(me.public, BASE, "mine").hex(), "name": "mine",
-                            "version": 2}))
+    core.handle(
+        W(
+            "ready",
+            {"base": BASE.hex(), "lineage": lineage_id(me.public, BASE, "mine").hex(), "name": "mine", "version": 2},
+        )
+    )
     # it generates 16 rollouts/s, as much as a trainer asks for (1.2 * 32 rollouts a 2 s version is 19.2/s)
     core.handle(W("perf", {"gen_tokens_per_s": 16.0 * core.tokens_per_rollout, "rollout_latency_s": 0.5}))
     return core, clock
@@ -178,8 +187,17 @@ def test_the_core_switches_its_worker_to_follow_a_short_lineage_keeping_what_it_
 
 def test_configured_roles_never_switch() -> None:
     core, clock = make_core(roles=("trainer",))
-    core.handle(W("ready", {"base": BASE.hex(), "lineage": lineage_id(key(1).public, BASE, "mine").hex(),
-                            "name": "mine", "version": 2}))
+    core.handle(
+        W(
+            "ready",
+            {
+                "base": BASE.hex(),
+                "lineage": lineage_id(key(1).public, BASE, "mine").hex(),
+                "name": "mine",
+                "version": 2,
+            },
+        )
+    )
     acts = run(core, clock, [Publisher(key(9))], 600.0)
     assert of(acts, C.RestartWorker) == [] and core.roles == ["trainer"] and core.role_reason == ""
 

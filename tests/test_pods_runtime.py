@@ -38,8 +38,14 @@ def test_a_node_with_default_roles_becomes_a_follower_of_a_short_lineage(tmp_pat
                 return await workers.spawn(spec)
 
             def node(name: str, ident: Identity, node_roles: list[str]) -> Node:
-                return Node(_config(node_roles), tmp_path / name, ident, RunOptions(tui=False),
-                            clock=trio.current_time, spawn_worker=spawn)
+                return Node(
+                    _config(node_roles),
+                    tmp_path / name,
+                    ident,
+                    RunOptions(tui=False),
+                    clock=trio.current_time,
+                    spawn_worker=spawn,
+                )
 
             a, b = node("a", ida, ["trainer"]), node("b", idb, [])
             # a short first look (the default is a minute) keeps the virtual run, and so the test, short
@@ -67,12 +73,14 @@ def test_a_node_with_default_roles_becomes_a_follower_of_a_short_lineage(tmp_pat
             await _until("b switched", lambda: b.snapshot().role_switches == 1)
             s = b.snapshot()
             assert s.roles == ["follower"] and "short" in s.roles_reason and s.worker_restarts == 0
-            await _until("b's new worker follows a", lambda: len(workers.links) == 3
-                         and workers.links[2].follower is not None)
+            await _until(
+                "b's new worker follows a", lambda: len(workers.links) == 3 and workers.links[2].follower is not None
+            )
             assert specs[1]["roles"] == ["trainer"] and specs[2]["roles"] == ["follower"]
             assert wb.done.is_set()  # the trainer worker was stopped, not left running
-            await _until("b applies a's versions", lambda: (f := _lin(b.snapshot(), "follow")) is not None
-                         and f.held >= 1)
+            await _until(
+                "b applies a's versions", lambda: (f := _lin(b.snapshot(), "follow")) is not None and f.held >= 1
+            )
             assert b.snapshot().serving == wa.pub.lineage.id.hex()
             own = _lin(b.snapshot(), "own")
             assert own is not None and own.lineage == own_b  # its own lineage stays in its store

@@ -77,8 +77,11 @@ def test_dial_plan_skips_webrtc_and_long_tcp_for_private_peers() -> None:
     peer, relay = "12D3KooWPeer", "/ip4/10.0.0.10/tcp/4001/p2p/12D3KooWRelay"
     rtc = "/ip4/10.1.1.2/udp/4001/webrtc-direct/certhash/uEiAbc/p2p/" + peer
     # a NATed peer (it announces a circuit): one quick LAN try, then its circuit; never WebRTC
-    private = dial_plan(peer, ["/ip4/10.1.1.2/tcp/4001", "/ip4/192.168.0.5/tcp/4001", rtc,
-                               f"{relay}/p2p-circuit/p2p/{peer}"], webrtc=True)
+    private = dial_plan(
+        peer,
+        ["/ip4/10.1.1.2/tcp/4001", "/ip4/192.168.0.5/tcp/4001", rtc, f"{relay}/p2p-circuit/p2p/{peer}"],
+        webrtc=True,
+    )
     assert [(d.kind, d.timeout_s) for d in private] == [("tcp", LAN_DIAL_S), ("circuit", 10.0)]
     assert private[0].addr == f"/ip4/10.1.1.2/tcp/4001/p2p/{peer}"
     assert LAN_DIAL_S < TCP_DIAL_S
@@ -135,9 +138,14 @@ def test_relay_circuit_carries_gossip_and_bulk_with_hash() -> None:
     payload = bytes(range(256)) * 4096 * 4  # 4 MiB
 
     async def main() -> None:
-        async with open_transport(r_id) as r, open_transport(a_id) as a, open_transport(b_id) as b, \
-                attach_relay(r, NetworkSection(relay_service=True, relay_max_reservations=2)) as rr, \
-                attach_relay(a, NetworkSection()) as ar, attach_relay(b, NetworkSection()) as br:
+        async with (
+            open_transport(r_id) as r,
+            open_transport(a_id) as a,
+            open_transport(b_id) as b,
+            attach_relay(r, NetworkSection(relay_service=True, relay_max_reservations=2)) as rr,
+            attach_relay(a, NetworkSection()) as ar,
+            attach_relay(b, NetworkSection()) as br,
+        ):
             res = await br.reserve(r.listen_addrs()[0], timeout_s=20)
             assert res.circuit_addr.endswith(f"/p2p-circuit/p2p/{b.peer_id}")
             assert br.circuit_addrs() == [res.circuit_addr]
@@ -158,14 +166,16 @@ def test_relay_circuit_carries_gossip_and_bulk_with_hash() -> None:
                     left -= len(part)
                 digest.append(h.digest())
                 got.set()
+
             b.set_stream_handler("/test/bulk/1", handler)
             assert await ar.dial(res.circuit_addr, timeout_s=20) == b.peer_id
             from murmur.gossip.holepunch import best_path
+
             assert best_path(a, b.peer_id) == "relayed"
             s = await a.open_stream(b.peer_id, "/test/bulk/1")
             await s.write(len(payload).to_bytes(8, "big"))
             for i in range(0, len(payload), 1 << 20):
-                await s.write(payload[i:i + (1 << 20)])
+                await s.write(payload[i : i + (1 << 20)])
             with trio.fail_after(60):
                 await got.wait()
             assert digest == [hashlib.blake2b(payload, digest_size=32).digest()]
@@ -175,17 +185,28 @@ def test_relay_circuit_carries_gossip_and_bulk_with_hash() -> None:
 
 
 def snap(**kw) -> ReachSnapshot:
-    base = dict(status="private", reason="1 peer(s) could not dial", observed_ips=["10.1.0.1"],
-                listen_addrs=["/ip4/10.1.1.2/tcp/4001/p2p/x"], relay_service=False, relays_configured=["r"],
-                reservations=[], relay_errors={})
+    base = dict(
+        status="private",
+        reason="1 peer(s) could not dial",
+        observed_ips=["10.1.0.1"],
+        listen_addrs=["/ip4/10.1.1.2/tcp/4001/p2p/x"],
+        relay_service=False,
+        relays_configured=["r"],
+        reservations=[],
+        relay_errors={},
+    )
     base.update(kw)
     return ReachSnapshot(**base)
 
 
 def test_doctor_classifies_each_path() -> None:
     assert classify(snap(status="public", peer_paths={"p": "direct"})) == "direct"
-    relayed = snap(reservations=["/ip4/x/p2p-circuit/p2p/me"], peer_paths={"p": "direct", "q": "relayed"},
-                   holepunch_attempts=1, holepunch_error="no direct connection")
+    relayed = snap(
+        reservations=["/ip4/x/p2p-circuit/p2p/me"],
+        peer_paths={"p": "direct", "q": "relayed"},
+        holepunch_attempts=1,
+        holepunch_error="no direct connection",
+    )
     assert classify(relayed) == "relayed"
     checks = reachability_checks(relayed)
     assert "forward TCP port 4001" in checks[0].fix and "no direct connection" in checks[0].detail
@@ -196,7 +217,9 @@ def test_doctor_classifies_each_path() -> None:
     assert not c[0].ok and not c[1].ok and "network.relays" in c[1].fix
     pub = reachability_checks(snap(status="public", relay_service=False, peer_paths={"p": "direct"}))
     assert pub[0].ok and "relay_service" in pub[1].fix
-    rtc = snap(peer_paths={"p": "webrtc"}, relays_configured=[], reason="not checked: peers reached over WebRTC-direct only")
+    rtc = snap(
+        peer_paths={"p": "webrtc"}, relays_configured=[], reason="not checked: peers reached over WebRTC-direct only"
+    )
     assert classify(rtc) == "webrtc"
     c = reachability_checks(rtc)[0]
     assert c.ok and "path: webrtc" in c.detail and "1 webrtc" in c.detail and "TCP" in c.detail and "TCP" in c.fix
@@ -224,6 +247,7 @@ def _counting_sink(b, got: list[int], closed: trio.Event) -> None:
             pass  # a reset circuit: what the limit tests expect
         finally:
             closed.set()
+
     b.set_stream_handler("/test/sink/1", handler)
 
 
@@ -251,7 +275,12 @@ def test_relay_closes_a_circuit_over_its_byte_limit() -> None:
 
         from murmur.gossip.holepunch import best_path
 
-        async with open_transport(r_id) as r, open_transport(a_id) as a, open_transport(b_id) as b, AsyncExitStack() as st:
+        async with (
+            open_transport(r_id) as r,
+            open_transport(a_id) as a,
+            open_transport(b_id) as b,
+            AsyncExitStack() as st,
+        ):
             await _relayed_pair(NetworkSection(relay_service=True, relay_max_circuit_bytes=limit), r, a, b, st)
             got, closed = [0], trio.Event()
             _counting_sink(b, got, closed)
@@ -274,7 +303,12 @@ def test_relay_closes_a_circuit_over_its_duration_limit() -> None:
     async def main() -> None:
         from contextlib import AsyncExitStack
 
-        async with open_transport(r_id) as r, open_transport(a_id) as a, open_transport(b_id) as b, AsyncExitStack() as st:
+        async with (
+            open_transport(r_id) as r,
+            open_transport(a_id) as a,
+            open_transport(b_id) as b,
+            AsyncExitStack() as st,
+        ):
             await _relayed_pair(NetworkSection(relay_service=True, relay_max_circuit_s=2), r, a, b, st)
             got, closed = [0], trio.Event()
             _counting_sink(b, got, closed)
@@ -373,8 +407,9 @@ def test_a_stalled_bulk_is_sent_again_on_a_new_stream() -> None:
         opened.append(streams[len(opened)])
         return opened[-1]
 
-    transport = SimpleNamespace(open_stream=open_stream,
-                                host=SimpleNamespace(get_network=lambda: SimpleNamespace(connections={})))
+    transport = SimpleNamespace(
+        open_stream=open_stream, host=SimpleNamespace(get_network=lambda: SimpleNamespace(connections={}))
+    )
     peer = Identity.from_seed(b"\x44" * 32).peer_id
     out: dict = {}
 
@@ -398,7 +433,8 @@ def test_a_private_verdict_is_confirmed_before_the_long_recheck() -> None:
     assert recheck_after(UNKNOWN, 1) == RETRY_S
     assert recheck_after(PUBLIC, 1) == RECHECK_S
     assert [recheck_after(PRIVATE, k) for k in range(1, CONFIRM_PRIVATE + 1)] == (
-        [RETRY_S] * (CONFIRM_PRIVATE - 1) + [RECHECK_S])
+        [RETRY_S] * (CONFIRM_PRIVATE - 1) + [RECHECK_S]
+    )
     assert RETRY_S < RECHECK_S / 10
 
 
@@ -410,8 +446,10 @@ def test_check_loop_turns_a_false_private_into_public_at_the_next_retry(monkeypa
     from murmur.node.config import Config
     from murmur.node.shell.reachability import RETRY_S, ReachState
 
-    answers = [PeerVerdict("p", "10.0.0.1:4001", [], {"/ip4/10.0.0.1/tcp/4001": "no answer within 3.0 s"}),
-               PeerVerdict("p", "10.0.0.1:4001", ["/ip4/10.0.0.1/tcp/4001"], {})]
+    answers = [
+        PeerVerdict("p", "10.0.0.1:4001", [], {"/ip4/10.0.0.1/tcp/4001": "no answer within 3.0 s"}),
+        PeerVerdict("p", "10.0.0.1:4001", ["/ip4/10.0.0.1/tcp/4001"], {}),
+    ]
     asked: list[float] = []
 
     async def fake_check(transport: object, peers: list[str]) -> object:
@@ -462,8 +500,14 @@ def test_process_start_is_when_the_process_started() -> None:
     code = "import time; t = time.time(); from murmur.node.shell.reachability import process_start; print(process_start(), t)"
     repo = str(Path(__file__).resolve().parent.parent)
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo,
-                         env={"PYTHONPATH": repo, "PATH": "/usr/bin:/bin"}).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=repo,
+        env={"PYTHONPATH": repo, "PATH": "/usr/bin:/bin"},
+    ).stdout.split()
     started, first_line = float(out[0]), float(out[1])
     tick = 0.011  # the kernel keeps the start time in clock ticks (10 ms), plus float rounding
     assert before - tick <= started <= first_line

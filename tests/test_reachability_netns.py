@@ -17,7 +17,11 @@ import pytest
 from murmur.simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.solo,
+    pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +31,11 @@ def networks() -> dict[str, dict]:
     running them side by side costs about as long as the longest."""
     from murmur.simulations.bench.reachability import scenario
 
-    cases = {"cone": dict(bulk_bytes=1 << 20, holepunch=True),
-             "forwarded": dict(bulk_bytes=0, holepunch=False, forward_h2=True),
-             "symmetric": dict(bulk_bytes=1 << 20, holepunch=True, symmetric=True)}
+    cases = {
+        "cone": dict(bulk_bytes=1 << 20, holepunch=True),
+        "forwarded": dict(bulk_bytes=0, holepunch=False, forward_h2=True),
+        "symmetric": dict(bulk_bytes=1 << 20, holepunch=True, symmetric=True),
+    }
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     with ThreadPoolExecutor(len(cases)) as pool:
         futures = {name: pool.submit(scenario, timeout_s=300, **kw) for name, kw in cases.items()}
@@ -111,8 +117,9 @@ def test_symmetric_nat_stays_relayed_and_says_why(networks: dict[str, dict]) -> 
         assert d and d["path"] == "relayed", d
         assert "changes source ports" in d["checks"][0]["detail"], d
         relayed = [b for b in n.by("bulk") if b["peer"] == other]
-        assert relayed and relayed[0]["path"] == "relayed" and relayed[0]["hash_ok"], \
-            [e for e in n.events if e["ev"] in ("connected", "connect_failed", "bulk", "bulk_failed")]
+        assert relayed and relayed[0]["path"] == "relayed" and relayed[0]["hash_ok"], [
+            e for e in n.events if e["ev"] in ("connected", "connect_failed", "bulk", "bulk_failed")
+        ]
 
 
 def test_network_cleanup_on_failure() -> None:

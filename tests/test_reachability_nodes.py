@@ -26,23 +26,34 @@ from murmur.node.status import NodeStatus
 from murmur.simulations.netns import Network, netns_unavailable
 
 REASON = netns_unavailable()
-pytestmark = [pytest.mark.slow, pytest.mark.solo, pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.solo,
+    pytest.mark.skipif(REASON is not None, reason=f"no emulated networks: {REASON}"),
+]
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 4001
 WAIT_S = 360.0
 
 
-def _config(roles: list[str], model: Path, relay_service: bool = False, relays: list[str] | None = None
-            ) -> dict[str, dict[str, object]]:
-    return {"node": {"swarm": "nat-swarm", "roles": roles, "memory_budget_mb": 1536},
-            "network": {"listen": [f"/ip4/0.0.0.0/tcp/{PORT}"], "dht": False, "relay_service": relay_service,
-                        "relays": relays or []},
-            # This test is about paths, not staleness (tests/test_node_swarm.py covers that): on a quiet
-            # machine the trainer publishes so fast that followers behind a relay would be 20+ versions
-            # late, and the capacity rule rightly puts them on standby. A wide bound keeps them serving.
-            "sync": {"publish_every": 8, "anchor_every": 8, "max_staleness": 256},
-            "training": {"model": str(model), "external_rollouts": 64}}
+def _config(
+    roles: list[str], model: Path, relay_service: bool = False, relays: list[str] | None = None
+) -> dict[str, dict[str, object]]:
+    return {
+        "node": {"swarm": "nat-swarm", "roles": roles, "memory_budget_mb": 1536},
+        "network": {
+            "listen": [f"/ip4/0.0.0.0/tcp/{PORT}"],
+            "dht": False,
+            "relay_service": relay_service,
+            "relays": relays or [],
+        },
+        # This test is about paths, not staleness (tests/test_node_swarm.py covers that): on a quiet
+        # machine the trainer publishes so fast that followers behind a relay would be 20+ versions
+        # late, and the capacity rule rightly puts them on standby. A wide bound keeps them serving.
+        "sync": {"publish_every": 8, "anchor_every": 8, "max_staleness": 256},
+        "training": {"model": str(model), "external_rollouts": 64},
+    }
 
 
 def _env() -> dict[str, str]:
@@ -51,13 +62,24 @@ def _env() -> dict[str, str]:
 
 def _start(net: Network, ns: str, home: Path, config: dict, bootstrap: list[str]) -> launch.NodeProcess:
     """A node in namespace `ns`, listening where its config says (the doctor reads the port from it)."""
-    return launch.start(launch.NodeLaunch(home=str(home), config=config, listen=[], bootstrap=bootstrap,
-                                          prefix=net.exec_prefix(ns), env={"PYTHONPATH": str(REPO)}))
+    return launch.start(
+        launch.NodeLaunch(
+            home=str(home),
+            config=config,
+            listen=[],
+            bootstrap=bootstrap,
+            prefix=net.exec_prefix(ns),
+            env={"PYTHONPATH": str(REPO)},
+        )
+    )
 
 
 def _doctor(net: Network, ns: str, home: Path, extra: list[str]) -> dict:
-    cmd = net.exec_prefix(ns) + [sys.executable, "-m", "murmur.node", "doctor", "--json", "--home", str(home),
-                                 "--timeout", "5"] + extra
+    cmd = (
+        net.exec_prefix(ns)
+        + [sys.executable, "-m", "murmur.node", "doctor", "--json", "--home", str(home), "--timeout", "5"]
+        + extra
+    )
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=str(REPO))
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -87,8 +109,9 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
         net.forward_port(h4, PORT)  # one-shot doctor only
         pool = ThreadPoolExecutor(2)
         try:
-            procs["pub"] = _start(net, net.pub_ns, homes["pub"], _config(["follower", "validator"], model,
-                                                                          relay_service=True), [])
+            procs["pub"] = _start(
+                net, net.pub_ns, homes["pub"], _config(["follower", "validator"], model, relay_service=True), []
+            )
             allp = lambda: list(procs.values())  # noqa: E731
             _wait("pub listening", lambda: bool((_status(homes["pub"]) or NodeStatus()).peer_id), allp())
             pub_id = _status(homes["pub"]).peer_id
@@ -97,8 +120,10 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
             # dials and reservations), and are read at the end.
             for h in ("h3", "h4"):
                 launch.write_config(homes[h], {"network": {"listen": [f"/ip4/0.0.0.0/tcp/{PORT}"]}})
-            one_shot = {h: pool.submit(_doctor, net, home.ns, homes[h], ["--bootstrap", pub_addr])
-                        for h, home in (("h3", h3), ("h4", h4))}
+            one_shot = {
+                h: pool.submit(_doctor, net, home.ns, homes[h], ["--bootstrap", pub_addr])
+                for h, home in (("h3", h3), ("h4", h4))
+            }
             # h1 lists the relay explicitly; h2 relies on the fallback (its bootstrap peer as relay)
             procs["h1"] = _start(net, h1.ns, homes["h1"], _config(["trainer"], model, relays=[pub_addr]), [pub_addr])
             procs["h2"] = _start(net, h2.ns, homes["h2"], _config(["follower", "validator"], model), [pub_addr])
@@ -109,15 +134,22 @@ def test_real_nodes_behind_nats(tmp_path: Path, model: Path) -> None:
                 s = _status(homes[n])
                 return s.reach if s else None
 
-            _wait("homes private with a relay reservation",
-                  lambda: all((r := reach(n)) and r.status == "private" and r.reservations for n in ("h1", "h2")),
-                  allp(), 120)
+            _wait(
+                "homes private with a relay reservation",
+                lambda: all((r := reach(n)) and r.status == "private" and r.reservations for n in ("h1", "h2")),
+                allp(),
+                120,
+            )
             _wait("pub public", lambda: (r := reach("pub")) is not None and r.status == "public", allp(), 120)
 
             def homes_connected() -> bool:
                 r1, r2 = reach("h1"), reach("h2")
-                return bool(r1 and r2 and r1.peer_paths.get(ids["h2"], "none") != "none"
-                            and r2.peer_paths.get(ids["h1"], "none") != "none")
+                return bool(
+                    r1
+                    and r2
+                    and r1.peer_paths.get(ids["h2"], "none") != "none"
+                    and r2.peer_paths.get(ids["h1"], "none") != "none"
+                )
 
             _wait("h1 and h2 connected to each other (relayed or hole-punched)", homes_connected, allp(), 180)
 
@@ -198,15 +230,20 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
             _wait("pub listening on /webrtc-direct", lambda: bool(pub_rtc()), allp())
             pub_id = _status(homes["pub"]).peer_id
             pub_tcp = f"/ip4/{net.pub_ip}/tcp/{PORT}/p2p/{pub_id}"
-            procs["udp"] = _start(net, home.ns, homes["udp"], _config(["follower", "validator"], model),
-                                  [pub_tcp, pub_rtc()[0]])
+            procs["udp"] = _start(
+                net, home.ns, homes["udp"], _config(["follower", "validator"], model), [pub_tcp, pub_rtc()[0]]
+            )
 
             def reach(n: str):
                 s = _status(homes[n])
                 return s.reach if s else None
 
-            _wait("the UDP-only home connected to pub over WebRTC-direct",
-                  lambda: (r := reach("udp")) is not None and r.peer_paths.get(pub_id) == "webrtc", allp(), 180)
+            _wait(
+                "the UDP-only home connected to pub over WebRTC-direct",
+                lambda: (r := reach("udp")) is not None and r.peer_paths.get(pub_id) == "webrtc",
+                allp(),
+                180,
+            )
 
             def own_lineage():
                 s = _status(homes["pub"])
@@ -218,8 +255,11 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
 
             # the home learns pub's lineage from its signed announce and manifests, serves it, and pub
             # verifies and accepts the home's signed rollouts: gossip both ways over WebRTC-direct
-            _wait("the home's rollouts accepted by pub; pub's lineage known at the home",
-                  lambda: bool((t := _status(homes["pub"])) and t.rollouts_accepted > 0 and home_lineage()), allp())
+            _wait(
+                "the home's rollouts accepted by pub; pub's lineage known at the home",
+                lambda: bool((t := _status(homes["pub"])) and t.rollouts_accepted > 0 and home_lineage()),
+                allp(),
+            )
             r = reach("udp")
             assert r.path == "webrtc" and set(r.peer_paths.values()) == {"webrtc"}, r
             assert reach("pub").peer_paths.get(_status(homes["udp"]).peer_id) == "webrtc", reach("pub")
@@ -227,8 +267,12 @@ def test_udp_only_home_reaches_public_trainer_over_webrtc(tmp_path: Path, model:
             c = _check(d, "reachability")
             assert c["detail"].startswith("running node: path: webrtc") and "1 webrtc" in c["detail"], c
             assert "TCP" in c["fix"], c
-            _wait("pub's patches verified and applied at the home", lambda: bool(
-                (x := home_lineage()) and x.held >= 2 and _status(homes["udp"]).bytes_down > 0), allp(), 120)
+            _wait(
+                "pub's patches verified and applied at the home",
+                lambda: bool((x := home_lineage()) and x.held >= 2 and _status(homes["udp"]).bytes_down > 0),
+                allp(),
+                120,
+            )
             assert reach("udp").path == "webrtc", "the patches came over WebRTC-direct (TCP stays dropped)"
         finally:
             launch.stop_all(procs.values())

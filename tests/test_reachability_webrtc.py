@@ -29,8 +29,14 @@ from murmur.node.shell.reachability import start_reachability
 
 
 def test_webrtc_listen_addresses_follow_tcp() -> None:
-    got = webrtc_listen_for(["/ip4/0.0.0.0/tcp/4001", "/ip4/10.0.0.2/tcp/5000/p2p/12D3KooW",
-                             "/ip4/1.2.3.4/tcp/4001/p2p/X/p2p-circuit/p2p/Y", "/ip4/1.2.3.4/tcp/80/ws"])
+    got = webrtc_listen_for(
+        [
+            "/ip4/0.0.0.0/tcp/4001",
+            "/ip4/10.0.0.2/tcp/5000/p2p/12D3KooW",
+            "/ip4/1.2.3.4/tcp/4001/p2p/X/p2p-circuit/p2p/Y",
+            "/ip4/1.2.3.4/tcp/80/ws",
+        ]
+    )
     assert got == ["/ip4/0.0.0.0/udp/4001/webrtc-direct", "/ip4/10.0.0.2/udp/5000/webrtc-direct"]
     assert is_webrtc_addr("/ip4/1.2.3.4/udp/1/webrtc-direct/certhash/uEi/p2p/X") and not is_webrtc_addr(got[0][:-14])
 
@@ -180,7 +186,7 @@ def test_webrtc_stream_resets_instead_of_dropping_when_its_read_queue_is_full() 
             rx.on_data(m)  # later messages: without the fix they were delivered after the hole
         await drain()
         assert errors >= 1
-        assert bytes(got) == b"".join(sent)[:len(got)], "bytes after a hole"
+        assert bytes(got) == b"".join(sent)[: len(got)], "bytes after a hole"
 
     trio.run(main)
 
@@ -212,7 +218,8 @@ def test_tcp_blocked_peers_connect_over_webrtc_and_gossip(webrtc_extra: None, mo
             assert any(is_webrtc_addr(x) for x in announced), announced
             # what B learns of A: a TCP address that goes nowhere, then A's announced WebRTC addresses
             known[a.peer_id] = [f"/ip4/127.0.0.1/tcp/{sink_port}/p2p/{a.peer_id}"] + [
-                x for x in announced if is_webrtc_addr(x)]
+                x for x in announced if is_webrtc_addr(x)
+            ]
             inbox = await b.subscribe("murmur/test/webrtc")
             await a.subscribe("murmur/test/webrtc")
             t0 = trio.current_time()
@@ -222,8 +229,9 @@ def test_tcp_blocked_peers_connect_over_webrtc_and_gossip(webrtc_extra: None, mo
                     await trio.sleep(0.05)
             connect_s = trio.current_time() - t0
             # a first round of TCP only (A was announced a moment ago), then TCP again and WebRTC-direct
-            assert connect_s >= 2 * reach.TCP_DIAL_S - 0.5, \
+            assert connect_s >= 2 * reach.TCP_DIAL_S - 0.5, (
                 f"two TCP dials should have been tried (and timed out) first: {connect_s:.2f} s"
+            )
             vb, va = sb.view(), sa.view()
             assert vb.peer_paths[a.peer_id] == "webrtc" and vb.path == WEBRTC, vb
             assert va.peer_paths[b.peer_id] == "webrtc", va  # inbound side sees the same path
@@ -298,8 +306,10 @@ async def _raw_webrtc_pair(handlers: dict[str, Any]) -> AsyncIterator[tuple[Any,
     libp2p_fixes.install_webrtc()
     a = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
     b = new_host(key_pair=create_new_key_pair(os.urandom(32)), enable_webrtc=True)
-    async with b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]), \
-            a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+    async with (
+        b.run([multiaddr.Multiaddr("/ip4/127.0.0.1/udp/0/webrtc-direct")]),
+        a.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]),
+    ):
         probe_p = TProtocol("/test/probe/1")
         for proto, handler in {**handlers, probe_p: _echo}.items():
             a.set_stream_handler(TProtocol(proto), handler)

@@ -34,8 +34,9 @@ def test_metrics_round_trip_and_page(tmp_path, fmt: str) -> None:
     assert len(rows["reward"]) == 30
     assert rows["reward"][5]["reward"] == pytest.approx(0.1)
     assert rows["rejection"][0]["reason"] == "forged_reward"
-    page = write_report(tmp_path, rows, {"title": "t", "gain_swarm": 0.5, "graylist_threshold": -50.0},
-                        "name = \"x\"\n", threshold=-50.0)
+    page = write_report(
+        tmp_path, rows, {"title": "t", "gain_swarm": 0.5, "graylist_threshold": -50.0}, 'name = "x"\n', threshold=-50.0
+    )
     html = page.read_text()
     for png in ("reward.png", "staleness.png", "broadcast.png", "bytes.png", "rejections.png", "scores.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -56,8 +56,13 @@ def test_staleness_inequality() -> None:
 
 def test_activation_cheapest_first_until_met_rest_standby() -> None:
     d = Demand(rollouts_per_step=20, step_time_s=2.0, max_staleness=4)  # need 1.2 * 10 = 12 rollouts/s
-    offers = [Offer("slow", 2.0, 1.0), Offer("fast", 8.0, 1.0), Offer("mid", 5.0, 1.0), Offer("extra", 4.0, 1.0),
-              Offer("laggy", 50.0, 30.0)]
+    offers = [
+        Offer("slow", 2.0, 1.0),
+        Offer("fast", 8.0, 1.0),
+        Offer("mid", 5.0, 1.0),
+        Offer("extra", 4.0, 1.0),
+        Offer("laggy", 50.0, 30.0),
+    ]
     act = activate(d, offers)
     assert act.need == pytest.approx(12.0)
     assert act.active == ["fast", "mid"]  # 8 + 5 = 13 >= 12
@@ -123,21 +128,30 @@ def test_follower_does_not_flap_for_a_small_gain() -> None:
     assert choose_lineage(me, [a, c], current=b"A" * 32).lineage == b"C" * 32
 
 
-_offer = st.builds(lambda i, claim, backed, cost, latency: (i, claim, backed, cost, latency),
-                   st.integers(0, 10**6),
-                   st.floats(0.0, 1e4, allow_nan=False),
-                   st.one_of(st.none(), st.floats(-10.0, 1e4, allow_nan=False)),
-                   st.floats(0.1, 10.0),
-                   st.floats(0.0, 20.0))
+_offer = st.builds(
+    lambda i, claim, backed, cost, latency: (i, claim, backed, cost, latency),
+    st.integers(0, 10**6),
+    st.floats(0.0, 1e4, allow_nan=False),
+    st.one_of(st.none(), st.floats(-10.0, 1e4, allow_nan=False)),
+    st.floats(0.1, 10.0),
+    st.floats(0.0, 20.0),
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(offers=st.lists(_offer, max_size=8), rollouts=st.integers(0, 256), step=st.floats(0.1, 60.0),
-       trial=st.floats(0.0, 1.0))
-def test_the_supply_counted_for_followers_never_exceeds_their_claims(offers: list, rollouts: int, step: float,
-                                                                     trial: float) -> None:
+@given(
+    offers=st.lists(_offer, max_size=8),
+    rollouts=st.integers(0, 256),
+    step=st.floats(0.1, 60.0),
+    trial=st.floats(0.0, 1.0),
+)
+def test_the_supply_counted_for_followers_never_exceeds_their_claims(
+    offers: list, rollouts: int, step: float, trial: float
+) -> None:
     d = Demand(rollouts_per_step=rollouts, step_time_s=step, max_staleness=4)
-    os_ = [Offer(f"p{i}-{n}", claim, latency, cost, backed) for n, (i, claim, backed, cost, latency) in enumerate(offers)]
+    os_ = [
+        Offer(f"p{i}-{n}", claim, latency, cost, backed) for n, (i, claim, backed, cost, latency) in enumerate(offers)
+    ]
     act = activate(d, os_, trial_share=trial)
     by_id = {o.peer_id: o for o in os_}
     active = [by_id[p] for p in act.active]
@@ -145,8 +159,9 @@ def test_the_supply_counted_for_followers_never_exceeds_their_claims(offers: lis
     for p, counted in act.capped.items():
         assert 0.0 <= counted < by_id[p].rollouts_per_s
     # what no delivery backs counts for the trial share of the need at most, however many claim it
-    backed = sum(min(o.rollouts_per_s, max(0.0, o.backed)) if o.backed is not None else o.rollouts_per_s
-                 for o in active)
+    backed = sum(
+        min(o.rollouts_per_s, max(0.0, o.backed)) if o.backed is not None else o.rollouts_per_s for o in active
+    )
     assert act.supply <= backed + trial * required_rate(d) + 1e-9
 
 

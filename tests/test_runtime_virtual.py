@@ -46,8 +46,10 @@ WAIT_S = 300.0
 def _config(node_roles: list[str]) -> Config:
     # While a thread works the clock may run 2.5x real time (0.05 s of the stall meter's timer per 0.02 s):
     # on a loaded machine a slow store write must not look like a peer that stalls a download.
-    return Config(node=NodeSection(swarm=SWARM, roles=node_roles, memory_budget_mb=1536),
-                  sync=SyncSection(anchor_every=8, retain_versions=32, max_staleness=4, stall_timeout_s=30.0))
+    return Config(
+        node=NodeSection(swarm=SWARM, roles=node_roles, memory_budget_mb=1536),
+        sync=SyncSection(anchor_every=8, retain_versions=32, max_staleness=4, stall_timeout_s=30.0),
+    )
 
 
 async def _until(what: str, pred: Callable[[], bool]) -> None:
@@ -79,8 +81,9 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             opts = RunOptions(tui=False)
 
             def node(name: str, ident: Identity, node_roles: list[str]) -> Node:
-                return Node(_config(node_roles), tmp_path / name, ident, opts, clock=trio.current_time,
-                            spawn_worker=spawn)
+                return Node(
+                    _config(node_roles), tmp_path / name, ident, opts, clock=trio.current_time, spawn_worker=spawn
+                )
 
             stopped: dict[str, trio.Event] = {}
 
@@ -118,8 +121,13 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             await _until("follower running", lambda: b.state == "running")
             await b.transport.connect(a.transport.listen_addrs()[0])
             # announces both ways: each node's status lists the other with its roles
-            await _until("announces heard", lambda: any(p.peer_id == ida.peer_id for p in b.snapshot().peers)
-                         and any(p.peer_id == idb.peer_id for p in a.snapshot().peers))
+            await _until(
+                "announces heard",
+                lambda: (
+                    any(p.peer_id == ida.peer_id for p in b.snapshot().peers)
+                    and any(p.peer_id == idb.peer_id for p in a.snapshot().peers)
+                ),
+            )
             assert next(p for p in b.snapshot().peers if p.peer_id == ida.peer_id).roles == ["trainer"]
             assert next(p for p in a.snapshot().peers if p.peer_id == idb.peer_id).roles == ["follower"]
 
@@ -136,10 +144,14 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             assert b.core.stats()["bytes_down"] > 0
             # within the staleness bound: the follower's worker is admitted to generate, and the trainer hears
             # (in the follower's announce) that it serves its lineage
-            await _until("follower admitted", lambda: wb.admitted.get(lid.hex()) is True
-                         and _lin(b.snapshot(), "follow").admission == "fresh")
-            await _until("trainer sees its follower", lambda: any(
-                p.peer_id == idb.peer_id and p.serving == lid.hex() for p in a.snapshot().peers))
+            await _until(
+                "follower admitted",
+                lambda: wb.admitted.get(lid.hex()) is True and _lin(b.snapshot(), "follow").admission == "fresh",
+            )
+            await _until(
+                "trainer sees its follower",
+                lambda: any(p.peer_id == idb.peer_id and p.serving == lid.hex() for p in a.snapshot().peers),
+            )
 
             # a version published while connected arrives through the broadcast
             assert wa.publish() == 3
@@ -149,10 +161,21 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             # the trainer's step reports the external rollouts it used per task set: its exchange view counts
             # them against the set, as coordinators read it
             ts = "ab" * 32
-            wa._out(pipe.Step(step=1, version=3, reward_mean=0.5, loss=0.1, n_external_groups=2, step_s=1.0,
-                              used=16, used_by_set={ts: 16}))
-            await _until("used per task set", lambda: a.snapshot().exchange.task_sets.get(ts, {}).get(
-                "used_rollouts") == 16)
+            wa._out(
+                pipe.Step(
+                    step=1,
+                    version=3,
+                    reward_mean=0.5,
+                    loss=0.1,
+                    n_external_groups=2,
+                    step_s=1.0,
+                    used=16,
+                    used_by_set={ts: 16},
+                )
+            )
+            await _until(
+                "used per task set", lambda: a.snapshot().exchange.task_sets.get(ts, {}).get("used_rollouts") == 16
+            )
             assert a.snapshot().rollouts_used == 16
 
             # the follower's worker dies: the node stays up, restarts it after its backoff, applies again
@@ -168,8 +191,9 @@ def test_two_nodes_start_announce_catch_up_apply_restart_a_worker_and_stop(tmp_p
             assert s.worker_restarts == 1 and s.worker_pid == wb2.pid != wb.pid
             assert wb.exitcode == -9
             assert wa.publish() == 4
-            await _until("follower applied v4", lambda: _lin(b.snapshot(), "follow").held == 4
-                         and wb2.follower.version == 4)
+            await _until(
+                "follower applied v4", lambda: _lin(b.snapshot(), "follow").held == 4 and wb2.follower.version == 4
+            )
             assert wb2.follower.state_hash == wa.pub.state_hash
             # ... and when the new one dies soon after, the next restart waits the next, longer backoff
             died = trio.current_time()
@@ -209,11 +233,21 @@ def test_a_signal_while_the_node_starts_stops_it_before_it_runs(tmp_path: Path) 
                 node._on_signal(signal.SIGTERM)  # what the signal handler runs, on the loop
                 return link
 
-            node = Node(_config(["follower"]), tmp_path / "n", ident, RunOptions(tui=False),
-                        clock=trio.current_time, spawn_worker=spawn)
+            node = Node(
+                _config(["follower"]),
+                tmp_path / "n",
+                ident,
+                RunOptions(tui=False),
+                clock=trio.current_time,
+                spawn_worker=spawn,
+            )
             with trio.fail_after(WAIT_S):
                 await node.run_on(partial(MemNet().transport, ident))
-            seen.update(state=node.state, done=workers.links[0].done.is_set(), announces=node.drops.counts.get("announce_unpublished", 0))
+            seen.update(
+                state=node.state,
+                done=workers.links[0].done.is_set(),
+                announces=node.drops.counts.get("announce_unpublished", 0),
+            )
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=AUTOJUMP_S))
     assert seen == {"state": "stopping", "done": True, "announces": 0}  # no announce was even tried
@@ -222,10 +256,23 @@ def test_a_signal_while_the_node_starts_stops_it_before_it_runs(tmp_path: Path) 
 def _rollouts(lineages: tuple[bytes, ...]) -> pipe.Rollouts:
     """What a worker hands its network process to sign: one informative group (a right and a wrong answer)
     per lineage (one batch each; a node signs and publishes only groups a receiver can learn from)."""
-    rs = [wire.Rollout(task=wire.TaskRef(b"\0" * 32, "arith", 1), lineage=lid, version=0, completion_ids=[1, 2],
-                       text="4", tokenizer_hash=b"\2" * 32, logprobs=bytes(8), token_versions=[],
-                       sampling=wire.SamplingParams(max_new_tokens=4), reward=reward, created_ms=5)
-          for lid in lineages for reward in (1.0, 0.0)]
+    rs = [
+        wire.Rollout(
+            task=wire.TaskRef(b"\0" * 32, "arith", 1),
+            lineage=lid,
+            version=0,
+            completion_ids=[1, 2],
+            text="4",
+            tokenizer_hash=b"\2" * 32,
+            logprobs=bytes(8),
+            token_versions=[],
+            sampling=wire.SamplingParams(max_new_tokens=4),
+            reward=reward,
+            created_ms=5,
+        )
+        for lid in lineages
+        for reward in (1.0, 0.0)
+    ]
     return pipe.Rollouts([wire.encode(r) for r in rs])
 
 
@@ -248,8 +295,14 @@ def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path:
         nonlocal fed_while_busy
         async with trio.open_nursery() as n:
             workers = FakeWorkers(n)
-            node = Node(_config(["trainer"]), tmp_path / "n", ident, RunOptions(tui=False), clock=trio.current_time,
-                        spawn_worker=workers.spawn)
+            node = Node(
+                _config(["trainer"]),
+                tmp_path / "n",
+                ident,
+                RunOptions(tui=False),
+                clock=trio.current_time,
+                spawn_worker=workers.spawn,
+            )
             handle, carry_out, queue = node.core.handle, node._carry_out, node.feed
 
             def recorded_handle(ev: C.Event, now: float, wall_ms: int) -> list[C.Action]:
@@ -260,7 +313,9 @@ def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path:
             async def slow_carry_out(a: C.Action) -> C.Event | None:
                 nonlocal busy
                 busy = True
-                await trio.lowlevel.checkpoint()  # a turn for every other task: a second caller of the core would get in
+                await (
+                    trio.lowlevel.checkpoint()
+                )  # a turn for every other task: a second caller of the core would get in
                 trace.append(("action", a))
                 try:
                     return await carry_out(a)
@@ -287,21 +342,34 @@ def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path:
 
             async def gossip_source() -> None:
                 for p in peers:
-                    body = wire.NodeAnnounce(v=1, peer_id=p.peer_id, seq=1, created_ms=1, hardware="cpu",
-                                             gen_tokens_per_s=0.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0,
-                                             memory_bytes=0, roles=["follower"], lineages_followed=[], serving=b"",
-                                             owned=[])
+                    body = wire.NodeAnnounce(
+                        v=1,
+                        peer_id=p.peer_id,
+                        seq=1,
+                        created_ms=1,
+                        hardware="cpu",
+                        gen_tokens_per_s=0.0,
+                        rollout_latency_s=0.5,
+                        upload_bytes_per_s=0.0,
+                        memory_bytes=0,
+                        roles=["follower"],
+                        lineages_followed=[],
+                        serving=b"",
+                        owned=[],
+                    )
                     await node._on_node_announce(p.peer_id, body, wire.seal(p, wire.NODE_ANNOUNCE, body, swarm=SWARM))
 
             start = len(trace)
             async with trio.open_nursery() as sources:
                 sources.start_soon(worker_source)
                 sources.start_soon(gossip_source)
+
             def handled(cls: type) -> int:
                 return sum(e[0] == "event" and isinstance(e[1], cls) for e in trace[start:])
 
-            await _until("both sources handled", lambda: handled(C.FromWorker) >= 6
-                         and handled(C.AnnounceHeard) == len(peers))
+            await _until(
+                "both sources handled", lambda: handled(C.FromWorker) >= 6 and handled(C.AnnounceHeard) == len(peers)
+            )
             seen["peers"] = {p.peer_id for p in peers} <= set(node.core.peers)
             node.request_stop()
 
@@ -312,9 +380,9 @@ def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path:
         kind, *rest = trace[i]
         assert kind == "event", f"entry {i}: an action outside its event's sequence: {rest}"
         acts = rest[1]
-        done = [e[1] for e in trace[i + 1:i + 1 + len(acts)]]
+        done = [e[1] for e in trace[i + 1 : i + 1 + len(acts)]]
         if i + 1 + len(acts) <= len(trace):  # the last event may have been cut short by the stop
-            assert all(e[0] == "action" for e in trace[i + 1:i + 1 + len(acts)]), f"event {i} interleaved"
+            assert all(e[0] == "action" for e in trace[i + 1 : i + 1 + len(acts)]), f"event {i} interleaved"
             assert all(a is b for a, b in zip(done, acts, strict=True)), f"event {i}: actions out of order"
         sequences += len(acts) > 1
         i += 1 + len(acts)
@@ -322,8 +390,9 @@ def test_the_core_loop_carries_out_each_events_actions_as_one_sequence(tmp_path:
     assert sequences >= 12 and all(any(isinstance(a, C.SeePeer) for a in e[2]) for e in greeted)
 
 
-def test_a_recorded_trace_gives_the_same_actions_from_the_runtime_and_the_simulators_driver(tmp_path: Path,
-                                                                                          monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_recorded_trace_gives_the_same_actions_from_the_runtime_and_the_simulators_driver(
+    tmp_path: Path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
     """The runtime's core loop and the simulator's driver (`simulations.vruntime.CoreDriver.feed`) order a
     core's events alike: the runtime runs two sources at once (worker rollouts to sign, peers' announces)
     with every event, its time and each action's follow-up recorded; a copy of the core taken when the
@@ -344,8 +413,14 @@ def test_a_recorded_trace_gives_the_same_actions_from_the_runtime_and_the_simula
     async def main() -> None:
         async with trio.open_nursery() as n:
             workers = FakeWorkers(n)
-            node = Node(_config(["trainer"]), tmp_path / "n", ident, RunOptions(tui=False), clock=trio.current_time,
-                        spawn_worker=workers.spawn)
+            node = Node(
+                _config(["trainer"]),
+                tmp_path / "n",
+                ident,
+                RunOptions(tui=False),
+                clock=trio.current_time,
+                spawn_worker=workers.spawn,
+            )
             handle, carry_out = node.core.handle, node._carry_out
 
             def recorded_handle(ev: C.Event, now: float, wall_ms: int) -> list[C.Action]:
@@ -388,18 +463,33 @@ def test_a_recorded_trace_gives_the_same_actions_from_the_runtime_and_the_simula
                 for k, p in enumerate(peers):
                     # the first a validator of our lineage: its sample is demand, so our rollouts are published
                     # (a publish that went out comes back to the core as a follow-up event)
-                    body = wire.NodeAnnounce(v=1, peer_id=p.peer_id, seq=1, created_ms=1, hardware="cpu",
-                                             gen_tokens_per_s=0.0, rollout_latency_s=0.5, upload_bytes_per_s=0.0,
-                                             memory_bytes=0, roles=["follower", "validator"] if k == 0 else ["follower"],
-                                             lineages_followed=[], serving=node.core.own or b"" if k == 0 else b"",
-                                             owned=[])
+                    body = wire.NodeAnnounce(
+                        v=1,
+                        peer_id=p.peer_id,
+                        seq=1,
+                        created_ms=1,
+                        hardware="cpu",
+                        gen_tokens_per_s=0.0,
+                        rollout_latency_s=0.5,
+                        upload_bytes_per_s=0.0,
+                        memory_bytes=0,
+                        roles=["follower", "validator"] if k == 0 else ["follower"],
+                        lineages_followed=[],
+                        serving=node.core.own or b"" if k == 0 else b"",
+                        owned=[],
+                    )
                     await node._on_node_announce(p.peer_id, body, wire.seal(p, wire.NODE_ANNOUNCE, body, swarm=SWARM))
 
             async with trio.open_nursery() as sources:
                 sources.start_soon(worker_source)
                 sources.start_soon(gossip_source)
-            await _until("both sources handled", lambda: sum(isinstance(h[0], C.FromWorker) for h in handled) >= 4
-                         and sum(isinstance(h[0], C.AnnounceHeard) for h in handled) == len(peers))
+            await _until(
+                "both sources handled",
+                lambda: (
+                    sum(isinstance(h[0], C.FromWorker) for h in handled) >= 4
+                    and sum(isinstance(h[0], C.AnnounceHeard) for h in handled) == len(peers)
+                ),
+            )
             await trio.sleep(1.0)  # a tick or two more, in virtual time
             rec["on"] = False
             node.request_stop()
@@ -428,8 +518,9 @@ def test_a_recorded_trace_gives_the_same_actions_from_the_runtime_and_the_simula
 
     handle_copy = partial(C.NodeCore.handle, core)  # the copy's own (the recording wrapper was copied with it)
     core.handle = sim_handle  # type: ignore[method-assign]
-    driver = SimpleNamespace(queue=SimpleNamespace(unix=lambda: clock.now[0], unix_ms=lambda: clock.now[1]),
-                             do=lambda n, a: next(answers))
+    driver = SimpleNamespace(
+        queue=SimpleNamespace(unix=lambda: clock.now[0], unix_ms=lambda: clock.now[1]), do=lambda n, a: next(answers)
+    )
     vnode = SimpleNamespace(core=core)
     for ev, *_ in sources:
         CoreDriver.feed(driver, vnode, ev)  # type: ignore[arg-type]

@@ -48,10 +48,17 @@ def test_simulator_and_runtime_import_one_core_and_one_sampler() -> None:
     assert murmur.simulations.vruntime.NodeCore is murmur.node.shell.runtime.C.NodeCore is NodeCore
     assert murmur.simulations.vruntime.CoreSettings is murmur.node.shell.runtime.C.CoreSettings
     sampler = murmur.training.sampler.Sampler
-    assert murmur.simulations.vworker.Sampler is murmur.simulations.bench.swarm.Sampler is murmur.node.worker.main.Sampler is sampler
+    assert (
+        murmur.simulations.vworker.Sampler
+        is murmur.simulations.bench.swarm.Sampler
+        is murmur.node.worker.main.Sampler
+        is sampler
+    )
     assert murmur.simulations.vworker.split is murmur.training.sampler.split
     assert murmur.simulations.vworker.informative is murmur.training.sampler.informative
-    assert murmur.simulations.vworker.local_plan is murmur.sync.catchup.local_plan  # what node/worker/main.py applies by
+    assert (
+        murmur.simulations.vworker.local_plan is murmur.sync.catchup.local_plan
+    )  # what node/worker/main.py applies by
 
 
 def test_simulator_and_gossip_service_run_one_batch_intake() -> None:
@@ -68,7 +75,9 @@ def test_simulator_and_gossip_service_run_one_batch_intake() -> None:
 def test_simulated_broadcasts_run_the_live_nodes_broadcast_core() -> None:
     core = murmur.sync.transfers.BroadcastCore
     assert murmur.simulations.vsim.BroadcastCore is murmur.sync.broadcast.BroadcastCore is core
-    assert murmur.simulations.vbroadcast.VirtualSwarm is murmur.simulations.vsim.VirtualSwarm  # the start-up broadcasts' driver
+    assert (
+        murmur.simulations.vbroadcast.VirtualSwarm is murmur.simulations.vsim.VirtualSwarm
+    )  # the start-up broadcasts' driver
     sw = murmur.simulations.vsim.VirtualSwarm(3, [4096] * 2, seed=0)
     assert all(type(nd.core) is core for nd in sw.nodes) and len({id(nd.core) for nd in sw.nodes}) == 4
 
@@ -139,8 +148,15 @@ def test_same_inputs_give_the_same_actions(monkeypatch) -> None:  # type: ignore
     cores = [n.core for n in sim.nodes if n.core is not None]
     assert len(cores) == 5 and all(isinstance(c, RecordingCore) for c in cores)
     kinds = {type(e[3]).__name__ for c in cores for e in c.trace[1:]}
-    assert {"Tick", "AnnounceHeard", "ManifestHeard", "FromWorker", "RolloutsVerified", "ManifestOffered",
-            "SwarmHeard"} <= kinds
+    assert {
+        "Tick",
+        "AnnounceHeard",
+        "ManifestHeard",
+        "FromWorker",
+        "RolloutsVerified",
+        "ManifestOffered",
+        "SwarmHeard",
+    } <= kinds
     assert sum(len(c.trace) for c in cores) > 500
     for c in cores:
         replay(c)

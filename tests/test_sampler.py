@@ -13,11 +13,16 @@ from tests import samples
 LIN_A, LIN_B = b"\x0a" * 32, b"\x0b" * 32
 
 
-def group(seed: int, rewards: tuple[float, ...] = (1.0, 0.0), lineage: bytes = LIN_A, version: int = 3,
-          generator: str = "add") -> list[wire.Rollout]:
+def group(
+    seed: int, rewards: tuple[float, ...] = (1.0, 0.0), lineage: bytes = LIN_A, version: int = 3, generator: str = "add"
+) -> list[wire.Rollout]:
     r = samples.rollout(seed=seed)
-    return [msgspec.structs.replace(r, lineage=lineage, version=version, reward=x,
-                                    task=msgspec.structs.replace(r.task, generator=generator)) for x in rewards]
+    return [
+        msgspec.structs.replace(
+            r, lineage=lineage, version=version, reward=x, task=msgspec.structs.replace(r.task, generator=generator)
+        )
+        for x in rewards
+    ]
 
 
 def sampler(**kw: object) -> Sampler:
@@ -33,12 +38,22 @@ def seeds(groups: list[sampling.Group]) -> list[int]:
 
 
 def test_split_keeps_informative_groups_per_task_and_lineage() -> None:
-    batch = (group(1) + group(2, (1.0, 1.0, 1.0)) + group(3, (0.0,)) + group(4, lineage=LIN_A)
-             + group(4, lineage=LIN_B) + group(5, generator="sub"))
+    batch = (
+        group(1)
+        + group(2, (1.0, 1.0, 1.0))
+        + group(3, (0.0,))
+        + group(4, lineage=LIN_A)
+        + group(4, lineage=LIN_B)
+        + group(5, generator="sub")
+    )
     got, dropped = split(batch)
     assert dropped == {"too_small": 1, "uninformative": 1}
     assert [(g.key[1], g.key[2], g.lineage) for g in got] == [
-        ("add", 1, LIN_A), ("add", 4, LIN_A), ("add", 4, LIN_B), ("sub", 5, LIN_A)]
+        ("add", 1, LIN_A),
+        ("add", 4, LIN_A),
+        ("add", 4, LIN_B),
+        ("sub", 5, LIN_A),
+    ]
     assert all(len(g.rollouts) == 2 for g in got)
     mixed, _ = split(group(6, version=7)[:1] + group(6, version=5)[1:])
     assert mixed[0].version == 5  # a group is as old as its oldest rollout
@@ -166,8 +181,9 @@ def test_the_worker_refuses_an_external_batch_the_network_process_would_refuse(t
 
     w = worker.Worker(None, {"home": str(tmp_path), "swarm": "t"})
     ident = Identity.generate()
-    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
-                              rollouts=group(1, lineage=LIN_B))
+    batch = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1, rollouts=group(1, lineage=LIN_B)
+    )
     data = wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm="t")
     forged = bytearray(data)
     forged[-5] ^= 0xFF  # in the signature
@@ -196,8 +212,9 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     ident = Identity.generate()
     own = b"\x0c" * 32
     rollouts = group(1, lineage=own, version=1) + group(2, lineage=LIN_B) + group(3, (0.0, 0.0))
-    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1,
-                              rollouts=rollouts)
+    batch = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm="t", producer=ident.public, seq=1, created_ms=1, rollouts=rollouts
+    )
     net.send_bytes(pipe.encode_struct(pipe.External(wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm="t"))))
     net.send_bytes(pipe.encode_struct(pipe.External(b"not an envelope")))
     net.send_bytes(b"not a pipe message")
@@ -214,9 +231,18 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
         time.sleep(0.01)
     got = w._external(4, 5)
     assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
-    assert w.inbox.sampler.counts == {"added": 2, "too_small": 0, "uninformative": 1, "evicted": 0, "stale": 1,
-                                      "over_budget": 0, "unowned": 0, "taken": 1, "producer_share": 0,
-                                      "producer_failed": 0}
+    assert w.inbox.sampler.counts == {
+        "added": 2,
+        "too_small": 0,
+        "uninformative": 1,
+        "evicted": 0,
+        "stale": 1,
+        "over_budget": 0,
+        "unowned": 0,
+        "taken": 1,
+        "producer_share": 0,
+        "producer_failed": 0,
+    }
     net.send_bytes(pipe.encode_struct(pipe.Stop()))
     reader.join(5)
     assert not reader.is_alive()
@@ -258,8 +284,10 @@ def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) ->
     from murmur.node.worker import main as worker
 
     end = object()
-    w = worker.Worker(end, {"home": str(tmp_path), "swarm": "t",
-                            "trainer": {"max_staleness": 4, "group_size": 2, "max_new_tokens": 8}})
+    w = worker.Worker(
+        end,
+        {"home": str(tmp_path), "swarm": "t", "trainer": {"max_staleness": 4, "group_size": 2, "max_new_tokens": 8}},
+    )
     w.inbox.sampler.add_rollouts(group(1) + group(2) + group(9, rewards=(1.0, 0.0) * 32) + group(3))
     w._observe_own_head(LIN_A, 0)
     got = w._external(4, 0)

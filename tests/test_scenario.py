@@ -23,7 +23,7 @@ def test_expand_places_adversaries_after_honest_nodes() -> None:
     sc = S.builtin("adversarial")
     nodes = S.expand(sc)
     assert [n.role for n in nodes[: sc.honest_nodes]] == ["trainer"] * sc.honest_nodes
-    assert {n.behaviour for n in nodes[sc.honest_nodes:]} == set(S.BEHAVIOURS)
+    assert {n.behaviour for n in nodes[sc.honest_nodes :]} == set(S.BEHAVIOURS)
 
 
 def test_integers_accepted_for_float_keys(tmp_path) -> None:
@@ -42,12 +42,15 @@ BAD = [
     ("[[group]]\nupload_bytes_per_s = -1.0", "key 'group[0].upload_bytes_per_s'"),
     ("[[group]]\ncount = 2\njoin_s = 10.0\nleave_s = 5.0", "key 'group[0].leave_s': leave_s (5.0) must come after"),
     ('[[group]]\nrole = "follower"', "key 'group': no group has role = \"trainer\""),
-    ('[[group]]\ncount = 2\n[[group]]\nrole = "follower"\nfollow = 2', "key 'group[1].follow': node 2 is not a trainer"),
+    (
+        '[[group]]\ncount = 2\n[[group]]\nrole = "follower"\nfollow = 2',
+        "key 'group[1].follow': node 2 is not a trainer",
+    ),
     ('[[adversary]]\nbehaviour = "polite"', "key 'adversary[0].behaviour'"),
     ('[[adversary]]\nbehaviour = "replay"\ngroup = 3', "key 'adversary[0].group': group 3 does not exist"),
     ('[[event]]\nat_s = 1.0\naction = "leave"\nnode = 7', "key 'event[0].node': node 7 does not exist"),
     ('[[event]]\nat_s = 1.0\naction = "explode"\nnode = 0', "key 'event[0].action'"),
-    ("duration_s = 10.0\n[[event]]\nat_s = 20.0\naction = \"leave\"\nnode = 0", "key 'event[0].at_s'"),
+    ('duration_s = 10.0\n[[event]]\nat_s = 20.0\naction = "leave"\nnode = 0', "key 'event[0].at_s'"),
     ("[learning]\ninitial = 0.9\nceiling = 0.5", "key 'learning.initial'"),
     ("[sync]\npatch_bytes = 1000\nchunk_bytes = 4096", "key 'sync.chunk_bytes'"),
     ("[training]\nlocal_groups = 0\nexternal_groups = 0", "key 'training.local_groups'"),

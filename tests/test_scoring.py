@@ -11,8 +11,13 @@ from murmur.gossip.scoring import PeerRecord, PeerScores, Penalise, ScoreParams
 
 def test_defaults_are_the_documented_policy() -> None:
     p = ScoreParams()
-    assert (p.graylist_threshold, p.blacklist_s, p.half_life_s, p.max_score, p.accept_reward) == \
-        (-50.0, 3600.0, 600.0, 20.0, 0.5)
+    assert (p.graylist_threshold, p.blacklist_s, p.half_life_s, p.max_score, p.accept_reward) == (
+        -50.0,
+        3600.0,
+        600.0,
+        20.0,
+        0.5,
+    )
     r = PeerRecord()
     assert (r.score, r.updated, r.banned_until, r.rejections, r.accepted, r.charged) == (0.0, 0.0, 0.0, {}, 0, 0.0)
     assert PeerScores().max_peers == 10_000
@@ -31,8 +36,9 @@ def test_penalty_decays_with_the_half_life_and_counts_its_reason() -> None:
     assert s.score("p", 105.0) == pytest.approx(-8.5)  # an earlier time never undoes decay already applied
     assert s.score("p", 130.0) == pytest.approx(-8.5 / 4)
     assert rec.charged == 17.0  # what was charged neither decays nor heals
-    assert s.snapshot(130.0) == {"p": dict(score=-2.125, banned=False, accepted=0,
-                                           rejections={"forged": 2, "garbage": 1}, charged=17.0)}
+    assert s.snapshot(130.0) == {
+        "p": dict(score=-2.125, banned=False, accepted=0, rejections={"forged": 2, "garbage": 1}, charged=17.0)
+    }
     s.penalise("q", "x", 1.0 / 3, now=0.0)
     assert s.snapshot(0.0)["q"]["score"] == -0.333 and s.snapshot(0.0)["q"]["charged"] == 0.333
 
@@ -88,8 +94,8 @@ def test_penalise_actions_are_frozen_and_slotted() -> None:
 def test_decay_is_continuous_and_measured_from_the_last_update() -> None:
     s = PeerScores(ScoreParams(half_life_s=10.0))
     s.penalise("p", "x", 16.0, now=50.0)
-    assert s.score("p", 55.0) == pytest.approx(-16.0 * 0.5 ** 0.5)  # half a half-life: not rounded down
-    assert s.score("p", 120.0) == pytest.approx(-16.0 * 0.5 ** 7)  # 70 s after the penalty at 50
+    assert s.score("p", 55.0) == pytest.approx(-16.0 * 0.5**0.5)  # half a half-life: not rounded down
+    assert s.score("p", 120.0) == pytest.approx(-16.0 * 0.5**7)  # 70 s after the penalty at 50
 
 
 def test_a_large_table_stays_at_its_bound() -> None:

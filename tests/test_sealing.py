@@ -20,10 +20,21 @@ SHARDS = {A: 3, B: 5}
 
 
 def rollout(lineage: bytes = A, lps: tuple[float, ...] = (-0.5, -1.0), seed: int = 1, reward: float = 1.0) -> bytes:
-    return wire.encode(wire.Rollout(
-        task=wire.TaskRef(task_set=bytes(32), generator="g", seed=seed), lineage=lineage, version=2,
-        completion_ids=[2, 3], text="x", tokenizer_hash=bytes(32), logprobs=struct.pack(f"<{len(lps)}f", *lps),
-        token_versions=[(0, 2)], sampling=wire.SamplingParams(), reward=reward, created_ms=1))
+    return wire.encode(
+        wire.Rollout(
+            task=wire.TaskRef(task_set=bytes(32), generator="g", seed=seed),
+            lineage=lineage,
+            version=2,
+            completion_ids=[2, 3],
+            text="x",
+            tokenizer_hash=bytes(32),
+            logprobs=struct.pack(f"<{len(lps)}f", *lps),
+            token_versions=[(0, 2)],
+            sampling=wire.SamplingParams(),
+            reward=reward,
+            created_ms=1,
+        )
+    )
 
 
 def group(lineage: bytes = A, seed: int = 1) -> list[bytes]:
@@ -54,8 +65,10 @@ def test_batches_hold_at_most_the_limit_and_each_is_recorded_before_it_is_publis
     recs = [a for a in out if isinstance(a, RecordRollouts)]
     assert [len(r.entries) for r in recs] == [p.count for p in pubs]
     # the envelope is kept once per batch, with its first rollout
-    assert all(r.entries[0]["payload"] == p.data and all(e["payload"] is None for e in r.entries[1:])
-               for r, p in zip(recs, pubs))
+    assert all(
+        r.entries[0]["payload"] == p.data and all(e["payload"] is None for e in r.entries[1:])
+        for r, p in zip(recs, pubs)
+    )
     assert {e["direction"] for r in recs for e in r.entries} == {"produced"}
 
 

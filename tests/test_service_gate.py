@@ -25,8 +25,14 @@ def test_junk_refused_by_the_cheap_checks_does_not_spend_an_honest_newcomers_tok
     shared newcomer token spent before decoding, the junk would drain the shard's bucket and drop about
     half of them; spent only on batches that passed the cheap checks, the junk takes none."""
     clock = Clock()
-    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=clock, resolve_task=REG.resolve,
-                        reward=score, head_version=lambda lineage: 0, task_set_trusted=REG.__contains__)
+    pipeline = Pipeline(
+        PipelineConfig(swarm=SWARM, max_staleness=4),
+        clock=clock,
+        resolve_task=REG.resolve,
+        reward=score,
+        head_version=lambda lineage: 0,
+        task_set_trusted=REG.__contains__,
+    )
     service = GossipService(None, pipeline, SWARM)
     start = clock.t
     accepted, honest_seq, junk_seq = 0, 0, 0
@@ -61,8 +67,14 @@ def test_only_a_peers_own_announce_sets_its_rate_and_ends_its_newcomer_time() ->
     from tests.test_validation_rates import announce
 
     clock = Clock()
-    pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=clock, resolve_task=REG.resolve,
-                        reward=score, head_version=lambda lineage: 0, task_set_trusted=REG.__contains__)
+    pipeline = Pipeline(
+        PipelineConfig(swarm=SWARM, max_staleness=4),
+        clock=clock,
+        resolve_task=REG.resolve,
+        reward=score,
+        head_version=lambda lineage: 0,
+        task_set_trusted=REG.__contains__,
+    )
     intake = BatchIntake(pipeline)
     intake.heard_announce(JUNK.public, announce(HONEST, 50.0))
     assert pipeline.announced_rates.bucket(HONEST.peer_id) is None

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _murmur(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "murmur.node", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "murmur.node", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_bad_scenario_is_one_line_exit_2(tmp_path) -> None:
@@ -29,12 +30,14 @@ def test_bad_scenario_is_one_line_exit_2(tmp_path) -> None:
 
 def test_virtual_run_writes_report_and_json(tmp_path) -> None:
     p = tmp_path / "s.toml"
-    p.write_text('name = "cli"\nduration_s = 15.0\n[[group]]\ncount = 3\n[training]\nstep_s = 1.0\n'
-                 "[sync]\npatch_bytes = 65536\nchunk_bytes = 16384\nbroadcasts = 1\n")
+    p.write_text(
+        'name = "cli"\nduration_s = 15.0\n[[group]]\ncount = 3\n[training]\nstep_s = 1.0\n'
+        "[sync]\npatch_bytes = 65536\nchunk_bytes = 16384\nbroadcasts = 1\n"
+    )
     out = tmp_path / "rep"
     r = _murmur("simulate", str(p), "--virtual", "--out", str(out), "--json", "--seed", "5")
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["mode"] == "virtual" and summary["seed"] == 5 and summary["nodes"] == 3
     assert (out / "index.html").is_file() and (out / "reward.png").is_file()
-    assert 'seed = 5' in (out / "scenario.toml").read_text()
+    assert "seed = 5" in (out / "scenario.toml").read_text()

@@ -89,8 +89,17 @@ def test_peers_swarm_matches_isolated_in_the_calibrated_model(small_run) -> None
 
 def test_report_folder(small_run) -> None:
     out, s = small_run
-    for f in ("index.html", "summary.json", "metrics.jsonl", "scenario.toml", "reward.png", "rejections.png",
-              "scores.png", "broadcast.png", "bytes.png"):
+    for f in (
+        "index.html",
+        "summary.json",
+        "metrics.jsonl",
+        "scenario.toml",
+        "reward.png",
+        "rejections.png",
+        "scores.png",
+        "broadcast.png",
+        "bytes.png",
+    ):
         assert (out / f).is_file(), f
     assert S.load(out / "scenario.toml") == S.loads(SMALL)
     kinds = {json.loads(line)["kind"] for line in (out / "metrics.jsonl").read_text().splitlines()}
@@ -191,9 +200,14 @@ def test_learning_defaults_are_the_fit_of_the_matched_benchmark() -> None:
     runs = json.loads((Path(__file__).parent / "data" / "matched_runs.json").read_text())
     got = fit_matched(runs)
     d = S.Learning()
-    assert (got["initial"], got["rate"], got["ceiling"], got["external_weight"], got["own_lineage_weight"],
-            got["train_share"]) == (d.initial, d.rate, d.ceiling, d.external_weight, d.own_lineage_weight,
-                                    d.train_share)
+    assert (
+        got["initial"],
+        got["rate"],
+        got["ceiling"],
+        got["external_weight"],
+        got["own_lineage_weight"],
+        got["train_share"],
+    ) == (d.initial, d.rate, d.ceiling, d.external_weight, d.own_lineage_weight, d.train_share)
     assert got["rmse_isolated"] < 0.02 and got["rmse_swarm"] < 0.02
 
 

@@ -145,23 +145,48 @@ def test_under_xdist_a_solo_test_runs_beside_ordinary_tests_but_no_heavy_one(tmp
     log = tmp_path / "log.jsonl"
     (tmp_path / "conftest.py").write_text(
         "from tests.conftest import (pytest_configure, pytest_runtest_protocol, pytest_unconfigure,  # noqa: F401\n"
-        "                            pytest_collection_modifyitems, pytest_xdist_make_scheduler)\n")
-    body = ("import json, os, time\nimport pytest\n\n"
-            "def _run(name, s):\n    t0 = time.monotonic()\n    time.sleep(s)\n"
-            f"    with open({str(log)!r}, 'a') as f:\n"
-            "        f.write(json.dumps([name, t0, time.monotonic(), os.getpid()]) + '\\n')\n\n")
+        "                            pytest_collection_modifyitems, pytest_xdist_make_scheduler)\n"
+    )
+    body = (
+        "import json, os, time\nimport pytest\n\n"
+        "def _run(name, s):\n    t0 = time.monotonic()\n    time.sleep(s)\n"
+        f"    with open({str(log)!r}, 'a') as f:\n"
+        "        f.write(json.dumps([name, t0, time.monotonic(), os.getpid()]) + '\\n')\n\n"
+    )
     (tmp_path / "test_heavy.py").write_text(
-        body + "".join(f"@pytest.mark.slow\ndef test_h{i}():\n    _run('heavy', 0.3)\n\n" for i in range(3)))
+        body + "".join(f"@pytest.mark.slow\ndef test_h{i}():\n    _run('heavy', 0.3)\n\n" for i in range(3))
+    )
     for name, n in (("test_solo.py", 2), ("test_solo_too.py", 1)):  # two files, one unit
         (tmp_path / name).write_text(
-            body + "".join(f"@pytest.mark.solo\ndef test_s{i}():\n    _run('solo', 0.6)\n\n" for i in range(n)))
+            body + "".join(f"@pytest.mark.solo\ndef test_s{i}():\n    _run('solo', 0.6)\n\n" for i in range(n))
+        )
     (tmp_path / "test_plain.py").write_text(
-        body + "".join(f"def test_p{i}():\n    _run('plain', 0.2)\n\n" for i in range(6)))
+        body + "".join(f"def test_p{i}():\n    _run('plain', 0.2)\n\n" for i in range(6))
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "MURMUR_TEST_SOLO_ROOT", "PYTEST_XDIST_WORKER")}
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
-                        "loadfile", "-o", "markers=solo: alone", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadfile",
+            "-o",
+            "markers=solo: alone",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     runs = [json.loads(x) for x in log.read_text().splitlines()]
     by = {k: [(a, b) for n, a, b, _ in runs if n == k] for k in ("solo", "heavy", "plain")}

@@ -18,8 +18,9 @@ BIG, SMALL = b"\xb1" * 32, b"\x5e" * 32
 
 
 def batch(producer: bytes, rollouts: list[wire.Rollout]) -> wire.RolloutBatch:
-    return wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=producer, seq=1, created_ms=1,
-                             rollouts=rollouts)
+    return wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm="t", producer=producer, seq=1, created_ms=1, rollouts=rollouts
+    )
 
 
 def test_only_rollouts_of_the_held_weights_are_checkable() -> None:
@@ -54,8 +55,9 @@ def test_every_producer_faces_the_stated_fraction_however_much_it_sends() -> Non
 
 def test_a_drawn_rollout_the_worker_cannot_use_is_not_counted() -> None:
     s = SpotSampler(1.0, 10, seed=1)
-    eligible, chosen = s.pick([(BIG, batch(BIG, [rollout(seed=1), rollout(seed=2)]))], LIN, 3, TOK,
-                              usable=lambda r: r.task.seed == 1)
+    eligible, chosen = s.pick(
+        [(BIG, batch(BIG, [rollout(seed=1), rollout(seed=2)]))], LIN, 3, TOK, usable=lambda r: r.task.seed == 1
+    )
     assert eligible == 1 and [c[1].task.seed for c in chosen] == [1]
     assert (s.producers[BIG].eligible, s.producers[BIG].checked) == (1, 1)
 
@@ -88,10 +90,19 @@ def test_a_trainer_worker_spot_checks_its_own_lineage_and_names_fabrication(tmp_
     ref = wire.TaskRef(task_set=reg.builtin_id, generator=BUILTIN_TRAIN, seed=4)
     prompt = engine.encode(reg.resolve(ref).prompt)
     ids, lps, _ = engine.sample([prompt], Sampling(temperature=1.0, max_new_tokens=6))[0]
-    honest = wire.Rollout(task=ref, lineage=lineage, version=version, completion_ids=ids, text=engine.decode(ids),
-                          tokenizer_hash=engine.tokenizer_hash, logprobs=struct.pack(f"<{len(ids)}f", *lps),
-                          token_versions=[(0, version)], sampling=wire.SamplingParams(max_new_tokens=6),
-                          reward=0.0, created_ms=1)
+    honest = wire.Rollout(
+        task=ref,
+        lineage=lineage,
+        version=version,
+        completion_ids=ids,
+        text=engine.decode(ids),
+        tokenizer_hash=engine.tokenizer_hash,
+        logprobs=struct.pack(f"<{len(ids)}f", *lps),
+        token_versions=[(0, version)],
+        sampling=wire.SamplingParams(max_new_tokens=6),
+        reward=0.0,
+        created_ms=1,
+    )
     # the attacker's payload: likely tokens claimed at log-prob 0 (certain), so the trainer's
     # behaviour weight exp(p - b) shrinks and nothing flags its tokens as off-policy
     forged = msgspec.structs.replace(honest, logprobs=struct.pack(f"<{len(ids)}f", *([0.0] * len(ids))))

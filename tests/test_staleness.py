@@ -42,7 +42,9 @@ def test_the_bound_is_inclusive_and_zero_means_the_head_only() -> None:
     g2.applied(L, 10, 0.0)
     assert g2.observe_head(L, 13, 0.0) == [] and g2.may_generate(L)  # exactly K behind: still fresh
     ev = g2.observe_head(L, 14, 5.5)
-    assert [(e.previous, e.state, e.local, e.head, e.at) for e in ev] == [(Admission.FRESH, Admission.STALE, 10, 14, 5.5)]
+    assert [(e.previous, e.state, e.local, e.head, e.at) for e in ev] == [
+        (Admission.FRESH, Admission.STALE, 10, 14, 5.5)
+    ]
     with pytest.raises(ValueError):
         StalenessGuard(-1)
 
@@ -63,14 +65,21 @@ def test_applied_past_the_known_head_raises_the_head_and_lineages_are_separate()
 def test_event_messages_say_what_happened() -> None:
     lin = bytes.fromhex("ab" * 32)
     stale = StalenessEvent(lin, Admission.STALE, Admission.FRESH, 3, 10, 1.0)
-    assert stale.message == (f"lineage {'ab' * 6}: 7 versions behind (local 3, head 10); rollouts paused, "
-                             "catching up")
-    assert StalenessEvent(lin, Admission.STALE, Admission.UNKNOWN, None, 4, 1.0).message.startswith(f"lineage {'ab' * 6}: 4 versions")
-    assert StalenessEvent(lin, Admission.STALE, Admission.FRESH, 3, None, 1.0).message.startswith(f"lineage {'ab' * 6}: ? versions")
-    assert StalenessEvent(lin, Admission.FRESH, Admission.STALE, 10, 10, 1.0).message == \
-        f"lineage {'ab' * 6}: caught up to 10 (head 10); rollouts resumed"
-    assert StalenessEvent(lin, Admission.FRESH, Admission.UNKNOWN, 2, 5, 1.0).message == \
-        f"lineage {'ab' * 6}: unknown -> fresh (local 2, head 5)"
+    assert stale.message == (f"lineage {'ab' * 6}: 7 versions behind (local 3, head 10); rollouts paused, catching up")
+    assert StalenessEvent(lin, Admission.STALE, Admission.UNKNOWN, None, 4, 1.0).message.startswith(
+        f"lineage {'ab' * 6}: 4 versions"
+    )
+    assert StalenessEvent(lin, Admission.STALE, Admission.FRESH, 3, None, 1.0).message.startswith(
+        f"lineage {'ab' * 6}: ? versions"
+    )
+    assert (
+        StalenessEvent(lin, Admission.FRESH, Admission.STALE, 10, 10, 1.0).message
+        == f"lineage {'ab' * 6}: caught up to 10 (head 10); rollouts resumed"
+    )
+    assert (
+        StalenessEvent(lin, Admission.FRESH, Admission.UNKNOWN, 2, 5, 1.0).message
+        == f"lineage {'ab' * 6}: unknown -> fresh (local 2, head 5)"
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         stale.state = Admission.FRESH  # type: ignore[misc]
     assert not hasattr(stale, "__dict__")  # slots: one per transition, many lineages

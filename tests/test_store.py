@@ -35,11 +35,13 @@ def test_ledger_peers_lineages_tasksets(tmp_path):
     assert s.head_version(b"L" * 32, held_only=False) == 2
     assert s.add_task_set(b"T" * 32, "arith", 1, b"c" * 32, b"env")
     assert not s.add_task_set(b"T" * 32, "arith", 1, b"c" * 32, b"env")
-    s.record_rollouts([
-        dict(rollout_id=b"r1", direction="received", status="accepted", producer=b"p", tokens=5, payload=b"x"),
-        dict(rollout_id=b"r2", direction="received", status="rejected", reason="forged_reward", producer=b"q"),
-        dict(rollout_id=b"r3", direction="produced", status="produced", producer=b"me"),
-    ])
+    s.record_rollouts(
+        [
+            dict(rollout_id=b"r1", direction="received", status="accepted", producer=b"p", tokens=5, payload=b"x"),
+            dict(rollout_id=b"r2", direction="received", status="rejected", reason="forged_reward", producer=b"q"),
+            dict(rollout_id=b"r3", direction="produced", status="produced", producer=b"me"),
+        ]
+    )
     assert s.ledger_counts() == {"accepted": 1, "rejected:forged_reward": 1, "produced": 1}
     assert s.accepted_payloads(10) == [b"x"]
     assert s.contributions() == [dict(producer=b"p", accepted=1, tokens=5)]
@@ -48,8 +50,12 @@ def test_ledger_peers_lineages_tasksets(tmp_path):
 def test_bad_ledger_row_rolls_back(tmp_path):
     s = Store(tmp_path / "state.db")
     with pytest.raises(sqlite3.IntegrityError):
-        s.record_rollouts([dict(rollout_id=b"ok", direction="received", status="accepted"),
-                           dict(rollout_id=b"bad", direction="sideways", status="accepted")])
+        s.record_rollouts(
+            [
+                dict(rollout_id=b"ok", direction="received", status="accepted"),
+                dict(rollout_id=b"bad", direction="sideways", status="accepted"),
+            ]
+        )
     assert s.ledger_counts() == {}
 
 

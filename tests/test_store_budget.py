@@ -14,9 +14,15 @@ from murmur.sync.ids import Relation
 def _rows(n: int, start: int = 0, status: str = "accepted", ts_ms: int | None = None) -> list[dict]:
     out = []
     for i in range(start, start + n):
-        e = dict(rollout_id=i.to_bytes(8, "big"), direction="received", status=status,
-                 reason="" if status == "accepted" else "forged_reward", producer=bytes([i % 3]) * 4,
-                 tokens=10, payload=b"p" * 1000)
+        e = dict(
+            rollout_id=i.to_bytes(8, "big"),
+            direction="received",
+            status=status,
+            reason="" if status == "accepted" else "forged_reward",
+            producer=bytes([i % 3]) * 4,
+            tokens=10,
+            payload=b"p" * 1000,
+        )
         if ts_ms is not None:
             e["ts_ms"] = ts_ms
         out.append(e)
@@ -65,10 +71,14 @@ def test_migration_backfills_totals_from_an_old_ledger(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     db = sqlite3.connect(path, isolation_level=None)
     db.executescript(store_mod.MIGRATIONS[0] + ";PRAGMA user_version=1;")
-    db.execute("INSERT INTO rollouts(rollout_id, direction, status, reason, producer, tokens, ts_ms) "
-               "VALUES(x'01', 'received', 'accepted', '', x'aa', 7, 1)")
-    db.execute("INSERT INTO rollouts(rollout_id, direction, status, reason, ts_ms) "
-               "VALUES(x'02', 'received', 'rejected', 'graylisted', 1)")
+    db.execute(
+        "INSERT INTO rollouts(rollout_id, direction, status, reason, producer, tokens, ts_ms) "
+        "VALUES(x'01', 'received', 'accepted', '', x'aa', 7, 1)"
+    )
+    db.execute(
+        "INSERT INTO rollouts(rollout_id, direction, status, reason, ts_ms) "
+        "VALUES(x'02', 'received', 'rejected', 'graylisted', 1)"
+    )
     db.close()
     s = Store(path)
     assert s.schema_version == len(store_mod.MIGRATIONS)
@@ -148,8 +158,11 @@ def test_a_peer_table_grown_before_the_budget_is_cut_to_it_when_opened(tmp_path:
     with sqlite3.connect(path) as db:
         for number, script in enumerate(store_mod.MIGRATIONS[:2], start=1):
             db.executescript(script + f";\nPRAGMA user_version={number};")
-        db.executemany("INSERT INTO peers(peer_id, public_key, addrs, first_seen_ms, last_seen_ms, announce) "
-                       "VALUES(?, ?, '[]', ?, ?, ?)", [(f"p{i}", bytes(32), i, i, b"a" * 10_000) for i in range(300)])
+        db.executemany(
+            "INSERT INTO peers(peer_id, public_key, addrs, first_seen_ms, last_seen_ms, announce) "
+            "VALUES(?, ?, '[]', ?, ?, ?)",
+            [(f"p{i}", bytes(32), i, i, b"a" * 10_000) for i in range(300)],
+        )
     db.close()
     s = Store(path, peer_budget=store_mod.PeerBudget(max_rows=100))
     assert s.schema_version == len(store_mod.MIGRATIONS)
@@ -171,11 +184,23 @@ def _honest_rows(n: int, seed: int) -> list[dict]:
     lineages = [bytes([k, seed]) * 16 for k in range(2)]
     out = []
     for i in range(n):
-        out.append(dict(rollout_id=os.urandom(32), direction="received", status="accepted",
-                        producer=rng.choice(producers), from_peer=rng.choice(peers), lineage=rng.choice(lineages),
-                        version=rng.randint(0, 500), task_set=b"t" * 32, generator="rev",
-                        task_seed=rng.randint(0, 10**6), reward=1.0, tokens=rng.randint(3, 40),
-                        payload=os.urandom(rng.randint(800, 3000)) if i % 8 == 0 else None))
+        out.append(
+            dict(
+                rollout_id=os.urandom(32),
+                direction="received",
+                status="accepted",
+                producer=rng.choice(producers),
+                from_peer=rng.choice(peers),
+                lineage=rng.choice(lineages),
+                version=rng.randint(0, 500),
+                task_set=b"t" * 32,
+                generator="rev",
+                task_seed=rng.randint(0, 10**6),
+                reward=1.0,
+                tokens=rng.randint(3, 40),
+                payload=os.urandom(rng.randint(800, 3000)) if i % 8 == 0 else None,
+            )
+        )
     return out
 
 
@@ -189,14 +214,16 @@ def test_honest_ledger_rows_cost_little_disk(tmp_path: Path) -> None:
     before = s.disk_bytes()
     rows = _honest_rows(16_000, seed=2)
     for k in range(0, len(rows), 8):
-        s.record_rollouts(rows[k:k + 8])
+        s.record_rollouts(rows[k : k + 8])
     s.query("PRAGMA wal_checkpoint(TRUNCATE)")
     per_row = (s.disk_bytes() - before) / len(rows)
     assert per_row < 200, f"{per_row:.0f} bytes a ledger row"
-    newest = s.query("SELECT producer, from_peer, lineage, task_set, generator, payload FROM rollouts "
-                     "ORDER BY seq DESC LIMIT 8")[::-1]
-    assert [r[:5] for r in newest] == [(e["producer"], e["from_peer"], e["lineage"], e["task_set"], e["generator"])
-                                       for e in rows[-8:]]
+    newest = s.query(
+        "SELECT producer, from_peer, lineage, task_set, generator, payload FROM rollouts ORDER BY seq DESC LIMIT 8"
+    )[::-1]
+    assert [r[:5] for r in newest] == [
+        (e["producer"], e["from_peer"], e["lineage"], e["task_set"], e["generator"]) for e in rows[-8:]
+    ]
     assert newest[0][5] == rows[-8]["payload"] and newest[1][5] is None
 
 
@@ -205,15 +232,28 @@ def test_names_no_row_uses_are_swept(tmp_path: Path) -> None:
     keys that came and went do not pile up."""
     s = Store(tmp_path / "state.db", LedgerBudget(max_rows=100, payload_rows=10, max_age_s=1e9))
     for k in range(3 * store_mod.NAMES_SWEEP_EVERY):
-        s.record_rollouts([dict(rollout_id=k.to_bytes(4, "big"), direction="received", status="rejected",
-                                reason="forged_reward", producer=k.to_bytes(32, "big"), from_peer=f"peer{k}")])
+        s.record_rollouts(
+            [
+                dict(
+                    rollout_id=k.to_bytes(4, "big"),
+                    direction="received",
+                    status="rejected",
+                    reason="forged_reward",
+                    producer=k.to_bytes(32, "big"),
+                    from_peer=f"peer{k}",
+                )
+            ]
+        )
     for _ in range(3):
         s.prune_ledger()
     names = s.query("SELECT COUNT(*) FROM ledger_names")[0][0]
     assert names <= 2 * (100 + store_mod.NAMES_SWEEP_EVERY), names
     assert s.ledger_counts() == {"rejected:forged_reward": 3 * store_mod.NAMES_SWEEP_EVERY}
     last = s.query("SELECT producer, from_peer FROM rollouts ORDER BY seq DESC LIMIT 1")[0]
-    assert last == ((3 * store_mod.NAMES_SWEEP_EVERY - 1).to_bytes(32, "big"), f"peer{3 * store_mod.NAMES_SWEEP_EVERY - 1}")
+    assert last == (
+        (3 * store_mod.NAMES_SWEEP_EVERY - 1).to_bytes(32, "big"),
+        f"peer{3 * store_mod.NAMES_SWEEP_EVERY - 1}",
+    )
 
 
 def test_migration_to_the_compact_ledger_keeps_every_row(tmp_path: Path) -> None:
@@ -221,19 +261,23 @@ def test_migration_to_the_compact_ledger_keeps_every_row(tmp_path: Path) -> None
     db = sqlite3.connect(path, isolation_level=None)
     for number, script in enumerate(store_mod.MIGRATIONS[:3], start=1):
         db.executescript(script + f";\nPRAGMA user_version={number};")
-    db.execute("INSERT INTO rollouts(rollout_id, direction, status, reason, producer, from_peer, lineage, version, "
-               "task_set, generator, task_seed, reward, tokens, ts_ms, payload) "
-               "VALUES(x'01', 'received', 'accepted', '', x'aa', 'peerA', x'bb', 3, x'cc', 'rev', 9, 1.0, 7, 5, x'ff')")
+    db.execute(
+        "INSERT INTO rollouts(rollout_id, direction, status, reason, producer, from_peer, lineage, version, "
+        "task_set, generator, task_seed, reward, tokens, ts_ms, payload) "
+        "VALUES(x'01', 'received', 'accepted', '', x'aa', 'peerA', x'bb', 3, x'cc', 'rev', 9, 1.0, 7, 5, x'ff')"
+    )
     db.execute("INSERT INTO rollouts(rollout_id, direction, status, ts_ms) VALUES(x'02', 'produced', 'produced', 6)")
     db.close()
     s = Store(path)
     assert s.schema_version == len(store_mod.MIGRATIONS)
-    rows = s.query("SELECT seq, rollout_id, direction, status, reason, producer, from_peer, lineage, version, "
-                   "task_set, generator, task_seed, reward, tokens, ts_ms, payload FROM rollouts ORDER BY seq")
-    assert rows == [(1, b"\x01", "received", "accepted", "", b"\xaa", "peerA", b"\xbb", 3, b"\xcc", "rev", 9, 1.0, 7, 5,
-                     b"\xff"),
-                    (2, b"\x02", "produced", "produced", "", None, "", None, None, None, None, None, None, None, 6,
-                     None)]
+    rows = s.query(
+        "SELECT seq, rollout_id, direction, status, reason, producer, from_peer, lineage, version, "
+        "task_set, generator, task_seed, reward, tokens, ts_ms, payload FROM rollouts ORDER BY seq"
+    )
+    assert rows == [
+        (1, b"\x01", "received", "accepted", "", b"\xaa", "peerA", b"\xbb", 3, b"\xcc", "rev", 9, 1.0, 7, 5, b"\xff"),
+        (2, b"\x02", "produced", "produced", "", None, "", None, None, None, None, None, None, None, 6, None),
+    ]
     assert s.accepted_payloads(10) == [b"\xff"]
     s.record_rollouts([dict(rollout_id=b"\x03", direction="received", status="accepted", producer=b"\xaa")])
     assert s.query("SELECT MAX(seq) FROM rollouts")[0][0] == 3

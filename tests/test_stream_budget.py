@@ -33,6 +33,7 @@ def test_the_node_wide_stream_count_returns_to_zero_as_one_peers_streams_close()
 
 def _swarm_conn(budget: StreamBudget, peer: str, handled: list[Any]) -> Any:
     """Just what py-libp2p 0.8.1's `SwarmConn._handle_muxed_stream` reads, around the budget hook."""
+
     async def add_stream(muxed: Any) -> Any:
         return SimpleNamespace(muxed=muxed, _resource_released=True)
 
@@ -42,8 +43,12 @@ def _swarm_conn(budget: StreamBudget, peer: str, handled: list[Any]) -> Any:
             raise RuntimeError("the protocol handler failed")
 
     swarm = SimpleNamespace(_murmur_budget=budget, common_stream_handler=handler)
-    return SimpleNamespace(swarm=swarm, muxed_conn=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer)),
-                           _add_stream=add_stream, remove_stream=lambda s: None)
+    return SimpleNamespace(
+        swarm=swarm,
+        muxed_conn=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer)),
+        _add_stream=add_stream,
+        remove_stream=lambda s: None,
+    )
 
 
 def test_the_stream_hook_gives_each_stream_back_however_its_handler_ends() -> None:
@@ -71,8 +76,11 @@ def test_the_stream_hook_gives_each_stream_back_however_its_handler_ends() -> No
 
 def _conn(ip: str, direction: str = "") -> Any:
     """A direct connection from `ip`; `direction` as py-libp2p's `Direction` prints (`inbound`, `outbound`)."""
-    return SimpleNamespace(get_connection_type=lambda: "ConnectionType.DIRECT",
-                           get_transport_addresses=lambda: [f"/ip4/{ip}/tcp/4001"], direction=direction)
+    return SimpleNamespace(
+        get_connection_type=lambda: "ConnectionType.DIRECT",
+        get_transport_addresses=lambda: [f"/ip4/{ip}/tcp/4001"],
+        direction=direction,
+    )
 
 
 def test_outbound_connections_do_not_count_against_the_inbound_per_address_limit() -> None:
@@ -125,8 +133,9 @@ def test_buffered_bytes_fit_both_shares_exactly_and_are_given_back() -> None:
     from murmur.gossip.limits import BufferFull
 
     charged: list[str] = []
-    budget = StreamBudget(StreamLimits(peer_buffer_bytes=100, node_buffer_bytes=250, offences=2),
-                          on_charge=lambda p, w: charged.append(p))
+    budget = StreamBudget(
+        StreamLimits(peer_buffer_bytes=100, node_buffer_bytes=250, offences=2), on_charge=lambda p, w: charged.append(p)
+    )
     budget.reserve("a", 100, 0.0)  # exactly the peer's share
     with pytest.raises(BufferFull):
         budget.reserve("a", 1, 0.0)
@@ -190,8 +199,11 @@ def test_a_yamux_receive_window_may_reach_zero_but_not_below() -> None:
     libp2p_fixes.install()
     faults: list[str] = []
     swarm = SimpleNamespace(_murmur_faults=SimpleNamespace(record=lambda peer, proto, err: faults.append(peer)))
-    stream = SimpleNamespace(_murmur_recv_window=10, stream_id=1,
-                             conn=SimpleNamespace(swarm=swarm, peer_id=SimpleNamespace(to_base58=lambda: "p")))
+    stream = SimpleNamespace(
+        _murmur_recv_window=10,
+        stream_id=1,
+        conn=SimpleNamespace(swarm=swarm, peer_id=SimpleNamespace(to_base58=lambda: "p")),
+    )
     window = YamuxStream.recv_window
     window.fset(stream, 0)  # every byte of credit used: honest
     assert window.fget(stream) == 0 and faults == []
@@ -204,8 +216,9 @@ def test_an_address_without_a_host_part_has_no_ip() -> None:
     from murmur.gossip.hostlimits import remote_ip
 
     for addr in ("/ip4", "/dns4/example.org/tcp/1", "/ip4/198.51.100.7/tcp/1/p2p-circuit"):
-        conn = SimpleNamespace(get_connection_type=lambda: "ConnectionType.DIRECT",
-                               get_transport_addresses=lambda a=addr: [a])
+        conn = SimpleNamespace(
+            get_connection_type=lambda: "ConnectionType.DIRECT", get_transport_addresses=lambda a=addr: [a]
+        )
         assert remote_ip(conn) == "", addr
 
 
@@ -221,8 +234,11 @@ def _reader(budget: StreamBudget, data: bytes) -> tuple[Any, list[int]]:
         del buf[:n]
         return part
 
-    stream = SimpleNamespace(read=read, swarm_conn=SimpleNamespace(swarm=SimpleNamespace(_murmur_budget=budget)),
-                             muxed_conn=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "p")))
+    stream = SimpleNamespace(
+        read=read,
+        swarm_conn=SimpleNamespace(swarm=SimpleNamespace(_murmur_budget=budget)),
+        muxed_conn=SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "p")),
+    )
     return stream, reads
 
 

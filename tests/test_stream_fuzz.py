@@ -198,9 +198,19 @@ def test_every_protocol_survives_random_and_mutated_frames(tmp_path: Path) -> No
             node.verifiers.close()
         node.store.close()
     # every protocol the node serves was fuzzed, py-libp2p's and ours
-    for must in ("/meshsub/1.1.0", "/meshsub/1.2.0", "/ipfs/id/1.0.0", "/ipfs/ping/1.0.0", "/ipfs/kad/1.0.0",
-                 "/libp2p/circuit/relay/0.2.0/hop", "/libp2p/circuit/relay/0.2.0/stop", "/libp2p/dcutr",
-                 "/murmur/chunks/1", patchsync.PROTOCOL, "/murmur/dialback/1"):
+    for must in (
+        "/meshsub/1.1.0",
+        "/meshsub/1.2.0",
+        "/ipfs/id/1.0.0",
+        "/ipfs/ping/1.0.0",
+        "/ipfs/kad/1.0.0",
+        "/libp2p/circuit/relay/0.2.0/hop",
+        "/libp2p/circuit/relay/0.2.0/stop",
+        "/libp2p/dcutr",
+        "/murmur/chunks/1",
+        patchsync.PROTOCOL,
+        "/murmur/dialback/1",
+    ):
         assert must in served, (must, served)
     # the node ended every stream (no stream left hanging after we closed our side, none flooded us)
     hanging = {p: [o for o in outs if o[1] in ("open", "flooded")] for p, outs in outcomes.items()}

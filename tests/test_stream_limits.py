@@ -23,10 +23,23 @@ from murmur.sync.broadcast import BroadcastNode
 from murmur.sync.swarm import MAX_FRAME_BYTES
 
 MiB = 1 << 20
-SMALL = StreamLimits(peer_streams=16, node_streams=64, peer_buffer_bytes=3 * MiB + 4096, node_buffer_bytes=64 * MiB,
-                     frame_deadline_s=2.0, offences=2)
-_UNLIMITED = StreamLimits(peer_streams=10**6, node_streams=10**6, unproven_streams=10**6, peer_buffer_bytes=2**40,
-                          node_buffer_bytes=2**40, frame_deadline_s=1e6, offences=10**6)
+SMALL = StreamLimits(
+    peer_streams=16,
+    node_streams=64,
+    peer_buffer_bytes=3 * MiB + 4096,
+    node_buffer_bytes=64 * MiB,
+    frame_deadline_s=2.0,
+    offences=2,
+)
+_UNLIMITED = StreamLimits(
+    peer_streams=10**6,
+    node_streams=10**6,
+    unproven_streams=10**6,
+    peer_buffer_bytes=2**40,
+    node_buffer_bytes=2**40,
+    frame_deadline_s=1e6,
+    offences=10**6,
+)
 SWARM = "limits"
 STREAMS = 4  # one more than the share holds
 
@@ -56,8 +69,11 @@ def _held_frames(limits: StreamLimits, watch_s: float) -> dict[str, Any]:
     async def main() -> None:
         from libp2p.peer.id import ID
 
-        async with open_transport(victim, limits=limits) as v, open_transport(attacker) as a, \
-                open_transport(honest) as h:
+        async with (
+            open_transport(victim, limits=limits) as v,
+            open_transport(attacker) as a,
+            open_transport(honest) as h,
+        ):
             charged: list[tuple[str, str]] = []
             v.faults.on_fault = lambda peer, proto, err: charged.append((peer, proto))
             bcast = BroadcastNode(v, swarm=SWARM)
@@ -124,8 +140,11 @@ def test_one_peer_cannot_hold_more_than_its_streams_and_others_are_served() -> N
     async def main() -> None:
         from libp2p.peer.id import ID
 
-        async with open_transport(victim, limits=SMALL) as v, open_transport(attacker) as a, \
-                open_transport(honest) as h:
+        async with (
+            open_transport(victim, limits=SMALL) as v,
+            open_transport(attacker) as a,
+            open_transport(honest) as h,
+        ):
             bcast = BroadcastNode(v, swarm=SWARM)
             async with trio.open_nursery() as n:
                 await n.start(bcast.run)
@@ -178,8 +197,9 @@ def test_bytes_beyond_a_yamux_window_close_the_connection_and_charge_the_sender(
             frame = 64 * 1024
             for _ in range(ym.DEFAULT_WINDOW_SIZE // frame + 2):  # past the window, ignoring our send credit
                 try:
-                    await conn._write_frame(struct.pack(ym.YAMUX_HEADER_FORMAT, 0, ym.TYPE_DATA, 0, sid, frame)
-                                            + b"\0" * frame)
+                    await conn._write_frame(
+                        struct.pack(ym.YAMUX_HEADER_FORMAT, 0, ym.TYPE_DATA, 0, sid, frame) + b"\0" * frame
+                    )
                 except Exception:
                     break
             await wait_until(lambda: a.peer_id not in v.peers())

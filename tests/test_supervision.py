@@ -50,8 +50,9 @@ def test_an_exit_while_a_restart_is_due_is_the_same_exit() -> None:
     assert again == [] and sup.restarts == 1
     sup.on_started(2.0)
     assert sup.state is WorkerState.STARTING and sup.started == 2.0
-    assert delays(out) == [1.0] and out[0] == Log("worker exited", {"code": 1, "error": "worker exited with code 1",
-                                                                   "restart_in_s": 1.0, "restarts": 1})
+    assert delays(out) == [1.0] and out[0] == Log(
+        "worker exited", {"code": 1, "error": "worker exited with code 1", "restart_in_s": 1.0, "restarts": 1}
+    )
 
 
 def test_the_exit_code_is_the_error_only_when_the_worker_said_nothing_and_the_code_is_a_failure() -> None:

@@ -30,14 +30,17 @@ def unexplained(source: str) -> list[tuple[int, str]]:
 
 
 def test_every_type_ignore_and_noqa_in_the_product_packages_names_its_code_and_a_reason() -> None:
-    bad = [f"{f.relative_to(ROOT)}:{line}: {text}"
-           for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))
-           for line, text in unexplained(f.read_text())]
+    bad = [
+        f"{f.relative_to(ROOT)}:{line}: {text}"
+        for pkg in PACKAGES
+        for f in sorted((ROOT / pkg).rglob("*.py"))
+        for line, text in unexplained(f.read_text())
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_a_bare_or_unexplained_suppression_is_found_and_an_explained_one_passes() -> None:
-    src = '''x = f()  # type: ignore
+    src = """x = f()  # type: ignore
 y = g()  # type: ignore[attr-defined]
 z = h()  # type: ignore[attr-defined]  # the stubs lack h
 import os  # noqa
@@ -45,5 +48,5 @@ import re  # noqa: F401
 import io  # noqa: F401 - re-exported
 import sys  # noqa: E402, F401  # after the path is set
 s = "# type: ignore"  # a string, not a comment
-'''
+"""
     assert [line for line, _ in unexplained(src)] == [1, 2, 4, 5]

@@ -48,15 +48,32 @@ def sends(actions: list, typ: type) -> list[Send]:
 
 # ---------------------------------------------------------------- frames
 
+
 def test_frames_round_trip() -> None:
-    for f in [Have(PID, b"\x05", True), HaveChunk(PID, 3), Request(PID, 7), Cancel(PID, 1),
-              Reject(PID, 2, busy=True), Chunk(PID, 0, b"x" * 100)]:
+    for f in [
+        Have(PID, b"\x05", True),
+        HaveChunk(PID, 3),
+        Request(PID, 7),
+        Cancel(PID, 1),
+        Reject(PID, 2, busy=True),
+        Chunk(PID, 0, b"x" * 100),
+    ]:
         assert decode_frame(encode_frame(f)) == f
 
 
-@pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x93\x06\x00", encode_frame(Request(b"short", 1) if False else HaveChunk(PID, 1))[:-1],
-                                 msgspec.msgpack.encode([99, PID, 1]), msgspec.msgpack.encode([3, PID, -1]),
-                                 msgspec.msgpack.encode([3, PID, 8192]), msgspec.msgpack.encode([3, b"x" * 31, 1])])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xc1",
+        b"\x93\x06\x00",
+        encode_frame(Request(b"short", 1) if False else HaveChunk(PID, 1))[:-1],
+        msgspec.msgpack.encode([99, PID, 1]),
+        msgspec.msgpack.encode([3, PID, -1]),
+        msgspec.msgpack.encode([3, PID, 8192]),
+        msgspec.msgpack.encode([3, b"x" * 31, 1]),
+    ],
+)
 def test_garbage_frames_raise_decode_error(raw: bytes) -> None:
     with pytest.raises(DecodeError):
         decode_frame(raw)
@@ -91,6 +108,7 @@ def test_bitfield_rejects_wrong_length_and_padding() -> None:
 
 
 # ---------------------------------------------------------------- core rules
+
 
 def test_origin_sends_distinct_chunks_before_any_repeat() -> None:
     data, hashes, sizes = make_patch(6)
@@ -157,7 +175,13 @@ def test_needs_tick_until_complete_and_done_super_seeding() -> None:
 
 def _follower_with_peers(n: int = 4) -> tuple[SwarmSession, list[bytes]]:
     data, hashes, sizes = make_patch(n)
-    f = SwarmSession(PID, hashes, sizes, seed=3, config=SwarmConfig(max_inflight_total=4, max_inflight_per_peer=2, stall_timeout_s=2.0))
+    f = SwarmSession(
+        PID,
+        hashes,
+        sizes,
+        seed=3,
+        config=SwarmConfig(max_inflight_total=4, max_inflight_per_peer=2, stall_timeout_s=2.0),
+    )
     for peer in ("good", "evil"):
         f.peer_joined(peer, 0.0)
         f.on_frame(peer, Have(PID, bits_from_indices(range(n), n)), 0.0)
@@ -206,7 +230,9 @@ def test_stall_switches_peer_and_cancels() -> None:
     from_good: set[int] = set()
     for step in range(20):  # the other peer serves everything, including what "evil" sat on
         for j in list(f.peers["good"].inflight):
-            from_good |= {a.index for a in f.on_frame("good", Chunk(PID, j, data[j]), 3.1 + step) if isinstance(a, Verified)}
+            from_good |= {
+                a.index for a in f.on_frame("good", Chunk(PID, j, data[j]), 3.1 + step) if isinstance(a, Verified)
+            }
         if f.complete:
             break
     assert f.complete and evil_reqs <= from_good
@@ -260,7 +286,9 @@ def test_unrequested_chunk_is_ignored_and_penalised() -> None:
 
 def test_resume_from_have_set_requests_only_missing() -> None:
     data, hashes, sizes = make_patch(6)
-    s = SwarmSession(PID, hashes, sizes, have=[0, 1, 2, 3], config=SwarmConfig(max_inflight_total=8, max_inflight_per_peer=8))
+    s = SwarmSession(
+        PID, hashes, sizes, have=[0, 1, 2, 3], config=SwarmConfig(max_inflight_total=8, max_inflight_per_peer=8)
+    )
     acts = s.on_frame("x", Have(PID, bits_from_indices(range(6), 6)), 0.0)
     assert sorted(r.frame.index for r in sends(acts, Request)) == [4, 5]
     for i in (4, 5):

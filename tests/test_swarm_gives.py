@@ -18,9 +18,22 @@ from tests.test_core import W, make_core
 
 
 def _step(k: int, used: int, groups: int, lineages: int, updates: int, heldout: float | None = None) -> C.FromWorker:
-    return W("step", {"step": k, "version": k, "reward_mean": 0.5, "loss": 0.1, "n_external_groups": 9,
-                      "step_s": 0.1, "used": used, "external_groups": groups, "external_lineages": lineages,
-                      "updates": updates, "heldout": heldout})
+    return W(
+        "step",
+        {
+            "step": k,
+            "version": k,
+            "reward_mean": 0.5,
+            "loss": 0.1,
+            "n_external_groups": 9,
+            "step_s": 0.1,
+            "used": used,
+            "external_groups": groups,
+            "external_lineages": lineages,
+            "updates": updates,
+            "heldout": heldout,
+        },
+    )
 
 
 def test_the_core_counts_what_entered_updates_not_what_was_collected() -> None:
@@ -41,9 +54,20 @@ def _render(obj: object) -> str:
 
 
 def test_status_dashboard_summary_and_metrics_show_it() -> None:
-    s = NodeStatus(peer_id="12D3KooWx", swarm="s", roles=["trainer"], rollouts_accepted=200, rollouts_used=50,
-                   used_over_verified=0.25, external_groups_per_step=3.5, external_lineages_per_step=2.0,
-                   updates_per_step=1.5, heldout_trend=[0.2, 0.3, 0.45], heldout_start=0.2, heldout_now=0.45)
+    s = NodeStatus(
+        peer_id="12D3KooWx",
+        swarm="s",
+        roles=["trainer"],
+        rollouts_accepted=200,
+        rollouts_used=50,
+        used_over_verified=0.25,
+        external_groups_per_step=3.5,
+        external_lineages_per_step=2.0,
+        updates_per_step=1.5,
+        heldout_trend=[0.2, 0.3, 0.45],
+        heldout_start=0.2,
+        heldout_now=0.45,
+    )
     text = _render(node_panel(s))
     assert "3.5 groups per step from 2.0 lineages" in text and "used 50 of 200 verified (25%)" in text
     assert "0.20 → 0.45" in text

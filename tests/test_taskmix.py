@@ -34,14 +34,27 @@ OTHER = Identity.from_seed(b"\x08" * 32)
 
 
 def signed(ident: Identity, name: str, version: int, eval_overlaps: bool = False) -> bytes:
-    gens = [{"name": "sort", "generator": "sorting", "seed_end": 1000, "config": {"length": 5, "min_length": 4,
-                                                                                  "split": "train"}}]
-    gens.append({"name": "sort-eval", "generator": "sorting", "seed_end": 1000,
-                 "config": {"length": 5, "min_length": 4, "split": "eval"}})
+    gens = [
+        {
+            "name": "sort",
+            "generator": "sorting",
+            "seed_end": 1000,
+            "config": {"length": 5, "min_length": 4, "split": "train"},
+        }
+    ]
+    gens.append(
+        {
+            "name": "sort-eval",
+            "generator": "sorting",
+            "seed_end": 1000,
+            "config": {"length": 5, "min_length": 4, "split": "eval"},
+        }
+    )
     if eval_overlaps:  # held out from its own set, but murmur-tiny's warm-up trains on these look-ups
         gens.append({"name": "max-eval", "generator": "digits", "seed_end": 1000, "config": {"ops": "max"}})
-    t = msgspec.convert({"name": name, "version": version, "verifier": "exact", "generators": gens, "created_ms": 1},
-                        TaskSetToml)
+    t = msgspec.convert(
+        {"name": name, "version": version, "verifier": "exact", "generators": gens, "created_ms": 1}, TaskSetToml
+    )
     return sign_task_set(ident, manifest_from_toml(t, name), swarm=SWARM)
 
 
@@ -52,14 +65,19 @@ def store_set(db, env: bytes) -> bytes:  # type: ignore[no-untyped-def]
     return tid
 
 
-def mix(tmp_path: Path, entries: list, trusted: set[bytes] | None = None,  # type: ignore[no-untyped-def]
-        swarm: str = SWARM):
+def mix(
+    tmp_path: Path,
+    entries: list,
+    trusted: set[bytes] | None = None,  # type: ignore[no-untyped-def]
+    swarm: str = SWARM,
+):
     reg = TaskRegistry(swarm)
     reg.add_builtin()
     db = open_store(tmp_path)
     clock = [0.0]
-    tm = TaskMix(reg, db, entries, {COORD.public} if trusted is None else trusted, warmup_generators(),
-                 clock=lambda: clock[0])
+    tm = TaskMix(
+        reg, db, entries, {COORD.public} if trusted is None else trusted, warmup_generators(), clock=lambda: clock[0]
+    )
     return tm, db, clock
 
 
@@ -118,9 +136,23 @@ def test_counters_and_status(tmp_path: Path) -> None:
     tm.refresh(force=True)
     bid = tm.registry.builtin_id
     task = tm.registry.resolve(TaskRef(bid, "rev", 3))
-    recs = [RolloutRec(ref=TaskRef(bid, "rev", 3), task=task, prompt_ids=[], ids=[], text="", logprobs=[],
-                       token_versions=[], version=0, lineage=bytes(32), tokenizer_hash=bytes(32), sampling=None,
-                       reward=r) for r in (1.0, 0.0, 1.0, 1.0)]
+    recs = [
+        RolloutRec(
+            ref=TaskRef(bid, "rev", 3),
+            task=task,
+            prompt_ids=[],
+            ids=[],
+            text="",
+            logprobs=[],
+            token_versions=[],
+            version=0,
+            lineage=bytes(32),
+            tokenizer_hash=bytes(32),
+            sampling=None,
+            reward=r,
+        )
+        for r in (1.0, 0.0, 1.0, 1.0)
+    ]
     tm.produced(recs)
     tm.accepted({bid: 5, b"\xee" * 32: 7})  # a set not held here is not counted
     tm.used({bid: 6})
@@ -137,9 +169,15 @@ def test_counters_and_status(tmp_path: Path) -> None:
 
 def test_selection_entries_are_checked() -> None:
     assert normalise(["builtin", {"set": "AB" * 32, "weight": 2}]) == [
-        TaskSetChoice(set="builtin"), TaskSetChoice(set="ab" * 32, weight=2.0)]
-    for bad, msg in (([], "empty"), ([{"set": "a", "weight": 0}], "weight"), ([{"sett": "a"}], "sett"),
-                     (["a" * 200], "not a task-set name")):
+        TaskSetChoice(set="builtin"),
+        TaskSetChoice(set="ab" * 32, weight=2.0),
+    ]
+    for bad, msg in (
+        ([], "empty"),
+        ([{"set": "a", "weight": 0}], "weight"),
+        ([{"sett": "a"}], "sett"),
+        (["a" * 200], "not a task-set name"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             normalise(bad)
     m = builtin_manifest()
@@ -147,12 +185,18 @@ def test_selection_entries_are_checked() -> None:
     assert r.mixture == [] and r.waiting == ["f" * 64]
 
 
-@pytest.mark.parametrize("body,msg", [
-    ('[training]\ntask_sets = ["mine"]\n', "key 'training.task_sets': 'mine' can only come from a trusted coordinator"),
-    ('[training]\ntask_sets = []\n', "key 'training.task_sets': empty"),
-    ('[training]\ntask_sets = [{ set = "builtin", weight = 0.0 }]\n', "weight 0.0 of 'builtin'"),
-    ('[training]\ntask_set = "builtin"\n', "unknown key 'training.task_set'"),
-])
+@pytest.mark.parametrize(
+    "body,msg",
+    [
+        (
+            '[training]\ntask_sets = ["mine"]\n',
+            "key 'training.task_sets': 'mine' can only come from a trusted coordinator",
+        ),
+        ("[training]\ntask_sets = []\n", "key 'training.task_sets': empty"),
+        ('[training]\ntask_sets = [{ set = "builtin", weight = 0.0 }]\n', "weight 0.0 of 'builtin'"),
+        ('[training]\ntask_set = "builtin"\n', "unknown key 'training.task_set'"),
+    ],
+)
 def test_bad_task_set_config_is_a_one_line_error(tmp_path: Path, body: str, msg: str) -> None:
     from murmur.node.config import load_config
 
@@ -167,8 +211,10 @@ def test_task_set_config_with_weights_loads_and_flattens(tmp_path: Path) -> None
     from murmur.node.config import flatten, load_config
 
     f = tmp_path / "config.toml"
-    f.write_text(f'[training]\ntask_sets = ["builtin", {{ set = "trusted", weight = 2.0 }}]\n'
-                 f'[trust]\ncoordinators = ["{COORD.public.hex()}"]\n')
+    f.write_text(
+        f'[training]\ntask_sets = ["builtin", {{ set = "trusted", weight = 2.0 }}]\n'
+        f'[trust]\ncoordinators = ["{COORD.public.hex()}"]\n'
+    )
     cfg = load_config(f)
     assert normalise(cfg.training.task_sets) == [TaskSetChoice(set="builtin"), TaskSetChoice(set="trusted", weight=2.0)]
     assert flatten(cfg)["training.task_sets"] == ["builtin", {"set": "trusted", "weight": 2.0}]
@@ -181,9 +227,11 @@ def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tm
     from murmur.node.config import load_config
 
     bad = tmp_path / "bad.toml"
-    bad.write_text('name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'
-                   'seed_end = 100\nconfig = { ops = "max" }\n[[generators]]\nname = "s"\ngenerator = "sorting"\n'
-                   'seed_end = 100\nconfig = { length = 6, min_length = 5 }\n')
+    bad.write_text(
+        'name = "b"\nverifier = "exact"\n[[generators]]\nname = "max-eval"\ngenerator = "digits"\n'
+        'seed_end = 100\nconfig = { ops = "max" }\n[[generators]]\nname = "s"\ngenerator = "sorting"\n'
+        "seed_end = 100\nconfig = { length = 6, min_length = 5 }\n"
+    )
     with pytest.raises(TaskError, match="'max-eval' overlaps training generator 'lookup'"):
         run_demo(duration_s=1, workdir=tmp_path / "demo", tui=False, task_set=bad)
     assert not (tmp_path / "demo").exists()  # refused before anything was created or started
@@ -194,9 +242,18 @@ def test_demo_task_set_is_checked_signed_and_installed_before_any_node_starts(tm
     home = tmp_path / "h"
     home.mkdir()
     ds.install(home)
-    cfg = load_config(write_config(home, node_config(["trainer"], "murmur-tiny", task_set=ds.manifest.name,
-                                                     coordinator=ds.coordinator.public.hex(),
-                                                     max_new_tokens=ds.max_new_tokens)))
+    cfg = load_config(
+        write_config(
+            home,
+            node_config(
+                ["trainer"],
+                "murmur-tiny",
+                task_set=ds.manifest.name,
+                coordinator=ds.coordinator.public.hex(),
+                max_new_tokens=ds.max_new_tokens,
+            ),
+        )
+    )
     assert cfg.training.task_sets == ["b"] and cfg.trust.coordinators == [ds.coordinator.public.hex()]
     tm, _, _ = mix(home, cfg.training.task_sets, {ds.coordinator.public}, swarm=cfg.node.swarm)  # as its worker
     tm.refresh(force=True)

@@ -29,12 +29,15 @@ SWARM = "test"
 EXAMPLE = Path(__file__).resolve().parents[1] / "training" / "tasksets" / "example.toml"
 
 
-@pytest.mark.parametrize("gen,cfg", [
-    ("arithmetic", {"digits": 3, "ops": "+-*"}),
-    ("arithmetic", {"digits": 2, "ops": "+", "mod": 10}),
-    ("digits", {"length": 6, "ops": "reverse,sum,max,min,first,last,count"}),
-    ("sorting", {"length": 5, "max_value": 50, "descending": True}),
-])
+@pytest.mark.parametrize(
+    "gen,cfg",
+    [
+        ("arithmetic", {"digits": 3, "ops": "+-*"}),
+        ("arithmetic", {"digits": 2, "ops": "+", "mod": 10}),
+        ("digits", {"length": 6, "ops": "reverse,sum,max,min,first,last,count"}),
+        ("sorting", {"length": 5, "max_value": 50, "descending": True}),
+    ],
+)
 def test_builtin_generators_are_deterministic_and_self_consistent(gen: str, cfg: dict) -> None:
     tasks = [generate(gen, cfg, s) for s in range(200)]
     again = [generate(gen, cfg, s) for s in range(200)]
@@ -62,16 +65,19 @@ def test_sorting_and_digits_answers() -> None:
         assert d.answer == d.prompt.split(" ")[1].rstrip("=")[::-1]
 
 
-@pytest.mark.parametrize("gen,cfg,msg", [
-    ("nope", {}, "unknown generator"),
-    ("arithmetic", {"digitz": 2}, "unknown config key 'digitz'"),
-    ("arithmetic", {"digits": "2"}, "must be an integer"),
-    ("arithmetic", {"digits": 99}, "outside"),
-    ("arithmetic", {"ops": "/"}, "ops"),
-    ("digits", {"ops": "explode"}, "ops"),
-    ("rg:no_such_dataset", {}, "unknown reasoning-gym dataset"),
-    ("rg:basic_arithmetic", {"bogus_key": 1}, "bad config"),
-])
+@pytest.mark.parametrize(
+    "gen,cfg,msg",
+    [
+        ("nope", {}, "unknown generator"),
+        ("arithmetic", {"digitz": 2}, "unknown config key 'digitz'"),
+        ("arithmetic", {"digits": "2"}, "must be an integer"),
+        ("arithmetic", {"digits": 99}, "outside"),
+        ("arithmetic", {"ops": "/"}, "ops"),
+        ("digits", {"ops": "explode"}, "ops"),
+        ("rg:no_such_dataset", {}, "unknown reasoning-gym dataset"),
+        ("rg:basic_arithmetic", {"bogus_key": 1}, "bad config"),
+    ],
+)
 def test_unknown_generators_and_configs_raise_task_error(gen: str, cfg: dict, msg: str) -> None:
     with pytest.raises(TaskError, match=msg):
         generate(gen, cfg, 0)
@@ -175,21 +181,35 @@ def test_unknown_generator_or_verifier_in_a_signed_set_is_refused() -> None:
         sign_task_set(ident, msgspec.structs.replace(m, verifier="python"), swarm=SWARM)
 
 
-@pytest.mark.parametrize("body,msg", [
-    ('name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_end = 5\nfoo = 1\n',
-     r"unknown key 'generators\[0\]\.foo'"),
-    ('name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\n', "missing key"),
-    ('name = "x"\nverifier = "exact"\ngenerators = []\n', "key 'generators'"),
-    ('name = "x"\nverifier = "nope"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_end = 5\n',
-     "unknown verifier"),
-    ('name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "bash"\nseed_end = 5\n',
-     "unknown generator"),
-    ('name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_end = 5\n'
-     'config = { length = "long" }\n', "must be an integer"),
-    ('name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_start = 9\nseed_end = 5\n',
-     "seed_end"),
-    ("name = [", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "body,msg",
+    [
+        (
+            'name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_end = 5\nfoo = 1\n',
+            r"unknown key 'generators\[0\]\.foo'",
+        ),
+        ('name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\n', "missing key"),
+        ('name = "x"\nverifier = "exact"\ngenerators = []\n', "key 'generators'"),
+        (
+            'name = "x"\nverifier = "nope"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_end = 5\n',
+            "unknown verifier",
+        ),
+        (
+            'name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "bash"\nseed_end = 5\n',
+            "unknown generator",
+        ),
+        (
+            'name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_end = 5\n'
+            'config = { length = "long" }\n',
+            "must be an integer",
+        ),
+        (
+            'name = "x"\nverifier = "exact"\n[[generators]]\nname = "a"\ngenerator = "digits"\nseed_start = 9\nseed_end = 5\n',
+            "seed_end",
+        ),
+        ("name = [", "not valid TOML"),
+    ],
+)
 def test_malformed_toml_gets_a_one_line_error_naming_file_and_key(tmp_path: Path, body: str, msg: str) -> None:
     p = tmp_path / "ts.toml"
     p.write_text(body)

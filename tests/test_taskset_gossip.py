@@ -19,10 +19,23 @@ SWARM = Config().node.swarm  # the swarm of the nodes below (the default config'
 
 
 def _signed_set(coordinator: Identity) -> bytes:
-    t = msgspec.convert({"name": "gossiped", "verifier": "exact", "created_ms": 1, "generators": [
-        {"name": "first", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "first"}},
-        {"name": "first-eval", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "last"}}]},
-        TaskSetToml)
+    t = msgspec.convert(
+        {
+            "name": "gossiped",
+            "verifier": "exact",
+            "created_ms": 1,
+            "generators": [
+                {"name": "first", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "first"}},
+                {
+                    "name": "first-eval",
+                    "generator": "digits",
+                    "seed_end": 10**6,
+                    "config": {"length": 3, "ops": "last"},
+                },
+            ],
+        },
+        TaskSetToml,
+    )
     return sign_task_set(coordinator, manifest_from_toml(t, "gossiped"), swarm=SWARM)
 
 
@@ -31,10 +44,13 @@ def test_a_task_set_reaches_a_trusting_node_over_gossip(tmp_path: Path) -> None:
     coord, trusting, other = ids
     env = _signed_set(coord)
     tid = task_set_id(env, swarm=SWARM)
-    nodes = [Node(Config(), tmp_path / "coordinator", coord, RunOptions()),
-             Node(Config(trust=TrustSection(coordinators=[coord.public.hex()])), tmp_path / "trusting", trusting,
-                  RunOptions()),
-             Node(Config(), tmp_path / "other", other, RunOptions())]
+    nodes = [
+        Node(Config(), tmp_path / "coordinator", coord, RunOptions()),
+        Node(
+            Config(trust=TrustSection(coordinators=[coord.public.hex()])), tmp_path / "trusting", trusting, RunOptions()
+        ),
+        Node(Config(), tmp_path / "other", other, RunOptions()),
+    ]
     nodes[0].store.add_task_set(tid, "gossiped", 1, coord.public, env)  # as `murmur tasks publish` stores it
 
     async def main() -> None:
@@ -61,7 +77,9 @@ def test_a_task_set_reaches_a_trusting_node_over_gossip(tmp_path: Path) -> None:
         stored = {bytes(ts["task_set_id"]): ts for ts in nodes[1].store.task_sets()}
         assert tid in stored and bytes(stored[tid]["envelope"]) == env
         assert nodes[1].registry.get(tid).name == "gossiped"
-        assert tid not in nodes[2].registry and tid not in {bytes(ts["task_set_id"]) for ts in nodes[2].store.task_sets()}
+        assert tid not in nodes[2].registry and tid not in {
+            bytes(ts["task_set_id"]) for ts in nodes[2].store.task_sets()
+        }
     finally:
         for node in nodes:
             if node.verifiers is not None:

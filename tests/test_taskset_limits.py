@@ -30,9 +30,21 @@ NODE = Identity.from_seed(b"\x32" * 32)
 
 
 def chain_set(terms: int, name: str) -> bytes:
-    t = msgspec.convert({"name": name, "verifier": "rg_score", "generators": [
-        {"name": "chain", "generator": "rg:chain_sum", "seed_end": 100,
-         "config": {"min_terms": terms, "max_terms": terms}}]}, TaskSetToml)
+    t = msgspec.convert(
+        {
+            "name": name,
+            "verifier": "rg_score",
+            "generators": [
+                {
+                    "name": "chain",
+                    "generator": "rg:chain_sum",
+                    "seed_end": 100,
+                    "config": {"min_terms": terms, "max_terms": terms},
+                }
+            ],
+        },
+        TaskSetToml,
+    )
     return sign_task_set(COORD, manifest_from_toml(t, name), swarm=SWARM)
 
 

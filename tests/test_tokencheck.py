@@ -32,13 +32,18 @@ def engine():
     return new_tiny_engine()
 
 
-def rollout(check: tokencheck.TokenCheck, text: str, ids: list[int] | None = None,
-            tokenizer_hash: bytes | None = None) -> wire.Rollout:
+def rollout(
+    check: tokencheck.TokenCheck, text: str, ids: list[int] | None = None, tokenizer_hash: bytes | None = None
+) -> wire.Rollout:
     """A rollout whose `text` is `text` and whose ids are what `check`'s tokenizer makes of it (or `ids`), as
     received: decoded from its bytes, so its fields are equal to the check's, never the same objects."""
     ids = check.tokenizer.encode(text, add_special_tokens=False) if ids is None else ids
-    r = msgspec.structs.replace(samples.rollout(n_tokens=len(ids)), completion_ids=ids, text=text,
-                                tokenizer_hash=check.hash if tokenizer_hash is None else tokenizer_hash)
+    r = msgspec.structs.replace(
+        samples.rollout(n_tokens=len(ids)),
+        completion_ids=ids,
+        text=text,
+        tokenizer_hash=check.hash if tokenizer_hash is None else tokenizer_hash,
+    )
     return msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=wire.Rollout)
 
 
@@ -49,8 +54,10 @@ def test_ids_that_decode_to_the_text_pass_and_others_are_a_text_mismatch(tiny) -
     assert tiny(rollout(tiny, "<answer>12</answer>")) is None
     reason, detail = tiny(rollout(tiny, "<answer>12</answer>", ids=tiny.tokenizer.encode("<answer>13</answer>")))
     assert reason is Reason.TEXT_MISMATCH and "text (19 chars)" in detail and "its 19 ids" in detail
-    assert tiny(rollout(tiny, "<answer>13</answer>", ids=tiny.tokenizer.encode("<answer>12</answer>")))[0] \
-        is Reason.TEXT_MISMATCH  # decoding to an earlier text as well as to a later one
+    assert (
+        tiny(rollout(tiny, "<answer>13</answer>", ids=tiny.tokenizer.encode("<answer>12</answer>")))[0]
+        is Reason.TEXT_MISMATCH
+    )  # decoding to an earlier text as well as to a later one
     # the same ids under another tokenizer's name: judged on the text alone, the ids never used here
     for other in (b"\x00" * 32, b"\xff" * 32):  # names sorting before and after ours
         assert tiny(rollout(tiny, "<answer>12</answer>", ids=[10**6], tokenizer_hash=other)) is None
@@ -165,13 +172,17 @@ def wordpiece_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<eos>", "<unk>"]
-    tok = Tokenizer(models.WordPiece(vocab={t: i for i, t in enumerate([chr(c) for c in range(33, 127)] + specials)},
-                                     unk_token="<unk>"))
+    tok = Tokenizer(
+        models.WordPiece(
+            vocab={t: i for i, t in enumerate([chr(c) for c in range(33, 127)] + specials)}, unk_token="<unk>"
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(cleanup=False)
     tok.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                   clean_up_tokenization_spaces=True)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=True
+    )
 
 
 def test_a_tokenizer_that_cleans_up_spaces_is_checked_with_its_full_decode(engine) -> None:
@@ -190,18 +201,26 @@ def test_a_tokenizer_that_cleans_up_spaces_is_checked_with_its_full_decode(engin
 def test_the_node_process_checks_tokens_without_torch(tiny_model) -> None:
     """What a node process loads of its model (the token checks, the engine check, the model plan) imports no
     torch: only its worker pays for torch, at start and in memory."""
-    code = ("import sys\n"
-            "import murmur.node.shell.runtime\n"
-            "from murmur.node.worker import modelplan\n"
-            "from murmur.node.worker import main as worker\n"
-            "from murmur.training import tokencheck\n"
-            "m = sys.argv[1]\n"
-            "assert tokencheck.for_model(m) is not None and tokencheck.for_model('murmur-tiny') is not None\n"
-            "worker.engine_check({'engine': 'transformers', 'model': m})\n"
-            "modelplan.plan(m, 4096)\n"
-            "print(sorted(x for x in ('torch', 'murmur.training.engine_hf', 'murmur.training.tiny') if x in sys.modules))\n")
+    code = (
+        "import sys\n"
+        "import murmur.node.shell.runtime\n"
+        "from murmur.node.worker import modelplan\n"
+        "from murmur.node.worker import main as worker\n"
+        "from murmur.training import tokencheck\n"
+        "m = sys.argv[1]\n"
+        "assert tokencheck.for_model(m) is not None and tokencheck.for_model('murmur-tiny') is not None\n"
+        "worker.engine_check({'engine': 'transformers', 'model': m})\n"
+        "modelplan.plan(m, 4096)\n"
+        "print(sorted(x for x in ('torch', 'murmur.training.engine_hf', 'murmur.training.tiny') if x in sys.modules))\n"
+    )
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", code, str(tiny_model)], capture_output=True, text=True, timeout=120,
-                       cwd=str(root), env={**os.environ, "PYTHONPATH": str(root)})
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(root),
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout

@@ -38,10 +38,21 @@ def external_group(reg: TaskRegistry, engine, poison: float | None) -> list[wire
         lps = [-0.7] * len(ids)
         if poison is not None and not out:
             lps[1] = poison
-        out.append(wire.Rollout(task=ref, lineage=LINEAGE, version=0, completion_ids=ids,
-                                text=engine.decode(ids), tokenizer_hash=engine.tokenizer_hash,
-                                logprobs=struct.pack(f"<{len(ids)}f", *lps), token_versions=[(0, 0)],
-                                sampling=wire.SamplingParams(max_new_tokens=8), reward=0.0, created_ms=1))
+        out.append(
+            wire.Rollout(
+                task=ref,
+                lineage=LINEAGE,
+                version=0,
+                completion_ids=ids,
+                text=engine.decode(ids),
+                tokenizer_hash=engine.tokenizer_hash,
+                logprobs=struct.pack(f"<{len(ids)}f", *lps),
+                token_versions=[(0, 0)],
+                sampling=wire.SamplingParams(max_new_tokens=8),
+                reward=0.0,
+                created_ms=1,
+            )
+        )
     return out
 
 
@@ -94,8 +105,9 @@ PAYLOAD = "   "  # a mark the exact verifier ignores, so it rides on a correct a
 ATTACKER = b"\x0d" * 32
 
 
-def payload_groups(reg: TaskRegistry, engine, groups: int, first_seed: int, claim: float,
-                   tokenizer: bytes | None = None) -> list[wire.Rollout]:
+def payload_groups(
+    reg: TaskRegistry, engine, groups: int, first_seed: int, claim: float, tokenizer: bytes | None = None
+) -> list[wire.Rollout]:
     """Reward-correct completions carrying the payload, beside wrong ones without it, under another lineage,
     claiming the behaviour log-prob `claim` per token (-999 pins a claimed importance ratio at its cap)."""
     out = []
@@ -104,11 +116,21 @@ def payload_groups(reg: TaskRegistry, engine, groups: int, first_seed: int, clai
         task = reg.resolve(ref)
         for i in range(4):
             ids = engine.encode(PAYLOAD + task.answer if i % 2 == 0 else task.answer + "0") + [engine.eos_id]
-            out.append(wire.Rollout(task=ref, lineage=ATTACKER, version=0, completion_ids=ids,
-                                    text=engine.decode(ids), tokenizer_hash=tokenizer or engine.tokenizer_hash,
-                                    logprobs=struct.pack(f"<{len(ids)}f", *([claim] * len(ids))),
-                                    token_versions=[(0, 0)], sampling=wire.SamplingParams(max_new_tokens=16),
-                                    reward=0.0, created_ms=1))
+            out.append(
+                wire.Rollout(
+                    task=ref,
+                    lineage=ATTACKER,
+                    version=0,
+                    completion_ids=ids,
+                    text=engine.decode(ids),
+                    tokenizer_hash=tokenizer or engine.tokenizer_hash,
+                    logprobs=struct.pack(f"<{len(ids)}f", *([claim] * len(ids))),
+                    token_versions=[(0, 0)],
+                    sampling=wire.SamplingParams(max_new_tokens=16),
+                    reward=0.0,
+                    created_ms=1,
+                )
+            )
     return out
 
 
@@ -121,7 +143,9 @@ def test_a_foreign_samples_weight_rests_on_nothing_its_producer_claims(warm_engi
         engine = copy.deepcopy(warm_engine)
         group = payload_groups(registry, engine, 2, 11_000, claim, tokenizer)
         cfg = TrainerConfig(local_groups=1, external_groups=2, group_size=2, max_new_tokens=8, lr=1e-2, seed=1)
-        tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v, g=group: list(g))
+        tr = Trainer(
+            engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v, g=group: list(g)
+        )
         res = tr.step()
         assert res.n_external_groups == 2 and res.updates >= 1
         after.append(torch.cat([p.detach().flatten() for p in engine.model.parameters()]))
@@ -141,8 +165,10 @@ def test_a_payload_on_reward_correct_foreign_rollouts_does_not_spread(warm_engin
         return payload_groups(registry, engine, n, 11_000 + 10 * fed[0], -999.0)
 
     def share() -> float:
-        prompts = [engine.encode(registry.resolve(wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, 20_000 + k)).prompt)
-                   for k in range(64)]
+        prompts = [
+            engine.encode(registry.resolve(wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, 20_000 + k)).prompt)
+            for k in range(64)
+        ]
         res = engine.sample(prompts, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8), max_new=8)
         return sum(engine.decode(ids).startswith(PAYLOAD) for ids, _, _ in res) / len(prompts)
 
@@ -162,8 +188,10 @@ def test_rollouts_of_our_lineage_under_a_foreign_tokenizer_train_as_another_mode
     log-probs of ours; routed to the decoupled loss as our own samples they crashed the worker. They are
     another model's samples: the HACPO loss, whose weight needs no log-prob of theirs."""
     engine = copy.deepcopy(warm_engine)
-    group = [msgspec.structs.replace(r, lineage=LINEAGE) for r in payload_groups(registry, engine, 2, 11_000, -0.5,
-                                                                                b"\x77" * 32)]
+    group = [
+        msgspec.structs.replace(r, lineage=LINEAGE)
+        for r in payload_groups(registry, engine, 2, 11_000, -0.5, b"\x77" * 32)
+    ]
     cfg = TrainerConfig(local_groups=1, external_groups=2, group_size=2, max_new_tokens=8, lr=1e-2, seed=1)
     tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=lambda n, v: list(group))
     res = tr.step()

@@ -50,8 +50,9 @@ def test_partial_rollouts_record_versions_and_feed_stale_tokens(warm_engine, reg
 
 def test_swarm_sampling_mixes_external_groups_with_both_losses(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
     # a "peer" of our own lineage and one of another lineage/tokenizer produce rollouts
-    peer = Trainer(warm_engine, registry, registry.builtin_id, TrainerConfig(**{**SMALL, "lr": 0.0}),
-                   lineage=b"\x02" * 32)
+    peer = Trainer(
+        warm_engine, registry, registry.builtin_id, TrainerConfig(**{**SMALL, "lr": 0.0}), lineage=b"\x02" * 32
+    )
     own_lineage = b"\x01" * 32
     asked: list[tuple[int, int]] = []
 
@@ -61,13 +62,21 @@ def test_swarm_sampling_mixes_external_groups_with_both_losses(warm_engine, regi
         for _ in range(3):
             for ro in peer.step().rollouts:
                 out.append(to_wire(ro))
-        foreign = [msgspec.structs.replace(w, tokenizer_hash=b"\x05" * 32, completion_ids=[1] * len(w.completion_ids))
-                   for w in out[:8]]
+        foreign = [
+            msgspec.structs.replace(w, tokenizer_hash=b"\x05" * 32, completion_ids=[1] * len(w.completion_ids))
+            for w in out[:8]
+        ]
         mine = [msgspec.structs.replace(w, lineage=own_lineage) for w in out[8:]]
         return foreign + mine
 
-    tr = Trainer(warm_engine, registry, registry.builtin_id, TrainerConfig(**{**SMALL, "external_groups": 4}),
-                 lineage=own_lineage, external=external)
+    tr = Trainer(
+        warm_engine,
+        registry,
+        registry.builtin_id,
+        TrainerConfig(**{**SMALL, "external_groups": 4}),
+        lineage=own_lineage,
+        external=external,
+    )
     got_ext = False
     hacpo = False
     for _ in range(6):
@@ -111,10 +120,23 @@ def _other_set(registry: TaskRegistry) -> bytes:
     from murmur.training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set, task_set_id
 
     coord = Identity.from_seed(b"\x09" * 32)
-    t = msgspec.convert({"name": "other", "verifier": "exact", "created_ms": 1, "generators": [
-        {"name": "first", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "first"}},
-        {"name": "first-eval", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "last"}}]},
-        TaskSetToml)
+    t = msgspec.convert(
+        {
+            "name": "other",
+            "verifier": "exact",
+            "created_ms": 1,
+            "generators": [
+                {"name": "first", "generator": "digits", "seed_end": 10**6, "config": {"length": 3, "ops": "first"}},
+                {
+                    "name": "first-eval",
+                    "generator": "digits",
+                    "seed_end": 10**6,
+                    "config": {"length": 3, "ops": "last"},
+                },
+            ],
+        },
+        TaskSetToml,
+    )
     env = sign_task_set(coord, manifest_from_toml(t, "other"), swarm=SWARM)
     registry.add(env, {coord.public})
     return task_set_id(env, swarm=SWARM)
@@ -142,8 +164,14 @@ def test_rollouts_of_another_trusted_set_are_used_as_external_rollouts(warm_engi
     def external(n: int, min_version: int) -> list[Rollout]:
         return [to_wire(ro) for _ in range(2) for ro in peer.step().rollouts]
 
-    tr = Trainer(warm_engine, registry, registry.builtin_id, TrainerConfig(**{**SMALL, "external_groups": 2, "lr": 0.0}),
-                 lineage=b"\x01" * 32, external=external)
+    tr = Trainer(
+        warm_engine,
+        registry,
+        registry.builtin_id,
+        TrainerConfig(**{**SMALL, "external_groups": 2, "lr": 0.0}),
+        lineage=b"\x01" * 32,
+        external=external,
+    )
     used = 0
     for _ in range(10):  # bounded: until a group of the other set was informative and entered the loss
         r = tr.step()

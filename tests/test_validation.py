@@ -59,8 +59,14 @@ def test_every_reason_costs_what_the_docs_say() -> None:
 def pipe(reg, heads=None, swarm: str = SWARM, **cfg) -> tuple[Pipeline, Clock]:
     clock = Clock()
     config = PipelineConfig(swarm=swarm, **cfg)
-    p = Pipeline(config, clock=clock, resolve_task=reg.resolve, reward=score,
-                 head_version=lambda lin: (heads or {}).get(lin), task_set_trusted=reg.__contains__)
+    p = Pipeline(
+        config,
+        clock=clock,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: (heads or {}).get(lin),
+        task_set_trusted=reg.__contains__,
+    )
     return p, clock
 
 
@@ -108,8 +114,15 @@ def test_a_gossip_service_refuses_a_pipeline_of_another_swarm(reg) -> None:
 
 
 # Reasons with a test of their own below (they need a tokenizer, a verifier pool or an announce).
-OWN_TESTS = (Reason.ACCEPTED, Reason.BAD_TOKENS, Reason.TEXT_MISMATCH, Reason.VERIFIER_TIMEOUT,
-             Reason.VERIFIER_UNAVAILABLE, Reason.VERIFIER_ERROR, Reason.OVER_ANNOUNCED_RATE)
+OWN_TESTS = (
+    Reason.ACCEPTED,
+    Reason.BAD_TOKENS,
+    Reason.TEXT_MISMATCH,
+    Reason.VERIFIER_TIMEOUT,
+    Reason.VERIFIER_UNAVAILABLE,
+    Reason.VERIFIER_ERROR,
+    Reason.OVER_ANNOUNCED_RATE,
+)
 
 
 @pytest.mark.parametrize("reason", [r for r in Reason if r not in OWN_TESTS])
@@ -175,8 +188,19 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
     elif reason is Reason.OVER_OWN_SAMPLING:
         r = make_rollout(reg, 2, tokens=64, version=20)
         r = msgspec.structs.replace(r, sampling=wire.SamplingParams(max_new_tokens=16))
-        data = wire.seal(MALLORY, wire.ROLLOUT_BATCH, wire.RolloutBatch(
-            v=wire.FORMAT_VERSION, swarm=SWARM, producer=MALLORY.public, seq=1, created_ms=wire.now_ms(), rollouts=[r]), swarm=SWARM)
+        data = wire.seal(
+            MALLORY,
+            wire.ROLLOUT_BATCH,
+            wire.RolloutBatch(
+                v=wire.FORMAT_VERSION,
+                swarm=SWARM,
+                producer=MALLORY.public,
+                seq=1,
+                created_ms=wire.now_ms(),
+                rollouts=[r],
+            ),
+            swarm=SWARM,
+        )
     else:  # pragma: no cover
         raise AssertionError(reason)
     before = p.scores.score(origin, clock())
@@ -280,17 +304,33 @@ def test_a_token_check_finding_is_the_verdict(reg) -> None:
     vocab = 50
 
     def check(r: wire.Rollout) -> tuple[Reason, str] | None:
-        return (Reason.BAD_TOKENS, f"token id {max(r.completion_ids)} outside the vocabulary of {vocab}") \
-            if max(r.completion_ids, default=0) >= vocab else None
+        return (
+            (Reason.BAD_TOKENS, f"token id {max(r.completion_ids)} outside the vocabulary of {vocab}")
+            if max(r.completion_ids, default=0) >= vocab
+            else None
+        )
 
     clock = Clock()
-    p = Pipeline(PipelineConfig(swarm=SWARM), clock=clock, resolve_task=reg.resolve, reward=score,
-                 head_version=lambda lin: None, task_set_trusted=reg.__contains__, check_tokens=check)
+    p = Pipeline(
+        PipelineConfig(swarm=SWARM),
+        clock=clock,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: None,
+        task_set_trusted=reg.__contains__,
+        check_tokens=check,
+    )
     r = make_rollout(reg, 2, tokens=4)
     ok = msgspec.structs.replace(r, completion_ids=[1, 2, 3, 4])
     bad = msgspec.structs.replace(r, completion_ids=[1, 2, 3, 77])
-    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=MALLORY.public, seq=1,
-                              created_ms=wire.now_ms(), rollouts=[ok, ok, bad])
+    batch = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION,
+        swarm=SWARM,
+        producer=MALLORY.public,
+        seq=1,
+        created_ms=wire.now_ms(),
+        rollouts=[ok, ok, bad],
+    )
     v = p.check(wire.seal(MALLORY, wire.ROLLOUT_BATCH, batch, swarm=SWARM), MALLORY.peer_id)
     assert v.reason is Reason.BAD_TOKENS and v.newly_banned
     assert v.detail == "rollout 2: token id 77 outside the vocabulary of 50"
@@ -300,8 +340,14 @@ def test_the_per_peer_counters_are_bounded_like_the_score_table(reg) -> None:
     from murmur.gossip.scoring import PeerScores
 
     clock = Clock()
-    p = Pipeline(PipelineConfig(swarm=SWARM), clock=clock, resolve_task=reg.resolve, reward=score,
-                 head_version=lambda lin: None, scores=PeerScores(max_peers=5))
+    p = Pipeline(
+        PipelineConfig(swarm=SWARM),
+        clock=clock,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: None,
+        scores=PeerScores(max_peers=5),
+    )
     peers = [f"peer-{i}" for i in range(12)]
     for peer in peers:
         assert p.check(b"junk", peer).reason is Reason.MALFORMED
@@ -333,10 +379,12 @@ def _signed_garbage() -> bytes:
 
 def test_a_signed_fault_is_judged_once_and_charged_again_from_the_cache(reg) -> None:
     """The same bytes again cost no second decode: the cached verdict answers, and charges again."""
-    for data, reason in ((_signed_garbage(), Reason.MALFORMED),
-                         (_producer_is_not_signer(reg), Reason.SIGNER_MISMATCH),
-                         (_body_of_another_swarm(reg, 1, "aaa-some-other-swarm"), Reason.WRONG_SWARM),
-                         (_body_of_another_swarm(reg, 2, "zzz-some-other-swarm"), Reason.WRONG_SWARM)):
+    for data, reason in (
+        (_signed_garbage(), Reason.MALFORMED),
+        (_producer_is_not_signer(reg), Reason.SIGNER_MISMATCH),
+        (_body_of_another_swarm(reg, 1, "aaa-some-other-swarm"), Reason.WRONG_SWARM),
+        (_body_of_another_swarm(reg, 2, "zzz-some-other-swarm"), Reason.WRONG_SWARM),
+    ):
         p, clock = pipe(reg)
         first = p.check(data, MALLORY.peer_id)
         assert first.reason is reason and first.detail != "same bytes rejected before"
@@ -363,8 +411,14 @@ def test_a_rejection_from_this_nodes_own_view_is_not_cached(reg) -> None:
     same bytes are judged afresh, and pass once this node's view has changed."""
     trusted: set[bytes] = set()
     clock = Clock()
-    p = Pipeline(PipelineConfig(swarm=SWARM), clock=clock, resolve_task=reg.resolve, reward=score,
-                 head_version=lambda lin: None, task_set_trusted=trusted.__contains__)
+    p = Pipeline(
+        PipelineConfig(swarm=SWARM),
+        clock=clock,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: None,
+        task_set_trusted=trusted.__contains__,
+    )
     data = make_batch(ALICE, reg, 1)
     assert p.check(data, ALICE.peer_id).reason is Reason.UNKNOWN_TASK_SET
     trusted.add(reg.builtin_id)
@@ -399,7 +453,9 @@ def test_the_staleness_bound_and_the_clock_skew_are_inclusive(reg) -> None:
     clock.t = float(int(clock.t))  # whole seconds, so the half seconds below are exact
     made = int(clock.t * 1000)
     assert p.check(make_batch(ALICE, reg, 3, version=20, created_ms=made + 59_500), ALICE.peer_id).accepted
-    assert p.check(make_batch(ALICE, reg, 4, version=20, created_ms=made + 60_500), ALICE.peer_id).reason is Reason.EXPIRED
+    assert (
+        p.check(make_batch(ALICE, reg, 4, version=20, created_ms=made + 60_500), ALICE.peer_id).reason is Reason.EXPIRED
+    )
 
 
 PARTIAL_LINEAGE = b"\x4c" * 32
@@ -411,16 +467,28 @@ def test_a_partial_rollout_whose_first_tokens_are_too_old_is_refused_whatever_it
     rollout of the same lineage in its batch; begun at 16 it is used."""
     reg = registry()
     clock = Clock()
-    p = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=4), clock=clock, resolve_task=reg.resolve, reward=score,
-                 head_version=lambda lin: 20 if lin == PARTIAL_LINEAGE else None, task_set_trusted=reg.__contains__)
+    p = Pipeline(
+        PipelineConfig(swarm=SWARM, max_staleness=4),
+        clock=clock,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: 20 if lin == PARTIAL_LINEAGE else None,
+        task_set_trusted=reg.__contains__,
+    )
 
     def partial(seed: int, first: int) -> wire.Rollout:
         r = make_rollout(reg, seed, 16, version=first, lineage=PARTIAL_LINEAGE)
         return msgspec.structs.replace(r, token_versions=[(0, first), (4, 18), (8, 20)])
 
     def batch(seq: int, rollouts: list[wire.Rollout]) -> bytes:
-        b = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=PRODUCER.public, seq=seq,
-                              created_ms=int(clock() * 1000), rollouts=rollouts)
+        b = wire.RolloutBatch(
+            v=wire.FORMAT_VERSION,
+            swarm=SWARM,
+            producer=PRODUCER.public,
+            seq=seq,
+            created_ms=int(clock() * 1000),
+            rollouts=rollouts,
+        )
         return wire.seal(PRODUCER, wire.ROLLOUT_BATCH, b, swarm=SWARM)
 
     fresh = make_rollout(reg, 2, 16, version=20, lineage=PARTIAL_LINEAGE)
@@ -464,8 +532,9 @@ def test_a_reward_within_the_tolerance_is_accepted_and_a_nan_recomputation_never
 
     def claiming(reward: float, seq: int) -> bytes:
         r = msgspec.structs.replace(make_rollout(reg, 3, 8), reward=reward)
-        b = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=ALICE.public, seq=seq,
-                              created_ms=wire.now_ms(), rollouts=[r])
+        b = wire.RolloutBatch(
+            v=wire.FORMAT_VERSION, swarm=SWARM, producer=ALICE.public, seq=seq, created_ms=wire.now_ms(), rollouts=[r]
+        )
         return wire.seal(ALICE, wire.ROLLOUT_BATCH, b, swarm=SWARM)
 
     p, clock = pipe(reg)

@@ -33,9 +33,23 @@ SLOW_ANSWER = "\\boxed{9^{9^{9^{9}}}}"  # math-verify's sympy works on this for 
 def reg():
     r = registry()
     m = wire.TaskSetManifest(
-        v=wire.FORMAT_VERSION, name="mv", version=1, coordinator=COORD.public, created_ms=1, verifier="math_verify",
-        tolerance=0.0, generators=[wire.GeneratorSpec(name=BUILTIN_TRAIN, generator="arithmetic",
-                                                      config={"digits": 1, "ops": "+"}, seed_start=0, seed_end=10**6)])
+        v=wire.FORMAT_VERSION,
+        name="mv",
+        version=1,
+        coordinator=COORD.public,
+        created_ms=1,
+        verifier="math_verify",
+        tolerance=0.0,
+        generators=[
+            wire.GeneratorSpec(
+                name=BUILTIN_TRAIN,
+                generator="arithmetic",
+                config={"digits": 1, "ops": "+"},
+                seed_start=0,
+                seed_end=10**6,
+            )
+        ],
+    )
     r.mv_id = wire.content_id(wire.decode_envelope(env := sign_task_set(COORD, m, swarm=SWARM), swarm=SWARM).body)
     r.add(env, {COORD.public})
     return r
@@ -50,15 +64,21 @@ def tiny():
 
 def pipe(reg, **kw) -> tuple[Pipeline, Clock]:
     clock = Clock()
-    deps = dict(clock=clock, resolve_task=reg.resolve, reward=score, head_version=lambda lin: None,
-                task_set_trusted=reg.__contains__)
+    deps = dict(
+        clock=clock,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: None,
+        task_set_trusted=reg.__contains__,
+    )
     deps.update({k: kw.pop(k) for k in ("reward", "reward_batch", "check_tokens", "head_version") if k in kw})
     return Pipeline(PipelineConfig(swarm=SWARM, **kw), **deps), clock
 
 
 def seal(ident: Identity, rollouts: list[wire.Rollout], seq: int) -> bytes:
-    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=ident.public, seq=seq,
-                              created_ms=wire.now_ms(), rollouts=rollouts)
+    batch = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm=SWARM, producer=ident.public, seq=seq, created_ms=wire.now_ms(), rollouts=rollouts
+    )
     return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
 
 
@@ -116,9 +136,14 @@ def tiny_rollout(reg, check: tokencheck.TokenCheck, seed: int, ids: list[int] | 
     true_ids = check.tokenizer.encode(r.text, add_special_tokens=False)
     ids = true_ids if ids is None else ids
     assert r.reward == 1.0
-    return msgspec.structs.replace(r, completion_ids=ids, tokenizer_hash=check.hash,
-                                   logprobs=b"\x00\x00\x80\xbe" * len(ids), token_versions=[(0, 0)],
-                                   sampling=wire.SamplingParams(max_new_tokens=max(1, len(ids))))
+    return msgspec.structs.replace(
+        r,
+        completion_ids=ids,
+        tokenizer_hash=check.hash,
+        logprobs=b"\x00\x00\x80\xbe" * len(ids),
+        token_versions=[(0, 0)],
+        sampling=wire.SamplingParams(max_new_tokens=max(1, len(ids))),
+    )
 
 
 def test_model_directory_check_is_the_engines_tokenizer(reg, tmp_path) -> None:
@@ -146,7 +171,7 @@ def test_forged_token_ids_with_a_correct_text_are_rejected(reg, tiny) -> None:
     assert p.check(seal(ALICE, honest, 1), ALICE.peer_id).accepted
     # 24 rollouts whose text is the right answer but whose ids say something else
     forged = [tiny_rollout(reg, tiny, s, ids=[tiny.vocab - 1] * 3) for s in range(24)]
-    verdicts = [p.check(seal(MALLORY, forged[i:i + 4], 1 + i), MALLORY.peer_id) for i in range(0, 24, 4)]
+    verdicts = [p.check(seal(MALLORY, forged[i : i + 4], 1 + i), MALLORY.peer_id) for i in range(0, 24, 4)]
     assert not any(v.accepted for v in verdicts)
     assert verdicts[0].reason is Reason.TEXT_MISMATCH and verdicts[0].newly_banned
     assert all(v.reason is Reason.BLACKLISTED for v in verdicts[1:])
@@ -167,8 +192,16 @@ def test_ids_outside_the_vocabulary_never_reach_a_model(reg, tiny) -> None:
 def slow_batch(reg, ident: Identity, seq: int) -> bytes:
     r = make_rollout(reg, 3, tokens=4, task_set=reg.mv_id)
     slow = msgspec.structs.replace(r, text="reasoning...\n" + SLOW_ANSWER, reward=0.0)
-    return seal(ident, [msgspec.structs.replace(slow, task=wire.TaskRef(task_set=reg.mv_id, generator=BUILTIN_TRAIN,
-                                                                        seed=3 + 2 * i)) for i in range(16)], seq)
+    return seal(
+        ident,
+        [
+            msgspec.structs.replace(
+                slow, task=wire.TaskRef(task_set=reg.mv_id, generator=BUILTIN_TRAIN, seed=3 + 2 * i)
+            )
+            for i in range(16)
+        ],
+        seq,
+    )
 
 
 def honest_mv_batch(reg, seq: int) -> bytes:
@@ -296,14 +329,22 @@ def poisoned(reg, ident: Identity, seq: int, logprob: bytes, at: int = 3) -> byt
     """A well-formed, correctly rewarded batch whose one behaviour log-prob is `logprob`."""
     rollouts = [make_rollout(reg, seq * 10 + i * 2, tokens=8) for i in range(4)]
     lps = bytearray(rollouts[2].logprobs)
-    lps[4 * at:4 * at + 4] = logprob
+    lps[4 * at : 4 * at + 4] = logprob
     rollouts[2] = msgspec.structs.replace(rollouts[2], logprobs=bytes(lps))
     return seal(ident, rollouts, seq)
 
 
-@pytest.mark.parametrize("logprob", [NAN_F32, struct.pack("<f", math.inf), struct.pack("<f", -math.inf),
-                                     struct.pack("<f", 0.5), struct.pack("<f", -3e38)],
-                         ids=["nan", "+inf", "-inf", "positive", "huge-negative"])
+@pytest.mark.parametrize(
+    "logprob",
+    [
+        NAN_F32,
+        struct.pack("<f", math.inf),
+        struct.pack("<f", -math.inf),
+        struct.pack("<f", 0.5),
+        struct.pack("<f", -3e38),
+    ],
+    ids=["nan", "+inf", "-inf", "positive", "huge-negative"],
+)
 def test_non_finite_or_positive_logprobs_are_refused_and_charged(reg, logprob) -> None:
     """One poisoned log-prob in a well-formed, correctly rewarded batch: refused before any
     arithmetic, charged to its signer as a provable fault, and the verdict sticks to the bytes."""
@@ -341,22 +382,31 @@ def test_every_float_field_of_every_kind_refuses_non_finite_values() -> None:
     ident = Identity.from_seed(b"\x07" * 32)
     base = bodies(ident)
     ann = base[wire.NODE_ANNOUNCE]
-    ann.owned = [wire.LineageDemand(lineage=b"\x01" * 32, name="l", head_version=1, rollouts_per_step=8,
-                                    step_time_s=2.0, max_staleness=4)]
+    ann.owned = [
+        wire.LineageDemand(
+            lineage=b"\x01" * 32, name="l", head_version=1, rollouts_per_step=8, step_time_s=2.0, max_staleness=4
+        )
+    ]
     ts = base[wire.TASK_SET]
     ts.generators[0].config["scale"] = 1.5
     paths = {
-        wire.ROLLOUT_BATCH: [lambda b, x: setattr(b.rollouts[0], "reward", x),
-                             lambda b, x: setattr(b.rollouts[0].sampling, "temperature", x),
-                             lambda b, x: setattr(b.rollouts[0].sampling, "top_p", x)],
-        wire.TASK_SET: [lambda b, x: setattr(b, "tolerance", x),
-                        lambda b, x: setattr(b.generators[0], "weight", x),
-                        lambda b, x: b.generators[0].config.__setitem__("scale", x)],
-        wire.NODE_ANNOUNCE: [lambda b, x: setattr(b, "gen_tokens_per_s", x),
-                             lambda b, x: setattr(b, "rollout_latency_s", x),
-                             lambda b, x: setattr(b, "upload_bytes_per_s", x),
-                             lambda b, x: setattr(b, "publish_batches_per_s", x),
-                             lambda b, x: setattr(b.owned[0], "step_time_s", x)],
+        wire.ROLLOUT_BATCH: [
+            lambda b, x: setattr(b.rollouts[0], "reward", x),
+            lambda b, x: setattr(b.rollouts[0].sampling, "temperature", x),
+            lambda b, x: setattr(b.rollouts[0].sampling, "top_p", x),
+        ],
+        wire.TASK_SET: [
+            lambda b, x: setattr(b, "tolerance", x),
+            lambda b, x: setattr(b.generators[0], "weight", x),
+            lambda b, x: b.generators[0].config.__setitem__("scale", x),
+        ],
+        wire.NODE_ANNOUNCE: [
+            lambda b, x: setattr(b, "gen_tokens_per_s", x),
+            lambda b, x: setattr(b, "rollout_latency_s", x),
+            lambda b, x: setattr(b, "upload_bytes_per_s", x),
+            lambda b, x: setattr(b, "publish_batches_per_s", x),
+            lambda b, x: setattr(b.owned[0], "step_time_s", x),
+        ],
     }
     for kind, setters in paths.items():
         body = base[kind]
@@ -366,8 +416,16 @@ def test_every_float_field_of_every_kind_refuses_non_finite_values() -> None:
                 bad = msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=type(body))
                 set_field(bad, x)
                 domain = wire.signing_domain(kind, wire.FORMAT_VERSION, SWARM)
-                data = wire.encode(wire.Envelope(wire.FORMAT_VERSION, kind, SWARM, wire.encode(bad),
-                                                 ident.public, ident.sign(domain + wire.encode(bad))))
+                data = wire.encode(
+                    wire.Envelope(
+                        wire.FORMAT_VERSION,
+                        kind,
+                        SWARM,
+                        wire.encode(bad),
+                        ident.public,
+                        ident.sign(domain + wire.encode(bad)),
+                    )
+                )
                 with pytest.raises(DecodeError):
                     wire.open_envelope(data, swarm=SWARM)
 
@@ -415,6 +473,8 @@ def test_a_version_beyond_the_known_head_of_anothers_lineage_is_refused_uncharge
     assert p.scores.score(ALICE.peer_id, clock()) == 0.0
     heads[b"\x0b" * 32] = 8
     assert p.check(data, ALICE.peer_id).accepted
+
+
 # ------------------------------------------------------------ work out of proportion (issue 26)
 
 
@@ -451,7 +511,9 @@ def _give_a_history(p: Pipeline, clock: Clock, reg, ident: Identity, batches: in
     Returns the last seq used."""
     for seq in range(1, batches + 1):
         clock.t += every_s
-        assert p.check(make_batch(ident, reg, seq, n=2, tokens=8, created_ms=int(clock.t * 1000)), ident.peer_id).accepted
+        assert p.check(
+            make_batch(ident, reg, seq, n=2, tokens=8, created_ms=int(clock.t * 1000)), ident.peer_id
+        ).accepted
     clock.t += every_s
     return batches
 

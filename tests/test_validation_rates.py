@@ -26,8 +26,14 @@ def reg():
 
 def pipe(reg, **kw) -> tuple[Pipeline, Clock]:
     clock = Clock()
-    return Pipeline(PipelineConfig(swarm=SWARM, **kw), clock=clock, resolve_task=reg.resolve, reward=score,
-                    head_version=lambda lin: None, task_set_trusted=reg.__contains__), clock
+    return Pipeline(
+        PipelineConfig(swarm=SWARM, **kw),
+        clock=clock,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda lin: None,
+        task_set_trusted=reg.__contains__,
+    ), clock
 
 
 _announce_seqs = itertools.count(1)
@@ -36,9 +42,20 @@ _announce_seqs = itertools.count(1)
 def announce(ident: Identity, rate: float, seq: int | None = None) -> wire.NodeAnnounce:
     """`ident`'s announce of `rate`, newer than every one made before unless `seq` says otherwise."""
     seq = next(_announce_seqs) if seq is None else seq
-    return wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=seq, created_ms=wire.now_ms(),
-                             hardware="cpu", gen_tokens_per_s=0.0, rollout_latency_s=0.0, upload_bytes_per_s=0.0,
-                             memory_bytes=0, roles=["trainer"], lineages_followed=[], publish_batches_per_s=rate)
+    return wire.NodeAnnounce(
+        v=wire.FORMAT_VERSION,
+        peer_id=ident.peer_id,
+        seq=seq,
+        created_ms=wire.now_ms(),
+        hardware="cpu",
+        gen_tokens_per_s=0.0,
+        rollout_latency_s=0.0,
+        upload_bytes_per_s=0.0,
+        memory_bytes=0,
+        roles=["trainer"],
+        lineages_followed=[],
+        publish_batches_per_s=rate,
+    )
 
 
 def test_honest_rate_is_never_throttled_and_excess_is_charged(reg) -> None:
@@ -49,8 +66,9 @@ def test_honest_rate_is_never_throttled_and_excess_is_charged(reg) -> None:
     for _ in range(60 * 5):  # a minute at Alice's announced 5 batches/s: all accepted
         seq += 1
         clock.t += 0.2
-        assert p.check(make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)),
-                       ALICE.peer_id).accepted
+        assert p.check(
+            make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)), ALICE.peer_id
+        ).accepted
     reasons = []
     for i in range(200):  # Mallory announced 0.5/s and sends 20/s
         clock.t += 0.05
@@ -70,8 +88,9 @@ def test_a_relayed_backlog_costs_the_producer_nothing(reg) -> None:
     p, clock = pipe(reg, rate_per_s=1.0, burst=2)
     p.announced(ALICE.peer_id, announce(ALICE, 0.5))  # rate max(1, 2*0.5) = 1/s, burst max(2, 60)
     now_ms = int(clock() * 1000)
-    backlog = [make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=now_ms - (300 - seq) * 2000)
-               for seq in range(1, 200)]  # made at 0.5/s over the last 400 s, all arriving at once
+    backlog = [
+        make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=now_ms - (300 - seq) * 2000) for seq in range(1, 200)
+    ]  # made at 0.5/s over the last 400 s, all arriving at once
     reasons = [p.check(data, ALICE.peer_id).reason for data in backlog]
     assert set(reasons) == {Reason.ACCEPTED}  # made at the announced rate: arrival speed is not hers
     bucket = p.announced_rates.bucket(ALICE.peer_id)
@@ -79,8 +98,10 @@ def test_a_relayed_backlog_costs_the_producer_nothing(reg) -> None:
     again = [p.check(data, ALICE.peer_id).reason for data in backlog * 3]  # copies via three more relays
     assert set(again) == {Reason.DUPLICATE} and bucket.tokens == tokens  # ... which took no tokens
     # out of order (older than the last batch spent): the default, uncharged bucket
-    late = [p.check(make_batch(ALICE, reg, 1000 + i, n=1, tokens=4, created_ms=now_ms - 700_000), ALICE.peer_id)
-            for i in range(5)]
+    late = [
+        p.check(make_batch(ALICE, reg, 1000 + i, n=1, tokens=4, created_ms=now_ms - 700_000), ALICE.peer_id)
+        for i in range(5)
+    ]
     assert [v.reason for v in late].count(Reason.RATE_LIMITED) == 3
     assert p.scores.record(ALICE.peer_id).rejections == {}
 
@@ -97,8 +118,9 @@ def test_a_replayed_old_announce_changes_nothing(reg) -> None:
     reasons = []
     for seq in range(1, 20 * 90):  # 90 s at the announced 20 batches/s
         clock.t += 0.05
-        reasons.append(p.check(make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)),
-                               ALICE.peer_id).reason)
+        reasons.append(
+            p.check(make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000)), ALICE.peer_id).reason
+        )
     assert set(reasons) == {Reason.ACCEPTED}, {r.value: reasons.count(r) for r in set(reasons)}
     assert p.scores.record(ALICE.peer_id).rejections == {}
 
@@ -107,7 +129,9 @@ def test_unannounced_peers_are_limited_without_charge(reg) -> None:
     p, clock = pipe(reg, rate_per_s=1.0, burst=2)
     reasons = [p.check(make_batch(ALICE, reg, i, n=1, tokens=4), ALICE.peer_id).reason for i in range(1, 6)]
     assert reasons.count(Reason.RATE_LIMITED) == 3
-    assert p.scores.score(ALICE.peer_id, clock()) > 0 and "rate_limited" not in p.scores.record(ALICE.peer_id).rejections
+    assert (
+        p.scores.score(ALICE.peer_id, clock()) > 0 and "rate_limited" not in p.scores.record(ALICE.peer_id).rejections
+    )
     # an announce for someone else's peer id changes nothing
     p.announced(MALLORY.peer_id, announce(ALICE, 100.0))
     assert p.announced_rates.bucket(MALLORY.peer_id) is None
@@ -138,8 +162,9 @@ def test_an_honest_producer_is_never_charged_while_its_announced_rate_catches_up
         meter.tick(clock())
         data = make_batch(ALICE, reg, seq, n=1, tokens=4, created_ms=int(clock() * 1000))
         reasons.append(p.check(data, ALICE.peer_id).reason)
-    assert Reason.OVER_ANNOUNCED_RATE not in reasons and Reason.GRAYLISTED not in reasons, \
-        {r.value: reasons.count(r) for r in set(reasons)}
+    assert Reason.OVER_ANNOUNCED_RATE not in reasons and Reason.GRAYLISTED not in reasons, {
+        r.value: reasons.count(r) for r in set(reasons)
+    }
     assert p.scores.record(ALICE.peer_id).rejections == {}
     assert reasons[-100:] == [Reason.ACCEPTED] * 100
 
@@ -168,8 +193,10 @@ def test_a_burst_relayed_late_does_not_count_against_the_producers_fresh_burst(r
     burst = int(p.announced_rates.bucket(ALICE.peer_id).burst)
     now_ms = int(clock() * 1000)
     for made, first_seq in ((now_ms - 61_000, 1), (now_ms, 1000)):
-        reasons = [p.check(make_batch(ALICE, reg, first_seq + i, n=1, tokens=4, created_ms=made), ALICE.peer_id).reason
-                   for i in range(burst)]
+        reasons = [
+            p.check(make_batch(ALICE, reg, first_seq + i, n=1, tokens=4, created_ms=made), ALICE.peer_id).reason
+            for i in range(burst)
+        ]
         assert set(reasons) == {Reason.ACCEPTED}, {r.value: reasons.count(r) for r in set(reasons)}
     assert p.scores.record(ALICE.peer_id).rejections == {}
 
@@ -181,7 +208,9 @@ def test_more_than_the_burst_made_in_one_millisecond_is_charged(reg) -> None:
     p.announced(MALLORY.peer_id, announce(MALLORY, 0.5))
     burst = int(p.announced_rates.bucket(MALLORY.peer_id).burst)
     made = int(clock() * 1000)
-    reasons = [p.check(make_batch(MALLORY, reg, seq, n=1, tokens=4, created_ms=made), MALLORY.peer_id).reason
-               for seq in range(1, burst + 11)]
+    reasons = [
+        p.check(make_batch(MALLORY, reg, seq, n=1, tokens=4, created_ms=made), MALLORY.peer_id).reason
+        for seq in range(1, burst + 11)
+    ]
     assert reasons.count(Reason.ACCEPTED) == burst
     assert Reason.OVER_ANNOUNCED_RATE in reasons and Reason.RATE_LIMITED not in reasons

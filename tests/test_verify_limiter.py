@@ -33,9 +33,15 @@ def test_verification_threads_are_capped_and_leave_the_default_limiter_alone() -
             inside[0] -= 1
         return [score(task, text) for task, text in items]
 
-    pipeline = Pipeline(PipelineConfig(swarm=SWARM, rate_per_s=50.0, burst=100, max_staleness=4), clock=time.time,
-                        resolve_task=REG.resolve, reward=score, head_version=lambda lineage: 0,
-                        task_set_trusted=REG.__contains__, reward_batch=held_reward_batch)
+    pipeline = Pipeline(
+        PipelineConfig(swarm=SWARM, rate_per_s=50.0, burst=100, max_staleness=4),
+        clock=time.time,
+        resolve_task=REG.resolve,
+        reward=score,
+        head_version=lambda lineage: 0,
+        task_set_trusted=REG.__contains__,
+        reward_batch=held_reward_batch,
+    )
     service = GossipService(None, pipeline, SWARM)
     verdicts: list[bool] = []
 
@@ -50,8 +56,10 @@ def test_verification_threads_are_capped_and_leave_the_default_limiter_alone() -
             for seq in range(1, BATCHES + 1):
                 n.start_soon(one, seq)
             with trio.fail_after(30):  # every batch admitted: VERIFY_THREADS verifying, the rest queued
-                while not (inside[0] == VERIFY_THREADS
-                           and service._verify_limiter.statistics().tasks_waiting == BATCHES - VERIFY_THREADS):
+                while not (
+                    inside[0] == VERIFY_THREADS
+                    and service._verify_limiter.statistics().tasks_waiting == BATCHES - VERIFY_THREADS
+                ):
                     await trio.sleep(0.01)
             assert default.available_tokens == free
             release.set()

@@ -34,8 +34,9 @@ def vllm_py() -> str:
 
     py = vllm_python()
     if not py or py == sys.executable:
-        r = subprocess.run(["bash", "install.sh", "--vllm", "cpu"], cwd=str(ROOT), timeout=1500,
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["bash", "install.sh", "--vllm", "cpu"], cwd=str(ROOT), timeout=1500, capture_output=True, text=True
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         py = vllm_python()
     assert py and Path(py).exists(), "no vLLM environment: run `bash install.sh --vllm cpu`"
@@ -53,6 +54,7 @@ def _env() -> dict[str, str]:
 
 # ---------------------------------------------------------------- start-time errors (no vLLM needed)
 
+
 def _spec(model: str = "murmur-tiny") -> dict:
     return {"engine": "vllm", "model": model}
 
@@ -69,11 +71,18 @@ def test_vllm_asked_without_an_environment_fails_at_start(monkeypatch: pytest.Mo
 def test_node_start_with_vllm_and_no_environment_exits_2_with_the_reason(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    (home / "config.toml").write_text('[node]\nroles = ["follower"]\n[network]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
-                                      'dht = false\n[training]\nengine = "vllm"\n')
-    r = subprocess.run([sys.executable, "-m", "murmur.node", "node", "start", "--home", str(home), "--no-tui"],
-                       capture_output=True, text=True, timeout=120, cwd=str(ROOT),
-                       env=dict(_env(), MURMUR_VLLM_PYTHON=str(tmp_path / "nowhere" / "python")))
+    (home / "config.toml").write_text(
+        '[node]\nroles = ["follower"]\n[network]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
+        'dht = false\n[training]\nengine = "vllm"\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "murmur.node", "node", "start", "--home", str(home), "--no-tui"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+        env=dict(_env(), MURMUR_VLLM_PYTHON=str(tmp_path / "nowhere" / "python")),
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "no vLLM environment was found" in r.stderr and "install.sh --vllm cpu" in r.stderr
 
@@ -91,26 +100,42 @@ def test_vllm_asked_in_an_environment_without_vllm_fails_at_start(monkeypatch: p
 def test_dense_set_sends_fused_parts_and_the_tied_head_together() -> None:
     from murmur.training.engine_vllm import TIED_HEAD, dense_set
 
-    names = {f"model.layers.0.self_attn.{p}_proj.{k}" for p in "qkvo" for k in ("weight", "bias") if p != "o" or k == "weight"}
-    names |= {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
-              "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"}
+    names = {
+        f"model.layers.0.self_attn.{p}_proj.{k}"
+        for p in "qkvo"
+        for k in ("weight", "bias")
+        if p != "o" or k == "weight"
+    }
+    names |= {
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    }
     assert dense_set(["model.layers.0.self_attn.k_proj.weight"], names, tied=True) == sorted(
-        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"
+    )
     assert dense_set(["model.layers.0.self_attn.v_proj.bias"], names, tied=False) == sorted(
-        f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv")
+        f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"
+    )
     assert dense_set(["model.layers.0.mlp.up_proj.weight"], names, tied=True) == [
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
     assert dense_set(["model.layers.0.mlp.down_proj.weight", "model.norm.weight"], names, tied=True) == [
-        "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+        "model.layers.0.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
     assert dense_set(["model.embed_tokens.weight"], names, tied=True) == [TIED_HEAD, "model.embed_tokens.weight"]
     assert dense_set(["model.embed_tokens.weight"], names, tied=False) == ["model.embed_tokens.weight"]
 
 
 # ---------------------------------------------------------------- with vLLM
 
+
 @pytest.mark.vllm
-def test_unsupported_architecture_fails_at_start(vllm_py: str, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsupported_architecture_fails_at_start(vllm_py: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from murmur.node.worker.main import worker_python
 
     d = tmp_path / "odd"
@@ -125,8 +150,14 @@ def test_unsupported_architecture_fails_at_start(vllm_py: str, tmp_path: Path,
 
 @pytest.mark.vllm
 def test_vllm_engine_generates_rescores_and_takes_patches(vllm_py: str, model: Path) -> None:
-    r = subprocess.run([vllm_py, "-m", "tests.vllm_side", str(model)], capture_output=True, text=True, timeout=600,
-                       env=_env(), cwd=str(ROOT))
+    r = subprocess.run(
+        [vllm_py, "-m", "tests.vllm_side", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+        cwd=str(ROOT),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["mode"] == "vllm (dense reload)"  # the CPU build cannot patch in place
@@ -145,11 +176,14 @@ def test_vllm_engine_generates_rescores_and_takes_patches(vllm_py: str, model: P
 
 
 def _config(roles: list[str], model: Path, engine: str) -> dict[str, dict[str, object]]:
-    return {"node": {"swarm": "vllm-swarm", "roles": roles, "memory_budget_mb": 1536}, "network": {"dht": False},
-            # a version every ~10 steps: the tiny trainer steps far faster than a CPU vLLM follower's round
-            # trip (generate, gossip, verify), which would otherwise be put on standby as too stale
-            "sync": {"publish_every": 10, "anchor_every": 8, "retain_versions": 32, "max_staleness": 8},
-            "training": {"model": str(model), "engine": engine, "external_rollouts": 64}}
+    return {
+        "node": {"swarm": "vllm-swarm", "roles": roles, "memory_budget_mb": 1536},
+        "network": {"dht": False},
+        # a version every ~10 steps: the tiny trainer steps far faster than a CPU vLLM follower's round
+        # trip (generate, gossip, verify), which would otherwise be put on standby as too stale
+        "sync": {"publish_every": 10, "anchor_every": 8, "retain_versions": 32, "max_staleness": 8},
+        "training": {"model": str(model), "engine": engine, "external_rollouts": 64},
+    }
 
 
 def _lin(s: NodeStatus | None, relation: str):
@@ -166,12 +200,15 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
     from murmur.sync.patchstore import LineageStore, open_manifest
 
     homes = {n: tmp_path / n for n in ("trainer", "follower")}
-    configs = {"trainer": _config(["trainer", "validator"], model, "transformers"),
-               "follower": _config(["follower", "validator"], model, "vllm")}
+    configs = {
+        "trainer": _config(["trainer", "validator"], model, "transformers"),
+        "follower": _config(["follower", "validator"], model, "vllm"),
+    }
     specs = [launch.NodeLaunch(home=str(homes[n]), config=configs[n], env={"PYTHONPATH": str(ROOT)}) for n in homes]
     procs = dict(zip(homes, launch.start_bootstrapped(specs, WAIT_S)))
     allp = lambda: list(procs.values())  # noqa: E731
     try:
+
         def engines() -> bool:
             f = _status(homes["follower"])
             return f is not None and f.engine == "vllm (dense reload)"
@@ -187,17 +224,25 @@ def test_transformers_trainer_and_vllm_follower_share_a_lineage(vllm_py: str, mo
 
         def checked_both_ways() -> bool:
             t, f = _status(homes["trainer"]), _status(homes["follower"])
-            return (t is not None and f is not None
-                    and t.rollouts_accepted > 0 and t.rollouts_used > 0  # the vLLM rollouts reach the trainer
-                    and t.spot_checked > 0  # ... and transformers re-scored some of them
-                    and f.spot_checked > 0)  # vLLM re-scored some of the trainer's rollouts
+            return (
+                t is not None
+                and f is not None
+                and t.rollouts_accepted > 0
+                and t.rollouts_used > 0  # the vLLM rollouts reach the trainer
+                and t.spot_checked > 0  # ... and transformers re-scored some of them
+                and f.spot_checked > 0
+            )  # vLLM re-scored some of the trainer's rollouts
 
         try:
             launch.wait_until("rollouts accepted and spot-checked across engines", checked_both_ways, allp(), WAIT_S)
         finally:
             t, f = _status(homes["trainer"]), _status(homes["follower"])
-            print("trainer", t and (t.rollouts_accepted, t.rollouts_used, t.spot_checked, t.spot_failed, t.rejected),
-                  "follower", f and (f.rollouts_produced, f.spot_checked, f.spot_failed, f.serving_reason))
+            print(
+                "trainer",
+                t and (t.rollouts_accepted, t.rollouts_used, t.spot_checked, t.spot_failed, t.rejected),
+                "follower",
+                f and (f.rollouts_produced, f.spot_checked, f.spot_failed, f.serving_reason),
+            )
         assert t.spot_failed == 0 and f.spot_failed == 0, (t.spot_failed, f.spot_failed)
         assert f.worker_error == "" and t.worker_error == ""
         lid = _lin(f, "follow").lineage

@@ -28,8 +28,15 @@ def swarm(text: str, seed: int = 0) -> tuple[Network, list[VNode], EventQueue]:
     for n in nodes:
         n.alive = True
         # the shard count it believes lives in its intake; no batch is validated here
-        n.intake = BatchIntake(Pipeline(PipelineConfig(swarm=sc.swarm), clock=queue.unix, resolve_task=None,  # type: ignore[arg-type]
-                                        reward=None, head_version=lambda lineage: None))  # type: ignore[arg-type]
+        n.intake = BatchIntake(
+            Pipeline(
+                PipelineConfig(swarm=sc.swarm),
+                clock=queue.unix,
+                resolve_task=None,  # type: ignore[arg-type]
+                reward=None,
+                head_version=lambda lineage: None,
+            )
+        )  # type: ignore[arg-type]
     return net, nodes, queue
 
 

@@ -37,8 +37,9 @@ def test_two_patches_complete_share_the_links_and_a_corrupt_sender_is_banned_in_
 
 
 def test_without_manifest_gossip_nodes_ask_peers_for_both_manifests() -> None:
-    sw = VirtualSwarm(8, [C] * 4, link=SimLink(up_bps=B), seed=1, patches=2, patch_interval_s=0.5,
-                      gossip_manifests=False)
+    sw = VirtualSwarm(
+        8, [C] * 4, link=SimLink(up_bps=B), seed=1, patches=2, patch_interval_s=0.5, gossip_manifests=False
+    )
     r = sw.run(until_s=60)
     assert r["completed"] == 8 and r["all_hashes_match"]
     asked = [nd.core.frames_by_type.get("ManifestRequest", 0) for nd in sw.nodes]

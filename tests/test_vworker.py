@@ -55,8 +55,18 @@ def setup() -> tuple[Workers, list[VNode], EventQueue, Recorder]:
     workers = Workers(sc, nodes, queue, recorder, registry.builtin_id, registry.resolve, score, memo_horizon_s=5.0)
     for s in S.expand(sc):
         ident = identity_for(sc.seed, s.index)
-        n = VNode(s, ident, ident.peer_id, LINEAGE if s.role == "trainer" else b"F" * 32, 0.0, 0.0,
-                  random.Random(s.index), core=StandInCore(), alive=True, inc=1)  # type: ignore[arg-type]
+        n = VNode(
+            s,
+            ident,
+            ident.peer_id,
+            LINEAGE if s.role == "trainer" else b"F" * 32,
+            0.0,
+            0.0,
+            random.Random(s.index),
+            core=StandInCore(),
+            alive=True,
+            inc=1,
+        )  # type: ignore[arg-type]
         nodes.append(n)
         if s.role == "trainer":
             workers.equip(n)

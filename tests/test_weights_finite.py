@@ -92,8 +92,9 @@ def test_a_publisher_never_signs_a_non_finite_version(lineage) -> None:
     tr, pub, fol, live = lineage
     with pytest.raises(NonFiniteWeights, match="not published"):
         pub.publish(poisoned(tr.step(), math.nan))
-    assert pub.version == 0 and np.array_equal(bits_view(pub.base["layer.0.weight"]),
-                                                bits_view(Trainer().state()["layer.0.weight"]))
+    assert pub.version == 0 and np.array_equal(
+        bits_view(pub.base["layer.0.weight"]), bits_view(Trainer().state()["layer.0.weight"])
+    )
     b = pub.publish(tr.step())  # the next finite state is version 1, against the last published one
     assert b.manifest.target_version == 1
     assert fol.apply(b.envelope, b.chunks).version == 1

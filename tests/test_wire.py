@@ -62,8 +62,14 @@ def test_signature_by_other_key(identity, other_identity):
 
 
 def test_kind_size_limits(identity):
-    big = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=identity.public, seq=1, created_ms=1,
-                            rollouts=[rollout(n_tokens=4096) for _ in range(64)])
+    big = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION,
+        swarm="t",
+        producer=identity.public,
+        seq=1,
+        created_ms=1,
+        rollouts=[rollout(n_tokens=4096) for _ in range(64)],
+    )
     with pytest.raises(ValueError, match="over its limit"):
         wire.seal(identity, wire.ROLLOUT_BATCH, big, swarm=SWARM)
     with pytest.raises(DecodeError, match="over the"):
@@ -73,7 +79,9 @@ def test_kind_size_limits(identity):
 def test_semantic_checks(identity):
     bad = rollout()
     bad.logprobs = bad.logprobs[:-4]
-    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm="t", producer=identity.public, seq=1, created_ms=1, rollouts=[bad])
+    batch = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm="t", producer=identity.public, seq=1, created_ms=1, rollouts=[bad]
+    )
     with pytest.raises(DecodeError, match="logprob bytes"):
         wire.open_envelope(wire.seal(identity, wire.ROLLOUT_BATCH, batch, swarm=SWARM), swarm=SWARM)
     m = bodies(identity)[wire.PATCH_MANIFEST]
@@ -126,6 +134,7 @@ def test_huge_length_prefix_does_not_allocate():
 def _set_rollout(**fields):
     def apply(body):
         body.rollouts = [msgspec.structs.replace(body.rollouts[0], **fields)]
+
     return apply
 
 
@@ -134,8 +143,9 @@ def _tokens(n: int):
 
 
 def _segments(n: int):
-    return _set_rollout(completion_ids=[1] * 64, logprobs=struct.pack("<64f", *([-0.5] * 64)),
-                        token_versions=[(i, 3) for i in range(n)])
+    return _set_rollout(
+        completion_ids=[1] * 64, logprobs=struct.pack("<64f", *([-0.5] * 64)), token_versions=[(i, 3) for i in range(n)]
+    )
 
 
 def _logprob(x: float):
@@ -149,24 +159,28 @@ def _sampling(**kw):
 def _generator(**kw):
     def apply(body):
         body.generators = [msgspec.structs.replace(body.generators[0], **kw)]
+
     return apply
 
 
 def _attr(name: str, value):
     def apply(body):
         setattr(body, name, value)
+
     return apply
 
 
 def _chunks(n: int, size: int, chunk_bytes: int):
     def apply(body):
         body.chunks, body.total_bytes, body.chunk_bytes = [wire.ChunkRef(b"\x08" * 32, size)] * n, n * size, chunk_bytes
+
     return apply
 
 
 def _demand(**kw):
-    fields = dict(lineage=b"\x01" * 32, name="main", head_version=1, rollouts_per_step=8, step_time_s=1.0,
-                  max_staleness=4)
+    fields = dict(
+        lineage=b"\x01" * 32, name="main", head_version=1, rollouts_per_step=8, step_time_s=1.0, max_staleness=4
+    )
     return _attr("owned", [wire.LineageDemand(**{**fields, **kw})])
 
 
@@ -191,32 +205,67 @@ LIMITS = [
     (R, "swarm 1-128 chars", _attr("swarm", "s" * 128), _attr("swarm", "s" * 129)),
     (R, "swarm 1-128 chars (empty)", _attr("swarm", "s"), _attr("swarm", "")),
     (R, "seq u64", _attr("seq", 2**63 - 1), _attr("seq", -1)),
-    (R, "token_versions: versions >= version",
-     _set_rollout(version=1000, completion_ids=[1] * 4, logprobs=struct.pack("<4f", *([-0.5] * 4)),
-                  token_versions=[(0, 1000), (2, 1001)]),
-     _set_rollout(version=1000, completion_ids=[1] * 4, logprobs=struct.pack("<4f", *([-0.5] * 4)),
-                  token_versions=[(0, 999)])),
+    (
+        R,
+        "token_versions: versions >= version",
+        _set_rollout(
+            version=1000,
+            completion_ids=[1] * 4,
+            logprobs=struct.pack("<4f", *([-0.5] * 4)),
+            token_versions=[(0, 1000), (2, 1001)],
+        ),
+        _set_rollout(
+            version=1000, completion_ids=[1] * 4, logprobs=struct.pack("<4f", *([-0.5] * 4)), token_versions=[(0, 999)]
+        ),
+    ),
     (R, "v = 2", _attr("v", 2), _attr("v", 1)),
     (R, "v = 2 (a later format)", _attr("v", 2), _attr("v", 3)),
-    (R, "task_set 32 bytes", _set_rollout(task=wire.TaskRef(b"\x01" * 32, "add", 7)),
-     _set_rollout(task=wire.TaskRef(b"\x01" * 31, "add", 7))),
-    (R, "completion_ids u32", _set_rollout(completion_ids=[2**32 - 1], logprobs=struct.pack("<f", -0.5),
-                                           token_versions=[(0, 3)]),
-     _set_rollout(completion_ids=[2**32], logprobs=struct.pack("<f", -0.5), token_versions=[(0, 3)])),
-    (R, "segment index <= token count", _set_rollout(token_versions=[(0, 3), (8, 3)]),
-     _set_rollout(token_versions=[(0, 3), (9, 3)])),
-    (R, "segment indices increasing", _set_rollout(token_versions=[(0, 3), (2, 3)]),
-     _set_rollout(token_versions=[(0, 3), (2, 3), (1, 3)])),
-    (R, "generator <= 128 chars", _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 128, 7)),
-     _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 129, 7))),
-    (T, "generators 1-64", _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(64)]),
-     _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(65)])),
+    (
+        R,
+        "task_set 32 bytes",
+        _set_rollout(task=wire.TaskRef(b"\x01" * 32, "add", 7)),
+        _set_rollout(task=wire.TaskRef(b"\x01" * 31, "add", 7)),
+    ),
+    (
+        R,
+        "completion_ids u32",
+        _set_rollout(completion_ids=[2**32 - 1], logprobs=struct.pack("<f", -0.5), token_versions=[(0, 3)]),
+        _set_rollout(completion_ids=[2**32], logprobs=struct.pack("<f", -0.5), token_versions=[(0, 3)]),
+    ),
+    (
+        R,
+        "segment index <= token count",
+        _set_rollout(token_versions=[(0, 3), (8, 3)]),
+        _set_rollout(token_versions=[(0, 3), (9, 3)]),
+    ),
+    (
+        R,
+        "segment indices increasing",
+        _set_rollout(token_versions=[(0, 3), (2, 3)]),
+        _set_rollout(token_versions=[(0, 3), (2, 3), (1, 3)]),
+    ),
+    (
+        R,
+        "generator <= 128 chars",
+        _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 128, 7)),
+        _set_rollout(task=wire.TaskRef(b"\x01" * 32, "g" * 129, 7)),
+    ),
+    (
+        T,
+        "generators 1-64",
+        _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(64)]),
+        _attr("generators", [wire.GeneratorSpec(f"g{i}", "arithmetic", {}, 0, 10) for i in range(65)]),
+    ),
     (T, "tolerance 0-1e6", _attr("tolerance", 0.0), _attr("tolerance", -0.001)),
     (T, "tolerance <= 1e6", _attr("tolerance", 1e6), _attr("tolerance", 1e6 + 0.5)),
     (T, "seed range non-empty", _generator(seed_start=5, seed_end=6), _generator(seed_start=5, seed_end=5)),
     (T, "description <= 4096", _attr("description", "d" * 4096), _attr("description", "d" * 4097)),
-    (T, "config <= 32 entries", _generator(config={f"k{i}": i for i in range(32)}),
-     _generator(config={f"k{i}": i for i in range(33)})),
+    (
+        T,
+        "config <= 32 entries",
+        _generator(config={f"k{i}": i for i in range(32)}),
+        _generator(config={f"k{i}": i for i in range(33)}),
+    ),
     (T, "weight > 0", _generator(weight=1e-9), _generator(weight=0.0)),
     (T, "a config float |x| <= 1e30", _generator(config={"x": 1e30}), _generator(config={"x": 1.01e30})),
     (P, "chunks <= 8192", _chunks(8192, 1, 256), _chunks(8193, 1, 256)),
@@ -228,10 +277,18 @@ LIMITS = [
     (P, "lineage_name 1-128", _attr("lineage_name", "n" * 128), _attr("lineage_name", "n" * 129)),
     (A, "memory_bytes >= 0", _attr("memory_bytes", 0), _attr("memory_bytes", -1)),
     (A, "roles <= 8", _attr("roles", ["trainer"] * 8), _attr("roles", ["trainer"] * 9)),
-    (A, "lineages_followed <= 64", _attr("lineages_followed", [b"\x01" * 32] * 64),
-     _attr("lineages_followed", [b"\x01" * 32] * 65)),
-    (A, "owned <= 16", lambda b: _demand()(b) or setattr(b, "owned", b.owned * 16),
-     lambda b: _demand()(b) or setattr(b, "owned", b.owned * 17)),
+    (
+        A,
+        "lineages_followed <= 64",
+        _attr("lineages_followed", [b"\x01" * 32] * 64),
+        _attr("lineages_followed", [b"\x01" * 32] * 65),
+    ),
+    (
+        A,
+        "owned <= 16",
+        lambda b: _demand()(b) or setattr(b, "owned", b.owned * 16),
+        lambda b: _demand()(b) or setattr(b, "owned", b.owned * 17),
+    ),
     (A, "addrs <= 16", _attr("addrs", ["/ip4/127.0.0.1/tcp/1"] * 16), _attr("addrs", ["/ip4/127.0.0.1/tcp/1"] * 17)),
     (A, "standby <= 256", _demand(standby=["p"] * 256), _demand(standby=["p"] * 257)),
     (A, "step_time_s 0-1e6", _demand(step_time_s=1e6), _demand(step_time_s=1e6 + 0.5)),
@@ -288,6 +345,7 @@ def test_each_kinds_size_limit_is_the_documented_one(identity, kind):
 def test_every_body_is_a_msgpack_array_of_its_fields_in_order(identity, kind):
     """The wire format other implementations read: each body (and the envelope) a msgpack array, its
     fields in the order docs/protocol.md lists them."""
+
     def same_shape(obj, raw) -> None:  # every Struct, nested too, an array of its fields in order
         if isinstance(obj, msgspec.Struct):
             assert isinstance(raw, list) and len(raw) == len(obj.__struct_fields__), type(obj).__name__
@@ -355,8 +413,12 @@ def test_an_element_past_a_structs_last_field_is_refused(identity, kind):
     """Fields are positional: an extra element, at the top or in a nested Struct, is not ignored."""
     raw = msgspec.msgpack.decode(wire.encode(bodies(identity)[kind]))
     wire.open_envelope(_sealed_raw(identity, kind, raw), kind, swarm=SWARM)
-    nested = {wire.ROLLOUT_BATCH: lambda r: r[5][0][0], wire.TASK_SET: lambda r: r[7][0],
-              wire.PATCH_MANIFEST: lambda r: r[12][0], wire.NODE_ANNOUNCE: lambda r: r}[kind]
+    nested = {
+        wire.ROLLOUT_BATCH: lambda r: r[5][0][0],
+        wire.TASK_SET: lambda r: r[7][0],
+        wire.PATCH_MANIFEST: lambda r: r[12][0],
+        wire.NODE_ANNOUNCE: lambda r: r,
+    }[kind]
     for grow in (lambda r: r, nested):
         raw = msgspec.msgpack.decode(wire.encode(bodies(identity)[kind]))
         grow(raw).append(1)
@@ -388,9 +450,18 @@ def test_a_non_finite_logprob_is_refused_in_a_rollout_longer_than_256_tokens(bad
 
 
 _MAX_F32 = struct.unpack("<f", struct.pack("<f", wire.LOGPROB_MAX))[0]
-_EDGES = [math.nan, math.inf, -math.inf, wire.LOGPROB_MIN, _MAX_F32, math.nextafter(wire.LOGPROB_MIN, -math.inf),
-          float(struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", _MAX_F32))[0] + 1))[0]),
-          -0.0, 0.0, -104.0]
+_EDGES = [
+    math.nan,
+    math.inf,
+    -math.inf,
+    wire.LOGPROB_MIN,
+    _MAX_F32,
+    math.nextafter(wire.LOGPROB_MIN, -math.inf),
+    float(struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", _MAX_F32))[0] + 1))[0]),
+    -0.0,
+    0.0,
+    -104.0,
+]
 
 
 def _in_range(x: float) -> bool:
@@ -436,8 +507,12 @@ def test_two_segments_may_not_start_at_one_index(identity):
 def test_a_patch_may_target_its_own_base_but_not_one_before_it(identity):
     m = bodies(identity)[wire.PATCH_MANIFEST]
     for base, target, ok in ((5, 5, True), (5, 6, True), (6, 5, False)):
-        data = wire.seal(identity, wire.PATCH_MANIFEST, msgspec.structs.replace(m, base_version=base,
-                                                                                target_version=target), swarm=SWARM)
+        data = wire.seal(
+            identity,
+            wire.PATCH_MANIFEST,
+            msgspec.structs.replace(m, base_version=base, target_version=target),
+            swarm=SWARM,
+        )
         if ok:
             assert wire.open_envelope(data, swarm=SWARM)[1].target_version == target
         else:

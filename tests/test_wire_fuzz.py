@@ -73,7 +73,9 @@ def _seeded_inputs(valid: bytes, seed: int, n: int):
         if rng.random() < 0.5:
             yield bytes(byte() for _ in range(rng.choice((rng.randint(0, 16), rng.randint(0, 2048)))))
         else:
-            yield _mutate(valid, [(rng.randint(0, 3), rng.randint(0, 1 << 20), byte()) for _ in range(rng.randint(1, 4))])
+            yield _mutate(
+                valid, [(rng.randint(0, 3), rng.randint(0, 1 << 20), byte()) for _ in range(rng.randint(1, 4))]
+            )
 
 
 _EDGE_BYTES = (0x00, 0x01, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xC0, 0xFF)
@@ -105,8 +107,9 @@ def test_fuzz_open_envelope(kind):
         _only_decode_errors(lambda d: wire.open_envelope(d, kind, swarm=SWARM), data)
 
     run()
-    for data in itertools.chain(_single_byte_sweep(_valid(kind)),
-                                _seeded_inputs(_valid(kind), seed=KINDS.index(kind), n=PRNG_INPUTS)):
+    for data in itertools.chain(
+        _single_byte_sweep(_valid(kind)), _seeded_inputs(_valid(kind), seed=KINDS.index(kind), n=PRNG_INPUTS)
+    ):
         _only_decode_errors(lambda d: wire.open_envelope(d, kind, swarm=SWARM), data)
 
 
@@ -125,7 +128,9 @@ def test_fuzz_body_decoders(kind):
         decode(data)
 
     run()
-    for data in itertools.chain(_single_byte_sweep(body), _seeded_inputs(body, seed=100 + KINDS.index(kind), n=PRNG_INPUTS)):
+    for data in itertools.chain(
+        _single_byte_sweep(body), _seeded_inputs(body, seed=100 + KINDS.index(kind), n=PRNG_INPUTS)
+    ):
         decode(data)
 
 

@@ -73,8 +73,9 @@ def test_the_worked_family_is_held_out_like_the_other_built_in_families() -> Non
     check_evaluation([m], train_generators(answers_manifest("worked")))  # ... and from the warm-up's
     (e,), (t,) = eval_generators(m), train_generators(m)
     assert overlap(e, t) is None
-    same = type(e)(name="chain-eval", generator="worked", config={**e.config, "split": "all"},
-                   seed_start=0, seed_end=10)
+    same = type(e)(
+        name="chain-eval", generator="worked", config={**e.config, "split": "all"}, seed_start=0, seed_end=10
+    )
     assert overlap(same, t) is not None  # the whole space is not held out from its train side
     train = {_chain(s).prompt for s in range(2000)}  # type: ignore[attr-defined]
     evals = [x.task for x in held_out_tasks(m, 100)]

@@ -49,21 +49,38 @@ def _ref(reg: TaskRegistry, seed: int) -> wire.TaskRef:
     return wire.TaskRef(reg.builtin_id, g.name, g.seed_start + seed)
 
 
-def _rollout(engine, reg: TaskRegistry, seed: int, text: str, logprobs: list[float] | None = None,  # type: ignore[no-untyped-def]
-             ids: list[int] | None = None, reward: float = 0.0) -> wire.Rollout:
+def _rollout(
+    engine,
+    reg: TaskRegistry,
+    seed: int,
+    text: str,
+    logprobs: list[float] | None = None,  # type: ignore[no-untyped-def]
+    ids: list[int] | None = None,
+    reward: float = 0.0,
+) -> wire.Rollout:
     ref = _ref(reg, seed)
     ids = engine.encode(text) + [engine.eos_id] if ids is None else ids
     if logprobs is None:  # honest: what the model gives these ids after the task's prompt
         logprobs = engine.logprobs([(engine.encode(reg.resolve(ref).prompt), ids)], 1.0)[0]
-    return wire.Rollout(task=ref, lineage=LINEAGE, version=3, completion_ids=ids, text=text,
-                        tokenizer_hash=engine.tokenizer_hash, logprobs=logprobs_to_bytes(logprobs),
-                        token_versions=[(0, 3)], sampling=wire.SamplingParams(max_new_tokens=8), reward=reward,
-                        created_ms=wire.now_ms())
+    return wire.Rollout(
+        task=ref,
+        lineage=LINEAGE,
+        version=3,
+        completion_ids=ids,
+        text=text,
+        tokenizer_hash=engine.tokenizer_hash,
+        logprobs=logprobs_to_bytes(logprobs),
+        token_versions=[(0, 3)],
+        sampling=wire.SamplingParams(max_new_tokens=8),
+        reward=reward,
+        created_ms=wire.now_ms(),
+    )
 
 
 def _batch(rollouts: list[wire.Rollout]) -> wire.RolloutBatch:
-    return wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=PRODUCER, seq=1,
-                             created_ms=wire.now_ms(), rollouts=rollouts)
+    return wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm=SWARM, producer=PRODUCER, seq=1, created_ms=wire.now_ms(), rollouts=rollouts
+    )
 
 
 def _spots(conn) -> list[pipe.Spot]:  # type: ignore[no-untyped-def]
@@ -97,11 +114,16 @@ def test_spot_check_never_feeds_the_model_ids_outside_its_vocabulary(worker, eng
 
 def test_trainer_takes_only_rollouts_whose_ids_are_the_verified_text(worker, engine) -> None:  # type: ignore[no-untyped-def]
     w, _ = worker
-    group = [_rollout(engine, w.registry, 5, t, logprobs=[-1.0] * 3, reward=r)
-             for t, r in (("10", 1.0), ("11", 0.0), ("12", 0.0))]
+    group = [
+        _rollout(engine, w.registry, 5, t, logprobs=[-1.0] * 3, reward=r)
+        for t, r in (("10", 1.0), ("11", 0.0), ("12", 0.0))
+    ]
     # verified text "10" (reward 1), ids of something else: the trainer would learn from ids nobody checked
-    group.append(_rollout(engine, w.registry, 5, "10", logprobs=[-1.0] * 3, ids=engine.encode("77") + [engine.eos_id],
-                          reward=1.0))
+    group.append(
+        _rollout(
+            engine, w.registry, 5, "10", logprobs=[-1.0] * 3, ids=engine.encode("77") + [engine.eos_id], reward=1.0
+        )
+    )
     group.append(_rollout(engine, w.registry, 5, "13", logprobs=[-1.0, -1.0], ids=[engine.vocab, engine.eos_id]))
     assert w.inbox.sampler.add_rollouts(group) == 1
     w._observe_own_head(LINEAGE, 0)

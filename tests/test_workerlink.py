@@ -59,13 +59,21 @@ def test_importing_node_leaves_sys_path_alone_and_the_worker_entry_swaps_a_forei
     foreign = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
     foreign.mkdir(parents=True)
     (tmp_path / "venv" / "pyvenv.cfg").write_text("home = /usr/bin\n")
-    code = ("import sys, sysconfig; foreign = sys.argv[1]; sys.path.insert(1, foreign); before = list(sys.path)\n"
-            "import murmur.node, murmur.node.shell.workerlink\n"
-            "assert sys.path == before, 'importing node changed sys.path'\n"
-            "from murmur.node.worker.boot import own_site_packages\n"
-            "own_site_packages()\n"
-            "assert foreign not in sys.path and sysconfig.get_path('purelib') in sys.path, sys.path\n")
+    code = (
+        "import sys, sysconfig; foreign = sys.argv[1]; sys.path.insert(1, foreign); before = list(sys.path)\n"
+        "import murmur.node, murmur.node.shell.workerlink\n"
+        "assert sys.path == before, 'importing node changed sys.path'\n"
+        "from murmur.node.worker.boot import own_site_packages\n"
+        "own_site_packages()\n"
+        "assert foreign not in sys.path and sysconfig.get_path('purelib') in sys.path, sys.path\n"
+    )
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", code, str(foreign)], cwd=root, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(foreign)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]

@@ -41,9 +41,13 @@ def main(model_dir: str) -> dict:
         # the other way round: transformers samples, vLLM re-scores
         hres = hf.sample([p for p in prompts for _ in range(4)], Sampling(temperature=temperature, max_new_tokens=8))
         hseqs = [(p, ids) for p, (ids, _, _) in zip([p for p in prompts for _ in range(4)], hres)]
-        return {"tokens": sum(len(s[1]) for s in seqs), "eos": sum(1 for r in res if r[2]),
-                "max_sample_vs_hf": max(flat(claimed, theirs)), "max_rescore_vs_hf": max(flat(ours, theirs)),
-                "max_hf_sample_vs_vllm_rescore": max(flat([x[1] for x in hres], eng.logprobs(hseqs, temperature)))}
+        return {
+            "tokens": sum(len(s[1]) for s in seqs),
+            "eos": sum(1 for r in res if r[2]),
+            "max_sample_vs_hf": max(flat(claimed, theirs)),
+            "max_rescore_vs_hf": max(flat(ours, theirs)),
+            "max_hf_sample_vs_vllm_rescore": max(flat([x[1] for x in hres], eng.logprobs(hseqs, temperature))),
+        }
 
     out["t1"] = cross(1.0)
     out["t07"] = cross(0.7)

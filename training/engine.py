@@ -60,14 +60,13 @@ class Engine(Protocol):
     eos_id: int
     mode: str  # MODE_TRANSFORMERS | MODE_SPARSE | MODE_DENSE
 
-    def encode(self, text: str) -> list[int]:
-        ...
+    def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str:
-        ...
+    def decode(self, ids: list[int]) -> str: ...
 
-    def sample(self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
-               ) -> list[tuple[list[int], list[float], bool]]:
+    def sample(
+        self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
+    ) -> list[tuple[list[int], list[float], bool]]:
         """Continue each token prefix by up to `max_new` tokens: (new ids, log-probs, hit EOS)."""
         ...
 
@@ -79,11 +78,9 @@ class Engine(Protocol):
         """Log-prob of every completion token of each (prompt_ids, completion_ids)."""
         ...
 
-    def apply_patch(self, updates: list[SparseUpdate]) -> None:
-        ...
+    def apply_patch(self, updates: list[SparseUpdate]) -> None: ...
 
-    def load_state(self, tensors: dict[str, Any]) -> None:
-        ...
+    def load_state(self, tensors: dict[str, Any]) -> None: ...
 
     def take_version(self, state: Mapping[str, Any], changed: Mapping[str, Any] | None) -> None:
         """Make the weights equal `state` (the published bf16 tensors of one version), given the flat
@@ -106,8 +103,16 @@ def generate_groups(engine: Engine, prompts: list[str], n: int, sampling: Sampli
     return groups
 
 
-def open_engine(kind: str, model_path: str | Path, reference: Any, *, role: str = "follower",
-                memory_budget_mb: int = 1024, seed: int = 0, threads: int = 1) -> Engine:
+def open_engine(
+    kind: str,
+    model_path: str | Path,
+    reference: Any,
+    *,
+    role: str = "follower",
+    memory_budget_mb: int = 1024,
+    seed: int = 0,
+    threads: int = 1,
+) -> Engine:
     """The generation engine a node asked for. `reference` is the transformers engine already loaded
     from `model_path` (the trainer's master, the source of the base state): it is returned as is for
     "transformers". "vllm" raises MurmurError with the reason when vLLM cannot run here: never a
@@ -118,8 +123,14 @@ def open_engine(kind: str, model_path: str | Path, reference: Any, *, role: str 
         raise MurmurError(f"unknown engine {kind!r}: use one of {', '.join(ENGINES)}")
     from murmur.training.engine_vllm import VLLMEngine
 
-    return VLLMEngine(model_path, tokenizer=reference.tokenizer, role=role, memory_budget_mb=memory_budget_mb,
-                      seed=seed, threads=threads)
+    return VLLMEngine(
+        model_path,
+        tokenizer=reference.tokenizer,
+        role=role,
+        memory_budget_mb=memory_budget_mb,
+        seed=seed,
+        threads=threads,
+    )
 
 
 def tokenizer_hash_from_json(tokenizer_json: str) -> bytes:

@@ -117,8 +117,9 @@ class HFEngine:
     # ------------------------------------------------------------ sampling
 
     @torch.no_grad()
-    def sample(self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
-               ) -> list[tuple[list[int], list[float], bool]]:
+    def sample(
+        self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
+    ) -> list[tuple[list[int], list[float], bool]]:
         """Continue each token prefix by up to `max_new` tokens: (new ids, log-probs, hit EOS)."""
         if not prefixes:
             return []
@@ -131,16 +132,17 @@ class HFEngine:
         finally:
             model.train(was_training)
 
-    def _sample(self, prefixes: list[list[int]], sampling: Sampling, max_new: int
-                ) -> list[tuple[list[int], list[float], bool]]:
+    def _sample(
+        self, prefixes: list[list[int]], sampling: Sampling, max_new: int
+    ) -> list[tuple[list[int], list[float], bool]]:
         b = len(prefixes)
         length = max(len(p) for p in prefixes)
         ids = torch.full((b, length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((b, length), dtype=torch.long)
         for i, p in enumerate(prefixes):
             if p:
-                ids[i, length - len(p):] = torch.tensor(p, dtype=torch.long)
-                mask[i, length - len(p):] = 1
+                ids[i, length - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[i, length - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self._forward(ids, mask, pos, None, keep_last=True)
@@ -179,8 +181,9 @@ class HFEngine:
         return [(new[i], lps[i], bool(dl[i])) for i in range(b)]
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past: Any, keep_last: bool) -> Any:
-        kw: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
-                                  use_cache=True)
+        kw: dict[str, Any] = dict(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past, use_cache=True
+        )
         if keep_last:
             try:
                 return self.model(**kw, logits_to_keep=1)
@@ -197,8 +200,9 @@ class HFEngine:
         bytes_per_row = max(1, tokens_per_row) * self.vocab * 4 * 3  # logits, log-softmax, grad
         return max(1, int(self.memory_budget_mb * 2**20 // 4 // bytes_per_row))
 
-    def token_logprobs(self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(
+        self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp [B, T], mask [B, T]) of completion tokens; differentiable when grad is enabled."""
         b = len(prompts)
         tmax = max(1, max((len(c) for c in completions), default=1))
@@ -208,14 +212,15 @@ class HFEngine:
         temp = temperature if temperature > 0 else 1.0
         pieces = []
         for s in range(0, b, chunk):
-            pieces.append(self._chunk_logprobs(prompts[s:s + chunk], completions[s:s + chunk], tmax, temp))
+            pieces.append(self._chunk_logprobs(prompts[s : s + chunk], completions[s : s + chunk], tmax, temp))
         if pieces:
             out = torch.cat([p[0] for p in pieces], 0)
             tmask = torch.cat([p[1] for p in pieces], 0)
         return out, tmask
 
-    def _chunk_logprobs(self, prompts: list[list[int]], comps: list[list[int]], tmax: int, temp: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chunk_logprobs(
+        self, prompts: list[list[int]], comps: list[list[int]], tmax: int, temp: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b = len(prompts)
         seqs = [p + c for p, c in zip(prompts, comps)]
         length = max(len(s) for s in seqs)
@@ -223,8 +228,8 @@ class HFEngine:
         mask = torch.zeros((b, length), dtype=torch.long)
         rows, cols, tcols = [], [], []
         for i, (p, comp) in enumerate(zip(prompts, comps)):
-            ids[i, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
-            mask[i, :len(seqs[i])] = 1
+            ids[i, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+            mask[i, : len(seqs[i])] = 1
             for j in range(len(comp)):
                 rows.append(i)
                 cols.append(len(p) - 1 + j)
@@ -252,7 +257,7 @@ class HFEngine:
         if not sequences:
             return []
         lp, _ = self.token_logprobs([p for p, _ in sequences], [c for _, c in sequences], temperature)
-        return [lp[i, :len(c)].tolist() for i, (_, c) in enumerate(sequences)]
+        return [lp[i, : len(c)].tolist() for i, (_, c) in enumerate(sequences)]
 
     # ------------------------------------------------------------ weight updates
 

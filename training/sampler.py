@@ -124,8 +124,14 @@ def _tokens(g: Group) -> int:
 class Sampler:
     """A trainer's pool of verified external groups and the rule that picks J of them per step."""
 
-    def __init__(self, max_groups: int = 256, max_staleness: int = 4, max_rollouts: int | None = None,
-                 seed: int = 0, own: bytes | None = None) -> None:
+    def __init__(
+        self,
+        max_groups: int = 256,
+        max_staleness: int = 4,
+        max_rollouts: int | None = None,
+        seed: int = 0,
+        own: bytes | None = None,
+    ) -> None:
         if not 1 <= max_groups <= MAX_GROUPS_LIMIT:
             raise ValueError(f"max_groups must be in 1..{MAX_GROUPS_LIMIT}")
         if max_rollouts is not None and max_rollouts < 2:
@@ -140,8 +146,18 @@ class Sampler:
         self._heads: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._rng = random.Random(seed)
         self.own = None if own is None else bytes(own)  # the lineage this sampler's trainer publishes
-        self.counts = {"added": 0, "too_small": 0, "uninformative": 0, "evicted": 0, "stale": 0, "over_budget": 0,
-                       "unowned": 0, "taken": 0, "producer_share": 0, "producer_failed": 0}
+        self.counts = {
+            "added": 0,
+            "too_small": 0,
+            "uninformative": 0,
+            "evicted": 0,
+            "stale": 0,
+            "over_budget": 0,
+            "unowned": 0,
+            "taken": 0,
+            "producer_share": 0,
+            "producer_failed": 0,
+        }
 
     def __len__(self) -> int:
         return len(self._pool)
@@ -154,7 +170,8 @@ class Sampler:
             self._rollouts += len(g.rollouts)
             n += 1
             while len(self._pool) > self.max_groups or (
-                    self.max_rollouts is not None and self._rollouts > self.max_rollouts):
+                self.max_rollouts is not None and self._rollouts > self.max_rollouts
+            ):
                 self._rollouts -= len(self._pool.popleft().rollouts)
                 self.counts["evicted"] += 1
         self.counts["added"] += n

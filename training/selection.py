@@ -57,7 +57,7 @@ def normalise(entries: Iterable[str | TaskSetChoice | dict], where: str = "train
             raise ConfigError(f"{where}: weight {c.weight!r} of {name!r} must be in (0, {MAX_WEIGHT:g}]")
         out.append(TaskSetChoice(set=name.lower() if _HEX64.match(name) else name, weight=float(c.weight)))
     if not out:
-        raise ConfigError(f"{where}: empty: name at least one task set (\"builtin\" is the built-in one)")
+        raise ConfigError(f'{where}: empty: name at least one task set ("builtin" is the built-in one)')
     if len(out) > MAX_CHOICES:
         raise ConfigError(f"{where}: more than {MAX_CHOICES} entries")
     return out
@@ -68,8 +68,12 @@ def needs_trust(choices: Iterable[TaskSetChoice], builtin_name: str) -> list[str
     return [c.set for c in choices if c.set not in (BUILTIN, builtin_name)]
 
 
-def resolve(choices: list[TaskSetChoice], held: Iterable[tuple[bytes, TaskSetManifest]], builtin_id: bytes,
-            builtin_coordinator: bytes) -> Resolution:
+def resolve(
+    choices: list[TaskSetChoice],
+    held: Iterable[tuple[bytes, TaskSetManifest]],
+    builtin_id: bytes,
+    builtin_coordinator: bytes,
+) -> Resolution:
     """The mixture of task-set ids the entries name among the `held` sets (all verified and trusted), which
     come in the order this node received them."""
     held = list(held)

@@ -47,8 +47,13 @@ class ProducerSpot:
 
 def checkable(r: Rollout, lineage: bytes, version: int, tokenizer_hash: bytes) -> bool:
     """Whether every token of `r` came from (lineage, version) and names our tokenizer."""
-    return (bytes(r.lineage) == lineage and r.version == version and bool(r.completion_ids)
-            and bytes(r.tokenizer_hash) == tokenizer_hash and all(v == version for _, v in r.token_versions))
+    return (
+        bytes(r.lineage) == lineage
+        and r.version == version
+        and bool(r.completion_ids)
+        and bytes(r.tokenizer_hash) == tokenizer_hash
+        and all(v == version for _, v in r.token_versions)
+    )
 
 
 def mean_abs_diff(got: Sequence[float], claim: Sequence[float]) -> float:
@@ -73,14 +78,23 @@ class SpotSampler:
             self.producers.move_to_end(producer)
         return rec
 
-    def pick(self, batches: Iterable[tuple[bytes, RolloutBatch]], lineage: bytes, version: int,
-             tokenizer_hash: bytes, usable: Callable[[Rollout], bool] | None = None
-             ) -> tuple[int, list[tuple[bytes, Rollout]]]:
+    def pick(
+        self,
+        batches: Iterable[tuple[bytes, RolloutBatch]],
+        lineage: bytes,
+        version: int,
+        tokenizer_hash: bytes,
+        usable: Callable[[Rollout], bool] | None = None,
+    ) -> tuple[int, list[tuple[bytes, Rollout]]]:
         """(eligible rollouts this round, the (producer, rollout) pairs to check). `usable` (the
         caller's costlier checks: ids in our vocabulary, a task set we hold) runs on drawn ones only;
         a drawn rollout it refuses is not counted as eligible."""
-        cands = [(producer, r) for producer, batch in batches for r in batch.rollouts
-                 if checkable(r, lineage, version, tokenizer_hash)]
+        cands = [
+            (producer, r)
+            for producer, batch in batches
+            for r in batch.rollouts
+            if checkable(r, lineage, version, tokenizer_hash)
+        ]
         self.rng.shuffle(cands)
         unproven = {p for p, _ in cands if not (p in self.producers and self.producers[p].proven)}
         cands.sort(key=lambda c: c[0] not in unproven)  # stable: still a uniform draw within each class

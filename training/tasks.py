@@ -144,7 +144,9 @@ _DIGITS_PARAMS: Final = {
 def _digits(cfg: dict[str, Any], r: random.Random) -> tuple[str, str]:
     ops = [o.strip() for o in cfg["ops"].split(",") if o.strip()]
     if not ops or any(o not in _DIGITS_OPS for o in ops):
-        raise TaskError(f"generator 'digits': config 'ops'={cfg['ops']!r}: use a comma list of {', '.join(_DIGITS_OPS)}")
+        raise TaskError(
+            f"generator 'digits': config 'ops'={cfg['ops']!r}: use a comma list of {', '.join(_DIGITS_OPS)}"
+        )
     if cfg["min_length"] > cfg["length"]:
         raise TaskError("generator 'digits': config 'min_length' exceeds 'length'")
     op = ops[r.randrange(len(ops))]
@@ -209,8 +211,10 @@ def _worked(cfg: dict[str, Any], r: random.Random) -> tuple[str, str]:
         nxt = (acc + x) % cfg["mod"]
         lines.append(f"{acc}+{lab}{x}={nxt}")
         acc = nxt
-    return (f"chain {''.join(f'{lab}{x}' for lab, x in zip(labels, xs))}=",
-            WORKED_SEP.join([*lines, f"{WORKED_MARKER} {acc}"]))
+    return (
+        f"chain {''.join(f'{lab}{x}' for lab, x in zip(labels, xs))}=",
+        WORKED_SEP.join([*lines, f"{WORKED_MARKER} {acc}"]),
+    )
 
 
 class _Builtin(msgspec.Struct, frozen=True):
@@ -304,14 +308,16 @@ def _builtin_problem(generator: str, b: _Builtin, cfg: dict[str, Any], seed: int
         prompt, answer = b.fn(cfg, r)
         if split == "all" or eval_side(prompt, cfg["holdout"]) == (split == "eval"):
             return prompt, answer
-    raise TaskError(f"generator {generator!r}: no {split!r} problem in {SPLIT_DRAWS} draws for seed {seed}; "
-                    f"the {split} side of this problem space is (nearly) empty: widen it or change 'holdout'")
+    raise TaskError(
+        f"generator {generator!r}: no {split!r} problem in {SPLIT_DRAWS} draws for seed {seed}; "
+        f"the {split} side of this problem space is (nearly) empty: widen it or change 'holdout'"
+    )
 
 
 def known_generator(generator: str) -> bool:
     if generator in BUILTIN_GENERATORS:
         return True
-    return generator.startswith(RG_PREFIX) and generator[len(RG_PREFIX):] in rg_dataset_names()
+    return generator.startswith(RG_PREFIX) and generator[len(RG_PREFIX) :] in rg_dataset_names()
 
 
 def default_verifier(generator: str) -> str:
@@ -339,12 +345,27 @@ def generate(
     b = BUILTIN_GENERATORS.get(generator)
     if b is not None:
         prompt, answer = _builtin_problem(generator, b, _resolve_config(generator, b.params, config), seed)
-        return Task(prompt=prompt, answer=answer, verifier=verifier or b.verifier, tolerance=tolerance,
-                    generator=generator, config_json=cfg_json, seed=seed)
+        return Task(
+            prompt=prompt,
+            answer=answer,
+            verifier=verifier or b.verifier,
+            tolerance=tolerance,
+            generator=generator,
+            config_json=cfg_json,
+            seed=seed,
+        )
     if generator.startswith(RG_PREFIX):
-        name = generator[len(RG_PREFIX):]
+        name = generator[len(RG_PREFIX) :]
         entry = rg_entry(name, config, seed)
         meta = json.dumps(entry.get("metadata", {}), sort_keys=True, default=_json_default)
-        return Task(prompt=str(entry["question"]), answer=str(entry["answer"]), verifier=verifier or "rg_score",
-                    tolerance=tolerance, generator=generator, config_json=cfg_json, seed=seed, metadata_json=meta)
+        return Task(
+            prompt=str(entry["question"]),
+            answer=str(entry["answer"]),
+            verifier=verifier or "rg_score",
+            tolerance=tolerance,
+            generator=generator,
+            config_json=cfg_json,
+            seed=seed,
+            metadata_json=meta,
+        )
     raise TaskError(f"unknown generator {generator!r} (built-in: {', '.join(BUILTIN_GENERATORS)}; or rg:<dataset>)")

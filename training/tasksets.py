@@ -71,32 +71,65 @@ WORKED_FAMILIES: Final[tuple[tuple[str, str, dict[str, Any], str], ...]] = (
 )
 
 
-def _families_manifest(name: str, version: int, families: tuple[tuple[str, str, dict[str, Any], str], ...],
-                       verifier: str, description: str, coordinator: bytes | None) -> TaskSetManifest:
+def _families_manifest(
+    name: str,
+    version: int,
+    families: tuple[tuple[str, str, dict[str, Any], str], ...],
+    verifier: str,
+    description: str,
+    coordinator: bytes | None,
+) -> TaskSetManifest:
     pub = coordinator if coordinator is not None else BUILTIN_COORDINATOR.public
     gens = []
     for family, generator, cfg, fverifier in families:
         for split, gname in (("train", family), ("eval", family + EVAL_SUFFIX)):
-            gens.append(GeneratorSpec(name=gname, generator=generator, config={**cfg, "split": split},
-                                      seed_start=0, seed_end=1_000_000, verifier=fverifier))
-    return TaskSetManifest(v=FORMAT_VERSION, name=name, version=version, coordinator=pub, created_ms=0,
-                           verifier=verifier, tolerance=0.0, generators=gens, description=description)
+            gens.append(
+                GeneratorSpec(
+                    name=gname,
+                    generator=generator,
+                    config={**cfg, "split": split},
+                    seed_start=0,
+                    seed_end=1_000_000,
+                    verifier=fverifier,
+                )
+            )
+    return TaskSetManifest(
+        v=FORMAT_VERSION,
+        name=name,
+        version=version,
+        coordinator=pub,
+        created_ms=0,
+        verifier=verifier,
+        tolerance=0.0,
+        generators=gens,
+        description=description,
+    )
 
 
 def builtin_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
     return _families_manifest(
-        BUILTIN_NAME, BUILTIN_VERSION, BUILTIN_FAMILIES, "exact",
+        BUILTIN_NAME,
+        BUILTIN_VERSION,
+        BUILTIN_FAMILIES,
+        "exact",
         "Built-in curriculum for murmur-tiny: digit look-ups (first, last, max, min of 4-8 "
         "digits), reversing 2-4 digits, sorting 2-4 digits; each '-eval' generator is the held-out "
-        "side of its family's problem space.", coordinator)
+        "side of its family's problem space.",
+        coordinator,
+    )
 
 
 def worked_manifest(coordinator: bytes | None = None) -> TaskSetManifest:
     """The worked-answer set (unsigned; `sign_task_set` signs it for a coordinator, which peers must trust)."""
     return _families_manifest(
-        WORKED_NAME, WORKED_VERSION, WORKED_FAMILIES, "worked",
+        WORKED_NAME,
+        WORKED_VERSION,
+        WORKED_FAMILIES,
+        "worked",
         "Worked answers: the running sum mod 10 of 10-11 labelled digits, one step at a time, then "
-        "'#### <result>' (69-76 characters); 'chain-eval' is the held-out side of its problem space.", coordinator)
+        "'#### <result>' (69-76 characters); 'chain-eval' is the held-out side of its problem space.",
+        coordinator,
+    )
 
 
 def answers_manifest(answers: str, coordinator: bytes | None = None) -> TaskSetManifest:
@@ -104,7 +137,6 @@ def answers_manifest(answers: str, coordinator: bytes | None = None) -> TaskSetM
     if answers not in ANSWERS:
         raise TaskError(f"answers must be one of {', '.join(ANSWERS)}, not {answers!r}")
     return builtin_manifest(coordinator) if answers == "short" else worked_manifest(coordinator)
-
 
 
 def builtin_task_set(swarm: str, identity: Identity | None = None) -> bytes:
@@ -179,25 +211,31 @@ def overlap(e: GeneratorSpec, t: GeneratorSpec) -> str | None:
     if ce["split"] == "eval" and ct["split"] == "train" and ce["holdout"] == ct["holdout"]:
         return None
     if e.generator == "arithmetic":
-        if not set(ce["ops"]) & set(ct["ops"]) or ce["mod"] != ct["mod"] or _disjoint_spans(
-                _span(ce, "min_digits", "digits"), _span(ct, "min_digits", "digits")):
+        if (
+            not set(ce["ops"]) & set(ct["ops"])
+            or ce["mod"] != ct["mod"]
+            or _disjoint_spans(_span(ce, "min_digits", "digits"), _span(ct, "min_digits", "digits"))
+        ):
             return None
     elif e.generator == "digits":
         ops = [{o.strip() for o in c["ops"].split(",") if o.strip()} for c in (ce, ct)]
-        if not ops[0] & ops[1] or _disjoint_spans(_span(ce, "min_length", "length"),
-                                                  _span(ct, "min_length", "length")):
+        if not ops[0] & ops[1] or _disjoint_spans(_span(ce, "min_length", "length"), _span(ct, "min_length", "length")):
             return None
     elif e.generator == "sorting":
-        if ce["descending"] != ct["descending"] or _disjoint_spans(_span(ce, "min_length", "length"),
-                                                                   _span(ct, "min_length", "length")):
+        if ce["descending"] != ct["descending"] or _disjoint_spans(
+            _span(ce, "min_length", "length"), _span(ct, "min_length", "length")
+        ):
             return None
     elif e.generator == "worked":
-        if ce["mod"] != ct["mod"] or _disjoint_spans(_span(ce, "min_length", "length"),
-                                                     _span(ct, "min_length", "length")):
+        if ce["mod"] != ct["mod"] or _disjoint_spans(
+            _span(ce, "min_length", "length"), _span(ct, "min_length", "length")
+        ):
             return None
-    return ("the same built-in problem space (disjoint seeds are not enough for built-in generators: "
-            "give the pair split = \"eval\" / \"train\" with one holdout, or operations or operand "
-            "ranges never trained on)")
+    return (
+        "the same built-in problem space (disjoint seeds are not enough for built-in generators: "
+        'give the pair split = "eval" / "train" with one holdout, or operations or operand '
+        "ranges never trained on)"
+    )
 
 
 def check_held_out(evals: list[GeneratorSpec], trains: list[GeneratorSpec], where: str = "") -> None:
@@ -211,8 +249,7 @@ def check_held_out(evals: list[GeneratorSpec], trains: list[GeneratorSpec], wher
 
 def sign_task_set(identity: Identity, manifest: TaskSetManifest, *, swarm: str) -> bytes:
     """Sign `manifest` as `identity` for `swarm` (coordinator set to it; created_ms filled when 0)."""
-    m = msgspec.structs.replace(manifest, coordinator=identity.public,
-                                created_ms=manifest.created_ms or now_ms())
+    m = msgspec.structs.replace(manifest, coordinator=identity.public, created_ms=manifest.created_ms or now_ms())
     check_manifest(m, f"task set {m.name!r}")
     try:
         return seal(identity, TASK_SET, m, swarm=swarm)
@@ -270,12 +307,27 @@ def manifest_from_toml(t: TaskSetToml, origin: str) -> TaskSetManifest:
     """An unsigned manifest from its TOML form, with every protocol bound and generator checked."""
     try:
         m = TaskSetManifest(
-            v=FORMAT_VERSION, name=t.name, version=t.version, coordinator=bytes(32), created_ms=t.created_ms,
-            verifier=t.verifier, tolerance=t.tolerance,
-            generators=[GeneratorSpec(name=g.name, generator=g.generator, config=g.config, seed_start=g.seed_start,
-                                      seed_end=g.seed_end, verifier=g.verifier, weight=g.weight)
-                        for g in t.generators],
-            description=t.description)
+            v=FORMAT_VERSION,
+            name=t.name,
+            version=t.version,
+            coordinator=bytes(32),
+            created_ms=t.created_ms,
+            verifier=t.verifier,
+            tolerance=t.tolerance,
+            generators=[
+                GeneratorSpec(
+                    name=g.name,
+                    generator=g.generator,
+                    config=g.config,
+                    seed_start=g.seed_start,
+                    seed_end=g.seed_end,
+                    verifier=g.verifier,
+                    weight=g.weight,
+                )
+                for g in t.generators
+            ],
+            description=t.description,
+        )
         # round-trip through the wire decoder: applies every field bound of the protocol
         m = msgspec.msgpack.decode(encode(m), type=TaskSetManifest)
     except msgspec.ValidationError as e:
@@ -359,8 +411,9 @@ class TaskRegistry:
         if g is None:
             raise TaskError(f"unknown generator {ref.generator!r} in task set {bytes(ref.task_set).hex()[:16]}")
         if not g.seed_start <= ref.seed < g.seed_end:
-            raise TaskError(f"seed out of range: {ref.seed} not in [{g.seed_start}, {g.seed_end}) "
-                            f"for generator {ref.generator!r}")
+            raise TaskError(
+                f"seed out of range: {ref.seed} not in [{g.seed_start}, {g.seed_end}) for generator {ref.generator!r}"
+            )
         return self._sets[ref.task_set], g
 
     def resolve(self, ref: TaskRef, run: Callable[..., Any] | None = None) -> Task:
@@ -371,14 +424,37 @@ class TaskRegistry:
         and bounded by their own parameter ranges, and run here."""
         m, g = self.spec(ref)
         if run is not None and g.generator.startswith(RG_PREFIX):
-            return run(generate, g.generator, g.config, ref.seed, verifier=g.verifier or m.verifier,
-                       tolerance=m.tolerance)
+            return run(
+                generate, g.generator, g.config, ref.seed, verifier=g.verifier or m.verifier, tolerance=m.tolerance
+            )
         return generate(g.generator, g.config, ref.seed, verifier=g.verifier or m.verifier, tolerance=m.tolerance)
 
 
 __all__ = [
-    "ANSWERS", "BUILTIN_COORDINATOR", "BUILTIN_EVAL", "WORKED_NAME", "answers_manifest", "worked_manifest", "BUILTIN_FAMILIES", "BUILTIN_NAME", "BUILTIN_TRAIN", "DecodeError",
-    "EVAL_SUFFIX", "TaskRegistry", "check_held_out", "eval_generators", "is_eval", "overlap", "train_generators",
-    "GeneratorToml", "TaskSetToml", "builtin_manifest", "builtin_task_set", "check_manifest", "load_task_set_toml",
-    "manifest_from_toml", "sign_task_set", "task_set_id",
+    "ANSWERS",
+    "BUILTIN_COORDINATOR",
+    "BUILTIN_EVAL",
+    "WORKED_NAME",
+    "answers_manifest",
+    "worked_manifest",
+    "BUILTIN_FAMILIES",
+    "BUILTIN_NAME",
+    "BUILTIN_TRAIN",
+    "DecodeError",
+    "EVAL_SUFFIX",
+    "TaskRegistry",
+    "check_held_out",
+    "eval_generators",
+    "is_eval",
+    "overlap",
+    "train_generators",
+    "GeneratorToml",
+    "TaskSetToml",
+    "builtin_manifest",
+    "builtin_task_set",
+    "check_manifest",
+    "load_task_set_toml",
+    "manifest_from_toml",
+    "sign_task_set",
+    "task_set_id",
 ]

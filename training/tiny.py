@@ -44,10 +44,20 @@ WARMUP_LR: Final = 2e-3
 def build_model(seed: int, vocab: int) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-                      pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg)
 
@@ -65,20 +75,29 @@ def warmup_batch(rng: random.Random, count: int, answers: str = "short") -> list
     out = []
     for _ in range(count):
         g = rng.choices(gens, weights=[x.weight for x in gens])[0]
-        out.append(generate(g.generator, g.config, rng.randrange(g.seed_start, g.seed_end), g.verifier or m.verifier,
-                            m.tolerance))
+        out.append(
+            generate(
+                g.generator, g.config, rng.randrange(g.seed_start, g.seed_end), g.verifier or m.verifier, m.tolerance
+            )
+        )
     return out
 
 
-def warmup_prompts(seed: int, steps: int = WARMUP_STEPS, batch: int = WARMUP_BATCH, answers: str = "short"
-                   ) -> set[str]:
+def warmup_prompts(seed: int, steps: int = WARMUP_STEPS, batch: int = WARMUP_BATCH, answers: str = "short") -> set[str]:
     """Every prompt the warm-up of (seed, steps) trains on (it is deterministic), for overlap counts."""
     rng = random.Random(seed)
     return {t.prompt for _ in range(steps) for t in warmup_batch(rng, batch, answers)}
 
 
-def warmup(engine: HFEngine, steps: int, seed: int, batch: int = WARMUP_BATCH, lr: float = WARMUP_LR,
-           deadline: float | None = None, answers: str = "short") -> int:
+def warmup(
+    engine: HFEngine,
+    steps: int,
+    seed: int,
+    batch: int = WARMUP_BATCH,
+    lr: float = WARMUP_LR,
+    deadline: float | None = None,
+    answers: str = "short",
+) -> int:
     """Supervised steps on prompt -> answer + EOS, loss on the answer only. Returns steps done."""
     opt = torch.optim.AdamW(engine.model.parameters(), lr=lr, weight_decay=0.0)
     engine.model.train()
@@ -123,8 +142,9 @@ def _cached(d: Path, stamp: dict[str, object]) -> bool:
         return False
 
 
-def ensure_tiny(home: str | Path, seed: int = 0, warmup_steps: int | None = None, force: bool = False,
-                answers: str = "short") -> Path:
+def ensure_tiny(
+    home: str | Path, seed: int = 0, warmup_steps: int | None = None, force: bool = False, answers: str = "short"
+) -> Path:
     """Build (once) and return the cached murmur-tiny directory under `home`, warmed up on the curriculum
     of the answer regime `answers` (`training.tasksets.ANSWERS`) for `warmup_steps` (None: the regime's,
     `default_warmup_steps`).
@@ -180,8 +200,10 @@ def policy_path(model: str, home: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def load_policy(model: str, home: str | Path, device: str = "auto", seed: int = 0, memory_budget_mb: int = 1024
-                ) -> HFEngine:
+def load_policy(
+    model: str, home: str | Path, device: str = "auto", seed: int = 0, memory_budget_mb: int = 1024
+) -> HFEngine:
     """The transformers engine of `policy_path(model, home, seed)`."""
-    return HFEngine.from_path(policy_path(model, home, seed), device=device, memory_budget_mb=memory_budget_mb,
-                              seed=seed)
+    return HFEngine.from_path(
+        policy_path(model, home, seed), device=device, memory_budget_mb=memory_budget_mb, seed=seed
+    )

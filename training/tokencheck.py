@@ -34,7 +34,9 @@ class TokenCheck:
         self.eos_id = tokenizer.eos_token_id
         # Without clean-up, transformers' decode is the backend's decode behind per-id type
         # checks that cost more than the decoding; with it, only the full call is exact.
-        self._backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else tokenizer.backend_tokenizer
+        self._backend = (
+            None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else tokenizer.backend_tokenizer
+        )
 
     def decode(self, ids: list[int]) -> str:
         """Exactly what training.engine_hf.HFEngine.decode makes of `ids` (the producer's text)."""

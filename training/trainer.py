@@ -100,10 +100,19 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     def from_config(cls, config: Any) -> TrainerConfig:
         """From a node `Config` (training section, node memory budget, sync staleness bound)."""
         t = config.training
-        return cls(local_groups=t.local_rollouts, external_groups=t.external_rollouts, group_size=t.group_size,
-                   lr=t.lr, max_new_tokens=t.max_new_tokens, temperature=t.temperature, seed=t.seed,
-                   loss_norm=t.loss_norm, minibatch_groups=t.minibatch_groups, max_staleness=config.sync.max_staleness,
-                   memory_budget_mb=config.node.memory_budget_mb)
+        return cls(
+            local_groups=t.local_rollouts,
+            external_groups=t.external_rollouts,
+            group_size=t.group_size,
+            lr=t.lr,
+            max_new_tokens=t.max_new_tokens,
+            temperature=t.temperature,
+            seed=t.seed,
+            loss_norm=t.loss_norm,
+            minibatch_groups=t.minibatch_groups,
+            max_staleness=config.sync.max_staleness,
+            memory_budget_mb=config.node.memory_budget_mb,
+        )
 
     def __post_init__(self) -> None:
         if self.loss_norm not in LOSS_NORMS:
@@ -176,9 +185,17 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, engine: HFEngine, registry: TaskRegistry, task_set: bytes, config: TrainerConfig,
-                 lineage: bytes = bytes(32), external: ExternalSource | None = None,
-                 on_step: Callable[[StepResult], None] | None = None, generators: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        engine: HFEngine,
+        registry: TaskRegistry,
+        task_set: bytes,
+        config: TrainerConfig,
+        lineage: bytes = bytes(32),
+        external: ExternalSource | None = None,
+        on_step: Callable[[StepResult], None] | None = None,
+        generators: list[str] | None = None,
+    ) -> None:
         self.engine = engine
         self.registry = registry
         self.task_set = task_set
@@ -200,8 +217,9 @@ class Trainer:
         self._ref_seen = False
         self.backlog: list[_Prepared] = []  # informative groups waiting for a full minibatch
         self.opt = torch.optim.AdamW(engine.model.parameters(), lr=config.lr, weight_decay=0.0)
-        self.sampling = Sampling(temperature=config.temperature, top_p=config.top_p,
-                                 max_new_tokens=config.max_new_tokens)
+        self.sampling = Sampling(
+            temperature=config.temperature, top_p=config.top_p, max_new_tokens=config.max_new_tokens
+        )
         self.engine.memory_budget_mb = max(64, config.memory_budget_mb // 4)
         self._lock = threading.Lock()
 
@@ -243,8 +261,11 @@ class Trainer:
         while len(self.pending) < want:
             ref = self._new_ref()
             task = self.registry.resolve(ref)
-            self.pending.append(_Pending(ref, self.engine.encode(task.prompt), self.version,
-                                         [_Seq() for _ in range(self.cfg.group_size)]))
+            self.pending.append(
+                _Pending(
+                    ref, self.engine.encode(task.prompt), self.version, [_Seq() for _ in range(self.cfg.group_size)]
+                )
+            )
 
     def _advance(self) -> None:
         """One generation round over every unfinished sequence, at most chunk_tokens each."""
@@ -272,12 +293,25 @@ class Trainer:
             for s in p.seqs:
                 text = self.engine.decode(s.ids)
                 first = s.segments[0][1] if s.segments else p.version
-                g.append(RolloutRec(ref=p.ref, task=task, prompt_ids=p.prompt_ids, ids=s.ids, text=text,
-                                    logprobs=s.logprobs, token_versions=list(s.segments), version=first,
-                                    lineage=self.lineage, tokenizer_hash=self.engine.tokenizer_hash,
-                                    sampling=self.sampling, reward=score(task, text),
-                                    finished=bool(s.ids) and s.ids[-1] == self.engine.eos_id,
-                                    created_ms=now_ms(), source=self.lineage))
+                g.append(
+                    RolloutRec(
+                        ref=p.ref,
+                        task=task,
+                        prompt_ids=p.prompt_ids,
+                        ids=s.ids,
+                        text=text,
+                        logprobs=s.logprobs,
+                        token_versions=list(s.segments),
+                        version=first,
+                        lineage=self.lineage,
+                        tokenizer_hash=self.engine.tokenizer_hash,
+                        sampling=self.sampling,
+                        reward=score(task, text),
+                        finished=bool(s.ids) and s.ids[-1] == self.engine.eos_id,
+                        created_ms=now_ms(),
+                        source=self.lineage,
+                    )
+                )
             groups.append(g)
         return groups
 
@@ -292,8 +326,15 @@ class Trainer:
             except TaskError:
                 self.drops["task_set_unused"] = self.drops.get("task_set_unused", 0) + 1
                 continue  # not a task set we hold: unusable here, not an error of ours
-            rec = from_wire(w, task, self.engine.encode(task.prompt), self.engine.tokenizer_hash, self.engine.encode,
-                            self.engine.eos_id, max_tokens=self.cfg.max_new_tokens)
+            rec = from_wire(
+                w,
+                task,
+                self.engine.encode(task.prompt),
+                self.engine.tokenizer_hash,
+                self.engine.encode,
+                self.engine.eos_id,
+                max_tokens=self.cfg.max_new_tokens,
+            )
             if rec.foreign or rec.lineage != self.lineage:
                 rec.foreign = True  # another model's sample: its claimed log-probs are never used
                 # a re-tokenised text lacks the EOS its producer sampled; a cut completion never had one,
@@ -307,9 +348,16 @@ class Trainer:
 
     # ------------------------------------------------------------ loss
 
-    def _loss(self, own: list[RolloutRec], own_adv: torch.Tensor, ext: list[RolloutRec], ext_adv: torch.Tensor,
-              ext_coef: torch.Tensor, prox: torch.Tensor | None, batch_rows: int
-              ) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(
+        self,
+        own: list[RolloutRec],
+        own_adv: torch.Tensor,
+        ext: list[RolloutRec],
+        ext_adv: torch.Tensor,
+        ext_coef: torch.Tensor,
+        prox: torch.Tensor | None,
+        batch_rows: int,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
         rows = loss_denominator(cfg, batch_rows)
         stats: dict[str, float] = {}
@@ -326,8 +374,18 @@ class Trainer:
                 too_old = (self.version - vers) > cfg.max_staleness
                 mask[i, :n] = mask[i, :n] * (~too_old).float()
             p = prox if prox is not None else logp.detach()
-            loss, st = decoupled_loss(logp, p, behav, own_adv, mask, stale, eps_lo=cfg.eps_lo, eps_hi=cfg.eps_hi,
-                                      tau=cfg.m2_tau, denom=None if rows is None else rows * cfg.max_new_tokens)
+            loss, st = decoupled_loss(
+                logp,
+                p,
+                behav,
+                own_adv,
+                mask,
+                stale,
+                eps_lo=cfg.eps_lo,
+                eps_hi=cfg.eps_hi,
+                tau=cfg.m2_tau,
+                denom=None if rows is None else rows * cfg.max_new_tokens,
+            )
             stats.update(st)
             stats["stale_token_frac"] = float((stale.float() * mask).sum() / mask.sum().clamp(min=1))
             parts.append(loss)
@@ -353,16 +411,18 @@ class Trainer:
     def _observe_own_logprobs(self, local: list[list[RolloutRec]]) -> None:
         """Move the reference towards the mean per-token behaviour log-prob of this step's own completions
         (generated here, so nothing a peer says enters it)."""
-        means = [sum(r.logprobs) / len(r.logprobs) for g in local for r in g
-                 if r.logprobs and math.isfinite(sum(r.logprobs))]
+        means = [
+            sum(r.logprobs) / len(r.logprobs) for g in local for r in g if r.logprobs and math.isfinite(sum(r.logprobs))
+        ]
         if not means:
             return
         m = sum(means) / len(means)
         self.ref_logp = m if not self._ref_seen else REF_DECAY * self.ref_logp + (1 - REF_DECAY) * m
         self._ref_seen = True
 
-    def _prepare(self, local: list[list[RolloutRec]], ext_groups: list[list[RolloutRec]]
-                 ) -> tuple[list[_Prepared], int]:
+    def _prepare(
+        self, local: list[list[RolloutRec]], ext_groups: list[list[RolloutRec]]
+    ) -> tuple[list[_Prepared], int]:
         """Route each informative group to its loss with its advantages; returns (groups, dropped)."""
         out: list[_Prepared] = []
         dropped = 0
@@ -374,8 +434,9 @@ class Trainer:
             # HACPO capabilities on one basis: a source is only ever seen through its informative
             # groups (the sampler drops the rest), so the learner is measured on its own
             self.capability.update(self.lineage, [r.reward for r in g])
-            out.append(_Prepared(g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY, _EMPTY,
-                                 external=False))
+            out.append(
+                _Prepared(g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY, _EMPTY, external=False)
+            )
         p_l = self.capability.get(self.lineage)
         for g in ext_groups:
             if is_degenerate([r.reward for r in g]):
@@ -385,8 +446,11 @@ class Trainer:
                 if r.foreign:
                     self.capability.update(r.source, [r.reward])
             if not any(r.foreign for r in g):  # all of our lineage and tokenizer
-                out.append(_Prepared(g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY,
-                                     _EMPTY, external=True))
+                out.append(
+                    _Prepared(
+                        g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY, _EMPTY, external=True
+                    )
+                )
                 continue
             p_src = torch.tensor([self.capability.get(r.source) if r.foreign else p_l for r in g])
             adv = hacpo_advantages(torch.tensor([r.reward for r in g]), p_src, p_l)
@@ -395,8 +459,11 @@ class Trainer:
             # decoupled loss: the routing is per sample
             mine = [i for i, r in enumerate(g) if not r.foreign]
             theirs = [i for i, r in enumerate(g) if r.foreign]
-            out.append(_Prepared([g[i] for i in mine], adv[mine], [g[i] for i in theirs], adv[theirs],
-                                 coef[theirs], external=True))
+            out.append(
+                _Prepared(
+                    [g[i] for i in mine], adv[mine], [g[i] for i in theirs], adv[theirs], coef[theirs], external=True
+                )
+            )
         return out, dropped
 
     def _minibatches(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
@@ -413,8 +480,9 @@ class Trainer:
             self.backlog = self.backlog[m:]
         return out
 
-    def _update(self, batch: list[_Prepared], prox: torch.Tensor | None, batch_rows: int
-                ) -> tuple[float, dict[str, float], int]:
+    def _update(
+        self, batch: list[_Prepared], prox: torch.Tensor | None, batch_rows: int
+    ) -> tuple[float, dict[str, float], int]:
         """The `ppo_epochs` optimizer steps of one minibatch; returns (loss, stats, steps applied)."""
         cfg = self.cfg
         own = [r for p in batch for r in p.own]
@@ -469,8 +537,9 @@ class Trainer:
                         for k, b in enumerate(batches):
                             own = [r for p in b for r in p.own]
                             if own:
-                                proxes[k], _ = self.engine.token_logprobs([r.prompt_ids for r in own],
-                                                                          [r.ids for r in own], cfg.temperature)
+                                proxes[k], _ = self.engine.token_logprobs(
+                                    [r.prompt_ids for r in own], [r.ids for r in own], cfg.temperature
+                                )
                 legacy_rows = sum(len(g) for g in local) + sum(len(g) for g in ext_groups)
                 applied = 0
                 for b, prox in zip(batches, proxes):
@@ -491,23 +560,34 @@ class Trainer:
                     used[tid] = used.get(tid, 0) + 1
                     if p.external:
                         ext_used[tid] = ext_used.get(tid, 0) + 1
-            res = StepResult(step=self.step_no, version=self.version, loss=loss_val,
-                             reward_mean=sum(local_rewards) / len(local_rewards) if local_rewards else float("nan"),
-                             n_local_groups=len(local), n_external_groups=len(ext_groups), dropped_groups=dropped,
-                             pending_groups=len(self.pending),
-                             tokens=sum(len(r.ids) for p in trained for r in p.own + p.ext),
-                             step_s=time.monotonic() - t0, stats=stats, rollouts=[r for g in local for r in g],
-                             used_by_set=used, external_by_set=ext_used, updates=len(batches),
-                             trained_groups=len(trained), trained_external_groups=sum(p.external for p in trained),
-                             backlog_groups=len(self.backlog),
-                             external_lineages=len({bytes(r.lineage) for p in trained if p.external
-                                                    for r in p.own + p.ext}))
+            res = StepResult(
+                step=self.step_no,
+                version=self.version,
+                loss=loss_val,
+                reward_mean=sum(local_rewards) / len(local_rewards) if local_rewards else float("nan"),
+                n_local_groups=len(local),
+                n_external_groups=len(ext_groups),
+                dropped_groups=dropped,
+                pending_groups=len(self.pending),
+                tokens=sum(len(r.ids) for p in trained for r in p.own + p.ext),
+                step_s=time.monotonic() - t0,
+                stats=stats,
+                rollouts=[r for g in local for r in g],
+                used_by_set=used,
+                external_by_set=ext_used,
+                updates=len(batches),
+                trained_groups=len(trained),
+                trained_external_groups=sum(p.external for p in trained),
+                backlog_groups=len(self.backlog),
+                external_lineages=len({bytes(r.lineage) for p in trained if p.external for r in p.own + p.ext}),
+            )
         if self.on_step is not None:
             self.on_step(res)
         return res
 
-    def run(self, stop: threading.Event | None = None, max_steps: int | None = None,
-            budget_s: float | None = None) -> int:
+    def run(
+        self, stop: threading.Event | None = None, max_steps: int | None = None, budget_s: float | None = None
+    ) -> int:
         """Step until stopped, out of steps or out of time. Returns the number of steps done."""
         deadline = None if budget_s is None else time.monotonic() + budget_s
         n = 0
@@ -519,8 +599,9 @@ class Trainer:
         return n
 
 
-def guarded_step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor,
-                 grad_clip: float) -> float | None:
+def guarded_step(
+    opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], loss: torch.Tensor, grad_clip: float
+) -> float | None:
     """Backward, clip and step, unless the loss or the gradient norm is not finite: one such step
     makes every weight NaN through the optimizer's moments, and the next version ships it. Returns
     the gradient norm, or None when the step was skipped (gradients cleared, weights untouched)."""

@@ -80,7 +80,7 @@ def extract_answer(completion: str) -> str:
             return boxed.strip()[:MAX_ANSWER_CHARS]
     stripped = text.strip()
     nl = stripped.rfind("\n")
-    return (stripped[nl + 1:] if nl >= 0 else stripped).strip()[:MAX_ANSWER_CHARS]
+    return (stripped[nl + 1 :] if nl >= 0 else stripped).strip()[:MAX_ANSWER_CHARS]
 
 
 _STEP = re.compile(r"-?\d{1,12}\s*[-+*]\s*[a-z]?-?\d{1,12}\s*=\s*-?\d{1,12}")  # a term may carry its label
@@ -477,8 +477,13 @@ class VerifierPool:
     a VerifierError (TaskError for a task the verifier refuses). `cpu_s` sums the workers' CPU
     time (benchmarks count it)."""
 
-    def __init__(self, workers: int = 1, time_limit_s: float = TIME_LIMIT_S, cache_entries: int = VERDICT_CACHE,
-                 wall_factor: float = WALL_FACTOR) -> None:
+    def __init__(
+        self,
+        workers: int = 1,
+        time_limit_s: float = TIME_LIMIT_S,
+        cache_entries: int = VERDICT_CACHE,
+        wall_factor: float = WALL_FACTOR,
+    ) -> None:
         if workers < 1 or not time_limit_s > 0:
             raise ValueError("a verifier pool needs workers >= 1 and time_limit_s > 0")
         self.workers = workers
@@ -571,8 +576,9 @@ class VerifierPool:
                     self.timeouts += 1
                 return VerifierTimeout(f"not done within {limit_s} s of verifier CPU")
             if time.monotonic() > backstop:
-                return VerifierUnavailable(f"verifier worker not done after {self.wall_factor * limit_s:.0f} s "
-                                           "(this machine is overloaded)")
+                return VerifierUnavailable(
+                    f"verifier worker not done after {self.wall_factor * limit_s:.0f} s (this machine is overloaded)"
+                )
         return None
 
     def _take(self) -> _Worker:

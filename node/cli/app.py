@@ -61,7 +61,9 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="print the version")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="print the version")
+    ] = False,
 ) -> None:
     pass
 
@@ -76,7 +78,10 @@ def emit_json(obj: Any) -> None:
 
 
 @app.command()
-def init(home: HomeOpt = None, force: Annotated[bool, typer.Option("--force", help="replace an existing identity key")] = False) -> None:
+def init(
+    home: HomeOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing identity key")] = False,
+) -> None:
     """Create a node home: identity key (0600), commented config.toml, state database."""
     from murmur.node.home import init_home
 

@@ -57,16 +57,29 @@ def bench_gossip(
     exchange_only: Annotated[bool, typer.Option("--exchange-only", help="only the rollout exchange run")] = False,
     demand: Annotated[float, typer.Option(help="exchange run: rollouts/s each consumer uses")] = 8.0,
     duration: Annotated[float, typer.Option(help="exchange run: seconds of publishing")] = 30.0,
-    real_producers: Annotated[bool, typer.Option(
-        "--real-producers", help="exchange run: producers make 5x a consumer's demand and publish by the "
-                                 "exchange's publish rule, as trainers do")] = False,
+    real_producers: Annotated[
+        bool,
+        typer.Option(
+            "--real-producers",
+            help="exchange run: producers make 5x a consumer's demand and publish by the "
+            "exchange's publish rule, as trainers do",
+        ),
+    ] = False,
 ) -> None:
     """Rollout gossip between real libp2p nodes: the exchange's per-node load at a fixed rate and demand;
     delivery, latency, verification rate and an adversary on one shard."""
     from murmur.simulations.bench.gossip import run
 
-    _run(run, nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node,
-         exchange_only=exchange_only, demand=demand, duration_s=duration, real_producers=real_producers)
+    _run(
+        run,
+        nodes=nodes,
+        batches_per_node=batches_per_node,
+        rate_per_node=rate_per_node,
+        exchange_only=exchange_only,
+        demand=demand,
+        duration_s=duration,
+        real_producers=real_producers,
+    )
 
 
 @bench_app.command("broadcast")
@@ -102,27 +115,64 @@ def bench_swarm(
     json_out: JsonOpt = True,
     rounds: Annotated[int, typer.Option(help="training rounds per run (0 = the benchmark's default)")] = 0,
     seed: SeedOpt = 0,
-    seeds: Annotated[int, typer.Option(min=1, help="run this many seeds from --seed, one process each (cores "
-                                                   "at a time), and report their means")] = 1,
-    nodes: Annotated[int, typer.Option(min=0, max=64, help="nodes in the swarm (0 = the benchmark's 4); "
-                                                           "same per-node compute at every size")] = 0,
-    matched: Annotated[bool, typer.Option("--matched", help="compute-matched: equal measured CPU per node, "
-                                                            "held-out accuracy, speedup with a bootstrap interval "
-                                                            "over --seeds paired seeds")] = False,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            min=1, help="run this many seeds from --seed, one process each (cores at a time), and report their means"
+        ),
+    ] = 1,
+    nodes: Annotated[
+        int,
+        typer.Option(
+            min=0, max=64, help="nodes in the swarm (0 = the benchmark's 4); same per-node compute at every size"
+        ),
+    ] = 0,
+    matched: Annotated[
+        bool,
+        typer.Option(
+            "--matched",
+            help="compute-matched: equal measured CPU per node, "
+            "held-out accuracy, speedup with a bootstrap interval "
+            "over --seeds paired seeds",
+        ),
+    ] = False,
     cpu_s: Annotated[float, typer.Option(min=0.1, help="with --matched: CPU seconds per node")] = 48.0,
-    followers: Annotated[int, typer.Option(min=0, max=16, help="with --matched: one trainer with this many "
-                                                               "followers instead of a swarm of --nodes")] = 0,
-    adversary: Annotated[bool, typer.Option("--adversary", help="with --matched: one of the --nodes sends valid "
-                                                                "but useless rollouts and some forged ones")] = False,
-    workers: Annotated[int, typer.Option(min=1, max=64, help="with --matched: seeds run this many processes "
-                                                             "at a time")] = 1,
-    answers: Annotated[str, typer.Option(help="with --matched: the answer regime, short (the built-in set) or "
-                                              "worked (worked steps, >= 64 completion tokens)")] = "short",
-    default_roles: Annotated[bool, typer.Option("--default-roles", help="with --matched: the swarm of --nodes "
-                                                                       "with roles chosen by the node's own rule, "
-                                                                       "nothing forced")] = False,
-    out: Annotated[Path | None, typer.Option(help="with --matched: also write the run's JSON, its curves and an "
-                                                  "HTML page (index.html) into this folder")] = None,
+    followers: Annotated[
+        int,
+        typer.Option(
+            min=0, max=16, help="with --matched: one trainer with this many followers instead of a swarm of --nodes"
+        ),
+    ] = 0,
+    adversary: Annotated[
+        bool,
+        typer.Option(
+            "--adversary",
+            help="with --matched: one of the --nodes sends valid but useless rollouts and some forged ones",
+        ),
+    ] = False,
+    workers: Annotated[
+        int, typer.Option(min=1, max=64, help="with --matched: seeds run this many processes at a time")
+    ] = 1,
+    answers: Annotated[
+        str,
+        typer.Option(
+            help="with --matched: the answer regime, short (the built-in set) or "
+            "worked (worked steps, >= 64 completion tokens)"
+        ),
+    ] = "short",
+    default_roles: Annotated[
+        bool,
+        typer.Option(
+            "--default-roles",
+            help="with --matched: the swarm of --nodes with roles chosen by the node's own rule, nothing forced",
+        ),
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="with --matched: also write the run's JSON, its curves and an HTML page (index.html) into this folder"
+        ),
+    ] = None,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -135,13 +185,23 @@ def bench_swarm(
         if answers not in ANSWERS:
             raise typer.BadParameter(f"one of {', '.join(ANSWERS)}", param_hint="--answers")
         if default_roles and (followers or adversary):
-            raise typer.BadParameter("roles are the nodes' own choice: no --followers or --adversary",
-                                     param_hint="--default-roles")
+            raise typer.BadParameter(
+                "roles are the nodes' own choice: no --followers or --adversary", param_hint="--default-roles"
+            )
         if adversary and (followers or 0 < nodes < 3):
             raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        result = run_matched(nodes=nodes or 4, seeds=seeds, seed=seed, cpu_s=cpu_s, followers=followers,
-                             adversary=adversary, workers=workers, answers=answers, default_roles=default_roles)
+        result = run_matched(
+            nodes=nodes or 4,
+            seeds=seeds,
+            seed=seed,
+            cpu_s=cpu_s,
+            followers=followers,
+            adversary=adversary,
+            workers=workers,
+            answers=answers,
+            default_roles=default_roles,
+        )
         if out is not None:
             from murmur.simulations.bench.matched_page import write_page
 
@@ -156,7 +216,9 @@ def bench_swarm(
 @bench_app.command("soak")
 def bench_soak(
     json_out: JsonOpt = True,
-    minutes: Annotated[float, typer.Option(help="minutes of running after the first node starts working", min=0.5)] = 60.0,
+    minutes: Annotated[
+        float, typer.Option(help="minutes of running after the first node starts working", min=0.5)
+    ] = 60.0,
 ) -> None:
     """A local swarm (trainer, follower+validator, trainer) for N minutes: memory, disk, errors, drops, progress."""
     from murmur.simulations.bench.soak import run
@@ -175,9 +237,16 @@ def bench_reachability(json_out: JsonOpt = True) -> None:
 @bench_app.command("attacks")
 def bench_attacks(
     json_out: JsonOpt = True,
-    window_s: Annotated[float, typer.Option("--window-s", min=10.0, help="least seconds the attack window lasts "
-                                                                         "(and until the catalogue ran once); the "
-                                                                         "control swarm is measured as long")] = 60.0,
+    window_s: Annotated[
+        float,
+        typer.Option(
+            "--window-s",
+            min=10.0,
+            help="least seconds the attack window lasts "
+            "(and until the catalogue ran once); the "
+            "control swarm is measured as long",
+        ),
+    ] = 60.0,
 ) -> None:
     """Live trainer + follower/validator under hostile peers running the catalogue, against a control swarm."""
     from murmur.simulations.bench.attacks import run

@@ -17,7 +17,9 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", help="config file (d
 def node_start(
     home: HomeOpt = None,
     config: ConfigOpt = None,
-    bootstrap: Annotated[list[str] | None, typer.Option("--bootstrap", help="bootstrap peer multiaddr (repeatable)")] = None,
+    bootstrap: Annotated[
+        list[str] | None, typer.Option("--bootstrap", help="bootstrap peer multiaddr (repeatable)")
+    ] = None,
     listen: Annotated[list[str] | None, typer.Option("--listen", help="listen multiaddr (repeatable)")] = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="JSON log lines on stderr instead of the dashboard")] = False,
 ) -> None:
@@ -35,8 +37,12 @@ def node_start(
     path = config_path(h, config)
     base = load_config(path)
     tui = not no_tui and sys.stdout.isatty()
-    logs.setup(base.node.log_level, stream=None if tui else sys.stderr, logfile=h / "node.log",
-               max_bytes=base.disk.logs_max_mb * 2**20)
+    logs.setup(
+        base.node.log_level,
+        stream=None if tui else sys.stderr,
+        logfile=h / "node.log",
+        max_bytes=base.disk.logs_max_mb * 2**20,
+    )
     cfg, notes, warnings = modelplan.start_config(path)
     log = logging.getLogger("murmur.node")
     for note in notes:
@@ -49,8 +55,11 @@ def node_start(
 
 
 @node_app.command("status")
-def node_status(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--json")] = False,
-                timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the node")] = 5.0) -> None:
+def node_status(
+    home: HomeOpt = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds to wait for the node")] = 5.0,
+) -> None:
     """Read a running node's state over its control socket (does not disturb it)."""
     import msgspec
 
@@ -99,24 +108,46 @@ def doctor(
 @app.command()
 def demo(
     duration: Annotated[float, typer.Option("--duration", help="seconds of training")] = 180.0,
-    nodes: Annotated[str, typer.Option("--nodes", help="roles of the demo nodes, e.g. trainer,trainer,follower; "
-                                                          "auto: roles chosen by the node, as with no node.roles")] =
-    "trainer,trainer+validator,follower+validator",
-    workdir: Annotated[Path | None, typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")] = None,
-    no_tui: Annotated[bool, typer.Option("--no-tui", help="plain progress lines instead of the live dashboard")] = False,
+    nodes: Annotated[
+        str,
+        typer.Option(
+            "--nodes",
+            help="roles of the demo nodes, e.g. trainer,trainer,follower; "
+            "auto: roles chosen by the node, as with no node.roles",
+        ),
+    ] = "trainer,trainer+validator,follower+validator",
+    workdir: Annotated[
+        Path | None, typer.Option("--dir", help="keep the demo homes here (default: a temp dir)")
+    ] = None,
+    no_tui: Annotated[
+        bool, typer.Option("--no-tui", help="plain progress lines instead of the live dashboard")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the summary as one JSON line last")] = False,
-    task_set: Annotated[Path | None, typer.Option(
-        "--task-set", help="a coordinator's task-set TOML to train on instead of the built-in set")] = None,
-    until_steps: Annotated[int, typer.Option(
-        "--until-steps", help="stop early once every trainer made N steps and published a version and every "
-                              "follower applied a version and measured its held-out accuracy")] = 0,
+    task_set: Annotated[
+        Path | None,
+        typer.Option("--task-set", help="a coordinator's task-set TOML to train on instead of the built-in set"),
+    ] = None,
+    until_steps: Annotated[
+        int,
+        typer.Option(
+            "--until-steps",
+            help="stop early once every trainer made N steps and published a version and every "
+            "follower applied a version and measured its held-out accuracy",
+        ),
+    ] = 0,
 ) -> None:
     """A local swarm on loopback with the built-in model and tasks (or --task-set FILE.toml): watch it learn,
     then a summary with reward and held-out accuracy per task family."""
     from murmur.node.cli.demo import run_demo
 
-    summary = run_demo(duration_s=duration, node_roles=[n.split("+") for n in nodes.split(",") if n],
-                       workdir=workdir, tui=not no_tui and sys.stdout.isatty(), console=console, task_set=task_set,
-                       until_steps=until_steps)
+    summary = run_demo(
+        duration_s=duration,
+        node_roles=[n.split("+") for n in nodes.split(",") if n],
+        workdir=workdir,
+        tui=not no_tui and sys.stdout.isatty(),
+        console=console,
+        task_set=task_set,
+        until_steps=until_steps,
+    )
     if json_out:
         emit_json(summary)

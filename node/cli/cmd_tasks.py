@@ -45,8 +45,11 @@ def _known(home: Path) -> list[tuple[bytes, TaskSetManifest, bytes, str]]:
 
 
 @tasks_app.command("publish")
-def publish(file: Annotated[Path, typer.Argument(help="task set TOML")], home: HomeOpt = None,
-            json_out: Annotated[bool, typer.Option("--json")] = False) -> None:
+def publish(
+    file: Annotated[Path, typer.Argument(help="task set TOML")],
+    home: HomeOpt = None,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
     """Sign a task set with this node's key, store it, and queue it for announcement."""
     from murmur.gossip.wire import content_id, decode_envelope
     from murmur.node.home import ensure_home, load_home_config, open_home_store
@@ -69,14 +72,24 @@ def publish(file: Annotated[Path, typer.Argument(help="task set TOML")], home: H
     tmp.write_bytes(envelope)
     tmp.replace(path)
     if json_out:
-        emit_json({"task_set_id": tid.hex(), "name": manifest.name, "version": manifest.version,
-                   "coordinator": ident.public.hex(), "new": new, "path": str(path)})
+        emit_json(
+            {
+                "task_set_id": tid.hex(),
+                "name": manifest.name,
+                "version": manifest.version,
+                "coordinator": ident.public.hex(),
+                "new": new,
+                "path": str(path),
+            }
+        )
         return
     console.print(f"task set    {manifest.name} v{manifest.version} ({len(manifest.generators)} generators)")
     console.print(f"id          {tid.hex()}")
     console.print(f"coordinator {ident.public.hex()}")
-    console.print("stored; a running node announces it to the swarm. Nodes accept it only if their "
-                  "config lists this coordinator key under \\[trust] coordinators.")
+    console.print(
+        "stored; a running node announces it to the swarm. Nodes accept it only if their "
+        "config lists this coordinator key under \\[trust] coordinators."
+    )
 
 
 def _status(home: Path) -> dict:
@@ -103,19 +116,42 @@ def list_sets(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--js
     live = {x["task_set_id"]: x for x in status.get("sets", [])}
     zero = {"training": False, "weight": 0.0, "produced": 0, "accepted": 0, "used": 0}
     if json_out:
-        emit_json({"sets": [{"task_set_id": t.hex(), "name": m.name, "version": m.version,
-                             "coordinator": m.coordinator.hex(), "generators": [g.name for g in m.generators],
-                             "origin": o, **{k: live.get(t.hex(), zero).get(k, v) for k, v in zero.items()}}
-                            for t, m, _, o in rows],
-                   "waiting": status.get("waiting", []), "refused": status.get("refused", {})})
+        emit_json(
+            {
+                "sets": [
+                    {
+                        "task_set_id": t.hex(),
+                        "name": m.name,
+                        "version": m.version,
+                        "coordinator": m.coordinator.hex(),
+                        "generators": [g.name for g in m.generators],
+                        "origin": o,
+                        **{k: live.get(t.hex(), zero).get(k, v) for k, v in zero.items()},
+                    }
+                    for t, m, _, o in rows
+                ],
+                "waiting": status.get("waiting", []),
+                "refused": status.get("refused", {}),
+            }
+        )
         return
-    table = Table("id", "name", "version", "generators", "coordinator", "origin", "trains", "produced", "accepted",
-                  "used")
+    table = Table(
+        "id", "name", "version", "generators", "coordinator", "origin", "trains", "produced", "accepted", "used"
+    )
     for t, m, _, o in rows:
         x = {**zero, **live.get(t.hex(), {})}
-        table.add_row(t.hex()[:16], m.name, str(m.version), ", ".join(g.name for g in m.generators),
-                      m.coordinator.hex()[:16], o, f"x{x['weight']:g}" if x["training"] else "-", str(x["produced"]),
-                      str(x["accepted"]), str(x["used"]))
+        table.add_row(
+            t.hex()[:16],
+            m.name,
+            str(m.version),
+            ", ".join(g.name for g in m.generators),
+            m.coordinator.hex()[:16],
+            o,
+            f"x{x['weight']:g}" if x["training"] else "-",
+            str(x["produced"]),
+            str(x["accepted"]),
+            str(x["used"]),
+        )
     console.print(table)
     if not status:
         console.print("no training status yet: the node has not run (or not reached its first step) in this home")
@@ -126,8 +162,11 @@ def list_sets(home: HomeOpt = None, json_out: Annotated[bool, typer.Option("--js
 
 
 @tasks_app.command("show")
-def show(task_set_id: Annotated[str, typer.Argument(help="id or unique hex prefix")], home: HomeOpt = None,
-         samples: Annotated[int, typer.Option(help="example tasks to print per generator")] = 2) -> None:
+def show(
+    task_set_id: Annotated[str, typer.Argument(help="id or unique hex prefix")],
+    home: HomeOpt = None,
+    samples: Annotated[int, typer.Option(help="example tasks to print per generator")] = 2,
+) -> None:
     """A task set's generators, verifiers and seed ranges, with example tasks."""
     import msgspec
 
@@ -144,9 +183,14 @@ def show(task_set_id: Annotated[str, typer.Argument(help="id or unique hex prefi
     out["id"] = tid.hex()
     out["origin"] = origin
     out["examples"] = {
-        g.name: [msgspec.structs.asdict(generate(g.generator, g.config, g.seed_start + i,
-                                              verifier=g.verifier or m.verifier, tolerance=m.tolerance))
-                 for i in range(min(samples, g.seed_end - g.seed_start))]
+        g.name: [
+            msgspec.structs.asdict(
+                generate(
+                    g.generator, g.config, g.seed_start + i, verifier=g.verifier or m.verifier, tolerance=m.tolerance
+                )
+            )
+            for i in range(min(samples, g.seed_end - g.seed_start))
+        ]
         for g in m.generators
     }
     console.print_json(json.dumps(out, default=str))

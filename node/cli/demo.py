@@ -26,8 +26,15 @@ DEMO_SWARM = "murmur-demo"
 AUTO = "auto"  # a demo node with no configured roles: it trains or generates by the swarm's need
 
 
-def node_config(roles: list[str], model: str, swarm: str = DEMO_SWARM, task_set: str = "builtin",
-                coordinator: str = "", max_new_tokens: int = 8, seed: int = 0) -> dict[str, dict[str, Any]]:
+def node_config(
+    roles: list[str],
+    model: str,
+    swarm: str = DEMO_SWARM,
+    task_set: str = "builtin",
+    coordinator: str = "",
+    max_new_tokens: int = 8,
+    seed: int = 0,
+) -> dict[str, dict[str, Any]]:
     """A demo node's config sections (`launch.NodeLaunch.config`); `seed`: its trainer's (task draws, sampling),
     so that demo nodes differ as volunteers' do."""
     return {
@@ -39,8 +46,15 @@ def node_config(roles: list[str], model: str, swarm: str = DEMO_SWARM, task_set:
         # groups a trainer whose only external rollouts come from another lineage (HACPO) does not learn within a
         # demo (measured on one-digit sums: 60 steps, greedy eval 0.36 -> 0.35 alone, 0.36 -> 0.365 with 4 HACPO
         # groups). 8-group updates: the compute-matched benchmark's regime with 16 own groups a step
-        "training": {"model": model, "threads": 1, "max_new_tokens": max_new_tokens, "local_rollouts": 16,
-                     "minibatch_groups": 8, "seed": seed, "task_sets": [task_set]},
+        "training": {
+            "model": model,
+            "threads": 1,
+            "max_new_tokens": max_new_tokens,
+            "local_rollouts": 16,
+            "minibatch_groups": 8,
+            "seed": seed,
+            "task_sets": [task_set],
+        },
         "trust": {"coordinators": [coordinator] if coordinator else []},
     }
 
@@ -69,8 +83,9 @@ class DemoTaskSet:
 
         store = open_store(home)
         try:
-            store.add_task_set(self.id, self.manifest.name, self.manifest.version, self.coordinator.public,
-                               self.envelope)
+            store.add_task_set(
+                self.id, self.manifest.name, self.manifest.version, self.coordinator.public, self.envelope
+            )
         finally:
             store.close()
 
@@ -79,8 +94,11 @@ def answer_tokens(m: Any, samples: int = 64, cap: int = 32) -> int:
     """Completion budget for murmur-tiny (one token per character): the longest sampled answer plus EOS."""
     from murmur.training.tasks import generate
 
-    longest = max(len(generate(g.generator, g.config, s).answer) for g in m.generators
-                  for s in range(g.seed_start, min(g.seed_end, g.seed_start + samples)))
+    longest = max(
+        len(generate(g.generator, g.config, s).answer)
+        for g in m.generators
+        for s in range(g.seed_start, min(g.seed_end, g.seed_start + samples))
+    )
     return max(2, min(cap, longest + 1))
 
 
@@ -109,10 +127,17 @@ def family_results(homes: list[Path], names: list[str]) -> list[dict[str, Any]]:
             last = ev.get("last", {}).get("accuracy", {})
             fams = sorted({family_of(g) for g in ts.get("reward_by_generator", {})} | set(first) - {"all"})
             for f in fams:
-                out.append({"node": name, "task_set": f"{ts['name']} v{ts['version']}", "family": f,
-                            "reward": ts.get("reward_by_generator", {}).get(f), "eval_start": first.get(f),
-                            "eval_end": last.get(f), "eval_steps": [ev.get("start", {}).get("step"),
-                                                                    ev.get("last", {}).get("step")]})
+                out.append(
+                    {
+                        "node": name,
+                        "task_set": f"{ts['name']} v{ts['version']}",
+                        "family": f,
+                        "reward": ts.get("reward_by_generator", {}).get(f),
+                        "eval_start": first.get(f),
+                        "eval_end": last.get(f),
+                        "eval_steps": [ev.get("start", {}).get("step"), ev.get("last", {}).get("step")],
+                    }
+                )
     return out
 
 
@@ -126,24 +151,46 @@ def summarize(names: list[str], statuses: list[NodeStatus | None]) -> dict[str, 
         own = next((x for x in s.lineages if x.relation == Relation.OWN), None) if "trainer" in s.roles else None
         fol = next((x for x in s.lineages if x.lineage == s.serving), None)
         held = own or fol
-        nodes.append({
-            "node": name, "peer_id": s.peer_id, "roles": s.roles, "roles_reason": s.roles_reason,
-            "roles_chosen": s.roles_chosen, "role_switches": s.role_switches, "reward_start": s.reward_start,
-            "reward_end": s.reward_now, "versions_published": s.versions_published,
-            "versions_applied": s.versions_applied, "held_version": held.held if held else None,
-            "serving": s.serving, "rollouts_made": s.exchange.produced_rollouts, "rollouts_produced": s.rollouts_produced,
-            "rollouts_published": s.rollouts_published, "rollouts_withheld": s.exchange.withheld_rollouts,
-            "rollouts_uninformative": s.exchange.uninformative_rollouts,
-            "rollouts_unsent": s.exchange.unsent_rollouts,
-            "rollouts_received": s.exchange.received_rollouts, "rollouts_verified": s.exchange.verified_rollouts,
-            "batches_unsampled": s.exchange.unsampled_batches, "sample_fraction": s.exchange.sample_fraction,
-            "sample_floor_per_min": s.exchange.sample_floor_per_min, "sample_rate": s.exchange.sample_rate,
-            "rollouts_accepted": s.rollouts_accepted,
-            "rollouts_rejected": sum(s.rejected.values()), "rejected": s.rejected, "rollouts_used": s.rollouts_used,
-            "spot_checked": s.spot_checked, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down, "steps": s.steps,
-            "used_over_verified": s.used_over_verified, "external_groups_per_step": s.external_groups_per_step,
-            "heldout_start": s.heldout_start, "heldout_end": s.heldout_now,
-        })
+        nodes.append(
+            {
+                "node": name,
+                "peer_id": s.peer_id,
+                "roles": s.roles,
+                "roles_reason": s.roles_reason,
+                "roles_chosen": s.roles_chosen,
+                "role_switches": s.role_switches,
+                "reward_start": s.reward_start,
+                "reward_end": s.reward_now,
+                "versions_published": s.versions_published,
+                "versions_applied": s.versions_applied,
+                "held_version": held.held if held else None,
+                "serving": s.serving,
+                "rollouts_made": s.exchange.produced_rollouts,
+                "rollouts_produced": s.rollouts_produced,
+                "rollouts_published": s.rollouts_published,
+                "rollouts_withheld": s.exchange.withheld_rollouts,
+                "rollouts_uninformative": s.exchange.uninformative_rollouts,
+                "rollouts_unsent": s.exchange.unsent_rollouts,
+                "rollouts_received": s.exchange.received_rollouts,
+                "rollouts_verified": s.exchange.verified_rollouts,
+                "batches_unsampled": s.exchange.unsampled_batches,
+                "sample_fraction": s.exchange.sample_fraction,
+                "sample_floor_per_min": s.exchange.sample_floor_per_min,
+                "sample_rate": s.exchange.sample_rate,
+                "rollouts_accepted": s.rollouts_accepted,
+                "rollouts_rejected": sum(s.rejected.values()),
+                "rejected": s.rejected,
+                "rollouts_used": s.rollouts_used,
+                "spot_checked": s.spot_checked,
+                "bytes_up": s.bytes_up,
+                "bytes_down": s.bytes_down,
+                "steps": s.steps,
+                "used_over_verified": s.used_over_verified,
+                "external_groups_per_step": s.external_groups_per_step,
+                "heldout_start": s.heldout_start,
+                "heldout_end": s.heldout_now,
+            }
+        )
     return {"nodes": nodes}
 
 
@@ -157,15 +204,33 @@ def summary_table(summary: dict[str, Any]) -> Any:
     def f(x: float | None) -> str:
         return "—" if x is None else f"{x:.2f}"
 
-    t = Table(title="murmur demo: summary",
-              caption="rollouts are counts; accepted/rejected: peers' rollouts this node verified; "
-                      "used: external rollouts trained on; spot checks: log-prob re-computations")
+    t = Table(
+        title="murmur demo: summary",
+        caption="rollouts are counts; accepted/rejected: peers' rollouts this node verified; "
+        "used: external rollouts trained on; spot checks: log-prob re-computations",
+    )
     t.add_column("", style="bold", no_wrap=True)
-    rows: dict[str, list[str]] = {k: [] for k in ("roles", "reward start→end", "versions published",
-                                                  "versions applied", "rollouts made", "signed", "published",
-                                                  "verified", "accepted", "rejected", "used", "used/verified",
-                                                  "validator sample", "held-out start→end", "spot checks",
-                                                  "patch bytes ↑/↓")}
+    rows: dict[str, list[str]] = {
+        k: []
+        for k in (
+            "roles",
+            "reward start→end",
+            "versions published",
+            "versions applied",
+            "rollouts made",
+            "signed",
+            "published",
+            "verified",
+            "accepted",
+            "rejected",
+            "used",
+            "used/verified",
+            "validator sample",
+            "held-out start→end",
+            "spot checks",
+            "patch bytes ↑/↓",
+        )
+    }
     for n in summary["nodes"]:
         t.add_column(Text(n["node"].replace("-", " ")), overflow="fold")
         if "error" in n:
@@ -173,18 +238,29 @@ def summary_table(summary: dict[str, Any]) -> Any:
                 rows[k].append(n["error"] if i == 0 else "—")
             continue
         auto = f" (auto, {n['role_switches']}×)" if n.get("roles_chosen") else ""
-        for k, v in zip(rows, (",".join(n["roles"]) + auto, f"{f(n['reward_start'])}→{f(n['reward_end'])}",
-                               str(n["versions_published"]), str(n["versions_applied"]), str(n["rollouts_made"]),
-                               str(n["rollouts_produced"]),
-                               str(n["rollouts_published"]), str(n["rollouts_verified"]),
-                               str(n["rollouts_accepted"]), str(n["rollouts_rejected"]), str(n["rollouts_used"]),
-                               "—" if n["used_over_verified"] is None else f"{n['used_over_verified']:.0%}",
-                               "all" if n["sample_fraction"] is None else
-                               f"{n['sample_fraction']:.0%} + {n['sample_floor_per_min']:g}/min "
-                               f"(checked {n['sample_rate']:.0%})",
-                               f"{f(n['heldout_start'])}→{f(n['heldout_end'])}",
-                               str(n["spot_checked"]),
-                               f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}")):
+        for k, v in zip(
+            rows,
+            (
+                ",".join(n["roles"]) + auto,
+                f"{f(n['reward_start'])}→{f(n['reward_end'])}",
+                str(n["versions_published"]),
+                str(n["versions_applied"]),
+                str(n["rollouts_made"]),
+                str(n["rollouts_produced"]),
+                str(n["rollouts_published"]),
+                str(n["rollouts_verified"]),
+                str(n["rollouts_accepted"]),
+                str(n["rollouts_rejected"]),
+                str(n["rollouts_used"]),
+                "—" if n["used_over_verified"] is None else f"{n['used_over_verified']:.0%}",
+                "all"
+                if n["sample_fraction"] is None
+                else f"{n['sample_fraction']:.0%} + {n['sample_floor_per_min']:g}/min (checked {n['sample_rate']:.0%})",
+                f"{f(n['heldout_start'])}→{f(n['heldout_end'])}",
+                str(n["spot_checked"]),
+                f"{human_bytes(n['bytes_up'])}/{human_bytes(n['bytes_down'])}",
+            ),
+        ):
             rows[k].append(v)
     for label, cells in rows.items():
         t.add_row(label, *cells)
@@ -194,16 +270,28 @@ def summary_table(summary: dict[str, Any]) -> Any:
 def family_table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
-    t = Table("node", "task set", "family", "reward (recent)", "held-out accuracy", "eval at step/version",
-              title="per task family: local reward and greedy accuracy on held-out problems (first → last eval)")
+    t = Table(
+        "node",
+        "task set",
+        "family",
+        "reward (recent)",
+        "held-out accuracy",
+        "eval at step/version",
+        title="per task family: local reward and greedy accuracy on held-out problems (first → last eval)",
+    )
 
     def f(x: float | None) -> str:
         return "—" if x is None else f"{x:.2f}"
 
     for r in rows:
-        t.add_row(r["node"].split("-")[0], r["task_set"], r["family"], f(r["reward"]),
-                  f"{f(r['eval_start'])}→{f(r['eval_end'])}", "→".join("—" if x is None else str(x)
-                                                                      for x in r["eval_steps"]))
+        t.add_row(
+            r["node"].split("-")[0],
+            r["task_set"],
+            r["family"],
+            f(r["reward"]),
+            f"{f(r['eval_start'])}→{f(r['eval_end'])}",
+            "→".join("—" if x is None else str(x) for x in r["eval_steps"]),
+        )
     return t
 
 
@@ -213,15 +301,24 @@ def shown(node_roles: list[list[str]], statuses: list[NodeStatus | None], until_
     informative group updates nothing, so steps alone do not say a trainer published."""
     if until_steps <= 0 or any(s is None for s in statuses):
         return False
-    return all((s.steps >= until_steps and s.versions_published >= 1 if "trainer" in now else True)
-               and (s.versions_applied >= 1 and s.heldout_now is not None if "follower" in now else True)
-               for roles, s in zip(node_roles, statuses) if s is not None
-               for now in [s.roles if roles == [AUTO] else roles])
+    return all(
+        (s.steps >= until_steps and s.versions_published >= 1 if "trainer" in now else True)
+        and (s.versions_applied >= 1 and s.heldout_now is not None if "follower" in now else True)
+        for roles, s in zip(node_roles, statuses)
+        if s is not None
+        for now in [s.roles if roles == [AUTO] else roles]
+    )
 
 
-def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = None, workdir: Path | None = None,
-             tui: bool = True, console: Any = None, task_set: Path | None = None, until_steps: int = 0
-             ) -> dict[str, Any]:
+def run_demo(
+    duration_s: float = 180.0,
+    node_roles: list[list[str]] | None = None,
+    workdir: Path | None = None,
+    tui: bool = True,
+    console: Any = None,
+    task_set: Path | None = None,
+    until_steps: int = 0,
+) -> dict[str, Any]:
     from rich.console import Console, Group
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -237,12 +334,15 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
     demo_set = DemoTaskSet(task_set) if task_set is not None else None  # bad file: one-line error, nothing started
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="murmur-demo-"))
     root.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]murmur demo[/]: {len(node_roles)} nodes on loopback, {duration_s:.0f} s of training, "
-                  f"homes in {root}")
+    console.print(
+        f"[bold]murmur demo[/]: {len(node_roles)} nodes on loopback, {duration_s:.0f} s of training, homes in {root}"
+    )
     if demo_set is not None:
-        console.print(f"task set {demo_set.manifest.name} v{demo_set.manifest.version} from {task_set} "
-                      f"({len(demo_set.manifest.generators)} generators, completions up to "
-                      f"{demo_set.max_new_tokens} tokens)")
+        console.print(
+            f"task set {demo_set.manifest.name} v{demo_set.manifest.version} from {task_set} "
+            f"({len(demo_set.manifest.generators)} generators, completions up to "
+            f"{demo_set.max_new_tokens} tokens)"
+        )
     with console.status("building the built-in model murmur-tiny (once, cached)…"):
         model = launch.build_tiny_model(root)
     names = [f"node{i}-{'+'.join(roles)}" for i, roles in enumerate(node_roles)]
@@ -254,15 +354,21 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
             cfg = node_config([] if roles == [AUTO] else roles, str(model), seed=index)
         else:
             demo_set.install(home)
-            cfg = node_config([] if roles == [AUTO] else roles, str(model), task_set=demo_set.manifest.name,
-                              coordinator=demo_set.coordinator.public.hex(), max_new_tokens=demo_set.max_new_tokens,
-                              seed=index)
+            cfg = node_config(
+                [] if roles == [AUTO] else roles,
+                str(model),
+                task_set=demo_set.manifest.name,
+                coordinator=demo_set.coordinator.public.hex(),
+                max_new_tokens=demo_set.max_new_tokens,
+                seed=index,
+            )
         specs.append(launch.NodeLaunch(home=str(home), config=cfg))
     with console.status("starting the first node…"):
         procs = launch.start_bootstrapped(specs, STARTUP_ALLOWANCE_S)
     try:
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                            TimeRemainingColumn())
+        progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeRemainingColumn()
+        )
         task = progress.add_task("training", total=duration_s)
         t_start: float | None = None
         hard_deadline = time.monotonic() + duration_s + STARTUP_ALLOWANCE_S
@@ -284,8 +390,9 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                     t_start = now
                     progress.update(task, description="training")
                 elapsed = 0.0 if t_start is None else now - t_start
-                progress.update(task, completed=min(duration_s, elapsed),
-                                description="training" if t_start else "loading models")
+                progress.update(
+                    task, completed=min(duration_s, elapsed), description="training" if t_start else "loading models"
+                )
                 if live:
                     live.update(view(), refresh=True)
                 elif now - last_line >= 10:
@@ -302,8 +409,11 @@ def run_demo(duration_s: float = 180.0, node_roles: list[list[str]] | None = Non
                     bad = [n for n, p in zip(names, procs) if not p.alive()]
                     console.print(f"[red]node(s) exited early: {', '.join(bad)}[/]")
                     break
-                if (t_start is not None and elapsed >= duration_s) or now >= hard_deadline \
-                        or shown(node_roles, statuses, until_steps):
+                if (
+                    (t_start is not None and elapsed >= duration_s)
+                    or now >= hard_deadline
+                    or shown(node_roles, statuses, until_steps)
+                ):
                     break
                 time.sleep(0.5)
         finally:

@@ -60,19 +60,36 @@ class Context:
 def check_python(ctx: Context) -> list[Check]:
     v = sys.version_info
     ok = (v.major, v.minor) >= MIN_PYTHON
-    return [Check(name="python", ok=ok, detail=f"Python {v.major}.{v.minor}.{v.micro}",
-                  fix="" if ok else "install Python 3.11 or newer and reinstall murmur in a fresh venv")]
+    return [
+        Check(
+            name="python",
+            ok=ok,
+            detail=f"Python {v.major}.{v.minor}.{v.micro}",
+            fix="" if ok else "install Python 3.11 or newer and reinstall murmur in a fresh venv",
+        )
+    ]
 
 
 def check_torch(ctx: Context) -> list[Check]:
     try:
         import torch
     except Exception as e:  # an import failure of any kind is what this check reports
-        return [Check(name="torch", ok=False, detail=f"cannot import torch: {e}",
-                      fix="pip install torch==2.13.0 (CPU wheel) or the CUDA build for your GPU")]
+        return [
+            Check(
+                name="torch",
+                ok=False,
+                detail=f"cannot import torch: {e}",
+                fix="pip install torch==2.13.0 (CPU wheel) or the CUDA build for your GPU",
+            )
+        ]
     gpu = torch.cuda.is_available()
-    return [Check(name="torch", ok=True,
-                  detail=f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name(0) if gpu else 'CPU only'}")]
+    return [
+        Check(
+            name="torch",
+            ok=True,
+            detail=f"torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name(0) if gpu else 'CPU only'}",
+        )
+    ]
 
 
 def check_engine(ctx: Context) -> list[Check]:
@@ -85,8 +102,14 @@ def check_engine(ctx: Context) -> list[Check]:
     try:
         py, mode = engine_check({"engine": "vllm", "model": ctx.cfg.training.model})
     except MurmurError as e:
-        return [Check(name="engine", ok=False, detail=str(e),
-                      fix="bash install.sh --vllm cpu (or --vllm gpu), or set [training] engine = \"transformers\"")]
+        return [
+            Check(
+                name="engine",
+                ok=False,
+                detail=str(e),
+                fix='bash install.sh --vllm cpu (or --vllm gpu), or set [training] engine = "transformers"',
+            )
+        ]
     return [Check(name="engine", ok=True, detail=f"{mode}, worker under {py}")]
 
 
@@ -98,12 +121,24 @@ def check_libp2p(ctx: Context) -> list[Check]:
 
         v = version("libp2p")
     except Exception as e:
-        return [Check(name="libp2p", ok=False, detail=f"cannot import libp2p: {e}",
-                      fix="apt-get install libgmp-dev, then pip install libp2p==0.8.1")]
+        return [
+            Check(
+                name="libp2p",
+                ok=False,
+                detail=f"cannot import libp2p: {e}",
+                fix="apt-get install libgmp-dev, then pip install libp2p==0.8.1",
+            )
+        ]
     ok = v == LIBP2P_VERSION
-    return [Check(name="libp2p", ok=ok, detail=f"libp2p {v}",
-                  fix="" if ok else f"murmur is tested with libp2p=={LIBP2P_VERSION}: pip install libp2p=={LIBP2P_VERSION}",
-                  severity="error" if ok else "warning")]
+    return [
+        Check(
+            name="libp2p",
+            ok=ok,
+            detail=f"libp2p {v}",
+            fix="" if ok else f"murmur is tested with libp2p=={LIBP2P_VERSION}: pip install libp2p=={LIBP2P_VERSION}",
+            severity="error" if ok else "warning",
+        )
+    ]
 
 
 # ---------------------------------------------------------------- network
@@ -124,8 +159,14 @@ def check_listen_ports(ctx: Context) -> list[Check]:
     for addr in ctx.cfg.network.listen:
         hp = _tcp_listen(addr)
         if hp is None:
-            out.append(Check(name=f"listen {addr}", ok=False, detail="not an /ip4|ip6/<host>/tcp/<port> address",
-                             fix="use e.g. /ip4/0.0.0.0/tcp/4001 in network.listen"))
+            out.append(
+                Check(
+                    name=f"listen {addr}",
+                    ok=False,
+                    detail="not an /ip4|ip6/<host>/tcp/<port> address",
+                    fix="use e.g. /ip4/0.0.0.0/tcp/4001 in network.listen",
+                )
+            )
             continue
         host, port = hp
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -134,9 +175,15 @@ def check_listen_ports(ctx: Context) -> list[Check]:
             s.bind((host, port))
             out.append(Check(name=f"listen {addr}", ok=True, detail=f"TCP port {port} is free on {host}"))
         except OSError as e:
-            out.append(Check(name=f"listen {addr}", ok=False, detail=f"cannot bind {host}:{port}: {e.strerror}",
-                             fix=f"another program (or a running node) holds port {port}: stop it, or choose "
-                                 "another port with --listen or network.listen"))
+            out.append(
+                Check(
+                    name=f"listen {addr}",
+                    ok=False,
+                    detail=f"cannot bind {host}:{port}: {e.strerror}",
+                    fix=f"another program (or a running node) holds port {port}: stop it, or choose "
+                    "another port with --listen or network.listen",
+                )
+            )
         finally:
             s.close()
     return out
@@ -166,12 +213,25 @@ async def _dial_all(addrs: list[str], timeout_s: float) -> list[tuple[str, bool,
 def check_bootstrap(ctx: Context) -> list[Check]:
     addrs = ctx.bootstrap
     if not addrs:
-        return [Check(name="bootstrap", ok=True, severity="warning",
-                      detail="no bootstrap peers configured: this node can only be joined, not join",
-                      fix="add a peer's full multiaddr (…/p2p/<peer id>) to network.bootstrap or pass --bootstrap")]
+        return [
+            Check(
+                name="bootstrap",
+                ok=True,
+                severity="warning",
+                detail="no bootstrap peers configured: this node can only be joined, not join",
+                fix="add a peer's full multiaddr (…/p2p/<peer id>) to network.bootstrap or pass --bootstrap",
+            )
+        ]
     bad = [a for a in addrs if "/p2p/" not in a]
-    out = [Check(name=f"bootstrap {a}", ok=False, detail="multiaddr lacks /p2p/<peer id>",
-                 fix="ask the peer for its full address: `murmur node status` prints it") for a in bad]
+    out = [
+        Check(
+            name=f"bootstrap {a}",
+            ok=False,
+            detail="multiaddr lacks /p2p/<peer id>",
+            fix="ask the peer for its full address: `murmur node status` prints it",
+        )
+        for a in bad
+    ]
     good = [a for a in addrs if "/p2p/" in a]
     if not good:
         return out
@@ -180,13 +240,26 @@ def check_bootstrap(ctx: Context) -> list[Check]:
     try:
         results = trio.run(_dial_all, good, ctx.timeout_s)
     except Exception as e:
-        return out + [Check(name="bootstrap", ok=False, detail=f"could not start a libp2p host to dial: {e}",
-                            fix="run `murmur doctor` again; if it persists, reinstall libp2p==0.8.1")]
+        return out + [
+            Check(
+                name="bootstrap",
+                ok=False,
+                detail=f"could not start a libp2p host to dial: {e}",
+                fix="run `murmur doctor` again; if it persists, reinstall libp2p==0.8.1",
+            )
+        ]
     for addr, ok, err, dt in results:
-        out.append(Check(name=f"bootstrap {addr}", ok=ok,
-                         detail=f"connected in {dt * 1000:.0f} ms (Noise, yamux)" if ok else f"unreachable: {err}",
-                         fix="" if ok else "check the address and that the peer is running; its firewall must allow "
-                                           "inbound TCP on that port; try another bootstrap peer"))
+        out.append(
+            Check(
+                name=f"bootstrap {addr}",
+                ok=ok,
+                detail=f"connected in {dt * 1000:.0f} ms (Noise, yamux)" if ok else f"unreachable: {err}",
+                fix=""
+                if ok
+                else "check the address and that the peer is running; its firewall must allow "
+                "inbound TCP on that port; try another bootstrap peer",
+            )
+        )
     return out
 
 
@@ -206,9 +279,15 @@ def check_reachability(ctx: Context) -> list[Check]:
     ports = [hp[1] for hp in (_tcp_listen(a) for a in ctx.cfg.network.listen) if hp]
     hosts = [hp[0] for hp in (_tcp_listen(a) for a in ctx.cfg.network.listen) if hp]
     if hosts and all(ipaddress.ip_address(h).is_loopback for h in hosts if h.replace(".", "").isdigit()):
-        return [Check(name="reachability", ok=False, severity="warning",
-                      detail="listening on loopback only: no other machine can dial this node",
-                      fix="listen on /ip4/0.0.0.0/tcp/4001 to accept peers from other machines")]
+        return [
+            Check(
+                name="reachability",
+                ok=False,
+                severity="warning",
+                detail="listening on loopback only: no other machine can dial this node",
+                fix="listen on /ip4/0.0.0.0/tcp/4001 to accept peers from other machines",
+            )
+        ]
     ip = _outbound_ip()
     try:
         addr = ipaddress.ip_address(ip)
@@ -216,13 +295,24 @@ def check_reachability(ctx: Context) -> list[Check]:
         addr = ipaddress.ip_address("127.0.0.1")
     port = ports[0] if ports else 4001
     if addr.is_global:
-        return [Check(name="reachability", ok=True,
-                      detail=f"public address {ip}: peers can dial TCP {port} if no firewall blocks it",
-                      fix="")]
-    return [Check(name="reachability", ok=False, severity="warning",
-                  detail=f"address {ip} is private: peers outside your network cannot dial this node (NAT)",
-                  fix=f"forward TCP port {port} on your router to {ip}, or list public relay peers in "
-                      "network.relays; outbound connections to bootstrap peers still work")]
+        return [
+            Check(
+                name="reachability",
+                ok=True,
+                detail=f"public address {ip}: peers can dial TCP {port} if no firewall blocks it",
+                fix="",
+            )
+        ]
+    return [
+        Check(
+            name="reachability",
+            ok=False,
+            severity="warning",
+            detail=f"address {ip} is private: peers outside your network cannot dial this node (NAT)",
+            fix=f"forward TCP port {port} on your router to {ip}, or list public relay peers in "
+            "network.relays; outbound connections to bootstrap peers still work",
+        )
+    ]
 
 
 # ---------------------------------------------------------------- resources
@@ -234,9 +324,17 @@ def check_disk(ctx: Context) -> list[Check]:
         p = p.parent
     free = shutil.disk_usage(p).free
     ok = free >= MIN_DISK_BYTES
-    return [Check(name="disk", ok=ok, detail=f"{free / 2**30:.1f} GiB free at {p}",
-                  fix="" if ok else f"free at least {MIN_DISK_BYTES / 2**30:.0f} GiB, or move the home with "
-                                    "--home / MURMUR_HOME; lower sync.retain_versions to keep fewer patches")]
+    return [
+        Check(
+            name="disk",
+            ok=ok,
+            detail=f"{free / 2**30:.1f} GiB free at {p}",
+            fix=""
+            if ok
+            else f"free at least {MIN_DISK_BYTES / 2**30:.0f} GiB, or move the home with "
+            "--home / MURMUR_HOME; lower sync.retain_versions to keep fewer patches",
+        )
+    ]
 
 
 def check_memory(ctx: Context) -> list[Check]:
@@ -244,12 +342,26 @@ def check_memory(ctx: Context) -> list[Check]:
     avail = psutil.virtual_memory().available // 2**20
     total = psutil.virtual_memory().total // 2**20
     if budget < MIN_BUDGET_MB:
-        return [Check(name="memory", ok=False, detail=f"node.memory_budget_mb = {budget} MiB",
-                      fix=f"set node.memory_budget_mb to at least {MIN_BUDGET_MB}")]
+        return [
+            Check(
+                name="memory",
+                ok=False,
+                detail=f"node.memory_budget_mb = {budget} MiB",
+                fix=f"set node.memory_budget_mb to at least {MIN_BUDGET_MB}",
+            )
+        ]
     ok = budget <= avail
-    return [Check(name="memory", ok=ok, detail=f"budget {budget} MiB, available {avail} of {total} MiB",
-                  fix="" if ok else f"lower node.memory_budget_mb to at most {avail} (the node would swap), "
-                                    "or close other programs", severity="error" if ok else "warning")]
+    return [
+        Check(
+            name="memory",
+            ok=ok,
+            detail=f"budget {budget} MiB, available {avail} of {total} MiB",
+            fix=""
+            if ok
+            else f"lower node.memory_budget_mb to at most {avail} (the node would swap), or close other programs",
+            severity="error" if ok else "warning",
+        )
+    ]
 
 
 def check_model(ctx: Context) -> list[Check]:
@@ -263,8 +375,15 @@ def check_model(ctx: Context) -> list[Check]:
     try:
         p = plan(cfg.training.model, cfg.node.memory_budget_mb)
     except MurmurError as e:
-        return [Check(name="model", ok=False, detail=str(e), fix="set training.model to murmur-tiny or a local "
-                      "Hugging Face causal-LM directory (config.json, weights, tokenizer)")]
+        return [
+            Check(
+                name="model",
+                ok=False,
+                detail=str(e),
+                fix="set training.model to murmur-tiny or a local "
+                "Hugging Face causal-LM directory (config.json, weights, tokenizer)",
+            )
+        ]
     if p is None:
         return [Check(name="model", ok=True, detail="murmur-tiny (built locally): any role fits")]
     usable = min(cfg.node.memory_budget_mb, psutil.virtual_memory().available // 2**20)
@@ -273,20 +392,52 @@ def check_model(ctx: Context) -> list[Check]:
     fit = p.roles_that_fit()
     lr = f"; training.lr {p.lr:g} suits this size" if cfg.training.lr != p.lr else ""
     too_fast = lr_warning(p, cfg.training.lr)
-    rate = [Check(name="learning rate", ok=False, detail=too_fast, severity="warning",
-                  fix=f"remove training.lr from the config (or set it to {p.lr:g})")] if too_fast else []
-    detail = (f"{p.model}: {p.params / 1e6:.1f}M parameters, needs about {need}; with {usable} MiB usable this "
-              f"machine can take: {' or '.join('+'.join(r) for r in fit) or 'no role'}{lr}")
+    rate = (
+        [
+            Check(
+                name="learning rate",
+                ok=False,
+                detail=too_fast,
+                severity="warning",
+                fix=f"remove training.lr from the config (or set it to {p.lr:g})",
+            )
+        ]
+        if too_fast
+        else []
+    )
+    detail = (
+        f"{p.model}: {p.params / 1e6:.1f}M parameters, needs about {need}; with {usable} MiB usable this "
+        f"machine can take: {' or '.join('+'.join(r) for r in fit) or 'no role'}{lr}"
+    )
     if not fit:
-        return [Check(name="model", ok=False, detail=detail,
-                      fix=f"raise node.memory_budget_mb to at least {p.need_mb['validator']} (and free that much RAM), "
-                          "or pick a smaller model")] + rate
+        return [
+            Check(
+                name="model",
+                ok=False,
+                detail=detail,
+                fix=f"raise node.memory_budget_mb to at least {p.need_mb['validator']} (and free that much RAM), "
+                "or pick a smaller model",
+            )
+        ] + rate
     if cfg.node.roles and not p.fits(list(cfg.node.roles)):
-        return [Check(name="model", ok=False, detail=detail,
-                      fix=f"configured roles {'+'.join(cfg.node.roles)} need about {p.need_for(list(cfg.node.roles))}"
-                          f" MiB: raise node.memory_budget_mb or set node.roles to one that fits")] + rate
-    return [Check(name="model", ok=True, detail=detail, severity="warning" if ["trainer"] not in fit else "error",
-                  fix="" if ["trainer"] in fit else "too little memory to train this model: the node will follow")] + rate
+        return [
+            Check(
+                name="model",
+                ok=False,
+                detail=detail,
+                fix=f"configured roles {'+'.join(cfg.node.roles)} need about {p.need_for(list(cfg.node.roles))}"
+                f" MiB: raise node.memory_budget_mb or set node.roles to one that fits",
+            )
+        ] + rate
+    return [
+        Check(
+            name="model",
+            ok=True,
+            detail=detail,
+            severity="warning" if ["trainer"] not in fit else "error",
+            fix="" if ["trainer"] in fit else "too little memory to train this model: the node will follow",
+        )
+    ] + rate
 
 
 def check_nat(ctx: Context) -> list[Check]:
@@ -298,21 +449,40 @@ def check_nat(ctx: Context) -> list[Check]:
 
 
 CHECKS: list[Callable[[Context], list[Check]]] = [
-    check_python, check_torch, check_engine, check_libp2p, check_listen_ports, check_bootstrap, check_nat,
-    check_disk, check_memory, check_model,
+    check_python,
+    check_torch,
+    check_engine,
+    check_libp2p,
+    check_listen_ports,
+    check_bootstrap,
+    check_nat,
+    check_disk,
+    check_memory,
+    check_model,
 ]
 
 
-def run_checks(cfg: Config, home: Path, extra_bootstrap: list[str] | None = None, timeout_s: float = 5.0,
-               checks: list[Callable[[Context], list[Check]]] | None = None) -> list[Check]:
+def run_checks(
+    cfg: Config,
+    home: Path,
+    extra_bootstrap: list[str] | None = None,
+    timeout_s: float = 5.0,
+    checks: list[Callable[[Context], list[Check]]] | None = None,
+) -> list[Check]:
     ctx = Context(cfg, Path(home), timeout_s, list(extra_bootstrap or []))
     out: list[Check] = []
     for fn in checks or CHECKS:
         try:
             out.extend(fn(ctx))
         except Exception as e:  # a broken check is itself a finding, never a crash of the doctor
-            out.append(Check(name=fn.__name__.removeprefix("check_"), ok=False, detail=f"check crashed: {e}",
-                             fix="report this as a bug with `murmur doctor --json` output"))
+            out.append(
+                Check(
+                    name=fn.__name__.removeprefix("check_"),
+                    ok=False,
+                    detail=f"check crashed: {e}",
+                    fix="report this as a bug with `murmur doctor --json` output",
+                )
+            )
     return out
 
 

@@ -20,8 +20,6 @@ from murmur.node.status import ReachView
 ReachSnapshot = ReachView  # the snapshot type is the status struct: one shape for status and doctor
 
 
-
-
 def _port(s: ReachView) -> str:
     for a in s.listen_addrs:
         parts = a.split("/")
@@ -43,59 +41,102 @@ def check_path(s: ReachView) -> Check:
     n_direct = sum(1 for p in s.peer_paths.values() if p == "direct")
     n_relayed = sum(1 for p in s.peer_paths.values() if p == "relayed")
     n_webrtc = sum(1 for p in s.peer_paths.values() if p == "webrtc")
-    detail = f"path: {path}; peers: {n_direct} direct, {n_relayed} relayed" + (f", {n_webrtc} webrtc" if n_webrtc else "")
+    detail = f"path: {path}; peers: {n_direct} direct, {n_relayed} relayed" + (
+        f", {n_webrtc} webrtc" if n_webrtc else ""
+    )
     fwd = f"forward TCP port {_port(s)} on your router to this machine"
     if path == DIRECT and s.status == "public":
         return Check(name="reachability", ok=True, detail=f"{detail}; publicly reachable ({s.reason})")
     if path == DIRECT:
-        return Check(name="reachability", ok=True, severity="warning",
-                     detail=f"{detail}; outbound only: peers cannot dial this node ({s.reason})",
-                     fix=f"{fwd}, or list relays in network.relays")
+        return Check(
+            name="reachability",
+            ok=True,
+            severity="warning",
+            detail=f"{detail}; outbound only: peers cannot dial this node ({s.reason})",
+            fix=f"{fwd}, or list relays in network.relays",
+        )
     if path == HOLEPUNCHED:
-        return Check(name="reachability", ok=True,
-                     detail=f"{detail}; behind NAT, hole punching succeeded {s.holepunch_successes}x{_nat_kind(s)}",
-                     fix=f"optional: {fwd} to be directly reachable without relays")
+        return Check(
+            name="reachability",
+            ok=True,
+            detail=f"{detail}; behind NAT, hole punching succeeded {s.holepunch_successes}x{_nat_kind(s)}",
+            fix=f"optional: {fwd} to be directly reachable without relays",
+        )
     if path == RELAYED:
         why = s.holepunch_error or ("no NATed peer to punch to yet" if not s.holepunch_attempts else "failed")
-        return Check(name="reachability", ok=True, severity="warning",
-                     detail=f"{detail}; behind NAT ({s.reason}); relayed through {len(s.reservations)} relay(s)"
-                            f"{_nat_kind(s)}; hole punching: {why}",
-                     fix=f"{fwd} for direct, faster transfers (relays cap bytes and seconds per circuit)")
+        return Check(
+            name="reachability",
+            ok=True,
+            severity="warning",
+            detail=f"{detail}; behind NAT ({s.reason}); relayed through {len(s.reservations)} relay(s)"
+            f"{_nat_kind(s)}; hole punching: {why}",
+            fix=f"{fwd} for direct, faster transfers (relays cap bytes and seconds per circuit)",
+        )
     if path == WEBRTC:
         # reached when TCP to the peer did not connect (a filter on the way) but UDP did
-        return Check(name="reachability", ok=True, severity="warning",
-                     detail=f"{detail}; using WebRTC-direct (UDP): TCP to those peers did not connect ({s.reason})",
-                     fix="allow outbound TCP (WebRTC-direct is slower and cannot reach NATed peers), "
-                         f"or list relays in network.relays; {fwd} to be reachable")
-    return Check(name="reachability", ok=False, severity="warning",
-                 detail=f"no usable path: {s.reason}",
-                 fix=f"add a reachable relay to network.relays, or {fwd}")
+        return Check(
+            name="reachability",
+            ok=True,
+            severity="warning",
+            detail=f"{detail}; using WebRTC-direct (UDP): TCP to those peers did not connect ({s.reason})",
+            fix="allow outbound TCP (WebRTC-direct is slower and cannot reach NATed peers), "
+            f"or list relays in network.relays; {fwd} to be reachable",
+        )
+    return Check(
+        name="reachability",
+        ok=False,
+        severity="warning",
+        detail=f"no usable path: {s.reason}",
+        fix=f"add a reachable relay to network.relays, or {fwd}",
+    )
 
 
 def check_relays(s: ReachView) -> Check:
     if s.status == "public":
         if s.relay_service:
-            return Check(name="relay", ok=True,
-                         detail=f"publicly reachable and relaying for NATed peers ({s.relaying} circuit(s) now)")
-        return Check(name="relay", ok=True, detail="publicly reachable; relay service off",
-                     fix="set network.relay_service = true to help NATed volunteers")
+            return Check(
+                name="relay",
+                ok=True,
+                detail=f"publicly reachable and relaying for NATed peers ({s.relaying} circuit(s) now)",
+            )
+        return Check(
+            name="relay",
+            ok=True,
+            detail="publicly reachable; relay service off",
+            fix="set network.relay_service = true to help NATed volunteers",
+        )
     bad = "; ".join(f"{k}: {v}" for k, v in s.relay_errors.items())
     if s.reservations:
-        return Check(name="relay", ok=True, detail=f"{len(s.reservations)} reservation(s)" + (f"; failed: {bad}" if bad else ""))
+        return Check(
+            name="relay", ok=True, detail=f"{len(s.reservations)} reservation(s)" + (f"; failed: {bad}" if bad else "")
+        )
     if not s.relays_configured:
-        return Check(name="relay", ok=s.status != "private", severity="warning",
-                     detail="no relays configured (and no bootstrap peer to try)",
-                     fix="list public relay nodes (full multiaddrs with /p2p/<id>) in network.relays")
-    return Check(name="relay", ok=s.status != "private", severity="warning",
-                 detail=f"no relay reservation: {bad or 'not attempted yet'}",
-                 fix="check the addresses in network.relays (the relay needs network.relay_service = true), "
-                     "or add another relay")
+        return Check(
+            name="relay",
+            ok=s.status != "private",
+            severity="warning",
+            detail="no relays configured (and no bootstrap peer to try)",
+            fix="list public relay nodes (full multiaddrs with /p2p/<id>) in network.relays",
+        )
+    return Check(
+        name="relay",
+        ok=s.status != "private",
+        severity="warning",
+        detail=f"no relay reservation: {bad or 'not attempted yet'}",
+        fix="check the addresses in network.relays (the relay needs network.relay_service = true), "
+        "or add another relay",
+    )
 
 
 def check_webrtc(s: ReachView) -> Check:
     if s.webrtc_reason:
-        return Check(name="webrtc", ok=True, severity="warning", detail=f"WebRTC fallback unavailable: {s.webrtc_reason}",
-                     fix="aiortc is a default dependency of murmur-swarm: rerun `bash install.sh` (or .venv/bin/pip install -e .)")
+        return Check(
+            name="webrtc",
+            ok=True,
+            severity="warning",
+            detail=f"WebRTC fallback unavailable: {s.webrtc_reason}",
+            fix="aiortc is a default dependency of murmur-swarm: rerun `bash install.sh` (or .venv/bin/pip install -e .)",
+        )
     return Check(name="webrtc", ok=True, detail="WebRTC fallback available (aiortc installed)")
 
 
@@ -161,8 +202,10 @@ async def probe(cfg: Any, bootstrap: list[str], timeout_s: float = 5.0) -> Reach
     listen = [a for a in cfg.network.listen if _free(a)] or ["/ip4/0.0.0.0/tcp/0"]
     t0 = time.monotonic()
     reach = None
-    async with open_transport(Identity.from_seed(os.urandom(32)), listen, dial_timeout_s=timeout_s) as t, \
-            attach_relay(t, cfg.network) as relay:
+    async with (
+        open_transport(Identity.from_seed(os.urandom(32)), listen, dial_timeout_s=timeout_s) as t,
+        attach_relay(t, cfg.network) as relay,
+    ):
         DialbackServer(t)
 
         async def dial(a: str) -> None:

@@ -34,8 +34,13 @@ STOP_WAIT_S = 10.0
 POLL_S = 0.25
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"  # the node binds a free port and reports it: no port is picked in advance
 # Many nodes on one machine: one torch thread each, and nothing fetched from a model hub.
-LOCAL_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-             "PYTHONUNBUFFERED": "1"}
+LOCAL_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 class LaunchError(MurmurError):
@@ -161,15 +166,21 @@ class NodeProcess:
         return found[0]
 
 
-def spawn(cmd: list[str], home: Path, log: str = "stderr.log", env: Mapping[str, str] | None = None,
-          control_socket: str = "control.sock") -> NodeProcess:
+def spawn(
+    cmd: list[str],
+    home: Path,
+    log: str = "stderr.log",
+    env: Mapping[str, str] | None = None,
+    control_socket: str = "control.sock",
+) -> NodeProcess:
     """Start `cmd` in its own session (a stop reaches its children), output appended to `<home>/<log>`."""
     home = Path(home)
     home.mkdir(parents=True, exist_ok=True)
     path = home / log
     with open(path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out, env={**os.environ, **LOCAL_ENV, **(env or {})},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=out, env={**os.environ, **LOCAL_ENV, **(env or {})}, start_new_session=True
+        )
     return NodeProcess(proc, home, path, control_socket)
 
 
@@ -244,9 +255,14 @@ class TinyBuild:
     def __init__(self, root: Path) -> None:
         code = "import sys; from murmur.training.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
         self.root = Path(root)
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env={**os.environ, **LOCAL_ENV},
-                                     cwd=str(Path(__file__).resolve().parents[2]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(root)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **LOCAL_ENV},
+            cwd=str(Path(__file__).resolve().parents[2]),
+        )
         self._path: Path | None = None
 
     def path(self, timeout_s: float = 900.0) -> Path:

@@ -131,8 +131,9 @@ class CatchUpMachine:
     def _free_items(self, lid: bytes, now: float) -> dict[ItemKey, StoredItem]:
         """Held items and accepted transfers still on their way: both cost nothing to plan with."""
         keys = set(self.stored.get(lid, set()))
-        keys |= {(k, b, t) for (lin, k, b, t), at in self.in_flight.items()
-                 if lin == lid and now - at < IN_FLIGHT_PATIENCE_S}
+        keys |= {
+            (k, b, t) for (lin, k, b, t), at in self.in_flight.items() if lin == lid and now - at < IN_FLIGHT_PATIENCE_S
+        }
         return {key: StoredItem(key[0], key[1], key[2], 0) for key in keys}
 
     # ------------------------------------------------------------ the attempt
@@ -141,8 +142,9 @@ class CatchUpMachine:
         self.attempt = None
         self.behind_since = None
 
-    def check(self, lin: LineageState | None, now: float, worker_down: bool, configured: bool,
-              out: list[Action]) -> CatchUpNeed:
+    def check(
+        self, lin: LineageState | None, now: float, worker_down: bool, configured: bool, out: list[Action]
+    ) -> CatchUpNeed:
         """The catch-up timer for the served lineage `lin` (None: none served).
 
         `worker_down`: this node's worker cannot apply anything now (that time is not held against the
@@ -198,8 +200,9 @@ class CatchUpMachine:
         """An offered item did not come: the source cannot seed what it listed, so the next source is asked."""
         self._source_failed(ev, CatchUpPhase.OFFERED, "catch-up offer failed", out)
 
-    def _source_failed(self, ev: CatalogFailed | OfferFailed, phase: CatchUpPhase, what: str,
-                       out: list[Action]) -> None:
+    def _source_failed(
+        self, ev: CatalogFailed | OfferFailed, phase: CatchUpPhase, what: str, out: list[Action]
+    ) -> None:
         """The current source failed in `phase`: logged, and the next source asked (stale reports ignored)."""
         c = self.attempt
         if c is None or c.phase is not phase or not c.from_source(ev.lineage, ev.peer):
@@ -213,8 +216,11 @@ class CatchUpMachine:
         if c is None or c.phase is not CatchUpPhase.ASKING or not c.from_source(ev.lineage, ev.peer) or lin is None:
             return
         free = self._free_items(ev.lineage, now)
-        remote = [i for i in ev.items[:MAX_ITEMS]
-                  if i.kind in KINDS and (i.kind, i.base, i.target) not in free and i.target <= lin.head]
+        remote = [
+            i
+            for i in ev.items[:MAX_ITEMS]
+            if i.kind in KINDS and (i.kind, i.base, i.target) not in free and i.target <= lin.head
+        ]
         items = list(free.values()) + remote
         start = None if lin.need_anchor else lin.held
         head = min(lin.head, max((i.target for i in items), default=0))
@@ -231,9 +237,20 @@ class CatchUpMachine:
             self._ask_next(out)
             return
         steps = [s for s in plan.steps if (s.kind, s.base, s.target) not in free]
-        out.append(Log("catching up", {"lineage": ev.lineage.hex()[:16], "plan": plan.kind, "held": lin.held,
-                                       "head": head, "fetch": len(steps), "bytes": plan.total_bytes,
-                                       "source": ev.peer}))
+        out.append(
+            Log(
+                "catching up",
+                {
+                    "lineage": ev.lineage.hex()[:16],
+                    "plan": plan.kind,
+                    "held": lin.held,
+                    "head": head,
+                    "fetch": len(steps),
+                    "bytes": plan.total_bytes,
+                    "source": ev.peer,
+                },
+            )
+        )
         c.offered += len(steps)
         c.phase = CatchUpPhase.OFFERED
         for s in steps:

@@ -151,8 +151,11 @@ class RolloutsVerified:
             for r in g.rollouts:
                 k = (g.lineage, bytes(r.tokenizer_hash))
                 u[k] = u.get(k, 0) + 1
-        return cls(peer_id_from_public(bytes(batch.producer)), tuple(n.items()),
-                   tuple((lid, tok, c) for (lid, tok), c in u.items()))
+        return cls(
+            peer_id_from_public(bytes(batch.producer)),
+            tuple(n.items()),
+            tuple((lid, tok, c) for (lid, tok), c in u.items()),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +172,27 @@ class SwarmHeard:
     supply: exchange.Supply
 
 
-Event = (Tick | ListenAddrs | AnnounceHeard | ManifestHeard | ManifestOffered | PeerGone | FromWorker | WorkerExited | WorkerStarted
-         | LineageKnown | StoredItems | TransferDone | PatchStored | CatalogReceived | CatalogFailed | OfferFailed
-         | RolloutsVerified | RolloutsPublished | SwarmHeard)
+Event = (
+    Tick
+    | ListenAddrs
+    | AnnounceHeard
+    | ManifestHeard
+    | ManifestOffered
+    | PeerGone
+    | FromWorker
+    | WorkerExited
+    | WorkerStarted
+    | LineageKnown
+    | StoredItems
+    | TransferDone
+    | PatchStored
+    | CatalogReceived
+    | CatalogFailed
+    | OfferFailed
+    | RolloutsVerified
+    | RolloutsPublished
+    | SwarmHeard
+)
 
 
 # ---------------------------------------------------------------- actions
@@ -280,5 +301,22 @@ class Log:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-Action = (Publish | Subscribe | ToWorker | RestartWorker | RecordRollouts | SeedVersion | StorePatch | DropItem | LoadStored
-          | FetchCatalog | RequestOffer | Penalise | SeePeer | ResendTaskSets | Accept | Decline | Log)
+Action = (
+    Publish
+    | Subscribe
+    | ToWorker
+    | RestartWorker
+    | RecordRollouts
+    | SeedVersion
+    | StorePatch
+    | DropItem
+    | LoadStored
+    | FetchCatalog
+    | RequestOffer
+    | Penalise
+    | SeePeer
+    | ResendTaskSets
+    | Accept
+    | Decline
+    | Log
+)

@@ -117,7 +117,9 @@ class LineageTable:
         self.own = lid
         return lin
 
-    def load(self, lid: bytes, name: str, relation: Relation, publisher: bytes, base: bytes, held: int, now: float) -> None:
+    def load(
+        self, lid: bytes, name: str, relation: Relation, publisher: bytes, base: bytes, held: int, now: float
+    ) -> None:
         """A lineage from the node's store (verified when it was stored)."""
         if len(publisher) == 32 and len(base) == 32 and lineage_id(publisher, base, name) == lid:
             lin = self._insert_kept(lid, name, relation, now)

@@ -154,13 +154,21 @@ class CoreSettings:
     @classmethod
     def from_config(cls, cfg: Any, node_roles: list[str], hardware_class: str) -> CoreSettings:
         t = cfg.training
-        return cls(swarm=cfg.node.swarm, roles=tuple(node_roles), hardware=hardware_class,
-                   choose_mode=roles.chooses_mode(cfg.node.roles, node_roles), role_dwell_s=cfg.node.role_dwell_s,
-                   max_staleness=cfg.sync.max_staleness, publish_every=max(1, cfg.sync.publish_every),
-                   external_rollouts=t.external_rollouts, group_size=t.group_size, max_new_tokens=t.max_new_tokens,
-                   upload_bytes_per_s=float(cfg.network.upload_bytes_per_s),
-                   memory_budget_mb=cfg.node.memory_budget_mb,
-                   follow=tuple(bytes.fromhex(x) for x in cfg.sync.follow))
+        return cls(
+            swarm=cfg.node.swarm,
+            roles=tuple(node_roles),
+            hardware=hardware_class,
+            choose_mode=roles.chooses_mode(cfg.node.roles, node_roles),
+            role_dwell_s=cfg.node.role_dwell_s,
+            max_staleness=cfg.sync.max_staleness,
+            publish_every=max(1, cfg.sync.publish_every),
+            external_rollouts=t.external_rollouts,
+            group_size=t.group_size,
+            max_new_tokens=t.max_new_tokens,
+            upload_bytes_per_s=float(cfg.network.upload_bytes_per_s),
+            memory_budget_mb=cfg.node.memory_budget_mb,
+            follow=tuple(bytes.fromhex(x) for x in cfg.sync.follow),
+        )
 
 
 def _median(xs: Any) -> float:
@@ -183,9 +191,17 @@ class NodeCore:
         self.roles = list(settings.roles)
         # trains or follows by the swarm's need; its jitter (from the key) spreads the decisions of nodes
         # that started together
-        self.pods = (roles.PodRule("trainer" if "trainer" in self.roles else "follower", now,
-                                   settings.role_observe_s, settings.role_dwell_s, identity.public[0] / 256)
-                     if settings.choose_mode else None)
+        self.pods = (
+            roles.PodRule(
+                "trainer" if "trainer" in self.roles else "follower",
+                now,
+                settings.role_observe_s,
+                settings.role_dwell_s,
+                identity.public[0] / 256,
+            )
+            if settings.choose_mode
+            else None
+        )
         # the sub-machines (each owns its rules and state; the core routes events to them)
         self.peer_table = PeerTable(settings.max_peers, identity.peer_id)
         self.table = LineageTable(settings.max_lineages)
@@ -196,10 +212,20 @@ class NodeCore:
         self.serving_reason = ""
         self.addrs: tuple[str, ...] = ()
         # the counters of the glue (the sub-machines count the rest: `stats`)
-        self.counts: dict[str, int] = {"published": 0, "applied": 0, "spot_checked": 0, "spot_failed": 0,
-                                       "used": 0, "rollouts_published": 0, "bytes_down": 0,
-                                       "patches_not_finite": 0, "claims_capped": 0, "lineages_left": 0,
-                                       "spot_eligible": 0, "role_switches": 0}
+        self.counts: dict[str, int] = {
+            "published": 0,
+            "applied": 0,
+            "spot_checked": 0,
+            "spot_failed": 0,
+            "used": 0,
+            "rollouts_published": 0,
+            "bytes_down": 0,
+            "patches_not_finite": 0,
+            "claims_capped": 0,
+            "lineages_left": 0,
+            "spot_eligible": 0,
+            "role_switches": 0,
+        }
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.tokenizer = b""  # our worker's tokenizer hash (its Ready): deliveries under another earn no credit
         self.supplied = Deliveries(max_peers=settings.max_peers)  # verified rollouts of any lineage, per producer
@@ -267,10 +293,16 @@ class NodeCore:
 
     def stats(self) -> dict[str, int]:
         """The core's counters, its sub-machines' included, as a copy."""
-        return {**self.counts, "worker_restarts": self.supervisor.restarts, "peers_evicted": self.peer_table.evicted,
-                "rollouts_unpublishable": self.sealer.unpublishable, "rollouts_produced": self.sealer.produced,
-                "rollouts_withheld": self.sealer.withheld, "rollouts_sealed": self.sealer.sealed,
-                "rollouts_uninformative": self.sealer.uninformative}
+        return {
+            **self.counts,
+            "worker_restarts": self.supervisor.restarts,
+            "peers_evicted": self.peer_table.evicted,
+            "rollouts_unpublishable": self.sealer.unpublishable,
+            "rollouts_produced": self.sealer.produced,
+            "rollouts_withheld": self.sealer.withheld,
+            "rollouts_sealed": self.sealer.sealed,
+            "rollouts_uninformative": self.sealer.uninformative,
+        }
 
     @property
     def peers(self) -> dict[str, PeerInfo]:
@@ -408,7 +440,9 @@ class NodeCore:
     def _refused(self, signer: str, msg: str, why: Refusal, out: list[Action]) -> None:
         out.append(Log(msg, {"peer": signer, "why": why.reason[:200], "fault": why.fault}))
         if why.fault:
-            out.append(Penalise(signer, f"lineage: {why.reason}"[:120], FORGERY_PENALTY if why.forged else CLAIM_PENALTY))
+            out.append(
+                Penalise(signer, f"lineage: {why.reason}"[:120], FORGERY_PENALTY if why.forged else CLAIM_PENALTY)
+            )
 
     # ------------------------------------------------------------ staleness admission
     def _observe_head(self, lin: LineageState, now: float, out: list[Action]) -> None:
@@ -428,8 +462,7 @@ class NodeCore:
 
     def _staleness(self, lin: LineageState, events: list[StalenessEvent], out: list[Action]) -> None:
         for ev in events:
-            out.append(Log("staleness", {"lineage": lin.lineage.hex()[:16], "state": ev.state,
-                                         "message": ev.message}))
+            out.append(Log("staleness", {"lineage": lin.lineage.hex()[:16], "state": ev.state, "message": ev.message}))
             self.table.admission_changed(lin, ev.state, ev.message)
         if events:
             self._send_admit(lin.lineage, out)
@@ -460,16 +493,28 @@ class NodeCore:
                 continue
             if bytes(a.serving) == self.own or pid in prev_standby:
                 # a claimed throughput counts only as far as this follower's verified deliveries back it
-                offers.append(roles.Offer(pid, roles.offer_rate(a.gen_tokens_per_s, self.tokens_per_rollout),
-                                          a.rollout_latency_s, backed=self.deliveries.credit(pid, now)))
+                offers.append(
+                    roles.Offer(
+                        pid,
+                        roles.offer_rate(a.gen_tokens_per_s, self.tokens_per_rollout),
+                        a.rollout_latency_s,
+                        backed=self.deliveries.credit(pid, now),
+                    )
+                )
         act = roles.activate(d, offers, self.dissemination_s(now))
         self.table.activated(lin, act)
         self.counts["claims_capped"] += len(act.capped)
         supply = act.supply if math.isfinite(act.supply) else 0.0
-        return wire.LineageDemand(lineage=lin.lineage, name=lin.name, head_version=lin.head, rollouts_per_step=b,
-                                  step_time_s=step_t, max_staleness=self.s.max_staleness,
-                                  standby=act.standby[:256],
-                                  supply_rollouts_per_s=min(max(0.0, supply), 1e9))
+        return wire.LineageDemand(
+            lineage=lin.lineage,
+            name=lin.name,
+            head_version=lin.head,
+            rollouts_per_step=b,
+            step_time_s=step_t,
+            max_staleness=self.s.max_staleness,
+            standby=act.standby[:256],
+            supply_rollouts_per_s=min(max(0.0, supply), 1e9),
+        )
 
     @property
     def role_reason(self) -> str:
@@ -489,12 +534,19 @@ class NodeCore:
             if not lin.manifests and not lin.delivered:
                 continue  # announced, never published: a head moved by announces proves no training
             mine = me.rollouts_per_s if mode == "follower" and lin.lineage == self.committed else 0.0
-            options.append(roles.PodOption(lin.lineage, d, max(0.0, lin.supply - mine), lin.signed_head,
-                                           me.peer_id in lin.standby))
+            options.append(
+                roles.PodOption(lin.lineage, d, max(0.0, lin.supply - mine), lin.signed_head, me.peer_id in lin.standby)
+            )
         own = self.table.rows.get(self.own) if self.own is not None else None
         act = own.activation if own is not None and mode == "trainer" else None
-        wanted = roles.want_mode(mode, options, me, (own.head, own.lineage) if own is not None else None,
-                                 act.supply if act is not None and act.active else 0.0, self.dissemination_s(now))
+        wanted = roles.want_mode(
+            mode,
+            options,
+            me,
+            (own.head, own.lineage) if own is not None else None,
+            act.supply if act is not None and act.active else 0.0,
+            self.dissemination_s(now),
+        )
         new = self.pods.step(now, wanted)
         if new is None:
             return
@@ -520,7 +572,9 @@ class NodeCore:
             # another follower's announced throughput is its own claim, which this node cannot observe
             mine = me.rollouts_per_s if lin.lineage == self.serving and me.peer_id not in lin.standby else 0.0
             options.append(roles.LineageOption(lin.lineage, d, max(0.0, lin.supply - mine), lin.standby))
-        choice = roles.choose_lineage(me, options, self.dissemination_s(now), self.serving, configured=list(self.s.follow))
+        choice = roles.choose_lineage(
+            me, options, self.dissemination_s(now), self.serving, configured=list(self.s.follow)
+        )
         self.serving_reason = choice.reason
         self._pace(next((o.demand for o in options if o.lineage == choice.lineage), None), out)
         if choice.lineage == self.serving:
@@ -529,8 +583,9 @@ class NodeCore:
         if chosen is not None:
             out.append(LoadStored(chosen.lineage))
         self.catchup.reset()
-        out.append(Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None,
-                                   "reason": choice.reason}))
+        out.append(
+            Log("serving", {"lineage": choice.lineage.hex() if choice.lineage else None, "reason": choice.reason})
+        )
         if chosen is None or chosen.delivered or chosen.lineage in self.s.follow:
             self._commit(now, out)
         else:
@@ -570,13 +625,22 @@ class NodeCore:
         self.announced_rate = min(self.sealer.rate(now), 1e6)
         demand = self._demand(now)
         a = wire.NodeAnnounce(
-            v=wire.FORMAT_VERSION, peer_id=self.ident.peer_id, seq=self.announce_seq, created_ms=wall_ms,
-            hardware=self.s.hardware, gen_tokens_per_s=min(self.gen_tps, 1e9),
-            rollout_latency_s=min(self.latency, 1e6), upload_bytes_per_s=min(self.s.upload_bytes_per_s, 1e12),
-            memory_bytes=self.s.memory_budget_mb * 2**20, roles=self.roles,
-            lineages_followed=[self.committed] if self.committed else [], serving=self.committed or b"",
-            owned=[demand] if demand else [], addrs=list(self.addrs),
-            publish_batches_per_s=self.announced_rate)
+            v=wire.FORMAT_VERSION,
+            peer_id=self.ident.peer_id,
+            seq=self.announce_seq,
+            created_ms=wall_ms,
+            hardware=self.s.hardware,
+            gen_tokens_per_s=min(self.gen_tps, 1e9),
+            rollout_latency_s=min(self.latency, 1e6),
+            upload_bytes_per_s=min(self.s.upload_bytes_per_s, 1e12),
+            memory_bytes=self.s.memory_budget_mb * 2**20,
+            roles=self.roles,
+            lineages_followed=[self.committed] if self.committed else [],
+            serving=self.committed or b"",
+            owned=[demand] if demand else [],
+            addrs=list(self.addrs),
+            publish_batches_per_s=self.announced_rate,
+        )
         return wire.seal(self.ident, wire.NODE_ANNOUNCE, a, swarm=self.s.swarm)
 
     # ------------------------------------------------------------ catch-up
@@ -585,27 +649,36 @@ class NodeCore:
         publisher, then the live peers serving the lineage, for their catalogs; or leave the lineage."""
         lid = self.serving
         lin = self.table.rows.get(lid) if lid is not None else None
-        need = self.catchup.check(lin, now, self.supervisor.down, lin is not None and lin.lineage in self.s.follow,
-                                  out)
+        need = self.catchup.check(lin, now, self.supervisor.down, lin is not None and lin.lineage in self.s.follow, out)
         if lin is None or need is CatchUpNeed.NOTHING:
             return
         if need is CatchUpNeed.LEAVE:
             self._leave(lin, now, out)
             return
         publisher_peer = peer_id_from_public(lin.publisher)
-        sources = [publisher_peer] + [pid for pid, p in self.peer_table.live(now)
-                                      if bytes(p.announce.serving) == lin.lineage and pid != publisher_peer]
+        sources = [publisher_peer] + [
+            pid
+            for pid, p in self.peer_table.live(now)
+            if bytes(p.announce.serving) == lin.lineage and pid != publisher_peer
+        ]
         self.catchup.begin(lin.lineage, sources, now, out)
 
     def _leave(self, lin: LineageState, now: float, out: list[Action]) -> None:
         """The served lineage's versions could not be fetched: leave it and remember its publisher. Not
         charged: an unreachable publisher is not provably lying."""
-        why = (f"held {lin.held} < head {lin.head} with no version applied for {LEAVE_AFTER_S:.0f} s" if lin.delivered
-               else f"no version applied within {TRIAL_S:.0f} s of choosing it (head {lin.head})")
+        why = (
+            f"held {lin.held} < head {lin.head} with no version applied for {LEAVE_AFTER_S:.0f} s"
+            if lin.delivered
+            else f"no version applied within {TRIAL_S:.0f} s of choosing it (head {lin.head})"
+        )
         self.table.avoid(lin.publisher, why, now)
         self.counts["lineages_left"] += 1
-        out.append(Log("left lineage", {"lineage": lin.lineage.hex()[:16], "publisher":
-                                        peer_id_from_public(lin.publisher), "why": why}))
+        out.append(
+            Log(
+                "left lineage",
+                {"lineage": lin.lineage.hex()[:16], "publisher": peer_id_from_public(lin.publisher), "why": why},
+            )
+        )
         self._choose_serving(now, out)
 
     # ------------------------------------------------------------ patches
@@ -618,9 +691,19 @@ class NodeCore:
             self._commit(now, out)  # fetched, its chunks matched the signed manifest: the worker may switch to it
         self.counts["bytes_down"] += max(0, int(ev.bytes_in))
         self.fetch_s.append((now, max(0.0, _finite(ev.seconds))))
-        out.append(Log("patch received", {"lineage": lid.hex()[:16], "kind": it.kind, "base": it.base,
-                                          "target": it.target, "bytes": m.total_bytes,
-                                          "seconds": round(_finite(ev.seconds), 2)}))
+        out.append(
+            Log(
+                "patch received",
+                {
+                    "lineage": lid.hex()[:16],
+                    "kind": it.kind,
+                    "base": it.base,
+                    "target": it.target,
+                    "bytes": m.total_bytes,
+                    "seconds": round(_finite(ev.seconds), 2),
+                },
+            )
+        )
         out.append(ToWorker(pipe.Patch(lid.hex(), it.kind, it.base, it.target)))
 
     # ------------------------------------------------------------ worker
@@ -630,8 +713,7 @@ class NodeCore:
             self.admitted = None
             self.pace_rate = 0.0
 
-    def _on_worker(self, m: pipe.FromWorker, now: float, wall_ms: int,
-                   out: list[Action]) -> None:
+    def _on_worker(self, m: pipe.FromWorker, now: float, wall_ms: int, out: list[Action]) -> None:
         if isinstance(m, pipe.State):
             self.supervisor.on_state(m.state, out)
         elif isinstance(m, pipe.Ready):
@@ -651,8 +733,19 @@ class NodeCore:
             if m.heldout is not None:
                 self.heldout.append((m.step, m.heldout))
             self.step_times.append(max(0.0, _finite(m.step_s)))
-            out.append(Log("step", {"step": m.step, "version": m.version, "reward_mean": m.reward_mean,
-                                    "loss": m.loss, "n_external_groups": m.n_external_groups, "step_s": m.step_s}))
+            out.append(
+                Log(
+                    "step",
+                    {
+                        "step": m.step,
+                        "version": m.version,
+                        "reward_mean": m.reward_mean,
+                        "loss": m.loss,
+                        "n_external_groups": m.n_external_groups,
+                        "step_s": m.step_s,
+                    },
+                )
+            )
         elif isinstance(m, pipe.Gen):
             self._reward(m.reward_mean)
             if m.heldout is not None:  # a follower's, of the version it holds
@@ -667,8 +760,12 @@ class NodeCore:
         elif isinstance(m, pipe.Applied):
             self._on_applied(m, now, out)
         elif isinstance(m, pipe.ApplyFailed):
-            out.append(Log("patch apply failed", {"lineage": m.lineage[:16], "base": m.base, "target": m.target,
-                                                  "error": m.error[:300]}))
+            out.append(
+                Log(
+                    "patch apply failed",
+                    {"lineage": m.lineage[:16], "base": m.base, "target": m.target, "error": m.error[:300]},
+                )
+            )
             lid = bytes.fromhex(m.lineage)
             lin = self.table.rows.get(lid)
             if m.fault == "non_finite_patch" and lin is not None and len(lin.publisher) == 32:
@@ -707,8 +804,17 @@ class NodeCore:
         if m.lineage:
             lin = self.table.set_own(bytes.fromhex(m.lineage), m.name, self.ident.public, base, m.version, now)
             self.counts["published"] = lin.held
-        out.append(Log("worker ready", {"base": m.base, "model_bytes": m.model_bytes, "version": m.version,
-                                        **({"lineage": m.lineage, "name": m.name} if m.lineage else {})}))
+        out.append(
+            Log(
+                "worker ready",
+                {
+                    "base": m.base,
+                    "model_bytes": m.model_bytes,
+                    "version": m.version,
+                    **({"lineage": m.lineage, "name": m.name} if m.lineage else {}),
+                },
+            )
+        )
         self.supervisor.on_ready()
         self.table.worker_restarted()
         for lin in self.table.rows.values():
@@ -759,22 +865,41 @@ class NodeCore:
         per_batch = max(1.0, self.batch_rollouts)
         demand = self.external_demand()
         # home: our own lineage's shard when followers produce for it, the validated lineage's shard
-        own_supply = supply.of(self.own) - (own[1] if own is not None and own[0] == self.own else 0.0) \
-            if self.own is not None else 0.0
+        own_supply = (
+            supply.of(self.own) - (own[1] if own is not None and own[0] == self.own else 0.0)
+            if self.own is not None
+            else 0.0
+        )
         home = [self.own] if self.own is not None and own_supply > 1e-9 else []
         if "validator" in self.roles and self.committed is not None:
             home.append(self.committed)
         measured = self.inbound.rate(now) if demand > 0 else None
-        plan = self.exchange.plan(now, producers, supply, demand / per_batch, home,
-                                  measured / per_batch if measured is not None else None, own)
+        plan = self.exchange.plan(
+            now,
+            producers,
+            supply,
+            demand / per_batch,
+            home,
+            measured / per_batch if measured is not None else None,
+            own,
+        )
         if self.outbox is not None:
             self.outbox.set_rate(self._publish_budget(now, plan.shards, per_batch), now)
         if (plan.shards, plan.subscribe) != self.subscribed:
             self.subscribed = (plan.shards, plan.subscribe)
             out.append(Subscribe(plan.shards, plan.subscribe))
-            out.append(Log("exchange", {"shards": plan.shards, "subscribe": list(plan.subscribe),
-                                        "home": list(plan.home), "producers": producers,
-                                        "demand_rollouts_per_s": round(demand, 2)}))
+            out.append(
+                Log(
+                    "exchange",
+                    {
+                        "shards": plan.shards,
+                        "subscribe": list(plan.subscribe),
+                        "home": list(plan.home),
+                        "producers": producers,
+                        "demand_rollouts_per_s": round(demand, 2),
+                    },
+                )
+            )
 
     def _publish_budget(self, now: float, shards: int, per_batch: float) -> float:
         """Rollouts/s our trainer publishes to its lineage's shard (gossip.exchange.publish_budget), from what
@@ -806,8 +931,12 @@ class NodeCore:
                 validated = validated or "validator" in a.roles
                 if "follower" in a.roles:  # as far as what we verified from it backs its claim
                     followers += min(min(a.publish_batches_per_s, 1e3) * per_batch, self.supplied.backed(pid, now))
-            if "trainer" in a.roles and a.owned and bytes(a.owned[0].lineage) != self.own \
-                    and exchange.shard_of(bytes(a.owned[0].lineage), shards) == j:
+            if (
+                "trainer" in a.roles
+                and a.owned
+                and bytes(a.owned[0].lineage) != self.own
+                and exchange.shard_of(bytes(a.owned[0].lineage), shards) == j
+            ):
                 trainers += 1
         return exchange.publish_budget(demands, followers, trainers, validated, self.s.group_size)
 

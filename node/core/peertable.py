@@ -70,8 +70,11 @@ class PeerTable:
         if body.publish_batches_per_s > 0:
             self.producers.add(body.peer_id, now)
         if prev is None:
-            out += [ResendTaskSets(), Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}),
-                    SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data)]
+            out += [
+                ResendTaskSets(),
+                Log("peer announced", {"peer": body.peer_id, "roles": list(body.roles)}),
+                SeePeer(body.peer_id, bytes(ev.signer), tuple(body.addrs), ev.data),
+            ]
         return True
 
     def on_swarm(self, ev: SwarmHeard, now: float) -> None:

@@ -63,8 +63,9 @@ def check_roles(roles: Iterable[str]) -> list[str]:
     return out
 
 
-def choose_roles(configured: Sequence[str], hardware_class: str, memory_budget_mb: int,
-                 memory_available_bytes: int) -> tuple[list[str], str]:
+def choose_roles(
+    configured: Sequence[str], hardware_class: str, memory_budget_mb: int, memory_available_bytes: int
+) -> tuple[list[str], str]:
     """(roles, why). Configured roles win; otherwise the hardware and the memory budget decide."""
     if configured:
         return check_roles(configured), "configured"
@@ -72,8 +73,9 @@ def choose_roles(configured: Sequence[str], hardware_class: str, memory_budget_m
         raise ConfigError(f"node.hardware: {hardware_class!r} is not one of auto, {', '.join(HARDWARE_CLASSES)}")
     usable_mb = min(memory_budget_mb, memory_available_bytes // 2**20)
     if usable_mb < TRAINER_MIN_BUDGET_MB:
-        return ["follower", "validator"], (f"{usable_mb} MiB usable < {TRAINER_MIN_BUDGET_MB} MiB for training: "
-                                           "follow a stronger node's lineage")
+        return ["follower", "validator"], (
+            f"{usable_mb} MiB usable < {TRAINER_MIN_BUDGET_MB} MiB for training: follow a stronger node's lineage"
+        )
     if hardware_class.startswith("gpu"):
         return ["trainer", "validator"], f"{hardware_class}: train own lineage and spot-check rollouts"
     return ["trainer"], f"cpu with {usable_mb} MiB usable: train own lineage (swarm sampling)"
@@ -153,8 +155,13 @@ class Activation:
         return self.supply >= self.need
 
 
-def activate(d: Demand, offers: Iterable[Offer], dissemination_s: float = 0.0,
-             margin: float = DEFAULT_MARGIN, trial_share: float = credit.TRIAL_SHARE) -> Activation:
+def activate(
+    d: Demand,
+    offers: Iterable[Offer],
+    dissemination_s: float = 0.0,
+    margin: float = DEFAULT_MARGIN,
+    trial_share: float = credit.TRIAL_SHARE,
+) -> Activation:
     """Cost-aware activation: cheapest per rollout first until the demand is met; the rest stand by.
 
     An offer with `backed` counts for its claim only up to what delivery backs, plus a share of one
@@ -174,7 +181,9 @@ def activate(d: Demand, offers: Iterable[Offer], dissemination_s: float = 0.0,
             continue
         if not fits_staleness(d, o.rollout_latency_s, dissemination_s):
             lag = staleness_versions(d, o.rollout_latency_s, dissemination_s)
-            act.rejected[o.peer_id] = f"latency {o.rollout_latency_s:.1f} s -> {lag} versions stale > bound {d.max_staleness}"
+            act.rejected[o.peer_id] = (
+                f"latency {o.rollout_latency_s:.1f} s -> {lag} versions stale > bound {d.max_staleness}"
+            )
             continue
         if act.need > 0 and act.met:
             act.standby.append(o.peer_id)
@@ -208,9 +217,14 @@ class Choice:
     reason: str
 
 
-def choose_lineage(me: Offer, options: Iterable[LineageOption], dissemination_s: float = 0.0,
-                   current: bytes | None = None, margin: float = DEFAULT_MARGIN,
-                   configured: Sequence[bytes] = ()) -> Choice:
+def choose_lineage(
+    me: Offer,
+    options: Iterable[LineageOption],
+    dissemination_s: float = 0.0,
+    current: bytes | None = None,
+    margin: float = DEFAULT_MARGIN,
+    configured: Sequence[bytes] = (),
+) -> Choice:
     """Which lineage this follower serves, and why (shown on the dashboard).
 
     Only lineages it can serve within their staleness bound are eligible, and
@@ -220,7 +234,9 @@ def choose_lineage(me: Offer, options: Iterable[LineageOption], dissemination_s:
     """
     opts = [o for o in options if not configured or o.lineage in configured]
     if not opts:
-        return Choice(None, "no trainer lineage announced yet" if not configured else "configured lineage not announced yet")
+        return Choice(
+            None, "no trainer lineage announced yet" if not configured else "configured lineage not announced yet"
+        )
     eligible, why_not = [], []
     for o in opts:
         name = o.lineage.hex()[:8]
@@ -286,9 +302,15 @@ def pod_unmet(o: PodOption, margin: float = DEFAULT_MARGIN) -> float:
     return required_rate(o.demand, margin) - max(0.0, o.supply)
 
 
-def want_mode(mode: str, options: Iterable[PodOption], me: Offer, own: tuple[int, bytes] | None,
-              own_supply: float = 0.0, dissemination_s: float = 0.0,
-              margin: float = DEFAULT_MARGIN) -> tuple[str, str]:
+def want_mode(
+    mode: str,
+    options: Iterable[PodOption],
+    me: Offer,
+    own: tuple[int, bytes] | None,
+    own_supply: float = 0.0,
+    dissemination_s: float = 0.0,
+    margin: float = DEFAULT_MARGIN,
+) -> tuple[str, str]:
     """("trainer" | "follower", why): what a node able to train should be, from what it observes now.
 
     It follows while a lineage it can serve within the staleness bound, and was not told to stand by for,
@@ -325,8 +347,14 @@ class PodRule:
     switches at most once a dwell. `reason` says why it is in its mode (and when it may leave it).
     """
 
-    def __init__(self, mode: str, now: float, observe_s: float = ROLE_OBSERVE_S, dwell_s: float = ROLE_DWELL_S,
-                 jitter: float = 0.0) -> None:
+    def __init__(
+        self,
+        mode: str,
+        now: float,
+        observe_s: float = ROLE_OBSERVE_S,
+        dwell_s: float = ROLE_DWELL_S,
+        jitter: float = 0.0,
+    ) -> None:
         if mode not in ("trainer", "follower"):
             raise ValueError(f"mode {mode!r}")
         self.mode = mode

@@ -37,8 +37,15 @@ class RolloutSealer:
         self.withheld = 0  # ... of them kept local: over the publish budget
         self.sealed = 0  # ... of them signed into batches to publish
 
-    def seal(self, encoded: list[bytes], now: float, wall_ms: int, shard_of: Callable[[bytes], int],
-             out: list[Action], allow: Callable[[bytes, int], bool] | None = None) -> None:
+    def seal(
+        self,
+        encoded: list[bytes],
+        now: float,
+        wall_ms: int,
+        shard_of: Callable[[bytes], int],
+        out: list[Action],
+        allow: Callable[[bytes, int], bool] | None = None,
+    ) -> None:
         """Our worker's encoded rollouts: a `RecordRollouts` then a `Publish` to `shard_of(lineage)` per batch;
         `wall_ms` (unix milliseconds) stamps the batches' `created_ms`, which receivers' freshness checks read.
         `allow(lineage, n)`: whether a group of n rollouts (one task's) goes out; None: all do."""
@@ -52,8 +59,11 @@ class RolloutSealer:
                 out.append(Log("worker rollout undecodable", {"error": str(e)[:200]}))
                 continue
             # what receivers refuse as a forgery is never signed (an engine's missing log-prob is NaN)
-            bad = (wire.rollout_number_fault(r) if len(r.logprobs) == 4 * len(r.completion_ids)
-                   else "log-prob bytes do not match the tokens")
+            bad = (
+                wire.rollout_number_fault(r)
+                if len(r.logprobs) == 4 * len(r.completion_ids)
+                else "log-prob bytes do not match the tokens"
+            )
             if bad:
                 self.unpublishable += 1
                 out.append(Log("worker rollout not published", {"error": bad[:200]}))
@@ -70,19 +80,43 @@ class RolloutSealer:
         by_lineage: dict[bytes, list[wire.Rollout]] = {}
         for r in rollouts:
             by_lineage.setdefault(bytes(r.lineage), []).append(r)
-        parts = [(lid, rs[i:i + BATCH_MAX_ROLLOUTS]) for lid, rs in by_lineage.items()
-                 for i in range(0, len(rs), BATCH_MAX_ROLLOUTS)]
+        parts = [
+            (lid, rs[i : i + BATCH_MAX_ROLLOUTS])
+            for lid, rs in by_lineage.items()
+            for i in range(0, len(rs), BATCH_MAX_ROLLOUTS)
+        ]
         for lid, part in parts:
             self.rollout_seq = max(self.rollout_seq + 1, int(wall_ms) * 1000)
-            batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=self.swarm, producer=self.ident.public,
-                                      seq=self.rollout_seq, created_ms=wall_ms, rollouts=part)
+            batch = wire.RolloutBatch(
+                v=wire.FORMAT_VERSION,
+                swarm=self.swarm,
+                producer=self.ident.public,
+                seq=self.rollout_seq,
+                created_ms=wall_ms,
+                rollouts=part,
+            )
             data = wire.seal(self.ident, wire.ROLLOUT_BATCH, batch, swarm=self.swarm)
-            out.append(RecordRollouts(tuple(
-                dict(rollout_id=rollout_id(r), direction="produced", status="produced", producer=self.ident.public,
-                     lineage=bytes(r.lineage), version=r.version, task_set=bytes(r.task.task_set),
-                     generator=r.task.generator, task_seed=r.task.seed, reward=r.reward,
-                     tokens=len(r.completion_ids), payload=data if j == 0 else None)
-                for j, r in enumerate(part))))
+            out.append(
+                RecordRollouts(
+                    tuple(
+                        dict(
+                            rollout_id=rollout_id(r),
+                            direction="produced",
+                            status="produced",
+                            producer=self.ident.public,
+                            lineage=bytes(r.lineage),
+                            version=r.version,
+                            task_set=bytes(r.task.task_set),
+                            generator=r.task.generator,
+                            task_seed=r.task.seed,
+                            reward=r.reward,
+                            tokens=len(r.completion_ids),
+                            payload=data if j == 0 else None,
+                        )
+                        for j, r in enumerate(part)
+                    )
+                )
+            )
             self.publish_meter.tick(now)
             self.sealed += len(part)
             out.append(Publish(Topic.ROLLOUTS, data, len(part), shard_of(lid)))

@@ -17,8 +17,15 @@ from murmur.node.pipe import WorkerState
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 30.0, 60.0)
 WORKER_STABLE_S = 120.0  # a worker that ran this long resets the restart backoff
 # the states in which the worker cannot apply anything (so this node, not a publisher, is why nothing moves)
-WORKER_DOWN = frozenset({WorkerState.STARTING, WorkerState.RESTARTING, WorkerState.LOADING,
-                         WorkerState.WAITING_FOR_TASKS, WorkerState.STOPPED})
+WORKER_DOWN = frozenset(
+    {
+        WorkerState.STARTING,
+        WorkerState.RESTARTING,
+        WorkerState.LOADING,
+        WorkerState.WAITING_FOR_TASKS,
+        WorkerState.STOPPED,
+    }
+)
 
 
 class WorkerSupervisor:
@@ -52,8 +59,12 @@ class WorkerSupervisor:
         if code not in (0, None) and not self.error:
             self.error = f"worker exited with code {code}"
         self.state = WorkerState.RESTARTING
-        out.append(Log("worker exited", {"code": code, "error": self.error[:300], "restart_in_s": delay,
-                                         "restarts": self.restarts}))
+        out.append(
+            Log(
+                "worker exited",
+                {"code": code, "error": self.error[:300], "restart_in_s": delay, "restarts": self.restarts},
+            )
+        )
         out.append(RestartWorker(delay))
         return True
 

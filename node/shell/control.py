@@ -134,8 +134,9 @@ def handle_request(raw: bytes, snapshot: Callable[[], NodeStatus]) -> bytes:
     return _error(f"unknown command {cmd[:64]!r} (status, ping)")
 
 
-async def serve(home: Path, snapshot: Callable[[], NodeStatus], name: str = "control.sock",
-                *, task_status: Any = None) -> None:
+async def serve(
+    home: Path, snapshot: Callable[[], NodeStatus], name: str = "control.sock", *, task_status: Any = None
+) -> None:
     """Serve the control socket until cancelled (trio); removes the socket file on exit."""
     import trio
 

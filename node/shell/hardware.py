@@ -17,8 +17,13 @@ def _gpu() -> tuple[str, int]:
     if exe is None:
         return "", 0
     try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5, check=True).stdout
+        out = subprocess.run(
+            [exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return "", 0
     line = out.strip().splitlines()[0] if out.strip() else ""
@@ -33,8 +38,9 @@ def _gpu() -> tuple[str, int]:
 
 def detect() -> Hardware:
     name, mem = _gpu()
-    return Hardware(cpu_count=os.cpu_count() or 1, memory_bytes=psutil.virtual_memory().total,
-                    gpu_name=name, gpu_memory_bytes=mem)
+    return Hardware(
+        cpu_count=os.cpu_count() or 1, memory_bytes=psutil.virtual_memory().total, gpu_name=name, gpu_memory_bytes=mem
+    )
 
 
 def hardware_class(configured: str, hw: Hardware | None = None) -> str:

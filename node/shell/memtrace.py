@@ -40,8 +40,9 @@ def top_growth(base: tracemalloc.Snapshot, now: tracemalloc.Snapshot, top: int =
     stats = now.compare_to(base, "traceback")
     out = []
     for st in stats[:top]:
-        where = " < ".join(f"{short_path(f.filename)}:{f.lineno}"
-                           for f in reversed(list(st.traceback)[-FRAMES:]))  # innermost first
+        where = " < ".join(
+            f"{short_path(f.filename)}:{f.lineno}" for f in reversed(list(st.traceback)[-FRAMES:])
+        )  # innermost first
         out.append((where, round(st.size_diff / 2**20, 2)))
     return out
 
@@ -55,5 +56,6 @@ async def run(warmup_s: float, interval_s: float = INTERVAL_S) -> None:
         await trio.sleep(interval_s)
         now = tracemalloc.take_snapshot()
         current, _ = tracemalloc.get_traced_memory()
-        log.warning("memory growth", extra={"data": {"traced_mb": round(current / 2**20, 1),
-                                                      "top": top_growth(base, now)}})
+        log.warning(
+            "memory growth", extra={"data": {"traced_mb": round(current / 2**20, 1), "top": top_growth(base, now)}}
+        )

@@ -142,8 +142,10 @@ async def serve(stream: Any, home: Path, bcast: Any) -> None:
         return
     if req.op == "catalog":
         items = await trio.to_thread.run_sync(store.items)
-        await write_frame(stream, wire.encode(CatalogReply(True, "", [(i.kind, i.base, i.target, i.bytes)
-                                                                      for i in items[-MAX_ITEMS:]])))
+        await write_frame(
+            stream,
+            wire.encode(CatalogReply(True, "", [(i.kind, i.base, i.target, i.bytes) for i in items[-MAX_ITEMS:]])),
+        )
         return
     if req.op != "offer" or req.kind not in KINDS:
         await write_frame(stream, wire.encode(CatalogReply(False, f"unknown op {req.op!r}/{req.kind!r}")))

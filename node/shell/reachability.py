@@ -79,8 +79,14 @@ def classify(s: ReachView) -> str:
     return OFFLINE
 
 
-def snapshot(transport: Any, relay: Any = None, reach: Any = None, holepuncher: Any = None,
-             peers: list[str] | None = None, punched_passively: int = 0) -> ReachView:
+def snapshot(
+    transport: Any,
+    relay: Any = None,
+    reach: Any = None,
+    holepuncher: Any = None,
+    peers: list[str] | None = None,
+    punched_passively: int = 0,
+) -> ReachView:
     """Collect a view from running pieces (any may be None)."""
     from murmur.gossip.holepunch import best_path
     from murmur.gossip.webrtc import webrtc_unavailable
@@ -105,7 +111,6 @@ def snapshot(transport: Any, relay: Any = None, reach: Any = None, holepuncher: 
     )
     s.path = classify(s)
     return s
-
 
 
 @dataclass(frozen=True)
@@ -135,12 +140,18 @@ def dial_plan(peer: str, addrs: list[str], webrtc: bool) -> list[Dial]:
 
     circuits = [a for a in addrs if is_circuit(a)]
     rtc = [full(a) for a in addrs if is_webrtc_addr(a) and not is_circuit(a)]
-    tcp = [full(a) for a in addrs if not is_circuit(a) and not is_webrtc_addr(a)
-           and "/ip4/0.0.0.0/" not in a and "/ip6/::/" not in a]
+    tcp = [
+        full(a)
+        for a in addrs
+        if not is_circuit(a) and not is_webrtc_addr(a) and "/ip4/0.0.0.0/" not in a and "/ip6/::/" not in a
+    ]
     if circuits:
         return [Dial("tcp", a, LAN_DIAL_S) for a in tcp[:1]] + [Dial("circuit", a, 10.0) for a in circuits[:2]]
-    return [Dial("tcp", a, TCP_DIAL_S) for a in tcp[:2]] + ([Dial("webrtc", a, WEBRTC_DIAL_S) for a in rtc[:2]]
-                                                           if webrtc else [])
+    return [Dial("tcp", a, TCP_DIAL_S) for a in tcp[:2]] + (
+        [Dial("webrtc", a, WEBRTC_DIAL_S) for a in rtc[:2]] if webrtc else []
+    )
+
+
 MAX_UPGRADE_TRIES = 2
 TARGET_PEERS = 16
 
@@ -394,8 +405,12 @@ class ReachState:
                 for p in connected:
                     if best_path(self.transport, p) == "relayed":
                         self.relayed_seen.add(p)
-                        if (self.auto_upgrade and p in self.circuit_dialled and p not in busy
-                                and self.upgrade_tries.get(p, 0) < MAX_UPGRADE_TRIES):
+                        if (
+                            self.auto_upgrade
+                            and p in self.circuit_dialled
+                            and p not in busy
+                            and self.upgrade_tries.get(p, 0) < MAX_UPGRADE_TRIES
+                        ):
                             busy.add(p)
                             n.start_soon(one, p, self.upgrade, p)
                 started = 0
@@ -436,8 +451,13 @@ async def _serve(state: ReachState, *, task_status: Any = trio.TASK_STATUS_IGNOR
                 state.first_peer.set()
 
 
-async def start_reachability(transport: Any, cfg: Config, nursery: trio.Nursery, bootstrap: list[str] | None = None,
-                             known: Callable[[], dict[str, list[str]]] | None = None) -> ReachState:
+async def start_reachability(
+    transport: Any,
+    cfg: Config,
+    nursery: trio.Nursery,
+    bootstrap: list[str] | None = None,
+    known: Callable[[], dict[str, list[str]]] | None = None,
+) -> ReachState:
     """Attach relay, hole punching and dial-back to a running transport; run the checks in `nursery`.
 
     `known` returns the addresses peers announced (peer id -> multiaddrs, circuits included); the node

@@ -81,9 +81,16 @@ class RunOptions:
 
 
 class Node:
-    def __init__(self, cfg: Config, home: Path, ident: Identity, opts: RunOptions, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 spawn_worker: Callable[[dict[str, Any]], Awaitable[Link]] = spawn) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        home: Path,
+        ident: Identity,
+        opts: RunOptions,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        spawn_worker: Callable[[dict[str, Any]], Awaitable[Link]] = spawn,
+    ) -> None:
         """`clock` is the runtime's one monotonic clock (seconds): the core loop reads it once per event and
         gives the core that `now`; the shell's loops and the status read it; trio sleeps until the core's
         deadlines. A test under trio's MockClock passes `trio.current_time` (and builds the node inside
@@ -97,8 +104,9 @@ class Node:
         self.store = open_store(self.home, cfg.disk.ledger_budget(), cfg.disk.peer_budget())
         self.hw = hardware.detect()
         self.hw_class = hardware.hardware_class(cfg.node.hardware, self.hw)
-        self.roles, self.roles_reason = roles.choose_roles(cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb,
-                                                           hardware.available_memory())
+        self.roles, self.roles_reason = roles.choose_roles(
+            cfg.node.roles, self.hw_class, cfg.node.memory_budget_mb, hardware.available_memory()
+        )
         self.core = C.NodeCore(C.CoreSettings.from_config(cfg, self.roles, self.hw_class), ident, clock())
         # The core has one consumer (`_core_loop`): every source puts its events on this channel (`feed`).
         self._events, self._events_out = trio.open_memory_channel[C.Event](EVENT_QUEUE)
@@ -108,9 +116,16 @@ class Node:
         own = self.store.get("own_lineage")
         for row in self.store.lineages():
             lid = bytes(row["lineage_id"])
-            self._next.append(C.LineageKnown(lid, row["name"], Relation.OWN if own and lid.hex() == own else Relation(row["relation"]),
-                                             bytes(row["publisher"]), bytes(row["base_model_hash"]),
-                                             self.store.head_version(lid) or 0))
+            self._next.append(
+                C.LineageKnown(
+                    lid,
+                    row["name"],
+                    Relation.OWN if own and lid.hex() == own else Relation(row["relation"]),
+                    bytes(row["publisher"]),
+                    bytes(row["base_model_hash"]),
+                    self.store.head_version(lid) or 0,
+                )
+            )
         self.clock = clock
         self._spawn_worker = spawn_worker
         self.started = clock()
@@ -172,9 +187,12 @@ class Node:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
 
-    async def run_on(self, transport: Callable[[], AbstractAsyncContextManager[Any]],
-                     services: Callable[[Any, trio.Nursery], Awaitable[None]] | None = None,
-                     on_stopping: Callable[[], None] = lambda: None) -> None:
+    async def run_on(
+        self,
+        transport: Callable[[], AbstractAsyncContextManager[Any]],
+        services: Callable[[Any, trio.Nursery], Awaitable[None]] | None = None,
+        on_stopping: Callable[[], None] = lambda: None,
+    ) -> None:
         """Run the node on the transport that `transport()` opens until `request_stop`: the worker, the
         handlers (`attach`), the gossip service, the broadcast, `services(t, nursery)` (what only a
         networked process has: discovery, reachability, the control socket), the core's timers and the
@@ -198,7 +216,9 @@ class Node:
                         await services(t, nursery)
                     self.state = "running"
                     await trio.to_thread.run_sync(self.store.put, "listen", t.listen_addrs())
-                    event(log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0)
+                    event(
+                        log, "listening", addrs=t.listen_addrs(), metrics_port=self.metrics.port if self.metrics else 0
+                    )
                     nursery.start_soon(stall.watch_loop, self.stall, self.gc_timer)
                     for loop in (self._core_loop, self._worker_loop, self._slow_loop, self._view_loop):
                         nursery.start_soon(loop)
@@ -226,7 +246,8 @@ class Node:
         disc = Discovery(t, bootstrap, self.store, dht=cfg.network.dht and bool(bootstrap))
         await nursery.start(disc.run)
         self.reach = await start_reachability(
-            t, cfg, nursery, bootstrap, known=lambda: {p: list(i.announce.addrs) for p, i in self.core.peers.items()})
+            t, cfg, nursery, bootstrap, known=lambda: {p: list(i.announce.addrs) for p, i in self.core.peers.items()}
+        )
         await nursery.start(control.serve, self.home, self.snapshot, cfg.metrics.control_socket)
 
     async def attach(self, t: Any) -> None:
@@ -239,33 +260,45 @@ class Node:
         from murmur.training.verifiers import VerifierPool, score
 
         cfg = self.cfg
-        self.tasks = TaskSetGossip(self.store, self.ident.public, cfg.trust.coordinators, self.drops,
-                                   swarm=cfg.node.swarm)
+        self.tasks = TaskSetGossip(
+            self.store, self.ident.public, cfg.trust.coordinators, self.drops, swarm=cfg.node.swarm
+        )
         self.registry = self.tasks.registry
         self.transport = t
         self.verifiers = VerifierPool()  # other peers' completions: time-limited, own processes
         self.tasks.pool = self.verifiers  # ... and the task sets peers send, checked by generating from them
         check_tokens = await trio.to_thread.run_sync(for_model, cfg.training.model)
-        pipeline = Pipeline(PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness,
-                                                       cfg.training.max_new_tokens),
-                            clock=time.time, resolve_task=partial(self.registry.resolve, run=self.verifiers.call), reward=score,
-                            head_version=self.core.head_of, task_set_trusted=lambda ts: ts in self.registry,
-                            own_lineage=lambda lid: bytes(lid) == self.core.own,
-                            reward_batch=self.verifiers.score_batch, check_tokens=check_tokens)
+        pipeline = Pipeline(
+            PipelineConfig.from_config(cfg.node.swarm, cfg.gossip, cfg.sync.max_staleness, cfg.training.max_new_tokens),
+            clock=time.time,
+            resolve_task=partial(self.registry.resolve, run=self.verifiers.call),
+            reward=score,
+            head_version=self.core.head_of,
+            task_set_trusted=lambda ts: ts in self.registry,
+            own_lineage=lambda lid: bytes(lid) == self.core.own,
+            reward_batch=self.verifiers.score_batch,
+            check_tokens=check_tokens,
+        )
         self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
         if "validator" in self.roles and "trainer" not in self.roles:
             # a secret key of this run: no producer can tell which of its batches fall in the sample
-            self.service.sample = Sample(os.urandom(32), cfg.gossip.validator_sample,
-                                         cfg.gossip.validator_sample_floor_per_min)
+            self.service.sample = Sample(
+                os.urandom(32), cfg.gossip.validator_sample, cfg.gossip.validator_sample_floor_per_min
+            )
         t.faults.on_fault = self._on_stream_fault
         # a graylisted key's new connections are refused while its score stays below the threshold
-        t.refuse_connections(lambda peer: pipeline.scores.is_graylisted(peer, pipeline.clock())
-                             or pipeline.scores.is_blacklisted(peer, pipeline.clock()))
+        t.refuse_connections(
+            lambda peer: (
+                pipeline.scores.is_graylisted(peer, pipeline.clock())
+                or pipeline.scores.is_blacklisted(peer, pipeline.clock())
+            )
+        )
         self.service.on_accept = self._on_accept
         if getattr(t, "budget", None) is not None:  # streams of keys neither established nor verified share a pool
             gate = self.service.gate
-            t.budget.proven = lambda peer: (gate.established(peer, pipeline.clock())
-                                            or pipeline.cpu.proven(peer, pipeline.clock()))
+            t.budget.proven = lambda peer: (
+                gate.established(peer, pipeline.clock()) or pipeline.cpu.proven(peer, pipeline.clock())
+            )
         self.service.child_cpu = self.verifiers.thread_cpu_s  # verification CPU is charged to its sender's share
         self.service.on_announce(wire.NODE_ANNOUNCE, self._on_node_announce)
         self.service.on_announce(wire.PATCH_MANIFEST, self._on_manifest)
@@ -340,8 +373,9 @@ class Node:
                 trs = list(self.bcast.transfers.values())
                 live = {tr.pid.hex() for tr in trs if not tr.session.complete}
                 done = {tr.pid.hex() for tr in trs if tr.completed_wall and time.time() - tr.completed_wall > 5.0}
-                await trio.to_thread.run_sync(patchsync.sweep_partials, self.home / "partial", live, done,
-                                              PARTIAL_KEEP_S)
+                await trio.to_thread.run_sync(
+                    patchsync.sweep_partials, self.home / "partial", live, done, PARTIAL_KEEP_S
+                )
             await trio.sleep(1.0)
 
     async def _on_node_announce(self, origin: str, body: wire.NodeAnnounce, data: bytes) -> None:
@@ -365,11 +399,16 @@ class Node:
         from murmur.sync.broadcast import BroadcastNode
         from murmur.sync.swarm import SwarmConfig
 
-        return BroadcastNode(t, swarm=self.cfg.node.swarm, upload_bytes_per_s=self.cfg.network.upload_bytes_per_s,
-                             config=SwarmConfig(stall_timeout_s=self.cfg.sync.stall_timeout_s),
-                             partial_root=self.home / "partial", accept=self._offered,
-                             on_penalty=lambda peer, reason, amount: self._penalise(peer, f"broadcast: {reason}", amount),
-                             on_complete=self._on_transfer_complete)
+        return BroadcastNode(
+            t,
+            swarm=self.cfg.node.swarm,
+            upload_bytes_per_s=self.cfg.network.upload_bytes_per_s,
+            config=SwarmConfig(stall_timeout_s=self.cfg.sync.stall_timeout_s),
+            partial_root=self.home / "partial",
+            accept=self._offered,
+            on_penalty=lambda peer, reason, amount: self._penalise(peer, f"broadcast: {reason}", amount),
+            on_complete=self._on_transfer_complete,
+        )
 
     def _offered(self, m: wire.PatchManifest) -> bool:
         """The broadcast's synchronous accept callback. It calls the core outside the core loop: its one action
@@ -463,8 +502,9 @@ class Node:
         from murmur.sync.patchstore import open_manifest
 
         m = open_manifest(envelope, swarm=self.cfg.node.swarm)
-        env, chunks = await trio.to_thread.run_sync(partial(patchsync.read_item, swarm=self.cfg.node.swarm),
-                                                    self.home, bytes(m.lineage), item_of(m))
+        env, chunks = await trio.to_thread.run_sync(
+            partial(patchsync.read_item, swarm=self.cfg.node.swarm), self.home, bytes(m.lineage), item_of(m)
+        )
         try:
             await self.bcast.publish(env, chunks)
         except MurmurError as e:  # no gossip peers yet: the chunks are still offered to stream peers
@@ -477,8 +517,9 @@ class Node:
             return None
         try:
             await trio.to_thread.run_sync(patchsync.store_complete, self.home, tr.manifest, tr.envelope, tr.payload())
-            await trio.to_thread.run_sync(LineageStore(self.home, bytes(tr.manifest.lineage)).prune,
-                                          self.cfg.sync.retain_versions)
+            await trio.to_thread.run_sync(
+                LineageStore(self.home, bytes(tr.manifest.lineage)).prune, self.cfg.sync.retain_versions
+            )
         except (MurmurError, OSError) as e:
             log.warning("could not store patch %s: %s", pid.hex()[:12], e)
             return None

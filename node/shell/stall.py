@@ -101,11 +101,14 @@ class StallReporter:
                 continue
             self._times.append(now)
             self.reports += 1
-            self.last_stack = " < ".join(f"{short_path(f.filename)}:"
-                                         f"{f.lineno} {f.name}"
-                                         for f in reversed(traceback.extract_stack(frame)[-STACK_FRAMES:]))
-            log.warning("event loop blocked", extra={"data": {"blocked_ms": round((now - beat) * 1000.0),
-                                                               "where": self.last_stack}})
+            self.last_stack = " < ".join(
+                f"{short_path(f.filename)}:{f.lineno} {f.name}"
+                for f in reversed(traceback.extract_stack(frame)[-STACK_FRAMES:])
+            )
+            log.warning(
+                "event loop blocked",
+                extra={"data": {"blocked_ms": round((now - beat) * 1000.0), "where": self.last_stack}},
+            )
 
 
 class GcTimer:
@@ -152,8 +155,14 @@ def short_path(path: str) -> str:
     return "/".join(parts[-2:])
 
 
-async def run(meter: StallMeter, interval_s: float = INTERVAL_S, clock: Callable[[], float] = trio.current_time,
-              reporter: StallReporter | None = None, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def run(
+    meter: StallMeter,
+    interval_s: float = INTERVAL_S,
+    clock: Callable[[], float] = trio.current_time,
+    reporter: StallReporter | None = None,
+    *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Measure until cancelled (and keep `reporter`, if any, watching the loop thread meanwhile)."""
     if reporter is not None:
         reporter.start()

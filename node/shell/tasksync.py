@@ -49,8 +49,9 @@ class TaskSetGossip:
             tid, checked = self.registry.trusted_manifest(data, self.trusted)  # cheap: before any generation
             if self.pool is not None:
                 limit = CHECK_CPU_S * (1 + len(checked.generators))
-                await trio.to_thread.run_sync(partial(self.pool.call, check_manifest, checked,
-                                                      f"task set {checked.name!r}", cpu_s=limit))
+                await trio.to_thread.run_sync(
+                    partial(self.pool.call, check_manifest, checked, f"task set {checked.name!r}", cpu_s=limit)
+                )
             else:
                 await trio.to_thread.run_sync(check_manifest, checked, f"task set {checked.name!r}")
             self.registry.add(data, self.trusted, check=False)

@@ -36,23 +36,44 @@ WORKER_QUEUE = 1024
 def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str], opts: RunOptions) -> dict[str, Any]:
     t = cfg.training
     return {
-        "home": str(home), "swarm": cfg.node.swarm, "roles": node_roles, "model": t.model, "engine": t.engine,
+        "home": str(home),
+        "swarm": cfg.node.swarm,
+        "roles": node_roles,
+        "model": t.model,
+        "engine": t.engine,
         "model_home": opts.model_home or str(home),
-        "device": t.device, "model_seed": 0, "seed": t.seed, "threads": t.threads,
-        "memory_budget_mb": cfg.node.memory_budget_mb, "identity_seed": ident.seed.hex(),
-        "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}", "anchor_every": cfg.sync.anchor_every,
-        "chunk_bytes": cfg.sync.chunk_bytes, "retain_versions": cfg.sync.retain_versions,
-        "publish_every": cfg.sync.publish_every, "spot_rate": SPOT_RATE,
+        "device": t.device,
+        "model_seed": 0,
+        "seed": t.seed,
+        "threads": t.threads,
+        "memory_budget_mb": cfg.node.memory_budget_mb,
+        "identity_seed": ident.seed.hex(),
+        "lineage_name": f"{cfg.node.swarm}-{ident.peer_id[-8:]}",
+        "anchor_every": cfg.sync.anchor_every,
+        "chunk_bytes": cfg.sync.chunk_bytes,
+        "retain_versions": cfg.sync.retain_versions,
+        "publish_every": cfg.sync.publish_every,
+        "spot_rate": SPOT_RATE,
         # the trainer's sampler (training/sampler.py): groups of ~group_size verified rollouts
         "sampler_max_rollouts": max(64, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)),
-        "sampler_max_groups": max(16, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8)
-                                  // max(1, t.group_size)),
-        "task_sets": msgspec.to_builtins(t.task_sets), "trusted": list(cfg.trust.coordinators),
-        "trainer": {"local_groups": t.local_rollouts, "external_groups": t.external_rollouts,
-                    "group_size": t.group_size, "lr": t.lr, "max_new_tokens": t.max_new_tokens,
-                    "temperature": t.temperature, "seed": t.seed, "max_staleness": cfg.sync.max_staleness,
-                    "loss_norm": t.loss_norm, "minibatch_groups": t.minibatch_groups,
-                    "memory_budget_mb": cfg.node.memory_budget_mb},
+        "sampler_max_groups": max(
+            16, min(cfg.gossip.pool_max_rollouts, cfg.node.memory_budget_mb * 8) // max(1, t.group_size)
+        ),
+        "task_sets": msgspec.to_builtins(t.task_sets),
+        "trusted": list(cfg.trust.coordinators),
+        "trainer": {
+            "local_groups": t.local_rollouts,
+            "external_groups": t.external_rollouts,
+            "group_size": t.group_size,
+            "lr": t.lr,
+            "max_new_tokens": t.max_new_tokens,
+            "temperature": t.temperature,
+            "seed": t.seed,
+            "max_staleness": cfg.sync.max_staleness,
+            "loss_norm": t.loss_norm,
+            "minibatch_groups": t.minibatch_groups,
+            "memory_budget_mb": cfg.node.memory_budget_mb,
+        },
     }
 
 

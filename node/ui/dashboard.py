@@ -55,8 +55,9 @@ WIDE = 120  # columns from which the lineage and peer tables are shown as tables
 class Adaptive:
     """A renderable that picks its layout from the width it is given (a pipe or CI log gets 80)."""
 
-    def __init__(self, wide: Callable[[], RenderableType], narrow: Callable[[], RenderableType],
-                 min_wide: int = WIDE) -> None:
+    def __init__(
+        self, wide: Callable[[], RenderableType], narrow: Callable[[], RenderableType], min_wide: int = WIDE
+    ) -> None:
         self.wide, self.narrow, self.min_wide = wide, narrow, min_wide
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[RenderableType]:
@@ -93,20 +94,48 @@ def _lineage_lines(s: NodeStatus) -> RenderableType:
 
 
 def _lineage_table(s: NodeStatus) -> Table:
-    lins = Table("lineage", "name", "relation", "held", "head", "lag", "admission", "need/s", "supply/s", "active",
-                 "standby", title="lineages", expand=True)
+    lins = Table(
+        "lineage",
+        "name",
+        "relation",
+        "held",
+        "head",
+        "lag",
+        "admission",
+        "need/s",
+        "supply/s",
+        "active",
+        "standby",
+        title="lineages",
+        expand=True,
+    )
     for lin in s.lineages:
-        lins.add_row(short(lin.lineage), Text(lin.name), lin.relation, str(lin.held), str(lin.head), str(lin.lag),
-                     lin.admission or "",
-                     f"{lin.need_rollouts_per_s:.1f}" if lin.relation == Relation.OWN else "",
-                     f"{lin.supply_rollouts_per_s:.1f}" if lin.relation == Relation.OWN else "",
-                     ", ".join(short(p) for p in lin.active), ", ".join(short(p) for p in lin.standby))
+        lins.add_row(
+            short(lin.lineage),
+            Text(lin.name),
+            lin.relation,
+            str(lin.held),
+            str(lin.head),
+            str(lin.lag),
+            lin.admission or "",
+            f"{lin.need_rollouts_per_s:.1f}" if lin.relation == Relation.OWN else "",
+            f"{lin.supply_rollouts_per_s:.1f}" if lin.relation == Relation.OWN else "",
+            ", ".join(short(p) for p in lin.active),
+            ", ".join(short(p) for p in lin.standby),
+        )
     return lins
 
 
 def _peer_cells(p: PeerView) -> list[str | Text]:
-    return [short(p.peer_id), Text(", ".join(p.roles)), Text(p.hardware), f"{p.gen_tokens_per_s:.0f}",
-            f"{p.rollout_latency_s:.2f} s", short(p.serving) if p.serving else "—", f"{p.last_seen_s:.0f} s ago"]
+    return [
+        short(p.peer_id),
+        Text(", ".join(p.roles)),
+        Text(p.hardware),
+        f"{p.gen_tokens_per_s:.0f}",
+        f"{p.rollout_latency_s:.2f} s",
+        short(p.serving) if p.serving else "—",
+        f"{p.last_seen_s:.0f} s ago",
+    ]
 
 
 def _peer_lines(s: NodeStatus) -> RenderableType:
@@ -118,8 +147,9 @@ def _peer_lines(s: NodeStatus) -> RenderableType:
 
 
 def _peer_table(s: NodeStatus) -> Table:
-    peers = Table("peer", "roles", "hardware", "tok/s", "latency", "serves", "seen", title=f"peers ({len(s.peers)})",
-                  expand=True)
+    peers = Table(
+        "peer", "roles", "hardware", "tok/s", "latency", "serves", "seen", title=f"peers ({len(s.peers)})", expand=True
+    )
     for p in s.peers[:16]:
         peers.add_row(*_peer_cells(p))
     return peers
@@ -128,23 +158,34 @@ def _peer_table(s: NodeStatus) -> Table:
 def _exchange(s: NodeStatus) -> str:
     x = s.exchange
     r = x.rates
-    return (f"shards {','.join(map(str, x.subscribed)) or '—'} of {x.shards}; per s: received "
-            f"{r.get('received_rollouts_per_s', 0):.1f}, verified {r.get('verified_rollouts_per_s', 0):.1f}, "
-            f"dropped {r.get('dropped_batches_per_s', 0):.1f} batches; used/verified {x.used_over_verified:.2f}; "
-            f"{x.distinct_producers} producers"
-            + f"; kept local: {x.uninformative_rollouts} uninformative"
-            + (f", {x.withheld_rollouts} over the publish budget of {x.publish_budget_per_s:.1f}/s"
-               if x.publish_budget_per_s is not None else "")
-            + (f"; sample {x.sample_fraction:.0%} + {x.sample_floor_per_min:g}/min a producer "
-               f"(checked {x.sample_rate:.0%}, {x.unsampled_batches} batches unverified)"
-               if x.sample_rate is not None and x.sample_fraction is not None else ""))
+    return (
+        f"shards {','.join(map(str, x.subscribed)) or '—'} of {x.shards}; per s: received "
+        f"{r.get('received_rollouts_per_s', 0):.1f}, verified {r.get('verified_rollouts_per_s', 0):.1f}, "
+        f"dropped {r.get('dropped_batches_per_s', 0):.1f} batches; used/verified {x.used_over_verified:.2f}; "
+        f"{x.distinct_producers} producers"
+        + f"; kept local: {x.uninformative_rollouts} uninformative"
+        + (
+            f", {x.withheld_rollouts} over the publish budget of {x.publish_budget_per_s:.1f}/s"
+            if x.publish_budget_per_s is not None
+            else ""
+        )
+        + (
+            f"; sample {x.sample_fraction:.0%} + {x.sample_floor_per_min:g}/min a producer "
+            f"(checked {x.sample_rate:.0%}, {x.unsampled_batches} batches unverified)"
+            if x.sample_rate is not None and x.sample_fraction is not None
+            else ""
+        )
+    )
 
 
 def roles_line(s: NodeStatus) -> str:
     """The roles, and why: chosen by the swarm's need (with the switches so far), configured, or the hardware's."""
     roles = ", ".join(s.roles) or "—"
-    how = "chosen by the swarm's need" + (f", switched {s.role_switches}×" if s.role_switches else "") \
-        if s.roles_chosen else ""
+    how = (
+        "chosen by the swarm's need" + (f", switched {s.role_switches}×" if s.role_switches else "")
+        if s.roles_chosen
+        else ""
+    )
     why = "; ".join(x for x in (how, s.roles_reason) if x)
     return f"{roles}  ({why})" if why else roles
 
@@ -154,9 +195,14 @@ def node_panel(s: NodeStatus) -> Panel:
     if any(lin.on_trial and lin.lineage == s.serving for lin in s.lineages):  # the worker still serves `following`
         serving += f" on trial; worker follows {short(s.following) if s.following else '—'}"
     rows: list[tuple[str, str | Text]] = [
-        ("peer", s.peer_id), ("roles", Text(roles_line(s))),
-        ("state", f"{s.state} / worker {s.worker}"
-                  + (f" (restarted {s.worker_restarts}×)" if s.worker_restarts else "") + f", up {s.uptime_s:.0f} s"),
+        ("peer", s.peer_id),
+        ("roles", Text(roles_line(s))),
+        (
+            "state",
+            f"{s.state} / worker {s.worker}"
+            + (f" (restarted {s.worker_restarts}×)" if s.worker_restarts else "")
+            + f", up {s.uptime_s:.0f} s",
+        ),
         ("serving", Text(f"{serving}  ({s.serving_reason})" if s.serving_reason else serving)),
         ("hardware", Text(s.hardware)),
         ("reward", f"{_fmt_reward(s.reward_start)} → {_fmt_reward(s.reward_now)}  {sparkline(s.reward_trend)}"),
@@ -172,30 +218,52 @@ def node_panel(s: NodeStatus) -> Panel:
     if s.worker_error:
         rows.append(("error", Text(s.worker_error, style="red")))
     rows += [
-        ("rollouts", f"made {s.exchange.produced_rollouts} since start, signed {s.rollouts_produced}, published "
-                     f"{s.rollouts_published}, received "
-                     f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}"),
+        (
+            "rollouts",
+            f"made {s.exchange.produced_rollouts} since start, signed {s.rollouts_produced}, published "
+            f"{s.rollouts_published}, received "
+            f"{s.rollouts_received}, accepted {s.rollouts_accepted}, used in training {s.rollouts_used}",
+        ),
         ("exchange", Text(_exchange(s))),
-        ("swarm gives", f"{s.external_groups_per_step:.1f} groups per step from "
-                        f"{s.external_lineages_per_step:.1f} lineages, {s.updates_per_step:.1f} updates per step; "
-                        f"used {s.rollouts_used} of {s.rollouts_accepted} verified"
-                        + (f" ({s.used_over_verified:.0%})" if s.used_over_verified is not None else "")),
-        ("held-out", "—" if s.heldout_now is None else
-                     f"{s.heldout_start:.2f} → {s.heldout_now:.2f} greedy accuracy ({len(s.heldout_trend)} checks)"),
+        (
+            "swarm gives",
+            f"{s.external_groups_per_step:.1f} groups per step from "
+            f"{s.external_lineages_per_step:.1f} lineages, {s.updates_per_step:.1f} updates per step; "
+            f"used {s.rollouts_used} of {s.rollouts_accepted} verified"
+            + (f" ({s.used_over_verified:.0%})" if s.used_over_verified is not None else ""),
+        ),
+        (
+            "held-out",
+            "—"
+            if s.heldout_now is None
+            else f"{s.heldout_start:.2f} → {s.heldout_now:.2f} greedy accuracy ({len(s.heldout_trend)} checks)",
+        ),
         ("rejected", Text(_counts(s.rejected))),
         ("spot checks", f"{s.spot_checked} of {s.spot_eligible} checkable ({s.spot_failed} failed)"),
         ("dropped", Text(_counts(s.dropped))),
-        ("disk", "; ".join(f"{d.name} {d.used_mb:.1f}" + (f" of {d.limit_mb:.0f}" if d.limit_mb else "") + " MiB"
-                           for d in s.disk) or "—"),
+        (
+            "disk",
+            "; ".join(
+                f"{d.name} {d.used_mb:.1f}" + (f" of {d.limit_mb:.0f}" if d.limit_mb else "") + " MiB" for d in s.disk
+            )
+            or "—",
+        ),
     ]
-    body = Group(_kv(rows), Text(""), Text("lineages", style="bold"),
-                 Adaptive(lambda: _lineage_table(s), lambda: _lineage_lines(s)),
-                 Text(f"peers ({len(s.peers)})", style="bold"), Adaptive(lambda: _peer_table(s), lambda: _peer_lines(s)))
+    body = Group(
+        _kv(rows),
+        Text(""),
+        Text("lineages", style="bold"),
+        Adaptive(lambda: _lineage_table(s), lambda: _lineage_lines(s)),
+        Text(f"peers ({len(s.peers)})", style="bold"),
+        Adaptive(lambda: _peer_table(s), lambda: _peer_lines(s)),
+    )
     return Panel(body, title=Text(f"murmur node · {s.swarm}"), border_style="cyan")
 
 
-SWARM_LEGEND = ("version: held version (lag behind the announced head); rollouts: counts, not rates; "
-                "accepted/rejected: peers' rollouts this node verified; patches: bytes up/down")
+SWARM_LEGEND = (
+    "version: held version (lag behind the announced head); rollouts: counts, not rates; "
+    "accepted/rejected: peers' rollouts this node verified; patches: bytes up/down"
+)
 
 
 def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = "swarm") -> Table:
@@ -204,9 +272,22 @@ def swarm_table(statuses: Sequence[tuple[str, NodeStatus | None]], title: str = 
     t.add_column("", style="bold", no_wrap=True)
     for name, _ in statuses:
         t.add_column(Text(name.replace("-", " ")), overflow="fold")
-    cells: dict[str, list[str | Text]] = {k: [] for k in ("roles", "worker", "lineage", "version", "reward", "trend",
-                                                          "rollouts made", "accepted", "rejected", "dropped",
-                                                          "patches ↑/↓")}
+    cells: dict[str, list[str | Text]] = {
+        k: []
+        for k in (
+            "roles",
+            "worker",
+            "lineage",
+            "version",
+            "reward",
+            "trend",
+            "rollouts made",
+            "accepted",
+            "rejected",
+            "dropped",
+            "patches ↑/↓",
+        )
+    }
     for _name, s in statuses:
         if s is None:
             for k in cells:

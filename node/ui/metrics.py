@@ -30,41 +30,80 @@ class Metrics:
         self.budget = Gauge("murmur_memory_budget_bytes", "configured memory budget", registry=r)
         self.gen = Gauge("murmur_gen_tokens_per_second", "measured generation throughput", registry=r)
         self.spot = Gauge("murmur_spot_checks_total", "log-prob spot checks", ["result"], registry=r)
-        self.swarm_gives = Gauge("murmur_external_per_step", "what the swarm gives a trainer per step (last 20 "
-                                 "steps): groups trained, their lineages, optimizer updates", ["kind"], registry=r)
-        self.used_ratio = Gauge("murmur_used_over_verified", "external rollouts trained over rollouts verified",
-                                registry=r)
+        self.swarm_gives = Gauge(
+            "murmur_external_per_step",
+            "what the swarm gives a trainer per step (last 20 "
+            "steps): groups trained, their lineages, optimizer updates",
+            ["kind"],
+            registry=r,
+        )
+        self.used_ratio = Gauge(
+            "murmur_used_over_verified", "external rollouts trained over rollouts verified", registry=r
+        )
         self.heldout = Gauge("murmur_heldout_accuracy", "latest held-out greedy accuracy", registry=r)
         self.restarts = Gauge("murmur_worker_restarts_total", "worker process restarts after it died", registry=r)
-        self.dropped = Gauge("murmur_dropped_total", "items the node let go, by reason (node.status.DROP_REASONS)",
-                             ["reason"], registry=r)
+        self.dropped = Gauge(
+            "murmur_dropped_total",
+            "items the node let go, by reason (node.status.DROP_REASONS)",
+            ["reason"],
+            registry=r,
+        )
         self.disk = Gauge("murmur_disk_bytes", "disk used per budget", ["budget"], registry=r)
-        self.disk_limit = Gauge("murmur_disk_limit_bytes", "configured byte limit per budget (where it is in bytes)",
-                                ["budget"], registry=r)
-        self.exchange = Gauge("murmur_exchange_total", "rollout exchange counters (produced, published, withheld, "
-                              "received, verified, used, unsampled)", ["kind"], registry=r)
-        self.exchange_rate = Gauge("murmur_exchange_per_second", "rollout exchange rates over the last 30 s",
-                                   ["kind"], registry=r)
-        self.exchange_dropped = Gauge("murmur_exchange_dropped_total", "rollout batches dropped, by reason",
-                                      ["reason"], registry=r)
-        self.producers = Gauge("murmur_exchange_distinct_producers", "producers verified in the last 10 min",
-                               registry=r)
-        self.publish_budget = Gauge("murmur_exchange_publish_budget_rollouts_per_second",
-                                    "a trainer's budget for publishing its own rollouts (the demand on its shard)",
-                                    registry=r)
-        self.sample = Gauge("murmur_exchange_validator_sample", "a validator's sample: stated fraction, floor per "
-                            "producer per minute, share of batches checked so far", ["kind"], registry=r)
+        self.disk_limit = Gauge(
+            "murmur_disk_limit_bytes", "configured byte limit per budget (where it is in bytes)", ["budget"], registry=r
+        )
+        self.exchange = Gauge(
+            "murmur_exchange_total",
+            "rollout exchange counters (produced, published, withheld, received, verified, used, unsampled)",
+            ["kind"],
+            registry=r,
+        )
+        self.exchange_rate = Gauge(
+            "murmur_exchange_per_second", "rollout exchange rates over the last 30 s", ["kind"], registry=r
+        )
+        self.exchange_dropped = Gauge(
+            "murmur_exchange_dropped_total", "rollout batches dropped, by reason", ["reason"], registry=r
+        )
+        self.producers = Gauge(
+            "murmur_exchange_distinct_producers", "producers verified in the last 10 min", registry=r
+        )
+        self.publish_budget = Gauge(
+            "murmur_exchange_publish_budget_rollouts_per_second",
+            "a trainer's budget for publishing its own rollouts (the demand on its shard)",
+            registry=r,
+        )
+        self.sample = Gauge(
+            "murmur_exchange_validator_sample",
+            "a validator's sample: stated fraction, floor per producer per minute, share of batches checked so far",
+            ["kind"],
+            registry=r,
+        )
         self.shards = Gauge("murmur_exchange_shards", "rollout shards: count and subscribed", ["kind"], registry=r)
-        self.task_sets = Gauge("murmur_exchange_task_set_rollouts",
-                               "rollouts verified and used per task set (at most 64 sets, the rest as 'other')",
-                               ["task_set", "kind"], registry=r)
-        self.generators = Gauge("murmur_exchange_task_set_generators",
-                                "distinct producers of a lineage's verified rollouts on a task set in the last "
-                                "10 min (at most 32 lineages a set)", ["task_set", "lineage"], registry=r)
-        self.role = Gauge("murmur_role", "1 for each role the node holds now (trainer, follower, validator); "
-                          "`reason` says why (a switch replaces the series)", ["role", "reason"], registry=r)
-        self.role_switches = Gauge("murmur_role_switches_total", "switches between training and generating "
-                                   "(roles chosen by the swarm's need)", registry=r)
+        self.task_sets = Gauge(
+            "murmur_exchange_task_set_rollouts",
+            "rollouts verified and used per task set (at most 64 sets, the rest as 'other')",
+            ["task_set", "kind"],
+            registry=r,
+        )
+        self.generators = Gauge(
+            "murmur_exchange_task_set_generators",
+            "distinct producers of a lineage's verified rollouts on a task set in the last "
+            "10 min (at most 32 lineages a set)",
+            ["task_set", "lineage"],
+            registry=r,
+        )
+        self.role = Gauge(
+            "murmur_role",
+            "1 for each role the node holds now (trainer, follower, validator); "
+            "`reason` says why (a switch replaces the series)",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.role_switches = Gauge(
+            "murmur_role_switches_total",
+            "switches between training and generating (roles chosen by the swarm's need)",
+            registry=r,
+        )
         self._role_key: tuple[str, ...] = ()
         self._server: Any = None
         self.port = 0
@@ -95,9 +134,13 @@ class Metrics:
         for lin in s.lineages:
             self.version.labels(lin.lineage[:16], lin.relation).set(lin.held)
             self.lag.labels(lin.lineage[:16]).set(lin.lag)
-        for kind, n in (("produced", s.rollouts_produced), ("published", s.rollouts_published),
-                        ("received", s.rollouts_received), ("accepted", s.rollouts_accepted),
-                        ("used", s.rollouts_used)):
+        for kind, n in (
+            ("produced", s.rollouts_produced),
+            ("published", s.rollouts_published),
+            ("received", s.rollouts_received),
+            ("accepted", s.rollouts_accepted),
+            ("used", s.rollouts_used),
+        ):
             self.rollouts.labels(kind).set(n)
         for reason, n in s.rejected.items():
             self.rejected.labels(reason).set(n)
@@ -114,8 +157,11 @@ class Metrics:
         self.spot.labels("checked").set(s.spot_checked)
         self.spot.labels("failed").set(s.spot_failed)
         self.restarts.set(s.worker_restarts)
-        for kind, v in (("groups", s.external_groups_per_step), ("lineages", s.external_lineages_per_step),
-                        ("updates", s.updates_per_step)):
+        for kind, v in (
+            ("groups", s.external_groups_per_step),
+            ("lineages", s.external_lineages_per_step),
+            ("updates", s.updates_per_step),
+        ):
             self.swarm_gives.labels(kind).set(v)
         if s.used_over_verified is not None:
             self.used_ratio.set(s.used_over_verified)
@@ -124,8 +170,19 @@ class Metrics:
         for reason in DROP_REASONS:  # every reason exported, zeros included, so a dashboard can alert on any
             self.dropped.labels(reason).set(s.dropped.get(reason, 0))
         x = s.exchange
-        for kind in ("produced_rollouts", "published_rollouts", "uninformative_rollouts", "withheld_rollouts",
-                     "unsent_rollouts", "received_batches", "received_rollouts", "verified_batches", "verified_rollouts", "used_rollouts", "unsampled_batches"):
+        for kind in (
+            "produced_rollouts",
+            "published_rollouts",
+            "uninformative_rollouts",
+            "withheld_rollouts",
+            "unsent_rollouts",
+            "received_batches",
+            "received_rollouts",
+            "verified_batches",
+            "verified_rollouts",
+            "used_rollouts",
+            "unsampled_batches",
+        ):
             self.exchange.labels(kind).set(getattr(x, kind))
         if x.publish_budget_per_s is not None:
             self.publish_budget.set(x.publish_budget_per_s)

@@ -20,8 +20,14 @@ def own_site_packages() -> None:
     from pathlib import Path
 
     own = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
-    foreign = [p for p in sys.path if p.endswith("site-packages") and p not in own
-               and (Path(p).parents[2] / "pyvenv.cfg").exists() and str(Path(p).parents[2]) != sys.prefix]
+    foreign = [
+        p
+        for p in sys.path
+        if p.endswith("site-packages")
+        and p not in own
+        and (Path(p).parents[2] / "pyvenv.cfg").exists()
+        and str(Path(p).parents[2]) != sys.prefix
+    ]
     if not foreign:
         return
     import site

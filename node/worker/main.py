@@ -100,14 +100,21 @@ def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
         return sys.executable, MODE_TRANSFORMERS
     py = vllm_python()
     if not py or not Path(py).exists():
-        raise MurmurError(f"[training] engine = \"vllm\" but no vLLM environment was found ({py or VLLM_ENV_DIR}); "
-                          "build one with `bash install.sh --vllm cpu` (or `--vllm gpu`), or point "
-                          f"{VLLM_PYTHON_VAR} at an interpreter that has vLLM")
+        raise MurmurError(
+            f'[training] engine = "vllm" but no vLLM environment was found ({py or VLLM_ENV_DIR}); '
+            "build one with `bash install.sh --vllm cpu` (or `--vllm gpu`), or point "
+            f"{VLLM_PYTHON_VAR} at an interpreter that has vLLM"
+        )
     tiny = spec["model"] == TINY_NAME
     path = "" if tiny else str(Path(spec["model"]).expanduser())
     try:
-        r = subprocess.run([py, "-c", _PROBE, path, json.dumps(TINY_ARCHS if tiny else [])], capture_output=True,
-                           text=True, timeout=ENGINE_PROBE_TIMEOUT_S, cwd=str(Path(__file__).resolve().parents[2]))
+        r = subprocess.run(
+            [py, "-c", _PROBE, path, json.dumps(TINY_ARCHS if tiny else [])],
+            capture_output=True,
+            text=True,
+            timeout=ENGINE_PROBE_TIMEOUT_S,
+            cwd=str(Path(__file__).resolve().parents[2]),
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise MurmurError(f"vLLM check under {py} failed: {e}") from None
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
@@ -116,15 +123,16 @@ def engine_check(spec: dict[str, Any]) -> tuple[str, str]:
     except (IndexError, ValueError):
         raise MurmurError(f"vLLM check under {py} failed (exit {r.returncode}): {r.stderr.strip()[-300:]}") from None
     if "error" in res:
-        raise MurmurError(f"[training] engine = \"vllm\" cannot be used: {res['error']}")
+        raise MurmurError(f'[training] engine = "vllm" cannot be used: {res["error"]}')
     return py, str(res["mode"])
 
 
 class Inbox:
     """What the reader thread collected; everything bounded."""
 
-    def __init__(self, max_groups: int, max_staleness: int, max_rollouts: int | None = None, seed: int = 0, *,
-                 swarm: str) -> None:
+    def __init__(
+        self, max_groups: int, max_staleness: int, max_rollouts: int | None = None, seed: int = 0, *, swarm: str
+    ) -> None:
         self.swarm = swarm  # external batches signed for another swarm are dropped
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -198,8 +206,13 @@ def take_external(inbox: Inbox, data: bytes) -> bool:
     return True
 
 
-def follower_eval_due(held: tuple[bytes, int], last: tuple[bytes, int] | None, eval_s: float, gen_s: float,
-                      share: float = FOLLOW_EVAL_SHARE) -> bool:
+def follower_eval_due(
+    held: tuple[bytes, int],
+    last: tuple[bytes, int] | None,
+    eval_s: float,
+    gen_s: float,
+    share: float = FOLLOW_EVAL_SHARE,
+) -> bool:
     """Whether a follower holding `held` (lineage, version) evaluates it now, having last evaluated `last`
     (None: never) and spent `eval_s` seconds evaluating against `gen_s` generating."""
     if held == last:
@@ -214,10 +227,13 @@ class Worker:
         self.swarm: str = spec["swarm"]  # every envelope it signs or opens names this swarm
         self.home = Path(spec["home"])
         max_rollouts = spec.get("sampler_max_rollouts")
-        self.inbox = Inbox(int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
-                           int(spec.get("trainer", {}).get("max_staleness", 4)),
-                           None if max_rollouts is None else int(max_rollouts), int(spec.get("seed", 0)),
-                           swarm=self.swarm)
+        self.inbox = Inbox(
+            int(spec.get("sampler_max_groups", EXTERNAL_GROUPS_MAX)),
+            int(spec.get("trainer", {}).get("max_staleness", 4)),
+            None if max_rollouts is None else int(max_rollouts),
+            int(spec.get("seed", 0)),
+            swarm=self.swarm,
+        )
         self.rng = random.Random(spec.get("seed", 0) + 7)
         self.spot: Any = None  # training.spotcheck.SpotSampler, on the first round
         self._send_lock = threading.Lock()
@@ -255,8 +271,13 @@ class Worker:
         model_home = self.spec.get("model_home") or self.home
         budget = max(64, int(self.spec["memory_budget_mb"]) // 4)
         # the transformers copy: the trainer's fp32 master, and the source of the base state everywhere
-        self.engine = load_policy(self.spec["model"], model_home, device=self.spec.get("device", "auto"),
-                                  seed=int(self.spec.get("model_seed", 0)), memory_budget_mb=budget)
+        self.engine = load_policy(
+            self.spec["model"],
+            model_home,
+            device=self.spec.get("device", "auto"),
+            seed=int(self.spec.get("model_seed", 0)),
+            memory_budget_mb=budget,
+        )
         self.master = self.engine
         self.registry = TaskRegistry(self.swarm)
         self.registry.add_builtin()
@@ -265,9 +286,13 @@ class Worker:
         from murmur.training.tiny import warmup_generators
         from murmur.training.tokenizer import TINY_NAME
 
-        self.tasks = TaskMix(self.registry, self.db, self.spec.get("task_sets") or ["builtin"],
-                             {bytes.fromhex(k) for k in self.spec.get("trusted", [])},
-                             warmup_generators() if self.spec["model"] == TINY_NAME else [])
+        self.tasks = TaskMix(
+            self.registry,
+            self.db,
+            self.spec.get("task_sets") or ["builtin"],
+            {bytes.fromhex(k) for k in self.spec.get("trusted", [])},
+            warmup_generators() if self.spec["model"] == TINY_NAME else [],
+        )
         self.tasks.refresh(force=True)
         from murmur.node.worker.policy import to_published
         from murmur.sync.hashing import canonical_state, state_hash
@@ -278,10 +303,15 @@ class Worker:
         kind = self.spec.get("engine", "transformers")
         try:
             # the engine that generates (and spot-checks): the master itself, or vLLM on the same weights
-            self.engine = open_engine(kind, policy_path(self.spec["model"], model_home, int(self.spec.get("model_seed", 0))),
-                                      self.master, role="trainer" if "trainer" in self.spec["roles"] else "follower",
-                                      memory_budget_mb=int(self.spec["memory_budget_mb"]),
-                                      seed=int(self.spec.get("seed", 0)), threads=int(self.spec.get("threads", 1)))
+            self.engine = open_engine(
+                kind,
+                policy_path(self.spec["model"], model_home, int(self.spec.get("model_seed", 0))),
+                self.master,
+                role="trainer" if "trainer" in self.spec["roles"] else "follower",
+                memory_budget_mb=int(self.spec["memory_budget_mb"]),
+                seed=int(self.spec.get("seed", 0)),
+                threads=int(self.spec.get("threads", 1)),
+            )
         except Exception as e:
             self.send("engine", {"requested": kind, "mode": "", "error": str(e)})
             raise
@@ -342,8 +372,13 @@ class Worker:
 
         ident = Identity.from_seed(bytes.fromhex(self.spec["identity_seed"]))
         s = self.spec
-        kw = dict(swarm=self.swarm, anchor_every=s["anchor_every"], chunk_bytes=s["chunk_bytes"], retain_versions=s["retain_versions"],
-                  db=self.db)
+        kw = dict(
+            swarm=self.swarm,
+            anchor_every=s["anchor_every"],
+            chunk_bytes=s["chunk_bytes"],
+            retain_versions=s["retain_versions"],
+            db=self.db,
+        )
         own = self.db.get("own_lineage")
         pub = None
         if own:
@@ -361,22 +396,36 @@ class Worker:
         self.pub = pub
         # fp32 master for the optimizer; rollouts are sampled from the published bf16 version (by vLLM
         # when it was asked for: the engine opened in load())
-        self.engine = MasterEngine(self.master, pub.base, seed=int(s.get("seed", 0)),
-                                   gen=None if self.engine is self.master else self.engine)
+        self.engine = MasterEngine(
+            self.master, pub.base, seed=int(s.get("seed", 0)), gen=None if self.engine is self.master else self.engine
+        )
         self.checker = self.engine.gen_engine
         self.held_lineage = pub.lineage.id
-        self.send("ready", {"lineage": pub.lineage.id.hex(), "name": pub.lineage.name,
-                            "base": pub.lineage.base_model_hash.hex(), "version": pub.version,
-                            "model_bytes": self.model_bytes,
-                            "tokenizer_hash": self.engine.tokenizer_hash.hex()})
+        self.send(
+            "ready",
+            {
+                "lineage": pub.lineage.id.hex(),
+                "name": pub.lineage.name,
+                "base": pub.lineage.base_model_hash.hex(),
+                "version": pub.version,
+                "model_bytes": self.model_bytes,
+                "tokenizer_hash": self.engine.tokenizer_hash.hex(),
+            },
+        )
         cfg = TrainerConfig(**s["trainer"])
         if not self._wait_for_tasks():
             return
-        trainer = Trainer(self.engine, self.registry, self.tasks.mixture[0][0], cfg, lineage=pub.lineage.id,
-                          external=self._external)
+        trainer = Trainer(
+            self.engine, self.registry, self.tasks.mixture[0][0], cfg, lineage=pub.lineage.id, external=self._external
+        )
         trainer.set_mixture(self.tasks.mixture)
-        self.send("log", "training on " + ", ".join(f"{self.registry.get(t).name} v{self.registry.get(t).version} "
-                                                    f"x{w:g}" for t, w in self.tasks.mixture))
+        self.send(
+            "log",
+            "training on "
+            + ", ".join(
+                f"{self.registry.get(t).name} v{self.registry.get(t).version} x{w:g}" for t, w in self.tasks.mixture
+            ),
+        )
         trainer.version = pub.version
         self._observe_own_head(pub.lineage.id, pub.version)
         publish_every = max(1, int(s.get("publish_every", 1)))
@@ -385,9 +434,14 @@ class Worker:
         while not self.inbox.stop.is_set():
             if self.tasks.refresh():  # a new version of a followed set, or a chosen set arrived
                 trainer.set_mixture(self.tasks.mixture)
-                self.send("log", "task sets now " + ", ".join(
-                    f"{self.registry.get(t).name} v{self.registry.get(t).version} x{w:g}"
-                    for t, w in self.tasks.mixture))
+                self.send(
+                    "log",
+                    "task sets now "
+                    + ", ".join(
+                        f"{self.registry.get(t).name} v{self.registry.get(t).version} x{w:g}"
+                        for t, w in self.tasks.mixture
+                    ),
+                )
             heldout = self._evaluate(steps) if steps % EVAL_EVERY_STEPS == 0 else None
             t0 = time.monotonic()
             res = trainer.step()
@@ -414,24 +468,40 @@ class Worker:
                 else:
                     self.engine.set_published(pub.base)
                     published = pub.version
-                    self.send("published", {"version": pub.version, "envelope": bundle.envelope,
-                                            "bytes": bundle.manifest.total_bytes})
+                    self.send(
+                        "published",
+                        {"version": pub.version, "envelope": bundle.envelope, "bytes": bundle.manifest.total_bytes},
+                    )
             trainer.version = pub.version
             self._observe_own_head(pub.lineage.id, pub.version)
             with self.inbox.lock:
                 sampler_counts = dict(self.inbox.sampler.counts)
             step_s = time.monotonic() - t0
-            self.send("step", {"step": res.step, "version": pub.version, "reward_mean": res.reward_mean,
-                               "loss": res.loss, "n_external_groups": res.n_external_groups,
-                               "used": sum(res.external_by_set.values()), "step_s": step_s,
-                               "used_by_set": {k.hex(): v for k, v in res.external_by_set.items()},
-                               "external_groups": res.trained_external_groups,
-                               "external_lineages": res.external_lineages, "updates": res.updates,
-                               "heldout": heldout,
-                               "published": published, "sampler": sampler_counts,
-                               "dropped": {**trainer.drops, "worker_inbox_full": sampler_counts["evicted"],
-                                           "below_min_version": sampler_counts["stale"]},
-                               "rollouts_per_step": cfg.local_groups * cfg.group_size})
+            self.send(
+                "step",
+                {
+                    "step": res.step,
+                    "version": pub.version,
+                    "reward_mean": res.reward_mean,
+                    "loss": res.loss,
+                    "n_external_groups": res.n_external_groups,
+                    "used": sum(res.external_by_set.values()),
+                    "step_s": step_s,
+                    "used_by_set": {k.hex(): v for k, v in res.external_by_set.items()},
+                    "external_groups": res.trained_external_groups,
+                    "external_lineages": res.external_lineages,
+                    "updates": res.updates,
+                    "heldout": heldout,
+                    "published": published,
+                    "sampler": sampler_counts,
+                    "dropped": {
+                        **trainer.drops,
+                        "worker_inbox_full": sampler_counts["evicted"],
+                        "below_min_version": sampler_counts["stale"],
+                    },
+                    "rollouts_per_step": cfg.local_groups * cfg.group_size,
+                },
+            )
         self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
         self.tasks.save()
 
@@ -465,8 +535,10 @@ class Worker:
         d = self._checkpoint_dir(follower.lineage.id)
         state = {n: t.detach().contiguous().clone() for n, t in follower.live.items()}
         atomic_write(d / "state.safetensors", save(state))
-        atomic_write(d / "state.json", json.dumps({"version": follower.version,
-                                                   "state_hash": follower.state_hash.hex()}).encode())
+        atomic_write(
+            d / "state.json",
+            json.dumps({"version": follower.version, "state_hash": follower.state_hash.hex()}).encode(),
+        )
 
     def _open_follower(self, info: dict) -> Any:
         """A LineageFollower at the last durable version this node holds (checkpoint + stored patches)."""
@@ -486,9 +558,16 @@ class Worker:
                 if set(state) != set(live) or any(state[n].dtype != live[n].dtype for n in live):
                     raise PatchError("checkpoint tensors differ from the published layout")
                 self.need_anchor = False
-                follower = LineageFollower(lin, state, version=int(meta["version"]),
-                                           expected_hash=bytes.fromhex(meta["state_hash"]), home=self.home,
-                                           db=self.db, keep_patches=False, swarm=self.swarm)
+                follower = LineageFollower(
+                    lin,
+                    state,
+                    version=int(meta["version"]),
+                    expected_hash=bytes.fromhex(meta["state_hash"]),
+                    home=self.home,
+                    db=self.db,
+                    keep_patches=False,
+                    swarm=self.swarm,
+                )
                 self.engine.take_version(follower.live, None)
                 return follower
             except Exception as e:
@@ -496,13 +575,22 @@ class Worker:
         self.engine.take_version(live, None)
         self.need_anchor = False
         try:
-            return LineageFollower(lin, live, version=0, home=self.home, db=self.db, keep_patches=False,
-                                   swarm=self.swarm)
+            return LineageFollower(
+                lin, live, version=0, home=self.home, db=self.db, keep_patches=False, swarm=self.swarm
+            )
         except PatchError:
             # our base model differs from the publisher's: only an anchor (a full state) can start us
             self.need_anchor = True
-            return LineageFollower(lin, live, version=0, expected_hash=self.base_hash, home=self.home,
-                                   db=self.db, keep_patches=False, swarm=self.swarm)
+            return LineageFollower(
+                lin,
+                live,
+                version=0,
+                expected_hash=self.base_hash,
+                home=self.home,
+                db=self.db,
+                keep_patches=False,
+                swarm=self.swarm,
+            )
 
     def _apply_held(self, follower: Any) -> int:
         """Apply what the lineage store holds beyond our version (no download), plus announced arrivals."""
@@ -536,15 +624,24 @@ class Worker:
             applied = follower.apply_stored(env, payload)
         except PatchError as e:
             # a non-finite value comes from chunks the publisher signed, applied to the base it named
-            self.send("apply_failed", {"lineage": follower.lineage.id.hex(), "base": base, "target": target,
-                                       "error": str(e),
-                                       "fault": "non_finite_patch" if isinstance(e, NonFiniteWeights) else ""})
+            self.send(
+                "apply_failed",
+                {
+                    "lineage": follower.lineage.id.hex(),
+                    "base": base,
+                    "target": target,
+                    "error": str(e),
+                    "fault": "non_finite_patch" if isinstance(e, NonFiniteWeights) else "",
+                },
+            )
             return False
         self.engine.take_version(follower.live, applied.changed)
         if kind == "anchor":
             self.need_anchor = False
-        self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version,
-                              "need_anchor": self.need_anchor})
+        self.send(
+            "applied",
+            {"lineage": follower.lineage.id.hex(), "version": follower.version, "need_anchor": self.need_anchor},
+        )
         if follower.version % FOLLOW_CHECKPOINT_EVERY == 0:
             self._save_checkpoint(follower)
         return True
@@ -574,9 +671,15 @@ class Worker:
         tcfg = s["trainer"]
         sampling = Sampling(temperature=tcfg["temperature"], top_p=1.0, max_new_tokens=tcfg["max_new_tokens"])
         group = int(tcfg["group_size"])
-        self.send("ready", {"base": self.base_hash.hex(), "model_bytes": self.model_bytes,
-                            "tokenizer_hash": self.engine.tokenizer_hash.hex(),
-                            "version": 0})
+        self.send(
+            "ready",
+            {
+                "base": self.base_hash.hex(),
+                "model_bytes": self.model_bytes,
+                "tokenizer_hash": self.engine.tokenizer_hash.hex(),
+                "version": 0,
+            },
+        )
         follower = None
         current: dict | None = None
         state = ""
@@ -605,8 +708,14 @@ class Worker:
                     set_state("catching-up")
                     follower = self._open_follower(current)
                     self.held_lineage = follower.lineage.id
-                    self.send("applied", {"lineage": follower.lineage.id.hex(), "version": follower.version,
-                                          "need_anchor": self.need_anchor})
+                    self.send(
+                        "applied",
+                        {
+                            "lineage": follower.lineage.id.hex(),
+                            "version": follower.version,
+                            "need_anchor": self.need_anchor,
+                        },
+                    )
             if follower is None:
                 set_state("standby")
                 self.inbox.wake.wait(0.5)
@@ -638,18 +747,38 @@ class Worker:
                 text = self.engine.decode(ids)
                 r = score(task, text)
                 rewards.append(r)
-                recs.append(RolloutRec(ref=ref, task=task, prompt_ids=prompt, ids=list(ids), text=text,
-                                       logprobs=list(lps), token_versions=[(0, version)] if ids else [],
-                                       version=version, lineage=follower.lineage.id,
-                                       tokenizer_hash=self.engine.tokenizer_hash, sampling=sampling, reward=r))
+                recs.append(
+                    RolloutRec(
+                        ref=ref,
+                        task=task,
+                        prompt_ids=prompt,
+                        ids=list(ids),
+                        text=text,
+                        logprobs=list(lps),
+                        token_versions=[(0, version)] if ids else [],
+                        version=version,
+                        lineage=follower.lineage.id,
+                        tokenizer_hash=self.engine.tokenizer_hash,
+                        sampling=sampling,
+                        reward=r,
+                    )
+                )
             ntok = sum(len(x[0]) for x in res)
             self.tokens += ntok
             self.gen_s += dt
             self.send("rollouts", [wire.encode(to_wire(r)) for r in recs])
             self.tasks.produced(recs)
             self.tasks.save()
-            self.send("gen", {"reward_mean": sum(rewards) / len(rewards), "version": version, "tokens": ntok,
-                              "latency_s": dt, "heldout": heldout})
+            self.send(
+                "gen",
+                {
+                    "reward_mean": sum(rewards) / len(rewards),
+                    "version": version,
+                    "tokens": ntok,
+                    "latency_s": dt,
+                    "heldout": heldout,
+                },
+            )
             self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})
             self._spot_checks(follower.lineage.id, follower.version)
             self._wait_pace(t0, group)
@@ -684,8 +813,9 @@ class Worker:
         from murmur.training.tokencheck import consistent
 
         if self.spot is None:
-            self.spot = SpotSampler(float(self.spec.get("spot_rate", SPOT_RATE)), SPOT_PER_ROUND,
-                                    seed=int(self.spec.get("seed", 0)))
+            self.spot = SpotSampler(
+                float(self.spec.get("spot_rate", SPOT_RATE)), SPOT_PER_ROUND, seed=int(self.spec.get("seed", 0))
+            )
         with self.inbox.lock:
             batches = list(self.inbox.spot)
             self.inbox.spot.clear()
@@ -711,8 +841,16 @@ class Worker:
                 self.spot.failed(producer)
                 with self.inbox.lock:  # what it pooled is as unproven as what was checked
                     self.inbox.sampler.drop_producer(producer)
-            self.send("spot", {"ok": diff <= SPOT_TOLERANCE, "producer": producer.hex(), "diff": diff,
-                               "lineage": lineage.hex(), "version": version})
+            self.send(
+                "spot",
+                {
+                    "ok": diff <= SPOT_TOLERANCE,
+                    "producer": producer.hex(),
+                    "diff": diff,
+                    "lineage": lineage.hex(),
+                    "version": version,
+                },
+            )
 
     # ------------------------------------------------------------ main
     def run(self) -> None:

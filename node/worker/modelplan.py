@@ -111,7 +111,9 @@ def plan(model: str, budget_mb: int, home: Path | None = None) -> ModelPlan | No
         return None
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise MurmurError(f"model {model!r}: no such directory (use murmur-tiny or a local Hugging Face model directory)")
+        raise MurmurError(
+            f"model {model!r}: no such directory (use murmur-tiny or a local Hugging Face model directory)"
+        )
     params = count_params(path)
     p = ModelPlan(model=str(path), params=params, need_mb={}, budget_mb=budget_mb, lr=suggested_lr(params))
     p.need_mb = {r: p.need_for([r]) for r in BYTES_PER_PARAM}
@@ -124,16 +126,20 @@ def refusal(p: ModelPlan, roles: list[str]) -> str | None:
         return None
     fit = p.roles_that_fit()
     alt = f"; roles that fit: {' or '.join('+'.join(r) for r in fit)}" if fit else ""
-    return (f"model {p.model} ({p.params / 1e6:.0f}M parameters) needs about {p.need_for(roles)} MiB as "
-            f"{'+'.join(roles)}, over node.memory_budget_mb = {p.budget_mb} MiB: raise the budget{alt}")
+    return (
+        f"model {p.model} ({p.params / 1e6:.0f}M parameters) needs about {p.need_for(roles)} MiB as "
+        f"{'+'.join(roles)}, over node.memory_budget_mb = {p.budget_mb} MiB: raise the budget{alt}"
+    )
 
 
 def lr_warning(p: ModelPlan, lr: float) -> str | None:
     """A warning when a model over TINY_PARAMS would train at a rate over LR_WARN, else None."""
     if p.params <= TINY_PARAMS or lr <= LR_WARN:
         return None
-    return (f"training.lr {lr:g} for a {p.params / 1e6:.0f}M-parameter model is over {LR_WARN:g}: its patches turn "
-            f"dense and its reward may fall; remove training.lr from the config for {p.lr:g}")
+    return (
+        f"training.lr {lr:g} for a {p.params / 1e6:.0f}M-parameter model is over {LR_WARN:g}: its patches turn "
+        f"dense and its reward may fall; remove training.lr from the config for {p.lr:g}"
+    )
 
 
 def sized_lr(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
@@ -143,8 +149,10 @@ def sized_lr(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
         return cfg, []
     training, notes = cfg.training, []
     if lr_is_default and training.lr != p.lr:
-        notes.append(f"training.lr {p.lr:g} for a model of this size (the default {training.lr:g} is murmur-tiny's; "
-                     "set training.lr to override)")
+        notes.append(
+            f"training.lr {p.lr:g} for a model of this size (the default {training.lr:g} is murmur-tiny's; "
+            "set training.lr to override)"
+        )
         training = msgspec.structs.replace(training, lr=p.lr)
     return msgspec.structs.replace(cfg, training=training), notes
 
@@ -161,8 +169,11 @@ def apply(cfg: Config, lr_is_default: bool) -> tuple[Config, list[str]]:
     p = plan(cfg.training.model, cfg.node.memory_budget_mb)
     if p is None:
         return cfg, []
-    notes = [f"model {p.model}: {p.params / 1e6:.1f}M parameters; estimated MiB per role: "
-             + ", ".join(f"{r} {n}" for r, n in p.need_mb.items()) + f" (budget {p.budget_mb})"]
+    notes = [
+        f"model {p.model}: {p.params / 1e6:.1f}M parameters; estimated MiB per role: "
+        + ", ".join(f"{r} {n}" for r, n in p.need_mb.items())
+        + f" (budget {p.budget_mb})"
+    ]
     node = cfg.node
     if node.roles:
         why = refusal(p, list(node.roles))

@@ -30,8 +30,10 @@ _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def to_published(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A bf16 copy of the floating tensors (others copied unchanged): the state a version hashes."""
-    return {n: (t.detach().to(PUBLISHED_DTYPE) if t.dtype in _FLOATS else t.detach().clone()).contiguous()
-            for n, t in state.items()}
+    return {
+        n: (t.detach().to(PUBLISHED_DTYPE) if t.dtype in _FLOATS else t.detach().clone()).contiguous()
+        for n, t in state.items()
+    }
 
 
 class MasterEngine(HFEngine):
@@ -44,8 +46,9 @@ class MasterEngine(HFEngine):
     split of an fp32 torch learner and a vLLM sampler).
     """
 
-    def __init__(self, master: HFEngine, published: Mapping[str, torch.Tensor], seed: int = 0,
-                 gen: Engine | None = None) -> None:
+    def __init__(
+        self, master: HFEngine, published: Mapping[str, torch.Tensor], seed: int = 0, gen: Engine | None = None
+    ) -> None:
         super().__init__(master.model, master.tokenizer, master.memory_budget_mb, seed)
         if gen is None:
             copy_ = HFEngine(copy.deepcopy(master.model), master.tokenizer, master.memory_budget_mb, seed)
@@ -71,6 +74,7 @@ class MasterEngine(HFEngine):
         self.gen_engine.take_version(published, changed)
         self._held = {n: t.detach().clone() for n, t in published.items()}
 
-    def sample(self, prefixes: list[list[int]], sampling: Any, max_new: int | None = None
-               ) -> list[tuple[list[int], list[float], bool]]:
+    def sample(
+        self, prefixes: list[list[int]], sampling: Any, max_new: int | None = None
+    ) -> list[tuple[list[int], list[float], bool]]:
         return self.gen_engine.sample(prefixes, sampling, max_new)

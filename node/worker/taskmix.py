@@ -34,8 +34,15 @@ def _counter() -> dict[str, int]:
 
 
 class TaskMix:
-    def __init__(self, registry: TaskRegistry, db: Any, entries: list[Any], trusted: set[bytes],
-                 warmup: list[Any], clock: Any = time.monotonic) -> None:
+    def __init__(
+        self,
+        registry: TaskRegistry,
+        db: Any,
+        entries: list[Any],
+        trusted: set[bytes],
+        warmup: list[Any],
+        clock: Any = time.monotonic,
+    ) -> None:
         self.registry = registry
         self.db = db
         self.choices: list[TaskSetChoice] = normalise(entries)
@@ -67,14 +74,22 @@ class TaskMix:
                 self.registry.add(bytes(row["envelope"]), self.trusted)
             except MurmurError as e:
                 self.refused[tid] = str(e)
-        res = resolve(self.choices, [(t, m) for t, m in self.registry.list() if t not in self.refused],
-                      self.registry.builtin_id, BUILTIN_COORDINATOR.public)
+        res = resolve(
+            self.choices,
+            [(t, m) for t, m in self.registry.list() if t not in self.refused],
+            self.registry.builtin_id,
+            BUILTIN_COORDINATOR.public,
+        )
         for tid, _ in res.mixture:
             if tid not in self.checked:
                 self._check(tid)
         if any(t in self.refused for t, _ in res.mixture):  # refused just now: resolve without them
-            res = resolve(self.choices, [(t, m) for t, m in self.registry.list() if t not in self.refused],
-                          self.registry.builtin_id, BUILTIN_COORDINATOR.public)
+            res = resolve(
+                self.choices,
+                [(t, m) for t, m in self.registry.list() if t not in self.refused],
+                self.registry.builtin_id,
+                BUILTIN_COORDINATOR.public,
+            )
         self.resolution = res
         changed = res.mixture != self.mixture
         self.mixture = list(res.mixture)
@@ -99,8 +114,10 @@ class TaskMix:
     def describe_waiting(self) -> str:
         refused = "; ".join(self.refused.values())
         why = f" (refused: {refused})" if refused else ""
-        return (f"waiting for task set(s) {', '.join(self.resolution.waiting)}: not received from a trusted "
-                f"coordinator yet{why}")
+        return (
+            f"waiting for task set(s) {', '.join(self.resolution.waiting)}: not received from a trusted "
+            f"coordinator yet{why}"
+        )
 
     # ------------------------------------------------------------ counters
 
@@ -151,12 +168,25 @@ class TaskMix:
             if tid not in weights and tid not in self.counts:
                 continue
             fams = {g: round(sum(d) / len(d), 4) for (t, g), d in sorted(self.rewards.items()) if t == tid and d}
-            sets.append({"task_set_id": tid.hex(), "name": m.name, "version": m.version, "weight": weights.get(tid, 0.0),
-                         "training": tid in weights, **self.counts.get(tid, _counter()), "reward_by_generator": fams,
-                         "eval": self.evals.get(tid, {})})
-        return {"choices": [{"set": c.set, "weight": c.weight} for c in self.choices], "sets": sets,
-                "waiting": list(self.resolution.waiting),
-                "refused": {t.hex(): why for t, why in self.refused.items()}, "updated_ms": now_ms()}
+            sets.append(
+                {
+                    "task_set_id": tid.hex(),
+                    "name": m.name,
+                    "version": m.version,
+                    "weight": weights.get(tid, 0.0),
+                    "training": tid in weights,
+                    **self.counts.get(tid, _counter()),
+                    "reward_by_generator": fams,
+                    "eval": self.evals.get(tid, {}),
+                }
+            )
+        return {
+            "choices": [{"set": c.set, "weight": c.weight} for c in self.choices],
+            "sets": sets,
+            "waiting": list(self.resolution.waiting),
+            "refused": {t.hex(): why for t, why in self.refused.items()},
+            "updated_ms": now_ms(),
+        }
 
     def save(self) -> None:
         self.db.put(STATUS_KEY, self.status())

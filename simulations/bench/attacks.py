@@ -167,8 +167,9 @@ class DirectTransport:
             pid = ID.from_base58(p)
             self._t.router.direct_peers.setdefault(pid, PeerInfo(pid, []))
         kp = libp2p_key_pair(ident)
-        msg = rpc_pb2.Message(data=data, topicIDs=[topic], from_id=ID.from_pubkey(kp.public_key).to_bytes(),
-                              seqno=os.urandom(8))
+        msg = rpc_pb2.Message(
+            data=data, topicIDs=[topic], from_id=ID.from_pubkey(kp.public_key).to_bytes(), seqno=os.urandom(8)
+        )
         msg.signature = kp.private_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
         msg.key = kp.public_key.serialize()
         await self._t.pubsub.push_msg(self._t.pubsub.my_id, msg)
@@ -248,7 +249,6 @@ class Attacker:
         except Exception:
             pass
 
-
     async def open_held(self, peer: str, protocol: str) -> Any:
         """A raw stream to `peer` left open (the caller resets it); None when the node refuses it."""
         from libp2p.peer.id import ID
@@ -266,9 +266,17 @@ class Attacker:
 Attack = Callable[[Attacker, Knowledge, list[str]], Awaitable[None]]
 
 
-def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None = None, text: str | None = None,
-                  version: int | None = None, lineage: bytes | None = None, honest_reward: bool = True,
-                  tokenizer: bytes = b"\x54" * 32) -> wire.Rollout:
+def _rollout_like(
+    tpl: wire.Rollout | None,
+    *,
+    seed: int,
+    ids: list[int] | None = None,
+    text: str | None = None,
+    version: int | None = None,
+    lineage: bytes | None = None,
+    honest_reward: bool = True,
+    tokenizer: bytes = b"\x54" * 32,
+) -> wire.Rollout:
     """A rollout on the built-in task set that passes today's reward check (the text answers the task)."""
     from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
     from murmur.training.verifiers import score
@@ -282,36 +290,79 @@ def _rollout_like(tpl: wire.Rollout | None, *, seed: int, ids: list[int] | None 
     ids = ids if ids is not None else (list(tpl.completion_ids) if tpl else [1] * n)
     version = version if version is not None else (tpl.version if tpl else 0)
     return wire.Rollout(
-        task=ref, lineage=lineage if lineage is not None else (bytes(tpl.lineage) if tpl else b"\x4c" * 32),
-        version=version, completion_ids=ids, text=text, tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else tokenizer,
-        logprobs=struct.pack(f"<{n}f", *([-0.5] * n)), token_versions=[(0, version)],
+        task=ref,
+        lineage=lineage if lineage is not None else (bytes(tpl.lineage) if tpl else b"\x4c" * 32),
+        version=version,
+        completion_ids=ids,
+        text=text,
+        tokenizer_hash=bytes(tpl.tokenizer_hash) if tpl else tokenizer,
+        logprobs=struct.pack(f"<{n}f", *([-0.5] * n)),
+        token_versions=[(0, version)],
         sampling=wire.SamplingParams(max_new_tokens=max(1, min(n, wire.MAX_COMPLETION_TOKENS))),
-        reward=score(task, text) if honest_reward else 1.0 - score(task, text), created_ms=wire.now_ms())
+        reward=score(task, text) if honest_reward else 1.0 - score(task, text),
+        created_ms=wire.now_ms(),
+    )
 
 
 def _batch(a: Attacker, rollouts: list[wire.Rollout], swarm: str | None = None, seq: int | None = None) -> bytes:
-    return wire.seal(a.ident, wire.ROLLOUT_BATCH, wire.RolloutBatch(
-        v=wire.FORMAT_VERSION, swarm=swarm or a.swarm, producer=a.ident.public,
-        seq=seq if seq is not None else a.sent + 1, created_ms=wire.now_ms(), rollouts=rollouts),
-        swarm=swarm or a.swarm)  # the envelope is signed for the swarm the batch names
+    return wire.seal(
+        a.ident,
+        wire.ROLLOUT_BATCH,
+        wire.RolloutBatch(
+            v=wire.FORMAT_VERSION,
+            swarm=swarm or a.swarm,
+            producer=a.ident.public,
+            seq=seq if seq is not None else a.sent + 1,
+            created_ms=wire.now_ms(),
+            rollouts=rollouts,
+        ),
+        swarm=swarm or a.swarm,
+    )  # the envelope is signed for the swarm the batch names
 
 
 def _announce(a: Attacker, seq: int, **kw: Any) -> bytes:
-    base: dict[str, Any] = dict(v=wire.FORMAT_VERSION, peer_id=a.ident.peer_id, seq=seq, created_ms=wire.now_ms(),
-                                hardware="cpu", gen_tokens_per_s=10.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
-                                memory_bytes=2**30, roles=["trainer"], lineages_followed=[])
+    base: dict[str, Any] = dict(
+        v=wire.FORMAT_VERSION,
+        peer_id=a.ident.peer_id,
+        seq=seq,
+        created_ms=wire.now_ms(),
+        hardware="cpu",
+        gen_tokens_per_s=10.0,
+        rollout_latency_s=1.0,
+        upload_bytes_per_s=1e6,
+        memory_bytes=2**30,
+        roles=["trainer"],
+        lineages_followed=[],
+    )
     base.update(kw)
     return wire.seal(a.ident, wire.NODE_ANNOUNCE, wire.NodeAnnounce(**base), swarm=a.swarm)
 
 
-def _manifest(a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, target: int,
-              chunks: int = 1, chunk_bytes: int = 1024) -> bytes:
+def _manifest(
+    a: Attacker, lineage: bytes, name: str, bmh: bytes, base: int, target: int, chunks: int = 1, chunk_bytes: int = 1024
+) -> bytes:
     refs = [wire.ChunkRef(os.urandom(32), chunk_bytes) for _ in range(chunks)]
-    return wire.seal(a.ident, wire.PATCH_MANIFEST, wire.PatchManifest(
-        v=wire.FORMAT_VERSION, lineage=lineage, lineage_name=name, base_model_hash=bmh, publisher=a.ident.public,
-        base_version=base, target_version=target, base_hash=b"\x00" * 32, target_hash=os.urandom(32),
-        codec="sparse-v1", total_bytes=chunks * chunk_bytes, chunk_bytes=chunk_bytes, chunks=refs,
-        created_ms=wire.now_ms()), swarm=a.swarm)
+    return wire.seal(
+        a.ident,
+        wire.PATCH_MANIFEST,
+        wire.PatchManifest(
+            v=wire.FORMAT_VERSION,
+            lineage=lineage,
+            lineage_name=name,
+            base_model_hash=bmh,
+            publisher=a.ident.public,
+            base_version=base,
+            target_version=target,
+            base_hash=b"\x00" * 32,
+            target_hash=os.urandom(32),
+            codec="sparse-v1",
+            total_bytes=chunks * chunk_bytes,
+            chunk_bytes=chunk_bytes,
+            chunks=refs,
+            created_ms=wire.now_ms(),
+        ),
+        swarm=a.swarm,
+    )
 
 
 def _honest_lineage(k: Knowledge) -> tuple[bytes, str, bytes, int]:
@@ -330,8 +381,14 @@ async def stream_garbage(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     for peer in targets:
         for proto in ("/meshsub/1.1.0", "/meshsub/1.2.0"):
             await a.raw(peer, proto, bytes.fromhex("03ffffff"))
-        for proto in ("/murmur/chunks/1", "/murmur/catalog/1", "/murmur/dialback/1",
-                      "/ipfs/id/push/1.0.0", "/libp2p/circuit/relay/0.2.0/hop", "/libp2p/dcutr"):
+        for proto in (
+            "/murmur/chunks/1",
+            "/murmur/catalog/1",
+            "/murmur/dialback/1",
+            "/ipfs/id/push/1.0.0",
+            "/libp2p/circuit/relay/0.2.0/hop",
+            "/libp2p/dcutr",
+        ):
             await a.raw(peer, proto, rng.randbytes(64) + b"\xff" * 8)
 
 
@@ -367,6 +424,7 @@ async def _each_target(targets: list[str], one: Callable[[str], Awaitable[None]]
 
 async def held_frames(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Held streams: dozens of chunk streams each send 1 MiB of an 8 MiB frame and wait."""
+
     async def one(peer: str) -> None:
         held = []
         for _ in range(HELD_STREAMS):
@@ -387,6 +445,7 @@ async def held_frames(a: Attacker, k: Knowledge, targets: list[str]) -> None:
 
 async def idle_streams(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Host-wide limits one key fills: hundreds of streams opened and never written to."""
+
     async def one(peer: str) -> None:
         held = []
         for _ in range(IDLE_STREAMS):
@@ -408,15 +467,22 @@ async def freeze_manifest_head(a: Attacker, k: Knowledge, targets: list[str]) ->
 async def freeze_demand_head(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """A NodeAnnounce demand naming the honest lineage with a huge head_version."""
     lid, name, _, _ = _honest_lineage(k)
-    demand = wire.LineageDemand(lineage=lid, name=name, head_version=U64_MAX, rollouts_per_step=8,
-                                step_time_s=1.0, max_staleness=4)
+    demand = wire.LineageDemand(
+        lineage=lid, name=name, head_version=U64_MAX, rollouts_per_step=8, step_time_s=1.0, max_staleness=4
+    )
     await a.announce(_announce(a, 1, owned=[demand]))
 
 
 async def crash_step_time(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """LineageDemand.step_time_s = 5e-324 (math.ceil overflow in the capacity rule)."""
-    demand = wire.LineageDemand(lineage=os.urandom(32), name="tiny-step", head_version=1, rollouts_per_step=8,
-                                step_time_s=5e-324, max_staleness=4)
+    demand = wire.LineageDemand(
+        lineage=os.urandom(32),
+        name="tiny-step",
+        head_version=1,
+        rollouts_per_step=8,
+        step_time_s=5e-324,
+        max_staleness=4,
+    )
     await a.announce(_announce(a, 1, owned=[demand]))
 
 
@@ -434,11 +500,16 @@ async def _forge(a: Attacker, seq: int, make: Callable[[int], list[wire.Rollout]
 
 async def crash_vocab(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rollouts for the honest lineage with correct answers and completion ids outside any vocabulary."""
+
     def make(t: int) -> list[wire.Rollout]:
         tpl, kw = k.at_head()
         n = len(tpl.completion_ids) if tpl else 8
-        return [_rollout_like(tpl, seed=1000 + 10 * t + i, ids=[2**32 - 1 - j for j in range(n)],
-                              tokenizer=k.tokenizer_hash, **kw) for i in range(8)]
+        return [
+            _rollout_like(
+                tpl, seed=1000 + 10 * t + i, ids=[2**32 - 1 - j for j in range(n)], tokenizer=k.tokenizer_hash, **kw
+            )
+            for i in range(8)
+        ]
 
     await _forge(a, 1, make)
 
@@ -452,8 +523,16 @@ async def mislead_ids_vs_text(a: Attacker, k: Knowledge, targets: list[str]) -> 
     def make(t: int) -> list[wire.Rollout]:
         tpl, kw = k.at_head()
         n = len(tpl.completion_ids) if tpl else 8
-        return [_rollout_like(tpl, seed=2000 + 10 * t + i, ids=[rng.randrange(3, vocab) for _ in range(n)],
-                              tokenizer=k.tokenizer_hash, **kw) for i in range(8)]
+        return [
+            _rollout_like(
+                tpl,
+                seed=2000 + 10 * t + i,
+                ids=[rng.randrange(3, vocab) for _ in range(n)],
+                tokenizer=k.tokenizer_hash,
+                **kw,
+            )
+            for i in range(8)
+        ]
 
     await _forge(a, 1, make)
 
@@ -468,18 +547,26 @@ async def capture_lineage(a: Attacker, k: Knowledge, targets: list[str]) -> None
     """Claim the honest lineage: a plausible next version signed by us, and our announce owning it."""
     lid, name, bmh, head = _honest_lineage(k)
     await a.announce(_manifest(a, lid, name, bmh, head, head + 1))
-    demand = wire.LineageDemand(lineage=lid, name=name, head_version=head + 1, rollouts_per_step=64,
-                                step_time_s=1.0, max_staleness=4)
+    demand = wire.LineageDemand(
+        lineage=lid, name=name, head_version=head + 1, rollouts_per_step=64, step_time_s=1.0, max_staleness=4
+    )
     await a.announce(_announce(a, 2, owned=[demand]))
 
 
 async def capture_inflated_demand(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Our own lineage with a demand no one can meet (pulls followers), and manifests of 64 GiB."""
     lid = os.urandom(32)
-    await a.announce(_manifest(a, lid, "bait", b"\x00" * 32, 0, 1, chunks=wire.MAX_CHUNKS,
-                               chunk_bytes=wire.MAX_CHUNK_BYTES))
-    demand = wire.LineageDemand(lineage=lid, name="bait", head_version=1, rollouts_per_step=1_000_000,
-                                step_time_s=0.001, max_staleness=1_000_000)
+    await a.announce(
+        _manifest(a, lid, "bait", b"\x00" * 32, 0, 1, chunks=wire.MAX_CHUNKS, chunk_bytes=wire.MAX_CHUNK_BYTES)
+    )
+    demand = wire.LineageDemand(
+        lineage=lid,
+        name="bait",
+        head_version=1,
+        rollouts_per_step=1_000_000,
+        step_time_s=0.001,
+        max_staleness=1_000_000,
+    )
     await a.announce(_announce(a, 3, owned=[demand]))
 
 
@@ -491,7 +578,9 @@ async def starve_verifier(a: Attacker, k: Knowledge, targets: list[str]) -> None
         await a.rollouts(_batch(a, _valid_full_batch(k, 3000 + wire.MAX_ROLLOUTS_PER_BATCH * j), seq=10 + j))
 
 
-STARVE_BATCHES = GossipSection().rate_burst + 20  # past an unannounced key's default burst: the rest meet the rate limit
+STARVE_BATCHES = (
+    GossipSection().rate_burst + 20
+)  # past an unannounced key's default burst: the rest meet the rate limit
 
 
 def _valid_full_batch(k: Knowledge, seed: int) -> list[wire.Rollout]:
@@ -505,10 +594,13 @@ def _valid_full_batch(k: Knowledge, seed: int) -> list[wire.Rollout]:
 async def forged_reward(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """The classic: correct answers, their ids from the public model's tokenizer (so they pass the
     token check), and a claimed reward of 0 where the recomputed one is 1."""
+
     def make(t: int) -> list[wire.Rollout]:
         tpl, kw = k.at_head()
-        return [_encoded(_rollout_like(tpl, seed=4000 + 10 * t + i, honest_reward=False, **kw), k.token_check())
-                for i in range(4)]
+        return [
+            _encoded(_rollout_like(tpl, seed=4000 + 10 * t + i, honest_reward=False, **kw), k.token_check())
+            for i in range(4)
+        ]
 
     await _forge(a, 20, make)
 
@@ -518,9 +610,13 @@ def _encoded(r: wire.Rollout, check: Any) -> wire.Rollout:
     ids = _encode(check, r.text)
     if ids is None:
         return r
-    return msgspec.structs.replace(r, completion_ids=ids, tokenizer_hash=check.hash,
-                                   logprobs=struct.pack(f"<{len(ids)}f", *([-0.5] * len(ids))),
-                                   sampling=wire.SamplingParams(max_new_tokens=max(1, len(ids))))
+    return msgspec.structs.replace(
+        r,
+        completion_ids=ids,
+        tokenizer_hash=check.hash,
+        logprobs=struct.pack(f"<{len(ids)}f", *([-0.5] * len(ids))),
+        sampling=wire.SamplingParams(max_new_tokens=max(1, len(ids))),
+    )
 
 
 def _encode(check: Any, text: str) -> list[int] | None:
@@ -574,8 +670,9 @@ async def replay_other_swarm(a: Attacker, k: Knowledge, targets: list[str]) -> N
 
 async def markup_strings(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     """Rich console markup in peer-supplied names: `[/]` in the hardware string and a lineage name."""
-    demand = wire.LineageDemand(lineage=os.urandom(32), name="[/]", head_version=1, rollouts_per_step=1,
-                                step_time_s=1.0, max_staleness=4)
+    demand = wire.LineageDemand(
+        lineage=os.urandom(32), name="[/]", head_version=1, rollouts_per_step=1, step_time_s=1.0, max_staleness=4
+    )
     await a.announce(_announce(a, 1, hardware="[/]", roles=["[bold red]x[/]"], owned=[demand]))
     await a.announce(_manifest(a, os.urandom(32), "[/][link=x]", b"\x00" * 32, 0, 1))
 
@@ -601,8 +698,17 @@ async def claim_throughput(a: Attacker, k: Knowledge, targets: list[str]) -> Non
     """A follower of the honest lineage claiming a billion tokens/s: on paper it meets the whole demand."""
     lid, _, _, _ = _honest_lineage(k)
     for i in range(3):
-        await a.announce(_announce(a, 200 + i, roles=["follower"], serving=lid, lineages_followed=[lid],
-                                   gen_tokens_per_s=1e9, rollout_latency_s=0.1))
+        await a.announce(
+            _announce(
+                a,
+                200 + i,
+                roles=["follower"],
+                serving=lid,
+                lineages_followed=[lid],
+                gen_tokens_per_s=1e9,
+                rollout_latency_s=0.1,
+            )
+        )
         await trio.sleep(0.05)
 
 
@@ -614,8 +720,9 @@ async def lineage_by_announce(a: Attacker, k: Knowledge, targets: list[str]) -> 
     _, _, bmh, _ = _honest_lineage(k)
     lid = lineage_id(a.ident.public, bmh, "bait-announce")
     for v in range(1, 6):
-        demand = wire.LineageDemand(lineage=lid, name="bait-announce", head_version=v, rollouts_per_step=4096,
-                                    step_time_s=1.0, max_staleness=4)
+        demand = wire.LineageDemand(
+            lineage=lid, name="bait-announce", head_version=v, rollouts_per_step=4096, step_time_s=1.0, max_staleness=4
+        )
         await a.announce(_announce(a, 300 + v, owned=[demand]))
         await a.announce(_manifest(a, lid, "bait-announce", bmh, v - 1, v))
         await trio.sleep(0.05)
@@ -665,8 +772,9 @@ async def taskset_takeover(a: Attacker, k: Knowledge, targets: list[str]) -> Non
     seen.append(builtin_manifest())
     for m in seen[-4:]:
         fields = {f: getattr(m, f) for f in m.__struct_fields__}
-        taken = wire.TaskSetManifest(**{**fields, "coordinator": a.ident.public, "version": m.version + 1000,
-                                        "created_ms": wire.now_ms()})
+        taken = wire.TaskSetManifest(
+            **{**fields, "coordinator": a.ident.public, "version": m.version + 1000, "created_ms": wire.now_ms()}
+        )
         await a.announce(wire.seal(a.ident, wire.TASK_SET, taken, swarm=a.swarm))
 
 
@@ -683,12 +791,30 @@ SYBIL_PER_S = 100.0  # ... at this rate in all (issue 43: 8,999 keys in 90 s)
 def sybil_announce(ident: Identity, swarm: str) -> bytes:
     """`ident`'s first announce, as large as the announce limit allows (addresses and a stand-by list)."""
     addrs = [f"/ip4/10.{i}.0.1/tcp/4001/p2p-circuit/" + "x" * 200 for i in range(16)]
-    demand = wire.LineageDemand(lineage=hashlib.blake2b(ident.public, digest_size=32).digest(), name="sybil", head_version=1,
-                                rollouts_per_step=1, step_time_s=1.0, max_staleness=1,
-                                standby=[ident.peer_id] * 200)
-    body = wire.NodeAnnounce(v=wire.FORMAT_VERSION, peer_id=ident.peer_id, seq=1, created_ms=wire.now_ms(),
-                             hardware="cpu", gen_tokens_per_s=1.0, rollout_latency_s=1.0, upload_bytes_per_s=1e6,
-                             memory_bytes=2**30, roles=["trainer"], lineages_followed=[], owned=[demand], addrs=addrs)
+    demand = wire.LineageDemand(
+        lineage=hashlib.blake2b(ident.public, digest_size=32).digest(),
+        name="sybil",
+        head_version=1,
+        rollouts_per_step=1,
+        step_time_s=1.0,
+        max_staleness=1,
+        standby=[ident.peer_id] * 200,
+    )
+    body = wire.NodeAnnounce(
+        v=wire.FORMAT_VERSION,
+        peer_id=ident.peer_id,
+        seq=1,
+        created_ms=wire.now_ms(),
+        hardware="cpu",
+        gen_tokens_per_s=1.0,
+        rollout_latency_s=1.0,
+        upload_bytes_per_s=1e6,
+        memory_bytes=2**30,
+        roles=["trainer"],
+        lineages_followed=[],
+        owned=[demand],
+        addrs=addrs,
+    )
     return wire.seal(ident, wire.NODE_ANNOUNCE, body, swarm=swarm)
 
 
@@ -697,8 +823,9 @@ async def sybil_announces(a: Attacker, k: Knowledge, targets: list[str]) -> None
     own key and carried by this host to the first target only; the other target hears them relayed
     (run with `FIRST_TARGET_ONLY`). Measured by the growth of each honest node's state.db."""
     for i in range(SYBIL_KEYS):
-        ident = Identity.from_seed(hashlib.blake2b(b"sybil/" + a.ident.public + i.to_bytes(4, "big"),
-                                                     digest_size=32).digest())
+        ident = Identity.from_seed(
+            hashlib.blake2b(b"sybil/" + a.ident.public + i.to_bytes(4, "big"), digest_size=32).digest()
+        )
         await a.announce_as(ident, sybil_announce(ident, a.swarm))
         if i % 10 == 9:
             await trio.sleep(10 / SYBIL_PER_S)  # py-libp2p's outbound queue holds 32 RPCs: a flood it drops is no flood
@@ -732,10 +859,23 @@ async def payload_poison(a: Attacker, k: Knowledge, targets: list[str]) -> None:
             ids = _encode(check, text)
             if ids is None:  # the model's tokenizer cannot say it: no policy of this model samples it
                 continue
-            r = _rollout_like(tpl, seed=seed, ids=ids, text=text, version=version,
-                              lineage=None if tpl else lid, tokenizer=k.tokenizer_hash)
-            rs.append(msgspec.structs.replace(r, logprobs=struct.pack(f"<{len(ids)}f", *([-0.01] * len(ids))),
-                                              token_versions=[(0, version)], tokenizer_hash=check.hash))
+            r = _rollout_like(
+                tpl,
+                seed=seed,
+                ids=ids,
+                text=text,
+                version=version,
+                lineage=None if tpl else lid,
+                tokenizer=k.tokenizer_hash,
+            )
+            rs.append(
+                msgspec.structs.replace(
+                    r,
+                    logprobs=struct.pack(f"<{len(ids)}f", *([-0.01] * len(ids))),
+                    token_versions=[(0, version)],
+                    tokenizer_hash=check.hash,
+                )
+            )
         if rs:
             await a.rollouts(_batch(a, rs, seq=60 + j))
         await trio.sleep(0.5)
@@ -766,8 +906,14 @@ async def _payload_elsewhere(a: Attacker, k: Knowledge, name: str, tokenizer: by
             if ids is None:
                 continue
             r = _rollout_like(None, seed=seed, ids=ids, text=text, version=0, lineage=lid)
-            rs.append(msgspec.structs.replace(r, logprobs=struct.pack(f"<{len(ids)}f", *([-999.0] * len(ids))),
-                                              token_versions=[(0, 0)], tokenizer_hash=tokenizer or check.hash))
+            rs.append(
+                msgspec.structs.replace(
+                    r,
+                    logprobs=struct.pack(f"<{len(ids)}f", *([-999.0] * len(ids))),
+                    token_versions=[(0, 0)],
+                    tokenizer_hash=tokenizer or check.hash,
+                )
+            )
         if rs:
             await a.rollouts(_batch(a, rs, seq=70 + j))
         await trio.sleep(0.25)
@@ -792,14 +938,24 @@ async def credit_farming(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     check = k.token_check()
     lid, _, _, _ = _honest_lineage(k)
     for j in range(8):
-        await a.announce(_announce(a, 400 + j, roles=["follower"], serving=lid, lineages_followed=[lid],
-                                   gen_tokens_per_s=1e9, rollout_latency_s=0.1))
+        await a.announce(
+            _announce(
+                a,
+                400 + j,
+                roles=["follower"],
+                serving=lid,
+                lineages_followed=[lid],
+                gen_tokens_per_s=1e9,
+                rollout_latency_s=0.1,
+            )
+        )
         singles = [_encoded(_rollout_like(tpl, seed=13_000 + 64 * j + i, **at), check) for i in range(32)]
         await a.rollouts(_batch(a, singles, seq=80 + 2 * j))
         seed = 14_000 + j
-        foreign = [msgspec.structs.replace(_rollout_like(tpl, seed=seed, **at), tokenizer_hash=b"\x77" * 32),
-                   msgspec.structs.replace(_rollout_like(tpl, seed=seed, text="no", **at),
-                                           tokenizer_hash=b"\x77" * 32)]
+        foreign = [
+            msgspec.structs.replace(_rollout_like(tpl, seed=seed, **at), tokenizer_hash=b"\x77" * 32),
+            msgspec.structs.replace(_rollout_like(tpl, seed=seed, text="no", **at), tokenizer_hash=b"\x77" * 32),
+        ]
         await a.rollouts(_batch(a, foreign * 8, seq=81 + 2 * j))
         await trio.sleep(0.5)
 
@@ -809,8 +965,17 @@ async def supply_to_follower(a: Attacker, k: Knowledge, targets: list[str]) -> N
     lineage looks over-supplied and the follower leaves its trainer."""
     lid, _, _, _ = _honest_lineage(k)
     for i in range(6):
-        await a.announce(_announce(a, 500 + i, roles=["follower"], serving=lid, lineages_followed=[lid],
-                                   gen_tokens_per_s=1e9, rollout_latency_s=0.1))
+        await a.announce(
+            _announce(
+                a,
+                500 + i,
+                roles=["follower"],
+                serving=lid,
+                lineages_followed=[lid],
+                gen_tokens_per_s=1e9,
+                rollout_latency_s=0.1,
+            )
+        )
         await trio.sleep(0.5)
 
 
@@ -859,17 +1024,35 @@ FIRST_TARGET_ONLY = frozenset({"sybil_announces"})
 # exceeded, a number out of range, a version its publisher never published): each must cost its key
 # score. The others are refused or ignored without proof against the sender (a replay, a name with
 # markup, a costly but honest payload, streams over a cap, which the node resets).
-PROVABLE = frozenset({"stream_garbage", "oversized_frames", "freeze_manifest_head", "freeze_demand_head",
-                      "crash_vocab", "mislead_ids_vs_text", "punish_the_honest", "capture_lineage",
-                      "forged_reward", "flood_announces", "bad_signature", "poison_numbers", "future_version",
-                      "held_frames"})
+PROVABLE = frozenset(
+    {
+        "stream_garbage",
+        "oversized_frames",
+        "freeze_manifest_head",
+        "freeze_demand_head",
+        "crash_vocab",
+        "mislead_ids_vs_text",
+        "punish_the_honest",
+        "capture_lineage",
+        "forged_reward",
+        "flood_announces",
+        "bad_signature",
+        "poison_numbers",
+        "future_version",
+        "held_frames",
+    }
+)
 
 
 # The rollout-forging classes and the rejection reason their first batch is charged for: each meets the
 # check named after it, not an earlier one (a forgery refused as stale or future never reached its check).
-FAULTS: dict[str, str] = {"crash_vocab": "bad_tokens", "mislead_ids_vs_text": "text_mismatch",
-                          "forged_reward": "forged_reward", "poison_numbers": "bad_number",
-                          "future_version": "future_version"}
+FAULTS: dict[str, str] = {
+    "crash_vocab": "bad_tokens",
+    "mislead_ids_vs_text": "text_mismatch",
+    "forged_reward": "forged_reward",
+    "poison_numbers": "bad_number",
+    "future_version": "future_version",
+}
 
 
 def attack_key(name: str, round_: int = 0) -> Identity:
@@ -911,9 +1094,17 @@ async def _connect_all(t: Any, addrs: list[str], timeout_s: float = 5.0) -> None
 THE_ATTACKER = "the-attacker"  # the one key that runs the whole catalogue after the first round
 
 
-async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any],
-                  round_: int = 0, settle_s: float = 1.5, ident: Identity | None = None,
-                  attacked: trio.Event | None = None) -> None:
+async def run_one(
+    name: str,
+    k: Knowledge,
+    addrs: list[str],
+    swarm: str,
+    res: dict[str, Any],
+    round_: int = 0,
+    settle_s: float = 1.5,
+    ident: Identity | None = None,
+    attacked: trio.Event | None = None,
+) -> None:
     """Run one attack class from its own host, with `ident` or the class's fresh key; `res` says what it
     sent and how far it got. `attacked` is set once it has sent all it will send, before it settles."""
     from murmur.gossip.host import open_transport
@@ -957,9 +1148,17 @@ async def run_one(name: str, k: Knowledge, addrs: list[str], swarm: str, res: di
         res["phase"] = "done"
 
 
-async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observe_s: float = 5.0,
-                        stop: Callable[[], bool] = lambda: False, names: list[str] | None = None,
-                        tokenizer_hash: bytes | None = None, model: str | None = None) -> dict[str, dict[str, Any]]:
+async def run_catalogue(
+    addrs: list[str],
+    swarm: str,
+    *,
+    rounds: int = 1,
+    observe_s: float = 5.0,
+    stop: Callable[[], bool] = lambda: False,
+    names: list[str] | None = None,
+    tokenizer_hash: bytes | None = None,
+    model: str | None = None,
+) -> dict[str, dict[str, Any]]:
     """Observe the swarm, then run every attack class `rounds` times (after the first, until `stop()`).
 
     The first round gives each class its own fresh key, so the score each key lost says whether that
@@ -992,8 +1191,18 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
                     res: dict[str, Any] = {}
                     ran.append((name, res))
                     attacked, ended = trio.Event(), trio.Event()
-                    settling.start_soon(_run_bounded, name, k, addrs, swarm, res, r,
-                                        attack_key(THE_ATTACKER) if r > 0 else None, attacked, ended)
+                    settling.start_soon(
+                        _run_bounded,
+                        name,
+                        k,
+                        addrs,
+                        swarm,
+                        res,
+                        r,
+                        attack_key(THE_ATTACKER) if r > 0 else None,
+                        attacked,
+                        ended,
+                    )
                     await (attacked if r == 0 else ended).wait()
             for name, res in ran:
                 prev = out.setdefault(name, {"attackers": [], "sent": 0, "errors": 0, "phases": []})
@@ -1009,8 +1218,17 @@ async def run_catalogue(addrs: list[str], swarm: str, *, rounds: int = 1, observ
     return out
 
 
-async def _run_bounded(name: str, k: Knowledge, addrs: list[str], swarm: str, res: dict[str, Any], round_: int,
-                       ident: Identity | None, attacked: trio.Event, ended: trio.Event) -> None:
+async def _run_bounded(
+    name: str,
+    k: Knowledge,
+    addrs: list[str],
+    swarm: str,
+    res: dict[str, Any],
+    round_: int,
+    ident: Identity | None,
+    attacked: trio.Event,
+    ended: trio.Event,
+) -> None:
     try:
         with trio.move_on_after(ATTACK_TIMEOUT_S + 30):
             await run_one(name, k, addrs, swarm, res, round_, ident=ident, attacked=attacked)
@@ -1023,9 +1241,12 @@ async def _run_bounded(name: str, k: Knowledge, addrs: list[str], swarm: str, re
 
 
 def node_config(roles: list[str], model: Path, swarm: str = SWARM) -> dict[str, dict[str, Any]]:
-    return {"node": {"swarm": swarm, "roles": roles, "memory_budget_mb": 1536}, "network": {"dht": False},
-            "sync": {"publish_every": 2, "anchor_every": 8, "retain_versions": 32, "max_staleness": 4},
-            "training": {"model": str(model)}}
+    return {
+        "node": {"swarm": swarm, "roles": roles, "memory_budget_mb": 1536},
+        "network": {"dht": False},
+        "sync": {"publish_every": 2, "anchor_every": 8, "retain_versions": 32, "max_staleness": 4},
+        "training": {"model": str(model)},
+    }
 
 
 def model_tokenizer_hash(model: Path) -> bytes | None:
@@ -1066,14 +1287,20 @@ class LiveSwarm:
 def start_swarm(root: Path, model: Path, swarm: str = SWARM, timeout: float = 300.0) -> LiveSwarm:
     """Start the trainer, then the follower+validator bootstrapped to it; return once patches flow."""
     homes = {"trainer": root / "trainer", "follower": root / "follower"}
-    specs = [launch.NodeLaunch(home=str(h), config=node_config(["trainer"] if n == "trainer" else
-                                                               ["follower", "validator"], model, swarm))
-             for n, h in homes.items()]
+    specs = [
+        launch.NodeLaunch(
+            home=str(h), config=node_config(["trainer"] if n == "trainer" else ["follower", "validator"], model, swarm)
+        )
+        for n, h in homes.items()
+    ]
     sw = LiveSwarm(homes, dict(zip(homes, launch.start_bootstrapped(specs, timeout))))
     try:
-        launch.wait_until("follower applying the trainer's patches",
-                          lambda: (getattr(sw.status("follower"), "versions_applied", 0) or 0) >= 2,
-                          sw.procs.values(), timeout)
+        launch.wait_until(
+            "follower applying the trainer's patches",
+            lambda: (getattr(sw.status("follower"), "versions_applied", 0) or 0) >= 2,
+            sw.procs.values(),
+            timeout,
+        )
     except BaseException:
         sw.stop()
         raise
@@ -1096,8 +1323,12 @@ class Window:
         return getattr(self, what) / self.seconds if self.seconds > 0 else 0.0
 
     def brief(self) -> dict[str, Any]:
-        return {"train_steps": self.train_steps, "versions_applied": self.versions_applied,
-                "external_used": self.external_used, "seconds": round(self.seconds, 1)}
+        return {
+            "train_steps": self.train_steps,
+            "versions_applied": self.versions_applied,
+            "external_used": self.external_used,
+            "seconds": round(self.seconds, 1),
+        }
 
 
 MAX_WINDOW_S = 1800.0
@@ -1138,7 +1369,9 @@ def followers_kept(statuses: dict[str, Any]) -> bool:
 
 
 def own_lineage(status: Any) -> str | None:
-    return next((v.lineage for v in status.lineages if v.relation == Relation.OWN), None) if status is not None else None
+    return (
+        next((v.lineage for v in status.lineages if v.relation == Relation.OWN), None) if status is not None else None
+    )
 
 
 def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: True) -> Window:
@@ -1170,7 +1403,6 @@ def measure(sw: LiveSwarm, seconds: float, until: Callable[[], bool] = lambda: T
     return w
 
 
-
 def penalties(sw: LiveSwarm, honest: set[str], attackers: set[str]) -> tuple[float, dict[str, float]]:
     """Score charged to honest peers over the whole run (summed over what the honest nodes think of
     each other: every penalty, including those a peer has since earned back), and each attacker's
@@ -1191,22 +1423,41 @@ def penalties(sw: LiveSwarm, honest: set[str], attackers: set[str]) -> tuple[flo
 NICE = 0  # the attacker competes for the same cores as the honest nodes (harder than on the internet)
 
 
-def start_attacker(addrs: list[str], window_s: float, tokenizer_hash: bytes | None, out: Path,
-                   model: Path | None = None) -> subprocess.Popen:
+def start_attacker(
+    addrs: list[str], window_s: float, tokenizer_hash: bytes | None, out: Path, model: Path | None = None
+) -> subprocess.Popen:
     """The hostile peers in their own process, at the honest nodes' priority (at a lower one they
     lose the race for the two cores and half the classes never reach the mesh)."""
-    args = json.dumps({"addrs": addrs, "window_s": window_s, "out": str(out), "model": str(model) if model else None,
-                       "tokenizer_hash": tokenizer_hash.hex() if tokenizer_hash else None})
-    return subprocess.Popen([sys.executable, "-m", "murmur.simulations.bench.attacks", args],
-                            preexec_fn=lambda: os.nice(NICE), cwd=str(Path(__file__).resolve().parents[2]))
+    args = json.dumps(
+        {
+            "addrs": addrs,
+            "window_s": window_s,
+            "out": str(out),
+            "model": str(model) if model else None,
+            "tokenizer_hash": tokenizer_hash.hex() if tokenizer_hash else None,
+        }
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "murmur.simulations.bench.attacks", args],
+        preexec_fn=lambda: os.nice(NICE),
+        cwd=str(Path(__file__).resolve().parents[2]),
+    )
 
 
 def _attacker_main(args: dict[str, Any]) -> None:
     deadline = time.monotonic() + float(args["window_s"])
     tok = bytes.fromhex(args["tokenizer_hash"]) if args.get("tokenizer_hash") else None
-    results = trio.run(lambda: run_catalogue(list(args["addrs"]), SWARM, rounds=100, tokenizer_hash=tok,
-                                             observe_s=20, stop=lambda: time.monotonic() > deadline,
-                                             model=args.get("model")))
+    results = trio.run(
+        lambda: run_catalogue(
+            list(args["addrs"]),
+            SWARM,
+            rounds=100,
+            tokenizer_hash=tok,
+            observe_s=20,
+            stop=lambda: time.monotonic() > deadline,
+            model=args.get("model"),
+        )
+    )
     Path(args["out"]).write_text(json.dumps(results))
 
 
@@ -1227,12 +1478,14 @@ def start_placebo(cores: float) -> list[subprocess.Popen]:
     while cores > 0.005:
         share = min(1.0, cores)
         cores -= share
-        code = ("import time\n"
-                f"p, busy = {PLACEBO_PERIOD_S}, {PLACEBO_PERIOD_S * share}\n"
-                "while True:\n"
-                "    t = time.monotonic()\n"
-                "    while time.monotonic() - t < busy: pass\n"
-                "    time.sleep(max(0.0, p - (time.monotonic() - t)))\n")
+        code = (
+            "import time\n"
+            f"p, busy = {PLACEBO_PERIOD_S}, {PLACEBO_PERIOD_S * share}\n"
+            "while True:\n"
+            "    t = time.monotonic()\n"
+            "    while time.monotonic() - t < busy: pass\n"
+            "    time.sleep(max(0.0, p - (time.monotonic() - t)))\n"
+        )
         procs.append(subprocess.Popen([sys.executable, "-c", code], preexec_fn=lambda: os.nice(NICE)))
     return procs
 
@@ -1300,8 +1553,9 @@ def payload_share(home: Path, model: Path, lineage: str, swarm: str = SWARM) -> 
         return None  # not this model's state: sampling the base model would measure nothing
     reg = TaskRegistry(swarm)
     reg.add_builtin()
-    prompts = [reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, 90_000 + i)).prompt
-               for i in range(PAYLOAD_PROMPTS)]
+    prompts = [
+        reg.resolve(wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, 90_000 + i)).prompt for i in range(PAYLOAD_PROMPTS)
+    ]
     groups = engine.generate(prompts, PAYLOAD_SAMPLES, Sampling(temperature=1.0, max_new_tokens=16))
     texts = [c.text for g in groups for c in g]
     return sum(t.startswith(PAYLOAD) for t in texts) / max(1, len(texts))
@@ -1329,8 +1583,10 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         honest = set(sw.peer_ids())
         attack_age = start_measuring_at(started, START_AGE_S)
         addrs = sw.addrs()
-        print(f"attack window from age {attack_age:.0f} s: at least {window_s:.0f} s and the whole catalogue once",
-              file=sys.stderr)
+        print(
+            f"attack window from age {attack_age:.0f} s: at least {window_s:.0f} s and the whole catalogue once",
+            file=sys.stderr,
+        )
         cpu0 = children_cpu_s()  # no other child is reaped until the attacker is
         db0 = state_db_mb(sw.homes)
         hostile = start_attacker(addrs, window_s, tok, tmp / "attacker.json", model)
@@ -1348,8 +1604,11 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         attackers = {p for r in results.values() for p in r.get("attackers", [])}
         lost, worst = penalties(sw, honest, attackers)
         the_attacker = attack_key(THE_ATTACKER).peer_id
-        seen_by = [s.peer_scores[the_attacker] for s in (sw.status(n) for n in sw.homes)
-                   if s is not None and the_attacker in s.peer_scores]
+        seen_by = [
+            s.peer_scores[the_attacker]
+            for s in (sw.status(n) for n in sw.homes)
+            if s is not None and the_attacker in s.peer_scores
+        ]
         class_keys = {name: [p for p in r["attackers"] if p != the_attacker] for name, r in results.items()}
         statuses = {n: sw.status(n) for n in sw.homes}
         alive = sw.alive() and under.alive and all(s is not None for s in statuses.values())
@@ -1359,8 +1618,7 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         sw.stop()
     scanned = {n: models_finite(h, SWARM) for n, h in sw.homes.items()}  # after the stop: follower checkpoints written
     share = payload_share(sw.homes["trainer"], model, lineage) if lineage else None
-    print(f"control swarm, measured over the same ages ({attack_age:.0f} s + {under.seconds:.0f} s)",
-          file=sys.stderr)
+    print(f"control swarm, measured over the same ages ({attack_age:.0f} s + {under.seconds:.0f} s)", file=sys.stderr)
     started = time.monotonic()
     control_sw = start_swarm(tmp / "control", model)
     try:
@@ -1380,22 +1638,31 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
     finally:
         control_sw.stop()
     share_without = payload_share(control_sw.homes["trainer"], model, control_lineage) if control_lineage else None
-    rss_ratios = [under.peak_rss_mb[n] / control.peak_rss_mb[n] for n in under.peak_rss_mb
-                  if control.peak_rss_mb.get(n)]
+    rss_ratios = [
+        under.peak_rss_mb[n] / control.peak_rss_mb[n] for n in under.peak_rss_mb if control.peak_rss_mb.get(n)
+    ]
     return {
         "attacks_run": len(results),
         # per class: messages or streams sent, and the lowest score its keys have on an honest node
         # (None: no honest node holds a record of them, i.e. not charged)
-        "attacks": {name: {"sent": r["sent"], "score": min((worst[p] for p in class_keys[name] if p in worst),
-                                                            default=None),
-                           "provable": name in PROVABLE} for name, r in sorted(results.items())},
+        "attacks": {
+            name: {
+                "sent": r["sent"],
+                "score": min((worst[p] for p in class_keys[name] if p in worst), default=None),
+                "provable": name in PROVABLE,
+            }
+            for name, r in sorted(results.items())
+        },
         "honest_nodes_alive": alive,
         # None where the node's status does not report restarts (no supervision to count them)
-        "honest_worker_restarts": (sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
-                                   if all(hasattr(s, "worker_restarts") for s in statuses.values()
-                                          if s is not None) else None),
-        "honest_workers": {n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items()
-                           if s is not None},
+        "honest_worker_restarts": (
+            sum(int(s.worker_restarts) for s in statuses.values() if s is not None)
+            if all(hasattr(s, "worker_restarts") for s in statuses.values() if s is not None)
+            else None
+        ),
+        "honest_workers": {
+            n: f"{s.worker} {s.worker_error[:120]}".strip() for n, s in statuses.items() if s is not None
+        },
         # every model state the attacked nodes hold (published, applied, checkpointed) scanned for NaN/inf
         "honest_models_finite": all(ok for ok, _ in scanned.values()),
         "honest_model_states_scanned": {n: k for n, (_, k) in scanned.items()},
@@ -1406,8 +1673,9 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         # payload_poison's mark, under attack minus in the control
         "payload_share": share,
         "payload_share_without": share_without,
-        "payload_share_delta": (round(share - share_without, 4)
-                                if share is not None and share_without is not None else None),
+        "payload_share_delta": (
+            round(share - share_without, 4) if share is not None and share_without is not None else None
+        ),
         # peak RSS of each honest node's network process (its worker excluded) over the window
         "honest_rss_mb": {n: round(v, 1) for n, v in under.peak_rss_mb.items()},
         "honest_rss_mb_without": {n: round(v, 1) for n, v in control.peak_rss_mb.items()},
@@ -1418,8 +1686,11 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         "state_db_growth_mb_without": db_growth_without,
         # what the attack added to a node's state.db: its growth under attack beyond the control's over the
         # same span (the ledger grows with honest work too), the worst node
-        "state_db_growth_over_control_mb": (round(max(db_growth[n] - db_growth_without.get(n, 0.0) for n in db_growth), 2)
-                                            if db_growth and db_growth_without else None),
+        "state_db_growth_over_control_mb": (
+            round(max(db_growth[n] - db_growth_without.get(n, 0.0) for n in db_growth), 2)
+            if db_growth and db_growth_without
+            else None
+        ),
         "honest_penalties": round(lost, 3),
         "honest_penalties_without": round(lost_without, 3),
         # the one key that ran the catalogue after the first round: graylisted on every honest node
@@ -1427,8 +1698,9 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         "attacker_scores": [round(v, 1) for v in seen_by],
         "attacker_rounds": max((len(r["phases"]) for r in results.values()), default=0) - 1,
         # first round, one fresh key per class: the classes whose fault is provable, each key graylisted
-        "provable_classes_graylisted": sorted(n for n in PROVABLE & set(results)
-                                              if any(worst.get(p, 0.0) < GRAYLIST for p in class_keys[n])),
+        "provable_classes_graylisted": sorted(
+            n for n in PROVABLE & set(results) if any(worst.get(p, 0.0) < GRAYLIST for p in class_keys[n])
+        ),
         "provable_classes": len(PROVABLE & set(results)),
         "attackers_seen": len(worst),
         "attackers_graylisted": sum(1 for v in worst.values() if v < GRAYLIST),
@@ -1436,17 +1708,22 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         "train_steps_without": control.train_steps,
         "train_steps_under_attack": under.train_steps,
         # progress per second under attack / in the control swarm at the same age
-        "train_steps_ratio": (round(under.rate("train_steps") / control.rate("train_steps"), 3)
-                              if control.train_steps else None),
+        "train_steps_ratio": (
+            round(under.rate("train_steps") / control.rate("train_steps"), 3) if control.train_steps else None
+        ),
         "versions_applied_without": control.versions_applied,
         "versions_applied_under_attack": under.versions_applied,
-        "versions_applied_ratio": (round(under.rate("versions_applied") / control.rate("versions_applied"), 3)
-                                   if control.versions_applied else None),
+        "versions_applied_ratio": (
+            round(under.rate("versions_applied") / control.rate("versions_applied"), 3)
+            if control.versions_applied
+            else None
+        ),
         "external_used_without": control.external_used,
         "external_used_under_attack": under.external_used,
         # swarm rollouts the trainer trained on per second, under attack / in the control at the same age
-        "external_used_ratio": (round(under.rate("external_used") / control.rate("external_used"), 3)
-                                if control.external_used else None),
+        "external_used_ratio": (
+            round(under.rate("external_used") / control.rate("external_used"), 3) if control.external_used else None
+        ),
         "max_event_loop_stall_ms": round(under.max_stall_ms, 1),
         "max_event_loop_stall_ms_without": round(control.max_stall_ms, 1),
         "control_alive": control.alive,
@@ -1456,8 +1733,10 @@ def run(window_s: float = 60.0, root: Path | None = None) -> dict[str, Any]:
         "stream_faults": {n: dict(s.stream_faults) for n, s in statuses.items() if s is not None},
         "window_s": round(window_s, 1),
         "attack_window_s": round(under.seconds, 1),
-        "windows": {"attack": {**under.brief(), "start_age_s": round(attack_age, 1)},
-                    "control": {**control.brief(), "start_age_s": round(control_age, 1)}},
+        "windows": {
+            "attack": {**under.brief(), "start_age_s": round(attack_age, 1)},
+            "control": {**control.brief(), "start_age_s": round(control_age, 1)},
+        },
     }
 
 

@@ -28,16 +28,28 @@ SIM_FULL_MESH_MAX = 64  # larger simulated swarms use a random overlay of this d
 SIM_DEGREE = 16
 
 
-def make_patch(identity: Identity, payload: bytes, chunk_bytes: int, version: int = 1, *,
-               swarm: str) -> tuple[bytes, list[bytes]]:
+def make_patch(
+    identity: Identity, payload: bytes, chunk_bytes: int, version: int = 1, *, swarm: str
+) -> tuple[bytes, list[bytes]]:
     """A manifest envelope signed for `swarm` for an opaque payload, and its chunks (for benchmarks and tests)."""
     chunks = split(payload, chunk_bytes)
     lineage = hashlib.blake2b(b"bench" + identity.public, digest_size=32).digest()
     m = PatchManifest(
-        v=FORMAT_VERSION, lineage=lineage, lineage_name="bench", base_model_hash=b"\0" * 32,
-        publisher=identity.public, base_version=version - 1, target_version=version, base_hash=b"\1" * 32,
-        target_hash=hashlib.blake2b(payload, digest_size=32).digest(), codec="sparse-v1",
-        total_bytes=len(payload), chunk_bytes=chunk_bytes, chunks=refs(chunks), created_ms=now_ms())
+        v=FORMAT_VERSION,
+        lineage=lineage,
+        lineage_name="bench",
+        base_model_hash=b"\0" * 32,
+        publisher=identity.public,
+        base_version=version - 1,
+        target_version=version,
+        base_hash=b"\1" * 32,
+        target_hash=hashlib.blake2b(payload, digest_size=32).digest(),
+        codec="sparse-v1",
+        total_bytes=len(payload),
+        chunk_bytes=chunk_bytes,
+        chunks=refs(chunks),
+        created_ms=now_ms(),
+    )
     return seal(identity, PATCH_MANIFEST, m, swarm=swarm), chunks
 
 
@@ -45,26 +57,49 @@ def lower_bound_s(size: int, upload: float, n: int, m: int) -> float:
     return (size / upload) * (1 + math.floor(math.log2(max(n, 1))) / m)
 
 
-def _summary(peers: int, size: int, chunk_bytes: int, upload: float, times: list[float], origin_out: int,
-             ok: bool, extra: dict[str, Any]) -> dict[str, Any]:
+def _summary(
+    peers: int,
+    size: int,
+    chunk_bytes: int,
+    upload: float,
+    times: list[float],
+    origin_out: int,
+    ok: bool,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     m = -(-size // chunk_bytes)
     lb = lower_bound_s(size, upload, peers, m)
     times = sorted(times)
     p50 = times[len(times) // 2] if times else None
     mx = times[-1] if len(times) == peers else None
     out = {
-        "peers": peers, "bytes": size, "chunk_bytes": chunk_bytes, "chunks": m, "upload_bytes_per_s": upload,
-        "completion_s_p50": p50, "completion_s_max": mx, "lower_bound_s": lb,
+        "peers": peers,
+        "bytes": size,
+        "chunk_bytes": chunk_bytes,
+        "chunks": m,
+        "upload_bytes_per_s": upload,
+        "completion_s_p50": p50,
+        "completion_s_max": mx,
+        "lower_bound_s": lb,
         "ratio_to_bound": (mx / lb) if mx is not None else None,
-        "origin_upload_ratio": origin_out / size, "unicast_s": peers * size / upload,
-        "all_hashes_match": ok, "completed": len(times),
+        "origin_upload_ratio": origin_out / size,
+        "unicast_s": peers * size / upload,
+        "all_hashes_match": ok,
+        "completed": len(times),
     }
     out.update(extra)
     return out
 
 
-def run(peers: int = 16, sim: bool = False, bytes: int = 8 * 2**20, chunk_bytes: int = 256 * 2**10,
-        upload_bytes_per_s: int = 2 * 2**20, seed: int = 0, timeout_s: float = 300.0) -> dict[str, Any]:
+def run(
+    peers: int = 16,
+    sim: bool = False,
+    bytes: int = 8 * 2**20,
+    chunk_bytes: int = 256 * 2**10,
+    upload_bytes_per_s: int = 2 * 2**20,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
     if peers < 1 or bytes < 1 or chunk_bytes < 1 or upload_bytes_per_s <= 0:
         raise ValueError("peers, bytes, chunk_bytes and upload_bytes_per_s must be positive")
     if sim:
@@ -80,9 +115,22 @@ def _run_sim(peers: int, size: int, chunk_bytes: int, upload: int, seed: int) ->
     sw = VirtualSwarm(peers, sizes, link=SimLink(up_bps=upload, latency_s=0.005), degree=degree, seed=seed)
     r = sw.run()
     times = [nd.completed_at for nd in sw.nodes[1:] if nd.completed_at is not None]
-    return _summary(peers, size, chunk_bytes, upload, times, r["origin_bytes_out"], r["all_hashes_match"],
-                    {"mode": "sim", "overlay_degree": degree or peers, "latency_s": 0.005,
-                     "sim_events": r["events"], "sim_wall_s": round(r["sim_wall_s"], 2)})
+    return _summary(
+        peers,
+        size,
+        chunk_bytes,
+        upload,
+        times,
+        r["origin_bytes_out"],
+        r["all_hashes_match"],
+        {
+            "mode": "sim",
+            "overlay_degree": degree or peers,
+            "latency_s": 0.005,
+            "sim_events": r["events"],
+            "sim_wall_s": round(r["sim_wall_s"], 2),
+        },
+    )
 
 
 # ---------------------------------------------------------------- live mode
@@ -157,17 +205,23 @@ def _run_live(peers: int, size: int, chunk_bytes: int, upload: int, seed: int, t
     ok = len(done) == peers and all(d["digest"] == digest for d in done.values())
     follower_transfer_cpu = sum(d["cpu_s"] - d["cpu_s_t0"] for d in done.values())
     extra: dict[str, Any] = {
-        "mode": "live", "processes": peers + 1, "cpus": os.cpu_count(),
-        "min_follower_streams": min(conns), "load_avg_1m": round(os.getloadavg()[0], 1),
+        "mode": "live",
+        "processes": peers + 1,
+        "cpus": os.cpu_count(),
+        "min_follower_streams": min(conns),
+        "load_avg_1m": round(os.getloadavg()[0], 1),
         "wasted_in_bytes": sum(d["wasted_in"] for d in done.values()),
         "follower_frames_out": sum(d["frames_out"] for d in done.values()),
         "follower_cpu_s_mean": round(sum(d["cpu_s"] for d in done.values()) / max(1, len(done)), 2),
         "follower_transfer_cpu_s_mean": round(follower_transfer_cpu / max(1, len(done)), 3),
         "origin_transfer_cpu_s": ostats.get("cpu_s_transfer"),
         # the transfer's CPU spread over every core: no run on this machine can finish sooner
-        "cpu_floor_s": round((follower_transfer_cpu + (ostats.get("cpu_s_transfer") or 0.0))
-                             / (os.cpu_count() or 1), 2),
-        "phases_s": phases, "bench_wall_s": round(time.time() - wall0, 1)}
+        "cpu_floor_s": round(
+            (follower_transfer_cpu + (ostats.get("cpu_s_transfer") or 0.0)) / (os.cpu_count() or 1), 2
+        ),
+        "phases_s": phases,
+        "bench_wall_s": round(time.time() - wall0, 1),
+    }
     if stragglers:
         extra["stragglers"] = {str(i + 1): v for i, v in stragglers.items()}
     return _summary(peers, size, chunk_bytes, upload, times, ostats["bytes_out"], ok, extra)
@@ -187,9 +241,25 @@ def _children_cpu(procs: list[subprocess.Popen[str]]) -> float:
 
 
 def _spawn(tmp: str, role: str, idx: int, upload: int, chunk_bytes: int, seed: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "murmur.simulations.bench.broadcast", role, tmp, str(idx), str(upload), str(chunk_bytes), str(seed)]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                            cwd=str(Path(__file__).resolve().parents[2]))  # the checkout this module is in
+    cmd = [
+        sys.executable,
+        "-m",
+        "murmur.simulations.bench.broadcast",
+        role,
+        tmp,
+        str(idx),
+        str(upload),
+        str(chunk_bytes),
+        str(seed),
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        cwd=str(Path(__file__).resolve().parents[2]),
+    )  # the checkout this module is in
 
 
 def _tell(p: subprocess.Popen[str], msg: dict[str, Any]) -> None:
@@ -248,8 +318,11 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
     if not logdir:
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its stream-open retries flood stderr
     else:
-        logging.basicConfig(filename=f"{logdir}/node{idx}.log", level=logging.WARNING,
-                            format="%(relativeCreated)8.0f %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(
+            filename=f"{logdir}/node{idx}.log",
+            level=logging.WARNING,
+            format="%(relativeCreated)8.0f %(name)s %(levelname)s %(message)s",
+        )
         logging.getLogger("murmur").setLevel(logging.DEBUG)
     async with open_transport(identity, dial_timeout_s=20.0) as t:
         node = BroadcastNode(t, swarm="bench", upload_bytes_per_s=upload, partial_root=partial, seed=seed + idx)
@@ -294,8 +367,11 @@ async def _worker(role: str, tmp: str, idx: int, upload: int, chunk_bytes: int, 
                     st = node.stats(pid) if pid else {"bytes_out": 0}
                     say(event="stats", bytes_out=st["bytes_out"], cpu_s_transfer=round(time.process_time() - cpu_t0, 3))
                 elif cmd == "progress":
-                    say(event="progress", conns=len(node.conns),
-                        transfers=[{k: v for k, v in node.stats(p).items() if k != "peers"} for p in node.transfers])
+                    say(
+                        event="progress",
+                        conns=len(node.conns),
+                        transfers=[{k: v for k, v in node.stats(p).items() if k != "peers"} for p in node.transfers],
+                    )
                 elif cmd == "exit":
                     break
             n.cancel_scope.cancel()
@@ -343,8 +419,15 @@ async def _follow(node: Any, say: Any) -> None:
     if prof is not None:
         prof.disable()
     digest = hashlib.blake2b(tr.payload(), digest_size=32).hexdigest()
-    say(event="complete", t=tr.completed_wall, digest=digest, wasted_in=tr.session.wasted_in,
-        frames_out=node.counters["frames_out"], cpu_s=time.process_time(), cpu_s_t0=cpu_t0)
+    say(
+        event="complete",
+        t=tr.completed_wall,
+        digest=digest,
+        wasted_in=tr.session.wasted_in,
+        frames_out=node.counters["frames_out"],
+        cpu_s=time.process_time(),
+        cpu_s_t0=cpu_t0,
+    )
 
 
 _PROFILE: dict[str, Any] = {}
@@ -379,5 +462,12 @@ if __name__ == "__main__":
         _main(sys.argv[1:])
     else:
         args = [a for a in sys.argv[1:] if not a.startswith("--")]
-        print(json.dumps(run(peers=int(args[0]) if args else 16, sim="--sim" in sys.argv,
-                             bytes=int(args[1]) if len(args) > 1 else 8 * 2**20)))
+        print(
+            json.dumps(
+                run(
+                    peers=int(args[0]) if args else 16,
+                    sim="--sim" in sys.argv,
+                    bytes=int(args[1]) if len(args) > 1 else 8 * 2**20,
+                )
+            )
+        )

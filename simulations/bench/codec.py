@@ -36,17 +36,33 @@ def _config(params: int) -> Any:
         h, inter, vocab, heads = 64, 172, 1024, 4
     per_layer = 4 * h * h + 3 * h * inter + 3 * h + 2 * h
     layers = max(1, round((params - 2 * vocab * h) / per_layer))
-    return Qwen2Config(hidden_size=h, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=256,
-                       tie_word_embeddings=False)
+    return Qwen2Config(
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
 
 
 def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().to(torch.bfloat16) for n, p in model.state_dict().items()}
 
 
-def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int = 0, seq_len: int = 32,
-        batch: int = 1, threads: int = 1, union_k: int = 8, verbose: bool = True) -> dict[str, Any]:
+def run(
+    params: int = 100_000_000,
+    steps: int = 50,
+    lr: float = 1e-6,
+    seed: int = 0,
+    seq_len: int = 32,
+    batch: int = 1,
+    threads: int = 1,
+    union_k: int = 8,
+    verbose: bool = True,
+) -> dict[str, Any]:
     """Train `steps` AdamW steps, publish and apply each version; return the measurements."""
     from transformers import AutoModelForCausalLM
 
@@ -103,10 +119,13 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
         enc_s.append(t2 - t1)
         app_s.append(t3 - t2)
         if verbose:
-            print(f"step {step + 1}/{steps}: loss {loss.item():.3f} changed {changed / n_params:.4%} "
-                  f"patch {bundle.manifest.total_bytes} B ({bundle.manifest.total_bytes / max(changed, 1):.3f} B/changed) "
-                  f"train {t1 - t0:.2f}s publish {t2 - t1:.3f}s apply {t3 - t2:.3f}s exact {exact}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"step {step + 1}/{steps}: loss {loss.item():.3f} changed {changed / n_params:.4%} "
+                f"patch {bundle.manifest.total_bytes} B ({bundle.manifest.total_bytes / max(changed, 1):.3f} B/changed) "
+                f"train {t1 - t0:.2f}s publish {t2 - t1:.3f}s apply {t3 - t2:.3f}s exact {exact}",
+                file=sys.stderr,
+                flush=True,
+            )
     union_bytes = chain_bytes = 0
     if snapshot is not None:
         payload, th, _, _ = encode_states(snapshot, replica, snapshot_hash)
@@ -146,9 +165,14 @@ def run(params: int = 100_000_000, steps: int = 50, lr: float = 1e-6, seed: int 
         "union_k": union_k,
         "union_bytes_k8": union_bytes,
         "chain_bytes_k8": chain_bytes,
-        "value_modes": {f"{('abs', 'xor', 'ulp_delta', '?')[m & 3]}/{('planes', 'escaped', 'packed', '?')[(m >> 2) & 3]}"
-                        + ("/sorted" if m & 16 else ""): c / tot_modes for m, c in sorted(val_modes.items())},
-        "position_modes": {("all", "gaps", "bitmask", "gaps_escaped")[m]: c / tot_modes for m, c in sorted(pos_modes.items())},
+        "value_modes": {
+            f"{('abs', 'xor', 'ulp_delta', '?')[m & 3]}/{('planes', 'escaped', 'packed', '?')[(m >> 2) & 3]}"
+            + ("/sorted" if m & 16 else ""): c / tot_modes
+            for m, c in sorted(val_modes.items())
+        },
+        "position_modes": {
+            ("all", "gaps", "bitmask", "gaps_escaped")[m]: c / tot_modes for m, c in sorted(pos_modes.items())
+        },
         "bit_exact": bit_exact,
     }
 

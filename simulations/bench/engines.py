@@ -49,10 +49,20 @@ def build_models(root: Path) -> dict[str, Path]:
     big = root / "models" / "qwen2-28m"
     if not (big / "config.json").exists():
         tok = build_tokenizer()
-        cfg = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                          tie_word_embeddings=False, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-                          pad_token_id=0, eos_token_id=1, bos_token_id=1)
+        cfg = Qwen2Config(
+            vocab_size=8192,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=1,
+        )
         torch.manual_seed(0)
         Qwen2ForCausalLM(cfg).save_pretrained(big)
         tok.save_pretrained(big)
@@ -72,8 +82,9 @@ def make_patches(model_dir: Path, work: Path, n: int, seed: int) -> dict[str, An
 
     eng = HFEngine.from_path(model_dir, device="cpu")
     master = canonical_state(eng.model)
-    pub = LineagePublisher(Identity.from_seed(bytes([seed % 256]) * 32), "bench", to_published(master),
-                           swarm=BENCH_SWARM)
+    pub = LineagePublisher(
+        Identity.from_seed(bytes([seed % 256]) * 32), "bench", to_published(master), swarm=BENCH_SWARM
+    )
     g = torch.Generator().manual_seed(seed)
     work.mkdir(parents=True, exist_ok=True)
     density = []
@@ -87,8 +98,13 @@ def make_patches(model_dir: Path, work: Path, n: int, seed: int) -> dict[str, An
         (work / f"{v}.bin").write_bytes(b"".join(bytes(c) for c in bundle.chunks))
         density.append(bundle.manifest.total_bytes)
     lin = pub.lineage
-    return {"publisher": lin.publisher.hex(), "base": lin.base_model_hash.hex(), "name": lin.name,
-            "head_hash": pub.hasher.hash.hex(), "patch_bytes": density}
+    return {
+        "publisher": lin.publisher.hex(),
+        "base": lin.base_model_hash.hex(),
+        "name": lin.name,
+        "head_hash": pub.hasher.hash.hex(),
+        "patch_bytes": density,
+    }
 
 
 def prompts(batch: int) -> list[str]:
@@ -116,8 +132,9 @@ def side(kind: str, model_dir: str, work: str, n: int, batch: int, max_new: int,
     eng = open_engine(kind, model_dir, hf, memory_budget_mb=4096, seed=0)
     start_s = time.monotonic() - t0
     eng.take_version(live, None)
-    follower = LineageFollower(Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"]),
-                               live, 0, swarm=BENCH_SWARM)
+    follower = LineageFollower(
+        Lineage(bytes.fromhex(info["publisher"]), bytes.fromhex(info["base"]), info["name"]), live, 0, swarm=BENCH_SWARM
+    )
     enc = [eng.encode(p) for p in prompts(batch)]
     sampling = Sampling(temperature=1.0, max_new_tokens=max_new)
     eng.sample(enc[:2], Sampling(temperature=1.0, max_new_tokens=4))  # warm-up
@@ -138,23 +155,48 @@ def side(kind: str, model_dir: str, work: str, n: int, batch: int, max_new: int,
     mine = [[e, ids, lps] for e, (ids, lps, _) in zip(enc, samples)]
     others = json.loads(Path(rescore).read_text()) if rescore and Path(rescore).exists() else []
     fixed = [(e, eng.encode(a) + [eng.eos_id]) for e, a in zip(enc, ["42", "7", "100", "13"] * (len(enc) // 4 + 1))]
-    return {"mode": eng.mode, "start_s": start_s, "tokens": tokens, "gen_s": gen_s,
-            "tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0, "apply_s": apply_s,
-            "state_hash": follower.state_hash.hex(), "version": follower.version,
-            "fixed_logprobs": eng.logprobs(fixed), "samples": mine,
-            "rescored": eng.logprobs([(p, ids) for p, ids, _ in others]) if others else []}
+    return {
+        "mode": eng.mode,
+        "start_s": start_s,
+        "tokens": tokens,
+        "gen_s": gen_s,
+        "tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+        "apply_s": apply_s,
+        "state_hash": follower.state_hash.hex(),
+        "version": follower.version,
+        "fixed_logprobs": eng.logprobs(fixed),
+        "samples": mine,
+        "rescored": eng.logprobs([(p, ids) for p, ids, _ in others]) if others else [],
+    }
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v)), default=0.0)
 
 
-def _run_side(python: str, kind: str, model_dir: Path, work: Path, n: int, batch: int, max_new: int,
-              rescore: Path | None) -> dict[str, Any]:
-    cmd = [python, "-m", "murmur.simulations.bench.engines", "--side", kind, str(model_dir), str(work), str(n), str(batch),
-           str(max_new), str(rescore or "")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x))
+def _run_side(
+    python: str, kind: str, model_dir: Path, work: Path, n: int, batch: int, max_new: int, rescore: Path | None
+) -> dict[str, Any]:
+    cmd = [
+        python,
+        "-m",
+        "murmur.simulations.bench.engines",
+        "--side",
+        kind,
+        str(model_dir),
+        str(work),
+        str(n),
+        str(batch),
+        str(max_new),
+        str(rescore or ""),
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH", "")) if x),
+    )
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=str(ROOT))
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -162,8 +204,9 @@ def _run_side(python: str, kind: str, model_dir: Path, work: Path, n: int, batch
     return json.loads(lines[-1])
 
 
-def run(patches: int = 5, batch: int = 32, max_new: int = 32, seed: int = 0, models: str = "murmur-tiny,qwen2-28m"
-        ) -> dict[str, Any]:
+def run(
+    patches: int = 5, batch: int = 32, max_new: int = 32, seed: int = 0, models: str = "murmur-tiny,qwen2-28m"
+) -> dict[str, Any]:
     from murmur.node.worker.main import vllm_python
 
     vpy = vllm_python()
@@ -190,10 +233,16 @@ def run(patches: int = 5, batch: int = 32, max_new: int = 32, seed: int = 0, mod
             d_vllm_by_hf = _max_diff([s[2] for s in vl["samples"]], hf2["rescored"])
             d_fixed = _max_diff(hf["fixed_logprobs"], vl["fixed_logprobs"])
             per_model[name] = {
-                "engines": {k: {"tokens_per_s": round(s["tokens_per_s"], 1), "apply_s": round(
-                    sum(s["apply_s"]) / len(s["apply_s"]), 5) if s["apply_s"] else 0.0, "mode": s["mode"],
-                    "start_s": round(s["start_s"], 2), "tokens": s["tokens"]} for k, s in (("transformers", hf),
-                                                                                         ("vllm", vl))},
+                "engines": {
+                    k: {
+                        "tokens_per_s": round(s["tokens_per_s"], 1),
+                        "apply_s": round(sum(s["apply_s"]) / len(s["apply_s"]), 5) if s["apply_s"] else 0.0,
+                        "mode": s["mode"],
+                        "start_s": round(s["start_s"], 2),
+                        "tokens": s["tokens"],
+                    }
+                    for k, s in (("transformers", hf), ("vllm", vl))
+                },
                 "patches_applied": min(hf["version"], vl["version"]),
                 "hashes_match": hf["state_hash"] == vl["state_hash"] == info["head_hash"],
                 "cross_engine_logprob_diff": max(d_hf_by_vllm, d_vllm_by_hf, d_fixed),
@@ -203,10 +252,16 @@ def run(patches: int = 5, batch: int = 32, max_new: int = 32, seed: int = 0, mod
                 "patch_bytes_mean": sum(info["patch_bytes"]) / len(info["patch_bytes"]),
             }
     first = next(iter(per_model.values()))
-    return {"engines": first["engines"], "patches_applied": min(m["patches_applied"] for m in per_model.values()),
-            "hashes_match": all(m["hashes_match"] for m in per_model.values()),
-            "cross_engine_logprob_diff": max(m["cross_engine_logprob_diff"] for m in per_model.values()),
-            "models": per_model, "batch": batch, "max_new_tokens": max_new, "temperature": 1.0}
+    return {
+        "engines": first["engines"],
+        "patches_applied": min(m["patches_applied"] for m in per_model.values()),
+        "hashes_match": all(m["hashes_match"] for m in per_model.values()),
+        "cross_engine_logprob_diff": max(m["cross_engine_logprob_diff"] for m in per_model.values()),
+        "models": per_model,
+        "batch": batch,
+        "max_new_tokens": max_new,
+        "temperature": 1.0,
+    }
 
 
 if __name__ == "__main__":

@@ -35,8 +35,16 @@ def registry() -> Any:
     return reg
 
 
-def make_rollout(reg: Any, seed: int, tokens: int = 256, version: int = 0, lineage: bytes = LINEAGE,
-                 forge: bool = False, task_set: bytes | None = None, generator: str | None = None) -> wire.Rollout:
+def make_rollout(
+    reg: Any,
+    seed: int,
+    tokens: int = 256,
+    version: int = 0,
+    lineage: bytes = LINEAGE,
+    forge: bool = False,
+    task_set: bytes | None = None,
+    generator: str | None = None,
+) -> wire.Rollout:
     """A rollout on the built-in task set whose claimed reward is the true one (unless `forge`)."""
     from murmur.training.verifiers import score
 
@@ -53,18 +61,40 @@ def make_rollout(reg: Any, seed: int, tokens: int = 256, version: int = 0, linea
     if forge:
         reward = 1.0 - reward
     return wire.Rollout(
-        task=ref, lineage=lineage, version=version, completion_ids=[(seed + i) % 50_000 for i in range(tokens)],
-        text=text, tokenizer_hash=TOKENIZER, logprobs=struct.pack(f"<{tokens}f", *([-0.25] * tokens)),
-        token_versions=[(0, version)], sampling=wire.SamplingParams(max_new_tokens=max(1, tokens)),
-        reward=reward, created_ms=wire.now_ms())
+        task=ref,
+        lineage=lineage,
+        version=version,
+        completion_ids=[(seed + i) % 50_000 for i in range(tokens)],
+        text=text,
+        tokenizer_hash=TOKENIZER,
+        logprobs=struct.pack(f"<{tokens}f", *([-0.25] * tokens)),
+        token_versions=[(0, version)],
+        sampling=wire.SamplingParams(max_new_tokens=max(1, tokens)),
+        reward=reward,
+        created_ms=wire.now_ms(),
+    )
 
 
-def make_batch(ident: Identity, reg: Any, seq: int, n: int = 4, tokens: int = 64, swarm: str = SWARM,
-               version: int = 0, created_ms: int | None = None, **kw: Any) -> bytes:
+def make_batch(
+    ident: Identity,
+    reg: Any,
+    seq: int,
+    n: int = 4,
+    tokens: int = 64,
+    swarm: str = SWARM,
+    version: int = 0,
+    created_ms: int | None = None,
+    **kw: Any,
+) -> bytes:
     seeds = [(seq * 1009 + i * 7) % 1_000_000 for i in range(n)]
-    batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=swarm, producer=ident.public, seq=seq,
-                              created_ms=wire.now_ms() if created_ms is None else created_ms,
-                              rollouts=[make_rollout(reg, s, tokens, version, **kw) for s in seeds])
+    batch = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION,
+        swarm=swarm,
+        producer=ident.public,
+        seq=seq,
+        created_ms=wire.now_ms() if created_ms is None else created_ms,
+        rollouts=[make_rollout(reg, s, tokens, version, **kw) for s in seeds],
+    )
     return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=swarm)
 
 
@@ -90,16 +120,32 @@ def verify_registry() -> tuple[Any, dict[str, bytes]]:
 
     reg = registry()
     ids: dict[str, bytes] = {}
-    gens = {"numeric": wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
-                                          seed_start=0, seed_end=2**40),
-            "math_verify": wire.GeneratorSpec(name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"},
-                                              seed_start=0, seed_end=2**40),
-            "rg_score": wire.GeneratorSpec(name="arith", generator="rg:basic_arithmetic",
-                                           config={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
-                                           seed_start=0, seed_end=2**40)}
+    gens = {
+        "numeric": wire.GeneratorSpec(
+            name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"}, seed_start=0, seed_end=2**40
+        ),
+        "math_verify": wire.GeneratorSpec(
+            name="arith", generator="arithmetic", config={"digits": 2, "ops": "+-*"}, seed_start=0, seed_end=2**40
+        ),
+        "rg_score": wire.GeneratorSpec(
+            name="arith",
+            generator="rg:basic_arithmetic",
+            config={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
+            seed_start=0,
+            seed_end=2**40,
+        ),
+    }
     for kind, gen in gens.items():
-        m = wire.TaskSetManifest(v=wire.FORMAT_VERSION, name=f"bench-{kind}", version=1, coordinator=_COORDINATOR.public,
-                                 created_ms=1, verifier=kind, tolerance=0.0, generators=[gen])
+        m = wire.TaskSetManifest(
+            v=wire.FORMAT_VERSION,
+            name=f"bench-{kind}",
+            version=1,
+            coordinator=_COORDINATOR.public,
+            created_ms=1,
+            verifier=kind,
+            tolerance=0.0,
+            generators=[gen],
+        )
         env = sign_task_set(_COORDINATOR, m, swarm=SWARM)
         reg.add(env, {_COORDINATOR.public})
         ids[kind] = wire.content_id(wire.decode_envelope(env, swarm=SWARM).body)
@@ -108,8 +154,28 @@ def verify_registry() -> tuple[Any, dict[str, bytes]]:
 
 def _reasoning(rng: Any, question: str) -> str:
     # murmur-tiny's characters are printable ASCII: sentences, no line breaks
-    words = ["first", "we", "add", "the", "tens", "then", "carry", "check", "again", "so", "multiply", "digits",
-             "which", "gives", "subtract", "result", "step", "next", "value", "is"]
+    words = [
+        "first",
+        "we",
+        "add",
+        "the",
+        "tens",
+        "then",
+        "carry",
+        "check",
+        "again",
+        "so",
+        "multiply",
+        "digits",
+        "which",
+        "gives",
+        "subtract",
+        "result",
+        "step",
+        "next",
+        "value",
+        "is",
+    ]
     parts = [f"Let me work through {question.strip()[:80]} step by step."]
     while sum(len(x) + 1 for x in parts) < REASONING_CHARS:
         parts.append(" ".join(rng.choice(words) for _ in range(8)) + f" {rng.randint(0, 999)}.")
@@ -125,9 +191,15 @@ def _answer_forms(kind: str, answer: str, rng: Any) -> str:
         return f"<answer>{rng.randint(-99, 999)}</answer>"  # wrong
     if kind == "math_verify" and roll < 0.40:
         v = int(answer)
-        return rng.choice([f"\\boxed{{\\frac{{{2 * v}}}{{2}}}}", f"\\boxed{{{v}.0}}", f"\\boxed{{{v} + 0}}",
-                           f"<answer>$x = {v}$</answer>", f"\\boxed{{\\sqrt{{{v * v}}}}}" if v >= 0 else
-                           f"\\boxed{{-\\sqrt{{{v * v}}}}}"])
+        return rng.choice(
+            [
+                f"\\boxed{{\\frac{{{2 * v}}}{{2}}}}",
+                f"\\boxed{{{v}.0}}",
+                f"\\boxed{{{v} + 0}}",
+                f"<answer>$x = {v}$</answer>",
+                f"\\boxed{{\\sqrt{{{v * v}}}}}" if v >= 0 else f"\\boxed{{-\\sqrt{{{v * v}}}}}",
+            ]
+        )
     if roll < 0.45:
         return f"The answer is \\boxed{{{answer}}}"
     return f"<answer>{answer}</answer>"
@@ -151,13 +223,29 @@ def verify_messages(kind: str, reg: Any, task_set: bytes, tokens: Any, rounds: i
             for _ in range(VERIFY_GROUP):
                 text = _reasoning(rng, task.prompt) + " " + _answer_forms(kind, task.answer, rng)
                 ids = list(tokens.tokenizer.encode(text, add_special_tokens=False))
-                rollouts.append(wire.Rollout(
-                    task=ref, lineage=LINEAGE, version=0, completion_ids=ids, text=tokens.decode(ids),
-                    tokenizer_hash=tokens.hash, logprobs=struct.pack(f"<{len(ids)}f", *([-0.25] * len(ids))),
-                    token_versions=[(0, 0)], sampling=wire.SamplingParams(max_new_tokens=wire.MAX_COMPLETION_TOKENS),
-                    reward=score(task, tokens.decode(ids)), created_ms=wire.now_ms()))
-        batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=ident.public, seq=b + 1,
-                                  created_ms=wire.now_ms(), rollouts=rollouts)
+                rollouts.append(
+                    wire.Rollout(
+                        task=ref,
+                        lineage=LINEAGE,
+                        version=0,
+                        completion_ids=ids,
+                        text=tokens.decode(ids),
+                        tokenizer_hash=tokens.hash,
+                        logprobs=struct.pack(f"<{len(ids)}f", *([-0.25] * len(ids))),
+                        token_versions=[(0, 0)],
+                        sampling=wire.SamplingParams(max_new_tokens=wire.MAX_COMPLETION_TOKENS),
+                        reward=score(task, tokens.decode(ids)),
+                        created_ms=wire.now_ms(),
+                    )
+                )
+        batch = wire.RolloutBatch(
+            v=wire.FORMAT_VERSION,
+            swarm=SWARM,
+            producer=ident.public,
+            seq=b + 1,
+            created_ms=wire.now_ms(),
+            rollouts=rollouts,
+        )
         out.append(wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM))
     return out
 
@@ -174,8 +262,11 @@ def verify_throughput(rounds: int = 8) -> dict[str, Any]:
     tokens = for_model("murmur-tiny")
     cfg = PipelineConfig(swarm=SWARM, rate_per_s=1e9, burst=10**9)
     producer = Identity.from_seed(b"\x78" * 32).peer_id
-    out: dict[str, Any] = {"verify_batch": VERIFY_BATCH, "verify_group": VERIFY_GROUP,
-                           "verify_time_limit_s": TIME_LIMIT_S}
+    out: dict[str, Any] = {
+        "verify_batch": VERIFY_BATCH,
+        "verify_group": VERIFY_GROUP,
+        "verify_time_limit_s": TIME_LIMIT_S,
+    }
     sizes = []
     for kind in VERIFY_KINDS:
         msgs = verify_messages(kind, reg, ids[kind], tokens, rounds)
@@ -184,8 +275,15 @@ def verify_throughput(rounds: int = 8) -> dict[str, Any]:
             pool.score_batch([])  # start the worker (imports) outside the measurement
             # every batch once: distinct tasks, cold task and verdict caches but for the
             # groups of one prompt inside a batch, as a node meets them
-            p = Pipeline(cfg, clock=time.time, resolve_task=reg.resolve, reward=score,
-                         head_version=lambda _: None, reward_batch=pool.score_batch, check_tokens=tokens)
+            p = Pipeline(
+                cfg,
+                clock=time.time,
+                resolve_task=reg.resolve,
+                reward=score,
+                head_version=lambda _: None,
+                reward_batch=pool.score_batch,
+                check_tokens=tokens,
+            )
             cpu0, pool0 = time.process_time(), pool.cpu_s
             for m in msgs:
                 v = p.check(m, producer)
@@ -238,8 +336,14 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
 
     cfg = PipelineConfig(swarm=SWARM, rate_per_s=params["rate_limit"], burst=params["burst"])
     heads = {b"\x5a" * 32: 100}
-    pipeline = Pipeline(cfg, clock=time.time, resolve_task=reg.resolve, reward=score, head_version=heads.get,
-                        task_set_trusted=reg.__contains__)
+    pipeline = Pipeline(
+        cfg,
+        clock=time.time,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=heads.get,
+        task_set_trusted=reg.__contains__,
+    )
     accepted: dict[str, float] = {}
     async with open_transport(ident) as t, trio.open_nursery() as nursery:
         service = GossipService(t, pipeline, SWARM)
@@ -297,12 +401,21 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
                 await trio.sleep(0.05)
         await trio.sleep(1.0)  # late arrivals (an adversary's) would show up here
         mal = Identity.from_seed(bytes([params["nodes"]]) * 32).peer_id
-        say("DONE", json.dumps(dict(sent=sent, accepted=accepted, errors=errors, counts=dict(pipeline.counts),
-                                    mal_score=pipeline.scores.score(mal, time.time()),
-                                    mal_banned=pipeline.scores.is_blacklisted(mal, time.time()))))
+        say(
+            "DONE",
+            json.dumps(
+                dict(
+                    sent=sent,
+                    accepted=accepted,
+                    errors=errors,
+                    counts=dict(pipeline.counts),
+                    mal_score=pipeline.scores.score(mal, time.time()),
+                    mal_banned=pipeline.scores.is_blacklisted(mal, time.time()),
+                )
+            ),
+        )
         await stdin.readline()
         nursery.cancel_scope.cancel()
-
 
 
 def _spawn(entry: str, args: str, params: dict[str, Any]) -> subprocess.Popen[str]:
@@ -311,10 +424,13 @@ def _spawn(entry: str, args: str, params: dict[str, Any]) -> subprocess.Popen[st
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    code = (f"import trio, json; from murmur.simulations.bench.gossip import {entry}; "
-            f"trio.run({entry}, {args}, json.loads({json.dumps(json.dumps(params))}))")
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+    code = (
+        f"import trio, json; from murmur.simulations.bench.gossip import {entry}; "
+        f"trio.run({entry}, {args}, json.loads({json.dumps(json.dumps(params))}))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
 
 
 def _expect(p: subprocess.Popen[str], word: str) -> str:
@@ -322,7 +438,7 @@ def _expect(p: subprocess.Popen[str], word: str) -> str:
     line = p.stdout.readline() if p.stdout else ""
     if not line.startswith(word):
         raise RuntimeError(f"bench node said {line!r}, expected {word}")
-    return line[len(word):].strip()
+    return line[len(word) :].strip()
 
 
 def _send(p: subprocess.Popen[str], line: str) -> None:
@@ -353,13 +469,29 @@ def _reap(procs: list[subprocess.Popen[str]]) -> None:
             p.kill()
 
 
-def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_per_batch: int, tokens: int,
-              adversarial: bool, timeout_s: float) -> dict[str, Any]:
+def run_swarm(
+    nodes: int,
+    batches_per_node: int,
+    rate_per_node: float,
+    rollouts_per_batch: int,
+    tokens: int,
+    adversarial: bool,
+    timeout_s: float,
+) -> dict[str, Any]:
     honest = nodes - 1 if adversarial else nodes
-    params = dict(nodes=nodes, batches=batches_per_node, rate_per_node=rate_per_node, rollouts=rollouts_per_batch,
-                  tokens=tokens, rate_limit=20.0, burst=40, expect=(honest - 1) * batches_per_node,
-                  adversarial=batches_per_node * 7 if adversarial else 0, adv_gap=1.0 / (10 * 20.0),
-                  timeout=timeout_s)
+    params = dict(
+        nodes=nodes,
+        batches=batches_per_node,
+        rate_per_node=rate_per_node,
+        rollouts=rollouts_per_batch,
+        tokens=tokens,
+        rate_limit=20.0,
+        burst=40,
+        expect=(honest - 1) * batches_per_node,
+        adversarial=batches_per_node * 7 if adversarial else 0,
+        adv_gap=1.0 / (10 * 20.0),
+        timeout=timeout_s,
+    )
     procs: list[subprocess.Popen] = []
     try:
         for i in range(nodes):
@@ -393,14 +525,25 @@ def run_swarm(nodes: int, batches_per_node: int, rate_per_node: float, rollouts_
     def pct(q: float) -> float:
         return round(lat[min(len(lat) - 1, int(q * len(lat)))], 1) if lat else float("nan")
 
-    return dict(nodes=nodes, honest_nodes=honest, processes=True, rollouts_sent=len(sent) * rollouts_per_batch,
-                batches_sent=len(sent), delivery_ratio=round(delivered / max(1, len(sent)), 4),
-                p50_ms=pct(0.5), p95_ms=pct(0.95), max_ms=round(lat[-1], 1) if lat else float("nan"),
-                publish_errors=sum(r["errors"] for r in hon), adversarial_sent=bad_sent,
-                adversarial_accepted=adv_accepted,
-                adversary_graylisted_at=sum(1 for r in hon if r["mal_score"] < -50.0),
-                adversary_banned_at=sum(1 for r in hon if r["mal_banned"]),
-                rate_per_node=rate_per_node, rollouts_per_batch=rollouts_per_batch, tokens=tokens)
+    return dict(
+        nodes=nodes,
+        honest_nodes=honest,
+        processes=True,
+        rollouts_sent=len(sent) * rollouts_per_batch,
+        batches_sent=len(sent),
+        delivery_ratio=round(delivered / max(1, len(sent)), 4),
+        p50_ms=pct(0.5),
+        p95_ms=pct(0.95),
+        max_ms=round(lat[-1], 1) if lat else float("nan"),
+        publish_errors=sum(r["errors"] for r in hon),
+        adversarial_sent=bad_sent,
+        adversarial_accepted=adv_accepted,
+        adversary_graylisted_at=sum(1 for r in hon if r["mal_score"] < -50.0),
+        adversary_banned_at=sum(1 for r in hon if r["mal_banned"]),
+        rate_per_node=rate_per_node,
+        rollouts_per_batch=rollouts_per_batch,
+        tokens=tokens,
+    )
 
 
 # ------------------------------------------------------------ the rollout exchange at a fixed rate and demand
@@ -439,8 +582,14 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
     lineage = bench_lineage(ident)
     stdin = trio.wrap_file(sys.stdin)
     cfg = PipelineConfig(swarm=SWARM, rate_per_s=20.0, burst=40)
-    pipeline = Pipeline(cfg, clock=time.time, resolve_task=reg.resolve, reward=score, head_version=lambda _: None,
-                        task_set_trusted=reg.__contains__)
+    pipeline = Pipeline(
+        cfg,
+        clock=time.time,
+        resolve_task=reg.resolve,
+        reward=score,
+        head_version=lambda _: None,
+        task_set_trusted=reg.__contains__,
+    )
     cpu = [0.0]  # seconds of CPU in the pipeline's stages (admit on the loop, verify in a thread)
 
     def timed(f: Any) -> Any:
@@ -450,6 +599,7 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
                 return f(*a, **k)
             finally:
                 cpu[0] += time.thread_time() - t0
+
         return g
 
     pipeline.admit = timed(pipeline.admit)  # type: ignore[method-assign]  # the stage timed in place
@@ -481,14 +631,16 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
         outbox = exchange.Outbox(time.monotonic()) if params.get("real") else None
 
         async def replan() -> None:
-            plan = ex.plan(time.monotonic(), params["nodes"], supply, demand, home=[],
-                           measured_rps=meter.rate(time.monotonic()))
+            plan = ex.plan(
+                time.monotonic(), params["nodes"], supply, demand, home=[], measured_rps=meter.rate(time.monotonic())
+            )
             await service.set_shards(plan.shards, plan.subscribe)
             if outbox is not None:  # every other peer consumes `demand`; those publishing on our shard share it
                 mine = ex.publish_shard(lineage)
                 sharing = 1 + sum(1 for o in others if ex.publish_shard(bench_lineage(o)) == mine)
-                outbox.set_rate(exchange.publish_budget([demand] * len(others), 0.0, sharing, False, per_batch),
-                                time.monotonic())
+                outbox.set_rate(
+                    exchange.publish_budget([demand] * len(others), 0.0, sharing, False, per_batch), time.monotonic()
+                )
 
         await replan()
         print("READY", flush=True)
@@ -528,25 +680,53 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
         span = time.time() - stats0[2]
         await trio.sleep(2.0)  # batches in flight arrive
         st = service.stats
-        print("DONE", json.dumps(dict(
-            sent=sent, accepted=accepted, errors=errors, span=span, cpu=cpu[0] - stats0[1], made=made,
-            counts={k: st.counts[k] - stats0[0].get(k, 0) for k in st.counts}, dropped=dict(st.dropped),
-            distinct=st.distinct_producers(pipeline.clock()), shards=service.shards,
-            subscribed=list(service.subscribed_shards))), flush=True)
+        print(
+            "DONE",
+            json.dumps(
+                dict(
+                    sent=sent,
+                    accepted=accepted,
+                    errors=errors,
+                    span=span,
+                    cpu=cpu[0] - stats0[1],
+                    made=made,
+                    counts={k: st.counts[k] - stats0[0].get(k, 0) for k in st.counts},
+                    dropped=dict(st.dropped),
+                    distinct=st.distinct_producers(pipeline.clock()),
+                    shards=service.shards,
+                    subscribed=list(service.subscribed_shards),
+                )
+            ),
+            flush=True,
+        )
         await stdin.readline()
         nursery.cancel_scope.cancel()
 
 
-def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int = 8, tokens: int = 64,
-                 demand: float = 8.0, duration_s: float = 30.0, real_producers: bool = False) -> dict[str, Any]:
+def run_exchange(
+    nodes: int,
+    rate_per_node: float = 1.0,
+    rollouts_per_batch: int = 8,
+    tokens: int = 64,
+    demand: float = 8.0,
+    duration_s: float = 30.0,
+    real_producers: bool = False,
+) -> dict[str, Any]:
     """`nodes` processes, each a producer (`rate_per_node` batches/s of `rollouts_per_batch`) and a consumer
     of `demand` rollouts/s, on the rollout exchange; per-consumer inbound, verification CPU, use, reach.
     `real_producers`: each makes `REAL_PRODUCER_FACTOR` times the demand and publishes by the exchange's
     publish rule, as a trainer does (`produced` and `published` say how much went out)."""
     if real_producers:
         rate_per_node = REAL_PRODUCER_FACTOR * demand / rollouts_per_batch
-    params = dict(nodes=nodes, rate=rate_per_node, rollouts=rollouts_per_batch, tokens=tokens, demand=demand,
-                  duration=duration_s, real=real_producers)
+    params = dict(
+        nodes=nodes,
+        rate=rate_per_node,
+        rollouts=rollouts_per_batch,
+        tokens=tokens,
+        demand=demand,
+        duration=duration_s,
+        real=real_producers,
+    )
     procs: list[subprocess.Popen] = []
     try:
         for i in range(nodes):
@@ -580,35 +760,75 @@ def run_exchange(nodes: int, rate_per_node: float = 1.0, rollouts_per_batch: int
         for k, v in r["dropped"].items():
             dropped[k] = dropped.get(k, 0) + v
     return dict(
-        nodes=nodes, processes=True, rate_per_node=rate_per_node, rollouts_per_batch=rollouts_per_batch,
-        demand_rollouts_per_s=demand, duration_s=duration_s, shards=max(r["shards"] for r in results),
+        nodes=nodes,
+        processes=True,
+        rate_per_node=rate_per_node,
+        rollouts_per_batch=rollouts_per_batch,
+        demand_rollouts_per_s=demand,
+        duration_s=duration_s,
+        shards=max(r["shards"] for r in results),
         subscribed_per_consumer=mm([float(len(r["subscribed"])) for r in results]),
-        inbound_rollouts_per_s=mm(inbound), verify_cpu_s_per_s=mm(cpu, 4),
+        inbound_rollouts_per_s=mm(inbound),
+        verify_cpu_s_per_s=mm(cpu, 4),
         used_over_verified=round(sum(used) / max(1, sum(verified)), 3),
         demand_met=round(min(v / w for v, w in zip(verified, want)), 3),
         distinct_producers=mm([float(d) for d in distinct]),
         delivery_p50_ms=round(lat[len(lat) // 2], 1) if lat else None,
         delivery_p95_ms=round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 1) if lat else None,
-        batches_published=len(sent), batches_made=sum(r["made"] for r in results), real_producers=real_producers,
-        publish_errors=sum(r["errors"] for r in results), dropped=dropped)
+        batches_published=len(sent),
+        batches_made=sum(r["made"] for r in results),
+        real_producers=real_producers,
+        publish_errors=sum(r["errors"] for r in results),
+        dropped=dropped,
+    )
 
 
-def run(nodes: int = 8, batches_per_node: int = 10, rate_per_node: float = 0.5, rollouts_per_batch: int = 4,
-        tokens: int = 64, adversarial: bool = True, timeout_s: float = 60.0, exchange_only: bool = False,
-        demand: float = 8.0, duration_s: float = 30.0, real_producers: bool = False) -> dict[str, Any]:
+def run(
+    nodes: int = 8,
+    batches_per_node: int = 10,
+    rate_per_node: float = 0.5,
+    rollouts_per_batch: int = 4,
+    tokens: int = 64,
+    adversarial: bool = True,
+    timeout_s: float = 60.0,
+    exchange_only: bool = False,
+    demand: float = 8.0,
+    duration_s: float = 30.0,
+    real_producers: bool = False,
+) -> dict[str, Any]:
     """The rollout exchange at a fixed rate and demand (`exchange`), then (unless `exchange_only`) the
     adversarial delivery run on one shard (`nodes` processes, the last one adversarial) and the pipeline alone."""
     if nodes < 3:
         raise ValueError("the gossip benchmark needs at least 3 nodes")
-    out: dict[str, Any] = {"exchange": run_exchange(nodes, demand=demand, duration_s=duration_s,
-                                                    real_producers=real_producers)}
-    out.update({k: out["exchange"][k] for k in ("inbound_rollouts_per_s", "verify_cpu_s_per_s", "used_over_verified",
-                                                "distinct_producers", "delivery_p95_ms", "demand_met")})
+    out: dict[str, Any] = {
+        "exchange": run_exchange(nodes, demand=demand, duration_s=duration_s, real_producers=real_producers)
+    }
+    out.update(
+        {
+            k: out["exchange"][k]
+            for k in (
+                "inbound_rollouts_per_s",
+                "verify_cpu_s_per_s",
+                "used_over_verified",
+                "distinct_producers",
+                "delivery_p95_ms",
+                "demand_met",
+            )
+        }
+    )
     if exchange_only:
         return out
-    out.update(run_swarm(nodes=nodes, batches_per_node=batches_per_node, rate_per_node=rate_per_node,
-                         rollouts_per_batch=rollouts_per_batch, tokens=tokens, adversarial=adversarial,
-                         timeout_s=timeout_s))
+    out.update(
+        run_swarm(
+            nodes=nodes,
+            batches_per_node=batches_per_node,
+            rate_per_node=rate_per_node,
+            rollouts_per_batch=rollouts_per_batch,
+            tokens=tokens,
+            adversarial=adversarial,
+            timeout_s=timeout_s,
+        )
+    )
     out.update(verify_throughput())
     return out
 

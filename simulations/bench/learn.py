@@ -89,10 +89,12 @@ def run(budget_s: float = 300, seed: int = 0, threads: int = 1, steps: int | Non
         "eval_start": round(eval_start["all"], 4),
         "eval_end": round(eval_end["all"], 4),
         "eval_gain": round(eval_end["all"] - eval_start["all"], 4),
-        "eval_by_family": {f: {"start": round(eval_start[f], 4), "end": round(eval_end[f], 4)}
-                           for f in eval_start if f != "all"},
-        "eval_wellformed": {f: {"start": round(shaped_start[f], 4), "end": round(shaped_end[f], 4)}
-                            for f in shaped_start},
+        "eval_by_family": {
+            f: {"start": round(eval_start[f], 4), "end": round(eval_end[f], 4)} for f in eval_start if f != "all"
+        },
+        "eval_wellformed": {
+            f: {"start": round(shaped_start[f], 4), "end": round(shaped_end[f], 4)} for f in shaped_start
+        },
         "total_s": round(time.monotonic() - t_start, 2),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }

@@ -111,9 +111,17 @@ def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(sum(d[k] for d in ds) / len(ds), 4) for k in ds[0]} if ds else {}
 
 
-def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: Any, rng: random.Random,
-                       lineage: bytes, version: int, groups: int, max_new_tokens: int = int(TRAINER["max_new_tokens"])
-                       ) -> list[Any]:
+def _follower_rollouts(
+    engine: Any,
+    gens: list[Any],
+    task_set: bytes,
+    resolve: Any,
+    rng: random.Random,
+    lineage: bytes,
+    version: int,
+    groups: int,
+    max_new_tokens: int = int(TRAINER["max_new_tokens"]),
+) -> list[Any]:
     """`groups` groups of a follower holding `lineage`'s `version`, as wire rollouts of that lineage (what
     ECHO-2's inference workers send their trainer)."""
     from murmur.gossip.wire import TaskRef
@@ -131,10 +139,25 @@ def _follower_rollouts(engine: Any, gens: list[Any], task_set: bytes, resolve: A
     comps = engine.generate([t.prompt for t in tasks], int(TRAINER["group_size"]), sampling)
     for (ref, _), task, group in zip(refs, tasks, comps):
         for c in group:
-            out.append(to_wire(RolloutRec(ref=ref, task=task, prompt_ids=c.prompt_ids, ids=c.ids, text=c.text,
-                                          logprobs=c.logprobs, token_versions=[(0, version)], version=version,
-                                          lineage=lineage, tokenizer_hash=engine.tokenizer_hash, sampling=sampling,
-                                          reward=score(task, c.text), finished=c.finished)))
+            out.append(
+                to_wire(
+                    RolloutRec(
+                        ref=ref,
+                        task=task,
+                        prompt_ids=c.prompt_ids,
+                        ids=c.ids,
+                        text=c.text,
+                        logprobs=c.logprobs,
+                        token_versions=[(0, version)],
+                        version=version,
+                        lineage=lineage,
+                        tokenizer_hash=engine.tokenizer_hash,
+                        sampling=sampling,
+                        reward=score(task, c.text),
+                        finished=c.finished,
+                    )
+                )
+            )
     return out
 
 
@@ -192,8 +215,17 @@ class _Adversary:
         self.batches += 1
         self.last_ms = max(now_ms(), self.last_ms + 1)  # every batch's rows are told apart by it
         size = int(TRAINER["group_size"])
-        rows = _follower_rollouts(self.node.engine, gens, task_set, resolve, self.rng, self.node.lineage, self.batches,
-                                  int(TRAINER["local_groups"]), self.max_new_tokens)
+        rows = _follower_rollouts(
+            self.node.engine,
+            gens,
+            task_set,
+            resolve,
+            self.rng,
+            self.node.lineage,
+            self.batches,
+            int(TRAINER["local_groups"]),
+            self.max_new_tokens,
+        )
         rows = useless.stamp(useless.claim_low_logprobs(useless.informative(rows)), self.last_ms)
         if not rows:
             return self.node.ident.peer_id, []
@@ -201,8 +233,15 @@ class _Adversary:
             rows = useless.forge(rows, size)
             self.bad_keys.update(useless.row_key(r) for r in rows)
             self.forged += 1
-            sybil = _Node(1000 + self.batches, _ident(seed=self.seed, i=1000 + self.batches), self.node.lineage,
-                          None, None, None, None)
+            sybil = _Node(
+                1000 + self.batches,
+                _ident(seed=self.seed, i=1000 + self.batches),
+                self.node.lineage,
+                None,
+                None,
+                None,
+                None,
+            )
             return sybil.ident.peer_id, _seal(sybil, rows)
         return self.node.ident.peer_id, _seal(self.node, rows)
 
@@ -220,8 +259,17 @@ class _Adversary:
         return counted
 
 
-def make_nodes(nodes: int, seed: int, home: Path, warmup_steps: int | None, answers: str, eval_per_family: int,
-               external_groups: int, swarm: bool, watch: Any = None) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
+def make_nodes(
+    nodes: int,
+    seed: int,
+    home: Path,
+    warmup_steps: int | None,
+    answers: str,
+    eval_per_family: int,
+    external_groups: int,
+    swarm: bool,
+    watch: Any = None,
+) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
     """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
     swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it.
     Returns the nodes, the held-out tasks and the heads table their pipelines read."""
@@ -249,11 +297,25 @@ def make_nodes(nodes: int, seed: int, home: Path, warmup_steps: int | None, answ
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
         cfg = TrainerConfig(**{**shape, "external_groups": external_groups}, seed=seed * 100 + i)
         # what a node's pipeline checks: its own token budget and tokenizer (node.shell.runtime)
-        pipeline = Pipeline(PipelineConfig(swarm=SWARM, max_staleness=cfg.max_staleness, rate_per_s=1e6, burst=10**6,
-                                           max_completion_tokens=cfg.max_new_tokens),
-                            clock=time.time, resolve_task=reg.resolve, reward=score,
-                            head_version=lambda lin: heads.get(bytes(lin)),
-                            task_set_trusted=reg.__contains__, check_tokens=check_tokens) if swarm else None
+        pipeline = (
+            Pipeline(
+                PipelineConfig(
+                    swarm=SWARM,
+                    max_staleness=cfg.max_staleness,
+                    rate_per_s=1e6,
+                    burst=10**6,
+                    max_completion_tokens=cfg.max_new_tokens,
+                ),
+                clock=time.time,
+                resolve_task=reg.resolve,
+                reward=score,
+                head_version=lambda lin: heads.get(bytes(lin)),
+                task_set_trusted=reg.__contains__,
+                check_tokens=check_tokens,
+            )
+            if swarm
+            else None
+        )
         sampler = Sampler(POOL_GROUPS, cfg.max_staleness, seed=seed * 100 + i, own=lineage) if swarm else None
         node = _Node(i, ident, lineage, None, engine, pipeline, sampler)
         _timed_sampling(node)
@@ -314,10 +376,19 @@ def evaluate_node(n: _Node, tasks: list[Any], new_tokens: int) -> None:
     n.gen_cpu = gen_cpu
 
 
-
-def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-            home: Path, warmup_steps: int | None = None, followers: int = 0,
-            adversary: bool = False, answers: str = "short") -> dict[str, Any]:
+def run_arm(
+    swarm: bool,
+    nodes: int,
+    seed: int,
+    cpu_s: float,
+    checkpoints: int,
+    eval_per_family: int,
+    home: Path,
+    warmup_steps: int | None = None,
+    followers: int = 0,
+    adversary: bool = False,
+    answers: str = "short",
+) -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
     step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched);
@@ -336,15 +407,21 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS, answers=answers)
         adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99), new_tokens)
     ext = 0 if not swarm else int(shape["external_groups"]) * max(1, followers)
-    ns, tasks, heads = make_nodes(nodes, seed, home, warmup_steps, answers, eval_per_family, ext, swarm,
-                                  None if adv is None else adv.watch)
+    ns, tasks, heads = make_nodes(
+        nodes, seed, home, warmup_steps, answers, eval_per_family, ext, swarm, None if adv is None else adv.watch
+    )
     if adv is not None:
         heads[adv.node.lineage] = 0
     fols: list[tuple[Any, Any, random.Random]] = []  # (engine, identity, task rng) of node 0's followers
     for k in range(followers):
         fpath = ensure_tiny(home, seed=seed * 64, warmup_steps=warmup_steps, answers=answers)  # node 0's model
-        fols.append((HFEngine.from_path(fpath, device="cpu", seed=seed * 100 + 50 + k), _ident(seed, 50 + k),
-                     random.Random(seed * 100 + 50 + k)))
+        fols.append(
+            (
+                HFEngine.from_path(fpath, device="cpu", seed=seed * 100 + 50 + k),
+                _ident(seed, 50 + k),
+                random.Random(seed * 100 + 50 + k),
+            )
+        )
     fol_nodes = [_Node(50 + k, ident, ns[0].lineage, None, eng, None, None) for k, (eng, ident, _) in enumerate(fols)]
     marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
 
@@ -365,16 +442,27 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
             state = node.engine.model.state_dict()
             for (eng, _, rng), fn in zip(fols, fol_nodes):
                 eng.model.load_state_dict(state)  # a patch applied at once: transport not modelled
-                batch = _follower_rollouts(eng, gens, node.trainer.task_set, node.trainer.registry.resolve, rng,
-                                           node.lineage,
-                                           node.trainer.version, int(TRAINER["local_groups"]), new_tokens)
+                batch = _follower_rollouts(
+                    eng,
+                    gens,
+                    node.trainer.task_set,
+                    node.trainer.registry.resolve,
+                    rng,
+                    node.lineage,
+                    node.trainer.version,
+                    int(TRAINER["local_groups"]),
+                    new_tokens,
+                )
                 assert node.pipeline is not None and node.sampler is not None
                 _receive(node, _seal(fn, batch), fn.ident.peer_id)
         trainer_turn(node, ns, heads, [o for o in ns if o is not node] if swarm else [])
         honest_steps += 1
         if adv is not None and honest_steps % nodes == 0:
-            sender, payloads = adv.payloads(train_generators(node.trainer.registry.get(node.trainer.task_set)),
-                                            node.trainer.task_set, node.trainer.registry.resolve)
+            sender, payloads = adv.payloads(
+                train_generators(node.trainer.registry.get(node.trainer.task_set)),
+                node.trainer.task_set,
+                node.trainer.registry.resolve,
+            )
             heads[adv.node.lineage] = adv.batches
             for other in ns:
                 assert other.sampler is not None
@@ -386,32 +474,56 @@ def run_arm(swarm: bool, nodes: int, seed: int, cpu_s: float, checkpoints: int, 
         while len(n.curve) < len(marks):
             evaluate(n)
     curve = [sum(n.curve[k] for n in ns) / len(ns) for k in range(len(marks))]
-    return {"marks": marks, "curve": curve, "per_node_final": [n.curve[-1] for n in ns], "eval_tasks": len(tasks),
-            "updates_per_node": [n.updates for n in ns], "external_groups_per_node": [n.ext_groups for n in ns],
-            "steps_per_node": [n.trainer.step_no for n in ns],
-            "used_over_verified": (round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4)
-                                   if swarm else None),
-            "cpu_per_node": [round(n.cpu, 3) for n in ns],
-            "verified_per_node": [n.verified for n in ns],
-            "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
-            "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
-            "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
-            "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
-            # measured: the part of the trainers' steps spent sampling (pooled over the arm's nodes)
-            "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.step_cpu for n in ns)), 4),
-            "adversary": None if adv is None else {"batches": adv.batches, "forged_batches": adv.forged,
-                                                  "rows_taken": adv.taken, "provably_bad_rows_taken": adv.bad_taken,
-                                                  # honest nodes forge nothing: every forgery refused is its
-                                                  "rejected": sum(n.pipeline.counts["forged_reward"] for n in ns
-                                                                  if n.pipeline is not None)},
-            "sampler": {k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
-                        for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})},
-            "wall_s": round(time.monotonic() - wall0, 1)}
+    return {
+        "marks": marks,
+        "curve": curve,
+        "per_node_final": [n.curve[-1] for n in ns],
+        "eval_tasks": len(tasks),
+        "updates_per_node": [n.updates for n in ns],
+        "external_groups_per_node": [n.ext_groups for n in ns],
+        "steps_per_node": [n.trainer.step_no for n in ns],
+        "used_over_verified": (
+            round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4) if swarm else None
+        ),
+        "cpu_per_node": [round(n.cpu, 3) for n in ns],
+        "verified_per_node": [n.verified for n in ns],
+        "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
+        "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
+        "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
+        "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
+        # measured: the part of the trainers' steps spent sampling (pooled over the arm's nodes)
+        "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.step_cpu for n in ns)), 4),
+        "adversary": None
+        if adv is None
+        else {
+            "batches": adv.batches,
+            "forged_batches": adv.forged,
+            "rows_taken": adv.taken,
+            "provably_bad_rows_taken": adv.bad_taken,
+            # honest nodes forge nothing: every forgery refused is its
+            "rejected": sum(n.pipeline.counts["forged_reward"] for n in ns if n.pipeline is not None),
+        },
+        "sampler": {
+            k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
+            for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})
+        },
+        "wall_s": round(time.monotonic() - wall0, 1),
+    }
 
 
-def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int,
-             home: str | None = None, warmup_steps: int | None = None, followers: int = 0,
-             adversary: bool = False, answers: str = "short", default_roles: bool = False) -> dict[str, Any]:
+def run_seed(
+    nodes: int,
+    seed: int,
+    cpu_s: float,
+    checkpoints: int,
+    eval_per_family: int,
+    home: str | None = None,
+    warmup_steps: int | None = None,
+    followers: int = 0,
+    adversary: bool = False,
+    answers: str = "short",
+    default_roles: bool = False,
+) -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
     whose N-th member is the adversary; with `default_roles`, the swarm's roles chosen by the node's own
@@ -426,31 +538,55 @@ def run_seed(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_fam
 
         sw = run_auto_arm(n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
     else:
-        sw = run_arm(True, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, followers=followers,
-                     adversary=adversary, answers=answers)
+        sw = run_arm(
+            True,
+            n,
+            seed,
+            cpu_s,
+            checkpoints,
+            eval_per_family,
+            base,
+            warmup_steps,
+            followers=followers,
+            adversary=adversary,
+            answers=answers,
+        )
     xs = iso["marks"]
     target = iso["curve"][-1]
     speedup, reached, iso_cpu, sw_cpu = curves.speedup(xs, iso["curve"], sw["curve"])
-    return {"seed": seed, "answers": answers, "eval_tasks": iso["eval_tasks"], "speedup": round(speedup, 4),
-            "reached": reached, "iso_cpu": round(iso_cpu, 2),
-            "swarm_cpu": None if sw_cpu is None else round(sw_cpu, 2),
-            "iso_final": round(target, 4), "swarm_final": round(sw["curve"][-1], 4),
-            "final_acc_delta": round(sw["curve"][-1] - target, 4),
-            "auc_delta": round(curves.auc(xs, sw["curve"]) - curves.auc(xs, iso["curve"]), 4),
-            "curves": {"cpu_s": [round(x, 2) for x in xs], "isolated": [round(y, 4) for y in iso["curve"]],
-                       "swarm": [round(y, 4) for y in sw["curve"]]},
-            "updates_per_node": {"isolated": iso["updates_per_node"], "swarm": sw["updates_per_node"]},
-            "steps_per_node": {"isolated": iso["steps_per_node"], "swarm": sw["steps_per_node"]},
-            "external_groups_per_node": sw["external_groups_per_node"],
-            "used_over_verified": sw["used_over_verified"],
-            "cpu_per_node": {"isolated": iso["cpu_per_node"], "swarm": sw["cpu_per_node"]},
-            "final_by_family": {"isolated": iso["final_by_family"], "swarm": sw["final_by_family"]},
-            "final_wellformed": {"isolated": iso["final_wellformed"], "swarm": sw["final_wellformed"]},
-            "wellformed_curve": {"isolated": iso["wellformed_curve"], "swarm": sw["wellformed_curve"]},
-            "verified_per_node": sw["verified_per_node"], "verify_share": sw["verify_share"], "sampler": sw["sampler"],
-            "generation_share": {"isolated": iso["generation_share"], "swarm": sw["generation_share"]},
-            "adversary": sw["adversary"], "roles": sw.get("roles"),
-            "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]}}
+    return {
+        "seed": seed,
+        "answers": answers,
+        "eval_tasks": iso["eval_tasks"],
+        "speedup": round(speedup, 4),
+        "reached": reached,
+        "iso_cpu": round(iso_cpu, 2),
+        "swarm_cpu": None if sw_cpu is None else round(sw_cpu, 2),
+        "iso_final": round(target, 4),
+        "swarm_final": round(sw["curve"][-1], 4),
+        "final_acc_delta": round(sw["curve"][-1] - target, 4),
+        "auc_delta": round(curves.auc(xs, sw["curve"]) - curves.auc(xs, iso["curve"]), 4),
+        "curves": {
+            "cpu_s": [round(x, 2) for x in xs],
+            "isolated": [round(y, 4) for y in iso["curve"]],
+            "swarm": [round(y, 4) for y in sw["curve"]],
+        },
+        "updates_per_node": {"isolated": iso["updates_per_node"], "swarm": sw["updates_per_node"]},
+        "steps_per_node": {"isolated": iso["steps_per_node"], "swarm": sw["steps_per_node"]},
+        "external_groups_per_node": sw["external_groups_per_node"],
+        "used_over_verified": sw["used_over_verified"],
+        "cpu_per_node": {"isolated": iso["cpu_per_node"], "swarm": sw["cpu_per_node"]},
+        "final_by_family": {"isolated": iso["final_by_family"], "swarm": sw["final_by_family"]},
+        "final_wellformed": {"isolated": iso["final_wellformed"], "swarm": sw["final_wellformed"]},
+        "wellformed_curve": {"isolated": iso["wellformed_curve"], "swarm": sw["wellformed_curve"]},
+        "verified_per_node": sw["verified_per_node"],
+        "verify_share": sw["verify_share"],
+        "sampler": sw["sampler"],
+        "generation_share": {"isolated": iso["generation_share"], "swarm": sw["generation_share"]},
+        "adversary": sw["adversary"],
+        "roles": sw.get("roles"),
+        "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]},
+    }
 
 
 def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tuple[float, float]:
@@ -463,9 +599,20 @@ def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int | None, i
     return run_seed(*a)
 
 
-def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, checkpoints: int = 6,
-        eval_per_family: int = 30, workers: int = 1, home: str | None = None, followers: int = 0,
-        adversary: bool = False, answers: str = "short", default_roles: bool = False) -> dict[str, Any]:
+def run(
+    nodes: int = 4,
+    seeds: int = 5,
+    seed: int = 0,
+    cpu_s: float = 48.0,
+    checkpoints: int = 6,
+    eval_per_family: int = 30,
+    workers: int = 1,
+    home: str | None = None,
+    followers: int = 0,
+    adversary: bool = False,
+    answers: str = "short",
+    default_roles: bool = False,
+) -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
     one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone;
@@ -475,8 +622,9 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     from concurrent.futures import ProcessPoolExecutor
 
     if (nodes < 2 + adversary and not followers) or followers < 0 or seeds < 1 or cpu_s <= 0 or checkpoints < 1:
-        raise ValueError("need nodes >= 2 (3 with an adversary; or followers >= 1), seeds >= 1, cpu_s > 0, "
-                         "checkpoints >= 1")
+        raise ValueError(
+            "need nodes >= 2 (3 with an adversary; or followers >= 1), seeds >= 1, cpu_s > 0, checkpoints >= 1"
+        )
     trainer_shape(answers)  # an unknown regime is refused before any process starts
     if followers and adversary:
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
@@ -486,51 +634,106 @@ def run(nodes: int = 4, seeds: int = 5, seed: int = 0, cpu_s: float = 48.0, chec
     from murmur.training.tiny import default_warmup_steps
 
     warmup = default_warmup_steps(answers)
-    todo = [(nodes, seed + k, cpu_s, checkpoints, eval_per_family, home, warmup, followers, adversary, answers,
-             default_roles) for k in range(seeds)]
+    todo = [
+        (
+            nodes,
+            seed + k,
+            cpu_s,
+            checkpoints,
+            eval_per_family,
+            home,
+            warmup,
+            followers,
+            adversary,
+            answers,
+            default_roles,
+        )
+        for k in range(seeds)
+    ]
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed_args, todo))
-    out = summarise(per, nodes=nodes, followers=followers, adversary=adversary, cpu_s=cpu_s, answers=answers,
-                    checkpoints=checkpoints, seed=seed, warmup=warmup, default_roles=default_roles)
+    out = summarise(
+        per,
+        nodes=nodes,
+        followers=followers,
+        adversary=adversary,
+        cpu_s=cpu_s,
+        answers=answers,
+        checkpoints=checkpoints,
+        seed=seed,
+        warmup=warmup,
+        default_roles=default_roles,
+    )
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
 
 
-def summarise(per: list[dict[str, Any]], *, nodes: int, followers: int, adversary: bool, cpu_s: float,
-              answers: str, checkpoints: int, seed: int, warmup: int | None,
-              default_roles: bool = False) -> dict[str, Any]:
+def summarise(
+    per: list[dict[str, Any]],
+    *,
+    nodes: int,
+    followers: int,
+    adversary: bool,
+    cpu_s: float,
+    answers: str,
+    checkpoints: int,
+    seed: int,
+    warmup: int | None,
+    default_roles: bool = False,
+) -> dict[str, Any]:
     """The run's summary of its seeds' results (`run_seed`): means, the speedup's interval, the seeds."""
     shape = trainer_shape(answers)
     sp = [r["speedup"] for r in per]
     lo, hi = bootstrap_ci(sp, random.Random(seed))
     mean = sum(sp) / len(sp)
-    return {"bench": "swarm-matched", "nodes": 1 if followers else nodes, "followers": followers,
-            "with_adversary": adversary, "default_roles": default_roles,
-            "pods": None if not default_roles else [sorted(len(f) for f in r["roles"]["pods"].values())
-                                                    for r in per], "seeds": [r["seed"] for r in per], "cpu_s_per_node": cpu_s,
-            "answers": answers, "checkpoints": checkpoints, "eval_tasks": per[0]["eval_tasks"], "trainer": shape,
-            "warmup_steps": warmup, "speedup": round(mean, 4), "speedup_ci": [round(lo, 4), round(hi, 4)],
-            "reached": sum(r["reached"] for r in per),
-            "final_acc_delta": round(sum(r["final_acc_delta"] for r in per) / len(per), 4),
-            "auc_delta": round(sum(r["auc_delta"] for r in per) / len(per), 4),
-            "used_over_verified": round(sum(r["used_over_verified"] for r in per) / len(per), 4),
-            "verify_share": round(sum(r["verify_share"] for r in per) / len(per), 4),
-            "generation_share": {arm: round(sum(r["generation_share"][arm] for r in per) / len(per), 4)
-                                 for arm in ("isolated", "swarm")},
-            "adversary": None if not adversary else {
-                k: sum(r["adversary"][k] for r in per)
-                for k in ("batches", "forged_batches", "rows_taken", "provably_bad_rows_taken", "rejected")},
-            "per_seed": per,
-            "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "
-                      "nodes stepped least-CPU-first to an equal budget, held-out greedy accuracy at equal CPU "
-                      "marks, paired seeds (same nodes, warm-ups and trainer seeds in both arms)"}
+    return {
+        "bench": "swarm-matched",
+        "nodes": 1 if followers else nodes,
+        "followers": followers,
+        "with_adversary": adversary,
+        "default_roles": default_roles,
+        "pods": None if not default_roles else [sorted(len(f) for f in r["roles"]["pods"].values()) for r in per],
+        "seeds": [r["seed"] for r in per],
+        "cpu_s_per_node": cpu_s,
+        "answers": answers,
+        "checkpoints": checkpoints,
+        "eval_tasks": per[0]["eval_tasks"],
+        "trainer": shape,
+        "warmup_steps": warmup,
+        "speedup": round(mean, 4),
+        "speedup_ci": [round(lo, 4), round(hi, 4)],
+        "reached": sum(r["reached"] for r in per),
+        "final_acc_delta": round(sum(r["final_acc_delta"] for r in per) / len(per), 4),
+        "auc_delta": round(sum(r["auc_delta"] for r in per) / len(per), 4),
+        "used_over_verified": round(sum(r["used_over_verified"] for r in per) / len(per), 4),
+        "verify_share": round(sum(r["verify_share"] for r in per) / len(per), 4),
+        "generation_share": {
+            arm: round(sum(r["generation_share"][arm] for r in per) / len(per), 4) for arm in ("isolated", "swarm")
+        },
+        "adversary": None
+        if not adversary
+        else {
+            k: sum(r["adversary"][k] for r in per)
+            for k in ("batches", "forged_batches", "rows_taken", "provably_bad_rows_taken", "rejected")
+        },
+        "per_seed": per,
+        "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "
+        "nodes stepped least-CPU-first to an equal budget, held-out greedy accuracy at equal CPU "
+        "marks, paired seeds (same nodes, warm-ups and trainer seeds in both arms)",
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover - manual runs
     import json
     import sys
 
-    print(json.dumps(run(nodes=int(sys.argv[1]) if len(sys.argv) > 1 else 4,
-                         seeds=int(sys.argv[2]) if len(sys.argv) > 2 else 5,
-                         cpu_s=float(sys.argv[3]) if len(sys.argv) > 3 else 20.0,
-                         workers=int(sys.argv[4]) if len(sys.argv) > 4 else 1)))
+    print(
+        json.dumps(
+            run(
+                nodes=int(sys.argv[1]) if len(sys.argv) > 1 else 4,
+                seeds=int(sys.argv[2]) if len(sys.argv) > 2 else 5,
+                cpu_s=float(sys.argv[3]) if len(sys.argv) > 3 else 20.0,
+                workers=int(sys.argv[4]) if len(sys.argv) > 4 else 1,
+            )
+        )
+    )

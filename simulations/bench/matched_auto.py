@@ -65,8 +65,16 @@ def _gen_rate(n: _Node, m: _Mode, rollouts_per_step: int) -> float:
     return made / cpu if cpu > 0 and made else 0.0
 
 
-def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per_family: int, home: Path,
-                 warmup_steps: int | None = None, answers: str = "short") -> dict[str, Any]:
+def run_auto_arm(
+    nodes: int,
+    seed: int,
+    cpu_s: float,
+    checkpoints: int,
+    eval_per_family: int,
+    home: Path,
+    warmup_steps: int | None = None,
+    answers: str = "short",
+) -> dict[str, Any]:
     from murmur.training.tasksets import train_generators
 
     shape = trainer_shape(answers)
@@ -75,8 +83,10 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
     j = int(shape["external_groups"])
     seed_torch(seed)
     ns, tasks, heads = make_nodes(nodes, seed, home, warmup_steps, answers, eval_per_family, j, True)
-    modes = [_Mode(R.PodRule("trainer", 0.0, cpu_s * OBSERVE_SHARE, cpu_s * DWELL_SHARE, n.ident.public[0] / 256))
-             for n in ns]
+    modes = [
+        _Mode(R.PodRule("trainer", 0.0, cpu_s * OBSERVE_SHARE, cpu_s * DWELL_SHARE, n.ident.public[0] / 256))
+        for n in ns
+    ]
     rngs = [random.Random(seed * 100 + 70 + n.index) for n in ns]
     marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
     for n in ns:
@@ -92,8 +102,7 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
     def demand(t: int) -> R.Demand:
         m = modes[t]
         step_t = ns[t].step_cpu / m.steps if m.steps else 0.0
-        return R.Demand(rollouts_per_step=per_step, step_time_s=step_t,
-                        max_staleness=ns[t].trainer.cfg.max_staleness)
+        return R.Demand(rollouts_per_step=per_step, step_time_s=step_t, max_staleness=ns[t].trainer.cfg.max_staleness)
 
     def offer(i: int) -> R.Offer:
         rate = _gen_rate(ns[i], modes[i], per_step)
@@ -121,8 +130,11 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
         if new is not None:
             m.history.append((round(ns[i].cpu, 2), new, m.rule.reason))
         if m.mode == "follower":
-            choice = R.choose_lineage(me, [R.LineageOption(ns[t].lineage, d, sup) for t, d, sup in seen],
-                                      current=None if m.serves is None else ns[m.serves].lineage)
+            choice = R.choose_lineage(
+                me,
+                [R.LineageOption(ns[t].lineage, d, sup) for t, d, sup in seen],
+                current=None if m.serves is None else ns[m.serves].lineage,
+            )
             m.serves = next((t for t, _, _ in seen if ns[t].lineage == choice.lineage), None)
 
     while True:
@@ -141,9 +153,17 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
             gens = train_generators(t.trainer.registry.get(t.trainer.task_set))
             gen_cpu = node.gen_cpu
             c0 = time.thread_time()
-            batch = _follower_rollouts(node.engine, gens, t.trainer.task_set, t.trainer.registry.resolve,
-                                       rngs[node.index], t.lineage, t.trainer.version, int(shape["local_groups"]),
-                                       new_tokens)
+            batch = _follower_rollouts(
+                node.engine,
+                gens,
+                t.trainer.task_set,
+                t.trainer.registry.resolve,
+                rngs[node.index],
+                t.lineage,
+                t.trainer.version,
+                int(shape["local_groups"]),
+                new_tokens,
+            )
             payloads = _seal(node, batch)
             dt = time.thread_time() - c0
             node.gen_cpu = gen_cpu  # `gen_cpu` is the trainer steps' sampling: a follower turn counts in `made_cpu`
@@ -162,20 +182,33 @@ def run_auto_arm(nodes: int, seed: int, cpu_s: float, checkpoints: int, eval_per
             evaluate_node(n, tasks, new_tokens)
     curve = [sum(n.curve[k] for n in ns) / len(ns) for k in range(len(marks))]
     pods = {ns[t].index: followers_of(t) for t, mm in enumerate(modes) if mm.mode == "trainer"}
-    return {"marks": marks, "curve": curve, "per_node_final": [n.curve[-1] for n in ns], "eval_tasks": len(tasks),
-            "updates_per_node": [n.updates for n in ns], "external_groups_per_node": [n.ext_groups for n in ns],
-            "steps_per_node": [modes[n.index].steps for n in ns],
-            "used_over_verified": round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4),
-            "cpu_per_node": [round(n.cpu, 3) for n in ns], "verified_per_node": [n.verified for n in ns],
-            "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
-            "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.step_cpu for n in ns)), 4),
-            "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
-            "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
-            "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
-            "roles": {"final": [modes[n.index].mode for n in ns], "pods": pods,
-                      "switches": [len(modes[n.index].history) for n in ns],
-                      "history": [modes[n.index].history for n in ns],
-                      "follower_rollouts": [modes[n.index].made for n in ns]},
-            "sampler": {k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
-                        for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})},
-            "adversary": None, "wall_s": round(time.monotonic() - wall0, 1)}
+    return {
+        "marks": marks,
+        "curve": curve,
+        "per_node_final": [n.curve[-1] for n in ns],
+        "eval_tasks": len(tasks),
+        "updates_per_node": [n.updates for n in ns],
+        "external_groups_per_node": [n.ext_groups for n in ns],
+        "steps_per_node": [modes[n.index].steps for n in ns],
+        "used_over_verified": round(sum(n.used for n in ns) / max(1, sum(n.verified for n in ns)), 4),
+        "cpu_per_node": [round(n.cpu, 3) for n in ns],
+        "verified_per_node": [n.verified for n in ns],
+        "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
+        "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.step_cpu for n in ns)), 4),
+        "final_by_family": _mean_dicts([n.last_eval[0] for n in ns]),
+        "final_wellformed": _mean_dicts([n.last_eval[1] for n in ns]),
+        "wellformed_curve": [_mean_dicts([n.wellformed[k] for n in ns]) for k in range(len(marks))],
+        "roles": {
+            "final": [modes[n.index].mode for n in ns],
+            "pods": pods,
+            "switches": [len(modes[n.index].history) for n in ns],
+            "history": [modes[n.index].history for n in ns],
+            "follower_rollouts": [modes[n.index].made for n in ns],
+        },
+        "sampler": {
+            k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
+            for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})
+        },
+        "adversary": None,
+        "wall_s": round(time.monotonic() - wall0, 1),
+    }

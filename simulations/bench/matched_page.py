@@ -88,37 +88,72 @@ def write_page(result: dict[str, Any], out: Path) -> Path:
     _plot_accuracy(result, out / "accuracy.png")
     _plot_generation_share(result, out / "generation_share.png")
     lo, hi = result["speedup_ci"]
-    seeds = [_row(["seed", "speedup", "reached", "alone final", "swarm final", "updates/node alone → swarm",
-                   "external groups/node", "used / verified"], head=True)]
+    seeds = [
+        _row(
+            [
+                "seed",
+                "speedup",
+                "reached",
+                "alone final",
+                "swarm final",
+                "updates/node alone → swarm",
+                "external groups/node",
+                "used / verified",
+            ],
+            head=True,
+        )
+    ]
     for r in result["per_seed"]:
-        seeds.append(_row([r["seed"], r["speedup"], r["reached"], r["iso_final"], r["swarm_final"],
-                           f"{r['updates_per_node']['isolated']} → {r['updates_per_node']['swarm']}",
-                           r["external_groups_per_node"], r["used_over_verified"]]))
+        seeds.append(
+            _row(
+                [
+                    r["seed"],
+                    r["speedup"],
+                    r["reached"],
+                    r["iso_final"],
+                    r["swarm_final"],
+                    f"{r['updates_per_node']['isolated']} → {r['updates_per_node']['swarm']}",
+                    r["external_groups_per_node"],
+                    r["used_over_verified"],
+                ]
+            )
+        )
     if result.get("default_roles"):
         seeds.append(_row(["seed", "final roles", "pods (trainer: followers)", "switches per node"], head=True))
         for r in result["per_seed"]:
             ro = r["roles"]
-            seeds.append(_row([r["seed"], " ".join(ro["final"]),
-                               "; ".join(f"{t}: {len(f)}" for t, f in ro["pods"].items()), ro["switches"]]))
+            seeds.append(
+                _row(
+                    [
+                        r["seed"],
+                        " ".join(ro["final"]),
+                        "; ".join(f"{t}: {len(f)}" for t, f in ro["pods"].items()),
+                        ro["switches"],
+                    ]
+                )
+            )
     adv = result.get("adversary")
-    adversary = "" if not adv else (
-        "<h2>The adversary</h2><p>" + html.escape(", ".join(f"{k}: {v}" for k, v in adv.items())) + "</p>")
+    adversary = (
+        ""
+        if not adv
+        else ("<h2>The adversary</h2><p>" + html.escape(", ".join(f"{k}: {v}" for k, v in adv.items())) + "</p>")
+    )
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>murmur bench swarm --matched</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}td,th{{padding:.2em .6em;text-align:right}}
 table{{border-collapse:collapse}}tr:nth-child(even){{background:#f4f4f4}}</style></head><body>
 <h1>Does joining pay? Alone vs {html.escape(arm_label(result))}</h1>
 <p>Measured: every node's thread CPU (generation, training, verification of what it is sent), nodes stepped
-least-CPU-first to {result['cpu_s_per_node']} CPU-s each; held-out greedy accuracy on {result['eval_tasks']}
-problems at {result['checkpoints']} equal CPU marks; {len(result['per_seed'])} paired seeds
-({html.escape(', '.join(str(s) for s in result['seeds']))}); answers: {html.escape(result['answers'])}.</p>
-<p><b>Speedup to the alone arm's final accuracy: {result['speedup']}</b> (95 % interval {lo} … {hi};
-reached in {result['reached']} of {len(result['per_seed'])} seeds; a seed that never reached it counts as
-its upper bound). Final accuracy, swarm minus alone: {result['final_acc_delta']}.</p>
+least-CPU-first to {result["cpu_s_per_node"]} CPU-s each; held-out greedy accuracy on {result["eval_tasks"]}
+problems at {result["checkpoints"]} equal CPU marks; {len(result["per_seed"])} paired seeds
+({html.escape(", ".join(str(s) for s in result["seeds"]))}); answers: {html.escape(result["answers"])}.</p>
+<p><b>Speedup to the alone arm's final accuracy: {result["speedup"]}</b> (95 % interval {lo} … {hi};
+reached in {result["reached"]} of {len(result["per_seed"])} seeds; a seed that never reached it counts as
+its upper bound). Final accuracy, swarm minus alone: {result["final_acc_delta"]}.</p>
 <img src="accuracy.png" alt="held-out accuracy against CPU per arm">
 <img src="generation_share.png" alt="generation share per arm">
 <h2>Who trained on what, per seed</h2>
-<table>{''.join(seeds)}</table>
+<table>{"".join(seeds)}</table>
 {adversary}
 <p>The numbers behind this page: <a href="result.json">result.json</a>.</p>
 </body></html>

@@ -82,9 +82,15 @@ def _start(prefix: list[str], name: str, script: dict[str, Any]) -> NodeProc:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_dir = os.environ.get("MURMUR_NODE_LOG_DIR")
     err = open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
-    p = subprocess.Popen(prefix + [sys.executable, "-m", "murmur.simulations.bench.reachability_node", json.dumps(script)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                         text=True, cwd=str(REPO), env=env)
+    p = subprocess.Popen(
+        prefix + [sys.executable, "-m", "murmur.simulations.bench.reachability_node", json.dumps(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        cwd=str(REPO),
+        env=env,
+    )
     node = NodeProc(name, p)
     threading.Thread(target=node._read, daemon=True).start()
     return node
@@ -106,8 +112,13 @@ def _stop(nodes: list[NodeProc]) -> None:
             n.proc.wait(timeout=5)
 
 
-def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool = False,
-             forward_h2: bool = False, timeout_s: float = 240.0) -> dict[str, NodeProc]:
+def scenario(
+    bulk_bytes: int = 4 << 20,
+    holepunch: bool = True,
+    symmetric: bool = False,
+    forward_h2: bool = False,
+    timeout_s: float = 240.0,
+) -> dict[str, NodeProc]:
     """Public node + two NATed homes; every node gossips and bulk-transfers to every other. Returns the nodes."""
     sys.path.insert(0, str(REPO))
     from murmur.simulations.netns import Network
@@ -123,19 +134,40 @@ def scenario(bulk_bytes: int = 4 << 20, holepunch: bool = True, symmetric: bool 
         def home_script(me: str, other: str, other_home: Any, seed: int) -> dict[str, Any]:
             # what the other home's NodeAnnounce would carry: its WAN address (dialable only with port
             # forwarding) and its circuit through the relay; node.shell.reachability decides which side dials
-            peer = {"name": other, "id": ids[other],
-                    "addrs": [f"/ip4/{other_home.wan_ip}/tcp/{PORT}/p2p/{ids[other]}",
-                              f"{pub_addr}/p2p-circuit/p2p/{ids[other]}"]}
+            peer = {
+                "name": other,
+                "id": ids[other],
+                "addrs": [
+                    f"/ip4/{other_home.wan_ip}/tcp/{PORT}/p2p/{ids[other]}",
+                    f"{pub_addr}/p2p-circuit/p2p/{ids[other]}",
+                ],
+            }
             return {
-                "name": me, "seed": seed, "listen": listen, "relays": [pub_addr], "bootstrap": [pub_addr],
-                "peers": [peer], "holepunch": holepunch, "bulk_bytes": bulk_bytes, "expect_hello": ["pub", other],
+                "name": me,
+                "seed": seed,
+                "listen": listen,
+                "relays": [pub_addr],
+                "bootstrap": [pub_addr],
+                "peers": [peer],
+                "holepunch": holepunch,
+                "bulk_bytes": bulk_bytes,
+                "expect_hello": ["pub", other],
             }
 
         nodes: list[NodeProc] = []
         try:
-            pub = _start(net.exec_prefix(net.pub_ns), "pub", {
-                "name": "pub", "seed": SEEDS["pub"], "listen": listen, "relay_service": True,
-                "publish_rollouts": True, "expect_hello": ["h1", "h2"]})
+            pub = _start(
+                net.exec_prefix(net.pub_ns),
+                "pub",
+                {
+                    "name": "pub",
+                    "seed": SEEDS["pub"],
+                    "listen": listen,
+                    "relay_service": True,
+                    "publish_rollouts": True,
+                    "expect_hello": ["h1", "h2"],
+                },
+            )
             nodes.append(pub)
             if not pub.wait_for("ready", 30):
                 raise RuntimeError("public node did not start")
@@ -163,9 +195,20 @@ def webrtc_scenario(bulk_bytes: int = 1 << 20, timeout_s: float = 180.0) -> dict
         listen = f"/ip4/0.0.0.0/tcp/{PORT}"
         nodes: list[NodeProc] = []
         try:
-            pub = _start(net.exec_prefix(net.pub_ns), "pub", {
-                "name": "pub", "seed": SEEDS["pub"], "listen": listen, "publish_rollouts": True,
-                "expect_hello": ["udp"], "wait_webrtc_s": 60, "check_s": 1, "gossip_s": timeout_s})
+            pub = _start(
+                net.exec_prefix(net.pub_ns),
+                "pub",
+                {
+                    "name": "pub",
+                    "seed": SEEDS["pub"],
+                    "listen": listen,
+                    "publish_rollouts": True,
+                    "expect_hello": ["udp"],
+                    "wait_webrtc_s": 60,
+                    "check_s": 1,
+                    "gossip_s": timeout_s,
+                },
+            )
             nodes.append(pub)
             if not pub.wait_for("ready", 90):
                 raise RuntimeError("public node did not start")
@@ -174,11 +217,24 @@ def webrtc_scenario(bulk_bytes: int = 1 << 20, timeout_s: float = 180.0) -> dict
             if not rtc:
                 raise RuntimeError(f"public node has no /webrtc-direct address: {ready.get('webrtc_error')!r}")
             tcp = f"/ip4/{net.pub_ip}/tcp/{PORT}/p2p/{ids['pub']}"
-            nodes.append(_start(net.exec_prefix(home.ns), "udp", {
-                "name": "udp", "seed": SEEDS["udp"], "listen": listen, "bulk_bytes": bulk_bytes,
-                "peers": [{"name": "pub", "id": ids["pub"], "addrs": [tcp] + rtc[:1]}],
-                "reach_bootstrap": [tcp] + rtc[:1],  # configured, as a volunteer lists a known node
-                "expect_hello": ["pub"], "holepunch": False, "check_s": 0, "connect_s": 90}))
+            nodes.append(
+                _start(
+                    net.exec_prefix(home.ns),
+                    "udp",
+                    {
+                        "name": "udp",
+                        "seed": SEEDS["udp"],
+                        "listen": listen,
+                        "bulk_bytes": bulk_bytes,
+                        "peers": [{"name": "pub", "id": ids["pub"], "addrs": [tcp] + rtc[:1]}],
+                        "reach_bootstrap": [tcp] + rtc[:1],  # configured, as a volunteer lists a known node
+                        "expect_hello": ["pub"],
+                        "holepunch": False,
+                        "check_s": 0,
+                        "connect_s": 90,
+                    },
+                )
+            )
             nodes[1].wait_for("done", timeout_s)
         finally:
             _stop(nodes)
@@ -201,12 +257,17 @@ def _webrtc_nat(bulk_bytes: int) -> dict[str, Any]:
     bulk = [e for e in h.by("bulk") if e["peer"] == "pub"]
     first = h.first("first_rollout") or {}
     ok = bool(bulk) and bulk[0]["hash_ok"]
-    return {"webrtc_nat_mb_s": bulk[0]["mb_s"] if ok else None,
-            "webrtc_nat_path": conn.get("path"), "webrtc_nat_connect_s": conn.get("s"),
-            "webrtc_nat_first_rollout_after_ready_ms": first.get("after_ready_ms"),
-            "webrtc_nat_doctor_path": (h.first("doctor") or {}).get("path"),
-            "webrtc_nat_reason": None if ok else "no bulk transfer completed with the right hash: "
-            + json.dumps([e for e in h.events if e.get("ev") in ("connect_failed", "bulk", "bulk_failed")])[:300]}
+    return {
+        "webrtc_nat_mb_s": bulk[0]["mb_s"] if ok else None,
+        "webrtc_nat_path": conn.get("path"),
+        "webrtc_nat_connect_s": conn.get("s"),
+        "webrtc_nat_first_rollout_after_ready_ms": first.get("after_ready_ms"),
+        "webrtc_nat_doctor_path": (h.first("doctor") or {}).get("path"),
+        "webrtc_nat_reason": None
+        if ok
+        else "no bulk transfer completed with the right hash: "
+        + json.dumps([e for e in h.events if e.get("ev") in ("connect_failed", "bulk", "bulk_failed")])[:300],
+    }
 
 
 def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
@@ -217,8 +278,14 @@ def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "reachability", "bulk_bytes": bulk_bytes}
     reason = netns_unavailable()
     if reason:
-        out.update(direct_mb_s=None, relayed_mb_s=None, holepunched=False, holepunched_mb_s=None,
-                   time_to_first_message_ms=None, netns_reason=reason)
+        out.update(
+            direct_mb_s=None,
+            relayed_mb_s=None,
+            holepunched=False,
+            holepunched_mb_s=None,
+            time_to_first_message_ms=None,
+            netns_reason=reason,
+        )
     else:
         nodes = scenario(bulk_bytes=bulk_bytes, symmetric=symmetric)
         out["symmetric_nat"] = symmetric
@@ -229,8 +296,9 @@ def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
         punched = [e["mb_s"] for name, e in bulks if e["peer"] != "pub" and e["path"] == "direct" and e["hash_ok"]]
         hp = h1.first("holepunch") or h2.first("holepunch") or {}
         # honest: from the process's own start (interpreter start and imports included)
-        firsts = [(f, (n.first("ready") or {}).get("before_t0_ms", 0.0)) for n in (h1, h2)
-                  if (f := n.first("first_rollout"))]
+        firsts = [
+            (f, (n.first("ready") or {}).get("before_t0_ms", 0.0)) for n in (h1, h2) if (f := n.first("first_rollout"))
+        ]
         best = min(firsts, key=lambda x: x[0]["t_ms"] + x[1]) if firsts else None
         ttfm = [round(f["t_ms"] + pre, 1) for f, pre in firsts]
         out.update(
@@ -260,8 +328,13 @@ def run(bulk_bytes: int = 8 << 20, symmetric: bool = False) -> dict[str, Any]:
 def _import_cost(module: str) -> float | None:
     """Seconds a fresh interpreter takes to import `module`: what a real node pays before its host starts."""
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=str(REPO), capture_output=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, "-c", f"import {module}"],
+        cwd=str(REPO),
+        capture_output=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+    )
     return round(time.perf_counter() - t, 2) if r.returncode == 0 else None
 
 
@@ -277,8 +350,12 @@ def _webrtc() -> dict[str, Any]:
         r = trio.run(measure_loopback, 4 << 20, 60.0)
     except WebRTCUnavailable as e:
         return {"webrtc_mb_s": None, "webrtc_reason": str(e)}
-    return {"webrtc_mb_s": r["mb_s"], "webrtc_connect_s": r["connect_s"], "webrtc_hash_ok": r["hash_ok"],
-            "webrtc_note": "py<->py /webrtc-direct on loopback (not through the emulated NATs)"}
+    return {
+        "webrtc_mb_s": r["mb_s"],
+        "webrtc_connect_s": r["connect_s"],
+        "webrtc_hash_ok": r["hash_ok"],
+        "webrtc_note": "py<->py /webrtc-direct on loopback (not through the emulated NATs)",
+    }
 
 
 if __name__ == "__main__":

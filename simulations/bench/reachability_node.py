@@ -63,12 +63,20 @@ def sample_batch(identity: Any, seq: int) -> bytes:
 
     r = wire.Rollout(
         task=wire.TaskRef(task_set=b"\x01" * 32, generator="add", seed=seq),
-        lineage=b"\x02" * 32, version=1, completion_ids=list(range(8)), text="12",
-        tokenizer_hash=b"\x03" * 32, logprobs=struct.pack("<8f", *([-0.5] * 8)), token_versions=[(0, 1)],
-        sampling=wire.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=16), reward=1.0,
+        lineage=b"\x02" * 32,
+        version=1,
+        completion_ids=list(range(8)),
+        text="12",
+        tokenizer_hash=b"\x03" * 32,
+        logprobs=struct.pack("<8f", *([-0.5] * 8)),
+        token_versions=[(0, 1)],
+        sampling=wire.SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=16),
+        reward=1.0,
         created_ms=wire.now_ms(),
     )
-    body = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=identity.public, seq=seq, created_ms=wire.now_ms(), rollouts=[r])
+    body = wire.RolloutBatch(
+        v=wire.FORMAT_VERSION, swarm=SWARM, producer=identity.public, seq=seq, created_ms=wire.now_ms(), rollouts=[r]
+    )
     return wire.seal(identity, wire.ROLLOUT_BATCH, body, swarm=SWARM)
 
 
@@ -140,8 +148,15 @@ async def send_bulk(transport: Any, peer: str, n: int, timeout_s: float = 120) -
                 if attempts >= BULK_ATTEMPTS:
                     raise trio.TooSlowError(f"{attempts} attempts stalled")
     dt = time.perf_counter() - t
-    return {"path": path, "bytes": n, "s": round(dt, 3), "mb_s": round(n / dt / 1e6, 2), "hash_ok": digest == h.digest(),
-            "opens": opens, "attempts": attempts}
+    return {
+        "path": path,
+        "bytes": n,
+        "s": round(dt, 3),
+        "mb_s": round(n / dt / 1e6, 2),
+        "hash_ok": digest == h.digest(),
+        "opens": opens,
+        "attempts": attempts,
+    }
 
 
 async def main(script: dict[str, Any]) -> None:
@@ -162,22 +177,36 @@ async def main(script: dict[str, Any]) -> None:
     cfg.network.relays = list(script.get("relays", []))
     peers = {p["id"]: p for p in script.get("peers", [])}
     since_exec_ms = round((time.time() - process_start()) * 1000 - ms(), 1)  # interpreter start before T0
-    async with open_transport(ident, listen=[script.get("listen", "/ip4/0.0.0.0/tcp/4001")], dial_timeout_s=3.0) as t, \
-            trio.open_nursery() as nursery:
+    async with (
+        open_transport(ident, listen=[script.get("listen", "/ip4/0.0.0.0/tcp/4001")], dial_timeout_s=3.0) as t,
+        trio.open_nursery() as nursery,
+    ):
         host_ms = ms()
         t.set_stream_handler(BULK_PROTOCOL, serve_bulk)
         rollouts = await t.subscribe(ROLLOUT_TOPIC)
         hellos = await t.subscribe(HELLO_TOPIC)
-        state = await start_reachability(t, cfg, nursery, list(script.get("bootstrap", []))
-                                         + list(script.get("reach_bootstrap", [])),
-                                         known=lambda: {k: list(v["addrs"]) for k, v in peers.items()})
+        state = await start_reachability(
+            t,
+            cfg,
+            nursery,
+            list(script.get("bootstrap", [])) + list(script.get("reach_bootstrap", [])),
+            known=lambda: {k: list(v["addrs"]) for k, v in peers.items()},
+        )
         state.auto_upgrade = False  # time the relay first; the upgrade is driven below, after the relayed bulk
         if script.get("wait_webrtc_s"):
             with trio.move_on_after(float(script["wait_webrtc_s"])):
                 while not (state.webrtc_addrs or state.webrtc_error):
                     await trio.sleep(0.05)
-        emit("ready", name=name, peer_id=t.peer_id, addrs=t.listen_addrs(), imported_ms=imported_ms,
-             before_t0_ms=since_exec_ms, webrtc_addrs=state.webrtc_addrs, webrtc_error=state.webrtc_error)
+        emit(
+            "ready",
+            name=name,
+            peer_id=t.peer_id,
+            addrs=t.listen_addrs(),
+            imported_ms=imported_ms,
+            before_t0_ms=since_exec_ms,
+            webrtc_addrs=state.webrtc_addrs,
+            webrtc_error=state.webrtc_error,
+        )
         ready_ms = ms()
         dialled_ms: list[float] = []  # when the first bootstrap dial returned
         first = trio.Event()
@@ -192,15 +221,23 @@ async def main(script: dict[str, Any]) -> None:
                     continue
                 if not first.is_set():
                     first.set()
-                    emit("first_rollout", origin=origin, after_ready_ms=round(ms() - ready_ms, 1),
-                         breakdown_ms={"before_t0": since_exec_ms, "imports": imported_ms,
-                                       "host": round(host_ms - imported_ms, 1),
-                                       "relay_dcutr_dialback": round(ready_ms - host_ms, 1),
-                                       "connect_and_mesh": round(ms() - ready_ms, 1),
-                                       # its two parts: our bootstrap dial, then subscriptions + mesh + delivery
-                                       "connect_and_mesh_parts": {
-                                           "dial": round(dialled_ms[0] - ready_ms, 1) if dialled_ms else None,
-                                           "after_dial": round(ms() - dialled_ms[0], 1) if dialled_ms else None}})
+                    emit(
+                        "first_rollout",
+                        origin=origin,
+                        after_ready_ms=round(ms() - ready_ms, 1),
+                        breakdown_ms={
+                            "before_t0": since_exec_ms,
+                            "imports": imported_ms,
+                            "host": round(host_ms - imported_ms, 1),
+                            "relay_dcutr_dialback": round(ready_ms - host_ms, 1),
+                            "connect_and_mesh": round(ms() - ready_ms, 1),
+                            # its two parts: our bootstrap dial, then subscriptions + mesh + delivery
+                            "connect_and_mesh_parts": {
+                                "dial": round(dialled_ms[0] - ready_ms, 1) if dialled_ms else None,
+                                "after_dial": round(ms() - dialled_ms[0], 1) if dialled_ms else None,
+                            },
+                        },
+                    )
 
         nursery.start_soon(watch_rollouts)
 
@@ -216,7 +253,9 @@ async def main(script: dict[str, Any]) -> None:
                 emit("peer_subscribed", peer=pid)
             except trio.TooSlowError:
                 emit("link_timeout", peer=pid)
+
         if script.get("publish_rollouts"):
+
             async def publish_loop() -> None:
                 # fast while nobody listens (time-to-first-message), then 1/s to keep the CPU for the rest
                 seen: set[str] = set()
@@ -234,6 +273,7 @@ async def main(script: dict[str, Any]) -> None:
                     else:
                         last_error = ""
                     await trio.sleep(0.05 if len(t.topic_peers(ROLLOUT_TOPIC)) < 2 else 1.0)
+
             nursery.start_soon(publish_loop)
 
         for a in script.get("bootstrap", []):
@@ -250,8 +290,13 @@ async def main(script: dict[str, Any]) -> None:
             with trio.move_on_after(60):
                 await state.checked.wait()
             r = state.reach
-            emit("reachability", status=getattr(r, "status", "unknown"), reason=getattr(r, "reason", ""),
-                 observed=getattr(r, "observed_ips", []), port_preserved=getattr(r, "port_preserved", None))
+            emit(
+                "reachability",
+                status=getattr(r, "status", "unknown"),
+                reason=getattr(r, "reason", ""),
+                observed=getattr(r, "observed_ips", []),
+                port_preserved=getattr(r, "port_preserved", None),
+            )
             emit("reserved", circuits=state.relay.circuit_addrs(), errors=state.relay.errors)
             names.update({p: "pub" for p in t.peers()})
         # node.shell.reachability dials the peers from their announced addresses (one side per pair); wait for it
@@ -261,9 +306,14 @@ async def main(script: dict[str, Any]) -> None:
                 while pid not in t.peers():
                     await trio.sleep(0.05)
             names[pid] = p["name"]
-            emit("connected" if pid in t.peers() else "connect_failed", peer=p["name"], path=best_path(t, pid),
-                 s=round(time.perf_counter() - t_c, 2), dialled=pid in state.circuit_dialled,
-                 webrtc_dialled=pid in state.webrtc_dialled)
+            emit(
+                "connected" if pid in t.peers() else "connect_failed",
+                peer=p["name"],
+                path=best_path(t, pid),
+                s=round(time.perf_counter() - t_c, 2),
+                dialled=pid in state.circuit_dialled,
+                webrtc_dialled=pid in state.webrtc_dialled,
+            )
 
         # gossip: publish our hello until we have everyone's (bounded)
         want = set(script.get("expect_hello", []))
@@ -287,6 +337,7 @@ async def main(script: dict[str, Any]) -> None:
                 except Exception:
                     pass
                 await trio.sleep(1.0)
+
         nursery.start_soon(keep_greeting)
 
         bulk = int(script.get("bulk_bytes", 0))
@@ -308,9 +359,15 @@ async def main(script: dict[str, Any]) -> None:
                         while best_path(t, pid) != "direct":
                             await trio.sleep(0.1)
                 ok = best_path(t, pid) == "direct"
-                emit("holepunch", peer=pname, ok=ok, path=best_path(t, pid), s=round(time.perf_counter() - t_hp, 2),
-                     drove=pid in state.circuit_dialled,
-                     error="" if ok else (state.holepuncher.last_error or "the other side drove the attempt"))
+                emit(
+                    "holepunch",
+                    peer=pname,
+                    ok=ok,
+                    path=best_path(t, pid),
+                    s=round(time.perf_counter() - t_hp, 2),
+                    drove=pid in state.circuit_dialled,
+                    error="" if ok else (state.holepuncher.last_error or "the other side drove the attempt"),
+                )
                 if ok and bulk:
                     try:
                         emit("bulk", peer=pname, **await send_bulk(t, pid, bulk))
@@ -320,15 +377,23 @@ async def main(script: dict[str, Any]) -> None:
         if not script.get("bootstrap"):  # a node without bootstrap peers asks those that dialled it
             with trio.move_on_after(float(script.get("check_s", 60))):
                 await state.checked.wait()
-            emit("reachability", status=getattr(state.reach, "status", "unknown"),
-                 reason=getattr(state.reach, "reason", ""), observed=getattr(state.reach, "observed_ips", []))
+            emit(
+                "reachability",
+                status=getattr(state.reach, "status", "unknown"),
+                reason=getattr(state.reach, "reason", ""),
+                observed=getattr(state.reach, "observed_ips", []),
+            )
         view = state.view()
         view.peer_paths = {p: x for p, x in view.peer_paths.items() if p in names or not names}
         from murmur.node.cli.doctor_reachability import classify
 
         view.path = classify(view)
-        emit("doctor", path=view.path, port_preserved=view.port_preserved,
-             checks=[{"name": c.name, "ok": c.ok, "detail": c.detail} for c in reachability_checks(view)])
+        emit(
+            "doctor",
+            path=view.path,
+            port_preserved=view.port_preserved,
+            checks=[{"name": c.name, "ok": c.ok, "detail": c.detail} for c in reachability_checks(view)],
+        )
         emit("done")
         with trio.move_on_after(float(script.get("linger_s", 120))):
             stdin = trio.lowlevel.FdStream(os.dup(0))
@@ -344,7 +409,9 @@ async def main(script: dict[str, Any]) -> None:
 if __name__ == "__main__":
     import logging
 
-    logging.basicConfig(level=getattr(logging, os.environ.get("MURMUR_NODE_LOG", "CRITICAL")),
-                        format="%(relativeCreated)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, os.environ.get("MURMUR_NODE_LOG", "CRITICAL")),
+        format="%(relativeCreated)d %(name)s %(levelname)s %(message)s",
+    )
     logging.getLogger("multiaddr").setLevel(logging.WARNING)  # a DEBUG line per address parsed drowns the rest
     trio.run(main, json.loads(sys.argv[1]))

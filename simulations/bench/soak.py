@@ -102,8 +102,10 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
     model = launch.build_tiny_model(root)
     names = [f"node{i}-{'+'.join(r)}" for i, r in enumerate(ROLES)]
     homes = [root / f"node{i}" for i in range(len(ROLES))]
-    specs = [launch.NodeLaunch(home=str(h), config={**demo.node_config(roles, str(model)), "disk": DISK_CONFIG})
-             for h, roles in zip(homes, ROLES)]
+    specs = [
+        launch.NodeLaunch(home=str(h), config={**demo.node_config(roles, str(model)), "disk": DISK_CONFIG})
+        for h, roles in zip(homes, ROLES)
+    ]
     rss_start: list[float | None] = [None] * len(ROLES)
     parts_start: list[tuple[float, float] | None] = [None] * len(ROLES)
     parts_now = [(0.0, 0.0)] * len(ROLES)
@@ -140,9 +142,18 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
                     if late_mark[i] is None:
                         late_mark[i] = _progress(statuses[i])
             exited = [n for n, p in zip(names, procs) if not p.alive()]
-            print(json.dumps({"t_s": round(elapsed), "rss_mb": [round(r) for r in rss_now],
-                              "steps": [_progress(s)[0] for s in statuses],
-                              "applied": [_progress(s)[1] for s in statuses]}), file=sys.stderr, flush=True)
+            print(
+                json.dumps(
+                    {
+                        "t_s": round(elapsed),
+                        "rss_mb": [round(r) for r in rss_now],
+                        "steps": [_progress(s)[0] for s in statuses],
+                        "applied": [_progress(s)[1] for s in statuses],
+                    }
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
             if exited or elapsed >= duration:
                 break
     finally:
@@ -169,10 +180,13 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
         "rss_growth": round(max(growth), 4) if growth else None,
         "disk_mb_start": {n: d for n, d in zip(names, disk_start)},
         "disk_mb_end": {n: d for n, d in zip(names, end)},
-        "rss_mb_parts_start": {n: None if p is None else {"network": round(p[0], 1), "children": round(p[1], 1)}
-                               for n, p in zip(names, parts_start)},
-        "rss_mb_parts_end": {n: {"network": round(p[0], 1), "children": round(p[1], 1)}
-                             for n, p in zip(names, parts_now)},
+        "rss_mb_parts_start": {
+            n: None if p is None else {"network": round(p[0], 1), "children": round(p[1], 1)}
+            for n, p in zip(names, parts_start)
+        },
+        "rss_mb_parts_end": {
+            n: {"network": round(p[0], 1), "children": round(p[1], 1)} for n, p in zip(names, parts_now)
+        },
         "worker_restarts": {n: (s.worker_restarts if s is not None else None) for n, s in zip(names, statuses)},
         "errors": {n: count_errors(h) for n, h in zip(names, homes)},
         "rejected": rejected,
@@ -181,7 +195,8 @@ def run(minutes: float = 60.0, workdir: Path | None = None) -> dict[str, Any]:
         "versions_applied": dict(zip(names, applied_end)),
         "late_window_s": late,
         "steps_in_late_window": {n: e - m[0] for n, e, m in zip(names, steps_end, late_mark) if m is not None},
-        "versions_applied_in_late_window": {n: e - m[1] for n, e, m in zip(names, applied_end, late_mark)
-                                            if m is not None},
+        "versions_applied_in_late_window": {
+            n: e - m[1] for n, e, m in zip(names, applied_end, late_mark) if m is not None
+        },
         "workdir": str(root),
     }

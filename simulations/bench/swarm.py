@@ -112,8 +112,10 @@ def load_scenario(path: str | Path | None = None, nodes: int = 0) -> tuple[Bench
     `nodes` > 0 replaces the scenario's node count (`--nodes`); the adversary keeps its slot, or takes
     the last one when the swarm is smaller than that."""
     if path is None:
-        text, origin = resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8"), \
-            "scenario:bench_swarm"
+        text, origin = (
+            resources.files("murmur.simulations").joinpath("scenarios", "bench_swarm.toml").read_text("utf-8"),
+            "scenario:bench_swarm",
+        )
     else:
         try:
             text, origin = Path(path).read_text("utf-8"), str(path)
@@ -123,8 +125,9 @@ def load_scenario(path: str | Path | None = None, nodes: int = 0) -> tuple[Bench
     if nodes:
         if not 2 <= nodes <= MAX_NODES:
             raise ConfigError(f"nodes must be in 2..{MAX_NODES}, not {nodes}")
-        sc = msgspec.structs.replace(sc, nodes=nodes, adversary=msgspec.structs.replace(
-            sc.adversary, node=min(sc.adversary.node, nodes - 1)))
+        sc = msgspec.structs.replace(
+            sc, nodes=nodes, adversary=msgspec.structs.replace(sc.adversary, node=min(sc.adversary.node, nodes - 1))
+        )
     if sc.nodes > MAX_NODES:
         raise ConfigError(f"{origin}: at most {MAX_NODES} nodes")
     if sc.nodes < 2 or not 0 <= sc.adversary.node < sc.nodes:
@@ -185,8 +188,14 @@ def _seal(node: _Sealer, rollouts: list[wire.Rollout]) -> list[bytes]:
     out = []
     for k in range(0, len(rollouts), wire.MAX_ROLLOUTS_PER_BATCH):
         node.seq += 1
-        batch = wire.RolloutBatch(v=wire.FORMAT_VERSION, swarm=SWARM, producer=node.ident.public, seq=node.seq,
-                                  created_ms=wire.now_ms(), rollouts=rollouts[k:k + wire.MAX_ROLLOUTS_PER_BATCH])
+        batch = wire.RolloutBatch(
+            v=wire.FORMAT_VERSION,
+            swarm=SWARM,
+            producer=node.ident.public,
+            seq=node.seq,
+            created_ms=wire.now_ms(),
+            rollouts=rollouts[k : k + wire.MAX_ROLLOUTS_PER_BATCH],
+        )
         out.append(wire.seal(node.ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM))
     return out
 
@@ -195,8 +204,9 @@ def _with(r: S, **changes: Any) -> S:
     return msgspec.structs.replace(r, **changes)
 
 
-def _adversarial_payloads(node: _Node, rollouts: list[wire.Rollout], adv: AdversarySection,
-                          rng: random.Random) -> list[bytes]:
+def _adversarial_payloads(
+    node: _Node, rollouts: list[wire.Rollout], adv: AdversarySection, rng: random.Random
+) -> list[bytes]:
     """Everything the adversary sends in one step, cheapest-to-reject first."""
     out: list[bytes] = []
     if adv.garbage:
@@ -218,14 +228,28 @@ def trainer_config(sc: BenchScenario, mix: Mix, seed: int, index: int) -> Any:
     from murmur.training.trainer import TrainerConfig
 
     t = sc.trainer
-    return TrainerConfig(local_groups=mix.local_groups, external_groups=mix.external_groups,
-                         group_size=t.group_size, lr=t.lr, lr_warmup_steps=t.lr_warmup_steps,
-                         max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                         max_staleness=t.max_staleness, loss_norm=t.loss_norm, seed=seed * 100 + index)
+    return TrainerConfig(
+        local_groups=mix.local_groups,
+        external_groups=mix.external_groups,
+        group_size=t.group_size,
+        lr=t.lr,
+        lr_warmup_steps=t.lr_warmup_steps,
+        max_new_tokens=t.max_new_tokens,
+        temperature=t.temperature,
+        max_staleness=t.max_staleness,
+        loss_norm=t.loss_norm,
+        seed=seed * 100 + index,
+    )
 
 
-def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenario,
-            on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+def run_one(
+    mode: str,
+    rounds: int,
+    seed: int,
+    model_dir: Path,
+    sc: BenchScenario,
+    on_round: Callable[[str, int], None] | None = None,
+) -> dict[str, Any]:
     """mode: isolated | swarm | adversarial."""
     import torch
 
@@ -256,10 +280,20 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
         cfg = trainer_config(sc, mix, seed, i)
         pipeline = Pipeline(
             PipelineConfig(swarm=SWARM, max_staleness=t.max_staleness, rate_per_s=1000.0, burst=1000),
-            clock=time.time, resolve_task=registry.resolve, reward=score,
-            head_version=lambda lin: heads.get(bytes(lin)), task_set_trusted=registry.__contains__)
-        node = _Node(i, ident, lineage, None, pipeline,
-                     Sampler(sc.inbox_groups, t.max_staleness, seed=seed * 100 + i, own=lineage))
+            clock=time.time,
+            resolve_task=registry.resolve,
+            reward=score,
+            head_version=lambda lin: heads.get(bytes(lin)),
+            task_set_trusted=registry.__contains__,
+        )
+        node = _Node(
+            i,
+            ident,
+            lineage,
+            None,
+            pipeline,
+            Sampler(sc.inbox_groups, t.max_staleness, seed=seed * 100 + i, own=lineage),
+        )
         ext = None if isolated or mix.external_groups == 0 else node.sampler.take_rollouts
         node.trainer = Trainer(engine, registry, ts_id, cfg, lineage=lineage, external=ext)
         heads[lineage] = 0
@@ -317,6 +351,7 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
     h = len(honest)
     blocks = max(1, rounds // 5)
     curve = [sum(n.rewards[r] for n in honest) / h for r in range(rounds)]
+
     def by_generator(lo: int, hi: int) -> dict[str, float]:
         tot: dict[str, tuple[float, int]] = {}
         for n in honest:
@@ -333,8 +368,9 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
         "per_node": per_node,
         "start_reward": sum(curve[:10]) / len(curve[:10]),
         "final_reward": sum(curve[-10:]) / len(curve[-10:]),
-        "block_means": [round(sum(curve[k:k + blocks]) / len(curve[k:k + blocks]), 4)
-                        for k in range(0, rounds, blocks)],
+        "block_means": [
+            round(sum(curve[k : k + blocks]) / len(curve[k : k + blocks]), 4) for k in range(0, rounds, blocks)
+        ],
         "curve": [round(x, 4) for x in curve],
         "informative_groups_per_step": round(sum(n.used_groups for n in honest) / (h * rounds), 3),
         "external_groups_per_step": round(sum(n.ext_used for n in honest) / (h * rounds), 3),
@@ -348,8 +384,14 @@ def run_one(mode: str, rounds: int, seed: int, model_dir: Path, sc: BenchScenari
     }
 
 
-def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str | None = None,
-        on_round: Callable[[str, int], None] | None = None, nodes: int = 0) -> dict[str, Any]:
+def run(
+    rounds: int = 0,
+    seed: int = 0,
+    home: str | None = None,
+    scenario: str | None = None,
+    on_round: Callable[[str, int], None] | None = None,
+    nodes: int = 0,
+) -> dict[str, Any]:
     """Run (a) isolated, (b) swarm, (c) swarm with one adversary; return the comparison.
 
     rounds 0 = the scenario's `rounds`; nodes 0 = the scenario's `nodes`. `scenario`: a TOML path
@@ -381,11 +423,13 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
         "scenario": scenario or "simulations/scenarios/bench_swarm.toml",
         "scenario_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
         "model": f"murmur-tiny (supervised warm-up {sc.model_warmup_steps} steps)",
-        "task_set": f"{sc.task_set.name}: " + ", ".join(f"{g.name}={g.generator}{g.config} x{g.weight}"
-                                                         for g in sc.task_set.generators),
+        "task_set": f"{sc.task_set.name}: "
+        + ", ".join(f"{g.name}={g.generator}{g.config} x{g.weight}" for g in sc.task_set.generators),
         "trainer": msgspec.to_builtins(sc.trainer),
-        "mix": {"isolated": [sc.isolated.local_groups, sc.isolated.external_groups],
-                "swarm": [sc.swarm.local_groups, sc.swarm.external_groups]},
+        "mix": {
+            "isolated": [sc.isolated.local_groups, sc.isolated.external_groups],
+            "swarm": [sc.swarm.local_groups, sc.swarm.external_groups],
+        },
         "isolated_cumulative_reward": round(i, 3),
         "swarm_cumulative_reward": round(s, 3),
         "adversarial_cumulative_reward": round(a, 3),
@@ -414,8 +458,8 @@ def run(rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str |
         "load_avg_start": [round(x, 1) for x in load_start],
         "load_avg_end": [round(x, 1) for x in os.getloadavg()],
         "method": f"{sc.nodes} real Trainer instances round-robin in one process (same per-node compute and seeds); "
-                  "rollouts sealed with real ed25519 keys and checked by each receiver's own "
-                  "gossip.validation.Pipeline and task registry",
+        "rollouts sealed with real ed25519 keys and checked by each receiver's own "
+        "gossip.validation.Pipeline and task registry",
     }
 
 
@@ -424,8 +468,15 @@ def _run_seed(args: tuple[int, int, str | None, str | None, int]) -> dict[str, A
     return run(rounds=rounds, seed=seed, home=home, scenario=scenario, nodes=nodes)
 
 
-def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = None, scenario: str | None = None,
-              workers: int = 0, nodes: int = 0) -> dict[str, Any]:
+def run_seeds(
+    seeds: int,
+    rounds: int = 0,
+    seed: int = 0,
+    home: str | None = None,
+    scenario: str | None = None,
+    workers: int = 0,
+    nodes: int = 0,
+) -> dict[str, Any]:
     """`seeds` consecutive seeds from `seed`, each `run` in its own process (`workers` at a time, 0 = one
     per core), and their means: one seed's gain moves by ±0.2 with the warm-up alone (0.14 to 0.52 on
     seeds 0-3), so a claim needs several. Per-seed results are bit-identical to `run` with that seed."""
@@ -441,8 +492,12 @@ def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = Non
     # spawn: each worker imports torch after run() has pinned it to one thread
     with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
         per = list(pool.map(_run_seed, todo))
-    keys = ("isolated_cumulative_reward", "swarm_cumulative_reward", "adversarial_cumulative_reward",
-            "isolated_cumulative_reward_honest_nodes")
+    keys = (
+        "isolated_cumulative_reward",
+        "swarm_cumulative_reward",
+        "adversarial_cumulative_reward",
+        "isolated_cumulative_reward_honest_nodes",
+    )
 
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs)
@@ -462,12 +517,26 @@ def run_seeds(seeds: int, rounds: int = 0, seed: int = 0, home: str | None = Non
         "gain_swarm_pooled": round(sums["swarm_cumulative_reward"] / iso - 1, 4) if iso > 0 else None,
         "gain_adversarial_pooled": round(sums["adversarial_cumulative_reward"] / iso_h - 1, 4) if iso_h > 0 else None,
         "adversarial_accepted": sum(r["adversarial_accepted"] for r in per),
-        "per_seed": [{k: r[k] for k in ("seed", "gain_swarm", "gain_adversarial", "adversarial_accepted", *keys,
-                                        "informative_groups_per_step", "idle_steps", "wall_s")} for r in per],
+        "per_seed": [
+            {
+                k: r[k]
+                for k in (
+                    "seed",
+                    "gain_swarm",
+                    "gain_adversarial",
+                    "adversarial_accepted",
+                    *keys,
+                    "informative_groups_per_step",
+                    "idle_steps",
+                    "wall_s",
+                )
+            }
+            for r in per
+        ],
         "workers": n,
         "wall_s": round(time.monotonic() - t0, 1),
         "method": per[0]["method"] + "; one process per seed; gains: mean of the per-seed gains "
-                                    "(pooled: ratio of the summed cumulative rewards)",
+        "(pooled: ratio of the summed cumulative rewards)",
     }
 
 
@@ -477,6 +546,12 @@ if __name__ == "__main__":  # pragma: no cover - manual runs
 
     r = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     s = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-    print(json.dumps(run(rounds=r, seed=s,
-                         on_round=lambda m, k: print(m, k, round(time.monotonic()), file=sys.stderr)
-                         if k % 10 == 0 else None)))
+    print(
+        json.dumps(
+            run(
+                rounds=r,
+                seed=s,
+                on_round=lambda m, k: print(m, k, round(time.monotonic()), file=sys.stderr) if k % 10 == 0 else None,
+            )
+        )
+    )

@@ -29,14 +29,14 @@ def informative(rows: list[wire.Rollout]) -> list[wire.Rollout]:
 
 
 def claim_low_logprobs(rows: list[wire.Rollout]) -> list[wire.Rollout]:
-    return [msgspec.structs.replace(r, logprobs=logprobs_to_bytes([CLAIMED_LOGPROB] * len(r.completion_ids)))
-            for r in rows]
+    return [
+        msgspec.structs.replace(r, logprobs=logprobs_to_bytes([CLAIMED_LOGPROB] * len(r.completion_ids))) for r in rows
+    ]
 
 
 def forge(rows: list[wire.Rollout], group_size: int) -> list[wire.Rollout]:
     """`rows` with the first row of each group's reward flipped: the batch carrying them is provably bad."""
-    return [msgspec.structs.replace(r, reward=1.0 - r.reward) if k % group_size == 0 else r
-            for k, r in enumerate(rows)]
+    return [msgspec.structs.replace(r, reward=1.0 - r.reward) if k % group_size == 0 else r for k, r in enumerate(rows)]
 
 
 def row_key(r: wire.Rollout) -> tuple[bytes, str, int, str, int]:
@@ -46,4 +46,3 @@ def row_key(r: wire.Rollout) -> tuple[bytes, str, int, str, int]:
 
 def stamp(rows: list[wire.Rollout], created_ms: int) -> list[wire.Rollout]:
     return [msgspec.structs.replace(r, created_ms=created_ms) for r in rows]
-
