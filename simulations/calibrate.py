@@ -234,7 +234,54 @@ def virtual_speedup(fitted: dict[str, Any], run: dict[str, Any], seeds: int = 5)
     }
 
 
+PROJECT_SHARES = (0.5, 0.75, 0.9)
+PROJECT_SETUPS = (
+    {"nodes": 1, "followers": 1},
+    {"nodes": 1, "followers": 3},
+    {"nodes": 1, "followers": 7},
+    {"nodes": 2, "followers": 0},
+    {"nodes": 8, "followers": 0},
+)
+
+
+def project(
+    fitted: dict[str, Any],
+    steps: float,
+    start: float,
+    shares: tuple[float, ...] = PROJECT_SHARES,
+    seeds: int = 5,
+    setups: tuple[dict[str, int], ...] = PROJECT_SETUPS,
+) -> list[dict[str, Any]]:
+    """Modelled, not measured: the virtual simulator's compute-matched speedup of each setup in
+    `PROJECT_SETUPS` where generation is a share g of a step, with everything else as fitted. A step's
+    training share is what generation leaves (`train_share` = 1 - g); `pod_ceiling` = 1 / (1 - g) is
+    the most a pod can save (it saves at most the generation)."""
+    rows = []
+    for g in shares:
+        at_g = {**fitted, "train_share": round(1.0 - g, 4)}
+        for setup in setups:
+            run = {**setup, "steps_iso": steps, "start": start}
+            rows.append(
+                {
+                    "generation_share": g,
+                    **setup,
+                    "pod_ceiling": round(1.0 / (1.0 - g), 2),
+                    **virtual_speedup(at_g, run, seeds),
+                    "modelled": True,
+                }
+            )
+    return rows
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--project":
+        # --project RUN.json ...: fit as --matched does, then project each setup to other generation shares
+        fitted = fit_matched([json.loads(open(f).read().strip().splitlines()[-1]) for f in argv[1:]])
+        runs = [r for r in fitted["runs"] if r["steps_iso"] and not r["adversary"]]
+        steps = sum(r["steps_iso"] for r in runs) / max(1, len(runs))
+        start = sum(r["start"] for r in runs) / max(1, len(runs))
+        print(json.dumps({"steps": round(steps, 1), "start": round(start, 4), "rows": project(fitted, steps, start)}))
+        return
     if argv and argv[0] == "--matched":
         fitted = fit_matched([json.loads(open(f).read().strip().splitlines()[-1]) for f in argv[1:]])
         for run in fitted["runs"]:

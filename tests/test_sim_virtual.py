@@ -211,6 +211,20 @@ def test_learning_defaults_are_the_fit_of_the_matched_benchmark() -> None:
     assert got["rmse_isolated"] < 0.02 and got["rmse_swarm"] < 0.02
 
 
+def test_the_projection_to_other_generation_shares_is_modelled_and_moves_with_g() -> None:
+    """`calibrate --project`: the fitted model run where generation is a larger share of a step; a pod
+    saves generation, so its modelled speedup grows with g, and every row says it is modelled."""
+    from pathlib import Path
+
+    from murmur.simulations.calibrate import fit_matched, project
+
+    fitted = fit_matched(json.loads((Path(__file__).parent / "data" / "matched_runs.json").read_text()))
+    rows = project(fitted, 40.0, 0.39, shares=(0.5, 0.9), seeds=1, setups=({"nodes": 1, "followers": 3},))
+    assert [r["generation_share"] for r in rows] == [0.5, 0.9] and all(r["modelled"] for r in rows)
+    assert [r["pod_ceiling"] for r in rows] == [2.0, 10.0]
+    assert rows[1]["speedup_virtual"] > rows[0]["speedup_virtual"] > 1.0
+
+
 def test_heads_are_learned_from_messages() -> None:
     """No core reads another node's head from global state: it knows the heads of the lineages whose
     publishers reached it (gossip neighbours, the lineage it follows), never ahead of the publisher."""
