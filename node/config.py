@@ -148,6 +148,99 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     ] = "informative"
     threads: Annotated[int, _d("torch threads for training and generation")] = 1
     device: Annotated[str, _d("auto, cpu or cuda")] = "auto"
+    # other models' rollouts: HACPO's corrections (arXiv 2603.02604) and the choice of swarm data, each
+    # switchable for the ablation; docs/training.md has the table
+    foreign_pool: Annotated[
+        bool,
+        _d(
+            "swarm rollouts of a task this step has an own group of (same task set, generator and seed) join that "
+            "group: one baseline over all its answers (HACPO's pooled group)"
+        ),
+    ] = True
+    foreign_baseline: Annotated[
+        bool,
+        _d(
+            "HACPO's capability-weighted baseline over a group holding other models' rows (each source's rewards "
+            "weighted by the learner's success rate over the source's, clipped 0.1-10); false: the plain mean"
+        ),
+    ] = True
+    foreign_ratio_clip: Annotated[
+        bool,
+        _d(
+            "HACPO's stepwise clipping: another model's sample trains only while its per-token ratio (the "
+            "learner's log-probs against its own mean) lies in [1 - foreign_clip_delta + k x foreign_clip_step, "
+            "1], k the update on the step's batch; outside it, weight 0 (a cut, never a floor)"
+        ),
+    ] = True
+    foreign_clip_delta: Annotated[
+        float,
+        Meta(
+            ge=0.0, le=1.0, description=("HACPO's delta: the band's lower bound at the first update is 1 - delta (0-1)")
+        ),
+    ] = 0.2
+    foreign_clip_step: Annotated[
+        float,
+        Meta(
+            ge=0.0,
+            le=1.0,
+            description=(
+                "HACPO's Delta: the lower bound rises by this much with each further update on one step's batch (0-1)"
+            ),
+        ),
+    ] = 0.025
+    foreign_alpha: Annotated[
+        float,
+        Meta(
+            ge=0.0,
+            le=8.0,
+            description=(
+                "HACPO's exponential importance sampling: another model's sample is weighted by its per-token ratio "
+                "to this power, truncated at 1 (0-8; 0 = off)"
+            ),
+        ),
+    ] = 1.0
+    foreign_capability: Annotated[
+        bool,
+        _d(
+            "HACPO's capability coefficient: another model's sample is weighted by its source's success rate "
+            "over the learner's, clipped to [0.1, foreign_capability_max]"
+        ),
+    ] = True
+    foreign_capability_max: Annotated[
+        float,
+        Meta(
+            ge=0.1,
+            le=10.0,
+            description=(
+                "upper clip of the capability coefficient (0.1-10; HACPO's is 10). Above 1 a source that looks "
+                "stronger multiplies its samples' weight, which is still capped at 1"
+            ),
+        ),
+    ] = 1.0
+    foreign_topr: Annotated[
+        bool,
+        _d(
+            "TOPR's conservative negatives: another model's wrong answers are weighted by the learner's own "
+            "likelihood ratio truncated at 1, outside HACPO's band and its power"
+        ),
+    ] = False
+    foreign_rescue: Annotated[
+        bool,
+        _d(
+            "rescue selection: take first the swarm's answers to tasks whose own group this step was all right or "
+            "all wrong, then groups of medium difficulty"
+        ),
+    ] = True
+    foreign_share_max: Annotated[
+        float,
+        Meta(
+            ge=0.0,
+            le=1.0,
+            description=(
+                "other models' rows at most this share of a step's rows, at least one group (0-1; 1 = no cap)"
+            ),
+        ),
+    ] = 0.5
 
 
 class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -140,11 +140,11 @@ EQUIVALENT: set[tuple[str, str]] = {
     # the trainer hook's version floor is accepted and unused (the heads rule replaces it)
     (
         "training/sampler.py",
-        "def take_rollouts(self, groups: int, _min_version: int = 1, max_tokens: int | None = None) -> list[wire.Rollout]:",
+        "def take_rollouts(self, groups: int, _min_version: int = 1, max_tokens: int | None = None,",
     ),
     (
         "training/sampler.py",
-        "def take_rollouts(self, groups: int, _min_version: int = -1, max_tokens: int | None = None) -> list[wire.Rollout]:",
+        "def take_rollouts(self, groups: int, _min_version: int = -1, max_tokens: int | None = None,",
     ),
     # enum members are singletons and Enum's == is identity
     ("gossip/validation.py", "return self.reason == Reason.ACCEPTED"),

@@ -26,11 +26,21 @@ torch.set_num_threads(1)
 
 def test_group_advantages_by_hand() -> None:
     a = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]))
-    # mean 0.5, population std 0.5
-    assert torch.allclose(a, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
-    b = group_advantages(torch.tensor([2.0, 0.0, 1.0]))
-    std = math.sqrt(2 / 3)
-    assert torch.allclose(b, torch.tensor([1 / std, -1 / std, 0.0]), atol=1e-5)
+    # mean 0.5, std with Bessel's correction sqrt(1/3) (the population std 0.5 would give +-1)
+    std = math.sqrt(1 / 3)
+    assert torch.allclose(a, torch.tensor([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std]), atol=1e-5)
+    b = group_advantages(torch.tensor([2.0, 0.0, 1.0]))  # unbiased std 1
+    assert torch.allclose(b, torch.tensor([1.0, -1.0, 0.0]), atol=1e-5)
+    assert group_advantages(torch.tensor([1.0])).tolist() == [0.0]  # a group of one has no spread
+
+
+def test_group_advantages_equal_trls_grpo_advantages() -> None:
+    """TRL's GRPOTrainer: (R - mean of the group) / (std(dim=1) + 1e-4), torch's default (unbiased) std."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    g = rewards.view(-1, 4)
+    trl = (rewards - g.mean(dim=1).repeat_interleave(4)) / (g.std(dim=1).repeat_interleave(4) + 1e-4)
+    ours = torch.cat([group_advantages(rewards[:4], eps=1e-4), group_advantages(rewards[4:], eps=1e-4)])
+    assert torch.allclose(ours, trl, atol=1e-6)
 
 
 def test_degenerate_groups_are_detected() -> None:
@@ -117,14 +127,24 @@ def test_hacpo_advantages_and_coefficient_by_hand() -> None:
     r = torch.tensor([1.0, 0.0, 1.0, 0.0])
     p_src = torch.tensor([0.5, 0.5, 0.25, 0.25])
     a = hacpo_advantages(r, p_src, p_learner=0.5)
-    # b = mean(1*1, 1*0, 2*1, 2*0) = 0.75; std = 0.5
-    assert torch.allclose(a, torch.tensor([0.5, -1.5, 0.5, -1.5]), atol=1e-5)
+    # b = mean(1*1, 1*0, 2*1, 2*0) = 0.75; std (unbiased) = sqrt(1/3)
+    sd = math.sqrt(1 / 3)
+    assert torch.allclose(a, torch.tensor([0.25 / sd, -0.75 / sd, 0.25 / sd, -0.75 / sd]), atol=1e-5)
     c = hacpo_coefficient(torch.tensor([0.01, 0.5, 0.9]), 0.05)
     assert torch.allclose(c, torch.tensor([0.2, 1.0, 1.0]))  # a stronger source is never weighted above 1
     assert torch.allclose(hacpo_coefficient(torch.tensor([0.001]), 0.9), torch.tensor([0.1]))  # nor below 0.1
     # a source that never succeeds moves the baseline by at most ten times its rewards (HACPO's clip)
-    far = hacpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([1e-6, 0.5]), p_learner=0.5)
-    assert torch.allclose(far, torch.tensor([(1.0 - 5.0) / 0.5, (0.0 - 5.0) / 0.5]), atol=1e-4)
+    # (a baseline of 5 is above every reward: the binary guard of HACPO's reference code falls back to the
+    # learner's own rows, here the second)
+    far = hacpo_advantages(
+        torch.tensor([1.0, 0.0]), torch.tensor([1e-6, 0.5]), p_learner=0.5, own=torch.tensor([False, True])
+    )
+    sd = math.sqrt(0.5)
+    assert torch.allclose(far, torch.tensor([1.0 / sd, 0.0]), atol=1e-4)
+    # below the guard: the clip alone holds that source's weight at 10 (unclipped 0.5 / 1e-3 = 500)
+    r12 = torch.tensor([1.0] + [0.0] * 11)
+    clipped = hacpo_advantages(r12, torch.tensor([1e-6] + [0.5] * 11), p_learner=0.5)
+    assert torch.allclose(clipped, (r12 - 10.0 / 12) / r12.std(), atol=1e-4)
 
 
 def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
@@ -134,16 +154,16 @@ def test_hacpo_loss_truncates_sequence_ratio_at_one() -> None:
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     src = torch.tensor([-2.0, -0.5])
     adv = torch.tensor([1.0, -1.0])
-    coef = torch.tensor([2.0, 1.0])
+    coef = torch.tensor([2.0, 1.0])  # a coefficient above 1 (HACPO's bound is 10): the weight stays <= 1
     loss, st = hacpo_loss(logp, src, mask, adv, coef)
     s1 = math.exp(-0.5)
-    expect = -((2.0 * 1.0 * 1.0 * -1.0) + (1.0 * s1 * -1.0 * -1.0)) / 2
+    expect = -((1.0 * 1.0 * 1.0 * -1.0) + (1.0 * s1 * -1.0 * -1.0)) / 2
     assert loss.item() == pytest.approx(expect, rel=1e-5)
     assert st["seq_ratio_truncated_frac"] == 0.5 and st["seq_ratio_low_frac"] == 0.5  # e^-0.5 < 0.8
     assert st["seq_ratio_mean"] == pytest.approx((1 + math.exp(-0.5)) / 2, rel=1e-5)  # the weights applied
     loss.backward()
-    # length-normalised: row 0 tokens get -coef*s*A/len/2 = -2*1*1/2/2
-    assert logp.grad[0, 0].item() == pytest.approx(-0.5, rel=1e-5)
+    # length-normalised: row 0 tokens get -min(coef*s, 1)*A/len/2 = -1*1/2/2
+    assert logp.grad[0, 0].item() == pytest.approx(-0.25, rel=1e-5)
     assert logp.grad[1, 0].item() == pytest.approx(s1 / 2, rel=1e-5)
     assert logp.grad[1, 1].item() == 0.0
 

@@ -11,21 +11,27 @@ plus a stats dict. The formulas are in docs/training.md.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from murmur.training.foreign import CAPABILITY_CLIP, HACPO_DELTA, HACPO_STEP
 
 EPS_LO = 0.2
 EPS_HI = 0.28
 M2_TAU = 0.04
 HACPO_LOW = 0.8  # a sequence ratio below this counts as far off-policy (a statistic only)
-CAPABILITY_CLIP = 10.0  # HACPO's bound on a capability ratio (coefficient and baseline)
 MAX_LOG_WEIGHT = 30.0  # an untruncated sequence weight is a statistic only; this keeps it finite
 MAX_SOURCES = 4096  # sources whose success rate is remembered (least recently updated forgotten first)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (R_i - mean R) / (std R + eps) for one group (population std)."""
+    """A_i = (R_i - mean R) / (std R + eps) for one group, std with Bessel's correction: TRL's GRPOTrainer
+    and HACPO's reference code both divide by torch's default (unbiased) std. A group of one has none."""
     r = rewards.float()
-    return (r - r.mean()) / (r.std(unbiased=False) + eps)
+    if r.numel() < 2:
+        return torch.zeros_like(r)
+    return (r - r.mean()) / (r.std() + eps)
 
 
 def is_degenerate(rewards: list[float]) -> bool:
@@ -129,22 +135,50 @@ def decoupled_loss(
     }
 
 
-def hacpo_advantages(rewards: torch.Tensor, p_src: torch.Tensor, p_learner: float, eps: float = 1e-6) -> torch.Tensor:
-    """A_i = (R_i - b) / (std R + eps), b = mean_j clip(P_learner / P_src(j), 0.1, 10) R_j (capability-weighted).
+def hacpo_advantages(
+    rewards: torch.Tensor,
+    p_src: torch.Tensor,
+    p_learner: float | torch.Tensor,
+    eps: float = 1e-6,
+    own: torch.Tensor | None = None,
+    max_reward: float = 1.0,
+) -> torch.Tensor:
+    """HACPO's capability-aware advantage over one (pooled) group: A_i = (R_i - b) / (std R + eps),
+    b = mean_j clip(P_learner(j) / P_src(j), 0.1, 10) R_j.
 
-    The ratio is clipped as HACPO clips its capability ratio, so a source with a near-zero success rate
-    cannot move the baseline by more than ten times its rewards."""
+    A stronger source's rewards overstate what the learner would score, so they count for less in the
+    baseline, a weaker one's for more; the ratio is clipped as HACPO clips it. As in HACPO's reference code:
+    a group whose rewards are all equal gets the plain mean (a weighting must not invent a signal there);
+    a baseline above the highest reward (`max_reward`, binary rewards) falls back to the mean of the
+    learner's own rows (`own`, a bool mask), or the plain mean when there are none; the std is the
+    unbiased one over the whole group. `p_learner` is one rate, or one per row (the learner's rate measured
+    on the same prompts as that row's source)."""
     r = rewards.float()
-    ratio = (p_learner / p_src.float().clamp(min=1e-3)).clamp(1.0 / CAPABILITY_CLIP, CAPABILITY_CLIP)
+    if r.numel() < 2 or float(r.max() - r.min()) < 1e-9:
+        return torch.zeros_like(r)
+    p_l = torch.as_tensor(p_learner, dtype=torch.float32)
+    ratio = (p_l / p_src.float().clamp(min=1e-3)).clamp(1.0 / CAPABILITY_CLIP, CAPABILITY_CLIP)
     b = (ratio * r).mean()
-    return (r - b) / (r.std(unbiased=False) + eps)
+    if float(b) > max_reward:
+        b = r[own].mean() if own is not None and bool(own.any()) else r.mean()
+    return (r - b) / (r.std() + eps)
 
 
-def hacpo_coefficient(p_src: torch.Tensor, p_learner: float) -> torch.Tensor:
-    """clip(P_src / P_learner, 0.1, 1): trust a weaker source less, never a sample of another model more
-    than one of our own. HACPO lets a stronger source reach 10; here the success rate is measured on what
-    that source chose to send (a producer can send only its easiest groups), so it earns no up-weight."""
-    return (p_src.float() / max(p_learner, 1e-3)).clamp(1.0 / CAPABILITY_CLIP, 1.0)
+def hacpo_coefficient(p_src: torch.Tensor, p_learner: float | torch.Tensor, max_ratio: float = 1.0) -> torch.Tensor:
+    """clip(P_src / P_learner, 0.1, max_ratio): trust a weaker source less. HACPO's upper bound is 10; the
+    default here is 1, never a sample of another model more than one of our own: a source's success rate is
+    measured on what it chose to send, and a coefficient above 1 multiplies the weight of exactly the
+    low-likelihood samples (a payload) that the sequence ratio holds down. The weight it enters is capped
+    at 1 whatever `max_ratio` is (`hacpo_loss`)."""
+    p_l = torch.as_tensor(p_learner, dtype=torch.float32).clamp(min=1e-3)
+    return (p_src.float() / p_l).clamp(1.0 / CAPABILITY_CLIP, max(max_ratio, 1.0 / CAPABILITY_CLIP))
+
+
+def hacpo_clip_low(update: int, delta: float = HACPO_DELTA, step: float = HACPO_STEP) -> float:
+    """HACPO's stepwise lower bound 1 - delta + k * Delta, at most 1, where k counts the optimizer updates
+    made on one step's batch (the reference code's minibatch update index, reset every training step):
+    each further update on the same data is held closer to the learner's own distribution."""
+    return min(1.0, 1.0 - delta + max(0, update) * step)
 
 
 def hacpo_loss(
@@ -154,6 +188,9 @@ def hacpo_loss(
     adv: torch.Tensor,
     coef: torch.Tensor,
     denom: float | None = None,
+    clip_low: float | None = None,
+    alpha: float = 0.0,
+    topr: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss for samples of another model (sequence level).
 
@@ -164,11 +201,23 @@ def hacpo_loss(
     log-probs: no receiver can re-score another model's sampling, and a claim of -999 per token would pin
     a claimed ratio at its cap. The sum, not the per-token mean, is the test: a few tokens the learner
     would not write (a payload riding on a correct answer) weigh the completion down by their product,
-    where a mean over the whole completion dilutes them. The per-sample objective is
-    coef * min(s, 1) * A * mean_t logp_learner, so the gradient is length-normalised and bounded by
-    coef * |A| <= |A|. No floor below: a floor trains hardest, relative to its weight, on exactly the
-    samples that say least about the learner's own behaviour. The loss is the mean over sequences, or
-    their sum over `denom` when one is given.
+    where a mean over the whole completion dilutes them.
+
+    HACPO's corrections, each optional (defaults: none, the weight is coef * min(s, 1)):
+    - `clip_low` (stepwise clipping): HACPO clips its sequence ratio to [clip_low, 1] with the gradient
+      flowing through the ratio, so a sample outside that band gets no gradient at all. The band is on the
+      per-token ratio r = s^(1/T), the scale HACPO's ratio is on (a mean log-ratio per token); a sample
+      outside it gets weight 0. It is a cut, never a floor: a floor would train a payload-carrying
+      completion at weight >= clip_low.
+    - `alpha` (exponential importance sampling): times min(r, 1)^alpha, detached.
+    - `topr`: a sample with a negative advantage gets TOPR's clip(pi/mu, 0, 1) = min(s, 1) (times coef)
+      instead, outside the band and without the alpha power: another model's errors are pushed down in
+      proportion to how likely the learner is to make them. Positives keep the weight above (TOPR's full
+      weight would rest on nothing but the reward, and a payload rides on correct answers).
+    The weight is coef * min(s, 1) * ..., capped at 1 whatever coef is: a foreign sample never counts for
+    more than one of the learner's own. The per-sample objective is weight * A * mean_t logp_learner, so
+    the gradient is length-normalised and bounded by |A|. The loss is the mean over sequences, or their
+    sum over `denom` when one is given.
     """
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
@@ -176,14 +225,28 @@ def hacpo_loss(
     ref = ref[:, None] if ref.dim() == 1 else ref  # one reference per row, or one for all
     gap = ((logp.detach() - ref) * mask).sum(-1)
     s = torch.exp(gap.clamp(max=MAX_LOG_WEIGHT))
-    obj = coef * s.clamp(max=1.0) * adv * seq_lp
+    t = s.clamp(max=1.0)
+    per_tok = gap / n_tok  # log of the per-token ratio r
+    w = coef.float() * t
+    if alpha:
+        w = w * torch.exp(per_tok.clamp(max=0.0) * alpha)
+    out = torch.zeros_like(t, dtype=torch.bool)
+    if clip_low is not None:
+        out = (per_tok > 0) | (per_tok < math.log(max(clip_low, 1e-12)))
+        w = torch.where(out, torch.zeros_like(w), w)
+    if topr:
+        w = torch.where(adv < 0, coef.float() * t, w)
+    w = w.clamp(max=1.0).detach()
+    obj = w * adv * seq_lp
     valid = (mask.sum(-1) > 0).float()
     n = valid.sum().clamp(min=1.0)
     loss = -(obj * valid).sum() / (n if denom is None else max(float(denom), 1.0))
     return loss, {
-        "seq_ratio_mean": float((s.clamp(max=1.0) * valid).sum() / n),
+        "seq_ratio_mean": float((t * valid).sum() / n),
         "seq_ratio_truncated_frac": float(((s > 1).float() * valid).sum() / n),
         "seq_ratio_low_frac": float(((s < HACPO_LOW).float() * valid).sum() / n),
+        "foreign_weight_mean": float((w * valid).sum() / n),
+        "trust_region_out_frac": float((out.float() * valid).sum() / n),
     }
 
 

@@ -41,6 +41,10 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
   than the sampler's own (`own`) carry weights no receiver can re-score, so
   one producer (the key that signed their batch) fills at most
   `producer_cap(J)` of a step's J groups; the rest of its groups wait.
+  A trainer with rescue selection on passes `prefer` (its own groups' tasks
+  this step, ranked): the draw then takes those tasks first, then groups of
+  medium difficulty, the random draw breaking ties (`preference_order`); the
+  caps above hold alike.
 
 Counters (`counts`): `added`, `uninformative` and `too_small` (dropped at
 intake), `evicted` (pool full), `stale`, `unowned` and `over_budget` (dropped
@@ -59,7 +63,7 @@ from __future__ import annotations
 
 import collections
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from murmur.gossip import wire
@@ -211,12 +215,17 @@ class Sampler:
         """Newest reported version of `lineage` (None: none reported)."""
         return self._heads.get(bytes(lineage))
 
-    def take(self, groups: int, max_tokens: int | None = None) -> list[Group]:
+    def take(
+        self, groups: int, max_tokens: int | None = None, prefer: Mapping[TaskKey, int] | None = None
+    ) -> list[Group]:
         """Up to `groups` usable groups drawn uniformly at random, each used once, holding at most
         `max_tokens` completion tokens, with at most `producer_cap(groups)` groups of other lineages from
         any one producer; every stale group in the pool, every group of a lineage with no reported head,
         and every group larger than the whole budget, is dropped on the way. Returned in arrival order
-        (oldest first)."""
+        (oldest first).
+
+        With `prefer` (the trainer's rescue selection, `preference_order`), groups are drawn in that order
+        instead: the tasks it ranks first, then medium difficulty, the random draw breaking ties."""
         if groups <= 0 or not self._pool:
             return []
         usable: list[Group] = []
@@ -237,7 +246,10 @@ class Sampler:
         chosen: set[int] = set()
         per: dict[bytes, int] = {}
         room = max_tokens
-        for i in self._rng.sample(range(len(usable)), len(usable)):
+        draw = self._rng.sample(range(len(usable)), len(usable))
+        if prefer is not None:
+            draw = preference_order([usable[i] for i in draw], prefer, draw)
+        for i in draw:
             if len(chosen) >= groups:
                 break
             g = usable[i]
@@ -261,9 +273,34 @@ class Sampler:
         self.counts["taken"] += len(picked)
         return picked
 
-    def take_rollouts(self, groups: int, _min_version: int = 0, max_tokens: int | None = None) -> list[wire.Rollout]:
+    def take_rollouts(
+        self,
+        groups: int,
+        _min_version: int = 0,
+        max_tokens: int | None = None,
+        prefer: Mapping[TaskKey, int] | None = None,
+    ) -> list[wire.Rollout]:
         """`take` flattened: the shape of `training.trainer.Trainer`'s `external` hook.
 
         The trainer's version floor is not needed: the owner reports its own head with
         `observe_head`, and the staleness rule above applies to every lineage alike."""
-        return [r for g in self.take(groups, max_tokens) for r in g.rollouts]
+        return [r for g in self.take(groups, max_tokens, prefer) for r in g.rollouts]
+
+
+RANK_OTHER = 2  # a task the trainer has no own group of this step (see `preference_order`)
+
+
+def preference_order(groups: list[Group], prefer: Mapping[TaskKey, int], ids: list[int] | None = None) -> list[int]:
+    """Rescue selection: `ids` (default 0..n-1, one per group, in the caller's order) sorted by the rank
+    `prefer` gives a group's task (the trainer ranks 0 a task whose own group this step was all right or
+    all wrong, so another model's answers make it informative; 1 one whose own group was informative;
+    unranked tasks come after, `RANK_OTHER`), then by medium difficulty (success rate nearest 1/2, where
+    a group teaches most: ExGRPO), then the caller's order."""
+    ids = list(range(len(groups))) if ids is None else ids
+
+    def key(k: int) -> tuple[int, float, int]:
+        g = groups[k]
+        rate = sum(r.reward > 0 for r in g.rollouts) / max(1, len(g.rollouts))
+        return prefer.get(g.key, RANK_OTHER), abs(rate - 0.5), k
+
+    return [ids[k] for k in sorted(range(len(groups)), key=key)]

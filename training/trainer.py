@@ -18,13 +18,17 @@ current version count as stale for the M2PO mask; tokens more than
 
 Loss routing: own-lineage rollouts (local, or external ones from our lineage
 and tokenizer) use the decoupled objective; rollouts from other lineages are
-re-tokenised and use the HACPO sequence loss. Groups whose rewards are all
-equal are dropped. The node's worker calls `step()` in its own process;
+re-tokenised and use the HACPO sequence loss. Swarm rollouts of a task this
+step has an own group of join that group (HACPO's pooled group), the swarm's
+groups are taken in rescue order and other models' rows are capped at a share
+of the step (docs/training.md, "Other models' rollouts"). Groups whose rewards
+are all equal are dropped. The node's worker calls `step()` in its own process;
 `run()` loops over steps (used by `murmur bench learn`) and hands each to `on_step`.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import threading
@@ -41,16 +45,19 @@ from murmur.gossip.errors import ConfigError, MurmurError, TaskError
 from murmur.gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
 from murmur.training.engine import Sampling
 from murmur.training.engine_hf import HFEngine
+from murmur.training.foreign import FOREIGN_KEYS, FOREIGN_RANGES, HACPO_ALPHA, HACPO_DELTA, HACPO_STEP
 from murmur.training.losses import (
     CapabilityTracker,
     decoupled_loss,
     group_advantages,
     hacpo_advantages,
+    hacpo_clip_low,
     hacpo_coefficient,
     hacpo_loss,
     is_degenerate,
 )
 from murmur.training.rollouts import RolloutRec, from_wire
+from murmur.training.sampler import RANK_OTHER, TaskKey, task_key
 from murmur.training.tasksets import TaskRegistry, is_eval
 from murmur.training.verifiers import score
 
@@ -93,6 +100,19 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # included, never fewer than the configured (I + J) x group_size): a step's size follows how much
     # of its batch teaches anything.
     loss_norm: str = "informative"
+    # Another model's rollouts (HACPO, arXiv 2603.02604; the table in docs/training.md). Pooling: swarm
+    # rollouts of a task this step has an own group of join that group (one baseline, one group).
+    foreign_pool: bool = True
+    foreign_baseline: bool = True  # HACPO's capability-weighted baseline (off: the plain group mean)
+    foreign_ratio_clip: bool = True  # HACPO's stepwise band [1 - delta + k * step, 1] on the sequence ratio
+    foreign_clip_delta: float = HACPO_DELTA
+    foreign_clip_step: float = HACPO_STEP
+    foreign_alpha: float = HACPO_ALPHA  # HACPO's exponential importance sampling power (0: off)
+    foreign_capability: bool = True  # HACPO's capability coefficient clip(P_src / P_learner, 0.1, max)
+    foreign_capability_max: float = 1.0  # HACPO's is 10; above 1 the weight is still capped at 1
+    foreign_topr: bool = False  # TOPR: negatives at min(s, 1), outside the band and the alpha power
+    foreign_rescue: bool = True  # take swarm groups of this step's own tasks first, then medium difficulty
+    foreign_share_max: float = 0.5  # other models' rows at most this share of a step's rows (SAPO's 4/4)
     memory_budget_mb: int = 4096
     seed: int = 0
 
@@ -112,6 +132,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
             minibatch_groups=t.minibatch_groups,
             max_staleness=config.sync.max_staleness,
             memory_budget_mb=config.node.memory_budget_mb,
+            **{k: getattr(t, k) for k in FOREIGN_KEYS},
         )
 
     def __post_init__(self) -> None:
@@ -119,6 +140,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
             raise ConfigError(f"trainer loss_norm {self.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
         if self.minibatch_groups < 0:
             raise ConfigError("trainer minibatch_groups must be >= 0")
+        for key, (lo, hi) in FOREIGN_RANGES.items():
+            v = getattr(self, key)
+            if not lo <= v <= hi:  # NaN fails too
+                raise ConfigError(f"trainer {key} {v!r} must be in [{lo:g}, {hi:g}]")
 
 
 @dataclass
@@ -154,7 +179,11 @@ class _Prepared:
     ext: list[RolloutRec]
     ext_adv: torch.Tensor
     ext_coef: torch.Tensor
-    external: bool  # it came from the swarm
+    external: bool  # it came from the swarm alone (no own group of its task this step)
+    swarm_rows: int = 0  # rows that came from the swarm (all of an external group's; a pooled group's joiners)
+    swarm_lineages: frozenset[bytes] = frozenset()
+    pooled: bool = False  # an own group that swarm rollouts of its task joined
+    rescued: bool = False  # ... whose own rows alone were all right or all wrong
 
     @property
     def rows(self) -> int:
@@ -182,6 +211,8 @@ class StepResult:
     trained_external_groups: int = 0  # of them, from the swarm
     backlog_groups: int = 0  # informative groups waiting for a full minibatch
     external_lineages: int = 0  # distinct lineages among the external rows that entered updates
+    trained_pooled_groups: int = 0  # trained own groups that swarm rollouts of the same task joined
+    trained_rescued_groups: int = 0  # of them, own groups that alone were all right or all wrong
 
 
 class Trainer:
@@ -211,6 +242,12 @@ class Trainer:
         self.step_no = 0
         self.pending: list[_Pending] = []
         self.capability = CapabilityTracker()
+        # HACPO compares capabilities on the same prompts; pooled groups give exactly that: per source, its
+        # success rate on tasks this learner also answered, and the learner's own rate on those tasks. A
+        # producer that answers only easy tasks raises both alike, so it gains nothing there
+        self.shared_src = CapabilityTracker()
+        self.shared_own = CapabilityTracker()
+        self._update_no = 0  # optimizer updates made on this step's batch (HACPO's k)
         # the per-token log-prob of this policy's own samples (a running mean of its behaviour log-probs):
         # the reference of another model's sample weight; 0 until the first own completion (weights low)
         self.ref_logp = 0.0
@@ -315,10 +352,27 @@ class Trainer:
             groups.append(g)
         return groups
 
-    def _collect_external(self) -> list[list[RolloutRec]]:
+    def _preferences(self, local: list[list[RolloutRec]]) -> dict[TaskKey, int]:
+        """Rescue selection's ranks of this step's own tasks: 0 where the own group was all right or all wrong
+        (another model's answers make it informative), 1 where it was informative."""
+        out: dict[TaskKey, int] = {}
+        if not self.cfg.foreign_pool:  # unpooled, a task of ours is no better than another: difficulty alone
+            return out
+        for g in local:
+            if g:
+                k = task_key(g[0].ref)
+                out[k] = min(out.get(k, 1), 0 if is_degenerate([r.reward for r in g]) else 1)
+        return out
+
+    def _collect_external(self, local: list[list[RolloutRec]] | None = None) -> list[list[RolloutRec]]:
         if self.external is None or self.cfg.external_groups <= 0:
             return []
-        got = self.external(self.cfg.external_groups, max(0, self.version - self.cfg.max_staleness))
+        prefer = self._preferences(local or []) if self.cfg.foreign_rescue else None
+        min_version = max(0, self.version - self.cfg.max_staleness)
+        if prefer is not None and accepts_prefer(self.external):
+            got = self.external(self.cfg.external_groups, min_version, prefer=prefer)  # type: ignore[call-arg]  # accepts_prefer checked the hook takes it
+        else:
+            got = self.external(self.cfg.external_groups, min_version)
         by_task: dict[tuple[bytes, str, int], list[RolloutRec]] = {}
         for w in got:
             try:
@@ -342,8 +396,10 @@ class Trainer:
                 if rec.finished and (not rec.ids or rec.ids[-1] != self.engine.eos_id):
                     rec.ids = rec.ids + [self.engine.eos_id]
             rec.reward = score(task, rec.text)  # recomputed, never trusted
-            by_task.setdefault((bytes(w.task.task_set), w.task.generator, int(w.task.seed)), []).append(rec)
+            by_task.setdefault(task_key(w.task), []).append(rec)
         groups = [g for g in by_task.values() if len(g) >= 2]
+        if prefer is not None:  # the hook may not have ordered them (or not by this step's own tasks)
+            groups = [groups[i] for i in _rescue_order(groups, prefer, local or [])]
         return groups[: self.cfg.external_groups]
 
     # ------------------------------------------------------------ loss
@@ -357,6 +413,7 @@ class Trainer:
         ext_coef: torch.Tensor,
         prox: torch.Tensor | None,
         batch_rows: int,
+        update: int = 0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
         rows = loss_denominator(cfg, batch_rows)
@@ -395,8 +452,24 @@ class Trainer:
             cut = torch.tensor([not r.finished for r in ext], dtype=torch.bool)
             mask = mask * (~cut).float()[:, None]  # kept for the group's advantages, out of the loss
             stats["truncated_masked"] = float(cut.sum())
-            loss, st = hacpo_loss(logp, self.ref_logp, mask, ext_adv, ext_coef, denom=rows)
+            low = (
+                hacpo_clip_low(update, cfg.foreign_clip_delta, cfg.foreign_clip_step)
+                if cfg.foreign_ratio_clip
+                else None
+            )
+            loss, st = hacpo_loss(
+                logp,
+                self.ref_logp,
+                mask,
+                ext_adv,
+                ext_coef,
+                denom=rows,
+                clip_low=low,
+                alpha=cfg.foreign_alpha,
+                topr=cfg.foreign_topr,
+            )
             stats["ref_logp"] = self.ref_logp
+            stats["foreign_clip_low"] = -1.0 if low is None else low
             stats.update(st)
             parts.append(loss)
             weights.append(len(ext))
@@ -420,50 +493,131 @@ class Trainer:
         self.ref_logp = m if not self._ref_seen else REF_DECAY * self.ref_logp + (1 - REF_DECAY) * m
         self._ref_seen = True
 
+    def _share_cap(self, local: list[list[RolloutRec]], ext_groups: list[list[RolloutRec]]) -> list[list[RolloutRec]]:
+        """The foreign-share cap: other models' rows, taken in the order given (rescue order), at most
+        `foreign_share_max` of the step's rows (its own rows plus those), never less than one group that
+        holds any: as the sampler's producer cap, so a step with few own rows still learns from the
+        swarm. Groups of our own lineage only (followers' samples of this policy) are not capped."""
+        share = self.cfg.foreign_share_max
+        own_rows = sum(len(g) for g in local)
+        room = math.inf if share >= 1.0 else share / (1.0 - share) * own_rows
+        out: list[list[RolloutRec]] = []
+        used = 0
+        for g in ext_groups:
+            n = sum(r.foreign for r in g)
+            if n and share <= 0.0:
+                self.drops["foreign_share"] = self.drops.get("foreign_share", 0) + 1
+                continue
+            if n and used and used + n > room:
+                self.drops["foreign_share"] = self.drops.get("foreign_share", 0) + 1
+                continue
+            used += n
+            out.append(g)
+        return out
+
+    def _weights(self, rows: list[RolloutRec], pooled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row (P_src, P_learner): 1:1 for this lineage's own samples; for another model's, its source's
+        success rate and the learner's, measured on shared tasks in a pooled group, overall otherwise."""
+        p_l = self.capability.get(self.lineage)
+        src, lrn = [], []
+        for r in rows:
+            if not r.foreign:
+                src.append(p_l)
+                lrn.append(p_l)
+            elif pooled:
+                src.append(self.shared_src.get(r.source))
+                lrn.append(self.shared_own.get(r.source))
+            else:
+                src.append(self.capability.get(r.source))
+                lrn.append(p_l)
+        return torch.tensor(src), torch.tensor(lrn)
+
+    def _route(self, rows: list[RolloutRec], own_local: int, pooled: bool) -> _Prepared:
+        """One informative group's advantages (HACPO's capability-weighted baseline when it holds another
+        model's rows) and its rows routed: this lineage's samples to the decoupled loss, others' to HACPO's."""
+        cfg = self.cfg
+        rewards = torch.tensor([r.reward for r in rows])
+        mine = [i for i, r in enumerate(rows) if not r.foreign]
+        theirs = [i for i, r in enumerate(rows) if r.foreign]
+        p_src, p_lrn = self._weights(rows, pooled)
+        if theirs and cfg.foreign_baseline:
+            own_mask = torch.tensor([i < own_local for i in range(len(rows))])
+            adv = hacpo_advantages(rewards, p_src, p_lrn, own=own_mask if own_local else None)
+        else:
+            adv = group_advantages(rewards)
+        coef = (
+            hacpo_coefficient(p_src, p_lrn, cfg.foreign_capability_max)
+            if cfg.foreign_capability
+            else torch.ones(len(rows))
+        )
+        swarm = rows[own_local:]
+        return _Prepared(
+            [rows[i] for i in mine],
+            adv[mine],
+            [rows[i] for i in theirs],
+            adv[theirs],
+            coef[theirs],
+            external=own_local == 0,
+            swarm_rows=len(swarm),
+            swarm_lineages=frozenset(bytes(r.lineage) for r in swarm),
+            pooled=pooled and own_local > 0,
+        )
+
     def _prepare(
         self, local: list[list[RolloutRec]], ext_groups: list[list[RolloutRec]]
     ) -> tuple[list[_Prepared], int]:
-        """Route each informative group to its loss with its advantages; returns (groups, dropped)."""
-        out: list[_Prepared] = []
+        """Route each informative group to its loss with its advantages; returns (groups, dropped).
+
+        Swarm rollouts of a task this step holds an own group of (same task reference: task set, generator,
+        seed) join that group when `foreign_pool` is on: one group, one baseline, as HACPO trains on the
+        answers of every agent to one prompt. An own group that is all right or all wrong alone trains when
+        its joiners make it informative (rescue)."""
         dropped = 0
         self._observe_own_logprobs(local)
-        for g in local:
-            if is_degenerate([r.reward for r in g]):
-                dropped += 1
-                continue
-            # HACPO capabilities on one basis: a source is only ever seen through its informative
-            # groups (the sampler drops the rest), so the learner is measured on its own
-            self.capability.update(self.lineage, [r.reward for r in g])
-            out.append(
-                _Prepared(g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY, _EMPTY, external=False)
-            )
-        p_l = self.capability.get(self.lineage)
+        joined: dict[TaskKey, list[RolloutRec]] = {}
+        own_keys = {task_key(g[0].ref) for g in local if g}
+        alone: list[list[RolloutRec]] = []
+        informative = []
         for g in ext_groups:
-            if is_degenerate([r.reward for r in g]):
+            if is_degenerate([r.reward for r in g]):  # zero variance: nothing of its own to teach
                 dropped += 1
+            else:
+                informative.append(g)
+        for g in self._share_cap(local, informative):
+            k = task_key(g[0].ref)
+            if self.cfg.foreign_pool and k in own_keys:
+                joined.setdefault(k, []).extend(g)
+            else:
+                alone.append(g)
+        out: list[_Prepared] = []
+        for g in local:
+            own_rewards = [r.reward for r in g]
+            # popped: should two own groups of one task occur, the swarm's rows join the first only
+            extra = joined.pop(task_key(g[0].ref), []) if g else []
+            if not is_degenerate(own_rewards):
+                # HACPO capabilities on one basis: a source is only ever seen through its informative
+                # groups (the sampler drops the rest), so the learner is measured on its own
+                self.capability.update(self.lineage, own_rewards)
+            if not extra:
+                if is_degenerate(own_rewards):
+                    dropped += 1
+                    continue
+                out.append(
+                    _Prepared(g, group_advantages(torch.tensor(own_rewards)), [], _EMPTY, _EMPTY, external=False)
+                )
                 continue
+            for src in {r.source for r in extra if r.foreign}:
+                self.capability.update(src, [r.reward for r in extra if r.foreign and r.source == src])
+                self.shared_src.update(src, [r.reward for r in extra if r.foreign and r.source == src])
+                self.shared_own.update(src, own_rewards)
+            p = self._route(g + extra, len(g), pooled=True)
+            p.rescued = is_degenerate(own_rewards)
+            out.append(p)
+        for g in alone:
             for r in g:
                 if r.foreign:
                     self.capability.update(r.source, [r.reward])
-            if not any(r.foreign for r in g):  # all of our lineage and tokenizer
-                out.append(
-                    _Prepared(
-                        g, group_advantages(torch.tensor([r.reward for r in g])), [], _EMPTY, _EMPTY, external=True
-                    )
-                )
-                continue
-            p_src = torch.tensor([self.capability.get(r.source) if r.foreign else p_l for r in g])
-            adv = hacpo_advantages(torch.tensor([r.reward for r in g]), p_src, p_l)
-            coef = hacpo_coefficient(p_src, p_l)
-            # own-lineage samples inside a group with another model's get the HACPO advantage with the
-            # decoupled loss: the routing is per sample
-            mine = [i for i, r in enumerate(g) if not r.foreign]
-            theirs = [i for i, r in enumerate(g) if r.foreign]
-            out.append(
-                _Prepared(
-                    [g[i] for i in mine], adv[mine], [g[i] for i in theirs], adv[theirs], coef[theirs], external=True
-                )
-            )
+            out.append(self._route(g, 0, pooled=False))
         return out, dropped
 
     def _minibatches(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
@@ -494,7 +648,8 @@ class Trainer:
         stats: dict[str, float] = {}
         applied = 0
         for _ in range(max(1, cfg.ppo_epochs)):
-            loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows)
+            loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no)
+            self._update_no += 1
             loss_val = float(loss.detach())
             gn = guarded_step(self.opt, list(self.engine.model.parameters()), loss, cfg.grad_clip)
             if gn is None:
@@ -518,9 +673,10 @@ class Trainer:
                 local = self._collect_local()
                 if local or cfg.chunk_tokens:
                     break
-            ext_groups = self._collect_external()
+            ext_groups = self._collect_external(local)
             local_rewards = [r.reward for g in local for r in g]
             prepared, dropped = self._prepare(local, ext_groups)
+            self._update_no = 0
             batches = self._minibatches(prepared)
             loss_val = 0.0
             stats: dict[str, float] = {}
@@ -558,8 +714,11 @@ class Trainer:
                 for r in p.own + p.ext:
                     tid = bytes(r.ref.task_set)
                     used[tid] = used.get(tid, 0) + 1
-                    if p.external:
-                        ext_used[tid] = ext_used.get(tid, 0) + 1
+                if p.swarm_rows:
+                    tid = bytes((p.own + p.ext)[0].ref.task_set)
+                    ext_used[tid] = ext_used.get(tid, 0) + p.swarm_rows
+            stats["pooled_groups"] = float(sum(p.pooled for p in trained))
+            stats["rescued_groups"] = float(sum(p.rescued for p in trained))
             res = StepResult(
                 step=self.step_no,
                 version=self.version,
@@ -579,7 +738,9 @@ class Trainer:
                 trained_groups=len(trained),
                 trained_external_groups=sum(p.external for p in trained),
                 backlog_groups=len(self.backlog),
-                external_lineages=len({bytes(r.lineage) for p in trained if p.external for r in p.own + p.ext}),
+                external_lineages=len(frozenset().union(*(p.swarm_lineages for p in trained))),
+                trained_pooled_groups=sum(p.pooled for p in trained),
+                trained_rescued_groups=sum(p.rescued for p in trained),
             )
         if self.on_step is not None:
             self.on_step(res)
@@ -631,3 +792,34 @@ def loss_denominator(cfg: TrainerConfig, batch_rows: int) -> int | None:
 def check_trainable(engine: HFEngine) -> None:
     if not any(p.requires_grad for p in engine.model.parameters()):
         raise MurmurError("the model has no trainable parameters")
+
+
+def accepts_prefer(hook: Callable[..., Any] | None) -> bool:
+    """Whether an external hook takes the `prefer` keyword (rescue selection's ranks of this step's own
+    tasks): the sampler's `take_rollouts` and the worker's hook do; a plain `(groups, min_version)` hook
+    gets its groups ordered after the fact instead."""
+    if hook is None:
+        return False
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: call it the plain way
+        return False
+    return any(p.name == "prefer" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _rescue_order(
+    groups: list[list[RolloutRec]], prefer: dict[TaskKey, int], local: list[list[RolloutRec]]
+) -> list[int]:
+    """Indices of `groups` (swarm rollouts, one task each) in rescue order: tasks `prefer` ranks first
+    (this step's own groups that were all right or all wrong, then its informative ones), then medium
+    difficulty (the success rate of the group as it would train, pooled with the own group of its task,
+    nearest 1/2), then the order given."""
+    own = {task_key(g[0].ref): g for g in local if g}
+
+    def key(i: int) -> tuple[int, float, int]:
+        k = task_key(groups[i][0].ref)
+        rows = groups[i] + own.get(k, [])
+        rate = sum(r.reward > 0 for r in rows) / max(1, len(rows))
+        return prefer.get(k, RANK_OTHER), abs(rate - 0.5), i
+
+    return sorted(range(len(groups)), key=key)

@@ -25,6 +25,7 @@ import trio
 from murmur.gossip.identity import Identity
 from murmur.node import pipe
 from murmur.node.config import Config
+from murmur.training.foreign import FOREIGN_KEYS
 from murmur.training.spotcheck import SPOT_RATE
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
             "loss_norm": t.loss_norm,
             "minibatch_groups": t.minibatch_groups,
             "memory_budget_mb": cfg.node.memory_budget_mb,
+            **{k: getattr(t, k) for k in FOREIGN_KEYS},
         },
     }
 

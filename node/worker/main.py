@@ -505,16 +505,17 @@ class Worker:
         self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
         self.tasks.save()
 
-    def _external(self, max_groups: int, min_version: int) -> list:
+    def _external(self, max_groups: int, min_version: int, prefer: dict | None = None) -> list:
         """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py), each
-        rollout's ids in the vocabulary and decoding to the text that was verified."""
+        rollout's ids in the vocabulary and decoding to the text that was verified; `prefer` is the
+        trainer's rescue selection (its own tasks this step, ranked), which the sampler draws first."""
         from murmur.training.tokencheck import consistent
 
         t = self.spec.get("trainer", {})
         # J groups of this trainer's own shape: a step's external work in proportion to its own
         budget = max_groups * int(t["group_size"]) * int(t["max_new_tokens"]) if "group_size" in t else None
         with self.inbox.lock:
-            taken = self.inbox.sampler.take_rollouts(max_groups, min_version, budget)
+            taken = self.inbox.sampler.take_rollouts(max_groups, min_version, budget, prefer=prefer)
         return [r for r in taken if self.engine is None or consistent(r, self.engine)]
 
     def _observe_own_head(self, lineage: bytes, version: int) -> None:
