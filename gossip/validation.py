@@ -4,7 +4,7 @@ Stages (docs/gossip.md lists every reason and penalty):
   admit  (event loop, microseconds): graylist/blacklist -> size -> rate limit ->
          decode envelope -> signer == originator -> verdict cache -> signature ->
          body -> swarm -> freshness (TTL) -> replay (producer, seq) -> task set known
-         -> completion length -> staleness -> verification CPU share
+         -> schedule claims -> completion length -> staleness -> verification CPU share
   verify (thread: pure CPU, no shared state but a locked task cache):
          token ids against the tokenizer (vocabulary, text == decode(ids)),
          regenerate every task from its reference, recompute every reward
@@ -25,7 +25,8 @@ I/O layer (`gossip.service`) runs `verify` in `trio.to_thread.run_sync`.
 Dependencies are injected: a clock (unix seconds), a task resolver
 (`TaskRef -> Task`, raising `TaskError`), a reward function
 (`(task, completion_text) -> float`), a head-version oracle per lineage and,
-optionally, a "task set known and trusted" predicate.
+optionally, a "task set known and trusted" predicate and the shared prompt
+schedule (`ScheduleView`, `training.schedule.ScheduleBook` in a node).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from murmur.gossip import wire
 from murmur.gossip.cpubudget import CpuBudget
@@ -75,6 +76,8 @@ class Reason(enum.Enum):
     TOO_LONG = "too_long"  # a completion longer than this node's own budget: no penalty (other settings)
     OVER_OWN_SAMPLING = "over_own_sampling"  # a completion longer than its own signed max_new_tokens
     CPU_BUDGET = "cpu_budget"  # the sender is over its share of this node's verification CPU: no penalty
+    SCHEDULE_WINDOW = "schedule_window"  # a claimed schedule round outside this node's window: no penalty (our clock)
+    MISSCHEDULED = "misscheduled"  # a task that is not a prompt of the schedule round it claims: provably false
 
 
 # (penalty, ban): ban only for proven forgery. Reasons an honest peer can trigger because
@@ -111,6 +114,10 @@ PENALTIES: dict[Reason, tuple[float, bool]] = {
     Reason.TOO_LONG: (0.0, False),
     Reason.OVER_OWN_SAMPLING: (10.0, False),
     Reason.CPU_BUDGET: (0.0, False),
+    Reason.SCHEDULE_WINDOW: (0.0, False),
+    # provable from the task reference and the public schedule, as a reference that does not resolve is
+    # (bad_task); not banned: a node running another schedule (a protocol change) would claim it honestly
+    Reason.MISSCHEDULED: (20.0, False),
 }
 
 REWARD_TOLERANCE = 1e-6
@@ -181,6 +188,18 @@ def _task_key(ref: wire.TaskRef) -> tuple[bytes, str, int]:
     return (ref.task_set, ref.generator, ref.seed)
 
 
+class ScheduleView(Protocol):
+    """The shared prompt schedule as a receiver checks claims against it (`training.schedule.ScheduleBook`)."""
+
+    def in_window(self, round_no: int, now_s: float) -> bool:
+        """Whether a claim for `round_no` is inside this node's window at unix time `now_s`."""
+        ...
+
+    def scheduled(self, ref: wire.TaskRef, round_no: int) -> bool | None:
+        """Whether `ref` is one of round `round_no`'s prompts of its task set (None: the set is not held here)."""
+        ...
+
+
 # What a verify stage may be given: per-rollout token checks and a batch scorer.
 TokenCheck = Callable[[wire.Rollout], "tuple[Reason, str] | None"]
 BatchReward = Callable[[list[tuple[Any, str]]], list[float]]
@@ -211,6 +230,7 @@ class Pipeline:
         decode_body: Callable[[wire.Envelope], Any] = wire.decode_body,
         reward_batch: BatchReward | None = None,
         check_tokens: TokenCheck | None = None,
+        schedule: ScheduleView | None = None,
     ) -> None:
         # verify_envelope/decode_body are injectable so a simulator of many nodes in one
         # process can share the pure, byte-determined work between them (simulations/vcache.py).
@@ -227,6 +247,8 @@ class Pipeline:
         self.head_version = head_version
         self.own_lineage = own_lineage
         self.task_set_trusted = task_set_trusted
+        # the shared prompt schedule claims are checked against; without one no claim is accepted
+        self.schedule = schedule
         self.scores = scores or PeerScores(config.score)
         self.buckets = TokenBuckets(config.rate_per_s, config.burst)
         self.announced_rates = AnnouncedRates(config.rate_per_s, config.burst)
@@ -350,6 +372,10 @@ class Pipeline:
                         batch,
                         f"task set {r.task.task_set.hex()[:16]} not known/trusted",
                     )
+        claim = self._schedule_claims(batch, now)
+        if claim is not None:
+            reason, detail = claim
+            return self._reject(reason, origin, data, mid, batch, detail, remember=reason is Reason.MISSCHEDULED)
         long = self._too_long(batch)
         if long is not None:
             return self._reject(long[0], origin, data, mid, batch, long[1], remember=True)
@@ -452,6 +478,28 @@ class Pipeline:
             batch,
             f"out of order and over {self.config.rate_per_s}/s (burst {self.config.burst})",
         )
+
+    def _schedule_claims(self, batch: wire.RolloutBatch, now: float) -> tuple[Reason, str] | None:
+        """A rollout that claims a round of the shared prompt schedule (`schedule_round` > 0) must claim a round
+        inside this node's window (else `schedule_window`, uncharged: the window is this node's clock) and answer
+        one of that round's prompts (else `misscheduled`: the task reference and the public schedule prove it).
+        Each claim costs a window test and a set lookup; a round's prompts are derived once, and only for rounds
+        inside the window, so no claimed number makes this node derive more."""
+        for i, r in enumerate(batch.rollouts):
+            rnd = r.schedule_round
+            if not rnd:
+                continue
+            if self.schedule is None or not self.schedule.in_window(rnd, now):
+                return Reason.SCHEDULE_WINDOW, f"rollout {i}: schedule round {rnd} is outside this node's window"
+            ok = self.schedule.scheduled(r.task, rnd)
+            if ok is None:
+                return Reason.UNKNOWN_TASK_SET, f"rollout {i}: task set {r.task.task_set.hex()[:16]} not held here"
+            if not ok:
+                return Reason.MISSCHEDULED, (
+                    f"rollout {i}: {r.task.generator} seed {r.task.seed} is not a prompt "
+                    f"of schedule round {rnd} of its task set"
+                )
+        return None
 
     def _too_long(self, batch: wire.RolloutBatch) -> tuple[Reason, str] | None:
         """Work in proportion: a completion longer than its own signed `max_new_tokens` is provably not

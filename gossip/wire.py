@@ -127,6 +127,9 @@ class Rollout(Struct, array_like=True, forbid_unknown_fields=True):
     sampling: SamplingParams
     reward: Finite  # claimed; every receiver recomputes it
     created_ms: U64
+    # the round of the shared prompt schedule this rollout answers (training/schedule.py), 0 = not scheduled:
+    # receivers refuse a claimed round outside their window, and a task that is not one of its round's prompts
+    schedule_round: U32 = 0
 
 
 class RolloutBatch(Struct, array_like=True, forbid_unknown_fields=True):

@@ -138,6 +138,14 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
         float, _d("sampling temperature: 0 (greedy) or 0.01-10 (receivers refuse a rollout sampled outside that range)")
     ] = 1.0
     seed: Annotated[int, _d("random seed")] = 0
+    schedule_share: Annotated[
+        float,
+        _d(
+            "share (0-1) of each step's prompts drawn from the shared prompt schedule: every node training a task set "
+            "derives the same prompts for each minute, so peers' answers to one prompt meet; 0 = every prompt drawn "
+            "freely"
+        ),
+    ] = 0.0
     loss_norm: Annotated[
         str,
         _d(
@@ -367,6 +375,8 @@ def _check_values(cfg: Config, origin: str) -> Config:
         raise bad("disk.ledger_payload_rows", "must not be negative")
     if not 0 <= cfg.training.minibatch_groups <= 1024:
         raise bad("training.minibatch_groups", "must be 0 (one update per step) to 1024")
+    if not 0.0 <= cfg.training.schedule_share <= 1.0:
+        raise bad("training.schedule_share", "must be 0 to 1")
     if not 0.0 <= cfg.gossip.validator_sample <= 1.0:
         raise bad("gossip.validator_sample", "must be 0 to 1")
     if not 0.0 <= cfg.gossip.validator_sample_floor_per_min <= 600.0:

@@ -9,6 +9,7 @@ give it their own rollout draws and clock. Every payload is a real signed
   invalid_signature  a valid batch with a flipped signature byte
   replay             its first batch again, plus new content under the same seq
   stale_spam         rollouts claiming version 0 of another lineage
+  misscheduled       correct rollouts claiming a schedule round whose prompts their task is not one of
   corrupt_chunks     (broadcast plane) serves chunks that fail their hash
   free_ride          consumes, never publishes rollouts or uploads chunks
 
@@ -24,13 +25,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from murmur.gossip import wire
 from murmur.gossip.identity import Identity
+from murmur.training.schedule import PAST_ROUNDS, ScheduleBook, round_at
 from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from murmur.training.verifiers import score
 
 TOKENIZER = hashlib.blake2b(b"murmur/sim-tokenizer", digest_size=32).digest()
-SENDERS = ("forged_reward", "invalid_signature", "replay", "stale_spam")  # the behaviours that publish batches
+SENDERS = ("forged_reward", "invalid_signature", "replay", "stale_spam", "misscheduled")  # they publish batches
 
 # draw(lineage, wrong): a group of rollouts of version 0 of `lineage`, scored by the verifier; `wrong`: every
 # answer wrong (what the forger sends), otherwise answered as the adversary's model answers
@@ -48,8 +52,10 @@ class Adversary:
         now_ms: Callable[[], int],
         draw: Draw,
         victim: Callable[[], bytes],
+        schedule: ScheduleBook | None = None,
     ) -> None:
         self.ident = ident
+        self.schedule = schedule  # the public prompt schedule: misscheduled claims a round its task is not in
         self.swarm = swarm
         self.lineage = lineage  # the lineage its own batches name
         self.now_ms = now_ms
@@ -95,7 +101,21 @@ class Adversary:
         if behaviour == "stale_spam":
             victim = self.victim()
             return [(self.seal(self.draw(victim, False)), victim)]
+        if behaviour == "misscheduled":
+            rows = self.draw(self.lineage, False)
+            rnd = self.misround(rows[0].task)
+            return [(self.seal([msgspec.structs.replace(r, schedule_round=rnd) for r in rows]), self.lineage)]
         return []
+
+    def misround(self, ref: wire.TaskRef) -> int:
+        """A round inside receivers' windows whose prompts `ref` is not one of: the newest such (the current
+        round unless a draw happens to be one of its prompts). Without a schedule, the current round."""
+        now = round_at(self.now_ms())
+        if self.schedule is not None:
+            for back in range(PAST_ROUNDS + 1):
+                if self.schedule.scheduled(ref, now - back) is False:
+                    return now - back
+        return now
 
 
 def for_process(ident: Identity, swarm: str, seed: int = 0, victim_lineage: bytes | None = None) -> Adversary:
@@ -130,7 +150,7 @@ def for_process(ident: Identity, swarm: str, seed: int = 0, victim_lineage: byte
         return out
 
     lineage = hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
-    return Adversary(ident, swarm, lineage, wire.now_ms, draw, lambda: victim)
+    return Adversary(ident, swarm, lineage, wire.now_ms, draw, lambda: victim, ScheduleBook.of(registry))
 
 
 async def _serve(
@@ -173,7 +193,15 @@ def main(argv: list[str]) -> None:
 def describe() -> dict[str, Any]:
     return {
         b: (__doc__ or "").split(b, 1)[1].split("\n", 1)[0].strip()
-        for b in ("forged_reward", "invalid_signature", "replay", "stale_spam", "corrupt_chunks", "free_ride")
+        for b in (
+            "forged_reward",
+            "invalid_signature",
+            "replay",
+            "stale_spam",
+            "misscheduled",
+            "corrupt_chunks",
+            "free_ride",
+        )
     }
 
 

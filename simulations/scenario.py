@@ -23,7 +23,9 @@ from murmur.gossip.tomlfile import convert_strict, parse_toml, read_toml, toml_v
 BUILTINS = ("default", "churn", "adversarial", "heterogeneous", "wan", "large", "huge")
 MAX_NODES = 100_000
 
-Behaviour = Literal["forged_reward", "invalid_signature", "replay", "stale_spam", "corrupt_chunks", "free_ride"]
+Behaviour = Literal[
+    "forged_reward", "invalid_signature", "replay", "stale_spam", "misscheduled", "corrupt_chunks", "free_ride"
+]
 BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
 
 NonNeg = Annotated[float, Meta(ge=0.0)]
@@ -83,6 +85,8 @@ class Training(Struct, forbid_unknown_fields=True, kw_only=True):
     step_s: Pos = 2.0  # modelled seconds per step at compute 1.0 (virtual mode)
     max_staleness: Annotated[int, Meta(ge=0, le=1_000_000)] = 4
     max_steps: Annotated[int, Meta(ge=0)] = 0  # 0 = until duration_s
+    # virtual mode: share of each group's prompts drawn from the shared prompt schedule (training/schedule.py)
+    schedule_share: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
 
 
 class Gossip(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -128,6 +128,7 @@ from murmur.simulations.vreport import Recorder
 from murmur.simulations.vruntime import CoreDriver
 from murmur.simulations.vworker import WORKER_S, Workers
 from murmur.sync.ids import lineage_id
+from murmur.training.schedule import ScheduleBook
 from murmur.training.tasksets import TaskRegistry
 from murmur.training.verifiers import score
 
@@ -168,8 +169,17 @@ class VirtualSim:
         resolve = self.shared.resolve_task if self.shared else registry.resolve
         reward = self.shared.reward if self.shared else score
         self.nodes: list[VNode] = []
+        self.schedule = ScheduleBook.of(registry)  # the shared prompt schedule: pure, one for every node
         self.workers = Workers(
-            sc, self.nodes, self.queue, self.recorder, registry.builtin_id, resolve, reward, MEMO_HORIZON_S
+            sc,
+            self.nodes,
+            self.queue,
+            self.recorder,
+            registry.builtin_id,
+            resolve,
+            reward,
+            MEMO_HORIZON_S,
+            self.schedule,
         )
         for s in expand(sc):
             ident = identity_for(sc.seed, s.index)
@@ -182,7 +192,16 @@ class VirtualSim:
             )
         self.net = Network(sc, self.nodes, self.queue, self.rng, self.recorder.counts, self.shared, MEMO_HORIZON_S)
         self.driver = CoreDriver(
-            sc, self.nodes, self.queue, self.net, self.workers, self.recorder, self.shared, resolve, reward
+            sc,
+            self.nodes,
+            self.queue,
+            self.net,
+            self.workers,
+            self.recorder,
+            self.shared,
+            resolve,
+            reward,
+            self.schedule,
         )
         trainers = [n.lineage for n in self.nodes if n.role == "trainer"]
         for n in self.nodes:
@@ -223,7 +242,7 @@ class VirtualSim:
         def victim() -> bytes:
             return trainers[n.rng.randrange(len(trainers))]
 
-        return Adversary(n.ident, self.sc.swarm, n.lineage, self.queue.unix_ms, draw, victim)
+        return Adversary(n.ident, self.sc.swarm, n.lineage, self.queue.unix_ms, draw, victim, self.schedule)
 
     # ------------------------------------------------------------ a node's processes start and stop
 

@@ -18,7 +18,7 @@ from typing import Any, assert_never
 from murmur.gossip import wire
 from murmur.gossip.intake import Dropped
 from murmur.gossip.scoring import ScoreParams
-from murmur.gossip.validation import Pending, Pipeline, PipelineConfig
+from murmur.gossip.validation import Pending, Pipeline, PipelineConfig, ScheduleView
 from murmur.node.core.machine import (
     Accept,
     Action,
@@ -99,6 +99,7 @@ class CoreDriver:
         shared: SharedVerification | None,
         resolve: Callable[[wire.TaskRef], Task],
         reward: Callable[[Task, str], float],
+        schedule: ScheduleView | None = None,
     ) -> None:
         self.sc = sc
         self.nodes = nodes
@@ -109,6 +110,7 @@ class CoreDriver:
         self.shared = shared
         self.resolve = resolve
         self.reward = reward
+        self.schedule = schedule  # the shared prompt schedule every node's pipeline checks claims against
         self.by_peer = {n.peer_id: n for n in nodes}
         self.publisher = {n.lineage: n for n in nodes}  # lineage -> the node that publishes it
         self.score_params = ScoreParams(
@@ -141,8 +143,16 @@ class CoreDriver:
                 reward=self.reward,
                 head_version=head,
                 shared=self.shared,
+                schedule=self.schedule,
             )
-        return Pipeline(cfg, clock=self.queue.unix, resolve_task=self.resolve, reward=self.reward, head_version=head)
+        return Pipeline(
+            cfg,
+            clock=self.queue.unix,
+            resolve_task=self.resolve,
+            reward=self.reward,
+            head_version=head,
+            schedule=self.schedule,
+        )
 
     def new_core(self, n: VNode) -> NodeCore:
         """A (re)started node's network process: a fresh core (`n.core`), as `node.shell.runtime` builds it."""

@@ -55,6 +55,7 @@ from murmur.simulations.vreport import Recorder
 from murmur.sync.catchup import local_plan
 from murmur.sync.items import KIND_CODEC
 from murmur.training.sampler import Sampler, informative, split
+from murmur.training.schedule import ScheduleBook, ScheduledDraw
 from murmur.training.tasks import Task
 from murmur.training.tasksets import BUILTIN_TRAIN
 
@@ -77,6 +78,7 @@ class Workers:
         resolve: Callable[[wire.TaskRef], Task],
         reward: Callable[[Task, str], float],
         memo_horizon_s: float,
+        schedule: ScheduleBook | None = None,
     ) -> None:
         self.sc = sc
         self.nodes = nodes
@@ -92,6 +94,9 @@ class Workers:
         self.published_heads: dict[bytes, int] = {}
         # accepted batch id -> its split, for the receivers still to come (in flight only, like the memos)
         self.groups = Memo(1_000_000, queue.unix, memo_horizon_s)
+        # each node's draw of `training.schedule_share` of its prompts from the shared schedule (none at share 0)
+        self.schedule = schedule
+        self.draws: dict[int, ScheduledDraw] = {}
 
     def equip(self, n: VNode) -> None:
         """A trainer's worker: its sampler, its lineage's skill per version, and its alone twin."""
@@ -184,9 +189,15 @@ class Workers:
     def group(self, node: VNode, lineage: bytes, version: int, skill: float) -> list[wire.Rollout]:
         """One group of completions of a fresh task, each correct with probability `skill`, scored."""
         g = self.sc.training.group_size
-        ref = wire.TaskRef(self.task_set, BUILTIN_TRAIN, node.rng.randrange(SEED_RANGE))
-        task = self.resolve(ref)
+        ref, rnd = wire.TaskRef(self.task_set, BUILTIN_TRAIN, node.rng.randrange(SEED_RANGE)), 0
         created = self.queue.unix_ms()
+        share = self.sc.training.schedule_share
+        if share > 0 and self.schedule is not None:  # the free draw above is made anyway: the run's stream stays
+            draw = self.draws.setdefault(node.spec.index, ScheduledDraw(self.schedule, share))
+            got = draw.draw(self.task_set, created)
+            if got is not None and got[0].generator == BUILTIN_TRAIN:  # the one family this model answers in
+                ref, rnd = got  # TOKENS_PER_ROLLOUT (as a trainer restricted to some generators skips the rest)
+        task = self.resolve(ref)
         out = []
         for _ in range(g):
             text = task.answer if node.rng.random() < skill else self._wrong(task.answer, node.rng)
@@ -204,6 +215,7 @@ class Workers:
                     sampling=wire.SamplingParams(max_new_tokens=TOKENS_PER_ROLLOUT),
                     reward=self.reward(task, text),
                     created_ms=created,
+                    schedule_round=rnd,
                 )
             )
         return out

@@ -61,7 +61,7 @@ def test_stale_spam_names_the_victims_lineage_and_omissions_send_nothing() -> No
     [(data, lineage)] = adv.payloads("stale_spam")
     assert lineage == victim and {(r.lineage, r.version) for r in opened(data).rollouts} == {(victim, 0)}
     assert adv.payloads("corrupt_chunks") == adv.payloads("free_ride") == []
-    assert set(SENDERS) == {"forged_reward", "invalid_signature", "replay", "stale_spam"}
+    assert set(SENDERS) == {"forged_reward", "invalid_signature", "replay", "stale_spam", "misscheduled"}
 
 
 def test_the_draws_and_clock_are_the_callers() -> None:
@@ -78,3 +78,41 @@ def test_the_draws_and_clock_are_the_callers() -> None:
     assert calls == [(b"o" * 32, True), (b"o" * 32, False), (b"v" * 32, False)]
     assert opened(sent[0][0][0]).created_ms == opened(sent[2][0][0]).created_ms == 1234
     assert [opened(s[0][0]).seq for s in (sent[0], sent[2])] == [1, 3]  # one sequence over its batches
+
+
+def test_a_misscheduled_batch_is_correct_work_claiming_a_round_its_task_is_not_in() -> None:
+    """Everything about it is honest but its claim: receivers refuse it as `misscheduled`, and charge it."""
+    import time
+
+    import msgspec
+
+    from murmur.gossip.validation import Pipeline, PipelineConfig, Reason
+    from murmur.training.schedule import ScheduleBook, in_window, round_at
+
+    registry = TaskRegistry(SWARM)
+    registry.add_builtin()
+    book = ScheduleBook.of(registry)
+    adv = for_process(IDENT, SWARM, seed=1)
+    [(data, lineage)] = adv.payloads("misscheduled")
+    batch = opened(data)
+    assert lineage == adv.lineage
+    for r in batch.rollouts:
+        assert r.reward == score(registry.resolve(r.task), r.text)
+        assert in_window(r.schedule_round, wire.now_ms()) and book.scheduled(r.task, r.schedule_round) is False
+    p = Pipeline(
+        PipelineConfig(swarm=SWARM),
+        clock=time.time,
+        resolve_task=registry.resolve,
+        reward=score,
+        head_version=lambda _: None,
+        task_set_trusted=registry.__contains__,
+        schedule=book,
+    )
+    v = p.check(data, IDENT.peer_id)
+    assert v.reason is Reason.MISSCHEDULED and p.scores.score(IDENT.peer_id, time.time()) < 0
+    # a draw that happens to be one of the current round's prompts is claimed for an earlier round it is not in
+    now = round_at(1_000 * 60_000)
+    due = book.prompts(registry.builtin_id, now)[0]
+    rows = [msgspec.structs.replace(r, task=due) for r in batch.rollouts]
+    late = Adversary(IDENT, SWARM, b"o" * 32, lambda: 1_000 * 60_000, lambda lin, wrong: rows, lambda: b"v" * 32, book)
+    assert late.misround(due) == now - 1 and book.scheduled(due, now - 1) is False

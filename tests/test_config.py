@@ -69,6 +69,9 @@ def test_bad_env_override(tmp_path):
         ("[training]\ntemperature = nan\n", "training.temperature"),
         ("[training]\nminibatch_groups = -1\n", "training.minibatch_groups"),
         ("[training]\nminibatch_groups = 5000\n", "training.minibatch_groups"),
+        ("[training]\nschedule_share = 1.5\n", "training.schedule_share"),
+        ("[training]\nschedule_share = -0.1\n", "training.schedule_share"),
+        ("[training]\nschedule_share = nan\n", "training.schedule_share"),
     ],
 )
 def test_semantic_errors_name_the_key(tmp_path, text, needle):

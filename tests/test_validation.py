@@ -13,6 +13,7 @@ from murmur.gossip.identity import Identity
 from murmur.gossip.scoring import ScoreParams
 from murmur.gossip.validation import PENALTIES, Pending, Pipeline, PipelineConfig, Reason
 from murmur.simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, resign_with
+from murmur.training.schedule import PAST_ROUNDS, ScheduleBook, round_at
 from murmur.training.verifiers import score
 from tests.samples import Clock
 
@@ -66,6 +67,7 @@ def pipe(reg, heads=None, swarm: str = SWARM, **cfg) -> tuple[Pipeline, Clock]:
         reward=score,
         head_version=lambda lin: (heads or {}).get(lin),
         task_set_trusted=reg.__contains__,
+        schedule=ScheduleBook.of(reg),
     )
     return p, clock
 
@@ -198,6 +200,31 @@ def test_every_rejection_reason(reg, reason: Reason) -> None:
                 seq=1,
                 created_ms=wire.now_ms(),
                 rollouts=[r],
+            ),
+            swarm=SWARM,
+        )
+    elif reason in (Reason.SCHEDULE_WINDOW, Reason.MISSCHEDULED):
+        # a claim for the round before the window, or for this round with a prompt that is not one of its
+        rnd = round_at(int(clock() * 1000)) - (PAST_ROUNDS + 1 if reason is Reason.SCHEDULE_WINDOW else 0)
+        prompts = ScheduleBook.of(reg).prompts(reg.builtin_id, rnd)
+        due, taken = prompts[0], {(q.generator, q.seed) for q in prompts}
+        seed = (
+            due.seed
+            if reason is Reason.SCHEDULE_WINDOW
+            else next(s for s in range(due.seed + 1, due.seed + 99) if (due.generator, s % 1_000_000) not in taken)
+            % 1_000_000
+        )
+        r = make_rollout(reg, seed, tokens=8, version=20, generator=due.generator)
+        data = wire.seal(
+            MALLORY,
+            wire.ROLLOUT_BATCH,
+            wire.RolloutBatch(
+                v=wire.FORMAT_VERSION,
+                swarm=SWARM,
+                producer=MALLORY.public,
+                seq=1,
+                created_ms=wire.now_ms(),
+                rollouts=[msgspec.structs.replace(r, schedule_round=rnd)],
             ),
             swarm=SWARM,
         )

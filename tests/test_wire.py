@@ -202,6 +202,8 @@ LIMITS = [
     (R, "max_new_tokens 1-4096", _sampling(max_new_tokens=4096), _sampling(max_new_tokens=4097)),
     (R, "max_new_tokens >= 1", _sampling(max_new_tokens=1), _sampling(max_new_tokens=0)),
     (R, "reward |x| <= 1e30", _set_rollout(reward=-1e30), _set_rollout(reward=-1.01e30)),
+    (R, "schedule_round u32", _set_rollout(schedule_round=2**32 - 1), _set_rollout(schedule_round=2**32)),
+    (R, "schedule_round u32 (>= 0)", _set_rollout(schedule_round=0), _set_rollout(schedule_round=-1)),
     (R, "swarm 1-128 chars", _attr("swarm", "s" * 128), _attr("swarm", "s" * 129)),
     (R, "swarm 1-128 chars (empty)", _attr("swarm", "s"), _attr("swarm", "")),
     (R, "seq u64", _attr("seq", 2**63 - 1), _attr("seq", -1)),

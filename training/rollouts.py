@@ -41,6 +41,9 @@ class RolloutRec:
     # HACPO loss, whose weight rests on nothing the producer claims (its log-probs are not re-scorable)
     foreign: bool = False
     source: bytes = b""  # lineage of the producing policy (HACPO capability key)
+    # the shared prompt schedule's round this answers (training/schedule.py; 0: drawn freely). Received ones
+    # passed the receiver's pipeline, which refuses a claim for a task that is not a prompt of its round.
+    schedule_round: int = 0
 
     def versions_per_token(self) -> list[int]:
         return expand_versions(self.token_versions, len(self.ids), self.version)
@@ -80,6 +83,7 @@ def to_wire(r: RolloutRec) -> Rollout:
         sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
         reward=float(r.reward),
         created_ms=r.created_ms,
+        schedule_round=int(r.schedule_round),
     )
 
 
@@ -121,6 +125,7 @@ def from_wire(
         reward=float(w.reward),
         created_ms=int(w.created_ms),
         source=bytes(w.lineage),
+        schedule_round=int(w.schedule_round),
     )
     ids = w.completion_ids
     if bytes(w.tokenizer_hash) == tokenizer_hash:

@@ -58,6 +58,7 @@ from murmur.training.losses import (
 )
 from murmur.training.rollouts import RolloutRec, from_wire
 from murmur.training.sampler import RANK_OTHER, TaskKey, task_key
+from murmur.training.schedule import ScheduledDraw
 from murmur.training.tasksets import TaskRegistry, is_eval
 from murmur.training.verifiers import score
 
@@ -160,6 +161,7 @@ class _Pending:
     prompt_ids: list[int]
     version: int
     seqs: list[_Seq]
+    schedule_round: int = 0  # the shared-schedule round this prompt answers (0: drawn freely)
 
     @property
     def done(self) -> bool:
@@ -238,6 +240,7 @@ class Trainer:
         self._only = generators
         self.set_mixture([(task_set, 1.0)])
         self.rng = random.Random(config.seed)
+        self.schedule: ScheduledDraw | None = None  # a share of prompts from the shared schedule (the node's worker)
         self.version = 0
         self.step_no = 0
         self.pending: list[_Pending] = []
@@ -288,6 +291,16 @@ class Trainer:
         g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
         return TaskRef(tid, g.name, self.rng.randrange(g.seed_start, g.seed_end))
 
+    def _next_prompt(self) -> tuple[TaskRef, int]:
+        """A new prompt and the shared-schedule round it answers (0: drawn freely): the set is drawn as always, then
+        `schedule` (training/schedule.py) may give one of its round's prompts instead, so that peers meet on it."""
+        ref = self._new_ref()
+        if self.schedule is not None:
+            got = self.schedule.draw(bytes(ref.task_set), now_ms())
+            if got is not None and (not self._only or got[0].generator in self._only):
+                return got
+        return ref, 0
+
     def _over_budget(self) -> bool:
         return psutil.Process().memory_info().rss > self.cfg.memory_budget_mb * 2**20
 
@@ -296,11 +309,15 @@ class Trainer:
         if self._over_budget():
             want = self.cfg.local_groups  # no over-provisioning above the memory budget
         while len(self.pending) < want:
-            ref = self._new_ref()
+            ref, rnd = self._next_prompt()
             task = self.registry.resolve(ref)
             self.pending.append(
                 _Pending(
-                    ref, self.engine.encode(task.prompt), self.version, [_Seq() for _ in range(self.cfg.group_size)]
+                    ref,
+                    self.engine.encode(task.prompt),
+                    self.version,
+                    [_Seq() for _ in range(self.cfg.group_size)],
+                    rnd,
                 )
             )
 
@@ -347,6 +364,7 @@ class Trainer:
                         finished=bool(s.ids) and s.ids[-1] == self.engine.eos_id,
                         created_ms=now_ms(),
                         source=self.lineage,
+                        schedule_round=p.schedule_round,
                     )
                 )
             groups.append(g)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
 from murmur.gossip import wire
 from murmur.gossip.errors import DecodeError
 from murmur.gossip.identity import Identity
 from murmur.gossip.ratelimit import RateMeter
 from murmur.node.core.events import Action, Log, Publish, RecordRollouts, Topic
 from murmur.training.sampler import split
+from murmur.training.schedule import publishable
 
 BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
 
@@ -36,6 +39,7 @@ class RolloutSealer:
         self.uninformative = 0  # ... of them kept local: groups no receiver can learn from
         self.withheld = 0  # ... of them kept local: over the publish budget
         self.sealed = 0  # ... of them signed into batches to publish
+        self.unscheduled = 0  # ... of them whose schedule round was about to leave receivers' windows: sent unclaimed
 
     def seal(
         self,
@@ -68,6 +72,11 @@ class RolloutSealer:
                 self.unpublishable += 1
                 out.append(Log("worker rollout not published", {"error": bad[:200]}))
                 continue
+            if r.schedule_round and publishable(r.schedule_round, wall_ms) != r.schedule_round:
+                # receivers would refuse the whole batch for a round outside their window: the task is as valid as
+                # ever, so it goes out unclaimed
+                r = msgspec.structs.replace(r, schedule_round=0)
+                self.unscheduled += 1
             rollouts.append(r)
         self.produced += len(rollouts)
         # every receiver's sampler keeps only groups whose rewards differ (GRPO learns nothing from the others):

@@ -256,6 +256,7 @@ class Node:
         services). Tests attach a node to an in-process transport to fuzz exactly these handlers."""
         from murmur.gossip.service import GossipService
         from murmur.gossip.validation import Pipeline, PipelineConfig
+        from murmur.training.schedule import ScheduleBook
         from murmur.training.tokencheck import for_model
         from murmur.training.verifiers import VerifierPool, score
 
@@ -278,6 +279,7 @@ class Node:
             own_lineage=lambda lid: bytes(lid) == self.core.own,
             reward_batch=self.verifiers.score_batch,
             check_tokens=check_tokens,
+            schedule=ScheduleBook.of(self.registry),
         )
         self.service = GossipService(t, pipeline, cfg.node.swarm, self.store)
         if "validator" in self.roles and "trainer" not in self.roles:

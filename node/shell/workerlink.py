@@ -62,6 +62,7 @@ def worker_spec(cfg: Config, home: Path, ident: Identity, node_roles: list[str],
         ),
         "task_sets": msgspec.to_builtins(t.task_sets),
         "trusted": list(cfg.trust.coordinators),
+        "schedule_share": t.schedule_share,
         "trainer": {
             "local_groups": t.local_rollouts,
             "external_groups": t.external_rollouts,

@@ -39,10 +39,13 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from murmur.training.sampler import Sampler
 from murmur.training.spotcheck import SPOT_PER_ROUND, SPOT_RATE, SPOT_TOLERANCE
+
+if TYPE_CHECKING:
+    from murmur.training.schedule import ScheduledDraw
 
 EXTERNAL_GROUPS_MAX = 256  # informative external groups a trainer worker's sampler holds, unless the spec says
 PACE_MAX_WAIT_S = 10.0  # a follower never idles longer than this between groups
@@ -419,6 +422,7 @@ class Worker:
             self.engine, self.registry, self.tasks.mixture[0][0], cfg, lineage=pub.lineage.id, external=self._external
         )
         trainer.set_mixture(self.tasks.mixture)
+        trainer.schedule = self._scheduled_draw()
         self.send(
             "log",
             "training on "
@@ -504,6 +508,14 @@ class Worker:
             )
         self._evaluate(steps)  # the last measurement, for `murmur tasks list` and the demo's summary
         self.tasks.save()
+
+    def _scheduled_draw(self) -> ScheduledDraw | None:
+        """The share of prompts drawn from the shared prompt schedule (`[training] schedule_share`,
+        training/schedule.py): a `ScheduledDraw` over the task sets this worker holds, None at share 0."""
+        from murmur.training.schedule import ScheduleBook, ScheduledDraw
+
+        share = float(self.spec.get("schedule_share", 0.0))
+        return ScheduledDraw(ScheduleBook.of(self.registry), share) if share > 0 else None
 
     def _external(self, max_groups: int, min_version: int, prefer: dict | None = None) -> list:
         """The trainer's `external` hook: J groups from the shared sampler (training/sampler.py), each
@@ -694,6 +706,7 @@ class Worker:
 
         if not self._wait_for_tasks():
             return
+        scheduled = self._scheduled_draw()
         set_state("standby")
         while not self.inbox.stop.is_set():
             self.tasks.refresh()
@@ -734,9 +747,13 @@ class Worker:
             set_state("generating")
             heldout = self._follower_heldout(follower.lineage.id, follower.version)
             tid = self.rng.choices([t for t, _ in self.tasks.mixture], [w for _, w in self.tasks.mixture])[0]
-            gens = [x for x in self.registry.get(tid).generators if not is_eval(x)]
-            g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
-            ref = wire.TaskRef(tid, g.name, self.rng.randrange(g.seed_start, g.seed_end))
+            drawn = None if scheduled is None else scheduled.draw(tid, wire.now_ms())
+            if drawn is not None:  # a prompt of the shared schedule's current round (training/schedule.py)
+                ref, schedule_round = drawn
+            else:
+                gens = [x for x in self.registry.get(tid).generators if not is_eval(x)]
+                g = self.rng.choices(gens, weights=[x.weight for x in gens])[0]
+                ref, schedule_round = wire.TaskRef(tid, g.name, self.rng.randrange(g.seed_start, g.seed_end)), 0
             task = self.registry.resolve(ref)
             prompt = self.engine.encode(task.prompt)
             t0 = time.monotonic()
@@ -762,6 +779,7 @@ class Worker:
                         tokenizer_hash=self.engine.tokenizer_hash,
                         sampling=sampling,
                         reward=r,
+                        schedule_round=schedule_round,
                     )
                 )
             ntok = sum(len(x[0]) for x in res)

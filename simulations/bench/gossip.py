@@ -20,6 +20,7 @@ from typing import Any
 
 from murmur.gossip import wire
 from murmur.gossip.identity import Identity
+from murmur.training.schedule import ScheduleBook
 from murmur.training.tasksets import BUILTIN_TRAIN
 
 SWARM = "bench"
@@ -343,6 +344,7 @@ async def _child(index: int, role: str, params: dict[str, Any]) -> None:
         reward=score,
         head_version=heads.get,
         task_set_trusted=reg.__contains__,
+        schedule=ScheduleBook.of(reg),
     )
     accepted: dict[str, float] = {}
     async with open_transport(ident) as t, trio.open_nursery() as nursery:
@@ -589,6 +591,7 @@ async def _exchange_child(index: int, params: dict[str, Any]) -> None:
         reward=score,
         head_version=lambda _: None,
         task_set_trusted=reg.__contains__,
+        schedule=ScheduleBook.of(reg),
     )
     cpu = [0.0]  # seconds of CPU in the pipeline's stages (admit on the loop, verify in a thread)
 

@@ -45,6 +45,7 @@ from murmur.simulations import curves
 from murmur.simulations.bench import useless
 from murmur.simulations.bench.swarm import SWARM, _ident, _seal
 from murmur.training.sampler import Sampler
+from murmur.training.schedule import ScheduleBook
 
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
@@ -312,6 +313,7 @@ def make_nodes(
                 head_version=lambda lin: heads.get(bytes(lin)),
                 task_set_trusted=reg.__contains__,
                 check_tokens=check_tokens,
+                schedule=ScheduleBook.of(reg),
             )
             if swarm
             else None

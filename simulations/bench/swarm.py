@@ -58,6 +58,7 @@ from murmur.gossip.identity import Identity
 from murmur.gossip.tomlfile import convert_strict, parse_toml
 from murmur.gossip.validation import Pipeline, PipelineConfig
 from murmur.training.sampler import Sampler
+from murmur.training.schedule import ScheduleBook
 from murmur.training.tasksets import TaskSetToml, manifest_from_toml, sign_task_set
 
 SWARM = "murmur-bench-swarm"
@@ -285,6 +286,7 @@ def run_one(
             reward=score,
             head_version=lambda lin: heads.get(bytes(lin)),
             task_set_trusted=registry.__contains__,
+            schedule=ScheduleBook.of(registry),
         )
         node = _Node(
             i,
