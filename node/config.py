@@ -22,9 +22,11 @@ from msgspec import Meta, Struct
 from murmur.gossip import exchange, wire
 from murmur.gossip.errors import ConfigError
 from murmur.gossip.tomlfile import convert_strict, read_toml, toml_value
+from murmur.training.downsample import MAX_SELECT_GROUPS
 from murmur.training.selection import TaskSetChoice, needs_trust, normalise
 
 CONFIG_FILE = "config.toml"
+MAX_OVERSAMPLE = 8.0  # training.follower_oversample: past this a follower mostly makes groups no one takes
 
 
 def _d(text: str) -> Meta:
@@ -130,6 +132,21 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
             "all of them)"
         ),
     ] = 4
+    select_groups: Annotated[
+        int,
+        _d(
+            "PODS down-sampling: of a step's informative groups, own and the swarm's, train only this many, those "
+            "whose rewards vary most (closest to half right); the rest are not trained (dropped: "
+            "group_not_selected). 0: train them all"
+        ),
+    ] = 0
+    follower_oversample: Annotated[
+        float,
+        _d(
+            "a follower generates up to this many times its trainer's need, since groups whose rewards are all "
+            "equal stay local (1.0-8.0; 1.0: exactly the need)"
+        ),
+    ] = 1.0
     lr: Annotated[float, _d("learning rate; unset: 3e-4 for models up to 5M parameters (murmur-tiny), 1e-6 above")] = (
         3e-4
     )
@@ -377,6 +394,10 @@ def _check_values(cfg: Config, origin: str) -> Config:
         raise bad("training.minibatch_groups", "must be 0 (one update per step) to 1024")
     if not 0.0 <= cfg.training.schedule_share <= 1.0:
         raise bad("training.schedule_share", "must be 0 to 1")
+    if not 0 <= cfg.training.select_groups <= MAX_SELECT_GROUPS:
+        raise bad("training.select_groups", f"must be 0 (train every informative group) to {MAX_SELECT_GROUPS}")
+    if not 1.0 <= cfg.training.follower_oversample <= MAX_OVERSAMPLE:
+        raise bad("training.follower_oversample", f"must be 1.0 (the need) to {MAX_OVERSAMPLE:g}")
     if not 0.0 <= cfg.gossip.validator_sample <= 1.0:
         raise bad("gossip.validator_sample", "must be 0 to 1")
     if not 0.0 <= cfg.gossip.validator_sample_floor_per_min <= 600.0:

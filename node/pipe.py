@@ -118,6 +118,7 @@ class Step(Struct, tag="step", forbid_unknown_fields=True):
     external_groups: Annotated[int, Meta(ge=0)] = 0
     external_lineages: Annotated[int, Meta(ge=0)] = 0
     updates: Annotated[int, Meta(ge=0)] = 0  # optimizer updates this step
+    trained_groups: Annotated[int, Meta(ge=0)] = 0  # groups, own and external, that entered those updates
     heldout: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # held-out greedy accuracy, when measured
     dropped: dict[str, int] = {}  # running totals by node.status.DROP_REASONS
 

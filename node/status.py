@@ -33,6 +33,8 @@ DROP_REASONS: dict[str, str] = {
     "lineage_left": "served lineages left: no version applied for 180 s (their publisher not followed for 10 min)",
     "announce_unpublished": "node announces that could not be published (no peer on the topic)",
     "task_set_unpublished": "own task-set announces that could not be published (retried next round)",
+    "group_not_selected": "informative groups not trained: outside a step's training.select_groups of largest "
+    "reward variance (PODS down-sampling)",
 }
 
 
@@ -186,6 +188,9 @@ class ExchangeView(Struct, kw_only=True):
     uninformative_rollouts: int = 0  # ... kept local: groups no receiver can learn from (rewards all equal, lone)
     withheld_rollouts: int = 0  # ... a trainer kept local: no one asked for them
     unsent_rollouts: int = 0  # ... signed to publish that did not go out (no subscriber of the shard connected)
+    groups_generated: int = 0  # groups (one task's completions) made by our worker since the node started
+    groups_sent: int = 0  # ... of them signed to publish: informative, within a trainer's publish budget
+    groups_trained: int = 0  # groups, own and the swarm's, that entered this node's optimizer updates
     publish_budget_per_s: float | None = None  # a trainer's publish budget, rollouts/s (None: not a trainer)
     unsampled_batches: int = 0  # a validator's: outside its sample, dropped unverified (not received work)
     sample_fraction: float | None = None  # a validator that does not train: its stated sample (None: verifies all)

@@ -129,6 +129,7 @@ def exchange_summary(sc: Scenario, nodes: list[VNode], end: float, unix_now: flo
                 "verified": verified,
                 "used": used,
             },
+            "groups": {k: sum(c[f"groups_{k}"] for c in cs) for k in ("generated", "sent", "trained")},
             "inbound_rollouts_per_s": per_s(rec),
             "verified_rollouts_per_s": per_s(ver),
             "duplicates_per_s": per_s([n.duplicates / span for n in ns]),

@@ -356,6 +356,7 @@ class Workers:
                 external_groups=len(ext),
                 external_lineages=len({g.lineage for g in ext}),
                 updates=1,
+                trained_groups=u_local + u_ext,
             ),
         )
         self._perf(n, tr.local_groups * tr.group_size, dt)

@@ -11,6 +11,8 @@ from pathlib import Path
 from murmur.simulations import curves
 from murmur.simulations.bench import matched as bm
 
+WARM = 40  # warm-up steps after which murmur-tiny makes informative groups and uninformative ones
+
 
 def test_first_reach_by_hand() -> None:
     xs = [0.0, 2.0, 4.0, 6.0]
@@ -45,14 +47,32 @@ def test_a_tiny_paired_run_spends_equal_cpu_per_node(tmp_path: Path) -> None:
         assert all(0 <= v <= 1 for v in r["final_wellformed"][arm].values())
 
 
-def test_a_trainer_with_followers_verifies_and_pools_their_groups_on_its_own_cpu(tmp_path: Path) -> None:
-    r = bm.run_seed(2, 0, 0.6, 2, 2, home=str(tmp_path), warmup_steps=2, followers=2)
+def test_a_trainer_with_followers_verifies_and_pools_their_informative_groups_on_its_own_cpu(tmp_path: Path) -> None:
+    # warmed up enough that some groups are informative and some not
+    r = bm.run_seed(2, 0, 0.6, 2, 2, home=str(tmp_path), warmup_steps=WARM, followers=2)
     assert len(r["cpu_per_node"]["swarm"]) == 1 and r["cpu_per_node"]["swarm"][0] >= 0.6  # the trainer only
     assert r["curves"]["isolated"][0] == r["curves"]["swarm"][0]  # paired: the same trainer alone
-    # every trainer step, each follower sent I groups of group_size rollouts, all of which verified
-    per_step = 2 * bm.TRAINER["local_groups"] * bm.TRAINER["group_size"]
-    assert r["verified_per_node"][0] >= per_step and r["verified_per_node"][0] % per_step == 0
-    assert r["sampler"]["added"] + r["sampler"]["uninformative"] + r["sampler"]["too_small"] > 0
+    # every trainer step, each follower generated I groups and sent only the informative ones (a node's sealer
+    # keeps the rest local), all of which verified and entered the pool
+    steps = r["steps_per_node"]["swarm"][0]
+    g = r["groups"]["swarm"]
+    assert g["generated"] == (1 + 2) * steps * bm.TRAINER["local_groups"]  # the trainer's own and its followers'
+    assert 0 < g["sent"] < 2 * steps * bm.TRAINER["local_groups"]  # some were uninformative (a barely warm model)
+    assert r["sampler"]["added"] == g["sent"] and r["sampler"]["uninformative"] == 0
+    assert r["verified_per_node"][0] == g["sent"] * bm.TRAINER["group_size"]
+    assert 0 < g["trained"] <= r["groups"]["isolated"]["generated"] + g["sent"]
+    assert r["groups"]["isolated"]["sent"] == 0  # alone, it sends nothing
+
+
+def test_a_pods_trainer_with_select_groups_trains_at_most_that_many_groups_a_step(tmp_path: Path) -> None:
+    r = bm.run_arm(
+        True, 1, 0, 0.6, 1, 2, tmp_path, warmup_steps=WARM, followers=1, select_groups=8, follower_oversample=1.5
+    )
+    g = r["groups"]
+    # one minibatch (8 groups) a step at most, the rest not trained
+    assert 0 < g["trained"] <= 8 * r["steps_per_node"][0] < g["sent"] + g["generated"]
+    per_step = bm.TRAINER["local_groups"] + int(1.5 * bm.TRAINER["local_groups"])  # own I and the follower's 1.5 I
+    assert g["generated"] == r["steps_per_node"][0] * per_step and g["sent"] <= g["generated"]
 
 
 def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_path: Path) -> None:
@@ -118,10 +138,30 @@ def test_the_worked_regime_trains_on_the_worked_set_and_reports_its_generation_s
     # the pod arm alone (the paired runs above cover the arms' pairing): one trainer step, one follower batch
     r = bm.run_arm(True, 1, 0, 0.3, 1, 2, tmp_path, warmup_steps=2, followers=1, answers="worked")
     assert r["eval_tasks"] == 2 and set(r["final_wellformed"]) == {"chain"}  # chain-eval's first 2 seeds
-    # the follower's completions are as long as the regime's (up to 80 tokens, over the short regime's 8)
-    # and every one passed the trainer's pipeline, whose token budget is the regime's
-    assert r["verified_per_node"][0] >= bm.TRAINER["local_groups"] * bm.TRAINER["group_size"]
+    assert r["groups"]["generated"] >= 2 * bm.TRAINER["local_groups"]  # the trainer's step and the follower's batch
+    assert r["verified_per_node"][0] == r["groups"]["sent"] * bm.TRAINER["group_size"]  # all it sent verified
     assert 0 < r["generation_share"] <= 1  # measured from the trainer's steps: a share of their CPU
+    # the follower's completions are as long as the regime's (up to 80 tokens, over the short regime's 8) and
+    # the trainer's pipeline, whose token budget is the regime's, accepts them: one batch sealed whole (the arm
+    # sends informative groups only, which a model warmed up 2 steps may not make)
+    from murmur.training.tasksets import train_generators
+
+    ns, _, _ = bm.make_nodes(1, 0, tmp_path, 2, "worked", 2, 16, True)
+    t = ns[0].trainer
+    rows = bm._follower_rollouts(
+        ns[0].engine,
+        train_generators(t.registry.get(t.task_set)),
+        t.task_set,
+        t.registry.resolve,
+        random.Random(0),
+        ns[0].lineage,
+        0,
+        1,
+        bm.WORKED_NEW_TOKENS,
+    )
+    assert max(len(r.completion_ids) for r in rows) > bm.TRAINER["max_new_tokens"]
+    fol = bm._Node(50, bm._ident(0, 50), ns[0].lineage, None, None, None, None)
+    assert ns[0].pipeline is not None and ns[0].pipeline.check(bm._seal(fol, rows)[0], fol.ident.peer_id).accepted
     assert bm.trainer_shape("worked")["max_new_tokens"] == bm.WORKED_NEW_TOKENS > bm.TRAINER["max_new_tokens"]
 
 
@@ -148,6 +188,9 @@ def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_o
     assert json.loads((tmp_path / "out" / "result.json").read_text()) == json.loads(json.dumps(result))
     assert f"Speedup to the alone arm's final accuracy: {result['speedup']}" in text
     assert f"{per[1]['updates_per_node']['isolated']} → {per[1]['updates_per_node']['swarm']}" in text
+    g = per[1]["groups"]["swarm"]
+    assert f"{g['generated']} / {g['sent']} / {g['trained']}" in text  # the swarm arm's groups, per seed
+    assert result["groups"]["swarm"]["generated"] == sum(r["groups"]["swarm"]["generated"] for r in per)
 
 
 def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu(tmp_path: Path) -> None:

@@ -72,6 +72,10 @@ def test_bad_env_override(tmp_path):
         ("[training]\nschedule_share = 1.5\n", "training.schedule_share"),
         ("[training]\nschedule_share = -0.1\n", "training.schedule_share"),
         ("[training]\nschedule_share = nan\n", "training.schedule_share"),
+        ("[training]\nselect_groups = -1\n", "training.select_groups"),
+        ("[training]\nselect_groups = 1025\n", "training.select_groups"),
+        ("[training]\nfollower_oversample = 0.5\n", "training.follower_oversample"),
+        ("[training]\nfollower_oversample = 9.0\n", "training.follower_oversample"),
     ],
 )
 def test_semantic_errors_name_the_key(tmp_path, text, needle):

@@ -219,6 +219,9 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
             sample_floor_per_min=2.0,
             sample_rate=0.25,
             lineages_by_task_set={"ab" * 32: {"cd" * 32: 3}},
+            groups_generated=12,
+            groups_sent=5,
+            groups_trained=9,
         )
     )
     con = Console(width=400, record=True)  # one line per row: the checks below read whole phrases
@@ -227,10 +230,15 @@ def test_the_exchange_shows_in_status_dashboard_and_metrics() -> None:
     assert "shards 2,5 of 8" in text and "used/verified 0.50" in text
     assert "50 uninformative, 20 over the publish budget of 2.5/s" in text
     assert "sample 10% + 2/min a producer (checked 25%, 7 batches unverified)" in text
+    assert "groups generated 12, sent 5, trained 9" in text
     m = Metrics()
     m.update(s)
     assert m.registry.get_sample_value("murmur_exchange_total", {"kind": "withheld_rollouts"}) == 20
     assert m.registry.get_sample_value("murmur_exchange_total", {"kind": "unsampled_batches"}) == 7
+    assert [
+        m.registry.get_sample_value("murmur_exchange_total", {"kind": f"groups_{k}"})
+        for k in ("generated", "sent", "trained")
+    ] == [12, 5, 9]
     assert m.registry.get_sample_value("murmur_exchange_publish_budget_rollouts_per_second") == 2.5
     assert m.registry.get_sample_value("murmur_exchange_validator_sample", {"kind": "checked_share"}) == 0.25
     assert m.registry.get_sample_value("murmur_exchange_dropped_total", {"reason": "wrong_shard"}) == 3

@@ -238,6 +238,7 @@ def test_a_trainer_no_one_asks_keeps_its_rollouts_local_and_counts_them() -> Non
     assert published(acts) == 0 and of(acts, C.RecordRollouts) == []  # never signed nor recorded
     st = core.stats()
     assert st["rollouts_produced"] == 32 and st["rollouts_withheld"] == 32
+    assert st["groups_generated"] == 4 and st["groups_sent"] == 0
 
 
 def test_a_trainer_publishes_about_its_budget_in_whole_groups() -> None:

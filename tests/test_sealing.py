@@ -132,3 +132,4 @@ def test_only_groups_a_receiver_can_learn_from_are_signed() -> None:
     out = seal(sealer, flat + group(seed=3) + [rollout(seed=4)])
     assert [[r.task.seed for r in b.rollouts] for b in opened(out)] == [[3, 3]]
     assert sealer.produced == 5 and sealer.uninformative == 3 and sealer.sealed == 2
+    assert sealer.groups_generated == 3 and sealer.groups_sent == 1  # the flat group and the lone one stay local

@@ -17,7 +17,9 @@ from murmur.node.ui.metrics import Metrics
 from tests.test_core import W, make_core
 
 
-def _step(k: int, used: int, groups: int, lineages: int, updates: int, heldout: float | None = None) -> C.FromWorker:
+def _step(
+    k: int, used: int, groups: int, lineages: int, updates: int, heldout: float | None = None, trained: int = 0
+) -> C.FromWorker:
     return W(
         "step",
         {
@@ -32,17 +34,19 @@ def _step(k: int, used: int, groups: int, lineages: int, updates: int, heldout: 
             "external_lineages": lineages,
             "updates": updates,
             "heldout": heldout,
+            "trained_groups": trained,
         },
     )
 
 
 def test_the_core_counts_what_entered_updates_not_what_was_collected() -> None:
     core, _ = make_core(roles=("trainer",), group_size=8)
-    core.handle(_step(1, used=24, groups=3, lineages=2, updates=2, heldout=0.25))
-    core.handle(_step(2, used=0, groups=0, lineages=0, updates=1))
-    core.handle(_step(3, used=16, groups=2, lineages=1, updates=1, heldout=0.5))
+    core.handle(_step(1, used=24, groups=3, lineages=2, updates=2, heldout=0.25, trained=8))
+    core.handle(_step(2, used=0, groups=0, lineages=0, updates=1, trained=4))
+    core.handle(_step(3, used=16, groups=2, lineages=1, updates=1, heldout=0.5, trained=4))
     # n_external_groups (collected, 9 a step) no longer counts as used: 9 x 8 x 3 was the old figure
     assert core.stats()["used"] == 40
+    assert core.stats()["groups_trained"] == 16  # own and external groups that entered updates
     assert list(core.swarm_gave) == [(3, 2, 2), (0, 0, 1), (2, 1, 1)]
     assert list(core.heldout) == [(1, 0.25), (3, 0.5)]
 

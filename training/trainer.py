@@ -43,6 +43,7 @@ import torch
 
 from murmur.gossip.errors import ConfigError, MurmurError, TaskError
 from murmur.gossip.wire import GeneratorSpec, Rollout, TaskRef, now_ms
+from murmur.training.downsample import MAX_SELECT_GROUPS, max_variance_groups
 from murmur.training.engine import Sampling
 from murmur.training.engine_hf import HFEngine
 from murmur.training.foreign import FOREIGN_KEYS, FOREIGN_RANGES, HACPO_ALPHA, HACPO_DELTA, HACPO_STEP
@@ -92,6 +93,10 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # wait for the next step): swarm data adds updates instead of displacing local data, and a trainer
     # alone accumulates the same minibatch before it steps.
     minibatch_groups: int = 0
+    # PODS down-sampling (training/downsample.py): of a step's informative groups, own and the swarm's,
+    # only this many, those of largest reward variance, enter updates; the rest are not trained and are
+    # counted (`StepResult.unselected_groups`, `drops["group_not_selected"]`). 0: every informative group.
+    select_groups: int = 0
     grad_clip: float = 1.0
     # How the loss is normalised over the step's batch (see LOSS_NORMS and `loss_denominator`).
     # "informative": the row-weighted mean over the rows of informative groups only, so one informative
@@ -131,6 +136,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
             seed=t.seed,
             loss_norm=t.loss_norm,
             minibatch_groups=t.minibatch_groups,
+            select_groups=t.select_groups,
             max_staleness=config.sync.max_staleness,
             memory_budget_mb=config.node.memory_budget_mb,
             **{k: getattr(t, k) for k in FOREIGN_KEYS},
@@ -145,6 +151,8 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
             v = getattr(self, key)
             if not lo <= v <= hi:  # NaN fails too
                 raise ConfigError(f"trainer {key} {v!r} must be in [{lo:g}, {hi:g}]")
+        if not 0 <= self.select_groups <= MAX_SELECT_GROUPS:
+            raise ConfigError(f"trainer select_groups must be 0 (off) to {MAX_SELECT_GROUPS}")
 
 
 @dataclass
@@ -215,6 +223,7 @@ class StepResult:
     external_lineages: int = 0  # distinct lineages among the external rows that entered updates
     trained_pooled_groups: int = 0  # trained own groups that swarm rollouts of the same task joined
     trained_rescued_groups: int = 0  # of them, own groups that alone were all right or all wrong
+    unselected_groups: int = 0  # informative groups of this step left out by down-sampling (`select_groups`)
 
 
 class Trainer:
@@ -638,6 +647,17 @@ class Trainer:
             out.append(self._route(g, 0, pooled=False))
         return out, dropped
 
+    def _select(self, prepared: list[_Prepared]) -> tuple[list[_Prepared], int]:
+        """PODS down-sampling at the group level (`select_groups` = m > 0): this step's m informative groups
+        of largest reward variance, in arrival order, and how many were left out (counted in `drops`)."""
+        m = self.cfg.select_groups
+        if m <= 0 or len(prepared) <= m:
+            return prepared, 0
+        keep = max_variance_groups([[r.reward for r in p.own + p.ext] for p in prepared], m)
+        left = len(prepared) - len(keep)
+        self.drops["group_not_selected"] = self.drops.get("group_not_selected", 0) + left
+        return [prepared[i] for i in keep], left
+
     def _minibatches(self, prepared: list[_Prepared]) -> list[list[_Prepared]]:
         """The updates of this step. minibatch_groups = 0: one update over every informative group.
         Otherwise fixed minibatches of that many informative groups, as many as this step's and the
@@ -695,6 +715,7 @@ class Trainer:
             local_rewards = [r.reward for g in local for r in g]
             prepared, dropped = self._prepare(local, ext_groups)
             self._update_no = 0
+            prepared, unselected = self._select(prepared)
             batches = self._minibatches(prepared)
             loss_val = 0.0
             stats: dict[str, float] = {}
@@ -759,6 +780,7 @@ class Trainer:
                 external_lineages=len(frozenset().union(*(p.swarm_lineages for p in trained))),
                 trained_pooled_groups=sum(p.pooled for p in trained),
                 trained_rescued_groups=sum(p.rescued for p in trained),
+                unselected_groups=unselected,
             )
         if self.on_step is not None:
             self.on_step(res)

@@ -173,6 +173,25 @@ def bench_swarm(
             help="with --matched: also write the run's JSON, its curves and an HTML page (index.html) into this folder"
         ),
     ] = None,
+    select_groups: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=1024,
+            help="with --matched: the swarm arm's trainers "
+            "train only this many of a step's informative "
+            "groups, those of largest reward variance "
+            "(PODS; 0 = all)",
+        ),
+    ] = 0,
+    follower_oversample: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            max=8.0,
+            help="with --matched --followers: each follower generates this many times I groups per trainer step",
+        ),
+    ] = 1.0,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -190,6 +209,8 @@ def bench_swarm(
             )
         if adversary and (followers or 0 < nodes < 3):
             raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
+        if default_roles and (select_groups or follower_oversample != 1.0):
+            raise typer.BadParameter("applies to forced arms, not to --default-roles", param_hint="--select-groups")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         result = run_matched(
             nodes=nodes or 4,
@@ -201,6 +222,8 @@ def bench_swarm(
             workers=workers,
             answers=answers,
             default_roles=default_roles,
+            select_groups=select_groups,
+            follower_oversample=follower_oversample,
         )
         if out is not None:
             from murmur.simulations.bench.matched_page import write_page

@@ -225,6 +225,7 @@ class NodeCore:
             "lineages_left": 0,
             "spot_eligible": 0,
             "role_switches": 0,
+            "groups_trained": 0,
         }
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.tokenizer = b""  # our worker's tokenizer hash (its Ready): deliveries under another earn no credit
@@ -302,6 +303,8 @@ class NodeCore:
             "rollouts_withheld": self.sealer.withheld,
             "rollouts_sealed": self.sealer.sealed,
             "rollouts_uninformative": self.sealer.uninformative,
+            "groups_generated": self.sealer.groups_generated,
+            "groups_sent": self.sealer.groups_sent,
         }
 
     @property
@@ -729,6 +732,7 @@ class NodeCore:
             self.steps += 1
             self._reward(m.reward_mean)
             self.counts["used"] += m.used
+            self.counts["groups_trained"] += m.trained_groups
             self.swarm_gave.append((m.external_groups, m.external_lineages, m.updates))
             if m.heldout is not None:
                 self.heldout.append((m.step, m.heldout))

@@ -6,7 +6,8 @@ lineage (a batch goes to its lineage's shard, so it holds one lineage), cut into
 `BATCH_MAX_ROLLOUTS`, each signed once and recorded before it is published. Only the groups a receiver's
 sampler would keep go out (`training.sampler.split`: two or more rollouts of one task whose rewards differ;
 the rest are `uninformative`), and a trainer's first pass its publish budget (`allow`,
-`gossip.exchange.Outbox`): a group no one asked for stays local, never signed (`withheld`). Batch seqs follow the wall
+`gossip.exchange.Outbox`): a group no one asked for stays local, never signed (`withheld`). Groups are
+counted too: `groups_generated` (every task's completions our worker made) and `groups_sent` (those signed). Batch seqs follow the wall
 clock in microseconds, so they still rise after a restart (a reused seq is a replay to receivers).
 The batches published per second are metered: the rate our announce states.
 """
@@ -40,6 +41,8 @@ class RolloutSealer:
         self.withheld = 0  # ... of them kept local: over the publish budget
         self.sealed = 0  # ... of them signed into batches to publish
         self.unscheduled = 0  # ... of them whose schedule round was about to leave receivers' windows: sent unclaimed
+        self.groups_generated = 0  # groups (one task's completions) our worker made that could be signed
+        self.groups_sent = 0  # ... of them signed into batches to publish (informative, within the budget)
 
     def seal(
         self,
@@ -81,10 +84,13 @@ class RolloutSealer:
         self.produced += len(rollouts)
         # every receiver's sampler keeps only groups whose rewards differ (GRPO learns nothing from the others):
         # the rest would be verified for nothing
-        groups, _ = split(rollouts)
+        groups, dropped = split(rollouts)
         kept = [r for g in groups for r in g.rollouts]
         self.uninformative += len(rollouts) - len(kept)
-        rollouts = [r for g in groups if allow is None or allow(g.lineage, len(g.rollouts)) for r in g.rollouts]
+        self.groups_generated += len(groups) + sum(dropped.values())
+        sent = [g for g in groups if allow is None or allow(g.lineage, len(g.rollouts))]
+        self.groups_sent += len(sent)
+        rollouts = [r for g in sent for r in g.rollouts]
         self.withheld += len(kept) - len(rollouts)
         by_lineage: dict[bytes, list[wire.Rollout]] = {}
         for r in rollouts:

@@ -175,6 +175,7 @@ def _exchange(s: NodeStatus) -> str:
             if x.sample_rate is not None and x.sample_fraction is not None
             else ""
         )
+        + f"; groups generated {x.groups_generated}, sent {x.groups_sent}, trained {x.groups_trained}"
     )
 
 

@@ -54,7 +54,8 @@ class Metrics:
         )
         self.exchange = Gauge(
             "murmur_exchange_total",
-            "rollout exchange counters (produced, published, withheld, received, verified, used, unsampled)",
+            "rollout exchange counters (produced, published, withheld, "
+            "received, verified, used, unsampled; groups generated, sent, trained)",
             ["kind"],
             registry=r,
         )
@@ -182,6 +183,9 @@ class Metrics:
             "verified_rollouts",
             "used_rollouts",
             "unsampled_batches",
+            "groups_generated",
+            "groups_sent",
+            "groups_trained",
         ):
             self.exchange.labels(kind).set(getattr(x, kind))
         if x.publish_budget_per_s is not None:

@@ -495,6 +495,7 @@ class Worker:
                     "external_groups": res.trained_external_groups,
                     "external_lineages": res.external_lineages,
                     "updates": res.updates,
+                    "trained_groups": res.trained_groups,
                     "heldout": heldout,
                     "published": published,
                     "sampler": sampler_counts,
@@ -800,14 +801,16 @@ class Worker:
             )
             self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})
             self._spot_checks(follower.lineage.id, follower.version)
-            self._wait_pace(t0, group)
+            # the pace is the trainer's need; oversampling makes up for the groups that stay local (all rewards
+            # equal: node.core.sealing), so what reaches the trainer comes nearer the need
+            self._wait_pace(t0, group / max(1.0, float(s.get("follower_oversample", 1.0))))
         if follower is not None:
             self._save_checkpoint(follower)
             if self.evaluated != (follower.lineage.id, follower.version) and not self.need_anchor:
                 self._measure_held(follower.lineage.id, follower.version)  # the last, for the demo's summary
                 self.tasks.save()
 
-    def _wait_pace(self, t0: float, produced: int) -> None:
+    def _wait_pace(self, t0: float, produced: float) -> None:
         """Hold the next group until `produced` rollouts fit the pace (a stop ends the wait at once)."""
         with self.inbox.lock:
             pace = self.inbox.pace

@@ -32,6 +32,7 @@ which generation is most of a step, as in real RL post-training.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 import tempfile
@@ -41,10 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from murmur.gossip.validation import Pipeline, PipelineConfig
+from murmur.node.config import MAX_OVERSAMPLE
 from murmur.simulations import curves
 from murmur.simulations.bench import useless
 from murmur.simulations.bench.swarm import SWARM, _ident, _seal
-from murmur.training.sampler import Sampler
+from murmur.training.downsample import MAX_SELECT_GROUPS
+from murmur.training.sampler import Sampler, split
 from murmur.training.schedule import ScheduleBook
 
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
@@ -99,6 +102,9 @@ class _Node:
     ext_groups: int = 0
     gen_cpu: float = 0.0  # of `step_cpu`, spent sampling rollouts (the part a swarm's rollouts can save)
     step_cpu: float = 0.0  # of `cpu`, spent in the trainer's steps (generation and training)
+    groups_generated: int = 0  # groups (one task's completions) it sampled
+    groups_sent: int = 0  # ... of them sealed to others: informative ones only, as a node's sealer sends
+    groups_trained: int = 0  # groups, own and others', that entered its updates
     curve: list[float] = field(default_factory=list)
     wellformed: list[dict[str, float]] = field(default_factory=list)  # per checkpoint, per family
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
@@ -160,6 +166,14 @@ def _follower_rollouts(
                 )
             )
     return out
+
+
+def _send(node: _Node, rows: list[Any]) -> list[bytes]:
+    """`node`'s sealed batches of `rows`, its informative groups only: a node's sealer (`node.core.sealing`) keeps a
+    group whose rewards are all equal local, so no receiver verifies it for nothing. Counts the groups sent."""
+    groups, _ = split(rows)
+    node.groups_sent += len(groups)
+    return _seal(node, [r for g in groups for r in g.rollouts]) if groups else []
 
 
 def _receive(node: _Node, payloads: list[bytes], sender: str) -> None:
@@ -270,9 +284,11 @@ def make_nodes(
     external_groups: int,
     swarm: bool,
     watch: Any = None,
+    select_groups: int = 0,
 ) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
     """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
-    swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it.
+    swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it;
+    `select_groups`: the trainers' PODS down-sampling (`TrainerConfig.select_groups`).
     Returns the nodes, the held-out tasks and the heads table their pipelines read."""
     from murmur.training.engine_hf import HFEngine
     from murmur.training.evaluation import held_out_tasks
@@ -296,7 +312,9 @@ def make_nodes(
         # each node its own warm-up
         path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps, answers=answers)
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
-        cfg = TrainerConfig(**{**shape, "external_groups": external_groups}, seed=seed * 100 + i)
+        cfg = TrainerConfig(
+            **{**shape, "external_groups": external_groups}, select_groups=select_groups, seed=seed * 100 + i
+        )
         # what a node's pipeline checks: its own token budget and tokenizer (node.shell.runtime)
         pipeline = (
             Pipeline(
@@ -342,14 +360,18 @@ def trainer_turn(node: _Node, ns: list[_Node], heads: dict[bytes, int], peers: l
     node.updates += res.updates
     node.ext_groups += res.trained_external_groups
     node.used += sum(res.used_by_set.values())
+    node.groups_trained += res.trained_groups
+    node.groups_generated += res.n_local_groups
     heads[node.lineage] = node.trainer.version
     if node.sampler is None or not res.rollouts:
         return
     for other in ns:
         assert other.sampler is not None
         other.sampler.observe_head(node.lineage, node.trainer.version)
+    if not peers:  # a pod's trainer: no one asked for its rollouts, and a node signs none no one asked for
+        return
     c0 = time.thread_time()
-    payloads = _seal(node, [to_wire(r) for r in res.rollouts])
+    payloads = _send(node, [to_wire(r) for r in res.rollouts])
     dt = time.thread_time() - c0
     node.cpu += dt
     node.verify_cpu += dt
@@ -390,10 +412,14 @@ def run_arm(
     followers: int = 0,
     adversary: bool = False,
     answers: str = "short",
+    select_groups: int = 0,
+    follower_oversample: float = 1.0,
 ) -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
-    step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched);
+    step (their CPU is theirs, not the trainer's: the trainer's own CPU-seconds are what is matched), or
+    `follower_oversample` times I, and send their informative groups (`_send`);
+    `select_groups`: the trainers' PODS down-sampling (`TrainerConfig.select_groups`, 0: off);
     with `adversary`, the swarm also holds one adversary (`_Adversary`), which sends a batch per `nodes`
     honest steps (an honest node's rate) and whose rollouts every honest node verifies at its own cost.
     `answers` picks the regime: the built-in set's short answers or the worked-answer set (`trainer_shape`)."""
@@ -410,8 +436,18 @@ def run_arm(
         adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99), new_tokens)
     ext = 0 if not swarm else int(shape["external_groups"]) * max(1, followers)
     ns, tasks, heads = make_nodes(
-        nodes, seed, home, warmup_steps, answers, eval_per_family, ext, swarm, None if adv is None else adv.watch
+        nodes,
+        seed,
+        home,
+        warmup_steps,
+        answers,
+        eval_per_family,
+        ext,
+        swarm,
+        None if adv is None else adv.watch,
+        select_groups,
     )
+    per_follower = math.ceil(int(TRAINER["local_groups"]) * follower_oversample)
     if adv is not None:
         heads[adv.node.lineage] = 0
     fols: list[tuple[Any, Any, random.Random]] = []  # (engine, identity, task rng) of node 0's followers
@@ -452,11 +488,12 @@ def run_arm(
                     rng,
                     node.lineage,
                     node.trainer.version,
-                    int(TRAINER["local_groups"]),
+                    per_follower,
                     new_tokens,
                 )
+                fn.groups_generated += per_follower
                 assert node.pipeline is not None and node.sampler is not None
-                _receive(node, _seal(fn, batch), fn.ident.peer_id)
+                _receive(node, _send(fn, batch), fn.ident.peer_id)
         trainer_turn(node, ns, heads, [o for o in ns if o is not node] if swarm else [])
         honest_steps += 1
         if adv is not None and honest_steps % nodes == 0:
@@ -509,7 +546,18 @@ def run_arm(
             k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
             for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})
         },
+        "groups": group_counts(ns + fol_nodes),
         "wall_s": round(time.monotonic() - wall0, 1),
+    }
+
+
+def group_counts(nodes: list[_Node]) -> dict[str, int]:
+    """An arm's groups: `generated` (by its trainers and followers), `sent` (sealed to another node: informative
+    only) and `trained` (that entered an update)."""
+    return {
+        "generated": sum(n.groups_generated for n in nodes),
+        "sent": sum(n.groups_sent for n in nodes),
+        "trained": sum(n.groups_trained for n in nodes),
     }
 
 
@@ -525,11 +573,14 @@ def run_seed(
     adversary: bool = False,
     answers: str = "short",
     default_roles: bool = False,
+    select_groups: int = 0,
+    follower_oversample: float = 1.0,
 ) -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
     whose N-th member is the adversary; with `default_roles`, the swarm's roles chosen by the node's own
-    rule (`simulations.bench.matched_auto`)."""
+    rule (`simulations.bench.matched_auto`). `select_groups` and `follower_oversample` change the swarm arm
+    only (`run_arm`): the isolated arm, the target, is the node alone as it runs by default."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
@@ -552,6 +603,8 @@ def run_seed(
             followers=followers,
             adversary=adversary,
             answers=answers,
+            select_groups=select_groups,
+            follower_oversample=follower_oversample,
         )
     xs = iso["marks"]
     target = iso["curve"][-1]
@@ -587,6 +640,7 @@ def run_seed(
         "generation_share": {"isolated": iso["generation_share"], "swarm": sw["generation_share"]},
         "adversary": sw["adversary"],
         "roles": sw.get("roles"),
+        "groups": {"isolated": iso["groups"], "swarm": sw["groups"]},
         "wall_s": {"isolated": iso["wall_s"], "swarm": sw["wall_s"]},
     }
 
@@ -597,7 +651,9 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
-def _run_seed_args(a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str, bool]) -> dict[str, Any]:
+def _run_seed_args(
+    a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str, bool, int, float],
+) -> dict[str, Any]:
     return run_seed(*a)
 
 
@@ -614,12 +670,16 @@ def run(
     adversary: bool = False,
     answers: str = "short",
     default_roles: bool = False,
+    select_groups: int = 0,
+    follower_oversample: float = 1.0,
 ) -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
     one of the `nodes` is the adversary (`_Adversary`), the others are compared with themselves alone;
     `answers`: "short" (the built-in set) or "worked" (the worked-answer set, `trainer_shape`);
-    `default_roles`: the swarm of `nodes` with roles chosen by the node's own rule, nothing forced."""
+    `default_roles`: the swarm of `nodes` with roles chosen by the node's own rule, nothing forced;
+    `select_groups` (PODS down-sampling, 0: off) and `follower_oversample` (followers' groups per trainer step
+    over I): the swarm arm's trainers and followers only."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -632,6 +692,12 @@ def run(
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
     if default_roles and (followers or adversary):
         raise ValueError("default roles choose trainers and followers themselves: no --followers or --adversary")
+    if not 0 <= select_groups <= MAX_SELECT_GROUPS or not 1.0 <= follower_oversample <= MAX_OVERSAMPLE:
+        raise ValueError(
+            f"need select_groups in 0..{MAX_SELECT_GROUPS} and follower_oversample in 1..{MAX_OVERSAMPLE:g}"
+        )
+    if default_roles and (select_groups or follower_oversample != 1.0):
+        raise ValueError("--select-groups and --follower-oversample apply to forced arms, not to default roles")
     t0 = time.monotonic()
     from murmur.training.tiny import default_warmup_steps
 
@@ -649,6 +715,8 @@ def run(
             adversary,
             answers,
             default_roles,
+            select_groups,
+            follower_oversample,
         )
         for k in range(seeds)
     ]
@@ -665,6 +733,8 @@ def run(
         seed=seed,
         warmup=warmup,
         default_roles=default_roles,
+        select_groups=select_groups,
+        follower_oversample=follower_oversample,
     )
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
@@ -682,6 +752,8 @@ def summarise(
     seed: int,
     warmup: int | None,
     default_roles: bool = False,
+    select_groups: int = 0,
+    follower_oversample: float = 1.0,
 ) -> dict[str, Any]:
     """The run's summary of its seeds' results (`run_seed`): means, the speedup's interval, the seeds."""
     shape = trainer_shape(answers)
@@ -701,6 +773,8 @@ def summarise(
         "checkpoints": checkpoints,
         "eval_tasks": per[0]["eval_tasks"],
         "trainer": shape,
+        "select_groups": select_groups,
+        "follower_oversample": follower_oversample,
         "warmup_steps": warmup,
         "speedup": round(mean, 4),
         "speedup_ci": [round(lo, 4), round(hi, 4)],
@@ -711,6 +785,14 @@ def summarise(
         "verify_share": round(sum(r["verify_share"] for r in per) / len(per), 4),
         "generation_share": {
             arm: round(sum(r["generation_share"][arm] for r in per) / len(per), 4) for arm in ("isolated", "swarm")
+        },
+        # summed over the seeds (a result JSON written before they were counted has none)
+        "groups": {
+            arm: {
+                k: sum(r.get("groups", {}).get(arm, {}).get(k, 0) for r in per)
+                for k in ("generated", "sent", "trained")
+            }
+            for arm in ("isolated", "swarm")
         },
         "adversary": None
         if not adversary

@@ -5,8 +5,8 @@ observes: the published lineages' demand (the trainer's `local_groups x group_si
 measured step time, as `node.core.machine` announces it), the supply their followers measurably deliver, and its own
 measured generation rate. A follower picks its lineage with `node.core.roles.choose_lineage`, holds that
 lineage's current weights (a patch applied at once: transport is not modelled), generates `local_groups`
-groups per turn on its own CPU and sends them to the trainer, which verifies them on its own CPU and trains
-on them as its own lineage's. A trainer takes up to `external_groups` external groups a step per follower it
+groups per turn on its own CPU and sends the informative ones to the trainer, which verifies them on its own
+CPU and trains on them as its own lineage's. A trainer takes up to `external_groups` external groups a step per follower it
 has (at least one follower's worth, as a peer). Trainers exchange their rollouts as the peers arm does;
 followers verify nothing they do not use. Every node's accuracy is that of the weights it holds.
 
@@ -28,8 +28,9 @@ from murmur.simulations.bench.matched import (
     _mean_dicts,
     _Node,
     _receive,
-    _seal,
+    _send,
     evaluate_node,
+    group_counts,
     make_nodes,
     seed_torch,
     trainer_shape,
@@ -164,7 +165,8 @@ def run_auto_arm(
                 int(shape["local_groups"]),
                 new_tokens,
             )
-            payloads = _seal(node, batch)
+            node.groups_generated += int(shape["local_groups"])
+            payloads = _send(node, batch)  # its informative groups, as a node's sealer sends
             dt = time.thread_time() - c0
             node.gen_cpu = gen_cpu  # `gen_cpu` is the trainer steps' sampling: a follower turn counts in `made_cpu`
             node.cpu += dt
@@ -210,5 +212,6 @@ def run_auto_arm(
             for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})
         },
         "adversary": None,
+        "groups": group_counts(ns),
         "wall_s": round(time.monotonic() - wall0, 1),
     }

@@ -99,11 +99,13 @@ def write_page(result: dict[str, Any], out: Path) -> Path:
                 "updates/node alone → swarm",
                 "external groups/node",
                 "used / verified",
+                "swarm groups generated / sent / trained",
             ],
             head=True,
         )
     ]
     for r in result["per_seed"]:
+        g = r.get("groups", {}).get("swarm")  # a result written before groups were counted has none
         seeds.append(
             _row(
                 [
@@ -115,6 +117,7 @@ def write_page(result: dict[str, Any], out: Path) -> Path:
                     f"{r['updates_per_node']['isolated']} → {r['updates_per_node']['swarm']}",
                     r["external_groups_per_node"],
                     r["used_over_verified"],
+                    "—" if g is None else f"{g['generated']} / {g['sent']} / {g['trained']}",
                 ]
             )
         )
@@ -146,7 +149,8 @@ table{{border-collapse:collapse}}tr:nth-child(even){{background:#f4f4f4}}</style
 <p>Measured: every node's thread CPU (generation, training, verification of what it is sent), nodes stepped
 least-CPU-first to {result["cpu_s_per_node"]} CPU-s each; held-out greedy accuracy on {result["eval_tasks"]}
 problems at {result["checkpoints"]} equal CPU marks; {len(result["per_seed"])} paired seeds
-({html.escape(", ".join(str(s) for s in result["seeds"]))}); answers: {html.escape(result["answers"])}.</p>
+({html.escape(", ".join(str(s) for s in result["seeds"]))}); answers: {html.escape(result["answers"])};
+the swarm arm's PODS down-sampling (select_groups): {result.get("select_groups", 0) or "off"}.</p>
 <p><b>Speedup to the alone arm's final accuracy: {result["speedup"]}</b> (95 % interval {lo} … {hi};
 reached in {result["reached"]} of {len(result["per_seed"])} seeds; a seed that never reached it counts as
 its upper bound). Final accuracy, swarm minus alone: {result["final_acc_delta"]}.</p>
