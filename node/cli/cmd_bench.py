@@ -192,6 +192,15 @@ def bench_swarm(
             help="with --matched --followers: each follower generates this many times I groups per trainer step",
         ),
     ] = 1.0,
+    schedule_share: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="with --matched: the share of every trainer's prompts drawn from the shared prompt schedule "
+            "(both arms), so that peers answer the same prompts and pool them",
+        ),
+    ] = 0.0,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -211,6 +220,8 @@ def bench_swarm(
             raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
         if default_roles and (select_groups or follower_oversample != 1.0):
             raise typer.BadParameter("applies to forced arms, not to --default-roles", param_hint="--select-groups")
+        if default_roles and schedule_share:
+            raise typer.BadParameter("applies to forced arms, not to --default-roles", param_hint="--schedule-share")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         result = run_matched(
             nodes=nodes or 4,
@@ -224,6 +235,7 @@ def bench_swarm(
             default_roles=default_roles,
             select_groups=select_groups,
             follower_oversample=follower_oversample,
+            schedule_share=schedule_share,
         )
         if out is not None:
             from murmur.simulations.bench.matched_page import write_page

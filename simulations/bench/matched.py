@@ -48,7 +48,7 @@ from murmur.simulations.bench import useless
 from murmur.simulations.bench.swarm import SWARM, _ident, _seal
 from murmur.training.downsample import MAX_SELECT_GROUPS
 from murmur.training.sampler import Sampler, split
-from murmur.training.schedule import ScheduleBook
+from murmur.training.schedule import ScheduleBook, ScheduledDraw
 
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
@@ -285,10 +285,12 @@ def make_nodes(
     swarm: bool,
     watch: Any = None,
     select_groups: int = 0,
+    schedule_share: float = 0.0,
 ) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
     """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
     swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it;
-    `select_groups`: the trainers' PODS down-sampling (`TrainerConfig.select_groups`).
+    `select_groups`: the trainers' PODS down-sampling (`TrainerConfig.select_groups`); `schedule_share`: the
+    share of each trainer's prompts drawn from the shared prompt schedule (`[training] schedule_share`).
     Returns the nodes, the held-out tasks and the heads table their pipelines read."""
     from murmur.training.engine_hf import HFEngine
     from murmur.training.evaluation import held_out_tasks
@@ -341,6 +343,8 @@ def make_nodes(
         _timed_sampling(node)
         take = None if sampler is None else sampler.take_rollouts if watch is None else watch(sampler.take_rollouts)
         node.trainer = Trainer(engine, reg, set_id, cfg, lineage=lineage, external=take)
+        if schedule_share > 0:
+            node.trainer.schedule = ScheduledDraw(ScheduleBook.of(reg), schedule_share)
         heads[lineage] = 0
         ns.append(node)
     assert tasks is not None
@@ -414,6 +418,7 @@ def run_arm(
     answers: str = "short",
     select_groups: int = 0,
     follower_oversample: float = 1.0,
+    schedule_share: float = 0.0,
 ) -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
@@ -446,6 +451,7 @@ def run_arm(
         swarm,
         None if adv is None else adv.watch,
         select_groups,
+        schedule_share,
     )
     per_follower = math.ceil(int(TRAINER["local_groups"]) * follower_oversample)
     if adv is not None:
@@ -575,17 +581,30 @@ def run_seed(
     default_roles: bool = False,
     select_groups: int = 0,
     follower_oversample: float = 1.0,
+    schedule_share: float = 0.0,
 ) -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
     whose N-th member is the adversary; with `default_roles`, the swarm's roles chosen by the node's own
     rule (`simulations.bench.matched_auto`). `select_groups` and `follower_oversample` change the swarm arm
-    only (`run_arm`): the isolated arm, the target, is the node alone as it runs by default."""
+    only (`run_arm`): the isolated arm, the target, is the node alone as it runs by default. `schedule_share`
+    applies to both arms alike (a prompt draw teaches a node alone nothing; peers meet on it)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
     n = 1 if followers else nodes - 1 if adversary else nodes
-    iso = run_arm(False, n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
+    iso = run_arm(
+        False,
+        n,
+        seed,
+        cpu_s,
+        checkpoints,
+        eval_per_family,
+        base,
+        warmup_steps,
+        answers=answers,
+        schedule_share=schedule_share,
+    )
     if default_roles:
         from murmur.simulations.bench.matched_auto import run_auto_arm
 
@@ -605,6 +624,7 @@ def run_seed(
             answers=answers,
             select_groups=select_groups,
             follower_oversample=follower_oversample,
+            schedule_share=schedule_share,
         )
     xs = iso["marks"]
     target = iso["curve"][-1]
@@ -652,7 +672,7 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
 
 
 def _run_seed_args(
-    a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str, bool, int, float],
+    a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str, bool, int, float, float],
 ) -> dict[str, Any]:
     return run_seed(*a)
 
@@ -672,6 +692,7 @@ def run(
     default_roles: bool = False,
     select_groups: int = 0,
     follower_oversample: float = 1.0,
+    schedule_share: float = 0.0,
 ) -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
@@ -679,7 +700,8 @@ def run(
     `answers`: "short" (the built-in set) or "worked" (the worked-answer set, `trainer_shape`);
     `default_roles`: the swarm of `nodes` with roles chosen by the node's own rule, nothing forced;
     `select_groups` (PODS down-sampling, 0: off) and `follower_oversample` (followers' groups per trainer step
-    over I): the swarm arm's trainers and followers only."""
+    over I): the swarm arm's trainers and followers only; `schedule_share`: the share of every trainer's prompts
+    drawn from the shared prompt schedule, in both arms."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -698,6 +720,8 @@ def run(
         )
     if default_roles and (select_groups or follower_oversample != 1.0):
         raise ValueError("--select-groups and --follower-oversample apply to forced arms, not to default roles")
+    if not 0.0 <= schedule_share <= 1.0 or (default_roles and schedule_share):
+        raise ValueError("need schedule_share in 0..1, and 0 with default roles")
     t0 = time.monotonic()
     from murmur.training.tiny import default_warmup_steps
 
@@ -717,6 +741,7 @@ def run(
             default_roles,
             select_groups,
             follower_oversample,
+            schedule_share,
         )
         for k in range(seeds)
     ]
@@ -735,6 +760,7 @@ def run(
         default_roles=default_roles,
         select_groups=select_groups,
         follower_oversample=follower_oversample,
+        schedule_share=schedule_share,
     )
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
@@ -754,6 +780,7 @@ def summarise(
     default_roles: bool = False,
     select_groups: int = 0,
     follower_oversample: float = 1.0,
+    schedule_share: float = 0.0,
 ) -> dict[str, Any]:
     """The run's summary of its seeds' results (`run_seed`): means, the speedup's interval, the seeds."""
     shape = trainer_shape(answers)
@@ -775,6 +802,7 @@ def summarise(
         "trainer": shape,
         "select_groups": select_groups,
         "follower_oversample": follower_oversample,
+        "schedule_share": schedule_share,
         "warmup_steps": warmup,
         "speedup": round(mean, 4),
         "speedup_ci": [round(lo, 4), round(hi, 4)],
