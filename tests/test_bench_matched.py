@@ -65,14 +65,16 @@ def test_a_trainer_with_followers_verifies_and_pools_their_informative_groups_on
 
 
 def test_a_pods_trainer_with_select_groups_trains_at_most_that_many_groups_a_step(tmp_path: Path) -> None:
+    m = bm.TRAINER["minibatch_groups"]  # one update a step at most: the rest of a step's groups are not trained
     r = bm.run_arm(
-        True, 1, 0, 0.6, 1, 2, tmp_path, warmup_steps=WARM, followers=1, select_groups=8, follower_oversample=1.5
+        True, 1, 0, 0.6, 1, 2, tmp_path, warmup_steps=WARM, followers=1, select_groups=m, follower_oversample=1.5
     )
-    g = r["groups"]
-    # one minibatch (8 groups) a step at most, the rest not trained
-    assert 0 < g["trained"] <= 8 * r["steps_per_node"][0] < g["sent"] + g["generated"]
+    g, steps = r["groups"], r["steps_per_node"][0]
+    assert r["updates_per_node"][0] <= steps and g["trained"] == m * r["updates_per_node"][0]
     per_step = bm.TRAINER["local_groups"] + int(1.5 * bm.TRAINER["local_groups"])  # own I and the follower's 1.5 I
-    assert g["generated"] == r["steps_per_node"][0] * per_step and g["sent"] <= g["generated"]
+    assert g["generated"] == steps * per_step and 0 < g["sent"] <= g["generated"]
+    ns, _, _ = bm.make_nodes(1, 0, tmp_path, WARM, "short", 2, 16, True, select_groups=3)
+    assert ns[0].trainer.cfg.select_groups == 3  # the arm's trainers run it
 
 
 def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_path: Path) -> None:
