@@ -593,32 +593,16 @@ def run_seed(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
     n = 1 if followers else nodes - 1 if adversary else nodes
-    iso = run_arm(
-        False,
-        n,
-        seed,
-        cpu_s,
-        checkpoints,
-        eval_per_family,
-        base,
-        warmup_steps,
-        answers=answers,
-        schedule_share=schedule_share,
-    )
+    arm = (n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
+    iso = run_arm(False, *arm, answers=answers, schedule_share=schedule_share)
     if default_roles:
         from murmur.simulations.bench.matched_auto import run_auto_arm
 
-        sw = run_auto_arm(n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps, answers=answers)
+        sw = run_auto_arm(*arm, answers=answers)
     else:
         sw = run_arm(
             True,
-            n,
-            seed,
-            cpu_s,
-            checkpoints,
-            eval_per_family,
-            base,
-            warmup_steps,
+            *arm,
             followers=followers,
             adversary=adversary,
             answers=answers,
