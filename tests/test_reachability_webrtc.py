@@ -429,7 +429,8 @@ def test_webrtc_carries_broadcast_frames_written_as_a_bytearray(webrtc_extra: No
 def test_webrtc_connection_outlives_256_streams(webrtc_extra: None) -> None:
     """py-libp2p 0.8.1 never removed closed WebRTC streams from their connection, so its 253rd stream
     failed at once (the 256-stream limit); `libp2p_fixes.install_webrtc()` makes closed streams leave the registry.
-    A stray open fails now and then (about 1 in 200 here, with or without the fix): the node retries."""
+    A stray open fails now and then, with or without the fix, and more often on a loaded machine: it is opened
+    again once, as a node does, so only an open that fails twice counts."""
     from libp2p.custom_types import TProtocol
 
     echo_p = TProtocol("/test/echo/1")
@@ -442,30 +443,35 @@ def test_webrtc_connection_outlives_256_streams(webrtc_extra: None) -> None:
 
     async def main() -> None:
         async with _raw_webrtc_pair({echo_p: _echo}) as (a, b):
-            ok, failed = [], []
+            ok: list[int] = []
+            failed: list[int] = []
+            stray: list[int] = []  # opens that failed once and worked when opened again, as a node does
 
             async def lane(first: int) -> None:
                 for i in range(first, 280, LANES):
-                    try:
-                        with trio.fail_after(20):
-                            s = await a.new_stream(b.get_id(), [echo_p])
-                            await s.write(b"n%d" % i)
-                            assert await s.read(100) == b"n%d" % i
-                            await s.close()
-                        ok.append(i)
-                    except Exception:
-                        failed.append(i)
+                    for attempt in range(2):
+                        try:
+                            with trio.fail_after(20):
+                                s = await a.new_stream(b.get_id(), [echo_p])
+                                await s.write(b"n%d" % i)
+                                assert await s.read(100) == b"n%d" % i
+                                await s.close()
+                            ok.append(i)
+                            break
+                        except Exception:
+                            (stray if attempt == 0 else failed).append(i)
 
             # a few opens at a time, as a node's streams come: a stray open that stalls holds up one lane
             async with trio.open_nursery() as n:
                 for first in range(LANES):
                     n.start_soon(lane, first)
-            # without the workaround, every open from the 253rd on fails
-            assert len(ok) >= 265, f"{len(failed)} of 280 opens failed, first at {sorted(failed)[:1]}"
+            # without the workaround, every open from the 253rd on fails, opened again or not
+            assert len(ok) >= 275, f"{len(failed)} of 280 opens failed twice, first at {sorted(failed)[:1]}"
             # every closed stream leaves the registry (without the fix: all 280 stay); a stray failed
             # open may leave its half-made stream behind, at most one per failure
+            left = len(failed) + len(stray)
             with trio.fail_after(10):
-                while registered(a) > len(failed) or registered(b) > len(failed):
+                while registered(a) > left or registered(b) > left:
                     await trio.sleep(0.05)
 
     _run_showing_the_failure(main)
