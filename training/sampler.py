@@ -300,7 +300,13 @@ def preference_order(groups: list[Group], prefer: Mapping[TaskKey, int], ids: li
 
     def key(k: int) -> tuple[int, float, int]:
         g = groups[k]
-        rate = sum(r.reward > 0 for r in g.rollouts) / max(1, len(g.rollouts))
-        return prefer.get(g.key, RANK_OTHER), abs(rate - 0.5), k
+        return (*rescue_rank(prefer, g.key, [r.reward for r in g.rollouts]), k)
 
     return [ids[k] for k in sorted(range(len(groups)), key=key)]
+
+
+def rescue_rank(prefer: Mapping[TaskKey, int], key: TaskKey, rewards: list[float]) -> tuple[int, float]:
+    """Rescue selection's sort key of one task's rows (`preference_order`, and the trainer's order of what it
+    got): the rank `prefer` gives the task, then the distance of its success rate from 1/2."""
+    rate = sum(r > 0 for r in rewards) / max(1, len(rewards))
+    return prefer.get(key, RANK_OTHER), abs(rate - 0.5)

@@ -58,7 +58,7 @@ from murmur.training.losses import (
     is_degenerate,
 )
 from murmur.training.rollouts import RolloutRec, from_wire
-from murmur.training.sampler import RANK_OTHER, TaskKey, task_key
+from murmur.training.sampler import TaskKey, rescue_rank, task_key
 from murmur.training.schedule import ScheduledDraw
 from murmur.training.tasksets import TaskRegistry, is_eval
 from murmur.training.verifiers import score
@@ -532,10 +532,7 @@ class Trainer:
         used = 0
         for g in ext_groups:
             n = sum(r.foreign for r in g)
-            if n and share <= 0.0:
-                self.drops["foreign_share"] = self.drops.get("foreign_share", 0) + 1
-                continue
-            if n and used and used + n > room:
+            if n and (share <= 0.0 or (used and used + n > room)):
                 self.drops["foreign_share"] = self.drops.get("foreign_share", 0) + 1
                 continue
             used += n
@@ -858,8 +855,6 @@ def _rescue_order(
 
     def key(i: int) -> tuple[int, float, int]:
         k = task_key(groups[i][0].ref)
-        rows = groups[i] + own.get(k, [])
-        rate = sum(r.reward > 0 for r in rows) / max(1, len(rows))
-        return prefer.get(k, RANK_OTHER), abs(rate - 0.5), i
+        return (*rescue_rank(prefer, k, [r.reward for r in groups[i] + own.get(k, [])]), i)
 
     return sorted(range(len(groups)), key=key)
