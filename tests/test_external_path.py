@@ -13,7 +13,7 @@ import torch
 from murmur.gossip import wire
 from murmur.training.losses import hacpo_coefficient
 from murmur.training.rollouts import logprobs_to_bytes, to_wire
-from murmur.training.sampler import Sampler
+from murmur.training.sampler import Sampler, Signed
 from murmur.training.tasksets import TaskRegistry
 from murmur.training.trainer import Trainer, TrainerConfig
 
@@ -31,7 +31,7 @@ def test_hacpo_capabilities_of_equal_skill_are_equal(warm_engine, registry) -> N
     sampler = Sampler(max_groups=64)
     sampler.observe_head(OTHER, 0)  # OTHER publishes (the node tells its worker once a manifest is accepted)
 
-    def external(n: int, _min_version: int) -> list[wire.Rollout]:
+    def external(n: int, _min_version: int) -> list[Signed]:
         return sampler.take_rollouts(n)
 
     cfg = TrainerConfig(local_groups=4, external_groups=4, group_size=4, max_new_tokens=4, lr=0.0, seed=5)
@@ -193,7 +193,7 @@ def test_with_a_fixed_minibatch_swarm_groups_add_updates_and_never_displace_loca
     sampler = Sampler(max_groups=64, seed=1)
     sampler.observe_head(OTHER, 0)
 
-    def external(n: int, _v: int) -> list[wire.Rollout]:
+    def external(n: int, _v: int) -> list[Signed]:
         for _ in range(2):
             sampler.add_rollouts([to_wire(r) for r in peer.step().rollouts])
         return sampler.take_rollouts(n)

@@ -20,13 +20,14 @@ from murmur.gossip.errors import ConfigError
 from murmur.training.engine import Sampling
 from murmur.training.foreign import FOREIGN_KEYS, FOREIGN_RANGES
 from murmur.training.losses import (
+    CapabilityTracker,
     group_advantages,
     hacpo_advantages,
     hacpo_clip_low,
     hacpo_coefficient,
     hacpo_loss,
 )
-from murmur.training.rollouts import RolloutRec, to_wire
+from murmur.training.rollouts import RolloutRec, capability_key, to_wire
 from murmur.training.sampler import Sampler, preference_order, split, task_key
 from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from murmur.training.tiny import new_tiny_engine
@@ -213,6 +214,11 @@ def group(reg: TaskRegistry, engine: Any, tref: wire.TaskRef, pattern: str, line
     return [rec(reg, engine, tref, c == "1", lineage) for c in pattern]
 
 
+def record(tracker: CapabilityTracker, source: bytes, rate: float) -> None:
+    """A source with a full record at `rate` (as many rewards seen as the ramp asks)."""
+    tracker.rate[source], tracker.seen[source] = rate, tracker.ramp
+
+
 def trainer(reg: TaskRegistry, engine: Any, external: Any = None, **kw: Any) -> Trainer:
     cfg = TrainerConfig(
         **{"local_groups": 1, "external_groups": 4, "group_size": 4, "max_new_tokens": 8, "lr": 1e-3, "seed": 1, **kw}
@@ -268,7 +274,8 @@ def test_the_capability_baseline_switch_reaches_the_pooled_group(reg, engine) ->
     on = trainer(reg, engine, foreign_share_max=1.0)
     off = trainer(reg, engine, foreign_share_max=1.0, foreign_baseline=False)
     for t in (on, off):
-        t.shared_src.rate[SRC], t.shared_own.rate[SRC] = 0.9, 0.3
+        record(t.shared_src, SRC, 0.9)
+        record(t.shared_own, SRC, 0.3)
     (p_on,), _ = on._prepare(local, [theirs])
     (p_off,), _ = off._prepare(local, [theirs])
     assert torch.allclose(p_off.own_adv, group_advantages(torch.tensor([1.0, 1, 0, 0, 1, 1, 1, 1, 0]))[:4])
@@ -283,14 +290,49 @@ def test_capabilities_of_a_pooled_group_are_compared_on_the_shared_tasks(reg, en
     local = [group(reg, engine, a, "1110")]
     theirs = group(reg, engine, a, "10", SRC)
     tr = trainer(reg, engine, foreign_share_max=1.0, foreign_capability_max=10.0)
-    tr.capability.rate[OWN], tr.capability.rate[SRC] = 0.2, 0.8
+    record(tr.capability, OWN, 0.2)
+    record(tr.capability, SRC, 0.8)
+    record(tr.shared_src, SRC, 0.5)  # a full record on the shared tasks, so the coefficient is its rate's
     (p,), _ = tr._prepare(local, [theirs])
     assert p.pooled and float(p.ext_coef.max()) < 1.2
     # the same rows without an own group of their task: the overall rates, so 4 (after this group's update)
     tr = trainer(reg, engine, foreign_share_max=1.0, foreign_capability_max=10.0)
-    tr.capability.rate[OWN], tr.capability.rate[SRC] = 0.2, 0.8
+    record(tr.capability, OWN, 0.2)
+    record(tr.capability, SRC, 0.8)
     (q,), _ = tr._prepare([], [theirs])
     assert float(q.ext_coef.max()) > 3.0
+
+
+def test_a_fresh_key_starts_with_no_capability_and_earns_its_rate_with_its_rewards() -> None:
+    t = CapabilityTracker(ramp=32, max_sources=2)
+    assert t.earned(SRC) == 0.0 and t.get(SRC) == 0.5  # the rate's prior is never a weight by itself
+    t.update(SRC, [1.0] * 16)
+    assert t.earned(SRC) == pytest.approx(t.get(SRC) / 2)
+    t.update(SRC, [1.0] * 100)
+    assert t.earned(SRC) == pytest.approx(t.get(SRC)) and t.seen[SRC] == 32  # counted up to the ramp only
+    t.update(SRC2, [0.0])
+    t.update(OWN, [0.0])  # a third source: the least recently updated one is forgotten, record and all
+    assert SRC not in t.rate and SRC not in t.seen and t.earned(SRC) == 0.0
+
+
+def test_a_fresh_key_weighs_no_more_than_a_measured_record_and_borrows_no_lineages_record(reg, engine) -> None:  # type: ignore[no-untyped-def]
+    """Capability is kept per producer key: a key seen for the first time that claims the lineage of a
+    producer with a strong record gets the floor's weight, not that record (keyed by lineage it would get
+    2) nor the prior's (0.5 / 0.3 = 1.7); the steady producer keeps its own. Through the sampler, so the
+    signing key reaches the trainer as the node's worker hands it over."""
+    steady, fresh = b"\x01" * 32, b"\x02" * 32
+    sampler = Sampler(max_groups=16, seed=3)
+    sampler.observe_head(SRC, 0)
+    sampler.add_rollouts(_wire(group(reg, engine, ref(reg, 800), "1100", SRC)), producer=steady)
+    sampler.add_rollouts(_wire(group(reg, engine, ref(reg, 801), "1100", SRC)), producer=fresh)
+    tr = trainer(reg, engine, sampler.take_rollouts, foreign_share_max=1.0, foreign_capability_max=10.0)
+    record(tr.capability, OWN, 0.3)
+    record(tr.capability, capability_key(steady, SRC), 0.6)
+    prepared, _ = tr._prepare([], tr._collect_external([]))
+    coef = {p.ext[0].source: float(p.ext_coef.max()) for p in prepared}
+    assert set(coef) == {capability_key(steady, SRC), capability_key(fresh, SRC)}
+    assert coef[capability_key(steady, SRC)] > 1.5  # its record: about 0.6 / 0.3
+    assert coef[capability_key(fresh, SRC)] <= 4 / 32 / 0.3 + 1e-6  # four rewards seen: at most 4/32 of a rate
 
 
 def test_the_share_cap_keeps_other_models_rows_to_half_a_step_in_rescue_order(reg, engine) -> None:  # type: ignore[no-untyped-def]

@@ -160,8 +160,17 @@ def test_groups_are_shareable_between_receivers() -> None:
 def test_take_rollouts_is_the_trainer_hook_shape() -> None:
     s = sampler()
     s.add_rollouts(group(1) + group(2, (0.0, 1.0, 1.0)))
+    s.add_rollouts(group(3), producer=b"\x07" * 32)
     out = s.take_rollouts(4, 0)
-    assert [(r.task.seed, r.reward) for r in out] == [(1, 1.0), (1, 0.0), (2, 0.0), (2, 1.0), (2, 1.0)]
+    assert [(x.rollout.task.seed, x.rollout.reward) for x in out][:5] == [
+        (1, 1.0),
+        (1, 0.0),
+        (2, 0.0),
+        (2, 1.0),
+        (2, 1.0),
+    ]
+    # each rollout comes with the key that signed its batch (b"": added without one)
+    assert {(x.rollout.task.seed, x.producer) for x in out} == {(1, b""), (2, b""), (3, b"\x07" * 32)}
 
 
 def test_the_worker_and_the_swarm_benchmark_share_this_sampler() -> None:
@@ -229,7 +238,7 @@ def test_worker_feeds_verified_batches_to_the_sampler_and_the_trainer_takes_them
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and w.inbox.sampler.head(LIN_B) is None:
         time.sleep(0.01)
-    got = w._external(4, 5)
+    got = [x.rollout for x in w._external(4, 5)]
     assert {(r.task.seed, bytes(r.lineage)) for r in got} == {(2, LIN_B)}
     assert w.inbox.sampler.counts == {
         "added": 2,
@@ -290,7 +299,7 @@ def test_the_worker_bounds_a_steps_external_tokens_by_its_own_shape(tmp_path) ->
     )
     w.inbox.sampler.add_rollouts(group(1) + group(2) + group(9, rewards=(1.0, 0.0) * 32) + group(3))
     w._observe_own_head(LIN_A, 0)
-    got = w._external(4, 0)
+    got = [x.rollout for x in w._external(4, 0)]
     assert {r.task.seed for r in got} == {1, 2, 3} and len(got) == 6
     assert w.inbox.sampler.counts["over_budget"] == 1
 

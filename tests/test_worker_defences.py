@@ -127,6 +127,6 @@ def test_trainer_takes_only_rollouts_whose_ids_are_the_verified_text(worker, eng
     group.append(_rollout(engine, w.registry, 5, "13", logprobs=[-1.0, -1.0], ids=[engine.vocab, engine.eos_id]))
     assert w.inbox.sampler.add_rollouts(group) == 1
     w._observe_own_head(LINEAGE, 0)
-    taken = w._external(4, 0)
+    taken = [x.rollout for x in w._external(4, 0)]
     assert sorted(r.text for r in taken) == ["10", "11", "12"]
     assert all(r.completion_ids[0] < engine.vocab for r in taken)

@@ -23,6 +23,7 @@ M2_TAU = 0.04
 HACPO_LOW = 0.8  # a sequence ratio below this counts as far off-policy (a statistic only)
 MAX_LOG_WEIGHT = 30.0  # an untruncated sequence weight is a statistic only; this keeps it finite
 MAX_SOURCES = 4096  # sources whose success rate is remembered (least recently updated forgotten first)
+CAPABILITY_RAMP = 32  # rewards of a source seen before its capability counts in full (four groups of 8)
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -251,21 +252,37 @@ def hacpo_loss(
 
 
 class CapabilityTracker:
-    """Rolling positive-reward rate per source (lineage), for HACPO weights; at most `max_sources` remembered."""
+    """Rolling positive-reward rate per source (the learner's lineage, or another model's producer key and
+    lineage), for HACPO weights; at most `max_sources` remembered, least recently updated forgotten first.
 
-    def __init__(self, decay: float = 0.95, prior: float = 0.5, max_sources: int = MAX_SOURCES) -> None:
+    `get` is the rate (a source never seen: `prior`); `earned` is the rate scaled by the evidence behind
+    it, min(1, rewards seen / `ramp`), so that a key seen for the first time starts at 0 and reaches its
+    measured rate only after `ramp` of its rewards. A producer that signs with fresh keys therefore never
+    gets more weight than one whose record is measured; a forgotten source starts over."""
+
+    def __init__(
+        self, decay: float = 0.95, prior: float = 0.5, max_sources: int = MAX_SOURCES, ramp: int = CAPABILITY_RAMP
+    ) -> None:
         self.decay = decay
         self.prior = prior
         self.max_sources = max(1, max_sources)
+        self.ramp = max(1, ramp)
         self.rate: dict[bytes, float] = {}
+        self.seen: dict[bytes, int] = {}  # rewards seen per source, counted up to `ramp`
 
     def update(self, source: bytes, rewards: list[float]) -> None:
         p = self.rate.pop(source, self.prior)
         for r in rewards:
             p = self.decay * p + (1 - self.decay) * (1.0 if r > 0 else 0.0)
         self.rate[source] = p  # re-inserted last: the dict's order is least recently updated first
+        self.seen[source] = min(self.ramp, self.seen.get(source, 0) + len(rewards))
         while len(self.rate) > self.max_sources:
-            del self.rate[next(iter(self.rate))]
+            gone = next(iter(self.rate))
+            del self.rate[gone]
+            self.seen.pop(gone, None)
 
     def get(self, source: bytes) -> float:
         return self.rate.get(source, self.prior)
+
+    def earned(self, source: bytes) -> float:
+        return self.get(source) * self.seen.get(source, 0) / self.ramp

@@ -40,13 +40,20 @@ class RolloutRec:
     # another model's sample (another lineage, or re-tokenised from another tokenizer): trained with the
     # HACPO loss, whose weight rests on nothing the producer claims (its log-probs are not re-scorable)
     foreign: bool = False
-    source: bytes = b""  # lineage of the producing policy (HACPO capability key)
+    source: bytes = b""  # HACPO's capability key: `capability_key` of its producer and lineage
     # the shared prompt schedule's round this answers (training/schedule.py; 0: drawn freely). Received ones
     # passed the receiver's pipeline, which refuses a claim for a task that is not a prompt of its round.
     schedule_round: int = 0
 
     def versions_per_token(self) -> list[int]:
         return expand_versions(self.token_versions, len(self.ids), self.version)
+
+
+def capability_key(producer: bytes, lineage: bytes) -> bytes:
+    """HACPO's capability key of a received sample: the key that signed its batch and the lineage it claims
+    (the lineage alone where the caller does not know the producer). Per key, so that a fresh key starts
+    with no record and a key that claims a strong lineage does not inherit that lineage's record."""
+    return bytes(producer) + bytes(lineage)
 
 
 def expand_versions(segments: list[tuple[int, int]], n: int, first: int) -> list[int]:
@@ -95,6 +102,7 @@ def from_wire(
     encode: Callable[[str], Iterable[int]],
     eos_id: int | None = None,
     max_tokens: int | None = None,
+    producer: bytes = b"",
 ) -> RolloutRec:
     """A received rollout for local training; re-tokenised when its tokenizer differs from ours.
 
@@ -103,7 +111,8 @@ def from_wire(
     has no EOS, so a completion shorter than the producer's token cap stopped on its own, and one that
     reached the cap counts as cut (a finished one of exactly that length is lost, never a cut one
     trained as finished). A re-tokenised text longer than `max_tokens` of ours is cut there and counts
-    as cut: the receiver's token budget bounds its work, whatever the producer's budget was."""
+    as cut: the receiver's token budget bounds its work, whatever the producer's budget was. `producer` is
+    the key that signed its batch (its capability key's first half)."""
     lps = logprobs_from_bytes(w.logprobs)
     if len(lps) != len(w.completion_ids):
         raise DecodeError(f"rollout has {len(lps)} log-probs for {len(w.completion_ids)} tokens")
@@ -124,7 +133,7 @@ def from_wire(
         sampling=sampling,
         reward=float(w.reward),
         created_ms=int(w.created_ms),
-        source=bytes(w.lineage),
+        source=capability_key(producer, w.lineage),
         schedule_round=int(w.schedule_round),
     )
     ids = w.completion_ids

@@ -65,6 +65,7 @@ import collections
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from murmur.gossip import wire
 
@@ -83,6 +84,14 @@ class Group:
     version: int  # the oldest policy version among its rollouts
     rollouts: tuple[wire.Rollout, ...]
     producer: bytes = b""  # the key that signed the batch (b"": not known to the caller)
+
+
+class Signed(NamedTuple):
+    """A verified rollout and the key that signed its batch: what the trainer's `external` hook hands over,
+    so that HACPO's capability of another model's samples is kept per producer key."""
+
+    producer: bytes
+    rollout: wire.Rollout
 
 
 def task_key(ref: wire.TaskRef) -> TaskKey:
@@ -279,12 +288,13 @@ class Sampler:
         _min_version: int = 0,
         max_tokens: int | None = None,
         prefer: Mapping[TaskKey, int] | None = None,
-    ) -> list[wire.Rollout]:
-        """`take` flattened: the shape of `training.trainer.Trainer`'s `external` hook.
+    ) -> list[Signed]:
+        """`take` flattened, each rollout with its producer: the shape of `training.trainer.Trainer`'s
+        `external` hook.
 
         The trainer's version floor is not needed: the owner reports its own head with
         `observe_head`, and the staleness rule above applies to every lineage alike."""
-        return [r for g in self.take(groups, max_tokens, prefer) for r in g.rollouts]
+        return [Signed(g.producer, r) for g in self.take(groups, max_tokens, prefer) for r in g.rollouts]
 
 
 RANK_OTHER = 2  # a task the trainer has no own group of this step (see `preference_order`)

@@ -58,7 +58,7 @@ from murmur.training.losses import (
     is_degenerate,
 )
 from murmur.training.rollouts import RolloutRec, from_wire
-from murmur.training.sampler import TaskKey, rescue_rank, task_key
+from murmur.training.sampler import Signed, TaskKey, rescue_rank, task_key
 from murmur.training.schedule import ScheduledDraw
 from murmur.training.tasksets import TaskRegistry, is_eval
 from murmur.training.verifiers import score
@@ -66,7 +66,8 @@ from murmur.training.verifiers import score
 LOSS_NORMS = ("informative", "constant")
 REF_DECAY = 0.9  # running mean of the own-sample log-prob reference: about the last ten steps
 
-ExternalSource = Callable[[int, int], list[Rollout]]  # (max groups wanted, min acceptable version) -> rollouts
+# (max groups wanted, min acceptable version) -> rollouts, each with the key that signed it where known
+ExternalSource = Callable[[int, int], list[Signed] | list[Rollout]]
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True):
@@ -401,7 +402,9 @@ class Trainer:
         else:
             got = self.external(self.cfg.external_groups, min_version)
         by_task: dict[tuple[bytes, str, int], list[RolloutRec]] = {}
-        for w in got:
+        for item in got:
+            # the node's and the bench's samplers say who signed each rollout; a bare one keys on its lineage
+            producer, w = (item.producer, item.rollout) if isinstance(item, Signed) else (b"", item)
             try:
                 task = self.registry.resolve(w.task)
             except TaskError:
@@ -415,6 +418,7 @@ class Trainer:
                 self.engine.encode,
                 self.engine.eos_id,
                 max_tokens=self.cfg.max_new_tokens,
+                producer=producer,
             )
             if rec.foreign or rec.lineage != self.lineage:
                 rec.foreign = True  # another model's sample: its claimed log-probs are never used
@@ -541,7 +545,8 @@ class Trainer:
 
     def _weights(self, rows: list[RolloutRec], pooled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row (P_src, P_learner): 1:1 for this lineage's own samples; for another model's, its source's
-        success rate and the learner's, measured on shared tasks in a pooled group, overall otherwise."""
+        (producer key and lineage) success rate as far as its record earns it, and the learner's, measured
+        on shared tasks in a pooled group, overall otherwise."""
         p_l = self.capability.get(self.lineage)
         src, lrn = [], []
         for r in rows:
@@ -549,10 +554,10 @@ class Trainer:
                 src.append(p_l)
                 lrn.append(p_l)
             elif pooled:
-                src.append(self.shared_src.get(r.source))
+                src.append(self.shared_src.earned(r.source))
                 lrn.append(self.shared_own.get(r.source))
             else:
-                src.append(self.capability.get(r.source))
+                src.append(self.capability.earned(r.source))
                 lrn.append(p_l)
         return torch.tensor(src), torch.tensor(lrn)
 

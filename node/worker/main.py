@@ -529,7 +529,7 @@ class Worker:
         budget = max_groups * int(t["group_size"]) * int(t["max_new_tokens"]) if "group_size" in t else None
         with self.inbox.lock:
             taken = self.inbox.sampler.take_rollouts(max_groups, min_version, budget, prefer=prefer)
-        return [r for r in taken if self.engine is None or consistent(r, self.engine)]
+        return [s for s in taken if self.engine is None or consistent(s.rollout, self.engine)]
 
     def _observe_own_head(self, lineage: bytes, version: int) -> None:
         # this worker publishes its lineage, so its own version is that lineage's head

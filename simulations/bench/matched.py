@@ -265,7 +265,7 @@ class _Adversary:
 
         def counted(*a: Any, **k: Any) -> Any:
             out = take(*a, **k)
-            for r in out:
+            for _, r in out:
                 if bytes(r.lineage) == self.node.lineage:
                     self.taken += 1
                     self.bad_taken += useless.row_key(r) in self.bad_keys
