@@ -23,6 +23,7 @@ from murmur.gossip.validation import Pipeline, PipelineConfig, Reason
 from murmur.simulations.bench import attacks
 from murmur.sync.ids import lineage_id
 from murmur.training import tokencheck
+from murmur.training.schedule import ScheduleBook
 from murmur.training.tasksets import TaskRegistry, builtin_manifest
 from murmur.training.verifiers import score
 
@@ -220,6 +221,7 @@ def _trainer_pipeline(check: Any, reg: TaskRegistry, lid: bytes) -> Pipeline:
         own_lineage=lambda lin: bytes(lin) == lid,
         check_tokens=check,
         task_set_trusted=reg.__contains__,
+        schedule=ScheduleBook.of(reg),
     )
 
 

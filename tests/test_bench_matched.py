@@ -79,10 +79,12 @@ def test_a_pods_trainer_with_select_groups_trains_at_most_that_many_groups_a_ste
 
 def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_path: Path) -> None:
     from murmur.gossip.validation import Pipeline, PipelineConfig, Reason
+    from murmur.gossip.wire import now_ms
     from murmur.simulations.bench.swarm import SWARM
-    from murmur.simulations.bench.useless import CLAIMED_LOGPROB, claim_low_logprobs, forge, informative
+    from murmur.simulations.bench.useless import CLAIMED_LOGPROB, claim_low_logprobs, forge, informative, misschedule
     from murmur.training.engine_hf import HFEngine
     from murmur.training.rollouts import logprobs_from_bytes
+    from murmur.training.schedule import ScheduleBook, round_at
     from murmur.training.tasksets import TaskRegistry, train_generators
     from murmur.training.tiny import ensure_tiny
     from murmur.training.tokencheck import for_model
@@ -118,10 +120,14 @@ def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_
         head_version=lambda _: 1,
         task_set_trusted=reg.__contains__,
         check_tokens=for_model(TINY_NAME),
+        schedule=ScheduleBook.of(reg),
     )
     peer = adv.node.ident.peer_id
     assert pipe.check(bm._seal(adv.node, claimed)[0], peer).reason is Reason.ACCEPTED  # nothing provably wrong
     assert pipe.check(bm._seal(adv.node, forge(claimed, size))[0], peer).reason is Reason.FORGED_REWARD
+    sybil = bm._Adversary(1, engine).node  # the forger's key is banned now; each bad batch goes out under a fresh one
+    late = misschedule(claim_low_logprobs(kept or rows[:size]), round_at(now_ms()))
+    assert pipe.check(bm._seal(sybil, late)[0], sybil.ident.peer_id).reason is Reason.MISSCHEDULED
 
 
 def test_in_a_swarm_with_the_adversary_no_provably_bad_row_is_trained_on(tmp_path: Path) -> None:
@@ -130,8 +136,12 @@ def test_in_a_swarm_with_the_adversary_no_provably_bad_row_is_trained_on(tmp_pat
     adv = r["adversary"]
     assert len(r["cpu_per_node"]["swarm"]) == 2 and len(r["cpu_per_node"]["isolated"]) == 2  # N - 1 honest nodes
     assert r["curves"]["isolated"][0] == r["curves"]["swarm"][0]  # paired on the honest nodes
-    assert 1 <= adv["forged_batches"] <= adv["batches"] // 4  # a forge turn with no informative group sends nothing
+    # a forge turn with no informative group sends nothing; turns alternate a forged reward and a false claim
+    # of the schedule, the forged reward first
+    assert 1 <= adv["forged_batches"] and adv["misscheduled_batches"] <= adv["forged_batches"]
+    assert adv["forged_batches"] + adv["misscheduled_batches"] <= adv["batches"] // 4
     assert adv["rejected"] == 2 * adv["forged_batches"]  # every forgery refused by both honest nodes
+    assert adv["rejected_misscheduled"] == 2 * adv["misscheduled_batches"]  # and every false schedule claim
     assert adv["provably_bad_rows_taken"] == 0
     assert 0 < r["generation_share"]["isolated"] < 1
 

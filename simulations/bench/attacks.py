@@ -605,6 +605,25 @@ async def forged_reward(a: Attacker, k: Knowledge, targets: list[str]) -> None:
     await _forge(a, 20, make)
 
 
+async def misscheduled(a: Attacker, k: Knowledge, targets: list[str]) -> None:
+    """Correct, honestly rewarded rollouts at the honest head, their ids the public tokenizer's, each claiming
+    the current round of the shared prompt schedule for a task that is not one of that round's prompts: a
+    receiver that pooled them would take them for peers' answers to the prompts it answers itself."""
+    from murmur.training.schedule import round_at
+
+    def make(t: int) -> list[wire.Rollout]:
+        tpl, kw = k.at_head()
+        rnd = round_at(wire.now_ms())
+        return [
+            msgspec.structs.replace(
+                _encoded(_rollout_like(tpl, seed=15_000 + 10 * t + i, **kw), k.token_check()), schedule_round=rnd
+            )
+            for i in range(4)
+        ]
+
+    await _forge(a, 90, make)
+
+
 def _encoded(r: wire.Rollout, check: Any) -> wire.Rollout:
     """`r` with the public tokenizer's ids for its text (unchanged when there are none)."""
     ids = _encode(check, r.text)
@@ -992,6 +1011,7 @@ CATALOGUE: dict[str, Attack] = {
     "capture_inflated_demand": capture_inflated_demand,
     "starve_verifier": starve_verifier,
     "forged_reward": forged_reward,
+    "misscheduled": misscheduled,
     "future_version": future_version,
     "flood_announces": flood_announces,
     "replay_other_swarm": replay_other_swarm,
@@ -1035,6 +1055,7 @@ PROVABLE = frozenset(
         "punish_the_honest",
         "capture_lineage",
         "forged_reward",
+        "misscheduled",
         "flood_announces",
         "bad_signature",
         "poison_numbers",
@@ -1050,6 +1071,7 @@ FAULTS: dict[str, str] = {
     "crash_vocab": "bad_tokens",
     "mislead_ids_vs_text": "text_mismatch",
     "forged_reward": "forged_reward",
+    "misscheduled": "misscheduled",
     "poison_numbers": "bad_number",
     "future_version": "future_version",
 }

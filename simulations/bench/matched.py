@@ -48,7 +48,7 @@ from murmur.simulations.bench import useless
 from murmur.simulations.bench.swarm import SWARM, _ident, _seal
 from murmur.training.downsample import MAX_SELECT_GROUPS
 from murmur.training.sampler import Sampler, split
-from murmur.training.schedule import ScheduleBook, ScheduledDraw
+from murmur.training.schedule import ScheduleBook, ScheduledDraw, round_at
 
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
@@ -218,6 +218,7 @@ class _Adversary:
         self.seed = seed
         self.batches = 0
         self.forged = 0  # batches sent with a forged reward
+        self.misscheduled = 0  # batches claiming a schedule round for tasks that are not its prompts
         self.last_ms = 0
         self.bad_keys: set[tuple[bytes, str, int, str, int]] = set()
         self.taken = 0  # its rows that honest trainers took into their steps
@@ -245,9 +246,13 @@ class _Adversary:
         if not rows:
             return self.node.ident.peer_id, []
         if self.batches % useless.FORGE_EVERY == 0:
-            rows = useless.forge(rows, size)
+            if (self.batches // useless.FORGE_EVERY) % 2:
+                rows = useless.forge(rows, size)
+                self.forged += 1
+            else:
+                rows = useless.misschedule(rows, round_at(self.last_ms))
+                self.misscheduled += 1
             self.bad_keys.update(useless.row_key(r) for r in rows)
-            self.forged += 1
             sybil = _Node(
                 1000 + self.batches,
                 _ident(seed=self.seed, i=1000 + self.batches),
@@ -543,10 +548,12 @@ def run_arm(
         else {
             "batches": adv.batches,
             "forged_batches": adv.forged,
+            "misscheduled_batches": adv.misscheduled,
             "rows_taken": adv.taken,
             "provably_bad_rows_taken": adv.bad_taken,
             # honest nodes forge nothing: every forgery refused is its
             "rejected": sum(n.pipeline.counts["forged_reward"] for n in ns if n.pipeline is not None),
+            "rejected_misscheduled": sum(n.pipeline.counts["misscheduled"] for n in ns if n.pipeline is not None),
         },
         "sampler": {
             k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
@@ -810,7 +817,15 @@ def summarise(
         if not adversary
         else {
             k: sum(r["adversary"][k] for r in per)
-            for k in ("batches", "forged_batches", "rows_taken", "provably_bad_rows_taken", "rejected")
+            for k in (
+                "batches",
+                "forged_batches",
+                "misscheduled_batches",
+                "rows_taken",
+                "provably_bad_rows_taken",
+                "rejected",
+                "rejected_misscheduled",
+            )
         },
         "per_seed": per,
         "method": "measured: per-node thread CPU (generation, training, verification of what it is sent), "

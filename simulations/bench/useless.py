@@ -6,8 +6,9 @@ honest rewards and token ids that decode to their text, so nothing in them is pr
 sends only its informative groups (so none is dropped at intake) and claims behaviour log-probs far
 below any real sample's, which a receiver cannot check without the adversary's weights: a learner's
 truncated importance ratio (its own log-prob over the claimed one, capped at 1) then gives every row
-full weight. Every `FORGE_EVERY`-th batch also claims a wrong reward on one row per group and goes
-out under a fresh key: those batches are provably bad and must never be trained on.
+full weight. Every `FORGE_EVERY`-th batch is provably bad and goes out under a fresh key: by turns it
+claims a wrong reward on one row per group (`forge`), or claims the current round of the shared prompt
+schedule for tasks that are not that round's prompts (`misschedule`). Neither may ever be trained on.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def claim_low_logprobs(rows: list[wire.Rollout]) -> list[wire.Rollout]:
 def forge(rows: list[wire.Rollout], group_size: int) -> list[wire.Rollout]:
     """`rows` with the first row of each group's reward flipped: the batch carrying them is provably bad."""
     return [msgspec.structs.replace(r, reward=1.0 - r.reward) if k % group_size == 0 else r for k, r in enumerate(rows)]
+
+
+def misschedule(rows: list[wire.Rollout], round_no: int) -> list[wire.Rollout]:
+    """`rows` each claiming schedule round `round_no`: their tasks were drawn freely, so (but for a chance
+    in 32 over a generator's seed range per row) none is that round's prompt and the batch is provably bad."""
+    return [msgspec.structs.replace(r, schedule_round=round_no) for r in rows]
 
 
 def row_key(r: wire.Rollout) -> tuple[bytes, str, int, str, int]:
