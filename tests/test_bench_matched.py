@@ -64,6 +64,17 @@ def test_a_trainer_with_followers_verifies_and_pools_their_informative_groups_on
     assert r["groups"]["isolated"]["sent"] == 0  # alone, it sends nothing
 
 
+def test_peers_on_the_shared_schedule_pool_their_answers_and_the_arm_counts_the_pooled_groups(tmp_path: Path) -> None:
+    """Two peers drawing every prompt from the shared schedule answer the same prompts, in the same order, so
+    each one's groups join the other's own groups of the same task: the arm counts them; off the schedule,
+    at this budget, no task meets."""
+    on = bm.run_arm(True, 2, 0, 0.6, 1, 2, tmp_path, warmup_steps=WARM, schedule_share=1.0)
+    g = on["groups"]
+    assert 0 < g["pooled"] <= g["trained"] and 0 <= g["rescued"] <= g["pooled"]
+    off = bm.run_arm(True, 2, 0, 0.6, 1, 2, tmp_path, warmup_steps=WARM)
+    assert off["groups"]["pooled"] == 0 and off["groups"]["trained"] > 0
+
+
 def test_a_pods_trainer_with_select_groups_trains_at_most_that_many_groups_a_step(tmp_path: Path) -> None:
     m = bm.TRAINER["minibatch_groups"]  # one update a step at most: the rest of a step's groups are not trained
     r = bm.run_arm(

@@ -105,6 +105,8 @@ class _Node:
     groups_generated: int = 0  # groups (one task's completions) it sampled
     groups_sent: int = 0  # ... of them sealed to others: informative ones only, as a node's sealer sends
     groups_trained: int = 0  # groups, own and others', that entered its updates
+    groups_pooled: int = 0  # ... of them, own groups that swarm rollouts of the same task joined
+    groups_rescued: int = 0  # ... of those, own groups that alone were all right or all wrong
     curve: list[float] = field(default_factory=list)
     wellformed: list[dict[str, float]] = field(default_factory=list)  # per checkpoint, per family
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
@@ -370,6 +372,8 @@ def trainer_turn(node: _Node, ns: list[_Node], heads: dict[bytes, int], peers: l
     node.ext_groups += res.trained_external_groups
     node.used += sum(res.used_by_set.values())
     node.groups_trained += res.trained_groups
+    node.groups_pooled += res.trained_pooled_groups
+    node.groups_rescued += res.trained_rescued_groups
     node.groups_generated += res.n_local_groups
     heads[node.lineage] = node.trainer.version
     if node.sampler is None or not res.rollouts:
@@ -564,13 +568,19 @@ def run_arm(
     }
 
 
+GROUP_COUNTS = ("generated", "sent", "trained", "pooled", "rescued")
+
+
 def group_counts(nodes: list[_Node]) -> dict[str, int]:
     """An arm's groups: `generated` (by its trainers and followers), `sent` (sealed to another node: informative
-    only) and `trained` (that entered an update)."""
+    only), `trained` (that entered an update), and of those `pooled` (own groups that other nodes' rollouts of
+    the same task joined) and `rescued` (pooled own groups that alone were all right or all wrong)."""
     return {
         "generated": sum(n.groups_generated for n in nodes),
         "sent": sum(n.groups_sent for n in nodes),
         "trained": sum(n.groups_trained for n in nodes),
+        "pooled": sum(n.groups_pooled for n in nodes),
+        "rescued": sum(n.groups_rescued for n in nodes),
     }
 
 
@@ -807,10 +817,7 @@ def summarise(
         },
         # summed over the seeds (a result JSON written before they were counted has none)
         "groups": {
-            arm: {
-                k: sum(r.get("groups", {}).get(arm, {}).get(k, 0) for r in per)
-                for k in ("generated", "sent", "trained")
-            }
+            arm: {k: sum(r.get("groups", {}).get(arm, {}).get(k, 0) for r in per) for k in GROUP_COUNTS}
             for arm in ("isolated", "swarm")
         },
         "adversary": None
