@@ -244,7 +244,7 @@ class Trainer:
         self.task_set = task_set
         self.cfg = config
         self.lineage = lineage
-        self.external = external
+        self.external = external  # the property below: whether it takes `prefer` is decided once per hook
         self.on_step = on_step
         self.drops: dict[str, int] = {}  # what this trainer let go, by reason (node.status.DROP_REASONS)
         self._only = generators
@@ -380,6 +380,16 @@ class Trainer:
             groups.append(g)
         return groups
 
+    @property
+    def external(self) -> ExternalSource | None:
+        """The hook this trainer takes swarm rollouts from (None: none)."""
+        return self._external
+
+    @external.setter
+    def external(self, hook: ExternalSource | None) -> None:
+        self._external = hook
+        self._external_prefers = accepts_prefer(hook)
+
     def _preferences(self, local: list[list[RolloutRec]]) -> dict[TaskKey, int]:
         """Rescue selection's ranks of this step's own tasks: 0 where the own group was all right or all wrong
         (another model's answers make it informative), 1 where it was informative."""
@@ -397,7 +407,7 @@ class Trainer:
             return []
         prefer = self._preferences(local or []) if self.cfg.foreign_rescue else None
         min_version = max(0, self.version - self.cfg.max_staleness)
-        if prefer is not None and accepts_prefer(self.external):
+        if prefer is not None and self._external_prefers:
             got = self.external(self.cfg.external_groups, min_version, prefer=prefer)  # type: ignore[call-arg]  # accepts_prefer checked the hook takes it
         else:
             got = self.external(self.cfg.external_groups, min_version)
