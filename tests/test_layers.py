@@ -115,11 +115,27 @@ def test_benchmarks_live_under_simulations_bench_only() -> None:
 
 
 def test_a_wheel_installs_only_the_murmur_namespace(tmp_path: Path) -> None:
-    """What `pip install` puts in site-packages: `murmur/` (and its dist-info), never a generic `node`."""
+    """What `pip install` puts in site-packages: `murmur/` (and its dist-info), never a generic `node`. Built
+    from a copy of the files git tracks or would track, so that nothing a former build left in the checkout's
+    `build/` is packaged, and the build writes nothing into the checkout."""
+    import shutil
     import subprocess
     import sys
     import zipfile
 
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    ).stdout.split(b"\0")
+    src = tmp_path / "src"
+    for name in filter(None, (n.decode() for n in listed)):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    out = tmp_path / "wheel"
     subprocess.run(
         [
             sys.executable,
@@ -127,17 +143,17 @@ def test_a_wheel_installs_only_the_murmur_namespace(tmp_path: Path) -> None:
             "pip",
             "wheel",
             "-q",
-            str(ROOT),
+            str(src),
             "--no-deps",
             "--no-build-isolation",
             "-w",
-            str(tmp_path),
+            str(out),
         ],
         check=True,
         capture_output=True,
         timeout=300,
     )
-    (wheel,) = tmp_path.glob("*.whl")
+    (wheel,) = out.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"murmur"}
     for pkg in ALLOWED:
