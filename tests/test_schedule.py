@@ -34,7 +34,7 @@ from murmur.training.tasksets import (
     worked_manifest,
 )
 from murmur.training.verifiers import score
-from tests.samples import Clock
+from tests.samples import Clock, seal_batch
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -98,15 +98,7 @@ def answers(reg: TaskRegistry, ref: wire.TaskRef, round_no: int, n: int = 2) -> 
 
 
 def seal(ident: Identity, rollouts: list[wire.Rollout], seq: int, clock: Clock) -> bytes:
-    batch = wire.RolloutBatch(
-        v=wire.FORMAT_VERSION,
-        swarm=SWARM,
-        producer=ident.public,
-        seq=seq,
-        created_ms=int(clock() * 1000),
-        rollouts=rollouts,
-    )
-    return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
+    return seal_batch(ident, rollouts, seq, SWARM, int(clock() * 1000))
 
 
 def _key(ref: wire.TaskRef) -> tuple[bytes, str, int]:

@@ -20,7 +20,7 @@ from murmur.simulations.bench.gossip import SWARM, make_batch, make_rollout, reg
 from murmur.training import tokencheck
 from murmur.training.tasksets import BUILTIN_TRAIN, sign_task_set
 from murmur.training.verifiers import VerifierPool, score
-from tests.samples import Clock, bodies
+from tests.samples import Clock, bodies, seal_batch
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -76,10 +76,7 @@ def pipe(reg, **kw) -> tuple[Pipeline, Clock]:
 
 
 def seal(ident: Identity, rollouts: list[wire.Rollout], seq: int) -> bytes:
-    batch = wire.RolloutBatch(
-        v=wire.FORMAT_VERSION, swarm=SWARM, producer=ident.public, seq=seq, created_ms=wire.now_ms(), rollouts=rollouts
-    )
-    return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=SWARM)
+    return seal_batch(ident, rollouts, seq, SWARM)
 
 
 # ------------------------------------------------------------ penalties land on the sender of the fault
