@@ -220,7 +220,8 @@ def test_an_honest_producers_scheduled_prompts_are_accepted_with_their_claim(reg
     wall = int(clock() * 1000)
     got = [draw.draw(reg.builtin_id, wall) for _ in range(S.PROMPTS_PER_ROUND)]
     assert all(g is not None for g in got)
-    rows = [r for g in got if g is not None for r in answers(reg, g[0], g[1])]
+    # the first prompts, and the round's last: one batch (a batch holds at most 256 rollouts)
+    rows = [r for g in got[:16] + got[-16:] if g is not None for r in answers(reg, g[0], g[1])]
     v = p.check(seal(ALICE, rows, 1, clock), ALICE.peer_id)
     assert v.accepted and v.batch is not None, v.detail
     assert {r.schedule_round for r in v.batch.rollouts} == {now_round(clock)}
@@ -239,7 +240,9 @@ def test_the_schedule_is_one_function_of_task_set_and_round(reg, worked_id) -> N
     rnd = S.round_at(wire.now_ms())
     assert a.prompts(reg.builtin_id, rnd) == b.prompts(reg.builtin_id, rnd)
     assert len(a.prompts(reg.builtin_id, rnd)) == S.PROMPTS_PER_ROUND
-    assert not {_key(r) for r in a.prompts(reg.builtin_id, rnd)} & {_key(r) for r in a.prompts(reg.builtin_id, rnd + 1)}
+    # the next round is another draw: prompts meet again only by chance (a generator's seed range is finite)
+    both = {_key(r) for r in a.prompts(reg.builtin_id, rnd)} & {_key(r) for r in a.prompts(reg.builtin_id, rnd + 1)}
+    assert len(both) < S.PROMPTS_PER_ROUND // 20
     worked = a.prompts(worked_id, rnd)
     assert worked and {r.task_set for r in worked} == {worked_id}
     assert {r.seed for r in worked} != {r.seed for r in a.prompts(reg.builtin_id, rnd)}

@@ -37,7 +37,10 @@ from murmur.training.tasksets import TaskRegistry, train_generators
 # Protocol constants: every node must derive the same rounds and prompts, so these change only with the
 # wire's format version.
 ROUND_MS: Final = 60_000
-PROMPTS_PER_ROUND: Final = 32
+# Enough prompts that a node drawing a share of a step's prompts every second still draws from the round
+# all round long (a CPU node of murmur-tiny steps about once a second), while nodes that draw at different
+# rates still meet on a round's first prompts.
+PROMPTS_PER_ROUND: Final = 1024
 # A receiver accepts claims for rounds from PAST_ROUNDS before its own to FUTURE_ROUNDS after. Back: the
 # replay TTL's 900 s (a batch older than that is `expired` anyway), so a batch the pipeline can still prove
 # fresh is not refused for the round it was drawn in. Ahead: one round, the clock skew the pipeline
@@ -48,7 +51,9 @@ FUTURE_ROUNDS: Final = 1
 # still be inside every receiver's window when it arrives (batching, gossip, a verification queue).
 PUBLISH_MARGIN_ROUNDS: Final = 2
 _PERSON: Final = b"murmur/schedule"  # blake2b personalisation: no other hash in Murmur collides with these
-CACHE_ROUNDS: Final = 1024  # (task set, round) entries a book keeps: every set's whole window, many times over
+# (task set, round) entries a book keeps, about 180 KB each: the whole window (17 rounds) of three task sets,
+# the current rounds of many more
+CACHE_ROUNDS: Final = 64
 
 
 def round_at(wall_ms: int) -> int:
