@@ -236,3 +236,17 @@ def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu(tmp_path: Pa
     assert sum(r["verified_per_node"][i] for i in trainers) > 0
     for arm in ("isolated", "swarm"):
         assert all(cpu_s <= c < cpu_s + 1.5 for c in r["cpu_per_node"][arm]), r["cpu_per_node"]
+
+
+def test_default_roles_beside_the_adversary_train_no_provably_bad_row(tmp_path: Path) -> None:
+    """One node in four is the adversary: the three honest nodes choose their roles as before, every node that
+    trains verifies its batches, and no row of a provably bad batch (a forged reward or a false schedule
+    claim) enters an update."""
+    r = bm.run_seed(4, 0, 1.5, 2, 2, home=str(tmp_path), warmup_steps=2, default_roles=True, adversary=True)
+    json.dumps(r)
+    assert len(r["roles"]["final"]) == 3 and len(r["cpu_per_node"]["isolated"]) == 3  # N - 1 honest nodes
+    adv = r["adversary"]
+    assert adv["batches"] >= 4 and adv["provably_bad_rows_taken"] == 0
+    # each bad batch reached at least one trainer, and every trainer that met one refused it
+    assert adv["rejected"] >= adv["forged_batches"] >= 1
+    assert adv["rejected_misscheduled"] >= adv["misscheduled_batches"]

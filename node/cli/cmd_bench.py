@@ -212,10 +212,8 @@ def bench_swarm(
 
         if answers not in ANSWERS:
             raise typer.BadParameter(f"one of {', '.join(ANSWERS)}", param_hint="--answers")
-        if default_roles and (followers or adversary):
-            raise typer.BadParameter(
-                "roles are the nodes' own choice: no --followers or --adversary", param_hint="--default-roles"
-            )
+        if default_roles and followers:
+            raise typer.BadParameter("roles are the nodes' own choice: no --followers", param_hint="--default-roles")
         if adversary and (followers or 0 < nodes < 3):
             raise typer.BadParameter("needs a swarm of --nodes >= 3 (no --followers)", param_hint="--adversary")
         if default_roles and (select_groups or follower_oversample != 1.0):

@@ -267,6 +267,34 @@ class _Adversary:
             return sybil.ident.peer_id, _seal(sybil, rows)
         return self.node.ident.peer_id, _seal(self.node, rows)
 
+    def deliver(self, node: _Node, receivers: list[_Node], heads: dict[bytes, int]) -> None:
+        """One turn: this round's batches (built on `node`'s task set) to every one of `receivers`, each
+        verifying them on its own CPU; the adversary's lineage moves to its next version (it publishes)."""
+        from murmur.training.tasksets import train_generators
+
+        reg = node.trainer.registry
+        sender, payloads = self.payloads(
+            train_generators(reg.get(node.trainer.task_set)), node.trainer.task_set, reg.resolve
+        )
+        heads[self.node.lineage] = self.batches
+        for other in receivers:
+            assert other.sampler is not None
+            other.sampler.observe_head(self.node.lineage, self.batches)
+            _receive(other, payloads, sender)
+
+    def report(self, ns: list[_Node]) -> dict[str, int]:
+        """What it sent, what honest trainers took of it, and what honest pipelines (`ns`) refused."""
+        return {
+            "batches": self.batches,
+            "forged_batches": self.forged,
+            "misscheduled_batches": self.misscheduled,
+            "rows_taken": self.taken,
+            "provably_bad_rows_taken": self.bad_taken,
+            # honest nodes forge nothing: every forgery refused is its
+            "rejected": sum(n.pipeline.counts["forged_reward"] for n in ns if n.pipeline is not None),
+            "rejected_misscheduled": sum(n.pipeline.counts["misscheduled"] for n in ns if n.pipeline is not None),
+        }
+
     def watch(self, take: Any) -> Any:
         """`take` (a sampler's `take_rollouts`), counting the adversary's rows it hands a trainer."""
 
@@ -279,6 +307,16 @@ class _Adversary:
             return out
 
         return counted
+
+
+def make_adversary(seed: int, home: Path, answers: str) -> _Adversary:
+    """The seed's adversary, on its weak policy (`useless.WEAK_WARMUP_STEPS` of warm-up) in the regime's shape."""
+    from murmur.training.engine_hf import HFEngine
+    from murmur.training.tiny import ensure_tiny
+
+    weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS, answers=answers)
+    engine = HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99)
+    return _Adversary(seed, engine, int(trainer_shape(answers)["max_new_tokens"]))
 
 
 def make_nodes(
@@ -444,10 +482,7 @@ def run_arm(
     shape = trainer_shape(answers)
     new_tokens = int(shape["max_new_tokens"])
     seed_torch(seed)
-    adv = None
-    if swarm and adversary:
-        weak = ensure_tiny(home, seed=seed * 64 + 99, warmup_steps=useless.WEAK_WARMUP_STEPS, answers=answers)
-        adv = _Adversary(seed, HFEngine.from_path(weak, device="cpu", seed=seed * 100 + 99), new_tokens)
+    adv = make_adversary(seed, home, answers) if swarm and adversary else None
     ext = 0 if not swarm else int(shape["external_groups"]) * max(1, followers)
     ns, tasks, heads = make_nodes(
         nodes,
@@ -512,16 +547,7 @@ def run_arm(
         trainer_turn(node, ns, heads, [o for o in ns if o is not node] if swarm else [])
         honest_steps += 1
         if adv is not None and honest_steps % nodes == 0:
-            sender, payloads = adv.payloads(
-                train_generators(node.trainer.registry.get(node.trainer.task_set)),
-                node.trainer.task_set,
-                node.trainer.registry.resolve,
-            )
-            heads[adv.node.lineage] = adv.batches
-            for other in ns:
-                assert other.sampler is not None
-                other.sampler.observe_head(adv.node.lineage, adv.batches)
-                _receive(other, payloads, sender)
+            adv.deliver(node, ns, heads)
         while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
             evaluate(node)
     for n in ns:
@@ -547,18 +573,7 @@ def run_arm(
         "verify_share": round(sum(n.verify_cpu for n in ns) / max(1e-9, sum(n.cpu for n in ns)), 4),
         # measured: the part of the trainers' steps spent sampling (pooled over the arm's nodes)
         "generation_share": round(sum(n.gen_cpu for n in ns) / max(1e-9, sum(n.step_cpu for n in ns)), 4),
-        "adversary": None
-        if adv is None
-        else {
-            "batches": adv.batches,
-            "forged_batches": adv.forged,
-            "misscheduled_batches": adv.misscheduled,
-            "rows_taken": adv.taken,
-            "provably_bad_rows_taken": adv.bad_taken,
-            # honest nodes forge nothing: every forgery refused is its
-            "rejected": sum(n.pipeline.counts["forged_reward"] for n in ns if n.pipeline is not None),
-            "rejected_misscheduled": sum(n.pipeline.counts["misscheduled"] for n in ns if n.pipeline is not None),
-        },
+        "adversary": None if adv is None else adv.report(ns),
         "sampler": {
             k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
             for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})
@@ -615,7 +630,7 @@ def run_seed(
     if default_roles:
         from murmur.simulations.bench.matched_auto import run_auto_arm
 
-        sw = run_auto_arm(*arm, answers=answers)
+        sw = run_auto_arm(*arm, answers=answers, adversary=adversary)
     else:
         sw = run_arm(
             True,
@@ -713,8 +728,8 @@ def run(
     trainer_shape(answers)  # an unknown regime is refused before any process starts
     if followers and adversary:
         raise ValueError("the adversary joins a swarm of peers, not a trainer's followers")
-    if default_roles and (followers or adversary):
-        raise ValueError("default roles choose trainers and followers themselves: no --followers or --adversary")
+    if default_roles and followers:
+        raise ValueError("default roles choose trainers and followers themselves: no --followers")
     if not 0 <= select_groups <= MAX_SELECT_GROUPS or not 1.0 <= follower_oversample <= MAX_OVERSAMPLE:
         raise ValueError(
             f"need select_groups in 0..{MAX_SELECT_GROUPS} and follower_oversample in 1..{MAX_OVERSAMPLE:g}"

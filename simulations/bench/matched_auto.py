@@ -31,6 +31,7 @@ from murmur.simulations.bench.matched import (
     _send,
     evaluate_node,
     group_counts,
+    make_adversary,
     make_nodes,
     seed_torch,
     trainer_shape,
@@ -75,7 +76,12 @@ def run_auto_arm(
     home: Path,
     warmup_steps: int | None = None,
     answers: str = "short",
+    adversary: bool = False,
 ) -> dict[str, Any]:
+    """The default-roles swarm of `nodes` honest nodes; with `adversary`, beside them the compute-matched
+    bench's adversary (`matched._Adversary`), which sends a batch per `nodes` honest turns to every node that
+    trains at the time (followers verify nothing they do not use). It publishes no weights a node could
+    follow, so it is never a pod to join."""
     from murmur.training.tasksets import train_generators
 
     shape = trainer_shape(answers)
@@ -83,7 +89,13 @@ def run_auto_arm(
     per_step = int(shape["local_groups"]) * int(shape["group_size"])
     j = int(shape["external_groups"])
     seed_torch(seed)
-    ns, tasks, heads = make_nodes(nodes, seed, home, warmup_steps, answers, eval_per_family, j, True)
+    adv = make_adversary(seed, home, answers) if adversary else None
+    ns, tasks, heads = make_nodes(
+        nodes, seed, home, warmup_steps, answers, eval_per_family, j, True, None if adv is None else adv.watch
+    )
+    if adv is not None:
+        heads[adv.node.lineage] = 0
+    turns = 0
     modes = [
         _Mode(R.PodRule("trainer", 0.0, cpu_s * OBSERVE_SHARE, cpu_s * DWELL_SHARE, n.ident.public[0] / 256))
         for n in ns
@@ -176,6 +188,9 @@ def run_auto_arm(
         else:
             # a follower with no lineage to serve (its trainer stopped training) waits a turn: its CPU idles
             node.cpu = min(cpu_s, node.cpu + 0.01 * cpu_s)
+        turns += 1
+        if adv is not None and turns % nodes == 0:
+            adv.deliver(node, [o for o in ns if modes[o.index].mode == "trainer"], heads)
         decide(node.index)
         while len(node.curve) < len(marks) and node.cpu >= marks[len(node.curve)]:
             evaluate_node(node, tasks, new_tokens)
@@ -211,7 +226,7 @@ def run_auto_arm(
             k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
             for k in (ns[0].sampler.counts if ns[0].sampler is not None else {})
         },
-        "adversary": None,
+        "adversary": None if adv is None else adv.report(ns),
         "groups": group_counts(ns),
         "wall_s": round(time.monotonic() - wall0, 1),
     }
