@@ -88,18 +88,3 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def seal_batch(
-    ident: Identity, rollouts: list[wire.Rollout], seq: int, swarm: str, created_ms: int | None = None
-) -> bytes:
-    """`rollouts` as one rollout batch signed by `ident` for `swarm`, created at `created_ms` (default: now)."""
-    batch = wire.RolloutBatch(
-        v=wire.FORMAT_VERSION,
-        swarm=swarm,
-        producer=ident.public,
-        seq=seq,
-        created_ms=wire.now_ms() if created_ms is None else created_ms,
-        rollouts=rollouts,
-    )
-    return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=swarm)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from murmur.gossip import wire
 from murmur.gossip.identity import Identity
 from murmur.gossip.validation import PENALTIES, Pipeline, PipelineConfig, Reason
-from murmur.simulations.bench.gossip import SWARM, TOKENIZER, registry
+from murmur.simulations.bench.gossip import SWARM, TOKENIZER, registry, seal_rollouts
 from murmur.training import schedule as S
 from murmur.training.rollouts import from_wire
 from murmur.training.tasksets import (
@@ -34,7 +34,7 @@ from murmur.training.tasksets import (
     worked_manifest,
 )
 from murmur.training.verifiers import score
-from tests.samples import Clock, seal_batch
+from tests.samples import Clock
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -98,7 +98,7 @@ def answers(reg: TaskRegistry, ref: wire.TaskRef, round_no: int, n: int = 2) -> 
 
 
 def seal(ident: Identity, rollouts: list[wire.Rollout], seq: int, clock: Clock) -> bytes:
-    return seal_batch(ident, rollouts, seq, SWARM, int(clock() * 1000))
+    return seal_rollouts(ident, rollouts, seq, SWARM, int(clock() * 1000))
 
 
 def _key(ref: wire.TaskRef) -> tuple[bytes, str, int]:

@@ -16,11 +16,11 @@ from murmur.gossip import wire
 from murmur.gossip.errors import DecodeError
 from murmur.gossip.identity import Identity
 from murmur.gossip.validation import Pending, Pipeline, PipelineConfig, Reason
-from murmur.simulations.bench.gossip import SWARM, make_batch, make_rollout, registry
+from murmur.simulations.bench.gossip import SWARM, make_batch, make_rollout, registry, seal_rollouts
 from murmur.training import tokencheck
 from murmur.training.tasksets import BUILTIN_TRAIN, sign_task_set
 from murmur.training.verifiers import VerifierPool, score
-from tests.samples import Clock, bodies, seal_batch
+from tests.samples import Clock, bodies
 
 ALICE = Identity.from_seed(b"\x01" * 32)
 MALLORY = Identity.from_seed(b"\x02" * 32)
@@ -76,7 +76,7 @@ def pipe(reg, **kw) -> tuple[Pipeline, Clock]:
 
 
 def seal(ident: Identity, rollouts: list[wire.Rollout], seq: int) -> bytes:
-    return seal_batch(ident, rollouts, seq, SWARM)
+    return seal_rollouts(ident, rollouts, seq, SWARM)
 
 
 # ------------------------------------------------------------ penalties land on the sender of the fault

@@ -88,13 +88,20 @@ def make_batch(
     **kw: Any,
 ) -> bytes:
     seeds = [(seq * 1009 + i * 7) % 1_000_000 for i in range(n)]
+    return seal_rollouts(ident, [make_rollout(reg, s, tokens, version, **kw) for s in seeds], seq, swarm, created_ms)
+
+
+def seal_rollouts(
+    ident: Identity, rollouts: list[wire.Rollout], seq: int, swarm: str = SWARM, created_ms: int | None = None
+) -> bytes:
+    """`rollouts` as one batch signed by `ident` for `swarm`, created at `created_ms` (default: now)."""
     batch = wire.RolloutBatch(
         v=wire.FORMAT_VERSION,
         swarm=swarm,
         producer=ident.public,
         seq=seq,
         created_ms=wire.now_ms() if created_ms is None else created_ms,
-        rollouts=[make_rollout(reg, s, tokens, version, **kw) for s in seeds],
+        rollouts=rollouts,
     )
     return wire.seal(ident, wire.ROLLOUT_BATCH, batch, swarm=swarm)
 
