@@ -317,8 +317,9 @@ def test_a_fresh_key_starts_with_no_capability_and_earns_its_rate_with_its_rewar
 
 def test_a_fresh_key_weighs_no_more_than_a_measured_record_and_borrows_no_lineages_record(reg, engine) -> None:  # type: ignore[no-untyped-def]
     """Capability is kept per producer key: a key seen for the first time that claims the lineage of a
-    producer with a strong record gets the floor's weight, not that record (keyed by lineage it would get
-    2) nor the prior's (0.5 / 0.3 = 1.7); the steady producer keeps its own. Through the sampler, so the
+    producer with a strong record weighs what its own four rewards earn (at most 4/32 of a rate), not that
+    record (keyed by lineage it would get 2) nor the prior's (0.5 / 0.3 = 1.7); the steady producer keeps
+    its own. Through the sampler, so the
     signing key reaches the trainer as the node's worker hands it over."""
     steady, fresh = b"\x01" * 32, b"\x02" * 32
     sampler = Sampler(max_groups=16, seed=3)
