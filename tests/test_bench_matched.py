@@ -86,6 +86,8 @@ def test_a_pods_trainer_with_select_groups_trains_at_most_that_many_groups_a_ste
     assert g["generated"] == steps * per_step and 0 < g["sent"] <= g["generated"]
     ns, _, _ = bm.make_nodes(1, 0, tmp_path, WARM, "short", 2, 16, True, select_groups=3)
     assert ns[0].trainer.cfg.select_groups == 3  # the arm's trainers run it
+    ns, _, _ = bm.make_nodes(1, 0, tmp_path, WARM, "short", 2, 16, True, foreign={"foreign_share_max": 0.0})
+    assert ns[0].trainer.cfg.foreign_share_max == 0.0  # and the foreign keys' values (--foreign)
 
 
 def test_the_adversarys_rows_pass_every_check_and_its_forged_batches_do_not(tmp_path: Path) -> None:

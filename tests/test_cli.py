@@ -131,3 +131,18 @@ def test_bench_swarm_matched_adversary_needs_a_swarm_of_three():
     assert r.returncode == 2 and "--adversary" in r.stderr and "Traceback" not in r.stderr
     r = run("bench", "swarm", "--matched", "--adversary", "--followers", "1")
     assert r.returncode == 2 and "--adversary" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_swarm_matched_foreign_takes_only_foreign_keys_with_valid_values(tmp_path):
+    for bad, needle in [
+        ("lr=1", "not a foreign-rollout key"),
+        ("foreign_pool=maybe", "true or false"),
+        ("foreign_share_max=2", "foreign_share_max"),
+        ("foreign_alpha", "KEY=VALUE"),
+    ]:
+        r = run_in_process("bench", "swarm", "--matched", "--foreign", bad, home=tmp_path)
+        assert r.returncode == 2 and "--foreign" in r.stderr and needle in r.stderr, (bad, r.stderr)
+    from murmur.node.cli.cmd_bench import _foreign_overrides
+
+    got = _foreign_overrides(["foreign_pool=false", "foreign_share_max=0", "foreign_capability_max=10"])
+    assert got == {"foreign_pool": False, "foreign_share_max": 0.0, "foreign_capability_max": 10.0}

@@ -201,6 +201,13 @@ def bench_swarm(
             "(both arms), so that peers answer the same prompts and pool them",
         ),
     ] = 0.0,
+    foreign: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="with --matched: KEY=VALUE, a foreign-rollout key of [training] (foreign_pool, "
+            "foreign_share_max, ...) for every trainer of both arms, in place of its default; repeatable",
+        ),
+    ] = None,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -220,6 +227,7 @@ def bench_swarm(
             raise typer.BadParameter("applies to forced arms, not to --default-roles", param_hint="--select-groups")
         if default_roles and schedule_share:
             raise typer.BadParameter("applies to forced arms, not to --default-roles", param_hint="--schedule-share")
+        overrides = _foreign_overrides(foreign or [])
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         result = run_matched(
             nodes=nodes or 4,
@@ -234,6 +242,7 @@ def bench_swarm(
             select_groups=select_groups,
             follower_oversample=follower_oversample,
             schedule_share=schedule_share,
+            foreign=overrides,
         )
         if out is not None:
             from murmur.simulations.bench.matched_page import write_page
@@ -244,6 +253,33 @@ def bench_swarm(
         _run(run, rounds=rounds, seed=seed, nodes=nodes)
     else:
         _run(run_seeds, seeds=seeds, rounds=rounds, seed=seed, nodes=nodes)
+
+
+def _foreign_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--foreign KEY=VALUE` pairs as `TrainerConfig` values: true/false for a switch, a number otherwise."""
+    from murmur.simulations.bench.matched import check_foreign
+    from murmur.training.trainer import TrainerConfig
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        default = getattr(TrainerConfig(), key.strip(), None) if sep else None
+        try:
+            if default is None:
+                raise ValueError(f"{pair!r}: not KEY=VALUE with a foreign-rollout key")
+            if isinstance(default, bool):
+                if raw.strip().lower() not in ("true", "false"):
+                    raise ValueError(f"{key} takes true or false, not {raw!r}")
+                out[key.strip()] = raw.strip().lower() == "true"
+            else:
+                out[key.strip()] = float(raw)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--foreign") from e
+    try:
+        check_foreign(out)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--foreign") from e
+    return out
 
 
 @bench_app.command("soak")

@@ -331,12 +331,14 @@ def make_nodes(
     watch: Any = None,
     select_groups: int = 0,
     schedule_share: float = 0.0,
+    foreign: dict[str, Any] | None = None,
 ) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
     """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
     swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it;
     `select_groups`: the trainers' PODS down-sampling (`TrainerConfig.select_groups`); `schedule_share`: the
-    share of each trainer's prompts drawn from the shared prompt schedule (`[training] schedule_share`).
-    Returns the nodes, the held-out tasks and the heads table their pipelines read."""
+    share of each trainer's prompts drawn from the shared prompt schedule (`[training] schedule_share`);
+    `foreign`: `TrainerConfig` values of the foreign-rollout keys (`training.foreign.FOREIGN_KEYS`) that
+    replace their defaults. Returns the nodes, the held-out tasks and the heads table their pipelines read."""
     from murmur.training.engine_hf import HFEngine
     from murmur.training.evaluation import held_out_tasks
     from murmur.training.tiny import ensure_tiny
@@ -360,7 +362,9 @@ def make_nodes(
         path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps, answers=answers)
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
         cfg = TrainerConfig(
-            **{**shape, "external_groups": external_groups}, select_groups=select_groups, seed=seed * 100 + i
+            **{**shape, "external_groups": external_groups, **(foreign or {})},
+            select_groups=select_groups,
+            seed=seed * 100 + i,
         )
         # what a node's pipeline checks: its own token budget and tokenizer (node.shell.runtime)
         pipeline = (
@@ -466,6 +470,7 @@ def run_arm(
     select_groups: int = 0,
     follower_oversample: float = 1.0,
     schedule_share: float = 0.0,
+    foreign: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
@@ -496,6 +501,7 @@ def run_arm(
         None if adv is None else adv.watch,
         select_groups,
         schedule_share,
+        foreign,
     )
     per_follower = math.ceil(int(TRAINER["local_groups"]) * follower_oversample)
     if adv is not None:
@@ -614,23 +620,25 @@ def run_seed(
     select_groups: int = 0,
     follower_oversample: float = 1.0,
     schedule_share: float = 0.0,
+    foreign: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
     whose N-th member is the adversary; with `default_roles`, the swarm's roles chosen by the node's own
     rule (`simulations.bench.matched_auto`). `select_groups` and `follower_oversample` change the swarm arm
     only (`run_arm`): the isolated arm, the target, is the node alone as it runs by default. `schedule_share`
-    applies to both arms alike (a prompt draw teaches a node alone nothing; peers meet on it)."""
+    applies to both arms alike (a prompt draw teaches a node alone nothing; peers meet on it), and so do the
+    `foreign` key values (a node alone takes no other model's rollouts, so they change its arm in nothing)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
     n = 1 if followers else nodes - 1 if adversary else nodes
     arm = (n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
-    iso = run_arm(False, *arm, answers=answers, schedule_share=schedule_share)
+    iso = run_arm(False, *arm, answers=answers, schedule_share=schedule_share, foreign=foreign)
     if default_roles:
         from murmur.simulations.bench.matched_auto import run_auto_arm
 
-        sw = run_auto_arm(*arm, answers=answers, adversary=adversary)
+        sw = run_auto_arm(*arm, answers=answers, adversary=adversary, foreign=foreign)
     else:
         sw = run_arm(
             True,
@@ -641,6 +649,7 @@ def run_seed(
             select_groups=select_groups,
             follower_oversample=follower_oversample,
             schedule_share=schedule_share,
+            foreign=foreign,
         )
     xs = iso["marks"]
     target = iso["curve"][-1]
@@ -687,8 +696,25 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
     return means[int(0.025 * n)], means[min(n - 1, int(0.975 * n))]
 
 
+def check_foreign(foreign: dict[str, Any]) -> None:
+    """Refuse a key that is not a foreign-rollout key, or a value `TrainerConfig` refuses (ValueError)."""
+    from murmur.gossip.errors import ConfigError
+    from murmur.training.foreign import FOREIGN_KEYS
+    from murmur.training.trainer import TrainerConfig
+
+    bad = sorted(set(foreign) - set(FOREIGN_KEYS))
+    if bad:
+        raise ValueError(f"not a foreign-rollout key: {', '.join(bad)} (one of {', '.join(FOREIGN_KEYS)})")
+    try:
+        TrainerConfig(**foreign)
+    except (ConfigError, TypeError) as e:
+        raise ValueError(str(e)) from e
+
+
 def _run_seed_args(
-    a: tuple[int, int, float, int, int, str | None, int | None, int, bool, str, bool, int, float, float],
+    a: tuple[
+        int, int, float, int, int, str | None, int | None, int, bool, str, bool, int, float, float, dict[str, Any]
+    ],
 ) -> dict[str, Any]:
     return run_seed(*a)
 
@@ -709,6 +735,7 @@ def run(
     select_groups: int = 0,
     follower_oversample: float = 1.0,
     schedule_share: float = 0.0,
+    foreign: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
@@ -717,7 +744,8 @@ def run(
     `default_roles`: the swarm of `nodes` with roles chosen by the node's own rule, nothing forced;
     `select_groups` (PODS down-sampling, 0: off) and `follower_oversample` (followers' groups per trainer step
     over I): the swarm arm's trainers and followers only; `schedule_share`: the share of every trainer's prompts
-    drawn from the shared prompt schedule, in both arms."""
+    drawn from the shared prompt schedule, in both arms; `foreign`: values of the foreign-rollout keys
+    (`training.foreign.FOREIGN_KEYS`, for the ablation of each correction), in both arms."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -738,6 +766,8 @@ def run(
         raise ValueError("--select-groups and --follower-oversample apply to forced arms, not to default roles")
     if not 0.0 <= schedule_share <= 1.0 or (default_roles and schedule_share):
         raise ValueError("need schedule_share in 0..1, and 0 with default roles")
+    foreign = dict(foreign or {})
+    check_foreign(foreign)
     t0 = time.monotonic()
     from murmur.training.tiny import default_warmup_steps
 
@@ -758,6 +788,7 @@ def run(
             select_groups,
             follower_oversample,
             schedule_share,
+            foreign,
         )
         for k in range(seeds)
     ]
@@ -778,6 +809,7 @@ def run(
         follower_oversample=follower_oversample,
         schedule_share=schedule_share,
     )
+    out["foreign"] = foreign
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
 

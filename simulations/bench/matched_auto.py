@@ -77,11 +77,12 @@ def run_auto_arm(
     warmup_steps: int | None = None,
     answers: str = "short",
     adversary: bool = False,
+    foreign: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The default-roles swarm of `nodes` honest nodes; with `adversary`, beside them the compute-matched
     bench's adversary (`matched._Adversary`), which sends a batch per `nodes` honest turns to every node that
     trains at the time (followers verify nothing they do not use). It publishes no weights a node could
-    follow, so it is never a pod to join."""
+    follow, so it is never a pod to join. `foreign`: the trainers' foreign-rollout key values (`make_nodes`)."""
     from murmur.training.tasksets import train_generators
 
     shape = trainer_shape(answers)
@@ -91,7 +92,16 @@ def run_auto_arm(
     seed_torch(seed)
     adv = make_adversary(seed, home, answers) if adversary else None
     ns, tasks, heads = make_nodes(
-        nodes, seed, home, warmup_steps, answers, eval_per_family, j, True, None if adv is None else adv.watch
+        nodes,
+        seed,
+        home,
+        warmup_steps,
+        answers,
+        eval_per_family,
+        j,
+        True,
+        None if adv is None else adv.watch,
+        foreign=foreign,
     )
     if adv is not None:
         heads[adv.node.lineage] = 0
