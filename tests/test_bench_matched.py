@@ -66,13 +66,11 @@ def test_a_trainer_with_followers_verifies_and_pools_their_informative_groups_on
 
 def test_peers_on_the_shared_schedule_pool_their_answers_and_the_arm_counts_the_pooled_groups(tmp_path: Path) -> None:
     """Two peers drawing every prompt from the shared schedule answer the same prompts, in the same order, so
-    each one's groups join the other's own groups of the same task: the arm counts them; off the schedule,
-    at this budget, no task meets."""
+    each one's groups join the other's own groups of the same task: the arm counts them (off the schedule
+    none meets: the adversary test above)."""
     on = bm.run_arm(True, 2, 0, 0.6, 1, 2, tmp_path, warmup_steps=WARM, schedule_share=1.0)
     g = on["groups"]
     assert 0 < g["pooled"] <= g["trained"] and 0 <= g["rescued"] <= g["pooled"]
-    off = bm.run_arm(True, 2, 0, 0.6, 1, 2, tmp_path, warmup_steps=WARM)
-    assert off["groups"]["pooled"] == 0 and off["groups"]["trained"] > 0
 
 
 def test_a_pods_trainer_with_select_groups_trains_at_most_that_many_groups_a_step(tmp_path: Path) -> None:
@@ -157,6 +155,8 @@ def test_in_a_swarm_with_the_adversary_no_provably_bad_row_is_trained_on(tmp_pat
     assert adv["rejected_misscheduled"] == 2 * adv["misscheduled_batches"]  # and every false schedule claim
     assert adv["provably_bad_rows_taken"] == 0
     assert 0 < r["generation_share"]["isolated"] < 1
+    # off the shared schedule (share 0) peers' tasks are drawn freely: none meets an own group's
+    assert r["groups"]["swarm"]["pooled"] == 0 and r["groups"]["swarm"]["trained"] > 0
 
 
 def test_the_worked_regime_trains_on_the_worked_set_and_reports_its_generation_share(tmp_path: Path) -> None:
@@ -218,15 +218,19 @@ def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_o
     assert result["groups"]["swarm"]["generated"] == sum(r["groups"]["swarm"]["generated"] for r in per)
 
 
-def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu(tmp_path: Path) -> None:
+def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu_beside_the_adversary(tmp_path: Path) -> None:
     """Nothing forced: every node starts as a trainer and the node's rule (`node.core.roles.want_mode` with its
     dwell) moves some to generate for a published lineage short of rollouts; a follower's rollouts reach its
-    trainer through its pipeline, and every node still spends the same CPU."""
+    trainer through its pipeline, and every node still spends the same CPU. One node in four is the
+    adversary: every node that trains verifies its batches, and no row of a provably bad batch (a forged
+    reward or a false schedule claim) enters an update."""
     from murmur.simulations.bench.matched_auto import DWELL_SHARE
 
     cpu_s = 1.5
-    r = bm.run_seed(3, 0, cpu_s, 2, 2, home=str(tmp_path), warmup_steps=2, default_roles=True)
+    r = bm.run_seed(4, 0, cpu_s, 2, 2, home=str(tmp_path), warmup_steps=2, default_roles=True, adversary=True)
+    json.dumps(r)
     roles = r["roles"]
+    assert len(roles["final"]) == 3 and len(r["cpu_per_node"]["isolated"]) == 3  # N - 1 honest nodes
     assert sorted(set(roles["final"])) == ["follower", "trainer"], roles
     for i, mode in enumerate(roles["final"]):
         if mode == "follower":
@@ -238,15 +242,6 @@ def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu(tmp_path: Pa
     assert sum(r["verified_per_node"][i] for i in trainers) > 0
     for arm in ("isolated", "swarm"):
         assert all(cpu_s <= c < cpu_s + 1.5 for c in r["cpu_per_node"][arm]), r["cpu_per_node"]
-
-
-def test_default_roles_beside_the_adversary_train_no_provably_bad_row(tmp_path: Path) -> None:
-    """One node in four is the adversary: the three honest nodes choose their roles as before, every node that
-    trains verifies its batches, and no row of a provably bad batch (a forged reward or a false schedule
-    claim) enters an update."""
-    r = bm.run_seed(4, 0, 1.5, 2, 2, home=str(tmp_path), warmup_steps=2, default_roles=True, adversary=True)
-    json.dumps(r)
-    assert len(r["roles"]["final"]) == 3 and len(r["cpu_per_node"]["isolated"]) == 3  # N - 1 honest nodes
     adv = r["adversary"]
     assert adv["batches"] >= 4 and adv["provably_bad_rows_taken"] == 0
     # each bad batch reached at least one trainer, and every trainer that met one refused it
