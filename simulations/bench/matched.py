@@ -328,13 +328,14 @@ def make_nodes(
     eval_per_family: int,
     external_groups: int,
     swarm: bool,
-    watch: Any = None,
+    adv: _Adversary | None = None,
     select_groups: int = 0,
     schedule_share: float = 0.0,
     foreign: dict[str, Any] | None = None,
 ) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
     """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
-    swarm) its own pipeline and sampler; with `watch`, each sampler's `take_rollouts` is wrapped by it;
+    swarm) its own pipeline and sampler; with the adversary `adv`, each sampler's `take_rollouts` is wrapped
+    by its `watch` and its lineage starts at head 0;
     `select_groups`: the trainers' PODS down-sampling (`TrainerConfig.select_groups`); `schedule_share`: the
     share of each trainer's prompts drawn from the shared prompt schedule (`[training] schedule_share`);
     `foreign`: `TrainerConfig` values of the foreign-rollout keys (`training.foreign.FOREIGN_KEYS`) that
@@ -390,12 +391,14 @@ def make_nodes(
         sampler = Sampler(POOL_GROUPS, cfg.max_staleness, seed=seed * 100 + i, own=lineage) if swarm else None
         node = _Node(i, ident, lineage, None, engine, pipeline, sampler)
         _timed_sampling(node)
-        take = None if sampler is None else sampler.take_rollouts if watch is None else watch(sampler.take_rollouts)
+        take = None if sampler is None else sampler.take_rollouts if adv is None else adv.watch(sampler.take_rollouts)
         node.trainer = Trainer(engine, reg, set_id, cfg, lineage=lineage, external=take)
         if schedule_share > 0:
             node.trainer.schedule = ScheduledDraw(ScheduleBook.of(reg), schedule_share)
         heads[lineage] = 0
         ns.append(node)
+    if adv is not None:
+        heads[adv.node.lineage] = 0
     assert tasks is not None
     return ns, tasks, heads
 
@@ -498,14 +501,12 @@ def run_arm(
         eval_per_family,
         ext,
         swarm,
-        None if adv is None else adv.watch,
+        adv,
         select_groups,
         schedule_share,
         foreign,
     )
     per_follower = math.ceil(int(TRAINER["local_groups"]) * follower_oversample)
-    if adv is not None:
-        heads[adv.node.lineage] = 0
     fols: list[tuple[Any, Any, random.Random]] = []  # (engine, identity, task rng) of node 0's followers
     for k in range(followers):
         fpath = ensure_tiny(home, seed=seed * 64, warmup_steps=warmup_steps, answers=answers)  # node 0's model

@@ -100,11 +100,9 @@ def run_auto_arm(
         eval_per_family,
         j,
         True,
-        None if adv is None else adv.watch,
+        adv,
         foreign=foreign,
     )
-    if adv is not None:
-        heads[adv.node.lineage] = 0
     turns = 0
     modes = [
         _Mode(R.PodRule("trainer", 0.0, cpu_s * OBSERVE_SHARE, cpu_s * DWELL_SHARE, n.ident.public[0] / 256))
