@@ -266,6 +266,24 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
             ),
         ),
     ] = 0.5
+    foreign_wait: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=4,
+            description=(
+                "steps an own group of a shared-schedule prompt that no peer's answers joined waits for them "
+                "before it trains alone (0-4; 0 = never waits)"
+            ),
+        ),
+    ] = 1
+    foreign_split: Annotated[
+        bool,
+        _d(
+            "a shared-schedule prompt's own group is half a group, and peers' answers to it fill it to "
+            "group_size (HACPO's half rollout cost)"
+        ),
+    ] = False
 
 
 class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):

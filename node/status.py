@@ -35,6 +35,8 @@ DROP_REASONS: dict[str, str] = {
     "task_set_unpublished": "own task-set announces that could not be published (retried next round)",
     "group_not_selected": "informative groups not trained: outside a step's training.select_groups of largest "
     "reward variance (PODS down-sampling)",
+    "foreign_share": "swarm groups of other lineages not trained: over a step's training.foreign_share_max",
+    "no_gradient": "updates not applied: every row of the minibatch was another model's at weight 0",
 }
 
 

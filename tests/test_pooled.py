@@ -423,13 +423,13 @@ def test_each_update_on_a_steps_batch_narrows_the_band(reg, monkeypatch) -> None
     import murmur.training.trainer as trainer_mod
 
     calls: list[tuple[float | None, float, bool]] = []
-    real = trainer_mod.hacpo_loss
+    real = trainer_mod.hacpo_weights
 
-    def spy(*a: Any, **k: Any) -> Any:
-        calls.append((k.get("clip_low"), k.get("alpha", 0.0), k.get("topr", False)))
-        return real(*a, **k)
+    def spy(logp: Any, ref: Any, mask: Any, adv: Any, coef: Any, clip_low: Any, alpha: Any, topr: Any) -> Any:
+        calls.append((clip_low, alpha, topr))
+        return real(logp, ref, mask, adv, coef, clip_low, alpha, topr)
 
-    monkeypatch.setattr(trainer_mod, "hacpo_loss", spy)
+    monkeypatch.setattr(trainer_mod, "hacpo_weights", spy)
     eng = new_tiny_engine(seed=0)
     theirs = _wire(group(reg, eng, ref(reg, 800), "10", SRC))
     for clip, want in ((True, [0.8, 0.825, 0.8, 0.825]), (False, [None] * 4)):
@@ -464,6 +464,8 @@ def test_every_foreign_key_reaches_the_trainer_and_is_range_checked(tmp_path) ->
         "foreign_topr": True,
         "foreign_rescue": False,
         "foreign_share_max": 0.25,
+        "foreign_wait": 2,
+        "foreign_split": True,
     }
     assert set(changed) == set(FOREIGN_KEYS)
     defaults = TrainerConfig()
@@ -483,3 +485,130 @@ def test_every_foreign_key_reaches_the_trainer_and_is_range_checked(tmp_path) ->
             (tmp_path / "config.toml").write_text(f"[training]\n{key} = {bad}\n")
             with pytest.raises(ConfigError, match=key):
                 load_config(tmp_path / "config.toml")
+
+
+def scheduled(g: list[RolloutRec], round_no: int = 7) -> list[RolloutRec]:
+    for r in g:
+        r.schedule_round = round_no
+    return g
+
+
+def test_an_own_group_of_a_scheduled_prompt_waits_for_peers_answers_at_most_foreign_wait_steps(reg, engine) -> None:  # type: ignore[no-untyped-def]
+    """Of two peers that answer a round's prompts in turn, the earlier finds no answer of the other's yet:
+    its scheduled group waits (a step by default) for them, and trains alone after. A group drawn freely,
+    one that peers' answers already joined, and every group of a trainer with no swarm or with waiting off
+    train at once."""
+    a, b, c = ref(reg, 800), ref(reg, 801), ref(reg, 802)
+    sched, met, free = (
+        scheduled(group(reg, engine, a, "0000")),
+        scheduled(group(reg, engine, b, "1100")),
+        group(reg, engine, c, "1100"),
+    )
+    theirs = group(reg, engine, b, "10", SRC)
+    tr = trainer(reg, engine, lambda n, v: [])
+    train, waiting = tr._wait_for_peers([(sched, 0), (met, 0), (free, 0)], [theirs])
+    assert train == [met, free] and waiting == [(sched, 0)]
+    train, waiting = tr._wait_for_peers([(sched, 1)], [])  # waited its step: trains alone
+    assert train == [sched] and waiting == []
+    longer = trainer(reg, engine, lambda n, v: [], foreign_wait=2)
+    assert longer._wait_for_peers([(sched, 1)], [])[1] == [(sched, 1)]
+    for off in (
+        trainer(reg, engine, lambda n, v: [], foreign_wait=0),
+        trainer(reg, engine),
+        trainer(reg, engine, lambda n, v: [], foreign_pool=False),
+    ):
+        assert off._wait_for_peers([(sched, 0)], []) == ([sched], [])
+
+
+def test_a_waiting_group_is_published_when_sampled_and_trained_the_next_step(reg) -> None:  # type: ignore[no-untyped-def]
+    """Waiting delays the training, never the sending: peers get the answers the step they are sampled."""
+    from murmur.training.schedule import ScheduleBook, ScheduledDraw
+
+    tr = trainer(reg, new_tiny_engine(seed=3), lambda n, v: [], local_groups=2, overprovision=1.0)
+    tr.schedule = ScheduledDraw(ScheduleBook.of(reg), 1.0)
+    first = tr.step()
+    assert first.n_local_groups == 2 and first.waiting_groups == 2 and first.trained_groups == 0
+    assert len(first.rollouts) == 2 * 4 and all(r.schedule_round for r in first.rollouts)
+    held = {task_key(g[0].ref) for g, _ in tr._waiting}
+    second = tr.step()
+    assert second.waiting_groups == 2 and held.isdisjoint(task_key(g[0].ref) for g, _ in tr._waiting)
+    assert {task_key(r.ref) for r in second.rollouts}.isdisjoint(held)  # sent once, when sampled
+
+
+def test_a_uniform_group_for_a_scheduled_prompt_is_kept_only_to_join_an_own_group_of_its_task(reg, engine) -> None:  # type: ignore[no-untyped-def]
+    """Another model's all-right answers to a task the learner got all wrong teach most, pooled; alone they
+    teach nothing. The sampler keeps such a group when it answers the shared schedule, and hands it only to a
+    trainer that names its task; unscheduled, it is dropped at intake as before."""
+    a, b = ref(reg, 900), ref(reg, 901)
+    right = scheduled(group(reg, engine, a, "1111", SRC))
+    s = Sampler(max_groups=64, seed=0)
+    s.observe_head(SRC, 0)
+    s.add_split(split(_wire(right), producer=b"p"))
+    s.add_split(split(_wire(group(reg, engine, b, "1111", SRC)), producer=b"q"))
+    assert len(s) == 1 and s.counts["uninformative"] == 1
+    assert s.take(4) == [] and s.take(4, prefer={task_key(b): 0}) == [] and len(s) == 1
+    (g,) = s.take(4, prefer={task_key(a): 0})
+    assert g.uniform and g.key == task_key(a)
+    # pooled with the learner's all-wrong group it rescues it; another task's own group leaves it dropped
+    own = scheduled(group(reg, engine, a, "0000"))
+    tr = trainer(reg, engine, foreign_share_max=1.0)
+    (p,), dropped = tr._prepare([own], [right])
+    assert p.pooled and p.rescued and dropped == 0 and bool((p.ext_adv > 0).all())
+    _, dropped = tr._prepare([scheduled(group(reg, engine, b, "1100"))], [right])
+    assert dropped == 1
+
+
+def test_a_split_group_is_half_own_and_filled_by_peers_never_grown(reg, engine) -> None:  # type: ignore[no-untyped-def]
+    """`foreign_split`: a trainer in a swarm samples half a group for a scheduled prompt (HACPO's half rollout
+    cost), and at most as many swarm rows join it as fill it to `group_size`; free prompts, and a trainer with
+    no swarm, keep whole groups."""
+    hook = lambda n, v: []  # noqa: E731
+    tr = trainer(reg, engine, hook, foreign_split=True, group_size=8, foreign_share_max=1.0)
+    assert tr._own_rows(5) == 4 and tr._own_rows(0) == 8
+    assert trainer(reg, engine, foreign_split=True, group_size=8)._own_rows(5) == 8  # alone: a whole group
+    assert trainer(reg, engine, hook, group_size=8)._own_rows(5) == 8  # split off
+    a = ref(reg, 950)
+    own = scheduled(group(reg, engine, a, "1000"))
+    many = group(reg, engine, a, "1010", SRC) + group(reg, engine, a, "0101", SRC2)
+    (p,), _ = tr._prepare([own], [many])
+    assert len(p.own) == 4 and len(p.ext) == 4
+    whole = trainer(reg, engine, hook, group_size=8, foreign_share_max=1.0)
+    (q,), _ = whole._prepare([own], [many])
+    assert len(q.ext) == 8
+
+
+def test_the_foreign_loss_backpropagates_only_rows_of_nonzero_weight_and_equals_hacpos(reg) -> None:  # type: ignore[no-untyped-def]
+    """The trainer weighs another model's rows without a graph first and runs the backward only through those
+    with weight: the gradient is the one `hacpo_loss` gives over every row. A minibatch whose rows all
+    weigh 0 is no update at all (counted), not a step of the optimizer on a zero gradient."""
+    from murmur.training.trainer import _EMPTY
+
+    eng = new_tiny_engine(seed=5)
+    ext = group(reg, eng, ref(reg, 990), "1010", SRC) + group(reg, eng, ref(reg, 991), "0110", SRC2)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0])
+    coef = torch.full((8,), 0.7)
+    with torch.no_grad():
+        logp, mask = eng.token_logprobs([r.prompt_ids for r in ext], [r.ids for r in ext], 1.0)
+    per_tok = (logp * mask).sum(-1) / mask.sum(-1)
+    tr = trainer(reg, eng)
+    tr.ref_logp = float(per_tok[0]) + 0.1  # row 0 inside the band (r = e^-0.1), rows far from it outside
+    params = list(eng.model.parameters())
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        loss.backward()
+        return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+
+    loss, stats = tr._loss([], _EMPTY, ext, adv, coef, None, len(ext))
+    assert 1 <= stats["foreign_rows_trained"] < len(ext)
+    logp, mask = eng.token_logprobs([r.prompt_ids for r in ext], [r.ids for r in ext], 1.0)
+    want, _ = hacpo_loss(logp, tr.ref_logp, mask, adv, coef, clip_low=0.8, alpha=1.0)
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-5, abs=1e-8)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(grads(loss), grads(want)))
+    tr.ref_logp = float(per_tok.max()) + 5.0  # every row below the band
+    before = [p.detach().clone() for p in params]
+    p = tr._route(ext, 0, pooled=False)
+    _, _, applied = tr._update([p], None, len(ext))
+    assert applied == 0 and tr.drops["no_gradient"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, params))

@@ -14,6 +14,10 @@ HACPO_STEP: Final = 0.025
 HACPO_ALPHA: Final = 1.0  # HACPO's exponential importance sampling power
 CAPABILITY_CLIP: Final = 10.0  # HACPO's bound on a capability ratio (coefficient and baseline)
 
+# steps an own group of a scheduled prompt may wait for peers' answers to it: each step waited makes its own
+# samples one version staler, and the decoupled loss corrects only so far
+MAX_FOREIGN_WAIT: Final = 4
+
 FOREIGN_KEYS: Final = (
     "foreign_pool",
     "foreign_baseline",
@@ -26,6 +30,8 @@ FOREIGN_KEYS: Final = (
     "foreign_topr",
     "foreign_rescue",
     "foreign_share_max",
+    "foreign_wait",
+    "foreign_split",
 )
 
 # the valid range of each numeric key (the node config's Meta bounds say the same; a test holds them equal)
@@ -35,4 +41,5 @@ FOREIGN_RANGES: Final[dict[str, tuple[float, float]]] = {
     "foreign_alpha": (0.0, 8.0),
     "foreign_capability_max": (1.0 / CAPABILITY_CLIP, CAPABILITY_CLIP),
     "foreign_share_max": (0.0, 1.0),
+    "foreign_wait": (0, MAX_FOREIGN_WAIT),
 }

@@ -220,8 +220,30 @@ def hacpo_loss(
     the gradient is length-normalised and bounded by |A|. The loss is the mean over sequences, or their
     sum over `denom` when one is given.
     """
+    w, stats = hacpo_weights(logp.detach(), ref_logp, mask, adv, coef, clip_low, alpha, topr)
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
+    obj = w * adv * seq_lp
+    valid = (mask.sum(-1) > 0).float()
+    n = valid.sum().clamp(min=1.0)
+    loss = -(obj * valid).sum() / (n if denom is None else max(float(denom), 1.0))
+    return loss, stats
+
+
+def hacpo_weights(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor | float,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    coef: torch.Tensor,
+    clip_low: float | None = None,
+    alpha: float = 0.0,
+    topr: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The detached weight of each of another model's samples in `hacpo_loss`, and its stats, from the
+    learner's log-probs of them (computed without a graph: a sample of weight 0 needs no backward)."""
+    logp = logp.detach()
+    n_tok = mask.sum(-1).clamp(min=1.0)
     ref = torch.as_tensor(ref_logp, dtype=logp.dtype)
     ref = ref[:, None] if ref.dim() == 1 else ref  # one reference per row, or one for all
     gap = ((logp.detach() - ref) * mask).sum(-1)
@@ -238,11 +260,9 @@ def hacpo_loss(
     if topr:
         w = torch.where(adv < 0, coef.float() * t, w)
     w = w.clamp(max=1.0).detach()
-    obj = w * adv * seq_lp
     valid = (mask.sum(-1) > 0).float()
     n = valid.sum().clamp(min=1.0)
-    loss = -(obj * valid).sum() / (n if denom is None else max(float(denom), 1.0))
-    return loss, {
+    return w, {
         "seq_ratio_mean": float((t * valid).sum() / n),
         "seq_ratio_truncated_frac": float(((s > 1).float() * valid).sum() / n),
         "seq_ratio_low_frac": float(((s < HACPO_LOW).float() * valid).sum() / n),

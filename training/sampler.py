@@ -10,7 +10,11 @@ prompt groups (`[training] local_rollouts` / `external_rollouts`, default
 - **Intake** (`split`, then `add`): a verified batch is cut into groups, one per
   (task reference, lineage): the completions one producer sampled for one
   task. A group of fewer than two rollouts, or whose rewards are all equal
-  (zero advantage, nothing to learn), is dropped at once. Rewards are the
+  (zero advantage, nothing to learn), is dropped at once, unless it answers
+  a shared-schedule prompt (training/schedule.py): then it is kept as
+  `uniform` and taken only to join a trainer's own group of the same task
+  (HACPO's pooled group, where another model's all-right answers to a task
+  the learner got all wrong teach most), never alone. Rewards are the
   batch's claims, which the validation pipeline has already recomputed and
   matched, so no reward is trusted that was not checked.
 - **Pool**: groups in arrival order, at most `max_groups` groups and, if set,
@@ -84,6 +88,9 @@ class Group:
     version: int  # the oldest policy version among its rollouts
     rollouts: tuple[wire.Rollout, ...]
     producer: bytes = b""  # the key that signed the batch (b"": not known to the caller)
+    # all rewards equal, kept because it answers a shared-schedule prompt: taken only to join the own group of
+    # its task a trainer names in `prefer` (pooled, it may teach), never on its own (it cannot)
+    uniform: bool = False
 
 
 class Signed(NamedTuple):
@@ -117,10 +124,11 @@ def split(rollouts: Iterable[wire.Rollout], producer: bytes = b"") -> tuple[list
         if len(rs) < 2:
             dropped["too_small"] += 1
             continue
-        if not informative(r.reward for r in rs):
+        uniform = not informative(r.reward for r in rs)
+        if uniform and not all(r.schedule_round for r in rs):
             dropped["uninformative"] += 1
             continue
-        out.append(Group(key, lineage, min(r.version for r in rs), tuple(rs), bytes(producer)))
+        out.append(Group(key, lineage, min(r.version for r in rs), tuple(rs), bytes(producer), uniform))
     return out, dropped
 
 
@@ -262,6 +270,8 @@ class Sampler:
             if len(chosen) >= groups:
                 break
             g = usable[i]
+            if g.uniform and (prefer is None or g.key not in prefer):
+                continue  # alone it teaches nothing: it waits for a trainer's own group of its task
             foreign = g.lineage != self.own
             if foreign and per.get(g.producer, 0) >= cap:
                 self.counts["producer_share"] += 1  # waits for a later step (or its eviction)

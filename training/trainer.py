@@ -54,7 +54,7 @@ from murmur.training.losses import (
     hacpo_advantages,
     hacpo_clip_low,
     hacpo_coefficient,
-    hacpo_loss,
+    hacpo_weights,
     is_degenerate,
 )
 from murmur.training.rollouts import RolloutRec, from_wire
@@ -120,6 +120,12 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     foreign_topr: bool = False  # TOPR: negatives at min(s, 1), outside the band and the alpha power
     foreign_rescue: bool = True  # take swarm groups of this step's own tasks first, then medium difficulty
     foreign_share_max: float = 0.5  # other models' rows at most this share of a step's rows (SAPO's 4/4)
+    # steps an own group of a shared-schedule prompt that no peer's answers joined waits for them before it
+    # trains alone (0: never waits). Without it, of two peers that step in turn only the later one ever pools
+    foreign_wait: int = 1
+    # HACPO's half rollout cost: a shared-schedule prompt's own group is half a group (peers answer the other
+    # half), and the swarm rows that join it fill it to `group_size`, no more
+    foreign_split: bool = False
     memory_budget_mb: int = 4096
     seed: int = 0
 
@@ -225,6 +231,7 @@ class StepResult:
     trained_pooled_groups: int = 0  # trained own groups that swarm rollouts of the same task joined
     trained_rescued_groups: int = 0  # of them, own groups that alone were all right or all wrong
     unselected_groups: int = 0  # informative groups of this step left out by down-sampling (`select_groups`)
+    waiting_groups: int = 0  # own groups of scheduled prompts held for peers' answers to the next step (`foreign_wait`)
 
 
 class Trainer:
@@ -254,6 +261,7 @@ class Trainer:
         self.version = 0
         self.step_no = 0
         self.pending: list[_Pending] = []
+        self._waiting: list[tuple[list[RolloutRec], int]] = []  # (own group, steps it waited): `foreign_wait`
         self.capability = CapabilityTracker()
         # HACPO compares capabilities on the same prompts; pooled groups give exactly that: per source, its
         # success rate on tasks this learner also answered, and the learner's own rate on those tasks. A
@@ -326,10 +334,20 @@ class Trainer:
                     ref,
                     self.engine.encode(task.prompt),
                     self.version,
-                    [_Seq() for _ in range(self.cfg.group_size)],
+                    [_Seq() for _ in range(self._own_rows(rnd))],
                     rnd,
                 )
             )
+
+    def _splits(self) -> bool:
+        """Whether shared-schedule groups are split with peers (`foreign_split`): only with a swarm to pool with."""
+        return self.cfg.foreign_split and self.cfg.foreign_pool and self.external is not None
+
+    def _own_rows(self, schedule_round: int) -> int:
+        """Samples this trainer draws for a prompt: `group_size`, or half of it (at least two) for a
+        shared-schedule prompt whose group peers fill (`foreign_split`)."""
+        g = self.cfg.group_size
+        return max(2, math.ceil(g / 2)) if schedule_round and self._splits() and g > 2 else g
 
     def _advance(self) -> None:
         """One generation round over every unfinished sequence, at most chunk_tokens each."""
@@ -489,7 +507,9 @@ class Trainer:
             parts.append(loss)
             weights.append(len(own))
         if ext:
-            logp, mask = eng.token_logprobs([r.prompt_ids for r in ext], [r.ids for r in ext], cfg.temperature)
+            prompts, outs = [r.prompt_ids for r in ext], [r.ids for r in ext]
+            with torch.no_grad():  # the weights first: a sample the band cuts costs no backward
+                logp0, mask = eng.token_logprobs(prompts, outs, cfg.temperature)
             cut = torch.tensor([not r.finished for r in ext], dtype=torch.bool)
             mask = mask * (~cut).float()[:, None]  # kept for the group's advantages, out of the loss
             stats["truncated_masked"] = float(cut.sum())
@@ -498,21 +518,25 @@ class Trainer:
                 if cfg.foreign_ratio_clip
                 else None
             )
-            loss, st = hacpo_loss(
-                logp,
-                self.ref_logp,
-                mask,
-                ext_adv,
-                ext_coef,
-                denom=rows,
-                clip_low=low,
-                alpha=cfg.foreign_alpha,
-                topr=cfg.foreign_topr,
+            w, st = hacpo_weights(
+                logp0, self.ref_logp, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr
             )
+            valid = mask.sum(-1) > 0
+            keep = [i for i in range(len(ext)) if bool(valid[i]) and float(w[i] * ext_adv[i]) != 0.0]
+            stats["foreign_rows_trained"] = float(len(keep))
+            if keep:
+                logp, kmask = eng.token_logprobs([prompts[i] for i in keep], [outs[i] for i in keep], cfg.temperature)
+                kmask = torch.minimum(kmask, mask[keep, : kmask.shape[1]])
+                seq_lp = (logp * kmask).sum(-1) / kmask.sum(-1).clamp(min=1.0)
+                n_valid = float(valid.sum().clamp(min=1))  # every valid row counts, as in `hacpo_loss`
+                over = n_valid if rows is None else max(float(rows), 1.0)
+                loss = -(w[keep] * ext_adv[keep] * seq_lp).sum() / over
+                parts.append(loss)
+            else:
+                parts.append(torch.zeros(()))
             stats["ref_logp"] = self.ref_logp
             stats["foreign_clip_low"] = -1.0 if low is None else low
             stats.update(st)
-            parts.append(loss)
             weights.append(len(ext))
         if rows is None:
             total = sum(w * p for w, p in zip(weights, parts)) / max(1, sum(weights))
@@ -618,7 +642,8 @@ class Trainer:
         alone: list[list[RolloutRec]] = []
         informative = []
         for g in ext_groups:
-            if is_degenerate([r.reward for r in g]):  # zero variance: nothing of its own to teach
+            # zero variance: nothing of its own to teach, only to an own group of its task it joins
+            if is_degenerate([r.reward for r in g]) and not (self.cfg.foreign_pool and task_key(g[0].ref) in own_keys):
                 dropped += 1
             else:
                 informative.append(g)
@@ -633,11 +658,13 @@ class Trainer:
             own_rewards = [r.reward for r in g]
             # popped: should two own groups of one task occur, the swarm's rows join the first only
             extra = joined.pop(task_key(g[0].ref), []) if g else []
+            if extra and self._splits() and g[0].schedule_round:
+                extra = extra[: max(0, self.cfg.group_size - len(g))]  # a split group is filled, never grown
             if not is_degenerate(own_rewards):
                 # HACPO capabilities on one basis: a source is only ever seen through its informative
                 # groups (the sampler drops the rest), so the learner is measured on its own
                 self.capability.update(self.lineage, own_rewards)
-            if not extra:
+            if not extra or is_degenerate(own_rewards + [r.reward for r in extra]):
                 if is_degenerate(own_rewards):
                     dropped += 1
                     continue
@@ -646,8 +673,11 @@ class Trainer:
                 )
                 continue
             for src in {r.source for r in extra if r.foreign}:
-                self.capability.update(src, [r.reward for r in extra if r.foreign and r.source == src])
-                self.shared_src.update(src, [r.reward for r in extra if r.foreign and r.source == src])
+                theirs = [r.reward for r in extra if r.foreign and r.source == src]
+                if not is_degenerate(theirs):  # on the learner's basis: informative groups only
+                    self.capability.update(src, theirs)
+                # on shared tasks both sides are seen whatever their rewards: one basis by construction
+                self.shared_src.update(src, theirs)
                 self.shared_own.update(src, own_rewards)
             p = self._route(g + extra, len(g), pooled=True)
             p.rescued = is_degenerate(own_rewards)
@@ -658,6 +688,26 @@ class Trainer:
                     self.capability.update(r.source, [r.reward])
             out.append(self._route(g, 0, pooled=False))
         return out, dropped
+
+    def _wait_for_peers(
+        self, candidates: list[tuple[list[RolloutRec], int]], ext_groups: list[list[RolloutRec]]
+    ) -> tuple[list[list[RolloutRec]], list[tuple[list[RolloutRec], int]]]:
+        """(own groups that train this step, own groups that wait): an own group of a shared-schedule prompt
+        that no swarm rollout of its task joins this step waits for peers' answers, at most `foreign_wait`
+        steps, then trains alone. Peers answer a round's prompts in one order, so of two that step in turn the
+        earlier always answers first; waiting a step lets its group meet the later one's answers too. Only
+        with a swarm to learn from and pooling on; a group waits whatever its rewards (all wrong is where
+        another model's answers teach most)."""
+        wait = self.cfg.foreign_wait if self.external is not None and self.cfg.foreign_pool else 0
+        met = {task_key(g[0].ref) for g in ext_groups if g}
+        train: list[list[RolloutRec]] = []
+        waiting: list[tuple[list[RolloutRec], int]] = []
+        for g, age in candidates:
+            if age < wait and g and g[0].schedule_round and task_key(g[0].ref) not in met:
+                waiting.append((g, age))
+            else:
+                train.append(g)
+        return train, waiting
 
     def _select(self, prepared: list[_Prepared]) -> tuple[list[_Prepared], int]:
         """PODS down-sampling at the group level (`select_groups` = m > 0): this step's m informative groups
@@ -701,6 +751,9 @@ class Trainer:
             loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no)
             self._update_no += 1
             loss_val = float(loss.detach())
+            if not loss.requires_grad:  # every row of the minibatch carries weight 0: nothing to learn from it
+                self.drops["no_gradient"] = self.drops.get("no_gradient", 0) + 1
+                break
             gn = guarded_step(self.opt, list(self.engine.model.parameters()), loss, cfg.grad_clip)
             if gn is None:
                 self.drops["step_not_finite"] = self.drops.get("step_not_finite", 0) + 1
@@ -723,8 +776,11 @@ class Trainer:
                 local = self._collect_local()
                 if local or cfg.chunk_tokens:
                     break
-            ext_groups = self._collect_external(local)
-            local_rewards = [r.reward for g in local for r in g]
+            fresh = local
+            local_rewards = [r.reward for g in fresh for r in g]
+            candidates = [(g, age + 1) for g, age in self._waiting] + [(g, 0) for g in fresh]
+            ext_groups = self._collect_external([g for g, _ in candidates])
+            local, self._waiting = self._wait_for_peers(candidates, ext_groups)
             prepared, dropped = self._prepare(local, ext_groups)
             self._update_no = 0
             prepared, unselected = self._select(prepared)
@@ -775,14 +831,14 @@ class Trainer:
                 version=self.version,
                 loss=loss_val,
                 reward_mean=sum(local_rewards) / len(local_rewards) if local_rewards else float("nan"),
-                n_local_groups=len(local),
+                n_local_groups=len(fresh),
                 n_external_groups=len(ext_groups),
                 dropped_groups=dropped,
                 pending_groups=len(self.pending),
                 tokens=sum(len(r.ids) for p in trained for r in p.own + p.ext),
                 step_s=time.monotonic() - t0,
                 stats=stats,
-                rollouts=[r for g in local for r in g],
+                rollouts=[r for g in fresh for r in g],
                 used_by_set=used,
                 external_by_set=ext_used,
                 updates=len(batches),
@@ -793,6 +849,7 @@ class Trainer:
                 trained_pooled_groups=sum(p.pooled for p in trained),
                 trained_rescued_groups=sum(p.rescued for p in trained),
                 unselected_groups=unselected,
+                waiting_groups=len(self._waiting),
             )
         if self.on_step is not None:
             self.on_step(res)

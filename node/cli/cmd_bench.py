@@ -256,7 +256,8 @@ def bench_swarm(
 
 
 def _foreign_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`--foreign KEY=VALUE` pairs as `TrainerConfig` values: true/false for a switch, a number otherwise."""
+    """`--foreign KEY=VALUE` pairs as `TrainerConfig` values: true/false for a switch, an integer or a number
+    as the key's default is."""
     from murmur.simulations.bench.matched import check_foreign
     from murmur.training.trainer import TrainerConfig
 
@@ -271,6 +272,8 @@ def _foreign_overrides(pairs: list[str]) -> dict[str, Any]:
                 if raw.strip().lower() not in ("true", "false"):
                     raise ValueError(f"{key} takes true or false, not {raw!r}")
                 out[key.strip()] = raw.strip().lower() == "true"
+            elif isinstance(default, int):
+                out[key.strip()] = int(raw)
             else:
                 out[key.strip()] = float(raw)
         except ValueError as e:
