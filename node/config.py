@@ -284,6 +284,13 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
             "group_size (HACPO's half rollout cost)"
         ),
     ] = False
+    foreign_prompt_ref: Annotated[
+        bool,
+        _d(
+            "in a pooled group, another model's answers are weighed against the learner's own completions of the "
+            "same prompt (false: against the running mean of all its own completions)"
+        ),
+    ] = True
 
 
 class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -466,6 +466,7 @@ def test_every_foreign_key_reaches_the_trainer_and_is_range_checked(tmp_path) ->
         "foreign_share_max": 0.25,
         "foreign_wait": 2,
         "foreign_split": True,
+        "foreign_prompt_ref": False,
     }
     assert set(changed) == set(FOREIGN_KEYS)
     defaults = TrainerConfig()
@@ -612,3 +613,23 @@ def test_the_foreign_loss_backpropagates_only_rows_of_nonzero_weight_and_equals_
     _, _, applied = tr._update([p], None, len(ext))
     assert applied == 0 and tr.drops["no_gradient"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_a_pooled_groups_foreign_rows_are_weighed_against_the_learners_own_answers_to_that_prompt(reg, engine) -> None:  # type: ignore[no-untyped-def]
+    """HACPO compares one prompt's answers: in a pooled group the learner's reference is the mean per-token
+    behaviour log-prob of its own completions of the prompt (its own sampling, nothing a peer claims); a swarm
+    group alone, and every group with `foreign_prompt_ref` off, keep the running reference (NaN here)."""
+    a = ref(reg, 960)
+    own = group(reg, engine, a, "1100")
+    for k, r in enumerate(own):
+        r.logprobs = [-0.2 * (k + 1)] * len(r.ids)  # per-token means -0.2, -0.4, -0.6, -0.8
+    theirs = group(reg, engine, a, "10", SRC)
+    theirs[0].logprobs = [-999.0] * len(theirs[0].ids)  # a peer's claim: never part of the reference
+    tr = trainer(reg, engine, foreign_share_max=1.0)
+    (p,), _ = tr._prepare([own], [theirs])
+    assert p.ext_ref is not None and torch.allclose(p.ext_ref, torch.full((2,), -0.5))
+    (q,), _ = tr._prepare([], [theirs])
+    assert q.ext_ref is not None and bool(torch.isnan(q.ext_ref).all())
+    off = trainer(reg, engine, foreign_share_max=1.0, foreign_prompt_ref=False)
+    (p,), _ = off._prepare([own], [theirs])
+    assert p.ext_ref is not None and bool(torch.isnan(p.ext_ref).all())

@@ -32,6 +32,7 @@ FOREIGN_KEYS: Final = (
     "foreign_share_max",
     "foreign_wait",
     "foreign_split",
+    "foreign_prompt_ref",
 )
 
 # the valid range of each numeric key (the node config's Meta bounds say the same; a test holds them equal)

@@ -126,6 +126,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # HACPO's half rollout cost: a shared-schedule prompt's own group is half a group (peers answer the other
     # half), and the swarm rows that join it fill it to `group_size`, no more
     foreign_split: bool = False
+    # HACPO's ratio with the learner's own completions of the same prompt as its reference, in a pooled group
+    # (off: the running mean of all its own completions, as for a swarm group alone)
+    foreign_prompt_ref: bool = True
     memory_budget_mb: int = 4096
     seed: int = 0
 
@@ -201,6 +204,9 @@ class _Prepared:
     swarm_lineages: frozenset[bytes] = frozenset()
     pooled: bool = False  # an own group that swarm rollouts of its task joined
     rescued: bool = False  # ... whose own rows alone were all right or all wrong
+    # per row of `ext`: the learner's per-token reference log-prob its weight is measured against (NaN: the
+    # trainer's running one); in a pooled group, the learner's own completions of the same prompt
+    ext_ref: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -473,6 +479,7 @@ class Trainer:
         prox: torch.Tensor | None,
         batch_rows: int,
         update: int = 0,
+        ext_ref: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
         rows = loss_denominator(cfg, batch_rows)
@@ -508,6 +515,9 @@ class Trainer:
             weights.append(len(own))
         if ext:
             prompts, outs = [r.prompt_ids for r in ext], [r.ids for r in ext]
+            ref = torch.full((len(ext),), self.ref_logp)
+            if ext_ref is not None:  # a pooled row: the learner's own completions of its prompt
+                ref = torch.where(torch.isnan(ext_ref), ref, ext_ref)
             with torch.no_grad():  # the weights first: a sample the band cuts costs no backward
                 logp0, mask = eng.token_logprobs(prompts, outs, cfg.temperature)
             cut = torch.tensor([not r.finished for r in ext], dtype=torch.bool)
@@ -518,9 +528,7 @@ class Trainer:
                 if cfg.foreign_ratio_clip
                 else None
             )
-            w, st = hacpo_weights(
-                logp0, self.ref_logp, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr
-            )
+            w, st = hacpo_weights(logp0, ref, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr)
             valid = mask.sum(-1) > 0
             keep = [i for i in range(len(ext)) if bool(valid[i]) and float(w[i] * ext_adv[i]) != 0.0]
             stats["foreign_rows_trained"] = float(len(keep))
@@ -614,6 +622,7 @@ class Trainer:
             else torch.ones(len(rows))
         )
         swarm = rows[own_local:]
+        ref = prompt_reference(rows[:own_local]) if cfg.foreign_prompt_ref else math.nan
         return _Prepared(
             [rows[i] for i in mine],
             adv[mine],
@@ -624,6 +633,7 @@ class Trainer:
             swarm_rows=len(swarm),
             swarm_lineages=frozenset(bytes(r.lineage) for r in swarm),
             pooled=pooled and own_local > 0,
+            ext_ref=torch.full((len(theirs),), ref),
         )
 
     def _prepare(
@@ -744,11 +754,16 @@ class Trainer:
         own_adv = torch.cat([p.own_adv for p in batch]) if batch else _EMPTY
         ext_adv = torch.cat([p.ext_adv for p in batch]) if batch else _EMPTY
         ext_coef = torch.cat([p.ext_coef for p in batch]) if batch else _EMPTY
+        ext_ref = (
+            torch.cat([p.ext_ref if p.ext_ref is not None else torch.full((len(p.ext),), math.nan) for p in batch])
+            if batch
+            else None
+        )
         loss_val = 0.0
         stats: dict[str, float] = {}
         applied = 0
         for _ in range(max(1, cfg.ppo_epochs)):
-            loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no)
+            loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no, ext_ref)
             self._update_no += 1
             loss_val = float(loss.detach())
             if not loss.requires_grad:  # every row of the minibatch carries weight 0: nothing to learn from it
@@ -867,6 +882,15 @@ class Trainer:
             self.step()
             n += 1
         return n
+
+
+def prompt_reference(own: list[RolloutRec]) -> float:
+    """The learner's per-token reference for another model's answers to a prompt it answered itself: the mean,
+    over its own completions of that prompt, of their mean per-token behaviour log-prob (sampled here, so
+    nothing a peer says enters it); NaN when it has none."""
+    means = [sum(r.logprobs) / len(r.logprobs) for r in own if r.logprobs and not r.foreign]
+    means = [m for m in means if math.isfinite(m)]
+    return sum(means) / len(means) if means else math.nan
 
 
 def guarded_step(
