@@ -291,6 +291,13 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
             "same prompt (false: against the running mean of all its own completions)"
         ),
     ] = True
+    foreign_rows: Annotated[
+        bool,
+        _d(
+            "train on other models' answers (false: they only set the baseline of the pooled group they join and "
+            "cost no training pass; a swarm group of other models alone is not trained)"
+        ),
+    ] = True
 
 
 class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -467,6 +467,7 @@ def test_every_foreign_key_reaches_the_trainer_and_is_range_checked(tmp_path) ->
         "foreign_wait": 2,
         "foreign_split": True,
         "foreign_prompt_ref": False,
+        "foreign_rows": False,
     }
     assert set(changed) == set(FOREIGN_KEYS)
     defaults = TrainerConfig()
@@ -633,3 +634,38 @@ def test_a_pooled_groups_foreign_rows_are_weighed_against_the_learners_own_answe
     off = trainer(reg, engine, foreign_share_max=1.0, foreign_prompt_ref=False)
     (p,), _ = off._prepare([own], [theirs])
     assert p.ext_ref is not None and bool(torch.isnan(p.ext_ref).all())
+
+
+def test_with_foreign_rows_off_other_models_answers_only_set_the_pooled_baseline(reg, engine) -> None:  # type: ignore[no-untyped-def]
+    """`foreign_rows = false`: a pooled group's other-model rows still move its own rows' advantages (the
+    learner got the task all wrong, another model half right: its wrong answers are pushed down), but enter
+    no loss and cost no pass; another model's group alone is not trained."""
+    a = ref(reg, 970)
+    own, theirs, other = (
+        group(reg, engine, a, "0000"),
+        group(reg, engine, a, "10", SRC),
+        group(reg, engine, ref(reg, 971), "10", SRC),
+    )
+    tr = trainer(reg, engine, foreign_share_max=1.0, foreign_rows=False, foreign_baseline=False)
+    prepared, dropped = tr._prepare([own], [theirs, other])
+    assert dropped == 1 and len(prepared) == 1 and prepared[0].rescued
+    (p,) = prepared
+    assert bool((p.own_adv < 0).all())
+    calls: list[int] = []
+    real = engine.token_logprobs
+
+    def counted(prompts: Any, outs: Any, t: float = 1.0) -> Any:
+        calls.append(len(prompts))
+        return real(prompts, outs, t)
+
+    engine.token_logprobs = counted
+    try:
+        _, stats = tr._loss(p.own, p.own_adv, p.ext, p.ext_adv, p.ext_coef, None, p.rows)
+        assert calls == [4] and "foreign_rows_trained" not in stats  # the own rows' pass only
+        calls.clear()
+        on = trainer(reg, engine, foreign_share_max=1.0, foreign_baseline=False)
+        (q,), _ = on._prepare([own], [theirs])
+        on._loss(q.own, q.own_adv, q.ext, q.ext_adv, q.ext_coef, None, q.rows)
+        assert calls[:2] == [4, 2]
+    finally:
+        del engine.token_logprobs

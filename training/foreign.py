@@ -33,6 +33,7 @@ FOREIGN_KEYS: Final = (
     "foreign_wait",
     "foreign_split",
     "foreign_prompt_ref",
+    "foreign_rows",
 )
 
 # the valid range of each numeric key (the node config's Meta bounds say the same; a test holds them equal)

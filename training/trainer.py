@@ -129,6 +129,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # HACPO's ratio with the learner's own completions of the same prompt as its reference, in a pooled group
     # (off: the running mean of all its own completions, as for a swarm group alone)
     foreign_prompt_ref: bool = True
+    # train on other models' rows (false: they only set the baseline of the pooled group they join, and
+    # cost no forward or backward pass; a swarm group of other models alone is then not taken)
+    foreign_rows: bool = True
     memory_budget_mb: int = 4096
     seed: int = 0
 
@@ -513,7 +516,7 @@ class Trainer:
             stats["stale_token_frac"] = float((stale.float() * mask).sum() / mask.sum().clamp(min=1))
             parts.append(loss)
             weights.append(len(own))
-        if ext:
+        if ext and cfg.foreign_rows:
             prompts, outs = [r.prompt_ids for r in ext], [r.ids for r in ext]
             ref = torch.full((len(ext),), self.ref_logp)
             if ext_ref is not None:  # a pooled row: the learner's own completions of its prompt
@@ -693,6 +696,9 @@ class Trainer:
             p.rescued = is_degenerate(own_rewards)
             out.append(p)
         for g in alone:
+            if not self.cfg.foreign_rows and all(r.foreign for r in g):
+                dropped += 1  # alone, another model's rows only ever teach through their own gradient
+                continue
             for r in g:
                 if r.foreign:
                     self.capability.update(r.source, [r.reward])
