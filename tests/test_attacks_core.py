@@ -435,6 +435,33 @@ def test_credit_farming_with_work_nobody_can_use_or_check_stands_no_honest_follo
     assert core.deliveries.credit(unproven.peer_id, clock.t) == 0.0  # no check passed yet: no credit
 
 
+def test_uniform_groups_on_scheduled_prompts_earn_no_delivery_credit() -> None:
+    """Attack: a follower sends, for the trainer's lineage, groups of scheduled prompts whose rewards are all
+    equal (all wrong costs nothing to write). A receiver's sampler keeps such a group, but only to join an own
+    group of its task, so it is not usable work: it backs no claimed throughput. The same groups with one right
+    answer each count."""
+    r = samples.rollout(seed=1)
+
+    def batch(rewards: list[float]) -> wire.RolloutBatch:
+        rows = [
+            msgspec.structs.replace(
+                r,
+                tokenizer_hash=TOK,
+                reward=rewards[i % 4],
+                schedule_round=5,
+                task=msgspec.structs.replace(r.task, seed=i // 4),
+            )
+            for i in range(32)
+        ]
+        return wire.RolloutBatch(
+            v=wire.FORMAT_VERSION, swarm=SWARM, producer=key(66).public, seq=1, created_ms=1, rollouts=rows
+        )
+
+    lid = bytes(r.lineage)
+    assert C.RolloutsVerified.of(batch([0.0] * 4)).usable == ()
+    assert C.RolloutsVerified.of(batch([1.0, 0.0, 0.0, 0.0])).usable == ((lid, TOK, 32),)
+
+
 def test_delivery_earns_credit_so_a_surplus_follower_still_stands_by() -> None:
     """The defence keeps the capacity rule: followers that deliver are credited, and once they meet the
     demand the rest stand by (need here: 1.2 * 16 / 4 = 4.8 rollouts/s)."""

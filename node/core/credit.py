@@ -14,7 +14,8 @@ delivers) but counts only as far as the delivery backs it.
 
 Only usable, checkable work counts as delivered: rollouts of the trainer's own
 lineage and tokenizer in informative groups (the sampler's rule: a one-rollout
-"group" or one whose rewards are all equal is dropped at intake), and only from
+"group" or one whose rewards are all equal is dropped at intake, or, on a
+shared-schedule prompt, kept only to join a receiver's own group), and only from
 a producer that has passed one of the trainer's sampled log-prob checks
 (`vouch`); a failed check withdraws it. So rollouts that can never be trained
 on, or never checked, earn no credit, however many are delivered.

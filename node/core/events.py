@@ -148,6 +148,8 @@ class RolloutsVerified:
             n[lid] = n.get(lid, 0) + 1
         u: dict[tuple[bytes, bytes], int] = {}
         for g in sampler.split(batch.rollouts)[0]:
+            if g.uniform:  # kept only to join a receiver's own group of its task: not work a trainer uses as sent
+                continue
             for r in g.rollouts:
                 k = (g.lineage, bytes(r.tokenizer_hash))
                 u[k] = u.get(k, 0) + 1

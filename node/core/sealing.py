@@ -82,8 +82,8 @@ class RolloutSealer:
                 self.unscheduled += 1
             rollouts.append(r)
         self.produced += len(rollouts)
-        # every receiver's sampler keeps only groups whose rewards differ (GRPO learns nothing from the others):
-        # the rest would be verified for nothing
+        # every receiver's sampler keeps only groups whose rewards differ (GRPO learns nothing from the others),
+        # and all-equal ones of scheduled prompts to pool with its own: the rest would be verified for nothing
         groups, dropped = split(rollouts)
         kept = [r for g in groups for r in g.rollouts]
         self.uninformative += len(rollouts) - len(kept)
