@@ -220,7 +220,7 @@ def hacpo_loss(
     the gradient is length-normalised and bounded by |A|. The loss is the mean over sequences, or their
     sum over `denom` when one is given.
     """
-    w, stats = hacpo_weights(logp.detach(), ref_logp, mask, adv, coef, clip_low, alpha, topr)
+    w, stats = hacpo_weights(logp, ref_logp, mask, adv, coef, clip_low, alpha, topr)
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
     obj = w * adv * seq_lp
@@ -246,7 +246,7 @@ def hacpo_weights(
     n_tok = mask.sum(-1).clamp(min=1.0)
     ref = torch.as_tensor(ref_logp, dtype=logp.dtype)
     ref = ref[:, None] if ref.dim() == 1 else ref  # one reference per row, or one for all
-    gap = ((logp.detach() - ref) * mask).sum(-1)
+    gap = ((logp - ref) * mask).sum(-1)
     s = torch.exp(gap.clamp(max=MAX_LOG_WEIGHT))
     t = s.clamp(max=1.0)
     per_tok = gap / n_tok  # log of the per-token ratio r

@@ -209,7 +209,7 @@ class _Prepared:
     rescued: bool = False  # ... whose own rows alone were all right or all wrong
     # per row of `ext`: the learner's per-token reference log-prob its weight is measured against (NaN: the
     # trainer's running one); in a pooled group, the learner's own completions of the same prompt
-    ext_ref: torch.Tensor | None = None
+    ext_ref: torch.Tensor = _EMPTY
 
     @property
     def rows(self) -> int:
@@ -560,12 +560,9 @@ class Trainer:
     def _observe_own_logprobs(self, local: list[list[RolloutRec]]) -> None:
         """Move the reference towards the mean per-token behaviour log-prob of this step's own completions
         (generated here, so nothing a peer says enters it)."""
-        means = [
-            sum(r.logprobs) / len(r.logprobs) for g in local for r in g if r.logprobs and math.isfinite(sum(r.logprobs))
-        ]
-        if not means:
+        m = mean_behaviour_logprob([r for g in local for r in g])
+        if math.isnan(m):
             return
-        m = sum(means) / len(means)
         self.ref_logp = m if not self._ref_seen else REF_DECAY * self.ref_logp + (1 - REF_DECAY) * m
         self._ref_seen = True
 
@@ -625,7 +622,7 @@ class Trainer:
             else torch.ones(len(rows))
         )
         swarm = rows[own_local:]
-        ref = prompt_reference(rows[:own_local]) if cfg.foreign_prompt_ref else math.nan
+        ref = mean_behaviour_logprob(rows[:own_local]) if theirs and cfg.foreign_prompt_ref else math.nan
         return _Prepared(
             [rows[i] for i in mine],
             adv[mine],
@@ -760,11 +757,7 @@ class Trainer:
         own_adv = torch.cat([p.own_adv for p in batch]) if batch else _EMPTY
         ext_adv = torch.cat([p.ext_adv for p in batch]) if batch else _EMPTY
         ext_coef = torch.cat([p.ext_coef for p in batch]) if batch else _EMPTY
-        ext_ref = (
-            torch.cat([p.ext_ref if p.ext_ref is not None else torch.full((len(p.ext),), math.nan) for p in batch])
-            if batch
-            else None
-        )
+        ext_ref = torch.cat([p.ext_ref for p in batch]) if batch else _EMPTY
         loss_val = 0.0
         stats: dict[str, float] = {}
         applied = 0
@@ -890,10 +883,10 @@ class Trainer:
         return n
 
 
-def prompt_reference(own: list[RolloutRec]) -> float:
-    """The learner's per-token reference for another model's answers to a prompt it answered itself: the mean,
-    over its own completions of that prompt, of their mean per-token behaviour log-prob (sampled here, so
-    nothing a peer says enters it); NaN when it has none."""
+def mean_behaviour_logprob(own: list[RolloutRec]) -> float:
+    """The learner's per-token reference: the mean, over its own completions among `own`, of their mean
+    per-token behaviour log-prob (sampled here, so nothing a peer says enters it); NaN when it has none. Over a
+    step's completions it moves `Trainer.ref_logp`; over those of one prompt it is a pooled group's reference."""
     means = [sum(r.logprobs) / len(r.logprobs) for r in own if r.logprobs and not r.foreign]
     means = [m for m in means if math.isfinite(m)]
     return sum(means) / len(means) if means else math.nan
