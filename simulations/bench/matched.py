@@ -171,8 +171,9 @@ def _follower_rollouts(
 
 
 def _send(node: _Node, rows: list[Any]) -> list[bytes]:
-    """`node`'s sealed batches of `rows`, its informative groups only: a node's sealer (`node.core.sealing`) keeps a
-    group whose rewards are all equal local, so no receiver verifies it for nothing. Counts the groups sent."""
+    """`node`'s sealed batches of `rows`, the groups a receiver's sampler keeps only: a node's sealer
+    (`node.core.sealing`) keeps a group whose rewards are all equal local, unless it answers a shared-schedule
+    prompt, so no receiver verifies it for nothing. Counts the groups sent."""
     groups, _ = split(rows)
     node.groups_sent += len(groups)
     return _seal(node, [r for g in groups for r in g.rollouts]) if groups else []
@@ -594,8 +595,8 @@ GROUP_COUNTS = ("generated", "sent", "trained", "pooled", "rescued")
 
 
 def group_counts(nodes: list[_Node]) -> dict[str, int]:
-    """An arm's groups: `generated` (by its trainers and followers), `sent` (sealed to another node: informative
-    only), `trained` (that entered an update), and of those `pooled` (own groups that other nodes' rollouts of
+    """An arm's groups: `generated` (by its trainers and followers), `sent` (sealed to another node: the groups a
+    receiver's sampler keeps), `trained` (that entered an update), and of those `pooled` (own groups that other nodes' rollouts of
     the same task joined) and `rescued` (pooled own groups that alone were all right or all wrong)."""
     return {
         "generated": sum(n.groups_generated for n in nodes),
