@@ -140,6 +140,14 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
             "group_not_selected). 0: train them all"
         ),
     ] = 0
+    pod_yield: Annotated[
+        bool,
+        _d(
+            "a trainer whose followers deliver its lineage's informative groups generates fewer of its own (each "
+            "delivered group stands for as many as it takes to make one informative group; at least "
+            "local_rollouts / 8 are kept) and takes as many more external groups: its CPU goes to training"
+        ),
+    ] = True
     follower_oversample: Annotated[
         float,
         _d(

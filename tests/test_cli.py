@@ -135,7 +135,7 @@ def test_bench_swarm_matched_adversary_needs_a_swarm_of_three():
 
 def test_bench_swarm_matched_foreign_takes_only_foreign_keys_with_valid_values(tmp_path):
     for bad, needle in [
-        ("lr=1", "not a foreign-rollout key"),
+        ("lr=1", "not a swarm-rollout key"),
         ("foreign_pool=maybe", "true or false"),
         ("foreign_share_max=2", "foreign_share_max"),
         ("foreign_alpha", "KEY=VALUE"),
@@ -144,5 +144,7 @@ def test_bench_swarm_matched_foreign_takes_only_foreign_keys_with_valid_values(t
         assert r.returncode == 2 and "--foreign" in r.stderr and needle in r.stderr, (bad, r.stderr)
     from murmur.node.cli.cmd_bench import _foreign_overrides
 
-    got = _foreign_overrides(["foreign_pool=false", "foreign_share_max=0", "foreign_capability_max=10"])
-    assert got == {"foreign_pool": False, "foreign_share_max": 0.0, "foreign_capability_max": 10.0}
+    got = _foreign_overrides(
+        ["foreign_pool=false", "foreign_share_max=0", "foreign_capability_max=10", "pod_yield=false"]
+    )
+    assert got == {"foreign_pool": False, "foreign_share_max": 0.0, "foreign_capability_max": 10.0, "pod_yield": False}

@@ -57,6 +57,7 @@ from murmur.training.losses import (
     hacpo_weights,
     is_degenerate,
 )
+from murmur.training.pod import PodYield
 from murmur.training.rollouts import RolloutRec, from_wire
 from murmur.training.sampler import Signed, TaskKey, rescue_rank, task_key
 from murmur.training.schedule import ScheduledDraw
@@ -132,6 +133,9 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # train on other models' rows (false: they only set the baseline of the pooled group they join, and
     # cost no forward or backward pass; a swarm group of other models alone is then not taken)
     foreign_rows: bool = True
+    # a pod's trainer generates fewer own groups as its followers deliver its lineage's informative groups, and
+    # takes as many more external ones (training/pod.py); false: always `local_groups` of its own
+    pod_yield: bool = True
     memory_budget_mb: int = 4096
     seed: int = 0
 
@@ -271,6 +275,7 @@ class Trainer:
         self.step_no = 0
         self.pending: list[_Pending] = []
         self._waiting: list[tuple[list[RolloutRec], int]] = []  # (own group, steps it waited): `foreign_wait`
+        self.pod = PodYield(config.local_groups)  # what its followers delivered: own groups it need not generate
         self.capability = CapabilityTracker()
         # HACPO compares capabilities on the same prompts; pooled groups give exactly that: per source, its
         # success rate on tasks this learner also answered, and the learner's own rate on those tasks. A
@@ -331,10 +336,16 @@ class Trainer:
     def _over_budget(self) -> bool:
         return psutil.Process().memory_info().rss > self.cfg.memory_budget_mb * 2**20
 
-    def _top_up(self) -> None:
-        want = max(self.cfg.local_groups, math.ceil(self.cfg.local_groups * self.cfg.overprovision))
+    def own_quota(self) -> int:
+        """Own groups this step generates: `local_groups`, or fewer in a pod whose followers deliver (`pod_yield`)."""
+        if not self.cfg.pod_yield or self.external is None:
+            return self.cfg.local_groups
+        return min(self.cfg.local_groups, self.pod.quota())
+
+    def _top_up(self, quota: int) -> None:
+        want = max(quota, math.ceil(quota * self.cfg.overprovision))
         if self._over_budget():
-            want = self.cfg.local_groups  # no over-provisioning above the memory budget
+            want = quota  # no over-provisioning above the memory budget
         while len(self.pending) < want:
             ref, rnd = self._next_prompt()
             task = self.registry.resolve(ref)
@@ -374,8 +385,8 @@ class Trainer:
             s.logprobs += lps
             s.done = eos and len(ids) > 0 and ids[-1] == self.engine.eos_id or len(s.ids) >= self.cfg.max_new_tokens
 
-    def _collect_local(self) -> list[list[RolloutRec]]:
-        ready = [p for p in self.pending if p.done][: self.cfg.local_groups]
+    def _collect_local(self, quota: int) -> list[list[RolloutRec]]:
+        ready = [p for p in self.pending if p.done][:quota]
         self.pending = [p for p in self.pending if p not in ready]
         groups = []
         for p in ready:
@@ -429,15 +440,17 @@ class Trainer:
                 out[k] = min(out.get(k, 1), 0 if is_degenerate([r.reward for r in g]) else 1)
         return out
 
-    def _collect_external(self, local: list[list[RolloutRec]] | None = None) -> list[list[RolloutRec]]:
-        if self.external is None or self.cfg.external_groups <= 0:
+    def _collect_external(self, local: list[list[RolloutRec]] | None = None, room: int = 0) -> list[list[RolloutRec]]:
+        """Up to `external_groups` + `room` verified swarm groups (`room`: own groups this step did not generate)."""
+        cap = self.cfg.external_groups + max(0, room)
+        if self.external is None or cap <= 0:
             return []
         prefer = self._preferences(local or []) if self.cfg.foreign_rescue else None
         min_version = max(0, self.version - self.cfg.max_staleness)
         if prefer is not None and self._external_prefers:
-            got = self.external(self.cfg.external_groups, min_version, prefer=prefer)  # type: ignore[call-arg]  # accepts_prefer checked the hook takes it
+            got = self.external(cap, min_version, prefer=prefer)  # type: ignore[call-arg]  # accepts_prefer checked the hook takes it
         else:
-            got = self.external(self.cfg.external_groups, min_version)
+            got = self.external(cap, min_version)
         by_task: dict[tuple[bytes, str, int], list[RolloutRec]] = {}
         for item in got:
             # the node's and the bench's samplers say who signed each rollout; a bare one keys on its lineage
@@ -468,7 +481,7 @@ class Trainer:
         groups = [g for g in by_task.values() if len(g) >= 2]
         if prefer is not None:  # the hook may not have ordered them (or not by this step's own tasks)
             groups = [groups[i] for i in _rescue_order(groups, prefer, local or [])]
-        return groups[: self.cfg.external_groups]
+        return groups[:cap]
 
     # ------------------------------------------------------------ loss
 
@@ -784,18 +797,24 @@ class Trainer:
         with self._lock:
             self.engine.model.eval()
             local: list[list[RolloutRec]] = []
+            quota = self.own_quota()
             for _ in range(max(1, cfg.max_new_tokens // max(1, cfg.chunk_tokens or cfg.max_new_tokens)) + 1):
-                self._top_up()
+                self._top_up(quota)
                 self._advance()
-                local = self._collect_local()
+                local = self._collect_local(quota)
                 if local or cfg.chunk_tokens:
                     break
             fresh = local
             local_rewards = [r.reward for g in fresh for r in g]
             candidates = [(g, age + 1) for g, age in self._waiting] + [(g, 0) for g in fresh]
-            ext_groups = self._collect_external([g for g, _ in candidates])
+            ext_groups = self._collect_external([g for g, _ in candidates], cfg.local_groups - quota)
             local, self._waiting = self._wait_for_peers(candidates, ext_groups)
             prepared, dropped = self._prepare(local, ext_groups)
+            self.pod.observe(
+                sum(1 for p in prepared if p.external and p.own and not p.ext),  # followers' informative groups
+                len(fresh),
+                sum(1 for g in fresh if not is_degenerate([r.reward for r in g])),
+            )
             self._update_no = 0
             prepared, unselected = self._select(prepared)
             batches = self._minibatches(prepared)
@@ -827,6 +846,7 @@ class Trainer:
                 if applied:  # a version is a change of the weights: a skipped step makes none
                     self.version += 1
             stats["updates"] = float(len(batches))
+            stats["own_quota"] = float(quota)
             self.step_no += 1
             used: dict[bytes, int] = {}
             ext_used: dict[bytes, int] = {}

@@ -204,8 +204,8 @@ def bench_swarm(
     foreign: Annotated[
         list[str] | None,
         typer.Option(
-            help="with --matched: KEY=VALUE, a foreign-rollout key of [training] (foreign_pool, "
-            "foreign_share_max, ...) for every trainer of both arms, in place of its default; repeatable",
+            help="with --matched: KEY=VALUE, a [training] key of how a trainer uses swarm rollouts (foreign_pool, "
+            "foreign_share_max, ..., pod_yield) for every trainer of both arms, in place of its default; repeatable",
         ),
     ] = None,
 ) -> None:
@@ -267,7 +267,7 @@ def _foreign_overrides(pairs: list[str]) -> dict[str, Any]:
         default = getattr(TrainerConfig(), key.strip(), None) if sep else None
         try:
             if default is None:
-                raise ValueError(f"{pair!r}: not KEY=VALUE with a foreign-rollout key")
+                raise ValueError(f"{pair!r}: not KEY=VALUE with a swarm-rollout key")
             if isinstance(default, bool):
                 if raw.strip().lower() not in ("true", "false"):
                     raise ValueError(f"{key} takes true or false, not {raw!r}")

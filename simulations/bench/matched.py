@@ -47,12 +47,16 @@ from murmur.simulations import curves
 from murmur.simulations.bench import useless
 from murmur.simulations.bench.swarm import SWARM, _ident, _seal
 from murmur.training.downsample import MAX_SELECT_GROUPS
+from murmur.training.foreign import FOREIGN_KEYS
 from murmur.training.sampler import Sampler, split
 from murmur.training.schedule import ScheduleBook, ScheduledDraw, round_at
 
 # `murmur bench learn`'s regime (16 groups of 8 a step, lr 3e-4, 8 new tokens), in which one node alone
 # measurably learns; with 4 groups a step and 4-group updates an isolated node did not rise in 40 CPU-s
 # (docs/researcher.md), and a comparison with a flat baseline measures noise.
+# `--foreign KEY=VALUE`: how a trainer uses swarm rollouts, other lineages' (the foreign keys) and its own
+# followers' (`pod_yield`)
+SWARM_USE_KEYS = (*FOREIGN_KEYS, "pod_yield")
 TRAINER = dict(local_groups=16, external_groups=16, group_size=8, max_new_tokens=8, lr=3e-4, minibatch_groups=8)
 # The worked-answer regime (`--answers worked`): the same trainer on the worked-answer set, whose completions
 # are 70-77 tokens with EOS, so generation takes most of a node's step as it does in real RL post-training.
@@ -699,14 +703,14 @@ def bootstrap_ci(xs: list[float], rng: random.Random, n: int = BOOTSTRAP) -> tup
 
 
 def check_foreign(foreign: dict[str, Any]) -> None:
-    """Refuse a key that is not a foreign-rollout key, or a value `TrainerConfig` refuses (ValueError)."""
+    """Refuse a key that is not a key of how a trainer uses swarm rollouts (`SWARM_USE_KEYS`), or a value
+    `TrainerConfig` refuses (ValueError)."""
     from murmur.gossip.errors import ConfigError
-    from murmur.training.foreign import FOREIGN_KEYS
     from murmur.training.trainer import TrainerConfig
 
-    bad = sorted(set(foreign) - set(FOREIGN_KEYS))
+    bad = sorted(set(foreign) - set(SWARM_USE_KEYS))
     if bad:
-        raise ValueError(f"not a foreign-rollout key: {', '.join(bad)} (one of {', '.join(FOREIGN_KEYS)})")
+        raise ValueError(f"not a swarm-rollout key: {', '.join(bad)} (one of {', '.join(SWARM_USE_KEYS)})")
     try:
         TrainerConfig(**foreign)
     except (ConfigError, TypeError) as e:

@@ -1,0 +1,130 @@
+"""A pod's trainer yields its own generation to its followers (`training/pod.py`, `[training] pod_yield`): the
+rule on numbers, then a trainer on a tiny model whose external hook plays its followers."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from murmur.gossip import wire
+from murmur.training.engine import Sampling
+from murmur.training.pod import MIN_OWN_DIVISOR, PodYield
+from murmur.training.rollouts import RolloutRec, to_wire
+from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
+from murmur.training.tiny import new_tiny_engine
+from murmur.training.trainer import Trainer, TrainerConfig
+from murmur.training.verifiers import score
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message=".*past_key_values.*")
+
+OWN = b"\x0a" * 32
+OTHER = b"\x0b" * 32
+
+
+def test_delivered_groups_stand_for_own_groups_by_the_measured_informative_share() -> None:
+    p = PodYield(16)
+    assert p.quota() == 16 and p.floor == 16 // MIN_OWN_DIVISOR
+    p.observe(delivered=4, own_groups=16, own_informative=8)  # running mean 2 delivered, share 0.5
+    assert p.quota() == 16 - 4
+    for _ in range(10):
+        p.observe(delivered=4, own_groups=8, own_informative=2)  # share falls to 0.25: each stands for 4
+    assert p.informative == pytest.approx(0.25, abs=1e-2) and p.quota() == p.floor
+    weak = PodYield(16)
+    for _ in range(10):
+        weak.observe(delivered=1, own_groups=16, own_informative=0)  # none informative: 1 stands for 10, not for all
+    assert weak.quota() == 16 - 9
+
+
+def test_the_quota_never_falls_below_the_floor_and_returns_when_deliveries_stop() -> None:
+    p = PodYield(16)
+    for _ in range(20):
+        p.observe(delivered=10**6, own_groups=2, own_informative=1)
+    assert p.quota() == p.floor == 2
+    back = []
+    for _ in range(30):
+        p.observe(delivered=0, own_groups=p.quota(), own_informative=1)
+        back.append(p.quota())
+    assert back[-1] == 16 and back.index(16) < 25  # a pod whose followers left generates in full again
+    assert all(a <= b for a, b in zip(back, back[1:]))  # never overshoots on the way
+
+
+@pytest.fixture(scope="module")
+def reg() -> TaskRegistry:
+    r = TaskRegistry("test")
+    r.add_builtin()
+    return r
+
+
+def rollouts(reg: TaskRegistry, engine: Any, seed: int, lineage: bytes, pattern: str = "1100") -> list[wire.Rollout]:
+    """A delivered group of the built-in task `seed` by `lineage`: '1' a right answer, '0' a wrong one."""
+    tref = wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed)
+    task = reg.resolve(tref)
+    out = []
+    for c in pattern:
+        text = task.answer if c == "1" else task.answer + "0"
+        ids = engine.encode(text) + [engine.eos_id]
+        rec = RolloutRec(
+            ref=tref,
+            task=task,
+            prompt_ids=engine.encode(task.prompt),
+            ids=ids,
+            text=text,
+            logprobs=[-0.5] * len(ids),
+            token_versions=[(0, 0)],
+            version=0,
+            lineage=lineage,
+            tokenizer_hash=engine.tokenizer_hash,
+            sampling=Sampling(max_new_tokens=8),
+            reward=score(task, text),
+            finished=True,
+            source=lineage,
+        )
+        out.append(to_wire(rec))
+    return out
+
+
+class Followers:
+    """An external hook that delivers `per_step` informative groups of `lineage` each step, and records how
+    many groups the trainer asked for."""
+
+    def __init__(self, reg: TaskRegistry, engine: Any, lineage: bytes, per_step: int) -> None:
+        self.reg, self.engine, self.lineage, self.per_step = reg, engine, lineage, per_step
+        self.asked: list[int] = []
+        self.seed = 5000
+
+    def __call__(self, n: int, min_version: int) -> list[wire.Rollout]:
+        self.asked.append(n)
+        out: list[wire.Rollout] = []
+        for _ in range(min(n, self.per_step)):
+            self.seed += 1
+            out += rollouts(self.reg, self.engine, self.seed, self.lineage)
+        return out
+
+
+def run(reg: TaskRegistry, lineage: bytes, steps: int, **kw: Any) -> tuple[list[int], Followers, Trainer]:
+    engine = new_tiny_engine(seed=2)
+    hook = Followers(reg, engine, lineage, per_step=6)
+    cfg = TrainerConfig(local_groups=8, external_groups=2, group_size=4, max_new_tokens=6, seed=3, **kw)
+    tr = Trainer(engine, reg, reg.builtin_id, cfg, lineage=OWN, external=hook)
+    return [tr.step().n_local_groups for _ in range(steps)], hook, tr
+
+
+def test_a_pod_trainer_generates_fewer_own_groups_and_takes_as_many_more_of_its_followers(reg) -> None:  # type: ignore[no-untyped-def]
+    made, hook, tr = run(reg, OWN, 4)
+    assert made[0] == 8 and made[-1] < 8 and tr.own_quota() == tr.pod.quota()
+    assert made[-1] >= 1 and all(a >= b for a, b in zip(made, made[1:]))
+    # every own group not generated is room for one more external group
+    assert [n - 2 for n in hook.asked] == [8 - m for m in made]
+    assert hook.asked[-1] > 2
+
+
+def test_without_pod_yield_or_for_another_lineages_groups_the_trainer_generates_in_full(reg) -> None:  # type: ignore[no-untyped-def]
+    made, hook, _ = run(reg, OWN, 3, pod_yield=False)
+    assert made == [8, 8, 8] and hook.asked == [2, 2, 2]
+    # another lineage's groups are not its followers' work: they stand for none of its own
+    made, hook, _ = run(reg, OTHER, 3, foreign_share_max=1.0)
+    assert made == [8, 8, 8] and hook.asked == [2, 2, 2]
