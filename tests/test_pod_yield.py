@@ -3,6 +3,7 @@ rule on numbers, then a trainer on a tiny model whose external hook plays its fo
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -128,3 +129,19 @@ def test_without_pod_yield_or_for_another_lineages_groups_the_trainer_generates_
     # another lineage's groups are not its followers' work: they stand for none of its own
     made, hook, _ = run(reg, OTHER, 3, foreign_share_max=1.0)
     assert made == [8, 8, 8] and hook.asked == [2, 2, 2]
+
+
+def test_a_follower_that_delivers_then_stops_leaves_the_trainer_generating_in_full_within_a_few_steps(reg) -> None:  # type: ignore[no-untyped-def]
+    """The attack: a key delivers a flood of informative groups for the trainer's lineage, so that the trainer
+    generates almost nothing of its own, then stops. The trainer never generates fewer than the floor, and the
+    running means bring it back to all its own groups within a few steps: the delivered count halves each step,
+    and it stands for at most ten own groups each, so about log2(10 x a step's groups) steps."""
+    engine = new_tiny_engine(seed=2)
+    hook = Followers(reg, engine, OWN, per_step=64)
+    cfg = TrainerConfig(local_groups=8, external_groups=2, group_size=4, max_new_tokens=6, seed=3)
+    tr = Trainer(engine, reg, reg.builtin_id, cfg, lineage=OWN, external=hook)
+    flooded = [tr.step().n_local_groups for _ in range(4)]
+    assert min(flooded) == tr.pod.floor == 1
+    hook.per_step = 0
+    after = [tr.step().n_local_groups for _ in range(9)]
+    assert after[-1] == 8 and after.index(8) <= math.ceil(math.log2(10 * (8 + 2))) and after == sorted(after)
