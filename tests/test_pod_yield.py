@@ -145,3 +145,16 @@ def test_a_follower_that_delivers_then_stops_leaves_the_trainer_generating_in_fu
     hook.per_step = 0
     after = [tr.step().n_local_groups for _ in range(9)]
     assert after[-1] == 8 and after.index(8) <= math.ceil(math.log2(10 * (8 + 2))) and after == sorted(after)
+
+
+def test_the_node_configs_pod_yield_reaches_the_workers_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from murmur.gossip.identity import Identity
+    from murmur.node.config import load_config
+    from murmur.node.shell.runtime import RunOptions
+    from murmur.node.shell.workerlink import worker_spec
+
+    assert TrainerConfig().pod_yield
+    (tmp_path / "config.toml").write_text("[training]\npod_yield = false\n")
+    cfg = load_config(tmp_path / "config.toml")
+    got = TrainerConfig(**worker_spec(cfg, tmp_path, Identity.generate(), ["trainer"], RunOptions())["trainer"])
+    assert not got.pod_yield and not TrainerConfig.from_config(cfg).pod_yield

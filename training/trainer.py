@@ -154,6 +154,7 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
             loss_norm=t.loss_norm,
             minibatch_groups=t.minibatch_groups,
             select_groups=t.select_groups,
+            pod_yield=t.pod_yield,
             max_staleness=config.sync.max_staleness,
             memory_budget_mb=config.node.memory_budget_mb,
             **{k: getattr(t, k) for k in FOREIGN_KEYS},
