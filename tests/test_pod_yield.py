@@ -11,18 +11,16 @@ import pytest
 import torch
 
 from murmur.gossip import wire
-from murmur.training.engine import Sampling
 from murmur.training.pod import MIN_OWN_DIVISOR, PodYield
-from murmur.training.rollouts import RolloutRec, to_wire
+from murmur.training.rollouts import to_wire
 from murmur.training.tasksets import BUILTIN_TRAIN, TaskRegistry
 from murmur.training.tiny import new_tiny_engine
 from murmur.training.trainer import Trainer, TrainerConfig
-from murmur.training.verifiers import score
+from tests.test_pooled import OWN, group
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*past_key_values.*")
 
-OWN = b"\x0a" * 32
 OTHER = b"\x0b" * 32
 
 
@@ -62,30 +60,7 @@ def reg() -> TaskRegistry:
 
 def rollouts(reg: TaskRegistry, engine: Any, seed: int, lineage: bytes, pattern: str = "1100") -> list[wire.Rollout]:
     """A delivered group of the built-in task `seed` by `lineage`: '1' a right answer, '0' a wrong one."""
-    tref = wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed)
-    task = reg.resolve(tref)
-    out = []
-    for c in pattern:
-        text = task.answer if c == "1" else task.answer + "0"
-        ids = engine.encode(text) + [engine.eos_id]
-        rec = RolloutRec(
-            ref=tref,
-            task=task,
-            prompt_ids=engine.encode(task.prompt),
-            ids=ids,
-            text=text,
-            logprobs=[-0.5] * len(ids),
-            token_versions=[(0, 0)],
-            version=0,
-            lineage=lineage,
-            tokenizer_hash=engine.tokenizer_hash,
-            sampling=Sampling(max_new_tokens=8),
-            reward=score(task, text),
-            finished=True,
-            source=lineage,
-        )
-        out.append(to_wire(rec))
-    return out
+    return [to_wire(r) for r in group(reg, engine, wire.TaskRef(reg.builtin_id, BUILTIN_TRAIN, seed), pattern, lineage)]
 
 
 class Followers:
