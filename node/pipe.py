@@ -24,6 +24,7 @@ from murmur.gossip.errors import DecodeError
 
 MAX_MESSAGE = 64 * 1024 * 1024  # a batch of encoded rollouts, or one signed envelope
 MAX_VERSION = 2**63 - 1  # a policy version, as the wire bounds it (gossip.wire.U64)
+MAX_HELDOUT_TASKS = 1_000_000  # tasks one held-out evaluation may report
 
 
 class FollowInfo(Struct, forbid_unknown_fields=True):
@@ -120,6 +121,7 @@ class Step(Struct, tag="step", forbid_unknown_fields=True):
     updates: Annotated[int, Meta(ge=0)] = 0  # optimizer updates this step
     trained_groups: Annotated[int, Meta(ge=0)] = 0  # groups, own and external, that entered those updates
     heldout: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # held-out greedy accuracy, when measured
+    heldout_tasks: Annotated[int, Meta(ge=0, le=MAX_HELDOUT_TASKS)] = 0  # ... over this many tasks
     dropped: dict[str, int] = {}  # running totals by node.status.DROP_REASONS
 
 
@@ -130,6 +132,7 @@ class Gen(Struct, tag="gen", forbid_unknown_fields=True):
     latency_s: float = 0.0
     # held-out greedy accuracy of the weights it holds (`version`), when measured (node.worker.main.follower_eval_due)
     heldout: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    heldout_tasks: Annotated[int, Meta(ge=0, le=MAX_HELDOUT_TASKS)] = 0  # ... over this many tasks
 
 
 class Published(Struct, tag="published", forbid_unknown_fields=True):

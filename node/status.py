@@ -245,6 +245,7 @@ class NodeStatus(Struct, kw_only=True):
     roles_reason: str = ""
     roles_chosen: bool = False  # it trains or generates by the swarm's need (no configured roles)
     role_switches: int = 0  # switches between training and generating in this run
+    trials_refused: int = 0  # ... of them, returns to its own lineage from one whose weights measured worse
     hardware: str = ""
     listen: list[str] = []
     state: str = "starting"  # starting | running | stopping

@@ -225,7 +225,7 @@ def test_the_page_shows_each_arms_mean_curve_with_its_interval_and_who_trained_o
 
 def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu_beside_the_adversary(tmp_path: Path) -> None:
     """Nothing forced: every node starts as a trainer and the node's rule (`node.core.roles.want_mode` with its
-    dwell) moves some to generate for a published lineage short of rollouts; a follower's rollouts reach its
+    dwell and its trial) moves some to generate for a published lineage short of rollouts; a follower's rollouts reach its
     trainer through its pipeline, and every node still spends the same CPU. One node in four is the
     adversary: every node that trains verifies its batches, and no row of a provably bad batch (a forged
     reward or a false schedule claim) enters an update."""
@@ -241,8 +241,12 @@ def test_default_roles_form_pods_by_the_nodes_own_rule_at_equal_cpu_beside_the_a
         if mode == "follower":
             assert roles["follower_rollouts"][i] > 0
             assert any(i in f for f in roles["pods"].values())
-    # the dwell holds: at most one switch per dwell after the first choice
-    assert max(roles["switches"]) <= 1 + int(1 / DWELL_SHARE)
+    # every node that left its lineage took the other on trial, measuring both on its own CPU; a refused trial
+    # is a switch back at once, and otherwise the dwell holds: at most one switch per dwell after the first choice
+    for i, hist in enumerate(roles["history"]):
+        assert roles["trials"][i] == sum(mode == "follower" for _, mode, _ in hist) >= roles["refused"][i]
+        assert roles["refused"][i] == sum("measured" in why for _, _, why in hist)
+        assert roles["switches"][i] - roles["refused"][i] <= 1 + int(1 / DWELL_SHARE)
     trainers = [i for i, mode in enumerate(roles["final"]) if mode == "trainer"]
     assert sum(r["verified_per_node"][i] for i in trainers) > 0
     for arm in ("isolated", "swarm"):

@@ -4,32 +4,40 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from murmur.gossip.identity import Identity
 from murmur.node import pipe
 from murmur.node.core import machine as C
 from murmur.node.core import roles as R
 from murmur.node.core import supervision as SV
+from murmur.node.core.rewards import RewardBook, informative_rewards
 from murmur.node.pipe import WorkerState
 from murmur.sync.ids import Relation, lineage_id
+from murmur.training.sampler import Group
 from tests.test_core import BASE, W, announce, demand, key, make_core, manifest, of
 
 D = R.Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=4)  # needs 1.2 * 32 / 2 = 19.2 rollouts/s
 ME = R.Offer("me", rollouts_per_s=16.0, rollout_latency_s=0.5)
-OWN = (10, b"\x10" * 32)
+OWN = (0.3, b"\x10" * 32)  # its own lineage's verified reward, and id
 
 
 def opt(
-    lid: bytes = b"\x20" * 32, supply: float = 0.0, head: int = 20, standby: bool = False, d: R.Demand = D
+    lid: bytes = b"\x20" * 32,
+    supply: float = 0.0,
+    reward: float | None = 0.5,
+    standby: bool = False,
+    d: R.Demand = D,
 ) -> R.PodOption:
-    return R.PodOption(lid, d, supply, head, standby)
+    return R.PodOption(lid, d, supply, standby, reward)
 
 
 # ---------------------------------------------------------------- the rule
 
 
 def test_a_node_follows_while_a_lineage_is_short_and_trains_once_every_demand_is_met() -> None:
-    mode, why = R.want_mode("trainer", [opt(supply=5.0)], ME, OWN)
+    mode, why, lineage = R.want_mode("trainer", [opt(supply=5.0)], ME, OWN)
+    assert lineage == b"\x20" * 32
     assert mode == "follower" and "14.2 rollouts/s short" in why
     assert R.want_mode("trainer", [opt(supply=19.2)], ME, OWN)[0] == "trainer"  # met
     assert R.want_mode("trainer", [], ME, OWN)[0] == "trainer"  # nothing published: train
@@ -38,6 +46,7 @@ def test_a_node_follows_while_a_lineage_is_short_and_trains_once_every_demand_is
     assert R.want_mode("follower", [opt(supply=20.0)], ME, None)[0] == "trainer"
     # the largest unmet demand names the lineage it would serve
     assert "lineage 30303030" in R.want_mode("trainer", [opt(supply=10.0), opt(b"\x30" * 32)], ME, OWN)[1]
+    # (among lineages whose work scores alike)
 
 
 def test_a_trainer_leaves_its_lineage_only_for_a_gap_worth_its_while() -> None:
@@ -54,18 +63,21 @@ def test_only_lineages_it_can_serve_count() -> None:
     assert R.want_mode("trainer", [opt(d=unmeasured)], ME, OWN)[0] == "trainer"
 
 
-def test_a_trainer_follows_only_a_lineage_ahead_of_its_own_and_keeps_a_pod_it_leads() -> None:
-    assert R.want_mode("trainer", [opt(head=9)], ME, OWN)[0] == "trainer"
-    assert R.want_mode("trainer", [opt(b"\x01" * 32, head=10)], ME, OWN)[0] == "trainer"  # tie: by id
-    assert R.want_mode("trainer", [opt(b"\x20" * 32, head=10)], ME, OWN)[0] == "follower"
-    # of two trainers that see each other short, exactly one leaves its lineage
-    a, b = (10, b"\x0a" * 32), (10, b"\x0b" * 32)
-    a_sees, b_sees = opt(b[1], head=b[0]), opt(a[1], head=a[0])
-    assert {R.want_mode("trainer", [a_sees], ME, a)[0], R.want_mode("trainer", [b_sees], ME, b)[0]} == {
-        "trainer",
-        "follower",
-    }
-    mode, why = R.want_mode("trainer", [opt()], ME, OWN, own_supply=12.0)
+def test_a_trainer_follows_only_a_lineage_whose_verified_work_scores_above_its_own_and_keeps_a_pod_it_leads() -> None:
+    assert R.want_mode("trainer", [opt(reward=0.2)], ME, OWN)[0] == "trainer"
+    assert R.want_mode("trainer", [opt(reward=None)], ME, OWN)[0] == "trainer"  # work it never verified
+    assert R.want_mode("trainer", [opt(b"\x01" * 32, reward=0.3)], ME, OWN)[0] == "trainer"  # tie: by id
+    assert R.want_mode("trainer", [opt(b"\x20" * 32, reward=0.3)], ME, OWN)[0] == "follower"
+    assert R.want_mode("trainer", [opt(reward=0.0)], ME, (None, OWN[1]))[0] == "follower"  # its own unseen
+    # of the short lineages it could follow, the best scoring, however short the others are
+    best = opt(b"\x40" * 32, supply=15.0, reward=0.8)
+    assert R.want_mode("trainer", [opt(reward=0.5), best], ME, OWN).lineage == best.lineage
+    # of two trainers that see each other short, exactly one leaves its lineage: the one whose work scores lower
+    a, b = (0.4, b"\x0a" * 32), (0.6, b"\x0b" * 32)
+    a_sees, b_sees = opt(b[1], reward=b[0]), opt(a[1], reward=a[0])
+    assert R.want_mode("trainer", [a_sees], ME, a)[0] == "follower"
+    assert R.want_mode("trainer", [b_sees], ME, b)[0] == "trainer"
+    mode, why, _ = R.want_mode("trainer", [opt()], ME, OWN, own_supply=12.0)
     assert mode == "trainer" and "followers" in why
 
 
@@ -91,6 +103,37 @@ def test_a_flapping_announcer_cannot_switch_a_node_more_often_than_the_dwell_all
         t += 2.0
     assert switches == rule.switches
     assert 2 <= switches <= 1 + math.floor((3600.0 - 60.0) / 300.0)
+
+
+def test_a_node_refuses_to_follow_weights_it_measured_worse_than_its_own() -> None:
+    own = R.Quality(0.55, 90)
+    # a lineage a standard error of the difference behind still passes: the two readings may be one model
+    assert R.not_worse(R.Quality(0.50, 90), own)
+    assert not R.not_worse(R.Quality(0.20, 90), own)  # the adverse case: a fast-stepping, worse lineage
+    assert not R.not_worse(R.Quality(0.50, 2000), R.Quality(0.55, 2000))  # more tasks, a smaller margin
+    assert R.not_worse(R.Quality(0.0, 0), own) and R.not_worse(own, R.Quality(0.9, 0))  # nothing measured
+    assert R.not_worse(R.Quality(math.nan, 90), own) is False  # a reading that is no number passes nothing
+    # the refused lineage drops out of the choice for a dwell; the next short one is chosen instead
+    rule = R.PodRule("trainer", 0.0, observe_s=60.0, dwell_s=300.0)
+    bad, good = b"\x30" * 32, b"\x20" * 32
+    wanted = R.want_mode("trainer", [opt(good, supply=10.0), opt(bad)], ME, OWN)
+    assert wanted.lineage == bad and rule.may_switch(60.0)
+    assert rule.refuse(bad, 60.0, "its weights measured 0.20 < my 0.55") is None  # a trainer stays one
+    assert (
+        R.want_mode("trainer", [opt(good, supply=10.0), opt(bad)], ME, OWN, refused=rule.refused(61.0)).lineage == good
+    )
+    assert rule.refused(359.0) == {bad} and rule.refused(360.0) == set()  # until a dwell has passed
+    assert R.want_mode("trainer", [opt(bad)], ME, OWN, refused={bad}).mode == "trainer"
+
+
+def test_a_follower_on_trial_goes_back_to_its_own_lineage_at_once_when_the_weights_it_took_measure_worse() -> None:
+    rule = R.PodRule("trainer", 0.0, observe_s=60.0, dwell_s=300.0)
+    assert rule.step(60.0, R.Wanted("follower", "short", b"\x30" * 32)) == "follower"
+    # the trial's return waits for no dwell, and counts as a switch: after it, the dwell holds again
+    assert rule.refuse(b"\x30" * 32, 70.0, "worse") == "trainer" and rule.mode == "trainer"
+    assert rule.switches == 2 and "worse" in rule.reason
+    assert rule.step(80.0, R.Wanted("follower", "short", b"\x20" * 32)) is None and not rule.may_switch(369.0)
+    assert rule.refuse(b"\x20" * 32, 90.0, "worse") is None  # a trainer refusing a lineage stays put
 
 
 def test_configured_roles_win() -> None:
@@ -183,6 +226,83 @@ def test_the_core_switches_its_worker_to_follow_a_short_lineage_keeping_what_it_
     acts = run(core, clock, [p], 200.0, supply=lambda t: 100.0)
     assert of(acts, C.RestartWorker) == [C.RestartWorker(0.0, ("trainer", "validator"))]
     assert core.serving is None and core.committed is None
+
+
+def _left_for(p: Publisher, own_acc: float, theirs: float = 0.5) -> tuple[C.NodeCore, object]:
+    """A core that measured its own lineage at `own_acc` (90 tasks) and verified `p`'s rollouts scoring
+    `theirs` against its own 0.4, then left its lineage to follow `p`, whose first version it now holds."""
+    core, clock = auto_core()
+    core.handle(C.RolloutsVerified(p.ident.peer_id, ((p.lid, 64),), rewards=((p.lid, (theirs,) * 64),)))
+    core.handle(C.RolloutsVerified("me", ((core.own, 64),), rewards=((core.own, (0.4,) * 64),)))
+    core.handle(
+        W(
+            "step",
+            {"step": 1, "version": 2, "reward_mean": 0.5, "loss": 0.1, "n_external_groups": 0, "step_s": 2.0}
+            | {"heldout": own_acc, "heldout_tasks": 90},
+        )
+    )
+    acts = run(core, clock, [p], 100.0)
+    assert of(acts, C.RestartWorker) == [C.RestartWorker(0.0, ("follower",))]
+    core.handle(C.WorkerStarted())
+    core.handle(W("ready", {"base": BASE.hex(), "version": 0}))
+    core.handle(W("applied", {"lineage": p.lid.hex(), "version": p.head}))
+    assert core.committed == p.lid
+    return core, clock
+
+
+def test_a_core_on_trial_of_worse_weights_goes_back_to_its_own_lineage_and_passes_that_lineage_over() -> None:
+    # the attack: a publisher whose verified rollouts score best (it sends only its best groups) draws the node
+    # to try its lineage; the weights themselves, measured by the node, send it back
+    p = Publisher(key(9))
+    core, clock = _left_for(p, 0.60, theirs=0.9)
+    # the first held-out reading of what it holds: far below its own lineage's
+    acts = core.handle(W("gen", {"reward_mean": 0.3, "version": p.head, "heldout": 0.20, "heldout_tasks": 90}))
+    assert of(acts, C.RestartWorker) == [C.RestartWorker(0.0, ("trainer",))]
+    assert core.stats()["trials_refused"] == 1 and core.stats()["role_switches"] == 2
+    assert "measured 0.20 < my own 0.60" in core.role_reason
+    # the lineage stays short of rollouts, yet it is no option for this node for a dwell
+    acts = run(core, clock, [p], 250.0)
+    assert of(acts, C.RestartWorker) == [] and core.roles == ["trainer"]
+
+
+def test_a_core_on_trial_of_weights_as_good_as_its_own_keeps_following() -> None:
+    p = Publisher(key(9))
+    core, clock = _left_for(p, 0.60)
+    acts = core.handle(W("gen", {"reward_mean": 0.3, "version": p.head, "heldout": 0.57, "heldout_tasks": 90}))
+    assert of(acts, C.RestartWorker) == [] and core.roles == ["follower"]
+    # the trial is over: a later, worse reading (the lineage may dip) moves nothing before the dwell
+    acts = core.handle(W("gen", {"reward_mean": 0.3, "version": p.head, "heldout": 0.10, "heldout_tasks": 90}))
+    assert of(acts, C.RestartWorker) == [] and core.stats()["trials_refused"] == 0
+
+
+def test_a_trainer_core_stays_when_the_lineage_it_could_follow_scores_below_its_own() -> None:
+    p = Publisher(key(9))
+    core, clock = auto_core()
+    core.handle(C.RolloutsVerified(p.ident.peer_id, ((p.lid, 64),), rewards=((p.lid, (0.1,) * 64),)))
+    core.handle(C.RolloutsVerified("me", ((core.own, 64),), rewards=((core.own, (0.4,) * 64),)))
+    acts = run(core, clock, [p], 200.0)
+    assert of(acts, C.RestartWorker) == [] and core.roles == ["trainer"]
+    assert "short of rollouts: train my own" in core.role_reason
+
+
+def test_the_reward_book_keeps_a_window_of_sane_rewards_for_a_bounded_number_of_lineages() -> None:
+    book = RewardBook(max_lineages=2, window=4)
+    book.add(b"a", [1.0, 0.0, math.nan, math.inf, -1.0, 7.0])  # only numbers a verifier can give count
+    assert book.mean(b"a") == 0.5 and book.mean(b"z") is None
+    book.add(b"a", [1.0, 1.0, 1.0, 1.0])
+    assert book.mean(b"a") == 1.0  # the latest window only
+    book.add(b"b", [0.0])
+    book.add(b"c", [0.0])  # a third lineage: the one updated longest ago goes
+    assert book.mean(b"a") is None and len(book.rows) == 2
+
+    def rollout(reward: float):  # what the book reads of a verified rollout
+        return SimpleNamespace(reward=reward)
+
+    groups = [
+        Group((b"t", "g", 1), b"l", 0, (rollout(1.0), rollout(0.0))),
+        Group((b"t", "g", 2), b"l", 0, (rollout(1.0), rollout(1.0)), uniform=True),  # kept for a schedule
+    ]
+    assert informative_rewards(groups) == {b"l": [1.0, 0.0]}
 
 
 def test_configured_roles_never_switch() -> None:

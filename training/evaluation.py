@@ -78,14 +78,14 @@ def check_evaluation(sets: Iterable[TaskSetManifest], warmup: list[GeneratorSpec
                         )
 
 
-def held_out_tasks(m: TaskSetManifest, per_family: int) -> list[EvalTask]:
-    """The first `per_family` seeds of each eval generator of `m`."""
+def held_out_tasks(m: TaskSetManifest, per_family: int, skip: int = 0) -> list[EvalTask]:
+    """`per_family` seeds of each eval generator of `m`, after its first `skip`."""
     gens = eval_generators(m)
     if not gens:
         raise TaskError(f"task set {m.name!r} names no eval generator (a '<family>-eval' generator)")
     out = []
     for g in gens:
-        for s in range(g.seed_start, min(g.seed_end, g.seed_start + per_family)):
+        for s in range(g.seed_start + skip, min(g.seed_end, g.seed_start + skip + per_family)):
             out.append(
                 EvalTask(family_of(g.name), generate(g.generator, g.config, s, g.verifier or m.verifier, m.tolerance))
             )

@@ -10,6 +10,7 @@ from murmur.gossip import exchange, wire
 from murmur.gossip.identity import peer_id_from_public
 from murmur.gossip.scoring import Penalise  # one penalty action for every machine
 from murmur.node import pipe
+from murmur.node.core.rewards import informative_rewards
 from murmur.sync.ids import Relation
 from murmur.sync.items import StoredItem
 from murmur.training import sampler
@@ -139,6 +140,8 @@ class RolloutsVerified:
     producer: str  # peer id of the batch's signer
     lineages: tuple[tuple[bytes, int], ...]  # (lineage, rollouts)
     usable: tuple[tuple[bytes, bytes, int], ...] = ()  # (lineage, tokenizer hash, rollouts in informative groups)
+    # (lineage, the verified rewards of its rollouts in informative groups): what `node.core.rewards` keeps
+    rewards: tuple[tuple[bytes, tuple[float, ...]], ...] = ()
 
     @classmethod
     def of(cls, batch: wire.RolloutBatch) -> RolloutsVerified:
@@ -147,7 +150,8 @@ class RolloutsVerified:
             lid = bytes(r.lineage)
             n[lid] = n.get(lid, 0) + 1
         u: dict[tuple[bytes, bytes], int] = {}
-        for g in sampler.split(batch.rollouts)[0]:
+        groups = sampler.split(batch.rollouts)[0]
+        for g in groups:
             if g.uniform:  # kept only to join a receiver's own group of its task: not work a trainer uses as sent
                 continue
             for r in g.rollouts:
@@ -157,6 +161,7 @@ class RolloutsVerified:
             peer_id_from_public(bytes(batch.producer)),
             tuple(n.items()),
             tuple((lid, tok, c) for (lid, tok), c in u.items()),
+            tuple((lid, tuple(rs)) for lid, rs in informative_rewards(groups).items()),
         )
 
 

@@ -107,6 +107,7 @@ from murmur.node.core.events import RestartWorker as RestartWorker
 from murmur.node.core.events import SeePeer as SeePeer
 from murmur.node.core.lineages import MIN_STEP_S, LineageState, LineageTable, Refusal
 from murmur.node.core.peertable import PeerInfo, PeerTable
+from murmur.node.core.rewards import RewardBook
 from murmur.node.core.roles import ROLE_OBSERVE_S
 from murmur.node.core.sealing import RolloutSealer
 from murmur.node.core.supervision import WorkerSupervisor
@@ -225,11 +226,14 @@ class NodeCore:
             "lineages_left": 0,
             "spot_eligible": 0,
             "role_switches": 0,
+            "trials_refused": 0,
             "groups_trained": 0,
         }
         self.deliveries = Deliveries(max_peers=settings.max_peers)  # verified rollouts for our lineage, per producer
         self.tokenizer = b""  # our worker's tokenizer hash (its Ready): deliveries under another earn no credit
         self.supplied = Deliveries(max_peers=settings.max_peers)  # verified rollouts of any lineage, per producer
+        # per lineage, the verified rewards of its informative groups: what orders the lineages it would follow
+        self.verified_rewards = RewardBook(settings.max_lineages)
         self.steps = 0
         self.rewards: deque[float] = deque(maxlen=60)
         self.reward_first: list[float] = []
@@ -238,6 +242,9 @@ class NodeCore:
         # version a follower held, accuracy)
         self.swarm_gave: deque[tuple[int, int, int]] = deque(maxlen=STEP_WINDOW)
         self.heldout: deque[tuple[int, float]] = deque(maxlen=60)
+        # our own lineage's last held-out reading, and while a lineage we left it for is on trial, that reading
+        self.own_quality: roles.Quality | None = None
+        self.trial_of: roles.Quality | None = None
         self.version_times: deque[float] = deque(maxlen=8)
         self.fetch_s: deque[tuple[float, float]] = deque(maxlen=8)  # (when, seconds to deliver a patch)
         self.last_publish = 0.0
@@ -402,6 +409,8 @@ class NodeCore:
             for lid, tok, n in ev.usable:
                 if lid == self.own and tok == self.tokenizer:
                     self.deliveries.add(ev.producer, n, now)
+            for lid, rs in ev.rewards:
+                self.verified_rewards.add(lid, rs)
         else:
             assert_never(ev)
         return out
@@ -538,7 +547,13 @@ class NodeCore:
                 continue  # announced, never published: a head moved by announces proves no training
             mine = me.rollouts_per_s if mode == "follower" and lin.lineage == self.committed else 0.0
             options.append(
-                roles.PodOption(lin.lineage, d, max(0.0, lin.supply - mine), lin.signed_head, me.peer_id in lin.standby)
+                roles.PodOption(
+                    lin.lineage,
+                    d,
+                    max(0.0, lin.supply - mine),
+                    me.peer_id in lin.standby,
+                    self.verified_rewards.mean(lin.lineage),
+                )
             )
         own = self.table.rows.get(self.own) if self.own is not None else None
         act = own.activation if own is not None and mode == "trainer" else None
@@ -546,13 +561,38 @@ class NodeCore:
             mode,
             options,
             me,
-            (own.head, own.lineage) if own is not None else None,
+            (self.verified_rewards.mean(own.lineage), own.lineage) if own is not None else None,
             act.supply if act is not None and act.active else 0.0,
             self.dissemination_s(now),
+            refused=self.pods.refused(now),
         )
         new = self.pods.step(now, wanted)
-        if new is None:
+        if new is not None:
+            # the lineage it takes is on trial until the weights it holds of it are measured (`_judge_trial`)
+            self.trial_of = self.own_quality if new == "follower" else None
+            self._switch_mode(now, new, out)
+
+    def _judge_trial(self, quality: roles.Quality, now: float, out: list[Action]) -> None:
+        """The first held-out reading of a lineage this node left its own for (`_choose_mode`): weights
+        measurably worse than its own (`roles.not_worse`) send it back to its own lineage at once, and that
+        lineage is no option for a dwell (`roles.PodRule.refuse`)."""
+        if self.trial_of is None or self.pods is None or self.committed is None:
             return
+        own, self.trial_of = self.trial_of, None
+        if roles.not_worse(quality, own):
+            return
+        why = (
+            f"lineage {self.committed.hex()[:8]} measured {quality.accuracy:.2f} < my own {own.accuracy:.2f}:"
+            " back to my lineage"
+        )
+        self.counts["trials_refused"] += 1
+        new = self.pods.refuse(self.committed, now, why)
+        if new is not None:
+            self._switch_mode(now, new, out)
+
+    def _switch_mode(self, now: float, new: str, out: list[Action]) -> None:
+        """Restart the worker as a `new` (trainer or follower), keeping what the node holds."""
+        assert self.pods is not None
         self.roles = roles.switch_roles(self.roles, new)
         # the new worker starts afresh: nothing followed, nothing told; the store keeps every lineage it held
         self.table.drop_choice()
@@ -570,7 +610,10 @@ class NodeCore:
             return
         me = roles.Offer(self.ident.peer_id, roles.offer_rate(self.gen_tps, self.tokens_per_rollout), self.latency)
         options = []
+        refused = self.pods.refused(now) if self.pods is not None else set()
         for lin, d in self.table.followable(now, self.s.follow):
+            if lin.lineage in refused:
+                continue
             # the supply its trainer signs (claims capped by verified delivery), less our own share of it:
             # another follower's announced throughput is its own claim, which this node cannot observe
             mine = me.rollouts_per_s if lin.lineage == self.serving and me.peer_id not in lin.standby else 0.0
@@ -727,7 +770,9 @@ class NodeCore:
                 outbox.set_rate(self._publish_budget(now, self.exchange.shards, max(1.0, self.batch_rollouts)), now)
             # the budget is for our own lineage's rollouts; a lineage we serve as a follower takes all we make
             allow = None if outbox is None else (lambda lid, n: lid != self.own or outbox.take(n, now))
-            self.sealer.seal(m.items, now, wall_ms, self.exchange.publish_shard, out, allow)
+            self.verified_rewards.add_groups(
+                self.sealer.seal(m.items, now, wall_ms, self.exchange.publish_shard, out, allow)
+            )
         elif isinstance(m, pipe.Step):
             self.steps += 1
             self._reward(m.reward_mean)
@@ -736,6 +781,7 @@ class NodeCore:
             self.swarm_gave.append((m.external_groups, m.external_lineages, m.updates))
             if m.heldout is not None:
                 self.heldout.append((m.step, m.heldout))
+                self.own_quality = roles.Quality(m.heldout, m.heldout_tasks)
             self.step_times.append(max(0.0, _finite(m.step_s)))
             out.append(
                 Log(
@@ -754,6 +800,8 @@ class NodeCore:
             self._reward(m.reward_mean)
             if m.heldout is not None:  # a follower's, of the version it holds
                 self.heldout.append((m.version, m.heldout))
+                if self.trial_of is not None:
+                    self._judge_trial(roles.Quality(m.heldout, m.heldout_tasks), now, out)
         elif isinstance(m, pipe.Published):
             if self.last_publish:
                 self.version_times.append(now - self.last_publish)

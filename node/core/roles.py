@@ -24,8 +24,9 @@ lineage with the largest unmet demand among those it can serve in time.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from murmur.gossip.errors import ConfigError
 from murmur.node.core import credit
@@ -289,13 +290,51 @@ class PodOption:
     `demand`: its publisher's signed demand, its step time no shorter than the signed versions' cadence
     (`node.core.lineages.LineageTable.effective_demand`); `supply`: the supply its publisher signs (followers'
     claims capped by their verified delivery), less this node's own share; `standby`: its publisher told
-    this node to stand by. Nothing a follower says of itself enters."""
+    this node to stand by; `reward`: the mean verified reward of its rollouts this node saw
+    (`node.core.rewards`), None before any. Nothing a follower says of itself enters."""
 
     lineage: bytes
     demand: Demand
     supply: float
-    head: int
     standby: bool = False
+    reward: float | None = None
+
+
+def seen_reward(reward: float | None) -> float:
+    """A lineage's verified reward for ordering: one whose work this node never verified comes last."""
+    return -1.0 if reward is None else reward
+
+
+class Wanted(NamedTuple):
+    """`want_mode`'s answer: the mode, why, and (to follow) the lineage it would serve."""
+
+    mode: str
+    why: str
+    lineage: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Quality:
+    """Held-out greedy accuracy that this node measured itself on weights it holds, and over how many tasks:
+    no peer's word enters it."""
+
+    accuracy: float
+    tasks: int
+
+
+def not_worse(candidate: Quality, own: Quality) -> bool:
+    """Whether weights measured at `candidate` are not measurably worse than our own at `own`: at most one
+    standard error of the difference below. A node leaving its lineage for another gives up its own weights
+    for that lineage's, so it takes only weights at least as good (a fast-stepping, worse lineage asks for the
+    most rollouts and would draw the best nodes to it). With either side unmeasured, nothing is known: it passes."""
+    if own.tasks <= 0 or candidate.tasks <= 0:
+        return True
+    if not (0.0 <= candidate.accuracy <= 1.0 and 0.0 <= own.accuracy <= 1.0):
+        return False
+    var = (
+        candidate.accuracy * (1 - candidate.accuracy) / candidate.tasks + own.accuracy * (1 - own.accuracy) / own.tasks
+    )
+    return candidate.accuracy >= own.accuracy - math.sqrt(var)
 
 
 def pod_unmet(o: PodOption, margin: float = DEFAULT_MARGIN) -> float:
@@ -306,19 +345,23 @@ def want_mode(
     mode: str,
     options: Iterable[PodOption],
     me: Offer,
-    own: tuple[int, bytes] | None,
+    own: tuple[float | None, bytes] | None,
     own_supply: float = 0.0,
     dissemination_s: float = 0.0,
     margin: float = DEFAULT_MARGIN,
-) -> tuple[str, str]:
-    """("trainer" | "follower", why): what a node able to train should be, from what it observes now.
+    refused: Collection[bytes] = (),
+) -> Wanted:
+    """What a node able to train should be, why, and the lineage it would serve, from what it observes now.
 
     It follows while a lineage it can serve within the staleness bound, and was not told to stand by for,
     has unmet demand (a trainer: at least `FOLLOW_SHARE` of its own generation rate); it trains when every
     such lineage's demand is met. A trainer whose own lineage has
     followers (`own_supply`, what its activation counts) keeps its pod; and a trainer follows only a lineage
-    at least as far along as its own (`own`: its head and id; ties by id), so trainers that start together
-    never all leave their lineages on the same evidence: the one furthest along keeps training.
+    whose rollouts it verified scoring above its own (`own`: its own lineage's verified reward and id; ties
+    by id), so trainers that start together never all leave their lineages on the same evidence: the one
+    whose policy scores best keeps training. Of the lineages it could follow it takes the best scoring
+    (then the shortest of rollouts). The score only orders: lineages it `refused` (their weights, on trial,
+    measured worse than its own: `not_worse`, `PodRule.refuse`) are not options.
     """
     # a trainer leaves its lineage only for a gap worth a share of what it would generate: a publisher whose
     # signed versions come slowly asks for little (its demand is bounded by their cadence) and pulls no one
@@ -326,17 +369,25 @@ def want_mode(
     best: tuple[float, PodOption] | None = None
     for o in options:
         gap = pod_unmet(o, margin)
-        if gap <= max(floor, 1e-9) or o.standby or not fits_staleness(o.demand, me.rollout_latency_s, dissemination_s):
+        if gap <= max(floor, 1e-9) or o.standby or o.lineage in refused:
             continue
-        if mode == "trainer" and own is not None and (o.head, o.lineage) <= own:
+        if not fits_staleness(o.demand, me.rollout_latency_s, dissemination_s):
             continue
-        if best is None or (gap, o.lineage) > (best[0], best[1].lineage):
+        if (
+            mode == "trainer"
+            and own is not None
+            and (seen_reward(o.reward), o.lineage) <= (seen_reward(own[0]), own[1])
+        ):
+            continue
+        rank = (seen_reward(o.reward), gap, o.lineage)
+        if best is None or rank > (seen_reward(best[1].reward), best[0], best[1].lineage):
             best = (gap, o)
     if mode == "trainer" and own_supply > 0:
-        return "trainer", f"my lineage has followers ({own_supply:.1f} rollouts/s): keep training it"
+        return Wanted("trainer", f"my lineage has followers ({own_supply:.1f} rollouts/s): keep training it")
     if best is not None:
-        return "follower", f"lineage {best[1].lineage.hex()[:8]} is {best[0]:.1f} rollouts/s short: generate for it"
-    return "trainer", "no published lineage I can serve in time is short of rollouts: train my own"
+        why = f"lineage {best[1].lineage.hex()[:8]} is {best[0]:.1f} rollouts/s short: generate for it"
+        return Wanted("follower", why, best[1].lineage)
+    return Wanted("trainer", "no published lineage I can serve in time is short of rollouts: train my own")
 
 
 class PodRule:
@@ -364,10 +415,32 @@ class PodRule:
         self.next_at = now + max(0.0, observe_s) * self.stretch
         self.switches = 0
         self.reason = f"{mode} from the hardware; watching the swarm before choosing"
+        self.refusals: dict[bytes, float] = {}  # lineage -> until when it is no option (`refuse`)
 
-    def step(self, now: float, wanted: tuple[str, str]) -> str | None:
+    def may_switch(self, now: float) -> bool:
+        """Whether a switch `step` is fed would happen at `now` (the observation or the dwell has passed)."""
+        return now >= self.next_at
+
+    def refused(self, now: float) -> set[bytes]:
+        """The lineages refused within a dwell of `now`: `want_mode` passes them over."""
+        self.refusals = {lin: until for lin, until in self.refusals.items() if until > now}
+        return set(self.refusals)
+
+    def refuse(self, lineage: bytes, now: float, why: str) -> str | None:
+        """`lineage`'s weights measured worse than this node's own (`not_worse`): it is no option for a dwell.
+        A trainer stays one (None); a follower on trial of it goes back to its own lineage at once ("trainer"),
+        a switch that counts and starts a dwell, so a node leaves and returns at most once a dwell."""
+        self.refusals[lineage] = now + self.dwell_s * self.stretch
+        if self.mode != "follower":
+            return None
+        self.mode, self.since, self.reason = "trainer", now, why
+        self.next_at = now + self.dwell_s * self.stretch
+        self.switches += 1
+        return "trainer"
+
+    def step(self, now: float, wanted: tuple[str, str] | Wanted) -> str | None:
         """Feed `want_mode`'s answer at `now`: the new mode when the node switches now, else None."""
-        mode, why = wanted
+        mode, why = wanted[0], wanted[1]
         if mode == self.mode:
             watching = not self.switches and now < self.next_at
             self.reason = f"{why} (watching the swarm: first choice in {self.next_at - now:.0f} s)" if watching else why

@@ -23,7 +23,7 @@ from murmur.gossip.errors import DecodeError
 from murmur.gossip.identity import Identity
 from murmur.gossip.ratelimit import RateMeter
 from murmur.node.core.events import Action, Log, Publish, RecordRollouts, Topic
-from murmur.training.sampler import split
+from murmur.training.sampler import Group, split
 from murmur.training.schedule import publishable
 
 BATCH_MAX_ROLLOUTS = wire.MAX_ROLLOUTS_PER_BATCH
@@ -52,10 +52,11 @@ class RolloutSealer:
         shard_of: Callable[[bytes], int],
         out: list[Action],
         allow: Callable[[bytes, int], bool] | None = None,
-    ) -> None:
+    ) -> list[Group]:
         """Our worker's encoded rollouts: a `RecordRollouts` then a `Publish` to `shard_of(lineage)` per batch;
         `wall_ms` (unix milliseconds) stamps the batches' `created_ms`, which receivers' freshness checks read.
-        `allow(lineage, n)`: whether a group of n rollouts (one task's) goes out; None: all do."""
+        `allow(lineage, n)`: whether a group of n rollouts (one task's) goes out; None: all do. Returns the
+        groups a receiver would keep, sent or not."""
         from murmur.gossip.validation import rollout_id
 
         rollouts = []
@@ -135,6 +136,7 @@ class RolloutSealer:
             self.publish_meter.tick(now)
             self.sealed += len(part)
             out.append(Publish(Topic.ROLLOUTS, data, len(part), shard_of(lid)))
+        return groups
 
     def rate(self, now: float) -> float:
         """Rollout batches/s published lately."""

@@ -104,6 +104,7 @@ def node_status(node: Any, loop_now: float | None = None) -> NodeStatus:
         roles_reason=c.role_reason or node.roles_reason,
         roles_chosen=c.pods is not None,
         role_switches=counts["role_switches"],
+        trials_refused=counts["trials_refused"],
         listen=node.transport.listen_addrs() if node.transport else [],
         state=node.state,
         uptime_s=now - node.started,

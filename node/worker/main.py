@@ -242,6 +242,7 @@ class Worker:
         self._send_lock = threading.Lock()
         self.tokens = 0
         self.gen_s = 0.0
+        self.heldout_tasks = 0  # tasks the last `_evaluate` measured on
         self.eval_s = 0.0  # a follower's time evaluating held-out accuracy (bounded by FOLLOW_EVAL_SHARE)
         self.evaluated: tuple[bytes, int] | None = None  # the (lineage, version) a follower last evaluated
         self.need_anchor = False
@@ -354,12 +355,14 @@ class Worker:
 
         max_new = int(self.spec["trainer"]["max_new_tokens"])
         alls = []
+        self.heldout_tasks = 0
         for tid, _ in self.tasks.mixture:
             tasks = self.tasks.eval_tasks(tid)
             if tasks:
                 acc = accuracy_by_family(self.checker, tasks, max_new)
                 self.tasks.record_eval(tid, step, acc)
                 alls.append(acc["all"])
+                self.heldout_tasks += len(tasks)
         return sum(alls) / len(alls) if alls else None
 
     # ------------------------------------------------------------ trainer
@@ -497,6 +500,7 @@ class Worker:
                     "updates": res.updates,
                     "trained_groups": res.trained_groups,
                     "heldout": heldout,
+                    "heldout_tasks": self.heldout_tasks if heldout is not None else 0,
                     "published": published,
                     "sampler": sampler_counts,
                     "dropped": {
@@ -797,6 +801,7 @@ class Worker:
                     "tokens": ntok,
                     "latency_s": dt,
                     "heldout": heldout,
+                    "heldout_tasks": self.heldout_tasks if heldout is not None else 0,
                 },
             )
             self.send("perf", {"gen_tokens_per_s": ntok / dt if dt > 0 else 0.0, "rollout_latency_s": dt})

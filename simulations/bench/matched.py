@@ -43,6 +43,7 @@ from typing import Any
 
 from murmur.gossip.validation import Pipeline, PipelineConfig
 from murmur.node.config import MAX_OVERSAMPLE
+from murmur.node.core.rewards import RewardBook
 from murmur.simulations import curves
 from murmur.simulations.bench import useless
 from murmur.simulations.bench.swarm import SWARM, _ident, _seal
@@ -111,6 +112,7 @@ class _Node:
     groups_trained: int = 0  # groups, own and others', that entered its updates
     groups_pooled: int = 0  # ... of them, own groups that swarm rollouts of the same task joined
     groups_rescued: int = 0  # ... of those, own groups that alone were all right or all wrong
+    book: RewardBook | None = None  # verified rewards per lineage of what it sent and accepted (default roles)
     curve: list[float] = field(default_factory=list)
     wellformed: list[dict[str, float]] = field(default_factory=list)  # per checkpoint, per family
     last_eval: tuple[dict[str, float], dict[str, float]] = ({}, {})  # (accuracy, well-formed share) per family
@@ -180,6 +182,8 @@ def _send(node: _Node, rows: list[Any]) -> list[bytes]:
     prompt, so no receiver verifies it for nothing. Counts the groups sent."""
     groups, _ = split(rows)
     node.groups_sent += len(groups)
+    if node.book is not None:
+        node.book.add_groups(groups)
     return _seal(node, [r for g in groups for r in g.rollouts]) if groups else []
 
 
@@ -191,6 +195,8 @@ def _receive(node: _Node, payloads: list[bytes], sender: str) -> None:
         v = node.pipeline.check(data, sender)
         if v.accepted and v.batch is not None:
             node.verified += len(v.batch.rollouts)
+            if node.book is not None:
+                node.book.add_groups(split(v.batch.rollouts)[0])
             node.sampler.add_rollouts(v.batch.rollouts, bytes(v.batch.producer))
     dt = time.thread_time() - c0
     node.cpu += dt

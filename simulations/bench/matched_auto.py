@@ -3,7 +3,10 @@ forced. Each starts as a node able to train does (a trainer of its own lineage) 
 by the node's own rule, `node.core.roles.want_mode` held to its dwell by `node.core.roles.PodRule`, from what it
 observes: the published lineages' demand (the trainer's `local_groups x group_size` rollouts a step over its
 measured step time, as `node.core.machine` announces it), the supply their followers measurably deliver, and its own
-measured generation rate. A follower picks its lineage with `node.core.roles.choose_lineage`, holds that
+measured generation rate. A node that leaves its lineage takes the chosen lineage's weights on trial: it
+measures them and its own on held-out tasks of its own (`trial_tasks`, none of which the arm's accuracy is
+measured on), on its own CPU, and goes back to its own lineage at once when they are measurably worse
+(`node.core.roles.not_worse`, `PodRule.refuse`). A follower picks its lineage with `node.core.roles.choose_lineage`, holds that
 lineage's current weights (a patch applied at once: transport is not modelled), generates `local_groups`
 groups per turn on its own CPU and sends the informative ones to the trainer, which verifies them on its own
 CPU and trains on them as its own lineage's. A trainer takes up to `external_groups` external groups a step per follower it
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from murmur.node.core import roles as R
+from murmur.node.core.rewards import RewardBook
 from murmur.simulations.bench.matched import (
     _follower_rollouts,
     _mean_dicts,
@@ -51,6 +55,8 @@ class _Mode:
     own_state: dict[str, Any] | None = None  # its own lineage's weights while it follows
     made: int = 0  # rollouts it generated as a follower
     made_cpu: float = 0.0  # and the CPU they took
+    trials: int = 0  # lineages it took on trial
+    refused: int = 0  # ... and went back from, their weights measured worse than its own
     steps: int = 0  # its trainer steps
     history: list[tuple[float, str, str]] = field(default_factory=list)  # (cpu, mode, reason) per switch
 
@@ -65,6 +71,28 @@ def _gen_rate(n: _Node, m: _Mode, rollouts_per_step: int) -> float:
     made = m.made + m.steps * rollouts_per_step
     cpu = m.made_cpu + n.gen_cpu
     return made / cpu if cpu > 0 and made else 0.0
+
+
+def trial_tasks(answers: str, per_family: int) -> list[Any]:
+    """The held-out tasks a node measures a lineage's weights on before it serves it: as many per family
+    as the arm measures accuracy on, from seeds after those (`matched.make_nodes`), so no choice is made on
+    the tasks that score the arm."""
+    from murmur.simulations.bench.matched import task_registry
+    from murmur.training.evaluation import held_out_tasks
+
+    reg, set_id = task_registry(answers)
+    return held_out_tasks(reg.get(set_id), per_family, skip=per_family)
+
+
+def _quality(n: _Node, engine: Any, tasks: list[Any], new_tokens: int) -> R.Quality:
+    """`engine`'s held-out accuracy on `tasks`, measured on `n`'s CPU (a node's rule pays for what it measures)."""
+    from murmur.training.evaluation import greedy_eval
+
+    gen_cpu, c0 = n.gen_cpu, time.thread_time()
+    acc = greedy_eval(engine, tasks, new_tokens)[0]["all"]
+    n.cpu += time.thread_time() - c0
+    n.gen_cpu = gen_cpu  # the engine counts its sampling as a step's generation: this is none
+    return R.Quality(acc, len(tasks))
 
 
 def run_auto_arm(
@@ -109,6 +137,9 @@ def run_auto_arm(
         for n in ns
     ]
     rngs = [random.Random(seed * 100 + 70 + n.index) for n in ns]
+    judge = trial_tasks(answers, eval_per_family)
+    for n in ns:
+        n.book = RewardBook(nodes + 1)
     marks = [cpu_s * k / checkpoints for k in range(checkpoints + 1)]
     for n in ns:
         evaluate_node(n, tasks, new_tokens)
@@ -137,23 +168,41 @@ def run_auto_arm(
         m = modes[i]
         me = offer(i)
         seen = [(t, demand(t), supply(t, but=i)) for t in published(i)]  # what this node observes now
-        options = [R.PodOption(ns[t].lineage, d, sup, ns[t].trainer.version) for t, d, sup in seen]
-        own = (ns[i].trainer.version, ns[i].lineage) if m.mode == "trainer" else None
-        wanted = R.want_mode(m.mode, options, me, own, supply(i) if m.mode == "trainer" else 0.0)
+        book = ns[i].book
+        assert book is not None
+        options = [R.PodOption(ns[t].lineage, d, sup, reward=book.mean(ns[t].lineage)) for t, d, sup in seen]
+        own = (book.mean(ns[i].lineage), ns[i].lineage) if m.mode == "trainer" else None
+        wanted = R.want_mode(
+            m.mode, options, me, own, supply(i) if m.mode == "trainer" else 0.0, refused=m.rule.refused(ns[i].cpu)
+        )
         new = m.rule.step(ns[i].cpu, wanted)
         if new == "follower":
             m.own_state = {k: v.clone() for k, v in ns[i].engine.model.state_dict().items()}
             m.serves = None
-        elif new == "trainer":
+            t = next(t for t, _, _ in seen if ns[t].lineage == wanted.lineage)
+            # the trial: the chosen lineage's weights (taken at once: transport is not modelled) against its own
+            mine = _quality(ns[i], ns[i].engine, judge, new_tokens)
+            ns[i].engine.model.load_state_dict(ns[t].engine.model.state_dict())
+            theirs = _quality(ns[i], ns[i].engine, judge, new_tokens)
+            m.trials += 1
+            if R.not_worse(theirs, mine):
+                m.serves = t
+            else:
+                why = f"lineage {ns[t].lineage.hex()[:8]} measured {theirs.accuracy:.2f} < my {mine.accuracy:.2f}"
+                m.history.append((round(ns[i].cpu, 2), "follower", f"on trial: {wanted.why}"))
+                new = m.rule.refuse(ns[t].lineage, ns[i].cpu, why)
+                m.refused += 1
+        if new == "trainer":
             assert m.own_state is not None
             ns[i].engine.model.load_state_dict(m.own_state)  # back to its own lineage, where it left it
             m.own_state, m.serves = None, None
         if new is not None:
             m.history.append((round(ns[i].cpu, 2), new, m.rule.reason))
         if m.mode == "follower":
+            refused = m.rule.refused(ns[i].cpu)
             choice = R.choose_lineage(
                 me,
-                [R.LineageOption(ns[t].lineage, d, sup) for t, d, sup in seen],
+                [R.LineageOption(ns[t].lineage, d, sup) for t, d, sup in seen if ns[t].lineage not in refused],
                 current=None if m.serves is None else ns[m.serves].lineage,
             )
             m.serves = next((t for t, _, _ in seen if ns[t].lineage == choice.lineage), None)
@@ -229,6 +278,8 @@ def run_auto_arm(
             "switches": [len(modes[n.index].history) for n in ns],
             "history": [modes[n.index].history for n in ns],
             "follower_rollouts": [modes[n.index].made for n in ns],
+            "trials": [modes[n.index].trials for n in ns],
+            "refused": [modes[n.index].refused for n in ns],
         },
         "sampler": {
             k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
