@@ -48,6 +48,20 @@ def test_a_tiny_paired_run_spends_equal_cpu_per_node(tmp_path: Path) -> None:
         assert all(0 <= v <= 1 for v in r["final_wellformed"][arm].values())
 
 
+def test_same_start_gives_every_node_one_warm_up_and_its_own_sampling(tmp_path: Path) -> None:
+    def weights(same: bool) -> list[list[float]]:
+        ns, _, _ = bm.make_nodes(3, 0, tmp_path, 2, "short", 2, 16, False, same_start=same)
+        return [[float(v.float().sum()) for v in n.engine.model.state_dict().values()] for n in ns]
+
+    same, own = weights(True), weights(False)
+    assert same[0] == same[1] == same[2] == own[0]  # node 0's warm-up
+    assert own[1] != own[0] and own[2] != own[0]
+    assert (
+        len({n.trainer.cfg.seed for n in bm.make_nodes(3, 0, tmp_path, 2, "short", 2, 16, False, same_start=True)[0]})
+        == 3
+    )
+
+
 def test_a_trainer_with_followers_verifies_and_pools_their_informative_groups_on_its_own_cpu(tmp_path: Path) -> None:
     # warmed up enough that some groups are informative and some not
     r = bm.run_seed(2, 0, 0.6, 2, 2, home=str(tmp_path), warmup_steps=WARM, followers=2)

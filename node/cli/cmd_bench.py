@@ -208,6 +208,14 @@ def bench_swarm(
             "foreign_share_max, ..., pod_yield) for every trainer of both arms, in place of its default; repeatable",
         ),
     ] = None,
+    same_start: Annotated[
+        bool,
+        typer.Option(
+            "--same-start",
+            help="with --matched: every node of both arms starts from one warm-up of the model (as volunteers who "
+            "fetch one base model), not each from its own",
+        ),
+    ] = False,
 ) -> None:
     """Isolated vs swarm vs swarm-with-adversary cumulative reward (SAPO-style); with --matched, held-out
     accuracy at equal CPU per node."""
@@ -243,6 +251,7 @@ def bench_swarm(
             follower_oversample=follower_oversample,
             schedule_share=schedule_share,
             foreign=overrides,
+            same_start=same_start,
         )
         if out is not None:
             from murmur.simulations.bench.matched_page import write_page

@@ -343,6 +343,7 @@ def make_nodes(
     select_groups: int = 0,
     schedule_share: float = 0.0,
     foreign: dict[str, Any] | None = None,
+    same_start: bool = False,
 ) -> tuple[list[_Node], list[Any], dict[bytes, int]]:
     """`nodes` trainers, node i warmed up from its own seed, each with its own key, lineage, engine and (in a
     swarm) its own pipeline and sampler; with the adversary `adv`, each sampler's `take_rollouts` is wrapped
@@ -350,7 +351,9 @@ def make_nodes(
     `select_groups`: the trainers' PODS down-sampling (`TrainerConfig.select_groups`); `schedule_share`: the
     share of each trainer's prompts drawn from the shared prompt schedule (`[training] schedule_share`);
     `foreign`: `TrainerConfig` values of the foreign-rollout keys (`training.foreign.FOREIGN_KEYS`) that
-    replace their defaults. Returns the nodes, the held-out tasks and the heads table their pipelines read."""
+    replace their defaults; `same_start`: every node from node 0's warm-up (volunteers who fetch one base
+    model), not each from its own. Returns the nodes, the held-out tasks and the heads table their pipelines
+    read."""
     from murmur.training.engine_hf import HFEngine
     from murmur.training.evaluation import held_out_tasks
     from murmur.training.tiny import ensure_tiny
@@ -370,8 +373,8 @@ def make_nodes(
         lineage = _lineage(ident)
         reg, set_id = task_registry(answers)
         tasks = tasks or held_out_tasks(reg.get(set_id), eval_per_family)
-        # each node its own warm-up
-        path = ensure_tiny(home, seed=seed * 64 + i, warmup_steps=warmup_steps, answers=answers)
+        # each node its own warm-up, or all node 0's
+        path = ensure_tiny(home, seed=seed * 64 + (0 if same_start else i), warmup_steps=warmup_steps, answers=answers)
         engine = HFEngine.from_path(path, device="cpu", seed=seed * 100 + i)
         cfg = TrainerConfig(
             **{**shape, "external_groups": external_groups, **(foreign or {})},
@@ -485,6 +488,7 @@ def run_arm(
     follower_oversample: float = 1.0,
     schedule_share: float = 0.0,
     foreign: dict[str, Any] | None = None,
+    same_start: bool = False,
 ) -> dict[str, Any]:
     """One arm: `nodes` trainers, isolated or in a swarm; with `followers` = K > 0, one trainer (node 0)
     and K followers that hold its current weights and generate I groups each for its lineage per trainer
@@ -516,6 +520,7 @@ def run_arm(
         select_groups,
         schedule_share,
         foreign,
+        same_start,
     )
     per_follower = math.ceil(int(TRAINER["local_groups"]) * follower_oversample)
     fols: list[tuple[Any, Any, random.Random]] = []  # (engine, identity, task rng) of node 0's followers
@@ -633,6 +638,7 @@ def run_seed(
     follower_oversample: float = 1.0,
     schedule_share: float = 0.0,
     foreign: dict[str, Any] | None = None,
+    same_start: bool = False,
 ) -> dict[str, Any]:
     """Both arms of one seed: N isolated nodes and a swarm of N; with `followers` = K > 0, node 0 alone
     and node 0 with K followers; with `adversary`, N - 1 honest nodes alone and the same N - 1 in a swarm
@@ -640,17 +646,18 @@ def run_seed(
     rule (`simulations.bench.matched_auto`). `select_groups` and `follower_oversample` change the swarm arm
     only (`run_arm`): the isolated arm, the target, is the node alone as it runs by default. `schedule_share`
     applies to both arms alike (a prompt draw teaches a node alone nothing; peers meet on it), and so do the
-    `foreign` key values (a node alone takes no other model's rollouts, so they change its arm in nothing)."""
+    `foreign` key values (a node alone takes no other model's rollouts, so they change its arm in nothing), and
+    `same_start` (`make_nodes`)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "murmur-bench-matched"
     n = 1 if followers else nodes - 1 if adversary else nodes
     arm = (n, seed, cpu_s, checkpoints, eval_per_family, base, warmup_steps)
-    iso = run_arm(False, *arm, answers=answers, schedule_share=schedule_share, foreign=foreign)
+    iso = run_arm(False, *arm, answers=answers, schedule_share=schedule_share, foreign=foreign, same_start=same_start)
     if default_roles:
         from murmur.simulations.bench.matched_auto import run_auto_arm
 
-        sw = run_auto_arm(*arm, answers=answers, adversary=adversary, foreign=foreign)
+        sw = run_auto_arm(*arm, answers=answers, adversary=adversary, foreign=foreign, same_start=same_start)
     else:
         sw = run_arm(
             True,
@@ -662,6 +669,7 @@ def run_seed(
             follower_oversample=follower_oversample,
             schedule_share=schedule_share,
             foreign=foreign,
+            same_start=same_start,
         )
     xs = iso["marks"]
     target = iso["curve"][-1]
@@ -725,7 +733,7 @@ def check_foreign(foreign: dict[str, Any]) -> None:
 
 def _run_seed_args(
     a: tuple[
-        int, int, float, int, int, str | None, int | None, int, bool, str, bool, int, float, float, dict[str, Any]
+        int, int, float, int, int, str | None, int | None, int, bool, str, bool, int, float, float, dict[str, Any], bool
     ],
 ) -> dict[str, Any]:
     return run_seed(*a)
@@ -748,6 +756,7 @@ def run(
     follower_oversample: float = 1.0,
     schedule_share: float = 0.0,
     foreign: dict[str, Any] | None = None,
+    same_start: bool = False,
 ) -> dict[str, Any]:
     """`seeds` paired seeds from `seed` (each in its own process, `workers` at a time) and their summary;
     `followers` = K > 0: the trainer-with-K-followers arm instead of the swarm of `nodes`; `adversary`:
@@ -757,7 +766,8 @@ def run(
     `select_groups` (PODS down-sampling, 0: off) and `follower_oversample` (followers' groups per trainer step
     over I): the swarm arm's trainers and followers only; `schedule_share`: the share of every trainer's prompts
     drawn from the shared prompt schedule, in both arms; `foreign`: values of the foreign-rollout keys
-    (`training.foreign.FOREIGN_KEYS`, for the ablation of each correction), in both arms."""
+    (`training.foreign.FOREIGN_KEYS`, for the ablation of each correction), in both arms; `same_start`: every
+    node of both arms starts from one warm-up (`make_nodes`)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -801,6 +811,7 @@ def run(
             follower_oversample,
             schedule_share,
             foreign,
+            same_start,
         )
         for k in range(seeds)
     ]
@@ -822,6 +833,7 @@ def run(
         schedule_share=schedule_share,
     )
     out["foreign"] = foreign
+    out["same_start"] = same_start
     out["wall_s"] = round(time.monotonic() - t0, 1)
     return out
 

@@ -106,11 +106,13 @@ def run_auto_arm(
     answers: str = "short",
     adversary: bool = False,
     foreign: dict[str, Any] | None = None,
+    same_start: bool = False,
 ) -> dict[str, Any]:
     """The default-roles swarm of `nodes` honest nodes; with `adversary`, beside them the compute-matched
     bench's adversary (`matched._Adversary`), which sends a batch per `nodes` honest turns to every node that
     trains at the time (followers verify nothing they do not use). It publishes no weights a node could
-    follow, so it is never a pod to join. `foreign`: the trainers' foreign-rollout key values (`make_nodes`)."""
+    follow, so it is never a pod to join. `foreign`: the trainers' foreign-rollout key values, `same_start`: all
+    nodes from one warm-up (`make_nodes`)."""
     from murmur.training.tasksets import train_generators
 
     shape = trainer_shape(answers)
@@ -130,6 +132,7 @@ def run_auto_arm(
         True,
         adv,
         foreign=foreign,
+        same_start=same_start,
     )
     turns = 0
     modes = [
