@@ -79,6 +79,7 @@ class VNode:
     pace: float = 0.0  # pipe.Pace: rollouts/s cap (0 = none)
     held_lineage: bytes | None = None
     held: int = 0  # the version of held_lineage the worker holds (0: the base model)
+    evaluated: tuple[bytes, int] | None = None  # the (lineage, version) of its last modelled held-out reading
     store: dict[bytes, dict[tuple[str, int, int], bytes]] = field(default_factory=dict)  # item -> manifest envelope
     transfers: dict[bytes, tuple[bytes, wire.PatchManifest, float]] = field(default_factory=dict)
     reward_sum: float = 0.0

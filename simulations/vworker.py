@@ -23,6 +23,12 @@
   time it has spent the node's compute alone (the compute-matched benchmark's
   comparison: `alone`). A follower generates at the skill its publisher had
   at the version it holds;
+- held-out readings: a trainer's first step and every `EVAL_EVERY_STEPS`-th
+  after it, as the live worker's, and a follower's first generation at each
+  version it holds report a held-out accuracy, the share of
+  `HELDOUT_TASKS` tasks drawn correct at the skill of the weights held (a
+  modelled evaluation, from its own random stream), which the core's trial of
+  a lineage it left its own for reads (`node.core.roles.not_worse`);
 - the sampler intake: a trainer takes its external groups from its own
   `training.sampler.Sampler`, fed the accepted batches its core routes to the
   worker (`NodeCore.external_wanted`), each batch split once per process.
@@ -38,6 +44,7 @@ from typing import Any
 from murmur.gossip import wire
 from murmur.gossip.validation import Verdict
 from murmur.node import pipe
+from murmur.node.worker.main import EVAL_EVERY_STEPS
 from murmur.simulations.scenario import Scenario
 from murmur.simulations.vcache import Memo
 from murmur.simulations.vevents import EventQueue, StepDue, WorkerSends
@@ -62,6 +69,7 @@ from murmur.training.tasksets import BUILTIN_TRAIN
 WORKER_S = 0.001  # a worker message reaches the network process this long after the worker sends it
 SEED_RANGE = 1_000_000
 POOL_GROUPS = 256  # a trainer's sampler holds the newest this many informative groups
+HELDOUT_TASKS = 90  # tasks of a modelled held-out evaluation (murmur-tiny's built-in set: 30 per family)
 MAX_ALONE_STEPS = 64  # alone-twin steps per node step: its steps are never much shorter than the node's
 
 
@@ -88,6 +96,7 @@ class Workers:
         self.resolve = resolve
         self.reward = reward
         self.skill_at: dict[bytes, list[float]] = {}  # lineage -> skill per version (followers sample from it)
+        self.eval_rngs: dict[int, random.Random] = {}  # node index -> the stream of its modelled evaluations
         # lineage -> newest version a signed manifest of it went out for: the live announce topic carries every
         # manifest to every node, whose core then tells its trainer's worker that head (`NodeCore._tell_head`);
         # the simulator sends announces and manifests one hop, so a trainer's sampler reads the swarm-wide view
@@ -265,6 +274,11 @@ class Workers:
         lr, tr = self.sc.learning, self.sc.training
         return 1.0 - lr.train_share * (1.0 - used_groups / max(1, tr.local_groups))
 
+    def _heldout(self, n: VNode, skill: float) -> float:
+        """A modelled held-out evaluation of weights at `skill`: the share of `HELDOUT_TASKS` drawn correct."""
+        rng = self.eval_rngs.setdefault(n.spec.index, random.Random(self.sc.seed * 7_919 + n.spec.index))
+        return sum(rng.random() < skill for _ in range(HELDOUT_TASKS)) / HELDOUT_TASKS
+
     def _learned(self, skill: float, value: float) -> float:
         """The learning rule: `skill` after a step whose groups are worth `value` informative local groups."""
         lr = self.sc.learning
@@ -357,6 +371,8 @@ class Workers:
                 external_lineages=len({g.lineage for g in ext}),
                 updates=1,
                 trained_groups=u_local + u_ext,
+                heldout=self._heldout(n, n.skill) if n.steps % EVAL_EVERY_STEPS == 0 else None,
+                heldout_tasks=HELDOUT_TASKS if n.steps % EVAL_EVERY_STEPS == 0 else 0,
             ),
         )
         self._perf(n, tr.local_groups * tr.group_size, dt)
@@ -393,7 +409,11 @@ class Workers:
             group=n.spec.group,
         )
         self._rollouts_out(n, local)
-        self.send(n, pipe.Gen(reward, n.held, sum(len(r.completion_ids) for g in local for r in g), dt))
+        tokens = sum(len(r.completion_ids) for g in local for r in g)
+        fresh = n.evaluated != (lid, n.held)  # a version it holds is measured once, as a live follower's
+        n.evaluated = (lid, n.held)
+        heldout = self._heldout(n, skill) if fresh else None
+        self.send(n, pipe.Gen(reward, n.held, tokens, dt, heldout, HELDOUT_TASKS if fresh else 0))
         self._perf(n, sum(len(g) for g in local), dt)
         return True
 

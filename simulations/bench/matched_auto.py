@@ -1,17 +1,19 @@
 """The default-roles arm of `murmur bench swarm --matched --default-roles`: N identical nodes with nothing
 forced. Each starts as a node able to train does (a trainer of its own lineage) and its mode is then chosen
-by the node's own rule, `node.core.roles.want_mode` held to its dwell by `node.core.roles.PodRule`, from what it
-observes: the published lineages' demand (the trainer's `local_groups x group_size` rollouts a step over its
-measured step time, as `node.core.machine` announces it), the supply their followers measurably deliver, and its own
+by the node's own rule, `node.core.roles.want_mode` held to its dwell by `node.core.roles.PodRule`, from
+what it observes: the published lineages' demand (the trainer's `local_groups x group_size` rollouts a step
+over its measured step time, as `node.core.machine` announces it), the supply their followers measurably
+deliver, the verified rewards of their rollouts it sent or accepted (`node.core.rewards`), and its own
 measured generation rate. A node that leaves its lineage takes the chosen lineage's weights on trial: it
 measures them and its own on held-out tasks of its own (`trial_tasks`, none of which the arm's accuracy is
 measured on), on its own CPU, and goes back to its own lineage at once when they are measurably worse
-(`node.core.roles.not_worse`, `PodRule.refuse`). A follower picks its lineage with `node.core.roles.choose_lineage`, holds that
-lineage's current weights (a patch applied at once: transport is not modelled), generates `local_groups`
-groups per turn on its own CPU and sends the informative ones to the trainer, which verifies them on its own
-CPU and trains on them as its own lineage's. A trainer takes up to `external_groups` external groups a step per follower it
-has (at least one follower's worth, as a peer). Trainers exchange their rollouts as the peers arm does;
-followers verify nothing they do not use. Every node's accuracy is that of the weights it holds.
+(`node.core.roles.not_worse`, `PodRule.refuse`). A follower picks its lineage with
+`node.core.roles.choose_lineage`, holds that lineage's current weights (a patch applied at once: transport
+is not modelled), generates `local_groups` groups per turn on its own CPU and sends the informative ones to
+the trainer, which verifies them on its own CPU and trains on them as its own lineage's. A trainer takes up
+to `external_groups` external groups a step per follower it has (at least one follower's worth, as a peer).
+Trainers exchange their rollouts as the peers arm does; followers verify nothing they do not use. Every
+node's accuracy is that of the weights it holds.
 
 Time is each node's own CPU (nodes step least-CPU-first, so their CPU is a shared clock): the rule's
 observation and dwell are fixed shares of the CPU budget (`OBSERVE_SHARE`, `DWELL_SHARE`), the compressed
@@ -56,7 +58,7 @@ class _Mode:
     made: int = 0  # rollouts it generated as a follower
     made_cpu: float = 0.0  # and the CPU they took
     trials: int = 0  # lineages it took on trial
-    refused: int = 0  # ... and went back from, their weights measured worse than its own
+    refusals: int = 0  # ... and went back from, their weights measured worse than its own
     steps: int = 0  # its trainer steps
     history: list[tuple[float, str, str]] = field(default_factory=list)  # (cpu, mode, reason) per switch
 
@@ -194,7 +196,7 @@ def run_auto_arm(
                 why = f"lineage {ns[t].lineage.hex()[:8]} measured {theirs.accuracy:.2f} < my {mine.accuracy:.2f}"
                 m.history.append((round(ns[i].cpu, 2), "follower", f"on trial: {wanted.why}"))
                 new = m.rule.refuse(ns[t].lineage, ns[i].cpu, why)
-                m.refused += 1
+                m.refusals += 1
         if new == "trainer":
             assert m.own_state is not None
             ns[i].engine.model.load_state_dict(m.own_state)  # back to its own lineage, where it left it
@@ -282,7 +284,7 @@ def run_auto_arm(
             "history": [modes[n.index].history for n in ns],
             "follower_rollouts": [modes[n.index].made for n in ns],
             "trials": [modes[n.index].trials for n in ns],
-            "refused": [modes[n.index].refused for n in ns],
+            "refused": [modes[n.index].refusals for n in ns],
         },
         "sampler": {
             k: sum(n.sampler.counts[k] for n in ns if n.sampler is not None)
