@@ -410,6 +410,7 @@ def test_identical_nodes_with_default_roles_form_pods_in_the_simulator(tmp_path)
     s = run_virtual(S.loads(PODS, "pods.toml"), tmp_path)
     pods = s["pods"]
     assert pods["auto_nodes"] == 6 and pods["role_switches"] >= 1
+    assert 0 <= pods["trials_refused"] <= pods["role_switches"] // 2  # each one a switch out and one back
     # not six lone lineages: at least one trainer whose followers generate for it, every node in a role
     assert 1 <= pods["pods"] and pods["trainers"] < 6
     assert pods["trainers"] + pods["followers_per_trainer"] * pods["trainers"] + pods["followers_unattached"] == 6

@@ -586,6 +586,12 @@ class NodeCore:
             " back to my lineage"
         )
         self.counts["trials_refused"] += 1
+        out.append(
+            Log(
+                "trial refused",
+                {"lineage": self.committed.hex()[:16], "measured": quality.accuracy, "own": own.accuracy},
+            )
+        )
         new = self.pods.refuse(self.committed, now, why)
         if new is not None:
             self._switch_mode(now, new, out)
