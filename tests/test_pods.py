@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
+
 from murmur.gossip.identity import Identity
 from murmur.node import pipe
 from murmur.node.core import machine as C
@@ -16,6 +18,7 @@ from murmur.node.pipe import WorkerState
 from murmur.sync.ids import Relation, lineage_id
 from murmur.training.sampler import Group
 from tests.test_core import BASE, W, announce, demand, key, make_core, manifest, of
+from tests.test_sealing import rollout
 
 D = R.Demand(rollouts_per_step=32, step_time_s=2.0, max_staleness=4)  # needs 1.2 * 32 / 2 = 19.2 rollouts/s
 ME = R.Offer("me", rollouts_per_s=16.0, rollout_latency_s=0.5)
@@ -228,12 +231,22 @@ def test_the_core_switches_its_worker_to_follow_a_short_lineage_keeping_what_it_
     assert core.serving is None and core.committed is None
 
 
+def scored(core: C.NodeCore, clock, p: Publisher, theirs: float, own: float = 0.4) -> None:
+    """`p`'s lineage published, and its rollouts, signed by its publisher, verified scoring `theirs`; our own
+    lineage's, sealed by the core from our worker, scoring `own` (groups of five, informative)."""
+    run(core, clock, [p], 4.0)
+    core.handle(C.RolloutsVerified(p.ident.peer_id, ((p.lid, 64),), rewards=((p.lid, (theirs,) * 64),)))
+    right = round(own * 5)
+    core.handle(W("rollouts", [rollout(core.own, seed=s, reward=float(i < right)) for s in range(8) for i in range(5)]))
+    assert core.verified_rewards.mean(p.lid) == pytest.approx(theirs)
+    assert core.verified_rewards.mean(core.own) == pytest.approx(own)
+
+
 def _left_for(p: Publisher, own_acc: float, theirs: float = 0.5) -> tuple[C.NodeCore, object]:
     """A core that measured its own lineage at `own_acc` (90 tasks) and verified `p`'s rollouts scoring
     `theirs` against its own 0.4, then left its lineage to follow `p`, whose first version it now holds."""
     core, clock = auto_core()
-    core.handle(C.RolloutsVerified(p.ident.peer_id, ((p.lid, 64),), rewards=((p.lid, (theirs,) * 64),)))
-    core.handle(C.RolloutsVerified("me", ((core.own, 64),), rewards=((core.own, (0.4,) * 64),)))
+    scored(core, clock, p, theirs)
     core.handle(
         W(
             "step",
@@ -278,8 +291,12 @@ def test_a_core_on_trial_of_weights_as_good_as_its_own_keeps_following() -> None
 def test_a_trainer_core_stays_when_the_lineage_it_could_follow_scores_below_its_own() -> None:
     p = Publisher(key(9))
     core, clock = auto_core()
-    core.handle(C.RolloutsVerified(p.ident.peer_id, ((p.lid, 64),), rewards=((p.lid, (0.1,) * 64),)))
-    core.handle(C.RolloutsVerified("me", ((core.own, 64),), rewards=((core.own, (0.4,) * 64),)))
+    scored(core, clock, p, 0.1)
+    # a stranger's rollouts labelled with our lineage (or p's) move neither score: only a publisher's own count
+    for lid in (core.own, p.lid):
+        core.handle(C.RolloutsVerified(key(5).peer_id, ((lid, 64),), rewards=((lid, (1.0,) * 64),)))
+    assert core.verified_rewards.mean(p.lid) == pytest.approx(0.1)
+    assert core.verified_rewards.mean(core.own) == pytest.approx(0.4)
     acts = run(core, clock, [p], 200.0)
     assert of(acts, C.RestartWorker) == [] and core.roles == ["trainer"]
     assert "short of rollouts: train my own" in core.role_reason

@@ -410,7 +410,11 @@ class NodeCore:
                 if lid == self.own and tok == self.tokenizer:
                     self.deliveries.add(ev.producer, n, now)
             for lid, rs in ev.rewards:
-                self.verified_rewards.add(lid, rs)
+                # a lineage's score is its publisher's own samples: anyone may sign rollouts labelled with any
+                # lineage, and a stranger's bad ones would otherwise smear it
+                lin = self.table.rows.get(lid)
+                if lin is not None and lin.publisher and peer_id_from_public(lin.publisher) == ev.producer:
+                    self.verified_rewards.add(lid, rs)
         else:
             assert_never(ev)
         return out
@@ -776,9 +780,8 @@ class NodeCore:
                 outbox.set_rate(self._publish_budget(now, self.exchange.shards, max(1.0, self.batch_rollouts)), now)
             # the budget is for our own lineage's rollouts; a lineage we serve as a follower takes all we make
             allow = None if outbox is None else (lambda lid, n: lid != self.own or outbox.take(n, now))
-            self.verified_rewards.add_groups(
-                self.sealer.seal(m.items, now, wall_ms, self.exchange.publish_shard, out, allow)
-            )
+            sealed = self.sealer.seal(m.items, now, wall_ms, self.exchange.publish_shard, out, allow)
+            self.verified_rewards.add_groups(g for g in sealed if g.lineage == self.own)
         elif isinstance(m, pipe.Step):
             self.steps += 1
             self._reward(m.reward_mean)

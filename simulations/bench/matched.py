@@ -119,7 +119,12 @@ class _Node:
 
 
 def _lineage(ident: Any) -> bytes:
-    return hashlib.blake2b(b"lineage" + ident.public, digest_size=32).digest()
+    return _lineage_of(ident.public)
+
+
+def _lineage_of(public: bytes) -> bytes:
+    """The lineage the key `public` publishes in the bench."""
+    return hashlib.blake2b(b"lineage" + public, digest_size=32).digest()
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
@@ -183,7 +188,7 @@ def _send(node: _Node, rows: list[Any]) -> list[bytes]:
     groups, _ = split(rows)
     node.groups_sent += len(groups)
     if node.book is not None:
-        node.book.add_groups(groups)
+        node.book.add_groups(g for g in groups if g.lineage == node.lineage)
     return _seal(node, [r for g in groups for r in g.rollouts]) if groups else []
 
 
@@ -195,8 +200,9 @@ def _receive(node: _Node, payloads: list[bytes], sender: str) -> None:
         v = node.pipeline.check(data, sender)
         if v.accepted and v.batch is not None:
             node.verified += len(v.batch.rollouts)
-            if node.book is not None:
-                node.book.add_groups(split(v.batch.rollouts)[0])
+            if node.book is not None:  # a lineage's score is its publisher's own samples (node.core.machine)
+                mine = _lineage_of(bytes(v.batch.producer))
+                node.book.add_groups(g for g in split(v.batch.rollouts)[0] if g.lineage == mine)
             node.sampler.add_rollouts(v.batch.rollouts, bytes(v.batch.producer))
     dt = time.thread_time() - c0
     node.cpu += dt
