@@ -70,8 +70,9 @@ def core_summary(nodes: list[VNode], recorder: Recorder) -> dict[str, Any]:
 
 def pods_summary(nodes: list[VNode], recorder: Recorder) -> dict[str, Any]:
     """The shape the roles took by the end: live trainers, how many lead a pod (at least one live follower's
-    worker generates for its lineage), followers per pod, and the switches the auto nodes' cores made (and of them, the returns from a lineage
-    whose modelled held-out reading was measurably below their own, `trials_refused`)."""
+    worker generates for its lineage), followers per pod, and the switches the auto nodes' cores made (and of
+    them, the returns from a lineage whose modelled held-out reading was measurably below their own,
+    `trials_refused`)."""
     live = [n for n in nodes if n.alive and n.core is not None]
     lineage_of = {n.lineage: n for n in live if n.role == "trainer"}
     pod: Counter[bytes] = Counter()

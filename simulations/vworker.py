@@ -357,6 +357,7 @@ class Workers:
             group=n.spec.group,
         )
         self._rollouts_out(n, local)
+        due = n.steps % EVAL_EVERY_STEPS == 0  # a held-out reading, at the live worker's cadence
         self.send(
             n,
             pipe.Step(
@@ -371,8 +372,8 @@ class Workers:
                 external_lineages=len({g.lineage for g in ext}),
                 updates=1,
                 trained_groups=u_local + u_ext,
-                heldout=self._heldout(n, n.skill) if n.steps % EVAL_EVERY_STEPS == 0 else None,
-                heldout_tasks=HELDOUT_TASKS if n.steps % EVAL_EVERY_STEPS == 0 else 0,
+                heldout=self._heldout(n, n.skill) if due else None,
+                heldout_tasks=HELDOUT_TASKS if due else 0,
             ),
         )
         self._perf(n, tr.local_groups * tr.group_size, dt)

@@ -120,7 +120,7 @@ def test_a_node_refuses_to_follow_weights_it_measured_worse_than_its_own() -> No
     rule = R.PodRule("trainer", 0.0, observe_s=60.0, dwell_s=300.0)
     bad, good = b"\x30" * 32, b"\x20" * 32
     wanted = R.want_mode("trainer", [opt(good, supply=10.0), opt(bad)], ME, OWN)
-    assert wanted.lineage == bad and rule.may_switch(60.0)
+    assert wanted.lineage == bad and rule.next_at <= 60.0  # the observation is over: it may switch
     assert rule.refuse(bad, 60.0, "its weights measured 0.20 < my 0.55") is None  # a trainer stays one
     assert (
         R.want_mode("trainer", [opt(good, supply=10.0), opt(bad)], ME, OWN, refused=rule.refused(61.0)).lineage == good
@@ -135,7 +135,7 @@ def test_a_follower_on_trial_goes_back_to_its_own_lineage_at_once_when_the_weigh
     # the trial's return waits for no dwell, and counts as a switch: after it, the dwell holds again
     assert rule.refuse(b"\x30" * 32, 70.0, "worse") == "trainer" and rule.mode == "trainer"
     assert rule.switches == 2 and "worse" in rule.reason
-    assert rule.step(80.0, R.Wanted("follower", "short", b"\x20" * 32)) is None and not rule.may_switch(369.0)
+    assert rule.step(80.0, R.Wanted("follower", "short", b"\x20" * 32)) is None and rule.next_at == 370.0
     assert rule.refuse(b"\x20" * 32, 90.0, "worse") is None  # a trainer refusing a lineage stays put
 
 

@@ -417,26 +417,17 @@ class PodRule:
         self.reason = f"{mode} from the hardware; watching the swarm before choosing"
         self.refusals: dict[bytes, float] = {}  # lineage -> until when it is no option (`refuse`)
 
-    def may_switch(self, now: float) -> bool:
-        """Whether a switch `step` is fed would happen at `now` (the observation or the dwell has passed)."""
-        return now >= self.next_at
-
     def refused(self, now: float) -> set[bytes]:
         """The lineages refused within a dwell of `now`: `want_mode` passes them over."""
-        self.refusals = {lin: until for lin, until in self.refusals.items() if until > now}
-        return set(self.refusals)
+        return {lin for lin, until in self.refusals.items() if until > now}
 
     def refuse(self, lineage: bytes, now: float, why: str) -> str | None:
         """`lineage`'s weights measured worse than this node's own (`not_worse`): it is no option for a dwell.
         A trainer stays one (None); a follower on trial of it goes back to its own lineage at once ("trainer"),
         a switch that counts and starts a dwell, so a node leaves and returns at most once a dwell."""
+        self.refusals = {lin: until for lin, until in self.refusals.items() if until > now}
         self.refusals[lineage] = now + self.dwell_s * self.stretch
-        if self.mode != "follower":
-            return None
-        self.mode, self.since, self.reason = "trainer", now, why
-        self.next_at = now + self.dwell_s * self.stretch
-        self.switches += 1
-        return "trainer"
+        return self._switch("trainer", now, why) if self.mode == "follower" else None
 
     def step(self, now: float, wanted: tuple[str, str] | Wanted) -> str | None:
         """Feed `want_mode`'s answer at `now`: the new mode when the node switches now, else None."""
@@ -448,6 +439,10 @@ class PodRule:
         if now < self.next_at:
             self.reason = f"{why} (in {self.next_at - now:.0f} s: a node keeps its mode {self.dwell_s:.0f} s)"
             return None
+        return self._switch(mode, now, why)
+
+    def _switch(self, mode: str, now: float, why: str) -> str:
+        """Enter `mode` at `now`, for at least a dwell."""
         self.mode, self.since, self.reason = mode, now, why
         self.next_at = now + self.dwell_s * self.stretch
         self.switches += 1
