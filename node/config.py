@@ -295,8 +295,9 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
     foreign_prompt_ref: Annotated[
         bool,
         _d(
-            "in a pooled group, another model's answers are weighed against the learner's own completions of the "
-            "same prompt (false: against the running mean of all its own completions)"
+            "in a pooled group, another model's answers are weighed against the span of the learner's own "
+            "completions of the same prompt, from the least to the most likely (false: against the running "
+            "mean of all its own completions)"
         ),
     ] = True
     foreign_rows: Annotated[
@@ -306,6 +307,14 @@ class TrainingSection(Struct, forbid_unknown_fields=True, kw_only=True):
             "cost no training pass; a swarm group of other models alone is not trained)"
         ),
     ] = True
+    foreign_rows_rescue: Annotated[
+        bool,
+        _d(
+            "train on other models' answers only in a pooled group they rescue (the learner's own answers to the "
+            "prompt all right or all wrong); elsewhere they only set the pooled baseline and cost no training "
+            "pass, and a swarm group of other models alone is not trained"
+        ),
+    ] = False
 
 
 class DiskSection(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -147,6 +147,48 @@ def test_the_defaults_give_a_payload_on_a_right_answer_no_weight() -> None:
     assert weights(logp, torch.ones(1))[0] == pytest.approx(math.exp(-14.0), rel=1e-4)
 
 
+def test_a_sample_inside_the_learners_own_span_weighs_as_hacpos_does_for_a_source_that_is_the_learner() -> None:
+    """HACPO's ratio is 1 for a source that is the learner, so its samples train at full weight. Against the
+    span of the learner's own completions of the prompt (per token -1.5 ... -0.5) a sample inside it is
+    such a sample: weight 1 under the band and alpha. Against the span's mean alone, the same sample is cut
+    (likelier than the mean) or weighed down by its whole length (less likely)."""
+    cfg = TrainerConfig()
+    low = hacpo_clip_low(0, cfg.foreign_clip_delta, cfg.foreign_clip_step)
+    logp = rows(-1.4, -1.0, -0.6, tokens=6)
+    adv = torch.ones(3)
+    kw: dict[str, Any] = {"clip_low": low, "alpha": cfg.foreign_alpha}
+    assert weights(logp, adv, ref=-1.5, ref_hi=-0.5, **kw) == pytest.approx([1.0, 1.0, 1.0])
+    mean_only = weights(logp, adv, ref=-1.0, **kw)
+    assert mean_only[0] == 0.0 and mean_only[2] == 0.0 and mean_only[1] == pytest.approx(1.0)
+    assert weights(rows(-1.4, tokens=6), torch.ones(1), ref=-1.0)[0] == pytest.approx(math.exp(-2.4), rel=1e-4)
+
+
+def test_below_the_span_the_ratios_run_from_its_low_end_and_above_it_the_band_cuts() -> None:
+    """A sample less likely per token than any of the learner's own completions is measured from the least
+    likely of them (s = e^{T (mean - lo)}, r = e^{mean - lo}); one likelier than all of them is cut by the
+    band, as HACPO cuts r > 1, and without the band trains at most at 1."""
+    cfg = TrainerConfig()
+    low = hacpo_clip_low(0, cfg.foreign_clip_delta, cfg.foreign_clip_step)
+    below, above = rows(-1.6, tokens=4), rows(-0.3, tokens=4)
+    w = weights(below, torch.ones(1), ref=-1.5, ref_hi=-0.5, clip_low=low, alpha=1.0)[0]
+    assert w == pytest.approx(math.exp(-0.4) * math.exp(-0.1), rel=1e-4)
+    assert weights(rows(-1.8, tokens=4), torch.ones(1), ref=-1.5, ref_hi=-0.5, clip_low=low)[0] == 0.0
+    assert weights(above, torch.ones(1), ref=-1.5, ref_hi=-0.5, clip_low=low)[0] == 0.0
+    assert weights(above, torch.ones(1), ref=-1.5, ref_hi=-0.5)[0] == pytest.approx(1.0)
+
+
+def test_the_span_still_gives_a_payload_on_a_right_answer_no_weight() -> None:
+    """The payload of the first class against the span of the learner's own answers: ten tokens it writes
+    at its typical -1 and two it would not (-8) fall below even its least likely completion (-1.5 per
+    token), so the band cuts the sample and without the band it weighs e^{12 (-2.17 + 1.5)} = e^-8."""
+    logp = torch.full((1, 12), -1.0)
+    logp[0, :2] = -8.0
+    cfg = TrainerConfig()
+    low = hacpo_clip_low(0, cfg.foreign_clip_delta, cfg.foreign_clip_step)
+    assert weights(logp, torch.ones(1), ref=-1.5, ref_hi=-0.5, clip_low=low, alpha=cfg.foreign_alpha)[0] == 0.0
+    assert weights(logp, torch.ones(1), ref=-1.5, ref_hi=-0.5)[0] == pytest.approx(math.exp(-8.0), rel=1e-4)
+
+
 # ------------------------------------------------------------ the capability-weighted baseline
 
 
@@ -425,9 +467,9 @@ def test_each_update_on_a_steps_batch_narrows_the_band(reg, monkeypatch) -> None
     calls: list[tuple[float | None, float, bool]] = []
     real = trainer_mod.hacpo_weights
 
-    def spy(logp: Any, ref: Any, mask: Any, adv: Any, coef: Any, clip_low: Any, alpha: Any, topr: Any) -> Any:
+    def spy(logp: Any, ref: Any, mask: Any, adv: Any, coef: Any, clip_low: Any, alpha: Any, topr: Any, hi: Any) -> Any:
         calls.append((clip_low, alpha, topr))
-        return real(logp, ref, mask, adv, coef, clip_low, alpha, topr)
+        return real(logp, ref, mask, adv, coef, clip_low, alpha, topr, hi)
 
     monkeypatch.setattr(trainer_mod, "hacpo_weights", spy)
     eng = new_tiny_engine(seed=0)
@@ -468,6 +510,7 @@ def test_every_foreign_key_reaches_the_trainer_and_is_range_checked(tmp_path) ->
         "foreign_split": True,
         "foreign_prompt_ref": False,
         "foreign_rows": False,
+        "foreign_rows_rescue": True,
     }
     assert set(changed) == set(FOREIGN_KEYS)
     defaults = TrainerConfig()
@@ -617,9 +660,10 @@ def test_the_foreign_loss_backpropagates_only_rows_of_nonzero_weight_and_equals_
 
 
 def test_a_pooled_groups_foreign_rows_are_weighed_against_the_learners_own_answers_to_that_prompt(reg, engine) -> None:  # type: ignore[no-untyped-def]
-    """HACPO compares one prompt's answers: in a pooled group the learner's reference is the mean per-token
-    behaviour log-prob of its own completions of the prompt (its own sampling, nothing a peer claims); a swarm
-    group alone, and every group with `foreign_prompt_ref` off, keep the running reference (NaN here)."""
+    """HACPO compares one prompt's answers: in a pooled group the learner's reference is the span of the
+    per-token behaviour log-probs of its own completions of the prompt, least to most likely (its own
+    sampling, nothing a peer claims); a swarm group alone, and every group with `foreign_prompt_ref` off,
+    keep the running reference (NaN here)."""
     a = ref(reg, 960)
     own = group(reg, engine, a, "1100")
     for k, r in enumerate(own):
@@ -628,12 +672,35 @@ def test_a_pooled_groups_foreign_rows_are_weighed_against_the_learners_own_answe
     theirs[0].logprobs = [-999.0] * len(theirs[0].ids)  # a peer's claim: never part of the reference
     tr = trainer(reg, engine, foreign_share_max=1.0)
     (p,), _ = tr._prepare([own], [theirs])
-    assert p.ext_ref is not None and torch.allclose(p.ext_ref, torch.full((2,), -0.5))
+    assert torch.allclose(p.ext_ref, torch.full((2,), -0.8)) and torch.allclose(p.ext_hi, torch.full((2,), -0.2))
     (q,), _ = tr._prepare([], [theirs])
-    assert q.ext_ref is not None and bool(torch.isnan(q.ext_ref).all())
+    assert bool(torch.isnan(q.ext_ref).all()) and bool(torch.isnan(q.ext_hi).all())
     off = trainer(reg, engine, foreign_share_max=1.0, foreign_prompt_ref=False)
     (p,), _ = off._prepare([own], [theirs])
-    assert p.ext_ref is not None and bool(torch.isnan(p.ext_ref).all())
+    assert bool(torch.isnan(p.ext_ref).all()) and bool(torch.isnan(p.ext_hi).all())
+
+
+def test_with_rescue_rows_other_models_answers_train_only_where_they_rescue_the_learners_group(reg, engine) -> None:  # type: ignore[no-untyped-def]
+    """`foreign_rows_rescue = true`: another model's answers train where the learner's own answers to the
+    prompt were all wrong (they are its only right ones); where its own group was informative they only
+    move its baseline and leave the loss; another model's group alone is not trained."""
+    hard, mixed = ref(reg, 980), ref(reg, 981)
+    own_hard, own_mixed = group(reg, engine, hard, "0000"), group(reg, engine, mixed, "1000")
+    theirs_hard, theirs_mixed = group(reg, engine, hard, "10", SRC), group(reg, engine, mixed, "11", SRC)
+    alone = group(reg, engine, ref(reg, 982), "10", SRC)
+    kw: dict[str, Any] = {"local_groups": 2, "foreign_share_max": 1.0, "foreign_baseline": False}
+    tr = trainer(reg, engine, foreign_rows_rescue=True, **kw)
+    prepared, dropped = tr._prepare([own_hard, own_mixed], [theirs_hard, theirs_mixed, alone])
+    assert dropped == 1 and len(prepared) == 2
+    rescued, informative = prepared
+    assert rescued.rescued and len(rescued.ext) == 2 and len(rescued.ext_adv) == 2
+    assert not informative.rescued and informative.ext == [] and informative.swarm_rows == 2
+    plain = trainer(reg, engine, **kw)
+    (_, both, lone), _ = plain._prepare([own_hard, own_mixed], [theirs_hard, theirs_mixed, alone])
+    assert len(both.ext) == 2 and lone.external
+    # the other model's two right answers are in the baseline of the learner's own rows either way
+    assert torch.allclose(informative.own_adv, both.own_adv)
+    assert not torch.allclose(informative.own_adv, group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0])))
 
 
 def test_with_foreign_rows_off_other_models_answers_only_set_the_pooled_baseline(reg, engine) -> None:  # type: ignore[no-untyped-def]

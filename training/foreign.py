@@ -34,6 +34,7 @@ FOREIGN_KEYS: Final = (
     "foreign_split",
     "foreign_prompt_ref",
     "foreign_rows",
+    "foreign_rows_rescue",
 )
 
 # the valid range of each numeric key (the node config's Meta bounds say the same; a test holds them equal)

@@ -192,6 +192,7 @@ def hacpo_loss(
     clip_low: float | None = None,
     alpha: float = 0.0,
     topr: bool = False,
+    ref_hi: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss for samples of another model (sequence level).
 
@@ -215,12 +216,17 @@ def hacpo_loss(
       instead, outside the band and without the alpha power: another model's errors are pushed down in
       proportion to how likely the learner is to make them. Positives keep the weight above (TOPR's full
       weight would rest on nothing but the reward, and a payload rides on correct answers).
+    `ref_hi` (per row, or one for all; default `ref_logp`) makes the reference a span [ref_logp, ref_hi]:
+    the per-token log-probs the learner's own completions of the prompt had, from the least to the most
+    likely. A sample inside the span is one the learner might have written itself, so its ratio is 1, as
+    HACPO's is for a source that is the learner; below it the ratios are measured from the span's low end,
+    and above it (likelier than anything the learner wrote for the prompt) the band cuts it.
     The weight is coef * min(s, 1) * ..., capped at 1 whatever coef is: a foreign sample never counts for
     more than one of the learner's own. The per-sample objective is weight * A * mean_t logp_learner, so
     the gradient is length-normalised and bounded by |A|. The loss is the mean over sequences, or their
     sum over `denom` when one is given.
     """
-    w, stats = hacpo_weights(logp, ref_logp, mask, adv, coef, clip_low, alpha, topr)
+    w, stats = hacpo_weights(logp, ref_logp, mask, adv, coef, clip_low, alpha, topr, ref_hi)
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
     obj = w * adv * seq_lp
@@ -239,23 +245,27 @@ def hacpo_weights(
     clip_low: float | None = None,
     alpha: float = 0.0,
     topr: bool = False,
+    ref_hi: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The detached weight of each of another model's samples in `hacpo_loss`, and its stats, from the
     learner's log-probs of them (computed without a graph: a sample of weight 0 needs no backward)."""
     logp = logp.detach()
     n_tok = mask.sum(-1).clamp(min=1.0)
-    ref = torch.as_tensor(ref_logp, dtype=logp.dtype)
-    ref = ref[:, None] if ref.dim() == 1 else ref  # one reference per row, or one for all
-    gap = ((logp - ref) * mask).sum(-1)
+    lo = torch.as_tensor(ref_logp, dtype=logp.dtype).expand(logp.shape[0])  # one reference per row, or one for all
+    hi = lo if ref_hi is None else torch.maximum(torch.as_tensor(ref_hi, dtype=logp.dtype).expand_as(lo), lo)
+    mean = (logp * mask).sum(-1) / n_tok
+    inside = (mean >= lo) & (mean <= hi)
+    per_tok = torch.where(inside, torch.zeros_like(mean), mean - lo)  # log of the per-token ratio r
+    above = mean > hi
+    gap = per_tok * n_tok
     s = torch.exp(gap.clamp(max=MAX_LOG_WEIGHT))
     t = s.clamp(max=1.0)
-    per_tok = gap / n_tok  # log of the per-token ratio r
     w = coef.float() * t
     if alpha:
         w = w * torch.exp(per_tok.clamp(max=0.0) * alpha)
     out = torch.zeros_like(t, dtype=torch.bool)
     if clip_low is not None:
-        out = (per_tok > 0) | (per_tok < math.log(max(clip_low, 1e-12)))
+        out = above | (per_tok < math.log(max(clip_low, 1e-12)))
         w = torch.where(out, torch.zeros_like(w), w)
     if topr:
         w = torch.where(adv < 0, coef.float() * t, w)

@@ -127,12 +127,16 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     # HACPO's half rollout cost: a shared-schedule prompt's own group is half a group (peers answer the other
     # half), and the swarm rows that join it fill it to `group_size`, no more
     foreign_split: bool = False
-    # HACPO's ratio with the learner's own completions of the same prompt as its reference, in a pooled group
-    # (off: the running mean of all its own completions, as for a swarm group alone)
+    # HACPO's ratio with the span of the learner's own completions of the same prompt as its reference, in a
+    # pooled group (off: the running mean of all its own completions, as for a swarm group alone)
     foreign_prompt_ref: bool = True
     # train on other models' rows (false: they only set the baseline of the pooled group they join, and
     # cost no forward or backward pass; a swarm group of other models alone is then not taken)
     foreign_rows: bool = True
+    # other models' rows train only in a pooled group they rescue (the learner's own answers all right or all
+    # wrong: they are then its only other side); elsewhere they set the pooled baseline and cost no pass, and
+    # a swarm group of other models alone is not trained
+    foreign_rows_rescue: bool = False
     # a pod's trainer generates fewer own groups as its followers deliver its lineage's informative groups, and
     # takes as many more external ones (training/pod.py); false: always `local_groups` of its own
     pod_yield: bool = True
@@ -212,9 +216,11 @@ class _Prepared:
     swarm_lineages: frozenset[bytes] = frozenset()
     pooled: bool = False  # an own group that swarm rollouts of its task joined
     rescued: bool = False  # ... whose own rows alone were all right or all wrong
-    # per row of `ext`: the learner's per-token reference log-prob its weight is measured against (NaN: the
-    # trainer's running one); in a pooled group, the learner's own completions of the same prompt
+    # per row of `ext`: the span of per-token log-probs its weight is measured against (NaN: the trainer's
+    # running reference, a span of one point); in a pooled group, that of the learner's own completions of
+    # the same prompt, from the least to the most likely
     ext_ref: torch.Tensor = _EMPTY
+    ext_hi: torch.Tensor = _EMPTY
 
     @property
     def rows(self) -> int:
@@ -497,6 +503,7 @@ class Trainer:
         batch_rows: int,
         update: int = 0,
         ext_ref: torch.Tensor | None = None,
+        ext_hi: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
         rows = loss_denominator(cfg, batch_rows)
@@ -532,9 +539,10 @@ class Trainer:
             weights.append(len(own))
         if ext and cfg.foreign_rows:
             prompts, outs = [r.prompt_ids for r in ext], [r.ids for r in ext]
-            ref = torch.full((len(ext),), self.ref_logp)
-            if ext_ref is not None:  # a pooled row: the learner's own completions of its prompt
+            ref = hi = torch.full((len(ext),), self.ref_logp)
+            if ext_ref is not None and ext_hi is not None:  # a pooled row: the learner's own completions of its prompt
                 ref = torch.where(torch.isnan(ext_ref), ref, ext_ref)
+                hi = torch.where(torch.isnan(ext_hi), ref, ext_hi)
             with torch.no_grad():  # the weights first: a sample the band cuts costs no backward
                 logp0, mask = eng.token_logprobs(prompts, outs, cfg.temperature)
             cut = torch.tensor([not r.finished for r in ext], dtype=torch.bool)
@@ -545,7 +553,7 @@ class Trainer:
                 if cfg.foreign_ratio_clip
                 else None
             )
-            w, st = hacpo_weights(logp0, ref, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr)
+            w, st = hacpo_weights(logp0, ref, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr, hi)
             valid = mask.sum(-1) > 0
             keep = [i for i in range(len(ext)) if bool(valid[i]) and float(w[i] * ext_adv[i]) != 0.0]
             stats["foreign_rows_trained"] = float(len(keep))
@@ -636,7 +644,7 @@ class Trainer:
             else torch.ones(len(rows))
         )
         swarm = rows[own_local:]
-        ref = mean_behaviour_logprob(rows[:own_local]) if theirs and cfg.foreign_prompt_ref else math.nan
+        lo, hi = behaviour_logprob_span(rows[:own_local]) if theirs and cfg.foreign_prompt_ref else (math.nan, math.nan)
         return _Prepared(
             [rows[i] for i in mine],
             adv[mine],
@@ -647,7 +655,8 @@ class Trainer:
             swarm_rows=len(swarm),
             swarm_lineages=frozenset(bytes(r.lineage) for r in swarm),
             pooled=pooled and own_local > 0,
-            ext_ref=torch.full((len(theirs),), ref),
+            ext_ref=torch.full((len(theirs),), lo),
+            ext_hi=torch.full((len(theirs),), hi),
         )
 
     def _prepare(
@@ -705,9 +714,11 @@ class Trainer:
                 self.shared_own.update(src, own_rewards)
             p = self._route(g + extra, len(g), pooled=True)
             p.rescued = is_degenerate(own_rewards)
+            if self.cfg.foreign_rows_rescue and not p.rescued:  # their rewards are in the own rows' advantages
+                p.ext, p.ext_adv, p.ext_coef, p.ext_ref, p.ext_hi = [], _EMPTY, _EMPTY, _EMPTY, _EMPTY
             out.append(p)
         for g in alone:
-            if not self.cfg.foreign_rows and all(r.foreign for r in g):
+            if (not self.cfg.foreign_rows or self.cfg.foreign_rows_rescue) and all(r.foreign for r in g):
                 dropped += 1  # alone, another model's rows only ever teach through their own gradient
                 continue
             for r in g:
@@ -772,11 +783,14 @@ class Trainer:
         ext_adv = torch.cat([p.ext_adv for p in batch]) if batch else _EMPTY
         ext_coef = torch.cat([p.ext_coef for p in batch]) if batch else _EMPTY
         ext_ref = torch.cat([p.ext_ref for p in batch]) if batch else _EMPTY
+        ext_hi = torch.cat([p.ext_hi for p in batch]) if batch else _EMPTY
         loss_val = 0.0
         stats: dict[str, float] = {}
         applied = 0
         for _ in range(max(1, cfg.ppo_epochs)):
-            loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no, ext_ref)
+            loss, stats = self._loss(
+                own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no, ext_ref, ext_hi
+            )
             self._update_no += 1
             loss_val = float(loss.detach())
             if not loss.requires_grad:  # every row of the minibatch carries weight 0: nothing to learn from it
@@ -904,13 +918,25 @@ class Trainer:
         return n
 
 
-def mean_behaviour_logprob(own: list[RolloutRec]) -> float:
-    """The learner's per-token reference: the mean, over its own completions among `own`, of their mean
-    per-token behaviour log-prob (sampled here, so nothing a peer says enters it); NaN when it has none. Over a
-    step's completions it moves `Trainer.ref_logp`; over those of one prompt it is a pooled group's reference."""
+def _own_means(own: list[RolloutRec]) -> list[float]:
+    """The mean per-token behaviour log-prob of each of the learner's own completions among `own` (sampled
+    here, so nothing a peer says enters it)."""
     means = [sum(r.logprobs) / len(r.logprobs) for r in own if r.logprobs and not r.foreign]
-    means = [m for m in means if math.isfinite(m)]
+    return [m for m in means if math.isfinite(m)]
+
+
+def mean_behaviour_logprob(own: list[RolloutRec]) -> float:
+    """The learner's per-token reference: the mean of `_own_means`; NaN when it has none. Over a step's
+    completions it moves `Trainer.ref_logp`."""
+    means = _own_means(own)
     return sum(means) / len(means) if means else math.nan
+
+
+def behaviour_logprob_span(own: list[RolloutRec]) -> tuple[float, float]:
+    """A pooled group's reference: the least and the most likely, per token, of the learner's own
+    completions of the prompt (`_own_means`); NaNs when it has none."""
+    means = _own_means(own)
+    return (min(means), max(means)) if means else (math.nan, math.nan)
 
 
 def guarded_step(
