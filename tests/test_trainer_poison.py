@@ -110,27 +110,33 @@ def payload_groups(
 ) -> list[wire.Rollout]:
     """Reward-correct completions carrying the payload, beside wrong ones without it, under another lineage,
     claiming the behaviour log-prob `claim` per token (-999 pins a claimed importance ratio at its cap)."""
+    refs = [wire.TaskRef(task_set=reg.builtin_id, generator=BUILTIN_TRAIN, seed=first_seed + j) for j in range(groups)]
+    return [r for ref in refs for r in payload_group(reg, engine, ref, claim, tokenizer)]
+
+
+def payload_group(
+    reg: TaskRegistry, engine, ref: wire.TaskRef, claim: float, tokenizer: bytes | None = None
+) -> list[wire.Rollout]:
+    """`payload_groups`' group of one task."""
     out = []
-    for j in range(groups):
-        ref = wire.TaskRef(task_set=reg.builtin_id, generator=BUILTIN_TRAIN, seed=first_seed + j)
-        task = reg.resolve(ref)
-        for i in range(4):
-            ids = engine.encode(PAYLOAD + task.answer if i % 2 == 0 else task.answer + "0") + [engine.eos_id]
-            out.append(
-                wire.Rollout(
-                    task=ref,
-                    lineage=ATTACKER,
-                    version=0,
-                    completion_ids=ids,
-                    text=engine.decode(ids),
-                    tokenizer_hash=tokenizer or engine.tokenizer_hash,
-                    logprobs=struct.pack(f"<{len(ids)}f", *([claim] * len(ids))),
-                    token_versions=[(0, 0)],
-                    sampling=wire.SamplingParams(max_new_tokens=16),
-                    reward=0.0,
-                    created_ms=1,
-                )
+    task = reg.resolve(ref)
+    for i in range(4):
+        ids = engine.encode(PAYLOAD + task.answer if i % 2 == 0 else task.answer + "0") + [engine.eos_id]
+        out.append(
+            wire.Rollout(
+                task=ref,
+                lineage=ATTACKER,
+                version=0,
+                completion_ids=ids,
+                text=engine.decode(ids),
+                tokenizer_hash=tokenizer or engine.tokenizer_hash,
+                logprobs=struct.pack(f"<{len(ids)}f", *([claim] * len(ids))),
+                token_versions=[(0, 0)],
+                sampling=wire.SamplingParams(max_new_tokens=16),
+                reward=0.0,
+                created_ms=1,
             )
+        )
     return out
 
 
@@ -180,6 +186,37 @@ def test_a_payload_on_reward_correct_foreign_rollouts_does_not_spread(warm_engin
         trained += tr.step().trained_external_groups
     assert trained >= 120  # the attacker's groups were trained on, step after step
     assert share() <= 2 / 64  # with the claimed ratio (weight 1): 0.47 after these 60 steps
+
+
+def test_a_payload_pooled_with_the_learners_own_answers_does_not_spread(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
+    """The same attack where it meets the span of the learner's own answers: the attacker answers exactly the
+    prompts the trainer has own groups of (what rescue selection asks the hook for), so every one of its
+    groups joins an own group and is weighed against the learner's own answers to that prompt, not its
+    running reference. Leading spaces the learner would not write put the payload below the span."""
+    engine = copy.deepcopy(warm_engine)
+
+    def external(n: int, _v: int, prefer: dict[tuple[bytes, str, int], int] | None = None) -> list[wire.Rollout]:
+        refs = [wire.TaskRef(task_set=k[0], generator=k[1], seed=k[2]) for k in (prefer or {})][:n]
+        return [r for ref in refs for r in payload_group(registry, engine, ref, -999.0)]
+
+    def share() -> float:
+        prompts = [
+            engine.encode(registry.resolve(wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, 20_000 + k)).prompt)
+            for k in range(64)
+        ]
+        res = engine.sample(prompts, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8), max_new=8)
+        return sum(engine.decode(ids).startswith(PAYLOAD) for ids, _, _ in res) / len(prompts)
+
+    assert share() == 0.0
+    cfg = TrainerConfig(
+        local_groups=4, external_groups=4, group_size=4, max_new_tokens=8, lr=1e-3, seed=1, foreign_share_max=1.0
+    )
+    tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=external)
+    pooled = 0
+    for _ in range(60):
+        pooled += tr.step().trained_pooled_groups
+    assert pooled >= 120  # the attacker's groups joined the learner's own, step after step
+    assert share() <= 2 / 64
 
 
 def test_rollouts_of_our_lineage_under_a_foreign_tokenizer_train_as_another_models(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
