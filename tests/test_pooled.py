@@ -189,6 +189,25 @@ def test_the_span_still_gives_a_payload_on_a_right_answer_no_weight() -> None:
     assert weights(logp, torch.ones(1), ref=-1.5, ref_hi=-0.5)[0] == pytest.approx(math.exp(-8.0), rel=1e-4)
 
 
+def test_a_payload_padded_into_the_span_is_cut_by_the_learners_least_likely_token() -> None:
+    """Attack on the span: two payload tokens the learner would not write (-8) on a right answer, padded with
+    twelve tokens it is sure of (-0.05), bring the per-token mean (-1.16) inside the span of its own answers
+    (-1.5 ... -0.5), where the ratio is 1. A token less likely than any the learner wrote in its own
+    answers to the prompt (its floor, -3) gives the sample weight 0, band or no band."""
+    logp = torch.full((1, 16), -0.05)
+    logp[0, :2] = -8.0
+    logp[0, 2:4] = -1.0
+    cfg = TrainerConfig()
+    low = hacpo_clip_low(0, cfg.foreign_clip_delta, cfg.foreign_clip_step)
+    kw: dict[str, Any] = {"ref": -1.5, "ref_hi": -0.5, "clip_low": low, "alpha": cfg.foreign_alpha}
+    assert weights(logp, torch.ones(1), **kw)[0] == pytest.approx(1.0)  # the span alone lets it through
+    assert weights(logp, torch.ones(1), tok_floor=-3.0, **kw)[0] == 0.0
+    assert weights(logp, torch.ones(1), ref=-1.5, ref_hi=-0.5, tok_floor=-3.0)[0] == 0.0
+    honest = torch.full((1, 16), -1.0)
+    honest[0, 0] = -2.9  # its least likely token no rarer than the learner's own
+    assert weights(honest, torch.ones(1), tok_floor=-3.0, **kw)[0] == pytest.approx(1.0)
+
+
 # ------------------------------------------------------------ the capability-weighted baseline
 
 
@@ -467,9 +486,11 @@ def test_each_update_on_a_steps_batch_narrows_the_band(reg, monkeypatch) -> None
     calls: list[tuple[float | None, float, bool]] = []
     real = trainer_mod.hacpo_weights
 
-    def spy(logp: Any, ref: Any, mask: Any, adv: Any, coef: Any, clip_low: Any, alpha: Any, topr: Any, hi: Any) -> Any:
+    def spy(
+        logp: Any, ref: Any, mask: Any, adv: Any, coef: Any, clip_low: Any, alpha: Any, topr: Any, *span: Any
+    ) -> Any:
         calls.append((clip_low, alpha, topr))
-        return real(logp, ref, mask, adv, coef, clip_low, alpha, topr, hi)
+        return real(logp, ref, mask, adv, coef, clip_low, alpha, topr, *span)
 
     monkeypatch.setattr(trainer_mod, "hacpo_weights", spy)
     eng = new_tiny_engine(seed=0)
@@ -668,13 +689,20 @@ def test_a_pooled_groups_foreign_rows_are_weighed_against_the_learners_own_answe
     own = group(reg, engine, a, "1100")
     for k, r in enumerate(own):
         r.logprobs = [-0.2 * (k + 1)] * len(r.ids)  # per-token means -0.2, -0.4, -0.6, -0.8
+    n = len(own[3].ids)  # the least likely token of them all, the row's mean kept at -0.8
+    own[3].logprobs = [-1.5] + [(-0.8 * n + 1.5) / (n - 1)] * (n - 1)
     theirs = group(reg, engine, a, "10", SRC)
     theirs[0].logprobs = [-999.0] * len(theirs[0].ids)  # a peer's claim: never part of the reference
     tr = trainer(reg, engine, foreign_share_max=1.0)
     (p,), _ = tr._prepare([own], [theirs])
     assert torch.allclose(p.ext_ref, torch.full((2,), -0.8)) and torch.allclose(p.ext_hi, torch.full((2,), -0.2))
+    assert torch.allclose(p.ext_floor, torch.full((2,), -1.5))
     (q,), _ = tr._prepare([], [theirs])
-    assert bool(torch.isnan(q.ext_ref).all()) and bool(torch.isnan(q.ext_hi).all())
+    assert (
+        bool(torch.isnan(q.ext_ref).all())
+        and bool(torch.isnan(q.ext_hi).all())
+        and bool(torch.isnan(q.ext_floor).all())
+    )
     off = trainer(reg, engine, foreign_share_max=1.0, foreign_prompt_ref=False)
     (p,), _ = off._prepare([own], [theirs])
     assert bool(torch.isnan(p.ext_ref).all()) and bool(torch.isnan(p.ext_hi).all())

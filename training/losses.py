@@ -193,6 +193,7 @@ def hacpo_loss(
     alpha: float = 0.0,
     topr: bool = False,
     ref_hi: torch.Tensor | float | None = None,
+    tok_floor: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss for samples of another model (sequence level).
 
@@ -220,13 +221,17 @@ def hacpo_loss(
     the per-token log-probs the learner's own completions of the prompt had, from the least to the most
     likely. A sample inside the span is one the learner might have written itself, so its ratio is 1, as
     HACPO's is for a source that is the learner; below it the ratios are measured from the span's low end,
-    and above it (likelier than anything the learner wrote for the prompt) the band cuts it.
+    and above it (likelier than anything the learner wrote for the prompt) the band cuts it. Inside the
+    span the sum over tokens no longer weighs a sample down, so `tok_floor` (per row, or one for all; NaN
+    or None: none) does it token by token: a sample holding a token less likely than any the learner wrote
+    in its own answers to the prompt gets weight 0, band or no band. A payload padded with tokens the
+    learner is sure of can bring its mean into the span, not its rarest token above the floor.
     The weight is coef * min(s, 1) * ..., capped at 1 whatever coef is: a foreign sample never counts for
     more than one of the learner's own. The per-sample objective is weight * A * mean_t logp_learner, so
     the gradient is length-normalised and bounded by |A|. The loss is the mean over sequences, or their
     sum over `denom` when one is given.
     """
-    w, stats = hacpo_weights(logp, ref_logp, mask, adv, coef, clip_low, alpha, topr, ref_hi)
+    w, stats = hacpo_weights(logp, ref_logp, mask, adv, coef, clip_low, alpha, topr, ref_hi, tok_floor)
     n_tok = mask.sum(-1).clamp(min=1.0)
     seq_lp = (logp * mask).sum(-1) / n_tok
     obj = w * adv * seq_lp
@@ -246,6 +251,7 @@ def hacpo_weights(
     alpha: float = 0.0,
     topr: bool = False,
     ref_hi: torch.Tensor | float | None = None,
+    tok_floor: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The detached weight of each of another model's samples in `hacpo_loss`, and its stats, from the
     learner's log-probs of them (computed without a graph: a sample of weight 0 needs no backward)."""
@@ -269,6 +275,10 @@ def hacpo_weights(
         w = torch.where(out, torch.zeros_like(w), w)
     if topr:
         w = torch.where(adv < 0, coef.float() * t, w)
+    if tok_floor is not None:
+        floor = torch.as_tensor(tok_floor, dtype=logp.dtype).expand_as(lo)
+        rarest = logp.masked_fill(mask <= 0, math.inf).min(-1).values
+        w = torch.where(~torch.isnan(floor) & (rarest < floor), torch.zeros_like(w), w)
     w = w.clamp(max=1.0).detach()
     valid = (mask.sum(-1) > 0).float()
     n = valid.sum().clamp(min=1.0)

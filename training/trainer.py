@@ -221,6 +221,8 @@ class _Prepared:
     # the same prompt, from the least to the most likely
     ext_ref: torch.Tensor = _EMPTY
     ext_hi: torch.Tensor = _EMPTY
+    # per row of `ext`: the least likely token of the learner's own answers to the prompt (NaN: no floor)
+    ext_floor: torch.Tensor = _EMPTY
 
     @property
     def rows(self) -> int:
@@ -504,6 +506,7 @@ class Trainer:
         update: int = 0,
         ext_ref: torch.Tensor | None = None,
         ext_hi: torch.Tensor | None = None,
+        ext_floor: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
         rows = loss_denominator(cfg, batch_rows)
@@ -553,7 +556,9 @@ class Trainer:
                 if cfg.foreign_ratio_clip
                 else None
             )
-            w, st = hacpo_weights(logp0, ref, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr, hi)
+            w, st = hacpo_weights(
+                logp0, ref, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr, hi, ext_floor
+            )
             valid = mask.sum(-1) > 0
             keep = [i for i in range(len(ext)) if bool(valid[i]) and float(w[i] * ext_adv[i]) != 0.0]
             stats["foreign_rows_trained"] = float(len(keep))
@@ -644,7 +649,9 @@ class Trainer:
             else torch.ones(len(rows))
         )
         swarm = rows[own_local:]
-        lo, hi = behaviour_logprob_span(rows[:own_local]) if theirs and cfg.foreign_prompt_ref else (math.nan, math.nan)
+        lo, hi, floor = (
+            behaviour_logprob_span(rows[:own_local]) if theirs and cfg.foreign_prompt_ref else (math.nan,) * 3
+        )
         return _Prepared(
             [rows[i] for i in mine],
             adv[mine],
@@ -657,6 +664,7 @@ class Trainer:
             pooled=pooled and own_local > 0,
             ext_ref=torch.full((len(theirs),), lo),
             ext_hi=torch.full((len(theirs),), hi),
+            ext_floor=torch.full((len(theirs),), floor),
         )
 
     def _prepare(
@@ -715,7 +723,8 @@ class Trainer:
             p = self._route(g + extra, len(g), pooled=True)
             p.rescued = is_degenerate(own_rewards)
             if self.cfg.foreign_rows_rescue and not p.rescued:  # their rewards are in the own rows' advantages
-                p.ext, p.ext_adv, p.ext_coef, p.ext_ref, p.ext_hi = [], _EMPTY, _EMPTY, _EMPTY, _EMPTY
+                p.ext, p.ext_adv, p.ext_coef = [], _EMPTY, _EMPTY
+                p.ext_ref, p.ext_hi, p.ext_floor = _EMPTY, _EMPTY, _EMPTY
             out.append(p)
         for g in alone:
             if (not self.cfg.foreign_rows or self.cfg.foreign_rows_rescue) and all(r.foreign for r in g):
@@ -784,12 +793,13 @@ class Trainer:
         ext_coef = torch.cat([p.ext_coef for p in batch]) if batch else _EMPTY
         ext_ref = torch.cat([p.ext_ref for p in batch]) if batch else _EMPTY
         ext_hi = torch.cat([p.ext_hi for p in batch]) if batch else _EMPTY
+        ext_floor = torch.cat([p.ext_floor for p in batch]) if batch else _EMPTY
         loss_val = 0.0
         stats: dict[str, float] = {}
         applied = 0
         for _ in range(max(1, cfg.ppo_epochs)):
             loss, stats = self._loss(
-                own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no, ext_ref, ext_hi
+                own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no, ext_ref, ext_hi, ext_floor
             )
             self._update_no += 1
             loss_val = float(loss.detach())
@@ -932,11 +942,15 @@ def mean_behaviour_logprob(own: list[RolloutRec]) -> float:
     return sum(means) / len(means) if means else math.nan
 
 
-def behaviour_logprob_span(own: list[RolloutRec]) -> tuple[float, float]:
+def behaviour_logprob_span(own: list[RolloutRec]) -> tuple[float, float, float]:
     """A pooled group's reference: the least and the most likely, per token, of the learner's own
-    completions of the prompt (`_own_means`); NaNs when it has none."""
+    completions of the prompt (`_own_means`), and the least likely token they hold (the floor); NaNs
+    when it has none."""
     means = _own_means(own)
-    return (min(means), max(means)) if means else (math.nan, math.nan)
+    if not means:
+        return math.nan, math.nan, math.nan
+    toks = [x for r in own if r.logprobs and not r.foreign for x in r.logprobs if math.isfinite(x)]
+    return min(means), max(means), min(toks)
 
 
 def guarded_step(
