@@ -140,6 +140,16 @@ def payload_group(
     return out
 
 
+def payload_share(engine, registry: TaskRegistry) -> float:
+    """The share of 64 sampled completions of held prompts that start with the payload."""
+    prompts = [
+        engine.encode(registry.resolve(wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, 20_000 + k)).prompt)
+        for k in range(64)
+    ]
+    res = engine.sample(prompts, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8), max_new=8)
+    return sum(engine.decode(ids).startswith(PAYLOAD) for ids, _, _ in res) / len(prompts)
+
+
 @pytest.mark.parametrize("tokenizer", [None, b"\x77" * 32])
 def test_a_foreign_samples_weight_rests_on_nothing_its_producer_claims(warm_engine, registry, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """The same completions claiming -999 or -0.01 per token move the weights identically: no receiver can
@@ -170,22 +180,14 @@ def test_a_payload_on_reward_correct_foreign_rollouts_does_not_spread(warm_engin
         fed[0] += n
         return payload_groups(registry, engine, n, 11_000 + 10 * fed[0], -999.0)
 
-    def share() -> float:
-        prompts = [
-            engine.encode(registry.resolve(wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, 20_000 + k)).prompt)
-            for k in range(64)
-        ]
-        res = engine.sample(prompts, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8), max_new=8)
-        return sum(engine.decode(ids).startswith(PAYLOAD) for ids, _, _ in res) / len(prompts)
-
-    assert share() == 0.0
+    assert payload_share(engine, registry) == 0.0
     cfg = TrainerConfig(local_groups=4, external_groups=4, group_size=4, max_new_tokens=8, lr=1e-3, seed=1)
     tr = Trainer(engine, registry, registry.builtin_id, cfg, lineage=LINEAGE, external=external)
     trained = 0
     for _ in range(60):
         trained += tr.step().trained_external_groups
     assert trained >= 120  # the attacker's groups were trained on, step after step
-    assert share() <= 2 / 64  # with the claimed ratio (weight 1): 0.47 after these 60 steps
+    assert payload_share(engine, registry) <= 2 / 64  # with the claimed ratio (weight 1): 0.47 after these 60 steps
 
 
 def test_a_payload_pooled_with_the_learners_own_answers_does_not_spread(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
@@ -199,15 +201,7 @@ def test_a_payload_pooled_with_the_learners_own_answers_does_not_spread(warm_eng
         refs = [wire.TaskRef(task_set=k[0], generator=k[1], seed=k[2]) for k in (prefer or {})][:n]
         return [r for ref in refs for r in payload_group(registry, engine, ref, -999.0)]
 
-    def share() -> float:
-        prompts = [
-            engine.encode(registry.resolve(wire.TaskRef(registry.builtin_id, BUILTIN_TRAIN, 20_000 + k)).prompt)
-            for k in range(64)
-        ]
-        res = engine.sample(prompts, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=8), max_new=8)
-        return sum(engine.decode(ids).startswith(PAYLOAD) for ids, _, _ in res) / len(prompts)
-
-    assert share() == 0.0
+    assert payload_share(engine, registry) == 0.0
     cfg = TrainerConfig(
         local_groups=4, external_groups=4, group_size=4, max_new_tokens=8, lr=1e-3, seed=1, foreign_share_max=1.0
     )
@@ -216,7 +210,7 @@ def test_a_payload_pooled_with_the_learners_own_answers_does_not_spread(warm_eng
     for _ in range(60):
         pooled += tr.step().trained_pooled_groups
     assert pooled >= 120  # the attacker's groups joined the learner's own, step after step
-    assert share() <= 2 / 64
+    assert payload_share(engine, registry) <= 2 / 64
 
 
 def test_rollouts_of_our_lineage_under_a_foreign_tokenizer_train_as_another_models(warm_engine, registry) -> None:  # type: ignore[no-untyped-def]
