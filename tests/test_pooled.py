@@ -695,17 +695,12 @@ def test_a_pooled_groups_foreign_rows_are_weighed_against_the_learners_own_answe
     theirs[0].logprobs = [-999.0] * len(theirs[0].ids)  # a peer's claim: never part of the reference
     tr = trainer(reg, engine, foreign_share_max=1.0)
     (p,), _ = tr._prepare([own], [theirs])
-    assert torch.allclose(p.ext_ref, torch.full((2,), -0.8)) and torch.allclose(p.ext_hi, torch.full((2,), -0.2))
-    assert torch.allclose(p.ext_floor, torch.full((2,), -1.5))
+    assert torch.allclose(p.ext_span, torch.tensor([[-0.8, -0.2, -1.5]] * 2))  # (lo, hi, floor) per row
     (q,), _ = tr._prepare([], [theirs])
-    assert (
-        bool(torch.isnan(q.ext_ref).all())
-        and bool(torch.isnan(q.ext_hi).all())
-        and bool(torch.isnan(q.ext_floor).all())
-    )
+    assert q.ext_span.shape == (2, 3) and bool(torch.isnan(q.ext_span).all())
     off = trainer(reg, engine, foreign_share_max=1.0, foreign_prompt_ref=False)
     (p,), _ = off._prepare([own], [theirs])
-    assert bool(torch.isnan(p.ext_ref).all()) and bool(torch.isnan(p.ext_hi).all())
+    assert p.ext_span.shape == (2, 3) and bool(torch.isnan(p.ext_span).all())
 
 
 def test_with_rescue_rows_other_models_answers_train_only_where_they_rescue_the_learners_group(reg, engine) -> None:  # type: ignore[no-untyped-def]

@@ -199,6 +199,7 @@ class _Pending:
 
 
 _EMPTY = torch.zeros(0)
+_NO_SPAN = torch.zeros(0, 3)
 
 
 @dataclass
@@ -216,13 +217,11 @@ class _Prepared:
     swarm_lineages: frozenset[bytes] = frozenset()
     pooled: bool = False  # an own group that swarm rollouts of its task joined
     rescued: bool = False  # ... whose own rows alone were all right or all wrong
-    # per row of `ext`: the span of per-token log-probs its weight is measured against (NaN: the trainer's
-    # running reference, a span of one point); in a pooled group, that of the learner's own completions of
-    # the same prompt, from the least to the most likely
-    ext_ref: torch.Tensor = _EMPTY
-    ext_hi: torch.Tensor = _EMPTY
-    # per row of `ext`: the least likely token of the learner's own answers to the prompt (NaN: no floor)
-    ext_floor: torch.Tensor = _EMPTY
+    # per row of `ext`, what its weight is measured against: (lo, hi, floor), the span of per-token log-probs
+    # of the learner's own completions of the same prompt, from the least to the most likely, and the least
+    # likely token they hold, in a pooled group; NaN otherwise (the trainer's running reference, a span of
+    # one point, and no floor)
+    ext_span: torch.Tensor = _NO_SPAN
 
     @property
     def rows(self) -> int:
@@ -504,9 +503,7 @@ class Trainer:
         prox: torch.Tensor | None,
         batch_rows: int,
         update: int = 0,
-        ext_ref: torch.Tensor | None = None,
-        ext_hi: torch.Tensor | None = None,
-        ext_floor: torch.Tensor | None = None,
+        ext_span: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         eng, cfg = self.engine, self.cfg
         rows = loss_denominator(cfg, batch_rows)
@@ -543,9 +540,11 @@ class Trainer:
         if ext and cfg.foreign_rows:
             prompts, outs = [r.prompt_ids for r in ext], [r.ids for r in ext]
             ref = hi = torch.full((len(ext),), self.ref_logp)
-            if ext_ref is not None and ext_hi is not None:  # a pooled row: the learner's own completions of its prompt
-                ref = torch.where(torch.isnan(ext_ref), ref, ext_ref)
-                hi = torch.where(torch.isnan(ext_hi), ref, ext_hi)
+            floor = None
+            if ext_span is not None:  # a pooled row: the learner's own completions of its prompt
+                ref = torch.where(torch.isnan(ext_span[:, 0]), ref, ext_span[:, 0])
+                hi = torch.where(torch.isnan(ext_span[:, 1]), ref, ext_span[:, 1])
+                floor = ext_span[:, 2]
             with torch.no_grad():  # the weights first: a sample the band cuts costs no backward
                 logp0, mask = eng.token_logprobs(prompts, outs, cfg.temperature)
             cut = torch.tensor([not r.finished for r in ext], dtype=torch.bool)
@@ -557,7 +556,7 @@ class Trainer:
                 else None
             )
             w, st = hacpo_weights(
-                logp0, ref, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr, hi, ext_floor
+                logp0, ref, mask, ext_adv, ext_coef, low, cfg.foreign_alpha, cfg.foreign_topr, hi, floor
             )
             valid = mask.sum(-1) > 0
             keep = [i for i in range(len(ext)) if bool(valid[i]) and float(w[i] * ext_adv[i]) != 0.0]
@@ -662,9 +661,7 @@ class Trainer:
             swarm_rows=len(swarm),
             swarm_lineages=frozenset(bytes(r.lineage) for r in swarm),
             pooled=pooled and own_local > 0,
-            ext_ref=torch.full((len(theirs),), lo),
-            ext_hi=torch.full((len(theirs),), hi),
-            ext_floor=torch.full((len(theirs),), floor),
+            ext_span=torch.tensor([[lo, hi, floor]]).expand(len(theirs), 3),
         )
 
     def _prepare(
@@ -723,8 +720,7 @@ class Trainer:
             p = self._route(g + extra, len(g), pooled=True)
             p.rescued = is_degenerate(own_rewards)
             if self.cfg.foreign_rows_rescue and not p.rescued:  # their rewards are in the own rows' advantages
-                p.ext, p.ext_adv, p.ext_coef = [], _EMPTY, _EMPTY
-                p.ext_ref, p.ext_hi, p.ext_floor = _EMPTY, _EMPTY, _EMPTY
+                p.ext, p.ext_adv, p.ext_coef, p.ext_span = [], _EMPTY, _EMPTY, _NO_SPAN
             out.append(p)
         for g in alone:
             if (not self.cfg.foreign_rows or self.cfg.foreign_rows_rescue) and all(r.foreign for r in g):
@@ -791,16 +787,12 @@ class Trainer:
         own_adv = torch.cat([p.own_adv for p in batch]) if batch else _EMPTY
         ext_adv = torch.cat([p.ext_adv for p in batch]) if batch else _EMPTY
         ext_coef = torch.cat([p.ext_coef for p in batch]) if batch else _EMPTY
-        ext_ref = torch.cat([p.ext_ref for p in batch]) if batch else _EMPTY
-        ext_hi = torch.cat([p.ext_hi for p in batch]) if batch else _EMPTY
-        ext_floor = torch.cat([p.ext_floor for p in batch]) if batch else _EMPTY
+        ext_span = torch.cat([p.ext_span for p in batch]) if batch else _NO_SPAN
         loss_val = 0.0
         stats: dict[str, float] = {}
         applied = 0
         for _ in range(max(1, cfg.ppo_epochs)):
-            loss, stats = self._loss(
-                own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no, ext_ref, ext_hi, ext_floor
-            )
+            loss, stats = self._loss(own, own_adv, ext, ext_adv, ext_coef, prox, batch_rows, self._update_no, ext_span)
             self._update_no += 1
             loss_val = float(loss.detach())
             if not loss.requires_grad:  # every row of the minibatch carries weight 0: nothing to learn from it
