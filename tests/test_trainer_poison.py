@@ -38,22 +38,27 @@ def external_group(reg: TaskRegistry, engine, poison: float | None) -> list[wire
         lps = [-0.7] * len(ids)
         if poison is not None and not out:
             lps[1] = poison
-        out.append(
-            wire.Rollout(
-                task=ref,
-                lineage=LINEAGE,
-                version=0,
-                completion_ids=ids,
-                text=engine.decode(ids),
-                tokenizer_hash=engine.tokenizer_hash,
-                logprobs=struct.pack(f"<{len(ids)}f", *lps),
-                token_versions=[(0, 0)],
-                sampling=wire.SamplingParams(max_new_tokens=8),
-                reward=0.0,
-                created_ms=1,
-            )
-        )
+        out.append(rollout(engine, ref, ids, LINEAGE, lps, max_new_tokens=8))
     return out
+
+
+def rollout(
+    engine, ref: wire.TaskRef, ids: list[int], lineage: bytes, lps: list[float], max_new_tokens: int, tokenizer=None
+) -> wire.Rollout:
+    """A version-0 rollout of `ref` (reward left for the receiver to score) with behaviour log-probs `lps`."""
+    return wire.Rollout(
+        task=ref,
+        lineage=lineage,
+        version=0,
+        completion_ids=ids,
+        text=engine.decode(ids),
+        tokenizer_hash=tokenizer or engine.tokenizer_hash,
+        logprobs=struct.pack(f"<{len(ids)}f", *lps),
+        token_versions=[(0, 0)],
+        sampling=wire.SamplingParams(max_new_tokens=max_new_tokens),
+        reward=0.0,
+        created_ms=1,
+    )
 
 
 def step_with(poison: float | None) -> tuple[Trainer, dict[str, torch.Tensor], object]:
@@ -118,26 +123,10 @@ def payload_group(
     reg: TaskRegistry, engine, ref: wire.TaskRef, claim: float, tokenizer: bytes | None = None
 ) -> list[wire.Rollout]:
     """`payload_groups`' group of one task."""
-    out = []
     task = reg.resolve(ref)
-    for i in range(4):
-        ids = engine.encode(PAYLOAD + task.answer if i % 2 == 0 else task.answer + "0") + [engine.eos_id]
-        out.append(
-            wire.Rollout(
-                task=ref,
-                lineage=ATTACKER,
-                version=0,
-                completion_ids=ids,
-                text=engine.decode(ids),
-                tokenizer_hash=tokenizer or engine.tokenizer_hash,
-                logprobs=struct.pack(f"<{len(ids)}f", *([claim] * len(ids))),
-                token_versions=[(0, 0)],
-                sampling=wire.SamplingParams(max_new_tokens=16),
-                reward=0.0,
-                created_ms=1,
-            )
-        )
-    return out
+    texts = [PAYLOAD + task.answer if i % 2 == 0 else task.answer + "0" for i in range(4)]
+    ids = [engine.encode(t) + [engine.eos_id] for t in texts]
+    return [rollout(engine, ref, x, ATTACKER, [claim] * len(x), 16, tokenizer) for x in ids]
 
 
 def payload_share(engine, registry: TaskRegistry) -> float:
